@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs, with apt, whatever rnnd needs to build and test that is not there yet. Idempotent and
+# quiet when everything is present; uses sudo when not root. Debian 12 and Ubuntu 22.04+ names.
+set -euo pipefail
+
+pkgs=(
+  build-essential cmake pkg-config
+  libgrpc-dev protobuf-compiler protobuf-compiler-grpc protobuf-c-compiler libprotobuf-c-dev
+  grpc-proto libuv1-dev libcmocka-dev libopenblas-dev
+  # Python client, fixtures and reference tests run on Debian's /usr/bin/python3.
+  python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-matplotlib
+)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  # dpkg-query prints "install ok installed" only for a fully installed package.
+  if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" != "install ok installed" ]; then
+    missing+=("$p")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=()
+[ "$(id -u)" -ne 0 ] && sudo=(sudo)
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null

@@ -1,0 +1,208 @@
+/*
+ * common.c: what every backend shares and no backend computes: error strings, the model's
+ * parameter layout (PyTorch names and offsets), weight initialisation and argument checks.
+ */
+#include "rnnd_kernels.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+const char *rnnd_strerror(int err) {
+#define RNND__STRERROR(name, value, msg)                                                           \
+    case RNND_##name:                                                                              \
+        return msg;
+    switch (err) {
+        case 0:
+            return "success";
+            RNND_ERRNO_MAP(RNND__STRERROR)
+    }
+#undef RNND__STRERROR
+    return "unknown error";
+}
+
+const char *rnnd_err_name(int err) {
+#define RNND__ERR_NAME(name, value, msg)                                                           \
+    case RNND_##name:                                                                              \
+        return #name;
+    switch (err) {
+        case 0:
+            return "OK";
+            RNND_ERRNO_MAP(RNND__ERR_NAME)
+    }
+#undef RNND__ERR_NAME
+    return "EUNKNOWN";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model layout
+
+int rnnd_model_check(const struct rnnd_model *m) {
+    if (m == NULL)
+        return RNND_EINVAL;
+    if (m->cell != RNND_CELL_GRU && m->cell != RNND_CELL_LSTM)
+        return RNND_EINVAL;
+    if (m->compute != RNND_COMPUTE_FP32 && m->compute != RNND_COMPUTE_IEEE &&
+        m->compute != RNND_COMPUTE_BF16)
+        return RNND_EINVAL;
+    if (m->I < 1 || m->I > RNND_MAX_WIDTH || m->H < 1 || m->H > RNND_MAX_WIDTH)
+        return RNND_EINVAL;
+    if (m->L < 1 || m->L > RNND_MAX_LAYERS)
+        return RNND_EINVAL;
+    return 0;
+}
+
+int rnnd_model_gates(const struct rnnd_model *m) {
+    return m->cell == RNND_CELL_LSTM ? 4 : 3;
+}
+
+int rnnd_model_layer_input(const struct rnnd_model *m, int l) {
+    return l == 0 ? m->I : m->H;
+}
+
+static size_t layer_param_count(const struct rnnd_model *m, int l) {
+    size_t gh = (size_t)rnnd_model_gates(m) * (size_t)m->H;
+    return gh * (size_t)rnnd_model_layer_input(m, l) + gh * (size_t)m->H + 2 * gh;
+}
+
+size_t rnnd_model_param_count(const struct rnnd_model *m) {
+    size_t n = 0;
+    for (int l = 0; l < m->L; l++)
+        n += layer_param_count(m, l);
+    return n;
+}
+
+int rnnd_model_param_tensors(const struct rnnd_model *m) {
+    return 4 * m->L;
+}
+
+void rnnd_model_param_tensor(const struct rnnd_model *m, int k, struct rnnd_param_tensor *out) {
+    static const char *const prefix[4] = {"weight_ih", "weight_hh", "bias_ih", "bias_hh"};
+    int l = k / 4;
+    enum rnnd_param_kind kind = (enum rnnd_param_kind)(k % 4);
+    int64_t gh = (int64_t)rnnd_model_gates(m) * m->H;
+
+    size_t offset = 0;
+    for (int j = 0; j < l; j++)
+        offset += layer_param_count(m, j);
+    int64_t cols[4] = {rnnd_model_layer_input(m, l), m->H, 0, 0};
+    for (int j = 0; j < (int)kind; j++)
+        offset += (size_t)(gh * (cols[j] ? cols[j] : 1));
+
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s_l%d", prefix[kind], l);
+    out->offset = offset;
+    out->shape[0] = gh;
+    if (cols[kind]) {
+        out->ndim = 2;
+        out->shape[1] = cols[kind];
+        out->count = (size_t)(gh * cols[kind]);
+    } else {
+        out->ndim = 1;
+        out->count = (size_t)gh;
+    }
+}
+
+int rnnd_model_param_find(const struct rnnd_model *m, const char *name) {
+    struct rnnd_param_tensor t;
+    for (int k = 0; k < rnnd_model_param_tensors(m); k++) {
+        rnnd_model_param_tensor(m, k, &t);
+        if (strcmp(t.name, name) == 0)
+            return k;
+    }
+    return RNND_ENOTFOUND;
+}
+
+// splitmix64: a tiny, well-mixed generator; enough for weight initialisation.
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *params) {
+    float bound = 1.0f / sqrtf((float)m->H);
+    uint64_t s = seed;
+    size_t n = rnnd_model_param_count(m);
+    for (size_t i = 0; i < n; i++) {
+        double u = (double)(splitmix64(&s) >> 11) * 0x1.0p-53; // [0, 1)
+        params[i] = (float)((2.0 * u - 1.0) * bound);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks
+
+int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m) {
+    if (seq == NULL || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    if (seq->B < 1 || seq->T < 1 || seq->x == NULL || seq->is_init == NULL)
+        return RNND_EINVAL;
+    // Keep B*T*max(I, G*H) inside what a size_t and an int index of rows can address.
+    if ((int64_t)seq->B * seq->T > INT32_MAX / 4)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if (seq->h0 && seq->hidden)
+        return RNND_EINVAL;
+    if (lstm) {
+        if ((seq->h0 == NULL) != (seq->c0 == NULL) || (seq->hidden == NULL) != (seq->cell == NULL))
+            return RNND_EINVAL;
+    } else if (seq->c0 || seq->cell) {
+        return RNND_EINVAL;
+    }
+    return 0;
+}
+
+int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
+    if (step == NULL || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    if (step->B < 1 || step->x == NULL || step->slots == NULL || step->state_h == NULL ||
+        step->out == NULL)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if (lstm != (step->state_c != NULL))
+        return RNND_EINVAL;
+    if (!lstm && step->c_before)
+        return RNND_EINVAL;
+    return 0;
+}
+
+int rnnd_optim_check(const struct rnnd_optim *o) {
+    if (o == NULL)
+        return RNND_EINVAL;
+    if (o->kind != RNND_OPTIM_ADAM && o->kind != RNND_OPTIM_SGD)
+        return RNND_EINVAL;
+    if (!isfinite(o->lr) || o->lr <= 0.0f)
+        return RNND_EINVAL;
+    if (!(o->weight_decay >= 0.0f) || !isfinite(o->weight_decay))
+        return RNND_EINVAL;
+    if (isnan(o->max_grad_norm))
+        return RNND_EINVAL;
+    if (o->kind == RNND_OPTIM_ADAM) {
+        if (!(o->beta1 >= 0.0f && o->beta1 < 1.0f) || !(o->beta2 >= 0.0f && o->beta2 < 1.0f))
+            return RNND_EINVAL;
+        if (!(o->eps > 0.0f) || !isfinite(o->eps))
+            return RNND_EINVAL;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+
+void rnnd_backend_free(struct rnnd_backend *b) {
+    if (b == NULL || b->ops == NULL)
+        return;
+    b->ops->destroy(b->ctx);
+    memset(b, 0, sizeof(*b));
+}
+
+#ifndef RNND_HAVE_CUDA
+// A build without CUDA still links callers of the CUDA backend; they learn at run time.
+int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
+    (void)device;
+    memset(b, 0, sizeof(*b));
+    return RNND_ENOTSUP;
+}
+#endif

@@ -1,0 +1,264 @@
+/*
+ * rnnd_kernels.h: the backend-neutral op API of rnnd's recurrent cores.
+ *
+ * The math of shared/DESIGN.md §2 (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets) behind a
+ * small vtable, so the server runs the same calls on the CPU reference and on CUDA. Kernels do no
+ * I/O, never log and keep no global state; each backend context belongs to one thread at a time.
+ *
+ * Dimension letters, used in every shape comment:
+ *   B batch rows, T steps, I input width, H hidden width, L layers,
+ *   G gates per layer (3 for GRU: r z n; 4 for LSTM: i f g o), S state slots, P parameter count.
+ * Tensors are fp32, row-major, batch-first. Pointers handed to an op live in the backend's memory
+ * (host memory for the CPU backend, device memory for CUDA) unless a comment says "host".
+ */
+#ifndef RNND_KERNELS_H
+#define RNND_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Errors: 0 is success, a negative RNND_E* is a failure (libuv's convention). The server maps each
+// code to one gRPC status in server/rpc.c.
+
+#define RNND_ERRNO_MAP(XX)                                                                         \
+    XX(EINVAL, -1, "invalid argument")                                                             \
+    XX(ENOMEM, -2, "out of memory")                                                                \
+    XX(ENOTSUP, -3, "not supported by this backend or build")                                      \
+    XX(EDEVICE, -4, "device error")                                                                \
+    XX(ENOTFOUND, -5, "not found")                                                                 \
+    XX(EPRECOND, -6, "failed precondition")                                                        \
+    XX(EFULL, -7, "resource exhausted")                                                            \
+    XX(EUNAVAIL, -8, "unavailable")                                                                \
+    XX(EAUTH, -9, "unauthenticated")                                                               \
+    XX(EIO, -10, "i/o error")                                                                      \
+    XX(ECORRUPT, -11, "corrupt or unrecognised data")                                              \
+    XX(ECANCELED, -12, "canceled")
+
+enum rnnd_errno {
+#define RNND__ERRNO_ENUM(name, value, msg) RNND_##name = value,
+    RNND_ERRNO_MAP(RNND__ERRNO_ENUM)
+#undef RNND__ERRNO_ENUM
+};
+
+// A static string describing err ("invalid argument"), or "unknown error".
+const char *rnnd_strerror(int err);
+// A static string naming err ("EINVAL"), or "EUNKNOWN".
+const char *rnnd_err_name(int err);
+
+// ---------------------------------------------------------------------------------------------
+// The model: shape and numerics of a recurrent core.
+
+enum rnnd_cell { RNND_CELL_GRU, RNND_CELL_LSTM };
+
+// Matmul precision. Storage and state are always fp32.
+enum rnnd_compute {
+    RNND_COMPUTE_FP32, // fp32 with TF32 tensor cores allowed (cuDNN's default); plain fp32 on CPU
+    RNND_COMPUTE_IEEE, // strict fp32 arithmetic
+    RNND_COMPUTE_BF16, // bf16 matmul operands, fp32 accumulation and state
+};
+
+struct rnnd_model {
+    enum rnnd_cell cell;
+    enum rnnd_compute compute;
+    int I; // input width of layer 0
+    int H; // hidden width of every layer
+    int L; // layers
+};
+
+// Largest sizes any backend accepts; rnnd_model_check refuses more.
+#define RNND_MAX_LAYERS 8
+#define RNND_MAX_WIDTH  65536
+
+// 0 when m is a valid model (cell and compute known, 1 <= I, H <= RNND_MAX_WIDTH,
+// 1 <= L <= RNND_MAX_LAYERS), RNND_EINVAL otherwise.
+int rnnd_model_check(const struct rnnd_model *m);
+// G: 3 for GRU, 4 for LSTM.
+int rnnd_model_gates(const struct rnnd_model *m);
+// Input width of layer l: I for l = 0, H above.
+int rnnd_model_layer_input(const struct rnnd_model *m, int l);
+
+// Parameters are one flat fp32 array of P floats in PyTorch's order (nn.GRU/nn.LSTM
+// _flat_weights): for each layer l, weight_ih_l{l} (G*H, I_l), weight_hh_l{l} (G*H, H),
+// bias_ih_l{l} (G*H), bias_hh_l{l} (G*H). Gradients, Adam moments and checkpoints use the same
+// layout, so each is one copy and the optimizer is one pass over one array.
+enum rnnd_param_kind {
+    RNND_PARAM_WEIGHT_IH,
+    RNND_PARAM_WEIGHT_HH,
+    RNND_PARAM_BIAS_IH,
+    RNND_PARAM_BIAS_HH,
+};
+
+struct rnnd_param_tensor {
+    char name[32];  // PyTorch's name, e.g. "weight_ih_l0"
+    size_t offset;  // in floats from the start of the flat array
+    int ndim;       // 2 for weights, 1 for biases
+    int64_t shape[2];
+    size_t count;   // floats
+};
+
+// P, the number of floats in the flat parameter array.
+size_t rnnd_model_param_count(const struct rnnd_model *m);
+// 4 * L named tensors.
+int rnnd_model_param_tensors(const struct rnnd_model *m);
+// Describes tensor k (0 <= k < 4*L; k = 4*l + kind) into *out.
+void rnnd_model_param_tensor(const struct rnnd_model *m, int k, struct rnnd_param_tensor *out);
+// Index k of the tensor called name, or RNND_ENOTFOUND.
+int rnnd_model_param_find(const struct rnnd_model *m, const char *name);
+
+// Fills params (host, P floats) as PyTorch initialises nn.GRU/nn.LSTM: uniform in
+// [-1/sqrt(H), 1/sqrt(H)], drawn from a generator seeded with seed (not PyTorch's generator:
+// the same seed gives the same weights in rnnd, not in torch).
+void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *params);
+
+// ---------------------------------------------------------------------------------------------
+// Op arguments.
+
+// A batch of trajectories for rnn_forward / rnn_backward. Reset rule (DESIGN.md §2): before step
+// t of row b, where is_init[b, t] is set, every layer's state is replaced by the reset value:
+// hidden[b, t] (and cell[b, t]) when stored states are given, zero otherwise. The state at t = 0
+// is h0 when given, else hidden[b, 0] when given, else zero. h0 and hidden are exclusive.
+struct rnnd_seq {
+    int B, T;
+    const float *x;         // (B, T, I)
+    const uint8_t *is_init; // (B, T) 0 or 1
+    const float *h0;        // (B, L, H) or NULL
+    const float *c0;        // (B, L, H) or NULL; LSTM only, only with h0
+    const float *hidden;    // (B, T, L, H) or NULL: TorchRL-style stored per-step states
+    const float *cell;      // (B, T, L, H); LSTM: present exactly when hidden is
+};
+
+// Outputs of rnn_backward. The parameter gradient is accumulated (+=) so that several backward
+// calls sum into one buffer, as autograd does; every other output is overwritten (=).
+struct rnnd_seq_grads {
+    float *params; // (P)          +=
+    float *x;      // (B, T, I)    =  or NULL when not wanted
+    float *h0;     // (B, L, H)    =  or NULL; the gradient of the state at t = 0 when h0 was given
+    float *c0;     // (B, L, H)    =  or NULL; LSTM
+    float *hidden; // (B, T, L, H) =  or NULL; only with seq->hidden: the gradient of each reset
+                   //                 value used, zero at steps that used none
+    float *cell;   // (B, T, L, H) =  or NULL; LSTM
+};
+
+// One step for a batch of rows whose states live in a slot table (the inference path): row b
+// reads slot slots[b] (zero instead when is_init[b]), runs every layer and writes the new state
+// back to the same slot. Slots in one call are unique.
+struct rnnd_step {
+    int B;
+    const float *x;         // (B, I)
+    const uint8_t *is_init; // (B) 0 or 1, or NULL for all 0
+    const int32_t *slots;   // (B) indices into the state tables
+    float *state_h;         // (S, L, H) read and written in place
+    float *state_c;         // (S, L, H) LSTM, else NULL
+    float *out;             // (B, H) last layer's new h
+    float *h_before;        // (B, L, H) or NULL: the state each row started from (after reset)
+    float *c_before;        // (B, L, H) or NULL; LSTM
+};
+
+enum rnnd_optim_kind { RNND_OPTIM_ADAM, RNND_OPTIM_SGD };
+
+// torch.optim.Adam (no amsgrad, L2 weight decay added to the gradient) or torch.optim.SGD
+// (no momentum), after torch.nn.utils.clip_grad_norm_(max_grad_norm) over the whole array.
+struct rnnd_optim {
+    enum rnnd_optim_kind kind;
+    float lr;
+    float beta1, beta2, eps; // Adam
+    float weight_decay;
+    float max_grad_norm; // <= 0 or infinite: no clipping
+};
+
+// ---------------------------------------------------------------------------------------------
+// The backend seam. Every op returns 0 or a negative RNND_E*; on failure its outputs are
+// unspecified and nothing else changed. Ops may run asynchronously on a device: results are
+// valid after sync (copy_out synchronises).
+
+struct rnnd_backend_ops {
+    const char *name; // "cpu" or "cuda"
+    void (*destroy)(void *ctx); // releases the context (rnnd_backend_free calls it)
+
+    // Memory in the backend's address space. alloc returns RNND_ENOMEM when it cannot.
+    int (*alloc)(void *ctx, size_t bytes, void **out);
+    void (*free)(void *ctx, void *ptr); // free(NULL) does nothing
+    int (*copy_in)(void *ctx, void *dst, const void *host_src, size_t bytes);
+    int (*copy_out)(void *ctx, void *host_dst, const void *src, size_t bytes);
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    int (*zero)(void *ctx, void *dst, size_t bytes);
+    int (*sync)(void *ctx);
+
+    // 0 when this backend runs model m, RNND_ENOTSUP (or RNND_EINVAL) otherwise; the server asks
+    // once at load time so no request fails on it later.
+    int (*supports)(void *ctx, const struct rnnd_model *m);
+    // Bytes of the tape rnn_forward saves for rnn_backward over B rows and T steps.
+    size_t (*tape_bytes)(void *ctx, const struct rnnd_model *m, int B, int T);
+
+    // Sequence forward. out (B, T, H) is the last layer's h at every step; h_n, c_n (B, L, H) the
+    // final states (c_n LSTM only; either may be NULL). tape (tape_bytes) is filled for backward
+    // when not NULL.
+    int (*rnn_forward)(void *ctx, float *out, float *h_n, float *c_n, void *tape,
+                       const struct rnnd_seq *seq, const float *params,
+                       const struct rnnd_model *m);
+    // Sequence backward over the same seq and params as the forward that filled tape.
+    // grad_out (B, T, H); grad_h_n, grad_c_n (B, L, H) or NULL for zero.
+    int (*rnn_backward)(void *ctx, const struct rnnd_seq_grads *grads, const float *grad_out,
+                        const float *grad_h_n, const float *grad_c_n, const void *tape,
+                        const struct rnnd_seq *seq, const float *params,
+                        const struct rnnd_model *m);
+    // Single step with gathered state (struct rnnd_step).
+    int (*rnn_step)(void *ctx, const struct rnnd_step *step, const float *params,
+                    const struct rnnd_model *m);
+
+    // One optimizer update of params (n floats) from grads, t the 1-based step count. grads are
+    // clipped in place like clip_grad_norm_; m and v (n floats, Adam only, zero at t = 1) are
+    // updated. *grad_norm (host) receives the total norm before clipping.
+    int (*optim_step)(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
+                      const struct rnnd_optim *o, int64_t t, float *grad_norm);
+};
+
+struct rnnd_backend {
+    const struct rnnd_backend_ops *ops;
+    void *ctx;
+    char device[128]; // human-readable device name, e.g. "cpu (2 threads)" or "NVIDIA H100"
+};
+
+// The CPU reference backend; always built. Returns 0, or RNND_ENOMEM.
+int rnnd_backend_cpu_init(struct rnnd_backend *b);
+// The CUDA backend on device `device`: RNND_ENOTSUP in a build without CUDA, RNND_EDEVICE when no
+// such device is usable.
+int rnnd_backend_cuda_init(struct rnnd_backend *b, int device);
+// Releases what init made; a zeroed struct is a no-op.
+void rnnd_backend_free(struct rnnd_backend *b);
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks shared by the backends (so both refuse the same input with the same code).
+
+// 0 when seq is a valid batch for m (B, T >= 1, x and is_init set, LSTM state pairs consistent,
+// h0 and hidden not both), RNND_EINVAL otherwise.
+int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m);
+// 0 when step is a valid single-step batch for m, RNND_EINVAL otherwise.
+int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m);
+// 0 when o holds usable hyperparameters (finite lr > 0, betas in [0, 1), eps > 0,
+// weight_decay >= 0), RNND_EINVAL otherwise.
+int rnnd_optim_check(const struct rnnd_optim *o);
+
+// Round-to-nearest-even fp32 -> bf16 -> fp32, as the bf16 compute mode rounds matmul operands.
+static inline float rnnd_round_bf16(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    if ((v.u & 0x7f800000u) != 0x7f800000u) // leave Inf/NaN alone
+        v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    v.u &= 0xffff0000u;
+    return v.f;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif // RNND_KERNELS_H

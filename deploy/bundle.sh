@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Packs rnnd for an air-gapped host that has an NVIDIA driver (and, for the CUDA backend, the CUDA
+# 13 runtime libraries) but none of our Debian packages: the binaries plus every shared library
+# they load that is not part of the base system, with a launcher that points the loader at them.
+#
+#   deploy/bundle.sh [-b BUILD_DIR] [-o OUT_DIR] [--tests]
+#
+# Produces OUT_DIR/rnnd-bundle/ and OUT_DIR/rnnd-bundle.tar.gz (default OUT_DIR: bundle/). On the
+# target:  tar xzf rnnd-bundle.tar.gz && rnnd-bundle/run rnnd --backend cuda ...
+# --tests adds the kernel test binaries (tests/gpu, tests/unit) for checking a GPU host.
+# Left out on purpose: glibc, libstdc++ and libgcc (the target's own, which must be as new as this
+# machine's: Debian 12 = glibc 2.36), the NVIDIA driver (libcuda) and the CUDA toolkit's libraries
+# (cuBLAS, cuDNN: hundreds of MB, and they must match the target's driver).
+set -euo pipefail
+
+build=build
+out=bundle
+tests=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -b) build=$2; shift 2 ;;
+    -o) out=$2; shift 2 ;;
+    --tests) tests=1; shift ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bundle.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+bins=()
+for f in server/rnnd client/rnndctl kernels/bench/rnnd-kernel-bench; do
+  [ -x "$build/$f" ] && bins+=("$build/$f")
+done
+if [ "$tests" = 1 ]; then
+  for f in "$build"/tests/gpu/test_* "$build"/tests/unit/test_*; do
+    [ -x "$f" ] && [ -f "$f" ] && bins+=("$f")
+  done
+fi
+[ ${#bins[@]} -gt 0 ] || { echo "bundle.sh: no binaries under $build (build first)" >&2; exit 1; }
+
+dir=$out/rnnd-bundle
+rm -rf "$dir"
+mkdir -p "$dir/bin" "$dir/lib"
+
+# The base system every Linux target has, and the GPU stack that must come from the target.
+system='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-|libcublas|libcublasLt|libcudnn|libcudart)[.-]'
+for b in "${bins[@]}"; do
+  cp "$b" "$dir/bin/"
+  ldd "$b" | awk '/=> \//{print $1, $3}' | while read -r name path; do
+    if ! [[ $name =~ $system ]]; then
+      cp -nL "$path" "$dir/lib/$name"
+    fi
+  done
+done
+
+cat >"$dir/run" <<'EOF'
+#!/bin/sh
+# Runs one of the bundled programs with the bundled libraries: run rnnd --help
+here=$(cd "$(dirname "$0")" && pwd)
+prog=$1; shift
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+exec "$here/bin/$prog" "$@"
+EOF
+chmod +x "$dir/run"
+
+tar -C "$out" -czf "$out/rnnd-bundle.tar.gz" rnnd-bundle
+echo "bundle.sh: $(ls "$dir/bin" | wc -l) programs, $(ls "$dir/lib" | wc -l) libraries," \
+     "$(du -sh "$out/rnnd-bundle.tar.gz" | cut -f1) in $out/rnnd-bundle.tar.gz"

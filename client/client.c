@@ -1,0 +1,1223 @@
+/*
+ * client.c: the blocking rnnd client (rnnd_client.h) on gRPC C core and protobuf-c.
+ *
+ * Every unary call is one grpc_call with its own pluck completion queue and a single batch of all
+ * six ops (GRPC_NOTES.md), so any number of threads can share a channel without sharing a queue.
+ * Requests are translated into protobuf-c structs that point at the caller's memory (nothing is
+ * copied before packing); replies are unpacked and copied into library-owned structs, so no
+ * protobuf-c type leaks out of this file.
+ */
+#include "rnnd_client.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "rnnd/v1/rnnd.pb-c.h"
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+
+static _Thread_local struct rnnd_client_error last_err;
+
+const struct rnnd_client_error *rnnd_client_last_error(void) {
+    return &last_err;
+}
+
+static void clear_err(void) {
+    last_err.code = 0;
+    last_err.grpc_status = 0;
+    last_err.message[0] = '\0';
+}
+
+// Records a local failure (no gRPC status) and returns code.
+static int local_err(int code, const char *fmt, ...) {
+    last_err.code = code;
+    last_err.grpc_status = -1;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_err.message, sizeof last_err.message, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static const char *const status_names[] = {
+    "OK",           "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS",   "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",  "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",      "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+const char *rnnd_grpc_status_name(int s) {
+    if (s < 0 || s >= (int)(sizeof status_names / sizeof status_names[0]))
+        return "UNKNOWN_STATUS";
+    return status_names[s];
+}
+
+static int status_to_code(grpc_status_code s) {
+    switch (s) {
+        case GRPC_STATUS_OK: return 0;
+        case GRPC_STATUS_INVALID_ARGUMENT: return RNND_EINVAL;
+        case GRPC_STATUS_FAILED_PRECONDITION: return RNND_EPRECOND;
+        case GRPC_STATUS_NOT_FOUND: return RNND_ENOTFOUND;
+        case GRPC_STATUS_RESOURCE_EXHAUSTED: return RNND_EFULL;
+        case GRPC_STATUS_UNAVAILABLE: return RNND_EUNAVAIL;
+        case GRPC_STATUS_UNAUTHENTICATED: return RNND_EAUTH;
+        case GRPC_STATUS_CANCELLED:
+        case GRPC_STATUS_DEADLINE_EXCEEDED: return RNND_ECANCELED;
+        case GRPC_STATUS_UNIMPLEMENTED: return RNND_ENOTSUP;
+        default: return RNND_EIO;
+    }
+}
+
+// Records a call's final status (details may be an empty slice) and returns its code.
+static int status_err(grpc_status_code s, grpc_slice details, const char *error_string) {
+    last_err.grpc_status = (int)s;
+    last_err.code = status_to_code(s);
+    size_t n = GRPC_SLICE_LENGTH(details);
+    if (n >= sizeof last_err.message)
+        n = sizeof last_err.message - 1;
+    memcpy(last_err.message, GRPC_SLICE_START_PTR(details), n);
+    last_err.message[n] = '\0';
+    if (n == 0 && error_string)
+        snprintf(last_err.message, sizeof last_err.message, "%s", error_string);
+    return last_err.code;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors.
+
+size_t rnnd_dtype_size(enum rnnd_dtype dtype) {
+    switch (dtype) {
+        case RNND_DTYPE_FLOAT32: return 4;
+        case RNND_DTYPE_BFLOAT16:
+        case RNND_DTYPE_FLOAT16: return 2;
+        case RNND_DTYPE_BOOL: return 1;
+        case RNND_DTYPE_INT64: return 8;
+        default: return 0;
+    }
+}
+
+const char *rnnd_dtype_name(enum rnnd_dtype dtype) {
+    switch (dtype) {
+        case RNND_DTYPE_FLOAT32: return "float32";
+        case RNND_DTYPE_BFLOAT16: return "bfloat16";
+        case RNND_DTYPE_FLOAT16: return "float16";
+        case RNND_DTYPE_BOOL: return "bool";
+        case RNND_DTYPE_INT64: return "int64";
+        case RNND_DTYPE_UNSPECIFIED: return "unspecified";
+        default: return "unknown";
+    }
+}
+
+int64_t rnnd_tensor_numel(const struct rnnd_tensor *t) {
+    int64_t n = 1;
+    for (int d = 0; d < t->ndim; d++)
+        n *= t->shape[d];
+    return n;
+}
+
+struct rnnd_tensor rnnd_tensor_view(enum rnnd_dtype dtype, void *data, int ndim,
+                                    const int64_t *shape) {
+    struct rnnd_tensor t = {.present = true, .dtype = dtype, .data = data};
+    if (ndim > RNND_TENSOR_MAX_DIMS)
+        ndim = RNND_TENSOR_MAX_DIMS;
+    t.ndim = ndim < 0 ? 0 : ndim;
+    for (int d = 0; d < t.ndim; d++)
+        t.shape[d] = shape[d];
+    int64_t n = rnnd_tensor_numel(&t);
+    t.nbytes = n > 0 ? (size_t)n * rnnd_dtype_size(dtype) : 0;
+    return t;
+}
+
+struct rnnd_tensor rnnd_tensor_f32(float *data, int ndim, int64_t d0, int64_t d1, int64_t d2,
+                                   int64_t d3) {
+    int64_t shape[4] = {d0, d1, d2, d3};
+    return rnnd_tensor_view(RNND_DTYPE_FLOAT32, data, ndim > 4 ? 4 : ndim, shape);
+}
+
+void rnnd_tensor_free(struct rnnd_tensor *t) {
+    if (!t)
+        return;
+    free(t->data);
+    memset(t, 0, sizeof *t);
+}
+
+void rnnd_named_tensors_free(struct rnnd_named_tensors *l) {
+    if (!l)
+        return;
+    for (size_t i = 0; i < l->n; i++) {
+        free(l->v[i].name);
+        rnnd_tensor_free(&l->v[i].tensor);
+    }
+    free(l->v);
+    l->v = NULL;
+    l->n = 0;
+}
+
+const struct rnnd_tensor *rnnd_named_tensors_find(const struct rnnd_named_tensors *l,
+                                                  const char *name) {
+    for (size_t i = 0; i < l->n; i++)
+        if (l->v[i].name && strcmp(l->v[i].name, name) == 0)
+            return &l->v[i].tensor;
+    return NULL;
+}
+
+// Points pb at t's memory (no copy); returns pb, or NULL when t is not present.
+static Rnnd__V1__Tensor *pb_tensor(const struct rnnd_tensor *t, Rnnd__V1__Tensor *pb) {
+    if (!t->present)
+        return NULL;
+    rnnd__v1__tensor__init(pb);
+    pb->n_shape = (size_t)t->ndim;
+    pb->shape = (int64_t *)t->shape;
+    pb->dtype = (Rnnd__V1__DType)t->dtype;
+    pb->data.len = t->nbytes;
+    pb->data.data = t->data;
+    return pb;
+}
+
+// Copies pb into a new owned tensor (not present when pb is NULL).
+static int copy_tensor(const Rnnd__V1__Tensor *pb, struct rnnd_tensor *t) {
+    memset(t, 0, sizeof *t);
+    if (!pb)
+        return 0;
+    if (pb->n_shape > RNND_TENSOR_MAX_DIMS)
+        return local_err(RNND_ECORRUPT, "reply tensor has %zu dims (at most %d supported)",
+                         pb->n_shape, RNND_TENSOR_MAX_DIMS);
+    t->present = true;
+    t->dtype = (enum rnnd_dtype)pb->dtype;
+    t->ndim = (int)pb->n_shape;
+    for (size_t d = 0; d < pb->n_shape; d++)
+        t->shape[d] = pb->shape[d];
+    t->nbytes = pb->data.len;
+    t->data = malloc(pb->data.len ? pb->data.len : 1);
+    if (!t->data) {
+        memset(t, 0, sizeof *t);
+        return local_err(RNND_ENOMEM, "out of memory copying a %zu-byte tensor", pb->data.len);
+    }
+    if (pb->data.len)
+        memcpy(t->data, pb->data.data, pb->data.len);
+    return 0;
+}
+
+static int copy_named(Rnnd__V1__NamedTensor *const *v, size_t n, struct rnnd_named_tensors *out) {
+    out->n = 0;
+    out->v = calloc(n ? n : 1, sizeof *out->v);
+    if (!out->v)
+        return local_err(RNND_ENOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        out->v[i].name = strdup(v[i]->name ? v[i]->name : "");
+        out->n = i + 1;
+        int err = out->v[i].name ? copy_tensor(v[i]->tensor, &out->v[i].tensor)
+                                 : local_err(RNND_ENOMEM, "out of memory");
+        if (err) {
+            rnnd_named_tensors_free(out);
+            return err;
+        }
+    }
+    return 0;
+}
+
+// Builds protobuf-c named tensors over l (no copies). Free the two arrays with free().
+static int pb_named(const struct rnnd_named_tensors *l, Rnnd__V1__NamedTensor ***ptrs_out,
+                    Rnnd__V1__NamedTensor **nts_out, Rnnd__V1__Tensor **ts_out) {
+    size_t n = l ? l->n : 0;
+    Rnnd__V1__NamedTensor **ptrs = calloc(n ? n : 1, sizeof *ptrs);
+    Rnnd__V1__NamedTensor *nts = calloc(n ? n : 1, sizeof *nts);
+    Rnnd__V1__Tensor *ts = calloc(n ? n : 1, sizeof *ts);
+    if (!ptrs || !nts || !ts) {
+        free(ptrs);
+        free(nts);
+        free(ts);
+        return local_err(RNND_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        rnnd__v1__named_tensor__init(&nts[i]);
+        nts[i].name = l->v[i].name ? l->v[i].name : (char *)"";
+        nts[i].tensor = pb_tensor(&l->v[i].tensor, &ts[i]);
+        ptrs[i] = &nts[i];
+    }
+    *ptrs_out = ptrs;
+    *nts_out = nts;
+    *ts_out = ts;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client.
+
+enum method {
+    M_INFO,
+    M_STEP,
+    M_STEP_STREAM,
+    M_END,
+    M_FORWARD,
+    M_BACKWARD,
+    M_APPLY,
+    M_GETW,
+    M_SETW,
+    M_SAVE,
+    M_HEALTH,
+    M_WATCH,
+    M_COUNT
+};
+
+static const char *const method_paths[M_COUNT] = {
+    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",
+    [M_STEP] = "/rnnd.v1.Rnn/Step",
+    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream",
+    [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
+    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",
+    [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
+    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",
+    [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
+    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",
+    [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
+    [M_HEALTH] = "/grpc.health.v1.Health/Check",
+    [M_WATCH] = "/grpc.health.v1.Health/Watch",
+};
+
+struct rnnd_client {
+    grpc_channel *ch;
+    void *reg[M_COUNT]; // registered-call handles: the method path is parsed once
+    int64_t timeout_ms;
+    size_t n_md;         // 0 or 1
+    grpc_metadata md[1]; // "authorization: Bearer <token>"
+};
+
+static grpc_arg int_arg(const char *key, int value) {
+    grpc_arg a;
+    memset(&a, 0, sizeof a);
+    a.type = GRPC_ARG_INTEGER;
+    a.key = (char *)key;
+    a.value.integer = value;
+    return a;
+}
+
+int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **out) {
+    *out = NULL;
+    clear_err();
+    if (!opts || !opts->target || !opts->target[0])
+        return local_err(RNND_EINVAL, "no target given (want HOST:PORT)");
+    if ((opts->tls_cert_pem == NULL) != (opts->tls_key_pem == NULL))
+        return local_err(RNND_EINVAL, "a TLS client certificate needs its key and vice versa");
+    struct rnnd_client *c = calloc(1, sizeof *c);
+    if (!c)
+        return local_err(RNND_ENOMEM, "out of memory");
+    grpc_init();
+    c->timeout_ms = opts->timeout_ms > 0 ? opts->timeout_ms : 30000;
+
+    int max = opts->max_message_bytes > 0 && opts->max_message_bytes < INT32_MAX
+                  ? (int)opts->max_message_bytes
+                  : -1;
+    grpc_arg args[4];
+    memset(args, 0, sizeof args);
+    args[0] = int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max);
+    args[1] = int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max);
+    // One client, one connection: without this, channels with equal args share a subchannel,
+    // and a load generator's "connections" would be one TCP connection.
+    args[2] = int_arg(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    size_t nargs = 3;
+    if (opts->tls_server_name) {
+        args[nargs].type = GRPC_ARG_STRING;
+        args[nargs].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+        args[nargs++].value.string = (char *)opts->tls_server_name;
+    }
+    grpc_channel_args cargs = {.num_args = nargs, .args = args};
+
+    grpc_channel_credentials *creds;
+    if (opts->tls_root_pem || opts->tls_cert_pem) {
+        grpc_ssl_pem_key_cert_pair pair = {.private_key = opts->tls_key_pem,
+                                           .cert_chain = opts->tls_cert_pem};
+        creds = grpc_ssl_credentials_create(opts->tls_root_pem,
+                                            opts->tls_cert_pem ? &pair : NULL, NULL, NULL);
+    } else {
+        creds = grpc_insecure_credentials_create();
+    }
+    c->ch = grpc_channel_create(opts->target, creds, &cargs);
+    grpc_channel_credentials_release(creds);
+    if (!c->ch) {
+        grpc_shutdown();
+        free(c);
+        return local_err(RNND_EINVAL, "cannot create a channel to %s", opts->target);
+    }
+    for (int m = 0; m < M_COUNT; m++)
+        c->reg[m] = grpc_channel_register_call(c->ch, method_paths[m], NULL, NULL);
+    if (opts->token) {
+        size_t n = strlen(opts->token) + 8;
+        char *v = malloc(n);
+        if (!v) {
+            rnnd_client_free(c);
+            return local_err(RNND_ENOMEM, "out of memory");
+        }
+        snprintf(v, n, "Bearer %s", opts->token);
+        c->md[0].key = grpc_slice_from_static_string("authorization");
+        c->md[0].value = grpc_slice_from_copied_string(v);
+        free(v);
+        c->n_md = 1;
+    }
+    *out = c;
+    return 0;
+}
+
+void rnnd_client_free(struct rnnd_client *c) {
+    if (!c)
+        return;
+    if (c->n_md)
+        grpc_slice_unref(c->md[0].value);
+    if (c->ch)
+        grpc_channel_destroy(c->ch);
+    free(c);
+    grpc_shutdown();
+}
+
+int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
+    clear_err();
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+    grpc_connectivity_state st = grpc_channel_check_connectivity_state(c->ch, 1);
+    while (st != GRPC_CHANNEL_READY) {
+        grpc_channel_watch_connectivity_state(c->ch, st, deadline, cq, NULL);
+        grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        if (!ev.success)
+            break; // deadline
+        st = grpc_channel_check_connectivity_state(c->ch, 1);
+    }
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+    if (st != GRPC_CHANNEL_READY)
+        return local_err(RNND_EUNAVAIL, "not connected after %lld ms", (long long)timeout_ms);
+    return 0;
+}
+
+static gpr_timespec deadline_ms(int64_t ms) {
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
+}
+
+static void cq_destroy(grpc_completion_queue *cq) {
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+}
+
+static grpc_call *call_create(struct rnnd_client *c, int m, const char *path,
+                              grpc_completion_queue *cq, gpr_timespec deadline) {
+    if (m >= 0)
+        return grpc_channel_create_registered_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                                   c->reg[m], deadline, NULL);
+    return grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                    grpc_slice_from_static_string(path), NULL, deadline, NULL);
+}
+
+// Copies a received byte buffer into one slice and destroys the buffer.
+static grpc_slice buffer_take(grpc_byte_buffer *bb) {
+    grpc_byte_buffer_reader r;
+    grpc_slice s = grpc_empty_slice();
+    if (grpc_byte_buffer_reader_init(&r, bb)) {
+        s = grpc_byte_buffer_reader_readall(&r);
+        grpc_byte_buffer_reader_destroy(&r);
+    }
+    grpc_byte_buffer_destroy(bb);
+    return s;
+}
+
+// One unary call of method m (or path when m < 0): sends req_len bytes and, on OK, returns the
+// reply in *reply (unref it). Returns 0 or the mapped status.
+static int unary(struct rnnd_client *c, int m, const char *path, const uint8_t *req,
+                 size_t req_len, grpc_slice *reply) {
+    *reply = grpc_empty_slice();
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_call *call = call_create(c, m, path, cq, deadline_ms(c->timeout_ms));
+    if (!call) {
+        cq_destroy(cq);
+        return local_err(RNND_EIO, "cannot create a call");
+    }
+    grpc_slice s = grpc_slice_from_copied_buffer((const char *)req, req_len);
+    grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+
+    grpc_metadata_array init_md, trail_md;
+    grpc_metadata_array_init(&init_md);
+    grpc_metadata_array_init(&trail_md);
+    grpc_byte_buffer *recv = NULL;
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    const char *error_string = NULL;
+
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = c->n_md;
+    ops[0].data.send_initial_metadata.metadata = c->md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &trail_md;
+    ops[5].data.recv_status_on_client.status = &status;
+    ops[5].data.recv_status_on_client.status_details = &details;
+    ops[5].data.recv_status_on_client.error_string = &error_string;
+
+    int err = 0;
+    grpc_call_error ce = grpc_call_start_batch(call, ops, 6, (void *)1, NULL);
+    if (ce != GRPC_CALL_OK) {
+        err = local_err(RNND_EIO, "grpc_call_start_batch: %d", (int)ce);
+    } else {
+        grpc_event ev =
+            grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        if (ev.type != GRPC_OP_COMPLETE)
+            err = local_err(RNND_EIO, "completion queue event %d", (int)ev.type);
+        else if (status != GRPC_STATUS_OK)
+            err = status_err(status, details, error_string);
+        else if (!recv)
+            err = local_err(RNND_ECORRUPT, "OK status without a reply message");
+    }
+    if (recv) {
+        if (err == 0)
+            *reply = buffer_take(recv);
+        else
+            grpc_byte_buffer_destroy(recv);
+    }
+    grpc_byte_buffer_destroy(send);
+    grpc_metadata_array_destroy(&init_md);
+    grpc_metadata_array_destroy(&trail_md);
+    grpc_slice_unref(details);
+    gpr_free((void *)error_string);
+    grpc_call_unref(call);
+    cq_destroy(cq);
+    return err;
+}
+
+// Packs req, calls m and unpacks the reply as desc into *out (free with
+// protobuf_c_message_free_unpacked).
+static int call_pb(struct rnnd_client *c, int m, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **out) {
+    *out = NULL;
+    clear_err();
+    size_t len = protobuf_c_message_get_packed_size(req);
+    uint8_t stackbuf[4096];
+    uint8_t *buf = len <= sizeof stackbuf ? stackbuf : malloc(len);
+    if (!buf)
+        return local_err(RNND_ENOMEM, "out of memory packing a %zu-byte request", len);
+    protobuf_c_message_pack(req, buf);
+    grpc_slice reply;
+    int err = unary(c, m, NULL, buf, len, &reply);
+    if (buf != stackbuf)
+        free(buf);
+    if (err)
+        return err;
+    *out = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(reply),
+                                     GRPC_SLICE_START_PTR(reply));
+    grpc_slice_unref(reply);
+    if (!*out)
+        return local_err(RNND_ECORRUPT, "cannot decode the %s reply", desc->name);
+    return 0;
+}
+
+int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req,
+                         size_t req_len, void **reply, size_t *reply_len) {
+    clear_err();
+    *reply = NULL;
+    *reply_len = 0;
+    grpc_slice r;
+    int err = unary(c, -1, method, req, req_len, &r);
+    if (err)
+        return err;
+    size_t n = GRPC_SLICE_LENGTH(r);
+    *reply = malloc(n ? n : 1);
+    if (!*reply) {
+        grpc_slice_unref(r);
+        return local_err(RNND_ENOMEM, "out of memory");
+    }
+    memcpy(*reply, GRPC_SLICE_START_PTR(r), n);
+    *reply_len = n;
+    grpc_slice_unref(r);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Health.
+
+int rnnd_client_health(struct rnnd_client *c, const char *service, int *status) {
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    req.service = (char *)(service ? service : "");
+    ProtobufCMessage *out;
+    int err = call_pb(c, M_HEALTH, &req.base, &grpc__health__v1__health_check_response__descriptor,
+                      &out);
+    if (err)
+        return err;
+    *status = (int)((Grpc__Health__V1__HealthCheckResponse *)out)->status;
+    protobuf_c_message_free_unpacked(out, NULL);
+    return 0;
+}
+
+int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, int *status) {
+    clear_err();
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    req.service = (char *)(service ? service : "");
+    size_t len = grpc__health__v1__health_check_request__get_packed_size(&req);
+    uint8_t buf[512];
+    if (len > sizeof buf)
+        return local_err(RNND_EINVAL, "service name too long");
+    grpc__health__v1__health_check_request__pack(&req, buf);
+
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_call *call = call_create(c, M_WATCH, NULL, cq, deadline_ms(c->timeout_ms));
+    grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, len);
+    grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    grpc_metadata_array init_md, trail_md;
+    grpc_metadata_array_init(&init_md);
+    grpc_metadata_array_init(&trail_md);
+    grpc_byte_buffer *recv = NULL;
+    grpc_status_code st = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    const char *error_string = NULL;
+
+    grpc_op ops[5];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = c->n_md;
+    ops[0].data.send_initial_metadata.metadata = c->md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv;
+    grpc_op sop;
+    memset(&sop, 0, sizeof sop);
+    sop.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    sop.data.recv_status_on_client.trailing_metadata = &trail_md;
+    sop.data.recv_status_on_client.status = &st;
+    sop.data.recv_status_on_client.status_details = &details;
+    sop.data.recv_status_on_client.error_string = &error_string;
+
+    int err = 0;
+    grpc_call_start_batch(call, ops, 5, (void *)1, NULL);
+    grpc_call_start_batch(call, &sop, 1, (void *)2, NULL);
+    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (recv) {
+        grpc_slice r = buffer_take(recv);
+        Grpc__Health__V1__HealthCheckResponse *resp =
+            grpc__health__v1__health_check_response__unpack(NULL, GRPC_SLICE_LENGTH(r),
+                                                            GRPC_SLICE_START_PTR(r));
+        grpc_slice_unref(r);
+        if (resp) {
+            *status = (int)resp->status;
+            grpc__health__v1__health_check_response__free_unpacked(resp, NULL);
+        } else {
+            err = local_err(RNND_ECORRUPT, "cannot decode the Watch reply");
+        }
+        grpc_call_cancel(call, NULL);
+        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    } else {
+        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        err = st == GRPC_STATUS_OK ? local_err(RNND_ECORRUPT, "Watch ended without a message")
+                                   : status_err(st, details, error_string);
+    }
+    grpc_byte_buffer_destroy(send);
+    grpc_metadata_array_destroy(&init_md);
+    grpc_metadata_array_destroy(&trail_md);
+    grpc_slice_unref(details);
+    gpr_free((void *)error_string);
+    grpc_call_unref(call);
+    cq_destroy(cq);
+    return err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model info.
+
+static void copy_str(char *dst, size_t n, const char *src) {
+    snprintf(dst, n, "%s", src ? src : "");
+}
+
+int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out) {
+    memset(out, 0, sizeof *out);
+    Rnnd__V1__GetModelInfoRequest req = RNND__V1__GET_MODEL_INFO_REQUEST__INIT;
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_INFO, &req.base, &rnnd__v1__model_info__descriptor, &msg);
+    if (err)
+        return err;
+    Rnnd__V1__ModelInfo *r = (Rnnd__V1__ModelInfo *)msg;
+    copy_str(out->cell, sizeof out->cell, r->cell);
+    copy_str(out->compute, sizeof out->compute, r->compute);
+    copy_str(out->backend, sizeof out->backend, r->backend);
+    copy_str(out->device, sizeof out->device, r->device);
+    out->input_size = r->input_size;
+    out->hidden_size = r->hidden_size;
+    out->num_layers = r->num_layers;
+    out->model_version = r->model_version;
+    out->envs_active = r->envs_active;
+    out->max_batch = r->max_batch;
+    out->extras_size = r->extras_size;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return 0;
+}
+
+int rnnd_model_info_to_model(const struct rnnd_model_info *info, struct rnnd_model *m) {
+    memset(m, 0, sizeof *m);
+    if (strcmp(info->cell, "gru") == 0)
+        m->cell = RNND_CELL_GRU;
+    else if (strcmp(info->cell, "lstm") == 0)
+        m->cell = RNND_CELL_LSTM;
+    else
+        return local_err(RNND_EINVAL, "unknown cell \"%s\"", info->cell);
+    if (strcmp(info->compute, "fp32") == 0)
+        m->compute = RNND_COMPUTE_FP32;
+    else if (strcmp(info->compute, "ieee") == 0)
+        m->compute = RNND_COMPUTE_IEEE;
+    else if (strcmp(info->compute, "bf16") == 0)
+        m->compute = RNND_COMPUTE_BF16;
+    else
+        return local_err(RNND_EINVAL, "unknown compute \"%s\"", info->compute);
+    m->I = (int)info->input_size;
+    m->H = (int)info->hidden_size;
+    m->L = (int)info->num_layers;
+    if (rnnd_model_check(m) != 0)
+        return local_err(RNND_EINVAL, "model I=%d H=%d L=%d is not valid", m->I, m->H, m->L);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step and StepStream.
+
+void rnnd_step_reply_free(struct rnnd_step_reply *r) {
+    if (!r)
+        return;
+    rnnd_tensor_free(&r->output);
+    rnnd_tensor_free(&r->h);
+    rnnd_tensor_free(&r->c);
+    r->model_version = 0;
+}
+
+// Packs a StepRequest over req into a new buffer (free with free()).
+static int step_pack(const struct rnnd_step_req *req, uint8_t **buf, size_t *len) {
+    Rnnd__V1__StepRequest pb = RNND__V1__STEP_REQUEST__INIT;
+    Rnnd__V1__Tensor obs, extras;
+    protobuf_c_boolean init_small[256];
+    protobuf_c_boolean *init = init_small;
+    if (req->n_is_init > 256) {
+        init = malloc(req->n_is_init * sizeof *init);
+        if (!init)
+            return local_err(RNND_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < req->n_is_init; i++)
+        init[i] = req->is_init[i];
+    pb.n_env_ids = req->n_env_ids;
+    pb.env_ids = (uint64_t *)req->env_ids;
+    pb.obs = pb_tensor(&req->obs, &obs);
+    pb.n_is_init = req->n_is_init;
+    pb.is_init = init;
+    pb.n_step_index = req->n_step_index;
+    pb.step_index = (uint64_t *)req->step_index;
+    pb.extras = pb_tensor(&req->extras, &extras);
+    pb.return_state = req->return_state;
+    *len = rnnd__v1__step_request__get_packed_size(&pb);
+    *buf = malloc(*len ? *len : 1);
+    if (*buf)
+        rnnd__v1__step_request__pack(&pb, *buf);
+    if (init != init_small)
+        free(init);
+    return *buf ? 0 : local_err(RNND_ENOMEM, "out of memory");
+}
+
+static int step_unpack(grpc_slice s, struct rnnd_step_reply *out) {
+    Rnnd__V1__StepReply *r =
+        rnnd__v1__step_reply__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    if (!r)
+        return local_err(RNND_ECORRUPT, "cannot decode the StepReply");
+    out->model_version = r->model_version;
+    int err = copy_tensor(r->output, &out->output);
+    if (!err)
+        err = copy_tensor(r->h, &out->h);
+    if (!err)
+        err = copy_tensor(r->c, &out->c);
+    rnnd__v1__step_reply__free_unpacked(r, NULL);
+    if (err)
+        rnnd_step_reply_free(out);
+    return err;
+}
+
+int rnnd_client_step(struct rnnd_client *c, const struct rnnd_step_req *req,
+                     struct rnnd_step_reply *out) {
+    memset(out, 0, sizeof *out);
+    clear_err();
+    uint8_t *buf;
+    size_t len;
+    int err = step_pack(req, &buf, &len);
+    if (err)
+        return err;
+    grpc_slice reply;
+    err = unary(c, M_STEP, NULL, buf, len, &reply);
+    free(buf);
+    if (err)
+        return err;
+    err = step_unpack(reply, out);
+    grpc_slice_unref(reply);
+    return err;
+}
+
+struct rnnd_client_stream {
+    struct rnnd_client *c;
+    grpc_completion_queue *cq;
+    grpc_call *call;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code status;
+    grpc_slice details;
+    const char *error_string;
+    bool got_init_md;
+    bool half_closed;
+    bool status_done;
+    size_t pending; // requests sent whose replies were not received
+    // Distinct addresses used as completion tags.
+    char tag_send, tag_recv, tag_status, tag_close;
+};
+
+// Waits for tag; past the client's timeout the call is cancelled (which completes every op).
+static bool stream_wait(struct rnnd_client_stream *s, void *tag) {
+    grpc_event ev = grpc_completion_queue_pluck(s->cq, tag, deadline_ms(s->c->timeout_ms), NULL);
+    if (ev.type == GRPC_QUEUE_TIMEOUT) {
+        grpc_call_cancel_with_status(s->call, GRPC_STATUS_DEADLINE_EXCEEDED,
+                                     "rnnd client: no progress within the timeout", NULL);
+        ev = grpc_completion_queue_pluck(s->cq, tag, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    }
+    return ev.type == GRPC_OP_COMPLETE && ev.success;
+}
+
+static int stream_status(struct rnnd_client_stream *s) {
+    if (!s->status_done) {
+        stream_wait(s, &s->tag_status);
+        s->status_done = true;
+    }
+    return status_err(s->status, s->details, s->error_string);
+}
+
+int rnnd_client_stream_init(struct rnnd_client *c, struct rnnd_client_stream **out) {
+    clear_err();
+    *out = NULL;
+    struct rnnd_client_stream *s = calloc(1, sizeof *s);
+    if (!s)
+        return local_err(RNND_ENOMEM, "out of memory");
+    s->c = c;
+    s->cq = grpc_completion_queue_create_for_pluck(NULL);
+    s->call = call_create(c, M_STEP_STREAM, NULL, s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC));
+    grpc_metadata_array_init(&s->init_md);
+    grpc_metadata_array_init(&s->trail_md);
+    s->details = grpc_empty_slice();
+    s->status = GRPC_STATUS_UNKNOWN;
+    if (!s->call) {
+        rnnd_client_stream_free(s);
+        return local_err(RNND_EIO, "cannot create a call");
+    }
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    op.data.recv_status_on_client.status = &s->status;
+    op.data.recv_status_on_client.status_details = &s->details;
+    op.data.recv_status_on_client.error_string = &s->error_string;
+    if (grpc_call_start_batch(s->call, &op, 1, &s->tag_status, NULL) != GRPC_CALL_OK) {
+        s->status_done = true;
+        rnnd_client_stream_free(s);
+        return local_err(RNND_EIO, "cannot start the stream");
+    }
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_INITIAL_METADATA;
+    op.data.send_initial_metadata.count = c->n_md;
+    op.data.send_initial_metadata.metadata = c->md;
+    if (grpc_call_start_batch(s->call, &op, 1, &s->tag_send, NULL) != GRPC_CALL_OK ||
+        !stream_wait(s, &s->tag_send)) {
+        int err = stream_status(s);
+        rnnd_client_stream_free(s);
+        return err ? err : local_err(RNND_EIO, "cannot open the stream");
+    }
+    *out = s;
+    return 0;
+}
+
+int rnnd_client_stream_send(struct rnnd_client_stream *s, const struct rnnd_step_req *req) {
+    clear_err();
+    if (s->half_closed || s->status_done)
+        return local_err(RNND_EINVAL, "the stream is closed");
+    uint8_t *buf;
+    size_t len;
+    int err = step_pack(req, &buf, &len);
+    if (err)
+        return err;
+    grpc_slice sl = grpc_slice_new(buf, len, free);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+    grpc_slice_unref(sl);
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    bool ok = grpc_call_start_batch(s->call, &op, 1, &s->tag_send, NULL) == GRPC_CALL_OK &&
+              stream_wait(s, &s->tag_send);
+    grpc_byte_buffer_destroy(bb);
+    if (!ok)
+        return stream_status(s); // the call ended: its status says why
+    s->pending++;
+    return 0;
+}
+
+int rnnd_client_stream_recv(struct rnnd_client_stream *s, struct rnnd_step_reply *out) {
+    clear_err();
+    memset(out, 0, sizeof *out);
+    grpc_byte_buffer *recv = NULL;
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (!s->got_init_md) {
+        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+        ops[n++].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+        s->got_init_md = true;
+    }
+    ops[n].op = GRPC_OP_RECV_MESSAGE;
+    ops[n++].data.recv_message.recv_message = &recv;
+    if (grpc_call_start_batch(s->call, ops, n, &s->tag_recv, NULL) != GRPC_CALL_OK)
+        return local_err(RNND_EIO, "cannot receive on the stream");
+    stream_wait(s, &s->tag_recv);
+    if (!recv) {
+        int err = stream_status(s);
+        return err ? err : local_err(RNND_ECANCELED, "the stream ended with OK and no reply");
+    }
+    if (s->pending)
+        s->pending--;
+    grpc_slice sl = buffer_take(recv);
+    int err = step_unpack(sl, out);
+    grpc_slice_unref(sl);
+    return err;
+}
+
+int rnnd_client_stream_step(struct rnnd_client_stream *s, const struct rnnd_step_req *req,
+                            struct rnnd_step_reply *out) {
+    memset(out, 0, sizeof *out);
+    int err = rnnd_client_stream_send(s, req);
+    return err ? err : rnnd_client_stream_recv(s, out);
+}
+
+int rnnd_client_stream_close(struct rnnd_client_stream *s) {
+    clear_err();
+    if (!s->half_closed && !s->status_done) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+        if (grpc_call_start_batch(s->call, &op, 1, &s->tag_close, NULL) == GRPC_CALL_OK)
+            stream_wait(s, &s->tag_close);
+        s->half_closed = true;
+    }
+    while (s->pending && !s->status_done) {
+        struct rnnd_step_reply r;
+        int err = rnnd_client_stream_recv(s, &r);
+        rnnd_step_reply_free(&r);
+        if (err)
+            break;
+    }
+    return stream_status(s);
+}
+
+void rnnd_client_stream_free(struct rnnd_client_stream *s) {
+    if (!s)
+        return;
+    if (s->call) {
+        if (!s->status_done) {
+            grpc_call_cancel(s->call, NULL);
+            grpc_completion_queue_pluck(s->cq, &s->tag_status,
+                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        }
+        grpc_call_unref(s->call);
+    }
+    grpc_metadata_array_destroy(&s->init_md);
+    grpc_metadata_array_destroy(&s->trail_md);
+    grpc_slice_unref(s->details);
+    gpr_free((void *)s->error_string);
+    cq_destroy(s->cq);
+    free(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// EndEpisodes, Forward, Backward.
+
+int rnnd_client_end_episodes(struct rnnd_client *c, const uint64_t *env_ids, size_t n,
+                             uint64_t *released) {
+    Rnnd__V1__EndEpisodesRequest req = RNND__V1__END_EPISODES_REQUEST__INIT;
+    req.n_env_ids = n;
+    req.env_ids = (uint64_t *)env_ids;
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_END, &req.base, &rnnd__v1__end_episodes_reply__descriptor, &msg);
+    if (err)
+        return err;
+    if (released)
+        *released = ((Rnnd__V1__EndEpisodesReply *)msg)->released;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return 0;
+}
+
+void rnnd_forward_reply_free(struct rnnd_forward_reply *r) {
+    if (!r)
+        return;
+    rnnd_tensor_free(&r->output);
+    rnnd_tensor_free(&r->h_n);
+    rnnd_tensor_free(&r->c_n);
+    rnnd_tensor_free(&r->obs);
+    rnnd_tensor_free(&r->is_init);
+    rnnd_tensor_free(&r->extras);
+    rnnd_tensor_free(&r->step_model_version);
+    r->tape_id = r->model_version = 0;
+}
+
+int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *req,
+                        struct rnnd_forward_reply *out) {
+    memset(out, 0, sizeof *out);
+    Rnnd__V1__ForwardRequest pb = RNND__V1__FORWARD_REQUEST__INIT;
+    Rnnd__V1__Trajectories tr = RNND__V1__TRAJECTORIES__INIT;
+    Rnnd__V1__Recorded rec = RNND__V1__RECORDED__INIT;
+    Rnnd__V1__Tensor t[6];
+    if (req->recorded) {
+        rec.n_env_ids = req->n_env_ids;
+        rec.env_ids = (uint64_t *)req->env_ids;
+        rec.steps = req->steps;
+        pb.source_case = RNND__V1__FORWARD_REQUEST__SOURCE_RECORDED;
+        pb.recorded = &rec;
+    } else {
+        tr.obs = pb_tensor(&req->obs, &t[0]);
+        tr.is_init = pb_tensor(&req->is_init, &t[1]);
+        tr.h0 = pb_tensor(&req->h0, &t[2]);
+        tr.c0 = pb_tensor(&req->c0, &t[3]);
+        tr.hidden = pb_tensor(&req->hidden, &t[4]);
+        tr.cell = pb_tensor(&req->cell, &t[5]);
+        pb.source_case = RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES;
+        pb.trajectories = &tr;
+    }
+    pb.keep_tape = req->keep_tape;
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_FORWARD, &pb.base, &rnnd__v1__forward_reply__descriptor, &msg);
+    if (err)
+        return err;
+    Rnnd__V1__ForwardReply *r = (Rnnd__V1__ForwardReply *)msg;
+    out->tape_id = r->tape_id;
+    out->model_version = r->model_version;
+    err = copy_tensor(r->output, &out->output);
+    if (!err)
+        err = copy_tensor(r->h_n, &out->h_n);
+    if (!err)
+        err = copy_tensor(r->c_n, &out->c_n);
+    if (!err)
+        err = copy_tensor(r->obs, &out->obs);
+    if (!err)
+        err = copy_tensor(r->is_init, &out->is_init);
+    if (!err)
+        err = copy_tensor(r->extras, &out->extras);
+    if (!err)
+        err = copy_tensor(r->step_model_version, &out->step_model_version);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    if (err)
+        rnnd_forward_reply_free(out);
+    return err;
+}
+
+void rnnd_backward_reply_free(struct rnnd_backward_reply *r) {
+    if (!r)
+        return;
+    rnnd_named_tensors_free(&r->grads);
+    rnnd_tensor_free(&r->grad_obs);
+    rnnd_tensor_free(&r->grad_h0);
+    rnnd_tensor_free(&r->grad_c0);
+    rnnd_tensor_free(&r->grad_hidden);
+    rnnd_tensor_free(&r->grad_cell);
+}
+
+int rnnd_client_backward(struct rnnd_client *c, const struct rnnd_backward_req *req,
+                         struct rnnd_backward_reply *out) {
+    memset(out, 0, sizeof *out);
+    Rnnd__V1__BackwardRequest pb = RNND__V1__BACKWARD_REQUEST__INIT;
+    Rnnd__V1__Tensor t[3];
+    pb.tape_id = req->tape_id;
+    pb.grad_output = pb_tensor(&req->grad_output, &t[0]);
+    pb.grad_h_n = pb_tensor(&req->grad_h_n, &t[1]);
+    pb.grad_c_n = pb_tensor(&req->grad_c_n, &t[2]);
+    pb.accumulate = req->accumulate;
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_BACKWARD, &pb.base, &rnnd__v1__backward_reply__descriptor, &msg);
+    if (err)
+        return err;
+    Rnnd__V1__BackwardReply *r = (Rnnd__V1__BackwardReply *)msg;
+    err = copy_named(r->grads, r->n_grads, &out->grads);
+    if (!err)
+        err = copy_tensor(r->grad_obs, &out->grad_obs);
+    if (!err)
+        err = copy_tensor(r->grad_h0, &out->grad_h0);
+    if (!err)
+        err = copy_tensor(r->grad_c0, &out->grad_c0);
+    if (!err)
+        err = copy_tensor(r->grad_hidden, &out->grad_hidden);
+    if (!err)
+        err = copy_tensor(r->grad_cell, &out->grad_cell);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    if (err)
+        rnnd_backward_reply_free(out);
+    return err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Learner and weights.
+
+int rnnd_client_apply_gradients(struct rnnd_client *c, const struct rnnd_named_tensors *grads,
+                                const float *lr, uint64_t *model_version) {
+    clear_err();
+    Rnnd__V1__ApplyGradientsRequest pb = RNND__V1__APPLY_GRADIENTS_REQUEST__INIT;
+    Rnnd__V1__NamedTensor **ptrs, *nts;
+    Rnnd__V1__Tensor *ts;
+    int err = pb_named(grads, &ptrs, &nts, &ts);
+    if (err)
+        return err;
+    pb.n_grads = grads ? grads->n : 0;
+    pb.grads = ptrs;
+    if (lr) {
+        pb._lr_case = RNND__V1__APPLY_GRADIENTS_REQUEST___LR_LR;
+        pb.lr = *lr;
+    }
+    ProtobufCMessage *msg;
+    err = call_pb(c, M_APPLY, &pb.base, &rnnd__v1__apply_gradients_reply__descriptor, &msg);
+    free(ptrs);
+    free(nts);
+    free(ts);
+    if (err)
+        return err;
+    if (model_version)
+        *model_version = ((Rnnd__V1__ApplyGradientsReply *)msg)->model_version;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return 0;
+}
+
+int rnnd_client_get_weights(struct rnnd_client *c, struct rnnd_named_tensors *out,
+                            uint64_t *model_version) {
+    memset(out, 0, sizeof *out);
+    Rnnd__V1__GetWeightsRequest req = RNND__V1__GET_WEIGHTS_REQUEST__INIT;
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_GETW, &req.base, &rnnd__v1__weights__descriptor, &msg);
+    if (err)
+        return err;
+    Rnnd__V1__Weights *w = (Rnnd__V1__Weights *)msg;
+    err = copy_named(w->tensors, w->n_tensors, out);
+    if (!err && model_version)
+        *model_version = w->model_version;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return err;
+}
+
+int rnnd_client_set_weights(struct rnnd_client *c, const struct rnnd_named_tensors *tensors,
+                            uint64_t *model_version) {
+    clear_err();
+    Rnnd__V1__SetWeightsRequest pb = RNND__V1__SET_WEIGHTS_REQUEST__INIT;
+    Rnnd__V1__NamedTensor **ptrs, *nts;
+    Rnnd__V1__Tensor *ts;
+    int err = pb_named(tensors, &ptrs, &nts, &ts);
+    if (err)
+        return err;
+    pb.n_tensors = tensors ? tensors->n : 0;
+    pb.tensors = ptrs;
+    ProtobufCMessage *msg;
+    err = call_pb(c, M_SETW, &pb.base, &rnnd__v1__set_weights_reply__descriptor, &msg);
+    free(ptrs);
+    free(nts);
+    free(ts);
+    if (err)
+        return err;
+    if (model_version)
+        *model_version = ((Rnnd__V1__SetWeightsReply *)msg)->model_version;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return 0;
+}
+
+int rnnd_client_save_checkpoint(struct rnnd_client *c, const char *path, char **path_out,
+                                uint64_t *model_version) {
+    if (path_out)
+        *path_out = NULL;
+    Rnnd__V1__SaveCheckpointRequest req = RNND__V1__SAVE_CHECKPOINT_REQUEST__INIT;
+    req.path = (char *)(path ? path : "");
+    ProtobufCMessage *msg;
+    int err = call_pb(c, M_SAVE, &req.base, &rnnd__v1__save_checkpoint_reply__descriptor, &msg);
+    if (err)
+        return err;
+    Rnnd__V1__SaveCheckpointReply *r = (Rnnd__V1__SaveCheckpointReply *)msg;
+    if (model_version)
+        *model_version = r->model_version;
+    if (path_out) {
+        *path_out = strdup(r->path ? r->path : "");
+        if (!*path_out)
+            err = local_err(RNND_ENOMEM, "out of memory");
+    }
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flat parameter helpers.
+
+int rnnd_named_tensors_to_params(const struct rnnd_named_tensors *l, const struct rnnd_model *m,
+                                 float *params) {
+    int n = rnnd_model_param_tensors(m);
+    for (int k = 0; k < n; k++) {
+        struct rnnd_param_tensor pt;
+        rnnd_model_param_tensor(m, k, &pt);
+        const struct rnnd_tensor *t = rnnd_named_tensors_find(l, pt.name);
+        if (!t)
+            return local_err(RNND_EINVAL, "tensor %s is missing", pt.name);
+        bool shape_ok = t->ndim == pt.ndim;
+        for (int d = 0; shape_ok && d < pt.ndim; d++)
+            shape_ok = t->shape[d] == pt.shape[d];
+        if (t->dtype != RNND_DTYPE_FLOAT32 || !shape_ok || t->nbytes != pt.count * sizeof(float))
+            return local_err(RNND_EINVAL, "tensor %s has the wrong dtype, shape or size", pt.name);
+        memcpy(params + pt.offset, t->data, t->nbytes);
+    }
+    return 0;
+}
+
+int rnnd_named_tensors_from_params(struct rnnd_named_tensors *out, const struct rnnd_model *m,
+                                   const float *params) {
+    int n = rnnd_model_param_tensors(m);
+    out->n = 0;
+    out->v = calloc((size_t)n, sizeof *out->v);
+    if (!out->v)
+        return local_err(RNND_ENOMEM, "out of memory");
+    for (int k = 0; k < n; k++) {
+        struct rnnd_param_tensor pt;
+        rnnd_model_param_tensor(m, k, &pt);
+        struct rnnd_named_tensor *nt = &out->v[k];
+        out->n = (size_t)k + 1;
+        nt->name = strdup(pt.name);
+        nt->tensor = rnnd_tensor_view(RNND_DTYPE_FLOAT32, NULL, pt.ndim, pt.shape);
+        nt->tensor.data = malloc(pt.count * sizeof(float));
+        if (!nt->name || !nt->tensor.data) {
+            rnnd_named_tensors_free(out);
+            return local_err(RNND_ENOMEM, "out of memory");
+        }
+        memcpy(nt->tensor.data, params + pt.offset, pt.count * sizeof(float));
+    }
+    return 0;
+}

@@ -1,0 +1,367 @@
+"""rnnd.Client: a blocking client for the rnnd daemon (rnnd.v1.Rnn and grpc.health.v1.Health).
+
+numpy in, numpy out. Every method maps to one RPC of proto/rnnd/v1/rnnd.proto (DESIGN.md §3);
+layout is batch-first: obs [B, T, I], is_init [B, T], output [B, T, H], states [B, L, H], stored
+states [B, T, L, H]. Arrays that come back are read-only views over the reply's bytes (no copy
+beyond the one protobuf makes); call ``.copy()`` where you need to write into one.
+
+A failed call raises RnndError, which carries the gRPC status code (``.code``, a
+grpc.StatusCode), its name (``.code_name``) and the server's message (``.details``).
+
+A Client is one gRPC channel and may be shared by threads. It is not fork-safe: create clients
+in each process after fork (or use the "spawn" start method).
+"""
+
+import collections
+import queue
+
+import grpc
+import numpy as np
+
+from ._tensor import decode, encode, field
+from .v1 import health_pb2, health_pb2_grpc
+from .v1 import rnnd_pb2 as pb
+from .v1 import rnnd_pb2_grpc
+
+SERVICE = "rnnd.v1.Rnn"
+
+
+class RnndError(Exception):
+    """A failed RPC: ``code`` (grpc.StatusCode), ``code_name`` ("INVALID_ARGUMENT", ...),
+    ``details`` (the server's message) and ``method`` (the RPC's name)."""
+
+    def __init__(self, code, details, method=""):
+        self.code = code
+        self.code_name = code.name if code is not None else "UNKNOWN"
+        self.details = details or ""
+        self.method = method
+        super().__init__("%s: %s: %s" % (method or "rnnd", self.code_name, self.details))
+
+    @classmethod
+    def from_rpc_error(cls, err, method):
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = err.details() if hasattr(err, "details") else str(err)
+        return cls(code, details, method)
+
+
+ModelInfo = collections.namedtuple(
+    "ModelInfo",
+    "cell input_size hidden_size num_layers compute backend device model_version envs_active "
+    "max_batch extras_size",
+)
+StepResult = collections.namedtuple("StepResult", "output model_version h c")
+ForwardResult = collections.namedtuple(
+    "ForwardResult",
+    "output h_n c_n tape_id model_version obs is_init extras step_model_version",
+)
+BackwardResult = collections.namedtuple(
+    "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell"
+)
+Checkpoint = collections.namedtuple("Checkpoint", "path model_version")
+
+
+class Weights(dict):
+    """name -> numpy array (PyTorch names, e.g. "weight_hh_l0"), plus ``model_version``."""
+
+    model_version = 0
+
+
+def _ids(env_ids):
+    return np.asarray(env_ids, dtype=np.uint64).reshape(-1).tolist()
+
+
+def _bools(flags, n):
+    if flags is None:
+        return []
+    a = np.asarray(flags, dtype=bool)
+    if a.ndim == 0:
+        return [bool(a)] * n
+    return a.reshape(-1).tolist()
+
+
+def _named(tensors):
+    return [pb.NamedTensor(name=k, tensor=encode(v)) for k, v in tensors.items()]
+
+
+def _unnamed(named):
+    w = Weights()
+    for nt in named:
+        w[nt.name] = decode(nt.tensor)
+    return w
+
+
+def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+    ids = _ids(env_ids)
+    req = pb.StepRequest(env_ids=ids, return_state=bool(return_state))
+    encode(obs, out=req.obs)
+    req.is_init[:] = _bools(is_init, len(ids))
+    if step_index is not None:
+        req.step_index[:] = _ids(step_index)
+    if extras is not None:
+        encode(extras, out=req.extras)
+    return req
+
+
+def _step_result(reply):
+    return StepResult(decode(reply.output), reply.model_version, field(reply, "h"),
+                      field(reply, "c"))
+
+
+def _credentials(tls):
+    """tls: None/False (plaintext), True (system roots), a path or PEM string of the roots to
+    trust, a dict {ca, cert, key, server_name} (paths or PEM), or grpc.ChannelCredentials.
+    Returns (credentials or None, extra channel options)."""
+    if tls is None or tls is False:
+        return None, []
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls, []
+    if tls is True:
+        return grpc.ssl_channel_credentials(), []
+    if isinstance(tls, (str, bytes)):
+        tls = {"ca": tls}
+
+    def pem(v):
+        if v is None:
+            return None
+        if isinstance(v, bytes):
+            return v
+        if v.lstrip().startswith("-----BEGIN"):
+            return v.encode()
+        with open(v, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pem(tls.get("ca")),
+        private_key=pem(tls.get("key")),
+        certificate_chain=pem(tls.get("cert")),
+    )
+    opts = []
+    if tls.get("server_name"):
+        opts.append(("grpc.ssl_target_name_override", tls["server_name"]))
+    return creds, opts
+
+
+class Client:
+    """A connection to one rnnd daemon.
+
+    target: "HOST:PORT". token: bearer token (sent as "authorization: Bearer <token>").
+    tls: see _credentials (None: plaintext). timeout: per-call deadline in seconds (None: none).
+    max_message_mb: send/receive limit (-1: unlimited, the default).
+    """
+
+    def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=()):
+        self.target = target
+        self.timeout = timeout
+        limit = -1 if max_message_mb is None or max_message_mb < 0 else int(max_message_mb) << 20
+        opts = [("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit)]
+        creds, extra = _credentials(tls)
+        opts += extra + list(options)
+        if creds is None:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        self._metadata = (("authorization", "Bearer " + token),) if token else None
+        self._stub = rnnd_pb2_grpc.RnnStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, name, request, timeout=None, stub=None):
+        fn = getattr(stub or self._stub, name)
+        try:
+            return fn(request, timeout=timeout if timeout is not None else self.timeout,
+                      metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise RnndError.from_rpc_error(e, name) from None
+
+    def wait_ready(self, timeout=30.0):
+        """Blocks until the channel is connected (grpc.FutureTimeoutError after timeout)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    # -- service -------------------------------------------------------------------------------
+
+    def health(self, service="", timeout=None):
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+        r = self._call("Check", health_pb2.HealthCheckRequest(service=service), timeout,
+                       stub=self._health)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def info(self):
+        """GetModelInfo as a ModelInfo namedtuple."""
+        r = self._call("GetModelInfo", pb.GetModelInfoRequest())
+        return ModelInfo(r.cell, r.input_size, r.hidden_size, r.num_layers, r.compute, r.backend,
+                         r.device, r.model_version, r.envs_active, r.max_batch, r.extras_size)
+
+    def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
+        """One recurrent step for B envs: obs [B, I], is_init B bools (a scalar broadcasts; None:
+        all false), step_index B uint64 (retry-safe steps), extras [B, E]. Returns output [B, H]."""
+        return self.step_result(env_ids, obs, is_init, step_index, extras).output
+
+    def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
+                    return_state=False):
+        """step() returning StepResult(output, model_version, h, c); h/c [B, L, H] only with
+        return_state (c for LSTM)."""
+        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state)
+        return _step_result(self._call("Step", req))
+
+    def stepper(self):
+        """A Stepper: Step over one bidirectional StepStream (lower latency for actors)."""
+        return Stepper(self)
+
+    def end_episodes(self, env_ids):
+        """Drops the state and recorded steps of env_ids; returns how many were released."""
+        return self._call("EndEpisodes", pb.EndEpisodesRequest(env_ids=_ids(env_ids))).released
+
+    def forward(self, obs, is_init=None, h0=None, c0=None, hidden=None, cell=None,
+                keep_tape=False):
+        """Sequence forward over explicit trajectories: obs [B, T, I], is_init [B, T] (None: all
+        false), h0/c0 [B, L, H], stored states hidden/cell [B, T, L, H] (TorchRL style: the reset
+        value where is_init). keep_tape keeps activations for backward(). Returns ForwardResult."""
+        obs = np.asarray(obs)
+        tr = pb.Trajectories()
+        encode(obs, out=tr.obs)
+        if is_init is None:
+            is_init = np.zeros(obs.shape[:2], dtype=bool)
+        encode(np.asarray(is_init, dtype=bool), out=tr.is_init)
+        for name, v in (("h0", h0), ("c0", c0), ("hidden", hidden), ("cell", cell)):
+            if v is not None:
+                encode(v, out=getattr(tr, name))
+        req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape))
+        return self._forward_result(self._call("Forward", req))
+
+    def forward_recorded(self, env_ids, steps, keep_tape=False):
+        """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
+        the state recorded before the window). The result also carries the recorded obs,
+        is_init, extras [B, T, E] and step_model_version [B, T]."""
+        req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
+                                keep_tape=bool(keep_tape))
+        return self._forward_result(self._call("Forward", req))
+
+    @staticmethod
+    def _forward_result(r):
+        return ForwardResult(decode(r.output), field(r, "h_n"), field(r, "c_n"), r.tape_id,
+                             r.model_version, field(r, "obs"), field(r, "is_init"),
+                             field(r, "extras"), field(r, "step_model_version"))
+
+    def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False):
+        """Backward through a kept tape: grad_output [B, T, H], optional grad_h_n/grad_c_n
+        [B, L, H]. accumulate adds the weight gradients into the daemon's buffer (for
+        apply_gradients()) instead of returning them. Returns BackwardResult(grads: dict name ->
+        array, grad_obs, grad_h0, grad_c0, grad_hidden, grad_cell)."""
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        encode(grad_output, out=req.grad_output)
+        if grad_h_n is not None:
+            encode(grad_h_n, out=req.grad_h_n)
+        if grad_c_n is not None:
+            encode(grad_c_n, out=req.grad_c_n)
+        r = self._call("Backward", req)
+        return BackwardResult(_unnamed(r.grads), field(r, "grad_obs"), field(r, "grad_h0"),
+                              field(r, "grad_c0"), field(r, "grad_hidden"),
+                              field(r, "grad_cell"))
+
+    def apply_gradients(self, grads=None, lr=None):
+        """One optimizer step on the daemon with grads (dict name -> array; None or empty: the
+        buffer accumulated by backward(accumulate=True)); lr overrides the configured rate.
+        Returns the new model_version."""
+        req = pb.ApplyGradientsRequest(grads=_named(grads or {}))
+        if lr is not None:
+            req.lr = float(lr)
+        return self._call("ApplyGradients", req).model_version
+
+    def get_weights(self):
+        """Weights: dict name -> array (PyTorch names) with ``.model_version``."""
+        r = self._call("GetWeights", pb.GetWeightsRequest())
+        w = _unnamed(r.tensors)
+        w.model_version = r.model_version
+        return w
+
+    def set_weights(self, tensors):
+        """Replaces weights (dict name -> array, e.g. an nn.GRU state_dict as numpy); returns the
+        new model_version."""
+        return self._call("SetWeights", pb.SetWeightsRequest(tensors=_named(tensors))).model_version
+
+    def save_checkpoint(self, path=None):
+        """Writes a checkpoint (path: a directory inside --state-dir; None: a new one); returns
+        Checkpoint(path, model_version)."""
+        r = self._call("SaveCheckpoint", pb.SaveCheckpointRequest(path=path or ""))
+        return Checkpoint(r.path, r.model_version)
+
+
+_END = object()
+
+
+class Stepper:
+    """Step over one StepStream. ``step()`` sends one request and waits for its reply;
+    ``send()``/``recv()`` let an actor keep several requests in flight (replies come in order).
+    An error ends the stream (gRPC semantics): the RnndError is raised from recv()/step() and
+    the Stepper cannot be used afterwards. Use one Stepper per thread.
+    """
+
+    def __init__(self, client):
+        self._requests = queue.SimpleQueue()
+        self._call = client._stub.StepStream(iter(self._requests.get, _END),
+                                             metadata=client._metadata)
+        self._pending = 0
+        self._closed = False
+
+    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+        if self._closed:
+            raise RnndError(grpc.StatusCode.CANCELLED, "stepper is closed", "StepStream")
+        self._requests.put(_step_request(env_ids, obs, is_init, step_index, extras, return_state))
+        self._pending += 1
+
+    def recv(self):
+        """The StepResult of the oldest request sent and not yet received."""
+        if self._pending == 0:
+            raise RuntimeError("Stepper.recv() with no request in flight")
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as e:
+            self._closed = True
+            raise RnndError.from_rpc_error(e, "StepStream") from None
+        except StopIteration:
+            self._closed = True
+            raise RnndError(grpc.StatusCode.UNKNOWN, "the daemon ended the stream",
+                            "StepStream") from None
+        self._pending -= 1
+        return _step_result(reply)
+
+    def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
+        self.send(env_ids, obs, is_init, step_index, extras)
+        return self.recv().output
+
+    def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
+                    return_state=False):
+        self.send(env_ids, obs, is_init, step_index, extras, return_state)
+        return self.recv()
+
+    def close(self):
+        """Half-closes the stream and waits for the daemon to finish it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_END)
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            self._call.cancel()
+            self._closed = True
+        self.close()

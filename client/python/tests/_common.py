@@ -1,0 +1,43 @@
+"""Shared by the Python tests: find the daemon, skip (exit 77) when something is missing.
+
+RNND_BIN: the rnnd binary (CTest sets it). RNND_FAKE=1 runs tests/fake_rnnd.py instead (for
+developing the client without the daemon; never what CTest runs).
+"""
+
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SKIP = 77
+
+
+def skip(why):
+    print("SKIP:", why)
+    sys.exit(SKIP)
+
+
+def rnnd_binary():
+    if os.environ.get("RNND_FAKE"):
+        return [sys.executable, os.path.join(HERE, "fake_rnnd.py")]
+    b = os.environ.get("RNND_BIN")
+    if not b or not os.access(b, os.X_OK):
+        skip("no rnnd binary (RNND_BIN=%r); build the server first" % b)
+    return b
+
+
+def daemon(**flags):
+    import rnnd
+    echo = sys.stderr if os.environ.get("RNND_ECHO") else None
+    return rnnd.Daemon(binary=rnnd_binary(), echo=echo, **flags)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b| (b the reference)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, "shape %s != reference %s" % (a.shape, b.shape)
+    if b.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))

@@ -1,0 +1,257 @@
+"""rnnd.Client against a real daemon (CPU backend): every RPC, the streaming stepper, recorded
+trajectories with extras, retry-safe steps, checkpoints, auth, and that errors carry the gRPC
+status code and the server's message (DESIGN.md §3)."""
+
+import os
+import sys
+import tempfile
+import unittest
+
+import grpc
+import numpy as np
+
+import rnnd
+from _common import daemon, rel_err
+
+I, H, L, E = 6, 8, 2, 3
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = daemon(cell="lstm", layers=L, input_size=I, hidden_size=H, extras_size=E,
+                       trajectory_steps=64, seed=7).start()
+        cls.c = cls.d.client()
+        cls.rng = np.random.default_rng(0)
+        cls.next_env = 1000
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+        cls.d.stop()
+
+    def envs(self, n):
+        ids = np.arange(self.next_env, self.next_env + n, dtype=np.uint64)
+        type(self).next_env += n
+        return ids
+
+    def obs(self, *shape):
+        return self.rng.standard_normal(shape).astype(np.float32)
+
+    def assertStatus(self, code, fn, *args, **kw):
+        with self.assertRaises(rnnd.RnndError) as cm:
+            fn(*args, **kw)
+        e = cm.exception
+        self.assertEqual(e.code, code, "expected %s, got %s: %s" % (code.name, e.code_name, e.details))
+        self.assertEqual(e.code_name, code.name)
+        self.assertTrue(e.details, "the status must carry the server's message")
+        self.assertIn(e.details, str(e))
+        return e
+
+    # -- service --
+
+    def test_health(self):
+        self.assertEqual(self.c.health(), "SERVING")
+        self.assertEqual(self.c.health("rnnd.v1.Rnn"), "SERVING")
+
+    def test_info(self):
+        info = self.c.info()
+        self.assertEqual((info.cell, info.input_size, info.hidden_size, info.num_layers,
+                          info.extras_size), ("lstm", I, H, L, E))
+        self.assertEqual(info.backend, "cpu")
+        self.assertIn(info.compute, ("fp32", "ieee", "bf16"))
+        self.assertGreater(info.max_batch, 0)
+
+    # -- Step --
+
+    def test_step_shapes_and_determinism(self):
+        ids = self.envs(5)
+        x = self.obs(5, I)
+        out = self.c.step(ids, x, is_init=True)
+        self.assertEqual(out.shape, (5, H))
+        self.assertEqual(out.dtype, np.float32)
+        out2 = self.c.step(self.envs(5), x, is_init=True)
+        np.testing.assert_array_equal(out, out2)
+        res = self.c.step_result(ids, x, return_state=True)
+        self.assertEqual(res.h.shape, (5, L, H))
+        self.assertEqual(res.c.shape, (5, L, H))
+        np.testing.assert_allclose(res.h[:, -1], res.output, rtol=0, atol=0)
+        self.assertEqual(self.c.end_episodes(ids), 5)
+
+    def test_stepper_matches_unary(self):
+        a, b = self.envs(4), self.envs(4)
+        with self.c.stepper() as s:
+            for t in range(6):
+                x = self.obs(4, I)
+                init = t == 0 or (self.rng.random(4) < 0.3)
+                u = self.c.step(a, x, init)
+                v = s.step(b, x, init)
+                np.testing.assert_allclose(v, u, rtol=1e-6, atol=1e-6)
+            # pipelined: two in flight, replies in order
+            x1, x2 = self.obs(4, I), self.obs(4, I)
+            s.send(b, x1)
+            s.send(b, x2)
+            r1, r2 = s.recv(), s.recv()
+            np.testing.assert_allclose(r1.output, self.c.step(a, x1), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(r2.output, self.c.step(a, x2), rtol=1e-6, atol=1e-6)
+
+    def test_stepper_error_ends_stream(self):
+        with self.c.stepper() as s:
+            s.step(self.envs(2), self.obs(2, I), True)
+            e = self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, s.step, self.envs(1),
+                                  self.obs(1, I), False)
+            self.assertEqual(e.method, "StepStream")
+
+    def test_step_errors(self):
+        ids = self.envs(2)
+        self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, self.c.step, ids, self.obs(2, I))
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.step, [ids[0], ids[0]],
+                          self.obs(2, I), True)
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.step, ids, self.obs(2, I + 1), True)
+        bad = self.obs(2, I)
+        bad[1, 2] = np.nan
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.step, ids, bad, True)
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.step, ids, self.obs(2, I), True,
+                          extras=self.obs(2, E + 1))
+        # a rejected request changes no state: the envs still have none
+        self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, self.c.step, ids, self.obs(2, I))
+
+    def test_retry_safe_steps(self):
+        ids = self.envs(3)
+        x0, x1 = self.obs(3, I), self.obs(3, I)
+        self.c.step(ids, x0, True, step_index=[0, 0, 0])
+        o1 = self.c.step(ids, x1, step_index=[1, 1, 1])
+        again = self.c.step(ids, x1, step_index=[1, 1, 1])  # a resent request: cached output
+        np.testing.assert_array_equal(again, o1)
+        self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, self.c.step, ids, x1,
+                          step_index=[3, 3, 3])
+        o2 = self.c.step(ids, x1, step_index=[2, 2, 2])
+        self.assertFalse(np.array_equal(o2, o1))
+
+    def test_end_episodes(self):
+        ids = self.envs(3)
+        self.c.step(ids, self.obs(3, I), True)
+        self.assertEqual(self.c.end_episodes(list(ids) + [123456789]), 3)
+        self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, self.c.step, ids[:1], self.obs(1, I))
+
+    # -- Forward / Backward --
+
+    def test_forward_recorded_equals_step(self):
+        ids = self.envs(3)
+        T, total = 7, 12
+        outs, obs, inits, extras = [], [], [], []
+        for t in range(total):
+            x = self.obs(3, I)
+            init = (self.rng.random(3) < 0.25) | (t == 0)
+            ex = self.obs(3, E)
+            outs.append(self.c.step(ids, x, init, extras=ex).copy())
+            obs.append(x)
+            inits.append(init)
+            extras.append(ex)
+        r = self.c.forward_recorded(ids, T)
+        self.assertEqual(r.tape_id, 0)
+        want = np.stack(outs[-T:], 1)
+        self.assertEqual(r.output.shape, (3, T, H))
+        self.assertLessEqual(rel_err(r.output, want), 1e-5)
+        np.testing.assert_array_equal(r.obs, np.stack(obs[-T:], 1))
+        np.testing.assert_array_equal(r.is_init, np.stack(inits[-T:], 1))
+        np.testing.assert_array_equal(r.extras, np.stack(extras[-T:], 1))
+        self.assertEqual(r.step_model_version.shape, (3, T))
+        self.assertEqual(r.step_model_version.dtype, np.int64)
+        self.assertEqual(r.h_n.shape, (3, L, H))
+        self.assertEqual(r.c_n.shape, (3, L, H))
+        e = self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, self.c.forward_recorded, ids, total + 1)
+        self.assertTrue(any(str(int(i)) in e.details for i in ids), e.details)
+        # a recorded tape gives weight gradients
+        r = self.c.forward_recorded(ids, T, keep_tape=True)
+        self.assertNotEqual(r.tape_id, 0)
+        g = self.c.backward(r.tape_id, np.ones((3, T, H), np.float32))
+        self.assertEqual(set(g.grads), set(self.c.get_weights()))
+
+    def test_backward_unknown_tape(self):
+        self.assertStatus(grpc.StatusCode.NOT_FOUND, self.c.backward, 987654321,
+                          np.zeros((1, 1, H), np.float32))
+
+    def test_forward_errors(self):
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.forward, self.obs(2, 3, I + 1))
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.forward, self.obs(2, 3, I),
+                          np.zeros((2, 4), bool))
+        r = self.c.forward(self.obs(2, 3, I), keep_tape=True)
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.backward, r.tape_id,
+                          np.zeros((2, 3, H + 1), np.float32))
+
+    # -- weights, optimizer, checkpoints --
+
+    def test_weights_roundtrip_and_training(self):
+        w = self.c.get_weights()
+        names = {f"{k}_l{l}" for l in range(L) for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+        self.assertEqual(set(w), names)
+        self.assertEqual(w["weight_ih_l0"].shape, (4 * H, I))
+        self.assertEqual(w["weight_ih_l1"].shape, (4 * H, H))
+        self.assertEqual(w["bias_hh_l1"].shape, (4 * H,))
+        bound = 1 / np.sqrt(H)
+        for v in w.values():
+            self.assertLessEqual(np.abs(v).max(), bound + 1e-6)
+        new = {k: (v * 0.5).astype(np.float32) for k, v in w.items()}
+        v1 = self.c.set_weights(new)
+        self.assertGreater(v1, w.model_version)
+        got = self.c.get_weights()
+        self.assertEqual(got.model_version, v1)
+        for k in new:
+            np.testing.assert_array_equal(got[k], new[k])
+        self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.set_weights,
+                          {"weight_ih_l0": np.zeros((3, 3), np.float32)})
+
+        # explicit gradients
+        x = self.obs(4, 5, I)
+        r = self.c.forward(x, keep_tape=True)
+        g = self.c.backward(r.tape_id, r.output.copy())  # d(0.5 |out|^2)
+        v2 = self.c.apply_gradients(g.grads, lr=1e-2)
+        self.assertEqual(v2, v1 + 1)
+        after = self.c.forward(x).output
+        self.assertLess(float((after ** 2).sum()), float((r.output ** 2).sum()))
+        # accumulated on the server
+        r = self.c.forward(x, keep_tape=True)
+        g = self.c.backward(r.tape_id, r.output.copy(), accumulate=True)
+        self.assertEqual(len(g.grads), 0)
+        v3 = self.c.apply_gradients(lr=1e-2)
+        self.assertEqual(v3, v2 + 1)
+        self.assertLess(float((self.c.forward(x).output ** 2).sum()), float((r.output ** 2).sum()))
+        self.assertGreaterEqual(self.c.info().model_version, v3)
+
+    def test_checkpoint(self):
+        w = self.c.get_weights()
+        ck = self.c.save_checkpoint()
+        self.assertTrue(ck.path)
+        self.assertGreaterEqual(ck.model_version, w.model_version)
+        path = ck.path if os.path.isabs(ck.path) else os.path.join(self.d.state_dir, ck.path)
+        self.assertTrue(os.path.isdir(path), path)
+        st = rnnd.load_safetensors(path)
+        self.assertEqual(set(st), set(w))
+        for k in w:
+            np.testing.assert_array_equal(st[k], w[k])
+
+
+class AuthTest(unittest.TestCase):
+    def test_token(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+            f.write("s3cret-token\n")
+        try:
+            with daemon(input_size=4, hidden_size=4, auth_token_file=f.name) as d:
+                with d.client() as c:
+                    with self.assertRaises(rnnd.RnndError) as cm:
+                        c.info()
+                    self.assertEqual(cm.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+                with d.client(token="wrong") as c:
+                    with self.assertRaises(rnnd.RnndError) as cm:
+                        c.step([1], np.zeros((1, 4), np.float32), True)
+                    self.assertEqual(cm.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+                with d.client(token="s3cret-token") as c:
+                    self.assertEqual(c.info().input_size, 4)
+                    self.assertEqual(c.step([1], np.zeros((1, 4), np.float32), True).shape, (1, 4))
+        finally:
+            os.unlink(f.name)
+
+
+if __name__ == "__main__":
+    sys.exit(not unittest.main(exit=False, verbosity=2).result.wasSuccessful())

@@ -1,0 +1,160 @@
+"""rnnd.torch.RemoteRecurrent against a real daemon: state_dict round trip with nn.GRU/nn.LSTM,
+forward/backward through autograd equal to nn.GRU/nn.LSTM (Parameters' .grad, input and state
+gradients), inside a loss with a local head; apply_gradients in both gradient modes."""
+
+import sys
+import unittest
+
+import numpy as np
+
+from _common import daemon, rel_err, skip
+
+try:
+    import torch
+except ImportError:
+    skip("PyTorch is not installed (Debian: python3-torch)")
+import rnnd.torch  # noqa: E402
+
+I, H, L = 4, 6, 2
+TOL = 1e-4
+
+
+class RemoteRecurrentTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = {c: daemon(cell=c, layers=L, input_size=I, hidden_size=H, extras_size=1).start()
+                 for c in ("gru", "lstm")}
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in cls.d.values():
+            d.stop()
+
+    def ref(self, cell, seed=0):
+        torch.manual_seed(seed)
+        return (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(I, H, L, batch_first=True)
+
+    def check_state_dict(self, cell):
+        core = rnnd.torch.RemoteRecurrent(self.d[cell].client())
+        self.assertIn(cell, repr(core))
+        ref = self.ref(cell, 3)
+        self.assertEqual(list(core.state_dict().keys()), list(ref.state_dict().keys()))
+        core.load_state_dict(ref.state_dict())  # pushes to the daemon
+        w = core.client.get_weights()
+        for k, v in ref.state_dict().items():
+            np.testing.assert_array_equal(w[k], v.numpy(), err_msg=k)
+        back = self.ref(cell, 99)
+        back.load_state_dict(core.state_dict())
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=0)
+        # nested in a parent module, keys get the prefix and loading still pushes
+        parent = torch.nn.Module()
+        parent.core = core
+        sd = parent.state_dict()
+        self.assertIn("core.weight_hh_l1", sd)
+        sd = {k: v * 0.5 for k, v in sd.items()}
+        parent.load_state_dict(sd)
+        np.testing.assert_allclose(core.client.get_weights()["weight_hh_l1"],
+                                   sd["core.weight_hh_l1"].numpy(), rtol=0, atol=0)
+        return core
+
+    def check_autograd(self, cell):
+        core = rnnd.torch.RemoteRecurrent(self.d[cell].client())
+        ref = self.ref(cell, 5)
+        core.load_state_dict(ref.state_dict())
+        head = torch.nn.Linear(H, 3)
+        B, T = 3, 5
+        torch.manual_seed(1)
+        x = torch.randn(B, T, I)
+        h0 = torch.randn(B, L, H) * 0.5
+        c0 = torch.randn(B, L, H) * 0.5
+        target = torch.randn(B, T, 3)
+
+        def run(mod, remote):
+            xx = x.clone().requires_grad_()
+            hh = h0.clone().requires_grad_()
+            cc = c0.clone().requires_grad_()
+            if remote:
+                hx = (hh, cc) if cell == "lstm" else hh
+                out, st = mod(xx, None, hx)
+            else:
+                hx = (hh.transpose(0, 1), cc.transpose(0, 1)) if cell == "lstm" else hh.transpose(0, 1)
+                out, st = mod(xx, hx)
+            hn = st[0] if cell == "lstm" else st
+            if not remote:
+                hn = hn.transpose(0, 1)
+            loss = ((head(out) - target) ** 2).mean() + (hn ** 2).sum() * 0.1
+            head.zero_grad()
+            loss.backward()
+            return out.detach(), hn.detach(), xx.grad, hh.grad, cc.grad, head.weight.grad.clone()
+
+        got = run(core, True)
+        want = run(ref, False)
+        for name, a, b in zip(("output", "h_n", "grad obs", "grad h0", "grad c0", "grad head"),
+                              got, want):
+            if b is None:
+                self.assertIsNone(a, name)
+                continue
+            self.assertLessEqual(rel_err(a.numpy(), b.numpy()), TOL, "%s %s" % (cell, name))
+        for n, p in ref.named_parameters():
+            g = getattr(core, n).grad
+            self.assertIsNotNone(g, n)
+            self.assertLessEqual(rel_err(g.numpy(), p.grad.numpy()), TOL, "%s grad %s" % (cell, n))
+        # resets with stored states go through the same Function
+        init = torch.zeros(B, T, dtype=torch.bool)
+        init[:, 2] = True
+        hidden = torch.randn(B, T, L, H, requires_grad=True)
+        cellst = torch.randn(B, T, L, H, requires_grad=True) if cell == "lstm" else None
+        out, _ = core(x, init, hidden=hidden, cell=cellst)
+        out.sum().backward()
+        self.assertEqual(tuple(hidden.grad.shape), (B, T, L, H))
+        self.assertTrue(torch.all(hidden.grad[:, 1] == 0))
+        self.assertTrue(torch.any(hidden.grad[:, 2] != 0))
+
+        # local mode: apply_gradients sends .grad, bumps the version, pulls the new weights
+        before = core.weight_ih_l0.detach().clone()
+        v = core.model_version
+        core.apply_gradients(lr=1e-2)
+        self.assertGreater(core.model_version, v)
+        self.assertIsNone(core.weight_ih_l0.grad)
+        self.assertFalse(torch.equal(before, core.weight_ih_l0.detach()))
+        # no tape without grad
+        with torch.no_grad():
+            out, _ = core(x)
+        self.assertEqual(tuple(out.shape), (B, T, H))
+
+    def test_gru_state_dict(self):
+        self.check_state_dict("gru")
+
+    def test_lstm_state_dict(self):
+        self.check_state_dict("lstm")
+
+    def test_gru_autograd(self):
+        self.check_autograd("gru")
+
+    def test_lstm_autograd(self):
+        self.check_autograd("lstm")
+
+    def test_server_mode_recorded(self):
+        c = self.d["gru"].client()
+        core = rnnd.torch.RemoteRecurrent(c, grads="server")
+        ids = [501, 502]
+        rng = np.random.default_rng(0)
+        for t in range(6):
+            c.step(ids, rng.standard_normal((2, I)).astype(np.float32), t == 0,
+                   extras=np.full((2, 1), t, np.float32))
+        out, rec = core.forward_recorded(ids, 4)
+        self.assertEqual(tuple(out.shape), (2, 4, H))
+        np.testing.assert_array_equal(rec.extras[:, :, 0], [[2, 3, 4, 5]] * 2)
+        (out ** 2).sum().backward()
+        self.assertIsNone(core.weight_hh_l0.grad)
+        v = core.model_version
+        core.apply_gradients(lr=1e-2)
+        self.assertEqual(core.model_version, v + 1)
+        out2, _ = core.forward_recorded(ids, 4)
+        self.assertLess(float((out2 ** 2).sum()), float((out ** 2).sum()))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(not unittest.main(exit=False, verbosity=2).result.wasSuccessful())

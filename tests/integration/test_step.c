@@ -1,0 +1,397 @@
+/*
+ * test_step.c: Step and StepStream semantics against the CPU reference (DESIGN.md §2–§3): many
+ * steps over random subsets of envs in random order with random resets, for GRU and LSTM with
+ * two layers; returned states; retry-safe step_index; EndEpisodes; determinism; GetModelInfo.
+ *
+ * Each group starts its own daemon; the reference gets the daemon's weights through GetWeights.
+ */
+#include "harness.h"
+
+#include <grpc/status.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define I_    16
+#define H_    32
+#define L_    2
+#define NENV  48
+#define ATOL  2e-5f
+#define RTOL  1e-4f
+
+struct fixture {
+    struct daemon d;
+    struct rnnd_client *c;
+    struct ref r;
+    const char *cell;
+};
+
+static struct fixture fx_gru = {.cell = "gru"}, fx_lstm = {.cell = "lstm"};
+
+static int setup(void **state, struct fixture *f) {
+    const char *args[] = {"--cell", f->cell, "--input-size", "16", "--hidden-size", "32",
+                          "--layers", "2", "--max-batch", "64", "--seed", "7", NULL};
+    if (daemon_start(&f->d, args) != 0)
+        return -1;
+    f->c = daemon_client(&f->d, NULL);
+    ref_init(&f->r, f->c, NENV + 8);
+    *state = f;
+    return 0;
+}
+
+static int setup_gru(void **state) {
+    return setup(state, &fx_gru);
+}
+static int setup_lstm(void **state) {
+    return setup(state, &fx_lstm);
+}
+
+static int teardown(void **state) {
+    struct fixture *f = *state;
+    if (!f)
+        return 0;
+    if (!daemon_alive(&f->d)) {
+        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
+        daemon_dump_log(&f->d, 4000);
+    }
+    ref_free(&f->r);
+    rnnd_client_free(f->c);
+    daemon_free(&f->d);
+    return 0;
+}
+
+// Env ids far apart and large, to catch truncation to 32 bits or dense-array assumptions.
+static uint64_t env_id(uint64_t base, int k) {
+    return base + (uint64_t)k * 0x100000001ull;
+}
+
+// Checks reply r for the B rows of slots: output against out_ref and, when present, the returned
+// state against the reference slot table.
+static void check_reply(struct fixture *f, const struct rnnd_step_reply *r, int B,
+                        const int32_t *slots, const float *out_ref, bool want_state,
+                        const char *what) {
+    int L = f->r.m.L, H = f->r.m.H;
+    assert_tensor_f32(&r->output, 2, B, H, 0, 0);
+    assert_true(close_f32(what, r->output.data, out_ref, (size_t)B * H, ATOL, RTOL));
+    if (!want_state)
+        return;
+    assert_tensor_f32(&r->h, 3, B, L, H, 0);
+    for (int b = 0; b < B; b++)
+        assert_true(close_f32("h", (const float *)r->h.data + (size_t)b * L * H,
+                              f->r.state_h + (size_t)slots[b] * L * H, (size_t)L * H, ATOL, RTOL));
+    if (f->r.m.cell == RNND_CELL_LSTM) {
+        assert_tensor_f32(&r->c, 3, B, L, H, 0);
+        for (int b = 0; b < B; b++)
+            assert_true(close_f32("c", (const float *)r->c.data + (size_t)b * L * H,
+                                  f->r.state_c + (size_t)slots[b] * L * H, (size_t)L * H, ATOL,
+                                  RTOL));
+    } else {
+        assert_false(r->c.present && r->c.nbytes > 0);
+    }
+}
+
+// Builds one random request: a random subset of the NENV envs in random order, with resets.
+struct round {
+    int B;
+    uint64_t ids[NENV];
+    int32_t slots[NENV];
+    bool init[NENV];
+    bool any_init;
+    float obs[NENV * I_];
+};
+
+static void make_round(struct rng *g, uint64_t base, bool all_init, struct round *rd) {
+    int perm[NENV];
+    for (int k = 0; k < NENV; k++)
+        perm[k] = k;
+    for (int k = NENV - 1; k > 0; k--) {
+        int j = (int)rng_u(g, (uint32_t)k + 1);
+        int t = perm[k];
+        perm[k] = perm[j];
+        perm[j] = t;
+    }
+    rd->B = all_init ? NENV : 1 + (int)rng_u(g, NENV);
+    rd->any_init = false;
+    for (int b = 0; b < rd->B; b++) {
+        rd->slots[b] = perm[b];
+        rd->ids[b] = env_id(base, perm[b]);
+        rd->init[b] = all_init || rng_u(g, 10) == 0;
+        rd->any_init |= rd->init[b];
+    }
+    rng_fill(g, rd->obs, (size_t)rd->B * I_);
+}
+
+static struct rnnd_step_req round_req(struct round *rd, bool return_state) {
+    return (struct rnnd_step_req){
+        .n_env_ids = (size_t)rd->B,
+        .env_ids = rd->ids,
+        .obs = rnnd_tensor_f32(rd->obs, 2, rd->B, I_, 0, 0),
+        // Rounds without a reset send an empty is_init ("empty = all false").
+        .n_is_init = rd->any_init ? (size_t)rd->B : 0,
+        .is_init = rd->init,
+        .return_state = return_state,
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static void test_info(void **state) {
+    struct fixture *f = *state;
+    struct rnnd_model_info i;
+    EXPECT_OK(rnnd_client_info(f->c, &i));
+    assert_string_equal(i.cell, f->cell);
+    assert_int_equal(i.input_size, I_);
+    assert_int_equal(i.hidden_size, H_);
+    assert_int_equal(i.num_layers, L_);
+    assert_string_equal(i.backend, "cpu");
+    assert_string_equal(i.compute, "fp32");
+    assert_int_equal(i.max_batch, 64);
+    assert_int_equal(i.extras_size, 0);
+    assert_true(i.device[0] != '\0');
+    assert_string_equal(f->d.backend, "cpu");
+}
+
+static void run_unary(struct fixture *f, uint64_t base, int rounds, uint64_t seed) {
+    struct rng g = {seed};
+    struct round *rd = malloc(sizeof *rd);
+    float *out = malloc(sizeof(float) * NENV * H_);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(f->c, &info));
+    for (int n = 0; n < rounds; n++) {
+        make_round(&g, base, n == 0, rd);
+        bool want_state = n % 3 == 0;
+        struct rnnd_step_req req = round_req(rd, want_state);
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+        ref_step(&f->r, rd->B, rd->slots, rd->obs, rd->init, out);
+        char what[64];
+        snprintf(what, sizeof what, "%s round %d output", f->cell, n);
+        check_reply(f, &r, rd->B, rd->slots, out, want_state, what);
+        assert_int_equal(r.model_version, info.model_version);
+        rnnd_step_reply_free(&r);
+    }
+    free(rd);
+    free(out);
+}
+
+static void test_step_reference(void **state) {
+    struct fixture *f = *state;
+    memset(f->r.state_h, 0, sizeof(float) * (size_t)f->r.S * L_ * H_);
+    run_unary(f, 1000000000000ull, 150, 11);
+}
+
+static void test_stream_reference(void **state) {
+    struct fixture *f = *state;
+    struct rnnd_client_stream *s;
+    EXPECT_OK(rnnd_client_stream_init(f->c, &s));
+    struct rng g = {23};
+    enum { DEPTH = 4 };
+    struct round *rd = malloc(sizeof *rd * DEPTH);
+    float *out = malloc(sizeof(float) * NENV * H_);
+    uint64_t base = 2000000000000ull;
+    for (int n = 0; n < 40; n++) {
+        // Pipelined: DEPTH requests in flight on one stream, most envs appearing in several of
+        // them; the replies must come back in order, each computed after the previous step of
+        // every env it names.
+        int depth = n == 0 ? 1 : DEPTH;
+        for (int k = 0; k < depth; k++) {
+            make_round(&g, base, n == 0, &rd[k]);
+            struct rnnd_step_req req = round_req(&rd[k], k == depth - 1);
+            EXPECT_OK(rnnd_client_stream_send(s, &req));
+        }
+        for (int k = 0; k < depth; k++) {
+            struct rnnd_step_reply r;
+            EXPECT_OK(rnnd_client_stream_recv(s, &r));
+            ref_step(&f->r, rd[k].B, rd[k].slots, rd[k].obs, rd[k].init, out);
+            char what[64];
+            snprintf(what, sizeof what, "%s stream batch %d.%d", f->cell, n, k);
+            check_reply(f, &r, rd[k].B, rd[k].slots, out, k == depth - 1, what);
+            rnnd_step_reply_free(&r);
+        }
+    }
+    EXPECT_OK(rnnd_client_stream_close(s));
+    rnnd_client_stream_free(s);
+    free(rd);
+    free(out);
+}
+
+// The same request sequence replayed from a reset gives bit-identical outputs.
+static void test_deterministic(void **state) {
+    struct fixture *f = *state;
+    uint64_t ids[3] = {77, 78, 79};
+    float obs[3 * I_];
+    float first[5][3 * H_];
+    bool init[3] = {true, true, true};
+    for (int pass = 0; pass < 2; pass++) {
+        struct rng g = {99};
+        for (int n = 0; n < 5; n++) {
+            rng_fill(&g, obs, sizeof obs / sizeof obs[0]);
+            struct rnnd_step_req req = {.n_env_ids = 3,
+                                        .env_ids = ids,
+                                        .obs = rnnd_tensor_f32(obs, 2, 3, I_, 0, 0),
+                                        .n_is_init = n == 0 ? 3 : 0,
+                                        .is_init = init};
+            struct rnnd_step_reply r;
+            EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+            assert_tensor_f32(&r.output, 2, 3, H_, 0, 0);
+            if (pass == 0)
+                memcpy(first[n], r.output.data, sizeof first[n]);
+            else
+                assert_memory_equal(first[n], r.output.data, sizeof first[n]);
+            rnnd_step_reply_free(&r);
+        }
+    }
+}
+
+static void step1(struct fixture *f, uint64_t id, int32_t slot, const float *x, bool init,
+                  const uint64_t *step_index, float *out_server, float *out_ref) {
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &id,
+                                .obs = rnnd_tensor_f32((float *)x, 2, 1, I_, 0, 0),
+                                .n_is_init = 1,
+                                .is_init = &init,
+                                .n_step_index = step_index ? 1 : 0,
+                                .step_index = step_index};
+    struct rnnd_step_reply r;
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+    assert_tensor_f32(&r.output, 2, 1, H_, 0, 0);
+    memcpy(out_server, r.output.data, sizeof(float) * H_);
+    rnnd_step_reply_free(&r);
+    if (out_ref)
+        ref_step(&f->r, 1, &slot, x, &init, out_ref);
+}
+
+static void test_step_index(void **state) {
+    struct fixture *f = *state;
+    struct rng g = {5};
+    int32_t slot = NENV; // a spare slot
+    uint64_t id = 31337;
+    float x[5][I_], out[H_], ref[H_], again[H_];
+    for (int k = 0; k < 5; k++)
+        rng_fill(&g, x[k], I_);
+    uint64_t k0 = 0, k1 = 1, k2 = 2, k3 = 3, k5 = 5;
+    step1(f, id, slot, x[0], true, &k0, out, ref);
+    assert_true(close_f32("index 0", out, ref, H_, ATOL, RTOL));
+    step1(f, id, slot, x[1], false, &k1, out, ref);
+    assert_true(close_f32("index 1", out, ref, H_, ATOL, RTOL));
+    // A resent request (same index) returns the cached output and does not advance.
+    step1(f, id, slot, x[1], false, &k1, again, NULL);
+    assert_memory_equal(out, again, sizeof out);
+    step1(f, id, slot, x[1], false, &k1, again, NULL);
+    assert_memory_equal(out, again, sizeof out);
+    // Skipping ahead and going back are refused without touching the state.
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &id,
+                                .obs = rnnd_tensor_f32(x[2], 2, 1, I_, 0, 0),
+                                .n_step_index = 1,
+                                .step_index = &k3};
+    struct rnnd_step_reply r;
+    EXPECT_STATUS(rnnd_client_step(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    req.step_index = &k5;
+    EXPECT_STATUS(rnnd_client_step(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    req.step_index = &k0;
+    EXPECT_STATUS(rnnd_client_step(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    step1(f, id, slot, x[2], false, &k2, out, ref);
+    assert_true(close_f32("index 2 after refusals", out, ref, H_, ATOL, RTOL));
+    // Steps without an index still advance the env; an index then continues from there.
+    step1(f, id, slot, x[3], false, NULL, out, ref);
+    assert_true(close_f32("no index", out, ref, H_, ATOL, RTOL));
+
+    // A multi-env request resent as a whole returns the same outputs.
+    uint64_t ids[2] = {41, 42};
+    bool init[2] = {true, true};
+    uint64_t idx[2] = {0, 0};
+    float obs[2 * I_];
+    rng_fill(&g, obs, 2 * I_);
+    req = (struct rnnd_step_req){.n_env_ids = 2,
+                                 .env_ids = ids,
+                                 .obs = rnnd_tensor_f32(obs, 2, 2, I_, 0, 0),
+                                 .n_is_init = 2,
+                                 .is_init = init,
+                                 .n_step_index = 2,
+                                 .step_index = idx};
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+    rnnd_step_reply_free(&r);
+    idx[0] = idx[1] = 1;
+    req.n_is_init = 0;
+    struct rnnd_step_reply r1, r2;
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r1));
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r2));
+    assert_int_equal(r1.output.nbytes, r2.output.nbytes);
+    assert_memory_equal(r1.output.data, r2.output.data, r1.output.nbytes);
+    rnnd_step_reply_free(&r1);
+    rnnd_step_reply_free(&r2);
+}
+
+static void test_end_episodes(void **state) {
+    struct fixture *f = *state;
+    struct rng g = {8};
+    uint64_t ids[2] = {5000, 5001};
+    int32_t slots[2] = {NENV + 1, NENV + 2};
+    bool init[2] = {true, true};
+    float x[2 * I_], out[2 * H_], ref[2 * H_];
+    rng_fill(&g, x, 2 * I_);
+    struct rnnd_step_req req = {.n_env_ids = 2,
+                                .env_ids = ids,
+                                .obs = rnnd_tensor_f32(x, 2, 2, I_, 0, 0),
+                                .n_is_init = 2,
+                                .is_init = init};
+    struct rnnd_step_reply r;
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+    rnnd_step_reply_free(&r);
+    ref_step(&f->r, 2, slots, x, init, ref);
+    struct rnnd_model_info before, after;
+    EXPECT_OK(rnnd_client_info(f->c, &before));
+
+    uint64_t end[3] = {5000, 5001, 5999}; // 5999 never existed
+    uint64_t released = 99;
+    EXPECT_OK(rnnd_client_end_episodes(f->c, end, 3, &released));
+    assert_int_equal(released, 2);
+    EXPECT_OK(rnnd_client_info(f->c, &after));
+    assert_int_equal(after.envs_active + 2, before.envs_active);
+    EXPECT_OK(rnnd_client_end_episodes(f->c, end, 3, &released));
+    assert_int_equal(released, 0);
+
+    // An ended env has no state: stepping it without is_init is refused, not zero-filled.
+    req.n_is_init = 0;
+    EXPECT_STATUS(rnnd_client_step(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    req.n_is_init = 2;
+    EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+    ref_step(&f->r, 2, slots, x, init, ref);
+    memcpy(out, r.output.data, sizeof out);
+    assert_true(close_f32("after EndEpisodes", out, ref, 2 * H_, ATOL, RTOL));
+    rnnd_step_reply_free(&r);
+}
+
+// A first step with is_init over many envs, then one env stepped alone many times: a long chain
+// catches state that is written back to the wrong slot or not at all.
+static void test_long_chain(void **state) {
+    struct fixture *f = *state;
+    struct rng g = {3};
+    uint64_t id = 424242;
+    int32_t slot = NENV + 3;
+    float x[I_], out[H_], ref[H_];
+    for (int n = 0; n < 100; n++) {
+        rng_fill(&g, x, I_);
+        step1(f, id, slot, x, n == 0, NULL, out, ref);
+        char what[32];
+        snprintf(what, sizeof what, "chain step %d", n);
+        assert_true(close_f32(what, out, ref, H_, ATOL, RTOL));
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_info),
+        cmocka_unit_test(test_step_reference),
+        cmocka_unit_test(test_stream_reference),
+        cmocka_unit_test(test_deterministic),
+        cmocka_unit_test(test_step_index),
+        cmocka_unit_test(test_end_episodes),
+        cmocka_unit_test(test_long_chain),
+    };
+    int fails = cmocka_run_group_tests_name("step (gru)", tests, setup_gru, teardown);
+    fails += cmocka_run_group_tests_name("step (lstm)", tests, setup_lstm, teardown);
+    return fails ? 1 : 0;
+}

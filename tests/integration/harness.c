@@ -549,6 +549,10 @@ void rng_fill(struct rng *g, float *v, size_t n) {
 
 bool close_f32(const char *what, const float *a, const float *b, size_t n, float atol,
                float rtol) {
+    if (!a || !b) {
+        fprintf(stderr, "%s: %s is missing\n", what, !a ? "the value" : "the reference");
+        return false;
+    }
     size_t bad = 0;
     for (size_t k = 0; k < n; k++) {
         float d = fabsf(a[k] - b[k]);

@@ -1,0 +1,679 @@
+/*
+ * test_learner.c: the learner RPCs against the CPU reference. Forward over explicit trajectories
+ * (zero start, h0/c0, TorchRL stored states, resets inside the window) and Backward (weight
+ * gradients by PyTorch name, grad_obs, grad_h0, grad_hidden); Forward over recorded steps equals
+ * what Step returned and carries obs, is_init, extras and model versions; the trajectory ring
+ * keeps --trajectory-steps steps; Backward accumulate + ApplyGradients is exactly SGD's update;
+ * explicit gradients with an lr override; a few Adam steps on a synthetic task lower the loss;
+ * tapes expire after --tape-ttl-s.
+ *
+ * Two daemons: LSTM L=2 with extras, SGD lr 0.1, a 16-step ring and a 2 s tape TTL; GRU L=2 Adam
+ * lr 0.01.
+ */
+#include "harness.h"
+
+#include <grpc/status.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define I_   8
+#define H_   16
+#define L_   2
+#define E_   3
+#define RING 16
+#define ATOL 2e-5f
+#define RTOL 1e-4f
+// Backward sums over rows and steps: a little more room.
+#define GATOL 1e-4f
+#define GRTOL 1e-3f
+
+struct fixture {
+    struct daemon d;
+    struct rnnd_client *c;
+    struct ref r;
+    const char *const *args;
+    struct rng g;
+};
+
+static const char *const lstm_args[] = {
+    "--cell", "lstm", "--input-size", "8", "--hidden-size", "16", "--layers", "2",
+    "--extras-size", "3", "--optimizer", "sgd", "--lr", "0.1", "--max-grad-norm", "1000000",
+    "--trajectory-steps", "16", "--tape-ttl-s", "2", "--seed", "21", NULL};
+static const char *const gru_args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size",
+                                       "16", "--layers", "2", "--optimizer", "adam", "--lr",
+                                       "0.01", "--seed", "22", NULL};
+
+static struct fixture fx_lstm = {.args = lstm_args, .g = {77}};
+static struct fixture fx_gru = {.args = gru_args, .g = {78}};
+
+static int setup(void **state, struct fixture *f) {
+    if (daemon_start(&f->d, (const char **)f->args) != 0)
+        return -1;
+    f->c = daemon_client(&f->d, NULL);
+    ref_init(&f->r, f->c, 16);
+    *state = f;
+    return 0;
+}
+static int setup_lstm(void **state) {
+    return setup(state, &fx_lstm);
+}
+static int setup_gru(void **state) {
+    return setup(state, &fx_gru);
+}
+
+static int teardown(void **state) {
+    struct fixture *f = *state;
+    if (!f)
+        return 0;
+    if (!daemon_alive(&f->d)) {
+        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
+        daemon_dump_log(&f->d, 4000);
+    }
+    ref_free(&f->r);
+    rnnd_client_free(f->c);
+    daemon_free(&f->d);
+    return 0;
+}
+
+static bool is_lstm(const struct fixture *f) {
+    return f->r.m.cell == RNND_CELL_LSTM;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A batch of trajectories and the reference's answer for it.
+
+enum variant { V_ZERO, V_H0, V_STORED };
+
+struct batch {
+    int B, T;
+    float *x;        // (B, T, I)
+    uint8_t *init;   // (B, T)
+    float *h0, *c0;  // (B, L, H) V_H0
+    float *hid, *cel; // (B, T, L, H) V_STORED
+    // reference results
+    float *out, *h_n, *c_n;
+    void *tape;
+};
+
+static void batch_make(struct fixture *f, struct batch *b, int B, int T, enum variant v) {
+    memset(b, 0, sizeof *b);
+    b->B = B;
+    b->T = T;
+    size_t n_state = (size_t)B * L_ * H_, n_stored = (size_t)B * T * L_ * H_;
+    b->x = malloc(sizeof(float) * (size_t)B * T * I_);
+    rng_fill(&f->g, b->x, (size_t)B * T * I_);
+    b->init = calloc((size_t)B * T, 1);
+    for (int k = 0; k < B * T; k++)
+        b->init[k] = rng_u(&f->g, 4) == 0;
+    b->init[0] = 1; // row 0 resets at t = 0; others may not
+    if (v == V_H0) {
+        b->h0 = malloc(sizeof(float) * n_state);
+        rng_fill(&f->g, b->h0, n_state);
+        if (is_lstm(f)) {
+            b->c0 = malloc(sizeof(float) * n_state);
+            rng_fill(&f->g, b->c0, n_state);
+        }
+    }
+    if (v == V_STORED) {
+        b->hid = malloc(sizeof(float) * n_stored);
+        rng_fill(&f->g, b->hid, n_stored);
+        if (is_lstm(f)) {
+            b->cel = malloc(sizeof(float) * n_stored);
+            rng_fill(&f->g, b->cel, n_stored);
+        }
+    }
+}
+
+static struct rnnd_seq batch_seq(const struct batch *b) {
+    return (struct rnnd_seq){.B = b->B, .T = b->T, .x = b->x, .is_init = b->init, .h0 = b->h0,
+                             .c0 = b->c0, .hidden = b->hid, .cell = b->cel};
+}
+
+static void batch_ref_forward(struct fixture *f, struct batch *b) {
+    size_t n_state = (size_t)b->B * L_ * H_;
+    b->out = malloc(sizeof(float) * (size_t)b->B * b->T * H_);
+    b->h_n = malloc(sizeof(float) * n_state);
+    b->c_n = is_lstm(f) ? malloc(sizeof(float) * n_state) : NULL;
+    b->tape = malloc(f->r.be.ops->tape_bytes(f->r.be.ctx, &f->r.m, b->B, b->T) + 64);
+    struct rnnd_seq seq = batch_seq(b);
+    assert_int_equal(f->r.be.ops->rnn_forward(f->r.be.ctx, b->out, b->h_n, b->c_n, b->tape, &seq,
+                                              f->r.params, &f->r.m),
+                     0);
+}
+
+static void batch_free(struct batch *b) {
+    free(b->x);
+    free(b->init);
+    free(b->h0);
+    free(b->c0);
+    free(b->hid);
+    free(b->cel);
+    free(b->out);
+    free(b->h_n);
+    free(b->c_n);
+    free(b->tape);
+}
+
+static struct rnnd_forward_req batch_req(struct batch *b, bool keep_tape) {
+    struct rnnd_forward_req req = {
+        .obs = rnnd_tensor_f32(b->x, 3, b->B, b->T, I_, 0),
+        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, b->init, 2, (int64_t[]){b->B, b->T}),
+        .keep_tape = keep_tape,
+    };
+    if (b->h0)
+        req.h0 = rnnd_tensor_f32(b->h0, 3, b->B, L_, H_, 0);
+    if (b->c0)
+        req.c0 = rnnd_tensor_f32(b->c0, 3, b->B, L_, H_, 0);
+    if (b->hid)
+        req.hidden = rnnd_tensor_f32(b->hid, 4, b->B, b->T, L_, H_);
+    if (b->cel)
+        req.cell = rnnd_tensor_f32(b->cel, 4, b->B, b->T, L_, H_);
+    return req;
+}
+
+static void check_forward(struct fixture *f, struct batch *b, const struct rnnd_forward_reply *r,
+                          const char *what) {
+    char w[96];
+    assert_tensor_f32(&r->output, 3, b->B, b->T, H_, 0);
+    snprintf(w, sizeof w, "%s output", what);
+    assert_true(close_f32(w, r->output.data, b->out, (size_t)b->B * b->T * H_, ATOL, RTOL));
+    assert_tensor_f32(&r->h_n, 3, b->B, L_, H_, 0);
+    snprintf(w, sizeof w, "%s h_n", what);
+    assert_true(close_f32(w, r->h_n.data, b->h_n, (size_t)b->B * L_ * H_, ATOL, RTOL));
+    if (is_lstm(f)) {
+        assert_tensor_f32(&r->c_n, 3, b->B, L_, H_, 0);
+        snprintf(w, sizeof w, "%s c_n", what);
+        assert_true(close_f32(w, r->c_n.data, b->c_n, (size_t)b->B * L_ * H_, ATOL, RTOL));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static void test_forward_explicit(void **state) {
+    struct fixture *f = *state;
+    const char *names[] = {"zero start", "h0", "stored states"};
+    for (int v = V_ZERO; v <= V_STORED; v++) {
+        for (int shape = 0; shape < 2; shape++) {
+            int B = shape ? 5 : 1, T = shape ? 9 : 1;
+            struct batch b;
+            batch_make(f, &b, B, T, (enum variant)v);
+            batch_ref_forward(f, &b);
+            struct rnnd_forward_req req = batch_req(&b, false);
+            struct rnnd_forward_reply r;
+            EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
+            char what[64];
+            snprintf(what, sizeof what, "forward %s B=%d T=%d", names[v], B, T);
+            check_forward(f, &b, &r, what);
+            assert_int_equal(r.tape_id, 0); // keep_tape false
+            assert_false(r.obs.present && r.obs.nbytes); // recorded-only fields stay empty
+            rnnd_forward_reply_free(&r);
+            batch_free(&b);
+        }
+    }
+}
+
+// Backward of one batch against the reference; returns the reference's parameter gradient
+// (P floats, new) when want_params.
+static float *backward_check(struct fixture *f, enum variant v, bool accumulate) {
+    struct batch b;
+    batch_make(f, &b, 4, 7, v);
+    batch_ref_forward(f, &b);
+    struct rnnd_forward_req req = batch_req(&b, true);
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(f->c, &req, &fr));
+    check_forward(f, &b, &fr, "forward with tape");
+    assert_true(fr.tape_id != 0);
+
+    size_t n_out = (size_t)b.B * b.T * H_, n_state = (size_t)b.B * L_ * H_;
+    size_t n_stored = (size_t)b.B * b.T * L_ * H_;
+    float *go = malloc(sizeof(float) * n_out), *ghn = malloc(sizeof(float) * n_state);
+    float *gcn = malloc(sizeof(float) * n_state);
+    rng_fill(&f->g, go, n_out);
+    rng_fill(&f->g, ghn, n_state);
+    rng_fill(&f->g, gcn, n_state);
+    struct rnnd_backward_req bq = {.tape_id = fr.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, b.B, b.T, H_, 0),
+                                   .grad_h_n = rnnd_tensor_f32(ghn, 3, b.B, L_, H_, 0),
+                                   .accumulate = accumulate};
+    if (is_lstm(f))
+        bq.grad_c_n = rnnd_tensor_f32(gcn, 3, b.B, L_, H_, 0);
+    struct rnnd_backward_reply br;
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &br));
+
+    float *gp = calloc(f->r.P, sizeof(float));
+    float *gx = malloc(sizeof(float) * (size_t)b.B * b.T * I_);
+    float *gh0 = malloc(sizeof(float) * n_state), *gc0 = malloc(sizeof(float) * n_state);
+    float *ghid = malloc(sizeof(float) * n_stored), *gcel = malloc(sizeof(float) * n_stored);
+    struct rnnd_seq_grads grads = {.params = gp,
+                                   .x = gx,
+                                   .h0 = b.h0 ? gh0 : NULL,
+                                   .c0 = b.c0 ? gc0 : NULL,
+                                   .hidden = b.hid ? ghid : NULL,
+                                   .cell = b.cel ? gcel : NULL};
+    struct rnnd_seq seq = batch_seq(&b);
+    assert_int_equal(f->r.be.ops->rnn_backward(f->r.be.ctx, &grads, go, ghn,
+                                               is_lstm(f) ? gcn : NULL, b.tape, &seq, f->r.params,
+                                               &f->r.m),
+                     0);
+
+    if (accumulate) {
+        assert_int_equal(br.grads.n, 0);
+    } else {
+        assert_int_equal(br.grads.n, (size_t)4 * L_);
+        float *got = malloc(sizeof(float) * f->r.P);
+        int err = rnnd_named_tensors_to_params(&br.grads, &f->r.m, got);
+        if (err)
+            fprintf(stderr, "grads: %s\n", rnnd_client_last_error()->message);
+        assert_int_equal(err, 0);
+        assert_true(close_f32("weight gradients", got, gp, f->r.P, GATOL, GRTOL));
+        free(got);
+    }
+    assert_tensor_f32(&br.grad_obs, 3, b.B, b.T, I_, 0);
+    assert_true(close_f32("grad_obs", br.grad_obs.data, gx, (size_t)b.B * b.T * I_, GATOL, GRTOL));
+    if (b.h0) {
+        assert_tensor_f32(&br.grad_h0, 3, b.B, L_, H_, 0);
+        assert_true(close_f32("grad_h0", br.grad_h0.data, gh0, n_state, GATOL, GRTOL));
+        if (b.c0) {
+            assert_tensor_f32(&br.grad_c0, 3, b.B, L_, H_, 0);
+            assert_true(close_f32("grad_c0", br.grad_c0.data, gc0, n_state, GATOL, GRTOL));
+        }
+    }
+    if (b.hid) {
+        assert_tensor_f32(&br.grad_hidden, 4, b.B, b.T, L_, H_);
+        assert_true(close_f32("grad_hidden", br.grad_hidden.data, ghid, n_stored, GATOL, GRTOL));
+        if (b.cel) {
+            assert_tensor_f32(&br.grad_cell, 4, b.B, b.T, L_, H_);
+            assert_true(close_f32("grad_cell", br.grad_cell.data, gcel, n_stored, GATOL, GRTOL));
+        }
+    }
+    rnnd_backward_reply_free(&br);
+    rnnd_forward_reply_free(&fr);
+    free(go);
+    free(ghn);
+    free(gcn);
+    free(gx);
+    free(gh0);
+    free(gc0);
+    free(ghid);
+    free(gcel);
+    batch_free(&b);
+    return gp;
+}
+
+static void test_backward(void **state) {
+    struct fixture *f = *state;
+    for (int v = V_ZERO; v <= V_STORED; v++)
+        free(backward_check(f, (enum variant)v, false));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recorded trajectories.
+
+static void test_forward_recorded(void **state) {
+    struct fixture *f = *state;
+    enum { B = 3, STEPS = 10, W = 6 };
+    uint64_t ids[B] = {9001, 9002, 9003};
+    int32_t slots[B] = {0, 1, 2};
+    float x[STEPS][B * I_], e[STEPS][B * E_], outs[STEPS][B * H_];
+    bool init[STEPS][B];
+    float h_before[B * L_ * H_], c_before[B * L_ * H_], h_last[B * L_ * H_], c_last[B * L_ * H_];
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(f->c, &info));
+    bool extras = info.extras_size == E_;
+    for (int s = 0; s < STEPS; s++) {
+        rng_fill(&f->g, x[s], B * I_);
+        rng_fill(&f->g, e[s], B * E_);
+        for (int b = 0; b < B; b++)
+            init[s][b] = s == 0 || (b == 1 && s == STEPS - W + 2);
+        bool want_state = s == STEPS - W - 1 || s == STEPS - 1;
+        struct rnnd_step_req req = {.n_env_ids = B,
+                                    .env_ids = ids,
+                                    .obs = rnnd_tensor_f32(x[s], 2, B, I_, 0, 0),
+                                    .n_is_init = B,
+                                    .is_init = init[s],
+                                    .return_state = want_state};
+        if (extras)
+            req.extras = rnnd_tensor_f32(e[s], 2, B, E_, 0, 0);
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+        assert_tensor_f32(&r.output, 2, B, H_, 0, 0);
+        memcpy(outs[s], r.output.data, sizeof outs[s]);
+        float ref[B * H_];
+        ref_step(&f->r, B, slots, x[s], init[s], ref);
+        assert_true(close_f32("recorded step", outs[s], ref, B * H_, ATOL, RTOL));
+        if (want_state) {
+            assert_tensor_f32(&r.h, 3, B, L_, H_, 0);
+            memcpy(s == STEPS - 1 ? h_last : h_before, r.h.data, sizeof h_last);
+            if (is_lstm(f)) {
+                assert_tensor_f32(&r.c, 3, B, L_, H_, 0);
+                memcpy(s == STEPS - 1 ? c_last : c_before, r.c.data, sizeof c_last);
+            }
+        }
+        rnnd_step_reply_free(&r);
+    }
+
+    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = B, .env_ids = ids, .steps = W,
+                                   .keep_tape = true};
+    struct rnnd_forward_reply r;
+    EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
+    assert_tensor_f32(&r.output, 3, B, W, H_, 0);
+    assert_tensor_f32(&r.obs, 3, B, W, I_, 0);
+    assert_true(r.is_init.present && r.is_init.dtype == RNND_DTYPE_BOOL && r.is_init.ndim == 2 &&
+                r.is_init.shape[0] == B && r.is_init.shape[1] == W && r.is_init.nbytes == B * W);
+    assert_true(r.step_model_version.present &&
+                r.step_model_version.dtype == RNND_DTYPE_INT64 &&
+                r.step_model_version.ndim == 2 && r.step_model_version.shape[0] == B &&
+                r.step_model_version.shape[1] == W && r.step_model_version.nbytes == B * W * 8);
+    if (extras)
+        assert_tensor_f32(&r.extras, 3, B, W, E_, 0);
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < W; t++) {
+            int s = STEPS - W + t;
+            const float *o = (const float *)r.output.data + ((size_t)b * W + t) * H_;
+            char what[64];
+            snprintf(what, sizeof what, "recorded output env %d t %d", b, t);
+            // The same weights, the same state: what Step returned.
+            assert_true(close_f32(what, o, outs[s] + b * H_, H_, ATOL, RTOL));
+            assert_memory_equal((const float *)r.obs.data + ((size_t)b * W + t) * I_,
+                                x[s] + b * I_, sizeof(float) * I_);
+            assert_int_equal(((const uint8_t *)r.is_init.data)[b * W + t], init[s][b]);
+            assert_int_equal(((const int64_t *)r.step_model_version.data)[b * W + t],
+                             (int64_t)info.model_version);
+            if (extras)
+                assert_memory_equal((const float *)r.extras.data + ((size_t)b * W + t) * E_,
+                                    e[s] + b * E_, sizeof(float) * E_);
+        }
+    }
+    assert_tensor_f32(&r.h_n, 3, B, L_, H_, 0);
+    assert_true(close_f32("recorded h_n", r.h_n.data, h_last, B * L_ * H_, ATOL, RTOL));
+    if (is_lstm(f))
+        assert_true(close_f32("recorded c_n", r.c_n.data, c_last, B * L_ * H_, ATOL, RTOL));
+
+    // Backward over the recorded tape equals the reference run from the state before the window.
+    struct batch bb = {.B = B, .T = W};
+    bb.x = malloc(sizeof(float) * B * W * I_);
+    memcpy(bb.x, r.obs.data, sizeof(float) * B * W * I_);
+    bb.init = malloc(B * W);
+    memcpy(bb.init, r.is_init.data, B * W);
+    bb.h0 = malloc(sizeof h_before);
+    memcpy(bb.h0, h_before, sizeof h_before);
+    if (is_lstm(f)) {
+        bb.c0 = malloc(sizeof c_before);
+        memcpy(bb.c0, c_before, sizeof c_before);
+    }
+    batch_ref_forward(f, &bb);
+    assert_true(close_f32("recorded vs reference", r.output.data, bb.out, B * W * H_, ATOL, RTOL));
+    float go[B * W * H_];
+    rng_fill(&f->g, go, B * W * H_);
+    struct rnnd_backward_req bq = {.tape_id = r.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, B, W, H_, 0)};
+    struct rnnd_backward_reply br;
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &br));
+    float *gp = calloc(f->r.P, sizeof(float)), *got = malloc(sizeof(float) * f->r.P);
+    float gx[B * W * I_];
+    struct rnnd_seq_grads grads = {.params = gp, .x = gx};
+    struct rnnd_seq seq = batch_seq(&bb);
+    assert_int_equal(f->r.be.ops->rnn_backward(f->r.be.ctx, &grads, go, NULL, NULL, bb.tape, &seq,
+                                               f->r.params, &f->r.m),
+                     0);
+    assert_int_equal(rnnd_named_tensors_to_params(&br.grads, &f->r.m, got), 0);
+    assert_true(close_f32("recorded weight gradients", got, gp, f->r.P, GATOL, GRTOL));
+    assert_tensor_f32(&br.grad_obs, 3, B, W, I_, 0);
+    assert_true(close_f32("recorded grad_obs", br.grad_obs.data, gx, B * W * I_, GATOL, GRTOL));
+    free(gp);
+    free(got);
+    batch_free(&bb);
+    rnnd_backward_reply_free(&br);
+    rnnd_forward_reply_free(&r);
+}
+
+static void test_trajectory_ring(void **state) {
+    struct fixture *f = *state;
+    uint64_t id = 9100;
+    float x[I_];
+    bool init = true;
+    for (int s = 0; s < RING + 5; s++) {
+        rng_fill(&f->g, x, I_);
+        struct rnnd_step_req req = {.n_env_ids = 1,
+                                    .env_ids = &id,
+                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                    .n_is_init = 1,
+                                    .is_init = &init};
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+        rnnd_step_reply_free(&r);
+        init = false;
+    }
+    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = 1, .env_ids = &id,
+                                   .steps = RING};
+    struct rnnd_forward_reply r;
+    EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
+    assert_tensor_f32(&r.output, 3, 1, RING, H_, 0);
+    // The last recorded obs is the last one sent.
+    assert_memory_equal((const float *)r.obs.data + (size_t)(RING - 1) * I_, x, sizeof x);
+    rnnd_forward_reply_free(&r);
+    req.steps = RING + 1;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    // EndEpisodes drops the recorded steps too.
+    EXPECT_OK(rnnd_client_end_episodes(f->c, &id, 1, NULL));
+    req.steps = 1;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyGradients (SGD daemon: lr 0.1, no clipping).
+
+static float *get_params(struct fixture *f, uint64_t *version) {
+    struct rnnd_named_tensors w;
+    EXPECT_OK(rnnd_client_get_weights(f->c, &w, version));
+    float *p = malloc(sizeof(float) * f->r.P);
+    assert_int_equal(rnnd_named_tensors_to_params(&w, &f->r.m, p), 0);
+    rnnd_named_tensors_free(&w);
+    return p;
+}
+
+static void test_sgd_accumulate_apply(void **state) {
+    struct fixture *f = *state;
+    uint64_t v0;
+    float *w0 = get_params(f, &v0);
+    // Two accumulated backwards, then one update from the server's buffer.
+    float *g1 = backward_check(f, V_H0, true);
+    float *g2 = backward_check(f, V_ZERO, true);
+    uint64_t v1 = 0;
+    EXPECT_OK(rnnd_client_apply_gradients(f->c, NULL, NULL, &v1));
+    assert_int_equal(v1, v0 + 1);
+    uint64_t v;
+    float *w1 = get_params(f, &v);
+    assert_int_equal(v, v1);
+    float *want = malloc(sizeof(float) * f->r.P);
+    for (size_t k = 0; k < f->r.P; k++)
+        want[k] = w0[k] - 0.1f * (g1[k] + g2[k]);
+    assert_true(close_f32("SGD from the accumulated buffer", w1, want, f->r.P, 1e-5f, 1e-4f));
+
+    // Explicit gradients with an lr override.
+    float *g = malloc(sizeof(float) * f->r.P);
+    rng_fill(&f->g, g, f->r.P);
+    struct rnnd_named_tensors gl;
+    assert_int_equal(rnnd_named_tensors_from_params(&gl, &f->r.m, g), 0);
+    float lr = 0.05f;
+    uint64_t v2 = 0;
+    EXPECT_OK(rnnd_client_apply_gradients(f->c, &gl, &lr, &v2));
+    assert_int_equal(v2, v1 + 1);
+    float *w2 = get_params(f, &v);
+    for (size_t k = 0; k < f->r.P; k++)
+        want[k] = w1[k] - lr * g[k];
+    assert_true(close_f32("SGD with lr 0.05", w2, want, f->r.P, 1e-6f, 1e-5f));
+    rnnd_named_tensors_free(&gl);
+
+    // Steps now run the new weights and report the new version, and recorded steps say which
+    // version produced them.
+    ref_reload(&f->r, f->c);
+    uint64_t id = 9200;
+    int32_t slot = 5;
+    bool init = true;
+    for (int s = 0; s < 2; s++) {
+        float x[I_], ref[H_];
+        rng_fill(&f->g, x, I_);
+        struct rnnd_step_req req = {.n_env_ids = 1,
+                                    .env_ids = &id,
+                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                    .n_is_init = 1,
+                                    .is_init = &init};
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+        assert_int_equal(r.model_version, v2);
+        ref_step(&f->r, 1, &slot, x, &init, ref);
+        assert_true(close_f32("step after update", r.output.data, ref, H_, ATOL, RTOL));
+        rnnd_step_reply_free(&r);
+        init = false;
+        if (s == 0) { // an update between the two steps
+            for (size_t k = 0; k < f->r.P; k++)
+                g[k] *= 0.01f;
+            assert_int_equal(rnnd_named_tensors_from_params(&gl, &f->r.m, g), 0);
+            EXPECT_OK(rnnd_client_apply_gradients(f->c, &gl, NULL, &v2));
+            rnnd_named_tensors_free(&gl);
+            ref_reload(&f->r, f->c);
+        }
+    }
+    struct rnnd_forward_req fq = {.recorded = true, .n_env_ids = 1, .env_ids = &id, .steps = 2};
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(f->c, &fq, &fr));
+    assert_int_equal(fr.model_version, v2);
+    const int64_t *smv = fr.step_model_version.data;
+    assert_int_equal(smv[0], (int64_t)v2 - 1);
+    assert_int_equal(smv[1], (int64_t)v2);
+    rnnd_forward_reply_free(&fr);
+    free(w0);
+    free(w1);
+    free(w2);
+    free(g);
+    free(g1);
+    free(g2);
+    free(want);
+}
+
+static void test_tape_ttl(void **state) {
+    struct fixture *f = *state;
+    struct batch b;
+    batch_make(f, &b, 2, 3, V_ZERO);
+    struct rnnd_forward_req req = batch_req(&b, true);
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(f->c, &req, &fr));
+    float go[2 * 3 * H_] = {0};
+    struct rnnd_backward_req bq = {.tape_id = fr.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, 2, 3, H_, 0)};
+    sleep_ms(3500); // --tape-ttl-s 2, plus room for a once-a-second sweep
+    struct rnnd_backward_reply br;
+    EXPECT_STATUS(rnnd_client_backward(f->c, &bq, &br), GRPC_STATUS_NOT_FOUND);
+    rnnd_forward_reply_free(&fr);
+    batch_free(&b);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adam (GRU daemon): the first update matches torch.optim.Adam's, and a few steps on a synthetic
+// sequence task lower the loss.
+
+static double loss_and_grad(const float *out, const float *target, size_t n, float *grad) {
+    double l = 0;
+    for (size_t k = 0; k < n; k++) {
+        double d = (double)out[k] - target[k];
+        l += 0.5 * d * d / (double)n;
+        grad[k] = (float)(d / (double)n);
+    }
+    return l;
+}
+
+static void test_adam_training(void **state) {
+    struct fixture *f = *state;
+    enum { B = 8, T = 12, ITERS = 30 };
+    struct batch b;
+    batch_make(f, &b, B, T, V_ZERO);
+    float target[B * T * H_], grad[B * T * H_];
+    for (int bb = 0; bb < B; bb++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H_; h++)
+                target[(bb * T + t) * H_ + h] = 0.5f * sinf(0.3f * (float)(t + h + bb));
+    uint64_t v0;
+    float *w0 = get_params(f, &v0);
+    double first = 0, last = 0;
+    for (int it = 0; it < ITERS; it++) {
+        struct rnnd_forward_req req = batch_req(&b, true);
+        struct rnnd_forward_reply fr;
+        EXPECT_OK(rnnd_client_forward(f->c, &req, &fr));
+        assert_tensor_f32(&fr.output, 3, B, T, H_, 0);
+        double l = loss_and_grad(fr.output.data, target, B * T * H_, grad);
+        if (it == 0)
+            first = l;
+        last = l;
+        struct rnnd_backward_req bq = {.tape_id = fr.tape_id,
+                                       .grad_output = rnnd_tensor_f32(grad, 3, B, T, H_, 0),
+                                       .accumulate = it % 2 == 0};
+        struct rnnd_backward_reply br;
+        EXPECT_OK(rnnd_client_backward(f->c, &bq, &br));
+        uint64_t v = 0;
+        if (bq.accumulate)
+            EXPECT_OK(rnnd_client_apply_gradients(f->c, NULL, NULL, &v));
+        else
+            EXPECT_OK(rnnd_client_apply_gradients(f->c, &br.grads, NULL, &v));
+        assert_int_equal(v, v0 + (uint64_t)it + 1);
+        if (it == 0) {
+            // torch.optim.Adam's first step (lr 0.01, betas 0.9/0.999, eps 1e-8) from the
+            // reference gradient. Clipping, if the daemon's default clips, scales the gradient
+            // and leaves Adam's first step (about lr * sign(g)) nearly unchanged.
+            float *g = calloc(f->r.P, sizeof(float)), *m = calloc(f->r.P, sizeof(float));
+            float *vv = calloc(f->r.P, sizeof(float));
+            float *want = malloc(sizeof(float) * f->r.P);
+            memcpy(want, w0, sizeof(float) * f->r.P);
+            // The step-1 gradient from the reference (the reply has none when accumulated).
+            {
+                batch_ref_forward(f, &b);
+                struct rnnd_seq seq = batch_seq(&b);
+                struct rnnd_seq_grads gr = {.params = g};
+                assert_int_equal(f->r.be.ops->rnn_backward(f->r.be.ctx, &gr, grad, NULL, NULL,
+                                                           b.tape, &seq, f->r.params, &f->r.m),
+                                 0);
+            }
+            struct rnnd_optim o = {.kind = RNND_OPTIM_ADAM, .lr = 0.01f, .beta1 = 0.9f,
+                                   .beta2 = 0.999f, .eps = 1e-8f};
+            float norm;
+            assert_int_equal(
+                f->r.be.ops->optim_step(f->r.be.ctx, want, g, m, vv, f->r.P, &o, 1, &norm), 0);
+            uint64_t vv1;
+            float *w1 = get_params(f, &vv1);
+            assert_true(close_f32("Adam step 1", w1, want, f->r.P, 2e-4f, 1e-3f));
+            free(w1);
+            free(g);
+            free(m);
+            free(vv);
+            free(want);
+        }
+        rnnd_backward_reply_free(&br);
+        rnnd_forward_reply_free(&fr);
+    }
+    fprintf(stderr, "  Adam: loss %.5f -> %.5f over %d updates\n", first, last, ITERS);
+    assert_true(last < 0.7 * first);
+    free(w0);
+    batch_free(&b);
+}
+
+int main(void) {
+    const struct CMUnitTest lstm[] = {
+        cmocka_unit_test(test_forward_explicit),
+        cmocka_unit_test(test_backward),
+        cmocka_unit_test(test_forward_recorded),
+        cmocka_unit_test(test_trajectory_ring),
+        cmocka_unit_test(test_sgd_accumulate_apply),
+        cmocka_unit_test(test_tape_ttl),
+    };
+    const struct CMUnitTest gru[] = {
+        cmocka_unit_test(test_forward_explicit),
+        cmocka_unit_test(test_backward),
+        cmocka_unit_test(test_forward_recorded),
+        cmocka_unit_test(test_adam_training),
+    };
+    int fails = cmocka_run_group_tests_name("learner (lstm, sgd)", lstm, setup_lstm, teardown);
+    fails += cmocka_run_group_tests_name("learner (gru, adam)", gru, setup_gru, teardown);
+    return fails ? 1 : 0;
+}

@@ -1,0 +1,633 @@
+/*
+ * test_ops.c: what operators see. The ready line; grpc.health.v1 Check and Watch; raw HTTP
+ * /healthz, /readyz, /metrics (Prometheus text: every line well-formed, request counters by
+ * method and code move with traffic, histograms complete, gauges agree with GetModelInfo, no env
+ * id anywhere); bearer-token auth; the queue bound (RESOURCE_EXHAUSTED at once while the engine is
+ * busy); idle eviction; SIGTERM under load (every call OK or UNAVAILABLE, exit 0, a checkpoint
+ * left behind) and SIGINT; bad flags and config values (non-zero exit naming them); the config
+ * file with flags winning.
+ */
+#include "harness.h"
+
+#include <grpc/status.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define I_ 8
+#define H_ 32
+
+static struct daemon d;
+static struct rnnd_client *c;
+
+static int setup(void **state) {
+    (void)state;
+    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "32",
+                          "--env-idle-timeout-s", "1", "--hz", "20", NULL};
+    if (daemon_start(&d, args) != 0)
+        return -1;
+    c = daemon_client(&d, NULL);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    if (d.pid && !daemon_alive(&d)) {
+        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", d.exit_status);
+        daemon_dump_log(&d, 4000);
+    }
+    rnnd_client_free(c);
+    daemon_free(&d);
+    return 0;
+}
+
+static int step_n(struct rnnd_client *cl, const uint64_t *ids, int B, bool init) {
+    float x[64 * I_];
+    bool inits[64];
+    for (int k = 0; k < B * I_; k++)
+        x[k] = 0.01f * (float)k;
+    for (int b = 0; b < B; b++)
+        inits[b] = init;
+    struct rnnd_step_req req = {.n_env_ids = (size_t)B,
+                                .env_ids = ids,
+                                .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
+                                .n_is_init = (size_t)B,
+                                .is_init = inits};
+    struct rnnd_step_reply r;
+    int err = rnnd_client_step(cl, &req, &r);
+    rnnd_step_reply_free(&r);
+    return err;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static void test_ready_line(void **state) {
+    (void)state;
+    fprintf(stderr, "  ready after %.2f s: %s\n", d.start_seconds, d.ready_line);
+    assert_non_null(strstr(d.ready_line, "rnnd ready grpc=127.0.0.1:"));
+    assert_true(atoi(strrchr(d.grpc, ':') + 1) > 0);
+    assert_true(atoi(strrchr(d.http, ':') + 1) > 0);
+    assert_string_equal(d.backend, "cpu");
+}
+
+static void test_grpc_health(void **state) {
+    (void)state;
+    int st = -1;
+    EXPECT_OK(rnnd_client_health(c, "", &st));
+    assert_int_equal(st, 1); // SERVING
+    EXPECT_OK(rnnd_client_health(c, "rnnd.v1.Rnn", &st));
+    assert_int_equal(st, 1);
+    EXPECT_STATUS(rnnd_client_health(c, "no.such.Service", &st), GRPC_STATUS_NOT_FOUND);
+    st = -1;
+    EXPECT_OK(rnnd_client_health_watch_first(c, "", &st));
+    assert_int_equal(st, 1);
+    st = -1;
+    EXPECT_OK(rnnd_client_health_watch_first(c, "rnnd.v1.Rnn", &st));
+    assert_int_equal(st, 1);
+    // Watch of an unknown service answers SERVICE_UNKNOWN (and keeps watching).
+    st = -1;
+    EXPECT_OK(rnnd_client_health_watch_first(c, "no.such.Service", &st));
+    assert_int_equal(st, 3);
+}
+
+static void test_http_endpoints(void **state) {
+    (void)state;
+    int status;
+    char *headers, *body;
+    assert_int_equal(http_get(d.http, "/healthz", &status, NULL, &body), 0);
+    assert_int_equal(status, 200);
+    free(body);
+    assert_int_equal(http_get(d.http, "/readyz", &status, NULL, &body), 0);
+    assert_int_equal(status, 200);
+    free(body);
+    assert_int_equal(http_get(d.http, "/no-such-page", &status, NULL, &body), 0);
+    assert_int_equal(status, 404);
+    free(body);
+    assert_int_equal(http_get(d.http, "/metrics", &status, &headers, &body), 0);
+    assert_int_equal(status, 200);
+    if (!strcasestr(headers, "content-type: text/plain"))
+        fprintf(stderr, "metrics headers:\n%s\n", headers);
+    assert_non_null(strcasestr(headers, "content-type: text/plain"));
+    assert_non_null(strstr(headers, "version=0.0.4"));
+    free(headers);
+    free(body);
+}
+
+// Every line of a Prometheus text body is a comment or "name{labels} value" with a number.
+static void check_exposition(const char *body) {
+    int bad = 0, samples = 0;
+    for (const char *line = body; *line;) {
+        const char *eol = strchr(line, '\n');
+        size_t len = eol ? (size_t)(eol - line) : strlen(line);
+        char s[2048];
+        snprintf(s, sizeof s, "%.*s", (int)len, line);
+        if (len > 0 && s[0] != '#') {
+            samples++;
+            bool ok = (s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_';
+            const char *sp = strrchr(s, ' ');
+            char *end = NULL;
+            if (ok && sp) {
+                const char *v = sp + 1;
+                if (strcmp(v, "+Inf") && strcmp(v, "-Inf") && strcmp(v, "NaN")) {
+                    strtod(v, &end);
+                    ok = end && *end == '\0' && end != v;
+                }
+            } else {
+                ok = false;
+            }
+            const char *brace = strchr(s, '{');
+            if (ok && brace)
+                ok = strchr(brace, '}') != NULL && strchr(brace, '}') < sp;
+            if (!ok && bad++ < 5)
+                fprintf(stderr, "malformed metrics line: \"%s\"\n", s);
+        }
+        line = eol ? eol + 1 : line + len;
+    }
+    assert_int_equal(bad, 0);
+    assert_true(samples > 10);
+}
+
+static double metric(const char *body, const char *name, const char *labels) {
+    double v = prom_value(body, name, labels);
+    return isnan(v) ? 0 : v; // counters with no events yet may be left out
+}
+
+static void test_metrics_content(void **state) {
+    (void)state;
+    int status;
+    char *before, *after;
+    assert_int_equal(http_get(d.http, "/metrics", &status, NULL, &before), 0);
+    check_exposition(before);
+    assert_true(prom_value(before, "rnnd_up", NULL) == 1);
+    assert_true(prom_value(before, "rnnd_ready", NULL) == 1);
+
+    // Traffic: 5 good Steps, 2 bad ones, a kept tape, an EndEpisodes.
+    const uint64_t secret = 987654321987ull; // must not show up in any label
+    uint64_t ids[2] = {secret, secret + 1};
+    for (int k = 0; k < 5; k++)
+        EXPECT_OK(step_n(c, ids, 2, k == 0));
+    uint64_t unknown = secret + 2;
+    EXPECT_STATUS(step_n(c, &unknown, 1, false), GRPC_STATUS_FAILED_PRECONDITION);
+    EXPECT_STATUS(step_n(c, (uint64_t[]){secret, secret}, 2, false),
+                  GRPC_STATUS_INVALID_ARGUMENT);
+    float x[2 * 3 * I_] = {0};
+    uint8_t init[6] = {1, 0, 0, 1, 0, 0};
+    struct rnnd_forward_req fq = {
+        .obs = rnnd_tensor_f32(x, 3, 2, 3, I_, 0),
+        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){2, 3}),
+        .keep_tape = true};
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+    rnnd_forward_reply_free(&fr);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+
+    assert_int_equal(http_get(d.http, "/metrics", &status, NULL, &after), 0);
+    check_exposition(after);
+    char idtext[32];
+    snprintf(idtext, sizeof idtext, "%llu", (unsigned long long)secret);
+    assert_null(strstr(after, idtext));
+    snprintf(idtext, sizeof idtext, "%llu", (unsigned long long)secret + 2);
+    assert_null(strstr(after, idtext));
+
+    double ok = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"OK\"") -
+                metric(before, "rnnd_requests_total", "method=\"Step\";code=\"OK\"");
+    double pre = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"") -
+                 metric(before, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"");
+    double inv = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"INVALID_ARGUMENT\"") -
+                 metric(before, "rnnd_requests_total", "method=\"Step\";code=\"INVALID_ARGUMENT\"");
+    if (ok != 5 || pre != 1 || inv != 1)
+        fprintf(stderr, "Step counters moved by OK %g, FAILED_PRECONDITION %g, INVALID_ARGUMENT "
+                        "%g (want 5, 1, 1)\n", ok, pre, inv);
+    assert_true(ok == 5 && pre == 1 && inv == 1);
+    assert_true(metric(after, "rnnd_requests_total", "method=\"Forward\";code=\"OK\"") >= 1);
+    // Histograms: a +Inf bucket equal to the count.
+    double inf = prom_value(after, "rnnd_request_duration_seconds_bucket",
+                            "method=\"Step\";le=\"+Inf\"");
+    double cnt = prom_value(after, "rnnd_request_duration_seconds_count", "method=\"Step\"");
+    assert_false(isnan(inf) || isnan(cnt));
+    assert_true(inf == cnt && cnt >= 7);
+    assert_false(isnan(prom_value(after, "rnnd_step_queue_delay_seconds_count", NULL)));
+    assert_true(prom_value(after, "rnnd_batch_rows_count", NULL) >=
+                prom_value(before, "rnnd_batch_rows_count", NULL) + 5);
+    // Gauges agree with GetModelInfo.
+    assert_true(prom_value(after, "rnnd_envs_active", NULL) == (double)info.envs_active);
+    assert_true(prom_value(after, "rnnd_model_version", NULL) == (double)info.model_version);
+    assert_true(prom_value(after, "rnnd_tapes", NULL) >= 1);
+    assert_true(prom_value(after, "rnnd_tape_bytes", NULL) > 0);
+    assert_true(prom_value(after, "rnnd_backend_kernel_seconds_total", "op=\"step\"") > 0);
+    assert_false(isnan(prom_value(after, "rnnd_env_evictions_total", "reason=\"idle\"")));
+    free(before);
+    free(after);
+}
+
+static void test_idle_eviction(void **state) {
+    (void)state;
+    int status;
+    char *before, *after;
+    assert_int_equal(http_get(d.http, "/metrics", &status, NULL, &before), 0);
+    uint64_t ids[2] = {31, 32};
+    EXPECT_OK(step_n(c, ids, 2, true));
+    uint64_t released;
+    EXPECT_OK(rnnd_client_end_episodes(c, &ids[1], 1, &released));
+    assert_int_equal(released, 1);
+    sleep_ms(2500); // --env-idle-timeout-s 1, swept at --hz 20
+    EXPECT_STATUS(step_n(c, ids, 1, false), GRPC_STATUS_FAILED_PRECONDITION);
+    assert_int_equal(http_get(d.http, "/metrics", &status, NULL, &after), 0);
+    double idle = metric(after, "rnnd_env_evictions_total", "reason=\"idle\"") -
+                  metric(before, "rnnd_env_evictions_total", "reason=\"idle\"");
+    double rel = metric(after, "rnnd_env_evictions_total", "reason=\"released\"") -
+                 metric(before, "rnnd_env_evictions_total", "reason=\"released\"");
+    fprintf(stderr, "  evictions: idle +%g, released +%g\n", idle, rel);
+    assert_true(idle >= 1);
+    assert_true(rel >= 1);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+    assert_int_equal(info.envs_active, 0);
+    free(before);
+    free(after);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Auth.
+
+static void test_auth_token(void **state) {
+    (void)state;
+    char dir[] = "/tmp/rnnd-auth-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char file[300];
+    snprintf(file, sizeof file, "%s/token", dir);
+    FILE *fp = fopen(file, "w");
+    fputs("s3cret-token\n", fp);
+    fclose(fp);
+    struct daemon da;
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--auth-token-file", file,
+                          NULL};
+    assert_int_equal(daemon_start(&da, args), 0);
+    struct rnnd_client *none = daemon_client(&da, NULL);
+    struct rnnd_client *wrong = daemon_client(&da, "s3cret");
+    struct rnnd_client *right = daemon_client(&da, "s3cret-token");
+    struct rnnd_model_info info;
+    EXPECT_STATUS(rnnd_client_info(none, &info), GRPC_STATUS_UNAUTHENTICATED);
+    EXPECT_STATUS(rnnd_client_info(wrong, &info), GRPC_STATUS_UNAUTHENTICATED);
+    uint64_t id = 5;
+    EXPECT_STATUS(step_n(none, &id, 1, true), GRPC_STATUS_UNAUTHENTICATED);
+    struct rnnd_client_stream *s;
+    int err = rnnd_client_stream_init(none, &s);
+    if (err == 0) {
+        float x[I_] = {0};
+        bool init = true;
+        struct rnnd_step_req req = {.n_env_ids = 1,
+                                    .env_ids = &id,
+                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                    .n_is_init = 1,
+                                    .is_init = &init};
+        struct rnnd_step_reply r;
+        err = rnnd_client_stream_step(s, &req, &r);
+        rnnd_step_reply_free(&r);
+        rnnd_client_stream_free(s);
+    }
+    EXPECT_STATUS(err, GRPC_STATUS_UNAUTHENTICATED);
+    EXPECT_OK(rnnd_client_info(right, &info));
+    assert_int_equal(info.envs_active, 0); // the refused step created nothing
+    EXPECT_OK(step_n(right, &id, 1, true));
+    int st;
+    err = rnnd_client_health(none, "", &st);
+    fprintf(stderr, "  health Check without a token: %s\n",
+            err ? rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status) : "OK");
+    rnnd_client_free(none);
+    rnnd_client_free(wrong);
+    rnnd_client_free(right);
+    daemon_free(&da);
+    remove(file);
+    rmdir(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The queue bound: while the engine runs a long Forward, Step rows wait in the queue; a Step that
+// would take it over --max-queue-rows is refused at once and leaves no trace.
+
+struct bg {
+    struct rnnd_client *cl;
+    int T;
+    int err;
+    double done;
+    int kind; // 0 Forward, 1 Step of 12 new envs
+};
+
+static void *bg_main(void *arg) {
+    struct bg *b = arg;
+    if (b->kind == 0) {
+        int B = 64;
+        float *x = calloc((size_t)B * b->T * I_, sizeof(float));
+        uint8_t *init = calloc((size_t)B * b->T, 1);
+        struct rnnd_forward_req fq = {
+            .obs = rnnd_tensor_f32(x, 3, B, b->T, I_, 0),
+            .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, b->T})};
+        struct rnnd_forward_reply fr;
+        b->err = rnnd_client_forward(b->cl, &fq, &fr);
+        rnnd_forward_reply_free(&fr);
+        free(x);
+        free(init);
+    } else {
+        uint64_t ids[12];
+        for (int k = 0; k < 12; k++)
+            ids[k] = 5000 + (uint64_t)k;
+        b->err = step_n(b->cl, ids, 12, true);
+    }
+    b->done = now_seconds();
+    return NULL;
+}
+
+static void test_queue_full(void **state) {
+    (void)state;
+    struct daemon dq;
+    const char *args[] = {"--input-size", "8", "--hidden-size", "128", "--max-queue-rows", "16",
+                          NULL};
+    assert_int_equal(daemon_start(&dq, args), 0);
+    struct rnnd_client *c1 = daemon_client(&dq, NULL), *c2 = daemon_client(&dq, NULL),
+                       *c3 = daemon_client(&dq, NULL);
+    rnnd_client_wait_connected(c2, 5000);
+    rnnd_client_wait_connected(c3, 5000);
+    bool seen = false;
+    for (int T = 256; T <= 4096 && !seen; T *= 2) {
+        struct bg fw = {.cl = c1, .T = T, .kind = 0}, st = {.cl = c2, .kind = 1};
+        pthread_t t1, t2;
+        pthread_create(&t1, NULL, bg_main, &fw);
+        sleep_ms(40); // the Forward is running
+        pthread_create(&t2, NULL, bg_main, &st);
+        sleep_ms(40); // 12 rows wait behind it
+        uint64_t ids[12];
+        for (int k = 0; k < 12; k++)
+            ids[k] = 6000 + (uint64_t)k;
+        double t0 = now_seconds();
+        int err = step_n(c3, ids, 12, true);
+        double t_answer = now_seconds();
+        int st3 = rnnd_client_last_error()->grpc_status;
+        pthread_join(t1, NULL);
+        pthread_join(t2, NULL);
+        assert_int_equal(fw.err, 0);
+        assert_int_equal(st.err, 0);
+        bool busy = fw.done > t_answer && st.done > t_answer;
+        fprintf(stderr, "  T=%d: third Step %s after %.1f ms; Forward %s\n", T,
+                err ? rnnd_grpc_status_name(st3) : "OK", (t_answer - t0) * 1e3,
+                busy ? "still running" : "had finished");
+        if (!busy) { // the engine was not busy long enough: not a test of the bound
+            uint64_t all[24];
+            for (int k = 0; k < 12; k++) {
+                all[k] = 5000 + (uint64_t)k;
+                all[12 + k] = 6000 + (uint64_t)k;
+            }
+            rnnd_client_end_episodes(c1, all, 24, NULL);
+            continue;
+        }
+        seen = true;
+        assert_true(err != 0);
+        assert_int_equal(st3, GRPC_STATUS_RESOURCE_EXHAUSTED);
+        assert_true(t_answer - t0 < 0.5 * (fw.done - t0) + 0.02);
+        // The refused envs were not created; the queued ones were.
+        struct rnnd_model_info info;
+        EXPECT_OK(rnnd_client_info(c1, &info));
+        assert_int_equal(info.envs_active, 12);
+    }
+    assert_true(seen);
+    rnnd_client_free(c1);
+    rnnd_client_free(c2);
+    rnnd_client_free(c3);
+    daemon_free(&dq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown.
+
+struct loader {
+    struct rnnd_client *cl;
+    int idx;
+    bool stream;
+    volatile bool stop;
+    int ok, unavailable, other;
+    char other_msg[1200];
+    pthread_t tid;
+};
+
+static void *load_main(void *arg) {
+    struct loader *l = arg;
+    uint64_t ids[4];
+    for (int k = 0; k < 4; k++)
+        ids[k] = 100000 + (uint64_t)l->idx * 10 + (uint64_t)k;
+    float x[4 * I_] = {0};
+    bool init[4] = {true, true, true, true};
+    struct rnnd_step_req req = {.n_env_ids = 4,
+                                .env_ids = ids,
+                                .obs = rnnd_tensor_f32(x, 2, 4, I_, 0, 0),
+                                .n_is_init = 4,
+                                .is_init = init};
+    struct rnnd_client_stream *s = NULL;
+    if (l->stream && rnnd_client_stream_init(l->cl, &s) != 0)
+        s = NULL;
+    while (!l->stop) {
+        struct rnnd_step_reply r;
+        int err = s ? rnnd_client_stream_step(s, &req, &r) : rnnd_client_step(l->cl, &req, &r);
+        rnnd_step_reply_free(&r);
+        int st = rnnd_client_last_error()->grpc_status;
+        if (err == 0) {
+            l->ok++;
+            req.n_is_init = 0;
+        } else if (st == GRPC_STATUS_UNAVAILABLE) {
+            l->unavailable++;
+            if (s)
+                break; // the stream is over
+            sleep_ms(5);
+        } else {
+            if (l->other++ == 0)
+                snprintf(l->other_msg, sizeof l->other_msg, "%s: %s",
+                         rnnd_grpc_status_name(st), rnnd_client_last_error()->message);
+            if (s)
+                break;
+        }
+    }
+    rnnd_client_stream_free(s);
+    return NULL;
+}
+
+static int count_checkpoints(const char *dir) {
+    DIR *dp = opendir(dir);
+    if (!dp)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dp))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char p[1024];
+        snprintf(p, sizeof p, "%s/%s/model.safetensors", dir, e->d_name);
+        struct stat sb;
+        n += stat(p, &sb) == 0;
+    }
+    closedir(dp);
+    return n;
+}
+
+static void test_sigterm_under_load(void **state) {
+    (void)state;
+    struct daemon ds;
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", NULL};
+    assert_int_equal(daemon_start(&ds, args), 0);
+    enum { N = 6 };
+    struct loader l[N];
+    memset(l, 0, sizeof l);
+    for (int k = 0; k < N; k++) {
+        l[k].cl = daemon_client(&ds, NULL);
+        l[k].idx = k;
+        l[k].stream = k % 3 == 2;
+        pthread_create(&l[k].tid, NULL, load_main, &l[k]);
+    }
+    sleep_ms(400);
+    int ok_before = 0;
+    for (int k = 0; k < N; k++)
+        ok_before += l[k].ok;
+    double t0 = now_seconds();
+    kill(ds.pid, SIGTERM);
+    int rc = -1;
+    while (now_seconds() - t0 < 20) {
+        if (!daemon_alive(&ds)) {
+            rc = 0;
+            break;
+        }
+        sleep_ms(5);
+    }
+    double took = now_seconds() - t0;
+    for (int k = 0; k < N; k++)
+        l[k].stop = true;
+    int ok = 0, unav = 0, other = 0;
+    for (int k = 0; k < N; k++) {
+        pthread_join(l[k].tid, NULL);
+        ok += l[k].ok;
+        unav += l[k].unavailable;
+        other += l[k].other;
+        if (l[k].other)
+            fprintf(stderr, "loader %d: %d calls failed otherwise, first: %s\n", k, l[k].other,
+                    l[k].other_msg);
+        rnnd_client_free(l[k].cl);
+    }
+    fprintf(stderr, "  SIGTERM under load: exit after %.2f s; %d OK (%d before the signal), %d "
+                    "UNAVAILABLE, %d other\n", took, ok, ok_before, unav, other);
+    assert_int_equal(rc, 0);
+    if (!WIFEXITED(ds.exit_status) || WEXITSTATUS(ds.exit_status) != 0)
+        daemon_dump_log(&ds, 3000);
+    assert_true(WIFEXITED(ds.exit_status));
+    assert_int_equal(WEXITSTATUS(ds.exit_status), 0);
+    assert_true(ok_before > 0);
+    assert_int_equal(other, 0);
+    // The drain wrote a checkpoint.
+    assert_true(count_checkpoints(ds.state_dir) >= 1);
+    daemon_free(&ds);
+}
+
+static void test_sigint(void **state) {
+    (void)state;
+    struct daemon ds;
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", NULL};
+    assert_int_equal(daemon_start(&ds, args), 0);
+    assert_int_equal(daemon_signal_wait(&ds, SIGINT, 15000), 0);
+    assert_true(WIFEXITED(ds.exit_status));
+    assert_int_equal(WEXITSTATUS(ds.exit_status), 0);
+    daemon_free(&ds);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration.
+
+static void expect_refused(const char *const *args, const char *needle) {
+    const char *argv[32] = {rnnd_bin()};
+    int n = 1;
+    for (int k = 0; args[k]; k++)
+        argv[n++] = args[k];
+    argv[n] = NULL;
+    char *out;
+    int rc = run_capture(argv, 15000, &out);
+    bool ok = rc > 0 && strstr(out, needle);
+    if (!ok)
+        fprintf(stderr, "rnnd %s ...: exit %d, output should name \"%s\":\n%s\n", args[0], rc,
+                needle, out);
+    free(out);
+    assert_true(ok);
+}
+
+static void test_bad_flags(void **state) {
+    (void)state;
+    expect_refused((const char *[]){"--hidden-size", "0", NULL}, "hidden-size");
+    expect_refused((const char *[]){"--hidden-size", "12abc", NULL}, "hidden-size");
+    expect_refused((const char *[]){"--no-such-flag", "1", NULL}, "no-such-flag");
+    expect_refused((const char *[]){"--cell", "gruu", NULL}, "cell");
+    expect_refused((const char *[]){"--max-batch", "-5", NULL}, "max-batch");
+    expect_refused((const char *[]){"--lr", "nan", NULL}, "lr");
+    expect_refused((const char *[]){"--backend", "tpu", NULL}, "backend");
+    expect_refused((const char *[]){"--tls-key", "/nonexistent.pem", NULL}, "tls");
+    expect_refused((const char *[]){"--config", "/nonexistent/rnnd.conf", NULL},
+                   "/nonexistent/rnnd.conf");
+    char dir[] = "/tmp/rnnd-conf-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char file[300];
+    snprintf(file, sizeof file, "%s/bad.conf", dir);
+    FILE *fp = fopen(file, "w");
+    fputs("# a comment\ninput-size 8\nhidden-size many\n", fp);
+    fclose(fp);
+    expect_refused((const char *[]){"--config", file, NULL}, "hidden-size");
+    remove(file);
+    rmdir(dir);
+    const char *help[] = {rnnd_bin(), "--help", NULL};
+    char *out;
+    assert_int_equal(run_capture(help, 5000, &out), 0);
+    assert_non_null(strstr(out, "--max-delay-us"));
+    free(out);
+}
+
+static void test_config_file(void **state) {
+    (void)state;
+    char dir[] = "/tmp/rnnd-conf-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char file[300];
+    snprintf(file, sizeof file, "%s/rnnd.conf", dir);
+    FILE *fp = fopen(file, "w");
+    fputs("# rnnd test config\ncell lstm\nhidden-size 24\ninput-size 5\n\nmax-batch 33\n", fp);
+    fclose(fp);
+    struct daemon dc;
+    const char *args[] = {"--config", file, "--input-size", "6", NULL}; // the flag wins
+    assert_int_equal(daemon_start(&dc, args), 0);
+    struct rnnd_client *cl = daemon_client(&dc, NULL);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(cl, &info));
+    assert_string_equal(info.cell, "lstm");
+    assert_int_equal(info.hidden_size, 24);
+    assert_int_equal(info.input_size, 6);
+    assert_int_equal(info.max_batch, 33);
+    rnnd_client_free(cl);
+    daemon_free(&dc);
+    remove(file);
+    rmdir(dir);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ready_line),
+        cmocka_unit_test(test_grpc_health),
+        cmocka_unit_test(test_http_endpoints),
+        cmocka_unit_test(test_metrics_content),
+        cmocka_unit_test(test_idle_eviction),
+        cmocka_unit_test(test_auth_token),
+        cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_sigterm_under_load),
+        cmocka_unit_test(test_sigint),
+        cmocka_unit_test(test_bad_flags),
+        cmocka_unit_test(test_config_file),
+    };
+    return cmocka_run_group_tests_name("ops", tests, setup, teardown) ? 1 : 0;
+}

@@ -41,6 +41,16 @@ struct cpu_carve {
 };
 void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes);
 
+// The pointwise loops (marked RNND_CPU_SIMD) are built for AVX-512, AVX2 and baseline x86-64,
+// and the loader picks one for the CPU at hand (GCC function multi-versioning). FP contraction
+// is off (-std=c11), and the loops only vectorise across independent elements (sums keep their
+// order), so every version gives the same bits.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define RNND_CPU_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define RNND_CPU_SIMD
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // linear.c
 
@@ -55,6 +65,12 @@ void rnnd__cpu_gemm(struct cpu_ctx *c, bool bf16, bool ta, bool tb, int M, int N
 
 // dst[i] = rnnd_round_bf16(src[i]), n floats (dst may equal src).
 void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n);
+
+// dst (cols) += the column sums of src (rows, cols): a bias gradient, the sum over every step and
+// row. Blocks of 64 rows are summed in float (in part, cols floats), the blocks in double (in
+// acc, cols doubles, which keeps the sums afterwards).
+void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, double *acc,
+                          float *part);
 
 // ---------------------------------------------------------------------------------------------
 // Pointwise activations. Both are plain C that GCC vectorises (no libm call in the loop body):

@@ -26,7 +26,7 @@
 #endif
 #include "cpu.h"
 
-void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn,
+RNND_CPU_SIMD void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn,
                            float *restrict h_new, const float *restrict gx,
                            const float *restrict gh, const float *restrict h,
                            const float *restrict b_ih, const float *restrict b_hh) {
@@ -40,7 +40,7 @@ void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn,
     }
 }
 
-void rnnd__gru_row_backward(int H, float *restrict dgx, float *restrict dgh, float *restrict dh,
+RNND_CPU_SIMD void rnnd__gru_row_backward(int H, float *restrict dgx, float *restrict dgh, float *restrict dh,
                             const float *restrict dy, const float *restrict dh_carry,
                             const float *restrict gates, const float *restrict hn,
                             const float *restrict h) {

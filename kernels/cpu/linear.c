@@ -11,7 +11,7 @@
 
 #include <cblas.h>
 
-void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n) {
+RNND_CPU_SIMD void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n) {
     for (size_t i = 0; i < n; i++)
         dst[i] = rnnd_round_bf16(src[i]);
 }
@@ -43,4 +43,29 @@ void rnnd__cpu_gemm(struct cpu_ctx *c, bool bf16, bool ta, bool tb, int M, int N
     }
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
                 N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
+
+// Rows are summed in float over blocks of COLSUM_BLOCK (cheap, vectorised, cache-hot), and the
+// block sums in double: the float part of the error stays that of a 64-term sum however many rows
+// there are.
+#define COLSUM_BLOCK 64
+
+RNND_CPU_SIMD void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols,
+                                        double *acc, float *part) {
+    for (int j = 0; j < cols; j++)
+        acc[j] = 0.0;
+    for (size_t r0 = 0; r0 < rows; r0 += COLSUM_BLOCK) {
+        size_t r1 = r0 + COLSUM_BLOCK < rows ? r0 + COLSUM_BLOCK : rows;
+        for (int j = 0; j < cols; j++)
+            part[j] = 0.0f;
+        for (size_t r = r0; r < r1; r++) {
+            const float *row = src + r * (size_t)cols;
+            for (int j = 0; j < cols; j++)
+                part[j] += row[j];
+        }
+        for (int j = 0; j < cols; j++)
+            acc[j] += part[j];
+    }
+    for (int j = 0; j < cols; j++)
+        dst[j] += (float)acc[j];
 }

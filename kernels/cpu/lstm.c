@@ -24,7 +24,7 @@
 #endif
 #include "cpu.h"
 
-void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new,
+RNND_CPU_SIMD void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new,
                             float *restrict tc, float *restrict h_new, const float *restrict gx,
                             const float *restrict gh, const float *restrict c,
                             const float *restrict b_ih, const float *restrict b_hh) {
@@ -43,7 +43,7 @@ void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new,
     }
 }
 
-void rnnd__lstm_row_backward(int H, float *restrict da, float *restrict dc,
+RNND_CPU_SIMD void rnnd__lstm_row_backward(int H, float *restrict da, float *restrict dc,
                              const float *restrict dy, const float *restrict dh_carry,
                              const float *restrict gates, const float *restrict tc,
                              const float *restrict c) {

@@ -4,28 +4,34 @@
  * The cells' pointwise math is in gru.c and lstm.c; matmuls go through linear.c (CBLAS sgemm).
  *
  * Forward, layer by layer (layer l reads layer l-1's h over all T steps):
- *   1. gx (B*T, G*H) = x_l W_ih^T: one sgemm over every row and step;
+ *   1. gx (T*B, G*H) = x_l W_ih^T: one sgemm over every step and row;
  *   2. for t = 0 .. T-1: build the state each row enters step t with (the reset rule, below)
- *      straight into the tape, gh (B, G*H) = h W_hh^T (one sgemm over the B rows, reading the
- *      tape's rows of step t with a stride), then the cell's pointwise step per row.
+ *      straight into the tape, gh (B, G*H) = h W_hh^T (one sgemm over the B rows of step t), then
+ *      the cell's pointwise step per row.
  * Backward, layer by layer from the top:
  *   1. for t = T-1 .. 0: the cell's pointwise backward per row gives the gradients of
- *      W_ih x + b_ih (dgx) and W_hh h + b_hh (dgh) for every (row, step); dL/dh of the state
+ *      W_ih x + b_ih (dgx) and W_hh h + b_hh (dgh) for every (step, row); dL/dh of the state
  *      entering the step is dh_direct + dgh W_hh (one sgemm over B rows); then it is carried to
  *      step t-1, or, where that state was a reset value or the initial state, routed to that
  *      value's gradient and the carry is cut;
- *   2. weight gradients as one sgemm each over all B*T rows (dW_ih += dgx^T x_l,
+ *   2. weight gradients as one sgemm each over all T*B rows (dW_ih += dgx^T x_l,
  *      dW_hh += dgh^T h), bias gradients as column sums in double, and the input gradient
  *      dx_l = dgx W_ih (the layer below's output gradient).
+ *
+ * Internal buffers are time-major (row r = t*B + b), unlike the batch-first API tensors: a step's
+ * B rows are then one contiguous block, which its sgemm reads with no stride and the pointwise
+ * loops stream through (batch-first rows of one step lie T*G*H floats apart, and cost a cache
+ * and TLB miss each). x is transposed into that order on entry; out, grad_out and grads->x are
+ * read and written batch-first in place.
  *
  * The reset rule (DESIGN.md §2). The state row b enters step t with is, for every layer:
  *   is_init[b, t] set:       hidden[b, t] if stored states are given, else zero;
  *   t = 0 (no reset):        hidden[b, 0] if stored states are given, else h0, else zero;
  *   otherwise:               the state that row b left step t-1 with.
  * Gradients follow the same routing: into grads->hidden[b, t] for stored values, grads->h0 for
- * the initial state, nowhere for a zero reset.
+ * the initial state (h0, or the implied zero one), nowhere for a zero reset.
  *
- * Tape, per layer l, each an array of B*T rows in (b, t) order (row r = b*T + t):
+ * Tape, per layer l, each an array of T*B rows in time-major order:
  *   hprev (H) state entering the step (after the reset rule)   cprev (H) the same for c, LSTM
  *   gates (G*H) activated gates                                aux (H) GRU: W_hn h + b_hn;
  *   y (H) the layer's output h, for l < L-1 only                        LSTM: tanh(c')
@@ -39,12 +45,12 @@
 // ---------------------------------------------------------------------------------------------
 // Layout helpers
 
-struct layer_tape {
-    float *hprev; // (B, T, H)
-    float *cprev; // (B, T, H) LSTM, else NULL
-    float *gates; // (B, T, G*H)
-    float *aux;   // (B, T, H)
-    float *y;     // (B, T, H) l < L-1, else NULL (the last layer writes `out`)
+struct layer_tape { // time-major: row t*B + b
+    float *hprev; // (T, B, H)
+    float *cprev; // (T, B, H) LSTM, else NULL
+    float *gates; // (T, B, G*H)
+    float *aux;   // (T, B, H)
+    float *y;     // (T, B, H) l < L-1, else NULL (the last layer writes `out`)
 };
 
 // Fills lt[0 .. L-1] with pointers into base (may be NULL to measure) and returns the float count.
@@ -110,10 +116,23 @@ static void round_weights(const struct rnnd_model *m, const float *params, float
     }
 }
 
-// Refuses shapes whose strides do not fit sgemm's int arguments.
-static bool dims_fit_int(const struct rnnd_model *m, int T) {
-    int64_t GH = (int64_t)rnnd_model_gates(m) * m->H;
-    return (int64_t)T * GH <= INT_MAX && (int64_t)m->L * GH <= INT_MAX;
+// Refuses shapes whose sizes do not fit sgemm's int arguments.
+static bool dims_fit_int(const struct rnnd_model *m) {
+    return (int64_t)m->L * rnnd_model_gates(m) * m->H <= INT_MAX;
+}
+
+// dst (T, B, w) time-major = src (B, T, w) batch-first, and back.
+static void to_time_major(float *dst, const float *src, int B, int T, int w) {
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < B; b++)
+            memcpy(dst + ((size_t)t * B + b) * w, src + ((size_t)b * T + t) * w,
+                   sizeof(float) * (size_t)w);
+}
+static void to_batch_first(float *dst, const float *src, int B, int T, int w) {
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            memcpy(dst + ((size_t)b * T + t) * w, src + ((size_t)t * B + b) * w,
+                   sizeof(float) * (size_t)w);
 }
 
 // Where the state row b enters step t with comes from (the reset rule in the header comment).
@@ -157,17 +176,19 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
     if (c == NULL || rnnd_seq_check(seq, m) != 0 || out == NULL || params == NULL)
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM, bf16 = m->compute == RNND_COMPUTE_BF16;
-    if ((c_n && !lstm) || !dims_fit_int(m, seq->T))
+    if ((c_n && !lstm) || !dims_fit_int(m))
         return RNND_EINVAL;
     int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t BT = (size_t)B * T, P = rnnd_model_param_count(m);
     int maxw = m->I > H ? m->I : H;
 
-    // Scratch: rounded weights (bf16), gx, gh, the running c (LSTM), and a tape if none was given.
-    float *wr, *gx, *gh, *cbuf, *own_tape;
+    // Scratch: rounded weights (bf16), x time-major, gx, gh, the running c (LSTM), and a tape if
+    // none was given.
+    float *wr, *xt, *gx, *gh, *cbuf, *own_tape;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
         wr = rnnd__cpu_carve(&cv, bf16 ? P * sizeof(float) : 0);
+        xt = rnnd__cpu_carve(&cv, BT * m->I * sizeof(float));
         gx = rnnd__cpu_carve(&cv, BT * GH * sizeof(float));
         gh = rnnd__cpu_carve(&cv, (size_t)B * GH * sizeof(float));
         cbuf = rnnd__cpu_carve(&cv, lstm ? (size_t)B * H * sizeof(float) : 0);
@@ -183,24 +204,27 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
     tape_layout(m, B, T, tape ? (float *)tape : own_tape, lt);
     if (bf16)
         round_weights(m, params, wr);
+    to_time_major(xt, seq->x, B, T, m->I);
 
-    const float *xl = seq->x; // (B, T, I_l): this layer's input
+    const float *xl = xt; // (T, B, I_l): this layer's input
     for (int l = 0; l < L; l++) {
         struct layer_weights w = layer_weights(m, l, params, bf16 ? wr : NULL);
         struct layer_tape *tp = &lt[l];
-        float *y = l == L - 1 ? out : tp->y;
+        bool last = l == L - 1;
+        // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
+#define Y_ROW(b, t) (last ? out + ((size_t)(b) * T + (t)) * H : tp->y + ((size_t)(t) * B + (b)) * H)
 
         // The input projection of every step at once.
         rnnd__cpu_gemm(c, bf16, false, true, (int)BT, GH, w.Il, xl, w.Il, true, w.w_ih, w.Il,
                        false, 0.0f, gx, GH);
 
         for (int t = 0; t < T; t++) {
+            size_t r0 = (size_t)t * B; // the step's first row
             for (int b = 0; b < B; b++) {
-                size_t r = (size_t)b * T + t;
-                float *hp = tp->hprev + r * H, *cp = lstm ? tp->cprev + r * H : NULL;
+                float *hp = tp->hprev + (r0 + b) * H, *cp = lstm ? tp->cprev + (r0 + b) * H : NULL;
                 switch (state_source(seq, b, t)) {
                     case SRC_CARRY:
-                        memcpy(hp, y + (r - 1) * H, sizeof(float) * H);
+                        memcpy(hp, Y_ROW(b, t - 1), sizeof(float) * H);
                         if (lstm)
                             memcpy(cp, cbuf + (size_t)b * H, sizeof(float) * H);
                         break;
@@ -221,48 +245,36 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
                         break;
                 }
             }
-            // gh = h W_hh^T over the B rows of step t (rows T*H floats apart in the tape).
-            rnnd__cpu_gemm(c, bf16, false, true, B, GH, H, tp->hprev + (size_t)t * H, T * H,
-                           true, w.w_hh, H, false, 0.0f, gh, GH);
+            // gh = h W_hh^T over the B rows of step t.
+            rnnd__cpu_gemm(c, bf16, false, true, B, GH, H, tp->hprev + r0 * H, H, true, w.w_hh, H,
+                           false, 0.0f, gh, GH);
             for (int b = 0; b < B; b++) {
-                size_t r = (size_t)b * T + t;
+                size_t r = r0 + b;
                 if (lstm)
                     rnnd__lstm_row_forward(H, tp->gates + r * GH, cbuf + (size_t)b * H,
-                                           tp->aux + r * H, y + r * H, gx + r * GH,
+                                           tp->aux + r * H, Y_ROW(b, t), gx + r * GH,
                                            gh + (size_t)b * GH, tp->cprev + r * H, w.b_ih,
                                            w.b_hh);
                 else
-                    rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, y + r * H,
+                    rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, Y_ROW(b, t),
                                           gx + r * GH, gh + (size_t)b * GH, tp->hprev + r * H,
                                           w.b_ih, w.b_hh);
             }
         }
         for (int b = 0; b < B; b++) {
             if (h_n)
-                memcpy(h_n + blh(b, l, m), y + ((size_t)b * T + T - 1) * H, sizeof(float) * H);
+                memcpy(h_n + blh(b, l, m), Y_ROW(b, T - 1), sizeof(float) * H);
             if (c_n)
                 memcpy(c_n + blh(b, l, m), cbuf + (size_t)b * H, sizeof(float) * H);
         }
-        xl = y;
+#undef Y_ROW
+        xl = tp->y;
     }
     return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward
-
-// dst (cols) += column sums of src (rows, cols), summed in double (acc: cols doubles).
-static void add_colsum(float *dst, const float *src, size_t rows, int cols, double *acc) {
-    for (int j = 0; j < cols; j++)
-        acc[j] = 0.0;
-    for (size_t r = 0; r < rows; r++) {
-        const float *row = src + r * cols;
-        for (int j = 0; j < cols; j++)
-            acc[j] += row[j];
-    }
-    for (int j = 0; j < cols; j++)
-        dst[j] += (float)acc[j];
-}
 
 int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads,
                            const float *grad_out, const float *grad_h_n, const float *grad_c_n,
@@ -276,20 +288,21 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
         return RNND_EINVAL;
     if ((grads->hidden && !seq->hidden) || (grads->cell && !seq->cell))
         return RNND_EINVAL;
-    if (!dims_fit_int(m, seq->T))
+    if (!dims_fit_int(m))
         return RNND_EINVAL;
     int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t BT = (size_t)B * T, P = rnnd_model_param_count(m);
     int maxw = m->I > H ? m->I : H;
 
-    // Scratch: rounded weights (bf16); dgx and dgh (GRU; the LSTM's are one and the same) over all
-    // rows and steps; the output gradient of the layers below the top; the carried dh (dc) and
-    // the step's dL/dh; the bias column sums.
-    float *wr, *dgx, *dgh, *dyb, *dh, *dhp, *dc;
+    // Scratch: rounded weights (bf16); x time-major (layer 0's input, then its gradient); dgx and
+    // dgh (GRU; the LSTM's are one and the same) over all steps and rows; the output gradient
+    // of the layers below the top; the carried dh (dc) and the step's dL/dh; bias column sums.
+    float *wr, *xt, *dgx, *dgh, *dyb, *dh, *dhp, *dc, *part;
     double *acc;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
         wr = rnnd__cpu_carve(&cv, bf16 ? P * sizeof(float) : 0);
+        xt = rnnd__cpu_carve(&cv, BT * m->I * sizeof(float));
         dgx = rnnd__cpu_carve(&cv, BT * GH * sizeof(float));
         dgh = rnnd__cpu_carve(&cv, lstm ? 0 : BT * GH * sizeof(float));
         dyb = rnnd__cpu_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
@@ -297,6 +310,7 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
         dhp = rnnd__cpu_carve(&cv, (size_t)B * H * sizeof(float));
         dc = rnnd__cpu_carve(&cv, lstm ? (size_t)B * H * sizeof(float) : 0);
         acc = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(double));
+        part = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(float));
         if (pass == 0) {
             int err = rnnd__cpu_reserve(c, cv.used, bf16 ? BT * ((size_t)GH + maxw) : 0);
             if (err)
@@ -310,6 +324,7 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
     tape_layout(m, B, T, (float *)tape, lt);
     if (bf16)
         round_weights(m, params, wr);
+    to_time_major(xt, seq->x, B, T, m->I);
 
     // Outputs that are written only where a value was used start at zero.
     size_t blh_bytes = (size_t)B * L * H * sizeof(float);
@@ -325,8 +340,12 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
     for (int l = L - 1; l >= 0; l--) {
         struct layer_weights w = layer_weights(m, l, params, bf16 ? wr : NULL);
         struct layer_tape *tp = &lt[l];
-        const float *dy = l == L - 1 ? grad_out : dyb; // (B, T, H) gradient of this layer's h
-        const float *xl = l == 0 ? seq->x : lt[l - 1].y;
+        bool last = l == L - 1;
+        // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
+        // time-major gradient the layer above passed down.
+#define DY_ROW(b, t)                                                                               \
+    (last ? grad_out + ((size_t)(b) * T + (t)) * H : dyb + ((size_t)(t) * B + (b)) * H)
+        const float *xl = l == 0 ? xt : lt[l - 1].y; // (T, B, I_l)
         for (int b = 0; b < B; b++) {
             copy_or_zero(dh + (size_t)b * H, grad_h_n ? grad_h_n + blh(b, l, m) : NULL, H);
             if (lstm)
@@ -334,20 +353,21 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
         }
 
         for (int t = T - 1; t >= 0; t--) {
+            size_t r0 = (size_t)t * B;
             for (int b = 0; b < B; b++) {
-                size_t r = (size_t)b * T + t;
+                size_t r = r0 + b;
                 if (lstm)
-                    rnnd__lstm_row_backward(H, dgx + r * GH, dc + (size_t)b * H, dy + r * H,
+                    rnnd__lstm_row_backward(H, dgx + r * GH, dc + (size_t)b * H, DY_ROW(b, t),
                                             dh + (size_t)b * H, tp->gates + r * GH,
                                             tp->aux + r * H, tp->cprev + r * H);
                 else
                     rnnd__gru_row_backward(H, dgx + r * GH, dgh + r * GH, dhp + (size_t)b * H,
-                                           dy + r * H, dh + (size_t)b * H, tp->gates + r * GH,
+                                           DY_ROW(b, t), dh + (size_t)b * H, tp->gates + r * GH,
                                            tp->aux + r * H, tp->hprev + r * H);
             }
             // dL/dh of the state entering step t: (GRU: z dh' +) dgh W_hh.
-            rnnd__cpu_gemm(c, bf16, false, false, B, H, GH, dgh + (size_t)t * GH, T * GH, true,
-                           w.w_hh, H, false, lstm ? 0.0f : 1.0f, dhp, H);
+            rnnd__cpu_gemm(c, bf16, false, false, B, H, GH, dgh + r0 * GH, GH, true, w.w_hh, H,
+                           false, lstm ? 0.0f : 1.0f, dhp, H);
             for (int b = 0; b < B; b++) {
                 float *dhb = dh + (size_t)b * H, *dhpb = dhp + (size_t)b * H;
                 float *dcb = lstm ? dc + (size_t)b * H : NULL;
@@ -376,22 +396,31 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
                     memset(dcb, 0, sizeof(float) * H);
             }
         }
+#undef DY_ROW
 
-        // Parameter gradients, accumulated (+=) over every row and step at once.
+        // Parameter gradients, accumulated (+=) over every step and row at once.
         float *gp = grads->params;
         struct layer_weights gw = layer_weights(m, l, gp, NULL);
         rnnd__cpu_gemm(c, bf16, true, false, GH, w.Il, (int)BT, dgx, GH, true, xl, w.Il, true,
                        1.0f, (float *)gw.w_ih, w.Il);
         rnnd__cpu_gemm(c, bf16, true, false, GH, H, (int)BT, dgh, GH, true, tp->hprev, H, true,
                        1.0f, (float *)gw.w_hh, H);
-        add_colsum((float *)gw.b_ih, dgx, BT, GH, acc);
-        add_colsum((float *)gw.b_hh, dgh, BT, GH, acc);
+        rnnd__cpu_add_colsum((float *)gw.b_ih, dgx, BT, GH, acc, part);
+        if (lstm) // the same sums: both biases enter the same pre-activation
+            for (int j = 0; j < GH; j++)
+                ((float *)gw.b_hh)[j] += (float)acc[j];
+        else
+            rnnd__cpu_add_colsum((float *)gw.b_hh, dgh, BT, GH, acc, part);
 
-        // The input gradient: the layer below's output gradient, or grads->x.
-        float *dx = l > 0 ? dyb : grads->x;
-        if (dx)
+        // The input gradient: the layer below's output gradient (time-major), or grads->x
+        // (through xt, which layer 0's weight gradient no longer needs).
+        if (l > 0 || grads->x) {
+            float *dx = l > 0 ? dyb : xt;
             rnnd__cpu_gemm(c, bf16, false, false, (int)BT, w.Il, GH, dgx, GH, true, w.w_ih, w.Il,
                            false, 0.0f, dx, w.Il);
+            if (l == 0)
+                to_batch_first(grads->x, xt, B, T, m->I);
+        }
     }
     return 0;
 }
@@ -401,7 +430,7 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
 
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m) {
-    if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL || !dims_fit_int(m, 1))
+    if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL || !dims_fit_int(m))
         return RNND_EINVAL;
     for (int b = 0; b < step->B; b++)
         if (step->slots[b] < 0)

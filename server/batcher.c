@@ -1,0 +1,393 @@
+/*
+ * batcher.c: the engine's inbox (see batcher.h).
+ *
+ * Two lists of Step items: `incoming`, filled by pushers under the lock, and `pending`, the
+ * engine's own, to which incoming is spliced at each poll. Batch formation walks pending without
+ * the lock, using a generation-stamped hash set of env ids ("taken": in the batch or held back
+ * behind an item that is waiting). Only the row count and the lists' ends are shared.
+ */
+#include "batcher.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "rnnd_kernels.h"
+
+// An open-addressing set of uint64 keys; clearing bumps the generation instead of zeroing.
+struct idset {
+    uint64_t *keys;
+    uint32_t *gen;
+    uint32_t mask, cur;
+};
+
+static int idset_reserve(struct idset *s, size_t n) {
+    size_t want = 16;
+    while (want < 2 * n)
+        want <<= 1;
+    if (s->keys && (size_t)s->mask + 1 >= want)
+        return 0;
+    uint64_t *k = malloc(want * sizeof(*k));
+    uint32_t *g = calloc(want, sizeof(*g));
+    if (k == NULL || g == NULL) {
+        free(k);
+        free(g);
+        return RNND_ENOMEM;
+    }
+    free(s->keys);
+    free(s->gen);
+    s->keys = k;
+    s->gen = g;
+    s->mask = (uint32_t)(want - 1);
+    s->cur = 1;
+    return 0;
+}
+
+static void idset_clear(struct idset *s) {
+    if (++s->cur == 0) { // wrapped: really clear
+        memset(s->gen, 0, ((size_t)s->mask + 1) * sizeof(*s->gen));
+        s->cur = 1;
+    }
+}
+
+static uint32_t idset_hash(uint64_t x) {
+    x ^= x >> 31;
+    x *= 0x7fb5d329728ea185ull;
+    x ^= x >> 27;
+    x *= 0x81dadef4bc2dd44dull;
+    x ^= x >> 33;
+    return (uint32_t)x;
+}
+
+static bool idset_has(const struct idset *s, uint64_t key) {
+    for (uint32_t i = idset_hash(key) & s->mask;; i = (i + 1) & s->mask) {
+        if (s->gen[i] != s->cur)
+            return false;
+        if (s->keys[i] == key)
+            return true;
+    }
+}
+
+// The caller keeps the set at most half full (idset_reserve).
+static void idset_add(struct idset *s, uint64_t key) {
+    for (uint32_t i = idset_hash(key) & s->mask;; i = (i + 1) & s->mask) {
+        if (s->gen[i] != s->cur) {
+            s->gen[i] = s->cur;
+            s->keys[i] = key;
+            return;
+        }
+        if (s->keys[i] == key)
+            return;
+    }
+}
+
+static void idset_free(struct idset *s) {
+    free(s->keys);
+    free(s->gen);
+}
+
+struct list {
+    struct rnnd_batch_item *head, *tail;
+};
+
+static void list_append(struct list *l, struct rnnd_batch_item *it) {
+    it->next = NULL;
+    if (l->tail)
+        l->tail->next = it;
+    else
+        l->head = it;
+    l->tail = it;
+}
+
+static void list_splice(struct list *dst, struct list *src) {
+    if (src->head == NULL)
+        return;
+    if (dst->tail)
+        dst->tail->next = src->head;
+    else
+        dst->head = src->head;
+    dst->tail = src->tail;
+    src->head = src->tail = NULL;
+}
+
+struct rnnd_batcher {
+    struct rnnd_batcher_config cfg;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    // Shared, under lock:
+    struct list incoming, controls;
+    int rows;     // Step rows in incoming + pending
+    bool closed;
+    bool waiting; // the engine sleeps on cond
+    // Engine thread only:
+    struct list pending;
+    int pending_rows;
+    bool held_back; // items stayed in pending after the last batch: flush at once
+    struct idset taken;   // env ids in the forming batch or held back
+    struct idset present; // sources with an item pending
+    uint64_t *last_sources; // sources of the previous batch
+    int n_last, cap_last;
+};
+
+struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
+    if (cfg->max_batch < 1 || cfg->max_queue_rows < cfg->max_batch)
+        return NULL;
+    struct rnnd_batcher *b = calloc(1, sizeof(*b));
+    if (b == NULL)
+        return NULL;
+    b->cfg = *cfg;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&b->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&b->lock, NULL);
+    if (idset_reserve(&b->taken, (size_t)cfg->max_batch) != 0 ||
+        idset_reserve(&b->present, 64) != 0) {
+        rnnd_batcher_free(b);
+        return NULL;
+    }
+    return b;
+}
+
+void rnnd_batcher_free(struct rnnd_batcher *b) {
+    if (b == NULL)
+        return;
+    pthread_mutex_destroy(&b->lock);
+    pthread_cond_destroy(&b->cond);
+    idset_free(&b->taken);
+    idset_free(&b->present);
+    free(b->last_sources);
+    free(b);
+}
+
+int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns) {
+    if (item->B < 1 || item->B > b->cfg.max_batch)
+        return RNND_EINVAL;
+    item->enqueued_ns = now_ns;
+    pthread_mutex_lock(&b->lock);
+    int rc = 0;
+    if (b->closed) {
+        rc = RNND_EUNAVAIL;
+    } else if (b->rows > b->cfg.max_queue_rows - item->B) {
+        rc = RNND_EFULL;
+    } else {
+        list_append(&b->incoming, item);
+        b->rows += item->B;
+        if (b->waiting)
+            pthread_cond_signal(&b->cond);
+    }
+    pthread_mutex_unlock(&b->lock);
+    return rc;
+}
+
+void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *item) {
+    item->B = 0;
+    pthread_mutex_lock(&b->lock);
+    list_append(&b->controls, item);
+    if (b->waiting)
+        pthread_cond_signal(&b->cond);
+    pthread_mutex_unlock(&b->lock);
+}
+
+void rnnd_batcher_close(struct rnnd_batcher *b) {
+    pthread_mutex_lock(&b->lock);
+    b->closed = true;
+    if (b->waiting)
+        pthread_cond_signal(&b->cond);
+    pthread_mutex_unlock(&b->lock);
+}
+
+int rnnd_batcher_rows(struct rnnd_batcher *b) {
+    pthread_mutex_lock(&b->lock);
+    int rows = b->rows;
+    pthread_mutex_unlock(&b->lock);
+    return rows;
+}
+
+bool rnnd_batcher_empty(struct rnnd_batcher *b) {
+    pthread_mutex_lock(&b->lock);
+    bool empty = b->rows == 0 && b->controls.head == NULL;
+    pthread_mutex_unlock(&b->lock);
+    return empty;
+}
+
+// True when every source of the previous batch has an item pending again.
+static bool sources_all_back(struct rnnd_batcher *b) {
+    if (b->n_last == 0)
+        return true;
+    int n = 0;
+    for (struct rnnd_batch_item *it = b->pending.head; it; it = it->next)
+        n++;
+    if (idset_reserve(&b->present, (size_t)n) != 0)
+        return true;
+    idset_clear(&b->present);
+    for (struct rnnd_batch_item *it = b->pending.head; it; it = it->next)
+        idset_add(&b->present, it->source);
+    for (int i = 0; i < b->n_last; i++)
+        if (!idset_has(&b->present, b->last_sources[i]))
+            return false;
+    return true;
+}
+
+static void remember_sources(struct rnnd_batcher *b, const struct rnnd_batch_item *items) {
+    int n = 0;
+    for (const struct rnnd_batch_item *it = items; it; it = it->next)
+        n++;
+    if (n > b->cap_last) {
+        uint64_t *p = realloc(b->last_sources, (size_t)n * sizeof(*p));
+        if (p == NULL) {
+            b->n_last = 0; // no memory: just stop waiting for anyone
+            return;
+        }
+        b->last_sources = p;
+        b->cap_last = n;
+    }
+    if (idset_reserve(&b->present, (size_t)n) != 0) {
+        b->n_last = 0;
+        return;
+    }
+    idset_clear(&b->present);
+    b->n_last = 0;
+    for (const struct rnnd_batch_item *it = items; it; it = it->next) {
+        if (!idset_has(&b->present, it->source)) {
+            idset_add(&b->present, it->source);
+            b->last_sources[b->n_last++] = it->source;
+        }
+    }
+}
+
+static bool item_blocked(const struct rnnd_batcher *b, const struct rnnd_batch_item *it) {
+    for (int i = 0; i < it->B; i++)
+        if (idset_has(&b->taken, it->env_ids[i]))
+            return true;
+    return false;
+}
+
+static void item_take_envs(struct rnnd_batcher *b, const struct rnnd_batch_item *it) {
+    for (int i = 0; i < it->B; i++)
+        idset_add(&b->taken, it->env_ids[i]);
+}
+
+// Forms one batch from pending into out (see batcher.h for the rules).
+static void batch_form(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
+                       struct rnnd_batch *out) {
+    if (idset_reserve(&b->taken, (size_t)b->pending_rows) != 0) {
+        // Out of memory for the set: fall back to one item per batch, which needs no set.
+        struct rnnd_batch_item *it = b->pending.head;
+        b->pending.head = it->next;
+        if (b->pending.head == NULL)
+            b->pending.tail = NULL;
+        b->pending_rows -= it->B;
+        it->next = NULL;
+        if (admit(ctx, it) == RNND_BATCH_ADMIT) {
+            out->items = it;
+            out->rows = it->B;
+        } else {
+            out->rejected = it;
+        }
+        return;
+    }
+    idset_clear(&b->taken);
+    struct list keep = {0}, items = {0}, rejected = {0};
+    struct rnnd_batch_item *it = b->pending.head, *next;
+    bool full = false;
+    for (; it; it = next) {
+        next = it->next;
+        if (full || item_blocked(b, it)) {
+            // Waits for a later batch, and holds back later items of the same envs.
+            if (!full)
+                item_take_envs(b, it);
+            list_append(&keep, it);
+            continue;
+        }
+        if (out->rows + it->B > b->cfg.max_batch) {
+            full = true; // items stay in arrival order: nothing overtakes this one
+            list_append(&keep, it);
+            continue;
+        }
+        b->pending_rows -= it->B;
+        if (admit(ctx, it) == RNND_BATCH_ADMIT) {
+            item_take_envs(b, it);
+            list_append(&items, it);
+            out->rows += it->B;
+        } else {
+            list_append(&rejected, it);
+        }
+    }
+    b->pending = keep;
+    b->held_back = keep.head != NULL;
+    out->items = items.head;
+    out->rejected = rejected.head;
+}
+
+bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                       void *ctx, struct rnnd_batch *out, uint64_t *wait_ns) {
+    memset(out, 0, sizeof(*out));
+    *wait_ns = UINT64_MAX;
+    pthread_mutex_lock(&b->lock);
+    for (struct rnnd_batch_item *it = b->incoming.head; it; it = it->next)
+        b->pending_rows += it->B;
+    list_splice(&b->pending, &b->incoming);
+    out->controls = b->controls.head;
+    b->controls.head = b->controls.tail = NULL;
+    bool closed = b->closed;
+    pthread_mutex_unlock(&b->lock);
+
+    if (b->pending.head) {
+        uint64_t due = b->pending.head->enqueued_ns + b->cfg.max_delay_ns;
+        bool ready = closed || b->held_back || b->pending_rows >= b->cfg.max_batch ||
+                     now_ns >= due || sources_all_back(b);
+        if (ready) {
+            int before = b->pending_rows;
+            batch_form(b, admit, ctx, out);
+            if (out->items)
+                remember_sources(b, out->items);
+            pthread_mutex_lock(&b->lock);
+            b->rows -= before - b->pending_rows;
+            pthread_mutex_unlock(&b->lock);
+        } else {
+            *wait_ns = due - now_ns;
+        }
+    }
+    return out->controls || out->items || out->rejected;
+}
+
+bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
+                       struct rnnd_batch *out, uint64_t timeout_ns) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t start = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    uint64_t limit = timeout_ns == UINT64_MAX ? UINT64_MAX : start + timeout_ns;
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        uint64_t wait;
+        if (rnnd_batcher_poll(b, now, admit, ctx, out, &wait))
+            return true;
+        if (now >= limit)
+            return false;
+        if (wait == 0)
+            continue;
+        uint64_t until = limit;
+        if (wait != UINT64_MAX && now + wait < until)
+            until = now + wait;
+        pthread_mutex_lock(&b->lock);
+        // Sleep only if nothing arrived since the poll; a push signals while we wait.
+        if (b->incoming.head == NULL && b->controls.head == NULL &&
+            !(b->closed && b->pending.head)) {
+            b->waiting = true;
+            if (until == UINT64_MAX) {
+                pthread_cond_wait(&b->cond, &b->lock);
+            } else {
+                struct timespec dl = {(time_t)(until / 1000000000ull),
+                                      (long)(until % 1000000000ull)};
+                pthread_cond_timedwait(&b->cond, &b->lock, &dl);
+            }
+            b->waiting = false;
+        }
+        pthread_mutex_unlock(&b->lock);
+    }
+}

@@ -1,0 +1,86 @@
+/*
+ * batcher.h: the engine's inbox, with dynamic batching of Step rows (DESIGN.md §4).
+ *
+ * Any thread pushes items; the engine thread polls (or waits) and gets back the control jobs
+ * (Forward, SetWeights, ...: never batched, run first) and, when one is due, a batch of Step
+ * items. A batch is due when it would reach --max-batch rows, when its oldest item has waited
+ * --max-delay-us, or when every source (connection or stream) that was in the previous batch
+ * has an item waiting again: then nobody the batch could wait for is still on the way, which
+ * keeps a lone actor's latency at the transport floor while loaded servers still fill batches.
+ *
+ * A batch never holds two items that share an env id: the later one waits for a later batch,
+ * and so does every item after it that shares an env with it, so each env's steps run in
+ * arrival order. Items are taken whole and in arrival order; each one is offered to an admit
+ * callback that may reject it (its rows then leave the queue without running).
+ *
+ * The queue is bounded in rows (--max-queue-rows): a push over the bound fails at once with
+ * RNND_EFULL, which the server answers as RESOURCE_EXHAUSTED.
+ */
+#ifndef RNND_BATCHER_H
+#define RNND_BATCHER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct rnnd_batch_item {
+    struct rnnd_batch_item *next; // owned by the batcher while queued
+    int B;                        // rows; 0 for control jobs
+    const uint64_t *env_ids;      // (B), borrowed until the item leaves the batcher
+    uint64_t source;              // who sent it (a connection or stream), for the early flush
+    uint64_t enqueued_ns;         // set by push
+};
+
+struct rnnd_batcher_config {
+    int max_batch;        // rows
+    uint64_t max_delay_ns;
+    int max_queue_rows;   // bound on rows waiting
+};
+
+enum rnnd_batch_admit { RNND_BATCH_ADMIT, RNND_BATCH_REJECT };
+
+// Called on the engine thread for each item about to join a batch, in arrival order. It may
+// change engine state for an item it admits (e.g. give new envs their slots); an item it
+// rejects must leave everything as it was.
+typedef enum rnnd_batch_admit (*rnnd_batch_admit_fn)(void *ctx, struct rnnd_batch_item *item);
+
+// What a poll hands to the engine. Lists are linked through next, in arrival order.
+struct rnnd_batch {
+    struct rnnd_batch_item *controls; // control jobs
+    struct rnnd_batch_item *items;    // the Step batch (admitted)
+    int rows;                         // rows in items
+    struct rnnd_batch_item *rejected; // items the admit callback rejected
+};
+
+struct rnnd_batcher;
+
+// A new batcher, or NULL when out of memory (or cfg is invalid). Free with rnnd_batcher_free.
+struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg);
+// Frees the batcher; items still queued are not touched (take them first with close + poll).
+void rnnd_batcher_free(struct rnnd_batcher *b);
+
+// Queues a Step item (any thread). 0; RNND_EINVAL when B is outside 1..max_batch; RNND_EFULL
+// when the rows would exceed the queue bound; RNND_EUNAVAIL once closed. On failure the caller
+// keeps the item.
+int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns);
+// Queues a control job (any thread); always accepted, even when closed.
+void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *item);
+// Refuses further Step items; queued ones are still handed out, without waiting for more.
+void rnnd_batcher_close(struct rnnd_batcher *b);
+
+// Engine thread, non-blocking: fills *out (zeroed first) with the control jobs queued and, if a
+// batch is due at now_ns, a batch. Returns true when *out holds anything. When no batch is due,
+// *wait_ns says how long until one may be (UINT64_MAX: not before the next push).
+bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                       void *ctx, struct rnnd_batch *out, uint64_t *wait_ns);
+// Engine thread: blocks until poll has something, or until timeout_ns passed (then returns
+// false with *out empty). timeout_ns UINT64_MAX waits without limit.
+bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
+                       struct rnnd_batch *out, uint64_t timeout_ns);
+
+// Step rows queued (incoming and held back), for metrics.
+int rnnd_batcher_rows(struct rnnd_batcher *b);
+// True when nothing at all is queued.
+bool rnnd_batcher_empty(struct rnnd_batcher *b);
+
+#endif // RNND_BATCHER_H

@@ -1,0 +1,56 @@
+/*
+ * checkpoint.h: checkpoints as directories inside --state-dir (DESIGN.md §4 Persistence):
+ *   model.safetensors     the weights with PyTorch names (loadable into nn.GRU / nn.LSTM)
+ *   optimizer.safetensors exp_avg, exp_avg_sq (flat, P floats, the layout of rnnd_kernels.h), step
+ *   envs.safetensors      env_ids, h (and c), last_index, has_index of every env holding state
+ *   metadata.json         model shape, versions, optimizer settings, creation time
+ * A checkpoint is written under a temporary name, every file and the directory fsynced, then
+ * renamed into place (replacing an existing one of the same name atomically), and the state
+ * directory fsynced. Pure file work on host snapshots: any thread.
+ */
+#ifndef RNND_CHECKPOINT_H
+#define RNND_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rnnd_kernels.h"
+
+// A snapshot of everything a checkpoint holds; every pointer is borrowed host memory.
+struct rnnd_checkpoint {
+    struct rnnd_model model;
+    size_t P;
+    const float *params; // (P)
+    uint64_t model_version;
+    enum rnnd_optim_kind optimizer;
+    float lr, max_grad_norm;
+    int64_t optim_step;
+    const float *exp_avg, *exp_avg_sq; // (P), Adam only (NULL for SGD)
+    int n_envs;
+    const uint64_t *env_ids;    // (N)
+    const float *env_h;         // (N, L, H)
+    const float *env_c;         // (N, L, H) LSTM
+    const uint64_t *last_index; // (N)
+    const uint8_t *has_index;   // (N)
+    int extras_size;
+    uint64_t seed;
+};
+
+// Resolves the directory a SaveCheckpoint asks for: requested empty gives a new name
+// "ckpt-<UTC time>-v<version>"; a relative name is taken inside state_dir; an absolute path must
+// lie inside state_dir. Names with "..", or starting with '.', are refused. 0 and out (cap
+// bytes), or RNND_EINVAL with the reason in err.
+int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64_t version,
+                            char *out, size_t cap, char *err, size_t errlen);
+
+// Writes ck into dir (a path from rnnd_checkpoint_resolve) atomically. 0, or RNND_EIO /
+// RNND_ENOMEM with the reason in err; on failure nothing is left behind and an existing
+// checkpoint of that name is untouched.
+int rnnd_checkpoint_write(const char *dir, const struct rnnd_checkpoint *ck, char *err,
+                          size_t errlen);
+
+// Removes the oldest automatically named checkpoints ("ckpt-*") in state_dir beyond the newest
+// keep. Checkpoints saved under other names are never removed. Returns how many were removed.
+int rnnd_checkpoint_prune(const char *state_dir, int keep);
+
+#endif // RNND_CHECKPOINT_H

@@ -1,0 +1,450 @@
+/*
+ * config.c: the flag/key table and its parser (see config.h). One static table describes every
+ * option (name, type, limits, default, help), as redis keeps its config table: the parser, the
+ * usage text and rnnd.conf.example are all derived from the same rows.
+ */
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+enum opt_type { OPT_INT, OPT_U64, OPT_FLOAT, OPT_PATH, OPT_ADDR, OPT_ENUM };
+
+struct opt {
+    const char *name; // flag without dashes
+    enum opt_type type;
+    size_t offset;
+    size_t size;              // for strings
+    long long min, max;       // OPT_INT
+    double fmin, fmax;        // OPT_FLOAT, inclusive
+    const char *const *names; // OPT_ENUM: NULL-terminated, index = value
+    const char *arg;          // metavariable in the usage text
+    const char *help;
+};
+
+static const char *const cell_names[] = {"gru", "lstm", NULL};
+static const char *const compute_names[] = {"fp32", "ieee", "bf16", NULL};
+static const char *const backend_names[] = {"auto", "cpu", "cuda", NULL};
+static const char *const optim_names[] = {"adam", "sgd", NULL};
+static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
+
+#define OFF(f)       offsetof(struct rnnd_config, f)
+#define INT(f, lo, hi) OPT_INT, OFF(f), sizeof(int), lo, hi, 0, 0, NULL
+#define U64(f)       OPT_U64, OFF(f), sizeof(uint64_t), 0, 0, 0, 0, NULL
+#define FLT(f, lo, hi) OPT_FLOAT, OFF(f), sizeof(float), 0, 0, lo, hi, NULL
+#define PATH(f)      OPT_PATH, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define ADDR(f)      OPT_ADDR, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define ENUM(f, n)   OPT_ENUM, OFF(f), sizeof(int), 0, 0, 0, 0, n
+
+static const struct opt opts[] = {
+    {"config", PATH(config_file), "FILE", "read options from FILE (\"key value\" lines); flags win"},
+    {"cell", ENUM(model.cell, cell_names), "gru|lstm", "recurrent cell"},
+    {"input-size", INT(model.I, 1, RNND_MAX_WIDTH), "N", "observation width I"},
+    {"hidden-size", INT(model.H, 1, RNND_MAX_WIDTH), "N", "hidden width H"},
+    {"layers", INT(model.L, 1, RNND_MAX_LAYERS), "N", "stacked layers L"},
+    {"compute", ENUM(model.compute, compute_names), "fp32|ieee|bf16",
+     "matmul precision (fp32 allows TF32 on GPUs)"},
+    {"backend", ENUM(backend, backend_names), "auto|cpu|cuda",
+     "auto: cuda when a device is usable, else cpu"},
+    {"device", INT(device, 0, 1023), "N", "CUDA device index"},
+    {"listen", ADDR(listen), "HOST:PORT", "gRPC address (port 0: any free port)"},
+    {"http", ADDR(http), "HOST:PORT", "HTTP /healthz /readyz /metrics address, or \"off\""},
+    {"state-dir", PATH(state_dir), "DIR", "directory for checkpoints (none: no checkpoints)"},
+    {"restore", PATH(restore), "DIR", "start from this checkpoint directory"},
+    {"checkpoint-interval-s", INT(checkpoint_interval_s, 0, INT_MAX), "N",
+     "seconds between periodic checkpoints into --state-dir (0: only on SIGTERM)"},
+    {"max-batch", INT(max_batch, 1, 1 << 20), "N", "most Step rows in one backend call"},
+    {"max-delay-us", INT(max_delay_us, 0, 10000000), "N",
+     "longest a Step waits for others to join its batch"},
+    {"max-envs", INT(max_envs, 1, 1 << 26), "N", "most environments holding state at once"},
+    {"env-idle-timeout-s", INT(env_idle_timeout_s, 0, INT_MAX), "N",
+     "drop an env's state after this many idle seconds (0: never)"},
+    {"trajectory-steps", INT(trajectory_steps, 0, 1 << 20), "N",
+     "steps recorded per env for Forward over recorded trajectories (0: none)"},
+    {"extras-size", INT(extras_size, 0, 1 << 20), "E", "width of the per-step extras vector"},
+    {"tape-ttl-s", INT(tape_ttl_s, 1, INT_MAX), "N", "seconds a Forward tape waits for Backward"},
+    {"tape-memory-mb", INT(tape_memory_mb, 1, INT_MAX), "N", "memory all tapes may hold"},
+    {"optimizer", ENUM(optimizer, optim_names), "adam|sgd", "ApplyGradients optimizer"},
+    {"lr", FLT(lr, 1e-30, 1e30), "X", "learning rate"},
+    {"max-grad-norm", FLT(max_grad_norm, 0, INFINITY), "X",
+     "clip the gradient's total norm to X (0: no clipping)"},
+    {"seed", U64(seed), "N", "seed of the initial weights"},
+    {"tls-cert", PATH(tls_cert), "F", "TLS certificate chain (PEM)"},
+    {"tls-key", PATH(tls_key), "F", "TLS private key (PEM)"},
+    {"tls-client-ca", PATH(tls_client_ca), "F", "CA bundle (PEM) that client certificates need"},
+    {"auth-token-file", PATH(auth_token_file), "F", "file holding the bearer token clients send"},
+    {"max-message-mb", INT(max_message_mb, 1, 2047), "N", "largest gRPC message either way"},
+    {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
+    {"hz", INT(hz, 1, 1000), "N", "housekeeping timer frequency"},
+    {"max-queue-rows", INT(max_queue_rows, 0, INT_MAX), "N",
+     "Step rows queued before RESOURCE_EXHAUSTED (0: 64 * max-batch)"},
+    {"drain-timeout-s", INT(drain_timeout_s, 0, 3600), "N",
+     "on SIGTERM, cancel calls still running after N seconds"},
+};
+#define NOPTS (sizeof(opts) / sizeof(opts[0]))
+
+void rnnd_config_defaults(struct rnnd_config *c) {
+    memset(c, 0, sizeof(*c));
+    c->model = (struct rnnd_model){
+        .cell = RNND_CELL_GRU, .compute = RNND_COMPUTE_FP32, .I = 64, .H = 128, .L = 1};
+    c->backend = RNND_BACKEND_AUTO;
+    snprintf(c->listen, sizeof(c->listen), "127.0.0.1:50051");
+    snprintf(c->http, sizeof(c->http), "127.0.0.1:9090");
+    c->checkpoint_interval_s = 0;
+    c->max_batch = 1024;
+    c->max_delay_us = 200;
+    c->max_envs = 65536;
+    c->env_idle_timeout_s = 3600;
+    c->trajectory_steps = 256;
+    c->extras_size = 0;
+    c->tape_ttl_s = 300;
+    c->tape_memory_mb = 1024;
+    c->optimizer = RNND_OPTIM_ADAM;
+    c->lr = 1e-3f;
+    c->max_grad_norm = 0.0f;
+    c->seed = 0;
+    c->max_message_mb = 64;
+    c->log_level = RNND_LOG_INFO;
+    c->hz = 10;
+    c->max_queue_rows = 0;
+    c->drain_timeout_s = 10;
+}
+
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    if (errlen > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return RNND_EINVAL;
+}
+
+// "hidden-size", "hidden_size", "--hidden-size" and "hiddensize" name the same option.
+static void key_normalize(const char *key, char *out, size_t cap) {
+    size_t n = 0;
+    for (; *key && n + 1 < cap; key++) {
+        if (*key == '-' || *key == '_')
+            continue;
+        out[n++] = (char)tolower((unsigned char)*key);
+    }
+    out[n] = '\0';
+}
+
+static const struct opt *opt_find(const char *key) {
+    char want[64], have[64];
+    key_normalize(key, want, sizeof(want));
+    for (size_t i = 0; i < NOPTS; i++) {
+        key_normalize(opts[i].name, have, sizeof(have));
+        if (strcmp(want, have) == 0)
+            return &opts[i];
+    }
+    return NULL;
+}
+
+// HOST:PORT with HOST a name, an IPv4 address or a bracketed IPv6 address; port 0..65535.
+static bool addr_valid(const char *s) {
+    const char *colon = strrchr(s, ':');
+    if (colon == NULL || colon == s || colon[1] == '\0')
+        return false;
+    if (s[0] == '[' && colon[-1] != ']')
+        return false;
+    char *end;
+    errno = 0;
+    long port = strtol(colon + 1, &end, 10);
+    if (errno || *end || port < 0 || port > 65535)
+        return false;
+    for (const char *p = colon + 1; *p; p++)
+        if (!isdigit((unsigned char)*p))
+            return false;
+    for (const char *p = s; p < colon; p++)
+        if (isspace((unsigned char)*p))
+            return false;
+    return true;
+}
+
+int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, char *err,
+                    size_t errlen) {
+    const struct opt *o = opt_find(key);
+    if (o == NULL)
+        return fail(err, errlen, "unknown option '%s' (rnnd --help lists them)", key);
+    char *field = (char *)c + o->offset;
+    char *end;
+    switch (o->type) {
+        case OPT_INT: {
+            errno = 0;
+            long long v = strtoll(value, &end, 10);
+            if (errno || end == value || *end || v < o->min || v > o->max)
+                return fail(err, errlen, "--%s: '%s' is not an integer in [%lld, %lld]", o->name,
+                            value, o->min, o->max);
+            *(int *)field = (int)v;
+            return 0;
+        }
+        case OPT_U64: {
+            errno = 0;
+            if (value[0] == '-')
+                return fail(err, errlen, "--%s: '%s' is not a non-negative integer", o->name,
+                            value);
+            unsigned long long v = strtoull(value, &end, 0);
+            if (errno || end == value || *end)
+                return fail(err, errlen, "--%s: '%s' is not a non-negative integer", o->name,
+                            value);
+            *(uint64_t *)field = (uint64_t)v;
+            return 0;
+        }
+        case OPT_FLOAT: {
+            errno = 0;
+            double v = strtod(value, &end);
+            if (errno || end == value || *end || isnan(v) || v < o->fmin || v > o->fmax ||
+                (isinf(v) && !isinf(o->fmax)))
+                return fail(err, errlen, "--%s: '%s' is not a number in [%g, %g]", o->name, value,
+                            o->fmin, o->fmax);
+            *(float *)field = (float)v;
+            return 0;
+        }
+        case OPT_PATH:
+            if (strlen(value) >= o->size)
+                return fail(err, errlen, "--%s: path longer than %zu bytes", o->name, o->size - 1);
+            snprintf(field, o->size, "%s", value);
+            return 0;
+        case OPT_ADDR:
+            if (strlen(value) >= o->size)
+                return fail(err, errlen, "--%s: address longer than %zu bytes", o->name,
+                            o->size - 1);
+            if (!(strcmp(o->name, "http") == 0 && strcmp(value, "off") == 0) &&
+                !addr_valid(value))
+                return fail(err, errlen, "--%s: '%s' is not HOST:PORT (e.g. 127.0.0.1:50051)",
+                            o->name, value);
+            snprintf(field, o->size, "%s", value);
+            return 0;
+        case OPT_ENUM:
+            for (int i = 0; o->names[i]; i++) {
+                if (strcmp(value, o->names[i]) == 0) {
+                    *(int *)field = i;
+                    return 0;
+                }
+            }
+            return fail(err, errlen, "--%s: '%s' is not one of %s", o->name, value, o->arg);
+    }
+    return fail(err, errlen, "--%s: bad option type", o->name);
+}
+
+static char *trim(char *s) {
+    while (isspace((unsigned char)*s))
+        s++;
+    size_t n = strlen(s);
+    while (n > 0 && isspace((unsigned char)s[n - 1]))
+        s[--n] = '\0';
+    return s;
+}
+
+int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, size_t errlen) {
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        if (errlen)
+            snprintf(err, errlen, "--config: cannot open '%s': %s", path, strerror(errno));
+        return RNND_EIO;
+    }
+    char line[4096];
+    int lineno = 0;
+    int rc = 0;
+    while (fgets(line, sizeof(line), f)) {
+        lineno++;
+        if (strchr(line, '\n') == NULL && !feof(f)) {
+            rc = fail(err, errlen, "%s:%d: line too long", path, lineno);
+            break;
+        }
+        char *s = trim(line);
+        if (*s == '\0' || *s == '#')
+            continue;
+        char *key = s;
+        while (*s && !isspace((unsigned char)*s))
+            s++;
+        if (*s)
+            *s++ = '\0';
+        char *value = trim(s);
+        // Allow "key value # comment" and quoted values ("key \"\"" for an empty string).
+        char *hash = strstr(value, " #");
+        if (hash)
+            *hash = '\0';
+        value = trim(value);
+        size_t vn = strlen(value);
+        if (vn >= 2 && value[0] == '"' && value[vn - 1] == '"') {
+            value[vn - 1] = '\0';
+            value++;
+        }
+        if (strcmp(key, "config") == 0) {
+            rc = fail(err, errlen, "%s:%d: 'config' cannot appear in a config file", path, lineno);
+            break;
+        }
+        char msg[512];
+        if (rnnd_config_set(c, key, value, msg, sizeof(msg)) != 0) {
+            rc = fail(err, errlen, "%s:%d: %s", path, lineno, msg);
+            break;
+        }
+    }
+    if (rc == 0 && ferror(f))
+        rc = fail(err, errlen, "--config: error reading '%s'", path);
+    fclose(f);
+    return rc;
+}
+
+int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
+    if (c->tls_key[0] && !c->tls_cert[0])
+        return fail(err, errlen, "--tls-key needs --tls-cert");
+    if (c->tls_cert[0] && !c->tls_key[0])
+        return fail(err, errlen, "--tls-cert needs --tls-key");
+    if (c->tls_client_ca[0] && !c->tls_cert[0])
+        return fail(err, errlen, "--tls-client-ca needs --tls-cert and --tls-key");
+    if (c->max_queue_rows != 0 && c->max_queue_rows < c->max_batch)
+        return fail(err, errlen, "--max-queue-rows %d is below --max-batch %d", c->max_queue_rows,
+                    c->max_batch);
+    if (strcmp(c->listen, c->http) == 0 && strstr(c->listen, ":0") == NULL)
+        return fail(err, errlen, "--listen and --http are both %s", c->listen);
+    // Each env's reply and request rows must fit into one message with room to spare.
+    size_t row = ((size_t)c->model.I + (size_t)c->extras_size +
+                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H) *
+                 sizeof(float);
+    if ((size_t)c->max_batch * row > (size_t)c->max_message_mb << 20)
+        return fail(err, errlen,
+                    "--max-batch %d rows of this model do not fit into --max-message-mb %d; "
+                    "lower the first or raise the second",
+                    c->max_batch, c->max_message_mb);
+    return 0;
+}
+
+void rnnd_config_usage(FILE *f) {
+    struct rnnd_config d;
+    rnnd_config_defaults(&d);
+    fprintf(f, "usage: rnnd [--config FILE] [--FLAG VALUE | --FLAG=VALUE]...\n\n"
+               "rnnd serves a recurrent RL policy (GRU/LSTM) over gRPC (rnnd.v1.Rnn), keeping\n"
+               "per-environment state. Every flag is also a config-file key without the dashes\n"
+               "(\"hidden-size 128\"); flags win over the file.\n\n");
+    for (size_t i = 0; i < NOPTS; i++) {
+        const struct opt *o = &opts[i];
+        char def[96] = "";
+        const char *field = (const char *)&d + o->offset;
+        switch (o->type) {
+            case OPT_INT:
+                snprintf(def, sizeof(def), "%d", *(const int *)field);
+                break;
+            case OPT_U64:
+                snprintf(def, sizeof(def), "%llu", (unsigned long long)*(const uint64_t *)field);
+                break;
+            case OPT_FLOAT:
+                snprintf(def, sizeof(def), "%g", (double)*(const float *)field);
+                break;
+            case OPT_PATH:
+            case OPT_ADDR:
+                snprintf(def, sizeof(def), "%s", *field ? field : "none");
+                break;
+            case OPT_ENUM:
+                snprintf(def, sizeof(def), "%s", o->names[*(const int *)field]);
+                break;
+        }
+        char head[96];
+        snprintf(head, sizeof(head), "--%s %s", o->name, o->arg);
+        fprintf(f, "  %-40s %s (default %s)\n", head, o->help, def);
+    }
+    fprintf(f, "  %-40s %s\n  %-40s %s\n", "--help", "print this text and exit", "--version",
+            "print the version and exit");
+}
+
+int rnnd_config_queue_rows(const struct rnnd_config *c) {
+    if (c->max_queue_rows > 0)
+        return c->max_queue_rows;
+    long long v = 64LL * c->max_batch;
+    return v > INT_MAX ? INT_MAX : (int)v;
+}
+
+const char *rnnd_config_cell_name(enum rnnd_cell cell) {
+    return (unsigned)cell < 2 ? cell_names[cell] : "?";
+}
+
+const char *rnnd_config_compute_name(enum rnnd_compute compute) {
+    return (unsigned)compute < 3 ? compute_names[compute] : "?";
+}
+
+#ifndef RNND_VERSION
+#define RNND_VERSION "0.1.0"
+#endif
+
+enum rnnd_config_result rnnd_config_parse(struct rnnd_config *c, int argc, char **argv, FILE *out,
+                                          char *err, size_t errlen) {
+    // Pass 1: --help, --version and --config, so the file is read before the flags that win.
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            rnnd_config_usage(out);
+            return RNND_CONFIG_EXIT;
+        }
+        if (strcmp(a, "--version") == 0) {
+            fprintf(out, "rnnd %s\n", RNND_VERSION);
+            return RNND_CONFIG_EXIT;
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = NULL;
+        if (strcmp(a, "--config") == 0) {
+            if (i + 1 >= argc) {
+                fail(err, errlen, "--config needs a value (FILE)");
+                return RNND_CONFIG_ERROR;
+            }
+            v = argv[i + 1];
+        } else if (strncmp(a, "--config=", 9) == 0) {
+            v = a + 9;
+        }
+        if (v) {
+            if (rnnd_config_set(c, "config", v, err, errlen) != 0 ||
+                rnnd_config_load_file(c, v, err, errlen) != 0)
+                return RNND_CONFIG_ERROR;
+        }
+    }
+    // Pass 2: every flag, in order.
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
+            fail(err, errlen, "unexpected argument '%s' (flags are --name value)", a);
+            return RNND_CONFIG_ERROR;
+        }
+        char key[64];
+        const char *eq = strchr(a, '=');
+        const char *value;
+        size_t klen = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (klen >= sizeof(key)) {
+            fail(err, errlen, "unknown flag '%s' (rnnd --help lists them)", a);
+            return RNND_CONFIG_ERROR;
+        }
+        memcpy(key, a + 2, klen);
+        key[klen] = '\0';
+        const struct opt *o = opt_find(key);
+        if (o == NULL || strcmp(o->name, key) != 0) {
+            fail(err, errlen, "unknown flag '--%s' (rnnd --help lists them)", key);
+            return RNND_CONFIG_ERROR;
+        }
+        if (eq) {
+            value = eq + 1;
+        } else {
+            if (i + 1 >= argc) {
+                fail(err, errlen, "--%s needs a value (%s)", key, o->arg);
+                return RNND_CONFIG_ERROR;
+            }
+            value = argv[++i];
+        }
+        if (strcmp(key, "config") == 0)
+            continue; // read in pass 1
+        if (rnnd_config_set(c, key, value, err, errlen) != 0)
+            return RNND_CONFIG_ERROR;
+    }
+    if (rnnd_config_check(c, err, errlen) != 0)
+        return RNND_CONFIG_ERROR;
+    return RNND_CONFIG_RUN;
+}

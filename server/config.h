@@ -1,0 +1,91 @@
+/*
+ * config.h: rnnd's configuration: every flag of DESIGN.md §5, also readable from a redis.conf-style
+ * file ("key value" per line, '#' comments, the key being the flag without its dashes:
+ * "hidden-size 128"). Flags on the command line win over the file. Parsing is pure: it touches
+ * nothing but the struct, so unit tests drive it directly.
+ */
+#ifndef RNND_CONFIG_H
+#define RNND_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "rnnd_kernels.h"
+
+enum rnnd_backend_kind { RNND_BACKEND_AUTO, RNND_BACKEND_CPU, RNND_BACKEND_CUDA };
+
+#define RNND_CONFIG_PATH_MAX 1024
+#define RNND_CONFIG_ADDR_MAX 256
+
+struct rnnd_config {
+    char config_file[RNND_CONFIG_PATH_MAX];
+    struct rnnd_model model; // cell, compute, I, H, L
+    enum rnnd_backend_kind backend;
+    int device;
+    char listen[RNND_CONFIG_ADDR_MAX]; // gRPC HOST:PORT
+    char http[RNND_CONFIG_ADDR_MAX];   // HTTP HOST:PORT, or "off"
+    char state_dir[RNND_CONFIG_PATH_MAX];
+    char restore[RNND_CONFIG_PATH_MAX];
+    int checkpoint_interval_s; // 0: only on SIGTERM and SaveCheckpoint
+    int max_batch;
+    int max_delay_us;
+    int max_envs;
+    int env_idle_timeout_s; // 0: never evict
+    int trajectory_steps;   // 0: record nothing
+    int extras_size;
+    int tape_ttl_s;
+    int tape_memory_mb;
+    enum rnnd_optim_kind optimizer;
+    float lr;
+    float max_grad_norm; // 0: no clipping
+    uint64_t seed;
+    char tls_cert[RNND_CONFIG_PATH_MAX];
+    char tls_key[RNND_CONFIG_PATH_MAX];
+    char tls_client_ca[RNND_CONFIG_PATH_MAX];
+    char auth_token_file[RNND_CONFIG_PATH_MAX];
+    int max_message_mb;
+    int log_level; // enum rnnd_log_level
+    // Beyond DESIGN.md §5:
+    int hz;              // cron frequency: idle eviction, tape expiry, periodic checkpoints
+    int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto
+    int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
+};
+
+// Fills c with the defaults of DESIGN.md §5.
+void rnnd_config_defaults(struct rnnd_config *c);
+
+// What rnnd_config_parse decided.
+enum rnnd_config_result {
+    RNND_CONFIG_RUN = 0,   // start the daemon
+    RNND_CONFIG_EXIT = 1,  // --help or --version was printed to out: exit 0
+    RNND_CONFIG_ERROR = 2, // err holds a message naming the bad flag or key: exit non-zero
+};
+
+// Parses argv (argv[0] skipped): first the file named by --config, then the flags, then checks
+// that the combination makes sense. c must hold defaults. --help and --version print to out.
+enum rnnd_config_result rnnd_config_parse(struct rnnd_config *c, int argc, char **argv, FILE *out,
+                                          char *err, size_t errlen);
+
+// Sets one key ("hidden-size", also "hidden_size" and "--hidden-size") from its text value.
+// 0, or RNND_EINVAL with a message in err naming the key and what it accepts.
+int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, char *err,
+                    size_t errlen);
+
+// Reads a config file into c. 0, or RNND_EINVAL / RNND_EIO with "FILE:LINE: ..." in err.
+int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, size_t errlen);
+
+// Cross-field checks after everything is set (e.g. --tls-key needs --tls-cert).
+int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen);
+
+// Prints the usage text: every flag with its argument, default and meaning.
+void rnnd_config_usage(FILE *f);
+
+// Effective queue bound in rows (max_queue_rows, or its automatic value).
+int rnnd_config_queue_rows(const struct rnnd_config *c);
+
+const char *rnnd_config_cell_name(enum rnnd_cell cell);
+const char *rnnd_config_compute_name(enum rnnd_compute compute);
+
+#endif // RNND_CONFIG_H

@@ -1,0 +1,1342 @@
+/*
+ * engine.c: the engine thread and everything it owns (see engine.h).
+ *
+ * Memory: the backend's memory (host for cpu, device for cuda) holds the weights versions, the
+ * gradient buffers, Adam's moments, the env state tables (S, L, H) and the step buffers sized
+ * for --max-batch rows; Forward and Backward allocate one block per call, which a kept tape
+ * then owns. Host memory holds the env table, the trajectory rings and staging copies of the
+ * step buffers (for the cpu backend the staging buffers are the step buffers themselves).
+ *
+ * Weights are versioned objects with reference counts: the engine holds the current one, a tape
+ * holds the one its Forward used (so Backward differentiates the same weights). ApplyGradients
+ * and SetWeights build the next version in a spare buffer and swap it in between two jobs, so
+ * a batch never sees two versions; with no tapes pinning old versions this is a double buffer.
+ */
+#include "engine.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "envtable.h"
+#include "log.h"
+#include "metrics.h"
+#include "tape.h"
+#include "trajectory.h"
+
+#define CARVE_ALIGN 256
+// Automatic checkpoints kept in --state-dir (named ones are never removed).
+#define AUTO_CHECKPOINTS_KEPT 3
+
+struct weights {
+    int refs;
+    uint64_t version;
+    float *params; // (P) backend memory
+    struct weights *next; // free list
+};
+
+// A Forward kept for Backward: its inputs, its weights and the backend's tape, in one block.
+struct tape_obj {
+    struct weights *w;
+    int B, T;
+    bool has_h0, has_hidden;
+    void *block; // backend memory
+    float *x;          // (B, T, I)
+    uint8_t *is_init;  // (B, T)
+    float *h0, *c0;    // (B, L, H) or NULL
+    float *hidden, *cell; // (B, T, L, H) or NULL
+    void *tape;
+};
+
+struct row_ref {
+    struct rnnd_job *job;
+    int row;
+};
+
+struct rnnd_engine {
+    struct rnnd_config cfg;
+    struct rnnd_model model;
+    size_t P, LH;
+    bool lstm;
+    struct rnnd_backend be;
+    bool host_mem; // the backend's memory is host memory: no staging copies
+    struct rnnd_batcher *batcher;
+
+    pthread_t thread;
+    bool thread_started;
+    rnnd_engine_ready_cb ready_cb;
+    void *ready_ctx;
+    pthread_mutex_t lock; // guards closed
+    bool closed;          // the thread has finished: submit fails jobs itself
+    bool stopping;        // engine thread only
+
+    // Backend memory.
+    struct weights *cur, *spare;
+    float *grad_accum, *grad_scratch; // (P)
+    bool grad_pending;
+    float *adam_m, *adam_v; // (P), Adam only
+    int64_t optim_t;
+    float *state_h, *state_c; // (S, L, H)
+    float *d_x;               // (max_batch, I)
+    uint8_t *d_init;          // (max_batch)
+    int32_t *d_slots;         // (max_batch)
+    float *d_out;             // (max_batch, H)
+    float *d_hb, *d_cb;       // (max_batch, L, H)
+    // Host staging (aliases of the above when host_mem).
+    float *h_x;
+    uint8_t *h_init;
+    int32_t *h_slots;
+    float *h_out, *h_hb, *h_cb;
+    struct row_ref *rows; // (max_batch)
+
+    struct rnnd_envtable *envs;
+    struct rnnd_traj_dims tdims;
+    bool traj_warned;
+    struct rnnd_tapes *tapes;
+    uint64_t last_checkpoint_ns;
+
+    _Atomic uint64_t version;
+    _Atomic uint64_t envs_active;
+    _Atomic int hk_queued;
+    struct rnnd_job hk_job, stop_job;
+    char backend_name[16];
+    char device[128];
+};
+
+static int fail(struct rnnd_job *job, int err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fail(struct rnnd_job *job, int err, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(job->msg, sizeof(job->msg), fmt, ap);
+    va_end(ap);
+    job->err = err;
+    return err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backend memory helpers
+
+struct carve {
+    char *base;
+    size_t used;
+};
+
+static void *carve(struct carve *c, size_t bytes) {
+    size_t at = (c->used + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    c->used = at + bytes;
+    return c->base ? c->base + at : NULL;
+}
+
+static int be_alloc(struct rnnd_engine *e, size_t bytes, void **out) {
+    *out = NULL;
+    return e->be.ops->alloc(e->be.ctx, bytes ? bytes : 1, out);
+}
+
+static void be_free(struct rnnd_engine *e, void *p) {
+    if (p)
+        e->be.ops->free(e->be.ctx, p);
+}
+
+static int be_in(struct rnnd_engine *e, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0 || dst == src)
+        return 0;
+    return e->be.ops->copy_in(e->be.ctx, dst, src, bytes);
+}
+
+static int be_out(struct rnnd_engine *e, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0 || dst == src)
+        return 0;
+    return e->be.ops->copy_out(e->be.ctx, dst, src, bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weights versions
+
+static struct weights *weights_new(struct rnnd_engine *e) {
+    struct weights *w = e->spare;
+    if (w) {
+        e->spare = w->next;
+        w->next = NULL;
+        w->refs = 1;
+        return w;
+    }
+    w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return NULL;
+    if (be_alloc(e, e->P * sizeof(float), (void **)&w->params) != 0) {
+        free(w);
+        return NULL;
+    }
+    w->refs = 1;
+    return w;
+}
+
+static void weights_unref(struct rnnd_engine *e, struct weights *w) {
+    if (w == NULL || --w->refs > 0)
+        return;
+    if (e->spare == NULL) { // keep one spare: the other half of the double buffer
+        w->next = NULL;
+        e->spare = w;
+        return;
+    }
+    be_free(e, w->params);
+    free(w);
+}
+
+// Makes w the served version (taking over the caller's reference).
+static void weights_swap(struct rnnd_engine *e, struct weights *w) {
+    uint64_t v = atomic_load(&e->version) + 1;
+    w->version = v;
+    struct weights *old = e->cur;
+    e->cur = w;
+    weights_unref(e, old);
+    atomic_store(&e->version, v);
+    atomic_store_explicit(&rnnd_metrics.model_version, v, memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tapes
+
+static void tape_release(void *ctx, void *p) {
+    struct rnnd_engine *e = ctx;
+    struct tape_obj *t = p;
+    be_free(e, t->block);
+    weights_unref(e, t->w);
+    free(t);
+}
+
+static void tape_gauges(struct rnnd_engine *e) {
+    atomic_store_explicit(&rnnd_metrics.tapes, rnnd_tapes_count(e->tapes), memory_order_relaxed);
+    atomic_store_explicit(&rnnd_metrics.tape_bytes, (int64_t)rnnd_tapes_bytes(e->tapes),
+                          memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envs
+
+static void env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnnd_evict_reason why) {
+    rnnd_traj_free(env->traj);
+    env->traj = NULL;
+    rnnd_envtable_remove(e->envs, env);
+    atomic_fetch_add_explicit(&rnnd_metrics.evictions[why], 1, memory_order_relaxed);
+}
+
+static void env_gauges(struct rnnd_engine *e) {
+    int n = rnnd_envtable_count(e->envs);
+    atomic_store(&e->envs_active, (uint64_t)n);
+    atomic_store_explicit(&rnnd_metrics.envs_active, n, memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start-up
+
+static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
+    const struct rnnd_config *c = &e->cfg;
+    int rc;
+    if (c->backend == RNND_BACKEND_CUDA || c->backend == RNND_BACKEND_AUTO) {
+        rc = rnnd_backend_cuda_init(&e->be, c->device);
+        if (rc != 0) {
+            if (c->backend == RNND_BACKEND_CUDA) {
+                snprintf(msg, msglen,
+                         "--backend cuda: no usable CUDA device %d (%s)%s; use --backend cpu",
+                         c->device, rnnd_strerror(rc),
+                         rc == RNND_ENOTSUP ? ", this build has no CUDA backend" : "");
+                return rc;
+            }
+            rnnd_log(RNND_LOG_INFO, "no usable CUDA device (%s): using the cpu backend",
+                     rnnd_strerror(rc));
+        }
+    }
+    if (e->be.ops == NULL) {
+        rc = rnnd_backend_cpu_init(&e->be);
+        if (rc != 0) {
+            snprintf(msg, msglen, "cpu backend: %s", rnnd_strerror(rc));
+            return rc;
+        }
+    }
+    snprintf(e->backend_name, sizeof(e->backend_name), "%s", e->be.ops->name);
+    snprintf(e->device, sizeof(e->device), "%s", e->be.device);
+    e->host_mem = strcmp(e->be.ops->name, "cpu") == 0;
+    rc = e->be.ops->supports(e->be.ctx, &e->model);
+    if (rc != 0) {
+        snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s (%s)",
+                 e->backend_name, rnnd_config_cell_name(e->model.cell), e->model.I, e->model.H,
+                 e->model.L, rnnd_config_compute_name(e->model.compute), rnnd_strerror(rc));
+        return rc;
+    }
+
+    size_t P = e->P, LH = e->LH, S = (size_t)c->max_envs, MB = (size_t)c->max_batch;
+    size_t I = (size_t)e->model.I, H = (size_t)e->model.H;
+    const char *what = "weights";
+    float *init = malloc(P * sizeof(float));
+    e->cur = init ? weights_new(e) : NULL;
+    if (e->cur == NULL)
+        goto oom;
+    rnnd_model_init_params(&e->model, c->seed, init);
+    rc = be_in(e, e->cur->params, init, P * sizeof(float));
+    free(init);
+    if (rc != 0)
+        goto fail_rc;
+    e->cur->version = 0;
+
+    what = "gradient buffers";
+    if (be_alloc(e, P * sizeof(float), (void **)&e->grad_accum) != 0 ||
+        be_alloc(e, P * sizeof(float), (void **)&e->grad_scratch) != 0)
+        goto oom;
+    e->be.ops->zero(e->be.ctx, e->grad_accum, P * sizeof(float));
+    if (c->optimizer == RNND_OPTIM_ADAM) {
+        what = "Adam moments";
+        if (be_alloc(e, P * sizeof(float), (void **)&e->adam_m) != 0 ||
+            be_alloc(e, P * sizeof(float), (void **)&e->adam_v) != 0)
+            goto oom;
+        e->be.ops->zero(e->be.ctx, e->adam_m, P * sizeof(float));
+        e->be.ops->zero(e->be.ctx, e->adam_v, P * sizeof(float));
+    }
+    what = "env state table (lower --max-envs)";
+    if (be_alloc(e, S * LH * sizeof(float), (void **)&e->state_h) != 0)
+        goto oom;
+    if (e->lstm && be_alloc(e, S * LH * sizeof(float), (void **)&e->state_c) != 0)
+        goto oom;
+    what = "step buffers (lower --max-batch)";
+    if (be_alloc(e, MB * I * sizeof(float), (void **)&e->d_x) != 0 ||
+        be_alloc(e, MB, (void **)&e->d_init) != 0 ||
+        be_alloc(e, MB * sizeof(int32_t), (void **)&e->d_slots) != 0 ||
+        be_alloc(e, MB * H * sizeof(float), (void **)&e->d_out) != 0 ||
+        be_alloc(e, MB * LH * sizeof(float), (void **)&e->d_hb) != 0)
+        goto oom;
+    if (e->lstm && be_alloc(e, MB * LH * sizeof(float), (void **)&e->d_cb) != 0)
+        goto oom;
+    if (e->host_mem) {
+        e->h_x = e->d_x;
+        e->h_init = e->d_init;
+        e->h_slots = e->d_slots;
+        e->h_out = e->d_out;
+        e->h_hb = e->d_hb;
+        e->h_cb = e->d_cb;
+    } else {
+        e->h_x = malloc(MB * I * sizeof(float));
+        e->h_init = malloc(MB);
+        e->h_slots = malloc(MB * sizeof(int32_t));
+        e->h_out = malloc(MB * H * sizeof(float));
+        e->h_hb = malloc(MB * LH * sizeof(float));
+        e->h_cb = e->lstm ? malloc(MB * LH * sizeof(float)) : NULL;
+        if (!e->h_x || !e->h_init || !e->h_slots || !e->h_out || !e->h_hb ||
+            (e->lstm && !e->h_cb))
+            goto oom;
+    }
+    e->rows = malloc(MB * sizeof(*e->rows));
+    what = "env table (lower --max-envs)";
+    e->envs = rnnd_envtable_init(c->max_envs, e->model.H);
+    e->tapes = rnnd_tapes_init((size_t)c->tape_memory_mb << 20,
+                               (uint64_t)c->tape_ttl_s * 1000000000ull, tape_release, e);
+    if (e->rows == NULL || e->envs == NULL || e->tapes == NULL)
+        goto oom;
+    e->last_checkpoint_ns = rnnd_now_ns();
+    atomic_store_explicit(&rnnd_metrics.model_version, 0, memory_order_relaxed);
+    return 0;
+oom:
+    rc = RNND_ENOMEM;
+fail_rc:
+    snprintf(msg, msglen, "cannot set up the %s on the %s backend: %s", what, e->backend_name,
+             rnnd_strerror(rc));
+    return rc;
+}
+
+static void engine_close(struct rnnd_engine *e) {
+    if (e->be.ops == NULL)
+        return;
+    if (e->envs) {
+        for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
+             env = rnnd_envtable_newer(e->envs, env)) {
+            rnnd_traj_free(env->traj);
+            env->traj = NULL;
+        }
+    }
+    rnnd_tapes_free(e->tapes); // releases tapes (and their weights references)
+    e->tapes = NULL;
+    rnnd_envtable_free(e->envs);
+    e->envs = NULL;
+    weights_unref(e, e->cur);
+    e->cur = NULL;
+    while (e->spare) {
+        struct weights *w = e->spare;
+        e->spare = w->next;
+        be_free(e, w->params);
+        free(w);
+    }
+    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
+                    e->state_c,    e->d_x,          e->d_init, e->d_slots, e->d_out,
+                    e->d_hb,       e->d_cb};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        be_free(e, bufs[i]);
+    if (!e->host_mem) {
+        free(e->h_x);
+        free(e->h_init);
+        free(e->h_slots);
+        free(e->h_out);
+        free(e->h_hb);
+        free(e->h_cb);
+    }
+    free(e->rows);
+    rnnd_backend_free(&e->be);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step batches
+
+static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item) {
+    struct rnnd_engine *e = ctx;
+    struct rnnd_job *job = (struct rnnd_job *)item;
+    struct rnnd_step_job *s = &job->step;
+    if (job->cancelled && atomic_load(job->cancelled)) {
+        fail(job, RNND_ECANCELED, "the client cancelled the call before its step ran");
+        return RNND_BATCH_REJECT;
+    }
+    int fresh = 0;
+    for (int r = 0; r < s->B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
+        s->envs[r] = env;
+        s->repeat[r] = 0;
+        if (env == NULL) {
+            if (!s->is_init[r]) {
+                fail(job, RNND_EPRECOND,
+                     "env %" PRIu64 " (row %d) has no state: it is new, was ended by "
+                     "EndEpisodes, or was evicted after --env-idle-timeout-s %d s idle; send "
+                     "is_init=true for its first step",
+                     s->env_ids[r], r, e->cfg.env_idle_timeout_s);
+                return RNND_BATCH_REJECT;
+            }
+            fresh++;
+            continue;
+        }
+        if (s->step_index && env->has_index) {
+            uint64_t si = s->step_index[r];
+            if (si == env->last_index) {
+                s->repeat[r] = 1;
+            } else if (si != env->last_index + 1) {
+                fail(job, RNND_EPRECOND,
+                     "env %" PRIu64 " (row %d): step_index %" PRIu64 " but its last step was %" PRIu64
+                     "; send %" PRIu64 " for the next step or %" PRIu64
+                     " to repeat the last one (or is_init with EndEpisodes first to restart)",
+                     s->env_ids[r], r, si, env->last_index, env->last_index + 1,
+                     env->last_index);
+                return RNND_BATCH_REJECT;
+            }
+        }
+    }
+    int free_slots = rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs);
+    if (fresh > free_slots) {
+        fail(job, RNND_EFULL,
+             "env table full: %d new envs but %d of --max-envs %d slots free; send "
+             "EndEpisodes for finished envs or raise --max-envs",
+             fresh, free_slots, rnnd_envtable_capacity(e->envs));
+        return RNND_BATCH_REJECT;
+    }
+    if (fresh) {
+        uint64_t now = rnnd_now_ns();
+        for (int r = 0; r < s->B; r++) {
+            if (s->envs[r] == NULL) {
+                int rc = rnnd_envtable_add(e->envs, s->env_ids[r], now, &s->envs[r]);
+                RNND_ASSERT(rc == 0);
+            }
+        }
+    }
+    return RNND_BATCH_ADMIT;
+}
+
+static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float *obs,
+                        bool is_init, const float *extras, const float *hb, const float *cb,
+                        uint64_t version) {
+    if (e->tdims.cap == 0)
+        return;
+    if (env->traj == NULL)
+        env->traj = rnnd_traj_init(&e->tdims);
+    if (env->traj == NULL ||
+        rnnd_traj_push(env->traj, &e->tdims, obs, is_init, extras, hb, cb, version) != 0) {
+        if (!e->traj_warned)
+            rnnd_log(RNND_LOG_WARN, "out of memory recording trajectories; steps go unrecorded");
+        e->traj_warned = true;
+    }
+}
+
+static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
+    uint64_t now = rnnd_now_ns();
+    size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    int E = e->cfg.extras_size;
+    bool record = e->tdims.cap > 0;
+    int n = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
+        struct rnnd_step_job *s = &job->step;
+        rnnd_histogram_observe(&rnnd_metrics.queue_delay, now - job->item.enqueued_ns);
+        for (int r = 0; r < s->B; r++) {
+            if (s->repeat[r])
+                continue;
+            memcpy(e->h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
+            e->h_init[n] = s->is_init[r];
+            e->h_slots[n] = s->envs[r]->slot;
+            e->rows[n] = (struct row_ref){job, r};
+            n++;
+        }
+    }
+    uint64_t version = e->cur->version;
+    int rc = 0;
+    if (n > 0) {
+        uint64_t t0 = rnnd_now_ns();
+        rc = be_in(e, e->d_x, e->h_x, (size_t)n * I * sizeof(float));
+        if (rc == 0)
+            rc = be_in(e, e->d_init, e->h_init, (size_t)n);
+        if (rc == 0)
+            rc = be_in(e, e->d_slots, e->h_slots, (size_t)n * sizeof(int32_t));
+        struct rnnd_step st = {
+            .B = n,
+            .x = e->d_x,
+            .is_init = e->d_init,
+            .slots = e->d_slots,
+            .state_h = e->state_h,
+            .state_c = e->state_c,
+            .out = e->d_out,
+            .h_before = record ? e->d_hb : NULL,
+            .c_before = record && e->lstm ? e->d_cb : NULL,
+        };
+        if (rc == 0)
+            rc = e->be.ops->rnn_step(e->be.ctx, &st, e->cur->params, &e->model);
+        if (rc == 0)
+            rc = be_out(e, e->h_out, e->d_out, (size_t)n * H * sizeof(float));
+        if (rc == 0 && record)
+            rc = be_out(e, e->h_hb, e->d_hb, (size_t)n * LH * sizeof(float));
+        if (rc == 0 && record && e->lstm)
+            rc = be_out(e, e->h_cb, e->d_cb, (size_t)n * LH * sizeof(float));
+        if (rc == 0 && !e->host_mem)
+            rc = e->be.ops->sync(e->be.ctx);
+        rnnd_metrics_kernel(RNND_OP_STEP, rnnd_now_ns() - t0);
+        atomic_fetch_add_explicit(&rnnd_metrics.batches, 1, memory_order_relaxed);
+        rnnd_histogram_observe(&rnnd_metrics.batch_rows, (uint64_t)n);
+        atomic_fetch_add_explicit(&rnnd_metrics.env_steps, (uint64_t)n, memory_order_relaxed);
+    }
+    if (rc != 0) {
+        if (rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "backend step failed: %s", rnnd_strerror(rc));
+        rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
+    }
+    // Per computed row: the env's bookkeeping, its trajectory and the job's output row.
+    for (int i = 0; rc == 0 && i < n; i++) {
+        struct rnnd_job *job = e->rows[i].job;
+        struct rnnd_step_job *s = &job->step;
+        int r = e->rows[i].row;
+        struct rnnd_env *env = s->envs[r];
+        const float *out = e->h_out + (size_t)i * H;
+        memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
+        rnnd_envtable_touch(e->envs, env, now);
+        if (s->step_index) {
+            env->has_index = true;
+            env->last_index = s->step_index[r];
+            env->out_version = version;
+            memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
+        } else {
+            env->has_index = false;
+        }
+        if (record)
+            record_step(e, env, e->h_x + (size_t)i * I, e->h_init[i] != 0,
+                        s->extras && E ? s->extras + (size_t)r * (size_t)E : NULL,
+                        e->h_hb + (size_t)i * LH, e->lstm ? e->h_cb + (size_t)i * LH : NULL,
+                        version);
+    }
+    // Per job: repeated rows from the cache, states when asked, then done.
+    struct rnnd_job *next;
+    for (struct rnnd_job *job = jobs; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        struct rnnd_step_job *s = &job->step;
+        job->model_version = version;
+        if (rc != 0) {
+            fail(job, RNND_EDEVICE, "the backend failed to run the step: %s; retry",
+                 rnnd_strerror(rc));
+            job->done(job);
+            continue;
+        }
+        for (int r = 0; r < s->B; r++) {
+            struct rnnd_env *env = s->envs[r];
+            if (s->repeat[r]) {
+                memcpy(s->out + (size_t)r * H, rnnd_envtable_output(e->envs, env),
+                       H * sizeof(float));
+                rnnd_envtable_touch(e->envs, env, now);
+            }
+            if (s->return_state) {
+                size_t off = (size_t)env->slot * LH;
+                be_out(e, s->h + (size_t)r * LH, e->state_h + off, LH * sizeof(float));
+                if (e->lstm)
+                    be_out(e, s->c + (size_t)r * LH, e->state_c + off, LH * sizeof(float));
+            }
+        }
+        job->err = 0;
+        job->done(job);
+    }
+    env_gauges(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// EndEpisodes
+
+static void run_end(struct rnnd_engine *e, struct rnnd_job *job) {
+    uint64_t released = 0;
+    for (int r = 0; r < job->end.B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, job->end.env_ids[r]);
+        if (env) {
+            env_drop(e, env, RNND_EVICT_RELEASED);
+            released++;
+        }
+    }
+    job->end.released = released;
+    env_gauges(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+struct fwd_layout {
+    float *x;
+    uint8_t *is_init;
+    float *h0, *c0, *hidden, *cell;
+    void *tape;
+    float *out, *h_n, *c_n;
+};
+
+static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l, int B,
+                        int T, bool h0, bool hidden, size_t tape_bytes) {
+    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
+    size_t LH = e->LH;
+    l->x = carve(cv, BT * I * sizeof(float));
+    l->is_init = carve(cv, BT);
+    l->h0 = h0 ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+    l->c0 = h0 && e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+    l->hidden = hidden ? carve(cv, BT * LH * sizeof(float)) : NULL;
+    l->cell = hidden && e->lstm ? carve(cv, BT * LH * sizeof(float)) : NULL;
+    l->tape = tape_bytes ? carve(cv, tape_bytes) : NULL;
+    l->out = carve(cv, BT * H * sizeof(float));
+    l->h_n = carve(cv, (size_t)B * LH * sizeof(float));
+    l->c_n = e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+    return cv->used;
+}
+
+// Gathers the recorded windows into host arrays owned by the job (rec_*), plus h0/c0.
+static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **h0, float **c0) {
+    struct rnnd_forward_job *f = &job->fwd;
+    int B = f->B, T = f->T;
+    for (int b = 0; b < B; b++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
+        int have = env ? rnnd_traj_count(env->traj) : 0;
+        if (have < T)
+            return fail(job, RNND_EPRECOND,
+                        "env %" PRIu64 " has %d recorded steps%s, Forward asked for the last %d; "
+                        "ask for at most %d steps or step the env more first",
+                        f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)",
+                        T, have);
+    }
+    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, LH = e->LH;
+    size_t E = (size_t)e->cfg.extras_size;
+    f->rec_obs = malloc(BT * I * sizeof(float));
+    f->rec_is_init = malloc(BT);
+    f->rec_extras = E ? malloc(BT * E * sizeof(float)) : NULL;
+    f->rec_version = malloc(BT * sizeof(int64_t));
+    *h0 = malloc((size_t)B * LH * sizeof(float));
+    *c0 = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
+    if (!f->rec_obs || !f->rec_is_init || (E && !f->rec_extras) || !f->rec_version || !*h0 ||
+        (e->lstm && !*c0))
+        return fail(job, RNND_ENOMEM, "out of host memory gathering %d x %d recorded steps", B,
+                    T);
+    for (int b = 0; b < B; b++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
+        size_t bt = (size_t)b * (size_t)T;
+        rnnd_traj_window(env->traj, &e->tdims, T, f->rec_obs + bt * I, f->rec_is_init + bt,
+                         E ? f->rec_extras + bt * E : NULL, f->rec_version + bt,
+                         *h0 + (size_t)b * LH, e->lstm ? *c0 + (size_t)b * LH : NULL);
+    }
+    return 0;
+}
+
+static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_forward_job *f = &job->fwd;
+    int B = f->B, T = f->T;
+    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
+    size_t LH = e->LH;
+    float *rec_h0 = NULL, *rec_c0 = NULL;
+    const float *x = f->x, *h0 = f->h0, *c0 = f->c0, *hidden = f->hidden, *cell = f->cell;
+    const uint8_t *is_init = f->is_init;
+    void *block = NULL;
+    struct tape_obj *tobj = NULL;
+    if (f->recorded) {
+        if (gather_recorded(e, job, &rec_h0, &rec_c0) != 0)
+            goto out;
+        x = f->rec_obs;
+        is_init = f->rec_is_init;
+        h0 = rec_h0;
+        c0 = rec_c0;
+        hidden = cell = NULL;
+    }
+    size_t tape_bytes = 0;
+    if (f->keep_tape) {
+        tape_bytes = e->be.ops->tape_bytes(e->be.ctx, &e->model, B, T);
+        if (tape_bytes == 0)
+            tape_bytes = 1;
+    }
+    struct fwd_layout l;
+    struct carve cv = {0};
+    size_t bytes = fwd_carve(e, &cv, &l, B, T, h0 != NULL, hidden != NULL, tape_bytes);
+    uint64_t now = rnnd_now_ns();
+    if (f->keep_tape && rnnd_tapes_fits(e->tapes, bytes, now) != 0) {
+        fail(job, RNND_EFULL,
+             "tape memory budget reached: this tape needs %.1f MiB, %d tapes hold %.1f of "
+             "--tape-memory-mb %zu MiB; call Backward on earlier tapes (or let them expire "
+             "after --tape-ttl-s %d s), send keep_tape=false, or raise --tape-memory-mb",
+             (double)bytes / 1048576.0, rnnd_tapes_count(e->tapes),
+             (double)rnnd_tapes_bytes(e->tapes) / 1048576.0, rnnd_tapes_budget(e->tapes) >> 20,
+             e->cfg.tape_ttl_s);
+        goto out;
+    }
+    f->out = malloc(BT * H * sizeof(float));
+    f->h_n = malloc((size_t)B * LH * sizeof(float));
+    f->c_n = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
+    if (!f->out || !f->h_n || (e->lstm && !f->c_n) ||
+        be_alloc(e, bytes, (void **)&block) != 0) {
+        fail(job, RNND_ENOMEM, "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
+                               "backend); send fewer rows or steps",
+             B, T, (double)bytes / 1048576.0, e->backend_name);
+        goto out;
+    }
+    cv = (struct carve){block, 0};
+    fwd_carve(e, &cv, &l, B, T, h0 != NULL, hidden != NULL, tape_bytes);
+    int rc = be_in(e, l.x, x, BT * I * sizeof(float));
+    if (rc == 0)
+        rc = be_in(e, l.is_init, is_init, BT);
+    if (rc == 0 && h0)
+        rc = be_in(e, l.h0, h0, (size_t)B * LH * sizeof(float));
+    if (rc == 0 && l.c0)
+        rc = be_in(e, l.c0, c0, (size_t)B * LH * sizeof(float));
+    if (rc == 0 && hidden)
+        rc = be_in(e, l.hidden, hidden, BT * LH * sizeof(float));
+    if (rc == 0 && l.cell)
+        rc = be_in(e, l.cell, cell, BT * LH * sizeof(float));
+    struct rnnd_seq seq = {.B = B, .T = T, .x = l.x, .is_init = l.is_init, .h0 = l.h0,
+                           .c0 = l.c0, .hidden = l.hidden, .cell = l.cell};
+    uint64_t t0 = rnnd_now_ns();
+    if (rc == 0)
+        rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq,
+                                    e->cur->params, &e->model);
+    if (rc == 0)
+        rc = be_out(e, f->out, l.out, BT * H * sizeof(float));
+    if (rc == 0)
+        rc = be_out(e, f->h_n, l.h_n, (size_t)B * LH * sizeof(float));
+    if (rc == 0 && e->lstm)
+        rc = be_out(e, f->c_n, l.c_n, (size_t)B * LH * sizeof(float));
+    rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
+    if (rc != 0) {
+        if (rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "backend forward failed: %s", rnnd_strerror(rc));
+        fail(job, rc, "the backend refused the Forward: %s", rnnd_strerror(rc));
+        goto out;
+    }
+    job->model_version = e->cur->version;
+    if (f->keep_tape) {
+        tobj = calloc(1, sizeof(*tobj));
+        if (tobj == NULL) {
+            fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
+            goto out;
+        }
+        *tobj = (struct tape_obj){.w = e->cur, .B = B, .T = T, .has_h0 = h0 != NULL,
+                                  .has_hidden = hidden != NULL, .block = block, .x = l.x,
+                                  .is_init = l.is_init, .h0 = l.h0, .c0 = l.c0,
+                                  .hidden = l.hidden, .cell = l.cell, .tape = l.tape};
+        e->cur->refs++;
+        rc = rnnd_tapes_add(e->tapes, tobj, bytes, now, &f->tape_id);
+        if (rc != 0) {
+            e->cur->refs--;
+            free(tobj);
+            fail(job, rc, "cannot keep the tape: %s", rnnd_strerror(rc));
+            goto out;
+        }
+        block = NULL; // the tape owns it now
+        tape_gauges(e);
+    }
+    job->err = 0;
+out:
+    be_free(e, block);
+    free(rec_h0);
+    free(rec_c0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_backward_job *g = &job->bwd;
+    void *p;
+    if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) != 0) {
+        tape_gauges(e);
+        fail(job, RNND_ENOTFOUND,
+             "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
+             "by one Backward); run Forward with keep_tape=true again and send its tape_id",
+             g->tape_id, e->cfg.tape_ttl_s);
+        return;
+    }
+    struct tape_obj *t = p;
+    int B = t->B, T = t->T;
+    if (g->B != B || g->T != T) {
+        fail(job, RNND_EINVAL,
+             "grad_output: shape [%d, %d, %d] does not match tape %" PRIu64 " ([B, T, H] = [%d, "
+             "%d, %d] from its Forward); send the gradient of that Forward's output",
+             g->B, g->T, e->model.H, g->tape_id, B, T, e->model.H);
+        return;
+    }
+    if ((g->grad_h_n && g->grad_h_n_B != B) || (g->grad_c_n && g->grad_c_n_B != B)) {
+        fail(job, RNND_EINVAL,
+             "grad_h_n/grad_c_n: first dim %d does not match tape %" PRIu64 "'s B = %d; send [%d, "
+             "%d, %d]",
+             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L,
+             e->model.H);
+        return;
+    }
+    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
+    size_t LH = e->LH, BLH = (size_t)B * LH;
+    bool lstm = e->lstm;
+    struct carve cv = {0};
+    float *d_go, *d_ghn, *d_gcn, *d_gx, *d_gh0, *d_gc0, *d_ghid, *d_gcell;
+    void *block = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        d_go = carve(&cv, BT * H * sizeof(float));
+        d_ghn = g->grad_h_n ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_gcn = g->grad_c_n ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_gx = carve(&cv, BT * I * sizeof(float));
+        d_gh0 = t->has_h0 ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_gc0 = t->has_h0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_ghid = t->has_hidden ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        d_gcell = t->has_hidden && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        if (pass == 0) {
+            if (be_alloc(e, cv.used, &block) != 0) {
+                fail(job, RNND_ENOMEM, "out of backend memory for a Backward of %d x %d steps",
+                     B, T);
+                return;
+            }
+            cv = (struct carve){block, 0};
+        }
+    }
+    g->grads = g->accumulate ? NULL : malloc(e->P * sizeof(float));
+    g->grad_x = malloc(BT * I * sizeof(float));
+    g->grad_h0 = d_gh0 ? malloc(BLH * sizeof(float)) : NULL;
+    g->grad_c0 = d_gc0 ? malloc(BLH * sizeof(float)) : NULL;
+    g->grad_hidden = d_ghid ? malloc(BT * LH * sizeof(float)) : NULL;
+    g->grad_cell = d_gcell ? malloc(BT * LH * sizeof(float)) : NULL;
+    if ((!g->accumulate && !g->grads) || !g->grad_x || (d_gh0 && !g->grad_h0) ||
+        (d_gc0 && !g->grad_c0) || (d_ghid && !g->grad_hidden) || (d_gcell && !g->grad_cell)) {
+        be_free(e, block);
+        fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
+        return;
+    }
+    float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
+    int rc = 0;
+    if (!g->accumulate)
+        rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
+    if (rc == 0)
+        rc = be_in(e, d_go, g->grad_out, BT * H * sizeof(float));
+    if (rc == 0 && d_ghn)
+        rc = be_in(e, d_ghn, g->grad_h_n, BLH * sizeof(float));
+    if (rc == 0 && d_gcn)
+        rc = be_in(e, d_gcn, g->grad_c_n, BLH * sizeof(float));
+    struct rnnd_seq seq = {.B = B, .T = T, .x = t->x, .is_init = t->is_init, .h0 = t->h0,
+                           .c0 = t->c0, .hidden = t->hidden, .cell = t->cell};
+    struct rnnd_seq_grads grads = {.params = dparams, .x = d_gx, .h0 = d_gh0, .c0 = d_gc0,
+                                   .hidden = d_ghid, .cell = d_gcell};
+    uint64_t t0 = rnnd_now_ns();
+    if (rc == 0)
+        rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
+                                     t->w->params, &e->model);
+    if (rc == 0 && !g->accumulate)
+        rc = be_out(e, g->grads, dparams, e->P * sizeof(float));
+    if (rc == 0)
+        rc = be_out(e, g->grad_x, d_gx, BT * I * sizeof(float));
+    if (rc == 0 && d_gh0)
+        rc = be_out(e, g->grad_h0, d_gh0, BLH * sizeof(float));
+    if (rc == 0 && d_gc0)
+        rc = be_out(e, g->grad_c0, d_gc0, BLH * sizeof(float));
+    if (rc == 0 && d_ghid)
+        rc = be_out(e, g->grad_hidden, d_ghid, BT * LH * sizeof(float));
+    if (rc == 0 && d_gcell)
+        rc = be_out(e, g->grad_cell, d_gcell, BT * LH * sizeof(float));
+    rnnd_metrics_kernel(RNND_OP_BACKWARD, rnnd_now_ns() - t0);
+    be_free(e, block);
+    if (rc != 0) {
+        if (rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "backend backward failed: %s", rnnd_strerror(rc));
+        fail(job, rc, "the backend refused the Backward: %s", rnnd_strerror(rc));
+        return;
+    }
+    job->model_version = t->w->version;
+    if (g->accumulate)
+        e->grad_pending = true;
+    rnnd_tapes_remove(e->tapes, g->tape_id); // a tape serves one Backward
+    tape_gauges(e);
+    job->err = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weights and the optimizer
+
+static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_apply_job *a = &job->apply;
+    if (a->grads == NULL && !e->grad_pending) {
+        fail(job, RNND_EPRECOND,
+             "no accumulated gradients to apply; call Backward with accumulate=true first, or "
+             "send grads");
+        return;
+    }
+    struct rnnd_optim o = {
+        .kind = e->cfg.optimizer,
+        .lr = a->has_lr ? a->lr : e->cfg.lr,
+        .beta1 = 0.9f,
+        .beta2 = 0.999f,
+        .eps = 1e-8f,
+        .weight_decay = 0.0f,
+        .max_grad_norm = e->cfg.max_grad_norm,
+    };
+    if (rnnd_optim_check(&o) != 0) {
+        fail(job, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0", (double)o.lr);
+        return;
+    }
+    struct weights *w = weights_new(e);
+    if (w == NULL) {
+        fail(job, RNND_ENOMEM, "out of backend memory for the next weights version");
+        return;
+    }
+    size_t bytes = e->P * sizeof(float);
+    float *g = a->grads ? e->grad_scratch : e->grad_accum;
+    int rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
+    if (rc == 0 && a->grads)
+        rc = be_in(e, g, a->grads, bytes);
+    float norm = 0.0f;
+    uint64_t t0 = rnnd_now_ns();
+    if (rc == 0)
+        rc = e->be.ops->optim_step(e->be.ctx, w->params, g, e->adam_m, e->adam_v, e->P, &o,
+                                   e->optim_t + 1, &norm);
+    if (rc == 0)
+        rc = e->be.ops->sync(e->be.ctx);
+    rnnd_metrics_kernel(RNND_OP_OPTIM, rnnd_now_ns() - t0);
+    if (rc != 0) {
+        weights_unref(e, w);
+        if (rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "backend optimizer step failed: %s",
+                       rnnd_strerror(rc));
+        fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
+        return;
+    }
+    e->optim_t++;
+    if (a->grads == NULL) {
+        e->be.ops->zero(e->be.ctx, e->grad_accum, bytes);
+        e->grad_pending = false;
+    }
+    weights_swap(e, w);
+    rnnd_log(RNND_LOG_DEBUG, "applied gradients: version %" PRIu64 ", grad norm %g, lr %g",
+             e->cur->version, (double)norm, (double)o.lr);
+    job->model_version = e->cur->version;
+    job->err = 0;
+}
+
+static void run_get_weights(struct rnnd_engine *e, struct rnnd_job *job) {
+    int rc = be_out(e, job->weights.params, e->cur->params, e->P * sizeof(float));
+    if (rc != 0) {
+        fail(job, rc, "cannot read the weights: %s", rnnd_strerror(rc));
+        return;
+    }
+    job->model_version = e->cur->version;
+    job->err = 0;
+}
+
+static void run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct weights *w = weights_new(e);
+    if (w == NULL) {
+        fail(job, RNND_ENOMEM, "out of backend memory for the next weights version");
+        return;
+    }
+    int rc = be_in(e, w->params, job->weights.params, e->P * sizeof(float));
+    if (rc == 0)
+        rc = e->be.ops->sync(e->be.ctx);
+    if (rc != 0) {
+        weights_unref(e, w);
+        fail(job, rc, "cannot load the weights: %s", rnnd_strerror(rc));
+        return;
+    }
+    weights_swap(e, w);
+    job->model_version = e->cur->version;
+    job->err = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints
+
+// Writes a checkpoint into dir (resolved). 0 or an error with the reason in msg.
+static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, size_t msglen) {
+    size_t P = e->P, LH = e->LH, bytes = P * sizeof(float);
+    int N = rnnd_envtable_count(e->envs);
+    struct rnnd_checkpoint ck = {
+        .model = e->model,
+        .P = P,
+        .model_version = e->cur->version,
+        .optimizer = e->cfg.optimizer,
+        .lr = e->cfg.lr,
+        .max_grad_norm = e->cfg.max_grad_norm,
+        .optim_step = e->optim_t,
+        .n_envs = N,
+        .extras_size = e->cfg.extras_size,
+        .seed = e->cfg.seed,
+    };
+    float *params = malloc(bytes);
+    float *m = e->adam_m ? malloc(bytes) : NULL;
+    float *v = e->adam_v ? malloc(bytes) : NULL;
+    uint64_t *ids = malloc(((size_t)N + 1) * sizeof(uint64_t));
+    uint64_t *last = malloc(((size_t)N + 1) * sizeof(uint64_t));
+    uint8_t *has = malloc((size_t)N + 1);
+    float *h = malloc(((size_t)N * LH + 1) * sizeof(float));
+    float *c = e->lstm ? malloc(((size_t)N * LH + 1) * sizeof(float)) : NULL;
+    int rc = RNND_ENOMEM;
+    if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c)) {
+        snprintf(msg, msglen, "out of host memory for a checkpoint snapshot");
+        goto out;
+    }
+    rc = be_out(e, params, e->cur->params, bytes);
+    if (rc == 0 && m)
+        rc = be_out(e, m, e->adam_m, bytes);
+    if (rc == 0 && v)
+        rc = be_out(e, v, e->adam_v, bytes);
+    int i = 0;
+    for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); rc == 0 && env;
+         env = rnnd_envtable_newer(e->envs, env), i++) {
+        ids[i] = env->id;
+        last[i] = env->last_index;
+        has[i] = env->has_index;
+        size_t off = (size_t)env->slot * LH;
+        rc = be_out(e, h + (size_t)i * LH, e->state_h + off, LH * sizeof(float));
+        if (rc == 0 && e->lstm)
+            rc = be_out(e, c + (size_t)i * LH, e->state_c + off, LH * sizeof(float));
+    }
+    if (rc != 0) {
+        snprintf(msg, msglen, "cannot read state from the backend: %s", rnnd_strerror(rc));
+        goto out;
+    }
+    ck.params = params;
+    ck.exp_avg = m;
+    ck.exp_avg_sq = v;
+    ck.env_ids = ids;
+    ck.last_index = last;
+    ck.has_index = has;
+    ck.env_h = h;
+    ck.env_c = c;
+    uint64_t t0 = rnnd_now_ns();
+    rc = rnnd_checkpoint_write(dir, &ck, msg, msglen);
+    if (rc == 0)
+        rnnd_log(RNND_LOG_INFO, "checkpoint %s written (version %" PRIu64 ", %d envs, %.1f ms)",
+                 dir, ck.model_version, N, (double)(rnnd_now_ns() - t0) / 1e6);
+out:
+    atomic_fetch_add_explicit(rc == 0 ? &rnnd_metrics.checkpoints_ok
+                                      : &rnnd_metrics.checkpoints_failed,
+                              1, memory_order_relaxed);
+    free(params);
+    free(m);
+    free(v);
+    free(ids);
+    free(last);
+    free(has);
+    free(h);
+    free(c);
+    return rc;
+}
+
+static void run_checkpoint(struct rnnd_engine *e, struct rnnd_job *job) {
+    char dir[RNND_CONFIG_PATH_MAX];
+    int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, job->ckpt.path, e->cur->version, dir,
+                                     sizeof(dir), job->msg, sizeof(job->msg));
+    if (rc != 0) {
+        job->err = rc;
+        return;
+    }
+    rc = checkpoint_save(e, dir, job->msg, sizeof(job->msg));
+    if (rc != 0) {
+        rnnd_log(RNND_LOG_WARN, "checkpoint %s failed: %s", dir, job->msg);
+        job->err = rc == RNND_ENOMEM ? RNND_ENOMEM : RNND_EIO;
+        return;
+    }
+    snprintf(job->ckpt.path, sizeof(job->ckpt.path), "%s", dir);
+    job->model_version = e->cur->version;
+    job->err = 0;
+}
+
+static void checkpoint_auto(struct rnnd_engine *e, const char *why) {
+    if (e->cfg.state_dir[0] == '\0')
+        return;
+    char dir[RNND_CONFIG_PATH_MAX], msg[512];
+    if (rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir), msg,
+                                sizeof(msg)) != 0 ||
+        checkpoint_save(e, dir, msg, sizeof(msg)) != 0) {
+        rnnd_log(RNND_LOG_WARN, "%s checkpoint failed: %s", why, msg);
+        return;
+    }
+    rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
+    e->last_checkpoint_ns = rnnd_now_ns();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Housekeeping: idle eviction, tape expiry, periodic checkpoints.
+
+static void run_housekeeping(struct rnnd_engine *e) {
+    uint64_t now = rnnd_now_ns();
+    if (e->cfg.env_idle_timeout_s > 0) {
+        uint64_t ttl = (uint64_t)e->cfg.env_idle_timeout_s * 1000000000ull;
+        int n = 0;
+        struct rnnd_env *env;
+        while ((env = rnnd_envtable_oldest(e->envs)) && now - env->last_used_ns >= ttl &&
+               now >= env->last_used_ns) {
+            env_drop(e, env, RNND_EVICT_IDLE);
+            n++;
+        }
+        if (n)
+            rnnd_log(RNND_LOG_DEBUG, "evicted %d envs idle for %d s", n,
+                     e->cfg.env_idle_timeout_s);
+    }
+    int expired = rnnd_tapes_expire(e->tapes, now);
+    if (expired)
+        rnnd_log(RNND_LOG_DEBUG, "%d tapes expired", expired);
+    env_gauges(e);
+    tape_gauges(e);
+    if (e->cfg.checkpoint_interval_s > 0 && e->cfg.state_dir[0] &&
+        now - e->last_checkpoint_ns >= (uint64_t)e->cfg.checkpoint_interval_s * 1000000000ull)
+        checkpoint_auto(e, "periodic");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The thread
+
+static void run_control(struct rnnd_engine *e, struct rnnd_job *job) {
+    job->err = 0;
+    job->msg[0] = '\0';
+    job->model_version = e->cur->version;
+    switch (job->kind) {
+        case RNND_JOB_END_EPISODES:
+            run_end(e, job);
+            break;
+        case RNND_JOB_FORWARD:
+            run_forward(e, job);
+            break;
+        case RNND_JOB_BACKWARD:
+            run_backward(e, job);
+            break;
+        case RNND_JOB_APPLY:
+            run_apply(e, job);
+            break;
+        case RNND_JOB_GET_WEIGHTS:
+            run_get_weights(e, job);
+            break;
+        case RNND_JOB_SET_WEIGHTS:
+            run_set_weights(e, job);
+            break;
+        case RNND_JOB_CHECKPOINT:
+            run_checkpoint(e, job);
+            break;
+        case RNND_JOB_HOUSEKEEPING:
+            if (job == &e->stop_job) {
+                e->stopping = true;
+                return;
+            }
+            run_housekeeping(e);
+            atomic_store(&e->hk_queued, 0);
+            return;
+        case RNND_JOB_STEP:
+            RNND_ASSERT(!"step job on the control queue");
+    }
+    job->done(job);
+}
+
+static void finish_unavailable(struct rnnd_job *list) {
+    struct rnnd_job *next;
+    for (struct rnnd_job *job = list; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        if (job->kind == RNND_JOB_HOUSEKEEPING)
+            continue;
+        fail(job, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
+        job->done(job);
+    }
+}
+
+static void *engine_main(void *arg) {
+    struct rnnd_engine *e = arg;
+    char msg[512] = "";
+    int rc = engine_open(e, msg, sizeof(msg));
+    e->ready_cb(e->ready_ctx, rc, msg);
+    if (rc == 0) {
+        rnnd_log(RNND_LOG_INFO,
+                 "engine ready: %s backend on %s, %s I=%d H=%d L=%d %s, %zu parameters, "
+                 "%d env slots",
+                 e->backend_name, e->device, rnnd_config_cell_name(e->model.cell), e->model.I,
+                 e->model.H, e->model.L, rnnd_config_compute_name(e->model.compute), e->P,
+                 e->cfg.max_envs);
+        for (;;) {
+            struct rnnd_batch b;
+            if (!rnnd_batcher_wait(e->batcher, admit_step, e, &b, UINT64_MAX))
+                continue;
+            struct rnnd_job *next;
+            for (struct rnnd_job *job = (struct rnnd_job *)b.controls; job; job = next) {
+                next = (struct rnnd_job *)job->item.next;
+                run_control(e, job);
+            }
+            for (struct rnnd_job *job = (struct rnnd_job *)b.rejected; job; job = next) {
+                next = (struct rnnd_job *)job->item.next;
+                job->done(job);
+            }
+            if (b.items)
+                run_step_batch(e, (struct rnnd_job *)b.items);
+            atomic_store_explicit(&rnnd_metrics.queue_rows, rnnd_batcher_rows(e->batcher),
+                                  memory_order_relaxed);
+            if (e->stopping && rnnd_batcher_empty(e->batcher))
+                break;
+        }
+        checkpoint_auto(e, "shutdown");
+    }
+    // From here on submit fails jobs itself; finish whatever slipped in before.
+    pthread_mutex_lock(&e->lock);
+    e->closed = true;
+    pthread_mutex_unlock(&e->lock);
+    rnnd_batcher_close(e->batcher);
+    for (;;) {
+        struct rnnd_batch b;
+        uint64_t wait;
+        if (!rnnd_batcher_poll(e->batcher, rnnd_now_ns(), admit_step, e, &b, &wait))
+            break;
+        finish_unavailable((struct rnnd_job *)b.controls);
+        finish_unavailable((struct rnnd_job *)b.rejected);
+        finish_unavailable((struct rnnd_job *)b.items);
+    }
+    engine_close(e);
+    return NULL;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public API
+
+struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
+    struct rnnd_engine *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return NULL;
+    e->cfg = *cfg;
+    e->model = cfg->model;
+    e->lstm = cfg->model.cell == RNND_CELL_LSTM;
+    e->P = rnnd_model_param_count(&e->model);
+    e->LH = (size_t)e->model.L * (size_t)e->model.H;
+    e->tdims = (struct rnnd_traj_dims){.I = e->model.I, .E = cfg->extras_size, .L = e->model.L,
+                                       .H = e->model.H, .lstm = e->lstm,
+                                       .cap = cfg->trajectory_steps};
+    struct rnnd_batcher_config bc = {
+        .max_batch = cfg->max_batch,
+        .max_delay_ns = (uint64_t)cfg->max_delay_us * 1000ull,
+        .max_queue_rows = rnnd_config_queue_rows(cfg),
+    };
+    e->batcher = rnnd_batcher_init(&bc);
+    if (e->batcher == NULL) {
+        free(e);
+        return NULL;
+    }
+    pthread_mutex_init(&e->lock, NULL);
+    e->hk_job.kind = RNND_JOB_HOUSEKEEPING;
+    e->stop_job.kind = RNND_JOB_HOUSEKEEPING;
+    snprintf(e->backend_name, sizeof(e->backend_name), "none");
+    return e;
+}
+
+int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *ctx) {
+    e->ready_cb = ready;
+    e->ready_ctx = ctx;
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0)
+        return RNND_ENOMEM;
+    e->thread_started = true;
+    return 0;
+}
+
+int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
+    job->kind = RNND_JOB_STEP;
+    job->item.B = job->step.B;
+    job->item.env_ids = job->step.env_ids;
+    return rnnd_batcher_push(e->batcher, &job->item, rnnd_now_ns());
+}
+
+void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job) {
+    pthread_mutex_lock(&e->lock);
+    bool closed = e->closed;
+    if (!closed)
+        rnnd_batcher_push_control(e->batcher, &job->item);
+    pthread_mutex_unlock(&e->lock);
+    if (closed) {
+        job->item.next = NULL;
+        finish_unavailable(job);
+    }
+}
+
+void rnnd_engine_housekeeping(struct rnnd_engine *e) {
+    if (atomic_exchange(&e->hk_queued, 1) == 0) {
+        pthread_mutex_lock(&e->lock);
+        if (!e->closed)
+            rnnd_batcher_push_control(e->batcher, &e->hk_job.item);
+        pthread_mutex_unlock(&e->lock);
+    }
+}
+
+void rnnd_engine_stop(struct rnnd_engine *e) {
+    rnnd_batcher_close(e->batcher);
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed)
+        rnnd_batcher_push_control(e->batcher, &e->stop_job.item);
+    pthread_mutex_unlock(&e->lock);
+}
+
+void rnnd_engine_join(struct rnnd_engine *e) {
+    if (e->thread_started) {
+        pthread_join(e->thread, NULL);
+        e->thread_started = false;
+    }
+}
+
+void rnnd_engine_free(struct rnnd_engine *e) {
+    if (e == NULL)
+        return;
+    rnnd_engine_join(e);
+    rnnd_batcher_free(e->batcher);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+uint64_t rnnd_engine_model_version(const struct rnnd_engine *e) {
+    return atomic_load(&((struct rnnd_engine *)e)->version);
+}
+
+uint64_t rnnd_engine_envs_active(const struct rnnd_engine *e) {
+    return atomic_load(&((struct rnnd_engine *)e)->envs_active);
+}
+
+const char *rnnd_engine_backend_name(const struct rnnd_engine *e) {
+    return e->backend_name;
+}
+
+const char *rnnd_engine_device_name(const struct rnnd_engine *e) {
+    return e->device;
+}
+
+const struct rnnd_model *rnnd_engine_model(const struct rnnd_engine *e) {
+    return &e->model;
+}
+
+size_t rnnd_engine_param_count(const struct rnnd_engine *e) {
+    return e->P;
+}
+
+int rnnd_engine_queue_rows(struct rnnd_engine *e) {
+    return rnnd_batcher_rows(e->batcher);
+}

@@ -1,0 +1,176 @@
+/*
+ * engine.h: the engine thread, which owns the backend and everything that lives in its memory:
+ * the weights (double-buffered versions), the gradient buffer and optimizer state, the env state
+ * table, the trajectory rings and the tapes. One engine per device (DESIGN.md §4).
+ *
+ * Work arrives as jobs through the batcher (batcher.h): Step jobs are merged into batches, every
+ * other kind runs alone, between batches (so a weight swap never lands inside a batch). Whoever
+ * submits a job keeps ownership of its inputs; the engine fills its outputs and then calls
+ * job->done(job) on the engine thread, after which it never touches the job again. A job the
+ * engine refuses is finished the same way, with job->err < 0 and job->msg saying what was wrong
+ * and what to send instead; a refused job changed no state.
+ */
+#ifndef RNND_ENGINE_H
+#define RNND_ENGINE_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "batcher.h"
+#include "config.h"
+#include "rnnd_kernels.h"
+
+enum rnnd_job_kind {
+    RNND_JOB_STEP,
+    RNND_JOB_END_EPISODES,
+    RNND_JOB_FORWARD,
+    RNND_JOB_BACKWARD,
+    RNND_JOB_APPLY,
+    RNND_JOB_GET_WEIGHTS,
+    RNND_JOB_SET_WEIGHTS,
+    RNND_JOB_CHECKPOINT,
+    RNND_JOB_HOUSEKEEPING,
+};
+
+struct rnnd_env;
+
+// A Step: B rows, one per env. Inputs are borrowed (host memory).
+struct rnnd_step_job {
+    int B;
+    const uint64_t *env_ids;    // (B) unique
+    const float *obs;           // (B, I)
+    const uint8_t *is_init;     // (B)
+    const uint64_t *step_index; // (B) or NULL
+    const float *extras;        // (B, E) or NULL
+    bool return_state;
+    // Outputs, allocated by the submitter:
+    float *out; // (B, H)
+    float *h;   // (B, L, H) when return_state
+    float *c;   // (B, L, H) when return_state, LSTM
+    // Engine scratch, allocated by the submitter:
+    struct rnnd_env **envs; // (B)
+    uint8_t *repeat;        // (B) 1: the row resends its env's last step_index
+};
+
+struct rnnd_end_job {
+    int B;
+    const uint64_t *env_ids; // (B) unique
+    uint64_t released;       // out
+};
+
+// Forward over explicit trajectories (recorded false) or the last T recorded steps of envs.
+struct rnnd_forward_job {
+    bool recorded;
+    bool keep_tape;
+    int B, T;
+    // Explicit (host, borrowed):
+    const float *x;         // (B, T, I)
+    const uint8_t *is_init; // (B, T)
+    const float *h0, *c0;   // (B, L, H) or NULL
+    const float *hidden;    // (B, T, L, H) or NULL
+    const float *cell;      // (B, T, L, H) or NULL
+    // Recorded:
+    const uint64_t *env_ids; // (B) unique
+    // Outputs, allocated by the engine with malloc; the submitter frees them:
+    float *out;          // (B, T, H)
+    float *h_n, *c_n;    // (B, L, H); c_n LSTM
+    uint64_t tape_id;    // 0 unless keep_tape
+    float *rec_obs;      // (B, T, I) recorded only
+    uint8_t *rec_is_init; // (B, T)
+    float *rec_extras;   // (B, T, E) when E > 0
+    int64_t *rec_version; // (B, T)
+};
+
+struct rnnd_backward_job {
+    uint64_t tape_id;
+    int B, T;                       // dims of grad_output as sent (checked against the tape)
+    const float *grad_out;          // (B, T, H)
+    const float *grad_h_n;          // (B, L, H) or NULL
+    const float *grad_c_n;          // (B, L, H) or NULL
+    int grad_h_n_B, grad_c_n_B;     // their first dims as sent
+    bool accumulate;
+    // Outputs, malloc'd by the engine; the submitter frees them:
+    float *grads;      // (P) unless accumulate
+    float *grad_x;     // (B, T, I)
+    float *grad_h0;    // (B, L, H) when the Forward started from h0 (or a recorded state)
+    float *grad_c0;    // (B, L, H) LSTM, likewise
+    float *grad_hidden; // (B, T, L, H) when the Forward had stored states
+    float *grad_cell;   // (B, T, L, H) LSTM, likewise
+};
+
+struct rnnd_apply_job {
+    const float *grads; // (P) host, or NULL: use the accumulated buffer
+    bool has_lr;
+    float lr;
+};
+
+struct rnnd_weights_job {
+    float *params; // (P) host: GetWeights fills it, SetWeights reads it; submitter allocates
+};
+
+struct rnnd_checkpoint_job {
+    char path[RNND_CONFIG_PATH_MAX]; // in: requested directory (may be empty); out: written path
+};
+
+struct rnnd_job {
+    struct rnnd_batch_item item; // first: the batcher's link
+    enum rnnd_job_kind kind;
+    int err;                     // out: 0 or RNND_E*
+    char msg[512];               // out: what was wrong, when err < 0
+    uint64_t model_version;      // out: the version the job saw (or made)
+    const _Atomic int *cancelled; // optional: nonzero when the client gave up (skip if queued)
+    void (*done)(struct rnnd_job *job); // called once on the engine thread
+    void *owner;                 // the submitter's
+    void *aux;                   // the submitter's
+    union {
+        struct rnnd_step_job step;
+        struct rnnd_end_job end;
+        struct rnnd_forward_job fwd;
+        struct rnnd_backward_job bwd;
+        struct rnnd_apply_job apply;
+        struct rnnd_weights_job weights;
+        struct rnnd_checkpoint_job ckpt;
+    };
+};
+
+struct rnnd_engine;
+
+// Called once from the engine thread after start: err 0 when the backend and model are ready,
+// else the reason in msg (and the thread exits).
+typedef void (*rnnd_engine_ready_cb)(void *ctx, int err, const char *msg);
+
+// A new engine for cfg (copied); nothing runs yet. NULL when out of memory.
+struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg);
+// Starts the engine thread, which opens the backend and loads the model, then calls ready.
+// 0 or RNND_ENOMEM (no thread).
+int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *ctx);
+// Queues a Step job (any thread). 0, or RNND_EFULL (queue full), RNND_EUNAVAIL (stopping),
+// RNND_EINVAL (B out of range): then the caller keeps the job and done is not called.
+int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job);
+// Queues any other job (any thread); done is always called.
+void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job);
+// Queues one housekeeping pass (idle eviction, tape expiry, periodic checkpoint) unless one is
+// already queued (any thread; the cron calls it).
+void rnnd_engine_housekeeping(struct rnnd_engine *e);
+// Stops taking Step jobs, finishes everything queued, writes a final checkpoint when
+// --state-dir is set, and ends the thread (any thread; returns at once).
+void rnnd_engine_stop(struct rnnd_engine *e);
+// Waits for the engine thread to end (after stop or a failed start).
+void rnnd_engine_join(struct rnnd_engine *e);
+void rnnd_engine_free(struct rnnd_engine *e);
+
+// Thread-safe readings.
+uint64_t rnnd_engine_model_version(const struct rnnd_engine *e);
+uint64_t rnnd_engine_envs_active(const struct rnnd_engine *e);
+// Valid after ready: "cpu" / "cuda" and the device's name.
+const char *rnnd_engine_backend_name(const struct rnnd_engine *e);
+const char *rnnd_engine_device_name(const struct rnnd_engine *e);
+// The model served and its parameter count P.
+const struct rnnd_model *rnnd_engine_model(const struct rnnd_engine *e);
+size_t rnnd_engine_param_count(const struct rnnd_engine *e);
+// Step rows waiting.
+int rnnd_engine_queue_rows(struct rnnd_engine *e);
+
+#endif // RNND_ENGINE_H

@@ -1,0 +1,60 @@
+/*
+ * envtable.h: env id -> state slot. Each env that holds state owns one slot index into the
+ * engine's state tables on the backend (state_h (S, L, H) and state_c), plus what the daemon
+ * remembers about it: the last step_index and output (for retry-safe steps), when it was last
+ * used (idle eviction, oldest first) and its trajectory ring.
+ *
+ * The table has a fixed capacity S = --max-envs; entries are preallocated and an entry's index
+ * is its slot, so adding and removing never allocate. Engine thread only: no locks.
+ */
+#ifndef RNND_ENVTABLE_H
+#define RNND_ENVTABLE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct rnnd_traj;
+
+struct rnnd_env {
+    uint64_t id;
+    int32_t slot; // index into the state tables; equals the entry's index
+    bool used;
+    bool has_index;       // last_index is valid (the latest step carried a step_index)
+    uint64_t last_index;  // step_index of the latest step
+    uint64_t last_used_ns;
+    uint64_t out_version; // model version that computed the cached output
+    struct rnnd_traj *traj; // recorded steps, or NULL; owned by the engine
+    uint32_t mark;          // scratch for the engine (batch formation)
+    // Private to envtable.c:
+    int32_t next, lru_prev, lru_next;
+};
+
+struct rnnd_envtable;
+
+// A new table of cap entries with an H-float cached output each; NULL when out of memory.
+// Free with rnnd_envtable_free.
+struct rnnd_envtable *rnnd_envtable_init(int cap, int H);
+void rnnd_envtable_free(struct rnnd_envtable *t);
+
+// The entry for id, or NULL.
+struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id);
+// Adds id (which must not be present) with a free slot, as the most recently used entry.
+// 0 and *out, or RNND_EFULL when every slot is taken.
+int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns,
+                      struct rnnd_env **out);
+// Marks e used at now_ns (it becomes the newest for eviction).
+void rnnd_envtable_touch(struct rnnd_envtable *t, struct rnnd_env *e, uint64_t now_ns);
+// Removes e and frees its slot. e->traj must already be released by the caller.
+void rnnd_envtable_remove(struct rnnd_envtable *t, struct rnnd_env *e);
+// The least recently used entry, or NULL when empty.
+struct rnnd_env *rnnd_envtable_oldest(const struct rnnd_envtable *t);
+// The entry after e in use order (oldest first), or NULL; for walking every env.
+struct rnnd_env *rnnd_envtable_newer(const struct rnnd_envtable *t, const struct rnnd_env *e);
+
+int rnnd_envtable_count(const struct rnnd_envtable *t);
+int rnnd_envtable_capacity(const struct rnnd_envtable *t);
+// The env's cached output of its latest step (H floats).
+float *rnnd_envtable_output(struct rnnd_envtable *t, const struct rnnd_env *e);
+
+#endif // RNND_ENVTABLE_H

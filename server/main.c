@@ -1,0 +1,25 @@
+/*
+ * main.c: rnnd's entry point: parse the configuration (config.c), then run the daemon
+ * (server.c). A bad flag or config value exits with status 2 and a message naming it.
+ */
+#include <stdio.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+
+int main(int argc, char **argv) {
+    struct rnnd_config cfg;
+    rnnd_config_defaults(&cfg);
+    char err[1024];
+    switch (rnnd_config_parse(&cfg, argc, argv, stdout, err, sizeof(err))) {
+        case RNND_CONFIG_EXIT:
+            return 0;
+        case RNND_CONFIG_ERROR:
+            fprintf(stderr, "rnnd: %s\n", err);
+            return 2;
+        case RNND_CONFIG_RUN:
+            break;
+    }
+    return rnnd_server_run(&cfg);
+}

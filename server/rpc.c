@@ -1,0 +1,1004 @@
+/*
+ * rpc.c: the gRPC C core wrapper (see rpc.h) and the only file that calls grpc_*.
+ *
+ * Threads: one completion-queue thread runs every completion (new calls, sends, receives,
+ * closes). Handlers run on it too, and finish their calls from any thread (the engine thread,
+ * mostly) through rnnd_call_reply / rnnd_call_fail, which start the reply batch themselves.
+ *
+ * Calls: each struct rnnd_call is reference counted: one reference for the owner (the call's
+ * handler side, dropped when the status is sent) and one per batch in flight. Tags are small
+ * structs embedded in the call that say which batch finished. The per-call mutex guards the
+ * stream state (what is being sent, what is queued, whether a status went out).
+ *
+ * Shutdown (GRPC_NOTES.md): grpc_server_shutdown_and_notify, then end our streams and, once no
+ * call of ours is unfinished (or the grace period is over), grpc_server_cancel_all_calls so idle
+ * connections let go. Starting a batch after grpc_completion_queue_shutdown aborts, so every
+ * batch start and request post holds the read side of `gate`, and the queue is shut down under
+ * its write side with cq_open cleared.
+ */
+#include "rpc.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/status.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "log.h"
+#include "metrics.h"
+#include "rnnd/v1/rnnd.pb-c.h"
+#include "rnnd_kernels.h"
+#include "service.h"
+
+// ---------------------------------------------------------------------------------------------
+// The method table
+
+enum method_kind { KIND_UNARY, KIND_STEP_STREAM, KIND_HEALTH_CHECK, KIND_HEALTH_WATCH };
+
+struct method {
+    const char *path;
+    enum rnnd_method metric;
+    enum method_kind kind;
+    const ProtobufCMessageDescriptor *request;
+    rnnd_rpc_handler_fn handler;
+    int posted; // requests kept waiting for this method
+};
+
+static const struct method methods[] = {
+    {"/rnnd.v1.Rnn/GetModelInfo", RNND_METHOD_GET_MODEL_INFO, KIND_UNARY,
+     &rnnd__v1__get_model_info_request__descriptor, rnnd_service_get_model_info, 8},
+    {"/rnnd.v1.Rnn/Step", RNND_METHOD_STEP, KIND_UNARY, &rnnd__v1__step_request__descriptor,
+     rnnd_service_step, 32},
+    {"/rnnd.v1.Rnn/StepStream", RNND_METHOD_STEP_STREAM, KIND_STEP_STREAM,
+     &rnnd__v1__step_request__descriptor, rnnd_service_step, 8},
+    {"/rnnd.v1.Rnn/EndEpisodes", RNND_METHOD_END_EPISODES, KIND_UNARY,
+     &rnnd__v1__end_episodes_request__descriptor, rnnd_service_end_episodes, 4},
+    {"/rnnd.v1.Rnn/Forward", RNND_METHOD_FORWARD, KIND_UNARY,
+     &rnnd__v1__forward_request__descriptor, rnnd_service_forward, 4},
+    {"/rnnd.v1.Rnn/Backward", RNND_METHOD_BACKWARD, KIND_UNARY,
+     &rnnd__v1__backward_request__descriptor, rnnd_service_backward, 4},
+    {"/rnnd.v1.Rnn/ApplyGradients", RNND_METHOD_APPLY_GRADIENTS, KIND_UNARY,
+     &rnnd__v1__apply_gradients_request__descriptor, rnnd_service_apply_gradients, 2},
+    {"/rnnd.v1.Rnn/GetWeights", RNND_METHOD_GET_WEIGHTS, KIND_UNARY,
+     &rnnd__v1__get_weights_request__descriptor, rnnd_service_get_weights, 2},
+    {"/rnnd.v1.Rnn/SetWeights", RNND_METHOD_SET_WEIGHTS, KIND_UNARY,
+     &rnnd__v1__set_weights_request__descriptor, rnnd_service_set_weights, 2},
+    {"/rnnd.v1.Rnn/SaveCheckpoint", RNND_METHOD_SAVE_CHECKPOINT, KIND_UNARY,
+     &rnnd__v1__save_checkpoint_request__descriptor, rnnd_service_save_checkpoint, 2},
+    {"/grpc.health.v1.Health/Check", RNND_METHOD_HEALTH_CHECK, KIND_HEALTH_CHECK,
+     &grpc__health__v1__health_check_request__descriptor, NULL, 4},
+    {"/grpc.health.v1.Health/Watch", RNND_METHOD_HEALTH_WATCH, KIND_HEALTH_WATCH,
+     &grpc__health__v1__health_check_request__descriptor, NULL, 4},
+};
+#define NMETHODS ((int)(sizeof(methods) / sizeof(methods[0])))
+#define CATCH_ALL_POSTED 2
+
+// Services the health service knows: the whole server and rnnd.v1.Rnn.
+static bool health_known(const char *service) {
+    return service[0] == '\0' || strcmp(service, "rnnd.v1.Rnn") == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Types
+
+enum tag_kind { TAG_NEW, TAG_CLOSE, TAG_SEND, TAG_STATUS, TAG_RECV, TAG_SHUTDOWN };
+
+struct tag {
+    enum tag_kind kind;
+    struct rnnd_call *call;
+};
+
+struct outmsg {
+    grpc_byte_buffer *buf;
+    struct outmsg *next;
+};
+
+struct rnnd_call {
+    struct rnnd_rpc *rpc;
+    int mi; // method index; -1 for the catch-all
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_call_details details; // catch-all only
+    grpc_byte_buffer *payload; // received message (initial payload or RECV_MESSAGE)
+    ProtobufCMessage *request; // decoded from payload
+    _Atomic int refs;
+    _Atomic int cancelled;
+    int close_cancelled; // written by RECV_CLOSE_ON_SERVER
+    uint64_t start_ns;
+    uint64_t source;
+    bool source_set;
+    bool counted; // in rpc->active
+    struct tag t_new, t_close, t_send, t_status, t_recv;
+    grpc_slice status_details;
+    bool has_details;
+
+    pthread_mutex_t lock;
+    bool md_sent;     // initial metadata went out
+    bool status_sent; // the status batch started (or the call was abandoned)
+    bool sending;     // a SEND_MESSAGE batch is in flight
+    grpc_byte_buffer *send_buf;
+    struct outmsg *outq, *outq_tail;
+    bool ending; // send this status once the queue is empty
+    int end_code;
+    char *end_msg;
+    bool inflight;    // StepStream: a request is with the handler
+    bool half_closed; // StepStream: the client sent its last message
+    // Health Watch:
+    bool watching;
+    bool watch_known;
+    int watch_last; // last status queued, -1 none
+    // rpc->streams list (Watch and StepStream calls), under rpc->streams_lock.
+    struct rnnd_call *snext, *sprev;
+    bool listed;
+};
+
+struct rnnd_rpc {
+    grpc_server *server;
+    grpc_completion_queue *cq;
+    void *handles[NMETHODS];
+    void *service;
+    rnnd_rpc_stopped_cb stopped;
+    void *stopped_ctx;
+    pthread_t thread;
+    bool thread_started;
+    struct tag t_shutdown;
+
+    pthread_rwlock_t gate;
+    bool cq_open;    // under gate
+    bool server_shut; // shutdown_and_notify was called, under gate
+
+    _Atomic int serving;
+    _Atomic int draining;
+    _Atomic int active; // calls started and not yet finished by us
+    _Atomic int cancel_sent;
+
+    pthread_mutex_t streams_lock;
+    struct rnnd_call *streams;
+};
+
+static void call_unref(struct rnnd_call *c);
+static void post_request(struct rnnd_rpc *rpc, int mi);
+
+// ---------------------------------------------------------------------------------------------
+// Status mapping: the one place where rnnd error codes become gRPC statuses.
+
+int rnnd_rpc_status(int err) {
+    switch (err) {
+        case 0:
+            return GRPC_STATUS_OK;
+        case RNND_EINVAL:
+            return GRPC_STATUS_INVALID_ARGUMENT;
+        case RNND_EPRECOND:
+            return GRPC_STATUS_FAILED_PRECONDITION;
+        case RNND_ENOTFOUND:
+            return GRPC_STATUS_NOT_FOUND;
+        case RNND_EFULL:
+        case RNND_ENOMEM:
+            return GRPC_STATUS_RESOURCE_EXHAUSTED;
+        case RNND_EUNAVAIL:
+            return GRPC_STATUS_UNAVAILABLE;
+        case RNND_EAUTH:
+            return GRPC_STATUS_UNAUTHENTICATED;
+        case RNND_ENOTSUP:
+            return GRPC_STATUS_UNIMPLEMENTED;
+        case RNND_ECANCELED:
+            return GRPC_STATUS_CANCELLED;
+        case RNND_ECORRUPT:
+            return GRPC_STATUS_DATA_LOSS;
+        case RNND_EDEVICE:
+        case RNND_EIO:
+        default:
+            return GRPC_STATUS_INTERNAL;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+static grpc_byte_buffer *encode(const ProtobufCMessage *m) {
+    size_t n = protobuf_c_message_get_packed_size(m);
+    grpc_slice s = grpc_slice_malloc(n);
+    protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(s));
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    return bb;
+}
+
+static ProtobufCMessage *decode(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *bb) {
+    grpc_byte_buffer_reader r;
+    if (bb == NULL || !grpc_byte_buffer_reader_init(&r, bb))
+        return NULL;
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    ProtobufCMessage *m =
+        protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    grpc_slice_unref(s);
+    return m;
+}
+
+// Starts a batch on c under the gate, taking a reference for it. False when the queue is
+// closing or gRPC refused (then the tag will never complete).
+static bool call_start(struct rnnd_call *c, const grpc_op *ops, size_t n, struct tag *tag) {
+    struct rnnd_rpc *rpc = c->rpc;
+    pthread_rwlock_rdlock(&rpc->gate);
+    if (!rpc->cq_open) {
+        pthread_rwlock_unlock(&rpc->gate);
+        return false;
+    }
+    atomic_fetch_add(&c->refs, 1);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    pthread_rwlock_unlock(&rpc->gate);
+    if (e != GRPC_CALL_OK) {
+        rnnd_log(RNND_LOG_WARN, "grpc_call_start_batch: error %d", (int)e);
+        atomic_fetch_sub(&c->refs, 1);
+        return false;
+    }
+    return true;
+}
+
+static struct rnnd_call *call_new(struct rnnd_rpc *rpc, int mi) {
+    struct rnnd_call *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    c->rpc = rpc;
+    c->mi = mi;
+    atomic_init(&c->refs, 1);
+    grpc_metadata_array_init(&c->md);
+    if (mi < 0)
+        grpc_call_details_init(&c->details);
+    pthread_mutex_init(&c->lock, NULL);
+    c->t_new = (struct tag){TAG_NEW, c};
+    c->t_close = (struct tag){TAG_CLOSE, c};
+    c->t_send = (struct tag){TAG_SEND, c};
+    c->t_status = (struct tag){TAG_STATUS, c};
+    c->t_recv = (struct tag){TAG_RECV, c};
+    c->watch_last = -1;
+    return c;
+}
+
+static void call_free(struct rnnd_call *c) {
+    struct rnnd_rpc *rpc = c->rpc;
+    if (c->listed) {
+        pthread_mutex_lock(&rpc->streams_lock);
+        if (c->sprev)
+            c->sprev->snext = c->snext;
+        else
+            rpc->streams = c->snext;
+        if (c->snext)
+            c->snext->sprev = c->sprev;
+        pthread_mutex_unlock(&rpc->streams_lock);
+    }
+    if (c->request)
+        protobuf_c_message_free_unpacked(c->request, NULL);
+    if (c->payload)
+        grpc_byte_buffer_destroy(c->payload);
+    if (c->send_buf)
+        grpc_byte_buffer_destroy(c->send_buf);
+    while (c->outq) {
+        struct outmsg *o = c->outq;
+        c->outq = o->next;
+        grpc_byte_buffer_destroy(o->buf);
+        free(o);
+    }
+    free(c->end_msg);
+    if (c->has_details)
+        grpc_slice_unref(c->status_details);
+    grpc_metadata_array_destroy(&c->md);
+    if (c->mi < 0)
+        grpc_call_details_destroy(&c->details);
+    if (c->call)
+        grpc_call_unref(c->call);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+static void call_unref(struct rnnd_call *c) {
+    if (atomic_fetch_sub(&c->refs, 1) == 1)
+        call_free(c);
+}
+
+static void maybe_cancel_idle(struct rnnd_rpc *rpc) {
+    // Once draining and no call of ours is unfinished, cancel what gRPC still holds (idle
+    // connections, calls that never reached us) so the shutdown completes now.
+    if (atomic_load(&rpc->draining) && atomic_load(&rpc->active) == 0 &&
+        atomic_exchange(&rpc->cancel_sent, 1) == 0)
+        rnnd_rpc_cancel_all(rpc);
+}
+
+// Starts the status batch (with initial metadata if none went out yet). Call with c->lock held
+// and nothing being sent. Returns true: the caller drops the owner reference after unlocking.
+static bool status_start(struct rnnd_call *c, int code, const char *msg) {
+    if (c->status_sent)
+        return false;
+    c->status_sent = true;
+    c->has_details = true;
+    c->status_details = grpc_slice_from_copied_string(msg ? msg : "");
+    grpc_op ops[2];
+    memset(ops, 0, sizeof(ops));
+    size_t n = 0;
+    if (!c->md_sent) {
+        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+        n++;
+        c->md_sent = true;
+    }
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)code;
+    ops[n].data.send_status_from_server.status_details = &c->status_details;
+    n++;
+    call_start(c, ops, n, &c->t_status);
+    int mi = c->mi;
+    rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
+                         rnnd_now_ns() - c->start_ns);
+    if (code != GRPC_STATUS_OK)
+        rnnd_log(RNND_LOG_DEBUG, "%s -> %d: %s", mi >= 0 ? methods[mi].path : "unknown", code,
+                 msg ? msg : "");
+    return true;
+}
+
+// The call is finished from our side: it no longer counts as active.
+static void call_done_active(struct rnnd_call *c) {
+    if (c->counted) {
+        c->counted = false;
+        atomic_fetch_sub(&c->rpc->active, 1);
+        maybe_cancel_idle(c->rpc);
+    }
+}
+
+// Ends the call with code/msg once queued messages are out. Call with c->lock held; returns
+// true when the caller must drop the owner reference after unlocking.
+static bool end_locked(struct rnnd_call *c, int code, const char *msg) {
+    if (c->status_sent || c->ending)
+        return false;
+    if (c->sending || c->outq) {
+        c->ending = true;
+        c->end_code = code;
+        c->end_msg = strdup(msg ? msg : "");
+        return false;
+    }
+    return status_start(c, code, msg);
+}
+
+static void finish_owner(struct rnnd_call *c, bool drop) {
+    if (drop) {
+        call_done_active(c);
+        call_unref(c);
+    }
+}
+
+// Sends the next queued message if nothing is in flight. Call with c->lock held; returns true
+// when a pending end started the status (drop the owner reference after unlocking).
+static bool send_next_locked(struct rnnd_call *c) {
+    if (c->sending || c->status_sent)
+        return false;
+    if (c->outq == NULL)
+        return c->ending ? status_start(c, c->end_code, c->end_msg) : false;
+    struct outmsg *o = c->outq;
+    c->outq = o->next;
+    if (c->outq == NULL)
+        c->outq_tail = NULL;
+    c->send_buf = o->buf;
+    free(o);
+    grpc_op ops[2];
+    memset(ops, 0, sizeof(ops));
+    size_t n = 0;
+    if (!c->md_sent) {
+        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+        n++;
+        c->md_sent = true;
+    }
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = c->send_buf;
+    n++;
+    c->sending = call_start(c, ops, n, &c->t_send);
+    if (!c->sending) {
+        grpc_byte_buffer_destroy(c->send_buf);
+        c->send_buf = NULL;
+        // The queue is closing: abandon the call.
+        if (!c->status_sent) {
+            c->status_sent = true;
+            return true;
+        }
+    }
+    return false;
+}
+
+static void enqueue_locked(struct rnnd_call *c, grpc_byte_buffer *bb) {
+    struct outmsg *o = malloc(sizeof(*o));
+    if (o == NULL) {
+        grpc_byte_buffer_destroy(bb);
+        return;
+    }
+    o->buf = bb;
+    o->next = NULL;
+    if (c->outq_tail)
+        c->outq_tail->next = o;
+    else
+        c->outq = o;
+    c->outq_tail = o;
+}
+
+static void recv_start_locked(struct rnnd_call *c) {
+    grpc_op op;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->payload;
+    call_start(c, &op, 1, &c->t_recv);
+}
+
+static void list_stream(struct rnnd_call *c) {
+    struct rnnd_rpc *rpc = c->rpc;
+    pthread_mutex_lock(&rpc->streams_lock);
+    c->snext = rpc->streams;
+    c->sprev = NULL;
+    if (rpc->streams)
+        rpc->streams->sprev = c;
+    rpc->streams = c;
+    c->listed = true;
+    pthread_mutex_unlock(&rpc->streams_lock);
+}
+
+static const char *not_serving_msg(struct rnnd_rpc *rpc) {
+    return atomic_load(&rpc->draining)
+               ? "rnnd is shutting down; retry on another replica"
+               : "rnnd is starting up (loading the model); retry in a moment";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finishing calls (handlers, any thread)
+
+void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
+    grpc_byte_buffer *bb = encode(reply);
+    bool drop = false;
+    pthread_mutex_lock(&c->lock);
+    if (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM) {
+        c->inflight = false;
+        if (c->status_sent) {
+            grpc_byte_buffer_destroy(bb);
+        } else {
+            enqueue_locked(c, bb);
+            drop = send_next_locked(c);
+            if (!drop && !c->status_sent) {
+                if (atomic_load(&c->rpc->draining))
+                    drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+                else if (c->half_closed)
+                    drop = end_locked(c, GRPC_STATUS_OK, "");
+                else if (atomic_load(&c->cancelled))
+                    drop = end_locked(c, GRPC_STATUS_CANCELLED, "cancelled");
+                else
+                    recv_start_locked(c);
+            }
+        }
+        pthread_mutex_unlock(&c->lock);
+        finish_owner(c, drop);
+        return;
+    }
+    // Unary: initial metadata, message and status in one batch.
+    if (c->status_sent) {
+        pthread_mutex_unlock(&c->lock);
+        grpc_byte_buffer_destroy(bb);
+        return;
+    }
+    c->status_sent = true;
+    c->md_sent = true;
+    grpc_op ops[3];
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = bb;
+    ops[2].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[2].data.send_status_from_server.status = GRPC_STATUS_OK;
+    c->send_buf = bb; // destroyed with the call
+    call_start(c, ops, 3, &c->t_status);
+    pthread_mutex_unlock(&c->lock);
+    rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
+    finish_owner(c, true);
+}
+
+void rnnd_call_fail(struct rnnd_call *c, int err, const char *msg) {
+    pthread_mutex_lock(&c->lock);
+    c->inflight = false;
+    bool drop = end_locked(c, rnnd_rpc_status(err), msg);
+    pthread_mutex_unlock(&c->lock);
+    finish_owner(c, drop);
+}
+
+static void call_fail_code(struct rnnd_call *c, int code, const char *msg) {
+    pthread_mutex_lock(&c->lock);
+    bool drop = end_locked(c, code, msg);
+    pthread_mutex_unlock(&c->lock);
+    finish_owner(c, drop);
+}
+
+const ProtobufCMessage *rnnd_call_request(const struct rnnd_call *c) {
+    return c->request;
+}
+
+const _Atomic int *rnnd_call_cancelled(struct rnnd_call *c) {
+    return &c->cancelled;
+}
+
+static uint64_t hash_bytes(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+uint64_t rnnd_call_source(struct rnnd_call *c) {
+    if (!c->source_set) {
+        if (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM) {
+            c->source = (uint64_t)(uintptr_t)c * 0x9e3779b97f4a7c15ull;
+        } else {
+            char *peer = grpc_call_get_peer(c->call);
+            c->source = peer ? hash_bytes(peer) : 0;
+            gpr_free(peer);
+        }
+        c->source_set = true;
+    }
+    return c->source;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Health
+
+static int health_status_of(struct rnnd_rpc *rpc, bool known) {
+    if (!known)
+        return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
+    return atomic_load(&rpc->serving) && !atomic_load(&rpc->draining)
+               ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+               : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+}
+
+static void health_check(struct rnnd_call *c) {
+    const Grpc__Health__V1__HealthCheckRequest *req =
+        (const Grpc__Health__V1__HealthCheckRequest *)c->request;
+    const char *svc = req->service ? req->service : "";
+    if (!health_known(svc)) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "unknown service '%.100s'; rnnd reports \"\" and rnnd.v1.Rnn",
+                 svc);
+        call_fail_code(c, GRPC_STATUS_NOT_FOUND, msg);
+        return;
+    }
+    Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    r.status = health_status_of(c->rpc, true);
+    rnnd_call_reply(c, &r.base);
+}
+
+// Queues the watcher's current status if it changed. c->lock held.
+static bool watch_update_locked(struct rnnd_call *c) {
+    int st = health_status_of(c->rpc, c->watch_known);
+    if (st == c->watch_last || c->status_sent || c->ending)
+        return false;
+    c->watch_last = st;
+    Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    r.status = st;
+    enqueue_locked(c, encode(&r.base));
+    return send_next_locked(c);
+}
+
+static void health_watch(struct rnnd_call *c) {
+    const Grpc__Health__V1__HealthCheckRequest *req =
+        (const Grpc__Health__V1__HealthCheckRequest *)c->request;
+    c->watching = true;
+    c->watch_known = health_known(req->service ? req->service : "");
+    list_stream(c);
+    pthread_mutex_lock(&c->lock);
+    bool drop = watch_update_locked(c);
+    if (!drop && atomic_load(&c->rpc->draining))
+        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+    pthread_mutex_unlock(&c->lock);
+    finish_owner(c, drop);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completions (the completion-queue thread)
+
+static void on_new(struct rnnd_call *c, bool ok) {
+    struct rnnd_rpc *rpc = c->rpc;
+    if (!ok) { // the server is shutting down: this request was never matched
+        call_unref(c);
+        return;
+    }
+    post_request(rpc, c->mi);
+    c->start_ns = rnnd_now_ns();
+    c->counted = true;
+    atomic_fetch_add(&rpc->active, 1);
+    {
+        grpc_op op;
+        memset(&op, 0, sizeof(op));
+        op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        op.data.recv_close_on_server.cancelled = &c->close_cancelled;
+        call_start(c, &op, 1, &c->t_close);
+    }
+    if (c->mi < 0) {
+        char msg[256];
+        char *method = grpc_slice_to_c_string(c->details.method);
+        snprintf(msg, sizeof(msg),
+                 "unknown method %.120s; rnnd serves rnnd.v1.Rnn and grpc.health.v1.Health",
+                 method);
+        gpr_free(method);
+        call_fail_code(c, GRPC_STATUS_UNIMPLEMENTED, msg);
+        return;
+    }
+    const struct method *m = &methods[c->mi];
+    if (m->kind == KIND_STEP_STREAM) {
+        if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {
+            call_fail_code(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+            return;
+        }
+        list_stream(c);
+        pthread_mutex_lock(&c->lock);
+        recv_start_locked(c);
+        pthread_mutex_unlock(&c->lock);
+        return;
+    }
+    c->request = decode(m->request, c->payload);
+    if (c->payload) {
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+    }
+    if (c->request == NULL) {
+        char msg[256];
+        snprintf(msg, sizeof(msg),
+                 "the request of %s is missing or does not decode as %s; send a valid message",
+                 m->path, m->request->name);
+        call_fail_code(c, GRPC_STATUS_INVALID_ARGUMENT, msg);
+        return;
+    }
+    switch (m->kind) {
+        case KIND_HEALTH_CHECK:
+            health_check(c);
+            return;
+        case KIND_HEALTH_WATCH:
+            health_watch(c);
+            return;
+        default:
+            break;
+    }
+    if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {
+        call_fail_code(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+        return;
+    }
+    m->handler(rpc->service, c, c->request);
+}
+
+static void on_recv(struct rnnd_call *c, bool ok) {
+    struct rnnd_rpc *rpc = c->rpc;
+    const struct method *m = &methods[c->mi];
+    pthread_mutex_lock(&c->lock);
+    if (!ok || c->payload == NULL) { // the client is done sending (or gone)
+        c->half_closed = true;
+        bool drop = c->inflight ? false : end_locked(c, GRPC_STATUS_OK, "");
+        pthread_mutex_unlock(&c->lock);
+        finish_owner(c, drop);
+        return;
+    }
+    if (c->status_sent || c->ending) {
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+        pthread_mutex_unlock(&c->lock);
+        return;
+    }
+    if (c->request)
+        protobuf_c_message_free_unpacked(c->request, NULL);
+    c->request = decode(m->request, c->payload);
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    bool drop = false;
+    if (c->request == NULL) {
+        drop = end_locked(c, GRPC_STATUS_INVALID_ARGUMENT,
+                          "a StepStream message does not decode as rnnd.v1.StepRequest");
+    } else if (atomic_load(&rpc->draining)) {
+        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+    } else {
+        c->inflight = true;
+    }
+    bool run = c->inflight;
+    pthread_mutex_unlock(&c->lock);
+    if (run)
+        m->handler(rpc->service, c, c->request);
+    finish_owner(c, drop);
+}
+
+static void on_send(struct rnnd_call *c) {
+    pthread_mutex_lock(&c->lock);
+    c->sending = false;
+    if (c->send_buf) {
+        grpc_byte_buffer_destroy(c->send_buf);
+        c->send_buf = NULL;
+    }
+    bool drop = send_next_locked(c);
+    pthread_mutex_unlock(&c->lock);
+    finish_owner(c, drop);
+}
+
+static void on_close(struct rnnd_call *c) {
+    if (c->close_cancelled)
+        atomic_store(&c->cancelled, 1);
+    bool drop = false;
+    pthread_mutex_lock(&c->lock);
+    // A watcher or an idle stream has nobody else to end it.
+    if (c->watching || (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM && !c->inflight)) {
+        if (!c->status_sent) {
+            // Drop what is queued: the peer is gone.
+            c->ending = false;
+            while (c->outq) {
+                struct outmsg *o = c->outq;
+                c->outq = o->next;
+                grpc_byte_buffer_destroy(o->buf);
+                free(o);
+            }
+            c->outq_tail = NULL;
+            if (!c->sending)
+                drop = status_start(c, GRPC_STATUS_CANCELLED, "cancelled");
+            else
+                drop = end_locked(c, GRPC_STATUS_CANCELLED, "cancelled");
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    finish_owner(c, drop);
+}
+
+static void *cq_main(void *arg) {
+    struct rnnd_rpc *rpc = arg;
+    for (;;) {
+        grpc_event ev =
+            grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            break;
+        if (ev.type != GRPC_OP_COMPLETE)
+            continue;
+        struct tag *t = ev.tag;
+        struct rnnd_call *c = t->call;
+        switch (t->kind) {
+            case TAG_NEW:
+                on_new(c, ev.success);
+                break;
+            case TAG_CLOSE:
+                on_close(c);
+                call_unref(c);
+                break;
+            case TAG_SEND:
+                on_send(c);
+                call_unref(c);
+                break;
+            case TAG_STATUS:
+                call_unref(c);
+                break;
+            case TAG_RECV:
+                on_recv(c, ev.success);
+                call_unref(c);
+                break;
+            case TAG_SHUTDOWN:
+                rnnd_log(RNND_LOG_DEBUG, "grpc server shut down");
+                pthread_rwlock_wrlock(&rpc->gate);
+                rpc->cq_open = false;
+                grpc_completion_queue_shutdown(rpc->cq);
+                pthread_rwlock_unlock(&rpc->gate);
+                break;
+        }
+    }
+    if (rpc->stopped)
+        rpc->stopped(rpc->stopped_ctx);
+    return NULL;
+}
+
+// Posts one request for method mi (-1: the catch-all).
+static void post_request(struct rnnd_rpc *rpc, int mi) {
+    struct rnnd_call *c = call_new(rpc, mi);
+    if (c == NULL) {
+        rnnd_log(RNND_LOG_ERROR, "out of memory posting a gRPC request");
+        return;
+    }
+    pthread_rwlock_rdlock(&rpc->gate);
+    grpc_call_error e = GRPC_CALL_ERROR;
+    if (rpc->cq_open && !rpc->server_shut) {
+        if (mi >= 0)
+            e = grpc_server_request_registered_call(
+                rpc->server, rpc->handles[mi], &c->call, &c->deadline, &c->md,
+                methods[mi].kind == KIND_STEP_STREAM ? NULL : &c->payload, rpc->cq, rpc->cq,
+                &c->t_new);
+        else
+            e = grpc_server_request_call(rpc->server, &c->call, &c->details, &c->md, rpc->cq,
+                                         rpc->cq, &c->t_new);
+    }
+    pthread_rwlock_unlock(&rpc->gate);
+    if (e != GRPC_CALL_OK)
+        call_free(c);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lifecycle
+
+int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int *port,
+                   char *err, size_t errlen) {
+    struct rnnd_rpc *rpc = calloc(1, sizeof(*rpc));
+    if (rpc == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return RNND_ENOMEM;
+    }
+    rpc->service = o->service;
+    rpc->stopped = o->stopped;
+    rpc->stopped_ctx = o->stopped_ctx;
+    rpc->t_shutdown = (struct tag){TAG_SHUTDOWN, NULL};
+    pthread_rwlock_init(&rpc->gate, NULL);
+    pthread_mutex_init(&rpc->streams_lock, NULL);
+
+    int maxmsg = o->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)o->max_message_bytes;
+    grpc_arg args[3];
+    memset(args, 0, sizeof(args));
+    args[0].type = GRPC_ARG_INTEGER;
+    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    args[0].value.integer = maxmsg;
+    args[1].type = GRPC_ARG_INTEGER;
+    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    args[1].value.integer = maxmsg;
+    // Never share a port with another process: a second daemon must fail to bind.
+    args[2].type = GRPC_ARG_INTEGER;
+    args[2].key = GRPC_ARG_ALLOW_REUSEPORT;
+    args[2].value.integer = 0;
+    grpc_channel_args cargs = {3, args};
+    rpc->server = grpc_server_create(&cargs, NULL);
+    rpc->cq = grpc_completion_queue_create_for_next(NULL);
+    grpc_server_register_completion_queue(rpc->server, rpc->cq, NULL);
+    for (int i = 0; i < NMETHODS; i++) {
+        rpc->handles[i] = grpc_server_register_method(
+            rpc->server, methods[i].path, NULL,
+            methods[i].kind == KIND_STEP_STREAM ? GRPC_SRM_PAYLOAD_NONE
+                                                : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER,
+            0);
+        if (rpc->handles[i] == NULL) {
+            snprintf(err, errlen, "cannot register %s", methods[i].path);
+            goto fail;
+        }
+    }
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    int bound = grpc_server_add_http2_port(rpc->server, o->listen, creds);
+    grpc_server_credentials_release(creds);
+    if (bound == 0) {
+        snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?)",
+                 o->listen);
+        goto fail;
+    }
+    grpc_server_start(rpc->server);
+    rpc->cq_open = true;
+    for (int i = 0; i < NMETHODS; i++)
+        for (int k = 0; k < methods[i].posted; k++)
+            post_request(rpc, i);
+    for (int k = 0; k < CATCH_ALL_POSTED; k++)
+        post_request(rpc, -1);
+    if (pthread_create(&rpc->thread, NULL, cq_main, rpc) != 0) {
+        snprintf(err, errlen, "cannot start the gRPC thread");
+        goto fail_started;
+    }
+    rpc->thread_started = true;
+    *port = bound;
+    *out = rpc;
+    return 0;
+fail_started:
+    grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+    grpc_server_cancel_all_calls(rpc->server);
+    rpc->cq_open = false;
+    grpc_completion_queue_shutdown(rpc->cq);
+    for (;;) {
+        grpc_event ev =
+            grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            break;
+        struct tag *t = ev.tag;
+        if (t && t->call)
+            call_free(t->call);
+    }
+    rpc->server_shut = true;
+fail:
+    if (!rpc->server_shut) {
+        grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+        grpc_completion_queue_shutdown(rpc->cq);
+        while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
+                   .type != GRPC_QUEUE_SHUTDOWN)
+            ;
+    }
+    grpc_server_destroy(rpc->server);
+    grpc_completion_queue_destroy(rpc->cq);
+    pthread_rwlock_destroy(&rpc->gate);
+    pthread_mutex_destroy(&rpc->streams_lock);
+    free(rpc);
+    return RNND_EIO;
+}
+
+// Takes a reference unless the call is already being freed.
+static bool call_tryref(struct rnnd_call *c) {
+    int r = atomic_load(&c->refs);
+    while (r > 0)
+        if (atomic_compare_exchange_weak(&c->refs, &r, r + 1))
+            return true;
+    return false;
+}
+
+// Runs fn on every listed stream with its lock held, outside the list lock, holding a
+// reference so that nothing frees a call under us. fn returns true to drop the owner reference.
+static void streams_each(struct rnnd_rpc *rpc, bool (*fn)(struct rnnd_call *c)) {
+    pthread_mutex_lock(&rpc->streams_lock);
+    int n = 0;
+    for (struct rnnd_call *c = rpc->streams; c; c = c->snext)
+        n++;
+    struct rnnd_call **v = malloc(((size_t)n + 1) * sizeof(*v));
+    int k = 0;
+    for (struct rnnd_call *c = rpc->streams; v && c; c = c->snext)
+        if (call_tryref(c))
+            v[k++] = c;
+    pthread_mutex_unlock(&rpc->streams_lock);
+    for (int i = 0; i < k; i++) {
+        struct rnnd_call *c = v[i];
+        pthread_mutex_lock(&c->lock);
+        bool drop = fn(c);
+        pthread_mutex_unlock(&c->lock);
+        finish_owner(c, drop);
+        call_unref(c);
+    }
+    free(v);
+}
+
+static bool serving_changed(struct rnnd_call *c) {
+    return c->watching ? watch_update_locked(c) : false;
+}
+
+static bool drain_stream(struct rnnd_call *c) {
+    bool drop = false;
+    if (c->watching)
+        drop = watch_update_locked(c);
+    if (!drop && (c->watching || !c->inflight))
+        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+    return drop;
+}
+
+void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving) {
+    atomic_store(&rpc->serving, serving ? 1 : 0);
+    streams_each(rpc, serving_changed);
+}
+
+void rnnd_rpc_drain(struct rnnd_rpc *rpc) {
+    if (atomic_exchange(&rpc->draining, 1))
+        return;
+    rnnd_log(RNND_LOG_INFO, "draining: refusing new calls, finishing the ones in flight");
+    pthread_rwlock_rdlock(&rpc->gate);
+    if (rpc->cq_open && !rpc->server_shut) {
+        rpc->server_shut = true;
+        grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+    }
+    pthread_rwlock_unlock(&rpc->gate);
+    // Watchers hear NOT_SERVING, then every idle stream ends.
+    streams_each(rpc, drain_stream);
+    maybe_cancel_idle(rpc);
+}
+
+void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc) {
+    pthread_rwlock_rdlock(&rpc->gate);
+    if (rpc->cq_open)
+        grpc_server_cancel_all_calls(rpc->server);
+    pthread_rwlock_unlock(&rpc->gate);
+}
+
+void rnnd_rpc_free(struct rnnd_rpc *rpc) {
+    if (rpc == NULL)
+        return;
+    if (rpc->thread_started)
+        pthread_join(rpc->thread, NULL);
+    grpc_server_destroy(rpc->server);
+    grpc_completion_queue_destroy(rpc->cq);
+    pthread_rwlock_destroy(&rpc->gate);
+    pthread_mutex_destroy(&rpc->streams_lock);
+    free(rpc);
+}

@@ -1,0 +1,274 @@
+/*
+ * server.c: lifecycle and the loop thread (see server.h).
+ *
+ *   start:  block signals (gRPC's threads inherit the mask) -> grpc_init -> bind gRPC and HTTP
+ *           (health answers NOT_SERVING, rnnd.v1 calls UNAVAILABLE) -> engine thread loads the
+ *           model -> ready: serving, the ready line, the cron timer.
+ *   drain:  SIGTERM/SIGINT -> not ready -> rpc drain (no new calls, in-flight ones finish, idle
+ *           streams end) -> when the gRPC thread has stopped: engine stop (it finishes what is
+ *           queued and writes a final checkpoint) -> join -> close handles -> exit 0.
+ * A second signal during the drain cancels the calls still running at once.
+ *
+ * Other threads talk to the loop through one uv_async_t and a bit set under a mutex: libuv
+ * merges async sends, so the callback handles every pending event.
+ */
+#include "server.h"
+
+#include <grpc/grpc.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "engine.h"
+#include "http.h"
+#include "log.h"
+#include "metrics.h"
+#include "rpc.h"
+#include "service.h"
+
+enum {
+    EV_ENGINE_READY = 1,
+    EV_ENGINE_FAILED = 2,
+    EV_RPC_STOPPED = 4,
+};
+
+struct rnnd_server {
+    struct rnnd_config cfg;
+    uv_loop_t loop;
+    uv_signal_t sigterm, sigint;
+    uv_timer_t cron, drain_timer;
+    uv_async_t async;
+    pthread_mutex_t lock;
+    int events;       // EV_* bits, under lock
+    char engine_msg[512];
+    struct rnnd_engine *engine;
+    struct rnnd_rpc *rpc;
+    struct rnnd_http *http;
+    struct rnnd_service svc;
+    int grpc_port, http_port;
+    int exit_code;
+    bool draining;
+    bool ready;
+};
+
+static void post_event(struct rnnd_server *s, int ev) {
+    pthread_mutex_lock(&s->lock);
+    s->events |= ev;
+    pthread_mutex_unlock(&s->lock);
+    uv_async_send(&s->async);
+}
+
+// Engine thread.
+static void on_engine_ready(void *ctx, int err, const char *msg) {
+    struct rnnd_server *s = ctx;
+    if (err) {
+        pthread_mutex_lock(&s->lock);
+        snprintf(s->engine_msg, sizeof(s->engine_msg), "%s", msg);
+        pthread_mutex_unlock(&s->lock);
+    }
+    post_event(s, err ? EV_ENGINE_FAILED : EV_ENGINE_READY);
+}
+
+// gRPC thread, as it exits.
+static void on_rpc_stopped(void *ctx) {
+    post_event(ctx, EV_RPC_STOPPED);
+}
+
+static void on_cron(uv_timer_t *t) {
+    struct rnnd_server *s = t->data;
+    if (s->ready && !s->draining)
+        rnnd_engine_housekeeping(s->engine);
+}
+
+static void on_drain_timeout(uv_timer_t *t) {
+    struct rnnd_server *s = t->data;
+    rnnd_log(RNND_LOG_WARN, "calls still running after --drain-timeout-s %d s: cancelling them",
+             s->cfg.drain_timeout_s);
+    rnnd_rpc_cancel_all(s->rpc);
+}
+
+static void drain_begin(struct rnnd_server *s, const char *why) {
+    if (s->draining) {
+        rnnd_log(RNND_LOG_WARN, "%s again during the drain: cancelling calls still running", why);
+        rnnd_rpc_cancel_all(s->rpc);
+        return;
+    }
+    s->draining = true;
+    rnnd_log(RNND_LOG_INFO, "%s: draining", why);
+    atomic_store(&rnnd_metrics.ready, 0);
+    uv_timer_stop(&s->cron);
+    rnnd_rpc_drain(s->rpc);
+    uv_timer_start(&s->drain_timer, on_drain_timeout, (uint64_t)s->cfg.drain_timeout_s * 1000, 0);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+    drain_begin(h->data, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static void close_handle(uv_handle_t *h) {
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+static void shutdown_finish(struct rnnd_server *s) {
+    // Every gRPC call is done: the engine may stop once it has finished its queue.
+    rnnd_engine_stop(s->engine);
+    rnnd_engine_join(s->engine);
+    rnnd_http_close(s->http, NULL, NULL);
+    s->http = NULL;
+    close_handle((uv_handle_t *)&s->sigterm);
+    close_handle((uv_handle_t *)&s->sigint);
+    close_handle((uv_handle_t *)&s->cron);
+    close_handle((uv_handle_t *)&s->drain_timer);
+    close_handle((uv_handle_t *)&s->async);
+}
+
+static void on_async(uv_async_t *a) {
+    struct rnnd_server *s = a->data;
+    pthread_mutex_lock(&s->lock);
+    int ev = s->events;
+    s->events = 0;
+    pthread_mutex_unlock(&s->lock);
+    if (ev & EV_ENGINE_FAILED) {
+        rnnd_log(RNND_LOG_ERROR, "start-up failed: %s", s->engine_msg);
+        s->exit_code = 1;
+        drain_begin(s, "start-up failure");
+    }
+    if ((ev & EV_ENGINE_READY) && !s->draining) {
+        s->ready = true;
+        rnnd_rpc_set_serving(s->rpc, true);
+        atomic_store(&rnnd_metrics.ready, 1);
+        char grpc_host[RNND_CONFIG_ADDR_MAX], http_addr[RNND_CONFIG_ADDR_MAX + 16];
+        snprintf(grpc_host, sizeof(grpc_host), "%s", s->cfg.listen);
+        *strrchr(grpc_host, ':') = '\0';
+        if (s->http) {
+            char host[RNND_CONFIG_ADDR_MAX];
+            snprintf(host, sizeof(host), "%s", s->cfg.http);
+            *strrchr(host, ':') = '\0';
+            snprintf(http_addr, sizeof(http_addr), "%s:%d", host, s->http_port);
+        } else {
+            snprintf(http_addr, sizeof(http_addr), "off");
+        }
+        rnnd_log_banner("rnnd ready grpc=%s:%d http=%s backend=%s", grpc_host, s->grpc_port,
+                        http_addr, rnnd_engine_backend_name(s->engine));
+        uint64_t period = 1000 / (uint64_t)s->cfg.hz;
+        uv_timer_start(&s->cron, on_cron, period ? period : 1, period ? period : 1);
+    }
+    if (ev & EV_RPC_STOPPED) {
+        rnnd_log(RNND_LOG_INFO, "gRPC stopped; finishing the engine's queue");
+        shutdown_finish(s);
+    }
+}
+
+int rnnd_server_run(const struct rnnd_config *cfg) {
+    rnnd_metrics_init();
+    rnnd_log_set_level((enum rnnd_log_level)cfg->log_level);
+
+    // Security and restore flags of a later issue: refuse rather than run without them.
+    const char *unsupported = cfg->tls_cert[0]         ? "--tls-cert"
+                              : cfg->tls_key[0]         ? "--tls-key"
+                              : cfg->tls_client_ca[0]   ? "--tls-client-ca"
+                              : cfg->auth_token_file[0] ? "--auth-token-file"
+                              : cfg->restore[0]         ? "--restore"
+                                                        : NULL;
+    if (unsupported) {
+        rnnd_log(RNND_LOG_ERROR,
+                 "%s is not implemented in this build yet; refusing to start rather than run "
+                 "without it (remove the flag to run %s)",
+                 unsupported,
+                 strncmp(unsupported, "--restore", 9) == 0 ? "from fresh weights"
+                                                           : "without TLS/token checks");
+        return 1;
+    }
+
+    struct rnnd_server *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return 1;
+    s->cfg = *cfg;
+    pthread_mutex_init(&s->lock, NULL);
+
+    // Block the signals before any thread starts, so they all inherit the mask; the loop
+    // thread (this one) unblocks them once the others run.
+    sigset_t set, old;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set, &old);
+    signal(SIGPIPE, SIG_IGN);
+    grpc_init();
+
+    uv_loop_init(&s->loop);
+    uv_async_init(&s->loop, &s->async, on_async);
+    s->async.data = s;
+    uv_signal_init(&s->loop, &s->sigterm);
+    uv_signal_init(&s->loop, &s->sigint);
+    s->sigterm.data = s->sigint.data = s;
+    uv_timer_init(&s->loop, &s->cron);
+    uv_timer_init(&s->loop, &s->drain_timer);
+    s->cron.data = s->drain_timer.data = s;
+
+    char err[512];
+    int rc = 0;
+    s->engine = rnnd_engine_init(cfg);
+    if (s->engine == NULL) {
+        rnnd_log(RNND_LOG_ERROR, "out of memory");
+        rc = 1;
+        goto fail_loop;
+    }
+    s->svc = (struct rnnd_service){.cfg = &s->cfg,
+                                   .engine = s->engine,
+                                   .max_message_bytes = (size_t)cfg->max_message_mb << 20};
+    if (strcmp(cfg->http, "off") != 0 &&
+        rnnd_http_start(&s->loop, cfg->http, &s->http, &s->http_port, err, sizeof(err)) != 0) {
+        rnnd_log(RNND_LOG_ERROR, "%s", err);
+        rc = 1;
+        goto fail_loop;
+    }
+    struct rnnd_rpc_options ro = {.listen = cfg->listen,
+                                  .max_message_bytes = s->svc.max_message_bytes,
+                                  .service = &s->svc,
+                                  .stopped = on_rpc_stopped,
+                                  .stopped_ctx = s};
+    if (rnnd_rpc_start(&ro, &s->rpc, &s->grpc_port, err, sizeof(err)) != 0) {
+        rnnd_log(RNND_LOG_ERROR, "%s", err);
+        rc = 1;
+        goto fail_loop;
+    }
+    if (rnnd_engine_start(s->engine, on_engine_ready, s) != 0) {
+        rnnd_log(RNND_LOG_ERROR, "cannot start the engine thread");
+        s->exit_code = 1;
+        drain_begin(s, "start-up failure");
+    }
+    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&s->sigint, on_signal, SIGINT);
+    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc port %d, http port %d, pid %d", s->grpc_port,
+             s->http_port, (int)getpid());
+
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+
+    rnnd_rpc_free(s->rpc);
+    rc = s->exit_code;
+    rnnd_log(RNND_LOG_INFO, "rnnd stopped (exit %d)", rc);
+    goto out;
+
+fail_loop:
+    if (s->http)
+        rnnd_http_close(s->http, NULL, NULL);
+    close_handle((uv_handle_t *)&s->sigterm);
+    close_handle((uv_handle_t *)&s->sigint);
+    close_handle((uv_handle_t *)&s->cron);
+    close_handle((uv_handle_t *)&s->drain_timer);
+    close_handle((uv_handle_t *)&s->async);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+out:
+    uv_loop_close(&s->loop);
+    rnnd_engine_free(s->engine);
+    grpc_shutdown();
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    return rc;
+}

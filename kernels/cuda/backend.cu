@@ -1,0 +1,252 @@
+/*
+ * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
+ * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
+ * The ops live in seq.cu (sequence forward/backward: seq_persist.cuh for the persistent time
+ * loops), step.cu (single step with slot gather/scatter) and optim.cu (Adam/SGD with clipping).
+ * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
+ */
+#include "common.cuh"
+#include "cuda_backend.h"
+#include "optim.cuh"
+#include "seq.cuh"
+#include "seq_persist.h"
+#include "step.cuh"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RNND_CUBLAS_WORKSPACE (32u << 20)
+
+// ---------------------------------------------------------------------------------------------
+// Scratch
+
+int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes) {
+    if (bytes <= c->scratch_bytes)
+        return 0;
+    // Grow by at least half again; earlier work on the stream may still use the old buffer.
+    size_t want = bytes > c->scratch_bytes / 2 * 3 ? bytes : c->scratch_bytes / 2 * 3;
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    if (c->d_scratch) {
+        RNND_CUDA_TRY(cudaFree(c->d_scratch));
+        c->d_scratch = NULL;
+        c->scratch_bytes = 0;
+    }
+    RNND_CUDA_TRY(cudaMalloc(&c->d_scratch, want));
+    c->scratch_bytes = want;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vtable entries
+
+static void cuda_destroy(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (c == NULL)
+        return;
+    cudaSetDevice(c->device);
+    if (c->stream)
+        cudaStreamSynchronize(c->stream);
+    if (c->blas)
+        cublasDestroy(c->blas);
+    cudaFree(c->d_blas_ws);
+    cudaFree(c->d_scratch);
+    cudaFree(c->d_partials);
+    cudaFree(c->d_norm);
+    if (c->h_norm)
+        cudaFreeHost(c->h_norm);
+    if (c->stream)
+        cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static int cuda_alloc(void *ctx, size_t bytes, void **out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (out == NULL)
+        return RNND_EINVAL;
+    *out = NULL;
+    RNND_CUDA_TRY(cudaSetDevice(c->device));
+    RNND_CUDA_TRY(cudaMalloc(out, bytes ? bytes : 256));
+    return 0;
+}
+
+static void cuda_free(void *ctx, void *ptr) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (ptr == NULL)
+        return;
+    // The stream may still use ptr: finish it first (cudaFree alone does not wait for it).
+    cudaStreamSynchronize(c->stream);
+    cudaFree(ptr);
+}
+
+static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes == 0)
+        return 0;
+    if (dst == NULL || host_src == NULL)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes == 0)
+        return 0;
+    if (host_dst == NULL || src == NULL)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes == 0)
+        return 0;
+    if (dst == NULL || src == NULL)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
+    return 0;
+}
+
+static int cuda_zero(void *ctx, void *dst, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (bytes == 0)
+        return 0;
+    if (dst == NULL)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaMemsetAsync(dst, 0, bytes, c->stream));
+    return 0;
+}
+
+static int cuda_sync(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+// Every valid model runs: the persistent kernels where they fit (rnnd__persist_hp), the per-step
+// path elsewhere; the single-step kernel bounds the widths.
+static int cuda_supports(void *ctx, const struct rnnd_model *m) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    int err = rnnd_model_check(m);
+    if (err)
+        return err;
+    if (rnnd__cuda_step_rows(m, c->smem_optin) == 0)
+        return RNND_ENOTSUP;
+    return 0;
+}
+
+static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {
+    (void)ctx;
+    return rnnd__cuda_tape_bytes(m, B, T);
+}
+
+static int cuda_rnn_forward(void *ctx, float *out, float *h_n, float *c_n, void *tape,
+                            const struct rnnd_seq *seq, const float *params,
+                            const struct rnnd_model *m) {
+    return rnnd__cuda_rnn_forward((struct cuda_ctx *)ctx, out, h_n, c_n, tape, seq, params, m);
+}
+
+static int cuda_rnn_backward(void *ctx, const struct rnnd_seq_grads *grads, const float *grad_out,
+                             const float *grad_h_n, const float *grad_c_n, const void *tape,
+                             const struct rnnd_seq *seq, const float *params,
+                             const struct rnnd_model *m) {
+    return rnnd__cuda_rnn_backward((struct cuda_ctx *)ctx, grads, grad_out, grad_h_n, grad_c_n,
+                                   tape, seq, params, m);
+}
+
+static int cuda_rnn_step(void *ctx, const struct rnnd_step *step, const float *params,
+                         const struct rnnd_model *m) {
+    return rnnd__cuda_rnn_step((struct cuda_ctx *)ctx, step, params, m);
+}
+
+static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
+                           const struct rnnd_optim *o, int64_t t, float *grad_norm) {
+    return rnnd__cuda_optim_step((struct cuda_ctx *)ctx, params, grads, m, v, n, o, t, grad_norm);
+}
+
+static const struct rnnd_backend_ops cuda_ops = {
+    /* .name = */ "cuda",
+    /* .destroy = */ cuda_destroy,
+    /* .alloc = */ cuda_alloc,
+    /* .free = */ cuda_free,
+    /* .copy_in = */ cuda_copy_in,
+    /* .copy_out = */ cuda_copy_out,
+    /* .copy = */ cuda_copy,
+    /* .zero = */ cuda_zero,
+    /* .sync = */ cuda_sync,
+    /* .supports = */ cuda_supports,
+    /* .tape_bytes = */ cuda_tape_bytes,
+    /* .rnn_forward = */ cuda_rnn_forward,
+    /* .rnn_backward = */ cuda_rnn_backward,
+    /* .rnn_step = */ cuda_rnn_step,
+    /* .optim_step = */ cuda_optim_step,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Init
+
+static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count)
+        return RNND_EDEVICE;
+    c->device = device;
+    RNND_CUDA_TRY(cudaSetDevice(device));
+    cudaDeviceProp prop;
+    RNND_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+    c->num_sms = prop.multiProcessorCount;
+    c->smem_optin = prop.sharedMemPerBlockOptin;
+    snprintf(name, name_len, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
+             prop.multiProcessorCount);
+    RNND_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    RNND_CUBLAS_TRY(cublasCreate(&c->blas));
+    RNND_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_blas_ws, RNND_CUBLAS_WORKSPACE));
+    RNND_CUBLAS_TRY(cublasSetWorkspace(c->blas, c->d_blas_ws, RNND_CUBLAS_WORKSPACE));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_partials, RNND_OPTIM_BLOCKS * sizeof(double)));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_norm, 2 * sizeof(float)));
+    RNND_CUDA_TRY(cudaMallocHost(&c->h_norm, 2 * sizeof(float)));
+    RNND_TRY(rnnd__cuda_step_prepare(c));
+    return 0;
+}
+
+extern "C" int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
+    if (b == NULL)
+        return RNND_EINVAL;
+    memset(b, 0, sizeof(*b));
+    struct cuda_ctx *c = (struct cuda_ctx *)calloc(1, sizeof(*c));
+    if (c == NULL)
+        return RNND_ENOMEM;
+    int err = ctx_init(c, device, b->device, sizeof(b->device));
+    if (err) {
+        cuda_destroy(c);
+        memset(b, 0, sizeof(*b));
+        return err == RNND_ENOMEM ? err : RNND_EDEVICE;
+    }
+    b->ops = &cuda_ops;
+    b->ctx = c;
+    return 0;
+}
+
+extern "C" int rnnd_cuda_set_path(struct rnnd_backend *b, int path) {
+    if (b == NULL || b->ops != &cuda_ops || path < CUDA_PATH_AUTO || path > CUDA_PATH_STEPWISE)
+        return RNND_EINVAL;
+    ((struct cuda_ctx *)b->ctx)->path = (enum cuda_path)path;
+    return 0;
+}
+
+extern "C" int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m) {
+    if (b == NULL || b->ops != &cuda_ops || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    return rnnd__cuda_seq_persistent((const struct cuda_ctx *)b->ctx, m) ? CUDA_PATH_PERSISTENT
+                                                                       : CUDA_PATH_STEPWISE;
+}
+
+extern "C" void *rnnd_cuda_stream(const struct rnnd_backend *b) {
+    if (b == NULL || b->ops != &cuda_ops)
+        return NULL;
+    return ((struct cuda_ctx *)b->ctx)->stream;
+}

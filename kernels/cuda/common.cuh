@@ -1,0 +1,162 @@
+/*
+ * common.cuh: what every file of the CUDA backend (kernels/cuda/) shares: the backend context,
+ * error and launch checks, small device helpers (activations, tf32/bf16 rounding, the tensor-core
+ * fragment types and MMA wrappers) and the sequence layout (tape, scratch) that the forward and
+ * backward drivers agree on.
+ *
+ * Conventions: device pointers that sit next to host pointers carry a d_ prefix; every launch is
+ * followed by CUDA_LAUNCH_CHECK(); fallible host functions return 0 or a negative RNND_E*.
+ * Kernels never log (STYLE.md §3): a failed CUDA call becomes RNND_EDEVICE for the caller.
+ */
+#ifndef RNND_CUDA_COMMON_CUH
+#define RNND_CUDA_COMMON_CUH
+
+#include "rnnd_kernels.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#define CEIL_DIV(a, b) (((a) + (b)-1) / (b))
+#define ROUND_UP(a, b) (CEIL_DIV(a, b) * (b))
+
+// A failed CUDA runtime call: return RNND_EDEVICE from the enclosing function (which returns int).
+#define RNND_CUDA_TRY(expr)                                                                        \
+    do {                                                                                           \
+        cudaError_t rnnd__e = (expr);                                                              \
+        if (rnnd__e != cudaSuccess)                                                                \
+            return rnnd__e == cudaErrorMemoryAllocation ? RNND_ENOMEM : RNND_EDEVICE;              \
+    } while (0)
+
+#define RNND_CUBLAS_TRY(expr)                                                                      \
+    do {                                                                                           \
+        cublasStatus_t rnnd__s = (expr);                                                           \
+        if (rnnd__s != CUBLAS_STATUS_SUCCESS)                                                      \
+            return rnnd__s == CUBLAS_STATUS_ALLOC_FAILED ? RNND_ENOMEM : RNND_EDEVICE;             \
+    } while (0)
+
+// After every launch (llm.c's cudaCheck(cudaGetLastError())).
+#define CUDA_LAUNCH_CHECK() RNND_CUDA_TRY(cudaGetLastError())
+
+#define RNND_TRY(expr)                                                                             \
+    do {                                                                                           \
+        int rnnd__r = (expr);                                                                      \
+        if (rnnd__r != 0)                                                                          \
+            return rnnd__r;                                                                        \
+    } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// The backend context (one per rnnd_backend; one thread at a time).
+
+// Which sequence path rnn_forward/rnn_backward take. AUTO picks the persistent kernels when the
+// model fits them and the per-step path otherwise; the others force one (tests and the bench).
+enum cuda_path { CUDA_PATH_AUTO, CUDA_PATH_PERSISTENT, CUDA_PATH_STEPWISE };
+
+struct cuda_ctx {
+    int device;
+    int num_sms;
+    size_t smem_optin; // largest dynamic shared memory one block may ask for
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *d_blas_ws; // cuBLAS workspace, set explicitly so results do not depend on the stream
+    void *d_scratch; // per-op buffers, grown on demand (synchronises before it grows)
+    size_t scratch_bytes;
+    double *d_partials; // optimizer: per-block sums of squares (RNND_OPTIM_BLOCKS)
+    float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
+    float *h_norm;      // pinned host copy of the norm
+    enum cuda_path path;
+};
+
+// Makes ctx->d_scratch at least bytes long.
+int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes);
+
+// A bump allocator over the scratch (or a tape): measure with base NULL, then carve for real.
+struct cuda_carve {
+    char *base;
+    size_t used;
+};
+static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
+    size_t at = ROUND_UP(cv->used, (size_t)256);
+    cv->used = at + bytes;
+    return cv->base ? cv->base + at : nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequence layout shared by forward and backward (and both paths).
+//
+// Tape, per layer l, B*T rows in (b, t) order (row r = b*T + t):
+//   z (ldz floats a row): [ hprev (H) | 1 | pad | x_l (I_l) | pad ]
+//        hprev is the state entering the step (after the reset rule), x_l the layer's input.
+//        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
+//   s (SW floats a row): GRU [r, z, n, hn] (4H), hn = W_hn h + b_hn;
+//                        LSTM [i, f, g, o, cprev] (5H), cprev the cell state entering the step.
+// The top layer's output goes to `out`; layer l < L-1 writes its output straight into z of
+// layer l+1 (the x_l part), which is what that layer reads as input.
+
+struct seq_layer_layout {
+    int Il;       // input width
+    int xoff;     // offset of x_l in a z row
+    int ldz;      // floats per z row
+    int sw;       // floats per s row
+    size_t z_off; // float offsets into the tape
+    size_t s_off;
+};
+
+struct seq_layout {
+    struct seq_layer_layout layer[RNND_MAX_LAYERS];
+    size_t tape_floats;
+};
+
+void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_layout *lay);
+
+// Pointers into the flat parameter array (or its gradient) for layer l.
+struct layer_params {
+    const float *w_ih, *w_hh, *b_ih, *b_hh;
+};
+struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, const float *p);
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+static __device__ __forceinline__ float sigmoidf_fast(float x) {
+    return 1.0f / (1.0f + __expf(-x));
+}
+
+// tanh with about 1 ulp from the accurate library function; cheap next to the MMA work per step.
+static __device__ __forceinline__ float tanhf_acc(float x) {
+    return tanhf(x);
+}
+
+static __device__ __forceinline__ uint32_t f32_to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+static __device__ __forceinline__ float round_bf16(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x = lo (low 16 bits), .y = hi
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// Warp-wide sum (every lane gets it).
+static __device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+static __device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+#endif // RNND_CUDA_COMMON_CUH

@@ -1,0 +1,32 @@
+/*
+ * cuda_backend.h: extras of the CUDA backend for its own tests and the kernel benchmark (C
+ * callable, no CUDA headers). The server needs none of this: it uses rnnd_kernels.h only.
+ */
+#ifndef RNND_CUDA_BACKEND_H
+#define RNND_CUDA_BACKEND_H
+
+#include "rnnd_kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Sequence paths (values of enum cuda_path in common.cuh).
+#define RNND_CUDA_PATH_AUTO       0 // persistent kernels where the model fits them (default)
+#define RNND_CUDA_PATH_PERSISTENT 1
+#define RNND_CUDA_PATH_STEPWISE   2 // one cuBLAS GEMM plus one cell kernel per step
+
+// Forces the path of later rnn_forward/rnn_backward calls on b (a CUDA backend): AUTO or
+// STEPWISE (PERSISTENT behaves as AUTO: it cannot run models that do not fit). RNND_EINVAL for
+// another backend. Both paths write and read the same tape layout.
+int rnnd_cuda_set_path(struct rnnd_backend *b, int path);
+// RNND_CUDA_PATH_PERSISTENT or _STEPWISE: what rnn_forward of m runs on b now.
+int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m);
+// The backend's cudaStream_t (as void *), for timing with events on the same stream.
+void *rnnd_cuda_stream(const struct rnnd_backend *b);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif // RNND_CUDA_BACKEND_H

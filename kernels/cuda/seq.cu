@@ -1,0 +1,557 @@
+/*
+ * seq.cu: the sequence forward and backward of the CUDA backend, layer by layer.
+ *
+ * Forward, layer l (input x_l: x, or the output of layer l-1 as stored in this layer's tape):
+ *   1. xg (B*T, G*H) = x_l W_ih^T: one cuBLAS GEMM (TF32 in fp32 mode, bf16 operands in bf16
+ *      mode, strict fp32 in ieee mode);
+ *   2. the time loop: the persistent kernel (seq_persist.cuh), or per step one GEMM
+ *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
+ *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
+ *      s: activated gates and, LSTM, cprev) and h_n, c_n.
+ * Backward, layer l from the top:
+ *   1. the reverse time loop (persistent or per step) writes D (B*T, 4H), the gradient of the
+ *      gate pre-activations (GRU: r, z, n on the input side, n on the hidden side;
+ *      LSTM: i, f, g, o), and routes the state gradient at resets and at t = 0;
+ *   2. [dW_ih | dW_hh | db] from one GEMM D^T z over all B*T rows (z carries x_l, hprev and a
+ *      constant 1 column), scattered into the gradient array with += (deterministic: cuBLAS
+ *      without atomics, then one thread per element);
+ *   3. dx_l = D W_ih: the layer below's output gradient, or grads->x.
+ */
+#include "seq.cuh"
+
+#include "seq_persist.cuh"
+
+#include <limits.h>
+#include <string.h>
+
+#define SEQ_BLOCK 256
+
+// ---------------------------------------------------------------------------------------------
+// Layout
+
+void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_layout *lay) {
+    size_t BT = (size_t)B * T, at = 0;
+    int H = m->H, sw = (m->cell == RNND_CELL_LSTM ? 5 : 4) * H;
+    memset(lay, 0, sizeof(*lay));
+    for (int l = 0; l < m->L; l++) {
+        struct seq_layer_layout *y = &lay->layer[l];
+        y->Il = rnnd_model_layer_input(m, l);
+        y->xoff = ROUND_UP(H + 1, 4);
+        y->ldz = ROUND_UP(y->xoff + y->Il, 4);
+        y->sw = sw;
+        y->z_off = at;
+        at += ROUND_UP(BT * y->ldz, (size_t)64);
+        y->s_off = at;
+        at += ROUND_UP(BT * sw, (size_t)64);
+    }
+    lay->tape_floats = at;
+}
+
+struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, const float *p) {
+    struct rnnd_param_tensor t[4];
+    for (int k = 0; k < 4; k++)
+        rnnd_model_param_tensor(m, 4 * l + k, &t[k]);
+    return (struct layer_params){p + t[0].offset, p + t[1].offset, p + t[2].offset,
+                                 p + t[3].offset};
+}
+
+size_t rnnd__cuda_tape_bytes(const struct rnnd_model *m, int B, int T) {
+    if (rnnd_model_check(m) != 0 || B < 1 || T < 1)
+        return 0;
+    struct seq_layout lay;
+    rnnd__cuda_seq_layout(m, B, T, &lay);
+    return lay.tape_floats * sizeof(float);
+}
+
+// Strides handed to cuBLAS and index arithmetic in int must fit.
+static bool dims_fit(const struct rnnd_model *m, int B, int T) {
+    int64_t w = 5 * (int64_t)m->H + m->I + 8;
+    return (int64_t)T * w <= INT_MAX && (int64_t)B * T <= INT_MAX / 4;
+}
+
+static bool aligned16(const void *p) {
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+bool rnnd__cuda_seq_persistent(const struct cuda_ctx *c, const struct rnnd_model *m) {
+    if (c->path == CUDA_PATH_STEPWISE)
+        return false;
+    return rnnd__persist_hp(m, c->smem_optin) > 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM (column-major cuBLAS view of our row-major arrays)
+
+static cublasComputeType_t compute_type(enum rnnd_compute mode) {
+    switch (mode) {
+        case RNND_COMPUTE_BF16:
+            return CUBLAS_COMPUTE_32F_FAST_16BF;
+        case RNND_COMPUTE_IEEE:
+            return CUBLAS_COMPUTE_32F_PEDANTIC;
+        default:
+            return CUBLAS_COMPUTE_32F_FAST_TF32;
+    }
+}
+
+static int gemm(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta,
+                cublasOperation_t tb, int M, int N, int K, const float *A, int lda, const float *B,
+                int ldb, float beta, float *C, int ldc) {
+    const float one = 1.0f;
+    RNND_CUBLAS_TRY(cublasGemmEx(c->blas, ta, tb, M, N, K, &one, A, CUDA_R_32F, lda, B, CUDA_R_32F,
+                                 ldb, &beta, C, CUDA_R_32F, ldc, compute_type(mode),
+                                 CUBLAS_GEMM_DEFAULT));
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-step path kernels: one thread per (row, unit).
+
+struct stepwise_args {
+    int B, T, H, L, l;
+    const uint8_t *is_init;
+    const float *h0, *c0, *hidden, *cell;
+    float *z; // tape z (hprev at 0)
+    int ldz, xoff, Il;
+    float *s; // tape s
+    const float *b_ih, *b_hh;
+};
+
+// z row r: hprev = h, the constant 1 and zero pads.
+static __device__ void stepwise_put_state(const stepwise_args &a, bool lstm, size_t r, int u,
+                                          float h, float c) {
+    float *zr = a.z + r * a.ldz;
+    zr[u] = h;
+    if (lstm)
+        a.s[r * (5 * a.H) + 4 * a.H + u] = c;
+    if (u == 0) {
+        zr[a.H] = 1.0f;
+        for (int k = a.H + 1; k < a.xoff; k++)
+            zr[k] = 0.0f;
+        for (int k = a.xoff + a.Il; k < a.ldz; k++)
+            zr[k] = 0.0f;
+    }
+}
+
+static __global__ void stepwise_init_kernel(const stepwise_args a, bool lstm) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= a.B * a.H)
+        return;
+    size_t b = idx / a.H;
+    int u = idx % a.H, H = a.H;
+    size_t r = b * a.T;
+    float h = 0.0f, c = 0.0f;
+    if (a.hidden) {
+        h = a.hidden[(r * a.L + a.l) * H + u];
+        if (a.cell)
+            c = a.cell[(r * a.L + a.l) * H + u];
+    } else if (!a.is_init[r] && a.h0) {
+        h = a.h0[(b * a.L + a.l) * H + u];
+        if (a.c0)
+            c = a.c0[(b * a.L + a.l) * H + u];
+    }
+    stepwise_put_state(a, lstm, r, u, h, c);
+}
+
+template <class Cell>
+static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const float *xg,
+                                            const float *hg, float *y, int ldy, float *h_n,
+                                            float *c_n) {
+    constexpr int G = Cell::G, SW = Cell::SW;
+    constexpr bool LSTM = G == 4;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= a.B * a.H)
+        return;
+    int H = a.H, T = a.T;
+    size_t b = idx / H;
+    int u = idx % H;
+    size_t r = b * T + t;
+    float xq[G], hq[G], s[SW];
+    for (int q = 0; q < G; q++) {
+        xq[q] = xg[r * (G * H) + q * H + u] + a.b_ih[q * H + u];
+        hq[q] = hg[b * (G * H) + q * H + u] + a.b_hh[q * H + u];
+    }
+    float h = a.z[r * a.ldz + u];
+    float c = LSTM ? a.s[r * (SW * H) + 4 * H + u] : 0.0f;
+    float hn, cn;
+    Cell::forward(xq, hq, h, c, hn, cn, s);
+    y[r * ldy + u] = hn;
+    for (int p = 0; p < 4; p++)
+        a.s[r * (SW * H) + p * H + u] = s[p];
+    if (t + 1 < T) {
+        size_t r1 = r + 1;
+        if (a.is_init[r1]) {
+            hn = a.hidden ? a.hidden[(r1 * a.L + a.l) * H + u] : 0.0f;
+            cn = a.cell ? a.cell[(r1 * a.L + a.l) * H + u] : 0.0f;
+        }
+        stepwise_put_state(a, LSTM, r1, u, hn, cn);
+    } else {
+        if (h_n)
+            h_n[(b * a.L + a.l) * H + u] = hn;
+        if (c_n)
+            c_n[(b * a.L + a.l) * H + u] = cn;
+    }
+}
+
+struct stepwise_bwd_args {
+    int B, T, H, L, l;
+    bool stored;
+    const uint8_t *is_init;
+    const float *z;
+    int ldz;
+    const float *s;
+    const float *gy;
+    int ldgy;
+    const float *gh_n, *gc_n;
+    float *d;
+    float *dh, *dc;   // (B, H) carried into step t (routed)
+    float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing)
+    float *g_h0, *g_c0, *g_hidden, *g_cell;
+};
+
+template <class Cell>
+static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
+    constexpr int G = Cell::G, SW = Cell::SW;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= a.B * a.H)
+        return;
+    int H = a.H, T = a.T;
+    size_t b = idx / H;
+    int u = idx % H;
+    size_t r = b * T + t;
+    float dh_in, dc_in;
+    if (t == T - 1) {
+        dh_in = a.gh_n ? a.gh_n[(b * a.L + a.l) * H + u] : 0.0f;
+        dc_in = a.gc_n ? a.gc_n[(b * a.L + a.l) * H + u] : 0.0f;
+    } else {
+        dh_in = a.dh[idx];
+        dc_in = a.dc[idx];
+    }
+    float s[SW], d[4], tile[G], ddir, dcp;
+    for (int p = 0; p < SW; p++)
+        s[p] = a.s[r * (SW * H) + p * H + u];
+    float hprev = a.z[r * a.ldz + u];
+    Cell::backward(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir, dcp);
+    for (int p = 0; p < 4; p++)
+        a.d[r * (4 * H) + p * H + u] = d[p];
+    a.dhp[idx] = ddir;
+    a.dcp[idx] = dcp;
+}
+
+static __global__ void stepwise_route_kernel(const stepwise_bwd_args a, int t) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= a.B * a.H)
+        return;
+    int H = a.H, T = a.T;
+    size_t b = idx / H;
+    int u = idx % H;
+    size_t r = b * T + t;
+    bool reset = a.is_init[r] != 0;
+    float dhp = a.dhp[idx], dcp = a.dcp[idx];
+    if (t > 0 && !reset) {
+        a.dh[idx] = dhp;
+        a.dc[idx] = dcp;
+        return;
+    }
+    if (a.stored) {
+        size_t at = (r * a.L + a.l) * H + u;
+        if (a.g_hidden)
+            a.g_hidden[at] = dhp;
+        if (a.g_cell)
+            a.g_cell[at] = dcp;
+    } else if (!reset) {
+        size_t at = (b * a.L + a.l) * H + u;
+        if (a.g_h0)
+            a.g_h0[at] = dhp;
+        if (a.g_c0)
+            a.g_c0[at] = dcp;
+    }
+    a.dh[idx] = 0.0f;
+    a.dc[idx] = 0.0f;
+}
+
+// grads of layer l += the GEMM result tmp (4H rows of ldz): the x_l part to W_ih, the hprev part
+// to W_hh, the constant column to the biases. D row of gate q: the same for the input side; for
+// the GRU's hidden side n is the fourth plane (da_n r).
+static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh,
+                                         const float *tmp, int G, int H, int Il, int xoff,
+                                         int ldz, bool gru) {
+    int cols = Il + H + 1;
+    size_t n = (size_t)G * H * cols;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        int row = (int)(idx / cols), col = (int)(idx % cols);
+        int ih = row, hh = gru && row >= 2 * H ? row + H : row;
+        if (col < Il)
+            gw_ih[(size_t)row * Il + col] += tmp[(size_t)ih * ldz + xoff + col];
+        else if (col < Il + H)
+            gw_hh[(size_t)row * H + col - Il] += tmp[(size_t)hh * ldz + col - Il];
+        else {
+            gb_ih[row] += tmp[(size_t)ih * ldz + H];
+            gb_hh[row] += tmp[(size_t)hh * ldz + H];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, const stepwise_args &a,
+                            const struct layer_params &lp, const float *xg, float *hg, float *y,
+                            int ldy, float *h_n, float *c_n) {
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
+    stepwise_init_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, lstm);
+    CUDA_LAUNCH_CHECK();
+    for (int t = 0; t < a.T; t++) {
+        // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
+        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
+                      a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
+        if (lstm)
+            stepwise_cell_kernel<cell_lstm>
+                <<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
+        else
+            stepwise_cell_kernel<cell_gru>
+                <<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
+        CUDA_LAUNCH_CHECK();
+    }
+    return 0;
+}
+
+int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_n, void *tape,
+                           const struct rnnd_seq *seq, const float *params,
+                           const struct rnnd_model *m) {
+    if (c == NULL || rnnd_seq_check(seq, m) != 0 || out == NULL || params == NULL)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if ((c_n && !lstm) || !dims_fit(m, seq->B, seq->T))
+        return RNND_EINVAL;
+    int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
+    size_t BT = (size_t)B * T;
+    bool persistent = rnnd__cuda_seq_persistent(c, m);
+
+    struct seq_layout lay;
+    rnnd__cuda_seq_layout(m, B, T, &lay);
+    float *xg, *hg, *own;
+    struct cuda_carve cv = {0};
+    for (int pass = 0; pass < 2; pass++) {
+        xg = (float *)cuda_carve(&cv, BT * GH * sizeof(float));
+        hg = (float *)cuda_carve(&cv, persistent ? 0 : (size_t)B * GH * sizeof(float));
+        own = (float *)cuda_carve(&cv, tape ? 0 : lay.tape_floats * sizeof(float));
+        if (pass == 0) {
+            RNND_TRY(rnnd__cuda_reserve(c, cv.used));
+            cv = (struct cuda_carve){(char *)c->d_scratch, 0};
+        }
+    }
+    float *tp = tape ? (float *)tape : own;
+    bool vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) && aligned16(c_n) &&
+               aligned16(seq->h0) && aligned16(seq->c0) && aligned16(seq->hidden) &&
+               aligned16(seq->cell);
+
+    for (int l = 0; l < L; l++) {
+        const struct seq_layer_layout *ly = &lay.layer[l];
+        struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
+        float *z = tp + ly->z_off, *s = tp + ly->s_off;
+        const float *x = l == 0 ? seq->x : z + ly->xoff;
+        int ldx = l == 0 ? m->I : ly->ldz;
+        if (tape && l == 0)
+            RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
+                                            m->I * sizeof(float), m->I * sizeof(float), BT,
+                                            cudaMemcpyDeviceToDevice, c->stream));
+        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, (int)BT, ly->Il, lp.w_ih,
+                      ly->Il, x, ldx, 0.0f, xg, GH));
+        float *y = l < L - 1 ? tp + lay.layer[l + 1].z_off + lay.layer[l + 1].xoff : out;
+        int ldy = l < L - 1 ? lay.layer[l + 1].ldz : H;
+
+        if (persistent) {
+            struct persist_fwd_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
+            a.xg = xg, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
+            a.hidden = seq->hidden, a.cell = seq->cell;
+            a.y = y, a.ldy = ldy;
+            a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
+            a.s = tape ? s : nullptr;
+            a.h_n = h_n, a.c_n = c_n;
+            RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
+        } else {
+            stepwise_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l;
+            a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
+            a.hidden = seq->hidden, a.cell = seq->cell;
+            a.z = z, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il, a.s = s;
+            a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            RNND_TRY(stepwise_forward(c, m, a, lp, xg, hg, y, ldy, h_n, c_n));
+        }
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
+                             const stepwise_bwd_args &a, const float *w_hh) {
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
+    for (int t = a.T - 1; t >= 0; t--) {
+        if (lstm)
+            stepwise_cell_backward_kernel<cell_lstm><<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+        else
+            stepwise_cell_backward_kernel<cell_gru><<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+        CUDA_LAUNCH_CHECK();
+        // dhp (B, H) += D_h(t) W_hh; the GRU's hidden-side n gradient is D's fourth plane.
+        const float *dt = a.d + (size_t)t * 4 * H;
+        if (lstm) {
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, 4 * H, w_hh, H, dt, ldd,
+                          1.0f, a.dhp, H));
+        } else {
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, 2 * H, w_hh, H, dt, ldd,
+                          1.0f, a.dhp, H));
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, H,
+                          w_hh + (size_t)2 * H * H, H, dt + 3 * H, ldd, 1.0f, a.dhp, H));
+        }
+        stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+        CUDA_LAUNCH_CHECK();
+    }
+    return 0;
+}
+
+int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *grads,
+                            const float *grad_out, const float *grad_h_n, const float *grad_c_n,
+                            const void *tape, const struct rnnd_seq *seq, const float *params,
+                            const struct rnnd_model *m) {
+    if (c == NULL || rnnd_seq_check(seq, m) != 0 || grads == NULL || grads->params == NULL ||
+        grad_out == NULL || tape == NULL || params == NULL)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if (!lstm && (grad_c_n || grads->c0 || grads->cell))
+        return RNND_EINVAL;
+    if ((grads->hidden && !seq->hidden) || (grads->cell && !seq->cell))
+        return RNND_EINVAL;
+    if (!dims_fit(m, seq->B, seq->T))
+        return RNND_EINVAL;
+    int B = seq->B, T = seq->T, H = m->H, L = m->L, G = rnnd_model_gates(m), GH = G * H;
+    size_t BT = (size_t)B * T;
+    bool persistent = rnnd__cuda_seq_persistent(c, m);
+
+    struct seq_layout lay;
+    rnnd__cuda_seq_layout(m, B, T, &lay);
+    int max_ldz = 0;
+    for (int l = 0; l < L; l++)
+        max_ldz = lay.layer[l].ldz > max_ldz ? lay.layer[l].ldz : max_ldz;
+    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp;
+    struct cuda_carve cv = {0};
+    size_t bh = persistent ? 0 : (size_t)B * H * sizeof(float);
+    for (int pass = 0; pass < 2; pass++) {
+        d = (float *)cuda_carve(&cv, BT * 4 * H * sizeof(float));
+        gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
+        tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
+        dh = (float *)cuda_carve(&cv, bh);
+        dc = (float *)cuda_carve(&cv, bh);
+        dhp = (float *)cuda_carve(&cv, bh);
+        dcp = (float *)cuda_carve(&cv, bh);
+        if (pass == 0) {
+            RNND_TRY(rnnd__cuda_reserve(c, cv.used));
+            cv = (struct cuda_carve){(char *)c->d_scratch, 0};
+        }
+    }
+
+    // Outputs written only where a value was used start at zero.
+    size_t blh = (size_t)B * L * H * sizeof(float);
+    if (grads->h0)
+        RNND_CUDA_TRY(cudaMemsetAsync(grads->h0, 0, blh, c->stream));
+    if (grads->c0)
+        RNND_CUDA_TRY(cudaMemsetAsync(grads->c0, 0, blh, c->stream));
+    if (grads->hidden)
+        RNND_CUDA_TRY(cudaMemsetAsync(grads->hidden, 0, blh * T, c->stream));
+    if (grads->cell)
+        RNND_CUDA_TRY(cudaMemsetAsync(grads->cell, 0, blh * T, c->stream));
+
+    bool vec = H % 4 == 0 && aligned16(grad_out) && aligned16(grad_h_n) &&
+               aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
+               aligned16(grads->hidden) && aligned16(grads->cell);
+    const float *tp = (const float *)tape;
+
+    for (int l = L - 1; l >= 0; l--) {
+        const struct seq_layer_layout *ly = &lay.layer[l];
+        struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
+        const float *z = tp + ly->z_off, *s = tp + ly->s_off;
+        const float *gy = l == L - 1 ? grad_out : gyb;
+
+        if (persistent) {
+            struct persist_bwd_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
+            a.stored = seq->hidden != NULL;
+            a.w_hh = lp.w_hh, a.is_init = seq->is_init;
+            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
+            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
+            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
+            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+            RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
+        } else {
+            stepwise_bwd_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l;
+            a.stored = seq->hidden != NULL, a.is_init = seq->is_init;
+            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
+            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
+            a.dh = dh, a.dc = dc, a.dhp = dhp, a.dcp = dcp;
+            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
+            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+            RNND_TRY(stepwise_backward(c, m, a, lp.w_hh));
+        }
+
+        // [dW_ih | dW_hh | db] (4H rows of ldz) = D^T z over every row and step.
+        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_T, ly->ldz, 4 * H, (int)BT, z, ly->ldz,
+                      d, 4 * H, 0.0f, tmp, ly->ldz));
+        struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);
+        size_t n = (size_t)GH * (ly->Il + H + 1);
+        int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
+                                                                : 4096);
+        dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(
+            (float *)gp.w_ih, (float *)gp.w_hh, (float *)gp.b_ih, (float *)gp.b_hh, tmp, G, H,
+            ly->Il, ly->xoff, ly->ldz, !lstm);
+        CUDA_LAUNCH_CHECK();
+
+        // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x.
+        float *dx = l > 0 ? gyb : grads->x;
+        if (dx)
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, GH, lp.w_ih,
+                          ly->Il, d, 4 * H, 0.0f, dx, ly->Il));
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch to the persistent kernels
+
+int rnnd__persist_hp(const struct rnnd_model *m, size_t smem_optin) {
+    if (m->compute == RNND_COMPUTE_IEEE || m->H > 128)
+        return 0;
+    int HP = m->H <= 32 ? 32 : m->H <= 64 ? 64 : m->H <= 96 ? 96 : 128;
+    bool bf16 = m->compute == RNND_COMPUTE_BF16;
+    for (int bwd = 0; bwd < 2; bwd++) {
+        long need = m->cell == RNND_CELL_LSTM ? rnnd__persist_lstm_smem(bwd, bf16, HP)
+                                              : rnnd__persist_gru_smem(bwd, bf16, HP);
+        if (need < 0 || (size_t)need > smem_optin)
+            return 0;
+    }
+    return HP;
+}
+
+static int persist_dispatch(const struct rnnd_model *m, bool backward, const void *a,
+                            cudaStream_t stream) {
+    int HP = m->H <= 32 ? 32 : m->H <= 64 ? 64 : m->H <= 96 ? 96 : 128;
+    bool bf16 = m->compute == RNND_COMPUTE_BF16;
+    return m->cell == RNND_CELL_LSTM ? rnnd__persist_lstm(backward, bf16, HP, a, stream)
+                                     : rnnd__persist_gru(backward, bf16, HP, a, stream);
+}
+
+int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_args *a,
+                          cudaStream_t stream) {
+    return persist_dispatch(m, false, a, stream);
+}
+
+int rnnd__persist_backward(const struct rnnd_model *m, const struct persist_bwd_args *a,
+                           cudaStream_t stream) {
+    return persist_dispatch(m, true, a, stream);
+}

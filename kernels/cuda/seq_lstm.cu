@@ -1,0 +1,30 @@
+/*
+ * seq_lstm.cu: the persistent LSTM time loops (seq_persist.cuh) for every supported padded
+ * width and matmul mode. One file per cell so the two compile in parallel.
+ */
+#include "seq_persist.cuh"
+
+#define PERSIST_CASES(X)                                                                           \
+    X(mode_tf32, 32) X(mode_tf32, 64) X(mode_tf32, 96) X(mode_tf32, 128)                          \
+    X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
+
+int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
+#define X(MODE, W)                                                                                 \
+    if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
+        return backward ? persist_launch_backward<cell_lstm, MODE, W>(                            \
+                              *static_cast<const persist_bwd_args *>(args), stream)                \
+                        : persist_launch_forward<cell_lstm, MODE, W>(                             \
+                              *static_cast<const persist_fwd_args *>(args), stream);
+    PERSIST_CASES(X)
+#undef X
+    return RNND_ENOTSUP;
+}
+
+long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP) {
+#define X(MODE, W)                                                                                 \
+    if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
+        return persist_smem<cell_lstm, MODE, W>(backward);
+    PERSIST_CASES(X)
+#undef X
+    return -1;
+}

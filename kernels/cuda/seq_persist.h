@@ -1,0 +1,64 @@
+/*
+ * seq_persist.h: arguments and entry points of the persistent time-loop kernels
+ * (seq_persist.cuh, instantiated in seq_gru.cu and seq_lstm.cu). Internal to kernels/cuda/.
+ */
+#ifndef RNND_CUDA_SEQ_PERSIST_H
+#define RNND_CUDA_SEQ_PERSIST_H
+
+#include "rnnd_kernels.h"
+
+#include <cuda_runtime.h>
+
+// One layer's forward time loop. Pointers are device memory; strides in floats.
+struct persist_fwd_args {
+    int B, T, H, L, l;
+    bool vec;                    // 16-byte vector access is safe (H % 4 == 0, aligned strides)
+    const float *xg;             // (B*T, G*H) x_l W_ih^T, no bias
+    const float *w_hh;           // (G*H, H)
+    const float *b_ih, *b_hh;    // (G*H)
+    const uint8_t *is_init;      // (B, T)
+    const float *h0, *c0;        // (B, L, H) or NULL
+    const float *hidden, *cell;  // (B, T, L, H) or NULL
+    float *y;                    // (B*T rows, ldy): the layer's output h
+    int ldy;
+    float *z;                    // tape z rows (ldz) or NULL: hprev at 0, 1 at H, x_l at xoff
+    int ldz, xoff, Il;
+    float *s;                    // tape s rows (SW*H) or NULL
+    float *h_n, *c_n;            // (B, L, H) or NULL
+};
+
+// One layer's backward time loop.
+struct persist_bwd_args {
+    int B, T, H, L, l;
+    bool vec;
+    bool stored;                 // the forward had stored states (hidden/cell)
+    const float *w_hh;           // (G*H, H)
+    const uint8_t *is_init;      // (B, T)
+    const float *z;              // tape z rows (ldz): hprev
+    int ldz;
+    const float *s;              // tape s rows (SW*H)
+    const float *gy;             // (B*T rows, ldgy): dL/d(layer output)
+    int ldgy;
+    const float *gh_n, *gc_n;    // (B, L, H) or NULL
+    float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
+    float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
+    float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
+};
+
+// HP, the padded width the persistent kernels run model m at, or 0 when they cannot (compute
+// ieee, H > 128, or more shared memory than smem_optin bytes).
+int rnnd__persist_hp(const struct rnnd_model *m, size_t smem_optin);
+
+// Launch one layer's loop on stream (m must have rnnd__persist_hp(m) > 0).
+int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_args *a,
+                          cudaStream_t stream);
+int rnnd__persist_backward(const struct rnnd_model *m, const struct persist_bwd_args *a,
+                           cudaStream_t stream);
+
+// Per cell (seq_gru.cu, seq_lstm.cu); bf16 selects the mode; smem returns the shared memory.
+int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
+int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
+long rnnd__persist_gru_smem(bool backward, bool bf16, int HP);
+long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP);
+
+#endif // RNND_CUDA_SEQ_PERSIST_H

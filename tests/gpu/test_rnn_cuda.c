@@ -1,0 +1,598 @@
+/*
+ * test_rnn_cuda.c: the CUDA backend against the CPU reference, op by op, through the same vtable
+ * (STYLE.md §8). Fresh random inputs for every case (weights as rnnd_model_init_params, x, resets,
+ * stored states or h0, output gradients, a non-zero gradient buffer to check +=); every CUDA
+ * output is poisoned with NaN before the op, so an element the op forgot to write fails. Each
+ * output is compared norm-wise, ||gpu - cpu|| / ||cpu||, against DESIGN.md §2's bound for the
+ * compute mode (ieee 1e-5, fp32/TF32 1e-3, bf16 2e-2); on failure the first mismatching indices
+ * are printed. Exits 77 (CTest: skipped) when no CUDA device is usable.
+ *
+ *   test_rnn_cuda [--quick]    --quick: a few small cases (for compute-sanitizer runs)
+ */
+#include "rnnd_kernels.h"
+#include "cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures;
+static int checks;
+
+// ---------------------------------------------------------------------------------------------
+// Random numbers and host helpers
+
+static uint64_t rng_state = 0x1234abcdull;
+
+static uint64_t rng_next(void) { // splitmix64
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double rng_uniform(void) {
+    return (double)(rng_next() >> 11) * 0x1.0p-53;
+}
+
+static float *host_uniform(size_t n, float scale) {
+    float *p = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        p[i] = (float)((2.0 * rng_uniform() - 1.0) * scale);
+    return p;
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of host memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+static const char *compute_name(enum rnnd_compute c) {
+    return c == RNND_COMPUTE_IEEE ? "ieee" : c == RNND_COMPUTE_BF16 ? "bf16" : "fp32";
+}
+
+static double tolerance(enum rnnd_compute c) {
+    return c == RNND_COMPUTE_IEEE ? 1e-5 : c == RNND_COMPUTE_BF16 ? 2e-2 : 1e-3;
+}
+
+// Compares a (gpu) with ref (cpu), optionally both minus base (for += outputs).
+static void compare(const char *what, const char *tag, const float *a, const float *ref,
+                    const float *base, size_t n, double tol) {
+    double num = 0.0, den = 0.0;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = a[i], y = ref[i];
+        if (base) {
+            x -= base[i];
+            y -= base[i];
+        }
+        if (!isfinite(x)) {
+            bad++;
+            continue;
+        }
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    double err = den > 0.0 ? sqrt(num / den) : sqrt(num);
+    bool ok = bad == 0 && err <= tol;
+    checks++;
+    if (ok) {
+        printf("  ok   %-34s %-12s rel %.2e (tol %.0e, n %zu)\n", tag, what, err, tol, n);
+        return;
+    }
+    failures++;
+    printf("  FAIL %-34s %-12s rel %.2e (tol %.0e, n %zu, %zu non-finite)\n", tag, what, err, tol,
+           n, bad);
+    double rms = sqrt(den / (n ? n : 1));
+    int shown = 0;
+    for (size_t i = 0; i < n && shown < 8; i++) {
+        double x = a[i], y = ref[i];
+        if (base) {
+            x -= base[i];
+            y -= base[i];
+        }
+        if (!isfinite(x) || fabs(x - y) > 10.0 * tol * (rms > 0 ? rms : 1.0)) {
+            printf("       [%zu] gpu %.7g cpu %.7g\n", i, x, y);
+            shown++;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device buffers through the vtable
+
+struct bufs {
+    struct rnnd_backend *be;
+    void *p[32];
+    int n;
+};
+
+static void *dev(struct bufs *b, const void *host, size_t bytes) {
+    void *d = NULL;
+    if (b->be->ops->alloc(b->be->ctx, bytes, &d) != 0) {
+        fprintf(stderr, "device alloc of %zu bytes failed\n", bytes);
+        exit(1);
+    }
+    if (host && bytes)
+        b->be->ops->copy_in(b->be->ctx, d, host, bytes);
+    b->p[b->n++] = d;
+    return d;
+}
+
+// A buffer filled with NaN (the CUDA side) or zero (the CPU side).
+static float *dev_poison(struct bufs *b, size_t n, bool nan_fill) {
+    float *h = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        h[i] = nan_fill ? NAN : 0.0f;
+    float *d = dev(b, h, n * sizeof(float));
+    free(h);
+    return d;
+}
+
+static void bufs_free(struct bufs *b) {
+    for (int i = 0; i < b->n; i++)
+        b->be->ops->free(b->be->ctx, b->p[i]);
+    b->n = 0;
+}
+
+static void to_host(struct rnnd_backend *be, float *h, const void *d, size_t n) {
+    int err = be->ops->copy_out(be->ctx, h, d, n * sizeof(float));
+    if (err) {
+        fprintf(stderr, "copy_out failed: %s\n", rnnd_strerror(err));
+        exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequence forward + backward
+
+enum state_mode { STATE_NONE, STATE_H0, STATE_HIDDEN };
+
+struct seq_case {
+    enum rnnd_cell cell;
+    enum rnnd_compute compute;
+    int I, H, L, B, T;
+    double reset_prob;
+    enum state_mode state;
+    int path; // RNND_CUDA_PATH_*
+};
+
+struct seq_host {
+    float *params, *x, *h0, *c0, *hidden, *cell, *gout, *ghn, *gcn, *gbase;
+    uint8_t *is_init;
+};
+
+struct seq_out {
+    float *out, *hn, *cn, *gp, *gx, *gh0, *gc0, *ghid, *gcell, *out_notape;
+};
+
+static void seq_out_alloc(struct seq_out *o, size_t P, size_t nx, size_t nout, size_t blh,
+                          size_t btlh) {
+    o->out = xmalloc(nout * 4), o->out_notape = xmalloc(nout * 4);
+    o->hn = xmalloc(blh * 4), o->cn = xmalloc(blh * 4);
+    o->gp = xmalloc(P * 4), o->gx = xmalloc(nx * 4);
+    o->gh0 = xmalloc(blh * 4), o->gc0 = xmalloc(blh * 4);
+    o->ghid = xmalloc(btlh * 4), o->gcell = xmalloc(btlh * 4);
+}
+
+static void seq_out_free(struct seq_out *o) {
+    free(o->out), free(o->out_notape), free(o->hn), free(o->cn), free(o->gp), free(o->gx);
+    free(o->gh0), free(o->gc0), free(o->ghid), free(o->gcell);
+}
+
+// Runs forward (with and without tape) and backward of case sc on be; results to o.
+static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const struct seq_host *h,
+                   struct seq_out *o, bool poison) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    bool lstm = sc->cell == RNND_CELL_LSTM;
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
+    size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
+    size_t btlh = BT * sc->L * sc->H;
+    struct bufs b = {.be = be};
+    const struct rnnd_backend_ops *ops = be->ops;
+
+    struct rnnd_seq seq = {.B = sc->B, .T = sc->T};
+    seq.x = dev(&b, h->x, nx * 4);
+    seq.is_init = dev(&b, h->is_init, BT);
+    if (sc->state == STATE_H0) {
+        seq.h0 = dev(&b, h->h0, blh * 4);
+        if (lstm)
+            seq.c0 = dev(&b, h->c0, blh * 4);
+    } else if (sc->state == STATE_HIDDEN) {
+        seq.hidden = dev(&b, h->hidden, btlh * 4);
+        if (lstm)
+            seq.cell = dev(&b, h->cell, btlh * 4);
+    }
+    float *params = dev(&b, h->params, P * 4);
+    float *out = dev_poison(&b, nout, poison), *out2 = dev_poison(&b, nout, poison);
+    float *hn = dev_poison(&b, blh, poison);
+    float *cn = lstm ? dev_poison(&b, blh, poison) : NULL;
+    void *tape = dev(&b, NULL, ops->tape_bytes(be->ctx, &m, sc->B, sc->T));
+    int err = ops->rnn_forward(be->ctx, out2, NULL, NULL, NULL, &seq, params, &m);
+    if (!err)
+        err = ops->rnn_forward(be->ctx, out, hn, cn, tape, &seq, params, &m);
+    if (err) {
+        bufs_free(&b);
+        return err;
+    }
+
+    struct rnnd_seq_grads g = {0};
+    g.params = dev(&b, h->gbase, P * 4);
+    g.x = dev_poison(&b, nx, poison);
+    if (sc->state != STATE_HIDDEN) {
+        g.h0 = dev_poison(&b, blh, poison);
+        if (lstm)
+            g.c0 = dev_poison(&b, blh, poison);
+    } else {
+        g.hidden = dev_poison(&b, btlh, poison);
+        if (lstm)
+            g.cell = dev_poison(&b, btlh, poison);
+    }
+    float *gout = dev(&b, h->gout, nout * 4), *ghn = dev(&b, h->ghn, blh * 4);
+    float *gcn = lstm ? dev(&b, h->gcn, blh * 4) : NULL;
+    err = ops->rnn_backward(be->ctx, &g, gout, ghn, gcn, tape, &seq, params, &m);
+    if (err) {
+        bufs_free(&b);
+        return err;
+    }
+    to_host(be, o->out, out, nout);
+    to_host(be, o->out_notape, out2, nout);
+    to_host(be, o->hn, hn, blh);
+    if (lstm)
+        to_host(be, o->cn, cn, blh);
+    to_host(be, o->gp, g.params, P);
+    to_host(be, o->gx, g.x, nx);
+    if (g.h0)
+        to_host(be, o->gh0, g.h0, blh);
+    if (g.c0)
+        to_host(be, o->gc0, g.c0, blh);
+    if (g.hidden)
+        to_host(be, o->ghid, g.hidden, btlh);
+    if (g.cell)
+        to_host(be, o->gcell, g.cell, btlh);
+    bufs_free(&b);
+    return 0;
+}
+
+static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
+                     bool check_determinism) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    bool lstm = sc->cell == RNND_CELL_LSTM;
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
+    size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
+    size_t btlh = BT * sc->L * sc->H;
+    char tag[96];
+    snprintf(tag, sizeof(tag), "%s %s I%d H%d L%d B%d T%d p%.2g %s%s",
+             lstm ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->T,
+             sc->reset_prob,
+             sc->state == STATE_H0 ? "h0" : sc->state == STATE_HIDDEN ? "hid" : "-",
+             sc->path == RNND_CUDA_PATH_STEPWISE ? " step" : "");
+
+    struct seq_host h = {0};
+    h.params = xmalloc(P * 4);
+    rnnd_model_init_params(&m, rng_next(), h.params);
+    h.x = host_uniform(nx, 1.0f);
+    h.h0 = host_uniform(blh, 0.8f), h.c0 = host_uniform(blh, 0.8f);
+    h.hidden = host_uniform(btlh, 0.8f), h.cell = host_uniform(btlh, 0.8f);
+    h.gout = host_uniform(nout, 1.0f), h.ghn = host_uniform(blh, 1.0f);
+    h.gcn = host_uniform(blh, 1.0f), h.gbase = host_uniform(P, 1.0f);
+    h.is_init = xmalloc(BT);
+    for (size_t i = 0; i < BT; i++)
+        h.is_init[i] = rng_uniform() < sc->reset_prob;
+
+    rnnd_cuda_set_path(gpu, sc->path);
+    int path = rnnd_cuda_path_of(gpu, &m);
+    struct seq_out og, oc;
+    seq_out_alloc(&og, P, nx, nout, blh, btlh);
+    seq_out_alloc(&oc, P, nx, nout, blh, btlh);
+    int err = run_seq(gpu, sc, &h, &og, true);
+    int err2 = run_seq(cpu, sc, &h, &oc, false);
+    printf("%s [%s]\n", tag, path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise");
+    if (err || err2) {
+        printf("  FAIL %s: cuda %s, cpu %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        double tol = tolerance(sc->compute);
+        compare("out", tag, og.out, oc.out, NULL, nout, tol);
+        compare("out(no tape)", tag, og.out_notape, og.out, NULL, nout, 1e-7);
+        compare("h_n", tag, og.hn, oc.hn, NULL, blh, tol);
+        if (lstm)
+            compare("c_n", tag, og.cn, oc.cn, NULL, blh, tol);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, nx, tol);
+        if (sc->state != STATE_HIDDEN) {
+            compare("grad h0", tag, og.gh0, oc.gh0, NULL, blh, tol);
+            if (lstm)
+                compare("grad c0", tag, og.gc0, oc.gc0, NULL, blh, tol);
+        } else {
+            compare("grad hidden", tag, og.ghid, oc.ghid, NULL, btlh, tol);
+            if (lstm)
+                compare("grad cell", tag, og.gcell, oc.gcell, NULL, btlh, tol);
+        }
+        if (check_determinism) {
+            struct seq_out o2;
+            seq_out_alloc(&o2, P, nx, nout, blh, btlh);
+            if (run_seq(gpu, sc, &h, &o2, true) == 0) {
+                bool same = memcmp(o2.gp, og.gp, P * 4) == 0 && memcmp(o2.gx, og.gx, nx * 4) == 0 &&
+                            memcmp(o2.out, og.out, nout * 4) == 0;
+                checks++;
+                if (!same)
+                    failures++;
+                printf("  %s %-34s repeat run bitwise identical\n", same ? "ok  " : "FAIL", tag);
+            }
+            seq_out_free(&o2);
+        }
+    }
+    rnnd_cuda_set_path(gpu, RNND_CUDA_PATH_AUTO);
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    free(h.params), free(h.x), free(h.h0), free(h.c0), free(h.hidden), free(h.cell);
+    free(h.gout), free(h.ghn), free(h.gcn), free(h.gbase), free(h.is_init);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Single step with slot gather/scatter (optionally captured in a CUDA graph on the GPU side)
+
+struct step_case {
+    enum rnnd_cell cell;
+    enum rnnd_compute compute;
+    int I, H, L, B, S;
+    bool init_null; // is_init NULL (all false)
+    bool graph;     // capture rnn_step in a CUDA graph and replay it `reps` times
+};
+
+static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                      const struct step_case *sc) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    bool lstm = sc->cell == RNND_CELL_LSTM;
+    size_t P = rnnd_model_param_count(&m), tab = (size_t)sc->S * sc->L * sc->H;
+    size_t blh = (size_t)sc->B * sc->L * sc->H, nx = (size_t)sc->B * sc->I;
+    size_t nout = (size_t)sc->B * sc->H;
+    int reps = sc->graph ? 3 : 1;
+    char tag[96];
+    snprintf(tag, sizeof(tag), "step %s %s I%d H%d L%d B%d S%d%s%s", lstm ? "lstm" : "gru",
+             compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->S,
+             sc->init_null ? " noinit" : "", sc->graph ? " graph" : "");
+    printf("%s\n", tag);
+
+    float *params = xmalloc(P * 4);
+    rnnd_model_init_params(&m, rng_next(), params);
+    float *x = host_uniform(nx, 1.0f);
+    float *sh = host_uniform(tab, 0.9f), *sc_ = host_uniform(tab, 0.9f);
+    uint8_t *init = xmalloc(sc->B);
+    int32_t *slots = xmalloc(sc->B * sizeof(int32_t));
+    int32_t *perm = xmalloc(sc->S * sizeof(int32_t));
+    for (int i = 0; i < sc->S; i++)
+        perm[i] = i;
+    for (int i = sc->S - 1; i > 0; i--) {
+        int j = (int)(rng_next() % (uint64_t)(i + 1));
+        int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (int b = 0; b < sc->B; b++) {
+        slots[b] = perm[b];
+        init[b] = rng_uniform() < 0.3;
+    }
+
+    float *res[2][6];
+    struct rnnd_backend *bes[2] = {gpu, cpu};
+    int errs[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        struct rnnd_backend *be = bes[k];
+        struct bufs b = {.be = be};
+        struct rnnd_step st = {.B = sc->B};
+        st.x = dev(&b, x, nx * 4);
+        st.is_init = sc->init_null ? NULL : dev(&b, init, sc->B);
+        st.slots = dev(&b, slots, sc->B * sizeof(int32_t));
+        st.state_h = dev(&b, sh, tab * 4);
+        st.state_c = lstm ? dev(&b, sc_, tab * 4) : NULL;
+        st.out = dev_poison(&b, nout, k == 0);
+        st.h_before = dev_poison(&b, blh, k == 0);
+        st.c_before = lstm ? dev_poison(&b, blh, k == 0) : NULL;
+        float *dparams = dev(&b, params, P * 4);
+        if (k == 0 && sc->graph) {
+            cudaStream_t s = (cudaStream_t)rnnd_cuda_stream(be);
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+                errs[k] = RNND_EDEVICE;
+            } else {
+                errs[k] = be->ops->rnn_step(be->ctx, &st, dparams, &m);
+                if (cudaStreamEndCapture(s, &graph) != cudaSuccess)
+                    errs[k] = RNND_EDEVICE;
+                else if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+                    errs[k] = RNND_EDEVICE;
+                else {
+                    for (int r = 0; r < reps && !errs[k]; r++)
+                        if (cudaGraphLaunch(exec, s) != cudaSuccess)
+                            errs[k] = RNND_EDEVICE;
+                    cudaGraphExecDestroy(exec);
+                    cudaGraphDestroy(graph);
+                }
+            }
+        } else {
+            for (int r = 0; r < reps && !errs[k]; r++)
+                errs[k] = be->ops->rnn_step(be->ctx, &st, dparams, &m);
+        }
+        res[k][0] = xmalloc(nout * 4), res[k][1] = xmalloc(tab * 4), res[k][2] = xmalloc(tab * 4);
+        res[k][3] = xmalloc(blh * 4), res[k][4] = xmalloc(blh * 4);
+        if (!errs[k]) {
+            to_host(be, res[k][0], st.out, nout);
+            to_host(be, res[k][1], st.state_h, tab);
+            if (lstm)
+                to_host(be, res[k][2], st.state_c, tab);
+            to_host(be, res[k][3], st.h_before, blh);
+            if (lstm)
+                to_host(be, res[k][4], st.c_before, blh);
+        }
+        bufs_free(&b);
+    }
+    if (errs[0] || errs[1]) {
+        printf("  FAIL %s: cuda %s, cpu %s\n", tag, rnnd_err_name(errs[0]), rnnd_err_name(errs[1]));
+        failures++;
+    } else {
+        double tol = tolerance(sc->compute);
+        compare("out", tag, res[0][0], res[1][0], NULL, nout, tol);
+        compare("state h", tag, res[0][1], res[1][1], NULL, tab, tol);
+        compare("h before", tag, res[0][3], res[1][3], NULL, blh, tol);
+        if (lstm) {
+            compare("state c", tag, res[0][2], res[1][2], NULL, tab, tol);
+            compare("c before", tag, res[0][4], res[1][4], NULL, blh, tol);
+        }
+    }
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 5; i++)
+            free(res[k][i]);
+    free(params), free(x), free(sh), free(sc_), free(init), free(slots), free(perm);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer
+
+static void test_optim(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_optim_kind kind,
+                       float max_norm, float wd, size_t n) {
+    struct rnnd_optim o = {.kind = kind, .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f,
+                           .eps = 1e-8f, .weight_decay = wd, .max_grad_norm = max_norm};
+    char tag[96];
+    snprintf(tag, sizeof(tag), "optim %s clip %g wd %g n %zu", kind == RNND_OPTIM_ADAM ? "adam" : "sgd",
+             max_norm, wd, n);
+    printf("%s\n", tag);
+    float *p = host_uniform(n, 1.0f), *g = host_uniform(n, 0.1f);
+    float *m = host_uniform(n, 0.01f), *v = host_uniform(n, 0.01f);
+    for (size_t i = 0; i < n; i++)
+        v[i] = fabsf(v[i]);
+    float *res[2][4], norm[2] = {0, 0};
+    struct rnnd_backend *bes[2] = {gpu, cpu};
+    int errs[2];
+    for (int k = 0; k < 2; k++) {
+        struct rnnd_backend *be = bes[k];
+        struct bufs b = {.be = be};
+        float *dp = dev(&b, p, n * 4), *dg = dev(&b, g, n * 4);
+        float *dm = dev(&b, m, n * 4), *dv = dev(&b, v, n * 4);
+        errs[k] = be->ops->optim_step(be->ctx, dp, dg, dm, dv, n, &o, 3, &norm[k]);
+        for (int i = 0; i < 4; i++)
+            res[k][i] = xmalloc(n * 4);
+        if (!errs[k]) {
+            to_host(be, res[k][0], dp, n);
+            to_host(be, res[k][1], dg, n);
+            to_host(be, res[k][2], dm, n);
+            to_host(be, res[k][3], dv, n);
+        }
+        bufs_free(&b);
+    }
+    if (errs[0] || errs[1]) {
+        printf("  FAIL %s: cuda %s, cpu %s\n", tag, rnnd_err_name(errs[0]), rnnd_err_name(errs[1]));
+        failures++;
+    } else {
+        compare("params", tag, res[0][0], res[1][0], p, n, 1e-5);
+        compare("grads", tag, res[0][1], res[1][1], NULL, n, 1e-6);
+        if (kind == RNND_OPTIM_ADAM) {
+            compare("adam m", tag, res[0][2], res[1][2], NULL, n, 1e-6);
+            compare("adam v", tag, res[0][3], res[1][3], NULL, n, 1e-6);
+        }
+        compare("norm", tag, &norm[0], &norm[1], NULL, 1, 1e-6);
+    }
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 4; i++)
+            free(res[k][i]);
+    free(p), free(g), free(m), free(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+int main(int argc, char **argv) {
+    bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    struct rnnd_backend gpu = {0}, cpu = {0};
+    int err = rnnd_backend_cuda_init(&gpu, 0);
+    if (err) {
+        printf("no usable CUDA device (%s): skipped\n", rnnd_strerror(err));
+        return 77;
+    }
+    if (rnnd_backend_cpu_init(&cpu) != 0) {
+        fprintf(stderr, "cpu backend init failed\n");
+        return 1;
+    }
+    printf("device: %s\n", gpu.device);
+    const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
+    const enum rnnd_compute F32 = RNND_COMPUTE_FP32, IEEE = RNND_COMPUTE_IEEE,
+                            BF16 = RNND_COMPUTE_BF16;
+    const int AUTO = RNND_CUDA_PATH_AUTO, STEP = RNND_CUDA_PATH_STEPWISE;
+
+    const struct seq_case quick_cases[] = {
+        {GRU, F32, 64, 128, 1, 40, 9, 0.2, STATE_H0, AUTO},
+        {LSTM, F32, 64, 128, 1, 20, 7, 0.2, STATE_HIDDEN, AUTO},
+        {GRU, BF16, 5, 7, 2, 3, 5, 0.3, STATE_NONE, AUTO},
+        {LSTM, IEEE, 8, 20, 2, 5, 4, 0.3, STATE_H0, AUTO},
+        {GRU, F32, 16, 160, 1, 4, 3, 0.3, STATE_HIDDEN, AUTO},
+    };
+    const struct seq_case full_cases[] = {
+        // The bench shape's model at a small batch, every mode.
+        {GRU, F32, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {LSTM, F32, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {GRU, BF16, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {LSTM, BF16, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {GRU, IEEE, 64, 128, 1, 16, 12, 0.1, STATE_NONE, AUTO},
+        {LSTM, IEEE, 64, 128, 1, 16, 12, 0.1, STATE_NONE, AUTO},
+        // Stored states and h0, odd widths, two and three layers.
+        {GRU, F32, 64, 128, 1, 50, 40, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 64, 128, 2, 50, 40, 0.05, STATE_H0, AUTO},
+        {GRU, F32, 5, 7, 2, 33, 11, 0.2, STATE_H0, AUTO},
+        {LSTM, F32, 5, 7, 2, 33, 11, 0.2, STATE_HIDDEN, AUTO},
+        {GRU, F32, 32, 96, 2, 37, 17, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 32, 96, 2, 37, 17, 0.1, STATE_NONE, AUTO},
+        {GRU, BF16, 17, 96, 3, 19, 9, 0.15, STATE_H0, AUTO},
+        {LSTM, BF16, 40, 64, 2, 21, 10, 0.15, STATE_HIDDEN, AUTO},
+        {GRU, IEEE, 9, 7, 2, 6, 7, 0.2, STATE_HIDDEN, AUTO},
+        {LSTM, IEEE, 9, 33, 1, 6, 7, 0.2, STATE_H0, AUTO},
+        // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
+        {GRU, F32, 64, 128, 1, 1, 1, 0.0, STATE_NONE, AUTO},
+        {LSTM, F32, 64, 128, 1, 1, 1, 0.0, STATE_H0, AUTO},
+        {GRU, F32, 64, 128, 1, 1, 1, 1.0, STATE_HIDDEN, AUTO},
+        {GRU, F32, 64, 128, 1, 2049, 3, 0.1, STATE_NONE, AUTO},
+        {LSTM, F32, 64, 128, 1, 2049, 3, 0.1, STATE_HIDDEN, AUTO},
+        {GRU, F32, 64, 128, 1, 300, 64, 0.01, STATE_NONE, AUTO},
+        {LSTM, F32, 64, 128, 1, 300, 64, 0.01, STATE_NONE, AUTO},
+        // The per-step path for the same models, and the widths only it runs (H=1024).
+        {GRU, F32, 64, 128, 1, 40, 21, 0.1, STATE_HIDDEN, STEP},
+        {LSTM, F32, 64, 128, 2, 40, 21, 0.1, STATE_H0, STEP},
+        {GRU, BF16, 64, 128, 1, 40, 21, 0.1, STATE_NONE, STEP},
+        {GRU, F32, 64, 1024, 1, 8, 6, 0.2, STATE_H0, AUTO},
+        {LSTM, F32, 64, 1024, 2, 5, 4, 0.2, STATE_HIDDEN, AUTO},
+        {LSTM, BF16, 64, 1024, 1, 5, 4, 0.2, STATE_NONE, AUTO},
+        {GRU, IEEE, 64, 1024, 1, 4, 3, 0.2, STATE_NONE, AUTO},
+    };
+    const struct seq_case *cases = quick ? quick_cases : full_cases;
+    int ncases = quick ? (int)(sizeof(quick_cases) / sizeof(quick_cases[0]))
+                       : (int)(sizeof(full_cases) / sizeof(full_cases[0]));
+    for (int i = 0; i < ncases; i++)
+        test_seq(&gpu, &cpu, &cases[i], i == 0);
+
+    const struct step_case steps[] = {
+        {GRU, F32, 64, 128, 1, 17, 50, false, false},
+        {LSTM, F32, 64, 128, 2, 33, 40, false, true},
+        {GRU, BF16, 64, 96, 2, 9, 12, true, false},
+        {LSTM, IEEE, 3, 7, 3, 5, 9, false, false},
+        {GRU, IEEE, 64, 256, 1, 1, 3, false, true},
+        {LSTM, F32, 64, 1024, 1, 6, 7, false, false},
+    };
+    int nsteps = quick ? 2 : (int)(sizeof(steps) / sizeof(steps[0]));
+    for (int i = 0; i < nsteps; i++)
+        test_step(&gpu, &cpu, &steps[i]);
+
+    test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.5f, 0.01f, 10007);
+    test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.0f, 0.0f, 4099);
+    test_optim(&gpu, &cpu, RNND_OPTIM_SGD, 1e9f, 0.1f, 777);
+
+    printf("%d checks, %d failed\n", checks, failures);
+    rnnd_backend_free(&gpu);
+    rnnd_backend_free(&cpu);
+    return failures ? 1 : 0;
+}

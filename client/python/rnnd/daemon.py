@@ -53,7 +53,8 @@ class Daemon:
     def start(self):
         self.proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1)
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
         deadline = time.monotonic() + self.ready_timeout
         while not self._ready.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -91,6 +92,10 @@ class Daemon:
                 rc = self.proc.wait()
         elif self.proc is not None:
             rc = self.proc.returncode
+        if self.proc is not None and self.proc.stdout is not None:
+            self._drainer.join(5)
+            if not self._drainer.is_alive():
+                self.proc.stdout.close()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -1,0 +1,369 @@
+#!/usr/bin/python3
+"""End-to-end recurrent RL through rnnd: actors step environments through the daemon, a PyTorch
+learner trains the daemon's GRU core with an actor-critic loss.
+
+The task ("cue recall") needs memory: an episode shows one of K cues at its first step only,
+then blank observations; at its last step the observation raises a "respond now" flag, and the
+action taken there earns reward 1 if it names the cue (0 otherwise). Episode lengths are random,
+so episodes end and restart in the middle of rollouts (is_init resets). Without memory the best
+policy guesses: success 1/K.
+
+    actors (processes) ──Step(obs, is_init, extras)──▶ rnnd ◀──Forward(recorded) / Backward /
+         ▲ policy head                                          ApplyGradients── learner (PyTorch)
+         └──────────────────────── head weights ◀───────────────────────────────────┘
+
+- Each actor owns a few envs and steps them all with one request per tick over a StepStream; the
+  daemon keeps each env's recurrent state. The actor applies the policy head (a linear layer the
+  learner shares with it) to the daemon's output and samples an action. The step's extras carry
+  the previous transition: (action, reward, behaviour log-prob) of that env's previous step.
+- The learner asks the daemon for the last T recorded steps of every env (Forward over
+  `recorded`, with a tape), so it needs no replay of its own. Policy and value heads live in the
+  learner; the loss is V-trace actor-critic (IMPALA) in PyTorch on top of the daemon's outputs.
+  loss.backward() sends dL/d output to the daemon's Backward (rnnd.torch.RemoteRecurrent, the
+  weight gradients accumulate on the daemon) and ApplyGradients takes the daemon's Adam step.
+- Actors and learner are pipelined: after each Forward the learner lets every actor take T-1
+  more steps, so consecutive windows overlap by one step (the bootstrap step) and every
+  transition is learnt from exactly once, at most one update behind the policy that produced it.
+
+    PYTHONPATH=build/client/python /usr/bin/python3 client/python/examples/memory_task.py \
+        --rnnd build/server/rnnd --png memory_task.png
+
+Prints progress; writes the learning curve to --png; exits 0 when the success rate reached
+--target (default 0.9) within --minutes.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E = 3  # extras: previous action, previous reward, previous behaviour log-prob
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment (vectorised over the envs of one actor).
+
+class CueRecall:
+    def __init__(self, n, k, min_len, max_len, rng):
+        self.n, self.k, self.min_len, self.max_len, self.rng = n, k, min_len, max_len, rng
+        self.t = np.zeros(n, np.int64)
+        self.length = np.zeros(n, np.int64)
+        self.cue = np.zeros(n, np.int64)
+        for i in range(n):
+            self._reset(i)
+
+    def _reset(self, i):
+        self.t[i] = 0
+        self.length[i] = self.rng.integers(self.min_len, self.max_len + 1)
+        self.cue[i] = self.rng.integers(self.k)
+
+    def observe(self):
+        """obs [n, K+1] and is_init [n] for the current step of every env."""
+        obs = np.zeros((self.n, self.k + 1), np.float32)
+        first = self.t == 0
+        obs[first, self.cue[first]] = 1.0
+        obs[self.t == self.length - 1, self.k] = 1.0
+        return obs, first
+
+    def act(self, action):
+        """Applies one action per env; returns (reward [n], done [n]) and starts new episodes."""
+        last = self.t == self.length - 1
+        reward = (last & (action == self.cue)).astype(np.float32)
+        self.t += 1
+        for i in np.flatnonzero(last):
+            self._reset(i)
+        return reward, last
+
+
+# ---------------------------------------------------------------------------------------------
+# Actor processes (numpy + rnnd only).
+
+def actor_main(a, actor_id, env_ids, target, head, head_lock, go, done):
+    import rnnd
+    rng = np.random.default_rng(a.seed * 1000 + actor_id)
+    env = CueRecall(len(env_ids), a.cues, a.min_len, a.max_len, rng)
+    client = rnnd.Client(target)
+    stepper = client.stepper()
+    extras = np.zeros((len(env_ids), E), np.float32)
+    K, H = a.cues, a.hidden
+    w = np.frombuffer(head.get_obj(), np.float32)
+    while True:
+        n = go.get()
+        if n is None:
+            break
+        results = []
+        for _ in range(n):
+            obs, is_init = env.observe()
+            out = stepper.step(env_ids, obs, is_init, extras=extras)
+            with head_lock:
+                wp = w[:K * H].reshape(K, H).copy()
+                bp = w[K * H:].copy()
+            logits = out @ wp.T + bp
+            logits -= logits.max(1, keepdims=True)
+            p = np.exp(logits)
+            p /= p.sum(1, keepdims=True)
+            action = (rng.random((len(env_ids), 1)) > p.cumsum(1)).sum(1).clip(0, K - 1)
+            logp = np.log(p[np.arange(len(env_ids)), action] + 1e-12)
+            reward, ended = env.act(action)
+            extras[:, 0] = action
+            extras[:, 1] = reward
+            extras[:, 2] = logp
+            results.extend(reward[ended].tolist())
+        done.put((actor_id, results))
+    stepper.close()
+    client.end_episodes(env_ids)
+    client.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner.
+
+def vtrace(values, rewards, discounts, rhos, bootstrap):
+    """V-trace targets and policy-gradient advantages over [B, T] (IMPALA, rho-bar = c-bar = 1)."""
+    import torch
+    rho = torch.clamp(rhos, max=1.0)
+    v_next = torch.cat([values[:, 1:], bootstrap[:, None]], 1)
+    deltas = rho * (rewards + discounts * v_next - values)
+    acc = torch.zeros_like(bootstrap)
+    vs_minus_v = []
+    for t in reversed(range(values.shape[1])):
+        acc = deltas[:, t] + discounts[:, t] * rho[:, t] * acc
+        vs_minus_v.append(acc)
+    vs = values + torch.stack(vs_minus_v[::-1], 1)
+    vs_next = torch.cat([vs[:, 1:], bootstrap[:, None]], 1)
+    adv = rho * (rewards + discounts * vs_next - values)
+    return vs, adv
+
+
+def learn(a, target, log=print):
+    import torch
+    import rnnd
+    import rnnd.torch
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(1)
+    K, H, T = a.cues, a.hidden, a.unroll
+    client = rnnd.Client(target)
+    info = client.info()
+    want = ("gru", K + 1, H, E)
+    have = (info.cell, info.input_size, info.hidden_size, info.extras_size)
+    if have != want:
+        raise SystemExit("the daemon at %s has (cell, input, hidden, extras) = %s, this example "
+                         "needs %s" % (target, have, want))
+    a.backend = info.backend
+    core = rnnd.torch.RemoteRecurrent(client, grads="server")
+    policy = torch.nn.Linear(H, K)
+    value = torch.nn.Linear(H, 1)
+    with torch.no_grad():
+        policy.weight.mul_(0.1)
+        policy.bias.zero_()
+    heads = list(policy.parameters()) + list(value.parameters())
+    opt = torch.optim.Adam(heads, lr=a.lr)
+
+    ctx = mp.get_context("spawn")
+    head = ctx.Array("f", K * H + K)
+    head_lock = head.get_lock()
+
+    def publish():
+        w = np.frombuffer(head.get_obj(), np.float32)
+        with head_lock:
+            w[:K * H] = policy.weight.detach().numpy().ravel()
+            w[K * H:] = policy.bias.detach().numpy()
+
+    publish()
+    done = ctx.Queue()
+    actors, gos, all_ids = [], [], []
+    for i in range(a.actors):
+        ids = np.arange(a.envs_per_actor, dtype=np.uint64) + np.uint64((a.seed + 1) * 1_000_000 + i * 1000)
+        all_ids.extend(ids.tolist())
+        go = ctx.Queue()
+        p = ctx.Process(target=actor_main, args=(a, i, ids, target, head, head_lock, go, done),
+                        daemon=True)
+        p.start()
+        actors.append(p)
+        gos.append(go)
+
+    def run_actors(n):
+        for g in gos:
+            g.put(n)
+
+    def wait_actors():
+        res = []
+        for _ in range(a.actors):
+            while True:
+                try:
+                    _, r = done.get(timeout=1.0)
+                    break
+                except Exception:
+                    dead = [p for p in actors if not p.is_alive()]
+                    if dead:
+                        raise SystemExit("an actor process died (exit code %s)" % dead[0].exitcode)
+            res.extend(r)
+        return res
+
+    curve = []  # (seconds, env steps, episodes, success over the last report)
+    start = time.monotonic()
+    steps = episodes = updates = 0
+    window = []
+    last_report = start
+    reached = None
+    n_envs = len(all_ids)
+    try:
+        run_actors(T)
+        window += wait_actors()
+        steps += T * n_envs
+        while True:
+            elapsed = time.monotonic() - start
+            if elapsed > a.minutes * 60:
+                break
+            out, rec = core.forward_recorded(all_ids, T)
+            run_actors(T - 1)  # actors go on while the learner learns
+
+            ex = torch.from_numpy(np.array(rec.extras[:, 1:]))  # transition t lives at t+1
+            actions = ex[..., 0].long()
+            rewards = ex[..., 1]
+            blogp = ex[..., 2]
+            ends = torch.from_numpy(np.array(rec.is_init[:, 1:]))
+            discounts = a.gamma * (~ends).float()
+
+            logits = policy(out[:, :-1])
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(-1, actions[..., None])[..., 0]
+            v = value(out)[..., 0]
+            with torch.no_grad():
+                vs, adv = vtrace(v[:, :-1], rewards, discounts, torch.exp(logp - blogp), v[:, -1])
+            pg_loss = -(adv * logp).mean()
+            v_loss = 0.5 * ((vs - v[:, :-1]) ** 2).mean()
+            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+            loss = pg_loss + a.value_coef * v_loss - a.entropy_coef * entropy
+
+            opt.zero_grad()
+            loss.backward()  # the core's part runs on the daemon (Backward, accumulated there)
+            torch.nn.utils.clip_grad_norm_(heads, a.max_grad_norm)
+            opt.step()
+            core.apply_gradients(pull=False)  # the daemon's Adam step on its accumulated grads
+            publish()
+            updates += 1
+
+            window += wait_actors()
+            steps += (T - 1) * n_envs
+            now = time.monotonic()
+            if now - last_report >= a.report_s and len(window) >= 50:
+                rate = float(np.mean(window))
+                episodes += len(window)
+                curve.append((now - start, steps, episodes, rate))
+                log("%6.1fs  updates %5d  env steps %8d  episodes %7d  success %5.1f%%  "
+                    "entropy %.2f  value loss %.4f" % (now - start, updates, steps, episodes,
+                                                       100 * rate, float(entropy), float(v_loss)))
+                window = []
+                last_report = now
+                if rate >= a.target and reached is None:
+                    reached = now - start
+                    log("reached %.0f%% success after %.1fs (%d env steps, %d updates)"
+                        % (100 * a.target, reached, steps, updates))
+                    if a.stop_at_target:
+                        break
+    finally:
+        for g in gos:
+            g.put(None)
+        for p in actors:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        client.close()
+    return curve, reached
+
+
+def plot(curve, a, path, reached):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t = [c[0] for c in curve]
+    s = [100 * c[3] for c in curve]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(t, s, label="success rate")
+    ax.axhline(100.0 / a.cues, color="gray", ls="--", label="chance (1/%d)" % a.cues)
+    ax.axhline(100 * a.target, color="green", ls=":", label="target")
+    if reached is not None:
+        ax.axvline(reached, color="green", alpha=0.3)
+    ax.set_xlabel("seconds (%s backend, %d actors x %d envs)" % (a.backend, a.actors, a.envs_per_actor))
+    ax.set_ylabel("success %")
+    ax.set_ylim(0, 100)
+    ax.set_title("rnnd: cue recall, episodes of %d-%d steps, GRU %d" % (a.min_len, a.max_len, a.hidden))
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rnnd", default=os.environ.get("RNND_BIN"),
+                    help="rnnd binary to start (default $RNND_BIN)")
+    ap.add_argument("--target-addr", help="use a running daemon at HOST:PORT instead (started "
+                    "with --cell gru --input-size K+1 --hidden-size H --extras-size 3)")
+    ap.add_argument("--minutes", type=float, default=5.0, help="time budget")
+    ap.add_argument("--target", type=float, default=0.9, help="success rate to reach")
+    ap.add_argument("--stop-at-target", action="store_true", help="stop once --target is reached")
+    ap.add_argument("--png", default="memory_task.png", help="learning curve ('' for none)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--actors", type=int, default=3)
+    ap.add_argument("--envs-per-actor", type=int, default=32)
+    ap.add_argument("--cues", type=int, default=4, help="K: chance is 1/K")
+    ap.add_argument("--min-len", type=int, default=3)
+    ap.add_argument("--max-len", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--unroll", type=int, default=24, help="T: steps per learner window")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--gamma", type=float, default=0.97)
+    ap.add_argument("--entropy-coef", type=float, default=0.01)
+    ap.add_argument("--value-coef", type=float, default=0.5)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--report-s", type=float, default=2.0, help="seconds between progress lines")
+    ap.add_argument("--echo-daemon", action="store_true", help="show the daemon's log")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse(argv)
+    try:
+        import rnnd
+    except ImportError as e:
+        raise SystemExit("cannot import rnnd (%s): build first and set PYTHONPATH=<build>/client/python" % e)
+    d = None
+    target = a.target_addr
+    if target is None:
+        binary = a.rnnd
+        if binary and binary.endswith(".py"):
+            binary = [sys.executable, binary]
+        d = rnnd.Daemon(binary=binary, echo=sys.stderr if a.echo_daemon else None,
+                        cell="gru", layers=1, input_size=a.cues + 1, hidden_size=a.hidden,
+                        extras_size=E, trajectory_steps=max(64, 2 * a.unroll), lr=a.lr,
+                        max_grad_norm=a.max_grad_norm, seed=a.seed,
+                        max_envs=max(1024, 2 * a.actors * a.envs_per_actor))
+        d.start()
+        target = d.target
+        print("rnnd ready at %s (%s)" % (target, " ".join(map(str, d.argv()))), flush=True)
+    try:
+        print("cue recall: K=%d cues (chance %.0f%%), episodes of %d-%d steps, %d actors x %d envs, "
+              "window T=%d" % (a.cues, 100.0 / a.cues, a.min_len, a.max_len, a.actors,
+                               a.envs_per_actor, a.unroll), flush=True)
+        curve, reached = learn(a, target, log=lambda s: print(s, flush=True))
+    finally:
+        if d is not None:
+            d.stop()
+    if a.png and curve:
+        plot(curve, a, a.png, reached)
+        print("learning curve: %s" % a.png)
+    final = curve[-1][3] if curve else 0.0
+    print("final success %.1f%%; %s" % (100 * final, "target reached after %.1fs" % reached
+                                        if reached is not None else "target not reached"))
+    return curve, reached
+
+
+if __name__ == "__main__":
+    _, reached = main()
+    sys.exit(0 if reached is not None else 1)

@@ -1,0 +1,40 @@
+"""The end-to-end example, short: actors stepping through the daemon and a PyTorch learner must
+lift the cue-recall success rate from chance (25%) to at least 70% within about a minute on the
+CPU backend. The full run (examples/memory_task.py, default flags) reaches 90% in a few minutes."""
+
+import os
+import sys
+import tempfile
+import unittest
+
+from _common import HERE, rnnd_binary, skip
+
+try:
+    import torch  # noqa: F401
+except ImportError:
+    skip("PyTorch is not installed (Debian: python3-torch)")
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+import memory_task  # noqa: E402
+
+
+class ExampleTest(unittest.TestCase):
+    def test_learns(self):
+        binary = rnnd_binary()
+        if isinstance(binary, list):
+            binary = binary[-1]
+        with tempfile.TemporaryDirectory() as tmp:
+            png = os.path.join(tmp, "curve.png")
+            curve, reached = memory_task.main(
+                ["--rnnd", binary, "--minutes", "1.0", "--target", "0.7", "--stop-at-target",
+                 "--report-s", "3", "--png", png, "--seed", "1"])
+            self.assertTrue(curve, "no progress was reported")
+            first, last = curve[0][3], curve[-1][3]
+            print("success: first report %.1f%%, last %.1f%%" % (100 * first, 100 * last))
+            self.assertLess(first, 0.5, "the first report should be near chance (25%)")
+            self.assertIsNotNone(reached, "success never reached 70%% (last %.1f%%)" % (100 * last))
+            self.assertGreaterEqual(last, 0.7)
+            self.assertTrue(os.path.getsize(png) > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(not unittest.main(exit=False, verbosity=2).result.wasSuccessful())

@@ -1,15 +1,25 @@
 /*
  * backend.c: the CPU reference backend's vtable (struct rnnd_backend_ops), its memory ops (host
- * memory: alloc is aligned_alloc, copies are memcpy, sync does nothing) and its context, which
- * owns the scratch arena that the ops grow on demand. The math lives in rnn.c, gru.c, lstm.c,
- * linear.c and optim.c (see cpu.h for the tour).
+ * memory: alloc is aligned_alloc, copies are memcpy, sync does nothing) and its context: the
+ * scratch arena that ops grow on demand, and the thread pool their phases run on. The math lives
+ * in rnn.c, gru.c, lstm.c, linear.c and optim.c (see cpu.h for the tour).
+ *
+ * Threads. The backend runs on RNND_CPU_THREADS threads (else OPENBLAS_NUM_THREADS, else the CPUs
+ * this process may run on), the calling thread included; the workers sleep on a condition
+ * variable between phases, so an idle backend costs nothing. OpenBLAS itself is set to one
+ * thread (openblas_set_num_threads(1), process-wide): its own threads would otherwise be woken
+ * for every small per-step sgemm and spin between calls, which on a loaded machine (a daemon
+ * shares its cores with gRPC and the rest) turns each step into a wait for a time slice.
+ * rnn.c instead splits work so that no thread waits inside a time loop.
  */
 #include "cpu.h"
 
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cblas.h>
 
@@ -23,27 +33,17 @@ static void *aligned_bytes(size_t bytes) {
     return aligned_alloc(CPU_ALIGN, rounded ? rounded : CPU_ALIGN);
 }
 
-int rnnd__cpu_reserve(struct cpu_ctx *c, size_t work_bytes, size_t round_floats) {
-    if (work_bytes > c->work_bytes) {
-        // Grow by at least half again, so a slowly growing T does not reallocate every call.
-        size_t want = work_bytes > c->work_bytes / 2 * 3 ? work_bytes : c->work_bytes / 2 * 3;
-        void *p = aligned_bytes(want);
-        if (p == NULL)
-            return RNND_ENOMEM;
-        free(c->work);
-        c->work = p;
-        c->work_bytes = want;
-    }
-    if (round_floats > c->round_floats) {
-        if (round_floats > SIZE_MAX / sizeof(float))
-            return RNND_ENOMEM;
-        float *p = aligned_bytes(round_floats * sizeof(float));
-        if (p == NULL)
-            return RNND_ENOMEM;
-        free(c->round);
-        c->round = p;
-        c->round_floats = round_floats;
-    }
+int rnnd__cpu_reserve(struct cpu_ctx *c, size_t work_bytes) {
+    if (work_bytes <= c->work_bytes)
+        return 0;
+    // Grow by at least half again, so a slowly growing T does not reallocate every call.
+    size_t want = work_bytes > c->work_bytes / 2 * 3 ? work_bytes : c->work_bytes / 2 * 3;
+    void *p = aligned_bytes(want);
+    if (p == NULL)
+        return RNND_ENOMEM;
+    free(c->work);
+    c->work = p;
+    c->work_bytes = want;
     return 0;
 }
 
@@ -54,14 +54,86 @@ void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Thread pool
+
+static void *worker_main(void *p) {
+    struct cpu_worker *w = p;
+    struct cpu_ctx *c = w->c;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && c->generation == seen)
+            pthread_cond_wait(&c->wake, &c->mu);
+        if (c->stop)
+            break;
+        seen = c->generation;
+        rnnd__cpu_task_fn fn = c->fn;
+        void *arg = c->arg;
+        int n = c->n;
+        pthread_mutex_unlock(&c->mu);
+        if (w->k < n)
+            fn(arg, w->k, n);
+        pthread_mutex_lock(&c->mu);
+        if (--c->busy == 0)
+            pthread_cond_signal(&c->done);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd__cpu_task_fn fn, void *arg) {
+    if (n <= 1 || c->nthreads <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    if (n > c->nthreads)
+        n = c->nthreads;
+    pthread_mutex_lock(&c->mu);
+    c->fn = fn;
+    c->arg = arg;
+    c->n = n;
+    c->busy = c->nthreads - 1;
+    c->generation++;
+    pthread_cond_broadcast(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    fn(arg, 0, n);
+    pthread_mutex_lock(&c->mu);
+    while (c->busy > 0)
+        pthread_cond_wait(&c->done, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+// RNND_CPU_THREADS, else OPENBLAS_NUM_THREADS, else the CPUs this process may run on.
+static int cpu_thread_count(void) {
+    const char *env = getenv("RNND_CPU_THREADS");
+    if (env == NULL || *env == '\0')
+        env = getenv("OPENBLAS_NUM_THREADS");
+    int n = env ? atoi(env) : 0;
+    if (n < 1) {
+        cpu_set_t set;
+        n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                         : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    }
+    return n < 1 ? 1 : n > RNND_CPU_MAX_THREADS ? RNND_CPU_MAX_THREADS : n;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Vtable entries
 
 static void cpu_destroy(void *ctx) {
     struct cpu_ctx *c = ctx;
     if (c == NULL)
         return;
+    pthread_mutex_lock(&c->mu);
+    c->stop = true;
+    pthread_cond_broadcast(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    for (int k = 0; k < c->nthreads - 1; k++)
+        pthread_join(c->workers[k], NULL);
+    pthread_cond_destroy(&c->done);
+    pthread_cond_destroy(&c->wake);
+    pthread_mutex_destroy(&c->mu);
     free(c->work);
-    free(c->round);
     free(c);
 }
 
@@ -162,9 +234,34 @@ int rnnd_backend_cpu_init(struct rnnd_backend *b) {
     struct cpu_ctx *c = calloc(1, sizeof(*c));
     if (c == NULL)
         return RNND_ENOMEM;
+    if (pthread_mutex_init(&c->mu, NULL) != 0)
+        goto err_mutex;
+    if (pthread_cond_init(&c->wake, NULL) != 0)
+        goto err_wake;
+    if (pthread_cond_init(&c->done, NULL) != 0)
+        goto err_done;
+
+    openblas_set_num_threads(1);
+    // Start the workers; if the system refuses some, run with those that started.
+    int want = cpu_thread_count();
+    c->nthreads = 1;
+    for (int k = 1; k < want; k++) {
+        c->wargs[k - 1] = (struct cpu_worker){.c = c, .k = k};
+        if (pthread_create(&c->workers[k - 1], NULL, worker_main, &c->wargs[k - 1]) != 0)
+            break;
+        c->nthreads = k + 1;
+    }
     b->ops = &cpu_ops;
     b->ctx = c;
-    snprintf(b->device, sizeof(b->device), "cpu (OpenBLAS, %d threads)",
-             openblas_get_num_threads());
+    snprintf(b->device, sizeof(b->device), "cpu (OpenBLAS %s, %d threads)",
+             openblas_get_corename(), c->nthreads);
     return 0;
+
+err_done:
+    pthread_cond_destroy(&c->wake);
+err_wake:
+    pthread_mutex_destroy(&c->mu);
+err_mutex:
+    free(c);
+    return RNND_ENOMEM;
 }

@@ -19,19 +19,45 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
-// The backend context: two scratch buffers that grow on demand and are reused by later calls, so
-// a steady stream of same-sized requests allocates nothing. One thread at a time (header rule).
+#include <pthread.h>
+
+// Most threads a CPU backend runs (the caller included).
+#define RNND_CPU_MAX_THREADS 64
+
+// A phase of an op: fn(arg, k, n) is called once for each k = 0 .. n-1, concurrently.
+typedef void (*rnnd__cpu_task_fn)(void *arg, int k, int n);
+
+// The backend context: a scratch buffer that grows on demand and is reused by later calls (a
+// steady stream of same-sized requests allocates nothing), and a small pool of worker threads
+// that sleep between phases. One thread at a time calls into it (header rule).
 struct cpu_ctx {
-    void *work;          // per-op buffers (gate pre-activations, gradient rows, ...)
+    void *work;        // per-op buffers (gate pre-activations, gradient rows, ...)
     size_t work_bytes;
-    float *round;        // bf16 compute mode: rounded copies of matmul operands
-    size_t round_floats;
+
+    int nthreads; // threads an op may use, the caller included (1: no workers)
+    pthread_t workers[RNND_CPU_MAX_THREADS - 1];
+    struct cpu_worker {
+        struct cpu_ctx *c;
+        int k; // this worker's index in a phase (1 .. nthreads-1)
+    } wargs[RNND_CPU_MAX_THREADS - 1];
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    uint64_t generation; // bumped for each phase handed to the workers
+    int busy;            // workers still in the current phase
+    bool stop;
+    rnnd__cpu_task_fn fn;
+    void *arg;
+    int n; // threads in the current phase
 };
 
-// Makes ctx->work at least work_bytes and ctx->round at least round_floats long. Returns 0 or
-// RNND_ENOMEM (then both buffers are still valid, at their old sizes).
-int rnnd__cpu_reserve(struct cpu_ctx *c, size_t work_bytes, size_t round_floats);
+// Makes ctx->work at least work_bytes long. Returns 0 or RNND_ENOMEM (the old buffer stays).
+int rnnd__cpu_reserve(struct cpu_ctx *c, size_t work_bytes);
+
+// Runs fn(arg, k, n) for k = 0 .. n-1 (1 <= n <= c->nthreads): k = 0 on the calling thread, the
+// rest on workers; returns when all have returned (so consecutive calls are ordered phases).
+void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd__cpu_task_fn fn, void *arg);
 
 // A bump allocator over ctx->work: rnnd__cpu_carve hands out 64-byte aligned pieces. Ops add up
 // their layout with a NULL base first (to learn the size), then carve the real buffer.
@@ -54,23 +80,20 @@ void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes);
 // ---------------------------------------------------------------------------------------------
 // linear.c
 
-// C (M, N) = op(A) (M, K) · op(B) (K, N) + beta · C with CBLAS sgemm, row-major; op(X) is X or
-// X^T (ta, tb). In bf16 mode (bf16 true) the operands flagged round_a / round_b are first copied
-// into ctx->round rounded to bf16 (operands already rounded, such as pre-rounded weights, are
-// passed with the flag false); products accumulate in fp32 either way. ctx->round must hold
-// (rows(A) * cols(A) if round_a) + (rows(B) * cols(B) if round_b) floats: ops reserve it first.
-void rnnd__cpu_gemm(struct cpu_ctx *c, bool bf16, bool ta, bool tb, int M, int N, int K,
-                    const float *A, int lda, bool round_a, const float *B, int ldb, bool round_b,
-                    float beta, float *C, int ldc);
+// C (M, N) = op(A) (M, K) · op(B) (K, N) + beta · C with CBLAS sgemm, row-major, fp32; op(X) is
+// X or X^T (ta, tb). bf16 compute mode passes operands already rounded (rnnd__cpu_round_bf16).
+// Does nothing when M or N is 0.
+void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda,
+                    const float *B, int ldb, float beta, float *C, int ldc);
 
 // dst[i] = rnnd_round_bf16(src[i]), n floats (dst may equal src).
 void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n);
 
-// dst (cols) += the column sums of src (rows, cols): a bias gradient, the sum over every step and
-// row. Blocks of 64 rows are summed in float (in part, cols floats), the blocks in double (in
-// acc, cols doubles, which keeps the sums afterwards).
-void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, double *acc,
-                          float *part);
+// dst (cols) += the column sums of src (rows, cols; ld floats from one row to the next): a bias
+// gradient, the sum over every step and row. Blocks of 64 rows are summed in float (in part,
+// cols floats), the blocks in double (in acc, cols doubles, which keeps the sums afterwards).
+void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, int ld,
+                          double *acc, float *part);
 
 // ---------------------------------------------------------------------------------------------
 // Pointwise activations. Both are plain C that GCC vectorises (no libm call in the loop body):

@@ -1,9 +1,10 @@
 /*
  * linear.c: the one matmul of the CPU backend, C = op(A) op(B) + beta C, row-major, on CBLAS
- * sgemm (OpenBLAS). Compute modes: fp32 and ieee are the same thing on a CPU (plain fp32
- * products and sums); bf16 rounds each operand element to bf16 (round to nearest even,
- * rnnd_round_bf16) and multiplies the rounded values in fp32, which is what a bf16 tensor-core
- * matmul with fp32 accumulation computes.
+ * sgemm (OpenBLAS, run single-threaded: the backend splits the work itself), plus the other
+ * dense helpers: bf16 rounding and bias column sums. Compute modes: fp32 and ieee are the same
+ * thing on a CPU (plain fp32 products and sums); bf16 rounds each operand element to bf16 (round
+ * to nearest even, rnnd_round_bf16) and multiplies the rounded values in fp32, which is what a
+ * bf16 tensor-core matmul with fp32 accumulation computes; rnn.c makes the rounded copies.
  */
 #include "cpu.h"
 
@@ -16,31 +17,10 @@ RNND_CPU_SIMD void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n) 
         dst[i] = rnnd_round_bf16(src[i]);
 }
 
-// Copies the rows x cols matrix at src (leading dimension ld) into dst, packed, rounded to bf16.
-static void round_matrix(float *dst, const float *src, int rows, int cols, int ld) {
-    for (int r = 0; r < rows; r++)
-        rnnd__cpu_round_bf16(dst + (size_t)r * cols, src + (size_t)r * ld, (size_t)cols);
-}
-
-void rnnd__cpu_gemm(struct cpu_ctx *c, bool bf16, bool ta, bool tb, int M, int N, int K,
-                    const float *A, int lda, bool round_a, const float *B, int ldb, bool round_b,
-                    float beta, float *C, int ldc) {
-    if (bf16) {
-        float *next = c->round;
-        if (round_a) {
-            int rows = ta ? K : M, cols = ta ? M : K;
-            round_matrix(next, A, rows, cols, lda);
-            A = next;
-            lda = cols;
-            next += (size_t)rows * cols;
-        }
-        if (round_b) {
-            int rows = tb ? N : K, cols = tb ? K : N;
-            round_matrix(next, B, rows, cols, ldb);
-            B = next;
-            ldb = cols;
-        }
-    }
+void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda,
+                    const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M == 0 || N == 0)
+        return;
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
                 N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
 }
@@ -51,7 +31,7 @@ void rnnd__cpu_gemm(struct cpu_ctx *c, bool bf16, bool ta, bool tb, int M, int N
 #define COLSUM_BLOCK 64
 
 RNND_CPU_SIMD void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols,
-                                        double *acc, float *part) {
+                                        int ld, double *acc, float *part) {
     for (int j = 0; j < cols; j++)
         acc[j] = 0.0;
     for (size_t r0 = 0; r0 < rows; r0 += COLSUM_BLOCK) {
@@ -59,7 +39,7 @@ RNND_CPU_SIMD void rnnd__cpu_add_colsum(float *dst, const float *src, size_t row
         for (int j = 0; j < cols; j++)
             part[j] = 0.0f;
         for (size_t r = r0; r < r1; r++) {
-            const float *row = src + r * (size_t)cols;
+            const float *row = src + r * (size_t)ld;
             for (int j = 0; j < cols; j++)
                 part[j] += row[j];
         }

@@ -15,11 +15,20 @@
  *      step t-1, or, where that state was a reset value or the initial state, routed to that
  *      value's gradient and the carry is cut;
  *   2. weight gradients as one sgemm each over all T*B rows (dW_ih += dgx^T x_l,
- *      dW_hh += dgh^T h), bias gradients as column sums in double, and the input gradient
+ *      dW_hh += dgh^T h), bias gradients as column sums, and the input gradient
  *      dx_l = dgx W_ih (the layer below's output gradient).
  *
+ * Threads. OpenBLAS runs single-threaded (backend.c); the backend splits each phase over its own
+ * threads (rnnd__cpu_parallel) so that nothing synchronises inside the time loops: batch rows
+ * never interact in the recurrence, so each thread owns a block of rows [b0, b1) for all T
+ * steps (its own per-step sgemm over those rows, its own pointwise work); the big sgemms split
+ * by rows (gx, dx) or by gate columns (weight and bias gradients). A phase ends when every
+ * thread has finished it, which orders the phases. With one thread the phases run in order on
+ * the caller; results do not depend on scheduling, only (in the last bits, through sgemm's
+ * blocking) on the thread count.
+ *
  * Internal buffers are time-major (row r = t*B + b), unlike the batch-first API tensors: a step's
- * B rows are then one contiguous block, which its sgemm reads with no stride and the pointwise
+ * rows are then one contiguous block, which its sgemm reads with no stride and the pointwise
  * loops stream through (batch-first rows of one step lie T*G*H floats apart, and cost a cache
  * and TLB miss each). x is transposed into that order on entry; out, grad_out and grads->x are
  * read and written batch-first in place.
@@ -30,6 +39,10 @@
  *   otherwise:               the state that row b left step t-1 with.
  * Gradients follow the same routing: into grads->hidden[b, t] for stored values, grads->h0 for
  * the initial state (h0, or the implied zero one), nowhere for a zero reset.
+ *
+ * bf16 compute: every matmul operand is a bf16-rounded copy (weights once per call, activations
+ * and gradients as they are produced, by the thread that owns their rows); the tape, states and
+ * bias sums stay fp32.
  *
  * Tape, per layer l, each an array of T*B rows in time-major order:
  *   hprev (H) state entering the step (after the reset rule)   cprev (H) the same for c, LSTM
@@ -121,20 +134,6 @@ static bool dims_fit_int(const struct rnnd_model *m) {
     return (int64_t)m->L * rnnd_model_gates(m) * m->H <= INT_MAX;
 }
 
-// dst (T, B, w) time-major = src (B, T, w) batch-first, and back.
-static void to_time_major(float *dst, const float *src, int B, int T, int w) {
-    for (int t = 0; t < T; t++)
-        for (int b = 0; b < B; b++)
-            memcpy(dst + ((size_t)t * B + b) * w, src + ((size_t)b * T + t) * w,
-                   sizeof(float) * (size_t)w);
-}
-static void to_batch_first(float *dst, const float *src, int B, int T, int w) {
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++)
-            memcpy(dst + ((size_t)b * T + t) * w, src + ((size_t)t * B + b) * w,
-                   sizeof(float) * (size_t)w);
-}
-
 // Where the state row b enters step t with comes from (the reset rule in the header comment).
 enum state_src {
     SRC_CARRY,  // the state left by step t-1
@@ -160,15 +159,152 @@ static size_t btlh(int b, int t, int l, int T, const struct rnnd_model *m) {
     return (((size_t)b * T + t) * m->L + l) * m->H;
 }
 
-static void copy_or_zero(float *dst, const float *src, int H) {
+static void copy_or_zero(float *dst, const float *src, int n) {
     if (src)
-        memcpy(dst, src, sizeof(float) * (size_t)H);
+        memcpy(dst, src, sizeof(float) * (size_t)n);
     else
-        memset(dst, 0, sizeof(float) * (size_t)H);
+        memset(dst, 0, sizeof(float) * (size_t)n);
+}
+
+// Part k of n of [0, count): [*lo, *hi).
+static void split(size_t count, int k, int n, size_t *lo, size_t *hi) {
+    *lo = count * (size_t)k / (size_t)n;
+    *hi = count * (size_t)(k + 1) / (size_t)n;
+}
+
+// Threads worth waking for an op of `flops` matmul work over B rows: each must get at least
+// ~4 MFLOP (a few hundred microseconds) to pay for its wake-up, and a row to own.
+static int threads_for(const struct cpu_ctx *c, double flops, int B) {
+    int n = c->nthreads;
+    while (n > 1 && flops / n < 4e6)
+        n--;
+    return n < B ? n : B;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward
+
+struct fwd_job {
+    const struct rnnd_model *m;
+    const struct rnnd_seq *seq;
+    bool lstm, bf16;
+    int B, T, H, GH, l;
+    struct layer_weights w;
+    const struct layer_tape *tp;
+    const float *xl; // (T*B, I_l) this layer's input, time-major (xt for layer 0)
+    float *xt;       // (T*B, I) layer 0: x transposed here by phase 1
+    float *xr;       // (T*B, I_l) bf16: the rounded input
+    float *gx;       // (T*B, G*H)
+    float *gh;       // (B, G*H) rows [b0, b1) belong to thread k
+    float *hr;       // (B, H) bf16: the step's rounded state rows
+    float *cbuf;     // (B, H) LSTM: the running c
+    float *out, *h_n, *c_n;
+};
+
+// Phase 1, split by rows of T*B: (layer 0) x to time-major, (bf16) rounding, gx = x_l W_ih^T.
+static void fwd_project(void *arg, int k, int n) {
+    struct fwd_job *j = arg;
+    size_t r0, r1;
+    split((size_t)j->B * j->T, k, n, &r0, &r1);
+    if (r1 == r0)
+        return;
+    int Il = j->w.Il;
+    if (j->l == 0)
+        for (size_t r = r0; r < r1; r++) {
+            size_t t = r / (size_t)j->B, b = r % (size_t)j->B;
+            memcpy(j->xt + r * Il, j->seq->x + (b * j->T + t) * Il, sizeof(float) * Il);
+        }
+    const float *a = j->xl;
+    if (j->bf16) {
+        rnnd__cpu_round_bf16(j->xr + r0 * Il, j->xl + r0 * Il, (r1 - r0) * Il);
+        a = j->xr;
+    }
+    rnnd__cpu_gemm(false, true, (int)(r1 - r0), j->GH, Il, a + r0 * Il, Il, j->w.w_ih, Il, 0.0f,
+                   j->gx + r0 * j->GH, j->GH);
+}
+
+// Phase 2, split by batch rows: the time loop for rows [b0, b1).
+static void fwd_steps(void *arg, int k, int n) {
+    struct fwd_job *j = arg;
+    const struct rnnd_model *m = j->m;
+    const struct rnnd_seq *seq = j->seq;
+    const struct layer_tape *tp = j->tp;
+    int B = j->B, T = j->T, H = j->H, GH = j->GH, l = j->l;
+    bool lstm = j->lstm, last = l == m->L - 1;
+    size_t b0, b1;
+    split((size_t)B, k, n, &b0, &b1);
+    int nb = (int)(b1 - b0);
+    if (nb == 0)
+        return;
+    // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
+#define Y_ROW(b, t)                                                                                \
+    (last ? j->out + ((size_t)(b) * T + (t)) * H : tp->y + ((size_t)(t) * B + (b)) * H)
+
+    for (int t = 0; t < T; t++) {
+        size_t r0 = (size_t)t * B + b0; // this thread's first row of step t
+        for (int b = (int)b0; b < (int)b1; b++) {
+            size_t r = (size_t)t * B + b;
+            float *hp = tp->hprev + r * H, *cp = lstm ? tp->cprev + r * H : NULL;
+            switch (state_source(seq, b, t)) {
+                case SRC_CARRY:
+                    memcpy(hp, Y_ROW(b, t - 1), sizeof(float) * H);
+                    if (lstm)
+                        memcpy(cp, j->cbuf + (size_t)b * H, sizeof(float) * H);
+                    break;
+                case SRC_ZERO:
+                    copy_or_zero(hp, NULL, H);
+                    if (lstm)
+                        copy_or_zero(cp, NULL, H);
+                    break;
+                case SRC_INIT:
+                    copy_or_zero(hp, seq->h0 ? seq->h0 + blh(b, l, m) : NULL, H);
+                    if (lstm)
+                        copy_or_zero(cp, seq->c0 ? seq->c0 + blh(b, l, m) : NULL, H);
+                    break;
+                case SRC_STORED:
+                    copy_or_zero(hp, seq->hidden + btlh(b, t, l, T, m), H);
+                    if (lstm)
+                        copy_or_zero(cp, seq->cell + btlh(b, t, l, T, m), H);
+                    break;
+            }
+        }
+        // gh = h W_hh^T over this thread's rows of step t.
+        const float *a = tp->hprev + r0 * H;
+        if (j->bf16) {
+            rnnd__cpu_round_bf16(j->hr + b0 * H, a, (size_t)nb * H);
+            a = j->hr + b0 * H;
+        }
+        float *gh = j->gh + b0 * GH;
+        rnnd__cpu_gemm(false, true, nb, GH, H, a, H, j->w.w_hh, H, 0.0f, gh, GH);
+        for (int b = (int)b0; b < (int)b1; b++) {
+            size_t r = (size_t)t * B + b;
+            const float *ghb = j->gh + (size_t)b * GH;
+            if (lstm)
+                rnnd__lstm_row_forward(H, tp->gates + r * GH, j->cbuf + (size_t)b * H,
+                                       tp->aux + r * H, Y_ROW(b, t), j->gx + r * GH, ghb,
+                                       tp->cprev + r * H, j->w.b_ih, j->w.b_hh);
+            else
+                rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, Y_ROW(b, t),
+                                      j->gx + r * GH, ghb, tp->hprev + r * H, j->w.b_ih,
+                                      j->w.b_hh);
+        }
+    }
+    for (int b = (int)b0; b < (int)b1; b++) {
+        if (j->h_n)
+            memcpy(j->h_n + blh(b, l, m), Y_ROW(b, T - 1), sizeof(float) * H);
+        if (j->c_n)
+            memcpy(j->c_n + blh(b, l, m), j->cbuf + (size_t)b * H, sizeof(float) * H);
+    }
+#undef Y_ROW
+}
+
+// Matmul flops of one forward; a backward does about twice as many.
+static double forward_flops(const struct rnnd_model *m, int B, int T) {
+    double f = 0.0;
+    for (int l = 0; l < m->L; l++)
+        f += 2.0 * B * T * rnnd_model_gates(m) * m->H * (rnnd_model_layer_input(m, l) + m->H);
+    return f;
+}
 
 int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n, void *tape,
                           const struct rnnd_seq *seq, const float *params,
@@ -180,21 +316,23 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
         return RNND_EINVAL;
     int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t BT = (size_t)B * T, P = rnnd_model_param_count(m);
-    int maxw = m->I > H ? m->I : H;
+    size_t maxw = (size_t)(m->I > H ? m->I : H);
 
-    // Scratch: rounded weights (bf16), x time-major, gx, gh, the running c (LSTM), and a tape if
-    // none was given.
-    float *wr, *xt, *gx, *gh, *cbuf, *own_tape;
+    // Scratch: rounded weights and inputs (bf16), x time-major, gx, gh, the running c (LSTM),
+    // and a tape if none was given.
+    float *wr, *xr, *hr, *xt, *gx, *gh, *cbuf, *own_tape;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
         wr = rnnd__cpu_carve(&cv, bf16 ? P * sizeof(float) : 0);
+        xr = rnnd__cpu_carve(&cv, bf16 ? BT * maxw * sizeof(float) : 0);
+        hr = rnnd__cpu_carve(&cv, bf16 ? (size_t)B * H * sizeof(float) : 0);
         xt = rnnd__cpu_carve(&cv, BT * m->I * sizeof(float));
         gx = rnnd__cpu_carve(&cv, BT * GH * sizeof(float));
         gh = rnnd__cpu_carve(&cv, (size_t)B * GH * sizeof(float));
         cbuf = rnnd__cpu_carve(&cv, lstm ? (size_t)B * H * sizeof(float) : 0);
         own_tape = rnnd__cpu_carve(&cv, tape ? 0 : rnnd__cpu_tape_bytes(m, B, T));
         if (pass == 0) {
-            int err = rnnd__cpu_reserve(c, cv.used, bf16 ? BT * (size_t)maxw : 0);
+            int err = rnnd__cpu_reserve(c, cv.used);
             if (err)
                 return err;
             cv = (struct cpu_carve){.base = c->work};
@@ -204,77 +342,184 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
     tape_layout(m, B, T, tape ? (float *)tape : own_tape, lt);
     if (bf16)
         round_weights(m, params, wr);
-    to_time_major(xt, seq->x, B, T, m->I);
 
-    const float *xl = xt; // (T, B, I_l): this layer's input
+    int nt = threads_for(c, forward_flops(m, B, T), B);
+    struct fwd_job j = {
+        .m = m, .seq = seq, .lstm = lstm, .bf16 = bf16, .B = B, .T = T, .H = H, .GH = GH,
+        .xt = xt, .xr = xr, .gx = gx, .gh = gh, .hr = hr, .cbuf = cbuf,
+        .out = out, .h_n = h_n, .c_n = c_n,
+    };
     for (int l = 0; l < L; l++) {
-        struct layer_weights w = layer_weights(m, l, params, bf16 ? wr : NULL);
-        struct layer_tape *tp = &lt[l];
-        bool last = l == L - 1;
-        // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
-#define Y_ROW(b, t) (last ? out + ((size_t)(b) * T + (t)) * H : tp->y + ((size_t)(t) * B + (b)) * H)
-
-        // The input projection of every step at once.
-        rnnd__cpu_gemm(c, bf16, false, true, (int)BT, GH, w.Il, xl, w.Il, true, w.w_ih, w.Il,
-                       false, 0.0f, gx, GH);
-
-        for (int t = 0; t < T; t++) {
-            size_t r0 = (size_t)t * B; // the step's first row
-            for (int b = 0; b < B; b++) {
-                float *hp = tp->hprev + (r0 + b) * H, *cp = lstm ? tp->cprev + (r0 + b) * H : NULL;
-                switch (state_source(seq, b, t)) {
-                    case SRC_CARRY:
-                        memcpy(hp, Y_ROW(b, t - 1), sizeof(float) * H);
-                        if (lstm)
-                            memcpy(cp, cbuf + (size_t)b * H, sizeof(float) * H);
-                        break;
-                    case SRC_ZERO:
-                        copy_or_zero(hp, NULL, H);
-                        if (lstm)
-                            copy_or_zero(cp, NULL, H);
-                        break;
-                    case SRC_INIT:
-                        copy_or_zero(hp, seq->h0 ? seq->h0 + blh(b, l, m) : NULL, H);
-                        if (lstm)
-                            copy_or_zero(cp, seq->c0 ? seq->c0 + blh(b, l, m) : NULL, H);
-                        break;
-                    case SRC_STORED:
-                        copy_or_zero(hp, seq->hidden + btlh(b, t, l, T, m), H);
-                        if (lstm)
-                            copy_or_zero(cp, seq->cell + btlh(b, t, l, T, m), H);
-                        break;
-                }
-            }
-            // gh = h W_hh^T over the B rows of step t.
-            rnnd__cpu_gemm(c, bf16, false, true, B, GH, H, tp->hprev + r0 * H, H, true, w.w_hh, H,
-                           false, 0.0f, gh, GH);
-            for (int b = 0; b < B; b++) {
-                size_t r = r0 + b;
-                if (lstm)
-                    rnnd__lstm_row_forward(H, tp->gates + r * GH, cbuf + (size_t)b * H,
-                                           tp->aux + r * H, Y_ROW(b, t), gx + r * GH,
-                                           gh + (size_t)b * GH, tp->cprev + r * H, w.b_ih,
-                                           w.b_hh);
-                else
-                    rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, Y_ROW(b, t),
-                                          gx + r * GH, gh + (size_t)b * GH, tp->hprev + r * H,
-                                          w.b_ih, w.b_hh);
-            }
-        }
-        for (int b = 0; b < B; b++) {
-            if (h_n)
-                memcpy(h_n + blh(b, l, m), Y_ROW(b, T - 1), sizeof(float) * H);
-            if (c_n)
-                memcpy(c_n + blh(b, l, m), cbuf + (size_t)b * H, sizeof(float) * H);
-        }
-#undef Y_ROW
-        xl = tp->y;
+        j.l = l;
+        j.w = layer_weights(m, l, params, bf16 ? wr : NULL);
+        j.tp = &lt[l];
+        j.xl = l == 0 ? xt : lt[l - 1].y;
+        rnnd__cpu_parallel(c, nt, fwd_project, &j);
+        rnnd__cpu_parallel(c, nt, fwd_steps, &j);
     }
     return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward
+
+struct bwd_job {
+    const struct rnnd_model *m;
+    const struct rnnd_seq *seq;
+    const struct rnnd_seq_grads *grads;
+    const float *grad_out, *grad_h_n, *grad_c_n;
+    bool lstm, bf16;
+    int B, T, H, GH, l;
+    struct layer_weights w;
+    const struct layer_tape *tp;
+    const float *xl; // (T*B, I_l) this layer's input, time-major (xt for layer 0)
+    float *xt;       // (T*B, I) layer 0: x transposed by phase 1
+    float *dgx;      // (T*B, G*H) gradient of W_ih x + b_ih
+    float *dgh;      // (T*B, G*H) gradient of W_hh h + b_hh (the same array as dgx for LSTM)
+    float *dgxr, *dghr, *xr, *hpr; // bf16: rounded dgx, dgh, x_l, hprev (same shapes)
+    float *dyb;      // (T*B, H) the output gradient of a layer below the top (time-major)
+    float *dxt;      // (T*B, I) layer 0's input gradient, time-major
+    float *dh, *dhp, *dc; // (B, H) carried dh, the step's dL/dh, carried dc (LSTM)
+    double *acc;     // (G*H) bias column sums
+    float *part;     // (G*H)
+};
+
+// Phase 1, split by batch rows: the time loop from T-1 down to 0 for rows [b0, b1); then (bf16)
+// the rounded copies of this thread's rows of the layer's input and states for phase 2.
+static void bwd_steps(void *arg, int k, int n) {
+    struct bwd_job *j = arg;
+    const struct rnnd_model *m = j->m;
+    const struct rnnd_seq *seq = j->seq;
+    const struct rnnd_seq_grads *grads = j->grads;
+    const struct layer_tape *tp = j->tp;
+    int B = j->B, T = j->T, H = j->H, GH = j->GH, l = j->l, Il = j->w.Il;
+    bool lstm = j->lstm, last = l == m->L - 1;
+    size_t b0, b1;
+    split((size_t)B, k, n, &b0, &b1);
+    int nb = (int)(b1 - b0);
+    if (nb == 0)
+        return;
+    // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
+    // time-major gradient the layer above passed down.
+#define DY_ROW(b, t)                                                                               \
+    (last ? j->grad_out + ((size_t)(b) * T + (t)) * H : j->dyb + ((size_t)(t) * B + (b)) * H)
+
+    float *dh = j->dh, *dhp = j->dhp, *dc = j->dc;
+    for (int b = (int)b0; b < (int)b1; b++) {
+        copy_or_zero(dh + (size_t)b * H, j->grad_h_n ? j->grad_h_n + blh(b, l, m) : NULL, H);
+        if (lstm)
+            copy_or_zero(dc + (size_t)b * H, j->grad_c_n ? j->grad_c_n + blh(b, l, m) : NULL, H);
+    }
+    for (int t = T - 1; t >= 0; t--) {
+        size_t r0 = (size_t)t * B + b0;
+        for (int b = (int)b0; b < (int)b1; b++) {
+            size_t r = (size_t)t * B + b;
+            if (lstm)
+                rnnd__lstm_row_backward(H, j->dgx + r * GH, dc + (size_t)b * H, DY_ROW(b, t),
+                                        dh + (size_t)b * H, tp->gates + r * GH, tp->aux + r * H,
+                                        tp->cprev + r * H);
+            else
+                rnnd__gru_row_backward(H, j->dgx + r * GH, j->dgh + r * GH, dhp + (size_t)b * H,
+                                       DY_ROW(b, t), dh + (size_t)b * H, tp->gates + r * GH,
+                                       tp->aux + r * H, tp->hprev + r * H);
+        }
+        // dL/dh of the state entering step t: (GRU: z dh' +) dgh W_hh.
+        const float *a = j->dgh + r0 * GH;
+        if (j->bf16) {
+            rnnd__cpu_round_bf16(j->dghr + r0 * GH, a, (size_t)nb * GH);
+            if (!lstm)
+                rnnd__cpu_round_bf16(j->dgxr + r0 * GH, j->dgx + r0 * GH, (size_t)nb * GH);
+            a = j->dghr + r0 * GH;
+        }
+        rnnd__cpu_gemm(false, false, nb, H, GH, a, GH, j->w.w_hh, H, lstm ? 0.0f : 1.0f,
+                       dhp + b0 * H, H);
+        for (int b = (int)b0; b < (int)b1; b++) {
+            float *dhb = dh + (size_t)b * H, *dhpb = dhp + (size_t)b * H;
+            float *dcb = lstm ? dc + (size_t)b * H : NULL;
+            switch (state_source(seq, b, t)) {
+                case SRC_CARRY:
+                    memcpy(dhb, dhpb, sizeof(float) * H);
+                    continue; // dc already holds dL/dc of this state
+                case SRC_ZERO:
+                    break;
+                case SRC_INIT:
+                    if (grads->h0)
+                        memcpy(grads->h0 + blh(b, l, m), dhpb, sizeof(float) * H);
+                    if (grads->c0)
+                        memcpy(grads->c0 + blh(b, l, m), dcb, sizeof(float) * H);
+                    break;
+                case SRC_STORED:
+                    if (grads->hidden)
+                        memcpy(grads->hidden + btlh(b, t, l, T, m), dhpb, sizeof(float) * H);
+                    if (grads->cell)
+                        memcpy(grads->cell + btlh(b, t, l, T, m), dcb, sizeof(float) * H);
+                    break;
+            }
+            // The state was not carried from step t-1: cut the carried gradient.
+            memset(dhb, 0, sizeof(float) * H);
+            if (lstm)
+                memset(dcb, 0, sizeof(float) * H);
+        }
+    }
+#undef DY_ROW
+
+    // Layer 0's input, time-major, for this thread's rows; (bf16) rounded inputs and states.
+    for (int t = 0; t < T; t++) {
+        size_t r0 = (size_t)t * B + b0;
+        if (l == 0)
+            for (int b = (int)b0; b < (int)b1; b++)
+                memcpy(j->xt + ((size_t)t * B + b) * Il, seq->x + ((size_t)b * T + t) * Il,
+                       sizeof(float) * Il);
+        if (j->bf16) {
+            rnnd__cpu_round_bf16(j->xr + r0 * Il, j->xl + r0 * Il, (size_t)nb * Il);
+            rnnd__cpu_round_bf16(j->hpr + r0 * H, tp->hprev + r0 * H, (size_t)nb * H);
+        }
+    }
+}
+
+// Phase 2: parameter gradients for gate columns [g0, g1) over every step and row, and the
+// input gradient for rows [r0, r1) of T*B.
+static void bwd_params(void *arg, int k, int n) {
+    struct bwd_job *j = arg;
+    const struct rnnd_seq_grads *grads = j->grads;
+    int B = j->B, T = j->T, H = j->H, GH = j->GH, Il = j->w.Il;
+    size_t BT = (size_t)B * T, g0, g1, r0, r1;
+    split((size_t)GH, k, n, &g0, &g1);
+    split(BT, k, n, &r0, &r1);
+    const float *dgx = j->bf16 ? j->dgxr : j->dgx, *dgh = j->bf16 ? j->dghr : j->dgh;
+    const float *xl = j->bf16 ? j->xr : j->xl, *hp = j->bf16 ? j->hpr : j->tp->hprev;
+
+    // Accumulated (+=) into grads->params: the weight rows and bias entries of columns g0..g1.
+    struct layer_weights gw = layer_weights(j->m, j->l, grads->params, NULL);
+    int ng = (int)(g1 - g0);
+    if (ng > 0) {
+        rnnd__cpu_gemm(true, false, ng, Il, (int)BT, dgx + g0, GH, xl, Il, 1.0f,
+                       (float *)gw.w_ih + g0 * Il, Il);
+        rnnd__cpu_gemm(true, false, ng, H, (int)BT, dgh + g0, GH, hp, H, 1.0f,
+                       (float *)gw.w_hh + g0 * H, H);
+        rnnd__cpu_add_colsum((float *)gw.b_ih + g0, j->dgx + g0, BT, ng, GH, j->acc + g0,
+                             j->part + g0);
+        if (j->lstm) // the same sums: both biases enter the same pre-activation
+            for (size_t g = g0; g < g1; g++)
+                ((float *)gw.b_hh)[g] += (float)j->acc[g];
+        else
+            rnnd__cpu_add_colsum((float *)gw.b_hh + g0, j->dgh + g0, BT, ng, GH, j->acc + g0,
+                                 j->part + g0);
+    }
+
+    // The input gradient dx = dgx W_ih: the layer below's output gradient (time-major), or
+    // grads->x (batch-first, through dxt).
+    if (r1 == r0 || (j->l == 0 && grads->x == NULL))
+        return;
+    float *dx = j->l > 0 ? j->dyb : j->dxt;
+    rnnd__cpu_gemm(false, false, (int)(r1 - r0), Il, GH, dgx + r0 * GH, GH, j->w.w_ih, Il, 0.0f,
+                   dx + r0 * Il, Il);
+    if (j->l == 0)
+        for (size_t r = r0; r < r1; r++) {
+            size_t t = r / (size_t)B, b = r % (size_t)B;
+            memcpy(grads->x + (b * T + t) * Il, dx + r * Il, sizeof(float) * Il);
+        }
+}
 
 int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads,
                            const float *grad_out, const float *grad_h_n, const float *grad_c_n,
@@ -292,42 +537,49 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
         return RNND_EINVAL;
     int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t BT = (size_t)B * T, P = rnnd_model_param_count(m);
-    int maxw = m->I > H ? m->I : H;
+    size_t maxw = (size_t)(m->I > H ? m->I : H), fsz = sizeof(float);
 
-    // Scratch: rounded weights (bf16); x time-major (layer 0's input, then its gradient); dgx and
-    // dgh (GRU; the LSTM's are one and the same) over all steps and rows; the output gradient
-    // of the layers below the top; the carried dh (dc) and the step's dL/dh; bias column sums.
-    float *wr, *xt, *dgx, *dgh, *dyb, *dh, *dhp, *dc, *part;
-    double *acc;
+    // Scratch: see struct bwd_job.
+    struct bwd_job j = {
+        .m = m, .seq = seq, .grads = grads, .grad_out = grad_out, .grad_h_n = grad_h_n,
+        .grad_c_n = grad_c_n, .lstm = lstm, .bf16 = bf16, .B = B, .T = T, .H = H, .GH = GH,
+    };
+    float *wr;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
-        wr = rnnd__cpu_carve(&cv, bf16 ? P * sizeof(float) : 0);
-        xt = rnnd__cpu_carve(&cv, BT * m->I * sizeof(float));
-        dgx = rnnd__cpu_carve(&cv, BT * GH * sizeof(float));
-        dgh = rnnd__cpu_carve(&cv, lstm ? 0 : BT * GH * sizeof(float));
-        dyb = rnnd__cpu_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
-        dh = rnnd__cpu_carve(&cv, (size_t)B * H * sizeof(float));
-        dhp = rnnd__cpu_carve(&cv, (size_t)B * H * sizeof(float));
-        dc = rnnd__cpu_carve(&cv, lstm ? (size_t)B * H * sizeof(float) : 0);
-        acc = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(double));
-        part = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(float));
+        wr = rnnd__cpu_carve(&cv, bf16 ? P * fsz : 0);
+        j.dgxr = rnnd__cpu_carve(&cv, bf16 ? BT * GH * fsz : 0);
+        j.dghr = rnnd__cpu_carve(&cv, bf16 && !lstm ? BT * GH * fsz : 0);
+        j.xr = rnnd__cpu_carve(&cv, bf16 ? BT * maxw * fsz : 0);
+        j.hpr = rnnd__cpu_carve(&cv, bf16 ? BT * H * fsz : 0);
+        j.xt = rnnd__cpu_carve(&cv, BT * m->I * fsz);
+        j.dxt = rnnd__cpu_carve(&cv, grads->x ? BT * m->I * fsz : 0);
+        j.dgx = rnnd__cpu_carve(&cv, BT * GH * fsz);
+        j.dgh = rnnd__cpu_carve(&cv, lstm ? 0 : BT * GH * fsz);
+        j.dyb = rnnd__cpu_carve(&cv, L > 1 ? BT * H * fsz : 0);
+        j.dh = rnnd__cpu_carve(&cv, (size_t)B * H * fsz);
+        j.dhp = rnnd__cpu_carve(&cv, (size_t)B * H * fsz);
+        j.dc = rnnd__cpu_carve(&cv, lstm ? (size_t)B * H * fsz : 0);
+        j.acc = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(double));
+        j.part = rnnd__cpu_carve(&cv, (size_t)GH * fsz);
         if (pass == 0) {
-            int err = rnnd__cpu_reserve(c, cv.used, bf16 ? BT * ((size_t)GH + maxw) : 0);
+            int err = rnnd__cpu_reserve(c, cv.used);
             if (err)
                 return err;
             cv = (struct cpu_carve){.base = c->work};
         }
     }
-    if (lstm)
-        dgh = dgx;
+    if (lstm) { // one gradient serves both pre-activation sums
+        j.dgh = j.dgx;
+        j.dghr = j.dgxr;
+    }
     struct layer_tape lt[RNND_MAX_LAYERS];
     tape_layout(m, B, T, (float *)tape, lt);
     if (bf16)
         round_weights(m, params, wr);
-    to_time_major(xt, seq->x, B, T, m->I);
 
     // Outputs that are written only where a value was used start at zero.
-    size_t blh_bytes = (size_t)B * L * H * sizeof(float);
+    size_t blh_bytes = (size_t)B * L * H * fsz;
     if (grads->h0)
         memset(grads->h0, 0, blh_bytes);
     if (grads->c0)
@@ -337,96 +589,78 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
     if (grads->cell)
         memset(grads->cell, 0, blh_bytes * T);
 
+    int nt = threads_for(c, 2.0 * forward_flops(m, B, T), B);
     for (int l = L - 1; l >= 0; l--) {
-        struct layer_weights w = layer_weights(m, l, params, bf16 ? wr : NULL);
-        struct layer_tape *tp = &lt[l];
-        bool last = l == L - 1;
-        // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
-        // time-major gradient the layer above passed down.
-#define DY_ROW(b, t)                                                                               \
-    (last ? grad_out + ((size_t)(b) * T + (t)) * H : dyb + ((size_t)(t) * B + (b)) * H)
-        const float *xl = l == 0 ? xt : lt[l - 1].y; // (T, B, I_l)
-        for (int b = 0; b < B; b++) {
-            copy_or_zero(dh + (size_t)b * H, grad_h_n ? grad_h_n + blh(b, l, m) : NULL, H);
-            if (lstm)
-                copy_or_zero(dc + (size_t)b * H, grad_c_n ? grad_c_n + blh(b, l, m) : NULL, H);
-        }
-
-        for (int t = T - 1; t >= 0; t--) {
-            size_t r0 = (size_t)t * B;
-            for (int b = 0; b < B; b++) {
-                size_t r = r0 + b;
-                if (lstm)
-                    rnnd__lstm_row_backward(H, dgx + r * GH, dc + (size_t)b * H, DY_ROW(b, t),
-                                            dh + (size_t)b * H, tp->gates + r * GH,
-                                            tp->aux + r * H, tp->cprev + r * H);
-                else
-                    rnnd__gru_row_backward(H, dgx + r * GH, dgh + r * GH, dhp + (size_t)b * H,
-                                           DY_ROW(b, t), dh + (size_t)b * H, tp->gates + r * GH,
-                                           tp->aux + r * H, tp->hprev + r * H);
-            }
-            // dL/dh of the state entering step t: (GRU: z dh' +) dgh W_hh.
-            rnnd__cpu_gemm(c, bf16, false, false, B, H, GH, dgh + r0 * GH, GH, true, w.w_hh, H,
-                           false, lstm ? 0.0f : 1.0f, dhp, H);
-            for (int b = 0; b < B; b++) {
-                float *dhb = dh + (size_t)b * H, *dhpb = dhp + (size_t)b * H;
-                float *dcb = lstm ? dc + (size_t)b * H : NULL;
-                switch (state_source(seq, b, t)) {
-                    case SRC_CARRY:
-                        memcpy(dhb, dhpb, sizeof(float) * H);
-                        continue; // dc already holds dL/dc of this state
-                    case SRC_ZERO:
-                        break;
-                    case SRC_INIT:
-                        if (grads->h0)
-                            memcpy(grads->h0 + blh(b, l, m), dhpb, sizeof(float) * H);
-                        if (grads->c0)
-                            memcpy(grads->c0 + blh(b, l, m), dcb, sizeof(float) * H);
-                        break;
-                    case SRC_STORED:
-                        if (grads->hidden)
-                            memcpy(grads->hidden + btlh(b, t, l, T, m), dhpb, sizeof(float) * H);
-                        if (grads->cell)
-                            memcpy(grads->cell + btlh(b, t, l, T, m), dcb, sizeof(float) * H);
-                        break;
-                }
-                // The state was not carried from step t-1: cut the carried gradient.
-                memset(dhb, 0, sizeof(float) * H);
-                if (lstm)
-                    memset(dcb, 0, sizeof(float) * H);
-            }
-        }
-#undef DY_ROW
-
-        // Parameter gradients, accumulated (+=) over every step and row at once.
-        float *gp = grads->params;
-        struct layer_weights gw = layer_weights(m, l, gp, NULL);
-        rnnd__cpu_gemm(c, bf16, true, false, GH, w.Il, (int)BT, dgx, GH, true, xl, w.Il, true,
-                       1.0f, (float *)gw.w_ih, w.Il);
-        rnnd__cpu_gemm(c, bf16, true, false, GH, H, (int)BT, dgh, GH, true, tp->hprev, H, true,
-                       1.0f, (float *)gw.w_hh, H);
-        rnnd__cpu_add_colsum((float *)gw.b_ih, dgx, BT, GH, acc, part);
-        if (lstm) // the same sums: both biases enter the same pre-activation
-            for (int j = 0; j < GH; j++)
-                ((float *)gw.b_hh)[j] += (float)acc[j];
-        else
-            rnnd__cpu_add_colsum((float *)gw.b_hh, dgh, BT, GH, acc, part);
-
-        // The input gradient: the layer below's output gradient (time-major), or grads->x
-        // (through xt, which layer 0's weight gradient no longer needs).
-        if (l > 0 || grads->x) {
-            float *dx = l > 0 ? dyb : xt;
-            rnnd__cpu_gemm(c, bf16, false, false, (int)BT, w.Il, GH, dgx, GH, true, w.w_ih, w.Il,
-                           false, 0.0f, dx, w.Il);
-            if (l == 0)
-                to_batch_first(grads->x, xt, B, T, m->I);
-        }
+        j.l = l;
+        j.w = layer_weights(m, l, params, bf16 ? wr : NULL);
+        j.tp = &lt[l];
+        j.xl = l == 0 ? j.xt : lt[l - 1].y;
+        rnnd__cpu_parallel(c, nt, bwd_steps, &j);
+        rnnd__cpu_parallel(c, nt, bwd_params, &j);
     }
     return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Single step (the inference path)
+
+struct step_job {
+    const struct rnnd_model *m;
+    const struct rnnd_step *step;
+    const float *params, *wr;
+    bool lstm, bf16;
+    float *hb, *cb, *hnew, *cnew; // (B, L, H) states before and after
+    float *gx, *gh;               // (B, G*H)
+    float *xr;                    // (B, max(I, H)) bf16: rounded matmul operand
+    float *gates, *aux;           // (n, G*H), (n, H): thread k's row scratch (not kept)
+};
+
+// Rows [b0, b1) through every layer.
+static void step_rows(void *arg, int k, int n) {
+    struct step_job *j = arg;
+    const struct rnnd_model *m = j->m;
+    const struct rnnd_step *st = j->step;
+    int H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
+    size_t b0, b1, row = (size_t)L * H;
+    split((size_t)st->B, k, n, &b0, &b1);
+    int nb = (int)(b1 - b0);
+    if (nb == 0)
+        return;
+    float *gates = j->gates + (size_t)k * GH, *aux = j->aux + (size_t)k * H;
+    for (int l = 0; l < L; l++) {
+        struct layer_weights w = layer_weights(m, l, j->params, j->wr);
+        // This layer's input rows and state rows (ld: the distance between rows).
+        const float *x = l == 0 ? st->x + b0 * m->I : j->hnew + b0 * row + (size_t)(l - 1) * H;
+        int ldx = l == 0 ? m->I : L * H;
+        const float *h = j->hb + b0 * row + (size_t)l * H;
+        int ldh = L * H;
+        float *xr = j->xr + b0 * (size_t)(m->I > H ? m->I : H);
+        if (j->bf16) {
+            for (int b = 0; b < nb; b++)
+                rnnd__cpu_round_bf16(xr + (size_t)b * w.Il, x + (size_t)b * ldx, (size_t)w.Il);
+            x = xr;
+            ldx = w.Il;
+        }
+        rnnd__cpu_gemm(false, true, nb, GH, w.Il, x, ldx, w.w_ih, w.Il, 0.0f, j->gx + b0 * GH, GH);
+        if (j->bf16) {
+            for (int b = 0; b < nb; b++)
+                rnnd__cpu_round_bf16(xr + (size_t)b * H, h + (size_t)b * ldh, (size_t)H);
+            h = xr;
+            ldh = H;
+        }
+        rnnd__cpu_gemm(false, true, nb, GH, H, h, ldh, w.w_hh, H, 0.0f, j->gh + b0 * GH, GH);
+        for (int b = (int)b0; b < (int)b1; b++) {
+            size_t at = blh(b, l, m);
+            const float *gxb = j->gx + (size_t)b * GH, *ghb = j->gh + (size_t)b * GH;
+            if (j->lstm)
+                rnnd__lstm_row_forward(H, gates, j->cnew + at, aux, j->hnew + at, gxb, ghb,
+                                       j->cb + at, w.b_ih, w.b_hh);
+            else
+                rnnd__gru_row_forward(H, gates, aux, j->hnew + at, gxb, ghb, j->hb + at, w.b_ih,
+                                      w.b_hh);
+        }
+    }
+}
 
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m) {
@@ -437,25 +671,26 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
             return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM, bf16 = m->compute == RNND_COMPUTE_BF16;
     int B = step->B, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
-    size_t P = rnnd_model_param_count(m), blh_floats = (size_t)B * L * H;
-    int maxw = m->I > H ? m->I : H;
+    size_t P = rnnd_model_param_count(m), row = (size_t)L * H, fsz = sizeof(float);
+    size_t maxw = (size_t)(m->I > H ? m->I : H);
+    int nt = threads_for(c, forward_flops(m, B, 1), B);
 
-    // Scratch: rounded weights (bf16), states before and after (B, L, H), gx, gh, and one row's
-    // gates and aux (not kept).
-    float *wr, *hb, *cb, *hnew, *cnew, *gx, *gh, *gates, *aux;
+    struct step_job j = {.m = m, .step = step, .params = params, .lstm = lstm, .bf16 = bf16};
+    float *wr;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
-        wr = rnnd__cpu_carve(&cv, bf16 ? P * sizeof(float) : 0);
-        hb = rnnd__cpu_carve(&cv, blh_floats * sizeof(float));
-        cb = rnnd__cpu_carve(&cv, lstm ? blh_floats * sizeof(float) : 0);
-        hnew = rnnd__cpu_carve(&cv, blh_floats * sizeof(float));
-        cnew = rnnd__cpu_carve(&cv, lstm ? blh_floats * sizeof(float) : 0);
-        gx = rnnd__cpu_carve(&cv, (size_t)B * GH * sizeof(float));
-        gh = rnnd__cpu_carve(&cv, (size_t)B * GH * sizeof(float));
-        gates = rnnd__cpu_carve(&cv, (size_t)GH * sizeof(float));
-        aux = rnnd__cpu_carve(&cv, (size_t)H * sizeof(float));
+        wr = rnnd__cpu_carve(&cv, bf16 ? P * fsz : 0);
+        j.xr = rnnd__cpu_carve(&cv, bf16 ? (size_t)B * maxw * fsz : 0);
+        j.hb = rnnd__cpu_carve(&cv, (size_t)B * row * fsz);
+        j.cb = rnnd__cpu_carve(&cv, lstm ? (size_t)B * row * fsz : 0);
+        j.hnew = rnnd__cpu_carve(&cv, (size_t)B * row * fsz);
+        j.cnew = rnnd__cpu_carve(&cv, lstm ? (size_t)B * row * fsz : 0);
+        j.gx = rnnd__cpu_carve(&cv, (size_t)B * GH * fsz);
+        j.gh = rnnd__cpu_carve(&cv, (size_t)B * GH * fsz);
+        j.gates = rnnd__cpu_carve(&cv, (size_t)nt * GH * fsz);
+        j.aux = rnnd__cpu_carve(&cv, (size_t)nt * H * fsz);
         if (pass == 0) {
-            int err = rnnd__cpu_reserve(c, cv.used, bf16 ? (size_t)B * maxw : 0);
+            int err = rnnd__cpu_reserve(c, cv.used);
             if (err)
                 return err;
             cv = (struct cpu_carve){.base = c->work};
@@ -463,47 +698,27 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
     }
     if (bf16)
         round_weights(m, params, wr);
+    j.wr = bf16 ? wr : NULL;
 
     // Gather every row's state first, so nothing is written before everything is read.
-    size_t row = (size_t)L * H;
     for (int b = 0; b < B; b++) {
         bool reset = step->is_init && step->is_init[b];
-        const float *src = step->state_h + (size_t)step->slots[b] * row;
-        copy_or_zero(hb + b * row, reset ? NULL : src, (int)row);
+        size_t s = (size_t)step->slots[b] * row;
+        copy_or_zero(j.hb + b * row, reset ? NULL : step->state_h + s, (int)row);
         if (lstm)
-            copy_or_zero(cb + b * row, reset ? NULL : step->state_c + (size_t)step->slots[b] * row,
-                         (int)row);
+            copy_or_zero(j.cb + b * row, reset ? NULL : step->state_c + s, (int)row);
     }
-
-    for (int l = 0; l < L; l++) {
-        struct layer_weights w = layer_weights(m, l, params, bf16 ? wr : NULL);
-        const float *xl = l == 0 ? step->x : hnew + (size_t)(l - 1) * H;
-        int ldx = l == 0 ? m->I : L * H;
-        rnnd__cpu_gemm(c, bf16, false, true, B, GH, w.Il, xl, ldx, true, w.w_ih, w.Il, false,
-                       0.0f, gx, GH);
-        rnnd__cpu_gemm(c, bf16, false, true, B, GH, H, hb + (size_t)l * H, L * H, true, w.w_hh,
-                       H, false, 0.0f, gh, GH);
-        for (int b = 0; b < B; b++) {
-            size_t at = blh(b, l, m);
-            if (lstm)
-                rnnd__lstm_row_forward(H, gates, cnew + at, aux, hnew + at, gx + (size_t)b * GH,
-                                       gh + (size_t)b * GH, cb + at, w.b_ih, w.b_hh);
-            else
-                rnnd__gru_row_forward(H, gates, aux, hnew + at, gx + (size_t)b * GH,
-                                      gh + (size_t)b * GH, hb + at, w.b_ih, w.b_hh);
-        }
-    }
-
+    rnnd__cpu_parallel(c, nt, step_rows, &j);
     for (int b = 0; b < B; b++) {
-        memcpy(step->out + (size_t)b * H, hnew + blh(b, L - 1, m), sizeof(float) * H);
-        memcpy(step->state_h + (size_t)step->slots[b] * row, hnew + b * row, sizeof(float) * row);
+        size_t s = (size_t)step->slots[b] * row;
+        memcpy(step->out + (size_t)b * H, j.hnew + blh(b, L - 1, m), fsz * H);
+        memcpy(step->state_h + s, j.hnew + b * row, fsz * row);
         if (lstm)
-            memcpy(step->state_c + (size_t)step->slots[b] * row, cnew + b * row,
-                   sizeof(float) * row);
+            memcpy(step->state_c + s, j.cnew + b * row, fsz * row);
     }
     if (step->h_before)
-        memcpy(step->h_before, hb, blh_floats * sizeof(float));
+        memcpy(step->h_before, j.hb, (size_t)B * row * fsz);
     if (step->c_before)
-        memcpy(step->c_before, cb, blh_floats * sizeof(float));
+        memcpy(step->c_before, j.cb, (size_t)B * row * fsz);
     return 0;
 }

@@ -15,6 +15,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <cmocka.h>
 
@@ -305,7 +306,8 @@ static void run_random(struct run *r, const struct rand_spec *s) {
                            .L = s->L};
     run_alloc(r, &m, s->B, s->T);
     bool lstm = s->cell == RNND_CELL_LSTM;
-    r->params = rand_floats(r->P, 0.6);
+    // Weights a little above PyTorch's 1/sqrt(H) init, so gates are neither flat nor saturated.
+    r->params = rand_floats(r->P, fmin(0.6, 2.0 / sqrt((double)s->H)));
     r->x = rand_floats(r->nx, 1.0);
     r->is_init = malloc((size_t)s->B * s->T);
     for (int i = 0; i < s->B * s->T; i++)
@@ -431,15 +433,18 @@ static void test_fd_detects_wrong_gradient(void **state) {
 // gives rnn_forward's outputs and final states.
 //
 // Not bit for bit, because OpenBLAS does not allow it: rnn_forward computes the input projection
-// as one sgemm over B*T rows and rnn_step as one over B rows, and OpenBLAS's sgemm gives a row
-// different last bits depending on M (rows in a partial M block of the micro-kernel, and the
-// split of M over threads, are summed in another order; measured with OpenBLAS 0.3.21:
-// M = 64 and M = 8192 agree, M = 1, 3, 17 do not). Everything else (the recurrent sgemm has M = B
-// on both paths, the pointwise code is shared) is identical, so the two differ by rounding of
-// the input projection only: we require every element within STEP_ATOL of the forward and the
-// whole output within STEP_RTOL norm-wise, and report how many steps matched exactly.
+// with sgemms over blocks of the T*B rows and rnn_step with sgemms over the B rows, and OpenBLAS
+// gives a row different last bits depending on M (rows in a partial M block of its micro-kernel
+// are summed in another order; measured with OpenBLAS 0.3.21 on one thread: M = 64 and M = 8192
+// agree, M = 1, 3, 17 do not). Everything else is the same code on both paths (the recurrent
+// sgemm over a step's rows, the pointwise cell), so the two differ by the rounding of the input
+// projection only: every element must be within STEP_ATOL of the forward and the whole output
+// within STEP_RTOL norm-wise (the largest difference seen is ~3e-7); the test reports how many
+// steps matched bit for bit.
 #define STEP_ATOL 2e-6f
 #define STEP_RTOL 1e-6
+
+static float step_max_diff;
 
 static bool close_to(const float *a, const float *b, size_t n, double *num, double *den) {
     bool ok = true;
@@ -448,6 +453,8 @@ static bool close_to(const float *a, const float *b, size_t n, double *num, doub
         *num += d * d;
         *den += (double)b[i] * b[i];
         ok = ok && fabsf(a[i] - b[i]) <= STEP_ATOL;
+        if (fabsf(a[i] - b[i]) > step_max_diff)
+            step_max_diff = fabsf(a[i] - b[i]);
     }
     return ok;
 }
@@ -536,7 +543,8 @@ static void test_step_matches_forward(void **state) {
         free(ii);
         run_free(&r);
     }
-    print_message("%d of %d steps bit-identical to rnn_forward\n", exact, total);
+    print_message("%d of %d steps bit-identical to rnn_forward, largest difference %.1e\n", exact,
+                  total, (double)step_max_diff);
 }
 
 // is_init NULL means no row resets; a bf16 step equals the bf16 forward too.
@@ -558,6 +566,72 @@ static void test_step_defaults_and_bf16(void **state) {
     free(state_h);
     free(out);
     run_free(&r);
+}
+
+// The thread count changes nothing but sgemm's blocking: 1 and 3 threads agree to rounding, and
+// one backend gives the same bits every time.
+static void test_thread_count_invariance(void **state) {
+    (void)state;
+    static const struct rand_spec specs[] = {
+        {RNND_CELL_GRU, 2, 32, 64, 37, 25, 0.1, true, false},
+        {RNND_CELL_LSTM, 2, 32, 64, 37, 25, 0.1, false, true},
+    };
+    setenv("RNND_CPU_THREADS", "1", 1);
+    struct rnnd_backend one;
+    assert_int_equal(rnnd_backend_cpu_init(&one), 0);
+    setenv("RNND_CPU_THREADS", "3", 1);
+    assert_non_null(strstr(cpu.device, "3 threads"));
+    for (size_t s = 0; s < sizeof(specs) / sizeof(specs[0]); s++) {
+        struct run a, b;
+        uint64_t seed = rng_state;
+        run_random(&a, &specs[s]);
+        rng_state = seed;
+        run_random(&b, &specs[s]);
+        run_forward(&a, true);
+        run_backward(&a);
+        // b on one thread
+        struct rnnd_backend keep = cpu;
+        cpu = one;
+        run_forward(&b, true);
+        run_backward(&b);
+        cpu = keep;
+        double e_out = 0, e_gp = 0, e_gx = 0, num, den;
+        num = den = 0;
+        for (size_t i = 0; i < a.nout; i++) {
+            num += ((double)a.out[i] - b.out[i]) * ((double)a.out[i] - b.out[i]);
+            den += (double)b.out[i] * b.out[i];
+        }
+        e_out = sqrt(num / den);
+        num = den = 0;
+        for (size_t i = 0; i < a.P; i++) {
+            num += ((double)a.gp[i] - b.gp[i]) * ((double)a.gp[i] - b.gp[i]);
+            den += (double)b.gp[i] * b.gp[i];
+        }
+        e_gp = sqrt(num / den);
+        num = den = 0;
+        for (size_t i = 0; i < a.nx; i++) {
+            num += ((double)a.gx[i] - b.gx[i]) * ((double)a.gx[i] - b.gx[i]);
+            den += (double)b.gx[i] * b.gx[i];
+        }
+        e_gx = sqrt(num / den);
+        print_message("1 vs 3 threads: out %.1e, grad params %.1e, grad x %.1e\n", e_out, e_gp,
+                      e_gx);
+        assert_true(e_out <= 1e-6 && e_gp <= 1e-6 && e_gx <= 1e-6);
+        // Deterministic: the 3-thread run again gives the same bits.
+        float *out = zalloc(a.nout), *gp = zalloc(a.P);
+        memcpy(out, a.out, a.nout * sizeof(float));
+        memcpy(gp, a.gp, a.P * sizeof(float));
+        memset(a.gp, 0, a.P * sizeof(float));
+        run_forward(&a, true);
+        run_backward(&a);
+        assert_memory_equal(out, a.out, a.nout * sizeof(float));
+        assert_memory_equal(gp, a.gp, a.P * sizeof(float));
+        free(out);
+        free(gp);
+        run_free(&a);
+        run_free(&b);
+    }
+    rnnd_backend_free(&one);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -718,6 +792,9 @@ static void test_bad_arguments(void **state) {
 
 static int group_setup(void **state) {
     (void)state;
+    // Three threads whatever the machine, so the split paths (uneven ones too) are exercised;
+    // ops smaller than the threading threshold still run on one.
+    setenv("RNND_CPU_THREADS", "3", 1);
     if (rnnd_backend_cpu_init(&cpu) != 0)
         return -1;
     return fx_load("rnn_cases.bin", 1, &rnn_fx);
@@ -741,6 +818,7 @@ int main(void) {
         cmocka_unit_test(test_fd_detects_wrong_gradient),
         cmocka_unit_test(test_step_matches_forward),
         cmocka_unit_test(test_step_defaults_and_bf16),
+        cmocka_unit_test(test_thread_count_invariance),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);

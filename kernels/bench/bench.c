@@ -13,7 +13,10 @@
  * tape) and of forward+backward and reports medians: a table on stdout, then one JSON line per
  * case (lines starting with '{'). The input gradient is not computed unless --grad-input is given
  * (a policy's observations need none; kernels/bench/torch_cpu_bench.py does the same).
- * --threads sets OpenBLAS's thread count for the cpu backend.
+ * --threads sets the CPU backend's thread count (RNND_CPU_THREADS; default: the CPUs available).
+ * The device column names OpenBLAS's kernel: on CPUs newer than the OpenBLAS build knows it falls
+ * back to a slow generic one ("Prescott"); OPENBLAS_CORETYPE=SkylakeX (or Haswell) picks a fast
+ * one.
  *
  * Plugging in CUDA (kernels/bench/cuda_*.cu, built only when RNND_HAVE_CUDA is defined): implement
  * rnnd_bench_cuda() from bench.h. main() below calls it for --backend cuda, and that is the only
@@ -29,8 +32,6 @@
 #include <string.h>
 #include <time.h>
 
-#include <cblas.h>
-#undef I // OpenBLAS's cblas.h pulls in <complex.h>, whose I would clash with the model's I
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -351,13 +352,12 @@ static int parse_list(const char *arg, void *list, char kind) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: rnnd-kernel-bench [--backend cpu|cuda] [--cell gru|lstm] [--batch B]\n"
-            "         [--steps T] [--input I] [--hidden H] [--layers L] [--reset-prob p]\n"
-            "         [--compute fp32|ieee|bf16] [--warmup n] [--repeat n] [--seed n]\n"
-            "         [--device n] [--threads n] [--grad-input]\n"
-            "List options take comma lists (--batch 16,64); every combination is one case.\n"
-            "Defaults: cpu gru B=64 T=128 I=64 H=128 L=1 p=0.1 fp32, warmup 3, repeat 10.\n");
+    fprintf(f, "usage: rnnd-kernel-bench [--backend cpu|cuda] [--cell gru|lstm] [--batch B]\n"
+               "         [--steps T] [--input I] [--hidden H] [--layers L] [--reset-prob p]\n"
+               "         [--compute fp32|ieee|bf16] [--warmup n] [--repeat n] [--seed n]\n"
+               "         [--device n] [--threads n] [--grad-input]\n"
+               "List options take comma lists (--batch 16,64); every combination is one case.\n"
+               "Defaults: cpu gru B=64 T=128 I=64 H=128 L=1 p=0.1 fp32, warmup 3, repeat 10.\n");
 }
 
 static const char *compute_name(enum rnnd_compute c) {
@@ -386,8 +386,7 @@ static int run_case(const struct bench_case *bc, struct bench_result *res) {
 int main(int argc, char **argv) {
     const char *backend = "cpu";
     struct str_list cells = {1, {"gru"}}, computes = {1, {"fp32"}};
-    struct int_list Bs = {1, {64}}, Ts = {1, {128}}, Is = {1, {64}}, Hs = {1, {128}},
-                    Ls = {1, {1}};
+    struct int_list Bs = {1, {64}}, Ts = {1, {128}}, Is = {1, {64}}, Hs = {1, {128}}, Ls = {1, {1}};
     struct dbl_list ps = {1, {0.1}};
     int warmup = 3, repeat = 10, device = 0, threads = 0;
     uint64_t seed = 1;
@@ -440,8 +439,8 @@ int main(int argc, char **argv) {
             bad = 1;
         }
         if (bad) {
-            fprintf(stderr, "rnnd-kernel-bench: bad or incomplete option %s%s%s\n", a,
-                    v ? " " : "", v ? v : "");
+            fprintf(stderr, "rnnd-kernel-bench: bad or incomplete option %s%s%s\n", a, v ? " " : "",
+                    v ? v : "");
             usage(stderr);
             return 2;
         }
@@ -459,8 +458,11 @@ int main(int argc, char **argv) {
                     computes.v[k]);
             return 2;
         }
-    if (threads > 0 && strcmp(backend, "cpu") == 0)
-        openblas_set_num_threads(threads);
+    if (threads > 0) { // read by rnnd_backend_cpu_init (the cpu backend, and the reference)
+        char buf[16];
+        snprintf(buf, sizeof(buf), "%d", threads);
+        setenv("RNND_CPU_THREADS", buf, 1);
+    }
 
     // Cases in nested order: cell, compute, L, H, I, B, T, reset probability.
     int ncase = cells.n * computes.n * Ls.n * Hs.n * Is.n * Bs.n * Ts.n * ps.n;
@@ -502,8 +504,8 @@ int main(int argc, char **argv) {
                                     bc->grad_input = grad_input;
                                 }
 
-    printf("%-7s %-4s %-5s %5s %5s %5s %5s %2s %6s %10s %10s %8s %10s\n", "backend", "cell",
-           "comp", "B", "T", "I", "H", "L", "reset", "fwd_ms", "fwdbwd_ms", "GFLOP/s", "err");
+    printf("%-7s %-4s %-5s %5s %5s %5s %5s %2s %6s %10s %10s %8s %10s\n", "backend", "cell", "comp",
+           "B", "T", "I", "H", "L", "reset", "fwd_ms", "fwdbwd_ms", "GFLOP/s", "err");
     int failed = 0;
     for (c = 0; c < ncase; c++) {
         struct bench_case *bc = &cases[c];
@@ -522,8 +524,8 @@ int main(int argc, char **argv) {
         if (r->out_err >= 0.0)
             snprintf(err_s, sizeof(err_s), "%.1e", fmax(r->out_err, r->grad_err));
         printf("%-7s %-4s %-5s %5d %5d %5d %5d %2d %6.3f %10.3f %10.3f %8.1f %10s\n", backend,
-               m->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(m->compute), bc->B,
-               bc->T, m->I, m->H, m->L, bc->reset_prob, r->fwd_ms, r->fwdbwd_ms, gflops, err_s);
+               m->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(m->compute), bc->B, bc->T,
+               m->I, m->H, m->L, bc->reset_prob, r->fwd_ms, r->fwdbwd_ms, gflops, err_s);
     }
     fflush(stdout);
     for (c = 0; c < ncase; c++) {
@@ -537,9 +539,9 @@ int main(int argc, char **argv) {
                "\"fwdbwd_ms\":%.4f,\"fwd_min_ms\":%.4f,\"fwdbwd_min_ms\":%.4f,"
                "\"fwdbwd_gflops\":%.2f,\"grad_input\":%s,\"warmup\":%d,\"repeat\":%d,"
                "\"seed\":%llu",
-               backend, r->device, m->cell == RNND_CELL_LSTM ? "lstm" : "gru", bc->B, bc->T,
-               m->I, m->H, m->L, bc->reset_prob, compute_name(m->compute), r->fwd_ms,
-               r->fwdbwd_ms, r->fwd_min_ms, r->fwdbwd_min_ms,
+               backend, r->device, m->cell == RNND_CELL_LSTM ? "lstm" : "gru", bc->B, bc->T, m->I,
+               m->H, m->L, bc->reset_prob, compute_name(m->compute), r->fwd_ms, r->fwdbwd_ms,
+               r->fwd_min_ms, r->fwdbwd_min_ms,
                3.0 * forward_flops(m, bc->B, bc->T) / (r->fwdbwd_ms * 1e6),
                bc->grad_input ? "true" : "false", bc->warmup, bc->repeat,
                (unsigned long long)bc->seed);

@@ -24,19 +24,19 @@ struct bench_case {
     int device;              // CUDA device index
     struct rnnd_model model; // cell, compute, I, H, L
     int B, T;
-    double reset_prob;       // probability of is_init at each (b, t)
+    double reset_prob; // probability of is_init at each (b, t)
     int warmup, repeat;
     uint64_t seed;
-    bool grad_input;         // also compute the input gradient dL/dx
+    bool grad_input; // also compute the input gradient dL/dx
 };
 
 struct bench_result {
-    char device[128];       // the backend's device name
-    double fwd_ms;          // median over repeats: forward with tape
-    double fwdbwd_ms;       // median: forward with tape, then backward
+    char device[128]; // the backend's device name
+    double fwd_ms;    // median over repeats: forward with tape
+    double fwdbwd_ms; // median: forward with tape, then backward
     double fwd_min_ms, fwdbwd_min_ms;
     double out_err, grad_err; // ||a - ref|| / ||ref|| against the CPU backend; -1 when not checked
-    char extra[1024];       // more JSON members, each written as ,"name":value (appended as is)
+    char extra[1024];         // more JSON members, each written as ,"name":value (appended as is)
 };
 
 // A timer around one timed call: start() before it, stop() after it returns the elapsed

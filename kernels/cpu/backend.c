@@ -253,8 +253,8 @@ int rnnd_backend_cpu_init(struct rnnd_backend *b) {
     }
     b->ops = &cpu_ops;
     b->ctx = c;
-    snprintf(b->device, sizeof(b->device), "cpu (OpenBLAS %s, %d threads)",
-             openblas_get_corename(), c->nthreads);
+    snprintf(b->device, sizeof(b->device), "cpu (OpenBLAS %s, %d threads)", openblas_get_corename(),
+             c->nthreads);
     return 0;
 
 err_done:

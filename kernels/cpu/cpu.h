@@ -33,7 +33,7 @@ typedef void (*rnnd__cpu_task_fn)(void *arg, int k, int n);
 // steady stream of same-sized requests allocates nothing), and a small pool of worker threads
 // that sleep between phases. One thread at a time calls into it (header rule).
 struct cpu_ctx {
-    void *work;        // per-op buffers (gate pre-activations, gradient rows, ...)
+    void *work; // per-op buffers (gate pre-activations, gradient rows, ...)
     size_t work_bytes;
 
     int nthreads; // threads an op may use, the caller included (1: no workers)
@@ -83,8 +83,8 @@ void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes);
 // C (M, N) = op(A) (M, K) · op(B) (K, N) + beta · C with CBLAS sgemm, row-major, fp32; op(X) is
 // X or X^T (ta, tb). bf16 compute mode passes operands already rounded (rnnd__cpu_round_bf16).
 // Does nothing when M or N is 0.
-void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda,
-                    const float *B, int ldb, float beta, float *C, int ldc);
+void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda, const float *B,
+                    int ldb, float beta, float *C, int ldc);
 
 // dst[i] = rnnd_round_bf16(src[i]), n floats (dst may equal src).
 void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n);
@@ -92,8 +92,8 @@ void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n);
 // dst (cols) += the column sums of src (rows, cols; ld floats from one row to the next): a bias
 // gradient, the sum over every step and row. Blocks of 64 rows are summed in float (in part,
 // cols floats), the blocks in double (in acc, cols doubles, which keeps the sums afterwards).
-void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, int ld,
-                          double *acc, float *part);
+void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, int ld, double *acc,
+                          float *part);
 
 // ---------------------------------------------------------------------------------------------
 // Pointwise activations. Both are plain C that GCC vectorises (no libm call in the loop body):
@@ -136,7 +136,11 @@ static inline float rnnd__cpu_tanhf(float x) {
     float ax = fabsf(x);
     float z = x * x;
     float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
-                    1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+                    1.33314422036e-1f) *
+                       z -
+                   3.33332819422e-1f) *
+                      z * x +
+                  x;
     float large = 1.0f - 2.0f / (rnnd__cpu_expf(2.0f * ax) + 1.0f);
     large = copysignf(large, x);
     return ax < 0.625f ? small : large;
@@ -147,10 +151,10 @@ static inline float rnnd__cpu_tanhf(float x) {
 // gx (G*H) = W_ih x and gh (G*H) = W_hh h without biases; gates are stored activated.
 
 // GRU: gates (3H) = r, z, n; hn (H) = W_hn h + b_hn; h_new (H).
-void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn,
-                           float *restrict h_new, const float *restrict gx,
-                           const float *restrict gh, const float *restrict h,
-                           const float *restrict b_ih, const float *restrict b_hh);
+void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn, float *restrict h_new,
+                           const float *restrict gx, const float *restrict gh,
+                           const float *restrict h, const float *restrict b_ih,
+                           const float *restrict b_hh);
 // From dh_new = dy + dh_carry (H, summed here), writes dgx (3H, gradient of W_ih x + b_ih),
 // dgh (3H, gradient of W_hh h + b_hh) and dh (H, the direct part z * dh_new of dL/dh; rnn.c adds
 // dgh W_hh).
@@ -160,8 +164,8 @@ void rnnd__gru_row_backward(int H, float *restrict dgx, float *restrict dgh, flo
                             const float *restrict h);
 
 // LSTM: gates (4H) = i, f, g, o; c_new (H); tc (H) = tanh(c_new); h_new (H).
-void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new,
-                            float *restrict tc, float *restrict h_new, const float *restrict gx,
+void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new, float *restrict tc,
+                            float *restrict h_new, const float *restrict gx,
                             const float *restrict gh, const float *restrict c,
                             const float *restrict b_ih, const float *restrict b_hh);
 // From dh_new = dy + dh_carry and dc (H; in: the carried dL/dc_new, out: dL/dc), writes da (4H,

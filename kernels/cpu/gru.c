@@ -27,9 +27,9 @@
 #include "cpu.h"
 
 RNND_CPU_SIMD void rnnd__gru_row_forward(int H, float *restrict gates, float *restrict hn,
-                           float *restrict h_new, const float *restrict gx,
-                           const float *restrict gh, const float *restrict h,
-                           const float *restrict b_ih, const float *restrict b_hh) {
+                                         float *restrict h_new, const float *restrict gx,
+                                         const float *restrict gh, const float *restrict h,
+                                         const float *restrict b_ih, const float *restrict b_hh) {
     float *restrict r = gates, *restrict z = gates + H, *restrict n = gates + 2 * H;
     for (int j = 0; j < 2 * H; j++) // r and z together
         gates[j] = rnnd__cpu_sigmoidf((gx[j] + b_ih[j]) + (gh[j] + b_hh[j]));
@@ -40,10 +40,11 @@ RNND_CPU_SIMD void rnnd__gru_row_forward(int H, float *restrict gates, float *re
     }
 }
 
-RNND_CPU_SIMD void rnnd__gru_row_backward(int H, float *restrict dgx, float *restrict dgh, float *restrict dh,
-                            const float *restrict dy, const float *restrict dh_carry,
-                            const float *restrict gates, const float *restrict hn,
-                            const float *restrict h) {
+RNND_CPU_SIMD void rnnd__gru_row_backward(int H, float *restrict dgx, float *restrict dgh,
+                                          float *restrict dh, const float *restrict dy,
+                                          const float *restrict dh_carry,
+                                          const float *restrict gates, const float *restrict hn,
+                                          const float *restrict h) {
     const float *r = gates, *z = gates + H, *n = gates + 2 * H;
     for (int j = 0; j < H; j++) {
         float dhj = dy[j] + dh_carry[j];

@@ -17,12 +17,12 @@ RNND_CPU_SIMD void rnnd__cpu_round_bf16(float *dst, const float *src, size_t n) 
         dst[i] = rnnd_round_bf16(src[i]);
 }
 
-void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda,
-                    const float *B, int ldb, float beta, float *C, int ldc) {
+void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int lda, const float *B,
+                    int ldb, float beta, float *C, int ldc) {
     if (M == 0 || N == 0)
         return;
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M,
-                N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N,
+                K, 1.0f, A, lda, B, ldb, beta, C, ldc);
 }
 
 // Rows are summed in float over blocks of COLSUM_BLOCK (cheap, vectorised, cache-hot), and the
@@ -30,8 +30,8 @@ void rnnd__cpu_gemm(bool ta, bool tb, int M, int N, int K, const float *A, int l
 // there are.
 #define COLSUM_BLOCK 64
 
-RNND_CPU_SIMD void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols,
-                                        int ld, double *acc, float *part) {
+RNND_CPU_SIMD void rnnd__cpu_add_colsum(float *dst, const float *src, size_t rows, int cols, int ld,
+                                        double *acc, float *part) {
     for (int j = 0; j < cols; j++)
         acc[j] = 0.0;
     for (size_t r0 = 0; r0 < rows; r0 += COLSUM_BLOCK) {

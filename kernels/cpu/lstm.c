@@ -25,9 +25,10 @@
 #include "cpu.h"
 
 RNND_CPU_SIMD void rnnd__lstm_row_forward(int H, float *restrict gates, float *restrict c_new,
-                            float *restrict tc, float *restrict h_new, const float *restrict gx,
-                            const float *restrict gh, const float *restrict c,
-                            const float *restrict b_ih, const float *restrict b_hh) {
+                                          float *restrict tc, float *restrict h_new,
+                                          const float *restrict gx, const float *restrict gh,
+                                          const float *restrict c, const float *restrict b_ih,
+                                          const float *restrict b_hh) {
     // i and f are sigmoids, g a tanh, o a sigmoid: three loops so each vectorises.
     for (int j = 0; j < 2 * H; j++)
         gates[j] = rnnd__cpu_sigmoidf((gx[j] + b_ih[j]) + (gh[j] + b_hh[j]));
@@ -44,9 +45,9 @@ RNND_CPU_SIMD void rnnd__lstm_row_forward(int H, float *restrict gates, float *r
 }
 
 RNND_CPU_SIMD void rnnd__lstm_row_backward(int H, float *restrict da, float *restrict dc,
-                             const float *restrict dy, const float *restrict dh_carry,
-                             const float *restrict gates, const float *restrict tc,
-                             const float *restrict c) {
+                                           const float *restrict dy, const float *restrict dh_carry,
+                                           const float *restrict gates, const float *restrict tc,
+                                           const float *restrict c) {
     const float *i = gates, *f = gates + H, *g = gates + 2 * H, *o = gates + 3 * H;
     for (int j = 0; j < H; j++) {
         float dhj = dy[j] + dh_carry[j];

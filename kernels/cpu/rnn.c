@@ -59,11 +59,11 @@
 // Layout helpers
 
 struct layer_tape { // time-major: row t*B + b
-    float *hprev; // (T, B, H)
-    float *cprev; // (T, B, H) LSTM, else NULL
-    float *gates; // (T, B, G*H)
-    float *aux;   // (T, B, H)
-    float *y;     // (T, B, H) l < L-1, else NULL (the last layer writes `out`)
+    float *hprev;   // (T, B, H)
+    float *cprev;   // (T, B, H) LSTM, else NULL
+    float *gates;   // (T, B, G*H)
+    float *aux;     // (T, B, H)
+    float *y;       // (T, B, H) l < L-1, else NULL (the last layer writes `out`)
 };
 
 // Fills lt[0 .. L-1] with pointers into base (may be NULL to measure) and returns the float count.
@@ -236,9 +236,8 @@ static void fwd_steps(void *arg, int k, int n) {
     int nb = (int)(b1 - b0);
     if (nb == 0)
         return;
-    // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
-#define Y_ROW(b, t)                                                                                \
-    (last ? j->out + ((size_t)(b) * T + (t)) * H : tp->y + ((size_t)(t) * B + (b)) * H)
+        // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
+#define Y_ROW(b, t) (last ? j->out + ((size_t)(b)*T + (t)) * H : tp->y + ((size_t)(t)*B + (b)) * H)
 
     for (int t = 0; t < T; t++) {
         size_t r0 = (size_t)t * B + b0; // this thread's first row of step t
@@ -285,8 +284,7 @@ static void fwd_steps(void *arg, int k, int n) {
                                        tp->cprev + r * H, j->w.b_ih, j->w.b_hh);
             else
                 rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, Y_ROW(b, t),
-                                      j->gx + r * GH, ghb, tp->hprev + r * H, j->w.b_ih,
-                                      j->w.b_hh);
+                                      j->gx + r * GH, ghb, tp->hprev + r * H, j->w.b_ih, j->w.b_hh);
         }
     }
     for (int b = (int)b0; b < (int)b1; b++) {
@@ -345,9 +343,23 @@ int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n,
 
     int nt = threads_for(c, forward_flops(m, B, T), B);
     struct fwd_job j = {
-        .m = m, .seq = seq, .lstm = lstm, .bf16 = bf16, .B = B, .T = T, .H = H, .GH = GH,
-        .xt = xt, .xr = xr, .gx = gx, .gh = gh, .hr = hr, .cbuf = cbuf,
-        .out = out, .h_n = h_n, .c_n = c_n,
+        .m = m,
+        .seq = seq,
+        .lstm = lstm,
+        .bf16 = bf16,
+        .B = B,
+        .T = T,
+        .H = H,
+        .GH = GH,
+        .xt = xt,
+        .xr = xr,
+        .gx = gx,
+        .gh = gh,
+        .hr = hr,
+        .cbuf = cbuf,
+        .out = out,
+        .h_n = h_n,
+        .c_n = c_n,
     };
     for (int l = 0; l < L; l++) {
         j.l = l;
@@ -377,11 +389,11 @@ struct bwd_job {
     float *dgx;      // (T*B, G*H) gradient of W_ih x + b_ih
     float *dgh;      // (T*B, G*H) gradient of W_hh h + b_hh (the same array as dgx for LSTM)
     float *dgxr, *dghr, *xr, *hpr; // bf16: rounded dgx, dgh, x_l, hprev (same shapes)
-    float *dyb;      // (T*B, H) the output gradient of a layer below the top (time-major)
-    float *dxt;      // (T*B, I) layer 0's input gradient, time-major
+    float *dyb;           // (T*B, H) the output gradient of a layer below the top (time-major)
+    float *dxt;           // (T*B, I) layer 0's input gradient, time-major
     float *dh, *dhp, *dc; // (B, H) carried dh, the step's dL/dh, carried dc (LSTM)
-    double *acc;     // (G*H) bias column sums
-    float *part;     // (G*H)
+    double *acc;          // (G*H) bias column sums
+    float *part;          // (G*H)
 };
 
 // Phase 1, split by batch rows: the time loop from T-1 down to 0 for rows [b0, b1); then (bf16)
@@ -399,10 +411,10 @@ static void bwd_steps(void *arg, int k, int n) {
     int nb = (int)(b1 - b0);
     if (nb == 0)
         return;
-    // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
-    // time-major gradient the layer above passed down.
+        // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
+        // time-major gradient the layer above passed down.
 #define DY_ROW(b, t)                                                                               \
-    (last ? j->grad_out + ((size_t)(b) * T + (t)) * H : j->dyb + ((size_t)(t) * B + (b)) * H)
+    (last ? j->grad_out + ((size_t)(b)*T + (t)) * H : j->dyb + ((size_t)(t)*B + (b)) * H)
 
     float *dh = j->dh, *dhp = j->dhp, *dc = j->dc;
     for (int b = (int)b0; b < (int)b1; b++) {
@@ -541,8 +553,18 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
 
     // Scratch: see struct bwd_job.
     struct bwd_job j = {
-        .m = m, .seq = seq, .grads = grads, .grad_out = grad_out, .grad_h_n = grad_h_n,
-        .grad_c_n = grad_c_n, .lstm = lstm, .bf16 = bf16, .B = B, .T = T, .H = H, .GH = GH,
+        .m = m,
+        .seq = seq,
+        .grads = grads,
+        .grad_out = grad_out,
+        .grad_h_n = grad_h_n,
+        .grad_c_n = grad_c_n,
+        .lstm = lstm,
+        .bf16 = bf16,
+        .B = B,
+        .T = T,
+        .H = H,
+        .GH = GH,
     };
     float *wr;
     struct cpu_carve cv = {0};

@@ -15,8 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FX_MAGIC   0x464e4452
-#define FX_VERSION 1
+#define FX_MAGIC       0x464e4452
+#define FX_VERSION     1
 #define FX_MAX_TENSORS 64
 
 struct fx_tensor {
@@ -56,8 +56,10 @@ static int fx_load(const char *name, int kind, struct fx_file *f) {
     snprintf(path, sizeof(path), "%s/%s", dir ? dir : ".", name);
     FILE *fp = fopen(path, "rb");
     if (fp == NULL) {
-        fprintf(stderr, "fixture %s: cannot open (run tests/fixtures/gen_fixtures.py, or ctest, "
-                        "which runs it as kernels_fixtures)\n", path);
+        fprintf(stderr,
+                "fixture %s: cannot open (run tests/fixtures/gen_fixtures.py, or ctest, "
+                "which runs it as kernels_fixtures)\n",
+                path);
         return -1;
     }
     int32_t hdr[8];
@@ -74,8 +76,8 @@ static int fx_load(const char *name, int kind, struct fx_file *f) {
     for (int c = 0; ok && c < f->ncases; c++) {
         struct fx_case *fc = &f->cases[c];
         int32_t n;
-        ok = fread(fc->meta, sizeof(fc->meta), 1, fp) == 1 && fread(&n, 4, 1, fp) == 1 &&
-             n >= 0 && n <= FX_MAX_TENSORS;
+        ok = fread(fc->meta, sizeof(fc->meta), 1, fp) == 1 && fread(&n, 4, 1, fp) == 1 && n >= 0 &&
+             n <= FX_MAX_TENSORS;
         for (int k = 0; ok && k < n; k++) {
             struct fx_tensor *t = &fc->t[k];
             int32_t cnt[2];
@@ -85,8 +87,8 @@ static int fx_load(const char *name, int kind, struct fx_file *f) {
             if (ok) {
                 t->count = cnt[0];
                 t->data = malloc((size_t)(t->count ? t->count : 1) * sizeof(double));
-                ok = t->data && fread(t->data, sizeof(double), (size_t)t->count, fp) ==
-                                    (size_t)t->count;
+                ok = t->data &&
+                     fread(t->data, sizeof(double), (size_t)t->count, fp) == (size_t)t->count;
                 fc->ntensors = k + 1;
             }
         }

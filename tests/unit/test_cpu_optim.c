@@ -25,8 +25,12 @@ static void test_optim_fixtures(void **state) {
         const double *h = fx_get(fc, "hyper")->data;
         struct rnnd_optim o = {
             .kind = kind == 0 ? RNND_OPTIM_ADAM : RNND_OPTIM_SGD,
-            .lr = (float)h[0], .beta1 = (float)h[1], .beta2 = (float)h[2], .eps = (float)h[3],
-            .weight_decay = (float)h[4], .max_grad_norm = (float)h[5],
+            .lr = (float)h[0],
+            .beta1 = (float)h[1],
+            .beta2 = (float)h[2],
+            .eps = (float)h[3],
+            .weight_decay = (float)h[4],
+            .max_grad_norm = (float)h[5],
         };
         float *p = fx_floats(fc, "params0"), *m = fx_floats(fc, "m0"), *v = fx_floats(fc, "v0");
         for (int s = 1; s <= steps; s++) {
@@ -89,8 +93,12 @@ static void test_optim_clip_in_place(void **state) {
 static void test_optim_bad_arguments(void **state) {
     (void)state;
     float p[3] = {1, 2, 3}, g[3] = {1, 1, 1}, m[3] = {0}, v[3] = {0}, norm = -1.0f;
-    struct rnnd_optim good = {.kind = RNND_OPTIM_ADAM, .lr = 1e-3f, .beta1 = 0.9f,
-                              .beta2 = 0.999f, .eps = 1e-8f, .max_grad_norm = 1.0f};
+    struct rnnd_optim good = {.kind = RNND_OPTIM_ADAM,
+                              .lr = 1e-3f,
+                              .beta1 = 0.9f,
+                              .beta2 = 0.999f,
+                              .eps = 1e-8f,
+                              .max_grad_norm = 1.0f};
     struct rnnd_optim o;
     const struct rnnd_backend_ops *ops = cpu.ops;
 #define BAD(...) assert_int_equal(ops->optim_step(cpu.ctx, __VA_ARGS__), RNND_EINVAL)

@@ -32,12 +32,12 @@ struct run {
     struct rnnd_model m;
     int B, T;
     size_t P, nx, nout, nblh, nbtlh;
-    uint8_t *is_init;                                                // (B, T)
-    float *x, *h0, *c0, *hidden, *cell, *params;                     // inputs
-    float *grad_out, *grad_h_n, *grad_c_n;                           // upstream gradients
-    float *out, *h_n, *c_n;                                          // forward outputs
+    uint8_t *is_init;                            // (B, T)
+    float *x, *h0, *c0, *hidden, *cell, *params; // inputs
+    float *grad_out, *grad_h_n, *grad_c_n;       // upstream gradients
+    float *out, *h_n, *c_n;                      // forward outputs
     void *tape;
-    float *gp, *gx, *gh0, *gc0, *ghidden, *gcell;                    // backward outputs
+    float *gp, *gx, *gh0, *gc0, *ghidden, *gcell; // backward outputs
 };
 
 static float *zalloc(size_t n) {
@@ -70,9 +70,9 @@ static void run_alloc(struct run *r, const struct rnnd_model *m, int B, int T) {
 }
 
 static void run_free(struct run *r) {
-    void *p[] = {r->is_init, r->x,   r->h0,  r->c0,  r->hidden, r->cell, r->params,
-                 r->grad_out, r->grad_h_n, r->grad_c_n, r->out, r->h_n, r->c_n, r->tape,
-                 r->gp,  r->gx,  r->gh0, r->gc0, r->ghidden, r->gcell};
+    void *p[] = {r->is_init,  r->x,        r->h0,       r->c0,  r->hidden,  r->cell, r->params,
+                 r->grad_out, r->grad_h_n, r->grad_c_n, r->out, r->h_n,     r->c_n,  r->tape,
+                 r->gp,       r->gx,       r->gh0,      r->gc0, r->ghidden, r->gcell};
     for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
         free(p[i]);
     memset(r, 0, sizeof(*r));
@@ -110,17 +110,26 @@ static void run_from_fixture(struct run *r, const struct fx_case *fc, enum rnnd_
 
 static struct rnnd_seq run_seq(const struct run *r) {
     return (struct rnnd_seq){
-        .B = r->B, .T = r->T, .x = r->x, .is_init = r->is_init,
-        .h0 = r->h0, .c0 = r->c0, .hidden = r->hidden, .cell = r->cell,
+        .B = r->B,
+        .T = r->T,
+        .x = r->x,
+        .is_init = r->is_init,
+        .h0 = r->h0,
+        .c0 = r->c0,
+        .hidden = r->hidden,
+        .cell = r->cell,
     };
 }
 
 // grads->h0 is asked for only when the initial state is not a stored one.
 static struct rnnd_seq_grads run_grads(const struct run *r) {
     return (struct rnnd_seq_grads){
-        .params = r->gp, .x = r->gx,
-        .h0 = r->hidden ? NULL : r->gh0, .c0 = r->hidden ? NULL : r->gc0,
-        .hidden = r->ghidden, .cell = r->gcell,
+        .params = r->gp,
+        .x = r->gx,
+        .h0 = r->hidden ? NULL : r->gh0,
+        .c0 = r->hidden ? NULL : r->gc0,
+        .hidden = r->ghidden,
+        .cell = r->gcell,
     };
 }
 
@@ -302,8 +311,8 @@ struct rand_spec {
 };
 
 static void run_random(struct run *r, const struct rand_spec *s) {
-    struct rnnd_model m = {.cell = s->cell, .compute = RNND_COMPUTE_FP32, .I = s->I, .H = s->H,
-                           .L = s->L};
+    struct rnnd_model m = {
+        .cell = s->cell, .compute = RNND_COMPUTE_FP32, .I = s->I, .H = s->H, .L = s->L};
     run_alloc(r, &m, s->B, s->T);
     bool lstm = s->cell == RNND_CELL_LSTM;
     // Weights a little above PyTorch's 1/sqrt(H) init, so gates are neither flat nor saturated.
@@ -506,9 +515,15 @@ static void test_step_matches_forward(void **state) {
                        sizeof(float) * m->I);
                 ii[b] = r.is_init[(size_t)b * T + t];
             }
-            struct rnnd_step st = {.B = B, .x = x, .is_init = ii, .slots = slots,
-                                   .state_h = state_h, .state_c = state_c, .out = out,
-                                   .h_before = hb, .c_before = cb};
+            struct rnnd_step st = {.B = B,
+                                   .x = x,
+                                   .is_init = ii,
+                                   .slots = slots,
+                                   .state_h = state_h,
+                                   .state_c = state_c,
+                                   .out = out,
+                                   .h_before = hb,
+                                   .c_before = cb};
             assert_int_equal(cpu.ops->rnn_step(cpu.ctx, &st, r.params, m), 0);
             double num = 0.0, den = 0.0;
             bool same = true;
@@ -529,8 +544,8 @@ static void test_step_matches_forward(void **state) {
             assert_true(close_to(state_h + (size_t)slots[b] * row, r.h_n + (size_t)b * row, row,
                                  &num, &den));
             if (lstm)
-                assert_true(close_to(state_c + (size_t)slots[b] * row, r.c_n + (size_t)b * row,
-                                     row, &num, &den));
+                assert_true(close_to(state_c + (size_t)slots[b] * row, r.c_n + (size_t)b * row, row,
+                                     &num, &den));
         }
         assert_true(sqrt(num / den) <= STEP_RTOL);
         free(state_h);
@@ -659,7 +674,7 @@ static void test_bad_arguments(void **state) {
     struct rnnd_seq good = run_seq(&r);
     struct rnnd_model m = r.m;
 #define FWD(seqp, modelp, outp, cnp, paramsp)                                                      \
-    assert_int_equal(ops->rnn_forward(cpu.ctx, outp, r.h_n, cnp, r.tape, seqp, paramsp, modelp),  \
+    assert_int_equal(ops->rnn_forward(cpu.ctx, outp, r.h_n, cnp, r.tape, seqp, paramsp, modelp),   \
                      RNND_EINVAL)
     FWD(NULL, &m, r.out, r.c_n, r.params);
     FWD(&good, NULL, r.out, r.c_n, r.params);
@@ -697,7 +712,7 @@ static void test_bad_arguments(void **state) {
     // GRU given LSTM-only buffers.
     bad = m, bad.cell = RNND_CELL_GRU;
     s = good, s.c0 = NULL;
-    FWD(&s, &bad, r.out, r.c_n, r.params); // c_n for a GRU
+    FWD(&s, &bad, r.out, r.c_n, r.params);   // c_n for a GRU
     FWD(&good, &bad, r.out, NULL, r.params); // c0 for a GRU
     assert_true(all_equal(r.out, r.nout, S));
     assert_true(all_equal(r.h_n, r.nblh, S));
@@ -712,9 +727,9 @@ static void test_bad_arguments(void **state) {
         r.gx[i] = S;
     struct rnnd_seq_grads g = run_grads(&r), gb;
 #define BWD(gp_, gout, gcn, tapep, seqp, modelp)                                                   \
-    assert_int_equal(ops->rnn_backward(cpu.ctx, gp_, gout, r.grad_h_n, gcn, tapep, seqp, r.params, \
-                                       modelp),                                                    \
-                     RNND_EINVAL)
+    assert_int_equal(                                                                              \
+        ops->rnn_backward(cpu.ctx, gp_, gout, r.grad_h_n, gcn, tapep, seqp, r.params, modelp),     \
+        RNND_EINVAL)
     BWD(NULL, r.grad_out, r.grad_c_n, r.tape, &good, &m);
     BWD(&g, NULL, r.grad_c_n, r.tape, &good, &m);
     BWD(&g, r.grad_out, r.grad_c_n, NULL, &good, &m);
@@ -743,8 +758,13 @@ static void test_bad_arguments(void **state) {
     for (int i = 0; i < 2 * m.H; i++)
         out[i] = S;
     int32_t slots[2] = {1, 3}, neg[2] = {1, -1};
-    struct rnnd_step st = {.B = 2, .x = r.x, .slots = slots, .state_h = state_h,
-                           .state_c = state_c, .out = out}, sb;
+    struct rnnd_step st = {.B = 2,
+                           .x = r.x,
+                           .slots = slots,
+                           .state_h = state_h,
+                           .state_c = state_c,
+                           .out = out},
+                     sb;
     assert_int_equal(ops->rnn_step(cpu.ctx, NULL, r.params, &m), RNND_EINVAL);
     assert_int_equal(ops->rnn_step(cpu.ctx, &st, NULL, &m), RNND_EINVAL);
     assert_int_equal(ops->rnn_step(cpu.ctx, &st, r.params, NULL), RNND_EINVAL);

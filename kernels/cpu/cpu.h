@@ -71,7 +71,9 @@ void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes);
 // and the loader picks one for the CPU at hand (GCC function multi-versioning). FP contraction
 // is off (-std=c11), and the loops only vectorise across independent elements (sums keep their
 // order), so every version gives the same bits.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+// (ThreadSanitizer cannot run ifunc resolvers that early: single version there.)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) &&       \
+    !defined(__SANITIZE_THREAD__)
 #define RNND_CPU_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define RNND_CPU_SIMD

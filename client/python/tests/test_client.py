@@ -252,6 +252,28 @@ class AuthTest(unittest.TestCase):
         finally:
             os.unlink(f.name)
 
+    def test_tls(self):
+        import shutil
+        import subprocess
+        if not shutil.which("openssl"):
+            self.skipTest("no openssl to make a certificate")
+        with tempfile.TemporaryDirectory() as tmp:
+            cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                            "-subj", "/CN=localhost", "-addext",
+                            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                            "-keyout", key, "-out", cert], check=True, capture_output=True)
+            with daemon(input_size=3, hidden_size=5, tls_cert=cert, tls_key=key) as d:
+                with d.client(tls=cert) as c:
+                    self.assertEqual(c.info().hidden_size, 5)
+                    self.assertEqual(c.health(), "SERVING")
+                with d.client(tls={"ca": cert, "server_name": "localhost"}) as c:
+                    self.assertEqual(c.step([1], np.zeros((1, 3), np.float32), True).shape, (1, 5))
+                with d.client(timeout=5) as c:  # plaintext against a TLS port fails
+                    with self.assertRaises(rnnd.RnndError) as cm:
+                        c.info()
+                    self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+
 
 if __name__ == "__main__":
     sys.exit(not unittest.main(exit=False, verbosity=2).result.wasSuccessful())

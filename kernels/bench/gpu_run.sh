@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# gpu_run.sh: the whole GPU session of the CUDA backend, in two halves.
+#
+#   kernels/bench/gpu_run.sh bundle     (on the build machine, from the repository root)
+#       Builds test_rnn_cuda and rnnd-kernel-bench for sm_90 with OpenBLAS linked statically
+#       (the GPU host has no OpenBLAS) into build-dev/, strips them and packs .device/bundle.tar.xz
+#       (git-ignored; name .device in the device tool's carry list).
+#   kernels/bench/gpu_run.sh run [test|sanitize|bench|all]...   (on the GPU host, repository root)
+#       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
+#       test      test_rnn_cuda: every op against the CPU reference;
+#       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
+#       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN);
+#       all       the three, in that order (default).
+#       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
+set -u
+cd "$(dirname "$0")/../.."
+MODE=${1:-run}
+shift || true
+
+if [ "$MODE" = bundle ]; then
+    set -e
+    PC=$(mktemp -d)
+    mkdir -p "$PC/lib"
+    OB=$(find /usr/lib -name libopenblas.a -path '*pthread*' | head -1)
+    [ -n "$OB" ] || OB=$(find /usr/lib -name libopenblas.a | head -1)
+    ln -sf "$OB" "$PC/lib/libopenblas.a"
+    GF=$(ldconfig -p | awk '/libgfortran.so.5 /{print $NF; exit}')
+    [ -n "$GF" ] && ln -sf "$GF" "$PC/lib/libgfortran.so"
+    cat >"$PC/openblas.pc" <<EOF
+Name: openblas
+Description: static OpenBLAS for the GPU bundle
+Version: 0
+Libs: -L$PC/lib -lopenblas ${GF:+-lgfortran}
+Cflags: -I/usr/include/x86_64-linux-gnu/openblas-pthread
+EOF
+    rm -f build-dev/CMakeCache.txt
+    PKG_CONFIG_PATH=$PC cmake -S . -B build-dev -DRNND_SERVER=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build build-dev -j"$(nproc)" --target test_rnn_cuda rnnd-kernel-bench
+    STAGE=$(mktemp -d)
+    mkdir -p "$STAGE/rnnd"
+    cp build-dev/tests/gpu/test_rnn_cuda build-dev/kernels/bench/rnnd-kernel-bench "$STAGE/rnnd/"
+    strip "$STAGE/rnnd/"*
+    mkdir -p .device
+    tar -C "$STAGE" -cJf .device/bundle.tar.xz rnnd
+    git rev-parse HEAD >.device/bundle.commit
+    git status --short kernels tests >>.device/bundle.commit
+    ls -la .device/
+    rm -rf "$PC" "$STAGE"
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/rnnd-out}
+mkdir -p "$OUT"
+W=/tmp/rnnd-bundle
+rm -rf "$W"
+mkdir -p "$W"
+tar -C "$W" -xJf .device/bundle.tar.xz || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
+BIN=$W/rnnd
+cat .device/bundle.commit 2>/dev/null | head -1 | sed 's/^/bundle built from /'
+
+# Libraries: the toolkit's, else PyTorch's wheels (nvidia-cublas, nvidia-cudnn-cu13).
+LIBS=/usr/local/cuda/lib64
+SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+for lib in libcublas.so.13 libcudnn.so.9; do
+    d=$(find /usr/local/cuda/lib64/ -maxdepth 1 -name "$lib" 2>/dev/null | head -1)
+    [ -n "$d" ] && continue
+    d=$(find "$SITE/nvidia" -name "$lib" 2>/dev/null | head -1)
+    [ -n "$d" ] && LIBS=$LIBS:$(dirname "$d")
+done
+export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+ldd "$BIN/rnnd-kernel-bench" | grep -E 'cublas|cudnn|not found'
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv | tee "$OUT/gpu.txt"
+
+STEPS=${*:-all}
+has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+
+if has test; then
+    echo "== test_rnn_cuda"
+    timeout 300 "$BIN/test_rnn_cuda" >"$OUT/test.log" 2>&1
+    echo "test_rnn_cuda rc=$?" | tee -a "$OUT/test.log"
+    grep -E 'FAIL|checks' "$OUT/test.log" | head -40
+fi
+
+BENCH="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 --hidden 128 \
+--layers 1 --warmup 3 --repeat ${REPEAT:-15}"
+if has bench; then
+    echo "== bench"
+    : >"$OUT/bench.log"
+    timeout 240 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
+    echo "bench fp32 rc=$?" | tee -a "$OUT/bench.log"
+    timeout 120 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
+    echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
+    timeout 150 $BENCH --cell gru,lstm --compute ieee --reset-prob 0 --repeat 5 >>"$OUT/bench.log" 2>&1
+    echo "bench ieee rc=$?" | tee -a "$OUT/bench.log"
+    grep '^{' "$OUT/bench.log" >"$OUT/bench.jsonl"
+fi
+
+if has sanitize; then
+    echo "== compute-sanitizer memcheck (test_rnn_cuda --quick)"
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    timeout 240 "$CS" --tool memcheck --leak-check none "$BIN/test_rnn_cuda" --quick \
+        >"$OUT/sanitizer.log" 2>&1
+    echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
+    grep -E 'ERROR SUMMARY|FAIL|checks|Invalid' "$OUT/sanitizer.log" | head -20
+fi
+
+if [ -s "$OUT/bench.jsonl" ]; then
+    python3 - "$OUT/bench.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
+def f(r, k):
+    v = r.get(k)
+    return f"{v:8.2f}" if isinstance(v, (int, float)) and v >= 0 else "       -"
+print("cell comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   path")
+for r in rows:
+    print(f"{r.get('cell','?'):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
+          f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
+          f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
+          f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')}")
+print("device:", rows[0].get("device") if rows else "?")
+EOF
+fi

@@ -10,7 +10,7 @@
 #       test      test_rnn_cuda: every op against the CPU reference;
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN);
-#       all       the three, in that order (default).
+#       all       the three (test, sanitize, bench; the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 set -u
 cd "$(dirname "$0")/../.."
@@ -79,9 +79,18 @@ has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 
 if has test; then
     echo "== test_rnn_cuda"
-    timeout 300 "$BIN/test_rnn_cuda" >"$OUT/test.log" 2>&1
+    timeout 150 "$BIN/test_rnn_cuda" >"$OUT/test.log" 2>&1
     echo "test_rnn_cuda rc=$?" | tee -a "$OUT/test.log"
     grep -E 'FAIL|checks' "$OUT/test.log" | head -40
+fi
+
+if has sanitize; then
+    echo "== compute-sanitizer memcheck (test_rnn_cuda --quick)"
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    timeout 120 "$CS" --tool memcheck --leak-check none "$BIN/test_rnn_cuda" --quick \
+        >"$OUT/sanitizer.log" 2>&1
+    echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
+    grep -E 'ERROR SUMMARY|FAIL|checks|Invalid' "$OUT/sanitizer.log" | head -20
 fi
 
 BENCH="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 --hidden 128 \
@@ -89,23 +98,15 @@ BENCH="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64
 if has bench; then
     echo "== bench"
     : >"$OUT/bench.log"
-    timeout 240 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
+    timeout 180 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
     echo "bench fp32 rc=$?" | tee -a "$OUT/bench.log"
-    timeout 120 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
+    timeout 80 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
     echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
-    timeout 150 $BENCH --cell gru,lstm --compute ieee --reset-prob 0 --repeat 5 >>"$OUT/bench.log" 2>&1
+    timeout 70 $BENCH --cell gru,lstm --compute ieee --reset-prob 0 --repeat 5 >>"$OUT/bench.log" 2>&1
     echo "bench ieee rc=$?" | tee -a "$OUT/bench.log"
     grep '^{' "$OUT/bench.log" >"$OUT/bench.jsonl"
 fi
 
-if has sanitize; then
-    echo "== compute-sanitizer memcheck (test_rnn_cuda --quick)"
-    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    timeout 240 "$CS" --tool memcheck --leak-check none "$BIN/test_rnn_cuda" --quick \
-        >"$OUT/sanitizer.log" 2>&1
-    echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
-    grep -E 'ERROR SUMMARY|FAIL|checks|Invalid' "$OUT/sanitizer.log" | head -20
-fi
 
 if [ -s "$OUT/bench.jsonl" ]; then
     python3 - "$OUT/bench.jsonl" <<'EOF'

@@ -338,6 +338,20 @@ int run_capture(const char *const *argv, int timeout_ms, char **out) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+bool daemon_flag_unimplemented(const char *flag, const char *value) {
+    char dir[] = "/tmp/rnnd-probe-XXXXXX";
+    if (!mkdtemp(dir))
+        return false;
+    const char *argv[] = {rnnd_bin(), "--backend", "cpu", "--listen", "127.0.0.1:0", "--http",
+                          "127.0.0.1:0", "--state-dir", dir, flag, value, NULL};
+    char *out = NULL;
+    run_capture(argv, 5000, &out);
+    bool no = out && strstr(out, "not implemented");
+    free(out);
+    nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return no;
+}
+
 // ---------------------------------------------------------------------------------------------
 // HTTP.
 

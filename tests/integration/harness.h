@@ -58,6 +58,11 @@ struct rnnd_client *daemon_client(const struct daemon *d, const char *token);
 // the exit status (or -1). Used for rnndctl and for bad-flag runs of rnnd.
 int run_capture(const char *const *argv, int timeout_ms, char **out);
 
+// True when this rnnd build refuses `flag value` as "not implemented" (features of a later issue:
+// tests of them skip, never pass, until the daemon has them). value should make an implemented
+// daemon exit at once (a nonexistent file).
+bool daemon_flag_unimplemented(const char *flag, const char *value);
+
 // Path of the rnnd binary, and of rnndctl (RNNDCTL_BIN).
 const char *rnnd_bin(void);
 const char *rnndctl_bin(void);

@@ -447,8 +447,15 @@ static void test_forward_errors(void **state) {
 
     // Recorded: more steps than recorded, an unknown env, duplicates.
     uint64_t ids[2] = {100, 101};
+    // More steps than the ring can ever hold is a bad argument or a failed precondition; more
+    // than the envs have recorded so far (they have a few dozen; the ring holds 256) is the latter.
     req = (struct rnnd_forward_req){.recorded = true, .n_env_ids = 2, .env_ids = ids,
                                     .steps = 100000};
+    int err = forward(f, &req, NULL);
+    int st = rnnd_client_last_error()->grpc_status;
+    assert_true(err != 0 &&
+                (st == GRPC_STATUS_INVALID_ARGUMENT || st == GRPC_STATUS_FAILED_PRECONDITION));
+    req.steps = 250;
     EXPECT_STATUS(forward(f, &req, NULL), GRPC_STATUS_FAILED_PRECONDITION);
     const char *msg = rnnd_client_last_error()->message;
     if (!strstr(msg, "100"))

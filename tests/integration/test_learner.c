@@ -454,12 +454,34 @@ static void test_trajectory_ring(void **state) {
     // The last recorded obs is the last one sent.
     assert_memory_equal((const float *)r.obs.data + (size_t)(RING - 1) * I_, x, sizeof x);
     rnnd_forward_reply_free(&r);
+    // More than the ring holds can never be served (either refusal is fine).
     req.steps = RING + 1;
-    EXPECT_STATUS(rnnd_client_forward(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
-    // EndEpisodes drops the recorded steps too.
+    int err = rnnd_client_forward(f->c, &req, &r);
+    int st = rnnd_client_last_error()->grpc_status;
+    assert_true(err != 0 &&
+                (st == GRPC_STATUS_INVALID_ARGUMENT || st == GRPC_STATUS_FAILED_PRECONDITION));
+    // EndEpisodes drops the recorded steps too: a new episode of 3 steps has 3, not RING.
     EXPECT_OK(rnnd_client_end_episodes(f->c, &id, 1, NULL));
     req.steps = 1;
     EXPECT_STATUS(rnnd_client_forward(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    init = true;
+    for (int s = 0; s < 3; s++) {
+        struct rnnd_step_req sq = {.n_env_ids = 1,
+                                   .env_ids = &id,
+                                   .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                   .n_is_init = 1,
+                                   .is_init = &init};
+        struct rnnd_step_reply sr;
+        EXPECT_OK(rnnd_client_step(f->c, &sq, &sr));
+        rnnd_step_reply_free(&sr);
+        init = false;
+    }
+    req.steps = 4;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
+    req.steps = 3;
+    EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
+    assert_tensor_f32(&r.output, 3, 1, 3, H_, 0);
+    rnnd_forward_reply_free(&r);
 }
 
 // ---------------------------------------------------------------------------------------------

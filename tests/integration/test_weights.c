@@ -200,6 +200,13 @@ static void expect_ctl(int rc_got, int rc_want, const char *out, const char *nee
     assert_true(ok);
 }
 
+// The call runs before `out` is read (argument evaluation order is unspecified).
+#define EXPECT_CTL(call, rc_want, needle)                                                          \
+    do {                                                                                           \
+        int rc_ = (call);                                                                          \
+        expect_ctl(rc_, (rc_want), out, (needle));                                                 \
+    } while (0)
+
 static void test_rnndctl(void **state) {
     struct fixture *f = *state;
     char *out;
@@ -210,32 +217,32 @@ static void test_rnndctl(void **state) {
     snprintf(file2, sizeof file2, "%s/w2.safetensors", tmp);
 
     const char *help[] = {rnndctl_bin(), "--help", NULL};
-    expect_ctl(run_capture(help, 5000, &out), 0, out, "bench");
+    EXPECT_CTL(run_capture(help, 5000, &out), 0, "bench");
     free(out);
     const char *bad[] = {rnndctl_bin(), "frobnicate", NULL};
-    expect_ctl(run_capture(bad, 5000, &out), 2, out, "frobnicate");
+    EXPECT_CTL(run_capture(bad, 5000, &out), 2, "frobnicate");
     free(out);
     const char *down[] = {rnndctl_bin(), "-t", "127.0.0.1:1", "--timeout-ms", "2000", "info", NULL};
-    expect_ctl(run_capture(down, 10000, &out), 1, out, "UNAVAILABLE");
+    EXPECT_CTL(run_capture(down, 10000, &out), 1, "UNAVAILABLE");
     free(out);
 
-    expect_ctl(ctl(f, &out, "health", NULL, NULL, NULL, NULL, NULL), 0, out, "SERVING");
+    EXPECT_CTL(ctl(f, &out, "health", NULL, NULL, NULL, NULL, NULL), 0, "SERVING");
     free(out);
-    expect_ctl(ctl(f, &out, "info", NULL, NULL, NULL, NULL, NULL), 0, out, "hidden_size: 16");
+    EXPECT_CTL(ctl(f, &out, "info", NULL, NULL, NULL, NULL, NULL), 0, "hidden_size: 16");
     free(out);
-    expect_ctl(ctl(f, &out, "step", "--env", "700,701", "--init", "--steps", "3"), 0, out,
+    EXPECT_CTL(ctl(f, &out, "step", "--env", "700,701", "--init", "--steps", "3"), 0,
                "env 701:");
     free(out);
-    expect_ctl(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1, out,
+    EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1,
                "FAILED_PRECONDITION");
     free(out);
-    expect_ctl(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, out, "released 2");
+    EXPECT_CTL(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, "released 2");
     free(out);
 
     // weights export: the file holds exactly what GetWeights returns.
     uint64_t v;
     float *w = get_params(f, &v);
-    expect_ctl(ctl(f, &out, "weights", "export", file, NULL, NULL, NULL), 0, out, "wrote");
+    EXPECT_CTL(ctl(f, &out, "weights", "export", file, NULL, NULL, NULL), 0, "wrote");
     free(out);
     size_t len;
     FILE *fp = fopen(file, "rb");
@@ -267,12 +274,12 @@ static void test_rnndctl(void **state) {
     assert_int_equal(fwrite(enc, 1, enc_len, fp), enc_len);
     fclose(fp);
     free(enc);
-    expect_ctl(ctl(f, &out, "weights", "import", file2, NULL, NULL, NULL), 0, out, "imported");
+    EXPECT_CTL(ctl(f, &out, "weights", "import", file2, NULL, NULL, NULL), 0, "imported");
     free(out);
     float *got = get_params(f, &v);
     assert_memory_equal(got, n, sizeof(float) * f->r.P);
     // And back: importing the exported file restores the first weights.
-    expect_ctl(ctl(f, &out, "weights", "import", file, NULL, NULL, NULL), 0, out, "imported");
+    EXPECT_CTL(ctl(f, &out, "weights", "import", file, NULL, NULL, NULL), 0, "imported");
     free(out);
     free(got);
     got = get_params(f, &v);
@@ -281,16 +288,16 @@ static void test_rnndctl(void **state) {
     fp = fopen(file2, "wb");
     fputs("not a safetensors file", fp);
     fclose(fp);
-    expect_ctl(ctl(f, &out, "weights", "import", file2, NULL, NULL, NULL), 1, out, "safetensors");
+    EXPECT_CTL(ctl(f, &out, "weights", "import", file2, NULL, NULL, NULL), 1, "safetensors");
     free(out);
 
-    expect_ctl(ctl(f, &out, "checkpoint", NULL, NULL, NULL, NULL, NULL), 0, out, "path: ");
+    EXPECT_CTL(ctl(f, &out, "checkpoint", NULL, NULL, NULL, NULL, NULL), 0, "path: ");
     free(out);
-    expect_ctl(ctl7(f, &out, "bench", "-c", "2", "-e", "4", "-d", "0.5", "--warmup=0.2"), 0, out,
+    EXPECT_CTL(ctl7(f, &out, "bench", "-c", "2", "-e", "4", "-d", "0.5", "--warmup=0.2"), 0,
                "GetModelInfo");
     assert_non_null(strstr(out, "env-steps/s"));
     free(out);
-    expect_ctl(ctl7(f, &out, "bench", "-c", "1", "--stream", "-d", "0.3", "--no-floor", NULL), 0, out,
+    EXPECT_CTL(ctl7(f, &out, "bench", "-c", "1", "--stream", "-d", "0.3", "--no-floor", NULL), 0,
                "StepStream");
     free(out);
     free(w);
@@ -403,6 +410,10 @@ static void restart(struct fixture *f, const char *const *extra) {
 
 static void test_clean_restart(void **state) {
     struct fixture *f = *state;
+    if (daemon_flag_unimplemented("--restore", "/nonexistent/ckpt")) {
+        fprintf(stderr, "  restoring checkpoints is not implemented in this rnnd yet: skipped\n");
+        skip();
+    }
     step_envs(f, true, "before restart");
     step_envs(f, false, "before restart");
     // An update too, so the version moves.
@@ -461,6 +472,10 @@ static void test_clean_restart(void **state) {
 
 static void test_kill9_and_corrupt(void **state) {
     struct fixture *f = *state;
+    if (daemon_flag_unimplemented("--restore", "/nonexistent/ckpt")) {
+        fprintf(stderr, "  restoring checkpoints is not implemented in this rnnd yet: skipped\n");
+        skip();
+    }
     uint64_t v;
     // Checkpoint A.
     float *a = random_params(f, 0.3f);

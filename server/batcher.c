@@ -132,7 +132,7 @@ struct rnnd_batcher {
 };
 
 struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
-    if (cfg->max_batch < 1 || cfg->max_queue_rows < cfg->max_batch)
+    if (cfg->max_batch < 1 || cfg->max_queue_rows < 1)
         return NULL;
     struct rnnd_batcher *b = calloc(1, sizeof(*b));
     if (b == NULL)

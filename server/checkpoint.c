@@ -4,6 +4,7 @@
 #include "checkpoint.h"
 
 #include <dirent.h>
+#include <stdbool.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -191,7 +192,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     // envs.safetensors
     int64_t N = ck->n_envs, L = ck->model.L, H = ck->model.H;
     size_t lh = (size_t)(L * H);
-    struct rnnd_st_tensor et[5];
+    struct rnnd_st_tensor et[6];
     int ne = 0;
     et[ne++] = (struct rnnd_st_tensor){.name = "env_ids", .dtype = RNND_ST_I64, .ndim = 1,
                                        .shape = {N}, .data = ck->env_ids,
@@ -208,6 +209,10 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                                        .bytes = (size_t)N * 8};
     et[ne++] = (struct rnnd_st_tensor){.name = "has_index", .dtype = RNND_ST_U8, .ndim = 1,
                                        .shape = {N}, .data = ck->has_index, .bytes = (size_t)N};
+    if (ck->last_output)
+        et[ne++] = (struct rnnd_st_tensor){.name = "last_output", .dtype = RNND_ST_F32,
+                                           .ndim = 2, .shape = {N, H}, .data = ck->last_output,
+                                           .bytes = (size_t)(N * H) * 4};
     const char *env_meta[] = {"env_ids", "uint64 bit patterns stored as I64"};
     rc = rnnd_st_encode(et, ne, env_meta, 1, &buf, &len);
     if (rc != 0)
@@ -232,10 +237,11 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                      "  \"model_version\": %s,\n  \"optimizer\": \"%s\",\n  \"lr\": %s,\n"
                      "  \"max_grad_norm\": %s,\n  \"optimizer_step\": %s,\n"
                      "  \"envs\": %d,\n  \"extras_size\": %d,\n  \"seed\": %s,\n"
-                     "  \"created\": \"%s\"\n}\n",
+                     "  \"created\": \"%s\",\n  \"created_unix_ms\": %lld\n}\n",
                      rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H,
                      ck->model.L, rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip,
-                     step, ck->n_envs, ck->extras_size, seed, created);
+                     step, ck->n_envs, ck->extras_size, seed, created,
+                     (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
     return write_file(dirfd, "metadata.json", json, (size_t)n, err, errlen);
 }
 
@@ -329,4 +335,330 @@ int rnnd_checkpoint_prune(const char *state_dir, int keep) {
     }
     free(names);
     return removed;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+// Reads path into a new buffer. 0, RNND_ENOTFOUND when it does not exist, RNND_EIO otherwise.
+static int slurp(const char *path, void **out, size_t *len, char *err, size_t errlen) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? RNND_ENOTFOUND
+                               : fail(err, errlen, RNND_EIO, "open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size < 0) {
+        close(fd);
+        return fail(err, errlen, RNND_EIO, "stat %s: %s", path, strerror(errno));
+    }
+    size_t n = (size_t)st.st_size;
+    char *buf = malloc(n ? n : 1);
+    if (buf == NULL) {
+        close(fd);
+        return fail(err, errlen, RNND_ENOMEM, "out of memory reading %s", path);
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    close(fd);
+    if (got != n) {
+        free(buf);
+        return fail(err, errlen, RNND_EIO, "read %s: short read", path);
+    }
+    *out = buf;
+    *len = n;
+    return 0;
+}
+
+// Decodes dir/name: 0, RNND_ENOTFOUND (missing) or an error naming the file.
+static int read_st(const char *dir, const char *name, void **buf, struct rnnd_st_file *f,
+                   char *err, size_t errlen) {
+    char path[2 * RNND_CONFIG_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    size_t len;
+    int rc = slurp(path, buf, &len, err, errlen);
+    if (rc != 0)
+        return rc;
+    char why[256];
+    rc = rnnd_st_decode(*buf, len, f, why, sizeof(why));
+    if (rc != 0) {
+        free(*buf);
+        *buf = NULL;
+        return fail(err, errlen, rc == RNND_ENOMEM ? rc : RNND_ECORRUPT, "%s: %s", name,
+                    rc == RNND_ENOMEM ? "out of memory" : why);
+    }
+    return 0;
+}
+
+static const struct rnnd_st_tensor *want_tensor(const struct rnnd_st_file *f, const char *name,
+                                                enum rnnd_st_dtype dt, int ndim,
+                                                const int64_t *shape) {
+    const struct rnnd_st_tensor *t = rnnd_st_find(f, name);
+    if (t == NULL || t->dtype != dt || t->ndim != ndim)
+        return NULL;
+    for (int i = 0; i < ndim; i++)
+        if (t->shape[i] != shape[i])
+            return NULL;
+    return t;
+}
+
+void rnnd_checkpoint_data_free(struct rnnd_checkpoint_data *d) {
+    if (d == NULL)
+        return;
+    for (size_t i = 0; i < sizeof(d->mem) / sizeof(d->mem[0]); i++)
+        free(d->mem[i]);
+    memset(d, 0, sizeof(*d));
+}
+
+static void *keep(struct rnnd_checkpoint_data *d, size_t bytes) {
+    for (size_t i = 0; i < sizeof(d->mem) / sizeof(d->mem[0]); i++) {
+        if (d->mem[i] == NULL) {
+            d->mem[i] = malloc(bytes ? bytes : 1);
+            return d->mem[i];
+        }
+    }
+    return NULL;
+}
+
+int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
+                         struct rnnd_checkpoint_data *out, char *err, size_t errlen) {
+    memset(out, 0, sizeof(*out));
+    struct rnnd_checkpoint *ck = &out->ck;
+    ck->model = *m;
+    ck->P = rnnd_model_param_count(m);
+    void *buf = NULL;
+    struct rnnd_st_file f = {0};
+    int rc = read_st(dir, "model.safetensors", &buf, &f, err, errlen);
+    if (rc == RNND_ENOTFOUND)
+        return fail(err, errlen, RNND_ECORRUPT, "model.safetensors is missing");
+    if (rc != 0)
+        return rc;
+    float *params = keep(out, ck->P * sizeof(float));
+    if (params == NULL) {
+        rc = fail(err, errlen, RNND_ENOMEM, "out of memory");
+        goto done;
+    }
+    char why[256];
+    rc = rnnd_st_decode_params(m, &f, params, why, sizeof(why));
+    if (rc != 0) {
+        rc = fail(err, errlen, RNND_EINVAL,
+                  "model.safetensors does not fit this daemon's %s I=%d H=%d L=%d: %s",
+                  rnnd_config_cell_name(m->cell), m->I, m->H, m->L, why);
+        goto done;
+    }
+    ck->params = params;
+    const char *ver = rnnd_st_meta(&f, "rnnd_model_version");
+    ck->model_version = ver ? strtoull(ver, NULL, 10) : 0;
+    rnnd_st_file_free(&f);
+    free(buf);
+    buf = NULL;
+
+    // optimizer.safetensors (optional)
+    rc = read_st(dir, "optimizer.safetensors", &buf, &f, err, errlen);
+    if (rc == 0) {
+        out->has_optimizer = true;
+        const char *opt = rnnd_st_meta(&f, "optimizer");
+        snprintf(out->optimizer, sizeof(out->optimizer), "%s", opt ? opt : "");
+        int64_t one = 1, P = (int64_t)ck->P;
+        const struct rnnd_st_tensor *step = want_tensor(&f, "step", RNND_ST_I64, 1, &one);
+        if (step == NULL) {
+            rc = fail(err, errlen, RNND_ECORRUPT, "optimizer.safetensors: no I64 [1] 'step'");
+            goto done;
+        }
+        memcpy(&ck->optim_step, step->data, 8);
+        const struct rnnd_st_tensor *ma = want_tensor(&f, "exp_avg", RNND_ST_F32, 1, &P);
+        const struct rnnd_st_tensor *va = want_tensor(&f, "exp_avg_sq", RNND_ST_F32, 1, &P);
+        if ((ma == NULL) != (va == NULL)) {
+            rc = fail(err, errlen, RNND_ECORRUPT,
+                      "optimizer.safetensors: exp_avg and exp_avg_sq must both be F32 [%lld]",
+                      (long long)P);
+            goto done;
+        }
+        if (ma) {
+            float *mm = keep(out, ck->P * 4), *vv = keep(out, ck->P * 4);
+            if (mm == NULL || vv == NULL) {
+                rc = fail(err, errlen, RNND_ENOMEM, "out of memory");
+                goto done;
+            }
+            memcpy(mm, ma->data, ck->P * 4);
+            memcpy(vv, va->data, ck->P * 4);
+            ck->exp_avg = mm;
+            ck->exp_avg_sq = vv;
+        }
+        rnnd_st_file_free(&f);
+        free(buf);
+        buf = NULL;
+    } else if (rc != RNND_ENOTFOUND) {
+        goto done;
+    }
+
+    // envs.safetensors (optional)
+    rc = read_st(dir, "envs.safetensors", &buf, &f, err, errlen);
+    if (rc == 0) {
+        const struct rnnd_st_tensor *ids = rnnd_st_find(&f, "env_ids");
+        if (ids == NULL || ids->dtype != RNND_ST_I64 || ids->ndim != 1) {
+            rc = fail(err, errlen, RNND_ECORRUPT, "envs.safetensors: no I64 [N] 'env_ids'");
+            goto done;
+        }
+        int64_t N = ids->shape[0], L = m->L, H = m->H;
+        int64_t s3[3] = {N, L, H}, s1[1] = {N}, s2[2] = {N, H};
+        const struct rnnd_st_tensor *h = want_tensor(&f, "h", RNND_ST_F32, 3, s3);
+        const struct rnnd_st_tensor *c =
+            m->cell == RNND_CELL_LSTM ? want_tensor(&f, "c", RNND_ST_F32, 3, s3) : NULL;
+        const struct rnnd_st_tensor *li = want_tensor(&f, "last_index", RNND_ST_I64, 1, s1);
+        const struct rnnd_st_tensor *hi = want_tensor(&f, "has_index", RNND_ST_U8, 1, s1);
+        const struct rnnd_st_tensor *lo = want_tensor(&f, "last_output", RNND_ST_F32, 2, s2);
+        if (h == NULL || (m->cell == RNND_CELL_LSTM && c == NULL) || li == NULL || hi == NULL ||
+            N > INT32_MAX) {
+            rc = fail(err, errlen, RNND_ECORRUPT,
+                      "envs.safetensors: expected h%s [N, %lld, %lld], last_index and has_index "
+                      "[N] for N = %lld env_ids",
+                      m->cell == RNND_CELL_LSTM ? " and c" : "", (long long)L, (long long)H,
+                      (long long)N);
+            goto done;
+        }
+        size_t n = (size_t)N, lh = (size_t)(L * H);
+        uint64_t *idv = keep(out, n * 8), *liv = keep(out, n * 8);
+        uint8_t *hiv = keep(out, n);
+        float *hv = keep(out, n * lh * 4);
+        float *cv = c ? keep(out, n * lh * 4) : NULL;
+        float *lov = lo ? keep(out, n * (size_t)H * 4) : NULL;
+        if (!idv || !liv || !hiv || !hv || (c && !cv) || (lo && !lov)) {
+            rc = fail(err, errlen, RNND_ENOMEM, "out of memory");
+            goto done;
+        }
+        memcpy(idv, ids->data, n * 8);
+        memcpy(liv, li->data, n * 8);
+        memcpy(hiv, hi->data, n);
+        memcpy(hv, h->data, n * lh * 4);
+        if (c)
+            memcpy(cv, c->data, n * lh * 4);
+        if (lo)
+            memcpy(lov, lo->data, n * (size_t)H * 4);
+        ck->n_envs = (int)N;
+        ck->env_ids = idv;
+        ck->last_index = liv;
+        ck->has_index = hiv;
+        ck->env_h = hv;
+        ck->env_c = cv;
+        ck->last_output = lov;
+        rnnd_st_file_free(&f);
+        free(buf);
+        buf = NULL;
+    } else if (rc != RNND_ENOTFOUND) {
+        goto done;
+    }
+    rc = 0;
+done:
+    rnnd_st_file_free(&f);
+    free(buf);
+    if (rc != 0)
+        rnnd_checkpoint_data_free(out);
+    return rc;
+}
+
+struct listed {
+    char *path;
+    long long t;
+};
+
+static int listed_cmp(const void *a, const void *b) {
+    const struct listed *x = a, *y = b;
+    if (x->t != y->t)
+        return x->t > y->t ? -1 : 1; // newest first
+    return -strcmp(x->path, y->path);
+}
+
+// Creation time in ms: metadata.json's created_unix_ms, else the directory's mtime.
+static long long created_ms(const char *dir) {
+    char path[3 * RNND_CONFIG_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/metadata.json", dir);
+    void *buf;
+    size_t len;
+    char err[64];
+    long long t = -1;
+    if (slurp(path, &buf, &len, err, sizeof(err)) == 0) {
+        char *text = realloc(buf, len + 1);
+        if (text) {
+            text[len] = '\0';
+            const char *k = strstr(text, "\"created_unix_ms\":");
+            if (k)
+                t = strtoll(k + 18, NULL, 10);
+            buf = text;
+        }
+        free(buf);
+    }
+    if (t < 0) {
+        struct stat st;
+        if (stat(dir, &st) == 0)
+            t = (long long)st.st_mtim.tv_sec * 1000 + st.st_mtim.tv_nsec / 1000000;
+    }
+    return t;
+}
+
+int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n) {
+    *paths = NULL;
+    *n = 0;
+    DIR *d = opendir(state_dir);
+    if (d == NULL)
+        return 0;
+    struct listed *v = NULL;
+    int k = 0, cap = 0, rc = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.')
+            continue;
+        char path[2 * RNND_CONFIG_PATH_MAX], probe[2 * RNND_CONFIG_PATH_MAX + 32];
+        snprintf(path, sizeof(path), "%s/%s", state_dir, de->d_name);
+        struct stat st;
+        snprintf(probe, sizeof(probe), "%s/model.safetensors", path);
+        bool is_ck = stat(probe, &st) == 0;
+        snprintf(probe, sizeof(probe), "%s/metadata.json", path);
+        is_ck = is_ck || stat(probe, &st) == 0;
+        if (!is_ck)
+            continue;
+        if (k == cap) {
+            cap = cap ? 2 * cap : 16;
+            struct listed *nv = realloc(v, (size_t)cap * sizeof(*nv));
+            if (nv == NULL) {
+                rc = RNND_ENOMEM;
+                break;
+            }
+            v = nv;
+        }
+        v[k].path = strdup(path);
+        if (v[k].path == NULL) {
+            rc = RNND_ENOMEM;
+            break;
+        }
+        v[k].t = created_ms(path);
+        k++;
+    }
+    closedir(d);
+    qsort(v, (size_t)k, sizeof(*v), listed_cmp);
+    char **out = rc == 0 ? malloc(((size_t)k + 1) * sizeof(char *)) : NULL;
+    for (int i = 0; i < k; i++) {
+        if (out)
+            out[i] = v[i].path;
+        else
+            free(v[i].path);
+    }
+    free(v);
+    if (out == NULL)
+        return RNND_ENOMEM;
+    *paths = out;
+    *n = k;
+    return 0;
+}
+
+void rnnd_checkpoint_list_free(char **paths, int n) {
+    for (int i = 0; i < n; i++)
+        free(paths[i]);
+    free(paths);
 }

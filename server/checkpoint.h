@@ -11,6 +11,7 @@
 #ifndef RNND_CHECKPOINT_H
 #define RNND_CHECKPOINT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,6 +33,7 @@ struct rnnd_checkpoint {
     const float *env_c;         // (N, L, H) LSTM
     const uint64_t *last_index; // (N)
     const uint8_t *has_index;   // (N)
+    const float *last_output;   // (N, H) the output of each env's latest step (retries)
     int extras_size;
     uint64_t seed;
 };
@@ -48,6 +50,28 @@ int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64
 // checkpoint of that name is untouched.
 int rnnd_checkpoint_write(const char *dir, const struct rnnd_checkpoint *ck, char *err,
                           size_t errlen);
+
+// A checkpoint read back: ck's pointers refer to the arrays owned here.
+struct rnnd_checkpoint_data {
+    struct rnnd_checkpoint ck;
+    bool has_optimizer; // optimizer.safetensors was there
+    char optimizer[16]; // "adam", "sgd" or ""
+    void *mem[10];      // what to free
+};
+
+// Reads the checkpoint in dir for model m (borrowed) into *out; free with
+// rnnd_checkpoint_data_free. model.safetensors must hold exactly m's tensors; optimizer and env
+// files may be missing (a directory holding only a PyTorch model.safetensors restores weights).
+// 0, or RNND_ECORRUPT / RNND_EINVAL / RNND_EIO / RNND_ENOMEM with the reason in err.
+int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
+                         struct rnnd_checkpoint_data *out, char *err, size_t errlen);
+void rnnd_checkpoint_data_free(struct rnnd_checkpoint_data *d);
+
+// The checkpoint directories in state_dir (those holding model.safetensors or metadata.json,
+// not hidden), newest first by creation time. *paths is a new array of n new strings; free
+// with rnnd_checkpoint_list_free. 0 (also when the directory does not exist) or RNND_ENOMEM.
+int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n);
+void rnnd_checkpoint_list_free(char **paths, int n);
 
 // Removes the oldest automatically named checkpoints ("ckpt-*") in state_dir beyond the newest
 // keep. Checkpoints saved under other names are never removed. Returns how many were removed.

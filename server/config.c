@@ -303,9 +303,6 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
         return fail(err, errlen, "--tls-cert needs --tls-key");
     if (c->tls_client_ca[0] && !c->tls_cert[0])
         return fail(err, errlen, "--tls-client-ca needs --tls-cert and --tls-key");
-    if (c->max_queue_rows != 0 && c->max_queue_rows < c->max_batch)
-        return fail(err, errlen, "--max-queue-rows %d is below --max-batch %d", c->max_queue_rows,
-                    c->max_batch);
     if (strcmp(c->listen, c->http) == 0 && strstr(c->listen, ":0") == NULL)
         return fail(err, errlen, "--listen and --http are both %s", c->listen);
     // Each env's reply and request rows must fit into one message with room to spare.

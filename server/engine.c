@@ -236,6 +236,9 @@ static void env_gauges(struct rnnd_engine *e) {
 // ---------------------------------------------------------------------------------------------
 // Start-up
 
+static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen);
+static void env_gauges(struct rnnd_engine *e);
+
 static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     const struct rnnd_config *c = &e->cfg;
     int rc;
@@ -339,7 +342,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
         goto oom;
     e->last_checkpoint_ns = rnnd_now_ns();
     atomic_store_explicit(&rnnd_metrics.model_version, 0, memory_order_relaxed);
-    return 0;
+    return engine_restore(e, msg, msglen);
 oom:
     rc = RNND_ENOMEM;
 fail_rc:
@@ -1000,8 +1003,10 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     uint8_t *has = malloc((size_t)N + 1);
     float *h = malloc(((size_t)N * LH + 1) * sizeof(float));
     float *c = e->lstm ? malloc(((size_t)N * LH + 1) * sizeof(float)) : NULL;
+    float *lo = malloc(((size_t)N * (size_t)e->model.H + 1) * sizeof(float));
     int rc = RNND_ENOMEM;
-    if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c)) {
+    if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c) ||
+        !lo) {
         snprintf(msg, msglen, "out of host memory for a checkpoint snapshot");
         goto out;
     }
@@ -1016,6 +1021,8 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         ids[i] = env->id;
         last[i] = env->last_index;
         has[i] = env->has_index;
+        memcpy(lo + (size_t)i * (size_t)e->model.H, rnnd_envtable_output(e->envs, env),
+               (size_t)e->model.H * sizeof(float));
         size_t off = (size_t)env->slot * LH;
         rc = be_out(e, h + (size_t)i * LH, e->state_h + off, LH * sizeof(float));
         if (rc == 0 && e->lstm)
@@ -1033,6 +1040,7 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     ck.has_index = has;
     ck.env_h = h;
     ck.env_c = c;
+    ck.last_output = lo;
     uint64_t t0 = rnnd_now_ns();
     rc = rnnd_checkpoint_write(dir, &ck, msg, msglen);
     if (rc == 0)
@@ -1050,6 +1058,7 @@ out:
     free(has);
     free(h);
     free(c);
+    free(lo);
     return rc;
 }
 
@@ -1084,6 +1093,126 @@ static void checkpoint_auto(struct rnnd_engine *e, const char *why) {
     }
     rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
     e->last_checkpoint_ns = rnnd_now_ns();
+}
+
+// Loads a checkpoint read from disk into the (fresh) engine. Nothing changes on failure.
+static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_data *d, char *msg,
+                         size_t msglen) {
+    const struct rnnd_checkpoint *ck = &d->ck;
+    size_t LH = e->LH, H = (size_t)e->model.H, bytes = e->P * sizeof(float);
+    if (ck->n_envs > e->cfg.max_envs) {
+        snprintf(msg, msglen, "it holds %d envs, more than --max-envs %d; raise --max-envs",
+                 ck->n_envs, e->cfg.max_envs);
+        return RNND_EINVAL;
+    }
+    uint64_t now = rnnd_now_ns();
+    int rc = 0;
+    for (int i = 0; i < ck->n_envs && rc == 0; i++) {
+        struct rnnd_env *env;
+        if (rnnd_envtable_find(e->envs, ck->env_ids[i])) {
+            snprintf(msg, msglen, "env %" PRIu64 " appears twice in envs.safetensors",
+                     ck->env_ids[i]);
+            rc = RNND_ECORRUPT;
+            break;
+        }
+        rc = rnnd_envtable_add(e->envs, ck->env_ids[i], now, &env);
+        if (rc != 0)
+            break;
+        env->has_index = ck->has_index[i] != 0;
+        env->last_index = ck->last_index[i];
+        if (ck->last_output)
+            memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * H,
+                   H * sizeof(float));
+        size_t off = (size_t)env->slot * LH;
+        rc = be_in(e, e->state_h + off, ck->env_h + (size_t)i * LH, LH * sizeof(float));
+        if (rc == 0 && e->lstm)
+            rc = be_in(e, e->state_c + off, ck->env_c + (size_t)i * LH, LH * sizeof(float));
+    }
+    if (rc == 0 && e->adam_m) {
+        bool same = strcmp(d->optimizer, "adam") == 0 && ck->exp_avg;
+        if (same) {
+            rc = be_in(e, e->adam_m, ck->exp_avg, bytes);
+            if (rc == 0)
+                rc = be_in(e, e->adam_v, ck->exp_avg_sq, bytes);
+        }
+    }
+    if (rc == 0)
+        rc = be_in(e, e->cur->params, ck->params, bytes);
+    if (rc != 0) {
+        if (msg[0] == '\0')
+            snprintf(msg, msglen, "cannot load it: %s", rnnd_strerror(rc));
+        struct rnnd_env *env;
+        while ((env = rnnd_envtable_oldest(e->envs)))
+            rnnd_envtable_remove(e->envs, env);
+        if (e->adam_m) {
+            e->be.ops->zero(e->be.ctx, e->adam_m, bytes);
+            e->be.ops->zero(e->be.ctx, e->adam_v, bytes);
+        }
+        return rc;
+    }
+    bool same_opt = strcmp(d->optimizer, e->cfg.optimizer == RNND_OPTIM_ADAM ? "adam" : "sgd") == 0;
+    e->optim_t = same_opt ? ck->optim_step : 0;
+    e->cur->version = ck->model_version;
+    atomic_store(&e->version, ck->model_version);
+    atomic_store_explicit(&rnnd_metrics.model_version, ck->model_version, memory_order_relaxed);
+    env_gauges(e);
+    return 0;
+}
+
+// --restore DIR, else the newest checkpoint of --state-dir that loads; 0 also when there is
+// none. A corrupt or mismatched checkpoint in --state-dir is refused with a warning and the
+// next older one tried; a bad --restore stops the start.
+static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
+    struct rnnd_checkpoint_data d;
+    char why[512];
+    if (e->cfg.restore[0]) {
+        why[0] = '\0';
+        int rc = rnnd_checkpoint_read(e->cfg.restore, &e->model, &d, why, sizeof(why));
+        if (rc == 0) {
+            why[0] = '\0';
+            rc = restore_apply(e, &d, why, sizeof(why));
+            if (rc != 0)
+                rnnd_checkpoint_data_free(&d);
+        }
+        if (rc != 0) {
+            snprintf(msg, msglen, "--restore %.300s: %s", e->cfg.restore, why);
+            return rc;
+        }
+        rnnd_log(RNND_LOG_INFO, "restored %s: version %" PRIu64 ", %d envs", e->cfg.restore,
+                 d.ck.model_version, d.ck.n_envs);
+        rnnd_checkpoint_data_free(&d);
+        return 0;
+    }
+    if (e->cfg.state_dir[0] == '\0')
+        return 0;
+    char **paths;
+    int n;
+    if (rnnd_checkpoint_list(e->cfg.state_dir, &paths, &n) != 0) {
+        snprintf(msg, msglen, "out of memory listing --state-dir");
+        return RNND_ENOMEM;
+    }
+    bool done = false;
+    for (int i = 0; i < n && !done; i++) {
+        why[0] = '\0';
+        int rc = rnnd_checkpoint_read(paths[i], &e->model, &d, why, sizeof(why));
+        if (rc == 0) {
+            why[0] = '\0';
+            rc = restore_apply(e, &d, why, sizeof(why));
+            if (rc == 0)
+                rnnd_log(RNND_LOG_INFO, "restored %s: version %" PRIu64 ", %d envs", paths[i],
+                         d.ck.model_version, d.ck.n_envs);
+            rnnd_checkpoint_data_free(&d);
+        }
+        if (rc != 0)
+            rnnd_log(RNND_LOG_WARN, "checkpoint %s refused: %s; trying the next older one",
+                     paths[i], why);
+        done = rc == 0;
+    }
+    if (!done)
+        rnnd_log(RNND_LOG_INFO, "no usable checkpoint in %s: starting from --seed %" PRIu64,
+                 e->cfg.state_dir, e->cfg.seed);
+    rnnd_checkpoint_list_free(paths, n);
+    return 0;
 }
 
 // ---------------------------------------------------------------------------------------------

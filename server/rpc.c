@@ -10,11 +10,11 @@
  * structs embedded in the call that say which batch finished. The per-call mutex guards the
  * stream state (what is being sent, what is queued, whether a status went out).
  *
- * Shutdown (GRPC_NOTES.md): grpc_server_shutdown_and_notify, then end our streams and, once no
- * call of ours is unfinished (or the grace period is over), grpc_server_cancel_all_calls so idle
- * connections let go. Starting a batch after grpc_completion_queue_shutdown aborts, so every
- * batch start and request post holds the read side of `gate`, and the queue is shut down under
- * its write side with cq_open cleared.
+ * Shutdown (GRPC_NOTES.md): draining answers new calls UNAVAILABLE and ends idle streams; once
+ * no call of ours is unfinished (or the grace period is over), grpc_server_shutdown_and_notify
+ * and grpc_server_cancel_all_calls together (see maybe_shutdown for why not earlier). Starting a
+ * batch after grpc_completion_queue_shutdown aborts, so every batch start and request post holds
+ * the read side of `gate`, and the queue is shut down under its write side with cq_open cleared.
  */
 #include "rpc.h"
 
@@ -161,10 +161,12 @@ struct rnnd_rpc {
     _Atomic int serving;
     _Atomic int draining;
     _Atomic int active; // calls started and not yet finished by us
-    _Atomic int cancel_sent;
+    _Atomic int shut;   // shutdown_and_notify and cancel_all_calls were called
 
     pthread_mutex_t streams_lock;
     struct rnnd_call *streams;
+
+    char *auth; // "Bearer <token>", or NULL
 };
 
 static void call_unref(struct rnnd_call *c);
@@ -308,12 +310,16 @@ static void call_unref(struct rnnd_call *c) {
         call_free(c);
 }
 
-static void maybe_cancel_idle(struct rnnd_rpc *rpc) {
-    // Once draining and no call of ours is unfinished, cancel what gRPC still holds (idle
-    // connections, calls that never reached us) so the shutdown completes now.
-    if (atomic_load(&rpc->draining) && atomic_load(&rpc->active) == 0 &&
-        atomic_exchange(&rpc->cancel_sent, 1) == 0)
-        rnnd_rpc_cancel_all(rpc);
+// Shuts the gRPC server down once draining and no call of ours is unfinished: the connections
+// are closed (grpc_server_cancel_all_calls) and the server shut down right after. gRPC cancels
+// (CANCELLED) any call that reaches a server after its shutdown began (grpc/grpc#41785), so the
+// shutdown waits until every call in flight has been answered (new ones get UNAVAILABLE from us
+// meanwhile) and closes the connections before it: a call still on its way then fails as
+// UNAVAILABLE on the client, as a drain should.
+static void maybe_shutdown(struct rnnd_rpc *rpc) {
+    if (!atomic_load(&rpc->draining) || atomic_load(&rpc->active) != 0)
+        return;
+    rnnd_rpc_cancel_all(rpc);
 }
 
 // Starts the status batch (with initial metadata if none went out yet). Call with c->lock held
@@ -336,10 +342,12 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
     ops[n].data.send_status_from_server.status = (grpc_status_code)code;
     ops[n].data.send_status_from_server.status_details = &c->status_details;
     n++;
-    call_start(c, ops, n, &c->t_status);
+    // Counted before the status leaves, so a client that reads /metrics right after its reply
+    // sees its call.
     int mi = c->mi;
     rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
                          rnnd_now_ns() - c->start_ns);
+    call_start(c, ops, n, &c->t_status);
     if (code != GRPC_STATUS_OK)
         rnnd_log(RNND_LOG_DEBUG, "%s -> %d: %s", mi >= 0 ? methods[mi].path : "unknown", code,
                  msg ? msg : "");
@@ -351,7 +359,7 @@ static void call_done_active(struct rnnd_call *c) {
     if (c->counted) {
         c->counted = false;
         atomic_fetch_sub(&c->rpc->active, 1);
-        maybe_cancel_idle(c->rpc);
+        maybe_shutdown(c->rpc);
     }
 }
 
@@ -499,9 +507,9 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     ops[2].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     ops[2].data.send_status_from_server.status = GRPC_STATUS_OK;
     c->send_buf = bb; // destroyed with the call
+    rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
     call_start(c, ops, 3, &c->t_status);
     pthread_mutex_unlock(&c->lock);
-    rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
     finish_owner(c, true);
 }
 
@@ -603,6 +611,32 @@ static void health_watch(struct rnnd_call *c) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Bearer tokens
+
+// True when the call carries "authorization: Bearer <token>" (or no token is configured). The
+// comparison takes the same time wherever the first difference is.
+static bool auth_ok(const struct rnnd_call *c) {
+    const char *want = c->rpc->auth;
+    if (want == NULL)
+        return true;
+    size_t wn = strlen(want);
+    bool ok = false;
+    for (size_t i = 0; i < c->md.count; i++) {
+        const grpc_metadata *m = &c->md.metadata[i];
+        if (GRPC_SLICE_LENGTH(m->key) != 13 ||
+            memcmp(GRPC_SLICE_START_PTR(m->key), "authorization", 13) != 0)
+            continue;
+        size_t n = GRPC_SLICE_LENGTH(m->value);
+        const unsigned char *v = GRPC_SLICE_START_PTR(m->value);
+        unsigned diff = n != wn;
+        for (size_t k = 0; k < wn; k++)
+            diff |= (unsigned)(k < n ? v[k] : 0) ^ (unsigned char)want[k];
+        ok = ok || diff == 0;
+    }
+    return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Completions (the completion-queue thread)
 
 static void on_new(struct rnnd_call *c, bool ok) {
@@ -621,6 +655,15 @@ static void on_new(struct rnnd_call *c, bool ok) {
         op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
         op.data.recv_close_on_server.cancelled = &c->close_cancelled;
         call_start(c, &op, 1, &c->t_close);
+    }
+    // Health stays open to probes (they carry no token); everything else needs it.
+    bool health = c->mi >= 0 && (methods[c->mi].kind == KIND_HEALTH_CHECK ||
+                                 methods[c->mi].kind == KIND_HEALTH_WATCH);
+    if (!health && !auth_ok(c)) {
+        call_fail_code(c, GRPC_STATUS_UNAUTHENTICATED,
+                       "missing or wrong bearer token; send metadata \"authorization: Bearer "
+                       "<token>\" with the token of --auth-token-file");
+        return;
     }
     if (c->mi < 0) {
         char msg[256];
@@ -864,12 +907,36 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
             goto fail;
         }
     }
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    if (o->auth_token && o->auth_token[0]) {
+        size_t n = strlen(o->auth_token) + 8;
+        rpc->auth = malloc(n);
+        if (rpc->auth == NULL) {
+            snprintf(err, errlen, "out of memory");
+            goto fail;
+        }
+        snprintf(rpc->auth, n, "Bearer %s", o->auth_token);
+    }
+    grpc_server_credentials *creds;
+    if (o->tls_cert_pem) {
+        grpc_ssl_pem_key_cert_pair pair = {o->tls_key_pem, o->tls_cert_pem};
+        creds = grpc_ssl_server_credentials_create_ex(
+            o->tls_client_ca_pem, &pair, 1,
+            o->tls_client_ca_pem ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                 : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+            NULL);
+        if (creds == NULL) {
+            snprintf(err, errlen, "--tls-cert/--tls-key: gRPC refused the certificate or key");
+            goto fail;
+        }
+    } else {
+        creds = grpc_insecure_server_credentials_create();
+    }
     int bound = grpc_server_add_http2_port(rpc->server, o->listen, creds);
     grpc_server_credentials_release(creds);
     if (bound == 0) {
-        snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?)",
-                 o->listen);
+        snprintf(err, errlen,
+                 "--listen %s: cannot bind (address in use or not local?%s)", o->listen,
+                 o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
         goto fail;
     }
     grpc_server_start(rpc->server);
@@ -914,6 +981,7 @@ fail:
     grpc_completion_queue_destroy(rpc->cq);
     pthread_rwlock_destroy(&rpc->gate);
     pthread_mutex_destroy(&rpc->streams_lock);
+    free(rpc->auth);
     free(rpc);
     return RNND_EIO;
 }
@@ -972,22 +1040,24 @@ void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving) {
 void rnnd_rpc_drain(struct rnnd_rpc *rpc) {
     if (atomic_exchange(&rpc->draining, 1))
         return;
-    rnnd_log(RNND_LOG_INFO, "draining: refusing new calls, finishing the ones in flight");
-    pthread_rwlock_rdlock(&rpc->gate);
-    if (rpc->cq_open && !rpc->server_shut) {
-        rpc->server_shut = true;
-        grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
-    }
-    pthread_rwlock_unlock(&rpc->gate);
+    rnnd_log(RNND_LOG_INFO, "draining: new calls get UNAVAILABLE, the ones in flight finish");
     // Watchers hear NOT_SERVING, then every idle stream ends.
     streams_each(rpc, drain_stream);
-    maybe_cancel_idle(rpc);
+    maybe_shutdown(rpc);
 }
 
 void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc) {
-    pthread_rwlock_rdlock(&rpc->gate);
-    if (rpc->cq_open)
+    if (atomic_exchange(&rpc->shut, 1))
+        return;
+    pthread_rwlock_wrlock(&rpc->gate);
+    if (rpc->cq_open && !rpc->server_shut) {
+        rpc->server_shut = true;
+        // Connections first: a call on its way then meets a closed transport (UNAVAILABLE on
+        // the client) instead of a server marked shut down (which would cancel it).
         grpc_server_cancel_all_calls(rpc->server);
+        grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+        grpc_server_cancel_all_calls(rpc->server); // any connection made in between
+    }
     pthread_rwlock_unlock(&rpc->gate);
 }
 
@@ -1000,5 +1070,6 @@ void rnnd_rpc_free(struct rnnd_rpc *rpc) {
     grpc_completion_queue_destroy(rpc->cq);
     pthread_rwlock_destroy(&rpc->gate);
     pthread_mutex_destroy(&rpc->streams_lock);
+    free(rpc->auth);
     free(rpc);
 }

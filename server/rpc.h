@@ -34,6 +34,11 @@ struct rnnd_rpc_options {
     void *service;            // handed to handlers
     rnnd_rpc_stopped_cb stopped;
     void *stopped_ctx;
+    // Security (all borrowed, NULL when unused):
+    const char *tls_cert_pem;      // server certificate chain; TLS when set
+    const char *tls_key_pem;       // its private key
+    const char *tls_client_ca_pem; // when set, clients must present a certificate it signed
+    const char *auth_token;        // when set, rnnd.v1 calls need "authorization: Bearer <token>"
 };
 
 // Creates the server, binds opts->listen and starts the completion-queue thread; the server
@@ -44,10 +49,12 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, i
 // Switches between serving and not (health Watch streams hear about it). Any thread.
 void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving);
 // Begins the graceful shutdown: health turns NOT_SERVING, new calls get UNAVAILABLE, open
-// streams are ended after their message in flight, and the server stops once every call has
-// finished (then `stopped` runs). Any thread; idempotent.
+// streams are ended after their message in flight, and once every call has been answered the
+// gRPC server shuts down and closes its connections (then `stopped` runs). Any thread;
+// idempotent.
 void rnnd_rpc_drain(struct rnnd_rpc *rpc);
-// Cancels every call still running (the drain's grace period is over). Any thread.
+// Shuts the server down now, cancelling every call still running (the drain's grace period is
+// over). Any thread; idempotent.
 void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc);
 // Joins the completion-queue thread and destroys the server. Call after `stopped` ran and after
 // every handler has finished its calls (e.g. the engine was joined).

@@ -16,7 +16,10 @@
 
 #include <grpc/grpc.h>
 #include <pthread.h>
+#include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,25 +166,60 @@ static void on_async(uv_async_t *a) {
     }
 }
 
+// Reads a small file (PEM, token) into a new NUL-terminated string, or NULL with err set.
+static char *read_secret(const char *path, const char *flag, char *err) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        snprintf(err, 512, "%s %s: cannot open: %s", flag, path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 20, n = 0;
+    char *buf = malloc(cap + 1);
+    if (buf)
+        n = fread(buf, 1, cap, f);
+    bool too_big = buf && n == cap && fgetc(f) != EOF;
+    fclose(f);
+    if (buf == NULL || too_big) {
+        snprintf(err, 512, "%s %s: %s", flag, path, buf ? "larger than 1 MiB" : "out of memory");
+        free(buf);
+        return NULL;
+    }
+    buf[n] = '\0';
+    return buf;
+}
+
 int rnnd_server_run(const struct rnnd_config *cfg) {
     rnnd_metrics_init();
     rnnd_log_set_level((enum rnnd_log_level)cfg->log_level);
 
-    // Security and restore flags of a later issue: refuse rather than run without them.
-    const char *unsupported = cfg->tls_cert[0]         ? "--tls-cert"
-                              : cfg->tls_key[0]         ? "--tls-key"
-                              : cfg->tls_client_ca[0]   ? "--tls-client-ca"
-                              : cfg->auth_token_file[0] ? "--auth-token-file"
-                              : cfg->restore[0]         ? "--restore"
-                                                        : NULL;
-    if (unsupported) {
-        rnnd_log(RNND_LOG_ERROR,
-                 "%s is not implemented in this build yet; refusing to start rather than run "
-                 "without it (remove the flag to run %s)",
-                 unsupported,
-                 strncmp(unsupported, "--restore", 9) == 0 ? "from fresh weights"
-                                                           : "without TLS/token checks");
+    // Security material is read now: a flag that cannot be honoured stops the start.
+    char err[512];
+    char *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL, *token = NULL;
+    if ((cfg->tls_cert[0] && !(tls_cert = read_secret(cfg->tls_cert, "--tls-cert", err))) ||
+        (cfg->tls_key[0] && !(tls_key = read_secret(cfg->tls_key, "--tls-key", err))) ||
+        (cfg->tls_client_ca[0] &&
+         !(tls_ca = read_secret(cfg->tls_client_ca, "--tls-client-ca", err))) ||
+        (cfg->auth_token_file[0] &&
+         !(token = read_secret(cfg->auth_token_file, "--auth-token-file", err)))) {
+        rnnd_log(RNND_LOG_ERROR, "%s", err);
+        free(tls_cert);
+        free(tls_key);
+        free(tls_ca);
+        free(token);
         return 1;
+    }
+    if (token) { // the token is the file's first line
+        token[strcspn(token, "\r\n")] = '\0';
+        if (token[0] == '\0') {
+            rnnd_log(RNND_LOG_ERROR, "--auth-token-file %s: the file is empty; put the token on "
+                                     "its first line",
+                     cfg->auth_token_file);
+            free(tls_cert);
+            free(tls_key);
+            free(tls_ca);
+            free(token);
+            return 1;
+        }
     }
 
     struct rnnd_server *s = calloc(1, sizeof(*s));
@@ -210,7 +248,6 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     uv_timer_init(&s->loop, &s->drain_timer);
     s->cron.data = s->drain_timer.data = s;
 
-    char err[512];
     int rc = 0;
     s->engine = rnnd_engine_init(cfg);
     if (s->engine == NULL) {
@@ -231,7 +268,11 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
                                   .max_message_bytes = s->svc.max_message_bytes,
                                   .service = &s->svc,
                                   .stopped = on_rpc_stopped,
-                                  .stopped_ctx = s};
+                                  .stopped_ctx = s,
+                                  .tls_cert_pem = tls_cert,
+                                  .tls_key_pem = tls_key,
+                                  .tls_client_ca_pem = tls_ca,
+                                  .auth_token = token};
     if (rnnd_rpc_start(&ro, &s->rpc, &s->grpc_port, err, sizeof(err)) != 0) {
         rnnd_log(RNND_LOG_ERROR, "%s", err);
         rc = 1;
@@ -265,6 +306,13 @@ fail_loop:
     close_handle((uv_handle_t *)&s->async);
     uv_run(&s->loop, UV_RUN_DEFAULT);
 out:
+    free(tls_cert);
+    free(tls_key);
+    free(tls_ca);
+    if (token) {
+        memset(token, 0, strlen(token));
+        free(token);
+    }
     uv_loop_close(&s->loop);
     rnnd_engine_free(s->engine);
     grpc_shutdown();

@@ -484,6 +484,88 @@ static void test_trajectory_ring(void **state) {
     rnnd_forward_reply_free(&r);
 }
 
+// LSTM with --extras-size 3: extras and state-pair errors, each leaving the env where it was.
+static void test_lstm_extras_errors(void **state) {
+    struct fixture *f = *state;
+    uint64_t ids[2] = {9300, 9301};
+    int32_t slots[2] = {6, 7};
+    float x[2 * I_], e[2 * (E_ + 1)], ref[2 * H_];
+    bool init[2] = {true, true};
+    rng_fill(&f->g, x, 2 * I_);
+    rng_fill(&f->g, e, 2 * (E_ + 1));
+    struct rnnd_step_req ok = {.n_env_ids = 2,
+                               .env_ids = ids,
+                               .obs = rnnd_tensor_f32(x, 2, 2, I_, 0, 0),
+                               .n_is_init = 2,
+                               .is_init = init,
+                               .extras = rnnd_tensor_f32(e, 2, 2, E_, 0, 0)};
+    struct rnnd_step_reply r;
+    EXPECT_OK(rnnd_client_step(f->c, &ok, &r));
+    ref_step(&f->r, 2, slots, x, init, ref);
+    rnnd_step_reply_free(&r);
+    init[0] = init[1] = false;
+    struct rnnd_step_req bad = ok;
+    bad.extras = rnnd_tensor_f32(e, 2, 2, E_ + 1, 0, 0); // wrong width
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    bad.extras = rnnd_tensor_f32(e, 2, 1, E_, 0, 0); // wrong rows
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    bad.extras = rnnd_tensor_f32(e, 1, 2 * E_, 0, 0, 0);
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    bad.extras = rnnd_tensor_f32(e, 2, 2, E_, 0, 0);
+    bad.extras.dtype = RNND_DTYPE_INT64;
+    bad.extras.nbytes = 2 * E_ * 8;
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    bad.extras = rnnd_tensor_f32(e, 2, 2, E_, 0, 0);
+    bad.extras.nbytes -= 4;
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    float keep = e[4];
+    e[4] = NAN;
+    bad.extras = rnnd_tensor_f32(e, 2, 2, E_, 0, 0);
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &r), GRPC_STATUS_INVALID_ARGUMENT);
+    e[4] = keep;
+    // The envs are where the reference says, and the recorded window has the one good step.
+    rng_fill(&f->g, x, 2 * I_);
+    EXPECT_OK(rnnd_client_step(f->c, &ok, &r));
+    ref_step(&f->r, 2, slots, x, init, ref);
+    assert_true(close_f32("after extras errors", r.output.data, ref, 2 * H_, ATOL, RTOL));
+    rnnd_step_reply_free(&r);
+    struct rnnd_forward_req rq = {.recorded = true, .n_env_ids = 2, .env_ids = ids, .steps = 3};
+    struct rnnd_forward_reply fr;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &rq, &fr), GRPC_STATUS_FAILED_PRECONDITION);
+    rq.steps = 2;
+    EXPECT_OK(rnnd_client_forward(f->c, &rq, &fr));
+    assert_tensor_f32(&fr.extras, 3, 2, 2, E_, 0);
+    rnnd_forward_reply_free(&fr);
+
+    // LSTM state pairs: c0 needs h0, hidden and cell come together.
+    struct batch b;
+    batch_make(f, &b, 2, 3, V_STORED);
+    struct rnnd_forward_req fq = batch_req(&b, false);
+    fq.cell.present = false;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &fq, &fr), GRPC_STATUS_INVALID_ARGUMENT);
+    fq = batch_req(&b, false);
+    fq.hidden.present = false;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &fq, &fr), GRPC_STATUS_INVALID_ARGUMENT);
+    fq = batch_req(&b, false);
+    fq.hidden.present = fq.cell.present = false;
+    fq.c0 = rnnd_tensor_f32(b.hid, 3, 2, L_, H_, 0); // c0 without h0
+    EXPECT_STATUS(rnnd_client_forward(f->c, &fq, &fr), GRPC_STATUS_INVALID_ARGUMENT);
+    // Backward: grad_c_n of the wrong shape.
+    fq = batch_req(&b, true);
+    EXPECT_OK(rnnd_client_forward(f->c, &fq, &fr));
+    float go[2 * 3 * H_] = {0}, gc[2 * L_ * H_] = {0};
+    struct rnnd_backward_req bq = {.tape_id = fr.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, 2, 3, H_, 0),
+                                   .grad_c_n = rnnd_tensor_f32(gc, 3, 2, L_ - 1, H_, 0)};
+    struct rnnd_backward_reply br;
+    EXPECT_STATUS(rnnd_client_backward(f->c, &bq, &br), GRPC_STATUS_INVALID_ARGUMENT);
+    bq.grad_c_n = rnnd_tensor_f32(gc, 3, 2, L_, H_, 0);
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &br));
+    rnnd_backward_reply_free(&br);
+    rnnd_forward_reply_free(&fr);
+    batch_free(&b);
+}
+
 // ---------------------------------------------------------------------------------------------
 // ApplyGradients (SGD daemon: lr 0.1, no clipping).
 
@@ -686,6 +768,7 @@ int main(void) {
         cmocka_unit_test(test_backward),
         cmocka_unit_test(test_forward_recorded),
         cmocka_unit_test(test_trajectory_ring),
+        cmocka_unit_test(test_lstm_extras_errors),
         cmocka_unit_test(test_sgd_accumulate_apply),
         cmocka_unit_test(test_tape_ttl),
     };

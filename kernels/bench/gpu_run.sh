@@ -10,7 +10,8 @@
 #       test      test_rnn_cuda: every op against the CPU reference;
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN);
-#       all       the three (test, sanitize, bench; the default).
+#       profile   ncu sections of one GRU and one LSTM forward+backward (not in all);
+#       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 set -u
 cd "$(dirname "$0")/../.."
@@ -87,7 +88,7 @@ fi
 if has sanitize; then
     echo "== compute-sanitizer memcheck (test_rnn_cuda --quick)"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    timeout 120 "$CS" --tool memcheck --leak-check none "$BIN/test_rnn_cuda" --quick \
+    timeout 120 "$CS" --tool memcheck "$BIN/test_rnn_cuda" --quick \
         >"$OUT/sanitizer.log" 2>&1
     echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
     grep -E 'ERROR SUMMARY|FAIL|checks|Invalid' "$OUT/sanitizer.log" | head -20
@@ -107,6 +108,21 @@ if has bench; then
     grep '^{' "$OUT/bench.log" >"$OUT/bench.jsonl"
 fi
 
+
+if has profile; then
+    # Per-kernel view of one validation forward+backward (the first kernels the bench launches).
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for cell in ${PROFILE_CELLS:-gru lstm}; do
+        echo "== ncu $cell"
+        timeout 150 "$NCU" --clock-control none --launch-count ${PROFILE_KERNELS:-8} \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+            --section SchedulerStats --section LaunchStats --section Occupancy \
+            $BIN/rnnd-kernel-bench --backend cuda --cell $cell --batch 2048 --steps 256 --input 64 \
+            --hidden 128 --reset-prob 0.1 --warmup 0 --repeat 1 --grad-input >"$OUT/ncu_$cell.txt" 2>&1
+        echo "ncu $cell rc=$?"
+        grep -E '^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy' "$OUT/ncu_$cell.txt" | head -80
+    done
+fi
 
 if [ -s "$OUT/bench.jsonl" ]; then
     python3 - "$OUT/bench.jsonl" <<'EOF'

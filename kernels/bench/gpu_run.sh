@@ -109,7 +109,7 @@ if has bench; then
 fi
 
 
-if has profile; then
+if [[ " $STEPS " == *" profile "* ]]; then
     # Per-kernel view of one validation forward+backward (the first kernels the bench launches).
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for cell in ${PROFILE_CELLS:-gru lstm}; do

@@ -572,8 +572,23 @@ int rnnd_client_health(struct rnnd_client *c, const char *service, int *status) 
     return 0;
 }
 
-int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, int *status) {
+struct rnnd_client_watch {
+    grpc_completion_queue *cq;
+    grpc_call *call;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code status;
+    grpc_slice details;
+    const char *error_string;
+    grpc_byte_buffer *recv;
+    bool recv_pending; // a RECV_MESSAGE batch is out
+    bool status_done;
+    char tag_start, tag_recv, tag_status;
+};
+
+int rnnd_client_watch_init(struct rnnd_client *c, const char *service,
+                           struct rnnd_client_watch **out) {
     clear_err();
+    *out = NULL;
     Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     req.service = (char *)(service ? service : "");
     size_t len = grpc__health__v1__health_check_request__get_packed_size(&req);
@@ -581,21 +596,24 @@ int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, i
     if (len > sizeof buf)
         return local_err(RNND_EINVAL, "service name too long");
     grpc__health__v1__health_check_request__pack(&req, buf);
-
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    grpc_call *call = call_create(c, M_WATCH, NULL, cq, deadline_ms(c->timeout_ms));
+    struct rnnd_client_watch *w = calloc(1, sizeof *w);
+    if (!w)
+        return local_err(RNND_ENOMEM, "out of memory");
+    w->cq = grpc_completion_queue_create_for_pluck(NULL);
+    w->call = call_create(c, M_WATCH, NULL, w->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC));
+    grpc_metadata_array_init(&w->init_md);
+    grpc_metadata_array_init(&w->trail_md);
+    w->details = grpc_empty_slice();
+    w->status = GRPC_STATUS_UNKNOWN;
+    if (!w->call) {
+        w->status_done = true;
+        rnnd_client_watch_free(w);
+        return local_err(RNND_EIO, "cannot create a call");
+    }
     grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, len);
     grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&s, 1);
     grpc_slice_unref(s);
-    grpc_metadata_array init_md, trail_md;
-    grpc_metadata_array_init(&init_md);
-    grpc_metadata_array_init(&trail_md);
-    grpc_byte_buffer *recv = NULL;
-    grpc_status_code st = GRPC_STATUS_UNKNOWN;
-    grpc_slice details = grpc_empty_slice();
-    const char *error_string = NULL;
-
-    grpc_op ops[5];
+    grpc_op ops[4];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].data.send_initial_metadata.count = c->n_md;
@@ -604,47 +622,100 @@ int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, i
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
-    ops[4].op = GRPC_OP_RECV_MESSAGE;
-    ops[4].data.recv_message.recv_message = &recv;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &w->init_md;
     grpc_op sop;
     memset(&sop, 0, sizeof sop);
     sop.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    sop.data.recv_status_on_client.trailing_metadata = &trail_md;
-    sop.data.recv_status_on_client.status = &st;
-    sop.data.recv_status_on_client.status_details = &details;
-    sop.data.recv_status_on_client.error_string = &error_string;
-
-    int err = 0;
-    grpc_call_start_batch(call, ops, 5, (void *)1, NULL);
-    grpc_call_start_batch(call, &sop, 1, (void *)2, NULL);
-    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-    if (recv) {
-        grpc_slice r = buffer_take(recv);
-        Grpc__Health__V1__HealthCheckResponse *resp =
-            grpc__health__v1__health_check_response__unpack(NULL, GRPC_SLICE_LENGTH(r),
-                                                            GRPC_SLICE_START_PTR(r));
-        grpc_slice_unref(r);
-        if (resp) {
-            *status = (int)resp->status;
-            grpc__health__v1__health_check_response__free_unpacked(resp, NULL);
-        } else {
-            err = local_err(RNND_ECORRUPT, "cannot decode the Watch reply");
-        }
-        grpc_call_cancel(call, NULL);
-        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-    } else {
-        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-        err = st == GRPC_STATUS_OK ? local_err(RNND_ECORRUPT, "Watch ended without a message")
-                                   : status_err(st, details, error_string);
-    }
+    sop.data.recv_status_on_client.trailing_metadata = &w->trail_md;
+    sop.data.recv_status_on_client.status = &w->status;
+    sop.data.recv_status_on_client.status_details = &w->details;
+    sop.data.recv_status_on_client.error_string = &w->error_string;
+    bool ok = grpc_call_start_batch(w->call, &sop, 1, &w->tag_status, NULL) == GRPC_CALL_OK;
+    if (!ok)
+        w->status_done = true;
+    ok = ok && grpc_call_start_batch(w->call, ops, 4, &w->tag_start, NULL) == GRPC_CALL_OK;
+    if (ok)
+        grpc_completion_queue_pluck(w->cq, &w->tag_start, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                    NULL);
     grpc_byte_buffer_destroy(send);
-    grpc_metadata_array_destroy(&init_md);
-    grpc_metadata_array_destroy(&trail_md);
-    grpc_slice_unref(details);
-    gpr_free((void *)error_string);
-    grpc_call_unref(call);
-    cq_destroy(cq);
+    if (!ok) {
+        rnnd_client_watch_free(w);
+        return local_err(RNND_EIO, "cannot start Watch");
+    }
+    *out = w;
+    return 0;
+}
+
+int rnnd_client_watch_next(struct rnnd_client_watch *w, int64_t timeout_ms, int *status) {
+    clear_err();
+    if (w->status_done) {
+        int err = status_err(w->status, w->details, w->error_string);
+        return err ? err : local_err(RNND_ECANCELED, "Watch ended with OK");
+    }
+    if (!w->recv_pending) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &w->recv;
+        w->recv = NULL;
+        if (grpc_call_start_batch(w->call, &op, 1, &w->tag_recv, NULL) != GRPC_CALL_OK)
+            return local_err(RNND_EIO, "cannot receive on Watch");
+        w->recv_pending = true;
+    }
+    grpc_event ev = grpc_completion_queue_pluck(w->cq, &w->tag_recv, deadline_ms(timeout_ms), NULL);
+    if (ev.type == GRPC_QUEUE_TIMEOUT)
+        return local_err(RNND_ECANCELED, "no Watch update within %lld ms", (long long)timeout_ms);
+    w->recv_pending = false;
+    if (!w->recv) {
+        grpc_completion_queue_pluck(w->cq, &w->tag_status, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                    NULL);
+        w->status_done = true;
+        int err = status_err(w->status, w->details, w->error_string);
+        return err ? err : local_err(RNND_ECANCELED, "Watch ended with OK");
+    }
+    grpc_slice r = buffer_take(w->recv);
+    w->recv = NULL;
+    Grpc__Health__V1__HealthCheckResponse *resp = grpc__health__v1__health_check_response__unpack(
+        NULL, GRPC_SLICE_LENGTH(r), GRPC_SLICE_START_PTR(r));
+    grpc_slice_unref(r);
+    if (!resp)
+        return local_err(RNND_ECORRUPT, "cannot decode the Watch reply");
+    *status = (int)resp->status;
+    grpc__health__v1__health_check_response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+void rnnd_client_watch_free(struct rnnd_client_watch *w) {
+    if (!w)
+        return;
+    if (w->call) {
+        if (!w->status_done || w->recv_pending)
+            grpc_call_cancel(w->call, NULL);
+        if (w->recv_pending)
+            grpc_completion_queue_pluck(w->cq, &w->tag_recv, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                        NULL);
+        if (!w->status_done)
+            grpc_completion_queue_pluck(w->cq, &w->tag_status,
+                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        grpc_call_unref(w->call);
+    }
+    if (w->recv)
+        grpc_byte_buffer_destroy(w->recv);
+    grpc_metadata_array_destroy(&w->init_md);
+    grpc_metadata_array_destroy(&w->trail_md);
+    grpc_slice_unref(w->details);
+    gpr_free((void *)w->error_string);
+    cq_destroy(w->cq);
+    free(w);
+}
+
+int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, int *status) {
+    struct rnnd_client_watch *w;
+    int err = rnnd_client_watch_init(c, service, &w);
+    if (err)
+        return err;
+    err = rnnd_client_watch_next(w, c->timeout_ms, status);
+    rnnd_client_watch_free(w);
     return err;
 }
 

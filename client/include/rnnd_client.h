@@ -139,6 +139,19 @@ int rnnd_client_health(struct rnnd_client *c, const char *service, int *status);
 // ends the call.
 int rnnd_client_health_watch_first(struct rnnd_client *c, const char *service, int *status);
 
+// A Watch stream kept open: each rnnd_client_watch_next returns the next status the server sends.
+// One thread at a time.
+struct rnnd_client_watch;
+// Opens Watch(service); free with rnnd_client_watch_free.
+int rnnd_client_watch_init(struct rnnd_client *c, const char *service,
+                           struct rnnd_client_watch **out);
+// Waits up to timeout_ms for the next status: 0 and *status; RNND_ECANCELED (grpc_status -1) when
+// nothing came in time (the stream stays usable); when the server ended the stream, its status
+// as a code (RNND_ECANCELED with grpc_status 0 for an OK end).
+int rnnd_client_watch_next(struct rnnd_client_watch *w, int64_t timeout_ms, int *status);
+// Cancels the stream if open and frees it. NULL does nothing.
+void rnnd_client_watch_free(struct rnnd_client_watch *w);
+
 struct rnnd_model_info {
     char cell[16];    // "gru" or "lstm"
     int64_t input_size, hidden_size, num_layers;

@@ -549,6 +549,36 @@ static void test_sigterm_under_load(void **state) {
     daemon_free(&ds);
 }
 
+// A Watch sees the daemon go NOT_SERVING when it starts draining, before the stream ends.
+static void test_watch_sees_drain(void **state) {
+    (void)state;
+    struct daemon ds;
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", NULL};
+    assert_int_equal(daemon_start(&ds, args), 0);
+    struct rnnd_client *cl = daemon_client(&ds, NULL);
+    struct rnnd_client_watch *w;
+    EXPECT_OK(rnnd_client_watch_init(cl, "rnnd.v1.Rnn", &w));
+    int st = -1;
+    EXPECT_OK(rnnd_client_watch_next(w, 5000, &st));
+    assert_int_equal(st, 1);
+    // Nothing changes while nothing happens.
+    assert_int_equal(rnnd_client_watch_next(w, 200, &st), RNND_ECANCELED);
+    assert_int_equal(rnnd_client_last_error()->grpc_status, -1);
+    kill(ds.pid, SIGTERM);
+    int err = rnnd_client_watch_next(w, 5000, &st);
+    if (err)
+        fprintf(stderr, "Watch ended without NOT_SERVING: %s: %s\n",
+                rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status),
+                rnnd_client_last_error()->message);
+    assert_int_equal(err, 0);
+    assert_int_equal(st, 2); // NOT_SERVING
+    rnnd_client_watch_free(w);
+    rnnd_client_free(cl);
+    assert_int_equal(daemon_signal_wait(&ds, SIGTERM, 15000), 0);
+    assert_true(WIFEXITED(ds.exit_status) && WEXITSTATUS(ds.exit_status) == 0);
+    daemon_free(&ds);
+}
+
 static void test_sigint(void **state) {
     (void)state;
     struct daemon ds;
@@ -643,6 +673,7 @@ int main(void) {
         cmocka_unit_test(test_auth_token),
         cmocka_unit_test(test_queue_full),
         cmocka_unit_test(test_sigterm_under_load),
+        cmocka_unit_test(test_watch_sees_drain),
         cmocka_unit_test(test_sigint),
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_config_file),

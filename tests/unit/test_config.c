@@ -1,0 +1,213 @@
+/*
+ * test_config.c: rnnd's configuration (server/config.c): the defaults of DESIGN.md §5, flags in
+ * both spellings, config files (comments, quotes, line numbers in errors), flags winning over
+ * the file, and refusals that name the offending flag.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "log.h"
+
+static enum rnnd_config_result parse(struct rnnd_config *c, char *err, const char *const *args) {
+    char *argv[64];
+    int argc = 0;
+    argv[argc++] = "rnnd";
+    for (int i = 0; args[i]; i++)
+        argv[argc++] = (char *)args[i];
+    rnnd_config_defaults(c);
+    FILE *out = fopen("/dev/null", "w");
+    enum rnnd_config_result r = rnnd_config_parse(c, argc, argv, out, err, 512);
+    fclose(out);
+    return r;
+}
+
+static void test_defaults(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
+    assert_string_equal(c.listen, "127.0.0.1:50051");
+    assert_string_equal(c.http, "127.0.0.1:9090");
+    assert_int_equal(c.model.cell, RNND_CELL_GRU);
+    assert_int_equal(c.model.I, 64);
+    assert_int_equal(c.model.H, 128);
+    assert_int_equal(c.model.L, 1);
+    assert_int_equal(c.model.compute, RNND_COMPUTE_FP32);
+    assert_int_equal(c.backend, RNND_BACKEND_AUTO);
+    assert_int_equal(c.optimizer, RNND_OPTIM_ADAM);
+    assert_true(c.lr == 1e-3f);
+    assert_int_equal(c.max_delay_us, 200);
+    assert_int_equal(c.env_idle_timeout_s, 3600);
+    assert_int_equal(c.trajectory_steps, 256);
+    assert_int_equal(c.max_message_mb, 64);
+    assert_int_equal(c.extras_size, 0);
+    assert_int_equal(rnnd_config_queue_rows(&c), 64 * c.max_batch);
+}
+
+static void test_flags(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err,
+                           (const char *[]){"--cell", "lstm", "--hidden-size=32", "--layers", "3",
+                                            "--compute", "bf16", "--lr", "0.5", "--seed",
+                                            "18446744073709551615", "--listen", "[::1]:0",
+                                            "--http", "off", "--log-level", "debug",
+                                            "--max-grad-norm", "1.5", NULL}),
+                     RNND_CONFIG_RUN);
+    assert_int_equal(c.model.cell, RNND_CELL_LSTM);
+    assert_int_equal(c.model.H, 32);
+    assert_int_equal(c.model.L, 3);
+    assert_int_equal(c.model.compute, RNND_COMPUTE_BF16);
+    assert_true(c.lr == 0.5f);
+    assert_true(c.seed == UINT64_MAX);
+    assert_string_equal(c.listen, "[::1]:0");
+    assert_string_equal(c.http, "off");
+    assert_int_equal(c.log_level, RNND_LOG_DEBUG);
+    assert_true(c.max_grad_norm == 1.5f);
+}
+
+static void expect_error(const char *const *args, const char *needle) {
+    struct rnnd_config c;
+    char err[512] = "";
+    assert_int_equal(parse(&c, err, args), RNND_CONFIG_ERROR);
+    if (strstr(err, needle) == NULL)
+        fail_msg("error \"%s\" does not name \"%s\"", err, needle);
+}
+
+static void test_bad_flags_name_themselves(void **state) {
+    (void)state;
+    expect_error((const char *[]){"--hidden-size", "0", NULL}, "--hidden-size");
+    expect_error((const char *[]){"--hidden-size", "12abc", NULL}, "--hidden-size");
+    expect_error((const char *[]){"--layers", "9", NULL}, "--layers");
+    expect_error((const char *[]){"--cell", "rnn", NULL}, "--cell");
+    expect_error((const char *[]){"--lr", "nan", NULL}, "--lr");
+    expect_error((const char *[]){"--lr", "0", NULL}, "--lr");
+    expect_error((const char *[]){"--lr", "-1", NULL}, "--lr");
+    expect_error((const char *[]){"--seed", "-3", NULL}, "--seed");
+    expect_error((const char *[]){"--listen", "localhost", NULL}, "--listen");
+    expect_error((const char *[]){"--listen", "h:99999", NULL}, "--listen");
+    expect_error((const char *[]){"--http", ":80", NULL}, "--http");
+    expect_error((const char *[]){"--no-such-flag", "1", NULL}, "no-such-flag");
+    expect_error((const char *[]){"--max-batch", NULL}, "--max-batch");
+    expect_error((const char *[]){"stray", NULL}, "stray");
+    expect_error((const char *[]){"--tls-key", "/k.pem", NULL}, "--tls-key");
+    expect_error((const char *[]){"--tls-client-ca", "/ca.pem", NULL}, "--tls-client-ca");
+    expect_error((const char *[]){"--config", "/nonexistent/rnnd.conf", NULL},
+                 "/nonexistent/rnnd.conf");
+    // A batch that cannot fit into one message.
+    expect_error((const char *[]){"--max-batch", "1000000", "--max-message-mb", "1", NULL},
+                 "--max-message-mb");
+}
+
+static void test_help_and_version(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err, (const char *[]){"--hidden-size", "bad", "--help", NULL}),
+                     RNND_CONFIG_EXIT);
+    assert_int_equal(parse(&c, err, (const char *[]){"--version", NULL}), RNND_CONFIG_EXIT);
+    // Every flag of DESIGN.md §5 is in the usage text.
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    rnnd_config_usage(f);
+    fclose(f);
+    const char *flags[] = {"--config", "--cell", "--input-size", "--hidden-size", "--layers",
+                           "--compute", "--backend", "--device", "--listen", "--http",
+                           "--state-dir", "--restore", "--checkpoint-interval-s", "--max-batch",
+                           "--max-delay-us", "--max-envs", "--env-idle-timeout-s",
+                           "--trajectory-steps", "--extras-size", "--tape-ttl-s",
+                           "--tape-memory-mb", "--optimizer", "--lr", "--max-grad-norm", "--seed",
+                           "--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file",
+                           "--max-message-mb", "--log-level", NULL};
+    for (int i = 0; flags[i]; i++)
+        if (strstr(text, flags[i]) == NULL)
+            fail_msg("usage lacks %s", flags[i]);
+    free(text);
+}
+
+static char *write_file(const char *body) {
+    static char path[64];
+    snprintf(path, sizeof(path), "/tmp/rnnd-test-conf-XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_true(write(fd, body, strlen(body)) == (ssize_t)strlen(body));
+    close(fd);
+    return path;
+}
+
+static void test_config_file(void **state) {
+    (void)state;
+    char *path = write_file("# rnnd.conf\n"
+                            "\n"
+                            "  cell lstm\n"
+                            "hidden-size 24   # trailing comment\n"
+                            "input_size 5\n"
+                            "max-batch 33\n"
+                            "state-dir \"/tmp/with space\"\n"
+                            "listen 127.0.0.1:7000\n");
+    struct rnnd_config c;
+    char err[512];
+    // The file is read first; flags win.
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "127.0.0.1:0", "--config", path,
+                                                     NULL}),
+                     RNND_CONFIG_RUN);
+    assert_int_equal(c.model.cell, RNND_CELL_LSTM);
+    assert_int_equal(c.model.H, 24);
+    assert_int_equal(c.model.I, 5);
+    assert_int_equal(c.max_batch, 33);
+    assert_string_equal(c.state_dir, "/tmp/with space");
+    assert_string_equal(c.listen, "127.0.0.1:0");
+    unlink(path);
+
+    path = write_file("input-size 8\nhidden-size many\n");
+    char err2[512];
+    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err2, ":2:")); // file:line
+    assert_non_null(strstr(err2, "hidden-size"));
+    unlink(path);
+
+    path = write_file("bogus-key 1\n");
+    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err2, "bogus-key"));
+    unlink(path);
+}
+
+static void test_set_spellings(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    rnnd_config_defaults(&c);
+    char err[512];
+    assert_int_equal(rnnd_config_set(&c, "max-envs", "10", err, sizeof(err)), 0);
+    assert_int_equal(rnnd_config_set(&c, "env_idle_timeout_s", "0", err, sizeof(err)), 0);
+    assert_int_equal(rnnd_config_set(&c, "--tape-ttl-s", "7", err, sizeof(err)), 0);
+    assert_int_equal(c.max_envs, 10);
+    assert_int_equal(c.env_idle_timeout_s, 0);
+    assert_int_equal(c.tape_ttl_s, 7);
+    assert_int_equal(rnnd_config_set(&c, "max-envs", "0", err, sizeof(err)), RNND_EINVAL);
+    assert_int_equal(c.max_envs, 10); // a refused value changes nothing
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults),
+        cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_bad_flags_name_themselves),
+        cmocka_unit_test(test_help_and_version),
+        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_set_spellings),
+    };
+    return cmocka_run_group_tests_name("config", tests, NULL, NULL);
+}

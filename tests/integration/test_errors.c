@@ -609,7 +609,13 @@ static void test_set_weights_errors(void **state) {
     l.v[3].tensor.dtype = RNND_DTYPE_INT64;
     EXPECT_STATUS(rnnd_client_set_weights(f->c, &l, &v), GRPC_STATUS_INVALID_ARGUMENT);
     l.v[3].tensor = t;
-    l.v[3].tensor.nbytes += 4;
+    l.v[3].tensor.nbytes -= 4; // (a longer claim would read past the buffer)
+    EXPECT_STATUS(rnnd_client_set_weights(f->c, &l, &v), GRPC_STATUS_INVALID_ARGUMENT);
+    float longer[3 * H_ + 1];
+    memcpy(longer, t.data, t.nbytes);
+    longer[3 * H_] = 0.0f;
+    l.v[3].tensor.data = longer;
+    l.v[3].tensor.nbytes = t.nbytes + 4;
     EXPECT_STATUS(rnnd_client_set_weights(f->c, &l, &v), GRPC_STATUS_INVALID_ARGUMENT);
     l.v[3].tensor = t;
     char *saved = l.v[2].name;

@@ -489,10 +489,10 @@ static void test_lstm_extras_errors(void **state) {
     struct fixture *f = *state;
     uint64_t ids[2] = {9300, 9301};
     int32_t slots[2] = {6, 7};
-    float x[2 * I_], e[2 * (E_ + 1)], ref[2 * H_];
+    float x[2 * I_], e[4 * (E_ + 1)], ref[2 * H_]; // room for an int64 reading of extras
     bool init[2] = {true, true};
     rng_fill(&f->g, x, 2 * I_);
-    rng_fill(&f->g, e, 2 * (E_ + 1));
+    rng_fill(&f->g, e, 4 * (E_ + 1));
     struct rnnd_step_req ok = {.n_env_ids = 2,
                                .env_ids = ids,
                                .obs = rnnd_tensor_f32(x, 2, 2, I_, 0, 0),

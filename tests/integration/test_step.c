@@ -381,6 +381,39 @@ static void test_long_chain(void **state) {
     }
 }
 
+// A reply's effects are visible to the caller's next call: after a Step that created an env,
+// GetModelInfo counts it; after EndEpisodes, it does not.
+static void test_envs_active_visible(void **state) {
+    struct fixture *f = *state;
+    struct rnnd_model_info i;
+    EXPECT_OK(rnnd_client_info(f->c, &i));
+    uint64_t base = i.envs_active;
+    float x[I_] = {0};
+    bool init = true;
+    int stale = 0;
+    for (int k = 0; k < 100; k++) {
+        uint64_t id = 0xE0000000ull + (uint64_t)k;
+        struct rnnd_step_req req = {.n_env_ids = 1,
+                                    .env_ids = &id,
+                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                    .n_is_init = 1,
+                                    .is_init = &init};
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f->c, &req, &r));
+        rnnd_step_reply_free(&r);
+        EXPECT_OK(rnnd_client_info(f->c, &i));
+        stale += i.envs_active != base + 1;
+        uint64_t released;
+        EXPECT_OK(rnnd_client_end_episodes(f->c, &id, 1, &released));
+        assert_int_equal(released, 1);
+        EXPECT_OK(rnnd_client_info(f->c, &i));
+        stale += i.envs_active != base;
+    }
+    if (stale)
+        fprintf(stderr, "GetModelInfo.envs_active was stale after %d of 200 replies\n", stale);
+    assert_int_equal(stale, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info),
@@ -390,6 +423,7 @@ int main(void) {
         cmocka_unit_test(test_step_index),
         cmocka_unit_test(test_end_episodes),
         cmocka_unit_test(test_long_chain),
+        cmocka_unit_test(test_envs_active_visible),
     };
     int fails = cmocka_run_group_tests_name("step (gru)", tests, setup_gru, teardown);
     fails += cmocka_run_group_tests_name("step (lstm)", tests, setup_lstm, teardown);

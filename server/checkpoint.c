@@ -322,7 +322,8 @@ int rnnd_checkpoint_prune(const char *state_dir, int keep) {
     }
     closedir(d);
     // Automatic names embed the UTC time, so they sort oldest first.
-    qsort(names, (size_t)n, sizeof(*names), name_cmp);
+    if (n > 1)
+        qsort(names, (size_t)n, sizeof(*names), name_cmp);
     int removed = 0;
     for (int i = 0; i < n; i++) {
         if (i < n - keep) {
@@ -641,7 +642,8 @@ int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n) {
         k++;
     }
     closedir(d);
-    qsort(v, (size_t)k, sizeof(*v), listed_cmp);
+    if (k > 1)
+        qsort(v, (size_t)k, sizeof(*v), listed_cmp);
     char **out = rc == 0 ? malloc(((size_t)k + 1) * sizeof(char *)) : NULL;
     for (int i = 0; i < k; i++) {
         if (out)

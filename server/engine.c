@@ -550,6 +550,8 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
                         e->h_hb + (size_t)i * LH, e->lstm ? e->h_cb + (size_t)i * LH : NULL,
                         version);
     }
+    // Gauges first: a client that reads them after its reply sees its envs.
+    env_gauges(e);
     // Per job: repeated rows from the cache, states when asked, then done.
     struct rnnd_job *next;
     for (struct rnnd_job *job = jobs; job; job = next) {
@@ -579,7 +581,6 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         job->err = 0;
         job->done(job);
     }
-    env_gauges(e);
 }
 
 // ---------------------------------------------------------------------------------------------

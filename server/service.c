@@ -521,7 +521,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES &&
         req->trajectories) {
         const Rnnd__V1__Trajectories *t = req->trajectories;
-        int64_t got[2], want3[3] = {-1, -1, I};
+        int64_t got[3], want3[3] = {-1, -1, I};
         snprintf(layout, sizeof(layout), "[B, T, I] (I = --input-size %d)", m->I);
         if ((rc = f32_check(t->obs, "trajectories.obs", 3, want3, layout, got, err)) != 0)
             goto bad;

@@ -1,7 +1,8 @@
 /*
  * test_cpu_optim.c: the CPU backend's optim_step against torch.optim.Adam / SGD after
  * torch.nn.utils.clip_grad_norm_ (fixtures from tests/fixtures/gen_fixtures.py, several steps
- * each), plus its argument checks.
+ * each; parameters, Adam moments and the reported norm within 5e-6, errors seen ~5e-7), plus
+ * its argument checks.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -58,7 +59,7 @@ static void test_optim_fixtures(void **state) {
                     }
                     e = sqrt(num / den);
                 }
-                if (!(e <= 1e-5)) {
+                if (!(e <= 5e-6)) {
                     print_error("optim case %d step %d: %s error %.3e\n", ci, s, what[k], e);
                     fail();
                 }

@@ -59,9 +59,8 @@ def reference_sequence(mod, obs, is_init, h0=None, c0=None, hidden=None, cell=No
 
 
 class PeerSequence(unittest.TestCase):
-    def run_case(self, cell, stored, seed):
+    def run_case(self, cell, stored, seed, B=4, T=9):
         rng = np.random.default_rng(seed)
-        B, T = 4, 9
         mod = make_module(cell, seed)
         w = weights_of(mod)
         lstm = cell == "lstm"
@@ -115,6 +114,7 @@ class PeerSequence(unittest.TestCase):
             ref = ref.detach().numpy()
             self.assertIsNotNone(got, "%s: %s missing from the reply" % (what, name))
             e = rel_err(got, ref)
+            self.worst = max(getattr(self, "worst", 0.0), e)
             self.assertLessEqual(e, TOL, "%s: %s relative error %.3g" % (what, name, e))
         self.assertEqual(len(g.grads), len(list(ref_mod.parameters())),
                          "%s: grads %s" % (what, sorted(g.grads)))
@@ -130,6 +130,12 @@ class PeerSequence(unittest.TestCase):
 
     def test_lstm_stored_states(self):
         self.run_case("lstm", True, 4)
+
+    def test_shapes(self):
+        for cell in ("gru", "lstm"):
+            for stored in (False, True):
+                self.run_case(cell, stored, 20, B=1, T=1)
+                self.run_case(cell, stored, 21, B=6, T=40)
 
     def run_steps(self, cell, seed):
         rng = np.random.default_rng(seed)
@@ -192,6 +198,10 @@ class PeerSequence(unittest.TestCase):
             d = daemon(cell=cell, layers=L, input_size=I, hidden_size=H, compute="fp32").start()
             cls.daemons[cell] = d
             cls.clients[cell] = d.client()
+
+    def tearDown(self):
+        if getattr(self, "worst", None) is not None:
+            print("  worst relative error %.2e" % self.worst, file=sys.stderr)
 
     @classmethod
     def tearDownClass(cls):

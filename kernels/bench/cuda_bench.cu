@@ -341,6 +341,10 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
                 rnnd_strerror(err));
         return err;
     }
+    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (kernels/bench/NOTES.md).
+    const char *variant = getenv("RNND_CUDA_VARIANT");
+    if (variant && *variant)
+        rnnd_cuda_set_variant(&be, atoi(variant));
     struct event_timer t;
     t.stream = (cudaStream_t)rnnd_cuda_stream(&be);
     cudaEventCreate(&t.start);
@@ -350,8 +354,9 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
     err = rnnd_bench_backend(&be, bc, &timer, res);
     size_t cap = sizeof(res->extra), at = strlen(res->extra);
     int path = rnnd_cuda_path_of(&be, &bc->model);
-    snprintf(res->extra + at, cap - at, ",\"path\":\"%s\"",
-             path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise");
+    snprintf(res->extra + at, cap - at, ",\"path\":\"%s\",\"variant\":%d",
+             path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise",
+             variant && *variant ? atoi(variant) : 0);
     if (!err) {
         double f = -1, a = -1;
         if (bench_ours_extra(&be, bc, &t, &f, &a) == 0) {

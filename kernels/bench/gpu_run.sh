@@ -10,7 +10,8 @@
 #       test      test_rnn_cuda: every op against the CPU reference;
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN);
-#       profile   ncu sections of one GRU and one LSTM forward+backward (not in all);
+#       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
+#       variants  the GRU forward variants under trial (not in all);
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 set -u
@@ -110,18 +111,39 @@ fi
 
 
 if [[ " $STEPS " == *" profile "* ]]; then
-    # Per-kernel view of one validation forward+backward (the first kernels the bench launches).
+    # Per-kernel view of one validation forward+backward (the first kernels the bench launches):
+    # durations, DRAM share, instructions, shared-memory wavefronts and the warp stall reasons.
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for cell in ${PROFILE_CELLS:-gru lstm}; do
         echo "== ncu $cell"
-        timeout 150 "$NCU" --clock-control none --launch-count ${PROFILE_KERNELS:-8} \
-            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-            --section SchedulerStats --section LaunchStats --section Occupancy \
+        timeout 120 "$NCU" --clock-control none --kernel-name regex:seq_ --launch-count 2 \
+            --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,smsp__cycles_active.avg,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
             $BIN/rnnd-kernel-bench --backend cuda --cell $cell --batch 2048 --steps 256 --input 64 \
-            --hidden 128 --reset-prob 0.1 --warmup 0 --repeat 1 --grad-input >"$OUT/ncu_$cell.txt" 2>&1
+            --hidden 128 --reset-prob 0.1 --warmup 0 --repeat 1 >"$OUT/ncu_$cell.txt" 2>&1
         echo "ncu $cell rc=$?"
-        grep -E '^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy' "$OUT/ncu_$cell.txt" | head -80
+        grep -E 'seq_|duration|dram__|inst_executed|cycles_active|shared|stalled' "$OUT/ncu_$cell.txt" \
+            | awk '$NF+0 > 0.05 || /seq_/' | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -60
     done
+    CUOBJ=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+    for f in _Z18seq_forward_kernelI8cell_gru9mode_tf32Li128ELi0EEv16persist_fwd_args \
+             _Z19seq_backward_kernelI8cell_gru9mode_tf32Li128EEv16persist_bwd_args; do
+        "$CUOBJ" -sass -fun "$f" "$BIN/rnnd-kernel-bench" >"$OUT/sass_${f:4:12}.txt" 2>&1
+        echo "sass $f: $(wc -l <"$OUT/sass_${f:4:12}.txt") lines"
+    done
+fi
+
+if [[ " $STEPS " == *" variants "* ]]; then
+    # Forward variants of the GRU TF32 H=128 loop (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
+    : >"$OUT/variants.log"
+    for v in ${VARIANTS:-0 1 2 3}; do
+        RNND_CUDA_VARIANT=$v timeout 60 $BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 \
+            --input 64 --hidden 128 --cell gru --compute fp32 --reset-prob 0.1 --warmup 3 \
+            --repeat 10 >>"$OUT/variants.log" 2>&1
+    done
+    timeout 60 $BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 \
+        --hidden 128 --cell lstm --compute fp32 --reset-prob 0.1 --warmup 3 --repeat 10 \
+        >>"$OUT/variants.log" 2>&1
+    grep '^{' "$OUT/variants.log" >"$OUT/bench.jsonl"
 fi
 
 if [ -s "$OUT/bench.jsonl" ]; then
@@ -136,7 +158,7 @@ for r in rows:
     print(f"{r.get('cell','?'):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
           f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
           f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
-          f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')}")
+          f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')} v{r.get('variant','')}")
 print("device:", rows[0].get("device") if rows else "?")
 EOF
 fi

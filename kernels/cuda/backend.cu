@@ -238,6 +238,13 @@ extern "C" int rnnd_cuda_set_path(struct rnnd_backend *b, int path) {
     return 0;
 }
 
+extern "C" int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant) {
+    if (b == NULL || b->ops != &cuda_ops || variant < 0)
+        return RNND_EINVAL;
+    ((struct cuda_ctx *)b->ctx)->variant = variant;
+    return 0;
+}
+
 extern "C" int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m) {
     if (b == NULL || b->ops != &cuda_ops || rnnd_model_check(m) != 0)
         return RNND_EINVAL;

@@ -68,6 +68,7 @@ struct cuda_ctx {
     float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
     float *h_norm;      // pinned host copy of the norm
     enum cuda_path path;
+    int variant; // bench variant of the persistent loops (rnnd_cuda_set_variant)
 };
 
 // Makes ctx->d_scratch at least bytes long.
@@ -121,13 +122,18 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
 // ---------------------------------------------------------------------------------------------
 // Device helpers
 
-static __device__ __forceinline__ float sigmoidf_fast(float x) {
-    return 1.0f / (1.0f + __expf(-x));
+// Activations. FAST (the tensor-core modes): ex2.approx-based exp and an approximate division
+// (a few ulp; tanh loses relative accuracy only below |x| ~ 1e-3, where it is ~x anyway).
+// Otherwise (ieee, the per-step path): expf and tanhf from libdevice with IEEE division.
+template <bool FAST>
+static __device__ __forceinline__ float act_sigmoid(float x) {
+    return FAST ? __fdividef(1.0f, 1.0f + __expf(-x)) : 1.0f / (1.0f + expf(-x));
 }
 
-// tanh with about 1 ulp from the accurate library function; cheap next to the MMA work per step.
-static __device__ __forceinline__ float tanhf_acc(float x) {
-    return tanhf(x);
+template <bool FAST>
+static __device__ __forceinline__ float act_tanh(float x) {
+    // 1 - 2 / (1 + e^2x): saturates cleanly (e^2x = inf gives 1, e^2x = 0 gives -1).
+    return FAST ? 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)) : tanhf(x);
 }
 
 static __device__ __forceinline__ uint32_t f32_to_tf32(float x) {

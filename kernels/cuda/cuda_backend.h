@@ -20,6 +20,9 @@ extern "C" {
 // STEPWISE (PERSISTENT behaves as AUTO: it cannot run models that do not fit). RNND_EINVAL for
 // another backend. Both paths write and read the same tape layout.
 int rnnd_cuda_set_path(struct rnnd_backend *b, int path);
+// Selects a kernel variant for benchmarking (kernels/bench/NOTES.md); 0 is the default.
+// Variants that do not exist for a model run the default.
+int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant);
 // RNND_CUDA_PATH_PERSISTENT or _STEPWISE: what rnn_forward of m runs on b now.
 int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m);
 // The backend's cudaStream_t (as void *), for timing with events on the same stream.

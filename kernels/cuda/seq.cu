@@ -173,7 +173,7 @@ static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const 
     float h = a.z[r * a.ldz + u];
     float c = LSTM ? a.s[r * (SW * H) + 4 * H + u] : 0.0f;
     float hn, cn;
-    Cell::forward(xq, hq, h, c, hn, cn, s);
+    Cell::template forward<false>(xq, hq, h, c, hn, cn, s);
     y[r * ldy + u] = hn;
     for (int p = 0; p < 4; p++)
         a.s[r * (SW * H) + p * H + u] = s[p];
@@ -230,7 +230,8 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
     for (int p = 0; p < SW; p++)
         s[p] = a.s[r * (SW * H) + p * H + u];
     float hprev = a.z[r * a.ldz + u];
-    Cell::backward(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir, dcp);
+    Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
+                                     dcp);
     for (int p = 0; p < 4; p++)
         a.d[r * (4 * H) + p * H + u] = d[p];
     a.dhp[idx] = ddir;
@@ -372,6 +373,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
+            a.variant = c->variant;
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
             stepwise_args a = {};

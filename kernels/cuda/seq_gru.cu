@@ -9,6 +9,19 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
+    if (!backward && !bf16 && HP == 128) {
+        const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
+        switch (a.variant) {
+            case 1:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 1>(a, stream);
+            case 2:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 2>(a, stream);
+            case 3:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 3>(a, stream);
+            default:
+                break;
+        }
+    }
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
         return backward ? persist_launch_backward<cell_gru, MODE, W>(                            \

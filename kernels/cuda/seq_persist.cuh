@@ -114,19 +114,21 @@ struct cell_gru {
     static constexpr int G = 3;
     static constexpr int SW = 4; // r, z, n, hn
     // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q.
+    template <bool FAST>
     static __device__ __forceinline__ void forward(const float xq[3], const float hq[3], float h,
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)c;
-        float r = sigmoidf_fast(xq[0] + hq[0]);
-        float z = sigmoidf_fast(xq[1] + hq[1]);
-        float n = tanhf_acc(xq[2] + r * hq[2]);
+        float r = act_sigmoid<FAST>(xq[0] + hq[0]);
+        float z = act_sigmoid<FAST>(xq[1] + hq[1]);
+        float n = act_tanh<FAST>(xq[2] + r * hq[2]);
         h_new = (1.0f - z) * n + z * h;
         c_new = 0.0f;
         s[0] = r, s[1] = z, s[2] = n, s[3] = hq[2];
     }
     // dh' = dy + dh_carry. Out: d[4] (D row planes: da_r, da_z, da_n, da_n r), tile[3] (the
     // gradient of W_hh h + b_hh: da_r, da_z, da_n r), the direct dL/dh term and dL/dc (unused).
+    template <bool FAST>
     static __device__ __forceinline__ void backward(const float s[SW], float hprev, float dhj,
                                                     float dc_in, float d[4], float tile[3],
                                                     float &dh_direct, float &dc_prev) {
@@ -145,24 +147,26 @@ struct cell_gru {
 struct cell_lstm {
     static constexpr int G = 4;
     static constexpr int SW = 5; // i, f, g, o, cprev
+    template <bool FAST>
     static __device__ __forceinline__ void forward(const float xq[4], const float hq[4], float h,
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)h;
-        float i = sigmoidf_fast(xq[0] + hq[0]);
-        float f = sigmoidf_fast(xq[1] + hq[1]);
-        float g = tanhf_acc(xq[2] + hq[2]);
-        float o = sigmoidf_fast(xq[3] + hq[3]);
+        float i = act_sigmoid<FAST>(xq[0] + hq[0]);
+        float f = act_sigmoid<FAST>(xq[1] + hq[1]);
+        float g = act_tanh<FAST>(xq[2] + hq[2]);
+        float o = act_sigmoid<FAST>(xq[3] + hq[3]);
         c_new = f * c + i * g;
-        h_new = o * tanhf_acc(c_new);
+        h_new = o * act_tanh<FAST>(c_new);
         s[0] = i, s[1] = f, s[2] = g, s[3] = o, s[4] = c;
     }
+    template <bool FAST>
     static __device__ __forceinline__ void backward(const float s[SW], float hprev, float dhj,
                                                     float dc_in, float d[4], float tile[4],
                                                     float &dh_direct, float &dc_prev) {
         (void)hprev;
         float i = s[0], f = s[1], g = s[2], o = s[3], c = s[4];
-        float tc = tanhf_acc(f * c + i * g);
+        float tc = act_tanh<FAST>(f * c + i * g);
         float dcj = dc_in + dhj * o * (1.0f - tc * tc);
         d[0] = dcj * g * i * (1.0f - i);
         d[1] = dcj * c * f * (1.0f - f);
@@ -254,13 +258,18 @@ static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
 // ---------------------------------------------------------------------------------------------
 // Forward kernel
 
-template <class Cell, class Mode, int HP>
+// V (bench variants, tried at H=128 TF32 before one becomes the default): bit 0 splits each
+// accumulator's k chain in two (more independent MMAs in flight); bit 1 loads the next step's
+// x W_ih^T at the top of the step into a second register set (a whole step of latency cover).
+template <class Cell, class Mode, int HP, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
     using E = typename Mode::elem;
     constexpr int G = Gm::G, NT = Gm::F_NT, KS = Gm::F_KS, KREG = Gm::F_KREG, NW = Gm::NW;
     constexpr int LDA = Gm::F_LDA, SW = Cell::SW;
+    constexpr int FSPLIT = (V & 1) ? 2 : 1;
+    constexpr bool EARLY = (V & 2) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     uint2 *wsm = reinterpret_cast<uint2 *>(smem);
@@ -367,11 +376,28 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         const E *cur = tiles + (t & 1) * (16 * LDA);
         E *nxt = tiles + ((t + 1) & 1) * (16 * LDA);
 
+        float xgn[EARLY ? 2 : 1][G][4];
+        if constexpr (EARLY) {
+            if (t + 1 < T) {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int q = 0; q < G; q++)
+                        if (rv[i])
+                            ld4(xgn[i][q], a.xg + ((size_t)brow[i] * T + t + 1) * (G * H) + q * H,
+                                u0, H, vec);
+            }
+        }
+
         // gh = h W_hh^T for the warp's 2G n-tiles.
         float acc[NT][4];
+        float acc2[FSPLIT > 1 ? NT : 1][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NT; nt++) {
             zero4(acc[nt]);
+            if constexpr (FSPLIT > 1)
+                zero4(acc2[nt]);
+        }
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             uint32_t af[4];
@@ -380,8 +406,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int nt = 0; nt < NT; nt++) {
                 uint2 b = ks < KREG ? wreg[ks < KREG ? ks : 0][nt]
                                     : wsm[(((ks - KREG) * NW + w) * NT + nt) * 32 + lane];
-                Mode::mma(acc[nt], af, b);
+                if (FSPLIT > 1 && (ks & 1))
+                    Mode::mma(acc2[FSPLIT > 1 ? nt : 0], af, b);
+                else
+                    Mode::mma(acc[nt], af, b);
             }
+        }
+        if constexpr (FSPLIT > 1) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    acc[nt][k] += acc2[nt][k];
         }
 
         // The cell, element by element.
@@ -396,14 +432,22 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     xq[q] = xg[i][q][j] + bi[q][j];
                     hq[q] = acc[2 * q + (j >> 1)][2 * i + (j & 1)] + bh[q][j];
                 }
-                Cell::forward(xq, hq, h[i][j], c[i][j], hn[i][j], cn[i][j], s);
+                Cell::template forward<true>(xq, hq, h[i][j], c[i][j], hn[i][j], cn[i][j], s);
 #pragma unroll
                 for (int p = 0; p < SW; p++)
                     sv[p][i][j] = s[p];
             }
 
         // Next step's x W_ih^T: in flight during the next MMA.
-        if (t + 1 < T) {
+        if constexpr (EARLY) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int q = 0; q < G; q++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        xg[i][q][j] = xgn[i][q][j];
+        } else if (t + 1 < T) {
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -585,7 +629,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int p = 0; p < SW; p++)
                     s[p] = sv[p][i][j];
                 float dhj = gy[i][j] + dh[i][j];
-                Cell::backward(s, hp[i][j], dhj, dc[i][j], d, tl, ddir[i][j], dcp[i][j]);
+                Cell::template backward<true>(s, hp[i][j], dhj, dc[i][j], d, tl, ddir[i][j], dcp[i][j]);
                 // Units past H and rows past B must feed zeros into the MMA.
                 bool live = rv[i] && u0 + j < H;
 #pragma unroll
@@ -680,13 +724,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 // ---------------------------------------------------------------------------------------------
 // Launchers, one per (cell, mode, HP): raise the shared-memory limit, launch, check.
 
-template <class Cell, class Mode, int HP>
+template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(seq_forward_kernel<Cell, Mode, HP>,
+    RNND_CUDA_TRY(cudaFuncSetAttribute(seq_forward_kernel<Cell, Mode, HP, V>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::F_SMEM));
-    seq_forward_kernel<Cell, Mode, HP>
+    seq_forward_kernel<Cell, Mode, HP, V>
         <<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::F_SMEM, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;

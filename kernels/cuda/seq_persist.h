@@ -25,6 +25,7 @@ struct persist_fwd_args {
     int ldz, xoff, Il;
     float *s;                    // tape s rows (SW*H) or NULL
     float *h_n, *c_n;            // (B, L, H) or NULL
+    int variant;                 // bench variant of the GRU TF32 H=128 loop (0: the default)
 };
 
 // One layer's backward time loop.

@@ -43,7 +43,7 @@ int rnnd__cuda_step_rows(const struct rnnd_model *m, size_t smem_optin) {
     return 0;
 }
 
-template <class Cell>
+template <class Cell, bool FAST>
 static __global__ void __launch_bounds__(RNND_STEP_BLOCK)
     step_kernel(const step_kargs a, int in_stride) {
     constexpr int G = Cell::G, SW = Cell::SW;
@@ -131,7 +131,7 @@ static __global__ void __launch_bounds__(RNND_STEP_BLOCK)
                 xq[q] = gx[r * GH + q * H + u] + bih[q * H + u];
                 hq[q] = gh[r * GH + q * H + u] + bhh[q * H + u];
             }
-            Cell::forward(xq, hq, hs[r * H + u], cs[r * H + u], hn, cn, s);
+            Cell::template forward<FAST>(xq, hq, hs[r * H + u], cs[r * H + u], hn, cn, s);
             xs[r * in_stride + u] = hn;
             size_t at = ((size_t)a.slots[b] * L + l) * H + u;
             a.state_h[at] = hn;
@@ -167,21 +167,28 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
     int in_stride = m->I > m->H ? m->I : m->H;
     size_t smem = (size_t)R * step_row_floats(m) * sizeof(float);
     int grid = CEIL_DIV(step->B, R);
-    if (a.lstm)
-        step_kernel<cell_lstm><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
+    // Fast activations in the tensor-core modes, libdevice ones for ieee (as the sequence paths).
+    bool fast = m->compute != RNND_COMPUTE_IEEE;
+    if (a.lstm && fast)
+        step_kernel<cell_lstm, true><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
+    else if (a.lstm)
+        step_kernel<cell_lstm, false><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
+    else if (fast)
+        step_kernel<cell_gru, true><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
     else
-        step_kernel<cell_gru><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
+        step_kernel<cell_gru, false><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<cell_lstm>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)c->smem_optin));
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<cell_gru>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)c->smem_optin));
+    const void *kernels[4] = {(const void *)step_kernel<cell_lstm, true>,
+                              (const void *)step_kernel<cell_lstm, false>,
+                              (const void *)step_kernel<cell_gru, true>,
+                              (const void *)step_kernel<cell_gru, false>};
+    for (int k = 0; k < 4; k++)
+        RNND_CUDA_TRY(cudaFuncSetAttribute(kernels[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)c->smem_optin));
     return 0;
 }

@@ -232,6 +232,41 @@ class ClientTest(unittest.TestCase):
             np.testing.assert_array_equal(st[k], w[k])
 
 
+class LimitsTest(unittest.TestCase):
+    def test_env_table_full(self):
+        with daemon(input_size=2, hidden_size=3, max_envs=4) as d, d.client() as c:
+            c.step([1, 2, 3], np.zeros((3, 2), np.float32), True)
+            e = None
+            with self.assertRaises(rnnd.RnndError) as cm:
+                c.step([4, 5], np.zeros((2, 2), np.float32), True)
+            e = cm.exception
+            self.assertEqual(e.code, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            self.assertTrue(e.details)
+            # the rejected request took no slot; ending episodes frees them
+            c.step([4], np.zeros((1, 2), np.float32), True)
+            self.assertEqual(c.end_episodes([1, 2]), 2)
+            c.step([5, 6], np.zeros((2, 2), np.float32), True)
+
+    def test_message_too_large(self):
+        with daemon(input_size=1024, hidden_size=3, max_message_mb=1, max_batch=16) as d, d.client() as c:
+            with self.assertRaises(rnnd.RnndError) as cm:
+                c.forward(np.zeros((4, 128, 1024), np.float32))  # 2 MiB
+            self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED, str(cm.exception))
+            self.assertEqual(c.forward(np.zeros((1, 2, 1024), np.float32)).output.shape, (1, 2, 3))
+
+    def test_extras_default_zero(self):
+        with daemon(input_size=2, hidden_size=3, extras_size=2) as d, d.client() as c:
+            c.step([7], np.ones((1, 2), np.float32), True)
+            c.step([7], np.ones((1, 2), np.float32), extras=[[1.5, -2]])
+            r = c.forward_recorded([7], 2)
+            np.testing.assert_array_equal(r.extras, [[[0, 0], [1.5, -2]]])
+        with daemon(input_size=2, hidden_size=3) as d, d.client() as c:
+            with self.assertRaises(rnnd.RnndError) as cm:
+                c.step([7], np.ones((1, 2), np.float32), True, extras=[[1.0]])
+            self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("extras-size", cm.exception.details)
+
+
 class AuthTest(unittest.TestCase):
     def test_token(self):
         with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:

@@ -52,10 +52,22 @@ static int local_err(int code, const char *fmt, ...) {
 }
 
 static const char *const status_names[] = {
-    "OK",           "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS",   "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",  "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",      "DATA_LOSS",
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
     "UNAUTHENTICATED",
 };
 
@@ -67,17 +79,27 @@ const char *rnnd_grpc_status_name(int s) {
 
 static int status_to_code(grpc_status_code s) {
     switch (s) {
-        case GRPC_STATUS_OK: return 0;
-        case GRPC_STATUS_INVALID_ARGUMENT: return RNND_EINVAL;
-        case GRPC_STATUS_FAILED_PRECONDITION: return RNND_EPRECOND;
-        case GRPC_STATUS_NOT_FOUND: return RNND_ENOTFOUND;
-        case GRPC_STATUS_RESOURCE_EXHAUSTED: return RNND_EFULL;
-        case GRPC_STATUS_UNAVAILABLE: return RNND_EUNAVAIL;
-        case GRPC_STATUS_UNAUTHENTICATED: return RNND_EAUTH;
+        case GRPC_STATUS_OK:
+            return 0;
+        case GRPC_STATUS_INVALID_ARGUMENT:
+            return RNND_EINVAL;
+        case GRPC_STATUS_FAILED_PRECONDITION:
+            return RNND_EPRECOND;
+        case GRPC_STATUS_NOT_FOUND:
+            return RNND_ENOTFOUND;
+        case GRPC_STATUS_RESOURCE_EXHAUSTED:
+            return RNND_EFULL;
+        case GRPC_STATUS_UNAVAILABLE:
+            return RNND_EUNAVAIL;
+        case GRPC_STATUS_UNAUTHENTICATED:
+            return RNND_EAUTH;
         case GRPC_STATUS_CANCELLED:
-        case GRPC_STATUS_DEADLINE_EXCEEDED: return RNND_ECANCELED;
-        case GRPC_STATUS_UNIMPLEMENTED: return RNND_ENOTSUP;
-        default: return RNND_EIO;
+        case GRPC_STATUS_DEADLINE_EXCEEDED:
+            return RNND_ECANCELED;
+        case GRPC_STATUS_UNIMPLEMENTED:
+            return RNND_ENOTSUP;
+        default:
+            return RNND_EIO;
     }
 }
 
@@ -100,24 +122,36 @@ static int status_err(grpc_status_code s, grpc_slice details, const char *error_
 
 size_t rnnd_dtype_size(enum rnnd_dtype dtype) {
     switch (dtype) {
-        case RNND_DTYPE_FLOAT32: return 4;
+        case RNND_DTYPE_FLOAT32:
+            return 4;
         case RNND_DTYPE_BFLOAT16:
-        case RNND_DTYPE_FLOAT16: return 2;
-        case RNND_DTYPE_BOOL: return 1;
-        case RNND_DTYPE_INT64: return 8;
-        default: return 0;
+        case RNND_DTYPE_FLOAT16:
+            return 2;
+        case RNND_DTYPE_BOOL:
+            return 1;
+        case RNND_DTYPE_INT64:
+            return 8;
+        default:
+            return 0;
     }
 }
 
 const char *rnnd_dtype_name(enum rnnd_dtype dtype) {
     switch (dtype) {
-        case RNND_DTYPE_FLOAT32: return "float32";
-        case RNND_DTYPE_BFLOAT16: return "bfloat16";
-        case RNND_DTYPE_FLOAT16: return "float16";
-        case RNND_DTYPE_BOOL: return "bool";
-        case RNND_DTYPE_INT64: return "int64";
-        case RNND_DTYPE_UNSPECIFIED: return "unspecified";
-        default: return "unknown";
+        case RNND_DTYPE_FLOAT32:
+            return "float32";
+        case RNND_DTYPE_BFLOAT16:
+            return "bfloat16";
+        case RNND_DTYPE_FLOAT16:
+            return "float16";
+        case RNND_DTYPE_BOOL:
+            return "bool";
+        case RNND_DTYPE_INT64:
+            return "int64";
+        case RNND_DTYPE_UNSPECIFIED:
+            return "unspecified";
+        default:
+            return "unknown";
     }
 }
 
@@ -274,18 +308,12 @@ enum method {
 };
 
 static const char *const method_paths[M_COUNT] = {
-    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",
-    [M_STEP] = "/rnnd.v1.Rnn/Step",
-    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream",
-    [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
-    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",
-    [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
-    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",
-    [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
-    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",
-    [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
-    [M_HEALTH] = "/grpc.health.v1.Health/Check",
-    [M_WATCH] = "/grpc.health.v1.Health/Watch",
+    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",      [M_STEP] = "/rnnd.v1.Rnn/Step",
+    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream", [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
+    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",        [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
+    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",   [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
+    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",        [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
+    [M_HEALTH] = "/grpc.health.v1.Health/Check", [M_WATCH] = "/grpc.health.v1.Health/Watch",
 };
 
 struct rnnd_client {
@@ -340,8 +368,8 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
     if (opts->tls_root_pem || opts->tls_cert_pem) {
         grpc_ssl_pem_key_cert_pair pair = {.private_key = opts->tls_key_pem,
                                            .cert_chain = opts->tls_cert_pem};
-        creds = grpc_ssl_credentials_create(opts->tls_root_pem,
-                                            opts->tls_cert_pem ? &pair : NULL, NULL, NULL);
+        creds = grpc_ssl_credentials_create(opts->tls_root_pem, opts->tls_cert_pem ? &pair : NULL,
+                                            NULL, NULL);
     } else {
         creds = grpc_insecure_credentials_create();
     }
@@ -384,8 +412,8 @@ void rnnd_client_free(struct rnnd_client *c) {
 
 int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
     clear_err();
-    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+    gpr_timespec deadline =
+        gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
     grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
     grpc_connectivity_state st = grpc_channel_check_connectivity_state(c->ch, 1);
     while (st != GRPC_CHANNEL_READY) {
@@ -440,8 +468,8 @@ static grpc_slice buffer_take(grpc_byte_buffer *bb) {
 
 // One unary call of method m (or path when m < 0): sends req_len bytes and, on OK, returns the
 // reply in *reply (unref it). Returns 0 or the mapped status.
-static int unary(struct rnnd_client *c, int m, const char *path, const uint8_t *req,
-                 size_t req_len, grpc_slice *reply) {
+static int unary(struct rnnd_client *c, int m, const char *path, const uint8_t *req, size_t req_len,
+                 grpc_slice *reply) {
     *reply = grpc_empty_slice();
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     grpc_call *call = call_create(c, m, path, cq, deadline_ms(c->timeout_ms));
@@ -535,8 +563,8 @@ static int call_pb(struct rnnd_client *c, int m, const ProtobufCMessage *req,
     return 0;
 }
 
-int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req,
-                         size_t req_len, void **reply, size_t *reply_len) {
+int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req, size_t req_len,
+                         void **reply, size_t *reply_len) {
     clear_err();
     *reply = NULL;
     *reply_len = 0;
@@ -563,8 +591,8 @@ int rnnd_client_health(struct rnnd_client *c, const char *service, int *status) 
     Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     req.service = (char *)(service ? service : "");
     ProtobufCMessage *out;
-    int err = call_pb(c, M_HEALTH, &req.base, &grpc__health__v1__health_check_response__descriptor,
-                      &out);
+    int err =
+        call_pb(c, M_HEALTH, &req.base, &grpc__health__v1__health_check_response__descriptor, &out);
     if (err)
         return err;
     *status = (int)((Grpc__Health__V1__HealthCheckResponse *)out)->status;
@@ -695,8 +723,8 @@ void rnnd_client_watch_free(struct rnnd_client_watch *w) {
             grpc_completion_queue_pluck(w->cq, &w->tag_recv, gpr_inf_future(GPR_CLOCK_MONOTONIC),
                                         NULL);
         if (!w->status_done)
-            grpc_completion_queue_pluck(w->cq, &w->tag_status,
-                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+            grpc_completion_queue_pluck(w->cq, &w->tag_status, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                        NULL);
         grpc_call_unref(w->call);
     }
     if (w->recv)
@@ -1017,8 +1045,8 @@ void rnnd_client_stream_free(struct rnnd_client_stream *s) {
     if (s->call) {
         if (!s->status_done) {
             grpc_call_cancel(s->call, NULL);
-            grpc_completion_queue_pluck(s->cq, &s->tag_status,
-                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+            grpc_completion_queue_pluck(s->cq, &s->tag_status, gpr_inf_future(GPR_CLOCK_MONOTONIC),
+                                        NULL);
         }
         grpc_call_unref(s->call);
     }

@@ -186,21 +186,36 @@ static int parse_args(int argc, char **argv, struct args *a) {
         const char **val;
         bool *flag;
     } opts[] = {
-        {"--target", &a->target, NULL},       {"-t", &a->target, NULL},
-        {"--tls-ca", &a->tls_ca, NULL},       {"--tls-cert", &a->tls_cert, NULL},
-        {"--tls-key", &a->tls_key, NULL},     {"--tls-server-name", &a->tls_name, NULL},
-        {"--token-file", &a->token_file, NULL}, {"--timeout-ms", &a->timeout, NULL},
-        {"--service", &a->service, NULL},     {"--env", &a->env, NULL},
-        {"--obs", &a->obs, NULL},             {"--seed", &a->seed, NULL},
-        {"--steps", &a->steps, NULL},         {"--step-index", &a->step_index, NULL},
-        {"--path", &a->path, NULL},           {"--connections", &a->connections, NULL},
-        {"-c", &a->connections, NULL},        {"--envs", &a->envs, NULL},
-        {"-e", &a->envs, NULL},               {"--duration", &a->duration, NULL},
-        {"-d", &a->duration, NULL},           {"--warmup", &a->warmup, NULL},
-        {"--env-base", &a->env_base, NULL},   {"--watch", NULL, &a->watch},
-        {"--init", NULL, &a->init},           {"--state", NULL, &a->state},
-        {"--full", NULL, &a->full},           {"--stream", NULL, &a->stream},
-        {"--no-floor", NULL, &a->no_floor},   {"--help", NULL, &a->help},
+        {"--target", &a->target, NULL},
+        {"-t", &a->target, NULL},
+        {"--tls-ca", &a->tls_ca, NULL},
+        {"--tls-cert", &a->tls_cert, NULL},
+        {"--tls-key", &a->tls_key, NULL},
+        {"--tls-server-name", &a->tls_name, NULL},
+        {"--token-file", &a->token_file, NULL},
+        {"--timeout-ms", &a->timeout, NULL},
+        {"--service", &a->service, NULL},
+        {"--env", &a->env, NULL},
+        {"--obs", &a->obs, NULL},
+        {"--seed", &a->seed, NULL},
+        {"--steps", &a->steps, NULL},
+        {"--step-index", &a->step_index, NULL},
+        {"--path", &a->path, NULL},
+        {"--connections", &a->connections, NULL},
+        {"-c", &a->connections, NULL},
+        {"--envs", &a->envs, NULL},
+        {"-e", &a->envs, NULL},
+        {"--duration", &a->duration, NULL},
+        {"-d", &a->duration, NULL},
+        {"--warmup", &a->warmup, NULL},
+        {"--env-base", &a->env_base, NULL},
+        {"--watch", NULL, &a->watch},
+        {"--init", NULL, &a->init},
+        {"--state", NULL, &a->state},
+        {"--full", NULL, &a->full},
+        {"--stream", NULL, &a->stream},
+        {"--no-floor", NULL, &a->no_floor},
+        {"--help", NULL, &a->help},
         {"-h", NULL, &a->help},
     };
     for (int i = 1; i < argc; i++) {
@@ -483,9 +498,9 @@ static int cmd_weights_export(struct rnnd_client *c, const char *file) {
     snprintf(in, sizeof in, "%" PRId64, info.input_size);
     snprintf(hid, sizeof hid, "%" PRId64, info.hidden_size);
     snprintf(lay, sizeof lay, "%" PRId64, info.num_layers);
-    const char *meta[] = {"format", "pt",     "rnnd_cell",   info.cell, "rnnd_input_size", in,
-                          "rnnd_hidden_size", hid, "rnnd_num_layers", lay, "rnnd_model_version",
-                          ver};
+    const char *meta[] = {"format",          "pt", "rnnd_cell",          info.cell,
+                          "rnnd_input_size", in,   "rnnd_hidden_size",   hid,
+                          "rnnd_num_layers", lay,  "rnnd_model_version", ver};
     void *buf = NULL;
     size_t len = 0;
     if (rc == 0) {
@@ -501,8 +516,8 @@ static int cmd_weights_export(struct rnnd_client *c, const char *file) {
             fprintf(stderr, "rnndctl: cannot write %s: %s\n", file, strerror(errno));
             rc = 1;
         } else {
-            printf("wrote %s: %zu tensors, %zu bytes, model_version %" PRIu64 "\n", file, w.n,
-                   len, version);
+            printf("wrote %s: %zu tensors, %zu bytes, model_version %" PRIu64 "\n", file, w.n, len,
+                   version);
         }
     }
     free(buf);
@@ -766,8 +781,12 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
     struct rnnd_model_info info;
     if (rnnd_client_info(c, &info))
         return call_err("info");
-    struct bench b = {.conns = (int)conns, .envs = (int)envs, .I = (int)info.input_size,
-                      .env_base = (uint64_t)base, .seed = (uint64_t)seed, .stream = a->stream};
+    struct bench b = {.conns = (int)conns,
+                      .envs = (int)envs,
+                      .I = (int)info.input_size,
+                      .env_base = (uint64_t)base,
+                      .seed = (uint64_t)seed,
+                      .stream = a->stream};
     int rc = connect_opts(a, &b.opts);
     if (rc)
         return rc;
@@ -804,7 +823,7 @@ int main(int argc, char **argv) {
         return a.help ? 0 : 2;
     }
     const char *cmd = a.pos[0];
-    static const char *const known[] = {"health", "info", "step", "end",
+    static const char *const known[] = {"health",  "info",       "step", "end",
                                         "weights", "checkpoint", "bench"};
     bool ok = false;
     for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)

@@ -3,8 +3,9 @@
  * grpc.health.v1.Health), used by rnndctl and the integration tests.
  *
  * One struct rnnd_client is one gRPC channel (its own TCP connection: channels never share
- * one). Every call blocks the calling thread until the reply, the deadline or an error. A client may
- * be used by several threads at once; a struct rnnd_client_stream belongs to one thread at a time.
+ * one). Every call blocks the calling thread until the reply, the deadline or an error. A client
+ * may be used by several threads at once; a struct rnnd_client_stream belongs to one thread at a
+ * time.
  *
  * Errors: every fallible function returns 0 or a negative RNND_E* (rnnd_kernels.h). The details of
  * the last failure on the calling thread, including the gRPC status code and the server's message,
@@ -94,8 +95,8 @@ const struct rnnd_tensor *rnnd_named_tensors_find(const struct rnnd_named_tensor
 // Errors.
 
 struct rnnd_client_error {
-    int code;          // RNND_E* returned by the failed call, 0 after a success
-    int grpc_status;   // grpc_status_code (0 OK, 3 INVALID_ARGUMENT, ...); -1 when no call was made
+    int code;        // RNND_E* returned by the failed call, 0 after a success
+    int grpc_status; // grpc_status_code (0 OK, 3 INVALID_ARGUMENT, ...); -1 when no call was made
     char message[1024]; // the server's status message, or what went wrong locally
 };
 
@@ -108,14 +109,14 @@ const char *rnnd_grpc_status_name(int grpc_status);
 // Connections.
 
 struct rnnd_client_opts {
-    const char *target;           // "HOST:PORT" (gRPC target syntax); required
-    const char *tls_root_pem;     // PEM of the roots to trust; NULL for plaintext
-    const char *tls_cert_pem;     // client certificate chain (mutual TLS) or NULL
-    const char *tls_key_pem;      // client private key (mutual TLS) or NULL
-    const char *tls_server_name;  // override the name checked in the server's certificate, or NULL
-    const char *token;            // bearer token sent as "authorization: Bearer <token>", or NULL
-    int64_t timeout_ms;           // per-call deadline; <= 0: 30000
-    int64_t max_message_bytes;    // send and receive limit; <= 0: unlimited
+    const char *target;          // "HOST:PORT" (gRPC target syntax); required
+    const char *tls_root_pem;    // PEM of the roots to trust; NULL for plaintext
+    const char *tls_cert_pem;    // client certificate chain (mutual TLS) or NULL
+    const char *tls_key_pem;     // client private key (mutual TLS) or NULL
+    const char *tls_server_name; // override the name checked in the server's certificate, or NULL
+    const char *token;           // bearer token sent as "authorization: Bearer <token>", or NULL
+    int64_t timeout_ms;          // per-call deadline; <= 0: 30000
+    int64_t max_message_bytes;   // send and receive limit; <= 0: unlimited
 };
 
 struct rnnd_client;
@@ -153,7 +154,7 @@ int rnnd_client_watch_next(struct rnnd_client_watch *w, int64_t timeout_ms, int 
 void rnnd_client_watch_free(struct rnnd_client_watch *w);
 
 struct rnnd_model_info {
-    char cell[16];    // "gru" or "lstm"
+    char cell[16]; // "gru" or "lstm"
     int64_t input_size, hidden_size, num_layers;
     char compute[16]; // "fp32", "ieee", "bf16"
     char backend[16]; // "cpu", "cuda"
@@ -182,8 +183,8 @@ struct rnnd_step_req {
 struct rnnd_step_reply {
     struct rnnd_tensor output; // (B, H)
     uint64_t model_version;
-    struct rnnd_tensor h;      // (B, L, H) when return_state
-    struct rnnd_tensor c;      // (B, L, H) LSTM, when return_state
+    struct rnnd_tensor h; // (B, L, H) when return_state
+    struct rnnd_tensor c; // (B, L, H) LSTM, when return_state
 };
 void rnnd_step_reply_free(struct rnnd_step_reply *r);
 
@@ -285,8 +286,8 @@ int rnnd_client_save_checkpoint(struct rnnd_client *c, const char *path, char **
 
 // Sends raw request bytes to method ("/rnnd.v1.Rnn/Step") and returns the raw reply in *reply
 // (new, free with free()) and *reply_len: for tests that send what the typed calls cannot.
-int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req,
-                         size_t req_len, void **reply, size_t *reply_len);
+int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req, size_t req_len,
+                         void **reply, size_t *reply_len);
 
 // ---------------------------------------------------------------------------------------------
 // Helpers for callers that hold weights as one flat array (rnnd_kernels.h layout).

@@ -342,8 +342,8 @@ bool daemon_flag_unimplemented(const char *flag, const char *value) {
     char dir[] = "/tmp/rnnd-probe-XXXXXX";
     if (!mkdtemp(dir))
         return false;
-    const char *argv[] = {rnnd_bin(), "--backend", "cpu", "--listen", "127.0.0.1:0", "--http",
-                          "127.0.0.1:0", "--state-dir", dir, flag, value, NULL};
+    const char *argv[] = {rnnd_bin(),    "--backend",   "cpu", "--listen", "127.0.0.1:0", "--http",
+                          "127.0.0.1:0", "--state-dir", dir,   flag,       value,         NULL};
     char *out = NULL;
     run_capture(argv, 5000, &out);
     bool no = out && strstr(out, "not implemented");
@@ -561,8 +561,7 @@ void rng_fill(struct rng *g, float *v, size_t n) {
         v[k] = rng_f(g);
 }
 
-bool close_f32(const char *what, const float *a, const float *b, size_t n, float atol,
-               float rtol) {
+bool close_f32(const char *what, const float *a, const float *b, size_t n, float atol, float rtol) {
     if (!a || !b) {
         fprintf(stderr, "%s: %s is missing\n", what, !a ? "the value" : "the reference");
         return false;
@@ -606,8 +605,8 @@ void assert_tensor_f32(const struct rnnd_tensor *t, int ndim, int64_t d0, int64_
                 rnnd_dtype_name(t->dtype), t->ndim);
         for (int d = 0; d < t->ndim; d++)
             fprintf(stderr, "%s%lld", d ? ", " : "", (long long)t->shape[d]);
-        fprintf(stderr, "] bytes %zu; wanted float32 ndim %d [%lld, %lld, %lld, %lld]\n",
-                t->nbytes, ndim, (long long)d0, (long long)d1, (long long)d2, (long long)d3);
+        fprintf(stderr, "] bytes %zu; wanted float32 ndim %d [%lld, %lld, %lld, %lld]\n", t->nbytes,
+                ndim, (long long)d0, (long long)d1, (long long)d2, (long long)d3);
     }
     assert_true(ok);
 }

@@ -25,12 +25,12 @@
 // The daemon.
 
 struct daemon {
-    pid_t pid;            // 0 once reaped
-    int exit_status;      // waitpid status once reaped
-    char grpc[64];        // "127.0.0.1:PORT" from the ready line
+    pid_t pid;       // 0 once reaped
+    int exit_status; // waitpid status once reaped
+    char grpc[64];   // "127.0.0.1:PORT" from the ready line
     char http[64];
     char backend[32];
-    char state_dir[256];  // temporary; removed by daemon_free unless RNND_TEST_KEEP is set
+    char state_dir[256]; // temporary; removed by daemon_free unless RNND_TEST_KEEP is set
     char log_path[300];
     char ready_line[512];
     double start_seconds; // from spawn to the ready line
@@ -83,11 +83,11 @@ double prom_value(const char *body, const char *name, const char *labels);
 struct ref {
     struct rnnd_model m;
     struct rnnd_backend be;
-    float *params;   // (P)
+    float *params; // (P)
     size_t P;
-    int S;           // state slots
-    float *state_h;  // (S, L, H)
-    float *state_c;  // (S, L, H) LSTM
+    int S;          // state slots
+    float *state_h; // (S, L, H)
+    float *state_c; // (S, L, H) LSTM
     int extras_size;
 };
 

@@ -17,14 +17,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define I_       16
-#define H_       32
-#define NTHREAD  8
-#define NENV     12 // per thread
-#define ROUNDS   60
-#define DEPTH    3  // pipelined requests per stream round
-#define ATOL     2e-5f
-#define RTOL     1e-4f
+#define I_      16
+#define H_      32
+#define NTHREAD 8
+#define NENV    12 // per thread
+#define ROUNDS  60
+#define DEPTH   3 // pipelined requests per stream round
+#define ATOL    2e-5f
+#define RTOL    1e-4f
 
 struct worker {
     int idx;
@@ -32,7 +32,7 @@ struct worker {
     struct rnnd_client *c;
     struct ref r;
     bool stream;
-    uint64_t steps;     // env-steps acknowledged
+    uint64_t steps;      // env-steps acknowledged
     uint64_t last[NENV]; // last step_index per env
     int failures;
     char first_failure[1200];
@@ -99,14 +99,14 @@ static void check(struct worker *w, struct req_buf *q, const struct rnnd_step_re
     ref_step(&w->r, q->B, q->slots, q->obs, q->init, out);
     if (!r->output.present || r->output.nbytes != (size_t)q->B * H_ * sizeof(float)) {
         note_fail(w, "worker %d %s round %d: output has %zu bytes, want %zu", w->idx, what, round,
-             r->output.nbytes, (size_t)q->B * H_ * sizeof(float));
+                  r->output.nbytes, (size_t)q->B * H_ * sizeof(float));
         return;
     }
     const float *got = r->output.data;
     for (int k = 0; k < q->B * H_; k++) {
         if (!(fabsf(got[k] - out[k]) <= ATOL + RTOL * fabsf(out[k]))) {
-            note_fail(w, "worker %d %s round %d: env %llu value %d is %.7g, reference %.7g", w->idx, what,
-                 round, (unsigned long long)q->ids[k / H_], k % H_, got[k], out[k]);
+            note_fail(w, "worker %d %s round %d: env %llu value %d is %.7g, reference %.7g", w->idx,
+                      what, round, (unsigned long long)q->ids[k / H_], k % H_, got[k], out[k]);
             return;
         }
     }
@@ -129,8 +129,8 @@ static void *work(void *arg) {
             struct rnnd_step_reply r;
             if (rnnd_client_step(w->c, &req, &r) != 0)
                 note_fail(w, "worker %d round %d: Step: %s: %s", w->idx, round,
-                     rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status),
-                     rnnd_client_last_error()->message);
+                          rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status),
+                          rnnd_client_last_error()->message);
             else
                 check(w, &q[0], &r, "Step", round);
             rnnd_step_reply_free(&r);
@@ -142,7 +142,7 @@ static void *work(void *arg) {
             struct rnnd_step_req req = as_req(&q[k]);
             if (rnnd_client_stream_send(s, &req) != 0) {
                 note_fail(w, "worker %d round %d: send: %s", w->idx, round,
-                     rnnd_client_last_error()->message);
+                          rnnd_client_last_error()->message);
                 break;
             }
         }
@@ -150,8 +150,8 @@ static void *work(void *arg) {
             struct rnnd_step_reply r;
             if (rnnd_client_stream_recv(s, &r) != 0)
                 note_fail(w, "worker %d round %d: recv: %s: %s", w->idx, round,
-                     rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status),
-                     rnnd_client_last_error()->message);
+                          rnnd_grpc_status_name(rnnd_client_last_error()->grpc_status),
+                          rnnd_client_last_error()->message);
             else
                 check(w, &q[k], &r, "StepStream", round);
             rnnd_step_reply_free(&r);
@@ -167,8 +167,9 @@ static void *work(void *arg) {
 
 static int setup(void **state) {
     (void)state;
-    const char *args[] = {"--cell", "gru", "--input-size", "16", "--hidden-size", "32",
-                          "--max-batch", "64", "--max-delay-us", "500", "--seed", "5", NULL};
+    const char *args[] = {"--cell",      "gru", "--input-size",   "16",  "--hidden-size", "32",
+                          "--max-batch", "64",  "--max-delay-us", "500", "--seed",        "5",
+                          NULL};
     return daemon_start(&d, args);
 }
 
@@ -200,8 +201,7 @@ static void test_many_clients(void **state) {
     for (int k = 0; k < NTHREAD; k++) {
         pthread_join(w[k].tid, NULL);
         if (w[k].failures)
-            fprintf(stderr, "%s (%d failures in this thread)\n", w[k].first_failure,
-                    w[k].failures);
+            fprintf(stderr, "%s (%d failures in this thread)\n", w[k].first_failure, w[k].failures);
         failures += w[k].failures;
         steps += w[k].steps;
     }

@@ -78,9 +78,23 @@ static void check_unchanged_(struct fixture *f, const char *what) {
 static int setup(void **state) {
     struct fixture *f = &fx;
     f->g.s = 1234;
-    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "16",
-                          "--layers", "1", "--max-message-mb", "2", "--max-envs", "32",
-                          "--tape-memory-mb", "1", "--seed", "3", NULL};
+    const char *args[] = {"--cell",
+                          "gru",
+                          "--input-size",
+                          "8",
+                          "--hidden-size",
+                          "16",
+                          "--layers",
+                          "1",
+                          "--max-message-mb",
+                          "2",
+                          "--max-envs",
+                          "32",
+                          "--tape-memory-mb",
+                          "1",
+                          "--seed",
+                          "3",
+                          NULL};
     if (daemon_start(&f->d, args) != 0)
         return -1;
     f->c = daemon_client(&f->d, NULL);
@@ -150,8 +164,9 @@ static void test_obs_shape(void **state) {
 static void test_obs_dtype(void **state) {
     struct fixture *f = *state;
     static uint8_t x[NPROBE * I_ * 8];
-    const enum rnnd_dtype bad[] = {RNND_DTYPE_UNSPECIFIED, RNND_DTYPE_BFLOAT16, RNND_DTYPE_FLOAT16,
-                                   RNND_DTYPE_BOOL, RNND_DTYPE_INT64, (enum rnnd_dtype)77};
+    const enum rnnd_dtype bad[] = {RNND_DTYPE_UNSPECIFIED, RNND_DTYPE_BFLOAT16,
+                                   RNND_DTYPE_FLOAT16,     RNND_DTYPE_BOOL,
+                                   RNND_DTYPE_INT64,       (enum rnnd_dtype)77};
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         int64_t shape[2] = {NPROBE, I_};
         struct rnnd_step_req req = probe_req(rnnd_tensor_view(bad[k], x, 2, shape));
@@ -449,8 +464,8 @@ static void test_forward_errors(void **state) {
     uint64_t ids[2] = {100, 101};
     // More steps than the ring can ever hold is a bad argument or a failed precondition; more
     // than the envs have recorded so far (they have a few dozen; the ring holds 256) is the latter.
-    req = (struct rnnd_forward_req){.recorded = true, .n_env_ids = 2, .env_ids = ids,
-                                    .steps = 100000};
+    req = (struct rnnd_forward_req){
+        .recorded = true, .n_env_ids = 2, .env_ids = ids, .steps = 100000};
     int err = forward(f, &req, NULL);
     int st = rnnd_client_last_error()->grpc_status;
     assert_true(err != 0 &&
@@ -637,8 +652,7 @@ static void test_checkpoint_path_outside(void **state) {
         char *path = NULL;
         int err = rnnd_client_save_checkpoint(f->c, bad[k], &path, NULL);
         if (err == 0)
-            fprintf(stderr, "SaveCheckpoint(\"%s\") wrote %s, outside --state-dir\n", bad[k],
-                    path);
+            fprintf(stderr, "SaveCheckpoint(\"%s\") wrote %s, outside --state-dir\n", bad[k], path);
         free(path);
         EXPECT_STATUS(err, GRPC_STATUS_INVALID_ARGUMENT);
     }
@@ -653,8 +667,8 @@ static void test_malformed_and_unknown(void **state) {
     const uint8_t garbage[] = {0xff, 0xff, 0xff, 0xff, 0x0f, 0x12, 0x99, 0x01, 0x02};
     void *reply;
     size_t len;
-    int err = rnnd_client_call_raw(f->c, "/rnnd.v1.Rnn/Step", garbage, sizeof garbage, &reply,
-                                   &len);
+    int err =
+        rnnd_client_call_raw(f->c, "/rnnd.v1.Rnn/Step", garbage, sizeof garbage, &reply, &len);
     int st = rnnd_client_last_error()->grpc_status;
     if (err == 0 || (st != GRPC_STATUS_INVALID_ARGUMENT && st != GRPC_STATUS_INTERNAL))
         fprintf(stderr, "garbage Step: %s: %s\n", rnnd_grpc_status_name(st),

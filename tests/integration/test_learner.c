@@ -37,13 +37,32 @@ struct fixture {
     struct rng g;
 };
 
-static const char *const lstm_args[] = {
-    "--cell", "lstm", "--input-size", "8", "--hidden-size", "16", "--layers", "2",
-    "--extras-size", "3", "--optimizer", "sgd", "--lr", "0.1", "--max-grad-norm", "1000000",
-    "--trajectory-steps", "16", "--tape-ttl-s", "2", "--seed", "21", NULL};
-static const char *const gru_args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size",
-                                       "16", "--layers", "2", "--optimizer", "adam", "--lr",
-                                       "0.01", "--seed", "22", NULL};
+static const char *const lstm_args[] = {"--cell",
+                                        "lstm",
+                                        "--input-size",
+                                        "8",
+                                        "--hidden-size",
+                                        "16",
+                                        "--layers",
+                                        "2",
+                                        "--extras-size",
+                                        "3",
+                                        "--optimizer",
+                                        "sgd",
+                                        "--lr",
+                                        "0.1",
+                                        "--max-grad-norm",
+                                        "1000000",
+                                        "--trajectory-steps",
+                                        "16",
+                                        "--tape-ttl-s",
+                                        "2",
+                                        "--seed",
+                                        "21",
+                                        NULL};
+static const char *const gru_args[] = {
+    "--cell",      "gru",  "--input-size", "8",    "--hidden-size", "16", "--layers", "2",
+    "--optimizer", "adam", "--lr",         "0.01", "--seed",        "22", NULL};
 
 static struct fixture fx_lstm = {.args = lstm_args, .g = {77}};
 static struct fixture fx_gru = {.args = gru_args, .g = {78}};
@@ -88,9 +107,9 @@ enum variant { V_ZERO, V_H0, V_STORED };
 
 struct batch {
     int B, T;
-    float *x;        // (B, T, I)
-    uint8_t *init;   // (B, T)
-    float *h0, *c0;  // (B, L, H) V_H0
+    float *x;         // (B, T, I)
+    uint8_t *init;    // (B, T)
+    float *h0, *c0;   // (B, L, H) V_H0
     float *hid, *cel; // (B, T, L, H) V_STORED
     // reference results
     float *out, *h_n, *c_n;
@@ -127,8 +146,14 @@ static void batch_make(struct fixture *f, struct batch *b, int B, int T, enum va
 }
 
 static struct rnnd_seq batch_seq(const struct batch *b) {
-    return (struct rnnd_seq){.B = b->B, .T = b->T, .x = b->x, .is_init = b->init, .h0 = b->h0,
-                             .c0 = b->c0, .hidden = b->hid, .cell = b->cel};
+    return (struct rnnd_seq){.B = b->B,
+                             .T = b->T,
+                             .x = b->x,
+                             .is_init = b->init,
+                             .h0 = b->h0,
+                             .c0 = b->c0,
+                             .hidden = b->hid,
+                             .cell = b->cel};
 }
 
 static void batch_ref_forward(struct fixture *f, struct batch *b) {
@@ -206,7 +231,7 @@ static void test_forward_explicit(void **state) {
             char what[64];
             snprintf(what, sizeof what, "forward %s B=%d T=%d", names[v], B, T);
             check_forward(f, &b, &r, what);
-            assert_int_equal(r.tape_id, 0); // keep_tape false
+            assert_int_equal(r.tape_id, 0);              // keep_tape false
             assert_false(r.obs.present && r.obs.nbytes); // recorded-only fields stay empty
             rnnd_forward_reply_free(&r);
             batch_free(&b);
@@ -354,16 +379,15 @@ static void test_forward_recorded(void **state) {
         rnnd_step_reply_free(&r);
     }
 
-    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = B, .env_ids = ids, .steps = W,
-                                   .keep_tape = true};
+    struct rnnd_forward_req req = {
+        .recorded = true, .n_env_ids = B, .env_ids = ids, .steps = W, .keep_tape = true};
     struct rnnd_forward_reply r;
     EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
     assert_tensor_f32(&r.output, 3, B, W, H_, 0);
     assert_tensor_f32(&r.obs, 3, B, W, I_, 0);
     assert_true(r.is_init.present && r.is_init.dtype == RNND_DTYPE_BOOL && r.is_init.ndim == 2 &&
                 r.is_init.shape[0] == B && r.is_init.shape[1] == W && r.is_init.nbytes == B * W);
-    assert_true(r.step_model_version.present &&
-                r.step_model_version.dtype == RNND_DTYPE_INT64 &&
+    assert_true(r.step_model_version.present && r.step_model_version.dtype == RNND_DTYPE_INT64 &&
                 r.step_model_version.ndim == 2 && r.step_model_version.shape[0] == B &&
                 r.step_model_version.shape[1] == W && r.step_model_version.nbytes == B * W * 8);
     if (extras)
@@ -376,8 +400,8 @@ static void test_forward_recorded(void **state) {
             snprintf(what, sizeof what, "recorded output env %d t %d", b, t);
             // The same weights, the same state: what Step returned.
             assert_true(close_f32(what, o, outs[s] + b * H_, H_, ATOL, RTOL));
-            assert_memory_equal((const float *)r.obs.data + ((size_t)b * W + t) * I_,
-                                x[s] + b * I_, sizeof(float) * I_);
+            assert_memory_equal((const float *)r.obs.data + ((size_t)b * W + t) * I_, x[s] + b * I_,
+                                sizeof(float) * I_);
             assert_int_equal(((const uint8_t *)r.is_init.data)[b * W + t], init[s][b]);
             assert_int_equal(((const int64_t *)r.step_model_version.data)[b * W + t],
                              (int64_t)info.model_version);
@@ -446,8 +470,7 @@ static void test_trajectory_ring(void **state) {
         rnnd_step_reply_free(&r);
         init = false;
     }
-    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = 1, .env_ids = &id,
-                                   .steps = RING};
+    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = 1, .env_ids = &id, .steps = RING};
     struct rnnd_forward_reply r;
     EXPECT_OK(rnnd_client_forward(f->c, &req, &r));
     assert_tensor_f32(&r.output, 3, 1, RING, H_, 0);
@@ -739,8 +762,8 @@ static void test_adam_training(void **state) {
                                                            b.tape, &seq, f->r.params, &f->r.m),
                                  0);
             }
-            struct rnnd_optim o = {.kind = RNND_OPTIM_ADAM, .lr = 0.01f, .beta1 = 0.9f,
-                                   .beta2 = 0.999f, .eps = 1e-8f};
+            struct rnnd_optim o = {
+                .kind = RNND_OPTIM_ADAM, .lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
             float norm;
             assert_int_equal(
                 f->r.be.ops->optim_step(f->r.be.ctx, want, g, m, vv, f->r.P, &o, 1, &norm), 0);
@@ -764,12 +787,9 @@ static void test_adam_training(void **state) {
 
 int main(void) {
     const struct CMUnitTest lstm[] = {
-        cmocka_unit_test(test_forward_explicit),
-        cmocka_unit_test(test_backward),
-        cmocka_unit_test(test_forward_recorded),
-        cmocka_unit_test(test_trajectory_ring),
-        cmocka_unit_test(test_lstm_extras_errors),
-        cmocka_unit_test(test_sgd_accumulate_apply),
+        cmocka_unit_test(test_forward_explicit),   cmocka_unit_test(test_backward),
+        cmocka_unit_test(test_forward_recorded),   cmocka_unit_test(test_trajectory_ring),
+        cmocka_unit_test(test_lstm_extras_errors), cmocka_unit_test(test_sgd_accumulate_apply),
         cmocka_unit_test(test_tape_ttl),
     };
     const struct CMUnitTest gru[] = {

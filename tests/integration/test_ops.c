@@ -29,8 +29,9 @@ static struct rnnd_client *c;
 
 static int setup(void **state) {
     (void)state;
-    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "32",
-                          "--env-idle-timeout-s", "1", "--hz", "20", NULL};
+    const char *args[] = {
+        "--cell", "gru",  "--input-size", "8", "--hidden-size", "32", "--env-idle-timeout-s",
+        "1",      "--hz", "20",           NULL};
     if (daemon_start(&d, args) != 0)
         return -1;
     c = daemon_client(&d, NULL);
@@ -175,14 +176,13 @@ static void test_metrics_content(void **state) {
         EXPECT_OK(step_n(c, ids, 2, k == 0));
     uint64_t unknown = secret + 2;
     EXPECT_STATUS(step_n(c, &unknown, 1, false), GRPC_STATUS_FAILED_PRECONDITION);
-    EXPECT_STATUS(step_n(c, (uint64_t[]){secret, secret}, 2, false),
-                  GRPC_STATUS_INVALID_ARGUMENT);
+    EXPECT_STATUS(step_n(c, (uint64_t[]){secret, secret}, 2, false), GRPC_STATUS_INVALID_ARGUMENT);
     float x[2 * 3 * I_] = {0};
     uint8_t init[6] = {1, 0, 0, 1, 0, 0};
-    struct rnnd_forward_req fq = {
-        .obs = rnnd_tensor_f32(x, 3, 2, 3, I_, 0),
-        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){2, 3}),
-        .keep_tape = true};
+    struct rnnd_forward_req fq = {.obs = rnnd_tensor_f32(x, 3, 2, 3, I_, 0),
+                                  .is_init =
+                                      rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){2, 3}),
+                                  .keep_tape = true};
     struct rnnd_forward_reply fr;
     EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
     rnnd_forward_reply_free(&fr);
@@ -210,18 +210,21 @@ static void test_metrics_content(void **state) {
 
     double ok = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"OK\"") -
                 metric(before, "rnnd_requests_total", "method=\"Step\";code=\"OK\"");
-    double pre = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"") -
-                 metric(before, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"");
+    double pre =
+        metric(after, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"") -
+        metric(before, "rnnd_requests_total", "method=\"Step\";code=\"FAILED_PRECONDITION\"");
     double inv = metric(after, "rnnd_requests_total", "method=\"Step\";code=\"INVALID_ARGUMENT\"") -
                  metric(before, "rnnd_requests_total", "method=\"Step\";code=\"INVALID_ARGUMENT\"");
     if (ok != 5 || pre != 1 || inv != 1)
-        fprintf(stderr, "Step counters moved by OK %g, FAILED_PRECONDITION %g, INVALID_ARGUMENT "
-                        "%g (want 5, 1, 1)\n", ok, pre, inv);
+        fprintf(stderr,
+                "Step counters moved by OK %g, FAILED_PRECONDITION %g, INVALID_ARGUMENT "
+                "%g (want 5, 1, 1)\n",
+                ok, pre, inv);
     assert_true(ok == 5 && pre == 1 && inv == 1);
     assert_true(metric(after, "rnnd_requests_total", "method=\"Forward\";code=\"OK\"") >= 1);
     // Histograms: a +Inf bucket equal to the count.
-    double inf = prom_value(after, "rnnd_request_duration_seconds_bucket",
-                            "method=\"Step\";le=\"+Inf\"");
+    double inf =
+        prom_value(after, "rnnd_request_duration_seconds_bucket", "method=\"Step\";le=\"+Inf\"");
     double cnt = prom_value(after, "rnnd_request_duration_seconds_count", "method=\"Step\"");
     assert_false(isnan(inf) || isnan(cnt));
     assert_true(inf == cnt && cnt >= 7);
@@ -283,8 +286,8 @@ static void test_auth_token(void **state) {
     fputs("s3cret-token\n", fp);
     fclose(fp);
     struct daemon da;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--auth-token-file", file,
-                          NULL};
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--auth-token-file",
+                          file,           NULL};
     assert_int_equal(daemon_start(&da, args), 0);
     struct rnnd_client *none = daemon_client(&da, NULL);
     struct rnnd_client *wrong = daemon_client(&da, "s3cret");
@@ -367,8 +370,9 @@ static void test_queue_full(void **state) {
     (void)state;
     struct daemon dq;
     // H = 512: a Forward of a few rows keeps the engine busy for a while with a small reply.
-    const char *args[] = {"--input-size", "8",  "--hidden-size",    "512",
-                          "--max-batch",  "16", "--max-queue-rows", "16", NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "512", "--max-batch", "16", "--max-queue-rows",
+        "16",           NULL};
     assert_int_equal(daemon_start(&dq, args), 0);
     struct rnnd_client *c1 = daemon_client(&dq, NULL), *c2 = daemon_client(&dq, NULL),
                        *c3 = daemon_client(&dq, NULL);
@@ -392,8 +396,8 @@ static void test_queue_full(void **state) {
         assert_int_equal(fw.err, 0);
         struct bg *refused = s2.err ? &s2 : &s3, *queued = s2.err ? &s3 : &s2;
         bool busy = fw.done > refused->done;
-        fprintf(stderr, "  T=%d: Forward %.0f ms; Steps: %s after %.0f ms, %s after %.0f ms%s\n",
-                T, (fw.done - t0) * 1e3, rnnd_err_name(s2.err), (s2.done - t0) * 1e3,
+        fprintf(stderr, "  T=%d: Forward %.0f ms; Steps: %s after %.0f ms, %s after %.0f ms%s\n", T,
+                (fw.done - t0) * 1e3, rnnd_err_name(s2.err), (s2.done - t0) * 1e3,
                 rnnd_err_name(s3.err), (s3.done - t0) * 1e3,
                 busy ? "" : " (the Forward ended first: not a test of the bound)");
         uint64_t all[24];
@@ -465,8 +469,8 @@ static void *load_main(void *arg) {
             sleep_ms(5);
         } else {
             if (l->other++ == 0)
-                snprintf(l->other_msg, sizeof l->other_msg, "%s: %s",
-                         rnnd_grpc_status_name(st), rnnd_client_last_error()->message);
+                snprintf(l->other_msg, sizeof l->other_msg, "%s: %s", rnnd_grpc_status_name(st),
+                         rnnd_client_last_error()->message);
             if (s)
                 break;
         }
@@ -535,8 +539,10 @@ static void test_sigterm_under_load(void **state) {
                     l[k].other_msg);
         rnnd_client_free(l[k].cl);
     }
-    fprintf(stderr, "  SIGTERM under load: exit after %.2f s; %d OK (%d before the signal), %d "
-                    "UNAVAILABLE, %d other\n", took, ok, ok_before, unav, other);
+    fprintf(stderr,
+            "  SIGTERM under load: exit after %.2f s; %d OK (%d before the signal), %d "
+            "UNAVAILABLE, %d other\n",
+            took, ok, ok_before, unav, other);
     assert_int_equal(rc, 0);
     if (!WIFEXITED(ds.exit_status) || WEXITSTATUS(ds.exit_status) != 0)
         daemon_dump_log(&ds, 3000);
@@ -665,18 +671,12 @@ static void test_config_file(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ready_line),
-        cmocka_unit_test(test_grpc_health),
-        cmocka_unit_test(test_http_endpoints),
-        cmocka_unit_test(test_metrics_content),
-        cmocka_unit_test(test_idle_eviction),
-        cmocka_unit_test(test_auth_token),
-        cmocka_unit_test(test_queue_full),
-        cmocka_unit_test(test_sigterm_under_load),
-        cmocka_unit_test(test_watch_sees_drain),
-        cmocka_unit_test(test_sigint),
-        cmocka_unit_test(test_bad_flags),
-        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_ready_line),       cmocka_unit_test(test_grpc_health),
+        cmocka_unit_test(test_http_endpoints),   cmocka_unit_test(test_metrics_content),
+        cmocka_unit_test(test_idle_eviction),    cmocka_unit_test(test_auth_token),
+        cmocka_unit_test(test_queue_full),       cmocka_unit_test(test_sigterm_under_load),
+        cmocka_unit_test(test_watch_sees_drain), cmocka_unit_test(test_sigint),
+        cmocka_unit_test(test_bad_flags),        cmocka_unit_test(test_config_file),
     };
     return cmocka_run_group_tests_name("ops", tests, setup, teardown) ? 1 : 0;
 }

@@ -13,12 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define I_    16
-#define H_    32
-#define L_    2
-#define NENV  48
-#define ATOL  2e-5f
-#define RTOL  1e-4f
+#define I_   16
+#define H_   32
+#define L_   2
+#define NENV 48
+#define ATOL 2e-5f
+#define RTOL 1e-4f
 
 struct fixture {
     struct daemon d;
@@ -30,8 +30,9 @@ struct fixture {
 static struct fixture fx_gru = {.cell = "gru"}, fx_lstm = {.cell = "lstm"};
 
 static int setup(void **state, struct fixture *f) {
-    const char *args[] = {"--cell", f->cell, "--input-size", "16", "--hidden-size", "32",
-                          "--layers", "2", "--max-batch", "64", "--seed", "7", NULL};
+    const char *args[] = {"--cell",   f->cell, "--input-size", "16", "--hidden-size", "32",
+                          "--layers", "2",     "--max-batch",  "64", "--seed",        "7",
+                          NULL};
     if (daemon_start(&f->d, args) != 0)
         return -1;
     f->c = daemon_client(&f->d, NULL);

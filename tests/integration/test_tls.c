@@ -105,8 +105,8 @@ static void test_tls(void **state) {
     snprintf(cert, sizeof cert, "%s/server.pem", dir);
     snprintf(key, sizeof key, "%s/server.key", dir);
     struct daemon d;
-    const char *args[] = {"--input-size", "4", "--hidden-size", "8", "--tls-cert", cert,
-                          "--tls-key", key, NULL};
+    const char *args[] = {
+        "--input-size", "4", "--hidden-size", "8", "--tls-cert", cert, "--tls-key", key, NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     char *ca = slurp_file("ca.pem"), *other = slurp_file("other.pem");
     EXPECT_OK(connect_info(&d, ca, NULL, NULL));
@@ -136,15 +136,15 @@ static void test_mutual_tls(void **state) {
     snprintf(key, sizeof key, "%s/server.key", dir);
     snprintf(ca, sizeof ca, "%s/ca.pem", dir);
     struct daemon d;
-    const char *args[] = {"--input-size", "4", "--hidden-size", "8", "--tls-cert", cert,
-                          "--tls-key", key, "--tls-client-ca", ca, NULL};
+    const char *args[] = {"--input-size", "4", "--hidden-size",   "8", "--tls-cert", cert,
+                          "--tls-key",    key, "--tls-client-ca", ca,  NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     char *root = slurp_file("ca.pem"), *ccert = slurp_file("client.pem");
     char *ckey = slurp_file("client.key"), *okey = slurp_file("other.key");
     char *ocert = slurp_file("other.pem");
     EXPECT_OK(connect_info(&d, root, ccert, ckey));
-    assert_true(connect_info(&d, root, NULL, NULL) != 0);   // no client certificate
-    assert_true(connect_info(&d, root, ocert, okey) != 0);  // one the CA did not sign
+    assert_true(connect_info(&d, root, NULL, NULL) != 0);  // no client certificate
+    assert_true(connect_info(&d, root, ocert, okey) != 0); // one the CA did not sign
     free(root);
     free(ccert);
     free(ckey);

@@ -26,8 +26,9 @@
 #define ATOL 2e-5f
 #define RTOL 1e-4f
 
-static const char *const daemon_args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size",
-                                          "16", "--layers", "2", "--seed", "9", NULL};
+static const char *const daemon_args[] = {
+    "--cell", "gru", "--input-size", "8", "--hidden-size", "16", "--layers", "2", "--seed",
+    "9",      NULL};
 
 struct fixture {
     struct daemon d;
@@ -230,11 +231,9 @@ static void test_rnndctl(void **state) {
     free(out);
     EXPECT_CTL(ctl(f, &out, "info", NULL, NULL, NULL, NULL, NULL), 0, "hidden_size: 16");
     free(out);
-    EXPECT_CTL(ctl(f, &out, "step", "--env", "700,701", "--init", "--steps", "3"), 0,
-               "env 701:");
+    EXPECT_CTL(ctl(f, &out, "step", "--env", "700,701", "--init", "--steps", "3"), 0, "env 701:");
     free(out);
-    EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1,
-               "FAILED_PRECONDITION");
+    EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1, "FAILED_PRECONDITION");
     free(out);
     EXPECT_CTL(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, "released 2");
     free(out);
@@ -534,12 +533,9 @@ static void test_kill9_and_corrupt(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_names_and_init),
-        cmocka_unit_test(test_set_get_roundtrip),
-        cmocka_unit_test(test_rnndctl),
-        cmocka_unit_test(test_checkpoint_contents),
-        cmocka_unit_test(test_clean_restart),
-        cmocka_unit_test(test_kill9_and_corrupt),
+        cmocka_unit_test(test_names_and_init), cmocka_unit_test(test_set_get_roundtrip),
+        cmocka_unit_test(test_rnndctl),        cmocka_unit_test(test_checkpoint_contents),
+        cmocka_unit_test(test_clean_restart),  cmocka_unit_test(test_kill9_and_corrupt),
     };
     return cmocka_run_group_tests_name("weights", tests, setup, teardown) ? 1 : 0;
 }

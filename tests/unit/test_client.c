@@ -57,8 +57,8 @@ static void test_grpc_status_names(void **state) {
 
 static void test_params_roundtrip(void **state) {
     (void)state;
-    struct rnnd_model m = {.cell = RNND_CELL_LSTM, .compute = RNND_COMPUTE_FP32, .I = 3, .H = 5,
-                           .L = 2};
+    struct rnnd_model m = {
+        .cell = RNND_CELL_LSTM, .compute = RNND_COMPUTE_FP32, .I = 3, .H = 5, .L = 2};
     size_t P = rnnd_model_param_count(&m);
     float *p = malloc(P * sizeof(float)), *q = malloc(P * sizeof(float));
     for (size_t k = 0; k < P; k++)
@@ -89,8 +89,8 @@ static void test_params_roundtrip(void **state) {
 
 static void test_info_to_model(void **state) {
     (void)state;
-    struct rnnd_model_info i = {.cell = "lstm", .compute = "bf16", .input_size = 4,
-                                .hidden_size = 8, .num_layers = 3};
+    struct rnnd_model_info i = {
+        .cell = "lstm", .compute = "bf16", .input_size = 4, .hidden_size = 8, .num_layers = 3};
     struct rnnd_model m;
     assert_int_equal(rnnd_model_info_to_model(&i, &m), 0);
     assert_int_equal(m.cell, RNND_CELL_LSTM);
@@ -139,8 +139,8 @@ static void test_unreachable(void **state) {
     assert_int_equal(rnnd_client_wait_connected(c, 100), RNND_EUNAVAIL);
     float x[4] = {0};
     uint64_t id = 1;
-    struct rnnd_step_req req = {.n_env_ids = 1, .env_ids = &id,
-                                .obs = rnnd_tensor_f32(x, 2, 1, 4, 0, 0)};
+    struct rnnd_step_req req = {
+        .n_env_ids = 1, .env_ids = &id, .obs = rnnd_tensor_f32(x, 2, 1, 4, 0, 0)};
     struct rnnd_step_reply r;
     assert_int_equal(rnnd_client_step(c, &req, &r), RNND_EUNAVAIL);
     assert_false(r.output.present);

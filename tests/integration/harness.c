@@ -192,6 +192,7 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
                 free(log);
                 if (!ok) {
                     fprintf(stderr, "cannot parse the ready line: %s\n", d->ready_line);
+                    daemon_free(d);
                     return -1;
                 }
                 d->start_seconds = now_seconds() - t0;
@@ -205,12 +206,14 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
             d->exit_status = status;
             fprintf(stderr, "rnnd exited before it was ready (status 0x%x)\n", status);
             daemon_dump_log(d, 4000);
+            daemon_free(d); // no teardown runs after a failed setup
             return -1;
         }
         sleep_ms(5);
     }
     fprintf(stderr, "rnnd not ready after 30 s\n");
     daemon_dump_log(d, 4000);
+    daemon_free(d);
     return -1;
 }
 

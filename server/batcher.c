@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -88,6 +89,78 @@ static void idset_free(struct idset *s) {
     free(s->gen);
 }
 
+// Sources (connections, streams) with the time each last sent a step. Open addressing; stale
+// entries are dropped by rebuilding the table when it fills up.
+struct srcmap {
+    uint64_t *keys;
+    uint64_t *seen; // 0: empty slot
+    uint32_t mask;
+    int used;
+};
+
+static int srcmap_rebuild(struct srcmap *m, size_t cap, uint64_t now_ns, uint64_t window_ns) {
+    uint64_t *k = calloc(cap, sizeof(*k)), *s = calloc(cap, sizeof(*s));
+    if (k == NULL || s == NULL) {
+        free(k);
+        free(s);
+        return RNND_ENOMEM;
+    }
+    struct srcmap n = {k, s, (uint32_t)(cap - 1), 0};
+    for (size_t i = 0; m->keys && i <= m->mask; i++) {
+        if (m->seen[i] == 0 || m->seen[i] + window_ns < now_ns)
+            continue;
+        for (uint32_t j = idset_hash(m->keys[i]) & n.mask;; j = (j + 1) & n.mask) {
+            if (n.seen[j] == 0) {
+                n.keys[j] = m->keys[i];
+                n.seen[j] = m->seen[i];
+                n.used++;
+                break;
+            }
+        }
+    }
+    free(m->keys);
+    free(m->seen);
+    *m = n;
+    return 0;
+}
+
+static void srcmap_touch(struct srcmap *m, uint64_t key, uint64_t now_ns, uint64_t window_ns) {
+    if (now_ns == 0)
+        now_ns = 1; // 0 marks an empty slot
+    if (m->keys == NULL || (size_t)(m->used + 1) * 2 > (size_t)m->mask + 1) {
+        // Full: drop stale sources, and grow if the live ones still fill half.
+        size_t cap = m->keys ? (size_t)m->mask + 1 : 64;
+        int live = 0;
+        for (size_t i = 0; m->keys && i <= m->mask; i++)
+            live += m->seen[i] && m->seen[i] + window_ns >= now_ns;
+        while ((size_t)(live + 1) * 4 > cap)
+            cap *= 2;
+        if (srcmap_rebuild(m, cap, now_ns, window_ns) != 0)
+            return; // no memory: the source is just not tracked
+    }
+    for (uint32_t j = idset_hash(key) & m->mask;; j = (j + 1) & m->mask) {
+        if (m->seen[j] == 0) {
+            m->keys[j] = key;
+            m->seen[j] = now_ns;
+            m->used++;
+            return;
+        }
+        if (m->keys[j] == key) {
+            if (now_ns > m->seen[j])
+                m->seen[j] = now_ns;
+            return;
+        }
+    }
+}
+
+// Sources seen within the window.
+static int srcmap_active(const struct srcmap *m, uint64_t now_ns, uint64_t window_ns) {
+    int n = 0;
+    for (size_t i = 0; m->keys && i <= m->mask; i++)
+        n += m->seen[i] && m->seen[i] + window_ns >= now_ns;
+    return n;
+}
+
 struct list {
     struct rnnd_batch_item *head, *tail;
 };
@@ -121,14 +194,15 @@ struct rnnd_batcher {
     int rows;     // Step rows in incoming + pending
     bool closed;
     bool waiting; // the engine sleeps on cond
+    _Atomic unsigned pushes; // bumped by every push: what a spinning engine watches
     // Engine thread only:
     struct list pending;
     int pending_rows;
     bool held_back; // items stayed in pending after the last batch: flush at once
     struct idset taken;   // env ids in the forming batch or held back
     struct idset present; // sources with an item pending
-    uint64_t *last_sources; // sources of the previous batch
-    int n_last, cap_last;
+    struct srcmap active; // source -> when it last sent a step
+    uint64_t window_ns;   // a source that sent within this window counts as active
 };
 
 struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
@@ -138,6 +212,14 @@ struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
     if (b == NULL)
         return NULL;
     b->cfg = *cfg;
+    // Active means "sent within 20 max-delays" (1 ms to 1 s): long enough to span the round
+    // trips of actors stepping back to back, short enough that a client that left stops
+    // holding batches back soon.
+    b->window_ns = 20 * cfg->max_delay_ns;
+    if (b->window_ns < 1000000ull)
+        b->window_ns = 1000000ull;
+    if (b->window_ns > 1000000000ull)
+        b->window_ns = 1000000000ull;
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -159,7 +241,8 @@ void rnnd_batcher_free(struct rnnd_batcher *b) {
     pthread_cond_destroy(&b->cond);
     idset_free(&b->taken);
     idset_free(&b->present);
-    free(b->last_sources);
+    free(b->active.keys);
+    free(b->active.seen);
     free(b);
 }
 
@@ -176,6 +259,7 @@ int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint
     } else {
         list_append(&b->incoming, item);
         b->rows += item->B;
+        atomic_fetch_add_explicit(&b->pushes, 1, memory_order_release);
         if (b->waiting)
             pthread_cond_signal(&b->cond);
     }
@@ -187,6 +271,7 @@ void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *i
     item->B = 0;
     pthread_mutex_lock(&b->lock);
     list_append(&b->controls, item);
+    atomic_fetch_add_explicit(&b->pushes, 1, memory_order_release);
     if (b->waiting)
         pthread_cond_signal(&b->cond);
     pthread_mutex_unlock(&b->lock);
@@ -214,49 +299,25 @@ bool rnnd_batcher_empty(struct rnnd_batcher *b) {
     return empty;
 }
 
-// True when every source of the previous batch has an item pending again.
-static bool sources_all_back(struct rnnd_batcher *b) {
-    if (b->n_last == 0)
-        return true;
+// True when every active source (one that sent a step within the window) has a step pending:
+// nobody a batch could wait for is on the way, so waiting longer only adds latency. For one
+// actor that is at once; for many synchronous actors it is when the last of them is back.
+static bool sources_all_waiting(struct rnnd_batcher *b, uint64_t now_ns) {
+    int active = srcmap_active(&b->active, now_ns, b->window_ns);
     int n = 0;
     for (struct rnnd_batch_item *it = b->pending.head; it; it = it->next)
         n++;
     if (idset_reserve(&b->present, (size_t)n) != 0)
         return true;
     idset_clear(&b->present);
-    for (struct rnnd_batch_item *it = b->pending.head; it; it = it->next)
-        idset_add(&b->present, it->source);
-    for (int i = 0; i < b->n_last; i++)
-        if (!idset_has(&b->present, b->last_sources[i]))
-            return false;
-    return true;
-}
-
-static void remember_sources(struct rnnd_batcher *b, const struct rnnd_batch_item *items) {
-    int n = 0;
-    for (const struct rnnd_batch_item *it = items; it; it = it->next)
-        n++;
-    if (n > b->cap_last) {
-        uint64_t *p = realloc(b->last_sources, (size_t)n * sizeof(*p));
-        if (p == NULL) {
-            b->n_last = 0; // no memory: just stop waiting for anyone
-            return;
-        }
-        b->last_sources = p;
-        b->cap_last = n;
-    }
-    if (idset_reserve(&b->present, (size_t)n) != 0) {
-        b->n_last = 0;
-        return;
-    }
-    idset_clear(&b->present);
-    b->n_last = 0;
-    for (const struct rnnd_batch_item *it = items; it; it = it->next) {
+    int distinct = 0;
+    for (struct rnnd_batch_item *it = b->pending.head; it; it = it->next) {
         if (!idset_has(&b->present, it->source)) {
             idset_add(&b->present, it->source);
-            b->last_sources[b->n_last++] = it->source;
+            distinct++;
         }
     }
+    return distinct >= active;
 }
 
 static bool item_blocked(const struct rnnd_batcher *b, const struct rnnd_batch_item *it) {
@@ -328,23 +389,24 @@ bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit
     memset(out, 0, sizeof(*out));
     *wait_ns = UINT64_MAX;
     pthread_mutex_lock(&b->lock);
-    for (struct rnnd_batch_item *it = b->incoming.head; it; it = it->next)
+    struct rnnd_batch_item *fresh = b->incoming.head;
+    for (struct rnnd_batch_item *it = fresh; it; it = it->next)
         b->pending_rows += it->B;
     list_splice(&b->pending, &b->incoming);
     out->controls = b->controls.head;
     b->controls.head = b->controls.tail = NULL;
     bool closed = b->closed;
     pthread_mutex_unlock(&b->lock);
+    for (struct rnnd_batch_item *it = fresh; it; it = it->next)
+        srcmap_touch(&b->active, it->source, it->enqueued_ns, b->window_ns);
 
     if (b->pending.head) {
         uint64_t due = b->pending.head->enqueued_ns + b->cfg.max_delay_ns;
         bool ready = closed || b->held_back || b->pending_rows >= b->cfg.max_batch ||
-                     now_ns >= due || sources_all_back(b);
+                     now_ns >= due || sources_all_waiting(b, now_ns);
         if (ready) {
             int before = b->pending_rows;
             batch_form(b, admit, ctx, out);
-            if (out->items)
-                remember_sources(b, out->items);
             pthread_mutex_lock(&b->lock);
             b->rows -= before - b->pending_rows;
             pthread_mutex_unlock(&b->lock);
@@ -355,12 +417,21 @@ bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit
     return out->controls || out->items || out->rejected;
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
                        struct rnnd_batch *out, uint64_t timeout_ns) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     uint64_t start = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
     uint64_t limit = timeout_ns == UINT64_MAX ? UINT64_MAX : start + timeout_ns;
+    bool spun = false;
     for (;;) {
         clock_gettime(CLOCK_MONOTONIC, &ts);
         uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -374,6 +445,27 @@ bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
         uint64_t until = limit;
         if (wait != UINT64_MAX && now + wait < until)
             until = now + wait;
+        if (!spun && b->cfg.spin_ns > 0) {
+            // Right after work, poll a little before sleeping: an actor stepping back to back
+            // sends its next step about one round trip later, and catching it here saves the
+            // sleep and wake-up (tens of microseconds on a busy or virtual machine).
+            spun = true;
+            unsigned seen = atomic_load_explicit(&b->pushes, memory_order_acquire);
+            uint64_t end = now + b->cfg.spin_ns;
+            if (end > until)
+                end = until;
+            for (int i = 0;; i++) {
+                if (atomic_load_explicit(&b->pushes, memory_order_acquire) != seen)
+                    break;
+                if ((i & 63) == 0) {
+                    clock_gettime(CLOCK_MONOTONIC, &ts);
+                    if ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec >= end)
+                        break;
+                }
+                cpu_relax();
+            }
+            continue;
+        }
         pthread_mutex_lock(&b->lock);
         // Sleep only if nothing arrived since the poll; a push signals while we wait.
         if (b->incoming.head == NULL && b->controls.head == NULL &&

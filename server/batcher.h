@@ -4,9 +4,10 @@
  * Any thread pushes items; the engine thread polls (or waits) and gets back the control jobs
  * (Forward, SetWeights, ...: never batched, run first) and, when one is due, a batch of Step
  * items. A batch is due when it would reach --max-batch rows, when its oldest item has waited
- * --max-delay-us, or when every source (connection or stream) that was in the previous batch
- * has an item waiting again: then nobody the batch could wait for is still on the way, which
- * keeps a lone actor's latency at the transport floor while loaded servers still fill batches.
+ * --max-delay-us, or when every active source (a connection or stream that sent a step within
+ * the last 20 max-delays) has an item waiting: then nobody the batch could wait for is still on
+ * the way, which keeps a lone actor's latency at the transport floor while many synchronous
+ * actors still fill one batch per round.
  *
  * A batch never holds two items that share an env id: the later one waits for a later batch,
  * and so does every item after it that shares an env with it, so each env's steps run in
@@ -35,6 +36,7 @@ struct rnnd_batcher_config {
     int max_batch;        // rows
     uint64_t max_delay_ns;
     int max_queue_rows;   // bound on rows waiting
+    uint64_t spin_ns;     // rnnd_batcher_wait polls this long before sleeping (0: never)
 };
 
 enum rnnd_batch_admit { RNND_BATCH_ADMIT, RNND_BATCH_REJECT };

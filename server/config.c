@@ -87,6 +87,8 @@ static const struct opt opts[] = {
      "Step rows queued before RESOURCE_EXHAUSTED (0: 64 * max-batch)"},
     {"drain-timeout-s", INT(drain_timeout_s, 0, 3600), "N",
      "on SIGTERM, cancel calls still running after N seconds"},
+    {"engine-spin-us", INT(engine_spin_us, 0, 1000000), "N",
+     "after each batch the engine polls N us for the next step before sleeping (0: sleep)"},
 };
 #define NOPTS (sizeof(opts) / sizeof(opts[0]))
 
@@ -115,6 +117,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->hz = 10;
     c->max_queue_rows = 0;
     c->drain_timeout_s = 10;
+    c->engine_spin_us = 0;
 }
 
 static int fail(char *err, size_t errlen, const char *fmt, ...) {

@@ -51,6 +51,7 @@ struct rnnd_config {
     int hz;              // cron frequency: idle eviction, tape expiry, periodic checkpoints
     int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto
     int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
+    int engine_spin_us;  // the engine polls this long for new work before sleeping
 };
 
 // Fills c with the defaults of DESIGN.md §5.

@@ -1369,6 +1369,7 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
         .max_batch = cfg->max_batch,
         .max_delay_ns = (uint64_t)cfg->max_delay_us * 1000ull,
         .max_queue_rows = rnnd_config_queue_rows(cfg),
+        .spin_ns = (uint64_t)cfg->engine_spin_us * 1000ull,
     };
     e->batcher = rnnd_batcher_init(&bc);
     if (e->batcher == NULL) {

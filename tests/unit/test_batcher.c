@@ -1,7 +1,7 @@
 /*
  * test_batcher.c: dynamic batching rules (server/batcher.c), driven with explicit clocks through
- * rnnd_batcher_poll: flush on --max-batch rows, on --max-delay-us, and early when every source of
- * the previous batch is back; never two steps of one env in one batch, with the later one and
+ * rnnd_batcher_poll: flush on --max-batch rows, on --max-delay-us, and early when every active
+ * source has a step waiting; never two steps of one env in one batch, with the later one and
  * everything behind it on the same env held back in arrival order; the queue bound; rejection by
  * the admit callback; control jobs first.
  */
@@ -69,7 +69,8 @@ static void free_list(struct rnnd_batch_item *l) {
 }
 
 static struct rnnd_batcher *mkb(int max_batch, uint64_t delay_ns, int queue_rows) {
-    struct rnnd_batcher_config c = {max_batch, delay_ns, queue_rows};
+    struct rnnd_batcher_config c = {.max_batch = max_batch, .max_delay_ns = delay_ns,
+                                    .max_queue_rows = queue_rows};
     struct rnnd_batcher *b = rnnd_batcher_init(&c);
     assert_non_null(b);
     return b;
@@ -93,35 +94,42 @@ static void test_first_item_runs_at_once(void **state) {
     rnnd_batcher_free(b);
 }
 
-static void test_waits_for_previous_sources_then_delay(void **state) {
+static void test_waits_for_active_sources_then_delay(void **state) {
     (void)state;
+    // max_delay 200 us: a source is active for 20 * 200 us = 4 ms after its last step.
     struct rnnd_batcher *b = mkb(64, 200 * US, 1024);
     struct rnnd_batch out;
     uint64_t wait;
     int t[8];
-    // Batch 1 holds sources 1 and 2.
+    // Sources 1 and 2 both step: one batch.
     rnnd_batcher_push(b, &mk(1, 1, 1, 10ull)->it, 0);
     rnnd_batcher_push(b, &mk(2, 2, 1, 20ull)->it, 0);
     assert_true(rnnd_batcher_poll(b, 0, admit, NULL, &out, &wait));
     assert_int_equal(tags(out.items, t), 2);
     free_list(out.items);
-    // Source 1 is back, source 2 not yet: wait (at most max_delay).
+    // Source 1 is back, source 2 (active) not yet: wait, at most max_delay.
     rnnd_batcher_push(b, &mk(3, 1, 1, 11ull)->it, 10 * US);
     assert_false(rnnd_batcher_poll(b, 50 * US, admit, NULL, &out, &wait));
     assert_int_equal(wait, 160 * US);
-    // Source 2 arrives: every source of the last batch is back, go early.
+    // Source 2 arrives: every active source is waiting, go early.
     rnnd_batcher_push(b, &mk(4, 2, 1, 21ull)->it, 60 * US);
     assert_true(rnnd_batcher_poll(b, 60 * US, admit, NULL, &out, &wait));
     assert_int_equal(tags(out.items, t), 2);
     assert_int_equal(t[0], 3);
     assert_int_equal(t[1], 4);
     free_list(out.items);
-    // Now only source 1 comes back: the batch goes at max_delay after its arrival.
+    // Only source 1 comes back: the batch goes max_delay after its arrival.
     rnnd_batcher_push(b, &mk(5, 1, 1, 12ull)->it, 100 * US);
     assert_false(rnnd_batcher_poll(b, 299 * US, admit, NULL, &out, &wait));
     assert_int_equal(wait, 1 * US);
     assert_true(rnnd_batcher_poll(b, 300 * US, admit, NULL, &out, &wait));
     assert_int_equal(tags(out.items, t), 1);
+    free_list(out.items);
+    // Source 2 has been silent for longer than the window: source 1 no longer waits for it.
+    rnnd_batcher_push(b, &mk(6, 1, 1, 13ull)->it, 5 * MS);
+    assert_true(rnnd_batcher_poll(b, 5 * MS, admit, NULL, &out, &wait));
+    assert_int_equal(tags(out.items, t), 1);
+    assert_int_equal(t[0], 6);
     free_list(out.items);
     rnnd_batcher_free(b);
 }
@@ -293,7 +301,7 @@ static void test_many_sources_large_queue(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_first_item_runs_at_once),
-        cmocka_unit_test(test_waits_for_previous_sources_then_delay),
+        cmocka_unit_test(test_waits_for_active_sources_then_delay),
         cmocka_unit_test(test_max_batch_rows),
         cmocka_unit_test(test_same_env_never_twice_order_kept),
         cmocka_unit_test(test_queue_bound_and_bad_sizes),

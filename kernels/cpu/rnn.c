@@ -223,6 +223,13 @@ static void fwd_project(void *arg, int k, int n) {
                    j->gx + r0 * j->GH, j->GH);
 }
 
+// Row b's output at step t: batch-first in out for the last layer, else time-major in the tape.
+static float *y_row(const struct fwd_job *j, int b, int t) {
+    if (j->l == j->m->L - 1)
+        return j->out + ((size_t)b * j->T + t) * j->H;
+    return j->tp->y + ((size_t)t * j->B + b) * j->H;
+}
+
 // Phase 2, split by batch rows: the time loop for rows [b0, b1).
 static void fwd_steps(void *arg, int k, int n) {
     struct fwd_job *j = arg;
@@ -230,14 +237,12 @@ static void fwd_steps(void *arg, int k, int n) {
     const struct rnnd_seq *seq = j->seq;
     const struct layer_tape *tp = j->tp;
     int B = j->B, T = j->T, H = j->H, GH = j->GH, l = j->l;
-    bool lstm = j->lstm, last = l == m->L - 1;
+    bool lstm = j->lstm;
     size_t b0, b1;
     split((size_t)B, k, n, &b0, &b1);
     int nb = (int)(b1 - b0);
     if (nb == 0)
         return;
-        // Row b's output at step t: batch-first in out for the last layer, else the tape's y.
-#define Y_ROW(b, t) (last ? j->out + ((size_t)(b)*T + (t)) * H : tp->y + ((size_t)(t)*B + (b)) * H)
 
     for (int t = 0; t < T; t++) {
         size_t r0 = (size_t)t * B + b0; // this thread's first row of step t
@@ -246,7 +251,7 @@ static void fwd_steps(void *arg, int k, int n) {
             float *hp = tp->hprev + r * H, *cp = lstm ? tp->cprev + r * H : NULL;
             switch (state_source(seq, b, t)) {
                 case SRC_CARRY:
-                    memcpy(hp, Y_ROW(b, t - 1), sizeof(float) * H);
+                    memcpy(hp, y_row(j, b, t - 1), sizeof(float) * H);
                     if (lstm)
                         memcpy(cp, j->cbuf + (size_t)b * H, sizeof(float) * H);
                     break;
@@ -280,20 +285,19 @@ static void fwd_steps(void *arg, int k, int n) {
             const float *ghb = j->gh + (size_t)b * GH;
             if (lstm)
                 rnnd__lstm_row_forward(H, tp->gates + r * GH, j->cbuf + (size_t)b * H,
-                                       tp->aux + r * H, Y_ROW(b, t), j->gx + r * GH, ghb,
+                                       tp->aux + r * H, y_row(j, b, t), j->gx + r * GH, ghb,
                                        tp->cprev + r * H, j->w.b_ih, j->w.b_hh);
             else
-                rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, Y_ROW(b, t),
+                rnnd__gru_row_forward(H, tp->gates + r * GH, tp->aux + r * H, y_row(j, b, t),
                                       j->gx + r * GH, ghb, tp->hprev + r * H, j->w.b_ih, j->w.b_hh);
         }
     }
     for (int b = (int)b0; b < (int)b1; b++) {
         if (j->h_n)
-            memcpy(j->h_n + blh(b, l, m), Y_ROW(b, T - 1), sizeof(float) * H);
+            memcpy(j->h_n + blh(b, l, m), y_row(j, b, T - 1), sizeof(float) * H);
         if (j->c_n)
             memcpy(j->c_n + blh(b, l, m), j->cbuf + (size_t)b * H, sizeof(float) * H);
     }
-#undef Y_ROW
 }
 
 // Matmul flops of one forward; a backward does about twice as many.
@@ -396,6 +400,14 @@ struct bwd_job {
     float *part;          // (G*H)
 };
 
+// Row b's output gradient at step t: batch-first grad_out for the top layer, else the
+// time-major gradient the layer above passed down.
+static const float *dy_row(const struct bwd_job *j, int b, int t) {
+    if (j->l == j->m->L - 1)
+        return j->grad_out + ((size_t)b * j->T + t) * j->H;
+    return j->dyb + ((size_t)t * j->B + b) * j->H;
+}
+
 // Phase 1, split by batch rows: the time loop from T-1 down to 0 for rows [b0, b1); then (bf16)
 // the rounded copies of this thread's rows of the layer's input and states for phase 2.
 static void bwd_steps(void *arg, int k, int n) {
@@ -405,16 +417,12 @@ static void bwd_steps(void *arg, int k, int n) {
     const struct rnnd_seq_grads *grads = j->grads;
     const struct layer_tape *tp = j->tp;
     int B = j->B, T = j->T, H = j->H, GH = j->GH, l = j->l, Il = j->w.Il;
-    bool lstm = j->lstm, last = l == m->L - 1;
+    bool lstm = j->lstm;
     size_t b0, b1;
     split((size_t)B, k, n, &b0, &b1);
     int nb = (int)(b1 - b0);
     if (nb == 0)
         return;
-        // Row b's output gradient at step t: batch-first grad_out for the top layer, else the
-        // time-major gradient the layer above passed down.
-#define DY_ROW(b, t)                                                                               \
-    (last ? j->grad_out + ((size_t)(b)*T + (t)) * H : j->dyb + ((size_t)(t)*B + (b)) * H)
 
     float *dh = j->dh, *dhp = j->dhp, *dc = j->dc;
     for (int b = (int)b0; b < (int)b1; b++) {
@@ -427,12 +435,12 @@ static void bwd_steps(void *arg, int k, int n) {
         for (int b = (int)b0; b < (int)b1; b++) {
             size_t r = (size_t)t * B + b;
             if (lstm)
-                rnnd__lstm_row_backward(H, j->dgx + r * GH, dc + (size_t)b * H, DY_ROW(b, t),
+                rnnd__lstm_row_backward(H, j->dgx + r * GH, dc + (size_t)b * H, dy_row(j, b, t),
                                         dh + (size_t)b * H, tp->gates + r * GH, tp->aux + r * H,
                                         tp->cprev + r * H);
             else
                 rnnd__gru_row_backward(H, j->dgx + r * GH, j->dgh + r * GH, dhp + (size_t)b * H,
-                                       DY_ROW(b, t), dh + (size_t)b * H, tp->gates + r * GH,
+                                       dy_row(j, b, t), dh + (size_t)b * H, tp->gates + r * GH,
                                        tp->aux + r * H, tp->hprev + r * H);
         }
         // dL/dh of the state entering step t: (GRU: z dh' +) dgh W_hh.
@@ -473,7 +481,6 @@ static void bwd_steps(void *arg, int k, int n) {
                 memset(dcb, 0, sizeof(float) * H);
         }
     }
-#undef DY_ROW
 
     // Layer 0's input, time-major, for this thread's rows; (bf16) rounded inputs and states.
     for (int t = 0; t < T; t++) {

@@ -323,6 +323,7 @@ def parse(argv=None):
     ap.add_argument("--value-coef", type=float, default=0.5)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--report-s", type=float, default=2.0, help="seconds between progress lines")
+    ap.add_argument("--backend", default="cpu", help="backend of the daemon it starts (cpu, cuda, auto)")
     ap.add_argument("--echo-daemon", action="store_true", help="show the daemon's log")
     return ap.parse_args(argv)
 
@@ -339,7 +340,7 @@ def main(argv=None):
         binary = a.rnnd
         if binary and binary.endswith(".py"):
             binary = [sys.executable, binary]
-        d = rnnd.Daemon(binary=binary, echo=sys.stderr if a.echo_daemon else None,
+        d = rnnd.Daemon(binary=binary, backend=a.backend, echo=sys.stderr if a.echo_daemon else None,
                         cell="gru", layers=1, input_size=a.cues + 1, hidden_size=a.hidden,
                         extras_size=E, trajectory_steps=max(64, 2 * a.unroll), lr=a.lr,
                         max_grad_norm=a.max_grad_norm, seed=a.seed,

@@ -1,6 +1,8 @@
 """Shared by the Python tests: find the daemon, skip (exit 77) when something is missing.
 
-RNND_BIN: the rnnd binary (CTest sets it). RNND_FAKE=1 runs tests/fake_rnnd.py instead (for
+RNND_BIN: the rnnd binary (CTest sets it). RNND_BACKEND (default cpu) and RNND_COMPUTE (default:
+what the test asks for) run the same tests on another backend, e.g. RNND_BACKEND=cuda
+RNND_COMPUTE=ieee on a GPU host. RNND_FAKE=1 runs tests/fake_rnnd.py instead (for
 developing the client without the daemon; never what CTest runs).
 """
 
@@ -27,10 +29,15 @@ def rnnd_binary():
     return b
 
 
+BACKEND = os.environ.get("RNND_BACKEND", "cpu")
+
+
 def daemon(**flags):
     import rnnd
     echo = sys.stderr if os.environ.get("RNND_ECHO") else None
-    return rnnd.Daemon(binary=rnnd_binary(), echo=echo, **flags)
+    if os.environ.get("RNND_COMPUTE"):
+        flags["compute"] = os.environ["RNND_COMPUTE"]
+    return rnnd.Daemon(binary=rnnd_binary(), backend=BACKEND, echo=echo, **flags)
 
 
 def rel_err(a, b):

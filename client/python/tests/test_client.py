@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 import rnnd
-from _common import daemon, rel_err
+from _common import BACKEND, daemon, rel_err
 
 I, H, L, E = 6, 8, 2, 3
 
@@ -58,7 +58,7 @@ class ClientTest(unittest.TestCase):
         info = self.c.info()
         self.assertEqual((info.cell, info.input_size, info.hidden_size, info.num_layers,
                           info.extras_size), ("lstm", I, H, L, E))
-        self.assertEqual(info.backend, "cpu")
+        self.assertEqual(info.backend, BACKEND)
         self.assertIn(info.compute, ("fp32", "ieee", "bf16"))
         self.assertGreater(info.max_batch, 0)
 

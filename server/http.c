@@ -16,6 +16,7 @@
 
 #define HTTP_MAX_REQUEST 8192
 #define HTTP_TIMEOUT_MS  5000
+#define HTTP_MAX_CONNS   256 // beyond this, new connections are closed at once
 
 struct conn {
     uv_tcp_t tcp;
@@ -35,6 +36,7 @@ struct rnnd_http {
     uv_tcp_t server;
     uv_loop_t *loop;
     struct conn *conns;
+    int nconns;
     bool closing;
     bool server_closed;
     void (*done)(void *ctx);
@@ -62,6 +64,7 @@ static void conn_closed(uv_handle_t *handle) {
         h->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
+    h->nconns--;
     free(c->resp);
     free(c);
     http_maybe_done(h);
@@ -198,6 +201,13 @@ static void on_connection(uv_stream_t *server, int status) {
     if (h->conns)
         h->conns->prev = c;
     h->conns = c;
+    h->nconns++;
+    if (h->nconns > HTTP_MAX_CONNS) {
+        // Accept and close: a flood of idle connections must not pin memory or descriptors.
+        uv_accept(server, (uv_stream_t *)&c->tcp);
+        conn_close(c);
+        return;
+    }
     if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0 ||
         uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) {
         conn_close(c);

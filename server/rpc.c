@@ -116,6 +116,7 @@ struct rnnd_call {
     _Atomic int cancelled;
     int close_cancelled; // written by RECV_CLOSE_ON_SERVER
     uint64_t start_ns;
+    uint64_t msg_ns; // StepStream: when the message in flight arrived
     uint64_t source;
     bool source_set;
     bool counted; // in rpc->active
@@ -343,10 +344,13 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
     ops[n].data.send_status_from_server.status_details = &c->status_details;
     n++;
     // Counted before the status leaves, so a client that reads /metrics right after its reply
-    // sees its call.
+    // sees its call. A StepStream counts each message as a request (in rnnd_call_reply), so its
+    // end counts only when it is a failure.
     int mi = c->mi;
-    rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
-                         rnnd_now_ns() - c->start_ns);
+    bool stream = mi >= 0 && methods[mi].kind == KIND_STEP_STREAM;
+    if (!stream || code != GRPC_STATUS_OK)
+        rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
+                             rnnd_now_ns() - (stream && c->msg_ns ? c->msg_ns : c->start_ns));
     call_start(c, ops, n, &c->t_status);
     if (code != GRPC_STATUS_OK)
         rnnd_log(RNND_LOG_DEBUG, "%s -> %d: %s", mi >= 0 ? methods[mi].path : "unknown", code,
@@ -471,6 +475,7 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     pthread_mutex_lock(&c->lock);
     if (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM) {
         c->inflight = false;
+        rnnd_metrics_request(RNND_METHOD_STEP_STREAM, GRPC_STATUS_OK, rnnd_now_ns() - c->msg_ns);
         if (c->status_sent) {
             grpc_byte_buffer_destroy(bb);
         } else {
@@ -747,6 +752,7 @@ static void on_recv(struct rnnd_call *c, bool ok) {
         drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
     } else {
         c->inflight = true;
+        c->msg_ns = rnnd_now_ns();
     }
     bool run = c->inflight;
     pthread_mutex_unlock(&c->lock);

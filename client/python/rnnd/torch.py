@@ -213,8 +213,9 @@ class RemoteRecurrent(nn.Module):
     def forward(self, obs, is_init=None, hx=None, hidden=None, cell=None):
         """obs [B, T, I]; is_init [B, T] bool (None: all false); hx: h0 [B, L, H] (GRU) or
         (h0, c0) (LSTM); hidden/cell [B, T, L, H]: TorchRL-style stored states used where
-        is_init (and at t = 0). Returns (output [B, T, H], h_n) for GRU, (output, (h_n, c_n))
-        for LSTM. Gradients flow to obs, hx, hidden, cell and the Parameters."""
+        is_init (and at t = 0; hx and hidden exclude each other). Returns (output [B, T, H],
+        h_n) for GRU, (output, (h_n, c_n)) for LSTM. Gradients flow to obs, hx, hidden, cell and
+        the Parameters. The daemon's tape serves one backward (no retain_graph)."""
         obs = obs.float()
         if is_init is None:
             is_init = torch.zeros(obs.shape[:2], dtype=torch.bool)

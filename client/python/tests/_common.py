@@ -2,8 +2,7 @@
 
 RNND_BIN: the rnnd binary (CTest sets it). RNND_BACKEND (default cpu) and RNND_COMPUTE (default:
 what the test asks for) run the same tests on another backend, e.g. RNND_BACKEND=cuda
-RNND_COMPUTE=ieee on a GPU host. RNND_FAKE=1 runs tests/fake_rnnd.py instead (for
-developing the client without the daemon; never what CTest runs).
+RNND_COMPUTE=ieee on a GPU host.
 """
 
 import os
@@ -21,8 +20,6 @@ def skip(why):
 
 
 def rnnd_binary():
-    if os.environ.get("RNND_FAKE"):
-        return [sys.executable, os.path.join(HERE, "fake_rnnd.py")]
     b = os.environ.get("RNND_BIN")
     if not b or not os.access(b, os.X_OK):
         skip("no rnnd binary (RNND_BIN=%r); build the server first" % b)

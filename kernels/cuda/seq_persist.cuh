@@ -39,6 +39,20 @@
 // ---------------------------------------------------------------------------------------------
 // Matmul modes: fragment building, A-tile element type, the MMA itself.
 
+// The A fragment of one k-step with one ldmatrix.x4: four 8x8 matrices of 16-bit pairs, i.e.
+// rows 0-7 and 8-15 of the 16-row tile, at columns k0 and k0 + half (half = 4 floats for tf32,
+// 8 bf16): exactly a0..a3 of m16n8k8.tf32 and m16n8k16.bf16. Lane L gives the address of row
+// L%8 of matrix L/8. Rows are 16-byte aligned (the tile's row pitch is a multiple of 16 bytes).
+template <class T>
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const T *tile, int ld, int k0,
+                                                   int half, int lane) {
+    int m = lane >> 3, row = (lane & 7) + 8 * (m & 1), col = k0 + (m >> 1) * half;
+    uint32_t addr = (uint32_t)__cvta_generic_to_shared(tile + row * ld + col);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+
 struct mode_tf32 {
     static constexpr int KSTEP = 8;
     static constexpr int APAD = 4; // floats of padding per A-tile row: conflict-free fragments
@@ -59,12 +73,8 @@ struct mode_tf32 {
     }
     // A fragment: a0 = A[g][8ks+tg], a1 = A[g+8][..], a2 = A[g][8ks+tg+4], a3 = A[g+8][..+4].
     static __device__ __forceinline__ void afrag(uint32_t a[4], const elem *tile, int ld, int ks,
-                                                 int g, int tg) {
-        const elem *p = tile + g * ld + ks * 8 + tg;
-        a[0] = __float_as_uint(p[0]);
-        a[1] = __float_as_uint(p[8 * ld]);
-        a[2] = __float_as_uint(p[4]);
-        a[3] = __float_as_uint(p[8 * ld + 4]);
+                                                 int lane) {
+        ldmatrix_x4(a, tile, ld, ks * 8, 4, lane);
     }
     static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint2 b) {
         asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -90,13 +100,10 @@ struct mode_bf16 {
         int k = ks * 16 + 2 * tg;
         return make_uint2(pack_bf16(B(k, g), B(k + 1, g)), pack_bf16(B(k + 8, g), B(k + 9, g)));
     }
+    // a0 = A[g][16ks+2tg, +1], a1 = rows + 8, a2 = columns + 8, a3 = both.
     static __device__ __forceinline__ void afrag(uint32_t a[4], const elem *tile, int ld, int ks,
-                                                 int g, int tg) {
-        const elem *p = tile + g * ld + ks * 16 + 2 * tg;
-        a[0] = *reinterpret_cast<const uint32_t *>(p);
-        a[1] = *reinterpret_cast<const uint32_t *>(p + 8 * ld);
-        a[2] = *reinterpret_cast<const uint32_t *>(p + 8);
-        a[3] = *reinterpret_cast<const uint32_t *>(p + 8 * ld + 8);
+                                                 int lane) {
+        ldmatrix_x4(a, tile, ld, ks * 16, 8, lane);
     }
     static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint2 b) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -217,37 +224,44 @@ struct persist_geom {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Element access: four consecutive units u0..u0+3 of one row (16-byte vectors when vec).
+// Element access: four consecutive units u0..u0+3 of one row, p already offset by u0. VEC (H a
+// multiple of 4, 16-byte aligned rows) makes each a single 16-byte access; ok says the row exists.
 
-static __device__ __forceinline__ void ld4(float v[4], const float *p, int u0, int H, bool vec) {
-    if (vec) {
-        if (u0 < H) {
-            float4 q = __ldg(reinterpret_cast<const float4 *>(p + u0));
-            v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-        } else {
-            v[0] = v[1] = v[2] = v[3] = 0.0f;
-        }
+template <bool VEC>
+static __device__ __forceinline__ void ld4(float v[4], const float *p, int u0, int H, bool ok) {
+    if (VEC) {
+        float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok && u0 < H)
+            q = __ldg(reinterpret_cast<const float4 *>(p));
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
     } else {
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            v[j] = u0 + j < H ? __ldg(p + u0 + j) : 0.0f;
+            v[j] = ok && u0 + j < H ? __ldg(p + j) : 0.0f;
     }
 }
 
-static __device__ __forceinline__ void st4(float *p, const float v[4], int u0, int H, bool vec) {
-    if (vec) {
-        if (u0 < H)
-            *reinterpret_cast<float4 *>(p + u0) = make_float4(v[0], v[1], v[2], v[3]);
+template <bool VEC>
+static __device__ __forceinline__ void st4(float *p, const float v[4], int u0, int H, bool ok) {
+    if (VEC) {
+        if (ok && u0 < H)
+            *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
     } else {
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            if (u0 + j < H)
-                p[u0 + j] = v[j];
+            if (ok && u0 + j < H)
+                p[j] = v[j];
     }
 }
 
 static __device__ __forceinline__ void zero4(float v[4]) {
     v[0] = v[1] = v[2] = v[3] = 0.0f;
+}
+
+// A reset flag, kept as a plain int until it is used: a bool would be normalised (compared)
+// right after the load, and the warp would wait for the load there.
+static __device__ __forceinline__ int ld_flag(const uint8_t *p, bool ok) {
+    return ok ? (int)__ldg(p) : 0;
 }
 
 // Unit of column n of a warp's n-tile `half` (the permutation in the header comment).
@@ -261,7 +275,7 @@ static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
 // V (bench variants, tried at H=128 TF32 before one becomes the default): bit 0 splits each
 // accumulator's k chain in two (more independent MMAs in flight); bit 1 loads the next step's
 // x W_ih^T at the top of the step into a second register set (a whole step of latency cover).
-template <class Cell, class Mode, int HP, int V = 0>
+template <class Cell, class Mode, int HP, bool VEC, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -272,13 +286,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     constexpr bool EARLY = (V & 2) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    uint2 *wsm = reinterpret_cast<uint2 *>(smem);
+    uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
     E *tiles = reinterpret_cast<E *>(smem + (KS - KREG) * Gm::F_KS_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int H = a.H, T = a.T, L = a.L, l = a.l;
+    const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H;
     const int u0 = w * 16 + 4 * tg;
-    const bool vec = a.vec;
 
     // W_hh as B fragments: B[k][n] = W_hh[q*H + unit(n)][k], q the gate of n-tile nt = 2q+half.
     auto wfrag = [&](int ks, int nt) -> uint2 {
@@ -298,24 +311,36 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll 1
     for (int ks = KREG; ks < KS; ks++)
 #pragma unroll 1
-        for (int nt = 0; nt < NT; nt++)
-            wsm[(((ks - KREG) * NW + w) * NT + nt) * 32 + lane] = wfrag(ks, nt);
+        for (int np = 0; np < NT / 2; np++) {
+            uint2 f0 = wfrag(ks, 2 * np), f1 = wfrag(ks, 2 * np + 1);
+            wsm[(((ks - KREG) * NW + w) * (NT / 2) + np) * 32 + lane] =
+                make_uint4(f0.x, f0.y, f1.x, f1.y);
+        }
 
     // Biases of this thread's elements.
     float bi[G][4], bh[G][4];
 #pragma unroll
     for (int q = 0; q < G; q++) {
-        ld4(bi[q], a.b_ih + q * H, u0, H, false);
-        ld4(bh[q], a.b_hh + q * H, u0, H, false);
+        ld4<false>(bi[q], a.b_ih + q * H + u0, u0, H, true);
+        ld4<false>(bh[q], a.b_hh + q * H + u0, u0, H, true);
     }
 
-    int brow[2];
+    // Per-row base pointers at step 0 (rows past B point at row 0 and are never accessed).
     bool rv[2];
+    size_t rbase[2];
+    const float *xgp[2];
+    float *yp[2];
+    const uint8_t *initp[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        brow[i] = blockIdx.x * 16 + g + 8 * i;
-        rv[i] = brow[i] < a.B;
+        int b = blockIdx.x * 16 + g + 8 * i;
+        rv[i] = b < a.B;
+        rbase[i] = (size_t)(rv[i] ? b : 0) * T;
+        xgp[i] = a.xg + rbase[i] * GH + u0;
+        yp[i] = a.y + rbase[i] * a.ldy + u0;
+        initp[i] = a.is_init + rbase[i];
     }
+    const size_t hid_step = (size_t)L * H; // stride of one step in hidden/cell
 
     // The state entering step 0 (reset rule): hidden[b, 0] when stored states are given, else
     // zero where is_init[b, 0], else h0 (c0) or zero.
@@ -324,21 +349,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     for (int i = 0; i < 2; i++) {
         zero4(h[i]);
         zero4(c[i]);
-        if (!rv[i])
-            continue;
-        size_t b = brow[i];
-        const float *hs = nullptr, *cs = nullptr;
+        size_t b = rbase[i] / (T > 0 ? T : 1);
         if (a.hidden) {
-            hs = a.hidden + ((b * T) * L + l) * H;
-            cs = a.cell ? a.cell + ((b * T) * L + l) * H : nullptr;
-        } else if (!a.is_init[b * T] && a.h0) {
-            hs = a.h0 + (b * L + l) * H;
-            cs = a.c0 ? a.c0 + (b * L + l) * H : nullptr;
+            ld4<VEC>(h[i], a.hidden + rbase[i] * hid_step + (size_t)l * H + u0, u0, H, rv[i]);
+            if (a.cell)
+                ld4<VEC>(c[i], a.cell + rbase[i] * hid_step + (size_t)l * H + u0, u0, H, rv[i]);
+        } else if (a.h0 && rv[i] && !initp[i][0]) {
+            ld4<VEC>(h[i], a.h0 + (b * L + l) * H + u0, u0, H, true);
+            if (a.c0)
+                ld4<VEC>(c[i], a.c0 + (b * L + l) * H + u0, u0, H, true);
         }
-        if (hs)
-            ld4(h[i], hs, u0, H, vec);
-        if (cs)
-            ld4(c[i], cs, u0, H, vec);
     }
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -349,25 +369,21 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int q = 0; q < G; q++) {
-            zero4(xg[i][q]);
-            if (rv[i])
-                ld4(xg[i][q], a.xg + ((size_t)brow[i] * T) * (G * H) + q * H, u0, H, vec);
-        }
-    bool nreset[2] = {false, false};
+        for (int q = 0; q < G; q++)
+            ld4<VEC>(xg[i][q], xgp[i] + q * H, u0, H, rv[i]);
+    int nreset[2];
     float nh[2][4], nc[2][4];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         zero4(nh[i]);
         zero4(nc[i]);
-        if (rv[i] && T > 1) {
-            size_t r = (size_t)brow[i] * T + 1;
-            nreset[i] = a.is_init[r] != 0;
-            if (a.hidden) {
-                ld4(nh[i], a.hidden + (r * L + l) * H, u0, H, vec);
-                if (a.cell)
-                    ld4(nc[i], a.cell + (r * L + l) * H, u0, H, vec);
-            }
+        bool ok = rv[i] && T > 1;
+        nreset[i] = ld_flag(initp[i] + 1, ok);
+        if (a.hidden) {
+            size_t at = (rbase[i] + 1) * hid_step + (size_t)l * H + u0;
+            ld4<VEC>(nh[i], a.hidden + at, u0, H, ok);
+            if (a.cell)
+                ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
         }
     }
     __syncthreads();
@@ -378,15 +394,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
         float xgn[EARLY ? 2 : 1][G][4];
         if constexpr (EARLY) {
-            if (t + 1 < T) {
 #pragma unroll
-                for (int i = 0; i < 2; i++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
-                    for (int q = 0; q < G; q++)
-                        if (rv[i])
-                            ld4(xgn[i][q], a.xg + ((size_t)brow[i] * T + t + 1) * (G * H) + q * H,
-                                u0, H, vec);
-            }
+                for (int q = 0; q < G; q++)
+                    ld4<VEC>(xgn[i][q], xgp[i] + (size_t)(t + 1) * GH + q * H, u0, H,
+                             rv[i] && t + 1 < T);
         }
 
         // gh = h W_hh^T for the warp's 2G n-tiles.
@@ -401,11 +414,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             uint32_t af[4];
-            Mode::afrag(af, cur, LDA, ks, g, tg);
+            Mode::afrag(af, cur, LDA, ks, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                uint2 b = ks < KREG ? wreg[ks < KREG ? ks : 0][nt]
-                                    : wsm[(((ks - KREG) * NW + w) * NT + nt) * 32 + lane];
+                uint2 b;
+                if (ks < KREG) {
+                    b = wreg[ks < KREG ? ks : 0][nt];
+                } else {
+                    uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
+                    b = nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
+                }
                 if (FSPLIT > 1 && (ks & 1))
                     Mode::mma(acc2[FSPLIT > 1 ? nt : 0], af, b);
                 else
@@ -447,27 +465,24 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
                         xg[i][q][j] = xgn[i][q][j];
-        } else if (t + 1 < T) {
+        } else {
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int q = 0; q < G; q++)
-                    if (rv[i])
-                        ld4(xg[i][q], a.xg + ((size_t)brow[i] * T + t + 1) * (G * H) + q * H, u0,
-                            H, vec);
+                    ld4<VEC>(xg[i][q], xgp[i] + (size_t)(t + 1) * GH + q * H, u0, H,
+                             rv[i] && t + 1 < T);
         }
 
         // Outputs and tape.
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            if (!rv[i])
-                continue;
-            size_t r = (size_t)brow[i] * T + t;
-            st4(a.y + r * a.ldy, hn[i], u0, H, vec);
+            size_t r = rbase[i] + t;
+            st4<VEC>(yp[i] + (size_t)t * a.ldy, hn[i], u0, H, rv[i]);
             if (a.z) {
                 float *zr = a.z + r * a.ldz;
-                st4(zr, h[i], u0, H, vec);
-                if (u0 == 0) {
+                st4<VEC>(zr + u0, h[i], u0, H, rv[i]);
+                if (u0 == 0 && rv[i]) {
                     zr[H] = 1.0f;
                     for (int k = H + 1; k < a.xoff; k++)
                         zr[k] = 0.0f;
@@ -478,7 +493,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if (a.s) {
 #pragma unroll
                 for (int p = 0; p < SW; p++)
-                    st4(a.s + r * (SW * H) + p * H, sv[p][i], u0, H, vec);
+                    st4<VEC>(a.s + r * (SW * H) + p * H + u0, sv[p][i], u0, H, rv[i]);
             }
         }
 
@@ -494,30 +509,26 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int i = 0; i < 2; i++)
                 Mode::put4(nxt + (g + 8 * i) * LDA + u0, h[i]);
-            if (t + 2 < T) {
+            // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    if (!rv[i])
-                        continue;
-                    size_t r = (size_t)brow[i] * T + t + 2;
-                    nreset[i] = a.is_init[r] != 0;
-                    if (a.hidden) {
-                        ld4(nh[i], a.hidden + (r * L + l) * H, u0, H, vec);
-                        if (a.cell)
-                            ld4(nc[i], a.cell + (r * L + l) * H, u0, H, vec);
-                    }
+            for (int i = 0; i < 2; i++) {
+                bool ok = rv[i] && t + 2 < T;
+                nreset[i] = ld_flag(initp[i] + t + 2, ok);
+                if (a.hidden) {
+                    size_t at = (rbase[i] + t + 2) * hid_step + (size_t)l * H + u0;
+                    ld4<VEC>(nh[i], a.hidden + at, u0, H, ok);
+                    if (a.cell)
+                        ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
                 }
             }
         } else {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                if (!rv[i])
-                    continue;
-                size_t at = ((size_t)brow[i] * L + l) * H;
+                size_t at = (rbase[i] / T * L + l) * H + u0;
                 if (a.h_n)
-                    st4(a.h_n + at, hn[i], u0, H, vec);
+                    st4<VEC>(a.h_n + at, hn[i], u0, H, rv[i]);
                 if (a.c_n)
-                    st4(a.c_n + at, cn[i], u0, H, vec);
+                    st4<VEC>(a.c_n + at, cn[i], u0, H, rv[i]);
             }
         }
         __syncthreads();
@@ -527,7 +538,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 // ---------------------------------------------------------------------------------------------
 // Backward kernel
 
-template <class Cell, class Mode, int HP>
+template <class Cell, class Mode, int HP, bool VEC>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -537,13 +548,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     constexpr bool LSTM = G == 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    uint2 *wsm = reinterpret_cast<uint2 *>(smem);
+    uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
     E *tile = reinterpret_cast<E *>(smem + (KS - KREG) * Gm::B_KS_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
     const int u0 = w * 16 + 4 * tg;
-    const bool vec = a.vec;
 
     // W_hh as B fragments: B[k][n] = W_hh[q*H + uu][unit(n)] for k = q*HP + uu.
     auto wfrag = [&](int ks, int nt) -> uint2 {
@@ -563,15 +573,20 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll 1
     for (int ks = KREG; ks < KS; ks++)
 #pragma unroll 1
-        for (int nt = 0; nt < NT; nt++)
-            wsm[(((ks - KREG) * NW + w) * NT + nt) * 32 + lane] = wfrag(ks, nt);
+        for (int np = 0; np < NT / 2; np++) {
+            uint2 f0 = wfrag(ks, 2 * np), f1 = wfrag(ks, 2 * np + 1);
+            wsm[(((ks - KREG) * NW + w) * (NT / 2) + np) * 32 + lane] =
+                make_uint4(f0.x, f0.y, f1.x, f1.y);
+        }
 
-    int brow[2];
     bool rv[2];
+    size_t rbase[2], bidx[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        brow[i] = blockIdx.x * 16 + g + 8 * i;
-        rv[i] = brow[i] < a.B;
+        int b = blockIdx.x * 16 + g + 8 * i;
+        rv[i] = b < a.B;
+        bidx[i] = rv[i] ? b : 0;
+        rbase[i] = bidx[i] * T;
     }
 
     // Carried gradients: dL/dh' (and dL/dc') of the state leaving step t.
@@ -580,41 +595,31 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     for (int i = 0; i < 2; i++) {
         zero4(dh[i]);
         zero4(dc[i]);
-        if (!rv[i])
-            continue;
-        size_t at = ((size_t)brow[i] * L + l) * H;
+        size_t at = (bidx[i] * L + l) * H + u0;
         if (a.gh_n)
-            ld4(dh[i], a.gh_n + at, u0, H, vec);
+            ld4<VEC>(dh[i], a.gh_n + at, u0, H, rv[i]);
         if (a.gc_n)
-            ld4(dc[i], a.gc_n + at, u0, H, vec);
+            ld4<VEC>(dc[i], a.gc_n + at, u0, H, rv[i]);
     }
 
-    // Step T-1's tape record, output gradient, h entering the step and reset flag.
+    // Step t's tape record, output gradient, h entering the step and reset flag.
     float sv[SW][2][4], gy[2][4], hp[2][4];
-    bool reset[2] = {false, false};
+    int reset[2];
     auto load_step = [&](int t) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            if (!rv[i])
-                continue;
-            size_t r = (size_t)brow[i] * T + t;
+            size_t r = rbase[i] + t;
 #pragma unroll
             for (int p = 0; p < SW; p++)
-                ld4(sv[p][i], a.s + r * (SW * H) + p * H, u0, H, vec);
-            ld4(gy[i], a.gy + r * a.ldgy, u0, H, vec);
-            if (!LSTM)
-                ld4(hp[i], a.z + r * a.ldz, u0, H, vec);
-            reset[i] = a.is_init[r] != 0;
+                ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
+            ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
+            if (LSTM)
+                zero4(hp[i]);
+            else
+                ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
+            reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-#pragma unroll
-        for (int p = 0; p < SW; p++)
-            zero4(sv[p][i]);
-        zero4(gy[i]);
-        zero4(hp[i]);
-    }
     load_step(T - 1);
 
     for (int t = T - 1; t >= 0; t--) {
@@ -629,7 +634,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int p = 0; p < SW; p++)
                     s[p] = sv[p][i][j];
                 float dhj = gy[i][j] + dh[i][j];
-                Cell::template backward<true>(s, hp[i][j], dhj, dc[i][j], d, tl, ddir[i][j], dcp[i][j]);
+                Cell::template backward<true>(s, hp[i][j], dhj, dc[i][j], d, tl, ddir[i][j],
+                                              dcp[i][j]);
                 // Units past H and rows past B must feed zeros into the MMA.
                 bool live = rv[i] && u0 + j < H;
 #pragma unroll
@@ -639,19 +645,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int q = 0; q < G; q++)
                     tv[q][i][j] = live ? tl[q] : 0.0f;
             }
-        bool rst[2] = {reset[0], reset[1]};
+        int rst[2] = {reset[0], reset[1]};
 
 #pragma unroll
         for (int i = 0; i < 2; i++) {
 #pragma unroll
             for (int q = 0; q < G; q++)
                 Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
-            if (!rv[i])
-                continue;
-            size_t r = (size_t)brow[i] * T + t;
+            size_t r = rbase[i] + t;
 #pragma unroll
             for (int p = 0; p < 4; p++)
-                st4(a.d + r * (4 * H) + p * H, dv[p][i], u0, H, vec);
+                st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
         }
         if (t > 0)
             load_step(t - 1); // in flight during the MMA
@@ -667,11 +671,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             uint32_t af[4];
-            Mode::afrag(af, tile, LDA, ks, g, tg);
+            Mode::afrag(af, tile, LDA, ks, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                uint2 b = ks < KREG ? wreg[ks < KREG ? ks : 0][nt]
-                                    : wsm[(((ks - KREG) * NW + w) * NT + nt) * 32 + lane];
+                uint2 b;
+                if (ks < KREG) {
+                    b = wreg[ks < KREG ? ks : 0][nt];
+                } else {
+                    uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
+                    b = nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
+                }
                 Mode::mma(acc[ks % SPLIT][nt], af, b);
             }
         }
@@ -689,8 +698,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     s += acc[sp][j >> 1][2 * i + (j & 1)];
                 dhp[j] = s;
             }
-            if (!rv[i])
-                continue;
             bool carry = t > 0 && !rst[i];
             if (carry) {
 #pragma unroll
@@ -700,19 +707,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 }
                 continue;
             }
-            size_t b = brow[i];
             if (a.stored) {
-                size_t at = ((b * T + t) * L + l) * H;
+                size_t at = ((rbase[i] + t) * L + l) * H + u0;
                 if (a.g_hidden)
-                    st4(a.g_hidden + at, dhp, u0, H, vec);
+                    st4<VEC>(a.g_hidden + at, dhp, u0, H, rv[i]);
                 if (a.g_cell)
-                    st4(a.g_cell + at, dcp[i], u0, H, vec);
+                    st4<VEC>(a.g_cell + at, dcp[i], u0, H, rv[i]);
             } else if (!rst[i]) { // t == 0: the initial state
-                size_t at = (b * L + l) * H;
+                size_t at = (bidx[i] * L + l) * H + u0;
                 if (a.g_h0)
-                    st4(a.g_h0 + at, dhp, u0, H, vec);
+                    st4<VEC>(a.g_h0 + at, dhp, u0, H, rv[i]);
                 if (a.g_c0)
-                    st4(a.g_c0 + at, dcp[i], u0, H, vec);
+                    st4<VEC>(a.g_c0 + at, dcp[i], u0, H, rv[i]);
             }
             zero4(dh[i]);
             zero4(dc[i]);
@@ -727,11 +733,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(seq_forward_kernel<Cell, Mode, HP, V>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+    auto kernel = a.vec ? seq_forward_kernel<Cell, Mode, HP, true, V>
+                        : seq_forward_kernel<Cell, Mode, HP, false, V>;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::F_SMEM));
-    seq_forward_kernel<Cell, Mode, HP, V>
-        <<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::F_SMEM, stream>>>(a);
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::F_SMEM, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -739,11 +745,11 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
 template <class Cell, class Mode, int HP>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(seq_backward_kernel<Cell, Mode, HP>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+    auto kernel = a.vec ? seq_backward_kernel<Cell, Mode, HP, true>
+                        : seq_backward_kernel<Cell, Mode, HP, false>;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::B_SMEM));
-    seq_backward_kernel<Cell, Mode, HP>
-        <<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -22,6 +22,7 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
+#include "client_internal.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "rnnd/v1/rnnd.pb-c.h"
 
@@ -32,6 +33,11 @@ static _Thread_local struct rnnd_client_error last_err;
 
 const struct rnnd_client_error *rnnd_client_last_error(void) {
     return &last_err;
+}
+
+// Sets the calling thread's last error: pool.c reports a worker thread's failure on the caller's.
+void rnnd__client_error_set(const struct rnnd_client_error *e) {
+    last_err = *e;
 }
 
 static void clear_err(void) {

@@ -228,7 +228,7 @@ static void part_free_req(struct part *pt) {
 static void split_free(struct split *sp) {
     if (!sp)
         return;
-    for (size_t k = 0; k < sp->n_parts; k++) {
+    for (size_t k = 0; sp->parts && k < sp->n_parts; k++) {
         part_free_req(&sp->parts[k]);
         free(sp->parts[k].rows);
         rnnd_step_reply_free(&sp->parts[k].reply);

@@ -364,9 +364,20 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
             snprintf(res->extra + at, cap - at, ",\"fwd_notape_ms\":%.4f,\"fwdbwd_gradx_ms\":%.4f",
                      f, a);
         }
+        double pf[8], pb[8];
+        if (variant && (atoi(variant) & 8) && rnnd_cuda_phase_clocks(&be, bc->B, bc->T, pf, pb) == 0) {
+            at = strlen(res->extra);
+            snprintf(res->extra + at, cap - at,
+                     ",\"fwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f],"
+                     "\"bwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f,%.0f]",
+                     pf[0], pf[1], pf[2], pf[3], pb[0], pb[1], pb[2], pb[3], pb[4], pb[5]);
+        }
     }
 #ifdef RNND_HAVE_CUDNN
-    if (!err) // on the backend's stream, which lives until rnnd_backend_free
+    // On the backend's stream, which lives until rnnd_backend_free. RNND_BENCH_NO_CUDNN=1 skips
+    // it (variant sweeps).
+    const char *no_cudnn = getenv("RNND_BENCH_NO_CUDNN");
+    if (!err && !(no_cudnn && atoi(no_cudnn)))
         bench_cudnn(bc, &t, res->extra, cap);
 #endif
     rnnd_backend_free(&be);

@@ -135,14 +135,14 @@ fi
 if [[ " $STEPS " == *" variants "* ]]; then
     # Forward variants of the GRU TF32 H=128 loop (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
     : >"$OUT/variants.log"
-    for v in ${VARIANTS:-0 1 2 3}; do
-        RNND_CUDA_VARIANT=$v timeout 60 $BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 \
-            --input 64 --hidden 128 --cell gru --compute fp32 --reset-prob 0.1 --warmup 3 \
-            --repeat 10 >>"$OUT/variants.log" 2>&1
+    VB="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 --hidden 128 \
+--compute fp32 --reset-prob 0.1 --warmup 3 --repeat 10"
+    for v in ${VARIANTS_GRU:-0 2}; do
+        RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell gru >>"$OUT/variants.log" 2>&1
     done
-    timeout 60 $BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 \
-        --hidden 128 --cell lstm --compute fp32 --reset-prob 0.1 --warmup 3 --repeat 10 \
-        >>"$OUT/variants.log" 2>&1
+    for v in ${VARIANTS_LSTM:-0}; do
+        RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell lstm >>"$OUT/variants.log" 2>&1
+    done
     grep '^{' "$OUT/variants.log" >"$OUT/bench.jsonl"
 fi
 
@@ -159,6 +159,9 @@ for r in rows:
           f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
           f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
           f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')} v{r.get('variant','')}")
+for r in rows:
+    if "fwd_phase_cycles" in r:
+        print(f"{r['cell']} v{r.get('variant')} phase cycles/step fwd", r["fwd_phase_cycles"], "bwd", r["bwd_phase_cycles"])
 print("device:", rows[0].get("device") if rows else "?")
 EOF
 fi

@@ -53,6 +53,7 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_scratch);
     cudaFree(c->d_partials);
     cudaFree(c->d_norm);
+    cudaFree(c->d_dbg);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
     if (c->stream)
@@ -241,7 +242,35 @@ extern "C" int rnnd_cuda_set_path(struct rnnd_backend *b, int path) {
 extern "C" int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant) {
     if (b == NULL || b->ops != &cuda_ops || variant < 0)
         return RNND_EINVAL;
-    ((struct cuda_ctx *)b->ctx)->variant = variant;
+    struct cuda_ctx *c = (struct cuda_ctx *)b->ctx;
+    c->variant = variant;
+    if ((variant & 8) && c->d_dbg == NULL) {
+        RNND_CUDA_TRY(cudaMalloc(&c->d_dbg, 2 * 1024 * 8 * sizeof(long long)));
+        RNND_CUDA_TRY(cudaMemset(c->d_dbg, 0, 2 * 1024 * 8 * sizeof(long long)));
+    }
+    return 0;
+}
+
+extern "C" int rnnd_cuda_phase_clocks(struct rnnd_backend *b, int B, int T, double fwd[8],
+                                      double bwd[8]) {
+    if (b == NULL || b->ops != &cuda_ops || B < 1 || T < 1)
+        return RNND_EINVAL;
+    struct cuda_ctx *c = (struct cuda_ctx *)b->ctx;
+    if (c->d_dbg == NULL)
+        return RNND_ENOTFOUND;
+    static long long h[2 * 1024 * 8];
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    RNND_CUDA_TRY(cudaMemcpy(h, c->d_dbg, sizeof(h), cudaMemcpyDeviceToHost));
+    int blocks = CEIL_DIV(B, 16) < 1024 ? CEIL_DIV(B, 16) : 1024;
+    for (int k = 0; k < 8; k++) {
+        double sf = 0.0, sb = 0.0;
+        for (int blk = 0; blk < blocks; blk++) {
+            sf += (double)h[blk * 8 + k];
+            sb += (double)h[1024 * 8 + blk * 8 + k];
+        }
+        fwd[k] = sf / blocks / T;
+        bwd[k] = sb / blocks / T;
+    }
     return 0;
 }
 

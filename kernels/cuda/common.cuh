@@ -68,7 +68,8 @@ struct cuda_ctx {
     float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
     float *h_norm;      // pinned host copy of the norm
     enum cuda_path path;
-    int variant; // bench variant of the persistent loops (rnnd_cuda_set_variant)
+    int variant;       // bench variant of the persistent loops (rnnd_cuda_set_variant)
+    long long *d_dbg;  // variant bit 8: phase clocks, [2][1024][8] (forward, backward)
 };
 
 // Makes ctx->d_scratch at least bytes long.

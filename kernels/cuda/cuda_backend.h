@@ -23,6 +23,9 @@ int rnnd_cuda_set_path(struct rnnd_backend *b, int path);
 // Selects a kernel variant for benchmarking (kernels/bench/NOTES.md); 0 is the default.
 // Variants that do not exist for a model run the default.
 int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant);
+// Variant bit 8: average clock cycles per step of each phase of the last persistent forward and
+// backward over B rows and T steps (warp 0 of every block; phases as in seq_persist.cuh).
+int rnnd_cuda_phase_clocks(struct rnnd_backend *b, int B, int T, double fwd[8], double bwd[8]);
 // RNND_CUDA_PATH_PERSISTENT or _STEPWISE: what rnn_forward of m runs on b now.
 int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m);
 // The backend's cudaStream_t (as void *), for timing with events on the same stream.

@@ -354,7 +354,12 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *x = l == 0 ? seq->x : z + ly->xoff;
         int ldx = l == 0 ? m->I : ly->ldz;
-        if (tape && l == 0)
+        // The persistent loop copies x into the tape itself when one float4 a thread covers a
+        // step's rows; otherwise a 2D copy does it here.
+        int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0;
+        bool xcopy = persistent && tape && l == 0 && vec && m->I % 4 == 0 &&
+                     16 * m->I <= 4 * (hp / 16 * 32) && aligned16(seq->x);
+        if (tape && l == 0 && !xcopy)
             RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
                                             m->I * sizeof(float), m->I * sizeof(float), BT,
                                             cudaMemcpyDeviceToDevice, c->stream));
@@ -373,7 +378,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
-            a.variant = c->variant;
+            a.x = xcopy ? seq->x : nullptr, a.ldx = m->I;
+            a.variant = c->variant, a.dbg = c->d_dbg;
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
             stepwise_args a = {};
@@ -489,6 +495,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
             a.g_h0 = grads->h0, a.g_c0 = grads->c0;
             a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+            a.variant = c->variant, a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
         } else {
             stepwise_bwd_args a = {};

@@ -9,15 +9,35 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
+    // Bench variants (kernels/bench/NOTES.md): TF32, H=128, vector access only.
     if (!backward && !bf16 && HP == 128) {
         const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
-        switch (a.variant) {
-            case 1:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 1>(a, stream);
+        switch (a.vec ? a.variant : 0) {
             case 2:
                 return persist_launch_forward<cell_gru, mode_tf32, 128, 2>(a, stream);
-            case 3:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 3>(a, stream);
+            case 4:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 4>(a, stream);
+            case 8:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 8>(a, stream);
+            case 16:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 16>(a, stream);
+            case 20:
+                return persist_launch_forward<cell_gru, mode_tf32, 128, 20>(a, stream);
+            default:
+                break;
+        }
+    }
+    if (backward && !bf16 && HP == 128) {
+        const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
+        switch (a.vec ? a.variant : 0) {
+            case 1:
+                return persist_launch_backward<cell_gru, mode_tf32, 128, 1>(a, stream);
+            case 8:
+                return persist_launch_backward<cell_gru, mode_tf32, 128, 8>(a, stream);
+            case 16:
+                return persist_launch_backward<cell_gru, mode_tf32, 128, 16>(a, stream);
+            case 17:
+                return persist_launch_backward<cell_gru, mode_tf32, 128, 17>(a, stream);
             default:
                 break;
         }

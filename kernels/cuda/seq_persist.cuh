@@ -272,9 +272,45 @@ static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
 // ---------------------------------------------------------------------------------------------
 // Forward kernel
 
-// V (bench variants, tried at H=128 TF32 before one becomes the default): bit 0 splits each
-// accumulator's k chain in two (more independent MMAs in flight); bit 1 loads the next step's
-// x W_ih^T at the top of the step into a second register set (a whole step of latency cover).
+// V (bench variants, tried at H=128 TF32 before one becomes the default; kernels/bench/NOTES.md):
+// bit 0 splits each accumulator's k chain in two (forward) or software-pipelines the fragment
+// loads (backward); bit 1 loads the next step's x W_ih^T at the top of the step into a second
+// register set; bit 2 defers the step's global stores to the top of the next step (they drain
+// during its MMA); bit 3 records per-phase clocks of warp 0 into a.dbg; bit 4 starts odd blocks
+// half a step late, so that blocks' memory bursts interleave.
+template <int V>
+struct persist_clock {
+    long long t = 0, sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    __device__ __forceinline__ void start() {
+        if (V & 8)
+            t = clock64();
+    }
+    __device__ __forceinline__ void mark(int k) {
+        if (V & 8) {
+            long long n = clock64();
+            sum[k] += n - t;
+            t = n;
+        }
+    }
+    __device__ __forceinline__ void flush(long long *dbg) {
+        if ((V & 8) && dbg && threadIdx.x == 0 && blockIdx.x < 1024)
+            for (int k = 0; k < 8; k++)
+                dbg[blockIdx.x * 8 + k] = sum[k];
+    }
+};
+
+// Makes warp 0 wait for v (so that a phase clock includes the latency that produced it).
+static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg) {
+    if (__float_as_uint(v) == 0x7fc0dead && dbg)
+        dbg[0] = 0;
+}
+
+static __device__ __forceinline__ void persist_stagger() {
+    if (blockIdx.x & 1)
+        for (int k = 0; k < 2; k++)
+            __nanosleep(1000);
+}
+
 template <class Cell, class Mode, int HP, bool VEC, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
@@ -284,6 +320,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     constexpr int LDA = Gm::F_LDA, SW = Cell::SW;
     constexpr int FSPLIT = (V & 1) ? 2 : 1;
     constexpr bool EARLY = (V & 2) != 0;
+    constexpr bool DEFER = (V & 4) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
@@ -386,11 +423,55 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
         }
     }
+    // The layer input copied into the tape's z rows (x_l at xoff), one float4 a thread a step.
+    const int xe = threadIdx.x * 4, xrow = a.Il > 0 ? xe / a.Il : 0, xcol = xe - xrow * a.Il;
+    const bool xcp = a.x != nullptr && xe < 16 * a.Il && blockIdx.x * 16 + xrow < a.B;
+    const float *xsrc = xcp ? a.x + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldx + xcol : nullptr;
+    float *xdst = xcp ? a.z + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldz + a.xoff + xcol : nullptr;
+
+    // Deferred stores (variant bit 2): the step's outputs, written at the top of the next step.
+    float dz[DEFER ? 2 : 1][4];
+    float dhn[DEFER ? 2 : 1][4], dsv[DEFER ? SW : 1][DEFER ? 2 : 1][4];
+    persist_clock<V> clk;
+    if constexpr ((V & 16) != 0)
+        persist_stagger();
     __syncthreads();
 
     for (int t = 0; t < T; t++) {
         const E *cur = tiles + (t & 1) * (16 * LDA);
         E *nxt = tiles + ((t + 1) & 1) * (16 * LDA);
+        clk.start();
+        float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (xcp)
+            xv = __ldg(reinterpret_cast<const float4 *>(xsrc + (size_t)t * a.ldx));
+        auto store_step = [&](int ts, const float (*hs)[4], const float (*hns)[4],
+                              const float (*svs)[2][4]) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                size_t r = rbase[i] + ts;
+                st4<VEC>(yp[i] + (size_t)ts * a.ldy, hns[i], u0, H, rv[i]);
+                if (a.z) {
+                    float *zr = a.z + r * a.ldz;
+                    st4<VEC>(zr + u0, hs[i], u0, H, rv[i]);
+                    if (u0 == 0 && rv[i]) {
+                        zr[H] = 1.0f;
+                        for (int k = H + 1; k < a.xoff; k++)
+                            zr[k] = 0.0f;
+                        for (int k = a.xoff + a.Il; k < a.ldz; k++)
+                            zr[k] = 0.0f;
+                    }
+                }
+                if (a.s) {
+#pragma unroll
+                    for (int p = 0; p < SW; p++)
+                        st4<VEC>(a.s + r * (SW * H) + p * H + u0, svs[p][i], u0, H, rv[i]);
+                }
+            }
+        };
+        if constexpr (DEFER) {
+            if (t > 0)
+                store_step(t - 1, dz, dhn, dsv);
+        }
 
         float xgn[EARLY ? 2 : 1][G][4];
         if constexpr (EARLY) {
@@ -437,6 +518,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int k = 0; k < 4; k++)
                     acc[nt][k] += acc2[nt][k];
         }
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
+            clk.mark(0);
+        }
 
         // The cell, element by element.
         float hn[2][4], cn[2][4], sv[SW][2][4];
@@ -456,6 +541,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     sv[p][i][j] = s[p];
             }
 
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(hn[0][0] + hn[1][3], a.dbg);
+            clk.mark(1);
+        }
+
         // Next step's x W_ih^T: in flight during the next MMA.
         if constexpr (EARLY) {
 #pragma unroll
@@ -474,28 +564,25 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                              rv[i] && t + 1 < T);
         }
 
-        // Outputs and tape.
+        // Outputs and tape (deferred: kept for the top of the next step).
+        if constexpr (DEFER) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            size_t r = rbase[i] + t;
-            st4<VEC>(yp[i] + (size_t)t * a.ldy, hn[i], u0, H, rv[i]);
-            if (a.z) {
-                float *zr = a.z + r * a.ldz;
-                st4<VEC>(zr + u0, h[i], u0, H, rv[i]);
-                if (u0 == 0 && rv[i]) {
-                    zr[H] = 1.0f;
-                    for (int k = H + 1; k < a.xoff; k++)
-                        zr[k] = 0.0f;
-                    for (int k = a.xoff + a.Il; k < a.ldz; k++)
-                        zr[k] = 0.0f;
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    dz[i][j] = h[i][j];
+                    dhn[i][j] = hn[i][j];
+#pragma unroll
+                    for (int p = 0; p < SW; p++)
+                        dsv[p][i][j] = sv[p][i][j];
                 }
-            }
-            if (a.s) {
-#pragma unroll
-                for (int p = 0; p < SW; p++)
-                    st4<VEC>(a.s + r * (SW * H) + p * H + u0, sv[p][i], u0, H, rv[i]);
-            }
+            if (t == T - 1)
+                store_step(t, dz, dhn, dsv);
+        } else {
+            store_step(t, h, hn, sv);
         }
+        if (xcp)
+            *reinterpret_cast<float4 *>(xdst + (size_t)t * a.ldz) = xv;
 
         if (t + 1 < T) {
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
@@ -531,14 +618,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     st4<VEC>(a.c_n + at, cn[i], u0, H, rv[i]);
             }
         }
+        clk.mark(2);
         __syncthreads();
+        clk.mark(3);
     }
+    clk.flush(a.dbg);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward kernel
 
-template <class Cell, class Mode, int HP, bool VEC>
+template <class Cell, class Mode, int HP, bool VEC, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -621,8 +711,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     load_step(T - 1);
+    persist_clock<V> clk;
+    if constexpr ((V & 16) != 0)
+        persist_stagger();
 
     for (int t = T - 1; t >= 0; t--) {
+        clk.start();
         // Gate gradients of step t.
         float ddir[2][4], dcp[2][4], tv[G][2][4], dv[4][2][4];
 #pragma unroll
@@ -646,6 +740,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     tv[q][i][j] = live ? tl[q] : 0.0f;
             }
         int rst[2] = {reset[0], reset[1]};
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(tv[0][0][0] + tv[G - 1][1][3] + dv[3][1][3], a.dbg);
+            clk.mark(0);
+        }
 
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -659,7 +757,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         if (t > 0)
             load_step(t - 1); // in flight during the MMA
+        clk.mark(1);
         __syncthreads();
+        clk.mark(2);
 
         // dL/dh of the state entering step t: tile . W_hh (+ the direct term).
         float acc[SPLIT][NT][4];
@@ -668,21 +768,45 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
                 zero4(acc[sp][nt]);
+        auto bfrag_at = [&](int ks, int nt) -> uint2 {
+            if (ks < KREG)
+                return wreg[ks < KREG ? ks : 0][nt];
+            uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
+            return nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
+        };
+        if constexpr ((V & 1) != 0) {
+            // Software-pipelined: fragments of k-step ks+1 are loaded before the MMAs of ks.
+            uint32_t af[2][4];
+            uint2 bf[2][NT];
+            Mode::afrag(af[0], tile, LDA, 0, lane);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            uint32_t af[4];
-            Mode::afrag(af, tile, LDA, ks, lane);
+            for (int nt = 0; nt < NT; nt++)
+                bf[0][nt] = bfrag_at(0, nt);
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                uint2 b;
-                if (ks < KREG) {
-                    b = wreg[ks < KREG ? ks : 0][nt];
-                } else {
-                    uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
-                    b = nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
+            for (int ks = 0; ks < KS; ks++) {
+                if (ks + 1 < KS) {
+                    Mode::afrag(af[(ks + 1) & 1], tile, LDA, ks + 1, lane);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        bf[(ks + 1) & 1][nt] = bfrag_at(ks + 1, nt);
                 }
-                Mode::mma(acc[ks % SPLIT][nt], af, b);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    Mode::mma(acc[ks % SPLIT][nt], af[ks & 1], bf[ks & 1][nt]);
             }
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                uint32_t af[4];
+                Mode::afrag(af, tile, LDA, ks, lane);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    Mode::mma(acc[ks % SPLIT][nt], af, bfrag_at(ks, nt));
+            }
+        }
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(acc[0][0][0] + acc[SPLIT - 1][NT - 1][3], a.dbg);
+            clk.mark(3);
         }
 
         // Route it (DESIGN.md §2): carried to step t-1, or into the gradient of the value the
@@ -723,8 +847,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dh[i]);
             zero4(dc[i]);
         }
+        clk.mark(4);
         __syncthreads();
+        clk.mark(5);
     }
+    clk.flush(a.dbg);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -733,8 +860,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    auto kernel = a.vec ? seq_forward_kernel<Cell, Mode, HP, true, V>
-                        : seq_forward_kernel<Cell, Mode, HP, false, V>;
+    // Variants exist with vector access only (the dispatcher asks for them only then).
+    auto kernel = seq_forward_kernel<Cell, Mode, HP, true, V>;
+    if constexpr (V == 0)
+        if (!a.vec)
+            kernel = seq_forward_kernel<Cell, Mode, HP, false, 0>;
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::F_SMEM));
     kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::F_SMEM, stream>>>(a);
@@ -742,11 +872,13 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
     return 0;
 }
 
-template <class Cell, class Mode, int HP>
+template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    auto kernel = a.vec ? seq_backward_kernel<Cell, Mode, HP, true>
-                        : seq_backward_kernel<Cell, Mode, HP, false>;
+    auto kernel = seq_backward_kernel<Cell, Mode, HP, true, V>;
+    if constexpr (V == 0)
+        if (!a.vec)
+            kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::B_SMEM));
     kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);

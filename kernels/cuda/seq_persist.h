@@ -25,7 +25,10 @@ struct persist_fwd_args {
     int ldz, xoff, Il;
     float *s;                    // tape s rows (SW*H) or NULL
     float *h_n, *c_n;            // (B, L, H) or NULL
-    int variant;                 // bench variant of the GRU TF32 H=128 loop (0: the default)
+    const float *x;              // (B*T rows, ldx) layer input to copy into z at xoff, or NULL
+    int ldx;                     // (only when 16*Il <= 4*threads and Il % 4 == 0, aligned)
+    int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
+    long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };
 
 // One layer's backward time loop.
@@ -44,6 +47,8 @@ struct persist_bwd_args {
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
+    int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
+    long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };
 
 // HP, the padded width the persistent kernels run model m at, or 0 when they cannot (compute

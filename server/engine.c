@@ -82,16 +82,13 @@ struct rnnd_engine {
     float *adam_m, *adam_v; // (P), Adam only
     int64_t optim_t;
     float *state_h, *state_c; // (S, L, H)
-    float *d_x;               // (max_batch, I)
-    uint8_t *d_init;          // (max_batch)
-    int32_t *d_slots;         // (max_batch)
-    float *d_out;             // (max_batch, H)
-    float *d_hb, *d_cb;       // (max_batch, L, H)
+    // A batch's inputs (x, slots, is_init) and outputs (out, h_before, c_before) each sit packed
+    // in one block, laid out for the batch's row count (step_layout), so that a batch costs one
+    // copy in and one copy out. Sized for --max-batch rows.
+    char *d_in, *d_outb;
+    size_t in_bytes, out_bytes;
     // Host staging (aliases of the above when host_mem).
-    float *h_x;
-    uint8_t *h_init;
-    int32_t *h_slots;
-    float *h_out, *h_hb, *h_cb;
+    char *h_in, *h_outb;
     struct row_ref *rows; // (max_batch)
 
     struct rnnd_envtable *envs;
@@ -307,30 +304,19 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     if (e->lstm && be_alloc(e, S * LH * sizeof(float), (void **)&e->state_c) != 0)
         goto oom;
     what = "step buffers (lower --max-batch)";
-    if (be_alloc(e, MB * I * sizeof(float), (void **)&e->d_x) != 0 ||
-        be_alloc(e, MB, (void **)&e->d_init) != 0 ||
-        be_alloc(e, MB * sizeof(int32_t), (void **)&e->d_slots) != 0 ||
-        be_alloc(e, MB * H * sizeof(float), (void **)&e->d_out) != 0 ||
-        be_alloc(e, MB * LH * sizeof(float), (void **)&e->d_hb) != 0)
-        goto oom;
-    if (e->lstm && be_alloc(e, MB * LH * sizeof(float), (void **)&e->d_cb) != 0)
+    e->in_bytes = MB * I * sizeof(float) + MB * sizeof(int32_t) + MB + 3 * CARVE_ALIGN;
+    e->out_bytes = MB * H * sizeof(float) + (e->lstm ? 2 : 1) * MB * LH * sizeof(float) +
+                   3 * CARVE_ALIGN;
+    if (be_alloc(e, e->in_bytes, (void **)&e->d_in) != 0 ||
+        be_alloc(e, e->out_bytes, (void **)&e->d_outb) != 0)
         goto oom;
     if (e->host_mem) {
-        e->h_x = e->d_x;
-        e->h_init = e->d_init;
-        e->h_slots = e->d_slots;
-        e->h_out = e->d_out;
-        e->h_hb = e->d_hb;
-        e->h_cb = e->d_cb;
+        e->h_in = e->d_in;
+        e->h_outb = e->d_outb;
     } else {
-        e->h_x = malloc(MB * I * sizeof(float));
-        e->h_init = malloc(MB);
-        e->h_slots = malloc(MB * sizeof(int32_t));
-        e->h_out = malloc(MB * H * sizeof(float));
-        e->h_hb = malloc(MB * LH * sizeof(float));
-        e->h_cb = e->lstm ? malloc(MB * LH * sizeof(float)) : NULL;
-        if (!e->h_x || !e->h_init || !e->h_slots || !e->h_out || !e->h_hb ||
-            (e->lstm && !e->h_cb))
+        e->h_in = malloc(e->in_bytes);
+        e->h_outb = malloc(e->out_bytes);
+        if (!e->h_in || !e->h_outb)
             goto oom;
     }
     e->rows = malloc(MB * sizeof(*e->rows));
@@ -373,18 +359,13 @@ static void engine_close(struct rnnd_engine *e) {
         be_free(e, w->params);
         free(w);
     }
-    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
-                    e->state_c,    e->d_x,          e->d_init, e->d_slots, e->d_out,
-                    e->d_hb,       e->d_cb};
+    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v,
+                    e->state_h,    e->state_c,      e->d_in,   e->d_outb};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
     if (!e->host_mem) {
-        free(e->h_x);
-        free(e->h_init);
-        free(e->h_slots);
-        free(e->h_out);
-        free(e->h_hb);
-        free(e->h_cb);
+        free(e->h_in);
+        free(e->h_outb);
     }
     free(e->rows);
     rnnd_backend_free(&e->be);
@@ -468,21 +449,59 @@ static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float
     }
 }
 
+// Where a batch of n rows keeps its inputs and outputs inside the packed blocks (see
+// struct rnnd_engine): the same offsets on the host and on the device.
+struct step_layout {
+    size_t x, slots, init, in_used;  // in the input block
+    size_t out, hb, cb, out_used;    // in the output block; out_used covers what is copied back
+};
+
+// Offset of a new aligned piece of `bytes` after *used.
+static size_t carve_off(size_t *used, size_t bytes) {
+    size_t at = (*used + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    *used = at + bytes;
+    return at;
+}
+
+static struct step_layout step_layout(const struct rnnd_engine *e, int n, bool record) {
+    struct step_layout l;
+    size_t in = 0, out = 0, rows = (size_t)n;
+    l.x = carve_off(&in, rows * (size_t)e->model.I * sizeof(float));
+    l.slots = carve_off(&in, rows * sizeof(int32_t));
+    l.init = carve_off(&in, rows);
+    l.in_used = in;
+    l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
+    size_t out_only = out;
+    l.hb = carve_off(&out, rows * e->LH * sizeof(float));
+    l.cb = e->lstm ? carve_off(&out, rows * e->LH * sizeof(float)) : 0;
+    l.out_used = record ? out : out_only;
+    return l;
+}
+
 static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     uint64_t now = rnnd_now_ns();
     size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
     int E = e->cfg.extras_size;
     bool record = e->tdims.cap > 0;
     int n = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next)
+        for (int r = 0; r < job->step.B; r++)
+            n += !job->step.repeat[r];
+    struct step_layout lay = step_layout(e, n, record);
+    float *h_x = (float *)(e->h_in + lay.x), *h_out = (float *)(e->h_outb + lay.out);
+    int32_t *h_slots = (int32_t *)(e->h_in + lay.slots);
+    uint8_t *h_init = (uint8_t *)(e->h_in + lay.init);
+    float *h_hb = (float *)(e->h_outb + lay.hb), *h_cb = (float *)(e->h_outb + lay.cb);
+    n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
         struct rnnd_step_job *s = &job->step;
         rnnd_histogram_observe(&rnnd_metrics.queue_delay, now - job->item.enqueued_ns);
         for (int r = 0; r < s->B; r++) {
             if (s->repeat[r])
                 continue;
-            memcpy(e->h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
-            e->h_init[n] = s->is_init[r];
-            e->h_slots[n] = s->envs[r]->slot;
+            memcpy(h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
+            h_init[n] = s->is_init[r];
+            h_slots[n] = s->envs[r]->slot;
             e->rows[n] = (struct row_ref){job, r};
             n++;
         }
@@ -491,32 +510,22 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     int rc = 0;
     if (n > 0) {
         uint64_t t0 = rnnd_now_ns();
-        rc = be_in(e, e->d_x, e->h_x, (size_t)n * I * sizeof(float));
-        if (rc == 0)
-            rc = be_in(e, e->d_init, e->h_init, (size_t)n);
-        if (rc == 0)
-            rc = be_in(e, e->d_slots, e->h_slots, (size_t)n * sizeof(int32_t));
+        rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, is_init
         struct rnnd_step st = {
             .B = n,
-            .x = e->d_x,
-            .is_init = e->d_init,
-            .slots = e->d_slots,
+            .x = (const float *)(e->d_in + lay.x),
+            .is_init = (const uint8_t *)(e->d_in + lay.init),
+            .slots = (const int32_t *)(e->d_in + lay.slots),
             .state_h = e->state_h,
             .state_c = e->state_c,
-            .out = e->d_out,
-            .h_before = record ? e->d_hb : NULL,
-            .c_before = record && e->lstm ? e->d_cb : NULL,
+            .out = (float *)(e->d_outb + lay.out),
+            .h_before = record ? (float *)(e->d_outb + lay.hb) : NULL,
+            .c_before = record && e->lstm ? (float *)(e->d_outb + lay.cb) : NULL,
         };
         if (rc == 0)
             rc = e->be.ops->rnn_step(e->be.ctx, &st, e->cur->params, &e->model);
-        if (rc == 0)
-            rc = be_out(e, e->h_out, e->d_out, (size_t)n * H * sizeof(float));
-        if (rc == 0 && record)
-            rc = be_out(e, e->h_hb, e->d_hb, (size_t)n * LH * sizeof(float));
-        if (rc == 0 && record && e->lstm)
-            rc = be_out(e, e->h_cb, e->d_cb, (size_t)n * LH * sizeof(float));
-        if (rc == 0 && !e->host_mem)
-            rc = e->be.ops->sync(e->be.ctx);
+        if (rc == 0) // one copy back: out (and h_before, c_before); copy_out synchronises
+            rc = be_out(e, e->h_outb, e->d_outb, lay.out_used);
         rnnd_metrics_kernel(RNND_OP_STEP, rnnd_now_ns() - t0);
         atomic_fetch_add_explicit(&rnnd_metrics.batches, 1, memory_order_relaxed);
         rnnd_histogram_observe(&rnnd_metrics.batch_rows, (uint64_t)n);
@@ -533,7 +542,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         struct rnnd_step_job *s = &job->step;
         int r = e->rows[i].row;
         struct rnnd_env *env = s->envs[r];
-        const float *out = e->h_out + (size_t)i * H;
+        const float *out = h_out + (size_t)i * H;
         memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
         rnnd_envtable_touch(e->envs, env, now);
         if (s->step_index) {
@@ -545,10 +554,9 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             env->has_index = false;
         }
         if (record)
-            record_step(e, env, e->h_x + (size_t)i * I, e->h_init[i] != 0,
+            record_step(e, env, h_x + (size_t)i * I, h_init[i] != 0,
                         s->extras && E ? s->extras + (size_t)r * (size_t)E : NULL,
-                        e->h_hb + (size_t)i * LH, e->lstm ? e->h_cb + (size_t)i * LH : NULL,
-                        version);
+                        h_hb + (size_t)i * LH, e->lstm ? h_cb + (size_t)i * LH : NULL, version);
     }
     // Gauges first: a client that reads them after its reply sees its envs.
     env_gauges(e);

@@ -87,6 +87,8 @@ static const struct opt opts[] = {
      "Step rows queued before RESOURCE_EXHAUSTED (0: 64 * max-batch)"},
     {"drain-timeout-s", INT(drain_timeout_s, 0, 3600), "N",
      "on SIGTERM, cancel calls still running after N seconds"},
+    {"grpc-threads", INT(grpc_threads, 0, 16), "N",
+     "threads serving gRPC completions (0: one per 4 CPUs, 1 to 4)"},
     {"engine-spin-us", INT(engine_spin_us, 0, 1000000), "N",
      "after each batch the engine polls N us for the next step before sleeping (0: sleep)"},
 };

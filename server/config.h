@@ -52,6 +52,7 @@ struct rnnd_config {
     int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto
     int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
     int engine_spin_us;  // the engine polls this long for new work before sleeping
+    int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
 };
 
 // Fills c with the defaults of DESIGN.md §5.

@@ -151,8 +151,9 @@ struct rnnd_rpc {
     void *service;
     rnnd_rpc_stopped_cb stopped;
     void *stopped_ctx;
-    pthread_t thread;
-    bool thread_started;
+    pthread_t threads[RNND_RPC_MAX_THREADS];
+    int nthreads;
+    _Atomic int alive; // completion-queue threads still running
     struct tag t_shutdown;
 
     pthread_rwlock_t gate;
@@ -839,7 +840,8 @@ static void *cq_main(void *arg) {
                 break;
         }
     }
-    if (rpc->stopped)
+    // The last thread out reports the stop.
+    if (atomic_fetch_sub(&rpc->alive, 1) == 1 && rpc->stopped)
         rpc->stopped(rpc->stopped_ctx);
     return NULL;
 }
@@ -952,11 +954,22 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
             post_request(rpc, i);
     for (int k = 0; k < CATCH_ALL_POSTED; k++)
         post_request(rpc, -1);
-    if (pthread_create(&rpc->thread, NULL, cq_main, rpc) != 0) {
-        snprintf(err, errlen, "cannot start the gRPC thread");
-        goto fail_started;
+    int want = o->threads < 1 ? 1 : o->threads > RNND_RPC_MAX_THREADS ? RNND_RPC_MAX_THREADS
+                                                                        : o->threads;
+    atomic_store(&rpc->alive, want);
+    for (int k = 0; k < want; k++) {
+        if (pthread_create(&rpc->threads[k], NULL, cq_main, rpc) != 0) {
+            // The threads already running pick up the others' share; none at all is fatal.
+            atomic_fetch_sub(&rpc->alive, want - k);
+            if (k == 0) {
+                snprintf(err, errlen, "cannot start the gRPC thread");
+                goto fail_started;
+            }
+            rnnd_log(RNND_LOG_WARN, "started %d of %d gRPC threads", k, want);
+            break;
+        }
+        rpc->nthreads++;
     }
-    rpc->thread_started = true;
     *port = bound;
     *out = rpc;
     return 0;
@@ -1070,8 +1083,8 @@ void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc) {
 void rnnd_rpc_free(struct rnnd_rpc *rpc) {
     if (rpc == NULL)
         return;
-    if (rpc->thread_started)
-        pthread_join(rpc->thread, NULL);
+    for (int k = 0; k < rpc->nthreads; k++)
+        pthread_join(rpc->threads[k], NULL);
     grpc_server_destroy(rpc->server);
     grpc_completion_queue_destroy(rpc->cq);
     pthread_rwlock_destroy(&rpc->gate);

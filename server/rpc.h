@@ -3,7 +3,7 @@
  * server, the completion-queue thread, every call's lifetime, the method table, the
  * grpc.health.v1.Health service and the one mapping of rnnd error codes to gRPC status codes.
  *
- * Handlers (service.c) receive a call and its decoded request on the completion-queue thread and
+ * Handlers (service.c) receive a call and its decoded request on a completion-queue thread and
  * must finish it exactly once with rnnd_call_reply or rnnd_call_fail, from any thread, now or
  * later (for StepStream: once per received message; a reply keeps the stream going, a failure
  * ends it). The request stays valid until then.
@@ -28,8 +28,11 @@ typedef void (*rnnd_rpc_handler_fn)(void *svc, struct rnnd_call *call,
 // to exit (after rnnd_rpc_drain).
 typedef void (*rnnd_rpc_stopped_cb)(void *ctx);
 
+#define RNND_RPC_MAX_THREADS 16
+
 struct rnnd_rpc_options {
     const char *listen;       // HOST:PORT
+    int threads;              // completion-queue threads (1..RNND_RPC_MAX_THREADS)
     size_t max_message_bytes; // both ways
     void *service;            // handed to handlers
     rnnd_rpc_stopped_cb stopped;

@@ -5,7 +5,7 @@
  *           (health answers NOT_SERVING, rnnd.v1 calls UNAVAILABLE) -> engine thread loads the
  *           model -> ready: serving, the ready line, the cron timer.
  *   drain:  SIGTERM/SIGINT -> not ready -> rpc drain (no new calls, in-flight ones finish, idle
- *           streams end) -> when the gRPC thread has stopped: engine stop (it finishes what is
+ *           streams end) -> when the gRPC threads have stopped: engine stop (it finishes what is
  *           queued and writes a final checkpoint) -> join -> close handles -> exit 0.
  * A second signal during the drain cancels the calls still running at once.
  *
@@ -75,7 +75,7 @@ static void on_engine_ready(void *ctx, int err, const char *msg) {
     post_event(s, err ? EV_ENGINE_FAILED : EV_ENGINE_READY);
 }
 
-// gRPC thread, as it exits.
+// The last gRPC thread, as it exits.
 static void on_rpc_stopped(void *ctx) {
     post_event(ctx, EV_RPC_STOPPED);
 }
@@ -264,7 +264,13 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
+    int threads = cfg->grpc_threads;
+    if (threads == 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cpus >= 16 ? 4 : cpus >= 4 ? (int)(cpus / 4) : 1;
+    }
     struct rnnd_rpc_options ro = {.listen = cfg->listen,
+                                  .threads = threads,
                                   .max_message_bytes = s->svc.max_message_bytes,
                                   .service = &s->svc,
                                   .stopped = on_rpc_stopped,
@@ -286,8 +292,8 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);
-    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc port %d, http port %d, pid %d", s->grpc_port,
-             s->http_port, (int)getpid());
+    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc port %d (%d threads), http port %d, pid %d",
+             s->grpc_port, threads, s->http_port, (int)getpid());
 
     uv_run(&s->loop, UV_RUN_DEFAULT);
 

@@ -325,7 +325,8 @@ def check_containerfile(path, repo, flags):
              port_of(vals.get("http", "127.0.0.1:9090"))}
     check(ports <= exposed, "Containerfile: EXPOSE covers the gRPC and HTTP ports",
           "ports %s, exposed %s" % (sorted(ports), sorted(exposed)))
-    check(not vals.get("listen", "").startswith("127.") and not vals.get("http", "").startswith("127."),
+    check(not vals.get("listen", "").startswith("127.") and
+          not vals.get("http", "").startswith("127."),
           "Containerfile: listens beyond loopback", str(vals))
     check(any(i == "HEALTHCHECK" for i, _ in ins), "Containerfile: has a HEALTHCHECK")
     hc = [a for i, a in ins if i == "HEALTHCHECK"]
@@ -366,7 +367,8 @@ def check_k8s(kdir, flags, keys):
             check(not missing, "k8s/%s: every resource exists" % f, ", ".join(missing))
             listed = set(d.get("resources", []))
             unlisted = [x for x, dd in docs if dd["kind"] != "Kustomization" and x not in listed]
-            check(not unlisted, "k8s/%s: lists every manifest" % f, ", ".join(sorted(set(unlisted))))
+            check(not unlisted, "k8s/%s: lists every manifest" % f,
+                  ", ".join(sorted(set(unlisted))))
 
     sts_list = of_kind("StatefulSet")
     if not check(len(sts_list) == 1, "k8s: one StatefulSet"):
@@ -380,7 +382,8 @@ def check_k8s(kdir, flags, keys):
     check(bool(sel) and all(labels.get(k) == v for k, v in sel.items()),
           "k8s StatefulSet: selector matches the pod labels", "%s vs %s" % (sel, labels))
     containers = pod.get("containers") or []
-    c = next((x for x in containers if x.get("name") == "rnnd"), containers[0] if containers else {})
+    c = next((x for x in containers if x.get("name") == "rnnd"),
+             containers[0] if containers else {})
     check(bool(c.get("image")), "k8s StatefulSet: container has an image")
     argv = ["rnnd"] + [str(a) for a in (c.get("command") or [])[1:]] + [str(a) for a in
                                                                        c.get("args") or []]

@@ -1,5 +1,5 @@
-"""rnnd.Pool: rendezvous placement (the same vectors as the C client's tests/deploy/test_pool_hash.c,
-so Python and C place every env alike), balance and minimal movement; then two real daemons behind
+"""rnnd.Pool: rendezvous placement (the same vectors as the C client's
+tests/deploy/test_pool_hash.c, so Python and C place every env alike), balance and minimal movement; then two real daemons behind
 a Pool against one daemon alone (CPU backend, same seed): each env's outputs and states through
 the pool equal the single daemon's, for step_result and the PoolStepper, and every env's state
 lives on the daemon its hash picks."""

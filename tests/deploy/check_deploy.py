@@ -8,7 +8,7 @@
 - rnnd.conf.example and rnnd.conf: every key (set, or commented out as "# key value") is known,
   none is set twice, and the example mentions every key the daemon has.
 - rnnd.service: restart on failure, a state directory that is --state-dir, graceful SIGTERM stop
-  with a timeout, and every ExecStart flag known.
+  with a timeout, and every ExecStart flag known; `systemd-analyze verify` clean where it exists.
 - Containerfile: a build stage and a final stage on an NVIDIA CUDA runtime image, sources that
   exist, every directory the top-level CMakeLists.txt adds copied in, CMD flags known, EXPOSE
   matching the ports, a HEALTHCHECK.
@@ -16,7 +16,8 @@
   StatefulSet requests GPUs, has gRPC liveness/readiness probes on grpc.health.v1 at the gRPC
   port, Prometheus annotations on the HTTP port, a PersistentVolumeClaim template mounted at
   state-dir and the config from a ConfigMap whose rnnd.conf keys are known; the headless Service
-  matches it; kustomization.yaml lists files that exist.
+  matches it; kustomization.yaml lists files that exist (and `kubectl kustomize` renders them,
+  where kubectl exists; checks that need a tool this machine lacks print "skip").
 - --start: also starts rnnd (CPU backend, loopback ports, a temporary state dir) with each config
   and each command line above, and expects the ready line and a clean SIGTERM exit, so the
   values are checked too.
@@ -30,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,7 +213,7 @@ def start_rnnd(name, rnnd, args, timeout=45.0):
 # ---------------------------------------------------------------------------------------------
 # systemd unit.
 
-def check_unit(path, flags, conf_values):
+def check_unit(path, rnnd, flags, conf_values):
     cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
     cp.optionxform = str
     with open(path) as f:
@@ -236,6 +238,19 @@ def check_unit(path, flags, conf_values):
     want = "/var/lib/" + s.get("StateDirectory", "").split()[0] if s.get("StateDirectory") else None
     check(vals.get("state-dir") == want, "rnnd.service: --state-dir is the StateDirectory",
           "--state-dir %s, StateDirectory -> %s" % (vals.get("state-dir"), want))
+    # systemd's own check, on a copy whose ExecStart is the rnnd that was built.
+    if shutil.which("systemd-analyze") and argv:
+        with tempfile.TemporaryDirectory(prefix="rnnd-unit-") as tmp:
+            copy = os.path.join(tmp, "rnnd.service")
+            with open(path) as f, open(copy, "w") as g:
+                g.write(f.read().replace(argv[0], rnnd))
+            r = subprocess.run(["systemd-analyze", "verify", copy], capture_output=True,
+                               text=True, timeout=60)
+            out = (r.stdout + r.stderr).strip()
+            check(r.returncode == 0 and not out, "rnnd.service: systemd-analyze verify is clean",
+                  out)
+    else:
+        print("skip  rnnd.service: no systemd-analyze here")
     return argv[1:]
 
 
@@ -365,6 +380,17 @@ def check_k8s(kdir, flags, keys):
             missing = [r for r in d.get("resources", [])
                        if not os.path.exists(os.path.join(kdir, r))]
             check(not missing, "k8s/%s: every resource exists" % f, ", ".join(missing))
+            if shutil.which("kubectl"):
+                r = subprocess.run(["kubectl", "kustomize", kdir], capture_output=True,
+                                   text=True, timeout=60)
+                kinds = []
+                if r.returncode == 0:
+                    kinds = sorted(x.get("kind") for x in yaml.safe_load_all(r.stdout) if x)
+                check(r.returncode == 0 and kinds == ["ConfigMap", "Service", "StatefulSet"],
+                      "k8s/%s: kubectl kustomize renders the ConfigMap, Service and StatefulSet"
+                      % f, (r.stderr.strip() or str(kinds)))
+            else:
+                print("skip  k8s/%s: no kubectl here to render it" % f)
             listed = set(d.get("resources", []))
             unlisted = [x for x, dd in docs if dd["kind"] != "Kustomization" and x not in listed]
             check(not unlisted, "k8s/%s: lists every manifest" % f,
@@ -504,7 +530,7 @@ def main():
 
     launches = []
     if check(os.path.exists(os.path.join(d, "rnnd.service")), "rnnd.service exists"):
-        unit_args = check_unit(os.path.join(d, "rnnd.service"), flags, ex_vals)
+        unit_args = check_unit(os.path.join(d, "rnnd.service"), a.rnnd, flags, ex_vals)
         launches.append(("rnnd.service ExecStart (with rnnd.conf.example as /etc/rnnd/rnnd.conf)",
                          unit_args, example))
     cf = next((os.path.join(d, n) for n in ("Containerfile", "Dockerfile")

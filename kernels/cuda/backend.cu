@@ -199,6 +199,7 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     cudaDeviceProp prop;
     RNND_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
     c->num_sms = prop.multiProcessorCount;
+    c->cc_major = prop.major;
     c->smem_optin = prop.sharedMemPerBlockOptin;
     snprintf(name, name_len, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);

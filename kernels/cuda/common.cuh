@@ -58,6 +58,7 @@ enum cuda_path { CUDA_PATH_AUTO, CUDA_PATH_PERSISTENT, CUDA_PATH_STEPWISE };
 struct cuda_ctx {
     int device;
     int num_sms;
+    int cc_major;      // compute capability (9: Hopper, bulk copies available)
     size_t smem_optin; // largest dynamic shared memory one block may ask for
     cudaStream_t stream;
     cublasHandle_t blas;

@@ -271,8 +271,8 @@ static __global__ void stepwise_route_kernel(const stepwise_bwd_args a, int t) {
 }
 
 // grads of layer l += the GEMM result tmp (4H rows of ldz): the x_l part to W_ih, the hprev part
-// to W_hh, the constant column to the biases. D row of gate q: the same for the input side; for
-// the GRU's hidden side n is the fourth plane (da_n r).
+// to W_hh, the constant column to the biases. D row of gate q: the same for the hidden side; for
+// the GRU's input side n is the fourth plane (da_n; the third is da_n r).
 static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh,
                                          const float *tmp, int G, int H, int Il, int xoff,
                                          int ldz, bool gru) {
@@ -281,7 +281,7 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int row = (int)(idx / cols), col = (int)(idx % cols);
-        int ih = row, hh = gru && row >= 2 * H ? row + H : row;
+        int hh = row, ih = gru && row >= 2 * H ? row + H : row;
         if (col < Il)
             gw_ih[(size_t)row * Il + col] += tmp[(size_t)ih * ldz + xoff + col];
         else if (col < Il + H)
@@ -379,6 +379,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
             a.x = xcopy ? seq->x : nullptr, a.ldx = m->I;
+            a.tma = c->cc_major >= 9 && vec;
             a.variant = c->variant, a.dbg = c->d_dbg;
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
@@ -407,17 +408,10 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
         else
             stepwise_cell_backward_kernel<cell_gru><<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
         CUDA_LAUNCH_CHECK();
-        // dhp (B, H) += D_h(t) W_hh; the GRU's hidden-side n gradient is D's fourth plane.
+        // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
         const float *dt = a.d + (size_t)t * 4 * H;
-        if (lstm) {
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, 4 * H, w_hh, H, dt, ldd,
-                          1.0f, a.dhp, H));
-        } else {
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, 2 * H, w_hh, H, dt, ldd,
-                          1.0f, a.dhp, H));
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, H,
-                          w_hh + (size_t)2 * H * H, H, dt + 3 * H, ldd, 1.0f, a.dhp, H));
-        }
+        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H, w_hh, H,
+                      dt, ldd, 1.0f, a.dhp, H));
         stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
         CUDA_LAUNCH_CHECK();
     }
@@ -495,6 +489,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
             a.g_h0 = grads->h0, a.g_c0 = grads->c0;
             a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+            a.tma = c->cc_major >= 9;
             a.variant = c->variant, a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
         } else {
@@ -521,11 +516,19 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             ly->Il, ly->xoff, ly->ldz, !lstm);
         CUDA_LAUNCH_CHECK();
 
-        // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x.
+        // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x. The GRU's
+        // input-side planes are r, z (D's first two) and n (D's fourth).
         float *dx = l > 0 ? gyb : grads->x;
-        if (dx)
+        if (dx && lstm) {
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, GH, lp.w_ih,
                           ly->Il, d, 4 * H, 0.0f, dx, ly->Il));
+        } else if (dx) {
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, 2 * H, lp.w_ih,
+                          ly->Il, d, 4 * H, 0.0f, dx, ly->Il));
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, H,
+                          lp.w_ih + (size_t)2 * H * ly->Il, ly->Il, d + 3 * H, 4 * H, 1.0f, dx,
+                          ly->Il));
+        }
     }
     return 0;
 }

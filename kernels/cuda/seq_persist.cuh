@@ -53,6 +53,41 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const T *tile,
                  : "r"(addr));
 }
 
+// Hopper bulk copies (the TMA engine) from shared to global memory: issue, commit, wait until
+// the engine has read the source (so it may be overwritten), wait for completion. Shared memory
+// written by ordinary stores needs fence_proxy_async() in the writing threads before the
+// barrier that precedes the copy. sm_80 builds never take these paths (checked at launch).
+static __device__ __forceinline__ void bulk_s2g(void *gdst, const void *ssrc, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t s = (uint32_t)__cvta_generic_to_shared(ssrc);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst),
+                 "r"(s), "r"(bytes)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+static __device__ __forceinline__ void bulk_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 struct mode_tf32 {
     static constexpr int KSTEP = 8;
     static constexpr int APAD = 4; // floats of padding per A-tile row: conflict-free fragments
@@ -133,8 +168,9 @@ struct cell_gru {
         c_new = 0.0f;
         s[0] = r, s[1] = z, s[2] = n, s[3] = hq[2];
     }
-    // dh' = dy + dh_carry. Out: d[4] (D row planes: da_r, da_z, da_n, da_n r), tile[3] (the
-    // gradient of W_hh h + b_hh: da_r, da_z, da_n r), the direct dL/dh term and dL/dc (unused).
+    // dh' = dy + dh_carry. Out: d[4] (D row planes: da_r, da_z, da_n r, da_n: the hidden side's
+    // three first, so they equal the tile and are contiguous), tile[3] (the gradient of
+    // W_hh h + b_hh: da_r, da_z, da_n r), the direct dL/dh term and dL/dc (unused).
     template <bool FAST>
     static __device__ __forceinline__ void backward(const float s[SW], float hprev, float dhj,
                                                     float dc_in, float d[4], float tile[3],
@@ -144,7 +180,7 @@ struct cell_gru {
         float da_n = dhj * (1.0f - z) * (1.0f - n * n);
         float da_z = dhj * (hprev - n) * z * (1.0f - z);
         float da_r = da_n * hn * r * (1.0f - r);
-        d[0] = da_r, d[1] = da_z, d[2] = da_n, d[3] = da_n * r;
+        d[0] = da_r, d[1] = da_z, d[2] = da_n * r, d[3] = da_n;
         tile[0] = da_r, tile[1] = da_z, tile[2] = da_n * r;
         dh_direct = dhj * z;
         dc_prev = 0.0f;
@@ -208,8 +244,17 @@ struct persist_geom {
     static constexpr int F_LDA = HP + Mode::APAD;
     static constexpr long F_TILE_BYTES = 16L * F_LDA * (long)sizeof(elem);
     static constexpr long F_KS_BYTES = (long)F_NT * 32 * 8 * NW;
-    static constexpr int F_KREG = persist_kreg(F_KS, F_KS_BYTES, 2 * F_TILE_BYTES);
-    static constexpr long F_SMEM = (F_KS - F_KREG) * F_KS_BYTES + 2 * F_TILE_BYTES;
+    // GRU forward staging for bulk stores (fp32): S records, y and z rows of the step. Row
+    // strides are 16 floats past a multiple of 32 (conflict-free 16-byte stores from 2 rows).
+    static constexpr bool F_STAGE = G == 3;
+    static constexpr int S_STR = (Cell::SW * HP + 31) / 32 * 32 + 16;
+    static constexpr int Y_STR = (HP + 31) / 32 * 32 + 16;
+    static constexpr int Z_MAX = HP + 4 + HP / 2; // [hprev | 1 | pad | x (I <= HP/2)]
+    static constexpr int Z_STR = (Z_MAX + 15) / 32 * 32 + 16 >= Z_MAX ? (Z_MAX + 15) / 32 * 32 + 16
+                                                                    : (Z_MAX + 31) / 32 * 32 + 16;
+    static constexpr long F_STAGE_BYTES = F_STAGE ? 16L * (S_STR + Y_STR + Z_STR) * 4 : 0;
+    static constexpr int F_KREG = persist_kreg(F_KS, F_KS_BYTES, 2 * F_TILE_BYTES + F_STAGE_BYTES);
+    static constexpr long F_SMEM = (F_KS - F_KREG) * F_KS_BYTES + 2 * F_TILE_BYTES + F_STAGE_BYTES;
     // Backward: K = G*HP (gate rows), N = 2 n-tiles a warp (its 16 units).
     static constexpr int B_NT = 2;
     static constexpr int B_KS = G * HP / Mode::KSTEP;
@@ -311,7 +356,10 @@ static __device__ __forceinline__ void persist_stagger() {
             __nanosleep(1000);
 }
 
-template <class Cell, class Mode, int HP, bool VEC, int V = 0>
+// TMA (GRU, sm_90, vector access): the step's y, z and s rows are staged in shared memory and
+// written by the bulk-copy engine at the top of the next step, so the warps never stall on
+// store back-pressure.
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -325,9 +373,29 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     extern __shared__ __align__(16) unsigned char smem[];
     uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
     E *tiles = reinterpret_cast<E *>(smem + (KS - KREG) * Gm::F_KS_BYTES);
+    float *stage_s = reinterpret_cast<float *>(smem + (KS - KREG) * Gm::F_KS_BYTES +
+                                               2 * Gm::F_TILE_BYTES);
+    float *stage_y = stage_s + 16 * Gm::S_STR;
+    float *stage_z = stage_y + 16 * Gm::Y_STR;
+    static_assert(!TMA || Gm::F_STAGE, "staging is laid out for the GRU only");
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H;
+    // Bulk copies of the staged row threadIdx.x (< 16) of step ts to y, z and s.
+    const int zcopy = a.x ? a.ldz : a.xoff; // floats of a z row the stage owns
+    auto bulk_step = [&](int ts) {
+        if (TMA && threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
+            size_t r = (size_t)(blockIdx.x * 16 + threadIdx.x) * T + ts;
+            bulk_s2g(a.y + r * a.ldy, stage_y + threadIdx.x * Gm::Y_STR, H * sizeof(float));
+            if (a.z)
+                bulk_s2g(a.z + r * a.ldz, stage_z + threadIdx.x * Gm::Z_STR,
+                         zcopy * sizeof(float));
+            if (a.s)
+                bulk_s2g(a.s + r * (SW * H), stage_s + threadIdx.x * Gm::S_STR,
+                         SW * H * sizeof(float));
+            bulk_commit();
+        }
+    };
     const int u0 = w * 16 + 4 * tg;
 
     // W_hh as B fragments: B[k][n] = W_hh[q*H + unit(n)][k], q the gate of n-tile nt = 2q+half.
@@ -472,6 +540,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if (t > 0)
                 store_step(t - 1, dz, dhn, dsv);
         }
+        if constexpr (TMA) {
+            if (t > 0)
+                bulk_step(t - 1);
+        }
 
         float xgn[EARLY ? 2 : 1][G][4];
         if constexpr (EARLY) {
@@ -564,8 +636,38 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                              rv[i] && t + 1 < T);
         }
 
-        // Outputs and tape (deferred: kept for the top of the next step).
-        if constexpr (DEFER) {
+        // Outputs and tape (deferred: kept for the top of the next step; TMA: staged for the
+        // copy engine once it has read the previous step's stage).
+        if constexpr (TMA) {
+            if (threadIdx.x < 16)
+                bulk_wait_read();
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int row = g + 8 * i;
+                if (u0 < H) {
+                    *reinterpret_cast<float4 *>(stage_y + row * Gm::Y_STR + u0) =
+                        make_float4(hn[i][0], hn[i][1], hn[i][2], hn[i][3]);
+                    *reinterpret_cast<float4 *>(stage_z + row * Gm::Z_STR + u0) =
+                        make_float4(h[i][0], h[i][1], h[i][2], h[i][3]);
+#pragma unroll
+                    for (int p = 0; p < SW; p++)
+                        *reinterpret_cast<float4 *>(stage_s + row * Gm::S_STR + p * H + u0) =
+                            make_float4(sv[p][i][0], sv[p][i][1], sv[p][i][2], sv[p][i][3]);
+                }
+                if (u0 == 0) {
+                    float *zr = stage_z + row * Gm::Z_STR;
+                    zr[H] = 1.0f;
+                    for (int k = H + 1; k < a.xoff; k++)
+                        zr[k] = 0.0f;
+                    for (int k = a.xoff + a.Il; k < zcopy; k++)
+                        zr[k] = 0.0f;
+                }
+            }
+            if (xcp)
+                *reinterpret_cast<float4 *>(stage_z + xrow * Gm::Z_STR + a.xoff + xcol) = xv;
+            fence_proxy_async();
+        } else if constexpr (DEFER) {
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -581,7 +683,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         } else {
             store_step(t, h, hn, sv);
         }
-        if (xcp)
+        if (xcp && !TMA)
             *reinterpret_cast<float4 *>(xdst + (size_t)t * a.ldz) = xv;
 
         if (t + 1 < T) {
@@ -622,13 +724,21 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         __syncthreads();
         clk.mark(3);
     }
+    if constexpr (TMA) {
+        bulk_step(T - 1); // its stage was written before the last barrier
+        if (threadIdx.x < 16)
+            bulk_wait_all();
+    }
     clk.flush(a.dbg);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward kernel
 
-template <class Cell, class Mode, int HP, bool VEC, int V = 0>
+// TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
+// the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
+// stored by the threads.
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -752,14 +862,24 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
             size_t r = rbase[i] + t;
 #pragma unroll
-            for (int p = 0; p < 4; p++)
+            for (int p = TMA ? G : 0; p < 4; p++)
                 st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
         }
+        if constexpr (TMA)
+            fence_proxy_async();
         if (t > 0)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
         __syncthreads();
         clk.mark(2);
+        if constexpr (TMA) {
+            // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
+            if (threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
+                size_t r = (size_t)(blockIdx.x * 16 + threadIdx.x) * T + t;
+                bulk_s2g(a.d + r * (4 * H), tile + threadIdx.x * LDA, G * H * sizeof(float));
+                bulk_commit();
+            }
+        }
 
         // dL/dh of the state entering step t: tile . W_hh (+ the direct term).
         float acc[SPLIT][NT][4];
@@ -848,8 +968,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dc[i]);
         }
         clk.mark(4);
+        if constexpr (TMA) {
+            if (threadIdx.x < 16)
+                bulk_wait_read(); // the tile is rewritten after the barrier
+        }
         __syncthreads();
         clk.mark(5);
+    }
+    if constexpr (TMA) {
+        if (threadIdx.x < 16)
+            bulk_wait_all();
     }
     clk.flush(a.dbg);
 }
@@ -862,6 +990,9 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
     using Gm = persist_geom<Cell, Mode, HP>;
     // Variants exist with vector access only (the dispatcher asks for them only then).
     auto kernel = seq_forward_kernel<Cell, Mode, HP, true, V>;
+    if constexpr (Gm::F_STAGE)
+        if (a.tma)
+            kernel = seq_forward_kernel<Cell, Mode, HP, true, V, Gm::F_STAGE>;
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_forward_kernel<Cell, Mode, HP, false, 0>;
@@ -876,6 +1007,9 @@ template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
     auto kernel = seq_backward_kernel<Cell, Mode, HP, true, V>;
+    if constexpr (sizeof(typename Mode::elem) == 4)
+        if (a.tma && a.H == HP)
+            kernel = seq_backward_kernel<Cell, Mode, HP, true, V, true>;
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;

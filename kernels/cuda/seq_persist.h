@@ -27,6 +27,7 @@ struct persist_fwd_args {
     float *h_n, *c_n;            // (B, L, H) or NULL
     const float *x;              // (B*T rows, ldx) layer input to copy into z at xoff, or NULL
     int ldx;                     // (only when 16*Il <= 4*threads and Il % 4 == 0, aligned)
+    bool tma;                    // stage stores for the bulk-copy engine (sm_90, vec, GRU)
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };
@@ -47,6 +48,7 @@ struct persist_bwd_args {
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
+    bool tma;                    // the device has the bulk-copy engine (sm_90+)
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };

@@ -97,6 +97,15 @@ struct rnnd_engine {
     struct rnnd_tapes *tapes;
     uint64_t last_checkpoint_ns;
 
+    // Reply threads: finished Step jobs of a batch are handed to them so that packing and
+    // sending replies runs in parallel and off the engine thread (0 threads: the engine does it).
+    pthread_mutex_t rlock;
+    pthread_cond_t rcond;
+    struct rnnd_job *rhead, *rtail;
+    bool rstop;
+    pthread_t rthreads[8];
+    int nrthreads;
+
     _Atomic uint64_t version;
     _Atomic uint64_t envs_active;
     _Atomic int hk_queued;
@@ -508,8 +517,11 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     }
     uint64_t version = e->cur->version;
     int rc = 0;
+    uint64_t t_kernel = rnnd_now_ns();
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_GATHER], t_kernel - now,
+                              memory_order_relaxed);
     if (n > 0) {
-        uint64_t t0 = rnnd_now_ns();
+        uint64_t t0 = t_kernel;
         rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, is_init
         struct rnnd_step st = {
             .B = n,
@@ -537,6 +549,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
     }
     // Per computed row: the env's bookkeeping, its trajectory and the job's output row.
+    uint64_t t_update = rnnd_now_ns();
     for (int i = 0; rc == 0 && i < n; i++) {
         struct rnnd_job *job = e->rows[i].job;
         struct rnnd_step_job *s = &job->step;
@@ -560,16 +573,15 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     }
     // Gauges first: a client that reads them after its reply sees its envs.
     env_gauges(e);
-    // Per job: repeated rows from the cache, states when asked, then done.
-    struct rnnd_job *next;
-    for (struct rnnd_job *job = jobs; job; job = next) {
-        next = (struct rnnd_job *)job->item.next;
+    // Per job: repeated rows from the cache, states when asked (engine state: this thread).
+    int njobs = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
         struct rnnd_step_job *s = &job->step;
         job->model_version = version;
+        njobs++;
         if (rc != 0) {
             fail(job, RNND_EDEVICE, "the backend failed to run the step: %s; retry",
                  rnnd_strerror(rc));
-            job->done(job);
             continue;
         }
         for (int r = 0; r < s->B; r++) {
@@ -587,8 +599,73 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             }
         }
         job->err = 0;
-        job->done(job);
     }
+    uint64_t t_reply = rnnd_now_ns();
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_UPDATE], t_reply - t_update,
+                              memory_order_relaxed);
+    // Then the replies: several go to the reply threads, one is quicker sent from here.
+    if (njobs > 1 && e->nrthreads > 0) {
+        pthread_mutex_lock(&e->rlock);
+        if (e->rtail)
+            e->rtail->item.next = &jobs->item;
+        else
+            e->rhead = jobs;
+        struct rnnd_job *last = jobs;
+        while (last->item.next)
+            last = (struct rnnd_job *)last->item.next;
+        e->rtail = last;
+        pthread_cond_broadcast(&e->rcond);
+        pthread_mutex_unlock(&e->rlock);
+    } else {
+        struct rnnd_job *next;
+        for (struct rnnd_job *job = jobs; job; job = next) {
+            next = (struct rnnd_job *)job->item.next;
+            job->done(job);
+        }
+    }
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_REPLY],
+                              rnnd_now_ns() - t_reply, memory_order_relaxed);
+}
+
+static void *reply_main(void *arg) {
+    struct rnnd_engine *e = arg;
+    pthread_mutex_lock(&e->rlock);
+    for (;;) {
+        struct rnnd_job *job = e->rhead;
+        if (job == NULL) {
+            if (e->rstop)
+                break;
+            pthread_cond_wait(&e->rcond, &e->rlock);
+            continue;
+        }
+        e->rhead = (struct rnnd_job *)job->item.next;
+        if (e->rhead == NULL)
+            e->rtail = NULL;
+        pthread_mutex_unlock(&e->rlock);
+        job->done(job);
+        pthread_mutex_lock(&e->rlock);
+    }
+    pthread_mutex_unlock(&e->rlock);
+    return NULL;
+}
+
+static void reply_threads_start(struct rnnd_engine *e, int n) {
+    for (int k = 0; k < n && k < (int)(sizeof(e->rthreads) / sizeof(e->rthreads[0])); k++) {
+        if (pthread_create(&e->rthreads[k], NULL, reply_main, e) != 0)
+            break;
+        e->nrthreads++;
+    }
+}
+
+// Sends what is queued, then ends the reply threads.
+static void reply_threads_stop(struct rnnd_engine *e) {
+    pthread_mutex_lock(&e->rlock);
+    e->rstop = true;
+    pthread_cond_broadcast(&e->rcond);
+    pthread_mutex_unlock(&e->rlock);
+    for (int k = 0; k < e->nrthreads; k++)
+        pthread_join(e->rthreads[k], NULL);
+    e->nrthreads = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1310,6 +1387,8 @@ static void *engine_main(void *arg) {
     struct rnnd_engine *e = arg;
     char msg[512] = "";
     int rc = engine_open(e, msg, sizeof(msg));
+    if (rc == 0)
+        reply_threads_start(e, e->cfg.reply_threads);
     e->ready_cb(e->ready_ctx, rc, msg);
     if (rc == 0) {
         rnnd_log(RNND_LOG_INFO,
@@ -1338,6 +1417,7 @@ static void *engine_main(void *arg) {
             if (e->stopping && rnnd_batcher_empty(e->batcher))
                 break;
         }
+        reply_threads_stop(e);
         checkpoint_auto(e, "shutdown");
     }
     // From here on submit fails jobs itself; finish whatever slipped in before.
@@ -1385,6 +1465,8 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
         return NULL;
     }
     pthread_mutex_init(&e->lock, NULL);
+    pthread_mutex_init(&e->rlock, NULL);
+    pthread_cond_init(&e->rcond, NULL);
     e->hk_job.kind = RNND_JOB_HOUSEKEEPING;
     e->stop_job.kind = RNND_JOB_HOUSEKEEPING;
     snprintf(e->backend_name, sizeof(e->backend_name), "none");
@@ -1449,6 +1531,8 @@ void rnnd_engine_free(struct rnnd_engine *e) {
     rnnd_engine_join(e);
     rnnd_batcher_free(e->batcher);
     pthread_mutex_destroy(&e->lock);
+    pthread_mutex_destroy(&e->rlock);
+    pthread_cond_destroy(&e->rcond);
     free(e);
 }
 

@@ -30,6 +30,7 @@ static const char *const code_names[RNND_GRPC_CODES] = {
 
 static const char *const op_names[RNND_OP_COUNT] = {"step", "forward", "backward", "optim"};
 static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
+static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -222,6 +223,11 @@ int rnnd_metrics_render(char **out, size_t *len) {
     for (int i = 0; i < RNND_OP_COUNT; i++)
         put(&b, "rnnd_backend_kernel_seconds_total{op=\"%s\"} %.9g\n", op_names[i],
             (double)ld(&m->kernel_ns[i]) / 1e9);
+    put(&b, "# HELP rnnd_engine_seconds_total Engine time around Step batches, by phase.\n"
+            "# TYPE rnnd_engine_seconds_total counter\n");
+    for (int i = 0; i < RNND_PHASE_COUNT; i++)
+        put(&b, "rnnd_engine_seconds_total{phase=\"%s\"} %.9g\n", phase_names[i],
+            (double)ld(&m->engine_ns[i]) / 1e9);
     put(&b, "# HELP rnnd_backend_calls_total Backend op calls, by op.\n"
             "# TYPE rnnd_backend_calls_total counter\n");
     for (int i = 0; i < RNND_OP_COUNT; i++)

@@ -39,6 +39,15 @@ enum rnnd_backend_op {
     RNND_OP_COUNT,
 };
 
+// Where the engine thread spends a Step batch's time (the backend op itself is
+// kernel_ns[RNND_OP_STEP]).
+enum rnnd_engine_phase {
+    RNND_PHASE_GATHER, // forming the batch and staging its inputs
+    RNND_PHASE_UPDATE, // env bookkeeping and trajectory recording
+    RNND_PHASE_REPLY,  // finishing jobs (replies sent by the engine, or handed to reply threads)
+    RNND_PHASE_COUNT,
+};
+
 enum rnnd_evict_reason {
     RNND_EVICT_IDLE,     // --env-idle-timeout-s passed
     RNND_EVICT_RELEASED, // EndEpisodes
@@ -70,6 +79,7 @@ struct rnnd_metrics {
     _Atomic int64_t tape_bytes;
     _Atomic int64_t queue_rows; // Step rows waiting
     _Atomic uint64_t kernel_ns[RNND_OP_COUNT];
+    _Atomic uint64_t engine_ns[RNND_PHASE_COUNT];
     _Atomic uint64_t kernel_calls[RNND_OP_COUNT];
     _Atomic uint64_t checkpoints_ok, checkpoints_failed;
     _Atomic int ready; // 1 while serving

@@ -249,7 +249,9 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     s->cron.data = s->drain_timer.data = s;
 
     int rc = 0;
-    s->engine = rnnd_engine_init(cfg);
+    if (s->cfg.reply_threads < 0)
+        s->cfg.reply_threads = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2 : 0;
+    s->engine = rnnd_engine_init(&s->cfg);
     if (s->engine == NULL) {
         rnnd_log(RNND_LOG_ERROR, "out of memory");
         rc = 1;

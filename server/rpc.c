@@ -368,11 +368,12 @@ static void call_done_active(struct rnnd_call *c) {
     }
 }
 
-// Ends the call with code/msg once queued messages are out. Call with c->lock held; returns
+// Ends the call with the status for err (0: OK) and msg once queued messages are out. Call with c->lock held; returns
 // true when the caller must drop the owner reference after unlocking.
-static bool end_locked(struct rnnd_call *c, int code, const char *msg) {
+static bool end_locked(struct rnnd_call *c, int err, const char *msg) {
     if (c->status_sent || c->ending)
         return false;
+    int code = rnnd_rpc_status(err);
     if (c->sending || c->outq) {
         c->ending = true;
         c->end_code = code;
@@ -484,11 +485,11 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
             drop = send_next_locked(c);
             if (!drop && !c->status_sent) {
                 if (atomic_load(&c->rpc->draining))
-                    drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+                    drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
                 else if (c->half_closed)
-                    drop = end_locked(c, GRPC_STATUS_OK, "");
+                    drop = end_locked(c, 0, "");
                 else if (atomic_load(&c->cancelled))
-                    drop = end_locked(c, GRPC_STATUS_CANCELLED, "cancelled");
+                    drop = end_locked(c, RNND_ECANCELED, "cancelled");
                 else
                     recv_start_locked(c);
             }
@@ -522,17 +523,11 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
 void rnnd_call_fail(struct rnnd_call *c, int err, const char *msg) {
     pthread_mutex_lock(&c->lock);
     c->inflight = false;
-    bool drop = end_locked(c, rnnd_rpc_status(err), msg);
+    bool drop = end_locked(c, err, msg);
     pthread_mutex_unlock(&c->lock);
     finish_owner(c, drop);
 }
 
-static void call_fail_code(struct rnnd_call *c, int code, const char *msg) {
-    pthread_mutex_lock(&c->lock);
-    bool drop = end_locked(c, code, msg);
-    pthread_mutex_unlock(&c->lock);
-    finish_owner(c, drop);
-}
 
 const ProtobufCMessage *rnnd_call_request(const struct rnnd_call *c) {
     return c->request;
@@ -582,7 +577,7 @@ static void health_check(struct rnnd_call *c) {
         char msg[256];
         snprintf(msg, sizeof(msg), "unknown service '%.100s'; rnnd reports \"\" and rnnd.v1.Rnn",
                  svc);
-        call_fail_code(c, GRPC_STATUS_NOT_FOUND, msg);
+        rnnd_call_fail(c, RNND_ENOTFOUND, msg);
         return;
     }
     Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
@@ -611,7 +606,7 @@ static void health_watch(struct rnnd_call *c) {
     pthread_mutex_lock(&c->lock);
     bool drop = watch_update_locked(c);
     if (!drop && atomic_load(&c->rpc->draining))
-        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+        drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
     pthread_mutex_unlock(&c->lock);
     finish_owner(c, drop);
 }
@@ -666,7 +661,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
     bool health = c->mi >= 0 && (methods[c->mi].kind == KIND_HEALTH_CHECK ||
                                  methods[c->mi].kind == KIND_HEALTH_WATCH);
     if (!health && !auth_ok(c)) {
-        call_fail_code(c, GRPC_STATUS_UNAUTHENTICATED,
+        rnnd_call_fail(c, RNND_EAUTH,
                        "missing or wrong bearer token; send metadata \"authorization: Bearer "
                        "<token>\" with the token of --auth-token-file");
         return;
@@ -678,13 +673,13 @@ static void on_new(struct rnnd_call *c, bool ok) {
                  "unknown method %.120s; rnnd serves rnnd.v1.Rnn and grpc.health.v1.Health",
                  method);
         gpr_free(method);
-        call_fail_code(c, GRPC_STATUS_UNIMPLEMENTED, msg);
+        rnnd_call_fail(c, RNND_ENOTSUP, msg);
         return;
     }
     const struct method *m = &methods[c->mi];
     if (m->kind == KIND_STEP_STREAM) {
         if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {
-            call_fail_code(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+            rnnd_call_fail(c, RNND_EUNAVAIL, not_serving_msg(rpc));
             return;
         }
         list_stream(c);
@@ -703,7 +698,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
         snprintf(msg, sizeof(msg),
                  "the request of %s is missing or does not decode as %s; send a valid message",
                  m->path, m->request->name);
-        call_fail_code(c, GRPC_STATUS_INVALID_ARGUMENT, msg);
+        rnnd_call_fail(c, RNND_EINVAL, msg);
         return;
     }
     switch (m->kind) {
@@ -717,7 +712,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
             break;
     }
     if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {
-        call_fail_code(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+        rnnd_call_fail(c, RNND_EUNAVAIL, not_serving_msg(rpc));
         return;
     }
     m->handler(rpc->service, c, c->request);
@@ -729,7 +724,7 @@ static void on_recv(struct rnnd_call *c, bool ok) {
     pthread_mutex_lock(&c->lock);
     if (!ok || c->payload == NULL) { // the client is done sending (or gone)
         c->half_closed = true;
-        bool drop = c->inflight ? false : end_locked(c, GRPC_STATUS_OK, "");
+        bool drop = c->inflight ? false : end_locked(c, 0, "");
         pthread_mutex_unlock(&c->lock);
         finish_owner(c, drop);
         return;
@@ -747,10 +742,10 @@ static void on_recv(struct rnnd_call *c, bool ok) {
     c->payload = NULL;
     bool drop = false;
     if (c->request == NULL) {
-        drop = end_locked(c, GRPC_STATUS_INVALID_ARGUMENT,
+        drop = end_locked(c, RNND_EINVAL,
                           "a StepStream message does not decode as rnnd.v1.StepRequest");
     } else if (atomic_load(&rpc->draining)) {
-        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(rpc));
+        drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(rpc));
     } else {
         c->inflight = true;
         c->msg_ns = rnnd_now_ns();
@@ -792,9 +787,9 @@ static void on_close(struct rnnd_call *c) {
             }
             c->outq_tail = NULL;
             if (!c->sending)
-                drop = status_start(c, GRPC_STATUS_CANCELLED, "cancelled");
+                drop = status_start(c, rnnd_rpc_status(RNND_ECANCELED), "cancelled");
             else
-                drop = end_locked(c, GRPC_STATUS_CANCELLED, "cancelled");
+                drop = end_locked(c, RNND_ECANCELED, "cancelled");
         }
     }
     pthread_mutex_unlock(&c->lock);
@@ -1047,7 +1042,7 @@ static bool drain_stream(struct rnnd_call *c) {
     if (c->watching)
         drop = watch_update_locked(c);
     if (!drop && (c->watching || !c->inflight))
-        drop = end_locked(c, GRPC_STATUS_UNAVAILABLE, not_serving_msg(c->rpc));
+        drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
     return drop;
 }
 

@@ -191,14 +191,14 @@ struct rnnd_batcher {
     pthread_cond_t cond;
     // Shared, under lock:
     struct list incoming, controls;
-    int rows;     // Step rows in incoming + pending
+    int rows; // Step rows in incoming + pending
     bool closed;
-    bool waiting; // the engine sleeps on cond
+    bool waiting;            // the engine sleeps on cond
     _Atomic unsigned pushes; // bumped by every push: what a spinning engine watches
     // Engine thread only:
     struct list pending;
     int pending_rows;
-    bool held_back; // items stayed in pending after the last batch: flush at once
+    bool held_back;       // items stayed in pending after the last batch: flush at once
     struct idset taken;   // env ids in the forming batch or held back
     struct idset present; // sources with an item pending
     struct srcmap active; // source -> when it last sent a step

@@ -33,10 +33,10 @@ struct rnnd_batch_item {
 };
 
 struct rnnd_batcher_config {
-    int max_batch;        // rows
+    int max_batch; // rows
     uint64_t max_delay_ns;
-    int max_queue_rows;   // bound on rows waiting
-    uint64_t spin_ns;     // rnnd_batcher_wait polls this long before sleeping (0: never)
+    int max_queue_rows; // bound on rows waiting
+    uint64_t spin_ns;   // rnnd_batcher_wait polls this long before sleeping (0: never)
 };
 
 enum rnnd_batch_admit { RNND_BATCH_ADMIT, RNND_BATCH_REJECT };

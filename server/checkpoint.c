@@ -58,7 +58,8 @@ int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64
             requested++;
     }
     if (requested[0] == '\0')
-        return fail(err, errlen, RNND_EINVAL, "path names --state-dir itself; send a name inside it");
+        return fail(err, errlen, RNND_EINVAL,
+                    "path names --state-dir itself; send a name inside it");
     if (strlen(requested) > 255)
         return fail(err, errlen, RNND_EINVAL, "path is longer than 255 bytes");
     // Each component: no "..", no hidden names (our temporaries start with '.').
@@ -169,18 +170,25 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     int64_t step_v = ck->optim_step;
     struct rnnd_st_tensor ot[3];
     int no = 0;
-    ot[no++] = (struct rnnd_st_tensor){.name = "step", .dtype = RNND_ST_I64, .ndim = 1,
-                                       .shape = {1}, .data = &step_v, .bytes = 8};
+    ot[no++] = (struct rnnd_st_tensor){
+        .name = "step", .dtype = RNND_ST_I64, .ndim = 1, .shape = {1}, .data = &step_v, .bytes = 8};
     if (ck->exp_avg && ck->exp_avg_sq) {
-        ot[no++] = (struct rnnd_st_tensor){.name = "exp_avg", .dtype = RNND_ST_F32, .ndim = 1,
-                                           .shape = {(int64_t)ck->P}, .data = ck->exp_avg,
+        ot[no++] = (struct rnnd_st_tensor){.name = "exp_avg",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 1,
+                                           .shape = {(int64_t)ck->P},
+                                           .data = ck->exp_avg,
                                            .bytes = ck->P * sizeof(float)};
-        ot[no++] = (struct rnnd_st_tensor){.name = "exp_avg_sq", .dtype = RNND_ST_F32, .ndim = 1,
-                                           .shape = {(int64_t)ck->P}, .data = ck->exp_avg_sq,
+        ot[no++] = (struct rnnd_st_tensor){.name = "exp_avg_sq",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 1,
+                                           .shape = {(int64_t)ck->P},
+                                           .data = ck->exp_avg_sq,
                                            .bytes = ck->P * sizeof(float)};
     }
-    const char *opt_meta[] = {"optimizer", opt, "lr", lr, "max_grad_norm", clip,
-                              "layout", "flat parameter order of model.safetensors"};
+    const char *opt_meta[] = {
+        "optimizer",     opt,  "lr",     lr,
+        "max_grad_norm", clip, "layout", "flat parameter order of model.safetensors"};
     rc = rnnd_st_encode(ot, no, opt_meta, 4, &buf, &len);
     if (rc != 0)
         return fail(err, errlen, rc, "encode optimizer.safetensors: %s", rnnd_strerror(rc));
@@ -194,24 +202,43 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     size_t lh = (size_t)(L * H);
     struct rnnd_st_tensor et[6];
     int ne = 0;
-    et[ne++] = (struct rnnd_st_tensor){.name = "env_ids", .dtype = RNND_ST_I64, .ndim = 1,
-                                       .shape = {N}, .data = ck->env_ids,
+    et[ne++] = (struct rnnd_st_tensor){.name = "env_ids",
+                                       .dtype = RNND_ST_I64,
+                                       .ndim = 1,
+                                       .shape = {N},
+                                       .data = ck->env_ids,
                                        .bytes = (size_t)N * 8};
-    et[ne++] = (struct rnnd_st_tensor){.name = "h", .dtype = RNND_ST_F32, .ndim = 3,
-                                       .shape = {N, L, H}, .data = ck->env_h,
+    et[ne++] = (struct rnnd_st_tensor){.name = "h",
+                                       .dtype = RNND_ST_F32,
+                                       .ndim = 3,
+                                       .shape = {N, L, H},
+                                       .data = ck->env_h,
                                        .bytes = (size_t)N * lh * 4};
     if (ck->model.cell == RNND_CELL_LSTM)
-        et[ne++] = (struct rnnd_st_tensor){.name = "c", .dtype = RNND_ST_F32, .ndim = 3,
-                                           .shape = {N, L, H}, .data = ck->env_c,
+        et[ne++] = (struct rnnd_st_tensor){.name = "c",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 3,
+                                           .shape = {N, L, H},
+                                           .data = ck->env_c,
                                            .bytes = (size_t)N * lh * 4};
-    et[ne++] = (struct rnnd_st_tensor){.name = "last_index", .dtype = RNND_ST_I64, .ndim = 1,
-                                       .shape = {N}, .data = ck->last_index,
+    et[ne++] = (struct rnnd_st_tensor){.name = "last_index",
+                                       .dtype = RNND_ST_I64,
+                                       .ndim = 1,
+                                       .shape = {N},
+                                       .data = ck->last_index,
                                        .bytes = (size_t)N * 8};
-    et[ne++] = (struct rnnd_st_tensor){.name = "has_index", .dtype = RNND_ST_U8, .ndim = 1,
-                                       .shape = {N}, .data = ck->has_index, .bytes = (size_t)N};
+    et[ne++] = (struct rnnd_st_tensor){.name = "has_index",
+                                       .dtype = RNND_ST_U8,
+                                       .ndim = 1,
+                                       .shape = {N},
+                                       .data = ck->has_index,
+                                       .bytes = (size_t)N};
     if (ck->last_output)
-        et[ne++] = (struct rnnd_st_tensor){.name = "last_output", .dtype = RNND_ST_F32,
-                                           .ndim = 2, .shape = {N, H}, .data = ck->last_output,
+        et[ne++] = (struct rnnd_st_tensor){.name = "last_output",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 2,
+                                           .shape = {N, H},
+                                           .data = ck->last_output,
                                            .bytes = (size_t)(N * H) * 4};
     const char *env_meta[] = {"env_ids", "uint64 bit patterns stored as I64"};
     rc = rnnd_st_encode(et, ne, env_meta, 1, &buf, &len);
@@ -238,9 +265,9 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                      "  \"max_grad_norm\": %s,\n  \"optimizer_step\": %s,\n"
                      "  \"envs\": %d,\n  \"extras_size\": %d,\n  \"seed\": %s,\n"
                      "  \"created\": \"%s\",\n  \"created_unix_ms\": %lld\n}\n",
-                     rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H,
-                     ck->model.L, rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip,
-                     step, ck->n_envs, ck->extras_size, seed, created,
+                     rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H, ck->model.L,
+                     rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip, step,
+                     ck->n_envs, ck->extras_size, seed, created,
                      (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
     return write_file(dirfd, "metadata.json", json, (size_t)n, err, errlen);
 }
@@ -378,8 +405,8 @@ static int slurp(const char *path, void **out, size_t *len, char *err, size_t er
 }
 
 // Decodes dir/name: 0, RNND_ENOTFOUND (missing) or an error naming the file.
-static int read_st(const char *dir, const char *name, void **buf, struct rnnd_st_file *f,
-                   char *err, size_t errlen) {
+static int read_st(const char *dir, const char *name, void **buf, struct rnnd_st_file *f, char *err,
+                   size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
     size_t len;

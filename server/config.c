@@ -35,16 +35,17 @@ static const char *const backend_names[] = {"auto", "cpu", "cuda", NULL};
 static const char *const optim_names[] = {"adam", "sgd", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
 
-#define OFF(f)       offsetof(struct rnnd_config, f)
+#define OFF(f)         offsetof(struct rnnd_config, f)
 #define INT(f, lo, hi) OPT_INT, OFF(f), sizeof(int), lo, hi, 0, 0, NULL
-#define U64(f)       OPT_U64, OFF(f), sizeof(uint64_t), 0, 0, 0, 0, NULL
+#define U64(f)         OPT_U64, OFF(f), sizeof(uint64_t), 0, 0, 0, 0, NULL
 #define FLT(f, lo, hi) OPT_FLOAT, OFF(f), sizeof(float), 0, 0, lo, hi, NULL
-#define PATH(f)      OPT_PATH, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
-#define ADDR(f)      OPT_ADDR, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
-#define ENUM(f, n)   OPT_ENUM, OFF(f), sizeof(int), 0, 0, 0, 0, n
+#define PATH(f)        OPT_PATH, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define ADDR(f)        OPT_ADDR, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define ENUM(f, n)     OPT_ENUM, OFF(f), sizeof(int), 0, 0, 0, 0, n
 
 static const struct opt opts[] = {
-    {"config", PATH(config_file), "FILE", "read options from FILE (\"key value\" lines); flags win"},
+    {"config", PATH(config_file), "FILE",
+     "read options from FILE (\"key value\" lines); flags win"},
     {"cell", ENUM(model.cell, cell_names), "gru|lstm", "recurrent cell"},
     {"input-size", INT(model.I, 1, RNND_MAX_WIDTH), "N", "observation width I"},
     {"hidden-size", INT(model.H, 1, RNND_MAX_WIDTH), "N", "hidden width H"},
@@ -226,8 +227,7 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
             if (strlen(value) >= o->size)
                 return fail(err, errlen, "--%s: address longer than %zu bytes", o->name,
                             o->size - 1);
-            if (!(strcmp(o->name, "http") == 0 && strcmp(value, "off") == 0) &&
-                !addr_valid(value))
+            if (!(strcmp(o->name, "http") == 0 && strcmp(value, "off") == 0) && !addr_valid(value))
                 return fail(err, errlen, "--%s: '%s' is not HOST:PORT (e.g. 127.0.0.1:50051)",
                             o->name, value);
             snprintf(field, o->size, "%s", value);

@@ -36,7 +36,7 @@
 struct weights {
     int refs;
     uint64_t version;
-    float *params; // (P) backend memory
+    float *params;        // (P) backend memory
     struct weights *next; // free list
 };
 
@@ -45,10 +45,10 @@ struct tape_obj {
     struct weights *w;
     int B, T;
     bool has_h0, has_hidden;
-    void *block; // backend memory
-    float *x;          // (B, T, I)
-    uint8_t *is_init;  // (B, T)
-    float *h0, *c0;    // (B, L, H) or NULL
+    void *block;          // backend memory
+    float *x;             // (B, T, I)
+    uint8_t *is_init;     // (B, T)
+    float *h0, *c0;       // (B, L, H) or NULL
     float *hidden, *cell; // (B, T, L, H) or NULL
     void *tape;
 };
@@ -314,8 +314,8 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
         goto oom;
     what = "step buffers (lower --max-batch)";
     e->in_bytes = MB * I * sizeof(float) + MB * sizeof(int32_t) + MB + 3 * CARVE_ALIGN;
-    e->out_bytes = MB * H * sizeof(float) + (e->lstm ? 2 : 1) * MB * LH * sizeof(float) +
-                   3 * CARVE_ALIGN;
+    e->out_bytes =
+        MB * H * sizeof(float) + (e->lstm ? 2 : 1) * MB * LH * sizeof(float) + 3 * CARVE_ALIGN;
     if (be_alloc(e, e->in_bytes, (void **)&e->d_in) != 0 ||
         be_alloc(e, e->out_bytes, (void **)&e->d_outb) != 0)
         goto oom;
@@ -414,11 +414,11 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
                 s->repeat[r] = 1;
             } else if (si != env->last_index + 1) {
                 fail(job, RNND_EPRECOND,
-                     "env %" PRIu64 " (row %d): step_index %" PRIu64 " but its last step was %" PRIu64
-                     "; send %" PRIu64 " for the next step or %" PRIu64
+                     "env %" PRIu64 " (row %d): step_index %" PRIu64
+                     " but its last step was %" PRIu64 "; send %" PRIu64
+                     " for the next step or %" PRIu64
                      " to repeat the last one (or is_init with EndEpisodes first to restart)",
-                     s->env_ids[r], r, si, env->last_index, env->last_index + 1,
-                     env->last_index);
+                     s->env_ids[r], r, si, env->last_index, env->last_index + 1, env->last_index);
                 return RNND_BATCH_REJECT;
             }
         }
@@ -443,9 +443,8 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
     return RNND_BATCH_ADMIT;
 }
 
-static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float *obs,
-                        bool is_init, const float *extras, const float *hb, const float *cb,
-                        uint64_t version) {
+static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float *obs, bool is_init,
+                        const float *extras, const float *hb, const float *cb, uint64_t version) {
     if (e->tdims.cap == 0)
         return;
     if (env->traj == NULL)
@@ -461,8 +460,8 @@ static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float
 // Where a batch of n rows keeps its inputs and outputs inside the packed blocks (see
 // struct rnnd_engine): the same offsets on the host and on the device.
 struct step_layout {
-    size_t x, slots, init, in_used;  // in the input block
-    size_t out, hb, cb, out_used;    // in the output block; out_used covers what is copied back
+    size_t x, slots, init, in_used; // in the input block
+    size_t out, hb, cb, out_used;   // in the output block; out_used covers what is copied back
 };
 
 // Offset of a new aligned piece of `bytes` after *used.
@@ -623,8 +622,8 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             job->done(job);
         }
     }
-    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_REPLY],
-                              rnnd_now_ns() - t_reply, memory_order_relaxed);
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_REPLY], rnnd_now_ns() - t_reply,
+                              memory_order_relaxed);
 }
 
 static void *reply_main(void *arg) {
@@ -695,8 +694,8 @@ struct fwd_layout {
     float *out, *h_n, *c_n;
 };
 
-static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l, int B,
-                        int T, bool h0, bool hidden, size_t tape_bytes) {
+static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l, int B, int T,
+                        bool h0, bool hidden, size_t tape_bytes) {
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
     size_t LH = e->LH;
     l->x = carve(cv, BT * I * sizeof(float));
@@ -723,8 +722,8 @@ static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **
             return fail(job, RNND_EPRECOND,
                         "env %" PRIu64 " has %d recorded steps%s, Forward asked for the last %d; "
                         "ask for at most %d steps or step the env more first",
-                        f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)",
-                        T, have);
+                        f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T,
+                        have);
     }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, LH = e->LH;
     size_t E = (size_t)e->cfg.extras_size;
@@ -736,8 +735,7 @@ static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **
     *c0 = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
     if (!f->rec_obs || !f->rec_is_init || (E && !f->rec_extras) || !f->rec_version || !*h0 ||
         (e->lstm && !*c0))
-        return fail(job, RNND_ENOMEM, "out of host memory gathering %d x %d recorded steps", B,
-                    T);
+        return fail(job, RNND_ENOMEM, "out of host memory gathering %d x %d recorded steps", B, T);
     for (int b = 0; b < B; b++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
         size_t bt = (size_t)b * (size_t)T;
@@ -790,10 +788,10 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
     f->out = malloc(BT * H * sizeof(float));
     f->h_n = malloc((size_t)B * LH * sizeof(float));
     f->c_n = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
-    if (!f->out || !f->h_n || (e->lstm && !f->c_n) ||
-        be_alloc(e, bytes, (void **)&block) != 0) {
-        fail(job, RNND_ENOMEM, "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
-                               "backend); send fewer rows or steps",
+    if (!f->out || !f->h_n || (e->lstm && !f->c_n) || be_alloc(e, bytes, (void **)&block) != 0) {
+        fail(job, RNND_ENOMEM,
+             "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
+             "backend); send fewer rows or steps",
              B, T, (double)bytes / 1048576.0, e->backend_name);
         goto out;
     }
@@ -810,12 +808,18 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
         rc = be_in(e, l.hidden, hidden, BT * LH * sizeof(float));
     if (rc == 0 && l.cell)
         rc = be_in(e, l.cell, cell, BT * LH * sizeof(float));
-    struct rnnd_seq seq = {.B = B, .T = T, .x = l.x, .is_init = l.is_init, .h0 = l.h0,
-                           .c0 = l.c0, .hidden = l.hidden, .cell = l.cell};
+    struct rnnd_seq seq = {.B = B,
+                           .T = T,
+                           .x = l.x,
+                           .is_init = l.is_init,
+                           .h0 = l.h0,
+                           .c0 = l.c0,
+                           .hidden = l.hidden,
+                           .cell = l.cell};
     uint64_t t0 = rnnd_now_ns();
     if (rc == 0)
-        rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq,
-                                    e->cur->params, &e->model);
+        rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq, e->cur->params,
+                                    &e->model);
     if (rc == 0)
         rc = be_out(e, f->out, l.out, BT * H * sizeof(float));
     if (rc == 0)
@@ -836,10 +840,19 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
             fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
             goto out;
         }
-        *tobj = (struct tape_obj){.w = e->cur, .B = B, .T = T, .has_h0 = h0 != NULL,
-                                  .has_hidden = hidden != NULL, .block = block, .x = l.x,
-                                  .is_init = l.is_init, .h0 = l.h0, .c0 = l.c0,
-                                  .hidden = l.hidden, .cell = l.cell, .tape = l.tape};
+        *tobj = (struct tape_obj){.w = e->cur,
+                                  .B = B,
+                                  .T = T,
+                                  .has_h0 = h0 != NULL,
+                                  .has_hidden = hidden != NULL,
+                                  .block = block,
+                                  .x = l.x,
+                                  .is_init = l.is_init,
+                                  .h0 = l.h0,
+                                  .c0 = l.c0,
+                                  .hidden = l.hidden,
+                                  .cell = l.cell,
+                                  .tape = l.tape};
         e->cur->refs++;
         rc = rnnd_tapes_add(e->tapes, tobj, bytes, now, &f->tape_id);
         if (rc != 0) {
@@ -885,8 +898,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
         fail(job, RNND_EINVAL,
              "grad_h_n/grad_c_n: first dim %d does not match tape %" PRIu64 "'s B = %d; send [%d, "
              "%d, %d]",
-             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L,
-             e->model.H);
+             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L, e->model.H);
         return;
     }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
@@ -906,8 +918,8 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
         d_gcell = t->has_hidden && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
         if (pass == 0) {
             if (be_alloc(e, cv.used, &block) != 0) {
-                fail(job, RNND_ENOMEM, "out of backend memory for a Backward of %d x %d steps",
-                     B, T);
+                fail(job, RNND_ENOMEM, "out of backend memory for a Backward of %d x %d steps", B,
+                     T);
                 return;
             }
             cv = (struct carve){block, 0};
@@ -935,10 +947,16 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
         rc = be_in(e, d_ghn, g->grad_h_n, BLH * sizeof(float));
     if (rc == 0 && d_gcn)
         rc = be_in(e, d_gcn, g->grad_c_n, BLH * sizeof(float));
-    struct rnnd_seq seq = {.B = B, .T = T, .x = t->x, .is_init = t->is_init, .h0 = t->h0,
-                           .c0 = t->c0, .hidden = t->hidden, .cell = t->cell};
-    struct rnnd_seq_grads grads = {.params = dparams, .x = d_gx, .h0 = d_gh0, .c0 = d_gc0,
-                                   .hidden = d_ghid, .cell = d_gcell};
+    struct rnnd_seq seq = {.B = B,
+                           .T = T,
+                           .x = t->x,
+                           .is_init = t->is_init,
+                           .h0 = t->h0,
+                           .c0 = t->c0,
+                           .hidden = t->hidden,
+                           .cell = t->cell};
+    struct rnnd_seq_grads grads = {
+        .params = dparams, .x = d_gx, .h0 = d_gh0, .c0 = d_gc0, .hidden = d_ghid, .cell = d_gcell};
     uint64_t t0 = rnnd_now_ns();
     if (rc == 0)
         rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
@@ -1016,8 +1034,7 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     if (rc != 0) {
         weights_unref(e, w);
         if (rc == RNND_EDEVICE)
-            rnnd_panic(__FILE__, __LINE__, "backend optimizer step failed: %s",
-                       rnnd_strerror(rc));
+            rnnd_panic(__FILE__, __LINE__, "backend optimizer step failed: %s", rnnd_strerror(rc));
         fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
         return;
     }
@@ -1316,8 +1333,7 @@ static void run_housekeeping(struct rnnd_engine *e) {
             n++;
         }
         if (n)
-            rnnd_log(RNND_LOG_DEBUG, "evicted %d envs idle for %d s", n,
-                     e->cfg.env_idle_timeout_s);
+            rnnd_log(RNND_LOG_DEBUG, "evicted %d envs idle for %d s", n, e->cfg.env_idle_timeout_s);
     }
     int expired = rnnd_tapes_expire(e->tapes, now);
     if (expired)
@@ -1450,8 +1466,11 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
     e->lstm = cfg->model.cell == RNND_CELL_LSTM;
     e->P = rnnd_model_param_count(&e->model);
     e->LH = (size_t)e->model.L * (size_t)e->model.H;
-    e->tdims = (struct rnnd_traj_dims){.I = e->model.I, .E = cfg->extras_size, .L = e->model.L,
-                                       .H = e->model.H, .lstm = e->lstm,
+    e->tdims = (struct rnnd_traj_dims){.I = e->model.I,
+                                       .E = cfg->extras_size,
+                                       .L = e->model.L,
+                                       .H = e->model.H,
+                                       .lstm = e->lstm,
                                        .cap = cfg->trajectory_steps};
     struct rnnd_batcher_config bc = {
         .max_batch = cfg->max_batch,

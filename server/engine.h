@@ -74,28 +74,28 @@ struct rnnd_forward_job {
     // Recorded:
     const uint64_t *env_ids; // (B) unique
     // Outputs, allocated by the engine with malloc; the submitter frees them:
-    float *out;          // (B, T, H)
-    float *h_n, *c_n;    // (B, L, H); c_n LSTM
-    uint64_t tape_id;    // 0 unless keep_tape
-    float *rec_obs;      // (B, T, I) recorded only
+    float *out;           // (B, T, H)
+    float *h_n, *c_n;     // (B, L, H); c_n LSTM
+    uint64_t tape_id;     // 0 unless keep_tape
+    float *rec_obs;       // (B, T, I) recorded only
     uint8_t *rec_is_init; // (B, T)
-    float *rec_extras;   // (B, T, E) when E > 0
+    float *rec_extras;    // (B, T, E) when E > 0
     int64_t *rec_version; // (B, T)
 };
 
 struct rnnd_backward_job {
     uint64_t tape_id;
-    int B, T;                       // dims of grad_output as sent (checked against the tape)
-    const float *grad_out;          // (B, T, H)
-    const float *grad_h_n;          // (B, L, H) or NULL
-    const float *grad_c_n;          // (B, L, H) or NULL
-    int grad_h_n_B, grad_c_n_B;     // their first dims as sent
+    int B, T;                   // dims of grad_output as sent (checked against the tape)
+    const float *grad_out;      // (B, T, H)
+    const float *grad_h_n;      // (B, L, H) or NULL
+    const float *grad_c_n;      // (B, L, H) or NULL
+    int grad_h_n_B, grad_c_n_B; // their first dims as sent
     bool accumulate;
     // Outputs, malloc'd by the engine; the submitter frees them:
-    float *grads;      // (P) unless accumulate
-    float *grad_x;     // (B, T, I)
-    float *grad_h0;    // (B, L, H) when the Forward started from h0 (or a recorded state)
-    float *grad_c0;    // (B, L, H) LSTM, likewise
+    float *grads;       // (P) unless accumulate
+    float *grad_x;      // (B, T, I)
+    float *grad_h0;     // (B, L, H) when the Forward started from h0 (or a recorded state)
+    float *grad_c0;     // (B, L, H) LSTM, likewise
     float *grad_hidden; // (B, T, L, H) when the Forward had stored states
     float *grad_cell;   // (B, T, L, H) LSTM, likewise
 };
@@ -117,13 +117,13 @@ struct rnnd_checkpoint_job {
 struct rnnd_job {
     struct rnnd_batch_item item; // first: the batcher's link
     enum rnnd_job_kind kind;
-    int err;                     // out: 0 or RNND_E*
-    char msg[512];               // out: what was wrong, when err < 0
-    uint64_t model_version;      // out: the version the job saw (or made)
+    int err;                      // out: 0 or RNND_E*
+    char msg[512];                // out: what was wrong, when err < 0
+    uint64_t model_version;       // out: the version the job saw (or made)
     const _Atomic int *cancelled; // optional: nonzero when the client gave up (skip if queued)
     void (*done)(struct rnnd_job *job); // called once on the engine thread
-    void *owner;                 // the submitter's
-    void *aux;                   // the submitter's
+    void *owner;                        // the submitter's
+    void *aux;                          // the submitter's
     union {
         struct rnnd_step_job step;
         struct rnnd_end_job end;

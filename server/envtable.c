@@ -11,12 +11,12 @@
 
 struct rnnd_envtable {
     int cap, count, H;
-    struct rnnd_env *e;  // (cap)
-    int32_t *buckets;    // (mask + 1) chain heads, -1 when empty
+    struct rnnd_env *e; // (cap)
+    int32_t *buckets;   // (mask + 1) chain heads, -1 when empty
     uint32_t mask;
-    int32_t free_head;   // free entries chained through next
+    int32_t free_head; // free entries chained through next
     int32_t lru_head, lru_tail;
-    float *outs;         // (cap, H)
+    float *outs; // (cap, H)
 };
 
 static uint32_t hash64(uint64_t x) {

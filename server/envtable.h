@@ -20,10 +20,10 @@ struct rnnd_env {
     uint64_t id;
     int32_t slot; // index into the state tables; equals the entry's index
     bool used;
-    bool has_index;       // last_index is valid (the latest step carried a step_index)
-    uint64_t last_index;  // step_index of the latest step
+    bool has_index;      // last_index is valid (the latest step carried a step_index)
+    uint64_t last_index; // step_index of the latest step
     uint64_t last_used_ns;
-    uint64_t out_version; // model version that computed the cached output
+    uint64_t out_version;   // model version that computed the cached output
     struct rnnd_traj *traj; // recorded steps, or NULL; owned by the engine
     uint32_t mark;          // scratch for the engine (batch formation)
     // Private to envtable.c:
@@ -41,8 +41,7 @@ void rnnd_envtable_free(struct rnnd_envtable *t);
 struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id);
 // Adds id (which must not be present) with a free slot, as the most recently used entry.
 // 0 and *out, or RNND_EFULL when every slot is taken.
-int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns,
-                      struct rnnd_env **out);
+int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns, struct rnnd_env **out);
 // Marks e used at now_ns (it becomes the newest for eviction).
 void rnnd_envtable_touch(struct rnnd_envtable *t, struct rnnd_env *e, uint64_t now_ns);
 // Removes e and frees its slot. e->traj must already be released by the caller.

@@ -125,8 +125,7 @@ static void handle_request(struct conn *c) {
     bool known = strcmp(target, "/healthz") == 0 || strcmp(target, "/readyz") == 0 ||
                  strcmp(target, "/metrics") == 0;
     if (!known) {
-        respond_text(c, 404, "Not Found", "not found: try /healthz, /readyz or /metrics\n",
-                     NULL);
+        respond_text(c, 404, "Not Found", "not found: try /healthz, /readyz or /metrics\n", NULL);
         return;
     }
     if (strcmp(method, "GET") != 0) {
@@ -220,8 +219,8 @@ static void free_on_close(uv_handle_t *handle) {
     free(handle->data);
 }
 
-int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, int *port,
-                    char *err, size_t errlen) {
+int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, int *port, char *err,
+                    size_t errlen) {
     char host[256];
     const char *colon = strrchr(addr, ':');
     if (colon == NULL) {
@@ -237,8 +236,8 @@ int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, i
         memmove(host, host + 1, hl - 2);
         host[hl - 2] = '\0';
     }
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE};
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
     struct addrinfo *res = NULL;
     int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
     if (gai != 0 || res == NULL) {

@@ -14,8 +14,8 @@ struct rnnd_http;
 
 // Binds addr (HOST:PORT, port 0 for any) on loop and starts accepting. 0, *out and the bound
 // port in *port; or a negative RNND_E* with the reason in err.
-int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, int *port,
-                    char *err, size_t errlen);
+int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, int *port, char *err,
+                    size_t errlen);
 // Stops accepting, closes every connection and frees h once all its handles are closed; then
 // calls done(ctx) (may be NULL).
 void rnnd_http_close(struct rnnd_http *h, void (*done)(void *ctx), void *ctx);

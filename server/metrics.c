@@ -14,17 +14,38 @@
 struct rnnd_metrics rnnd_metrics;
 
 static const char *const method_names[RNND_METHOD_COUNT] = {
-    "GetModelInfo", "Step",        "StepStream", "EndEpisodes",
-    "Forward",      "Backward",    "ApplyGradients", "GetWeights",
-    "SetWeights",   "SaveCheckpoint", "grpc.health.v1.Health/Check",
-    "grpc.health.v1.Health/Watch", "unknown",
+    "GetModelInfo",
+    "Step",
+    "StepStream",
+    "EndEpisodes",
+    "Forward",
+    "Backward",
+    "ApplyGradients",
+    "GetWeights",
+    "SetWeights",
+    "SaveCheckpoint",
+    "grpc.health.v1.Health/Check",
+    "grpc.health.v1.Health/Watch",
+    "unknown",
 };
 
 static const char *const code_names[RNND_GRPC_CODES] = {
-    "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
     "UNAUTHENTICATED",
 };
 
@@ -51,15 +72,14 @@ static void hist_layout(struct rnnd_histogram *h, const uint64_t *bounds, int n)
 void rnnd_metrics_init(void) {
     memset(&rnnd_metrics, 0, sizeof(rnnd_metrics));
     // Durations: 25 us .. 10 s, in ns.
-    static const uint64_t dur[] = {25000,    50000,    100000,    200000,    400000,
-                                   800000,   1600000,  3200000,   6400000,   12800000,
-                                   25600000, 51200000, 102400000, 409600000, 1000000000,
+    static const uint64_t dur[] = {25000,         50000,         100000,    200000,    400000,
+                                   800000,        1600000,       3200000,   6400000,   12800000,
+                                   25600000,      51200000,      102400000, 409600000, 1000000000,
                                    2500000000ull, 10000000000ull};
-    static const uint64_t delay[] = {1000,   5000,    10000,   25000,   50000,  100000,
-                                     200000, 400000,  800000,  1600000, 3200000, 10000000,
-                                     100000000};
-    static const uint64_t rows[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                    8192, 16384, 65536};
+    static const uint64_t delay[] = {1000,   5000,   10000,   25000,   50000,    100000,   200000,
+                                     400000, 800000, 1600000, 3200000, 10000000, 100000000};
+    static const uint64_t rows[] = {1,   2,   4,    8,    16,   32,   64,    128,
+                                    256, 512, 1024, 2048, 4096, 8192, 16384, 65536};
     for (int m = 0; m < RNND_METHOD_COUNT; m++)
         hist_layout(&rnnd_metrics.duration[m], dur, (int)(sizeof(dur) / sizeof(dur[0])));
     hist_layout(&rnnd_metrics.queue_delay, delay, (int)(sizeof(delay) / sizeof(delay[0])));
@@ -134,8 +154,8 @@ static int64_t lds(_Atomic int64_t *v) {
 }
 
 // scale: divide base units by this for the printed value (1e9 for ns -> s, 1 for counts).
-static void put_hist(struct buf *b, const char *name, const char *labels,
-                     struct rnnd_histogram *h, double scale) {
+static void put_hist(struct buf *b, const char *name, const char *labels, struct rnnd_histogram *h,
+                     double scale) {
     uint64_t cum = 0;
     const char *sep = labels[0] ? "," : "";
     for (int i = 0; i <= h->n; i++) {
@@ -144,8 +164,7 @@ static void put_hist(struct buf *b, const char *name, const char *labels,
             put(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
                 (double)h->bounds[i] / scale, (unsigned long long)cum);
         else
-            put(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep,
-                (unsigned long long)cum);
+            put(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)cum);
     }
     if (labels[0]) {
         put(b, "%s_sum{%s} %.9g\n", name, labels, (double)ld(&h->sum) / scale);
@@ -163,8 +182,9 @@ int rnnd_metrics_render(char **out, size_t *len) {
     struct rnnd_metrics *m = &rnnd_metrics;
 
     put(&b, "# HELP rnnd_up 1 while the process runs.\n# TYPE rnnd_up gauge\nrnnd_up 1\n");
-    put(&b, "# HELP rnnd_ready 1 while the daemon serves (not starting, not draining).\n"
-            "# TYPE rnnd_ready gauge\nrnnd_ready %d\n",
+    put(&b,
+        "# HELP rnnd_ready 1 while the daemon serves (not starting, not draining).\n"
+        "# TYPE rnnd_ready gauge\nrnnd_ready %d\n",
         atomic_load(&m->ready));
 
     put(&b, "# HELP rnnd_requests_total RPCs finished, by method and gRPC status code.\n"
@@ -195,28 +215,34 @@ int rnnd_metrics_render(char **out, size_t *len) {
             "# TYPE rnnd_batch_rows histogram\n");
     put_hist(&b, "rnnd_batch_rows", "", &m->batch_rows, 1.0);
 
-    put(&b, "# HELP rnnd_env_steps_total Env steps computed.\n# TYPE rnnd_env_steps_total counter\n"
-            "rnnd_env_steps_total %llu\n",
+    put(&b,
+        "# HELP rnnd_env_steps_total Env steps computed.\n# TYPE rnnd_env_steps_total counter\n"
+        "rnnd_env_steps_total %llu\n",
         (unsigned long long)ld(&m->env_steps));
-    put(&b, "# HELP rnnd_step_queue_rows Step rows waiting for the engine.\n"
-            "# TYPE rnnd_step_queue_rows gauge\nrnnd_step_queue_rows %lld\n",
+    put(&b,
+        "# HELP rnnd_step_queue_rows Step rows waiting for the engine.\n"
+        "# TYPE rnnd_step_queue_rows gauge\nrnnd_step_queue_rows %lld\n",
         (long long)lds(&m->queue_rows));
-    put(&b, "# HELP rnnd_envs_active Environments holding state.\n"
-            "# TYPE rnnd_envs_active gauge\nrnnd_envs_active %lld\n",
+    put(&b,
+        "# HELP rnnd_envs_active Environments holding state.\n"
+        "# TYPE rnnd_envs_active gauge\nrnnd_envs_active %lld\n",
         (long long)lds(&m->envs_active));
     put(&b, "# HELP rnnd_env_evictions_total Env states dropped, by reason.\n"
             "# TYPE rnnd_env_evictions_total counter\n");
     for (int i = 0; i < RNND_EVICT_COUNT; i++)
         put(&b, "rnnd_env_evictions_total{reason=\"%s\"} %llu\n", evict_names[i],
             (unsigned long long)ld(&m->evictions[i]));
-    put(&b, "# HELP rnnd_model_version Version of the served weights.\n"
-            "# TYPE rnnd_model_version gauge\nrnnd_model_version %llu\n",
+    put(&b,
+        "# HELP rnnd_model_version Version of the served weights.\n"
+        "# TYPE rnnd_model_version gauge\nrnnd_model_version %llu\n",
         (unsigned long long)ld(&m->model_version));
-    put(&b, "# HELP rnnd_tapes Forward tapes kept for Backward.\n# TYPE rnnd_tapes gauge\n"
-            "rnnd_tapes %lld\n",
+    put(&b,
+        "# HELP rnnd_tapes Forward tapes kept for Backward.\n# TYPE rnnd_tapes gauge\n"
+        "rnnd_tapes %lld\n",
         (long long)lds(&m->tapes));
-    put(&b, "# HELP rnnd_tape_bytes Memory held by tapes.\n# TYPE rnnd_tape_bytes gauge\n"
-            "rnnd_tape_bytes %lld\n",
+    put(&b,
+        "# HELP rnnd_tape_bytes Memory held by tapes.\n# TYPE rnnd_tape_bytes gauge\n"
+        "rnnd_tape_bytes %lld\n",
         (long long)lds(&m->tape_bytes));
     put(&b, "# HELP rnnd_backend_kernel_seconds_total Time spent in backend ops, by op.\n"
             "# TYPE rnnd_backend_kernel_seconds_total counter\n");
@@ -233,12 +259,12 @@ int rnnd_metrics_render(char **out, size_t *len) {
     for (int i = 0; i < RNND_OP_COUNT; i++)
         put(&b, "rnnd_backend_calls_total{op=\"%s\"} %llu\n", op_names[i],
             (unsigned long long)ld(&m->kernel_calls[i]));
-    put(&b, "# HELP rnnd_checkpoints_total Checkpoints written, by result.\n"
-            "# TYPE rnnd_checkpoints_total counter\n"
-            "rnnd_checkpoints_total{result=\"ok\"} %llu\n"
-            "rnnd_checkpoints_total{result=\"failed\"} %llu\n",
-        (unsigned long long)ld(&m->checkpoints_ok),
-        (unsigned long long)ld(&m->checkpoints_failed));
+    put(&b,
+        "# HELP rnnd_checkpoints_total Checkpoints written, by result.\n"
+        "# TYPE rnnd_checkpoints_total counter\n"
+        "rnnd_checkpoints_total{result=\"ok\"} %llu\n"
+        "rnnd_checkpoints_total{result=\"failed\"} %llu\n",
+        (unsigned long long)ld(&m->checkpoints_ok), (unsigned long long)ld(&m->checkpoints_failed));
     if (b.err) {
         free(b.p);
         return b.err;

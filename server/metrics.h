@@ -59,8 +59,8 @@ enum rnnd_evict_reason {
 
 // A histogram with fixed upper bounds (le) in base units: seconds are kept as nanoseconds.
 struct rnnd_histogram {
-    int n;                                           // finite buckets
-    uint64_t bounds[RNND_HIST_MAX_BUCKETS];          // upper bounds, ascending, in base units
+    int n;                                              // finite buckets
+    uint64_t bounds[RNND_HIST_MAX_BUCKETS];             // upper bounds, ascending, in base units
     _Atomic uint64_t counts[RNND_HIST_MAX_BUCKETS + 1]; // last: +Inf
     _Atomic uint64_t sum;
 };

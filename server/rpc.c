@@ -80,7 +80,7 @@ static const struct method methods[] = {
     {"/grpc.health.v1.Health/Watch", RNND_METHOD_HEALTH_WATCH, KIND_HEALTH_WATCH,
      &grpc__health__v1__health_check_request__descriptor, NULL, 4},
 };
-#define NMETHODS ((int)(sizeof(methods) / sizeof(methods[0])))
+#define NMETHODS         ((int)(sizeof(methods) / sizeof(methods[0])))
 #define CATCH_ALL_POSTED 2
 
 // Services the health service knows: the whole server and rnnd.v1.Rnn.
@@ -157,7 +157,7 @@ struct rnnd_rpc {
     struct tag t_shutdown;
 
     pthread_rwlock_t gate;
-    bool cq_open;    // under gate
+    bool cq_open;     // under gate
     bool server_shut; // shutdown_and_notify was called, under gate
 
     _Atomic int serving;
@@ -368,8 +368,8 @@ static void call_done_active(struct rnnd_call *c) {
     }
 }
 
-// Ends the call with the status for err (0: OK) and msg once queued messages are out. Call with c->lock held; returns
-// true when the caller must drop the owner reference after unlocking.
+// Ends the call with the status for err (0: OK) and msg once queued messages are out. Call with
+// c->lock held; returns true when the caller must drop the owner reference after unlocking.
 static bool end_locked(struct rnnd_call *c, int err, const char *msg) {
     if (c->status_sent || c->ending)
         return false;
@@ -868,8 +868,8 @@ static void post_request(struct rnnd_rpc *rpc, int mi) {
 // ---------------------------------------------------------------------------------------------
 // Lifecycle
 
-int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int *port,
-                   char *err, size_t errlen) {
+int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int *port, char *err,
+                   size_t errlen) {
     struct rnnd_rpc *rpc = calloc(1, sizeof(*rpc));
     if (rpc == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -937,9 +937,8 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     int bound = grpc_server_add_http2_port(rpc->server, o->listen, creds);
     grpc_server_credentials_release(creds);
     if (bound == 0) {
-        snprintf(err, errlen,
-                 "--listen %s: cannot bind (address in use or not local?%s)", o->listen,
-                 o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
+        snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?%s)",
+                 o->listen, o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
         goto fail;
     }
     grpc_server_start(rpc->server);
@@ -949,8 +948,9 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
             post_request(rpc, i);
     for (int k = 0; k < CATCH_ALL_POSTED; k++)
         post_request(rpc, -1);
-    int want = o->threads < 1 ? 1 : o->threads > RNND_RPC_MAX_THREADS ? RNND_RPC_MAX_THREADS
-                                                                        : o->threads;
+    int want = o->threads < 1                      ? 1
+               : o->threads > RNND_RPC_MAX_THREADS ? RNND_RPC_MAX_THREADS
+                                                   : o->threads;
     atomic_store(&rpc->alive, want);
     for (int k = 0; k < want; k++) {
         if (pthread_create(&rpc->threads[k], NULL, cq_main, rpc) != 0) {
@@ -987,8 +987,8 @@ fail:
     if (!rpc->server_shut) {
         grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
         grpc_completion_queue_shutdown(rpc->cq);
-        while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
-                   .type != GRPC_QUEUE_SHUTDOWN)
+        while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+               GRPC_QUEUE_SHUTDOWN)
             ;
     }
     grpc_server_destroy(rpc->server);

@@ -47,8 +47,8 @@ struct rnnd_rpc_options {
 // Creates the server, binds opts->listen and starts the completion-queue thread; the server
 // answers health NOT_SERVING and the rnnd.v1 methods UNAVAILABLE until set_serving(true).
 // 0, *out and the bound port in *port; or RNND_EIO / RNND_ENOMEM with the reason in err.
-int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, int *port,
-                   char *err, size_t errlen);
+int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, int *port, char *err,
+                   size_t errlen);
 // Switches between serving and not (health Watch streams hear about it). Any thread.
 void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving);
 // Begins the graceful shutdown: health turns NOT_SERVING, new calls get UNAVAILABLE, open

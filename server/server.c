@@ -45,7 +45,7 @@ struct rnnd_server {
     uv_timer_t cron, drain_timer;
     uv_async_t async;
     pthread_mutex_t lock;
-    int events;       // EV_* bits, under lock
+    int events; // EV_* bits, under lock
     char engine_msg[512];
     struct rnnd_engine *engine;
     struct rnnd_rpc *rpc;
@@ -211,8 +211,9 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     if (token) { // the token is the file's first line
         token[strcspn(token, "\r\n")] = '\0';
         if (token[0] == '\0') {
-            rnnd_log(RNND_LOG_ERROR, "--auth-token-file %s: the file is empty; put the token on "
-                                     "its first line",
+            rnnd_log(RNND_LOG_ERROR,
+                     "--auth-token-file %s: the file is empty; put the token on "
+                     "its first line",
                      cfg->auth_token_file);
             free(tls_cert);
             free(tls_key);

@@ -70,15 +70,15 @@ static void fmt_dims(char *buf, size_t cap, const int64_t *d, size_t n) {
 // Checks t: dtype, ndim dims where want[i] >= 0 must match exactly and want[i] < 0 accepts any
 // size >= 1 (returned in got[i]), and a byte count that matches. layout names the dims
 // ("[B, I]"). Element counts are capped so sizes never overflow.
-static int tensor_check(const Tensor *t, const char *name, int dtype, int ndim,
-                        const int64_t *want, const char *layout, int64_t *got, char *err) {
+static int tensor_check(const Tensor *t, const char *name, int dtype, int ndim, const int64_t *want,
+                        const char *layout, int64_t *got, char *err) {
     char wbuf[96], gbuf[96];
     int64_t w[8];
     for (int i = 0; i < ndim; i++)
         w[i] = want[i];
     if (!present(t)) {
-        return errf(err, RNND_EINVAL, "%s: missing; send a %s tensor %s", name,
-                    dtype_name(dtype), layout);
+        return errf(err, RNND_EINVAL, "%s: missing; send a %s tensor %s", name, dtype_name(dtype),
+                    layout);
     }
     if ((int)t->dtype != dtype)
         return errf(err, RNND_EINVAL, "%s: dtype %s is not accepted; send %s %s", name,
@@ -104,8 +104,8 @@ static int tensor_check(const Tensor *t, const char *name, int dtype, int ndim,
     for (int i = 0; i < ndim; i++) {
         int64_t d = t->shape[i];
         if (d < 1 || (w[i] >= 0 && d != w[i]))
-            return errf(err, RNND_EINVAL, "%s: shape %s does not match %s = %s", name, gbuf,
-                        layout, wbuf);
+            return errf(err, RNND_EINVAL, "%s: shape %s does not match %s = %s", name, gbuf, layout,
+                        wbuf);
         if (got)
             got[i] = d;
         if (d > (int64_t)(1ull << 40) || count > (1ull << 40) / (uint64_t)d)
@@ -142,7 +142,9 @@ static int finite_check(const Tensor *t, const char *name, char *err) {
             k += (size_t)snprintf(idx + k, sizeof(idx) - k, "%s%lld", d ? ", " : "",
                                   (long long)sub[d]);
         return errf(err, RNND_EINVAL, "%s[%s] is %s; send finite values", name, idx,
-                    (bits & 0x007fffffu) ? "NaN" : (bits >> 31) ? "-Inf" : "Inf");
+                    (bits & 0x007fffffu) ? "NaN"
+                    : (bits >> 31)       ? "-Inf"
+                                         : "Inf");
     }
     return 0;
 }
@@ -151,8 +153,8 @@ static int bool_check(const Tensor *t, const char *name, char *err) {
     const uint8_t *p = t->data.data;
     for (size_t i = 0; i < t->data.len; i++)
         if (p[i] > 1)
-            return errf(err, RNND_EINVAL, "%s: element %zu is %u; BOOL elements are 0 or 1",
-                        name, i, p[i]);
+            return errf(err, RNND_EINVAL, "%s: element %zu is %u; BOOL elements are 0 or 1", name,
+                        i, p[i]);
     return 0;
 }
 
@@ -239,9 +241,8 @@ static bool reply_fits(struct rnnd_service *s, uint64_t bytes, const char *what,
     // Leave room for framing and the other fields.
     if (bytes + 4096 <= (uint64_t)s->max_message_bytes)
         return true;
-    errf(err, RNND_EFULL,
-         "the reply would be %.1f MiB, over --max-message-mb %zu; %s", (double)bytes / 1048576.0,
-         s->max_message_bytes >> 20, what);
+    errf(err, RNND_EFULL, "the reply would be %.1f MiB, over --max-message-mb %zu; %s",
+         (double)bytes / 1048576.0, s->max_message_bytes >> 20, what);
     return false;
 }
 
@@ -319,8 +320,9 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     if ((rc = f32_check(req->obs, "obs", 2, want_obs, layout, NULL, err)) != 0)
         goto bad;
     if (req->n_is_init != 0 && req->n_is_init != B) {
-        rc = errf(err, RNND_EINVAL, "is_init has %zu values for %zu env_ids; send one per env "
-                                    "or none (all false)",
+        rc = errf(err, RNND_EINVAL,
+                  "is_init has %zu values for %zu env_ids; send one per env "
+                  "or none (all false)",
                   req->n_is_init, B);
         goto bad;
     }
@@ -333,8 +335,8 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     bool extras = present(req->extras);
     if (extras && E == 0) {
         // An explicitly empty [B, 0] tensor is the same as none.
-        bool empty = req->extras->data.len == 0 && req->extras->n_shape == 2 &&
-                     req->extras->shape[1] == 0;
+        bool empty =
+            req->extras->data.len == 0 && req->extras->n_shape == 2 && req->extras->shape[1] == 0;
         if (!empty) {
             rc = errf(err, RNND_EINVAL,
                       "extras sent but this daemon records none (--extras-size 0); drop extras "
@@ -518,8 +520,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     uint64_t reply_bytes;
     int64_t L = m->L, H = m->H, I = m->I, E = s->cfg->extras_size;
 
-    if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES &&
-        req->trajectories) {
+    if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES && req->trajectories) {
         const Rnnd__V1__Trajectories *t = req->trajectories;
         int64_t got[3], want3[3] = {-1, -1, I};
         snprintf(layout, sizeof(layout), "[B, T, I] (I = --input-size %d)", m->I);
@@ -553,16 +554,17 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
         }
         if (present(t->c0)) {
             if (!lstm) {
-                rc = errf(err, RNND_EINVAL, "trajectories.c0 is for LSTM; this model is a GRU: "
-                                            "drop c0");
+                rc = errf(err, RNND_EINVAL,
+                          "trajectories.c0 is for LSTM; this model is a GRU: "
+                          "drop c0");
                 goto bad;
             }
             if ((rc = f32_check(t->c0, "trajectories.c0", 3, want_state, layout, NULL, err)))
                 goto bad;
             f.c0 = (const float *)t->c0->data.data;
         }
-        snprintf(layout, sizeof(layout), "[B, T, L, H] = [%lld, %lld, %lld, %lld]",
-                 (long long)B, (long long)T, (long long)L, (long long)H);
+        snprintf(layout, sizeof(layout), "[B, T, L, H] = [%lld, %lld, %lld, %lld]", (long long)B,
+                 (long long)T, (long long)L, (long long)H);
         if (present(t->hidden)) {
             if ((rc = f32_check(t->hidden, "trajectories.hidden", 4, want_stored, layout, NULL,
                                 err)))
@@ -575,33 +577,36 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
                           "trajectories.cell is for LSTM; this model is a GRU: drop cell");
                 goto bad;
             }
-            if ((rc = f32_check(t->cell, "trajectories.cell", 4, want_stored, layout, NULL,
-                                err)))
+            if ((rc = f32_check(t->cell, "trajectories.cell", 4, want_stored, layout, NULL, err)))
                 goto bad;
             f.cell = (const float *)t->cell->data.data;
         }
         if (f.h0 && f.hidden) {
-            rc = errf(err, RNND_EINVAL, "trajectories: h0 and hidden exclude each other (hidden "
-                                        "[:, 0] is the initial state); send one of them");
+            rc = errf(err, RNND_EINVAL,
+                      "trajectories: h0 and hidden exclude each other (hidden "
+                      "[:, 0] is the initial state); send one of them");
             goto bad;
         }
         if (lstm && (!f.h0 != !f.c0)) {
-            rc = errf(err, RNND_EINVAL, "trajectories: an LSTM needs h0 and c0 together; send "
-                                        "both or neither");
+            rc = errf(err, RNND_EINVAL,
+                      "trajectories: an LSTM needs h0 and c0 together; send "
+                      "both or neither");
             goto bad;
         }
         if (lstm && (!f.hidden != !f.cell)) {
-            rc = errf(err, RNND_EINVAL, "trajectories: an LSTM needs hidden and cell together; "
-                                        "send both or neither");
+            rc = errf(err, RNND_EINVAL,
+                      "trajectories: an LSTM needs hidden and cell together; "
+                      "send both or neither");
             goto bad;
         }
         reply_bytes = (uint64_t)(B * T * H + 2 * B * L * H) * 4;
     } else if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_RECORDED && req->recorded) {
         const Rnnd__V1__Recorded *rec = req->recorded;
         if (s->cfg->trajectory_steps == 0) {
-            rc = errf(err, RNND_EPRECOND, "this daemon records no steps (--trajectory-steps 0); "
-                                          "send explicit trajectories or restart it with "
-                                          "--trajectory-steps N");
+            rc = errf(err, RNND_EPRECOND,
+                      "this daemon records no steps (--trajectory-steps 0); "
+                      "send explicit trajectories or restart it with "
+                      "--trajectory-steps N");
             goto bad;
         }
         if (rec->n_env_ids == 0) {
@@ -628,8 +633,9 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
         int64_t B = f.B, T = f.T;
         reply_bytes = (uint64_t)(B * T * (H + I + E + 3) + 2 * B * L * H) * 4;
     } else {
-        rc = errf(err, RNND_EINVAL, "ForwardRequest has no source; set trajectories (explicit "
-                                    "obs/is_init) or recorded (env_ids and steps)");
+        rc = errf(err, RNND_EINVAL,
+                  "ForwardRequest has no source; set trajectories (explicit "
+                  "obs/is_init) or recorded (env_ids and steps)");
         goto bad;
     }
     if (!reply_fits(s, reply_bytes, "send fewer rows or steps per Forward", err)) {
@@ -722,8 +728,9 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     int64_t L = m->L, H = m->H, I = m->I;
     struct rnnd_backward_job g = {.tape_id = req->tape_id, .accumulate = req->accumulate};
     if (req->tape_id == 0) {
-        rc = errf(err, RNND_ENOTFOUND, "tape_id 0 names no tape; run Forward with "
-                                       "keep_tape=true and send the tape_id it returns");
+        rc = errf(err, RNND_ENOTFOUND,
+                  "tape_id 0 names no tape; run Forward with "
+                  "keep_tape=true and send the tape_id it returns");
         goto bad;
     }
     int64_t got[3], want[3] = {-1, -1, H};
@@ -738,8 +745,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     g.T = (int)got[1];
     g.grad_out = (const float *)req->grad_output->data.data;
     int64_t wstate[3] = {-1, L, H}, sgot[3];
-    snprintf(layout, sizeof(layout), "[B, L, H] (L = %lld, H = %lld)", (long long)L,
-             (long long)H);
+    snprintf(layout, sizeof(layout), "[B, L, H] (L = %lld, H = %lld)", (long long)L, (long long)H);
     if (present(req->grad_h_n)) {
         if ((rc = f32_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, err)) != 0)
             goto bad;
@@ -854,8 +860,9 @@ void rnnd_service_apply_gradients(void *p, struct rnnd_call *call, const Protobu
     size_t P = rnnd_engine_param_count(s->engine);
     bool has_lr = req->_lr_case == RNND__V1__APPLY_GRADIENTS_REQUEST___LR_LR;
     if (has_lr && !(req->lr > 0.0f && req->lr < 1e30f)) {
-        rc = errf(err, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0 or leave it out "
-                                    "for --lr %g",
+        rc = errf(err, RNND_EINVAL,
+                  "lr %g is not usable; send a finite lr > 0 or leave it out "
+                  "for --lr %g",
                   (double)req->lr, (double)s->cfg->lr);
         goto bad;
     }
@@ -997,8 +1004,9 @@ void rnnd_service_save_checkpoint(void *p, struct rnnd_call *call, const Protobu
         return;
     }
     if (s->cfg->state_dir[0] == '\0') {
-        errf(err, RNND_EPRECOND, "no --state-dir configured; start rnnd with --state-dir DIR "
-                                 "to save checkpoints");
+        errf(err, RNND_EPRECOND,
+             "no --state-dir configured; start rnnd with --state-dir DIR "
+             "to save checkpoints");
         rnnd_call_fail(call, RNND_EPRECOND, err);
         return;
     }

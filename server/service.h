@@ -26,11 +26,9 @@ void rnnd_service_step(void *svc, struct rnnd_call *call, const ProtobufCMessage
 void rnnd_service_end_episodes(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_forward(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_backward(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
-void rnnd_service_apply_gradients(void *svc, struct rnnd_call *call,
-                                  const ProtobufCMessage *req);
+void rnnd_service_apply_gradients(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_get_weights(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_set_weights(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
-void rnnd_service_save_checkpoint(void *svc, struct rnnd_call *call,
-                                  const ProtobufCMessage *req);
+void rnnd_service_save_checkpoint(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 
 #endif // RNND_SERVICE_H

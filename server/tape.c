@@ -83,8 +83,7 @@ int rnnd_tapes_fits(struct rnnd_tapes *ts, size_t bytes, uint64_t now_ns) {
     return bytes <= ts->budget && ts->bytes <= ts->budget - bytes ? 0 : RNND_EFULL;
 }
 
-int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns,
-                   uint64_t *id) {
+int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns, uint64_t *id) {
     if (rnnd_tapes_fits(ts, bytes, now_ns) != 0)
         return RNND_EFULL;
     struct tape_entry *e = calloc(1, sizeof(*e));

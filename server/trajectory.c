@@ -97,8 +97,8 @@ static int traj_grow(struct rnnd_traj *tr, const struct rnnd_traj_dims *d) {
 }
 
 int rnnd_traj_push(struct rnnd_traj *tr, const struct rnnd_traj_dims *d, const float *obs,
-                   bool is_init, const float *extras, const float *h_before,
-                   const float *c_before, uint64_t version) {
+                   bool is_init, const float *extras, const float *h_before, const float *c_before,
+                   uint64_t version) {
     int row;
     if (tr->count == tr->alloc && tr->alloc < d->cap) {
         int rc = traj_grow(tr, d);
@@ -133,9 +133,8 @@ int rnnd_traj_count(const struct rnnd_traj *tr) {
     return tr ? tr->count : 0;
 }
 
-int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T,
-                     float *obs, uint8_t *is_init, float *extras, int64_t *version, float *h0,
-                     float *c0) {
+int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T, float *obs,
+                     uint8_t *is_init, float *extras, int64_t *version, float *h0, float *c0) {
     if (tr == NULL || T < 1 || T > tr->count)
         return RNND_EINVAL;
     size_t lh = (size_t)d->L * (size_t)d->H;

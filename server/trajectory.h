@@ -31,8 +31,8 @@ void rnnd_traj_free(struct rnnd_traj *tr);
 // Appends one step, dropping the oldest when full. obs (I), extras (E) or NULL for zeros,
 // h_before and c_before (L, H) (c_before LSTM only). 0 or RNND_ENOMEM (the ring is unchanged).
 int rnnd_traj_push(struct rnnd_traj *tr, const struct rnnd_traj_dims *d, const float *obs,
-                   bool is_init, const float *extras, const float *h_before,
-                   const float *c_before, uint64_t version);
+                   bool is_init, const float *extras, const float *h_before, const float *c_before,
+                   uint64_t version);
 
 // Steps held (at most cap).
 int rnnd_traj_count(const struct rnnd_traj *tr);
@@ -40,9 +40,8 @@ int rnnd_traj_count(const struct rnnd_traj *tr);
 // Copies the last T steps (1 <= T <= count): obs (T, I), is_init (T), extras (T, E) when E > 0
 // and extras is not NULL, version (T), and the state before the first of them: h0 (L, H) and
 // c0 (L, H) for LSTM. Any output may be NULL. RNND_EINVAL when T is out of range.
-int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T,
-                     float *obs, uint8_t *is_init, float *extras, int64_t *version, float *h0,
-                     float *c0);
+int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T, float *obs,
+                     uint8_t *is_init, float *extras, int64_t *version, float *h0, float *c0);
 
 // Bytes the ring holds now.
 size_t rnnd_traj_bytes(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d);

@@ -69,8 +69,8 @@ static void free_list(struct rnnd_batch_item *l) {
 }
 
 static struct rnnd_batcher *mkb(int max_batch, uint64_t delay_ns, int queue_rows) {
-    struct rnnd_batcher_config c = {.max_batch = max_batch, .max_delay_ns = delay_ns,
-                                    .max_queue_rows = queue_rows};
+    struct rnnd_batcher_config c = {
+        .max_batch = max_batch, .max_delay_ns = delay_ns, .max_queue_rows = queue_rows};
     struct rnnd_batcher *b = rnnd_batcher_init(&c);
     assert_non_null(b);
     return b;
@@ -207,7 +207,7 @@ static void test_queue_bound_and_bad_sizes(void **state) {
     assert_int_equal(rnnd_batcher_push(b, &a->it, 0), 0);
     assert_int_equal(rnnd_batcher_push(b, &c->it, 0), 0);
     assert_int_equal(rnnd_batcher_rows(b), 6);
-    assert_int_equal(rnnd_batcher_push(b, &d->it, 0), RNND_EFULL); // 7 > 6 rows
+    assert_int_equal(rnnd_batcher_push(b, &d->it, 0), RNND_EFULL);    // 7 > 6 rows
     assert_int_equal(rnnd_batcher_push(b, &big->it, 0), RNND_EINVAL); // B > max_batch
     assert_int_equal(rnnd_batcher_push(b, &zero->it, 0), RNND_EINVAL);
     assert_int_equal(rnnd_batcher_rows(b), 6); // refused pushes left no trace
@@ -273,8 +273,8 @@ static void test_many_sources_large_queue(void **state) {
     struct rnnd_batcher *b = mkb(64, 0, 100000);
     enum { N = 300 };
     for (int i = 0; i < N; i++)
-        assert_int_equal(rnnd_batcher_push(b, &mk(i, (uint64_t)i % 7, 1, (uint64_t)(i % 10))->it, 0),
-                         0);
+        assert_int_equal(
+            rnnd_batcher_push(b, &mk(i, (uint64_t)i % 7, 1, (uint64_t)(i % 10))->it, 0), 0);
     int last[100];
     for (int e = 0; e < 100; e++)
         last[e] = -1;

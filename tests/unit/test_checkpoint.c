@@ -89,12 +89,22 @@ static void fake_init(struct fake *f, float base) {
     f->has[0] = 1;
     f->has[1] = 0;
     f->has[2] = 1;
-    f->ck = (struct rnnd_checkpoint){.model = f->m, .P = f->P, .params = f->params,
-                                     .model_version = 42, .optimizer = RNND_OPTIM_ADAM,
-                                     .lr = 0.01f, .optim_step = 17, .exp_avg = f->ma,
-                                     .exp_avg_sq = f->va, .n_envs = 3, .env_ids = f->ids,
-                                     .env_h = f->h, .env_c = f->c, .last_index = f->last,
-                                     .has_index = f->has, .last_output = f->out};
+    f->ck = (struct rnnd_checkpoint){.model = f->m,
+                                     .P = f->P,
+                                     .params = f->params,
+                                     .model_version = 42,
+                                     .optimizer = RNND_OPTIM_ADAM,
+                                     .lr = 0.01f,
+                                     .optim_step = 17,
+                                     .exp_avg = f->ma,
+                                     .exp_avg_sq = f->va,
+                                     .n_envs = 3,
+                                     .env_ids = f->ids,
+                                     .env_h = f->h,
+                                     .env_c = f->c,
+                                     .last_index = f->last,
+                                     .has_index = f->has,
+                                     .last_output = f->out};
 }
 
 static void fake_free(struct fake *f) {

@@ -58,11 +58,26 @@ static void test_flags(void **state) {
     struct rnnd_config c;
     char err[512];
     assert_int_equal(parse(&c, err,
-                           (const char *[]){"--cell", "lstm", "--hidden-size=32", "--layers", "3",
-                                            "--compute", "bf16", "--lr", "0.5", "--seed",
-                                            "18446744073709551615", "--listen", "[::1]:0",
-                                            "--http", "off", "--log-level", "debug",
-                                            "--max-grad-norm", "1.5", NULL}),
+                           (const char *[]){"--cell",
+                                            "lstm",
+                                            "--hidden-size=32",
+                                            "--layers",
+                                            "3",
+                                            "--compute",
+                                            "bf16",
+                                            "--lr",
+                                            "0.5",
+                                            "--seed",
+                                            "18446744073709551615",
+                                            "--listen",
+                                            "[::1]:0",
+                                            "--http",
+                                            "off",
+                                            "--log-level",
+                                            "debug",
+                                            "--max-grad-norm",
+                                            "1.5",
+                                            NULL}),
                      RNND_CONFIG_RUN);
     assert_int_equal(c.model.cell, RNND_CELL_LSTM);
     assert_int_equal(c.model.H, 32);
@@ -122,14 +137,38 @@ static void test_help_and_version(void **state) {
     FILE *f = open_memstream(&text, &len);
     rnnd_config_usage(f);
     fclose(f);
-    const char *flags[] = {"--config", "--cell", "--input-size", "--hidden-size", "--layers",
-                           "--compute", "--backend", "--device", "--listen", "--http",
-                           "--state-dir", "--restore", "--checkpoint-interval-s", "--max-batch",
-                           "--max-delay-us", "--max-envs", "--env-idle-timeout-s",
-                           "--trajectory-steps", "--extras-size", "--tape-ttl-s",
-                           "--tape-memory-mb", "--optimizer", "--lr", "--max-grad-norm", "--seed",
-                           "--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file",
-                           "--max-message-mb", "--log-level", NULL};
+    const char *flags[] = {"--config",
+                           "--cell",
+                           "--input-size",
+                           "--hidden-size",
+                           "--layers",
+                           "--compute",
+                           "--backend",
+                           "--device",
+                           "--listen",
+                           "--http",
+                           "--state-dir",
+                           "--restore",
+                           "--checkpoint-interval-s",
+                           "--max-batch",
+                           "--max-delay-us",
+                           "--max-envs",
+                           "--env-idle-timeout-s",
+                           "--trajectory-steps",
+                           "--extras-size",
+                           "--tape-ttl-s",
+                           "--tape-memory-mb",
+                           "--optimizer",
+                           "--lr",
+                           "--max-grad-norm",
+                           "--seed",
+                           "--tls-cert",
+                           "--tls-key",
+                           "--tls-client-ca",
+                           "--auth-token-file",
+                           "--max-message-mb",
+                           "--log-level",
+                           NULL};
     for (int i = 0; flags[i]; i++)
         if (strstr(text, flags[i]) == NULL)
             fail_msg("usage lacks %s", flags[i]);
@@ -159,9 +198,9 @@ static void test_config_file(void **state) {
     struct rnnd_config c;
     char err[512];
     // The file is read first; flags win.
-    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "127.0.0.1:0", "--config", path,
-                                                     NULL}),
-                     RNND_CONFIG_RUN);
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--listen", "127.0.0.1:0", "--config", path, NULL}),
+        RNND_CONFIG_RUN);
     assert_int_equal(c.model.cell, RNND_CELL_LSTM);
     assert_int_equal(c.model.H, 24);
     assert_int_equal(c.model.I, 5);
@@ -172,15 +211,13 @@ static void test_config_file(void **state) {
 
     path = write_file("input-size 8\nhidden-size many\n");
     char err2[512];
-    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}),
-                     RNND_CONFIG_ERROR);
+    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}), RNND_CONFIG_ERROR);
     assert_non_null(strstr(err2, ":2:")); // file:line
     assert_non_null(strstr(err2, "hidden-size"));
     unlink(path);
 
     path = write_file("bogus-key 1\n");
-    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}),
-                     RNND_CONFIG_ERROR);
+    assert_int_equal(parse(&c, err2, (const char *[]){"--config", path, NULL}), RNND_CONFIG_ERROR);
     assert_non_null(strstr(err2, "bogus-key"));
     unlink(path);
 }

@@ -121,10 +121,8 @@ static void test_output_rows(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_add_find_remove),
-        cmocka_unit_test(test_full),
-        cmocka_unit_test(test_use_order),
-        cmocka_unit_test(test_many_with_collisions),
+        cmocka_unit_test(test_add_find_remove), cmocka_unit_test(test_full),
+        cmocka_unit_test(test_use_order),       cmocka_unit_test(test_many_with_collisions),
         cmocka_unit_test(test_output_rows),
     };
     return cmocka_run_group_tests_name("envtable", tests, NULL, NULL);

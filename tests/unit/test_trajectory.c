@@ -25,8 +25,8 @@ static void push_step(struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int 
         h[j] = 100.0f * (float)k + (float)j;
         c[j] = -h[j];
     }
-    assert_int_equal(rnnd_traj_push(tr, d, obs, k % 3 == 0, d->E ? ex : NULL, h,
-                                    d->lstm ? c : NULL, (uint64_t)k / 4),
+    assert_int_equal(rnnd_traj_push(tr, d, obs, k % 3 == 0, d->E ? ex : NULL, h, d->lstm ? c : NULL,
+                                    (uint64_t)k / 4),
                      0);
 }
 

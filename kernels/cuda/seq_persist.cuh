@@ -246,7 +246,9 @@ struct persist_geom {
     static constexpr long F_KS_BYTES = (long)F_NT * 32 * 8 * NW;
     // GRU forward staging for bulk stores (fp32): S records, y and z rows of the step. Row
     // strides are 16 floats past a multiple of 32 (conflict-free 16-byte stores from 2 rows).
-    static constexpr bool F_STAGE = G == 3;
+    // Off: measured slower (kernels/bench/NOTES.md v5): the issuing warp blocks on the copy
+    // engine under write back-pressure, and one stage leaves nothing to overlap.
+    static constexpr bool F_STAGE = false;
     static constexpr int S_STR = (Cell::SW * HP + 31) / 32 * 32 + 16;
     static constexpr int Y_STR = (HP + 31) / 32 * 32 + 16;
     static constexpr int Z_MAX = HP + 4 + HP / 2; // [hprev | 1 | pad | x (I <= HP/2)]
@@ -377,7 +379,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                                                2 * Gm::F_TILE_BYTES);
     float *stage_y = stage_s + 16 * Gm::S_STR;
     float *stage_z = stage_y + 16 * Gm::Y_STR;
-    static_assert(!TMA || Gm::F_STAGE, "staging is laid out for the GRU only");
+    static_assert(!TMA || Gm::F_STAGE, "staging is laid out for the GRU only (and off)");
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H;

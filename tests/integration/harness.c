@@ -46,6 +46,16 @@ const char *rnnd_bin(void) {
     return e && *e ? e : RNND_BIN;
 }
 
+const char *harness_backend(void) {
+    const char *e = getenv("RNND_BACKEND");
+    return e && *e ? e : "cpu";
+}
+
+const char *harness_compute(void) {
+    const char *e = getenv("RNND_COMPUTE");
+    return e && *e ? e : "fp32";
+}
+
 const char *rnndctl_bin(void) {
     const char *e = getenv("RNNDCTL_BIN");
     return e && *e ? e : RNNDCTL_BIN;
@@ -133,7 +143,9 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
     int n = 0;
     argv[n++] = rnnd_bin();
     argv[n++] = "--backend";
-    argv[n++] = "cpu";
+    argv[n++] = harness_backend();
+    argv[n++] = "--compute";
+    argv[n++] = harness_compute();
     argv[n++] = "--listen";
     argv[n++] = "127.0.0.1:0";
     argv[n++] = "--http";
@@ -339,20 +351,6 @@ int run_capture(const char *const *argv, int timeout_ms, char **out) {
     if (timed_out)
         return -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-bool daemon_flag_unimplemented(const char *flag, const char *value) {
-    char dir[] = "/tmp/rnnd-probe-XXXXXX";
-    if (!mkdtemp(dir))
-        return false;
-    const char *argv[] = {rnnd_bin(),    "--backend",   "cpu", "--listen", "127.0.0.1:0", "--http",
-                          "127.0.0.1:0", "--state-dir", dir,   flag,       value,         NULL};
-    char *out = NULL;
-    run_capture(argv, 5000, &out);
-    bool no = out && strstr(out, "not implemented");
-    free(out);
-    nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    return no;
 }
 
 // ---------------------------------------------------------------------------------------------

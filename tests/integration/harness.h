@@ -58,14 +58,15 @@ struct rnnd_client *daemon_client(const struct daemon *d, const char *token);
 // the exit status (or -1). Used for rnndctl and for bad-flag runs of rnnd.
 int run_capture(const char *const *argv, int timeout_ms, char **out);
 
-// True when this rnnd build refuses `flag value` as "not implemented" (features of a later issue:
-// tests of them skip, never pass, until the daemon has them). value should make an implemented
-// daemon exit at once (a nonexistent file).
-bool daemon_flag_unimplemented(const char *flag, const char *value);
-
 // Path of the rnnd binary, and of rnndctl (RNNDCTL_BIN).
 const char *rnnd_bin(void);
 const char *rnndctl_bin(void);
+// The backend and compute mode every daemon starts with: $RNND_BACKEND (default cpu) and
+// $RNND_COMPUTE (default fp32), so a GPU host runs the same suite with RNND_BACKEND=cuda
+// RNND_COMPUTE=ieee (strict fp32, within the suite's tolerances). A test's own flags come later
+// and win.
+const char *harness_backend(void);
+const char *harness_compute(void);
 
 // ---------------------------------------------------------------------------------------------
 // HTTP.

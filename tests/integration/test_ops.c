@@ -75,7 +75,7 @@ static void test_ready_line(void **state) {
     assert_non_null(strstr(d.ready_line, "rnnd ready grpc=127.0.0.1:"));
     assert_true(atoi(strrchr(d.grpc, ':') + 1) > 0);
     assert_true(atoi(strrchr(d.http, ':') + 1) > 0);
-    assert_string_equal(d.backend, "cpu");
+    assert_string_equal(d.backend, harness_backend());
 }
 
 static void test_grpc_health(void **state) {
@@ -274,10 +274,6 @@ static void test_idle_eviction(void **state) {
 
 static void test_auth_token(void **state) {
     (void)state;
-    if (daemon_flag_unimplemented("--auth-token-file", "/nonexistent/token")) {
-        fprintf(stderr, "  --auth-token-file is not implemented in this rnnd yet: skipped\n");
-        skip();
-    }
     char dir[] = "/tmp/rnnd-auth-XXXXXX";
     assert_non_null(mkdtemp(dir));
     char file[300];

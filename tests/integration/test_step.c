@@ -145,12 +145,12 @@ static void test_info(void **state) {
     assert_int_equal(i.input_size, I_);
     assert_int_equal(i.hidden_size, H_);
     assert_int_equal(i.num_layers, L_);
-    assert_string_equal(i.backend, "cpu");
-    assert_string_equal(i.compute, "fp32");
+    assert_string_equal(i.backend, harness_backend());
+    assert_string_equal(i.compute, harness_compute());
     assert_int_equal(i.max_batch, 64);
     assert_int_equal(i.extras_size, 0);
     assert_true(i.device[0] != '\0');
-    assert_string_equal(f->d.backend, "cpu");
+    assert_string_equal(f->d.backend, harness_backend());
 }
 
 static void run_unary(struct fixture *f, uint64_t base, int rounds, uint64_t seed) {

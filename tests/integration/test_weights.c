@@ -409,10 +409,6 @@ static void restart(struct fixture *f, const char *const *extra) {
 
 static void test_clean_restart(void **state) {
     struct fixture *f = *state;
-    if (daemon_flag_unimplemented("--restore", "/nonexistent/ckpt")) {
-        fprintf(stderr, "  restoring checkpoints is not implemented in this rnnd yet: skipped\n");
-        skip();
-    }
     step_envs(f, true, "before restart");
     step_envs(f, false, "before restart");
     // An update too, so the version moves.
@@ -471,10 +467,6 @@ static void test_clean_restart(void **state) {
 
 static void test_kill9_and_corrupt(void **state) {
     struct fixture *f = *state;
-    if (daemon_flag_unimplemented("--restore", "/nonexistent/ckpt")) {
-        fprintf(stderr, "  restoring checkpoints is not implemented in this rnnd yet: skipped\n");
-        skip();
-    }
     uint64_t v;
     // Checkpoint A.
     float *a = random_params(f, 0.3f);

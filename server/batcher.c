@@ -195,6 +195,7 @@ struct rnnd_batcher {
     bool closed;
     bool waiting;            // the engine sleeps on cond
     _Atomic unsigned pushes; // bumped by every push: what a spinning engine watches
+    bool wake;               // rnnd_batcher_wake was called: the next sleep returns at once
     // Engine thread only:
     struct list pending;
     int pending_rows;
@@ -246,7 +247,8 @@ void rnnd_batcher_free(struct rnnd_batcher *b) {
     free(b);
 }
 
-int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns) {
+static int batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns,
+                        bool wake) {
     if (item->B < 1 || item->B > b->cfg.max_batch)
         return RNND_EINVAL;
     item->enqueued_ns = now_ns;
@@ -260,11 +262,28 @@ int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint
         list_append(&b->incoming, item);
         b->rows += item->B;
         atomic_fetch_add_explicit(&b->pushes, 1, memory_order_release);
-        if (b->waiting)
+        if (wake && b->waiting)
             pthread_cond_signal(&b->cond);
     }
     pthread_mutex_unlock(&b->lock);
     return rc;
+}
+
+int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns) {
+    return batcher_push(b, item, now_ns, true);
+}
+
+int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item,
+                            uint64_t now_ns) {
+    return batcher_push(b, item, now_ns, false);
+}
+
+void rnnd_batcher_wake(struct rnnd_batcher *b) {
+    pthread_mutex_lock(&b->lock);
+    b->wake = true;
+    if (b->waiting)
+        pthread_cond_signal(&b->cond);
+    pthread_mutex_unlock(&b->lock);
 }
 
 void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *item) {
@@ -384,8 +403,8 @@ static void batch_form(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
     out->rejected = rejected.head;
 }
 
-bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
-                       void *ctx, struct rnnd_batch *out, uint64_t *wait_ns) {
+static bool batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                         void *ctx, struct rnnd_batch *out, uint64_t *wait_ns, bool controls) {
     memset(out, 0, sizeof(*out));
     *wait_ns = UINT64_MAX;
     pthread_mutex_lock(&b->lock);
@@ -393,8 +412,10 @@ bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit
     for (struct rnnd_batch_item *it = fresh; it; it = it->next)
         b->pending_rows += it->B;
     list_splice(&b->pending, &b->incoming);
-    out->controls = b->controls.head;
-    b->controls.head = b->controls.tail = NULL;
+    if (controls) {
+        out->controls = b->controls.head;
+        b->controls.head = b->controls.tail = NULL;
+    }
     bool closed = b->closed;
     pthread_mutex_unlock(&b->lock);
     for (struct rnnd_batch_item *it = fresh; it; it = it->next)
@@ -417,12 +438,65 @@ bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit
     return out->controls || out->items || out->rejected;
 }
 
+bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                       void *ctx, struct rnnd_batch *out, uint64_t *wait_ns) {
+    return batcher_poll(b, now_ns, admit, ctx, out, wait_ns, true);
+}
+
+bool rnnd_batcher_poll_steps(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                             void *ctx, struct rnnd_batch *out, uint64_t *wait_ns) {
+    return batcher_poll(b, now_ns, admit, ctx, out, wait_ns, false);
+}
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+void rnnd_batcher_sleep(struct rnnd_batcher *b, uint64_t wait_ns, bool spin) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    if (wait_ns == 0)
+        return;
+    uint64_t until = wait_ns == UINT64_MAX ? UINT64_MAX : now + wait_ns;
+    if (spin && b->cfg.spin_ns > 0) {
+        // Right after work, poll a little before sleeping: an actor stepping back to back
+        // sends its next step about one round trip later, and catching it here saves the
+        // sleep and wake-up (tens of microseconds on a busy or virtual machine).
+        unsigned seen = atomic_load_explicit(&b->pushes, memory_order_acquire);
+        uint64_t end = now + b->cfg.spin_ns;
+        if (end > until)
+            end = until;
+        for (int i = 0;; i++) {
+            if (atomic_load_explicit(&b->pushes, memory_order_acquire) != seen)
+                return;
+            if ((i & 63) == 0) {
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                if ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec >= end)
+                    break;
+            }
+            cpu_relax();
+        }
+    }
+    pthread_mutex_lock(&b->lock);
+    // Sleep only if nothing arrived since the caller's poll; pushes signal while we wait.
+    if (b->incoming.head == NULL && b->controls.head == NULL && !b->wake &&
+        !(b->closed && b->pending.head)) {
+        b->waiting = true;
+        if (until == UINT64_MAX) {
+            pthread_cond_wait(&b->cond, &b->lock);
+        } else {
+            struct timespec dl = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+            pthread_cond_timedwait(&b->cond, &b->lock, &dl);
+        }
+        b->waiting = false;
+    }
+    b->wake = false;
+    pthread_mutex_unlock(&b->lock);
 }
 
 bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
@@ -440,46 +514,11 @@ bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
             return true;
         if (now >= limit)
             return false;
-        if (wait == 0)
-            continue;
-        uint64_t until = limit;
-        if (wait != UINT64_MAX && now + wait < until)
-            until = now + wait;
-        if (!spun && b->cfg.spin_ns > 0) {
-            // Right after work, poll a little before sleeping: an actor stepping back to back
-            // sends its next step about one round trip later, and catching it here saves the
-            // sleep and wake-up (tens of microseconds on a busy or virtual machine).
-            spun = true;
-            unsigned seen = atomic_load_explicit(&b->pushes, memory_order_acquire);
-            uint64_t end = now + b->cfg.spin_ns;
-            if (end > until)
-                end = until;
-            for (int i = 0;; i++) {
-                if (atomic_load_explicit(&b->pushes, memory_order_acquire) != seen)
-                    break;
-                if ((i & 63) == 0) {
-                    clock_gettime(CLOCK_MONOTONIC, &ts);
-                    if ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec >= end)
-                        break;
-                }
-                cpu_relax();
-            }
-            continue;
-        }
-        pthread_mutex_lock(&b->lock);
-        // Sleep only if nothing arrived since the poll; a push signals while we wait.
-        if (b->incoming.head == NULL && b->controls.head == NULL &&
-            !(b->closed && b->pending.head)) {
-            b->waiting = true;
-            if (until == UINT64_MAX) {
-                pthread_cond_wait(&b->cond, &b->lock);
-            } else {
-                struct timespec dl = {(time_t)(until / 1000000000ull),
-                                      (long)(until % 1000000000ull)};
-                pthread_cond_timedwait(&b->cond, &b->lock, &dl);
-            }
-            b->waiting = false;
-        }
-        pthread_mutex_unlock(&b->lock);
+        if (wait != UINT64_MAX && now + wait > limit)
+            wait = limit - now;
+        else if (wait == UINT64_MAX && limit != UINT64_MAX)
+            wait = limit - now;
+        rnnd_batcher_sleep(b, wait, !spun);
+        spun = true;
     }
 }

@@ -14,6 +14,8 @@
  * arrival order. Items are taken whole and in arrival order; each one is offered to an admit
  * callback that may reject it (its rows then leave the queue without running).
  *
+ * "Engine thread" below means whoever acts as the engine: the engine serialises that role.
+ *
  * The queue is bounded in rows (--max-queue-rows): a push over the bound fails at once with
  * RNND_EFULL, which the server answers as RESOURCE_EXHAUSTED.
  */
@@ -65,6 +67,12 @@ void rnnd_batcher_free(struct rnnd_batcher *b);
 // when the rows would exceed the queue bound; RNND_EUNAVAIL once closed. On failure the caller
 // keeps the item.
 int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns);
+// rnnd_batcher_push without waking a sleeping engine: for a pusher that will run the batch
+// itself (or call rnnd_batcher_wake).
+int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item,
+                            uint64_t now_ns);
+// Wakes the engine (or makes its next sleep return at once). Any thread.
+void rnnd_batcher_wake(struct rnnd_batcher *b);
 // Queues a control job (any thread); always accepted, even when closed.
 void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *item);
 // Refuses further Step items; queued ones are still handed out, without waiting for more.
@@ -75,8 +83,15 @@ void rnnd_batcher_close(struct rnnd_batcher *b);
 // *wait_ns says how long until one may be (UINT64_MAX: not before the next push).
 bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
                        void *ctx, struct rnnd_batch *out, uint64_t *wait_ns);
-// Engine thread: blocks until poll has something, or until timeout_ns passed (then returns
-// false with *out empty). timeout_ns UINT64_MAX waits without limit.
+// Like rnnd_batcher_poll, but leaves control jobs queued (for a thread that runs Step batches
+// only).
+bool rnnd_batcher_poll_steps(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
+                             void *ctx, struct rnnd_batch *out, uint64_t *wait_ns);
+// Engine thread: sleeps up to wait_ns (UINT64_MAX: until woken) unless something arrived since
+// the last poll; with spin, first polls for a push for up to the configured spin time.
+void rnnd_batcher_sleep(struct rnnd_batcher *b, uint64_t wait_ns, bool spin);
+// Engine thread: polls and sleeps until poll has something, or until timeout_ns passed (then
+// returns false with *out empty). timeout_ns UINT64_MAX waits without limit.
 bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *ctx,
                        struct rnnd_batch *out, uint64_t timeout_ns);
 

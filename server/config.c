@@ -92,6 +92,8 @@ static const struct opt opts[] = {
      "threads serving gRPC completions (0: one per 4 CPUs, 1 to 4)"},
     {"reply-threads", INT(reply_threads, -1, 8), "N",
      "threads that send a batch's Step replies (-1: none under 8 CPUs, else 2; 0: the engine)"},
+    {"inline-steps", INT(inline_steps, 0, 1), "0|1",
+     "cpu backend: run a Step that finds the engine idle on the gRPC thread that received it"},
     {"engine-spin-us", INT(engine_spin_us, 0, 1000000), "N",
      "after each batch the engine polls N us for the next step before sleeping (0: sleep)"},
 };
@@ -124,6 +126,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->drain_timeout_s = 10;
     c->engine_spin_us = 0;
     c->reply_threads = -1;
+    c->inline_steps = 1;
 }
 
 static int fail(char *err, size_t errlen, const char *fmt, ...) {

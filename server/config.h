@@ -54,6 +54,7 @@ struct rnnd_config {
     int engine_spin_us;  // the engine polls this long for new work before sleeping
     int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
     int reply_threads;   // threads sending Step replies; -1: automatic (0 under 8 CPUs, else 2)
+    int inline_steps;    // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
 };
 
 // Fills c with the defaults of DESIGN.md §5.

@@ -71,6 +71,12 @@ struct rnnd_engine {
     bool thread_started;
     rnnd_engine_ready_cb ready_cb;
     void *ready_ctx;
+    // The engine lock: whoever holds it acts as the engine (owns everything below). The engine
+    // thread holds it while it works; with the CPU backend another thread may take it to run a
+    // Step batch while the engine thread sleeps (inline_steps). CUDA work always stays on the
+    // engine thread, which owns the device.
+    pthread_mutex_t emu;
+    _Atomic bool inline_steps;
     pthread_mutex_t lock; // guards closed
     bool closed;          // the thread has finished: submit fails jobs itself
     bool stopping;        // engine thread only
@@ -1399,12 +1405,39 @@ static void finish_unavailable(struct rnnd_job *list) {
     }
 }
 
+// Runs what a poll handed out (under emu): control jobs, refusals, then the Step batch.
+static void engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
+    struct rnnd_job *next;
+    for (struct rnnd_job *job = (struct rnnd_job *)b->controls; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        run_control(e, job);
+    }
+    for (struct rnnd_job *job = (struct rnnd_job *)b->rejected; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        job->done(job);
+    }
+    if (b->items)
+        run_step_batch(e, (struct rnnd_job *)b->items);
+    atomic_store_explicit(&rnnd_metrics.queue_rows, rnnd_batcher_rows(e->batcher),
+                          memory_order_relaxed);
+}
+
+// Admits nothing: for the last sweep after the engine stopped.
+static enum rnnd_batch_admit admit_none(void *ctx, struct rnnd_batch_item *item) {
+    (void)ctx;
+    (void)item;
+    return RNND_BATCH_REJECT;
+}
+
 static void *engine_main(void *arg) {
     struct rnnd_engine *e = arg;
     char msg[512] = "";
     int rc = engine_open(e, msg, sizeof(msg));
-    if (rc == 0)
+    if (rc == 0) {
         reply_threads_start(e, e->cfg.reply_threads);
+        atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
+                              memory_order_release);
+    }
     e->ready_cb(e->ready_ctx, rc, msg);
     if (rc == 0) {
         rnnd_log(RNND_LOG_INFO,
@@ -1413,26 +1446,26 @@ static void *engine_main(void *arg) {
                  e->backend_name, e->device, rnnd_config_cell_name(e->model.cell), e->model.I,
                  e->model.H, e->model.L, rnnd_config_compute_name(e->model.compute), e->P,
                  e->cfg.max_envs);
+        bool spin = false;
         for (;;) {
             struct rnnd_batch b;
-            if (!rnnd_batcher_wait(e->batcher, admit_step, e, &b, UINT64_MAX))
-                continue;
-            struct rnnd_job *next;
-            for (struct rnnd_job *job = (struct rnnd_job *)b.controls; job; job = next) {
-                next = (struct rnnd_job *)job->item.next;
-                run_control(e, job);
-            }
-            for (struct rnnd_job *job = (struct rnnd_job *)b.rejected; job; job = next) {
-                next = (struct rnnd_job *)job->item.next;
-                job->done(job);
-            }
-            if (b.items)
-                run_step_batch(e, (struct rnnd_job *)b.items);
-            atomic_store_explicit(&rnnd_metrics.queue_rows, rnnd_batcher_rows(e->batcher),
-                                  memory_order_relaxed);
-            if (e->stopping && rnnd_batcher_empty(e->batcher))
+            uint64_t wait;
+            pthread_mutex_lock(&e->emu);
+            bool got = rnnd_batcher_poll(e->batcher, rnnd_now_ns(), admit_step, e, &b, &wait);
+            if (got)
+                engine_process(e, &b);
+            bool finished = e->stopping && rnnd_batcher_empty(e->batcher);
+            pthread_mutex_unlock(&e->emu);
+            if (finished)
                 break;
+            if (!got)
+                rnnd_batcher_sleep(e->batcher, wait, spin);
+            spin = got;
         }
+        // Steps run inline by other threads are done once the lock is ours; none start again
+        // (the batcher refuses pushes since rnnd_engine_stop).
+        pthread_mutex_lock(&e->emu);
+        pthread_mutex_unlock(&e->emu);
         reply_threads_stop(e);
         checkpoint_auto(e, "shutdown");
     }
@@ -1444,7 +1477,7 @@ static void *engine_main(void *arg) {
     for (;;) {
         struct rnnd_batch b;
         uint64_t wait;
-        if (!rnnd_batcher_poll(e->batcher, rnnd_now_ns(), admit_step, e, &b, &wait))
+        if (!rnnd_batcher_poll(e->batcher, rnnd_now_ns(), admit_none, e, &b, &wait))
             break;
         finish_unavailable((struct rnnd_job *)b.controls);
         finish_unavailable((struct rnnd_job *)b.rejected);
@@ -1484,6 +1517,7 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
         return NULL;
     }
     pthread_mutex_init(&e->lock, NULL);
+    pthread_mutex_init(&e->emu, NULL);
     pthread_mutex_init(&e->rlock, NULL);
     pthread_cond_init(&e->rcond, NULL);
     e->hk_job.kind = RNND_JOB_HOUSEKEEPING;
@@ -1505,7 +1539,25 @@ int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
     job->kind = RNND_JOB_STEP;
     job->item.B = job->step.B;
     job->item.env_ids = job->step.env_ids;
-    return rnnd_batcher_push(e->batcher, &job->item, rnnd_now_ns());
+    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+        return rnnd_batcher_push(e->batcher, &job->item, rnnd_now_ns());
+    // CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs
+    // the batch itself, saving the hand-off to the engine thread and back.
+    int rc = rnnd_batcher_push_quiet(e->batcher, &job->item, rnnd_now_ns());
+    if (rc != 0)
+        return rc;
+    if (pthread_mutex_trylock(&e->emu) == 0) {
+        struct rnnd_batch b;
+        uint64_t wait;
+        if (rnnd_batcher_poll_steps(e->batcher, rnnd_now_ns(), admit_step, e, &b, &wait))
+            engine_process(e, &b); // job may be finished and freed here
+        bool empty = rnnd_batcher_empty(e->batcher);
+        pthread_mutex_unlock(&e->emu);
+        if (empty)
+            return 0;
+    }
+    rnnd_batcher_wake(e->batcher); // busy, or something left to do (controls, a timer)
+    return 0;
 }
 
 void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job) {
@@ -1550,6 +1602,7 @@ void rnnd_engine_free(struct rnnd_engine *e) {
     rnnd_engine_join(e);
     rnnd_batcher_free(e->batcher);
     pthread_mutex_destroy(&e->lock);
+    pthread_mutex_destroy(&e->emu);
     pthread_mutex_destroy(&e->rlock);
     pthread_cond_destroy(&e->rcond);
     free(e);

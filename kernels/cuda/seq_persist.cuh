@@ -23,9 +23,12 @@
  *   dh (16 x 16 per warp) = tile . W_hh[:, warp's units]   (MMA) + the direct term; routing of
  *   the gradient at resets (DESIGN.md §2) and at t = 0.
  * W_hh is loaded once per launch, pre-arranged as per-lane MMA fragments: the first KREG k-steps
- * in registers, the rest in shared memory (LSTM H=128 in TF32 needs both: 256 KB).
+ * in registers, the rest in shared memory (LSTM H=128 in TF32 needs both: 256 KB). A fragments
+ * come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D planes are
+ * written from the dh-gate tile by the bulk-copy engine.
  *
- * Bench versions: v1 (this file), see kernels/bench/NOTES.md.
+ * Bench versions v1..v5 (this file is v5, with the variants still under trial behind template
+ * bits): kernels/bench/NOTES.md has each version's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH

@@ -99,7 +99,7 @@ struct rnnd_engine {
 
     struct rnnd_envtable *envs;
     struct rnnd_traj_dims tdims;
-    bool traj_warned;
+    _Atomic bool traj_warned;
     struct rnnd_tapes *tapes;
     uint64_t last_checkpoint_ns;
 
@@ -111,6 +111,16 @@ struct rnnd_engine {
     bool rstop;
     pthread_t rthreads[8];
     int nrthreads;
+
+    // Row workers: help the engine with a big batch's per-row copies and recording.
+    pthread_mutex_t wlock;
+    pthread_cond_t wcond; // new task (wgen), or a worker finished (wbusy)
+    struct row_task *wtask;
+    uint64_t wgen;
+    int wbusy;
+    bool wstop;
+    pthread_t wthreads[8];
+    int nwthreads;
 
     _Atomic uint64_t version;
     _Atomic uint64_t envs_active;
@@ -457,9 +467,8 @@ static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float
         env->traj = rnnd_traj_init(&e->tdims);
     if (env->traj == NULL ||
         rnnd_traj_push(env->traj, &e->tdims, obs, is_init, extras, hb, cb, version) != 0) {
-        if (!e->traj_warned)
+        if (!atomic_exchange(&e->traj_warned, true))
             rnnd_log(RNND_LOG_WARN, "out of memory recording trajectories; steps go unrecorded");
-        e->traj_warned = true;
     }
 }
 
@@ -492,10 +501,114 @@ static struct step_layout step_layout(const struct rnnd_engine *e, int n, bool r
     return l;
 }
 
+// The per-row work after a step that needs no engine-wide state: copy the row's output to its
+// job (and to its env's cache for retries) and record the step in the env's trajectory.
+struct row_task {
+    struct rnnd_engine *e;
+    int n;
+    const float *h_x, *h_out, *h_hb, *h_cb;
+    const uint8_t *h_init;
+    bool record;
+    uint64_t version;
+    _Atomic int next; // next chunk's first row
+    _Atomic int done; // rows finished
+};
+
+#define ROW_CHUNK        64
+#define ROW_PARALLEL_MIN 256 // fewer rows: one thread is quicker than waking others
+
+static void rows_run(struct row_task *t) {
+    struct rnnd_engine *e = t->e;
+    size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    size_t E = (size_t)e->cfg.extras_size;
+    for (;;) {
+        int first = atomic_fetch_add(&t->next, ROW_CHUNK);
+        if (first >= t->n)
+            return;
+        int last = first + ROW_CHUNK < t->n ? first + ROW_CHUNK : t->n;
+        for (int i = first; i < last; i++) {
+            struct rnnd_step_job *s = &e->rows[i].job->step;
+            int r = e->rows[i].row;
+            struct rnnd_env *env = s->envs[r];
+            const float *out = t->h_out + (size_t)i * H;
+            memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
+            if (s->step_index)
+                memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
+            if (t->record)
+                record_step(e, env, t->h_x + (size_t)i * I, t->h_init[i] != 0,
+                            s->extras && E ? s->extras + (size_t)r * E : NULL,
+                            t->h_hb + (size_t)i * LH, e->lstm ? t->h_cb + (size_t)i * LH : NULL,
+                            t->version);
+        }
+        atomic_fetch_add(&t->done, last - first);
+    }
+}
+
+static void *row_worker_main(void *arg) {
+    struct rnnd_engine *e = arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&e->wlock);
+    for (;;) {
+        // A task counts once (wgen) and only while the engine still publishes it (wtask).
+        while ((e->wgen == seen || e->wtask == NULL) && !e->wstop)
+            pthread_cond_wait(&e->wcond, &e->wlock);
+        if (e->wstop)
+            break;
+        seen = e->wgen;
+        struct row_task *t = e->wtask;
+        e->wbusy++;
+        pthread_mutex_unlock(&e->wlock);
+        rows_run(t);
+        pthread_mutex_lock(&e->wlock);
+        if (--e->wbusy == 0)
+            pthread_cond_broadcast(&e->wcond);
+    }
+    pthread_mutex_unlock(&e->wlock);
+    return NULL;
+}
+
+// Runs t over all its rows, with the row workers when there are many, and returns when every
+// row is done (the task lives on the caller's stack).
+static void rows_parallel(struct rnnd_engine *e, struct row_task *t) {
+    if (e->nwthreads == 0 || t->n < ROW_PARALLEL_MIN) {
+        rows_run(t);
+        return;
+    }
+    pthread_mutex_lock(&e->wlock);
+    e->wtask = t;
+    e->wgen++;
+    pthread_cond_broadcast(&e->wcond);
+    pthread_mutex_unlock(&e->wlock);
+    rows_run(t);
+    // Every row is claimed; wait until the workers have finished theirs and let go of t.
+    pthread_mutex_lock(&e->wlock);
+    while (atomic_load(&t->done) < t->n || e->wbusy > 0)
+        pthread_cond_wait(&e->wcond, &e->wlock);
+    e->wtask = NULL;
+    pthread_mutex_unlock(&e->wlock);
+}
+
+static void row_workers_start(struct rnnd_engine *e, int n) {
+    for (int k = 0; k < n && k < (int)(sizeof(e->wthreads) / sizeof(e->wthreads[0])); k++) {
+        if (pthread_create(&e->wthreads[k], NULL, row_worker_main, e) != 0)
+            break;
+        e->nwthreads++;
+    }
+}
+
+static void row_workers_stop(struct rnnd_engine *e) {
+    pthread_mutex_lock(&e->wlock);
+    e->wstop = true;
+    pthread_cond_broadcast(&e->wcond);
+    pthread_mutex_unlock(&e->wlock);
+    for (int k = 0; k < e->nwthreads; k++)
+        pthread_join(e->wthreads[k], NULL);
+    e->nwthreads = 0;
+}
+
 static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     uint64_t now = rnnd_now_ns();
     size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
-    int E = e->cfg.extras_size;
     bool record = e->tdims.cap > 0;
     int n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next)
@@ -553,28 +666,33 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             rnnd_panic(__FILE__, __LINE__, "backend step failed: %s", rnnd_strerror(rc));
         rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
     }
-    // Per computed row: the env's bookkeeping, its trajectory and the job's output row.
+    // Per computed row: the env's bookkeeping (here), then its output row, cached output and
+    // trajectory (rows touch disjoint memory: split across the row workers when there are many).
     uint64_t t_update = rnnd_now_ns();
     for (int i = 0; rc == 0 && i < n; i++) {
-        struct rnnd_job *job = e->rows[i].job;
-        struct rnnd_step_job *s = &job->step;
+        struct rnnd_step_job *s = &e->rows[i].job->step;
         int r = e->rows[i].row;
         struct rnnd_env *env = s->envs[r];
-        const float *out = h_out + (size_t)i * H;
-        memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
         rnnd_envtable_touch(e->envs, env, now);
         if (s->step_index) {
             env->has_index = true;
             env->last_index = s->step_index[r];
             env->out_version = version;
-            memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
         } else {
             env->has_index = false;
         }
-        if (record)
-            record_step(e, env, h_x + (size_t)i * I, h_init[i] != 0,
-                        s->extras && E ? s->extras + (size_t)r * (size_t)E : NULL,
-                        h_hb + (size_t)i * LH, e->lstm ? h_cb + (size_t)i * LH : NULL, version);
+    }
+    if (rc == 0) {
+        struct row_task t = {.e = e,
+                             .n = n,
+                             .h_x = h_x,
+                             .h_out = h_out,
+                             .h_hb = h_hb,
+                             .h_cb = h_cb,
+                             .h_init = h_init,
+                             .record = record,
+                             .version = version};
+        rows_parallel(e, &t);
     }
     // Gauges first: a client that reads them after its reply sees its envs.
     env_gauges(e);
@@ -1435,6 +1553,7 @@ static void *engine_main(void *arg) {
     int rc = engine_open(e, msg, sizeof(msg));
     if (rc == 0) {
         reply_threads_start(e, e->cfg.reply_threads);
+        row_workers_start(e, e->cfg.reply_threads);
         atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
                               memory_order_release);
     }
@@ -1467,6 +1586,7 @@ static void *engine_main(void *arg) {
         pthread_mutex_lock(&e->emu);
         pthread_mutex_unlock(&e->emu);
         reply_threads_stop(e);
+        row_workers_stop(e);
         checkpoint_auto(e, "shutdown");
     }
     // From here on submit fails jobs itself; finish whatever slipped in before.
@@ -1520,6 +1640,8 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
     pthread_mutex_init(&e->emu, NULL);
     pthread_mutex_init(&e->rlock, NULL);
     pthread_cond_init(&e->rcond, NULL);
+    pthread_mutex_init(&e->wlock, NULL);
+    pthread_cond_init(&e->wcond, NULL);
     e->hk_job.kind = RNND_JOB_HOUSEKEEPING;
     e->stop_job.kind = RNND_JOB_HOUSEKEEPING;
     snprintf(e->backend_name, sizeof(e->backend_name), "none");
@@ -1605,6 +1727,8 @@ void rnnd_engine_free(struct rnnd_engine *e) {
     pthread_mutex_destroy(&e->emu);
     pthread_mutex_destroy(&e->rlock);
     pthread_cond_destroy(&e->rcond);
+    pthread_mutex_destroy(&e->wlock);
+    pthread_cond_destroy(&e->wcond);
     free(e);
 }
 

@@ -338,11 +338,9 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     if (e->host_mem) {
         e->h_in = e->d_in;
         e->h_outb = e->d_outb;
-    } else {
-        e->h_in = malloc(e->in_bytes);
-        e->h_outb = malloc(e->out_bytes);
-        if (!e->h_in || !e->h_outb)
-            goto oom;
+    } else if (e->be.ops->host_alloc(e->be.ctx, e->in_bytes, (void **)&e->h_in) != 0 ||
+               e->be.ops->host_alloc(e->be.ctx, e->out_bytes, (void **)&e->h_outb) != 0) {
+        goto oom;
     }
     e->rows = malloc(MB * sizeof(*e->rows));
     what = "env table (lower --max-envs)";
@@ -389,8 +387,8 @@ static void engine_close(struct rnnd_engine *e) {
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
     if (!e->host_mem) {
-        free(e->h_in);
-        free(e->h_outb);
+        e->be.ops->host_free(e->be.ctx, e->h_in);
+        e->be.ops->host_free(e->be.ctx, e->h_outb);
     }
     free(e->rows);
     rnnd_backend_free(&e->be);

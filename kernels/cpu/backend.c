@@ -150,6 +150,11 @@ static void cpu_free(void *ctx, void *ptr) {
     free(ptr);
 }
 
+// Host and backend memory are one on the CPU: staging buffers are ordinary allocations.
+static int cpu_host_alloc(void *ctx, size_t bytes, void **out) {
+    return cpu_alloc(ctx, bytes, out);
+}
+
 static int cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     (void)ctx;
     if (bytes == 0)
@@ -214,6 +219,8 @@ static const struct rnnd_backend_ops cpu_ops = {
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .free = cpu_free,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_free,
     .copy_in = cpu_copy,
     .copy_out = cpu_copy,
     .copy = cpu_copy,

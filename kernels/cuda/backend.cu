@@ -80,6 +80,32 @@ static void cuda_free(void *ctx, void *ptr) {
     cudaFree(ptr);
 }
 
+static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (out == NULL)
+        return RNND_EINVAL;
+    *out = NULL;
+    RNND_CUDA_TRY(cudaSetDevice(c->device));
+    // Page-locked: copies need no bounce through a driver buffer and run asynchronously.
+    if (cudaHostAlloc(out, bytes ? bytes : 256, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        *out = NULL;
+        return RNND_ENOMEM;
+    }
+    return 0;
+}
+
+static void cuda_host_free(void *ctx, void *ptr) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (ptr == NULL)
+        return;
+    cudaStreamSynchronize(c->stream); // a copy on the stream may still read or write ptr
+    cudaFreeHost(ptr);
+}
+
+// No synchronisation: from pageable memory cudaMemcpyAsync returns only once the source has
+// been staged, and page-locked sources (host_alloc) stay untouched until the next sync by the
+// contract in rnnd_kernels.h. A step then costs one synchronisation, in copy_out.
 static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (bytes == 0)
@@ -87,7 +113,6 @@ static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes
     if (dst == NULL || host_src == NULL)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
-    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return 0;
 }
 
@@ -174,6 +199,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .destroy = */ cuda_destroy,
     /* .alloc = */ cuda_alloc,
     /* .free = */ cuda_free,
+    /* .host_alloc = */ cuda_host_alloc,
+    /* .host_free = */ cuda_host_free,
     /* .copy_in = */ cuda_copy_in,
     /* .copy_out = */ cuda_copy_out,
     /* .copy = */ cuda_copy,

@@ -184,6 +184,13 @@ struct rnnd_backend_ops {
     // Memory in the backend's address space. alloc returns RNND_ENOMEM when it cannot.
     int (*alloc)(void *ctx, size_t bytes, void **out);
     void (*free)(void *ctx, void *ptr); // free(NULL) does nothing
+    // Host memory the backend copies from and to fastest (page-locked on CUDA, plain on CPU), for
+    // staging buffers reused on every call.
+    int (*host_alloc)(void *ctx, size_t bytes, void **out);
+    void (*host_free)(void *ctx, void *ptr); // host_free(NULL) does nothing
+    // copy_in may return before the copy is done: ordinary host memory may be reused at once (it
+    // is staged before the call returns), memory from host_alloc only after the next sync or
+    // copy_out. copy_out returns when host_dst holds the data.
     int (*copy_in)(void *ctx, void *dst, const void *host_src, size_t bytes);
     int (*copy_out)(void *ctx, void *host_dst, const void *src, size_t bytes);
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 int rnnd__log_level = RNND_LOG_INFO;
@@ -86,7 +87,12 @@ void rnnd_log_banner(const char *fmt, ...) {
     buf[n++] = '\n';
     fflush(stdout);
     write_all(STDOUT_FILENO, buf, n);
-    write_all(STDERR_FILENO, buf, n);
+    // Once when both streams lead to the same place (a terminal, a merged pipe, the journal).
+    struct stat out, err;
+    bool same = fstat(STDOUT_FILENO, &out) == 0 && fstat(STDERR_FILENO, &err) == 0 &&
+                out.st_dev == err.st_dev && out.st_ino == err.st_ino;
+    if (!same)
+        write_all(STDERR_FILENO, buf, n);
 }
 
 void rnnd_panic(const char *file, int line, const char *fmt, ...) {

@@ -36,8 +36,8 @@ void rnnd_log_set_level(enum rnnd_log_level level);
 int rnnd_log_level_parse(const char *s, enum rnnd_log_level *out);
 const char *rnnd_log_level_name(enum rnnd_log_level level);
 
-// Writes line (no prefix, a newline added) to stdout and stderr, flushed: the ready line, which
-// tests and supervisors look for whatever stream they read.
+// Writes line (no prefix, a newline added) to stdout and, unless it is the same file, stderr,
+// flushed: the ready line, which tests and supervisors look for whatever stream they read.
 void rnnd_log_banner(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 _Noreturn void rnnd_panic(const char *file, int line, const char *fmt, ...)

@@ -11,9 +11,10 @@
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
-#       variants  the GRU forward variants under trial (not in all);
+#       variants  the variants under trial, VARIANTS_GRU / VARIANTS_LSTM (not in all);
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
+#       FP32_ONLY=1 leaves out the bf16 and ieee bench cases; REPEAT sets the bench's repeats.
 set -u
 cd "$(dirname "$0")/../.."
 MODE=${1:-run}
@@ -54,6 +55,7 @@ fi
 
 OUT=${OUT:-/tmp/rnnd-out}
 mkdir -p "$OUT"
+: >"$OUT/bench.jsonl"
 W=/tmp/rnnd-bundle
 rm -rf "$W"
 mkdir -p "$W"
@@ -102,11 +104,13 @@ if has bench; then
     : >"$OUT/bench.log"
     timeout 180 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
     echo "bench fp32 rc=$?" | tee -a "$OUT/bench.log"
-    timeout 80 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
-    echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
-    timeout 70 $BENCH --cell gru,lstm --compute ieee --reset-prob 0 --repeat 5 >>"$OUT/bench.log" 2>&1
-    echo "bench ieee rc=$?" | tee -a "$OUT/bench.log"
-    grep '^{' "$OUT/bench.log" >"$OUT/bench.jsonl"
+    if [ -z "${FP32_ONLY:-}" ]; then
+        timeout 80 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
+        echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
+        timeout 70 $BENCH --cell gru,lstm --compute ieee --reset-prob 0 --repeat 5 >>"$OUT/bench.log" 2>&1
+        echo "bench ieee rc=$?" | tee -a "$OUT/bench.log"
+    fi
+    grep '^{' "$OUT/bench.log" >>"$OUT/bench.jsonl"
 fi
 
 
@@ -125,25 +129,25 @@ if [[ " $STEPS " == *" profile "* ]]; then
             | awk '$NF+0 > 0.05 || /seq_/' | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -60
     done
     CUOBJ=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-    for f in _Z18seq_forward_kernelI8cell_gru9mode_tf32Li128ELi0EEv16persist_fwd_args \
-             _Z19seq_backward_kernelI8cell_gru9mode_tf32Li128EEv16persist_bwd_args; do
+    for f in _Z18seq_forward_kernelI8cell_gru9mode_tf32Li128ELb1ELb1ELi0EEv16persist_fwd_args \
+             _Z19seq_backward_kernelI8cell_gru9mode_tf32Li128ELb1ELi0ELb1ELb0EEv16persist_bwd_args; do
         "$CUOBJ" -sass -fun "$f" "$BIN/rnnd-kernel-bench" >"$OUT/sass_${f:4:12}.txt" 2>&1
         echo "sass $f: $(wc -l <"$OUT/sass_${f:4:12}.txt") lines"
     done
 fi
 
 if [[ " $STEPS " == *" variants "* ]]; then
-    # Forward variants of the GRU TF32 H=128 loop (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
+    # Variants of the TF32 H=128 loops (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
     : >"$OUT/variants.log"
     VB="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 --hidden 128 \
 --compute fp32 --reset-prob 0.1 --warmup 3 --repeat 10"
-    for v in ${VARIANTS_GRU:-0 2}; do
+    for v in ${VARIANTS_GRU:-0}; do
         RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell gru >>"$OUT/variants.log" 2>&1
     done
     for v in ${VARIANTS_LSTM:-0}; do
         RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell lstm >>"$OUT/variants.log" 2>&1
     done
-    grep '^{' "$OUT/variants.log" >"$OUT/bench.jsonl"
+    grep '^{' "$OUT/variants.log" >>"$OUT/bench.jsonl"
 fi
 
 if [ -s "$OUT/bench.jsonl" ]; then

@@ -3,7 +3,8 @@
  *
  * Forward, layer l (input x_l: x, or the output of layer l-1 as stored in this layer's tape):
  *   1. xg (B*T, G*H) = x_l W_ih^T: one cuBLAS GEMM (TF32 in fp32 mode, bf16 operands in bf16
- *      mode, strict fp32 in ieee mode);
+ *      mode, strict fp32 in ieee mode), unless the persistent loop fuses it (I_l <= HP/2 and
+ *      the weights fit in shared memory: it then reads x_l itself);
  *   2. the time loop: the persistent kernel (seq_persist.cuh), or per step one GEMM
  *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
  *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
@@ -332,10 +333,18 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 
     struct seq_layout lay;
     rnnd__cuda_seq_layout(m, B, T, &lay);
+    // Per layer: the x k-steps the persistent loop fuses (0: x W_ih^T from a GEMM into xg).
+    // Bench variant bit 32 turns the fusion off (kernels/bench/NOTES.md v6).
+    int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0, xks[RNND_MAX_LAYERS];
+    bool need_xg = false;
+    for (int l = 0; l < L; l++) {
+        xks[l] = persistent && !(c->variant & 32) ? rnnd__persist_xks(m, l, c->smem_optin) : 0;
+        need_xg = need_xg || xks[l] == 0;
+    }
     float *xg, *hg, *own;
     struct cuda_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
-        xg = (float *)cuda_carve(&cv, BT * GH * sizeof(float));
+        xg = (float *)cuda_carve(&cv, need_xg ? BT * GH * sizeof(float) : 0);
         hg = (float *)cuda_carve(&cv, persistent ? 0 : (size_t)B * GH * sizeof(float));
         own = (float *)cuda_carve(&cv, tape ? 0 : lay.tape_floats * sizeof(float));
         if (pass == 0) {
@@ -354,32 +363,35 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *x = l == 0 ? seq->x : z + ly->xoff;
         int ldx = l == 0 ? m->I : ly->ldz;
-        // The persistent loop copies x into the tape itself when one float4 a thread covers a
-        // step's rows; otherwise a 2D copy does it here.
-        int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0;
-        bool xcopy = persistent && tape && l == 0 && vec && m->I % 4 == 0 &&
-                     16 * m->I <= 4 * (hp / 16 * 32) && aligned16(seq->x);
+        // The persistent loop reads the layer input itself when a thread's share of a step is
+        // at most 4 values (I_l <= HP/2): for the fused projection, and to copy x into the
+        // tape (layer 0); otherwise a 2D copy and a GEMM do it here.
+        bool xloop = persistent && ly->Il <= hp / 2;
+        bool xcopy = xloop && tape && l == 0;
         if (tape && l == 0 && !xcopy)
             RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
                                             m->I * sizeof(float), m->I * sizeof(float), BT,
                                             cudaMemcpyDeviceToDevice, c->stream));
-        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, (int)BT, ly->Il, lp.w_ih,
-                      ly->Il, x, ldx, 0.0f, xg, GH));
+        if (xks[l] == 0)
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, (int)BT, ly->Il, lp.w_ih,
+                          ly->Il, x, ldx, 0.0f, xg, GH));
         float *y = l < L - 1 ? tp + lay.layer[l + 1].z_off + lay.layer[l + 1].xoff : out;
         int ldy = l < L - 1 ? lay.layer[l + 1].ldz : H;
 
         if (persistent) {
             struct persist_fwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
-            a.xg = xg, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.xks = xks[l], a.xg = xks[l] ? nullptr : xg, a.w_ih = lp.w_ih;
+            a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
-            a.x = xcopy ? seq->x : nullptr, a.ldx = m->I;
-            a.tma = c->cc_major >= 9 && vec;
+            a.x = xks[l] || xcopy ? x : nullptr, a.ldx = ldx;
+            a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
+            a.xcopy = xcopy;
             a.variant = c->variant, a.dbg = c->d_dbg;
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
@@ -536,18 +548,31 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 // ---------------------------------------------------------------------------------------------
 // Dispatch to the persistent kernels
 
+static long persist_smem_of(const struct rnnd_model *m, bool backward, int HP, int xks) {
+    bool bf16 = m->compute == RNND_COMPUTE_BF16;
+    return m->cell == RNND_CELL_LSTM ? rnnd__persist_lstm_smem(backward, bf16, HP, xks)
+                                     : rnnd__persist_gru_smem(backward, bf16, HP, xks);
+}
+
 int rnnd__persist_hp(const struct rnnd_model *m, size_t smem_optin) {
     if (m->compute == RNND_COMPUTE_IEEE || m->H > 128)
         return 0;
     int HP = m->H <= 32 ? 32 : m->H <= 64 ? 64 : m->H <= 96 ? 96 : 128;
-    bool bf16 = m->compute == RNND_COMPUTE_BF16;
     for (int bwd = 0; bwd < 2; bwd++) {
-        long need = m->cell == RNND_CELL_LSTM ? rnnd__persist_lstm_smem(bwd, bf16, HP)
-                                              : rnnd__persist_gru_smem(bwd, bf16, HP);
+        long need = persist_smem_of(m, bwd, HP, 0);
         if (need < 0 || (size_t)need > smem_optin)
             return 0;
     }
     return HP;
+}
+
+int rnnd__persist_xks(const struct rnnd_model *m, int l, size_t smem_optin) {
+    int HP = rnnd__persist_hp(m, smem_optin), Il = rnnd_model_layer_input(m, l);
+    if (HP == 0 || Il > HP / 2)
+        return 0;
+    int xks = CEIL_DIV(Il, m->compute == RNND_COMPUTE_BF16 ? 16 : 8);
+    long need = persist_smem_of(m, false, HP, xks);
+    return need > 0 && (size_t)need <= smem_optin ? xks : 0;
 }
 
 static int persist_dispatch(const struct rnnd_model *m, bool backward, const void *a,

@@ -9,38 +9,16 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
-    // Bench variants (kernels/bench/NOTES.md): TF32, H=128, vector access only.
+    // Bench variant bit 8 (phase clocks): TF32, H=128, vector access only.
     if (!backward && !bf16 && HP == 128) {
         const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
-        switch (a.vec ? a.variant : 0) {
-            case 2:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 2>(a, stream);
-            case 4:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 4>(a, stream);
-            case 8:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 8>(a, stream);
-            case 16:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 16>(a, stream);
-            case 20:
-                return persist_launch_forward<cell_gru, mode_tf32, 128, 20>(a, stream);
-            default:
-                break;
-        }
+        if (a.vec && (a.variant & 8))
+            return persist_launch_forward<cell_gru, mode_tf32, 128, 8>(a, stream);
     }
     if (backward && !bf16 && HP == 128) {
         const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
-        switch (a.vec ? a.variant : 0) {
-            case 1:
-                return persist_launch_backward<cell_gru, mode_tf32, 128, 1>(a, stream);
-            case 8:
-                return persist_launch_backward<cell_gru, mode_tf32, 128, 8>(a, stream);
-            case 16:
-                return persist_launch_backward<cell_gru, mode_tf32, 128, 16>(a, stream);
-            case 17:
-                return persist_launch_backward<cell_gru, mode_tf32, 128, 17>(a, stream);
-            default:
-                break;
-        }
+        if (a.vec && (a.variant & 8))
+            return persist_launch_backward<cell_gru, mode_tf32, 128, 8>(a, stream);
     }
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
@@ -53,10 +31,10 @@ int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaSt
     return RNND_ENOTSUP;
 }
 
-long rnnd__persist_gru_smem(bool backward, bool bf16, int HP) {
+long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks) {
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
-        return persist_smem<cell_gru, MODE, W>(backward);
+        return persist_smem<cell_gru, MODE, W>(backward, xks);
     PERSIST_CASES(X)
 #undef X
     return -1;

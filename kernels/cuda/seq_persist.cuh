@@ -13,28 +13,37 @@
  * of n-tile `half` holds columns 2tg, 2tg+1, which we map to units u0 + 2*half + {0,1}), so the
  * cell math needs no shared-memory round trip and global accesses are 16-byte vectors.
  *
- * Forward, per step (one __syncthreads, h double-buffered in shared memory):
- *   acc (16 x G*16 per warp) = h_tile (16 x HP) . W_hh[warp's gate rows]^T   (MMA, W on chip)
- *   gates from acc + b_hh and the precomputed x W_ih^T + b_ih; h' (c'); stores of y, tape;
- *   the state of the next step, after the reset rule (a per-row select), into the other tile.
+ * Forward, per step (one __syncthreads, the A tile double-buffered in shared memory):
+ *   acc (16 x G*16 per warp) = [h | x] (16 x (HP + IP)) . [W_hh | W_ih][warp's gate rows]^T
+ *   (MMA, weights on chip): the input projection is fused (the loop reads x, not x W_ih^T) when
+ *   I_l <= HP/2 and the weights fit; otherwise A is h alone and x W_ih^T comes precomputed from
+ *   one cuBLAS GEMM. The GRU's n gate keeps its x part in separate accumulators (r multiplies
+ *   the h part only). Then the cell from acc + biases; h' (c'); stores of y and the tape; the
+ *   state of the next step, after the reset rule (a per-row select), and its x into the other
+ *   tile.
  * Backward, per step in reverse (two __syncthreads):
  *   gate gradients from the tape (stored activated gates) and dL/dh' -> D (global, for the
  *   weight and input GEMMs) and the dh-gate tile (16 x G*HP) in shared memory;
  *   dh (16 x 16 per warp) = tile . W_hh[:, warp's units]   (MMA) + the direct term; routing of
  *   the gradient at resets (DESIGN.md §2) and at t = 0.
- * W_hh is loaded once per launch, pre-arranged as per-lane MMA fragments: the first KREG k-steps
- * in registers, the rest in shared memory (LSTM H=128 in TF32 needs both: 256 KB). A fragments
- * come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D planes are
- * written from the dh-gate tile by the bulk-copy engine.
+ * Weights are loaded once per launch into shared memory, pre-arranged as per-lane MMA B
+ * fragments. In TF32 mode they are stored as fp16 scaled by a power of two (the largest |w| of
+ * the launch lands in [2^14, 2^15)) and widened to fp32 when a fragment is read: fp16 keeps the
+ * 10 mantissa bits TF32 keeps, so the products are TF32 products (for every weight within 2^28
+ * of the largest; smaller ones are rounded to that absolute grid), and the weights take half the
+ * space and half the shared-memory bandwidth. The accumulators are scaled back exactly. A
+ * fragments come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D
+ * planes are written from the dh-gate tile by the bulk-copy engine.
  *
- * Bench versions v1..v5 (this file is v5, with the variants still under trial behind template
- * bits): kernels/bench/NOTES.md has each version's prediction and measured result.
+ * Versions v1..v6: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
 
 #include "common.cuh"
 #include "seq_persist.h"
+
+#include <cuda_fp16.h>
 
 // Shared memory a block may use on sm_90 (227 KB); sm_80 gets less and falls back at run time.
 #define RNND_PERSIST_SMEM_BUDGET 232448
@@ -91,10 +100,59 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Bulk loads (global to shared) completing on an mbarrier: init (count arrivals), arrive with
+// the bytes the phase expects, the copy itself, wait for a phase (parity) to complete.
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+static __device__ __forceinline__ void mbar_arrive_tx(uint64_t *bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
+                 : "memory");
+#endif
+}
+static __device__ __forceinline__ void bulk_g2s(void *sdst, const void *gsrc, uint32_t bytes,
+                                                uint64_t *bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t d = (uint32_t)__cvta_generic_to_shared(sdst);
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(d),
+                 "l"(gsrc), "r"(bytes), "r"(b)
+                 : "memory");
+#endif
+}
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@p bra DONE;\n"
+                 "bra WAIT;\n"
+                 "DONE:\n"
+                 "}\n" ::"r"(b),
+                 "r"(parity)
+                 : "memory");
+#endif
+}
+// The B operand (weights) of both modes is stored in shared memory as WPF 32-bit words per
+// fragment (lane, n-tile, k-step): wpack builds them from an accessor B(k, n), wunpack turns them
+// into the MMA's b0, b1.
 struct mode_tf32 {
     static constexpr int KSTEP = 8;
     static constexpr int APAD = 4; // floats of padding per A-tile row: conflict-free fragments
-    using elem = float;            // tf32 values kept in fp32 bit patterns
+    static constexpr int WPF = 1;  // {B[k][n], B[k+4][n]} as one fp16 pair
+    static constexpr bool SCALED = true;
+    using elem = float; // tf32 values kept in fp32 bit patterns
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __uint_as_float(f32_to_tf32(v));
     }
@@ -103,11 +161,19 @@ struct mode_tf32 {
             make_float4(__uint_as_float(f32_to_tf32(v[0])), __uint_as_float(f32_to_tf32(v[1])),
                         __uint_as_float(f32_to_tf32(v[2])), __uint_as_float(f32_to_tf32(v[3])));
     }
-    // B fragment of k-step ks for lane (g, tg): b0 = B[8ks+tg][g], b1 = B[8ks+tg+4][g].
+    // b0 = B[8ks+tg][g], b1 = B[8ks+tg+4][g], times scale (a power of two), rounded to fp16.
     template <class F>
-    static __device__ __forceinline__ uint2 bfrag(F B, int ks, int g, int tg) {
+    static __device__ __forceinline__ void wpack(uint32_t *o, F B, int ks, int g, int tg,
+                                                 float scale) {
         int k = ks * 8 + tg;
-        return make_uint2(f32_to_tf32(B(k, g)), f32_to_tf32(B(k + 4, g)));
+        __half2 h = __floats2half2_rn(B(k, g) * scale, B(k + 4, g) * scale);
+        o[0] = *reinterpret_cast<uint32_t *>(&h);
+    }
+    // fp16 -> fp32 is exact and has 10 mantissa bits: a valid tf32 operand as it is.
+    static __device__ __forceinline__ uint2 wunpack(const uint32_t *o) {
+        uint32_t w = o[0];
+        float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&w));
+        return make_uint2(__float_as_uint(f.x), __float_as_uint(f.y));
     }
     // A fragment: a0 = A[g][8ks+tg], a1 = A[g+8][..], a2 = A[g][8ks+tg+4], a3 = A[g+8][..+4].
     static __device__ __forceinline__ void afrag(uint32_t a[4], const elem *tile, int ld, int ks,
@@ -125,6 +191,8 @@ struct mode_tf32 {
 struct mode_bf16 {
     static constexpr int KSTEP = 16;
     static constexpr int APAD = 8;
+    static constexpr int WPF = 2;
+    static constexpr bool SCALED = false;
     using elem = __nv_bfloat16;
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __float2bfloat16_rn(v);
@@ -134,9 +202,15 @@ struct mode_bf16 {
     }
     // b0 = {B[16ks+2tg][g], B[16ks+2tg+1][g]}, b1 = the same 8 rows further (low half first).
     template <class F>
-    static __device__ __forceinline__ uint2 bfrag(F B, int ks, int g, int tg) {
+    static __device__ __forceinline__ void wpack(uint32_t *o, F B, int ks, int g, int tg,
+                                                 float scale) {
+        (void)scale;
         int k = ks * 16 + 2 * tg;
-        return make_uint2(pack_bf16(B(k, g), B(k + 1, g)), pack_bf16(B(k + 8, g), B(k + 9, g)));
+        o[0] = pack_bf16(B(k, g), B(k + 1, g));
+        o[1] = pack_bf16(B(k + 8, g), B(k + 9, g));
+    }
+    static __device__ __forceinline__ uint2 wunpack(const uint32_t *o) {
+        return make_uint2(o[0], o[1]);
     }
     // a0 = A[g][16ks+2tg, +1], a1 = rows + 8, a2 = columns + 8, a3 = both.
     static __device__ __forceinline__ void afrag(uint32_t a[4], const elem *tile, int ld, int ks,
@@ -224,16 +298,9 @@ struct cell_lstm {
     }
 };
 
-// ---------------------------------------------------------------------------------------------
-// Geometry: warps, k-steps, how much of W_hh stays in registers, shared memory.
 
-// Fewest k-steps to keep in registers so that the rest of W plus `other` bytes fit the budget.
-constexpr int persist_kreg(int ks, long ks_bytes, long other) {
-    int k = 0;
-    while (k < ks && (long)(ks - k) * ks_bytes + other > RNND_PERSIST_SMEM_BUDGET)
-        k++;
-    return k;
-}
+// ---------------------------------------------------------------------------------------------
+// Geometry: warps, k-steps, shared memory.
 
 template <class Cell, class Mode, int HP>
 struct persist_geom {
@@ -241,37 +308,105 @@ struct persist_geom {
     static constexpr int NW = HP / 16;
     static constexpr int THREADS = NW * 32;
     using elem = typename Mode::elem;
-    // Forward: K = HP (h), N = 2G n-tiles a warp (its 16 units of each gate).
+    // Forward: N = 2G n-tiles a warp (its 16 units of each gate); K = HP (h), plus up to HP/2
+    // (x, padded to whole k-steps) when the input projection is fused.
     static constexpr int F_NT = 2 * G;
     static constexpr int F_KS = HP / Mode::KSTEP;
-    static constexpr int F_LDA = HP + Mode::APAD;
-    static constexpr long F_TILE_BYTES = 16L * F_LDA * (long)sizeof(elem);
-    static constexpr long F_KS_BYTES = (long)F_NT * 32 * 8 * NW;
-    // GRU forward staging for bulk stores (fp32): S records, y and z rows of the step. Row
-    // strides are 16 floats past a multiple of 32 (conflict-free 16-byte stores from 2 rows).
-    // Off: measured slower (kernels/bench/NOTES.md v5): the issuing warp blocks on the copy
-    // engine under write back-pressure, and one stage leaves nothing to overlap.
-    static constexpr bool F_STAGE = false;
-    static constexpr int S_STR = (Cell::SW * HP + 31) / 32 * 32 + 16;
-    static constexpr int Y_STR = (HP + 31) / 32 * 32 + 16;
-    static constexpr int Z_MAX = HP + 4 + HP / 2; // [hprev | 1 | pad | x (I <= HP/2)]
-    static constexpr int Z_STR = (Z_MAX + 15) / 32 * 32 + 16 >= Z_MAX ? (Z_MAX + 15) / 32 * 32 + 16
-                                                                    : (Z_MAX + 31) / 32 * 32 + 16;
-    static constexpr long F_STAGE_BYTES = F_STAGE ? 16L * (S_STR + Y_STR + Z_STR) * 4 : 0;
-    static constexpr int F_KREG = persist_kreg(F_KS, F_KS_BYTES, 2 * F_TILE_BYTES + F_STAGE_BYTES);
-    static constexpr long F_SMEM = (F_KS - F_KREG) * F_KS_BYTES + 2 * F_TILE_BYTES + F_STAGE_BYTES;
+    static constexpr int F_XKS = HP / 2 / Mode::KSTEP; // most x k-steps a fused loop takes
+    static constexpr int F_WPL = F_NT * Mode::WPF;      // weight words a lane reads per k-step
+    static constexpr long F_KS_BYTES = (long)F_WPL * 4 * 32 * NW;
+    static constexpr int f_lda(int xks) { return HP + xks * Mode::KSTEP + Mode::APAD; }
+    static constexpr long f_smem(int xks) {
+        return (F_KS + xks) * F_KS_BYTES + 2L * 16 * f_lda(xks) * (long)sizeof(elem);
+    }
     // Backward: K = G*HP (gate rows), N = 2 n-tiles a warp (its 16 units).
     static constexpr int B_NT = 2;
     static constexpr int B_KS = G * HP / Mode::KSTEP;
+    static constexpr int B_WPL = B_NT * Mode::WPF;
+    static constexpr long B_KS_BYTES = (long)B_WPL * 4 * 32 * NW;
     static constexpr int B_LDA = G * HP + Mode::APAD;
     static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(elem);
-    static constexpr long B_KS_BYTES = (long)B_NT * 32 * 8 * NW;
-    static constexpr int B_KREG = persist_kreg(B_KS, B_KS_BYTES, B_TILE_BYTES);
-    static constexpr long B_SMEM = (B_KS - B_KREG) * B_KS_BYTES + B_TILE_BYTES;
+    static constexpr long B_SMEM = B_KS * B_KS_BYTES + B_TILE_BYTES;
+    // Backward stage (STG): one step's tape record, gy and (GRU) hprev rows as the copy engine
+    // brings them; row strides are 64 bytes past a multiple of 128, so two rows' 64-byte
+    // segments read by 8 lanes fall in different banks. The mbarrier sits after it.
+    static constexpr int S_STR = Cell::SW * HP + 16, Y_STR = HP + 16;
+    static constexpr long B_STAGE_BYTES = 16L * (S_STR + (G == 3 ? 2 : 1) * Y_STR) * 4;
+    static constexpr long B_SMEM_STG = B_SMEM + B_STAGE_BYTES + 16;
     static constexpr int B_SPLIT = 4; // independent accumulator chains over k in backward
-    static_assert(F_SMEM <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
+    static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
 };
+
+// Weight fragments in shared memory: per k-step, per warp, WPL words per lane, stored as 16-byte
+// (or 8-byte) vectors with lanes adjacent, so a warp's read of one vector is conflict-free.
+template <int WPL>
+struct persist_wlayout {
+    static constexpr int VW = WPL % 4 == 0 ? 4 : 2; // words a vector
+    static constexpr int NV = WPL / VW;
+    static __device__ __forceinline__ void store(unsigned char *wsm, int ks, int nw, int w,
+                                                 int lane, const uint32_t *o) {
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            size_t at = (((size_t)ks * nw + w) * NV + v) * 32 + lane;
+            if constexpr (VW == 4)
+                reinterpret_cast<uint4 *>(wsm)[at] =
+                    make_uint4(o[4 * v], o[4 * v + 1], o[4 * v + 2], o[4 * v + 3]);
+            else
+                reinterpret_cast<uint2 *>(wsm)[at] = make_uint2(o[2 * v], o[2 * v + 1]);
+        }
+    }
+    static __device__ __forceinline__ void load(uint32_t *o, const unsigned char *wsm, int ks,
+                                                int nw, int w, int lane) {
+#pragma unroll
+        for (int v = 0; v < NV; v++) {
+            size_t at = (((size_t)ks * nw + w) * NV + v) * 32 + lane;
+            if constexpr (VW == 4) {
+                uint4 q = reinterpret_cast<const uint4 *>(wsm)[at];
+                o[4 * v] = q.x, o[4 * v + 1] = q.y, o[4 * v + 2] = q.z, o[4 * v + 3] = q.w;
+            } else {
+                uint2 q = reinterpret_cast<const uint2 *>(wsm)[at];
+                o[2 * v] = q.x, o[2 * v + 1] = q.y;
+            }
+        }
+    }
+};
+
+// The power of two 2^s that puts max |w| over a[0..na) and b[0..nb) in [2^14, 2^15), so that the
+// scaled weights fit fp16 with room to spare (1 for all-zero or non-finite weights). red: 32
+// floats of shared scratch, free again on return.
+static __device__ float persist_wscale(const float *a, int na, const float *b, int nb,
+                                       float *red) {
+    float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
+    int i = threadIdx.x;
+    for (; i + 3 * (int)blockDim.x < na; i += 4 * blockDim.x) {
+        m0 = fmaxf(m0, fabsf(__ldg(a + i)));
+        m1 = fmaxf(m1, fabsf(__ldg(a + i + blockDim.x)));
+        m2 = fmaxf(m2, fabsf(__ldg(a + i + 2 * blockDim.x)));
+        m3 = fmaxf(m3, fabsf(__ldg(a + i + 3 * blockDim.x)));
+    }
+    for (; i < na; i += blockDim.x)
+        m0 = fmaxf(m0, fabsf(__ldg(a + i)));
+    for (i = threadIdx.x; i < nb; i += blockDim.x)
+        m1 = fmaxf(m1, fabsf(__ldg(b + i)));
+    float m = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int k = 0; k < (int)blockDim.x / 32; k++)
+        m = fmaxf(m, red[k]);
+    __syncthreads();
+    if (!(m > 0.0f) || !(m <= 3.0e38f))
+        return 1.0f;
+    int e;
+    frexpf(m, &e); // m = f 2^e, f in [0.5, 1)
+    e = e < -100 ? -100 : e;
+    return ldexpf(1.0f, 15 - e);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Element access: four consecutive units u0..u0+3 of one row, p already offset by u0. VEC (H a
@@ -320,14 +455,8 @@ static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward kernel
-
-// V (bench variants, tried at H=128 TF32 before one becomes the default; kernels/bench/NOTES.md):
-// bit 0 splits each accumulator's k chain in two (forward) or software-pipelines the fragment
-// loads (backward); bit 1 loads the next step's x W_ih^T at the top of the step into a second
-// register set; bit 2 defers the step's global stores to the top of the next step (they drain
-// during its MMA); bit 3 records per-phase clocks of warp 0 into a.dbg; bit 4 starts odd blocks
-// half a step late, so that blocks' memory bursts interleave.
+// Phase clocks (bench variant bit 8, TF32 H=128 only): warp 0's clock cycles per phase of each
+// step, summed into a.dbg (kernels/bench/NOTES.md v4 has the phases).
 template <int V>
 struct persist_clock {
     long long t = 0, sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -355,77 +484,57 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
         dbg[0] = 0;
 }
 
-static __device__ __forceinline__ void persist_stagger() {
-    if (blockIdx.x & 1)
-        for (int k = 0; k < 2; k++)
-            __nanosleep(1000);
-}
+// ---------------------------------------------------------------------------------------------
+// Forward kernel
 
-// TMA (GRU, sm_90, vector access): the step's y, z and s rows are staged in shared memory and
-// written by the bulk-copy engine at the top of the next step, so the warps never stall on
-// store back-pressure.
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
+// XF: the input projection is fused (a.xks x k-steps; the loop reads x, not a.xg). The layer
+// input is read by the loop (a.x) when it is fused and when the tape copy of x is made here
+// (a.xcopy); each thread then moves up to 4 of the 16 x I_l values of a step (I_l <= HP/2).
+template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
     using E = typename Mode::elem;
-    constexpr int G = Gm::G, NT = Gm::F_NT, KS = Gm::F_KS, KREG = Gm::F_KREG, NW = Gm::NW;
-    constexpr int LDA = Gm::F_LDA, SW = Cell::SW;
-    constexpr int FSPLIT = (V & 1) ? 2 : 1;
-    constexpr bool EARLY = (V & 2) != 0;
-    constexpr bool DEFER = (V & 4) != 0;
-
-    extern __shared__ __align__(16) unsigned char smem[];
-    uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
-    E *tiles = reinterpret_cast<E *>(smem + (KS - KREG) * Gm::F_KS_BYTES);
-    float *stage_s = reinterpret_cast<float *>(smem + (KS - KREG) * Gm::F_KS_BYTES +
-                                               2 * Gm::F_TILE_BYTES);
-    float *stage_y = stage_s + 16 * Gm::S_STR;
-    float *stage_z = stage_y + 16 * Gm::Y_STR;
-    static_assert(!TMA || Gm::F_STAGE, "staging is laid out for the GRU only (and off)");
+    using WL = persist_wlayout<Gm::F_WPL>;
+    constexpr int G = Gm::G, NT = Gm::F_NT, KSH = Gm::F_KS, XKS = XF ? Gm::F_XKS : 0;
+    constexpr int NW = Gm::NW, SW = Cell::SW, WPF = Mode::WPF, THREADS = Gm::THREADS;
+    constexpr bool GRU = G == 3;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H;
-    // Bulk copies of the staged row threadIdx.x (< 16) of step ts to y, z and s.
-    const int zcopy = a.x ? a.ldz : a.xoff; // floats of a z row the stage owns
-    auto bulk_step = [&](int ts) {
-        if (TMA && threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
-            size_t r = (size_t)(blockIdx.x * 16 + threadIdx.x) * T + ts;
-            bulk_s2g(a.y + r * a.ldy, stage_y + threadIdx.x * Gm::Y_STR, H * sizeof(float));
-            if (a.z)
-                bulk_s2g(a.z + r * a.ldz, stage_z + threadIdx.x * Gm::Z_STR,
-                         zcopy * sizeof(float));
-            if (a.s)
-                bulk_s2g(a.s + r * (SW * H), stage_s + threadIdx.x * Gm::S_STR,
-                         SW * H * sizeof(float));
-            bulk_commit();
-        }
-    };
+    const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H, Il = a.Il;
+    const int xks = XF ? a.xks : 0, lda = Gm::f_lda(xks);
     const int u0 = w * 16 + 4 * tg;
 
-    // W_hh as B fragments: B[k][n] = W_hh[q*H + unit(n)][k], q the gate of n-tile nt = 2q+half.
-    auto wfrag = [&](int ks, int nt) -> uint2 {
-        const int q = nt >> 1, half = nt & 1;
-        auto Bf = [&](int k, int n) -> float {
-            int unit = persist_unit(w, half, n);
-            return unit < H && k < H ? __ldg(a.w_hh + (size_t)(q * H + unit) * H + k) : 0.0f;
-        };
-        return Mode::bfrag(Bf, ks, g, tg);
-    };
-    uint2 wreg[KREG > 0 ? KREG : 1][NT];
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char *wsm = smem;
+    E *tiles = reinterpret_cast<E *>(smem + (size_t)(KSH + xks) * Gm::F_KS_BYTES);
+
+    // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] for k < HP, W_ih[..][k - HP]
+    // above, q the gate of n-tile nt = 2q + half.
+    float wscale = 1.0f;
+    if constexpr (Mode::SCALED)
+        wscale = persist_wscale(a.w_hh, GH * H, XF ? a.w_ih : nullptr, XF ? GH * Il : 0,
+                                reinterpret_cast<float *>(tiles));
+    const float winv = 1.0f / wscale;
+#pragma unroll 2
+    for (int ks = 0; ks < KSH + xks; ks++) {
+        uint32_t o[Gm::F_WPL];
 #pragma unroll
-    for (int ks = 0; ks < KREG; ks++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-            wreg[ks][nt] = wfrag(ks, nt);
-#pragma unroll 1
-    for (int ks = KREG; ks < KS; ks++)
-#pragma unroll 1
-        for (int np = 0; np < NT / 2; np++) {
-            uint2 f0 = wfrag(ks, 2 * np), f1 = wfrag(ks, 2 * np + 1);
-            wsm[(((ks - KREG) * NW + w) * (NT / 2) + np) * 32 + lane] =
-                make_uint4(f0.x, f0.y, f1.x, f1.y);
+        for (int nt = 0; nt < NT; nt++) {
+            const int q = nt >> 1, half = nt & 1;
+            auto Bf = [&](int k, int n) -> float {
+                int unit = persist_unit(w, half, n);
+                if (unit >= H)
+                    return 0.0f;
+                if (k < HP)
+                    return k < H ? __ldg(a.w_hh + (size_t)(q * H + unit) * H + k) : 0.0f;
+                k -= HP;
+                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k) : 0.0f;
+            };
+            Mode::wpack(o + nt * WPF, Bf, ks, g, tg, wscale);
         }
+        WL::store(wsm, ks, NW, w, lane, o);
+    }
 
     // Biases of this thread's elements.
     float bi[G][4], bh[G][4];
@@ -446,11 +555,63 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         int b = blockIdx.x * 16 + g + 8 * i;
         rv[i] = b < a.B;
         rbase[i] = (size_t)(rv[i] ? b : 0) * T;
-        xgp[i] = a.xg + rbase[i] * GH + u0;
+        xgp[i] = XF ? nullptr : a.xg + rbase[i] * GH + u0;
         yp[i] = a.y + rbase[i] * a.ldy + u0;
         initp[i] = a.is_init + rbase[i];
     }
     const size_t hid_step = (size_t)L * H; // stride of one step in hidden/cell
+
+    // The layer input this thread moves each step: one float4 (xv4: I_l % 4 == 0, aligned) or
+    // up to 4 single values, element e of the block's 16 x I_l values of the step.
+    const bool xin = a.x != nullptr, xv4 = a.xvec;
+    const float *xsrc[4];
+    int xtile[4];
+    float *xdst[4];
+    bool xok[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int e = xv4 ? threadIdx.x * 4 + k : threadIdx.x + k * THREADS;
+        int row = Il > 0 ? e / Il : 0, col = e - row * Il;
+        size_t b = (size_t)blockIdx.x * 16 + row;
+        xok[k] = xin && e < 16 * Il && b < (size_t)a.B;
+        xsrc[k] = xok[k] ? a.x + b * T * a.ldx + col : nullptr;
+        xdst[k] = xok[k] && a.xcopy ? a.z + b * T * a.ldz + a.xoff + col : nullptr;
+        xtile[k] = row * lda + HP + col;
+    }
+    float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto load_x = [&](int t) {
+        if (xv4) {
+            if (xok[0]) {
+                float4 q = __ldg(reinterpret_cast<const float4 *>(xsrc[0] + (size_t)t * a.ldx));
+                xv[0] = q.x, xv[1] = q.y, xv[2] = q.z, xv[3] = q.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (xok[k])
+                    xv[k] = __ldg(xsrc[k] + (size_t)t * a.ldx);
+        }
+    };
+    auto put_x = [&](E *tile, int t) { // into the A tile (fused) and the tape (xcopy)
+        if (xv4) {
+            if (xok[0]) {
+                if (XF)
+                    Mode::put4(tile + xtile[0], xv);
+                if (xdst[0])
+                    *reinterpret_cast<float4 *>(xdst[0] + (size_t)t * a.ldz) =
+                        make_float4(xv[0], xv[1], xv[2], xv[3]);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (xok[k]) {
+                    if (XF)
+                        Mode::put(tile + xtile[k], xv[k]);
+                    if (xdst[k])
+                        xdst[k][(size_t)t * a.ldz] = xv[k];
+                }
+        }
+    };
 
     // The state entering step 0 (reset rule): hidden[b, 0] when stored states are given, else
     // zero where is_init[b, 0], else h0 (c0) or zero.
@@ -470,17 +631,31 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 ld4<VEC>(c[i], a.c0 + (b * L + l) * H + u0, u0, H, true);
         }
     }
+    if constexpr (XF) {
+        // The x columns of both tiles start at zero (the padding past I_l stays so).
+        for (int e = threadIdx.x; e < 2 * 16 * xks * Mode::KSTEP; e += THREADS) {
+            int tr = e / (xks * Mode::KSTEP), col = e - tr * (xks * Mode::KSTEP);
+            Mode::put(tiles + tr * lda + HP + col, 0.0f);
+        }
+        __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < 2; i++)
-        Mode::put4(tiles + (g + 8 * i) * LDA + u0, h[i]);
+        Mode::put4(tiles + (g + 8 * i) * lda + u0, h[i]);
+    if (xin) {
+        load_x(0);
+        put_x(tiles, 0);
+    }
 
-    // x W_ih^T of step 0, and the reset flags and stored values of step 1.
-    float xg[2][G][4];
+    // x W_ih^T of step 0 (not fused), and the reset flags and stored values of step 1.
+    float xg[XF ? 1 : 2][G][4];
+    if constexpr (!XF) {
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int q = 0; q < G; q++)
-            ld4<VEC>(xg[i][q], xgp[i] + q * H, u0, H, rv[i]);
+            for (int q = 0; q < G; q++)
+                ld4<VEC>(xg[i][q], xgp[i] + q * H, u0, H, rv[i]);
+    }
     int nreset[2];
     float nh[2][4], nc[2][4];
 #pragma unroll
@@ -496,104 +671,38 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
         }
     }
-    // The layer input copied into the tape's z rows (x_l at xoff), one float4 a thread a step.
-    const int xe = threadIdx.x * 4, xrow = a.Il > 0 ? xe / a.Il : 0, xcol = xe - xrow * a.Il;
-    const bool xcp = a.x != nullptr && xe < 16 * a.Il && blockIdx.x * 16 + xrow < a.B;
-    const float *xsrc = xcp ? a.x + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldx + xcol : nullptr;
-    float *xdst = xcp ? a.z + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldz + a.xoff + xcol : nullptr;
-
-    // Deferred stores (variant bit 2): the step's outputs, written at the top of the next step.
-    float dz[DEFER ? 2 : 1][4];
-    float dhn[DEFER ? 2 : 1][4], dsv[DEFER ? SW : 1][DEFER ? 2 : 1][4];
     persist_clock<V> clk;
-    if constexpr ((V & 16) != 0)
-        persist_stagger();
     __syncthreads();
 
     for (int t = 0; t < T; t++) {
-        const E *cur = tiles + (t & 1) * (16 * LDA);
-        E *nxt = tiles + ((t + 1) & 1) * (16 * LDA);
+        const E *cur = tiles + (t & 1) * (16 * lda);
+        E *nxt = tiles + ((t + 1) & 1) * (16 * lda);
         clk.start();
-        float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (xcp)
-            xv = __ldg(reinterpret_cast<const float4 *>(xsrc + (size_t)t * a.ldx));
-        auto store_step = [&](int ts, const float (*hs)[4], const float (*hns)[4],
-                              const float (*svs)[2][4]) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                size_t r = rbase[i] + ts;
-                st4<VEC>(yp[i] + (size_t)ts * a.ldy, hns[i], u0, H, rv[i]);
-                if (a.z) {
-                    float *zr = a.z + r * a.ldz;
-                    st4<VEC>(zr + u0, hs[i], u0, H, rv[i]);
-                    if (u0 == 0 && rv[i]) {
-                        zr[H] = 1.0f;
-                        for (int k = H + 1; k < a.xoff; k++)
-                            zr[k] = 0.0f;
-                        for (int k = a.xoff + a.Il; k < a.ldz; k++)
-                            zr[k] = 0.0f;
-                    }
-                }
-                if (a.s) {
-#pragma unroll
-                    for (int p = 0; p < SW; p++)
-                        st4<VEC>(a.s + r * (SW * H) + p * H + u0, svs[p][i], u0, H, rv[i]);
-                }
-            }
-        };
-        if constexpr (DEFER) {
-            if (t > 0)
-                store_step(t - 1, dz, dhn, dsv);
-        }
-        if constexpr (TMA) {
-            if (t > 0)
-                bulk_step(t - 1);
-        }
+        if (xin && t + 1 < T)
+            load_x(t + 1); // in flight during the MMA
 
-        float xgn[EARLY ? 2 : 1][G][4];
-        if constexpr (EARLY) {
+        // gates = [h | x] [W_hh | W_ih]^T for the warp's 2G n-tiles (the GRU's x part of n apart).
+        float acc[NT][4], accx[2][4];
 #pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int q = 0; q < G; q++)
-                    ld4<VEC>(xgn[i][q], xgp[i] + (size_t)(t + 1) * GH + q * H, u0, H,
-                             rv[i] && t + 1 < T);
-        }
-
-        // gh = h W_hh^T for the warp's 2G n-tiles.
-        float acc[NT][4];
-        float acc2[FSPLIT > 1 ? NT : 1][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < NT; nt++)
             zero4(acc[nt]);
-            if constexpr (FSPLIT > 1)
-                zero4(acc2[nt]);
-        }
+        zero4(accx[0]);
+        zero4(accx[1]);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            uint32_t af[4];
-            Mode::afrag(af, cur, LDA, ks, lane);
+        for (int ks = 0; ks < KSH + XKS; ks++) {
+            if (ks >= KSH && ks - KSH >= xks)
+                break;
+            uint32_t af[4], wv[Gm::F_WPL];
+            Mode::afrag(af, cur, lda, ks, lane);
+            WL::load(wv, wsm, ks, NW, w, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                uint2 b;
-                if (ks < KREG) {
-                    b = wreg[ks < KREG ? ks : 0][nt];
-                } else {
-                    uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
-                    b = nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
-                }
-                if (FSPLIT > 1 && (ks & 1))
-                    Mode::mma(acc2[FSPLIT > 1 ? nt : 0], af, b);
+                uint2 b = Mode::wunpack(wv + nt * WPF);
+                if (GRU && ks >= KSH && nt >= 4)
+                    Mode::mma(accx[nt & 1], af, b); // nt = 4, 5
                 else
                     Mode::mma(acc[nt], af, b);
             }
-        }
-        if constexpr (FSPLIT > 1) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    acc[nt][k] += acc2[nt][k];
         }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
@@ -609,30 +718,28 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 float xq[G], hq[G], s[SW];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
-                    xq[q] = xg[i][q][j] + bi[q][j];
-                    hq[q] = acc[2 * q + (j >> 1)][2 * i + (j & 1)] + bh[q][j];
+                    float gx;
+                    if constexpr (!XF)
+                        gx = xg[i][q][j];
+                    else if (GRU && q == 2)
+                        gx = accx[j >> 1][2 * i + (j & 1)] * winv;
+                    else
+                        gx = 0.0f; // in acc
+                    xq[q] = gx + bi[q][j];
+                    hq[q] = acc[2 * q + (j >> 1)][2 * i + (j & 1)] * winv + bh[q][j];
                 }
                 Cell::template forward<true>(xq, hq, h[i][j], c[i][j], hn[i][j], cn[i][j], s);
 #pragma unroll
                 for (int p = 0; p < SW; p++)
                     sv[p][i][j] = s[p];
             }
-
         if constexpr ((V & 8) != 0) {
             persist_wait_for(hn[0][0] + hn[1][3], a.dbg);
             clk.mark(1);
         }
 
-        // Next step's x W_ih^T: in flight during the next MMA.
-        if constexpr (EARLY) {
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int q = 0; q < G; q++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        xg[i][q][j] = xgn[i][q][j];
-        } else {
+        // Next step's x W_ih^T (not fused): in flight during the next MMA.
+        if constexpr (!XF) {
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -641,55 +748,28 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                              rv[i] && t + 1 < T);
         }
 
-        // Outputs and tape (deferred: kept for the top of the next step; TMA: staged for the
-        // copy engine once it has read the previous step's stage).
-        if constexpr (TMA) {
-            if (threadIdx.x < 16)
-                bulk_wait_read();
-            __syncthreads();
+        // Outputs and tape.
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int row = g + 8 * i;
-                if (u0 < H) {
-                    *reinterpret_cast<float4 *>(stage_y + row * Gm::Y_STR + u0) =
-                        make_float4(hn[i][0], hn[i][1], hn[i][2], hn[i][3]);
-                    *reinterpret_cast<float4 *>(stage_z + row * Gm::Z_STR + u0) =
-                        make_float4(h[i][0], h[i][1], h[i][2], h[i][3]);
-#pragma unroll
-                    for (int p = 0; p < SW; p++)
-                        *reinterpret_cast<float4 *>(stage_s + row * Gm::S_STR + p * H + u0) =
-                            make_float4(sv[p][i][0], sv[p][i][1], sv[p][i][2], sv[p][i][3]);
-                }
-                if (u0 == 0) {
-                    float *zr = stage_z + row * Gm::Z_STR;
+        for (int i = 0; i < 2; i++) {
+            size_t r = rbase[i] + t;
+            st4<VEC>(yp[i] + (size_t)t * a.ldy, hn[i], u0, H, rv[i]);
+            if (a.z) {
+                float *zr = a.z + r * a.ldz;
+                st4<VEC>(zr + u0, h[i], u0, H, rv[i]);
+                if (u0 == 0 && rv[i]) {
                     zr[H] = 1.0f;
                     for (int k = H + 1; k < a.xoff; k++)
                         zr[k] = 0.0f;
-                    for (int k = a.xoff + a.Il; k < zcopy; k++)
+                    for (int k = a.xoff + a.Il; k < a.ldz; k++)
                         zr[k] = 0.0f;
                 }
             }
-            if (xcp)
-                *reinterpret_cast<float4 *>(stage_z + xrow * Gm::Z_STR + a.xoff + xcol) = xv;
-            fence_proxy_async();
-        } else if constexpr (DEFER) {
+            if (a.s) {
 #pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    dz[i][j] = h[i][j];
-                    dhn[i][j] = hn[i][j];
-#pragma unroll
-                    for (int p = 0; p < SW; p++)
-                        dsv[p][i][j] = sv[p][i][j];
-                }
-            if (t == T - 1)
-                store_step(t, dz, dhn, dsv);
-        } else {
-            store_step(t, h, hn, sv);
+                for (int p = 0; p < SW; p++)
+                    st4<VEC>(a.s + r * (SW * H) + p * H + u0, sv[p][i], u0, H, rv[i]);
+            }
         }
-        if (xcp && !TMA)
-            *reinterpret_cast<float4 *>(xdst + (size_t)t * a.ldz) = xv;
 
         if (t + 1 < T) {
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
@@ -702,7 +782,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 }
 #pragma unroll
             for (int i = 0; i < 2; i++)
-                Mode::put4(nxt + (g + 8 * i) * LDA + u0, h[i]);
+                Mode::put4(nxt + (g + 8 * i) * lda + u0, h[i]);
+            if (xin)
+                put_x(nxt, t + 1);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
             for (int i = 0; i < 2; i++) {
@@ -729,11 +811,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         __syncthreads();
         clk.mark(3);
     }
-    if constexpr (TMA) {
-        bulk_step(T - 1); // its stage was written before the last barrier
-        if (threadIdx.x < 16)
-            bulk_wait_all();
-    }
     clk.flush(a.dbg);
 }
 
@@ -742,47 +819,48 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
 // the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
-// stored by the threads.
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
+// stored by the threads. STG (sm_90, vector access): the rows a step reads (tape record, gy,
+// hprev) come through the copy engine into a shared stage, issued by 16 lanes of warp 1 (one
+// row each) as soon as the previous step's rows have been read, and waited for on an mbarrier:
+// no warp stalls issuing loads.
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool STG = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
     using E = typename Mode::elem;
-    constexpr int G = Gm::G, NT = Gm::B_NT, KS = Gm::B_KS, KREG = Gm::B_KREG, NW = Gm::NW;
+    using WL = persist_wlayout<Gm::B_WPL>;
+    constexpr int G = Gm::G, NT = Gm::B_NT, KS = Gm::B_KS, NW = Gm::NW, WPF = Mode::WPF;
     constexpr int LDA = Gm::B_LDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
     constexpr bool LSTM = G == 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    uint4 *wsm = reinterpret_cast<uint4 *>(smem); // two n-tiles' B fragments per 16 bytes
-    E *tile = reinterpret_cast<E *>(smem + (KS - KREG) * Gm::B_KS_BYTES);
+    unsigned char *wsm = smem;
+    E *tile = reinterpret_cast<E *>(smem + KS * Gm::B_KS_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
     const int u0 = w * 16 + 4 * tg;
 
     // W_hh as B fragments: B[k][n] = W_hh[q*H + uu][unit(n)] for k = q*HP + uu.
-    auto wfrag = [&](int ks, int nt) -> uint2 {
-        auto Bf = [&](int k, int n) -> float {
-            int unit = persist_unit(w, nt, n);
-            int q = k / HP, uu = k - q * HP;
-            return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit) : 0.0f;
-        };
-        return Mode::bfrag(Bf, ks, g, tg);
-    };
-    uint2 wreg[KREG > 0 ? KREG : 1][NT];
+    float wscale = 1.0f;
+    if constexpr (Mode::SCALED)
+        wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
+    const float winv = 1.0f / wscale;
+#pragma unroll 4
+    for (int ks = 0; ks < KS; ks++) {
+        uint32_t o[Gm::B_WPL];
 #pragma unroll
-    for (int ks = 0; ks < KREG; ks++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-            wreg[ks][nt] = wfrag(ks, nt);
-#pragma unroll 1
-    for (int ks = KREG; ks < KS; ks++)
-#pragma unroll 1
-        for (int np = 0; np < NT / 2; np++) {
-            uint2 f0 = wfrag(ks, 2 * np), f1 = wfrag(ks, 2 * np + 1);
-            wsm[(((ks - KREG) * NW + w) * (NT / 2) + np) * 32 + lane] =
-                make_uint4(f0.x, f0.y, f1.x, f1.y);
+        for (int nt = 0; nt < NT; nt++) {
+            auto Bf = [&](int k, int n) -> float {
+                int unit = persist_unit(w, nt, n);
+                int q = k / HP, uu = k - q * HP;
+                return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit)
+                                          : 0.0f;
+            };
+            Mode::wpack(o + nt * WPF, Bf, ks, g, tg, wscale);
         }
+        WL::store(wsm, ks, NW, w, lane, o);
+    }
 
     bool rv[2];
     size_t rbase[2], bidx[2];
@@ -814,24 +892,72 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             size_t r = rbase[i] + t;
+            reset[i] = ld_flag(a.is_init + r, rv[i]);
+            if constexpr (!STG) {
+#pragma unroll
+                for (int p = 0; p < SW; p++)
+                    ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
+                ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
+                if (LSTM)
+                    zero4(hp[i]);
+                else
+                    ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
+            }
+        }
+    };
+    float *stage = reinterpret_cast<float *>(smem + Gm::B_SMEM);
+    float *stage_y = stage + 16 * Gm::S_STR, *stage_h = stage_y + 16 * Gm::Y_STR;
+    uint64_t *bar = reinterpret_cast<uint64_t *>(smem + Gm::B_SMEM + Gm::B_STAGE_BYTES);
+    auto issue_step = [&](int t) { // STG: lane r of warp 1 brings row r of step t
+        if (w == 1 && lane < 16) {
+            int b = blockIdx.x * 16 + lane;
+            bool ok = b < a.B;
+            uint32_t bytes = (SW + (LSTM ? 1 : 2)) * H * (uint32_t)sizeof(float);
+            mbar_arrive_tx(bar, ok ? bytes : 0);
+            if (ok) {
+                size_t r = (size_t)b * T + t;
+                bulk_g2s(stage + lane * Gm::S_STR, a.s + r * (SW * H), SW * H * 4, bar);
+                bulk_g2s(stage_y + lane * Gm::Y_STR, a.gy + r * a.ldgy, H * 4, bar);
+                if (!LSTM)
+                    bulk_g2s(stage_h + lane * Gm::Y_STR, a.z + r * a.ldz, H * 4, bar);
+            }
+        }
+    };
+    auto read_stage = [&](uint32_t parity) {
+        mbar_wait(bar, parity);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int row = g + 8 * i;
+            bool ok = rv[i] && u0 < H;
+            auto rd = [&](float v[4], const float *p) {
+                float4 q = ok ? *reinterpret_cast<const float4 *>(p)
+                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+            };
 #pragma unroll
             for (int p = 0; p < SW; p++)
-                ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
-            ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
+                rd(sv[p][i], stage + row * Gm::S_STR + p * H + u0);
+            rd(gy[i], stage_y + row * Gm::Y_STR + u0);
             if (LSTM)
                 zero4(hp[i]);
             else
-                ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
-            reset[i] = ld_flag(a.is_init + r, rv[i]);
+                rd(hp[i], stage_h + row * Gm::Y_STR + u0);
         }
     };
+    if constexpr (STG) {
+        if (threadIdx.x == 0)
+            mbar_init(bar, 16);
+        __syncthreads();
+        issue_step(T - 1); // lands while the weights are arranged
+    }
     load_step(T - 1);
     persist_clock<V> clk;
-    if constexpr ((V & 16) != 0)
-        persist_stagger();
+    __syncthreads(); // the weights are in place
 
     for (int t = T - 1; t >= 0; t--) {
         clk.start();
+        if constexpr (STG)
+            read_stage((uint32_t)(T - 1 - t) & 1u);
         // Gate gradients of step t.
         float ddir[2][4], dcp[2][4], tv[G][2][4], dv[4][2][4];
 #pragma unroll
@@ -877,6 +1003,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(1);
         __syncthreads();
         clk.mark(2);
+        if constexpr (STG) {
+            if (t > 0)
+                issue_step(t - 1); // every thread has read step t's rows
+        }
         if constexpr (TMA) {
             // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
             if (threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
@@ -893,41 +1023,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
                 zero4(acc[sp][nt]);
-        auto bfrag_at = [&](int ks, int nt) -> uint2 {
-            if (ks < KREG)
-                return wreg[ks < KREG ? ks : 0][nt];
-            uint4 q = wsm[(((ks - KREG) * NW + w) * (NT / 2) + (nt >> 1)) * 32 + lane];
-            return nt & 1 ? make_uint2(q.z, q.w) : make_uint2(q.x, q.y);
-        };
-        if constexpr ((V & 1) != 0) {
-            // Software-pipelined: fragments of k-step ks+1 are loaded before the MMAs of ks.
-            uint32_t af[2][4];
-            uint2 bf[2][NT];
-            Mode::afrag(af[0], tile, LDA, 0, lane);
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            uint32_t af[4], wv[Gm::B_WPL];
+            Mode::afrag(af, tile, LDA, ks, lane);
+            WL::load(wv, wsm, ks, NW, w, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
-                bf[0][nt] = bfrag_at(0, nt);
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                if (ks + 1 < KS) {
-                    Mode::afrag(af[(ks + 1) & 1], tile, LDA, ks + 1, lane);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        bf[(ks + 1) & 1][nt] = bfrag_at(ks + 1, nt);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    Mode::mma(acc[ks % SPLIT][nt], af[ks & 1], bf[ks & 1][nt]);
-            }
-        } else {
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                uint32_t af[4];
-                Mode::afrag(af, tile, LDA, ks, lane);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    Mode::mma(acc[ks % SPLIT][nt], af, bfrag_at(ks, nt));
-            }
+                Mode::mma(acc[ks % SPLIT][nt], af, Mode::wunpack(wv + nt * WPF));
         }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0][0] + acc[SPLIT - 1][NT - 1][3], a.dbg);
@@ -941,11 +1044,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                float s = ddir[i][j];
+                float s = 0.0f;
 #pragma unroll
                 for (int sp = 0; sp < SPLIT; sp++)
                     s += acc[sp][j >> 1][2 * i + (j & 1)];
-                dhp[j] = s;
+                dhp[j] = ddir[i][j] + s * winv;
             }
             bool carry = t > 0 && !rst[i];
             if (carry) {
@@ -993,17 +1096,20 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
+    int xks = a.xks > 0 && a.xks <= Gm::F_XKS ? a.xks : 0;
+    if (a.xks != xks || (xks == 0 && a.xg == nullptr))
+        return RNND_EINVAL;
     // Variants exist with vector access only (the dispatcher asks for them only then).
-    auto kernel = seq_forward_kernel<Cell, Mode, HP, true, V>;
-    if constexpr (Gm::F_STAGE)
-        if (a.tma)
-            kernel = seq_forward_kernel<Cell, Mode, HP, true, V, Gm::F_STAGE>;
+    auto kernel = xks ? seq_forward_kernel<Cell, Mode, HP, true, true, V>
+                      : seq_forward_kernel<Cell, Mode, HP, true, false, V>;
     if constexpr (V == 0)
         if (!a.vec)
-            kernel = seq_forward_kernel<Cell, Mode, HP, false, 0>;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)Gm::F_SMEM));
-    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::F_SMEM, stream>>>(a);
+            kernel = xks ? seq_forward_kernel<Cell, Mode, HP, false, true>
+                         : seq_forward_kernel<Cell, Mode, HP, false, false>;
+    long smem = Gm::f_smem(xks);
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, smem, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -1011,24 +1117,34 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
 template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    auto kernel = seq_backward_kernel<Cell, Mode, HP, true, V>;
-    if constexpr (sizeof(typename Mode::elem) == 4)
-        if (a.tma && a.H == HP)
-            kernel = seq_backward_kernel<Cell, Mode, HP, true, V, true>;
+    constexpr bool F32 = sizeof(typename Mode::elem) == 4;
+    bool tma = F32 && a.tma && a.H == HP, stg = a.tma && a.vec && (a.variant & 64);
+    long smem = stg ? Gm::B_SMEM_STG : Gm::B_SMEM;
+    auto kernel = tma ? seq_backward_kernel<Cell, Mode, HP, true, V, F32>
+                      : seq_backward_kernel<Cell, Mode, HP, true, V>;
+    if (stg)
+        kernel = tma ? seq_backward_kernel<Cell, Mode, HP, true, V, F32, true>
+                     : seq_backward_kernel<Cell, Mode, HP, true, V, false, true>;
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)Gm::B_SMEM));
-    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
+    if (smem > RNND_PERSIST_SMEM_BUDGET)
+        return RNND_ENOTSUP;
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, smem, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
+// Shared memory of one launch (forward with xks fused x k-steps), or -1 when xks is more than
+// the loop takes.
 template <class Cell, class Mode, int HP>
-static long persist_smem(bool backward) {
+static long persist_smem(bool backward, int xks) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    return backward ? Gm::B_SMEM : Gm::F_SMEM;
+    if (backward)
+        return Gm::B_SMEM;
+    return xks >= 0 && xks <= Gm::F_XKS ? Gm::f_smem(xks) : -1;
 }
 
 #endif // RNND_CUDA_SEQ_PERSIST_CUH

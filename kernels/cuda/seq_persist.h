@@ -13,7 +13,9 @@
 struct persist_fwd_args {
     int B, T, H, L, l;
     bool vec;                    // 16-byte vector access is safe (H % 4 == 0, aligned strides)
-    const float *xg;             // (B*T, G*H) x_l W_ih^T, no bias
+    int xks;                     // > 0: the loop computes x W_ih^T itself (xks k-steps of x)
+    const float *xg;             // (B*T, G*H) x_l W_ih^T, no bias (xks == 0)
+    const float *w_ih;           // (G*H, Il) (xks > 0)
     const float *w_hh;           // (G*H, H)
     const float *b_ih, *b_hh;    // (G*H)
     const uint8_t *is_init;      // (B, T)
@@ -25,9 +27,10 @@ struct persist_fwd_args {
     int ldz, xoff, Il;
     float *s;                    // tape s rows (SW*H) or NULL
     float *h_n, *c_n;            // (B, L, H) or NULL
-    const float *x;              // (B*T rows, ldx) layer input to copy into z at xoff, or NULL
-    int ldx;                     // (only when 16*Il <= 4*threads and Il % 4 == 0, aligned)
-    bool tma;                    // stage stores for the bulk-copy engine (sm_90, vec, GRU)
+    const float *x;              // (B*T rows, ldx) the layer input, read by the loop when xks > 0
+    int ldx;                     // or xcopy (then Il <= HP/2), else NULL
+    bool xvec;                   // x rows may be read as float4 (Il % 4 == 0, aligned)
+    bool xcopy;                  // copy x into z at xoff
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };
@@ -63,10 +66,15 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
 int rnnd__persist_backward(const struct rnnd_model *m, const struct persist_bwd_args *a,
                            cudaStream_t stream);
 
-// Per cell (seq_gru.cu, seq_lstm.cu); bf16 selects the mode; smem returns the shared memory.
+// x k-steps the forward loop of layer l of m fuses (its input projection), or 0 when it takes
+// x W_ih^T from a GEMM: I_l > HP/2, or the weights do not fit smem_optin bytes.
+int rnnd__persist_xks(const struct rnnd_model *m, int l, size_t smem_optin);
+
+// Per cell (seq_gru.cu, seq_lstm.cu); bf16 selects the mode; smem returns the shared memory of
+// one launch (forward: with xks fused x k-steps), -1 where there is none.
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
 int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
-long rnnd__persist_gru_smem(bool backward, bool bf16, int HP);
-long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP);
+long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks);
+long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP, int xks);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

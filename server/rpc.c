@@ -36,6 +36,7 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
 #include "metrics.h"
+#include "request.h"
 #include "rnnd/v1/rnnd.pb-c.h"
 #include "rnnd_kernels.h"
 #include "service.h"
@@ -49,44 +50,31 @@ struct method {
     const char *path;
     enum rnnd_method metric;
     enum method_kind kind;
-    const ProtobufCMessageDescriptor *request;
     rnnd_rpc_handler_fn handler;
     int posted; // requests kept waiting for this method
 };
 
 static const struct method methods[] = {
     {"/rnnd.v1.Rnn/GetModelInfo", RNND_METHOD_GET_MODEL_INFO, KIND_UNARY,
-     &rnnd__v1__get_model_info_request__descriptor, rnnd_service_get_model_info, 8},
-    {"/rnnd.v1.Rnn/Step", RNND_METHOD_STEP, KIND_UNARY, &rnnd__v1__step_request__descriptor,
-     rnnd_service_step, 32},
-    {"/rnnd.v1.Rnn/StepStream", RNND_METHOD_STEP_STREAM, KIND_STEP_STREAM,
-     &rnnd__v1__step_request__descriptor, rnnd_service_step, 8},
-    {"/rnnd.v1.Rnn/EndEpisodes", RNND_METHOD_END_EPISODES, KIND_UNARY,
-     &rnnd__v1__end_episodes_request__descriptor, rnnd_service_end_episodes, 4},
-    {"/rnnd.v1.Rnn/Forward", RNND_METHOD_FORWARD, KIND_UNARY,
-     &rnnd__v1__forward_request__descriptor, rnnd_service_forward, 4},
-    {"/rnnd.v1.Rnn/Backward", RNND_METHOD_BACKWARD, KIND_UNARY,
-     &rnnd__v1__backward_request__descriptor, rnnd_service_backward, 4},
+     rnnd_service_get_model_info, 8},
+    {"/rnnd.v1.Rnn/Step", RNND_METHOD_STEP, KIND_UNARY, rnnd_service_step, 32},
+    {"/rnnd.v1.Rnn/StepStream", RNND_METHOD_STEP_STREAM, KIND_STEP_STREAM, rnnd_service_step, 8},
+    {"/rnnd.v1.Rnn/EndEpisodes", RNND_METHOD_END_EPISODES, KIND_UNARY, rnnd_service_end_episodes,
+     4},
+    {"/rnnd.v1.Rnn/Forward", RNND_METHOD_FORWARD, KIND_UNARY, rnnd_service_forward, 4},
+    {"/rnnd.v1.Rnn/Backward", RNND_METHOD_BACKWARD, KIND_UNARY, rnnd_service_backward, 4},
     {"/rnnd.v1.Rnn/ApplyGradients", RNND_METHOD_APPLY_GRADIENTS, KIND_UNARY,
-     &rnnd__v1__apply_gradients_request__descriptor, rnnd_service_apply_gradients, 2},
-    {"/rnnd.v1.Rnn/GetWeights", RNND_METHOD_GET_WEIGHTS, KIND_UNARY,
-     &rnnd__v1__get_weights_request__descriptor, rnnd_service_get_weights, 2},
-    {"/rnnd.v1.Rnn/SetWeights", RNND_METHOD_SET_WEIGHTS, KIND_UNARY,
-     &rnnd__v1__set_weights_request__descriptor, rnnd_service_set_weights, 2},
+     rnnd_service_apply_gradients, 2},
+    {"/rnnd.v1.Rnn/GetWeights", RNND_METHOD_GET_WEIGHTS, KIND_UNARY, rnnd_service_get_weights, 2},
+    {"/rnnd.v1.Rnn/SetWeights", RNND_METHOD_SET_WEIGHTS, KIND_UNARY, rnnd_service_set_weights, 2},
     {"/rnnd.v1.Rnn/SaveCheckpoint", RNND_METHOD_SAVE_CHECKPOINT, KIND_UNARY,
-     &rnnd__v1__save_checkpoint_request__descriptor, rnnd_service_save_checkpoint, 2},
-    {"/grpc.health.v1.Health/Check", RNND_METHOD_HEALTH_CHECK, KIND_HEALTH_CHECK,
-     &grpc__health__v1__health_check_request__descriptor, NULL, 4},
-    {"/grpc.health.v1.Health/Watch", RNND_METHOD_HEALTH_WATCH, KIND_HEALTH_WATCH,
-     &grpc__health__v1__health_check_request__descriptor, NULL, 4},
+     rnnd_service_save_checkpoint, 2},
+    {"/grpc.health.v1.Health/Check", RNND_METHOD_HEALTH_CHECK, KIND_HEALTH_CHECK, NULL, 4},
+    {"/grpc.health.v1.Health/Watch", RNND_METHOD_HEALTH_WATCH, KIND_HEALTH_WATCH, NULL, 4},
 };
 #define NMETHODS         ((int)(sizeof(methods) / sizeof(methods[0])))
 #define CATCH_ALL_POSTED 2
 
-// Services the health service knows: the whole server and rnnd.v1.Rnn.
-static bool health_known(const char *service) {
-    return service[0] == '\0' || strcmp(service, "rnnd.v1.Rnn") == 0;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Types
@@ -219,16 +207,16 @@ static grpc_byte_buffer *encode(const ProtobufCMessage *m) {
     return bb;
 }
 
-static ProtobufCMessage *decode(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *bb) {
+// The received message of method m, decoded by request.c; NULL when absent or malformed.
+static ProtobufCMessage *decode(enum rnnd_method m, grpc_byte_buffer *bb) {
     grpc_byte_buffer_reader r;
     if (bb == NULL || !grpc_byte_buffer_reader_init(&r, bb))
         return NULL;
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
-    ProtobufCMessage *m =
-        protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    ProtobufCMessage *msg = rnnd_request_decode(m, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
     grpc_slice_unref(s);
-    return m;
+    return msg;
 }
 
 // Starts a batch on c under the gate, taking a reference for it. False when the queue is
@@ -573,7 +561,7 @@ static void health_check(struct rnnd_call *c) {
     const Grpc__Health__V1__HealthCheckRequest *req =
         (const Grpc__Health__V1__HealthCheckRequest *)c->request;
     const char *svc = req->service ? req->service : "";
-    if (!health_known(svc)) {
+    if (!rnnd_request_health_known(svc)) {
         char msg[256];
         snprintf(msg, sizeof(msg), "unknown service '%.100s'; rnnd reports \"\" and rnnd.v1.Rnn",
                  svc);
@@ -601,7 +589,7 @@ static void health_watch(struct rnnd_call *c) {
     const Grpc__Health__V1__HealthCheckRequest *req =
         (const Grpc__Health__V1__HealthCheckRequest *)c->request;
     c->watching = true;
-    c->watch_known = health_known(req->service ? req->service : "");
+    c->watch_known = rnnd_request_health_known(req->service ? req->service : "");
     list_stream(c);
     pthread_mutex_lock(&c->lock);
     bool drop = watch_update_locked(c);
@@ -688,7 +676,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
         pthread_mutex_unlock(&c->lock);
         return;
     }
-    c->request = decode(m->request, c->payload);
+    c->request = decode(m->metric, c->payload);
     if (c->payload) {
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
@@ -697,7 +685,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
         char msg[256];
         snprintf(msg, sizeof(msg),
                  "the request of %s is missing or does not decode as %s; send a valid message",
-                 m->path, m->request->name);
+                 m->path, rnnd_request_descriptor(m->metric)->name);
         rnnd_call_fail(c, RNND_EINVAL, msg);
         return;
     }
@@ -737,7 +725,7 @@ static void on_recv(struct rnnd_call *c, bool ok) {
     }
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
-    c->request = decode(m->request, c->payload);
+    c->request = decode(m->metric, c->payload);
     grpc_byte_buffer_destroy(c->payload);
     c->payload = NULL;
     bool drop = false;

@@ -258,9 +258,8 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
-    s->svc = (struct rnnd_service){.cfg = &s->cfg,
-                                   .engine = s->engine,
-                                   .max_message_bytes = (size_t)cfg->max_message_mb << 20};
+    s->svc = (struct rnnd_service){.cfg = &s->cfg, .engine = s->engine};
+    rnnd_request_limits_init(&s->svc.limits, &s->cfg);
     if (strcmp(cfg->http, "off") != 0 &&
         rnnd_http_start(&s->loop, cfg->http, &s->http, &s->http_port, err, sizeof(err)) != 0) {
         rnnd_log(RNND_LOG_ERROR, "%s", err);
@@ -274,7 +273,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     }
     struct rnnd_rpc_options ro = {.listen = cfg->listen,
                                   .threads = threads,
-                                  .max_message_bytes = s->svc.max_message_bytes,
+                                  .max_message_bytes = s->svc.limits.max_message_bytes,
                                   .service = &s->svc,
                                   .stopped = on_rpc_stopped,
                                   .stopped_ctx = s,

@@ -1,5 +1,5 @@
 /*
- * service.h: the rnnd.v1.Rnn handlers: decode and check each request against the model (shapes,
+ * service.h: the rnnd.v1.Rnn handlers: check each request against the model (request.h: shapes,
  * dtypes, byte counts, duplicates, non-finite values), turn it into an engine job, and turn the
  * finished job into the reply. Checks that need engine state (env table, tapes) happen in the
  * engine; everything else is refused here, before anything is queued, so a rejected request
@@ -12,12 +12,13 @@
 
 #include "config.h"
 #include "engine.h"
+#include "request.h"
 #include "rpc.h"
 
 struct rnnd_service {
     const struct rnnd_config *cfg;
     struct rnnd_engine *engine;
-    size_t max_message_bytes;
+    struct rnnd_request_limits limits; // what requests are checked against
 };
 
 // rnnd_rpc_handler_fn for each method; svc is a struct rnnd_service.

@@ -1,0 +1,77 @@
+/*
+ * request.h: decoding and checking every request the daemon accepts, as pure functions of the
+ * request bytes (or message) and the daemon's limits: no engine, no gRPC, no allocation that
+ * outlives a call. rpc.c decodes with rnnd_request_decode; each handler of service.c runs its
+ * method's check before it builds a job, so a request refused here changes no state. The fuzz
+ * target (tests/fuzz) drives exactly these functions.
+ *
+ * Checks return 0 or an RNND_E* code with a message in err (RNND_REQUEST_ERRLEN bytes) saying
+ * what was wrong and what to send instead (DESIGN.md §3). Any thread.
+ */
+#ifndef RNND_REQUEST_H
+#define RNND_REQUEST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <protobuf-c/protobuf-c.h>
+
+#include "config.h"
+#include "engine.h"
+#include "metrics.h"
+#include "rnnd/v1/rnnd.pb-c.h"
+
+#define RNND_REQUEST_ERRLEN 512
+
+// What a request is checked against (copied from the configuration at start).
+struct rnnd_request_limits {
+    struct rnnd_model model;
+    size_t P; // parameter count of model
+    int max_batch;
+    int extras_size;
+    int trajectory_steps;
+    size_t max_message_bytes;
+    float lr;
+    char state_dir[RNND_CONFIG_PATH_MAX];
+};
+
+void rnnd_request_limits_init(struct rnnd_request_limits *l, const struct rnnd_config *cfg);
+
+// The protobuf descriptor of method m's request; NULL for RNND_METHOD_UNKNOWN.
+const ProtobufCMessageDescriptor *rnnd_request_descriptor(enum rnnd_method m);
+// Decodes len bytes at data (borrowed) as method m's request: a new message (free with
+// protobuf_c_message_free_unpacked(msg, NULL)), or NULL when the bytes do not decode.
+ProtobufCMessage *rnnd_request_decode(enum rnnd_method m, const uint8_t *data, size_t len);
+
+// Bytes per element of a rnnd.v1 DType value; 0 for an unknown one.
+size_t rnnd_request_dtype_size(int dtype);
+
+// grpc.health.v1: true for the services rnnd reports ("" and "rnnd.v1.Rnn").
+bool rnnd_request_health_known(const char *service);
+
+// Step / StepStream. *extras: whether the request carries a usable extras tensor.
+int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepRequest *req,
+                      bool *extras, char *err);
+int rnnd_request_end_episodes(const struct rnnd_request_limits *l,
+                              const Rnnd__V1__EndEpisodesRequest *req, char *err);
+// Forward: fills *f (zeroed first) with pointers into req (borrowed: valid while req is). An
+// explicit source without is_init leaves f->is_init NULL (no resets).
+int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
+                         struct rnnd_forward_job *f, char *err);
+// Backward: fills *g (zeroed first) with pointers into req.
+int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__BackwardRequest *req,
+                          struct rnnd_backward_job *g, char *err);
+// ApplyGradients: *has_lr; when req carries grads they are copied into flat (P floats).
+int rnnd_request_apply_gradients(const struct rnnd_request_limits *l,
+                                 const Rnnd__V1__ApplyGradientsRequest *req, float *flat,
+                                 bool *has_lr, char *err);
+int rnnd_request_get_weights(const struct rnnd_request_limits *l, char *err);
+// SetWeights: every tensor of the model exactly once, copied into flat (P floats).
+int rnnd_request_set_weights(const struct rnnd_request_limits *l,
+                             const Rnnd__V1__SetWeightsRequest *req, float *flat, char *err);
+// SaveCheckpoint: a --state-dir is configured and a named path resolves inside it.
+int rnnd_request_save_checkpoint(const struct rnnd_request_limits *l,
+                                 const Rnnd__V1__SaveCheckpointRequest *req, char *err);
+
+#endif // RNND_REQUEST_H

@@ -273,8 +273,7 @@ int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint
     return batcher_push(b, item, now_ns, true);
 }
 
-int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item,
-                            uint64_t now_ns) {
+int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns) {
     return batcher_push(b, item, now_ns, false);
 }
 

@@ -69,8 +69,7 @@ void rnnd_batcher_free(struct rnnd_batcher *b);
 int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns);
 // rnnd_batcher_push without waking a sleeping engine: for a pusher that will run the batch
 // itself (or call rnnd_batcher_wake).
-int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item,
-                            uint64_t now_ns);
+int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns);
 // Wakes the engine (or makes its next sleep return at once). Any thread.
 void rnnd_batcher_wake(struct rnnd_batcher *b);
 // Queues a control job (any thread); always accepted, even when closed.

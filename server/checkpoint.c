@@ -249,6 +249,67 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     if (rc != 0)
         return rc;
 
+    // trajectories.safetensors
+    if (ck->traj_count) {
+        int64_t R = ck->traj_rows, I = ck->model.I, E = ck->extras_size;
+        struct rnnd_st_tensor tt[7];
+        int nt = 0;
+        tt[nt++] = (struct rnnd_st_tensor){.name = "count",
+                                           .dtype = RNND_ST_I64,
+                                           .ndim = 1,
+                                           .shape = {N},
+                                           .data = ck->traj_count,
+                                           .bytes = (size_t)N * 8};
+        tt[nt++] = (struct rnnd_st_tensor){.name = "obs",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 2,
+                                           .shape = {R, I},
+                                           .data = ck->traj_obs,
+                                           .bytes = (size_t)(R * I) * 4};
+        tt[nt++] = (struct rnnd_st_tensor){.name = "is_init",
+                                           .dtype = RNND_ST_U8,
+                                           .ndim = 1,
+                                           .shape = {R},
+                                           .data = ck->traj_is_init,
+                                           .bytes = (size_t)R};
+        if (E > 0)
+            tt[nt++] = (struct rnnd_st_tensor){.name = "extras",
+                                               .dtype = RNND_ST_F32,
+                                               .ndim = 2,
+                                               .shape = {R, E},
+                                               .data = ck->traj_extras,
+                                               .bytes = (size_t)(R * E) * 4};
+        tt[nt++] = (struct rnnd_st_tensor){.name = "version",
+                                           .dtype = RNND_ST_I64,
+                                           .ndim = 1,
+                                           .shape = {R},
+                                           .data = ck->traj_version,
+                                           .bytes = (size_t)R * 8};
+        tt[nt++] = (struct rnnd_st_tensor){.name = "h",
+                                           .dtype = RNND_ST_F32,
+                                           .ndim = 3,
+                                           .shape = {R, L, H},
+                                           .data = ck->traj_h,
+                                           .bytes = (size_t)R * lh * 4};
+        if (ck->model.cell == RNND_CELL_LSTM)
+            tt[nt++] = (struct rnnd_st_tensor){.name = "c",
+                                               .dtype = RNND_ST_F32,
+                                               .ndim = 3,
+                                               .shape = {R, L, H},
+                                               .data = ck->traj_c,
+                                               .bytes = (size_t)R * lh * 4};
+        const char *traj_meta[] = {"layout",
+                                   "rows of every env in envs.safetensors order, count[i] each, "
+                                   "oldest first; h/c: the state before the step"};
+        rc = rnnd_st_encode(tt, nt, traj_meta, 1, &buf, &len);
+        if (rc != 0)
+            return fail(err, errlen, rc, "encode trajectories.safetensors: %s", rnnd_strerror(rc));
+        rc = write_file(dirfd, "trajectories.safetensors", buf, len, err, errlen);
+        free(buf);
+        if (rc != 0)
+            return rc;
+    }
+
     // metadata.json
     char created[64];
     struct timespec ts;
@@ -405,10 +466,11 @@ static int slurp(const char *path, void **out, size_t *len, char *err, size_t er
 }
 
 // Decodes dir/name: 0, RNND_ENOTFOUND (missing) or an error naming the file.
+// dir NULL: name is the file's path.
 static int read_st(const char *dir, const char *name, void **buf, struct rnnd_st_file *f, char *err,
                    size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    snprintf(path, sizeof(path), "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
     size_t len;
     int rc = slurp(path, buf, &len, err, errlen);
     if (rc != 0)
@@ -452,6 +514,77 @@ static void *keep(struct rnnd_checkpoint_data *d, size_t bytes) {
         }
     }
     return NULL;
+}
+
+static long long created_ms(const char *dir);
+
+// Checks trajectories.safetensors (f) against the envs already read into d and copies it.
+static int read_trajectories(struct rnnd_checkpoint_data *d, const struct rnnd_st_file *f,
+                             char *err, size_t errlen) {
+    struct rnnd_checkpoint *ck = &d->ck;
+    int64_t N = ck->n_envs, I = ck->model.I, L = ck->model.L, H = ck->model.H;
+    int64_t s1[1] = {N};
+    const struct rnnd_st_tensor *cnt = want_tensor(f, "count", RNND_ST_I64, 1, s1);
+    if (cnt == NULL)
+        return fail(err, errlen, RNND_ECORRUPT,
+                    "trajectories.safetensors: expected I64 'count' [%lld], one per env of "
+                    "envs.safetensors",
+                    (long long)N);
+    int64_t *count = keep(d, (size_t)N * 8);
+    if (count == NULL)
+        return fail(err, errlen, RNND_ENOMEM, "out of memory");
+    memcpy(count, cnt->data, (size_t)N * 8);
+    int64_t R = 0;
+    for (int64_t i = 0; i < N; i++) {
+        if (count[i] < 0 || count[i] > INT32_MAX || R > INT64_MAX / 2)
+            return fail(err, errlen, RNND_ECORRUPT,
+                        "trajectories.safetensors: count[%lld] = %lld is out of range",
+                        (long long)i, (long long)count[i]);
+        R += count[i];
+    }
+    const struct rnnd_st_tensor *obs = rnnd_st_find(f, "obs");
+    const struct rnnd_st_tensor *ex = rnnd_st_find(f, "extras");
+    int64_t E = ex && ex->ndim == 2 ? ex->shape[1] : 0;
+    int64_t so[2] = {R, I}, se[2] = {R, E}, s3[3] = {R, L, H}, sr[1] = {R};
+    obs = want_tensor(f, "obs", RNND_ST_F32, 2, so);
+    ex = E > 0 ? want_tensor(f, "extras", RNND_ST_F32, 2, se) : NULL;
+    const struct rnnd_st_tensor *ini = want_tensor(f, "is_init", RNND_ST_U8, 1, sr);
+    const struct rnnd_st_tensor *ver = want_tensor(f, "version", RNND_ST_I64, 1, sr);
+    const struct rnnd_st_tensor *h = want_tensor(f, "h", RNND_ST_F32, 3, s3);
+    bool lstm = ck->model.cell == RNND_CELL_LSTM;
+    const struct rnnd_st_tensor *c = lstm ? want_tensor(f, "c", RNND_ST_F32, 3, s3) : NULL;
+    if (!obs || !ini || !ver || !h || (lstm && !c) || (rnnd_st_find(f, "extras") && !ex) ||
+        E > INT32_MAX)
+        return fail(err, errlen, RNND_ECORRUPT,
+                    "trajectories.safetensors: expected obs [%lld, %lld], is_init and version "
+                    "[%lld], h%s [%lld, %lld, %lld] for the %lld rows that count adds up to",
+                    (long long)R, (long long)I, (long long)R, lstm ? " and c" : "", (long long)R,
+                    (long long)L, (long long)H, (long long)R);
+    size_t r = (size_t)R, lh = (size_t)(L * H);
+    float *obs_v = keep(d, r * (size_t)I * 4), *h_v = keep(d, r * lh * 4);
+    float *c_v = lstm ? keep(d, r * lh * 4) : NULL, *ex_v = E ? keep(d, r * (size_t)E * 4) : NULL;
+    uint8_t *ini_v = keep(d, r);
+    uint64_t *ver_v = keep(d, r * 8);
+    if (!obs_v || !h_v || (lstm && !c_v) || (E && !ex_v) || !ini_v || !ver_v)
+        return fail(err, errlen, RNND_ENOMEM, "out of memory");
+    memcpy(obs_v, obs->data, r * (size_t)I * 4);
+    memcpy(h_v, h->data, r * lh * 4);
+    if (c_v)
+        memcpy(c_v, c->data, r * lh * 4);
+    if (ex_v)
+        memcpy(ex_v, ex->data, r * (size_t)E * 4);
+    memcpy(ini_v, ini->data, r);
+    memcpy(ver_v, ver->data, r * 8);
+    ck->traj_count = count;
+    ck->traj_rows = R;
+    ck->traj_obs = obs_v;
+    ck->traj_is_init = ini_v;
+    ck->traj_extras = ex_v;
+    ck->traj_version = ver_v;
+    ck->traj_h = h_v;
+    ck->traj_c = c_v;
+    ck->extras_size = (int)E;
+    return 0;
 }
 
 int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
@@ -582,12 +715,45 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     } else if (rc != RNND_ENOTFOUND) {
         goto done;
     }
+
+    // trajectories.safetensors (optional; needs the envs it belongs to)
+    rc = read_st(dir, "trajectories.safetensors", &buf, &f, err, errlen);
+    if (rc == 0) {
+        rc = read_trajectories(out, &f, err, errlen);
+        if (rc != 0)
+            goto done;
+        rnnd_st_file_free(&f);
+        free(buf);
+        buf = NULL;
+    } else if (rc != RNND_ENOTFOUND) {
+        goto done;
+    }
+    ck->created_unix_ms = created_ms(dir);
     rc = 0;
 done:
     rnnd_st_file_free(&f);
     free(buf);
     if (rc != 0)
         rnnd_checkpoint_data_free(out);
+    return rc;
+}
+
+int rnnd_checkpoint_read_weights(const char *file, const struct rnnd_model *m, float *params,
+                                 char *err, size_t errlen) {
+    void *buf = NULL;
+    struct rnnd_st_file f = {0};
+    int rc = read_st(NULL, file, &buf, &f, err, errlen);
+    if (rc == RNND_ENOTFOUND)
+        return fail(err, errlen, RNND_EIO, "%s: no such file", file);
+    if (rc != 0)
+        return rc;
+    char why[256];
+    rc = rnnd_st_decode_params(m, &f, params, why, sizeof(why));
+    if (rc != 0)
+        rc = fail(err, errlen, RNND_EINVAL, "%s does not fit this daemon's %s I=%d H=%d L=%d: %s",
+                  file, rnnd_config_cell_name(m->cell), m->I, m->H, m->L, why);
+    rnnd_st_file_free(&f);
+    free(buf);
     return rc;
 }
 

@@ -3,6 +3,8 @@
  *   model.safetensors     the weights with PyTorch names (loadable into nn.GRU / nn.LSTM)
  *   optimizer.safetensors exp_avg, exp_avg_sq (flat, P floats, the layout of rnnd_kernels.h), step
  *   envs.safetensors      env_ids, h (and c), last_index, has_index of every env holding state
+ *   trajectories.safetensors  every env's recorded steps (count per env, in env_ids order, then
+ *                         obs, is_init, extras, the state before each step and its version)
  *   metadata.json         model shape, versions, optimizer settings, creation time
  * A checkpoint is written under a temporary name, every file and the directory fsynced, then
  * renamed into place (replacing an existing one of the same name atomically), and the state
@@ -34,8 +36,18 @@ struct rnnd_checkpoint {
     const uint64_t *last_index; // (N)
     const uint8_t *has_index;   // (N)
     const float *last_output;   // (N, H) the output of each env's latest step (retries)
+    // Recorded trajectories, or traj_count NULL for none (R rows: the sum of traj_count):
+    const int64_t *traj_count;    // (N) steps recorded for each env, oldest first
+    int64_t traj_rows;            // R
+    const float *traj_obs;        // (R, I)
+    const uint8_t *traj_is_init;  // (R)
+    const float *traj_extras;     // (R, extras_size) when extras_size > 0
+    const uint64_t *traj_version; // (R)
+    const float *traj_h;          // (R, L, H) the state before each step
+    const float *traj_c;          // (R, L, H) LSTM
     int extras_size;
     uint64_t seed;
+    int64_t created_unix_ms; // read back: when it was written (0 when unknown)
 };
 
 // Resolves the directory a SaveCheckpoint asks for: requested empty gives a new name
@@ -56,16 +68,23 @@ struct rnnd_checkpoint_data {
     struct rnnd_checkpoint ck;
     bool has_optimizer; // optimizer.safetensors was there
     char optimizer[16]; // "adam", "sgd" or ""
-    void *mem[10];      // what to free
+    void *mem[20];      // what to free
 };
 
 // Reads the checkpoint in dir for model m (borrowed) into *out; free with
-// rnnd_checkpoint_data_free. model.safetensors must hold exactly m's tensors; optimizer and env
-// files may be missing (a directory holding only a PyTorch model.safetensors restores weights).
-// 0, or RNND_ECORRUPT / RNND_EINVAL / RNND_EIO / RNND_ENOMEM with the reason in err.
+// rnnd_checkpoint_data_free. model.safetensors must hold exactly m's tensors; optimizer, env and
+// trajectory files may be missing (a directory holding only a PyTorch model.safetensors restores
+// weights). ck.extras_size is the extras width of the recorded steps. 0, or RNND_ECORRUPT /
+// RNND_EINVAL / RNND_EIO / RNND_ENOMEM with the reason in err.
 int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
                          struct rnnd_checkpoint_data *out, char *err, size_t errlen);
 void rnnd_checkpoint_data_free(struct rnnd_checkpoint_data *d);
+
+// Reads a safetensors file holding exactly m's parameters with PyTorch names (a model trained
+// elsewhere, or a checkpoint's model.safetensors) into params (P floats). 0, or RNND_EINVAL /
+// RNND_ECORRUPT / RNND_EIO / RNND_ENOMEM with the reason in err; params untouched on failure.
+int rnnd_checkpoint_read_weights(const char *file, const struct rnnd_model *m, float *params,
+                                 char *err, size_t errlen);
 
 // The checkpoint directories in state_dir (those holding model.safetensors or metadata.json,
 // not hidden), newest first by creation time. *paths is a new array of n new strings; free

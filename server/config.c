@@ -59,6 +59,9 @@ static const struct opt opts[] = {
     {"http", ADDR(http), "HOST:PORT", "HTTP /healthz /readyz /metrics address, or \"off\""},
     {"state-dir", PATH(state_dir), "DIR", "directory for checkpoints (none: no checkpoints)"},
     {"restore", PATH(restore), "DIR", "start from this checkpoint directory"},
+    {"weights", PATH(weights), "FILE",
+     "start from these weights (safetensors, PyTorch nn.GRU/nn.LSTM names) unless a "
+     "checkpoint in --state-dir is newer state"},
     {"checkpoint-interval-s", INT(checkpoint_interval_s, 0, INT_MAX), "N",
      "seconds between periodic checkpoints into --state-dir (0: only on SIGTERM)"},
     {"max-batch", INT(max_batch, 1, 1 << 20), "N", "most Step rows in one backend call"},
@@ -82,6 +85,8 @@ static const struct opt opts[] = {
     {"tls-client-ca", PATH(tls_client_ca), "F", "CA bundle (PEM) that client certificates need"},
     {"auth-token-file", PATH(auth_token_file), "F", "file holding the bearer token clients send"},
     {"max-message-mb", INT(max_message_mb, 1, 2047), "N", "largest gRPC message either way"},
+    {"max-streams", INT(max_streams, 1, 1 << 20), "N",
+     "rnnd.v1 calls (unary and StepStream) in progress at once; more get RESOURCE_EXHAUSTED"},
     {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
     {"hz", INT(hz, 1, 1000), "N", "housekeeping timer frequency"},
     {"max-queue-rows", INT(max_queue_rows, 0, INT_MAX), "N",
@@ -120,6 +125,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->max_grad_norm = 0.0f;
     c->seed = 0;
     c->max_message_mb = 64;
+    c->max_streams = 1024;
     c->log_level = RNND_LOG_INFO;
     c->hz = 10;
     c->max_queue_rows = 0;
@@ -314,6 +320,9 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
         return fail(err, errlen, "--tls-cert needs --tls-key");
     if (c->tls_client_ca[0] && !c->tls_cert[0])
         return fail(err, errlen, "--tls-client-ca needs --tls-cert and --tls-key");
+    if (c->weights[0] && c->restore[0])
+        return fail(err, errlen,
+                    "--weights and --restore both name starting weights; pass one of them");
     if (strcmp(c->listen, c->http) == 0 && strstr(c->listen, ":0") == NULL)
         return fail(err, errlen, "--listen and --http are both %s", c->listen);
     // Each env's reply and request rows must fit into one message with room to spare.
@@ -326,6 +335,43 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
                     "lower the first or raise the second",
                     c->max_batch, c->max_message_mb);
     return 0;
+}
+
+// True for a --listen that only this host can reach.
+static bool listen_local(const char *listen) {
+    if (strncmp(listen, "unix:", 5) == 0 || strncmp(listen, "unix-abstract:", 14) == 0)
+        return true;
+    char host[RNND_CONFIG_ADDR_MAX];
+    snprintf(host, sizeof(host), "%s", listen);
+    char *colon = strrchr(host, ':');
+    if (colon)
+        *colon = '\0';
+    const char *h = host;
+    size_t n = strlen(h);
+    if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+        host[n - 1] = '\0';
+        h++;
+    }
+    return strncmp(h, "127.", 4) == 0 || strcmp(h, "localhost") == 0 || strcmp(h, "::1") == 0 ||
+           strcmp(h, "0:0:0:0:0:0:0:1") == 0;
+}
+
+const char *rnnd_config_exposure(const struct rnnd_config *c) {
+    if (listen_local(c->listen))
+        return NULL;
+    bool tls = c->tls_cert[0] != '\0', token = c->auth_token_file[0] != '\0';
+    bool client_certs = tls && c->tls_client_ca[0] != '\0';
+    if (!tls && !token)
+        return "is reachable from other hosts with neither TLS nor a token: anyone who can "
+               "connect can step envs and read or replace the model; set --auth-token-file "
+               "and --tls-cert/--tls-key, or listen on 127.0.0.1";
+    if (!tls)
+        return "is reachable from other hosts without TLS: the bearer token and the model cross "
+               "the network in clear text; set --tls-cert/--tls-key";
+    if (!token && !client_certs)
+        return "is reachable from other hosts with TLS but no client authentication: anyone who "
+               "can connect can use it; set --auth-token-file or --tls-client-ca";
+    return NULL;
 }
 
 void rnnd_config_usage(FILE *f) {

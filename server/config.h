@@ -28,7 +28,8 @@ struct rnnd_config {
     char http[RNND_CONFIG_ADDR_MAX];   // HTTP HOST:PORT, or "off"
     char state_dir[RNND_CONFIG_PATH_MAX];
     char restore[RNND_CONFIG_PATH_MAX];
-    int checkpoint_interval_s; // 0: only on SIGTERM and SaveCheckpoint
+    char weights[RNND_CONFIG_PATH_MAX]; // safetensors file of starting weights (PyTorch names)
+    int checkpoint_interval_s;          // 0: only on SIGTERM and SaveCheckpoint
     int max_batch;
     int max_delay_us;
     int max_envs;
@@ -55,6 +56,7 @@ struct rnnd_config {
     int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
     int reply_threads;   // threads sending Step replies; -1: automatic (0 under 8 CPUs, else 2)
     int inline_steps;    // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
+    int max_streams;     // rnnd.v1 calls (unary and StepStream) in progress at once
 };
 
 // Fills c with the defaults of DESIGN.md §5.
@@ -82,6 +84,11 @@ int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, si
 
 // Cross-field checks after everything is set (e.g. --tls-key needs --tls-cert).
 int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen);
+
+// When --listen is reachable from other hosts (not a loopback address or a unix socket) and the
+// security flags leave it open, a warning saying what is exposed and which flag closes it;
+// NULL when there is nothing to warn about. A static string.
+const char *rnnd_config_exposure(const struct rnnd_config *c);
 
 // Prints the usage text: every flag with its argument, default and meaning.
 void rnnd_config_usage(FILE *f);

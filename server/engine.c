@@ -14,6 +14,8 @@
  */
 #include "engine.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -21,6 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "envtable.h"
@@ -439,6 +444,7 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
     }
     int free_slots = rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs);
     if (fresh > free_slots) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_ENVS);
         fail(job, RNND_EFULL,
              "env table full: %d new envs but %d of --max-envs %d slots free; send "
              "EndEpisodes for finished envs or raise --max-envs",
@@ -898,6 +904,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
     size_t bytes = fwd_carve(e, &cv, &l, B, T, h0 != NULL, hidden != NULL, tape_bytes);
     uint64_t now = rnnd_now_ns();
     if (f->keep_tape && rnnd_tapes_fits(e->tapes, bytes, now) != 0) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_TAPE_BYTES);
         fail(job, RNND_EFULL,
              "tape memory budget reached: this tape needs %.1f MiB, %d tapes hold %.1f of "
              "--tape-memory-mb %zu MiB; call Backward on earlier tapes (or let them expire "
@@ -1204,6 +1211,57 @@ static void run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
 // ---------------------------------------------------------------------------------------------
 // Checkpoints
 
+// Host copies of every env's recorded steps for a checkpoint (env order of the snapshot).
+struct traj_snapshot {
+    int64_t *count; // (N)
+    int64_t rows;
+    float *obs, *extras, *h, *c;
+    uint8_t *is_init;
+    uint64_t *version;
+};
+
+static void traj_snapshot_free(struct traj_snapshot *t) {
+    free(t->count);
+    free(t->obs);
+    free(t->extras);
+    free(t->h);
+    free(t->c);
+    free(t->is_init);
+    free(t->version);
+}
+
+static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) {
+    const struct rnnd_traj_dims *d = &e->tdims;
+    memset(t, 0, sizeof(*t));
+    t->count = malloc(((size_t)N + 1) * sizeof(int64_t));
+    if (t->count == NULL)
+        return RNND_ENOMEM;
+    int i = 0;
+    for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
+         env = rnnd_envtable_newer(e->envs, env), i++) {
+        t->count[i] = rnnd_traj_count(env->traj);
+        t->rows += t->count[i];
+    }
+    size_t R = (size_t)t->rows + 1, I = (size_t)d->I, E = (size_t)d->E, LH = e->LH;
+    t->obs = malloc(R * I * sizeof(float));
+    t->extras = E ? malloc(R * E * sizeof(float)) : NULL;
+    t->h = malloc(R * LH * sizeof(float));
+    t->c = d->lstm ? malloc(R * LH * sizeof(float)) : NULL;
+    t->is_init = malloc(R);
+    t->version = malloc(R * sizeof(uint64_t));
+    if (!t->obs || (E && !t->extras) || !t->h || (d->lstm && !t->c) || !t->is_init || !t->version)
+        return RNND_ENOMEM;
+    size_t at = 0;
+    for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
+         env = rnnd_envtable_newer(e->envs, env)) {
+        rnnd_traj_export(env->traj, d, t->obs + at * I, t->is_init + at,
+                         E ? t->extras + at * E : NULL, t->version + at, t->h + at * LH,
+                         d->lstm ? t->c + at * LH : NULL);
+        at += (size_t)rnnd_traj_count(env->traj);
+    }
+    return 0;
+}
+
 // Writes a checkpoint into dir (resolved). 0 or an error with the reason in msg.
 static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, size_t msglen) {
     size_t P = e->P, LH = e->LH, bytes = P * sizeof(float);
@@ -1229,9 +1287,10 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     float *h = malloc(((size_t)N * LH + 1) * sizeof(float));
     float *c = e->lstm ? malloc(((size_t)N * LH + 1) * sizeof(float)) : NULL;
     float *lo = malloc(((size_t)N * (size_t)e->model.H + 1) * sizeof(float));
+    struct traj_snapshot tr = {0};
     int rc = RNND_ENOMEM;
     if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c) ||
-        !lo) {
+        !lo || (e->tdims.cap > 0 && traj_snapshot(e, N, &tr) != 0)) {
         snprintf(msg, msglen, "out of host memory for a checkpoint snapshot");
         goto out;
     }
@@ -1266,11 +1325,23 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     ck.env_h = h;
     ck.env_c = c;
     ck.last_output = lo;
+    if (tr.count) {
+        ck.traj_count = tr.count;
+        ck.traj_rows = tr.rows;
+        ck.traj_obs = tr.obs;
+        ck.traj_is_init = tr.is_init;
+        ck.traj_extras = tr.extras;
+        ck.traj_version = tr.version;
+        ck.traj_h = tr.h;
+        ck.traj_c = tr.c;
+    }
     uint64_t t0 = rnnd_now_ns();
     rc = rnnd_checkpoint_write(dir, &ck, msg, msglen);
     if (rc == 0)
-        rnnd_log(RNND_LOG_INFO, "checkpoint %s written (version %" PRIu64 ", %d envs, %.1f ms)",
-                 dir, ck.model_version, N, (double)(rnnd_now_ns() - t0) / 1e6);
+        rnnd_log(RNND_LOG_INFO,
+                 "checkpoint %s written (version %" PRIu64 ", %d envs, %" PRId64
+                 " recorded steps, %.1f ms)",
+                 dir, ck.model_version, N, tr.rows, (double)(rnnd_now_ns() - t0) / 1e6);
 out:
     atomic_fetch_add_explicit(rc == 0 ? &rnnd_metrics.checkpoints_ok
                                       : &rnnd_metrics.checkpoints_failed,
@@ -1284,11 +1355,13 @@ out:
     free(h);
     free(c);
     free(lo);
+    traj_snapshot_free(&tr);
     return rc;
 }
 
 static void run_checkpoint(struct rnnd_engine *e, struct rnnd_job *job) {
     char dir[RNND_CONFIG_PATH_MAX];
+    bool automatic = job->ckpt.path[0] == '\0';
     int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, job->ckpt.path, e->cur->version, dir,
                                      sizeof(dir), job->msg, sizeof(job->msg));
     if (rc != 0) {
@@ -1301,23 +1374,59 @@ static void run_checkpoint(struct rnnd_engine *e, struct rnnd_job *job) {
         job->err = rc == RNND_ENOMEM ? RNND_ENOMEM : RNND_EIO;
         return;
     }
+    // An automatically named one joins the rotation; named ones are the caller's to remove.
+    if (automatic)
+        rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
     snprintf(job->ckpt.path, sizeof(job->ckpt.path), "%s", dir);
     job->model_version = e->cur->version;
     job->err = 0;
 }
 
-static void checkpoint_auto(struct rnnd_engine *e, const char *why) {
+// A periodic or shutdown checkpoint under a new automatic name; 0 or -1 (logged).
+static int checkpoint_auto(struct rnnd_engine *e, const char *why) {
     if (e->cfg.state_dir[0] == '\0')
-        return;
+        return 0;
     char dir[RNND_CONFIG_PATH_MAX], msg[512];
     if (rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir), msg,
                                 sizeof(msg)) != 0 ||
         checkpoint_save(e, dir, msg, sizeof(msg)) != 0) {
         rnnd_log(RNND_LOG_WARN, "%s checkpoint failed: %s", why, msg);
-        return;
+        return -1;
     }
     rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
     e->last_checkpoint_ns = rnnd_now_ns();
+    return 0;
+}
+
+// Drops every env (and its recorded steps): undoes a restore that failed half way.
+static void envs_clear(struct rnnd_engine *e) {
+    struct rnnd_env *env;
+    while ((env = rnnd_envtable_oldest(e->envs))) {
+        rnnd_traj_free(env->traj);
+        env->traj = NULL;
+        rnnd_envtable_remove(e->envs, env);
+    }
+}
+
+// Rebuilds env's ring from rows [at, at + n) of the checkpoint's trajectories.
+static int restore_traj(struct rnnd_engine *e, struct rnnd_env *env,
+                        const struct rnnd_checkpoint *ck, size_t at, int64_t n) {
+    const struct rnnd_traj_dims *d = &e->tdims;
+    size_t I = (size_t)d->I, E = (size_t)d->E, LH = e->LH;
+    if (n == 0)
+        return 0;
+    env->traj = rnnd_traj_init(d);
+    if (env->traj == NULL)
+        return RNND_ENOMEM;
+    // A ring shorter than the checkpoint's (a lower --trajectory-steps) keeps the newest steps.
+    for (size_t k = at; k < at + (size_t)n; k++) {
+        int rc = rnnd_traj_push(env->traj, d, ck->traj_obs + k * I, ck->traj_is_init[k] != 0,
+                                E ? ck->traj_extras + k * E : NULL, ck->traj_h + k * LH,
+                                e->lstm ? ck->traj_c + k * LH : NULL, ck->traj_version[k]);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
 }
 
 // Loads a checkpoint read from disk into the (fresh) engine. Nothing changes on failure.
@@ -1330,8 +1439,25 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
                  ck->n_envs, e->cfg.max_envs);
         return RNND_EINVAL;
     }
+    // Recorded steps come back when this daemon records steps of the same width; otherwise the
+    // weights and env states are still worth restoring, and the log says what was left out.
+    bool traj = ck->traj_count != NULL && ck->traj_rows > 0;
+    if (traj && e->tdims.cap == 0) {
+        rnnd_log(RNND_LOG_WARN,
+                 "the checkpoint's %" PRId64 " recorded steps are not restored: "
+                 "--trajectory-steps is 0",
+                 ck->traj_rows);
+        traj = false;
+    } else if (traj && ck->extras_size != e->cfg.extras_size) {
+        rnnd_log(RNND_LOG_WARN,
+                 "the checkpoint's %" PRId64 " recorded steps carry extras of width %d, not "
+                 "--extras-size %d: not restored (start with --extras-size %d to keep them)",
+                 ck->traj_rows, ck->extras_size, e->cfg.extras_size, ck->extras_size);
+        traj = false;
+    }
     uint64_t now = rnnd_now_ns();
     int rc = 0;
+    size_t at = 0;
     for (int i = 0; i < ck->n_envs && rc == 0; i++) {
         struct rnnd_env *env;
         if (rnnd_envtable_find(e->envs, ck->env_ids[i])) {
@@ -1352,6 +1478,10 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         rc = be_in(e, e->state_h + off, ck->env_h + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && e->lstm)
             rc = be_in(e, e->state_c + off, ck->env_c + (size_t)i * LH, LH * sizeof(float));
+        if (rc == 0 && traj)
+            rc = restore_traj(e, env, ck, at, ck->traj_count[i]);
+        if (ck->traj_count)
+            at += (size_t)ck->traj_count[i];
     }
     if (rc == 0 && e->adam_m) {
         bool same = strcmp(d->optimizer, "adam") == 0 && ck->exp_avg;
@@ -1366,9 +1496,7 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
     if (rc != 0) {
         if (msg[0] == '\0')
             snprintf(msg, msglen, "cannot load it: %s", rnnd_strerror(rc));
-        struct rnnd_env *env;
-        while ((env = rnnd_envtable_oldest(e->envs)))
-            rnnd_envtable_remove(e->envs, env);
+        envs_clear(e);
         if (e->adam_m) {
             e->be.ops->zero(e->be.ctx, e->adam_m, bytes);
             e->be.ops->zero(e->be.ctx, e->adam_v, bytes);
@@ -1384,12 +1512,72 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
     return 0;
 }
 
-// --restore DIR, else the newest checkpoint of --state-dir that loads; 0 also when there is
-// none. A corrupt or mismatched checkpoint in --state-dir is refused with a warning and the
-// next older one tried; a bad --restore stops the start.
+// The marker file that says a daemon is running on this --state-dir: created at start, removed
+// after the shutdown checkpoint. Found at start, it means the last run did not stop cleanly.
+static void running_marker(const struct rnnd_engine *e, char *path, size_t cap) {
+    snprintf(path, cap, "%s/.rnnd-running", e->cfg.state_dir);
+}
+
+// Logs what was restored and how old it is: after a crash or kill -9 whatever happened after
+// that checkpoint is gone, and the operator needs to know how much.
+static void restore_log(const struct rnnd_engine *e, const char *path,
+                        const struct rnnd_checkpoint *ck, bool unclean) {
+    char age[64] = "of unknown age";
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long now_ms = (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    if (ck->created_unix_ms > 0) {
+        double s = (double)(now_ms - ck->created_unix_ms) / 1000.0;
+        if (s < 0)
+            s = 0;
+        if (s < 120)
+            snprintf(age, sizeof(age), "written %.1f s ago", s);
+        else if (s < 7200)
+            snprintf(age, sizeof(age), "written %.1f min ago", s / 60);
+        else
+            snprintf(age, sizeof(age), "written %.1f h ago", s / 3600);
+    }
+    int64_t steps = ck->traj_count ? ck->traj_rows : 0;
+    if (unclean)
+        rnnd_log(RNND_LOG_WARN,
+                 "the last run on %s did not stop cleanly (killed or crashed): restored %s, %s "
+                 "(version %" PRIu64 ", %d envs, %" PRId64
+                 " recorded steps); steps and updates after it are lost",
+                 e->cfg.state_dir, path, age, ck->model_version, ck->n_envs, steps);
+    else
+        rnnd_log(RNND_LOG_INFO,
+                 "restored %s, %s (version %" PRIu64 ", %d envs, %" PRId64 " recorded steps)", path,
+                 age, ck->model_version, ck->n_envs, steps);
+}
+
+// --restore DIR, else the newest checkpoint of --state-dir that loads, else --weights; 0 also
+// when there is none. A corrupt or mismatched checkpoint in --state-dir is refused with a
+// warning and the next older one tried; a bad --restore or --weights stops the start.
 static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
     struct rnnd_checkpoint_data d;
-    char why[512];
+    char why[512], marker[RNND_CONFIG_PATH_MAX + 32];
+    bool unclean = false;
+    if (e->cfg.state_dir[0]) {
+        running_marker(e, marker, sizeof(marker));
+        unclean = access(marker, F_OK) == 0;
+    }
+    // Starting weights from a file are checked first, so that a bad --weights fails the start
+    // even when a checkpoint wins.
+    float *weights = NULL;
+    if (e->cfg.weights[0]) {
+        weights = malloc(e->P * sizeof(float));
+        int rc = weights ? rnnd_checkpoint_read_weights(e->cfg.weights, &e->model, weights, why,
+                                                        sizeof(why))
+                         : RNND_ENOMEM;
+        if (rc != 0) {
+            snprintf(msg, msglen, "--weights %.300s", weights ? why : "out of memory");
+            free(weights);
+            return rc;
+        }
+    }
+    const char *restored = NULL;
+    char **paths = NULL;
+    int n = 0;
     if (e->cfg.restore[0]) {
         why[0] = '\0';
         int rc = rnnd_checkpoint_read(e->cfg.restore, &e->model, &d, why, sizeof(why));
@@ -1401,42 +1589,70 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
         }
         if (rc != 0) {
             snprintf(msg, msglen, "--restore %.300s: %s", e->cfg.restore, why);
+            free(weights);
             return rc;
         }
-        rnnd_log(RNND_LOG_INFO, "restored %s: version %" PRIu64 ", %d envs", e->cfg.restore,
-                 d.ck.model_version, d.ck.n_envs);
+        restore_log(e, e->cfg.restore, &d.ck, unclean);
         rnnd_checkpoint_data_free(&d);
-        return 0;
-    }
-    if (e->cfg.state_dir[0] == '\0')
-        return 0;
-    char **paths;
-    int n;
-    if (rnnd_checkpoint_list(e->cfg.state_dir, &paths, &n) != 0) {
-        snprintf(msg, msglen, "out of memory listing --state-dir");
-        return RNND_ENOMEM;
-    }
-    bool done = false;
-    for (int i = 0; i < n && !done; i++) {
-        why[0] = '\0';
-        int rc = rnnd_checkpoint_read(paths[i], &e->model, &d, why, sizeof(why));
-        if (rc == 0) {
-            why[0] = '\0';
-            rc = restore_apply(e, &d, why, sizeof(why));
-            if (rc == 0)
-                rnnd_log(RNND_LOG_INFO, "restored %s: version %" PRIu64 ", %d envs", paths[i],
-                         d.ck.model_version, d.ck.n_envs);
-            rnnd_checkpoint_data_free(&d);
+        restored = e->cfg.restore;
+    } else if (e->cfg.state_dir[0]) {
+        if (rnnd_checkpoint_list(e->cfg.state_dir, &paths, &n) != 0) {
+            snprintf(msg, msglen, "out of memory listing --state-dir");
+            free(weights);
+            return RNND_ENOMEM;
         }
-        if (rc != 0)
-            rnnd_log(RNND_LOG_WARN, "checkpoint %s refused: %s; trying the next older one",
-                     paths[i], why);
-        done = rc == 0;
+        for (int i = 0; i < n && !restored; i++) {
+            why[0] = '\0';
+            int rc = rnnd_checkpoint_read(paths[i], &e->model, &d, why, sizeof(why));
+            if (rc == 0) {
+                why[0] = '\0';
+                rc = restore_apply(e, &d, why, sizeof(why));
+                if (rc == 0)
+                    restore_log(e, paths[i], &d.ck, unclean);
+                rnnd_checkpoint_data_free(&d);
+            }
+            if (rc != 0)
+                rnnd_log(RNND_LOG_WARN, "checkpoint %s refused: %s; trying the next older one",
+                         paths[i], why);
+            else
+                restored = paths[i];
+        }
     }
-    if (!done)
+    if (weights && restored) {
+        rnnd_log(RNND_LOG_WARN,
+                 "--weights %s not loaded: checkpoint %s holds this daemon's newer state; "
+                 "replace the weights of the running daemon with rnndctl weights import",
+                 e->cfg.weights, restored);
+    } else if (weights) {
+        int rc = be_in(e, e->cur->params, weights, e->P * sizeof(float));
+        if (rc != 0) {
+            snprintf(msg, msglen, "--weights %.300s: cannot load them: %s", e->cfg.weights,
+                     rnnd_strerror(rc));
+            free(weights);
+            rnnd_checkpoint_list_free(paths, n);
+            return rc;
+        }
+        rnnd_log(RNND_LOG_INFO, "weights from %s (version 0)", e->cfg.weights);
+    } else if (!restored && e->cfg.state_dir[0]) {
         rnnd_log(RNND_LOG_INFO, "no usable checkpoint in %s: starting from --seed %" PRIu64,
                  e->cfg.state_dir, e->cfg.seed);
+    }
+    if (unclean && !restored)
+        rnnd_log(RNND_LOG_WARN,
+                 "the last run on %s did not stop cleanly and left no usable "
+                 "checkpoint",
+                 e->cfg.state_dir);
+    free(weights);
     rnnd_checkpoint_list_free(paths, n);
+    if (e->cfg.state_dir[0]) {
+        // Best effort: without the marker the next start cannot tell a crash from a clean stop.
+        mkdir(e->cfg.state_dir, 0755);
+        int fd = open(marker, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0)
+            close(fd);
+        else
+            rnnd_log(RNND_LOG_WARN, "cannot create %s: %s", marker, strerror(errno));
+    }
     return 0;
 }
 
@@ -1585,7 +1801,13 @@ static void *engine_main(void *arg) {
         pthread_mutex_unlock(&e->emu);
         reply_threads_stop(e);
         row_workers_stop(e);
-        checkpoint_auto(e, "shutdown");
+        // The marker goes only once the final state is on disk: a failed shutdown checkpoint
+        // leaves it, so the next start warns that the restored checkpoint is older.
+        if (checkpoint_auto(e, "shutdown") == 0 && e->cfg.state_dir[0]) {
+            char marker[RNND_CONFIG_PATH_MAX + 32];
+            running_marker(e, marker, sizeof(marker));
+            unlink(marker);
+        }
     }
     // From here on submit fails jobs itself; finish whatever slipped in before.
     pthread_mutex_lock(&e->lock);

@@ -52,6 +52,8 @@ static const char *const code_names[RNND_GRPC_CODES] = {
 static const char *const op_names[RNND_OP_COUNT] = {"step", "forward", "backward", "optim"};
 static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
 static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
+static const char *const limit_names[RNND_LIMIT_COUNT] = {"envs", "step_queue_rows", "tape_bytes",
+                                                          "message_bytes", "streams"};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -84,6 +86,11 @@ void rnnd_metrics_init(void) {
         hist_layout(&rnnd_metrics.duration[m], dur, (int)(sizeof(dur) / sizeof(dur[0])));
     hist_layout(&rnnd_metrics.queue_delay, delay, (int)(sizeof(delay) / sizeof(delay[0])));
     hist_layout(&rnnd_metrics.batch_rows, rows, (int)(sizeof(rows) / sizeof(rows[0])));
+    // Request sizes: 256 B .. 1 GiB by powers of 4, against --max-message-mb.
+    uint64_t sizes[12];
+    for (int i = 0; i < 12; i++)
+        sizes[i] = 256ull << (2 * i);
+    hist_layout(&rnnd_metrics.request_size, sizes, 12);
 }
 
 void rnnd_histogram_observe(struct rnnd_histogram *h, uint64_t v) {
@@ -101,6 +108,10 @@ void rnnd_metrics_request(enum rnnd_method m, int code, uint64_t duration_ns) {
         code = 2; // UNKNOWN
     atomic_fetch_add_explicit(&rnnd_metrics.requests[m][code], 1, memory_order_relaxed);
     rnnd_histogram_observe(&rnnd_metrics.duration[m], duration_ns);
+}
+
+void rnnd_metrics_limit_hit(enum rnnd_limit r) {
+    atomic_fetch_add_explicit(&rnnd_metrics.limit_rejections[r], 1, memory_order_relaxed);
 }
 
 void rnnd_metrics_kernel(enum rnnd_backend_op op, uint64_t ns) {
@@ -265,6 +276,23 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "rnnd_checkpoints_total{result=\"ok\"} %llu\n"
         "rnnd_checkpoints_total{result=\"failed\"} %llu\n",
         (unsigned long long)ld(&m->checkpoints_ok), (unsigned long long)ld(&m->checkpoints_failed));
+    put(&b, "# HELP rnnd_limit The configured bound of each resource (rows, bytes, envs, calls).\n"
+            "# TYPE rnnd_limit gauge\n");
+    for (int i = 0; i < RNND_LIMIT_COUNT; i++)
+        put(&b, "rnnd_limit{resource=\"%s\"} %lld\n", limit_names[i], (long long)lds(&m->limit[i]));
+    put(&b, "# HELP rnnd_limit_rejections_total Requests refused with RESOURCE_EXHAUSTED because "
+            "a bound was reached, by resource.\n"
+            "# TYPE rnnd_limit_rejections_total counter\n");
+    for (int i = 0; i < RNND_LIMIT_COUNT; i++)
+        put(&b, "rnnd_limit_rejections_total{resource=\"%s\"} %llu\n", limit_names[i],
+            (unsigned long long)ld(&m->limit_rejections[i]));
+    put(&b,
+        "# HELP rnnd_streams_active rnnd.v1 calls in progress (unary calls and StepStreams).\n"
+        "# TYPE rnnd_streams_active gauge\nrnnd_streams_active %lld\n",
+        (long long)lds(&m->streams_active));
+    put(&b, "# HELP rnnd_request_message_bytes Size of each request message received.\n"
+            "# TYPE rnnd_request_message_bytes histogram\n");
+    put_hist(&b, "rnnd_request_message_bytes", "", &m->request_size, 1.0);
     if (b.err) {
         free(b.p);
         return b.err;

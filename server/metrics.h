@@ -54,6 +54,17 @@ enum rnnd_evict_reason {
     RNND_EVICT_COUNT,
 };
 
+// The bounded resources (every one has a flag, a gauge of its bound, and a counter of the
+// requests refused with RESOURCE_EXHAUSTED when it was reached).
+enum rnnd_limit {
+    RNND_LIMIT_ENVS,       // --max-envs: envs holding state
+    RNND_LIMIT_QUEUE_ROWS, // --max-queue-rows: Step rows waiting for the engine
+    RNND_LIMIT_TAPE_BYTES, // --tape-memory-mb: memory of kept Forward tapes
+    RNND_LIMIT_MESSAGE,    // --max-message-mb: bytes of one message either way
+    RNND_LIMIT_STREAMS,    // --max-streams: rnnd.v1 calls in progress
+    RNND_LIMIT_COUNT,
+};
+
 #define RNND_HIST_MAX_BUCKETS 24
 #define RNND_GRPC_CODES       17
 
@@ -82,7 +93,11 @@ struct rnnd_metrics {
     _Atomic uint64_t engine_ns[RNND_PHASE_COUNT];
     _Atomic uint64_t kernel_calls[RNND_OP_COUNT];
     _Atomic uint64_t checkpoints_ok, checkpoints_failed;
-    _Atomic int ready; // 1 while serving
+    _Atomic int64_t limit[RNND_LIMIT_COUNT]; // the configured bounds (bytes, rows, ...)
+    _Atomic uint64_t limit_rejections[RNND_LIMIT_COUNT];
+    _Atomic int64_t streams_active;     // rnnd.v1 calls in progress
+    struct rnnd_histogram request_size; // bytes of each decoded request message
+    _Atomic int ready;                  // 1 while serving
 };
 
 extern struct rnnd_metrics rnnd_metrics;
@@ -93,6 +108,8 @@ void rnnd_metrics_init(void);
 void rnnd_histogram_observe(struct rnnd_histogram *h, uint64_t v);
 void rnnd_metrics_request(enum rnnd_method m, int grpc_code, uint64_t duration_ns);
 void rnnd_metrics_kernel(enum rnnd_backend_op op, uint64_t ns);
+// A request was refused because the bound of resource r was reached.
+void rnnd_metrics_limit_hit(enum rnnd_limit r);
 
 // Renders every metric in Prometheus text format 0.0.4 into a new buffer *out (NUL-terminated,
 // *len bytes without the NUL); free it with free(). 0 or RNND_ENOMEM.

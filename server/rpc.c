@@ -108,6 +108,7 @@ struct rnnd_call {
     uint64_t source;
     bool source_set;
     bool counted; // in rpc->active
+    bool limited; // holds one of rpc->max_streams slots
     struct tag t_new, t_close, t_send, t_status, t_recv;
     grpc_slice status_details;
     bool has_details;
@@ -152,6 +153,8 @@ struct rnnd_rpc {
     _Atomic int draining;
     _Atomic int active; // calls started and not yet finished by us
     _Atomic int shut;   // shutdown_and_notify and cancel_all_calls were called
+    int max_streams;
+    _Atomic int calls; // rnnd.v1 calls holding a slot
 
     pthread_mutex_t streams_lock;
     struct rnnd_call *streams;
@@ -214,6 +217,7 @@ static ProtobufCMessage *decode(enum rnnd_method m, grpc_byte_buffer *bb) {
         return NULL;
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
+    rnnd_histogram_observe(&rnnd_metrics.request_size, GRPC_SLICE_LENGTH(s));
     ProtobufCMessage *msg = rnnd_request_decode(m, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
     grpc_slice_unref(s);
     return msg;
@@ -349,6 +353,11 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
 
 // The call is finished from our side: it no longer counts as active.
 static void call_done_active(struct rnnd_call *c) {
+    if (c->limited) {
+        c->limited = false;
+        int n = atomic_fetch_sub(&c->rpc->calls, 1) - 1;
+        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
+    }
     if (c->counted) {
         c->counted = false;
         atomic_fetch_sub(&c->rpc->active, 1);
@@ -665,6 +674,24 @@ static void on_new(struct rnnd_call *c, bool ok) {
         return;
     }
     const struct method *m = &methods[c->mi];
+    if (m->kind == KIND_UNARY || m->kind == KIND_STEP_STREAM) {
+        // A slot for as long as the call runs; refused at once when none is free, so that a
+        // flood of calls (or of idle streams) cannot grow memory or starve the engine.
+        int n = atomic_fetch_add(&rpc->calls, 1) + 1;
+        if (n > rpc->max_streams) {
+            atomic_fetch_sub(&rpc->calls, 1);
+            rnnd_metrics_limit_hit(RNND_LIMIT_STREAMS);
+            char msg[256];
+            snprintf(msg, sizeof(msg),
+                     "%d rnnd.v1 calls are in progress, --max-streams %d; retry after a short "
+                     "backoff, close idle StepStreams or raise --max-streams",
+                     rpc->max_streams, rpc->max_streams);
+            rnnd_call_fail(c, RNND_EFULL, msg);
+            return;
+        }
+        c->limited = true;
+        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
+    }
     if (m->kind == KIND_STEP_STREAM) {
         if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {
             rnnd_call_fail(c, RNND_EUNAVAIL, not_serving_msg(rpc));
@@ -867,6 +894,7 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     rpc->stopped = o->stopped;
     rpc->stopped_ctx = o->stopped_ctx;
     rpc->t_shutdown = (struct tag){TAG_SHUTDOWN, NULL};
+    rpc->max_streams = o->max_streams > 0 ? o->max_streams : INT32_MAX;
     pthread_rwlock_init(&rpc->gate, NULL);
     pthread_mutex_init(&rpc->streams_lock, NULL);
 

@@ -34,6 +34,7 @@ struct rnnd_rpc_options {
     const char *listen;       // HOST:PORT
     int threads;              // completion-queue threads (1..RNND_RPC_MAX_THREADS)
     size_t max_message_bytes; // both ways
+    int max_streams;          // rnnd.v1 calls in progress at once (health not counted)
     void *service;            // handed to handlers
     rnnd_rpc_stopped_cb stopped;
     void *stopped_ctx;

@@ -223,6 +223,10 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         }
     }
 
+    const char *exposure = rnnd_config_exposure(cfg);
+    if (exposure)
+        rnnd_log(RNND_LOG_WARN, "--listen %s %s", cfg->listen, exposure);
+
     struct rnnd_server *s = calloc(1, sizeof(*s));
     if (s == NULL)
         return 1;
@@ -260,6 +264,15 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     }
     s->svc = (struct rnnd_service){.cfg = &s->cfg, .engine = s->engine};
     rnnd_request_limits_init(&s->svc.limits, &s->cfg);
+    int64_t bounds[RNND_LIMIT_COUNT] = {
+        [RNND_LIMIT_ENVS] = cfg->max_envs,
+        [RNND_LIMIT_QUEUE_ROWS] = rnnd_config_queue_rows(cfg),
+        [RNND_LIMIT_TAPE_BYTES] = (int64_t)cfg->tape_memory_mb << 20,
+        [RNND_LIMIT_MESSAGE] = (int64_t)s->svc.limits.max_message_bytes,
+        [RNND_LIMIT_STREAMS] = cfg->max_streams,
+    };
+    for (int i = 0; i < RNND_LIMIT_COUNT; i++)
+        atomic_store(&rnnd_metrics.limit[i], bounds[i]);
     if (strcmp(cfg->http, "off") != 0 &&
         rnnd_http_start(&s->loop, cfg->http, &s->http, &s->http_port, err, sizeof(err)) != 0) {
         rnnd_log(RNND_LOG_ERROR, "%s", err);
@@ -274,6 +287,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     struct rnnd_rpc_options ro = {.listen = cfg->listen,
                                   .threads = threads,
                                   .max_message_bytes = s->svc.limits.max_message_bytes,
+                                  .max_streams = cfg->max_streams,
                                   .service = &s->svc,
                                   .stopped = on_rpc_stopped,
                                   .stopped_ctx = s,

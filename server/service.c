@@ -58,6 +58,13 @@ static struct rnnd_service *svc_of(void *p) {
     return p;
 }
 
+// A check's result; RNND_EFULL from request.c always means a reply over --max-message-mb.
+static int counted(int rc) {
+    if (rc == RNND_EFULL)
+        rnnd_metrics_limit_hit(RNND_LIMIT_MESSAGE);
+    return rc;
+}
+
 // ---------------------------------------------------------------------------------------------
 // GetModelInfo: answered on the gRPC thread from the engine's atomics.
 
@@ -165,12 +172,13 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     if (rc == 0)
         return;
     free(job);
-    if (rc == RNND_EFULL)
+    if (rc == RNND_EFULL) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_QUEUE_ROWS);
         snprintf(err, sizeof(err),
                  "the Step queue is full (%d rows waiting, --max-queue-rows %d); retry after a "
                  "short backoff or add replicas",
                  rnnd_engine_queue_rows(s->engine), rnnd_config_queue_rows(s->cfg));
-    else if (rc == RNND_EUNAVAIL)
+    } else if (rc == RNND_EUNAVAIL)
         snprintf(err, sizeof(err), "rnnd is shutting down; retry on another replica");
     else
         snprintf(err, sizeof(err), "cannot queue the Step: %s", rnnd_strerror(rc));
@@ -277,7 +285,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     const Rnnd__V1__ForwardRequest *req = (const Rnnd__V1__ForwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_forward_job f;
-    int rc = rnnd_request_forward(&s->limits, req, &f, err);
+    int rc = counted(rnnd_request_forward(&s->limits, req, &f, err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);
@@ -362,7 +370,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     const Rnnd__V1__BackwardRequest *req = (const Rnnd__V1__BackwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_backward_job g;
-    int rc = rnnd_request_backward(&s->limits, req, &g, err);
+    int rc = counted(rnnd_request_backward(&s->limits, req, &g, err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);
@@ -456,7 +464,7 @@ void rnnd_service_get_weights(void *p, struct rnnd_call *call, const ProtobufCMe
     struct rnnd_service *s = svc_of(p);
     char err[ERRLEN];
     size_t P = s->limits.P;
-    int rc = rnnd_request_get_weights(&s->limits, err);
+    int rc = counted(rnnd_request_get_weights(&s->limits, err));
     if (rc != 0) {
         rnnd_call_fail(call, rc, err);
         return;

@@ -161,6 +161,22 @@ int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d,
     return 0;
 }
 
+void rnnd_traj_export(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, float *obs,
+                      uint8_t *is_init, float *extras, uint64_t *version, float *h, float *c) {
+    size_t I = (size_t)d->I, E = (size_t)d->E, lh = (size_t)d->L * (size_t)d->H;
+    for (int t = 0; tr && t < tr->count; t++) {
+        size_t row = (size_t)((tr->head + t) % tr->alloc), k = (size_t)t;
+        memcpy(obs + k * I, tr->obs + row * I, I * sizeof(float));
+        is_init[k] = tr->is_init[row];
+        if (E)
+            memcpy(extras + k * E, tr->extras + row * E, E * sizeof(float));
+        version[k] = tr->version[row];
+        memcpy(h + k * lh, tr->h + row * lh, lh * sizeof(float));
+        if (d->lstm)
+            memcpy(c + k * lh, tr->c + row * lh, lh * sizeof(float));
+    }
+}
+
 size_t rnnd_traj_bytes(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d) {
     return tr ? row_bytes(d) * (size_t)tr->alloc + sizeof(*tr) : 0;
 }

@@ -43,6 +43,12 @@ int rnnd_traj_count(const struct rnnd_traj *tr);
 int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T, float *obs,
                      uint8_t *is_init, float *extras, int64_t *version, float *h0, float *c0);
 
+// Copies every step held (count of them, oldest first) with the state before each: obs
+// (count, I), is_init (count), extras (count, E) when E > 0, version (count), h (count, L, H)
+// and c (count, L, H) for LSTM. For checkpoints; pushing the rows back in order rebuilds the ring.
+void rnnd_traj_export(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, float *obs,
+                      uint8_t *is_init, float *extras, uint64_t *version, float *h, float *c);
+
 // Bytes the ring holds now.
 size_t rnnd_traj_bytes(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d);
 

@@ -1,8 +1,8 @@
 /*
  * test_checkpoint.c: checkpoint directories (server/checkpoint.c): where SaveCheckpoint may
- * write, a write/read round trip (weights, optimizer, env states), atomic replacement of a
- * checkpoint of the same name, corrupt files refused, newest-first listing, and pruning of
- * automatic checkpoints only.
+ * write, a write/read round trip (weights, optimizer, env states, recorded trajectories, creation
+ * time), atomic replacement of a checkpoint of the same name, corrupt and truncated files
+ * refused, newest-first listing, pruning of automatic checkpoints only, and weights files.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,12 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "checkpoint.h"
 #include "rnnd_kernels.h"
+#include "rnnd_safetensors.h"
 
 static char root[64];
 
@@ -61,6 +63,11 @@ struct fake {
     float *params, *ma, *va, h[3 * 2 * 4], c[3 * 2 * 4], out[3 * 4];
     uint64_t ids[3], last[3];
     uint8_t has[3];
+    // Recorded steps: 2, 0 and 3 for the three envs (R = 5), extras width 2.
+    int64_t count[3];
+    float tobs[5 * 3], tex[5 * 2], th[5 * 2 * 4], tc[5 * 2 * 4];
+    uint8_t tinit[5];
+    uint64_t tver[5];
     struct rnnd_checkpoint ck;
 };
 
@@ -89,6 +96,21 @@ static void fake_init(struct fake *f, float base) {
     f->has[0] = 1;
     f->has[1] = 0;
     f->has[2] = 1;
+    f->count[0] = 2;
+    f->count[1] = 0;
+    f->count[2] = 3;
+    for (int i = 0; i < 5 * 3; i++)
+        f->tobs[i] = base * 0.5f + (float)i;
+    for (int i = 0; i < 5 * 2; i++)
+        f->tex[i] = -(float)i;
+    for (int i = 0; i < 5 * 8; i++) {
+        f->th[i] = (float)i / 3.0f;
+        f->tc[i] = -(float)i / 5.0f;
+    }
+    for (int i = 0; i < 5; i++) {
+        f->tinit[i] = i == 2;
+        f->tver[i] = 40 + (uint64_t)i;
+    }
     f->ck = (struct rnnd_checkpoint){.model = f->m,
                                      .P = f->P,
                                      .params = f->params,
@@ -104,7 +126,16 @@ static void fake_init(struct fake *f, float base) {
                                      .env_c = f->c,
                                      .last_index = f->last,
                                      .has_index = f->has,
-                                     .last_output = f->out};
+                                     .last_output = f->out,
+                                     .traj_count = f->count,
+                                     .traj_rows = 5,
+                                     .traj_obs = f->tobs,
+                                     .traj_is_init = f->tinit,
+                                     .traj_extras = f->tex,
+                                     .traj_version = f->tver,
+                                     .traj_h = f->th,
+                                     .traj_c = f->tc,
+                                     .extras_size = 2};
 }
 
 static void fake_free(struct fake *f) {
@@ -135,17 +166,32 @@ static void test_round_trip_and_replace(void **state) {
     assert_memory_equal(d.ck.last_index, f.last, sizeof(f.last));
     assert_memory_equal(d.ck.has_index, f.has, sizeof(f.has));
     assert_memory_equal(d.ck.last_output, f.out, sizeof(f.out));
+    assert_non_null(d.ck.traj_count);
+    assert_memory_equal(d.ck.traj_count, f.count, sizeof(f.count));
+    assert_int_equal(d.ck.traj_rows, 5);
+    assert_int_equal(d.ck.extras_size, 2);
+    assert_memory_equal(d.ck.traj_obs, f.tobs, sizeof(f.tobs));
+    assert_memory_equal(d.ck.traj_extras, f.tex, sizeof(f.tex));
+    assert_memory_equal(d.ck.traj_h, f.th, sizeof(f.th));
+    assert_memory_equal(d.ck.traj_c, f.tc, sizeof(f.tc));
+    assert_memory_equal(d.ck.traj_is_init, f.tinit, sizeof(f.tinit));
+    assert_memory_equal(d.ck.traj_version, f.tver, sizeof(f.tver));
+    // The creation time comes back (restore logs the checkpoint's age from it).
+    long long now_ms = (long long)time(NULL) * 1000;
+    assert_true(d.ck.created_unix_ms > now_ms - 60000 && d.ck.created_unix_ms < now_ms + 60000);
     rnnd_checkpoint_data_free(&d);
 
     // Writing the same name again replaces it whole.
     struct fake g;
     fake_init(&g, 100.0f);
     g.ck.n_envs = 0;
+    g.ck.traj_count = NULL;
     g.ck.model_version = 43;
     assert_int_equal(rnnd_checkpoint_write(dir, &g.ck, err, sizeof(err)), 0);
     assert_int_equal(rnnd_checkpoint_read(dir, &g.m, &d, err, sizeof(err)), 0);
     assert_int_equal(d.ck.model_version, 43);
     assert_int_equal(d.ck.n_envs, 0);
+    assert_null(d.ck.traj_count); // no trajectories file: nothing recorded
     assert_memory_equal(d.ck.params, g.params, g.P * 4);
     rnnd_checkpoint_data_free(&d);
 
@@ -175,6 +221,76 @@ static void test_corrupt_refused(void **state) {
     unlink(file);
     snprintf(dir, sizeof(dir), "%s/missing", root);
     assert_int_equal(rnnd_checkpoint_read(dir, &f.m, &d, err, sizeof(err)), RNND_ECORRUPT);
+    fake_free(&f);
+}
+
+// Cuts dir/name to half its length, as a crash in the middle of a copy would.
+static void truncate_half(const char *dir, const char *name) {
+    char file[512];
+    snprintf(file, sizeof(file), "%s/%s", dir, name);
+    struct stat st;
+    assert_int_equal(stat(file, &st), 0);
+    assert_int_equal(truncate(file, st.st_size / 2), 0);
+}
+
+static void test_truncated_refused(void **state) {
+    (void)state;
+    const char *files[] = {"model.safetensors", "optimizer.safetensors", "envs.safetensors",
+                           "trajectories.safetensors"};
+    struct fake f;
+    fake_init(&f, 4.0f);
+    for (int i = 0; i < 4; i++) {
+        char dir[256], err[512] = "";
+        snprintf(dir, sizeof(dir), "%s/trunc-%d", root, i);
+        assert_int_equal(rnnd_checkpoint_write(dir, &f.ck, err, sizeof(err)), 0);
+        truncate_half(dir, files[i]);
+        struct rnnd_checkpoint_data d;
+        int rc = rnnd_checkpoint_read(dir, &f.m, &d, err, sizeof(err));
+        if (rc != RNND_ECORRUPT || !strstr(err, files[i]))
+            fail_msg("truncated %s: rc %d, \"%s\"", files[i], rc, err);
+    }
+    // Row counts that do not add up to the rows stored are refused too.
+    char dir[256], err[512] = "";
+    snprintf(dir, sizeof(dir), "%s/bad-count", root);
+    f.count[2] = 4;
+    assert_int_equal(rnnd_checkpoint_write(dir, &f.ck, err, sizeof(err)), 0);
+    struct rnnd_checkpoint_data d;
+    assert_int_equal(rnnd_checkpoint_read(dir, &f.m, &d, err, sizeof(err)), RNND_ECORRUPT);
+    assert_non_null(strstr(err, "trajectories.safetensors"));
+    fake_free(&f);
+}
+
+static void test_read_weights(void **state) {
+    (void)state;
+    struct fake f;
+    fake_init(&f, 5.0f);
+    void *buf;
+    size_t len;
+    assert_int_equal(rnnd_st_encode_params(&f.m, f.params, NULL, 0, &buf, &len), 0);
+    char file[256], err[512] = "";
+    snprintf(file, sizeof(file), "%s/w.safetensors", root);
+    FILE *fp = fopen(file, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(buf, 1, len, fp), len);
+    fclose(fp);
+    free(buf);
+    float *p = calloc(f.P, 4);
+    assert_int_equal(rnnd_checkpoint_read_weights(file, &f.m, p, err, sizeof(err)), 0);
+    assert_memory_equal(p, f.params, f.P * 4);
+    // Another shape, a missing file and a truncated one are refused and leave params alone.
+    memset(p, 0, f.P * 4);
+    struct rnnd_model other = f.m;
+    other.L = 1;
+    assert_int_equal(rnnd_checkpoint_read_weights(file, &other, p, err, sizeof(err)), RNND_EINVAL);
+    assert_non_null(strstr(err, file));
+    assert_int_equal(
+        rnnd_checkpoint_read_weights("/nonexistent.safetensors", &f.m, p, err, sizeof(err)),
+        RNND_EIO);
+    assert_int_equal(truncate(file, (off_t)len / 2), 0);
+    assert_int_equal(rnnd_checkpoint_read_weights(file, &f.m, p, err, sizeof(err)), RNND_ECORRUPT);
+    for (size_t i = 0; i < f.P; i++)
+        assert_true(p[i] == 0.0f);
+    free(p);
     fake_free(&f);
 }
 
@@ -219,10 +335,9 @@ static void test_list_and_prune(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_resolve),
-        cmocka_unit_test(test_round_trip_and_replace),
-        cmocka_unit_test(test_corrupt_refused),
-        cmocka_unit_test(test_list_and_prune),
+        cmocka_unit_test(test_resolve),         cmocka_unit_test(test_round_trip_and_replace),
+        cmocka_unit_test(test_corrupt_refused), cmocka_unit_test(test_truncated_refused),
+        cmocka_unit_test(test_read_weights),    cmocka_unit_test(test_list_and_prune),
     };
     return cmocka_run_group_tests_name("checkpoint", tests, setup, teardown);
 }

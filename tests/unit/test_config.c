@@ -1,7 +1,8 @@
 /*
  * test_config.c: rnnd's configuration (server/config.c): the defaults of DESIGN.md §5, flags in
  * both spellings, config files (comments, quotes, line numbers in errors), flags winning over
- * the file, and refusals that name the offending flag.
+ * the file, refusals that name the offending flag, and the warning for a listen address that
+ * other hosts reach without TLS or a token.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -237,6 +238,58 @@ static void test_set_spellings(void **state) {
     assert_int_equal(c.max_envs, 10); // a refused value changes nothing
 }
 
+static void test_weights_streams_and_exposure(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
+    assert_int_equal(c.max_streams, 1024);
+    assert_string_equal(c.weights, "");
+    assert_null(rnnd_config_exposure(&c)); // loopback by default
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--weights", "/w.safetensors", "--max-streams", "3", NULL}),
+        RNND_CONFIG_RUN);
+    assert_string_equal(c.weights, "/w.safetensors");
+    assert_int_equal(c.max_streams, 3);
+    assert_int_equal(parse(&c, err, (const char *[]){"--max-streams", "0", NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--max-streams"));
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--weights", "/w", "--restore", "/ckpt", NULL}),
+        RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--weights"));
+
+    // Local addresses never warn; others warn until both TLS and client authentication are on.
+    const char *local[] = {"127.0.0.1:1", "127.9.9.9:1", "localhost:1", "[::1]:1", NULL};
+    for (int i = 0; local[i]; i++) {
+        assert_int_equal(parse(&c, err, (const char *[]){"--listen", local[i], NULL}),
+                         RNND_CONFIG_RUN);
+        if (rnnd_config_exposure(&c))
+            fail_msg("%s warned: %s", local[i], rnnd_config_exposure(&c));
+    }
+    struct {
+        const char *args[10];
+        const char *says; // NULL: no warning
+    } cases[] = {
+        {{"--listen", "0.0.0.0:1", NULL}, "neither TLS nor a token"},
+        {{"--listen", "[::]:1", NULL}, "neither TLS nor a token"},
+        {{"--listen", "10.0.0.5:1", "--auth-token-file", "/t", NULL}, "without TLS"},
+        {{"--listen", "0.0.0.0:1", "--tls-cert", "/c", "--tls-key", "/k", NULL},
+         "no client authentication"},
+        {{"--listen", "0.0.0.0:1", "--tls-cert", "/c", "--tls-key", "/k", "--auth-token-file",
+          "/t"},
+         NULL},
+        {{"--listen", "0.0.0.0:1", "--tls-cert", "/c", "--tls-key", "/k", "--tls-client-ca", "/ca"},
+         NULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        assert_int_equal(parse(&c, err, cases[i].args), RNND_CONFIG_RUN);
+        const char *w = rnnd_config_exposure(&c);
+        if (cases[i].says ? (w == NULL || !strstr(w, cases[i].says)) : w != NULL)
+            fail_msg("case %zu: \"%s\"", i, w ? w : "(no warning)");
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
@@ -245,6 +298,7 @@ int main(void) {
         cmocka_unit_test(test_help_and_version),
         cmocka_unit_test(test_config_file),
         cmocka_unit_test(test_set_spellings),
+        cmocka_unit_test(test_weights_streams_and_exposure),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);
 }

@@ -1,7 +1,8 @@
 /*
  * test_trajectory.c: the per-env ring of recorded steps (server/trajectory.c): what a window
  * returns (obs, is_init, extras, versions, and the state before its first step), growth, wrap
- * around at --trajectory-steps, and the bounds.
+ * around at --trajectory-steps, the bounds, and the export that checkpoints use (pushing the
+ * exported rows into a new ring rebuilds the same windows).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -97,11 +98,44 @@ static void test_bounds_and_missing_extras(void **state) {
     rnnd_traj_free(NULL);
 }
 
+static void test_export_rebuilds(void **state) {
+    (void)state;
+    struct rnnd_traj_dims d = {.I = 3, .E = 2, .L = 2, .H = 2, .lstm = true, .cap = 20};
+    struct rnnd_traj *tr = rnnd_traj_init(&d);
+    for (int k = 0; k < 33; k++) // wrapped: steps 13..32 are held
+        push_step(tr, &d, k);
+    enum { N = 20 };
+    float obs[N * 3], ex[N * 2], h[N * 4], c[N * 4];
+    uint8_t init[N];
+    uint64_t ver[N];
+    rnnd_traj_export(tr, &d, obs, init, ex, ver, h, c);
+    for (int t = 0; t < N; t++) { // every step's own state, not only the first
+        assert_true(h[t * 4 + 1] == 100.0f * (float)(13 + t) + 1.0f);
+        assert_true(c[t * 4 + 3] == -(100.0f * (float)(13 + t) + 3.0f));
+    }
+    // A shorter ring rebuilt from the rows keeps the newest ones, as a lower
+    // --trajectory-steps does on restore.
+    struct rnnd_traj_dims d2 = d;
+    d2.cap = 8;
+    struct rnnd_traj *tr2 = rnnd_traj_init(&d2);
+    for (int t = 0; t < N; t++)
+        assert_int_equal(rnnd_traj_push(tr2, &d2, obs + t * 3, init[t], ex + t * 2, h + t * 4,
+                                        c + t * 4, ver[t]),
+                         0);
+    assert_int_equal(rnnd_traj_count(tr2), 8);
+    check_window(tr2, &d2, 8, 25);
+    check_window(tr, &d, 8, 25);
+    rnnd_traj_export(NULL, &d, obs, init, ex, ver, h, c); // an env that recorded nothing
+    rnnd_traj_free(tr);
+    rnnd_traj_free(tr2);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_window_before_wrap),
         cmocka_unit_test(test_wraps_keeping_last_cap),
         cmocka_unit_test(test_bounds_and_missing_extras),
+        cmocka_unit_test(test_export_rebuilds),
     };
     return cmocka_run_group_tests_name("trajectory", tests, NULL, NULL);
 }

@@ -186,6 +186,7 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
         _exit(127);
     }
     d->pid = pid;
+    d->log_start = log_start;
 
     // A restart in the same directory appends to the log: only text after this start's offset
     // counts, and the ready line may follow other log lines.
@@ -227,6 +228,14 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
     daemon_dump_log(d, 4000);
     daemon_free(d);
     return -1;
+}
+
+bool daemon_log_contains(const struct daemon *d, const char *needle) {
+    size_t len;
+    char *log = slurp(d->log_path, &len);
+    bool found = log && len >= d->log_start && strstr(log + d->log_start, needle) != NULL;
+    free(log);
+    return found;
 }
 
 int daemon_start(struct daemon *d, const char *const *args) {

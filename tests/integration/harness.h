@@ -34,6 +34,7 @@ struct daemon {
     char log_path[300];
     char ready_line[512];
     double start_seconds; // from spawn to the ready line
+    size_t log_start;     // where this start's lines begin in log_path (restarts append)
 };
 
 // Starts rnnd with --backend cpu --listen 127.0.0.1:0 --http 127.0.0.1:0 --state-dir <new temp
@@ -50,6 +51,8 @@ int daemon_signal_wait(struct daemon *d, int sig, int timeout_ms);
 bool daemon_alive(struct daemon *d);
 // SIGKILLs the daemon if still running, reaps it, removes the state dir (when owned).
 void daemon_free(struct daemon *d);
+// True when the log written since this start contains needle.
+bool daemon_log_contains(const struct daemon *d, const char *needle);
 // Prints the last n bytes of the daemon's log to stderr.
 void daemon_dump_log(const struct daemon *d, size_t n);
 // A new client of d (asserts on failure). opts_token may be NULL.

@@ -2,9 +2,11 @@
  * test_weights.c: weights and persistence. GetWeights names and shapes (PyTorch's), seeded
  * initialisation, SetWeights/GetWeights round trip (and Step uses what was set), rnndctl (every
  * command, weights export|import through safetensors files), SaveCheckpoint contents, and
- * restarts: a clean SIGTERM restart keeps weights, version and env states; after kill -9 the
- * daemon comes back from the last checkpoint; a corrupt newest checkpoint is skipped for the next
- * older one; --restore loads the one named.
+ * restarts: a clean SIGTERM restart keeps weights, version, env states and recorded trajectories
+ * (Forward over recorded steps continues as if the daemon never stopped); after kill -9 the
+ * daemon comes back from the last checkpoint and logs how old it is; a corrupt newest checkpoint
+ * is skipped for the next older one; --restore loads the one named; automatic checkpoints
+ * rotate (three kept); --weights starts from a safetensors file unless a checkpoint is newer.
  */
 #include "harness.h"
 
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -373,8 +376,9 @@ static void test_checkpoint_contents(void **state) {
     free(w);
 }
 
-// Steps envs 10..13 (slots 10..13) once, checking against the reference.
-static void step_envs(struct fixture *f, bool init, const char *what) {
+// Steps envs 10..13 (slots 10..13) once, checking against the reference; the outputs (4, H) go
+// to out when it is not NULL.
+static void step_envs_out(struct fixture *f, bool init, const char *what, float *out) {
     uint64_t ids[4] = {10, 11, 12, 13};
     int32_t slots[4] = {10, 11, 12, 13};
     bool inits[4] = {init, init, init, init};
@@ -389,7 +393,21 @@ static void step_envs(struct fixture *f, bool init, const char *what) {
     EXPECT_OK(rnnd_client_step(f->c, &req, &r));
     ref_step(&f->r, 4, slots, x, inits, ref);
     assert_true(close_f32(what, r.output.data, ref, 4 * H_, ATOL, RTOL));
+    if (out)
+        memcpy(out, r.output.data, sizeof(float) * 4 * H_);
     rnnd_step_reply_free(&r);
+}
+
+static void step_envs(struct fixture *f, bool init, const char *what) {
+    step_envs_out(f, init, what, NULL);
+}
+
+// Forward over the last T recorded steps of envs 10..13.
+static void forward_recorded(struct fixture *f, uint32_t T, struct rnnd_forward_reply *r) {
+    uint64_t ids[4] = {10, 11, 12, 13};
+    struct rnnd_forward_req req = {.recorded = true, .n_env_ids = 4, .env_ids = ids, .steps = T};
+    EXPECT_OK(rnnd_client_forward(f->c, &req, r));
+    assert_tensor_f32(&r->output, 3, 4, T, H_, 0);
 }
 
 static void restart(struct fixture *f, const char *const *extra) {
@@ -420,7 +438,10 @@ static void test_clean_restart(void **state) {
     rnnd_named_tensors_free(&gl);
     free(g);
     ref_reload(&f->r, f->c);
-    step_envs(f, false, "after update");
+    float last[4 * H_];
+    step_envs_out(f, false, "after update", last);
+    struct rnnd_forward_reply before_rec;
+    forward_recorded(f, 2, &before_rec);
     // env 20 carries a step index.
     uint64_t id = 20, k = 0;
     bool init = true;
@@ -446,6 +467,11 @@ static void test_clean_restart(void **state) {
     }
     assert_true(WIFEXITED(f->d.exit_status) && WEXITSTATUS(f->d.exit_status) == 0);
     restart(f, NULL);
+    if (daemon_log_contains(&f->d, "did not stop cleanly") ||
+        !daemon_log_contains(&f->d, " ago (version")) {
+        daemon_dump_log(&f->d, 2000);
+        fail_msg("a clean restart should log the restored checkpoint's age, no crash warning");
+    }
 
     struct rnnd_model_info after;
     EXPECT_OK(rnnd_client_info(f->c, &after));
@@ -453,8 +479,29 @@ static void test_clean_restart(void **state) {
     assert_int_equal(after.envs_active, before.envs_active);
     float *w2 = get_params(f, &v);
     assert_memory_equal(w2, w, sizeof(float) * f->r.P);
-    // Env states survived: the next steps continue without a reset.
-    step_envs(f, false, "after restart");
+    // Recorded steps survived: the same window replays to the same outputs and inputs.
+    struct rnnd_forward_reply after_rec;
+    forward_recorded(f, 2, &after_rec);
+    assert_memory_equal(after_rec.output.data, before_rec.output.data, sizeof(float) * 4 * 2 * H_);
+    assert_memory_equal(after_rec.obs.data, before_rec.obs.data, sizeof(float) * 4 * 2 * I_);
+    assert_memory_equal(after_rec.is_init.data, before_rec.is_init.data, 4 * 2);
+    assert_memory_equal(after_rec.step_model_version.data, before_rec.step_model_version.data,
+                        sizeof(int64_t) * 4 * 2);
+    rnnd_forward_reply_free(&after_rec);
+    // Env states survived: the next steps continue without a reset, and a window that spans the
+    // restart equals what Step returned on either side of it.
+    float next[4 * H_];
+    step_envs_out(f, false, "after restart", next);
+    forward_recorded(f, 2, &after_rec);
+    for (int b = 0; b < 4; b++) {
+        const float *o = (const float *)after_rec.output.data + (size_t)b * 2 * H_;
+        assert_true(
+            close_f32("recorded step before the restart", o, last + b * H_, H_, ATOL, RTOL));
+        assert_true(
+            close_f32("recorded step after the restart", o + H_, next + b * H_, H_, ATOL, RTOL));
+    }
+    rnnd_forward_reply_free(&after_rec);
+    rnnd_forward_reply_free(&before_rec);
     init = false;
     k = 2; // a skip is still refused: the index history survived
     EXPECT_STATUS(rnnd_client_step(f->c, &req, &r), GRPC_STATUS_FAILED_PRECONDITION);
@@ -481,12 +528,19 @@ static void test_kill9_and_corrupt(void **state) {
     float *c = random_params(f, 0.3f);
     set_params(f, c, &v);
 
-    // kill -9: the daemon comes back from the newest checkpoint, B.
+    // kill -9: the daemon comes back from the newest checkpoint, B, and says the last run did
+    // not stop cleanly and how old the checkpoint is.
+    sleep_ms(300);
     assert_int_equal(daemon_signal_wait(&f->d, SIGKILL, 5000), 0);
     restart(f, NULL);
     float *got = get_params(f, &v);
     assert_memory_equal(got, b, sizeof(float) * f->r.P);
     free(got);
+    if (!daemon_log_contains(&f->d, "did not stop cleanly") ||
+        !daemon_log_contains(&f->d, path_b) || !daemon_log_contains(&f->d, " s ago")) {
+        daemon_dump_log(&f->d, 2000);
+        fail_msg("after kill -9 the log should name %s, its age and the unclean stop", path_b);
+    }
 
     // B corrupt: refused with a message, A used instead.
     assert_int_equal(daemon_signal_wait(&f->d, SIGKILL, 5000), 0);
@@ -523,11 +577,155 @@ static void test_kill9_and_corrupt(void **state) {
     free(path_b);
 }
 
+// Automatic checkpoints ("ckpt-*") in dir; the newest name (they sort by time) into newest.
+static int count_auto(const char *dir, char *newest, size_t cap) {
+    DIR *dp = opendir(dir);
+    assert_non_null(dp);
+    int n = 0;
+    if (newest)
+        newest[0] = '\0';
+    struct dirent *e;
+    while ((e = readdir(dp))) {
+        if (strncmp(e->d_name, "ckpt-", 5) != 0)
+            continue;
+        n++;
+        if (newest && strcmp(e->d_name, newest) > 0)
+            snprintf(newest, cap, "%s", e->d_name);
+    }
+    closedir(dp);
+    return n;
+}
+
+static void test_rotation(void **state) {
+    struct fixture *f = *state;
+    // SaveCheckpoint without a name joins the rotation: three automatic ones stay, the named
+    // one is the caller's and stays too.
+    for (int k = 0; k < 5; k++) {
+        char *path = NULL;
+        EXPECT_OK(rnnd_client_save_checkpoint(f->c, NULL, &path, NULL));
+        free(path);
+    }
+    char newest[256], named[512];
+    assert_int_equal(count_auto(f->d.state_dir, newest, sizeof newest), 3);
+    snprintf(named, sizeof named, "%s/named-one/model.safetensors", f->d.state_dir);
+    struct stat sb;
+    assert_int_equal(stat(named, &sb), 0);
+
+    // Periodic checkpoints (--checkpoint-interval-s) rotate the same way.
+    assert_int_equal(daemon_signal_wait(&f->d, SIGTERM, 15000), 0);
+    const char *extra[] = {"--checkpoint-interval-s", "1", NULL};
+    restart(f, extra);
+    assert_int_equal(count_auto(f->d.state_dir, newest, sizeof newest), 3);
+    char before[256];
+    snprintf(before, sizeof before, "%s", newest);
+    int status;
+    char *body = NULL;
+    double ok0 = 0, ok1 = 0;
+    assert_int_equal(http_get(f->d.http, "/metrics", &status, NULL, &body), 0);
+    ok0 = prom_value(body, "rnnd_checkpoints_total", "result=\"ok\"");
+    free(body);
+    sleep_ms(2600);
+    assert_int_equal(http_get(f->d.http, "/metrics", &status, NULL, &body), 0);
+    ok1 = prom_value(body, "rnnd_checkpoints_total", "result=\"ok\"");
+    free(body);
+    fprintf(stderr, "  periodic checkpoints in 2.6 s: %.0f\n", ok1 - ok0);
+    assert_true(ok1 - ok0 >= 2);
+    assert_int_equal(count_auto(f->d.state_dir, newest, sizeof newest), 3);
+    assert_true(strcmp(newest, before) > 0);
+}
+
+// Writes the model's parameters p as a safetensors file, as safetensors.torch.save_file would.
+static void write_weights(const struct rnnd_model *m, const float *p, const char *file) {
+    void *enc;
+    size_t len;
+    assert_int_equal(rnnd_st_encode_params(m, p, NULL, 0, &enc, &len), 0);
+    FILE *fp = fopen(file, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(enc, 1, len, fp), len);
+    fclose(fp);
+    free(enc);
+}
+
+static void test_weights_flag(void **state) {
+    struct fixture *f = *state;
+    char tmp[] = "/tmp/rnnd-weights-XXXXXX";
+    assert_non_null(mkdtemp(tmp));
+    char file1[300], file2[300], small[300];
+    snprintf(file1, sizeof file1, "%s/a.safetensors", tmp);
+    snprintf(file2, sizeof file2, "%s/b.safetensors", tmp);
+    snprintf(small, sizeof small, "%s/small.safetensors", tmp);
+    float *p1 = random_params(f, 0.25f), *p2 = random_params(f, 0.25f);
+    write_weights(&f->r.m, p1, file1);
+    write_weights(&f->r.m, p2, file2);
+    struct rnnd_model other = f->r.m;
+    other.L = 1;
+    write_weights(&other, p1, small);
+
+    const char *args[32];
+    int n = 0;
+    for (int k = 0; daemon_args[k]; k++)
+        args[n++] = daemon_args[k];
+    args[n++] = "--weights";
+    args[n++] = file1;
+    args[n] = NULL;
+    struct daemon d2;
+    assert_int_equal(daemon_start(&d2, args), 0);
+    struct rnnd_client *c2 = daemon_client(&d2, NULL);
+    struct rnnd_named_tensors w;
+    uint64_t v = 99;
+    EXPECT_OK(rnnd_client_get_weights(c2, &w, &v));
+    float *got = malloc(sizeof(float) * f->r.P);
+    assert_int_equal(rnnd_named_tensors_to_params(&w, &f->r.m, got), 0);
+    rnnd_named_tensors_free(&w);
+    assert_memory_equal(got, p1, sizeof(float) * f->r.P);
+    assert_int_equal(v, 0);
+
+    // After a restart the daemon's own checkpoint wins over --weights, and the log says so.
+    rnnd_client_free(c2);
+    assert_int_equal(daemon_signal_wait(&d2, SIGTERM, 15000), 0);
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", d2.state_dir);
+    args[n - 1] = file2;
+    assert_int_equal(daemon_start_in(&d2, dir, true, args), 0);
+    c2 = daemon_client(&d2, NULL);
+    EXPECT_OK(rnnd_client_get_weights(c2, &w, &v));
+    assert_int_equal(rnnd_named_tensors_to_params(&w, &f->r.m, got), 0);
+    rnnd_named_tensors_free(&w);
+    assert_memory_equal(got, p1, sizeof(float) * f->r.P);
+    assert_true(daemon_log_contains(&d2, "not loaded"));
+    rnnd_client_free(c2);
+    daemon_free(&d2);
+
+    // A missing file or one of another shape stops the start with a message naming the flag.
+    const char *bad[] = {file2, small};
+    snprintf(file2, sizeof file2, "%s/missing.safetensors", tmp);
+    for (int i = 0; i < 2; i++) {
+        const char *argv[] = {rnnd_bin(),  "--backend",     "cpu",    "--listen", "127.0.0.1:0",
+                              "--http",    "off",           "--cell", "gru",      "--input-size",
+                              "8",         "--hidden-size", "16",     "--layers", "2",
+                              "--weights", bad[i],          NULL};
+        char *out = NULL;
+        int rc = run_capture(argv, 20000, &out);
+        if (rc == 0 || !out || !strstr(out, "--weights") || !strstr(out, bad[i]))
+            fail_msg("rnnd --weights %s: exit %d, output:\n%s", bad[i], rc, out ? out : "");
+        free(out);
+    }
+    free(got);
+    free(p1);
+    free(p2);
+    remove(file1);
+    remove(small);
+    snprintf(file2, sizeof file2, "%s/b.safetensors", tmp);
+    remove(file2);
+    rmdir(tmp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names_and_init), cmocka_unit_test(test_set_get_roundtrip),
         cmocka_unit_test(test_rnndctl),        cmocka_unit_test(test_checkpoint_contents),
         cmocka_unit_test(test_clean_restart),  cmocka_unit_test(test_kill9_and_corrupt),
+        cmocka_unit_test(test_rotation),       cmocka_unit_test(test_weights_flag),
     };
     return cmocka_run_group_tests_name("weights", tests, setup, teardown) ? 1 : 0;
 }

@@ -130,7 +130,7 @@ if [[ " $STEPS " == *" profile "* ]]; then
     done
     CUOBJ=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
     for f in _Z18seq_forward_kernelI8cell_gru9mode_tf32Li128ELb1ELb1ELi0EEv16persist_fwd_args \
-             _Z19seq_backward_kernelI8cell_gru9mode_tf32Li128ELb1ELi0ELb1ELb0EEv16persist_bwd_args; do
+             _Z19seq_backward_kernelI8cell_gru9mode_tf32Li128ELb1ELi0ELb1EEv16persist_bwd_args; do
         "$CUOBJ" -sass -fun "$f" "$BIN/rnnd-kernel-bench" >"$OUT/sass_${f:4:12}.txt" 2>&1
         echo "sass $f: $(wc -l <"$OUT/sass_${f:4:12}.txt") lines"
     done

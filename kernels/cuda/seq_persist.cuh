@@ -100,50 +100,6 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Bulk loads (global to shared) completing on an mbarrier: init (count arrivals), arrive with
-// the bytes the phase expects, the copy itself, wait for a phase (parity) to complete.
-static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(count) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-static __device__ __forceinline__ void mbar_arrive_tx(uint64_t *bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
-                 : "memory");
-#endif
-}
-static __device__ __forceinline__ void bulk_g2s(void *sdst, const void *gsrc, uint32_t bytes,
-                                                uint64_t *bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t d = (uint32_t)__cvta_generic_to_shared(sdst);
-    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];" ::"r"(d),
-                 "l"(gsrc), "r"(bytes), "r"(b)
-                 : "memory");
-#endif
-}
-static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("{\n"
-                 ".reg .pred p;\n"
-                 "WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@p bra DONE;\n"
-                 "bra WAIT;\n"
-                 "DONE:\n"
-                 "}\n" ::"r"(b),
-                 "r"(parity)
-                 : "memory");
-#endif
-}
 // The B operand (weights) of both modes is stored in shared memory as WPF 32-bit words per
 // fragment (lane, n-tile, k-step): wpack builds them from an accessor B(k, n), wunpack turns them
 // into the MMA's b0, b1.
@@ -327,12 +283,6 @@ struct persist_geom {
     static constexpr int B_LDA = G * HP + Mode::APAD;
     static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(elem);
     static constexpr long B_SMEM = B_KS * B_KS_BYTES + B_TILE_BYTES;
-    // Backward stage (STG): one step's tape record, gy and (GRU) hprev rows as the copy engine
-    // brings them; row strides are 64 bytes past a multiple of 128, so two rows' 64-byte
-    // segments read by 8 lanes fall in different banks. The mbarrier sits after it.
-    static constexpr int S_STR = Cell::SW * HP + 16, Y_STR = HP + 16;
-    static constexpr long B_STAGE_BYTES = 16L * (S_STR + (G == 3 ? 2 : 1) * Y_STR) * 4;
-    static constexpr long B_SMEM_STG = B_SMEM + B_STAGE_BYTES + 16;
     static constexpr int B_SPLIT = 4; // independent accumulator chains over k in backward
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
@@ -819,11 +769,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
 // the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
-// stored by the threads. STG (sm_90, vector access): the rows a step reads (tape record, gy,
-// hprev) come through the copy engine into a shared stage, issued by 16 lanes of warp 1 (one
-// row each) as soon as the previous step's rows have been read, and waited for on an mbarrier:
-// no warp stalls issuing loads.
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool STG = false>
+// stored by the threads.
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -892,72 +839,23 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             size_t r = rbase[i] + t;
-            reset[i] = ld_flag(a.is_init + r, rv[i]);
-            if constexpr (!STG) {
-#pragma unroll
-                for (int p = 0; p < SW; p++)
-                    ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
-                ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
-                if (LSTM)
-                    zero4(hp[i]);
-                else
-                    ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
-            }
-        }
-    };
-    float *stage = reinterpret_cast<float *>(smem + Gm::B_SMEM);
-    float *stage_y = stage + 16 * Gm::S_STR, *stage_h = stage_y + 16 * Gm::Y_STR;
-    uint64_t *bar = reinterpret_cast<uint64_t *>(smem + Gm::B_SMEM + Gm::B_STAGE_BYTES);
-    auto issue_step = [&](int t) { // STG: lane r of warp 1 brings row r of step t
-        if (w == 1 && lane < 16) {
-            int b = blockIdx.x * 16 + lane;
-            bool ok = b < a.B;
-            uint32_t bytes = (SW + (LSTM ? 1 : 2)) * H * (uint32_t)sizeof(float);
-            mbar_arrive_tx(bar, ok ? bytes : 0);
-            if (ok) {
-                size_t r = (size_t)b * T + t;
-                bulk_g2s(stage + lane * Gm::S_STR, a.s + r * (SW * H), SW * H * 4, bar);
-                bulk_g2s(stage_y + lane * Gm::Y_STR, a.gy + r * a.ldgy, H * 4, bar);
-                if (!LSTM)
-                    bulk_g2s(stage_h + lane * Gm::Y_STR, a.z + r * a.ldz, H * 4, bar);
-            }
-        }
-    };
-    auto read_stage = [&](uint32_t parity) {
-        mbar_wait(bar, parity);
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int row = g + 8 * i;
-            bool ok = rv[i] && u0 < H;
-            auto rd = [&](float v[4], const float *p) {
-                float4 q = ok ? *reinterpret_cast<const float4 *>(p)
-                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-            };
 #pragma unroll
             for (int p = 0; p < SW; p++)
-                rd(sv[p][i], stage + row * Gm::S_STR + p * H + u0);
-            rd(gy[i], stage_y + row * Gm::Y_STR + u0);
+                ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
+            ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
             if (LSTM)
                 zero4(hp[i]);
             else
-                rd(hp[i], stage_h + row * Gm::Y_STR + u0);
+                ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
+            reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
-    if constexpr (STG) {
-        if (threadIdx.x == 0)
-            mbar_init(bar, 16);
-        __syncthreads();
-        issue_step(T - 1); // lands while the weights are arranged
-    }
     load_step(T - 1);
     persist_clock<V> clk;
     __syncthreads(); // the weights are in place
 
     for (int t = T - 1; t >= 0; t--) {
         clk.start();
-        if constexpr (STG)
-            read_stage((uint32_t)(T - 1 - t) & 1u);
         // Gate gradients of step t.
         float ddir[2][4], dcp[2][4], tv[G][2][4], dv[4][2][4];
 #pragma unroll
@@ -1003,10 +901,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(1);
         __syncthreads();
         clk.mark(2);
-        if constexpr (STG) {
-            if (t > 0)
-                issue_step(t - 1); // every thread has read step t's rows
-        }
         if constexpr (TMA) {
             // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
             if (threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
@@ -1117,22 +1011,16 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
 template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    constexpr bool F32 = sizeof(typename Mode::elem) == 4;
-    bool tma = F32 && a.tma && a.H == HP, stg = a.tma && a.vec && (a.variant & 64);
-    long smem = stg ? Gm::B_SMEM_STG : Gm::B_SMEM;
-    auto kernel = tma ? seq_backward_kernel<Cell, Mode, HP, true, V, F32>
-                      : seq_backward_kernel<Cell, Mode, HP, true, V>;
-    if (stg)
-        kernel = tma ? seq_backward_kernel<Cell, Mode, HP, true, V, F32, true>
-                     : seq_backward_kernel<Cell, Mode, HP, true, V, false, true>;
+    auto kernel = seq_backward_kernel<Cell, Mode, HP, true, V>;
+    if constexpr (sizeof(typename Mode::elem) == 4)
+        if (a.tma && a.H == HP)
+            kernel = seq_backward_kernel<Cell, Mode, HP, true, V, true>;
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
-    if (smem > RNND_PERSIST_SMEM_BUDGET)
-        return RNND_ENOTSUP;
-    RNND_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, smem, stream>>>(a);
+    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)Gm::B_SMEM));
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

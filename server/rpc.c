@@ -107,8 +107,8 @@ struct rnnd_call {
     uint64_t msg_ns; // StepStream: when the message in flight arrived
     uint64_t source;
     bool source_set;
-    bool counted; // in rpc->active
-    bool limited; // holds one of rpc->max_streams slots
+    bool counted;         // in rpc->active
+    _Atomic bool limited; // holds one of rpc->max_streams slots
     struct tag t_new, t_close, t_send, t_status, t_recv;
     grpc_slice status_details;
     bool has_details;
@@ -316,6 +316,15 @@ static void maybe_shutdown(struct rnnd_rpc *rpc) {
     rnnd_rpc_cancel_all(rpc);
 }
 
+// Gives back the call's --max-streams slot (once). Called as the status is about to leave, so
+// that a client which sends its next call as soon as it has this reply finds the slot free.
+static void slot_release(struct rnnd_call *c) {
+    if (atomic_exchange(&c->limited, false)) {
+        int n = atomic_fetch_sub(&c->rpc->calls, 1) - 1;
+        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
+    }
+}
+
 // Starts the status batch (with initial metadata if none went out yet). Call with c->lock held
 // and nothing being sent. Returns true: the caller drops the owner reference after unlocking.
 static bool status_start(struct rnnd_call *c, int code, const char *msg) {
@@ -344,6 +353,7 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
     if (!stream || code != GRPC_STATUS_OK)
         rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
                              rnnd_now_ns() - (stream && c->msg_ns ? c->msg_ns : c->start_ns));
+    slot_release(c);
     call_start(c, ops, n, &c->t_status);
     if (code != GRPC_STATUS_OK)
         rnnd_log(RNND_LOG_DEBUG, "%s -> %d: %s", mi >= 0 ? methods[mi].path : "unknown", code,
@@ -353,11 +363,7 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
 
 // The call is finished from our side: it no longer counts as active.
 static void call_done_active(struct rnnd_call *c) {
-    if (c->limited) {
-        c->limited = false;
-        int n = atomic_fetch_sub(&c->rpc->calls, 1) - 1;
-        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
-    }
+    slot_release(c); // for a call abandoned without a status
     if (c->counted) {
         c->counted = false;
         atomic_fetch_sub(&c->rpc->active, 1);
@@ -512,6 +518,7 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     ops[2].data.send_status_from_server.status = GRPC_STATUS_OK;
     c->send_buf = bb; // destroyed with the call
     rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
+    slot_release(c);
     call_start(c, ops, 3, &c->t_status);
     pthread_mutex_unlock(&c->lock);
     finish_owner(c, true);
@@ -689,7 +696,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
             rnnd_call_fail(c, RNND_EFULL, msg);
             return;
         }
-        c->limited = true;
+        atomic_store(&c->limited, true);
         atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
     }
     if (m->kind == KIND_STEP_STREAM) {

@@ -386,7 +386,8 @@ static void dechunk(char *body) {
     *dst = '\0';
 }
 
-int http_get(const char *hostport, const char *path, int *status, char **headers, char **body) {
+int http_raw(const char *hostport, const char *request, size_t len, int timeout_ms, int *status,
+             char **headers, char **body) {
     *status = 0;
     *body = NULL;
     if (headers)
@@ -401,7 +402,7 @@ int http_get(const char *hostport, const char *path, int *status, char **headers
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0)
         return -1;
-    struct timeval tv = {5, 0};
+    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
@@ -410,14 +411,12 @@ int http_get(const char *hostport, const char *path, int *status, char **headers
         close(fd);
         return -1;
     }
-    char req[512];
-    int len = snprintf(req, sizeof req,
-                       "GET %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: rnnd-integration-test\r\n"
-                       "Accept: */*\r\nConnection: close\r\n\r\n",
-                       path, hostport);
-    if (write(fd, req, (size_t)len) != len) {
-        close(fd);
-        return -1;
+    // The server may answer (and close) before it has read everything: a short write is fine.
+    for (size_t off = 0; off < len;) {
+        ssize_t w = write(fd, request + off, len - off);
+        if (w <= 0)
+            break;
+        off += (size_t)w;
     }
     size_t cap = 8192, n = 0;
     char *buf = malloc(cap + 1);
@@ -462,6 +461,15 @@ int http_get(const char *hostport, const char *path, int *status, char **headers
         dechunk(*body);
     free(buf);
     return 0;
+}
+
+int http_get(const char *hostport, const char *path, int *status, char **headers, char **body) {
+    char req[512];
+    int len = snprintf(req, sizeof req,
+                       "GET %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: rnnd-integration-test\r\n"
+                       "Accept: */*\r\nConnection: close\r\n\r\n",
+                       path, hostport);
+    return http_raw(hostport, req, (size_t)len, 5000, status, headers, body);
 }
 
 double prom_value(const char *body, const char *name, const char *labels) {

@@ -77,6 +77,10 @@ const char *harness_compute(void);
 // GET path from host:port (HTTP/1.1, Connection: close). *status receives the code; *body a new
 // NUL-terminated string (free()); *headers (may be NULL) the raw header block. 0 or -1.
 int http_get(const char *hostport, const char *path, int *status, char **headers, char **body);
+// Sends len raw bytes of request to host:port and reads the response as http_get does, waiting
+// at most timeout_ms for each read. 0 or -1 (no HTTP response).
+int http_raw(const char *hostport, const char *request, size_t len, int timeout_ms, int *status,
+             char **headers, char **body);
 // The value of the first sample of metric `name` whose label set contains every "k=\"v\""
 // substring in `labels` (may be NULL), from a Prometheus text body; NAN when absent.
 double prom_value(const char *body, const char *name, const char *labels);

@@ -5,7 +5,10 @@
  * id anywhere); bearer-token auth; the queue bound (RESOURCE_EXHAUSTED at once while the engine is
  * busy); idle eviction; SIGTERM under load (every call OK or UNAVAILABLE, exit 0, a checkpoint
  * left behind) and SIGINT; bad flags and config values (non-zero exit naming them); the config
- * file with flags winning.
+ * file with flags winning. HTTP serves only GET (405) of bounded requests (431). Every bound
+ * (streams, envs, tape memory, message size, queue) answers RESOURCE_EXHAUSTED at once, shows in
+ * rnnd_limit / rnnd_limit_rejections_total, and leaves everything else working. A listen
+ * address other hosts can reach, left open, logs a warning.
  */
 #include "harness.h"
 
@@ -67,6 +70,19 @@ static int step_n(struct rnnd_client *cl, const uint64_t *ids, int B, bool init)
     return err;
 }
 
+// One sample of /metrics of dd (NAN when absent).
+static double metric_of(const struct daemon *dd, const char *name, const char *labels) {
+    int status;
+    char *body = NULL;
+    if (http_get(dd->http, "/metrics", &status, NULL, &body) != 0 || status != 200) {
+        free(body);
+        return NAN;
+    }
+    double v = prom_value(body, name, labels);
+    free(body);
+    return v;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 static void test_ready_line(void **state) {
@@ -118,6 +134,37 @@ static void test_http_endpoints(void **state) {
     assert_non_null(strcasestr(headers, "content-type: text/plain"));
     assert_non_null(strstr(headers, "version=0.0.4"));
     free(headers);
+    free(body);
+}
+
+static void test_http_bounds(void **state) {
+    (void)state;
+    int status;
+    char *headers, *body;
+    // Only GET: other methods on the known paths get 405 with Allow.
+    const char *post = "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi";
+    assert_int_equal(http_raw(d.http, post, strlen(post), 5000, &status, &headers, &body), 0);
+    assert_int_equal(status, 405);
+    assert_non_null(strcasestr(headers, "allow: GET"));
+    free(headers);
+    free(body);
+    const char *del = "DELETE /healthz HTTP/1.1\r\n\r\n";
+    assert_int_equal(http_raw(d.http, del, strlen(del), 5000, &status, NULL, &body), 0);
+    assert_int_equal(status, 405);
+    free(body);
+    // A request head larger than the server reads is refused, not buffered.
+    size_t n = 64 * 1024;
+    char *big = malloc(n + 1);
+    int k = snprintf(big, n, "GET /metrics HTTP/1.1\r\nX-Pad: ");
+    memset(big + k, 'a', n - (size_t)k);
+    big[n] = '\0';
+    assert_int_equal(http_raw(d.http, big, n, 5000, &status, NULL, &body), 0);
+    assert_int_equal(status, 431);
+    free(body);
+    free(big);
+    // The endpoints still answer.
+    assert_int_equal(http_get(d.http, "/healthz", &status, NULL, &body), 0);
+    assert_int_equal(status, 200);
     free(body);
 }
 
@@ -416,10 +463,149 @@ static void test_queue_full(void **state) {
         assert_int_equal(info.envs_active, 12);
     }
     assert_true(seen);
+    assert_true(metric_of(&dq, "rnnd_limit_rejections_total", "resource=\"step_queue_rows\"") >= 1);
+    assert_true(metric_of(&dq, "rnnd_limit", "resource=\"step_queue_rows\"") == 16);
     rnnd_client_free(c1);
     rnnd_client_free(c2);
     rnnd_client_free(c3);
     daemon_free(&dq);
+}
+
+static int stream_step1(struct rnnd_client_stream *s, uint64_t id, bool init) {
+    float x[I_] = {0.5f};
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &id,
+                                .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                .n_is_init = 1,
+                                .is_init = &init};
+    struct rnnd_step_reply r;
+    int err = rnnd_client_stream_step(s, &req, &r);
+    rnnd_step_reply_free(&r);
+    return err;
+}
+
+static int forward_T(struct rnnd_client *cl, int T, bool keep) {
+    float *x = calloc((size_t)T * I_, sizeof(float));
+    struct rnnd_forward_req req = {.obs = rnnd_tensor_f32(x, 3, 1, T, I_, 0), .keep_tape = keep};
+    struct rnnd_forward_reply r;
+    int err = rnnd_client_forward(cl, &req, &r);
+    rnnd_forward_reply_free(&r);
+    free(x);
+    return err;
+}
+
+static double rejections(const struct daemon *dd, const char *resource) {
+    char labels[64];
+    snprintf(labels, sizeof labels, "resource=\"%s\"", resource);
+    return metric_of(dd, "rnnd_limit_rejections_total", labels);
+}
+
+static void test_limits(void **state) {
+    (void)state;
+    struct daemon dl;
+    const char *args[] = {
+        "--input-size",     "8", "--hidden-size",    "32", "--max-streams", "2",  "--max-envs", "4",
+        "--tape-memory-mb", "1", "--max-message-mb", "1",  "--max-batch",   "16", NULL};
+    assert_int_equal(daemon_start(&dl, args), 0);
+    struct {
+        const char *resource;
+        double bound;
+    } bounds[] = {{"envs", 4},
+                  {"step_queue_rows", 64 * 16},
+                  {"tape_bytes", 1 << 20},
+                  {"message_bytes", 1 << 20},
+                  {"streams", 2}};
+    for (int i = 0; i < 5; i++) {
+        char labels[64];
+        snprintf(labels, sizeof labels, "resource=\"%s\"", bounds[i].resource);
+        assert_true(metric_of(&dl, "rnnd_limit", labels) == bounds[i].bound);
+        assert_true(rejections(&dl, bounds[i].resource) == 0);
+    }
+
+    // Streams: two StepStreams take both slots; a third call of any kind is refused at once,
+    // while the open streams, health and HTTP go on.
+    struct rnnd_client *c1 = daemon_client(&dl, NULL), *c3 = daemon_client(&dl, NULL);
+    struct rnnd_client_stream *s1, *s2, *s3;
+    EXPECT_OK(rnnd_client_stream_init(c1, &s1));
+    EXPECT_OK(rnnd_client_stream_init(c1, &s2));
+    EXPECT_OK(stream_step1(s1, 1, true));
+    EXPECT_OK(stream_step1(s2, 2, true));
+    assert_true(metric_of(&dl, "rnnd_streams_active", NULL) == 2);
+    double t0 = now_seconds();
+    uint64_t id = 3;
+    EXPECT_STATUS(step_n(c3, &id, 1, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "--max-streams"));
+    if (rnnd_client_stream_init(c3, &s3) == 0) {
+        EXPECT_STATUS(stream_step1(s3, 3, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
+        rnnd_client_stream_free(s3);
+    }
+    assert_true(now_seconds() - t0 < 2.0);
+    int hs = 0;
+    EXPECT_OK(rnnd_client_health(c3, "rnnd.v1.Rnn", &hs));
+    assert_int_equal(hs, 1);
+    EXPECT_OK(stream_step1(s1, 1, false));
+    EXPECT_OK(stream_step1(s2, 2, false));
+    assert_true(rejections(&dl, "streams") >= 2);
+    assert_true(metric_of(&dl, "rnnd_streams_active", NULL) == 2);
+    // A closed stream frees its slot.
+    EXPECT_OK(rnnd_client_stream_close(s2));
+    rnnd_client_stream_free(s2);
+    double t1 = now_seconds();
+    int err;
+    while ((err = step_n(c3, &id, 1, true)) != 0 && now_seconds() - t1 < 5)
+        sleep_ms(10);
+    EXPECT_OK(err);
+
+    // Envs: 1, 2, 3 hold state; one more fits, a request with two new ones does not (and takes
+    // no slot); known envs still step.
+    id = 4;
+    EXPECT_OK(step_n(c3, &id, 1, true));
+    uint64_t two[2] = {5, 6};
+    EXPECT_STATUS(step_n(c3, two, 2, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_true(rejections(&dl, "envs") == 1);
+    EXPECT_OK(stream_step1(s1, 1, false));
+    uint64_t known[3] = {2, 3, 4};
+    EXPECT_OK(step_n(c3, known, 3, false));
+
+    // Tape memory: kept tapes fill the 1 MiB budget; then keep_tape is refused, Forward without a
+    // tape still runs.
+    int kept = 0;
+    while ((err = forward_T(c3, 128, true)) == 0 && kept < 64)
+        kept++;
+    fprintf(stderr, "  %d tapes kept, then: %s\n", kept, rnnd_client_last_error()->message);
+    assert_int_equal(err, RNND_EFULL);
+    assert_true(kept >= 1);
+    assert_true(rejections(&dl, "tape_bytes") == 1);
+    EXPECT_OK(forward_T(c3, 128, false));
+
+    // Message size: a reply over 1 MiB is refused before any work; a request over it is refused
+    // by gRPC (never decoded); both leave the daemon serving.
+    EXPECT_STATUS(forward_T(c3, 10000, false), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_true(rejections(&dl, "message_bytes") == 1);
+    EXPECT_STATUS(forward_T(c3, 40000, false), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    EXPECT_OK(stream_step1(s1, 1, false));
+    assert_true(metric_of(&dl, "rnnd_request_message_bytes_count", NULL) > 10);
+
+    rnnd_client_stream_free(s1);
+    rnnd_client_free(c1);
+    rnnd_client_free(c3);
+    daemon_free(&dl);
+}
+
+static void test_exposure_warning(void **state) {
+    (void)state;
+    struct daemon dw;
+    // Reachable from other hosts with nothing set: a warning naming the flags that close it.
+    const char *open_args[] = {"--listen", "0.0.0.0:0", "--input-size", "8", NULL};
+    assert_int_equal(daemon_start(&dw, open_args), 0);
+    bool warned = daemon_log_contains(&dw, "neither TLS nor a token") &&
+                  daemon_log_contains(&dw, "--auth-token-file");
+    if (!warned)
+        daemon_dump_log(&dw, 2000);
+    assert_true(warned);
+    daemon_free(&dw);
+    // The default loopback listen says nothing of the kind.
+    assert_false(daemon_log_contains(&d, "reachable from other hosts"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -673,6 +859,8 @@ int main(void) {
         cmocka_unit_test(test_queue_full),       cmocka_unit_test(test_sigterm_under_load),
         cmocka_unit_test(test_watch_sees_drain), cmocka_unit_test(test_sigint),
         cmocka_unit_test(test_bad_flags),        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_http_bounds),      cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_exposure_warning),
     };
     return cmocka_run_group_tests_name("ops", tests, setup, teardown) ? 1 : 0;
 }

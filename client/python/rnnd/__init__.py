@@ -15,12 +15,13 @@ from .client import (BackwardResult, Checkpoint, Client, ForwardResult, ModelInf
                      StepResult, Stepper, Weights)
 from .daemon import Daemon
 from .pool import Pool, PoolStepper, pick as rendezvous_pick, target_hash as rendezvous_target_hash
-from .safetensors import load_safetensors
+from .safetensors import load_safetensors, save_safetensors
 from ._tensor import decode as decode_tensor, encode as encode_tensor
 
 __version__ = "0.1.0"
 
 __all__ = ["Client", "Stepper", "RnndError", "Daemon", "Pool", "PoolStepper", "rendezvous_pick",
            "rendezvous_target_hash", "ModelInfo", "StepResult", "ForwardResult",
-           "BackwardResult", "Checkpoint", "Weights", "load_safetensors", "decode_tensor",
+           "BackwardResult", "Checkpoint", "Weights", "load_safetensors", "save_safetensors",
+           "decode_tensor",
            "encode_tensor"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, with apt, whatever rnnd needs to build and test that is not there yet. Idempotent and
 # quiet when everything is present; uses sudo when not root. Debian 12 and Ubuntu 22.04+ names.
+# --ci adds what .ci/run needs beyond that: clang and libFuzzer's runtime (tests/fuzz).
 set -euo pipefail
 
 pkgs=(
@@ -10,6 +11,9 @@ pkgs=(
   # Python client, fixtures and reference tests run on Debian's /usr/bin/python3.
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-matplotlib python3-yaml
 )
+if [ "${1:-}" = "--ci" ]; then
+  pkgs+=(clang libclang-rt-dev)
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -2,9 +2,9 @@
 # gpu_run.sh: the whole GPU session of the CUDA backend, in two halves.
 #
 #   kernels/bench/gpu_run.sh bundle     (on the build machine, from the repository root)
-#       Builds test_rnn_cuda and rnnd-kernel-bench for sm_90 with OpenBLAS linked statically
-#       (the GPU host has no OpenBLAS) into build-dev/, strips them and packs .device/bundle.tar.xz
-#       (git-ignored; name .device in the device tool's carry list).
+#       Builds everything for sm_90 into build-dev/ and packs it with deploy/bundle.sh --tests into
+#       .device/rnnd-bundle.tar.gz (git-ignored; name it in the device tool's carry list). The
+#       same bundle serves tests/gpu/daemon_check.sh.
 #   kernels/bench/gpu_run.sh run [test|sanitize|bench|all]...   (on the GPU host, repository root)
 #       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
 #       test      test_rnn_cuda: every op against the CPU reference;
@@ -21,35 +21,14 @@ MODE=${1:-run}
 shift || true
 
 if [ "$MODE" = bundle ]; then
+    # One bundle for every GPU script (this one and tests/gpu/daemon_check.sh): the whole build
+    # for sm_90 with its non-system libraries, OpenBLAS included (the GPU host has none).
     set -e
-    PC=$(mktemp -d)
-    mkdir -p "$PC/lib"
-    OB=$(find /usr/lib -name libopenblas.a -path '*pthread*' | head -1)
-    [ -n "$OB" ] || OB=$(find /usr/lib -name libopenblas.a | head -1)
-    ln -sf "$OB" "$PC/lib/libopenblas.a"
-    GF=$(ldconfig -p | awk '/libgfortran.so.5 /{print $NF; exit}')
-    [ -n "$GF" ] && ln -sf "$GF" "$PC/lib/libgfortran.so"
-    cat >"$PC/openblas.pc" <<EOF
-Name: openblas
-Description: static OpenBLAS for the GPU bundle
-Version: 0
-Libs: -L$PC/lib -lopenblas ${GF:+-lgfortran}
-Cflags: -I/usr/include/x86_64-linux-gnu/openblas-pthread
-EOF
-    rm -f build-dev/CMakeCache.txt
-    PKG_CONFIG_PATH=$PC cmake -S . -B build-dev -DRNND_SERVER=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DCMAKE_BUILD_TYPE=Release >/dev/null
-    cmake --build build-dev -j"$(nproc)" --target test_rnn_cuda rnnd-kernel-bench
-    STAGE=$(mktemp -d)
-    mkdir -p "$STAGE/rnnd"
-    cp build-dev/tests/gpu/test_rnn_cuda build-dev/kernels/bench/rnnd-kernel-bench "$STAGE/rnnd/"
-    strip "$STAGE/rnnd/"*
-    mkdir -p .device
-    tar -C "$STAGE" -cJf .device/bundle.tar.xz rnnd
-    git rev-parse HEAD >.device/bundle.commit
-    git status --short kernels tests >>.device/bundle.commit
-    ls -la .device/
-    rm -rf "$PC" "$STAGE"
+    cmake --fresh -S . -B build-dev -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build build-dev -j"$(nproc)"
+    deploy/bundle.sh -b build-dev -o .device --tests
+    rm -rf .device/rnnd-bundle
+    { git rev-parse HEAD; git status --short kernels tests; } >.device/bundle.commit
     exit 0
 fi
 
@@ -59,12 +38,12 @@ mkdir -p "$OUT"
 W=/tmp/rnnd-bundle
 rm -rf "$W"
 mkdir -p "$W"
-tar -C "$W" -xJf .device/bundle.tar.xz || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
-BIN=$W/rnnd
+tar -C "$W" -xzf .device/rnnd-bundle.tar.gz || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
+BIN=$W/rnnd-bundle/bin
 cat .device/bundle.commit 2>/dev/null | head -1 | sed 's/^/bundle built from /'
 
 # Libraries: the toolkit's, else PyTorch's wheels (nvidia-cublas, nvidia-cudnn-cu13).
-LIBS=/usr/local/cuda/lib64
+LIBS=$W/rnnd-bundle/lib:/usr/local/cuda/lib64
 SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
 for lib in libcublas.so.13 libcudnn.so.9; do
     d=$(find /usr/local/cuda/lib64/ -maxdepth 1 -name "$lib" 2>/dev/null | head -1)

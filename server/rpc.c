@@ -320,8 +320,10 @@ static void maybe_shutdown(struct rnnd_rpc *rpc) {
 // that a client which sends its next call as soon as it has this reply finds the slot free.
 static void slot_release(struct rnnd_call *c) {
     if (atomic_exchange(&c->limited, false)) {
-        int n = atomic_fetch_sub(&c->rpc->calls, 1) - 1;
-        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
+        atomic_fetch_sub(&c->rpc->calls, 1);
+        // Added and subtracted (not stored): the gauge cannot be left stale by two threads
+        // storing their snapshots out of order.
+        atomic_fetch_sub_explicit(&rnnd_metrics.streams_active, 1, memory_order_relaxed);
     }
 }
 
@@ -697,7 +699,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
             return;
         }
         atomic_store(&c->limited, true);
-        atomic_store_explicit(&rnnd_metrics.streams_active, n, memory_order_relaxed);
+        atomic_fetch_add_explicit(&rnnd_metrics.streams_active, 1, memory_order_relaxed);
     }
     if (m->kind == KIND_STEP_STREAM) {
         if (!atomic_load(&rpc->serving) || atomic_load(&rpc->draining)) {

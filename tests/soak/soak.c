@@ -96,6 +96,7 @@ struct worker {
     struct rnnd_client *patient, *impatient;
     uint64_t calls[N_CODES + 1]; // by grpc code; [N_CODES]: local failures (no status)
     uint64_t steps_ok, resent, mismatches, unexpected, unanswered, streams, dropped;
+    uint64_t connect_failures;
     char notes[MAX_NOTES][300];
     int n_notes;
 };
@@ -114,6 +115,16 @@ static int last_code(void) {
     return rnnd_client_last_error()->grpc_status;
 }
 
+// gRPC 1.51's client can report a connect that was merely in progress as failed, with an errno
+// clobbered by calls made in between ("failed to connect to all addresses; ... No such file or
+// directory"; later gRPC keeps connect()'s errno). Such a call never left the client: it
+// changed nothing and is retried (or skipped), and counted apart. A daemon that really stopped
+// accepting would keep failing the retries and show up as unanswered.
+static bool connect_failure(int err) {
+    return err != 0 && last_code() == GRPC_STATUS_UNAVAILABLE &&
+           strstr(rnnd_client_last_error()->message, "failed to connect") != NULL;
+}
+
 static void count(struct worker *w, int err) {
     int code = err == 0 ? 0 : last_code();
     w->calls[code >= 0 && code < N_CODES ? code : N_CODES]++;
@@ -125,6 +136,10 @@ static bool expect_code(struct worker *w, int err, int want, const char *what) {
     int code = err == 0 ? 0 : last_code();
     if (code == want)
         return true;
+    if (connect_failure(err)) {
+        w->connect_failures++;
+        return false;
+    }
     w->unexpected++;
     note(w, "%s: %s, wanted %s: %s", what, rnnd_grpc_status_name(code), rnnd_grpc_status_name(want),
          err ? rnnd_client_last_error()->message : "");
@@ -210,6 +225,7 @@ static void step_applied(struct worker *w, struct pending *p, const float *out) 
 static void step_resolve(struct worker *w, struct pending *p) {
     for (int k = 0; k < p->B; k++)
         w->env[p->rows[k]].quiet_until = now_seconds() + 2.0;
+    double give_up = now_seconds() + 10.0;
     while (p->used) {
         struct rnnd_step_req req = step_req(p, false);
         struct rnnd_step_reply r;
@@ -220,6 +236,9 @@ static void step_resolve(struct worker *w, struct pending *p) {
             step_applied(w, p, r.output.data);
         } else if (last_code() == GRPC_STATUS_RESOURCE_EXHAUSTED) {
             sleep_ms(2); // a bound: refused whole, nothing changed; try again
+        } else if (connect_failure(err) && now_seconds() < give_up) {
+            w->connect_failures++;
+            sleep_ms(20); // the channel backs off, then connects again
         } else {
             w->unexpected++;
             if (last_code() == GRPC_STATUS_DEADLINE_EXCEEDED)
@@ -247,6 +266,9 @@ static void op_step(struct worker *w, bool impatient) {
         // Refused whole by a bound: nothing changed.
     } else if (impatient) {
         step_resolve(w, &p); // the reply was lost, the step may have run
+    } else if (connect_failure(err)) {
+        w->connect_failures++;
+        step_resolve(w, &p); // never sent: the resend is its first delivery
     } else {
         w->unexpected++;
         if (last_code() == GRPC_STATUS_DEADLINE_EXCEEDED)
@@ -275,7 +297,9 @@ static void op_stream(struct worker *w) {
         if (err == 0) {
             step_applied(w, &p, r.output.data);
         } else {
-            if (last_code() != GRPC_STATUS_RESOURCE_EXHAUSTED) {
+            if (connect_failure(err)) {
+                w->connect_failures++;
+            } else if (last_code() != GRPC_STATUS_RESOURCE_EXHAUSTED) {
                 w->unexpected++;
                 note(w, "stream step: %s: %s", rnnd_grpc_status_name(last_code()),
                      rnnd_client_last_error()->message);
@@ -719,7 +743,7 @@ static void test_soak(void **state) {
 
     // Figures.
     uint64_t calls[N_CODES + 1] = {0}, steps = 0, resent = 0, mism = 0, unexp = 0, unans = 0,
-                             streams = 0, dropped = 0;
+                             streams = 0, dropped = 0, connect_failures = 0;
     for (int i = 0; i < opt.workers; i++) {
         struct worker *w = &workers[i];
         for (int c = 0; c <= N_CODES; c++)
@@ -731,6 +755,7 @@ static void test_soak(void **state) {
         unans += w->unanswered;
         streams += w->streams;
         dropped += w->dropped;
+        connect_failures += w->connect_failures;
         for (int n = 0; n < w->n_notes; n++)
             fprintf(stderr, "  worker %d: %s\n", i, w->notes[n]);
     }
@@ -756,10 +781,12 @@ static void test_soak(void **state) {
             ch.garbage, ch.slow_status);
     fprintf(stderr,
             "soak: reckoning: %llu envs hold state (daemon says %llu), %llu checked, %llu state "
-            "mismatches, %llu output mismatches, %llu unexpected, %llu unanswered\n",
+            "mismatches, %llu output mismatches, %llu unexpected, %llu unanswered, %llu client "
+            "connect failures (retried)\n",
             (unsigned long long)held, (unsigned long long)info.envs_active,
             (unsigned long long)checked, (unsigned long long)state_mismatch,
-            (unsigned long long)mism, (unsigned long long)unexp, (unsigned long long)unans);
+            (unsigned long long)mism, (unsigned long long)unexp, (unsigned long long)unans,
+            (unsigned long long)connect_failures);
     fprintf(stderr,
             "soak: daemon RSS %ld KiB at start, %ld after warm-up (%.1f s), %ld at the end, peak "
             "%ld; fds %d before, %d after\n",

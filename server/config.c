@@ -12,10 +12,11 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "log.h"
 
-enum opt_type { OPT_INT, OPT_U64, OPT_FLOAT, OPT_PATH, OPT_ADDR, OPT_ENUM };
+enum opt_type { OPT_INT, OPT_U64, OPT_FLOAT, OPT_PATH, OPT_ADDR, OPT_ENUM, OPT_DEVICES, OPT_RANK };
 
 struct opt {
     const char *name; // flag without dashes
@@ -42,6 +43,8 @@ static const char *const level_names[] = {"debug", "info", "warn", "error", NULL
 #define PATH(f)        OPT_PATH, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
 #define ADDR(f)        OPT_ADDR, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
 #define ENUM(f, n)     OPT_ENUM, OFF(f), sizeof(int), 0, 0, 0, 0, n
+#define DEVICES(f)     OPT_DEVICES, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define RANK(f)        OPT_RANK, OFF(f), sizeof(int), 0, 65535, 0, 0, NULL
 
 static const struct opt opts[] = {
     {"config", PATH(config_file), "FILE",
@@ -55,6 +58,21 @@ static const struct opt opts[] = {
     {"backend", ENUM(backend, backend_names), "auto|cpu|cuda",
      "auto: cuda when a device is usable, else cpu"},
     {"device", INT(device, 0, 1023), "N", "CUDA device index"},
+    {"devices", DEVICES(devices), "N,N,...",
+     "one engine per device (CUDA indices; with --backend cpu, that many CPU engines): envs are "
+     "placed by a hash of their id, batches split, gradients summed over NCCL (none: --device)"},
+    {"rank", RANK(rank), "N|auto",
+     "this rnnd's rank among --world-size (auto: $RNND_RANK, else the number ending the host "
+     "name, as in a StatefulSet's rnnd-0, rnnd-1)"},
+    {"world-size", INT(world_size, 1, 65536), "N",
+     "rnnd instances (hosts) that keep one set of weights in sync over NCCL"},
+    {"rendezvous", ADDR(rendezvous), "HOST:PORT",
+     "where rank 0 listens and the other ranks connect to form the group (needs --world-size)"},
+    {"rendezvous-timeout-s", INT(rendezvous_timeout_s, 1, 86400), "N",
+     "how long the ranks wait for each other at start"},
+    {"comm-timeout-s", INT(comm_timeout_s, 1, 3600), "N",
+     "a collective (gradient sum, weight broadcast) that a device or host has not joined by then "
+     "fails with UNAVAILABLE"},
     {"listen", ADDR(listen), "HOST:PORT", "gRPC address (port 0: any free port)"},
     {"http", ADDR(http), "HOST:PORT", "HTTP /healthz /readyz /metrics address, or \"off\""},
     {"state-dir", PATH(state_dir), "DIR", "directory for checkpoints (none: no checkpoints)"},
@@ -133,6 +151,10 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->engine_spin_us = 0;
     c->reply_threads = -1;
     c->inline_steps = 1;
+    c->rank = 0;
+    c->world_size = 1;
+    c->rendezvous_timeout_s = 600;
+    c->comm_timeout_s = 60;
 }
 
 static int fail(char *err, size_t errlen, const char *fmt, ...) {
@@ -241,6 +263,47 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
                             o->name, value);
             snprintf(field, o->size, "%s", value);
             return 0;
+        case OPT_DEVICES: {
+            // Checked here, parsed again by rnnd_config_devices.
+            if (strlen(value) >= o->size)
+                return fail(err, errlen, "--%s: list longer than %zu bytes", o->name, o->size - 1);
+            int seen[RNND_MAX_DEVICES], n = 0;
+            const char *p = value;
+            while (*p) {
+                errno = 0;
+                long v = strtol(p, &end, 10);
+                if (end == p || errno || v < 0 || v > 1023 || (*end != ',' && *end != '\0'))
+                    return fail(err, errlen,
+                                "--%s: '%s' is not a comma-separated list of device indices "
+                                "(e.g. 0,1)",
+                                o->name, value);
+                for (int k = 0; k < n; k++)
+                    if (seen[k] == v)
+                        return fail(err, errlen, "--%s: device %ld is listed twice", o->name, v);
+                if (n == RNND_MAX_DEVICES)
+                    return fail(err, errlen, "--%s: more than %d devices", o->name,
+                                RNND_MAX_DEVICES);
+                seen[n++] = (int)v;
+                p = *end ? end + 1 : end;
+                if (*end && *p == '\0')
+                    return fail(err, errlen, "--%s: '%s' ends with a comma", o->name, value);
+            }
+            snprintf(field, o->size, "%s", value);
+            return 0;
+        }
+        case OPT_RANK: {
+            if (strcmp(value, "auto") == 0) {
+                *(int *)field = RNND_RANK_AUTO;
+                return 0;
+            }
+            errno = 0;
+            long long v = strtoll(value, &end, 10);
+            if (errno || end == value || *end || v < o->min || v > o->max)
+                return fail(err, errlen, "--%s: '%s' is neither auto nor an integer in [%lld, %lld]",
+                            o->name, value, o->min, o->max);
+            *(int *)field = (int)v;
+            return 0;
+        }
         case OPT_ENUM:
             for (int i = 0; o->names[i]; i++) {
                 if (strcmp(value, o->names[i]) == 0) {
@@ -323,6 +386,18 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
     if (c->weights[0] && c->restore[0])
         return fail(err, errlen,
                     "--weights and --restore both name starting weights; pass one of them");
+    if (c->world_size > 1 && c->rendezvous[0] == '\0')
+        return fail(err, errlen,
+                    "--world-size %d needs --rendezvous HOST:PORT (where rank 0 listens)",
+                    c->world_size);
+    if (c->world_size == 1 && c->rendezvous[0])
+        return fail(err, errlen, "--rendezvous needs --world-size of 2 or more");
+    if (c->world_size == 1 && c->rank > 0)
+        return fail(err, errlen, "--rank %d needs --world-size of at least %d", c->rank,
+                    c->rank + 1);
+    if (c->rank >= c->world_size)
+        return fail(err, errlen, "--rank %d is not below --world-size %d", c->rank,
+                    c->world_size);
     if (strcmp(c->listen, c->http) == 0 && strstr(c->listen, ":0") == NULL)
         return fail(err, errlen, "--listen and --http are both %s", c->listen);
     // Each env's reply and request rows must fit into one message with room to spare.
@@ -397,7 +472,11 @@ void rnnd_config_usage(FILE *f) {
                 break;
             case OPT_PATH:
             case OPT_ADDR:
+            case OPT_DEVICES:
                 snprintf(def, sizeof(def), "%s", *field ? field : "none");
+                break;
+            case OPT_RANK:
+                snprintf(def, sizeof(def), "%d", *(const int *)field);
                 break;
             case OPT_ENUM:
                 snprintf(def, sizeof(def), "%s", o->names[*(const int *)field]);
@@ -416,6 +495,47 @@ int rnnd_config_queue_rows(const struct rnnd_config *c) {
         return c->max_queue_rows;
     long long v = 64LL * c->max_batch;
     return v > INT_MAX ? INT_MAX : (int)v;
+}
+
+int rnnd_config_devices(const struct rnnd_config *c, int out[RNND_MAX_DEVICES]) {
+    if (c->devices[0] == '\0') {
+        out[0] = c->device;
+        return 1;
+    }
+    int n = 0;
+    for (const char *p = c->devices; *p && n < RNND_MAX_DEVICES;) {
+        char *end;
+        out[n++] = (int)strtol(p, &end, 10);
+        p = *end ? end + 1 : end;
+    }
+    return n;
+}
+
+int rnnd_config_rank(const struct rnnd_config *c, int *rank, char *err, size_t errlen) {
+    if (c->rank != RNND_RANK_AUTO) {
+        *rank = c->rank;
+        return 0;
+    }
+    const char *env = getenv("RNND_RANK");
+    char host[256] = "";
+    const char *from = env && env[0] ? "$RNND_RANK" : "the host name";
+    const char *text = env && env[0] ? env : host;
+    if (text == host && gethostname(host, sizeof(host) - 1) != 0)
+        return fail(err, errlen, "--rank auto: cannot read the host name: %s; set --rank",
+                    strerror(errno));
+    const char *digits = text == host ? strrchr(host, '-') : NULL;
+    digits = digits ? digits + 1 : text;
+    char *end;
+    errno = 0;
+    long v = strtol(digits, &end, 10);
+    if (*digits == '\0' || !isdigit((unsigned char)*digits) || *end || errno || v < 0 ||
+        v >= c->world_size)
+        return fail(err, errlen,
+                    "--rank auto: %s is '%s', which does not give a rank below --world-size %d "
+                    "(a StatefulSet's pods are NAME-0, NAME-1, ...); set --rank",
+                    from, text, c->world_size);
+    *rank = (int)v;
+    return 0;
 }
 
 const char *rnnd_config_cell_name(enum rnnd_cell cell) {

@@ -18,6 +18,8 @@ enum rnnd_backend_kind { RNND_BACKEND_AUTO, RNND_BACKEND_CPU, RNND_BACKEND_CUDA 
 
 #define RNND_CONFIG_PATH_MAX 1024
 #define RNND_CONFIG_ADDR_MAX 256
+#define RNND_MAX_DEVICES     16 // --devices entries (group.c keeps a device mask in tape ids)
+#define RNND_RANK_AUTO       -1 // --rank auto
 
 struct rnnd_config {
     char config_file[RNND_CONFIG_PATH_MAX];
@@ -57,6 +59,13 @@ struct rnnd_config {
     int reply_threads;   // threads sending Step replies; -1: automatic (0 under 8 CPUs, else 2)
     int inline_steps;    // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
     int max_streams;     // rnnd.v1 calls (unary and StepStream) in progress at once
+    // Several devices and hosts (group.c, cluster.c):
+    char devices[RNND_CONFIG_ADDR_MAX]; // "0,1,...": one engine per device; "": --device alone
+    int rank;                           // this rnnd among --world-size, or RNND_RANK_AUTO
+    int world_size;                     // rnnd instances sharing the weights over NCCL
+    char rendezvous[RNND_CONFIG_ADDR_MAX]; // HOST:PORT where rank 0 meets the others
+    int rendezvous_timeout_s;              // how long ranks wait for each other at start
+    int comm_timeout_s;                    // a collective not finished by then fails
 };
 
 // Fills c with the defaults of DESIGN.md §5.
@@ -95,6 +104,14 @@ void rnnd_config_usage(FILE *f);
 
 // Effective queue bound in rows (max_queue_rows, or its automatic value).
 int rnnd_config_queue_rows(const struct rnnd_config *c);
+
+// The devices this daemon runs on, in order (--devices, else --device alone): their count (1 to
+// RNND_MAX_DEVICES), indices in out. Valid after rnnd_config_check.
+int rnnd_config_devices(const struct rnnd_config *c, int out[RNND_MAX_DEVICES]);
+// This rnnd's rank: --rank when a number; for auto, $RNND_RANK when set, else the number that
+// ends the host name (a StatefulSet's pods are NAME-0, NAME-1, ...). 0, or RNND_EINVAL with the
+// reason in err.
+int rnnd_config_rank(const struct rnnd_config *c, int *rank, char *err, size_t errlen);
 
 const char *rnnd_config_cell_name(enum rnnd_cell cell);
 const char *rnnd_config_compute_name(enum rnnd_compute compute);

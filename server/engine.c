@@ -11,6 +11,14 @@
  * holds the one its Forward used (so Backward differentiates the same weights). ApplyGradients
  * and SetWeights build the next version in a spare buffer and swap it in between two jobs, so
  * a batch never sees two versions; with no tapes pinning old versions this is a double buffer.
+ *
+ * Replicas (group.c): engines that share a communicator hold the same weights, bit for bit. They
+ * change them only in collective jobs that every replica runs in the same order from the same
+ * inputs: ApplyGradients sums the accumulated gradients over the replicas (their last float
+ * counts the replicas that have any, so all agree on whether there is anything to apply) or
+ * takes sent ones from the host or a broadcast, SetWeights likewise, and the start-up sync
+ * broadcasts replica 0's state. Deterministic kernels on identical devices then keep the copies
+ * identical; GetWeights on several devices compares them.
  */
 #include "engine.h"
 
@@ -49,6 +57,8 @@ struct weights {
 struct tape_obj {
     struct weights *w;
     int B, T;
+    int B_all;     // rows of the whole Forward (B, unless this is a part)
+    int32_t *rows; // (B) host: a part's rows within the whole Forward, or NULL
     bool has_h0, has_hidden;
     void *block;          // backend memory
     float *x;             // (B, T, I)
@@ -65,6 +75,14 @@ struct row_ref {
 
 struct rnnd_engine {
     struct rnnd_config cfg;
+    int index, count;            // this engine's device among the daemon's (rnnd_place)
+    // --state-dir as given; cfg.state_dir is this device's own directory inside it (device-N)
+    // when there are several devices.
+    char top_dir[RNND_CONFIG_PATH_MAX];
+    struct rnnd_comm *local;     // this daemon's engines (Backward parts), or NULL
+    struct rnnd_comm *replicas;  // every replica of the weights (may be local), or NULL
+    // What this engine last added to the daemon-wide gauges, to which every engine adds its own.
+    int64_t pub_envs, pub_tapes, pub_tape_bytes, pub_queue;
     struct rnnd_model model;
     size_t P, LH;
     bool lstm;
@@ -88,7 +106,8 @@ struct rnnd_engine {
 
     // Backend memory.
     struct weights *cur, *spare;
-    float *grad_accum, *grad_scratch; // (P)
+    float *grad_accum;   // (P + 1): the last float is 1 while gradients are pending (replicas)
+    float *grad_scratch; // (P)
     bool grad_pending;
     float *adam_m, *adam_v; // (P), Adam only
     int64_t optim_t;
@@ -182,6 +201,12 @@ static int be_out(struct rnnd_engine *e, void *dst, const void *src, size_t byte
     return e->be.ops->copy_out(e->be.ctx, dst, src, bytes);
 }
 
+// Adds this engine's change of a gauge that every engine of the daemon contributes to.
+static void publish(_Atomic int64_t *gauge, int64_t *mine, int64_t now) {
+    atomic_fetch_add_explicit(gauge, now - *mine, memory_order_relaxed);
+    *mine = now;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Weights versions
 
@@ -235,13 +260,13 @@ static void tape_release(void *ctx, void *p) {
     struct tape_obj *t = p;
     be_free(e, t->block);
     weights_unref(e, t->w);
+    free(t->rows);
     free(t);
 }
 
 static void tape_gauges(struct rnnd_engine *e) {
-    atomic_store_explicit(&rnnd_metrics.tapes, rnnd_tapes_count(e->tapes), memory_order_relaxed);
-    atomic_store_explicit(&rnnd_metrics.tape_bytes, (int64_t)rnnd_tapes_bytes(e->tapes),
-                          memory_order_relaxed);
+    publish(&rnnd_metrics.tapes, &e->pub_tapes, rnnd_tapes_count(e->tapes));
+    publish(&rnnd_metrics.tape_bytes, &e->pub_tape_bytes, (int64_t)rnnd_tapes_bytes(e->tapes));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,7 +282,7 @@ static void env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnnd_evic
 static void env_gauges(struct rnnd_engine *e) {
     int n = rnnd_envtable_count(e->envs);
     atomic_store(&e->envs_active, (uint64_t)n);
-    atomic_store_explicit(&rnnd_metrics.envs_active, n, memory_order_relaxed);
+    publish(&rnnd_metrics.envs_active, &e->pub_envs, n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,10 +341,10 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     e->cur->version = 0;
 
     what = "gradient buffers";
-    if (be_alloc(e, P * sizeof(float), (void **)&e->grad_accum) != 0 ||
+    if (be_alloc(e, (P + 1) * sizeof(float), (void **)&e->grad_accum) != 0 ||
         be_alloc(e, P * sizeof(float), (void **)&e->grad_scratch) != 0)
         goto oom;
-    e->be.ops->zero(e->be.ctx, e->grad_accum, P * sizeof(float));
+    e->be.ops->zero(e->be.ctx, e->grad_accum, (P + 1) * sizeof(float));
     if (c->optimizer == RNND_OPTIM_ADAM) {
         what = "Adam moments";
         if (be_alloc(e, P * sizeof(float), (void **)&e->adam_m) != 0 ||
@@ -368,6 +393,10 @@ fail_rc:
 static void engine_close(struct rnnd_engine *e) {
     if (e->be.ops == NULL)
         return;
+    if (e->replicas != e->local)
+        rnnd_comm_free(e->replicas);
+    rnnd_comm_free(e->local);
+    e->local = e->replicas = NULL;
     if (e->envs) {
         for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
              env = rnnd_envtable_newer(e->envs, env)) {
@@ -874,7 +903,14 @@ static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **
     return 0;
 }
 
-static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
+// What a Forward that is part of a larger one keeps in its tape (run_forward_part).
+struct fwd_part {
+    uint64_t tape_id;    // the id every engine keeps its part under
+    const int32_t *rows; // (B) the rows within the whole Forward
+    int B_all;
+};
+
+static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struct fwd_part *pt) {
     struct rnnd_forward_job *f = &job->fwd;
     int B = f->B, T = f->T;
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
@@ -972,6 +1008,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
         *tobj = (struct tape_obj){.w = e->cur,
                                   .B = B,
                                   .T = T,
+                                  .B_all = pt ? pt->B_all : B,
                                   .has_h0 = h0 != NULL,
                                   .has_hidden = hidden != NULL,
                                   .block = block,
@@ -982,10 +1019,22 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job) {
                                   .hidden = l.hidden,
                                   .cell = l.cell,
                                   .tape = l.tape};
+        if (pt) {
+            tobj->rows = malloc((size_t)B * sizeof(int32_t));
+            if (tobj->rows == NULL) {
+                free(tobj);
+                fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
+                goto out;
+            }
+            memcpy(tobj->rows, pt->rows, (size_t)B * sizeof(int32_t));
+            f->tape_id = pt->tape_id;
+        }
         e->cur->refs++;
-        rc = rnnd_tapes_add(e->tapes, tobj, bytes, now, &f->tape_id);
+        rc = pt ? rnnd_tapes_add_as(e->tapes, tobj, bytes, now, f->tape_id)
+                : rnnd_tapes_add(e->tapes, tobj, bytes, now, &f->tape_id);
         if (rc != 0) {
             e->cur->refs--;
+            free(tobj->rows);
             free(tobj);
             fail(job, rc, "cannot keep the tape: %s", rnnd_strerror(rc));
             goto out;
@@ -1000,10 +1049,105 @@ out:
     free(rec_c0);
 }
 
+// Copies n rows of `row` bytes each: dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i].
+static void rows_gather(void *dst, const void *src, const int32_t *rows, int n, size_t row) {
+    for (int i = 0; i < n; i++)
+        memcpy((char *)dst + (size_t)i * row, (const char *)src + (size_t)rows[i] * row, row);
+}
+
+static void rows_scatter(void *dst, const void *src, const int32_t *rows, int n, size_t row) {
+    for (int i = 0; i < n; i++)
+        memcpy((char *)dst + (size_t)rows[i] * row, (const char *)src + (size_t)i * row, row);
+}
+
+// This engine's rows of a Forward shared by several engines (struct rnnd_forward_job): gathers
+// them into a Forward of its own, runs it, and scatters the outputs into the submitter's arrays.
+static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_forward_job *f = &job->fwd;
+    const int32_t *rows = f->rows;
+    int n = f->nrows, T = f->T;
+    size_t Tz = (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    size_t E = (size_t)e->cfg.extras_size;
+    struct rnnd_job sub = {.kind = RNND_JOB_FORWARD};
+    struct rnnd_forward_job *s = &sub.fwd;
+    s->recorded = f->recorded;
+    s->keep_tape = f->keep_tape;
+    s->B = n;
+    s->T = T;
+    char *block = NULL;
+    uint64_t *ids = NULL;
+    if (f->recorded) {
+        ids = malloc((size_t)n * sizeof(*ids));
+        if (ids == NULL) {
+            fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
+            return;
+        }
+        rows_gather(ids, f->env_ids, rows, n, sizeof(*ids));
+        s->env_ids = ids;
+    } else {
+        struct carve cv = {0};
+        for (int pass = 0; pass < 2; pass++) {
+            s->x = carve(&cv, (size_t)n * Tz * I * sizeof(float));
+            s->is_init = carve(&cv, (size_t)n * Tz);
+            s->h0 = f->h0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
+            s->c0 = f->c0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
+            s->hidden = f->hidden ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
+            s->cell = f->cell ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
+            if (pass == 0) {
+                block = malloc(cv.used);
+                if (block == NULL) {
+                    fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
+                    return;
+                }
+                cv = (struct carve){block, 0};
+            }
+        }
+        rows_gather((void *)s->x, f->x, rows, n, Tz * I * sizeof(float));
+        rows_gather((void *)s->is_init, f->is_init, rows, n, Tz);
+        if (f->h0)
+            rows_gather((void *)s->h0, f->h0, rows, n, LH * sizeof(float));
+        if (f->c0)
+            rows_gather((void *)s->c0, f->c0, rows, n, LH * sizeof(float));
+        if (f->hidden)
+            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * sizeof(float));
+        if (f->cell)
+            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * sizeof(float));
+    }
+    struct fwd_part pt = {.tape_id = f->tape_id, .rows = rows, .B_all = f->B};
+    run_forward(e, &sub, &pt);
+    job->err = sub.err;
+    memcpy(job->msg, sub.msg, sizeof(job->msg));
+    job->model_version = sub.model_version;
+    if (sub.err == 0) {
+        rows_scatter(f->out, s->out, rows, n, Tz * H * sizeof(float));
+        rows_scatter(f->h_n, s->h_n, rows, n, LH * sizeof(float));
+        if (e->lstm)
+            rows_scatter(f->c_n, s->c_n, rows, n, LH * sizeof(float));
+        if (f->recorded) {
+            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * sizeof(float));
+            rows_scatter(f->rec_is_init, s->rec_is_init, rows, n, Tz);
+            if (E)
+                rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * sizeof(float));
+            rows_scatter(f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
+        }
+    }
+    free(s->out);
+    free(s->h_n);
+    free(s->c_n);
+    free(s->rec_obs);
+    free(s->rec_is_init);
+    free(s->rec_extras);
+    free(s->rec_version);
+    free(block);
+    free(ids);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward
 
-static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
+// part: a part's own rows (run_backward_part), whose weight gradients stay in grad_scratch
+// (without accumulate) for the all-reduce.
+static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, bool part) {
     struct rnnd_backward_job *g = &job->bwd;
     void *p;
     if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) != 0) {
@@ -1054,13 +1198,13 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
             cv = (struct carve){block, 0};
         }
     }
-    g->grads = g->accumulate ? NULL : malloc(e->P * sizeof(float));
+    g->grads = g->accumulate || part ? NULL : malloc(e->P * sizeof(float));
     g->grad_x = malloc(BT * I * sizeof(float));
     g->grad_h0 = d_gh0 ? malloc(BLH * sizeof(float)) : NULL;
     g->grad_c0 = d_gc0 ? malloc(BLH * sizeof(float)) : NULL;
     g->grad_hidden = d_ghid ? malloc(BT * LH * sizeof(float)) : NULL;
     g->grad_cell = d_gcell ? malloc(BT * LH * sizeof(float)) : NULL;
-    if ((!g->accumulate && !g->grads) || !g->grad_x || (d_gh0 && !g->grad_h0) ||
+    if ((!g->accumulate && !part && !g->grads) || !g->grad_x || (d_gh0 && !g->grad_h0) ||
         (d_gc0 && !g->grad_c0) || (d_ghid && !g->grad_hidden) || (d_gcell && !g->grad_cell)) {
         be_free(e, block);
         fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
@@ -1090,7 +1234,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
     if (rc == 0)
         rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
                                      t->w->params, &e->model);
-    if (rc == 0 && !g->accumulate)
+    if (rc == 0 && !g->accumulate && !part)
         rc = be_out(e, g->grads, dparams, e->P * sizeof(float));
     if (rc == 0)
         rc = be_out(e, g->grad_x, d_gx, BT * I * sizeof(float));
@@ -1111,6 +1255,13 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
         return;
     }
     job->model_version = t->w->version;
+    if (g->accumulate && e->replicas && !e->grad_pending) {
+        // The pending flag that the all-reduce of ApplyGradients sums over the replicas.
+        const float one = 1.0f;
+        rc = be_in(e, e->grad_accum + e->P, &one, sizeof(one));
+        if (rc != 0)
+            rnnd_panic(__FILE__, __LINE__, "cannot set the pending flag: %s", rnnd_strerror(rc));
+    }
     if (g->accumulate)
         e->grad_pending = true;
     rnnd_tapes_remove(e->tapes, g->tape_id); // a tape serves one Backward
@@ -1118,12 +1269,113 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job) {
     job->err = 0;
 }
 
+// This engine's share of a Backward over a Forward that several engines ran (struct
+// rnnd_backward_job): its rows, then, without accumulate, the all-reduce of the weight gradients
+// over the daemon's engines, which every engine joins whatever happened to its own rows.
+static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_backward_job *g = &job->bwd;
+    size_t P = e->P, Tz = (size_t)g->T, I = (size_t)e->model.I, H = (size_t)e->model.H;
+    size_t LH = e->LH;
+    int rc = 0;
+    if (!g->accumulate)
+        rc = e->be.ops->zero(e->be.ctx, e->grad_scratch, P * sizeof(float));
+    void *p = NULL;
+    struct tape_obj *t = NULL;
+    if (!g->has_part) {
+        // No rows here: only the all-reduce below.
+    } else if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) != 0) {
+        tape_gauges(e);
+        fail(job, RNND_ENOTFOUND,
+             "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
+             "by one Backward); run Forward with keep_tape=true again and send its tape_id",
+             g->tape_id, e->cfg.tape_ttl_s);
+    } else if ((t = p)->rows == NULL || g->B != t->B_all || g->T != t->T ||
+               (g->grad_h_n && g->grad_h_n_B != t->B_all) ||
+               (g->grad_c_n && g->grad_c_n_B != t->B_all)) {
+        fail(job, RNND_EINVAL,
+             "grad_output: shape [%d, %d, %d] (grad_h_n/grad_c_n first dim %d) does not match "
+             "tape %" PRIu64 " ([B, T, H] = [%d, %d, %d] from its Forward); send the gradient of "
+             "that Forward's output",
+             g->B, g->T, e->model.H, g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id,
+             t->B_all, t->T, e->model.H);
+    } else {
+        int n = t->B;
+        const int32_t *rows = t->rows;
+        float *go = malloc((size_t)n * Tz * H * sizeof(float));
+        float *ghn = g->grad_h_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
+        float *gcn = g->grad_c_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
+        if (!go || (g->grad_h_n && !ghn) || (g->grad_c_n && !gcn)) {
+            fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
+        } else {
+            rows_gather(go, g->grad_out, rows, n, Tz * H * sizeof(float));
+            if (ghn)
+                rows_gather(ghn, g->grad_h_n, rows, n, LH * sizeof(float));
+            if (gcn)
+                rows_gather(gcn, g->grad_c_n, rows, n, LH * sizeof(float));
+            // The tape is dropped by the inner Backward: keep its rows.
+            int32_t *mine = t->rows;
+            t->rows = NULL;
+            struct rnnd_job sub = {.kind = RNND_JOB_BACKWARD};
+            sub.bwd = (struct rnnd_backward_job){.tape_id = g->tape_id,
+                                                 .B = n,
+                                                 .T = g->T,
+                                                 .grad_out = go,
+                                                 .grad_h_n = ghn,
+                                                 .grad_c_n = gcn,
+                                                 .grad_h_n_B = n,
+                                                 .grad_c_n_B = n,
+                                                 .accumulate = g->accumulate};
+            run_backward(e, &sub, true);
+            struct rnnd_backward_job *sb = &sub.bwd;
+            if (sub.err) {
+                // The tape is still there unless it expired meanwhile.
+                if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) == 0)
+                    ((struct tape_obj *)p)->rows = mine;
+                else
+                    free(mine);
+                job->err = sub.err;
+                memcpy(job->msg, sub.msg, sizeof(job->msg));
+            } else {
+                job->model_version = sub.model_version;
+                rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * sizeof(float));
+                if (g->grad_h0 && sb->grad_h0)
+                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * sizeof(float));
+                if (g->grad_c0 && sb->grad_c0)
+                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * sizeof(float));
+                if (g->grad_hidden && sb->grad_hidden)
+                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * sizeof(float));
+                if (g->grad_cell && sb->grad_cell)
+                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * sizeof(float));
+                free(mine);
+            }
+            free(sb->grad_x);
+            free(sb->grad_h0);
+            free(sb->grad_c0);
+            free(sb->grad_hidden);
+            free(sb->grad_cell);
+        }
+        free(go);
+        free(ghn);
+        free(gcn);
+    }
+    if (g->accumulate)
+        return;
+    // Every engine joins, also one whose rows failed (it adds zeros), or a peer would wait.
+    int crc = rc == 0 ? rnnd_comm_all_reduce(e->local, e->grad_scratch, P) : rc;
+    if (crc == 0 && e->index == 0)
+        crc = be_out(e, g->grads, e->grad_scratch, P * sizeof(float));
+    if (crc != 0 && job->err == 0)
+        fail(job, crc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
+             "summing the gradients over this daemon's devices failed: %s", rnnd_strerror(crc));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Weights and the optimizer
 
 static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_apply_job *a = &job->apply;
-    if (a->grads == NULL && !e->grad_pending) {
+    bool sent = a->sent || a->grads != NULL;
+    if (!sent && !e->grad_pending && e->replicas == NULL) {
         fail(job, RNND_EPRECOND,
              "no accumulated gradients to apply; call Backward with accumulate=true first, or "
              "send grads");
@@ -1138,22 +1390,53 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
         .weight_decay = 0.0f,
         .max_grad_norm = e->cfg.max_grad_norm,
     };
+    // Replicas see the same lr, so all of them refuse here alike, before any collective.
     if (rnnd_optim_check(&o) != 0) {
         fail(job, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0", (double)o.lr);
         return;
     }
+    // From here on a replica takes part in the collective even when its own steps fail.
     struct weights *w = weights_new(e);
-    if (w == NULL) {
-        fail(job, RNND_ENOMEM, "out of backend memory for the next weights version");
+    size_t bytes = e->P * sizeof(float);
+    float *g = sent ? e->grad_scratch : e->grad_accum;
+    int rc = w ? 0 : RNND_ENOMEM;
+    bool root_here = a->root < 0 || !e->replicas || rnnd_comm_rank(e->replicas) == a->root;
+    int crc = 0;
+    if (sent && a->grads && root_here)
+        crc = be_in(e, g, a->grads, bytes);
+    if (e->replicas && crc == 0) {
+        if (!sent)
+            crc = rnnd_comm_all_reduce(e->replicas, e->grad_accum, e->P + 1);
+        else if (a->root >= 0)
+            crc = rnnd_comm_broadcast(e->replicas, g, e->P, a->root);
+    }
+    bool pending = e->grad_pending;
+    if (crc == 0 && e->replicas && !sent) {
+        float flag = 0.0f;
+        crc = be_out(e, &flag, e->grad_accum + e->P, sizeof(flag));
+        pending = flag > 0.0f;
+    }
+    if (crc != 0) {
+        weights_unref(e, w);
+        if (crc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "gradient exchange failed: %s", rnnd_strerror(crc));
+        fail(job, crc,
+             "the replicas did not exchange the gradients: %s; ApplyGradients needs every "
+             "device and every rnnd of the group (--comm-timeout-s %d)",
+             rnnd_strerror(crc), e->cfg.comm_timeout_s);
         return;
     }
-    size_t bytes = e->P * sizeof(float);
-    float *g = a->grads ? e->grad_scratch : e->grad_accum;
-    int rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
-    if (rc == 0 && a->grads)
-        rc = be_in(e, g, a->grads, bytes);
+    if (!sent && !pending) {
+        weights_unref(e, w);
+        fail(job, RNND_EPRECOND,
+             "no accumulated gradients to apply on any replica; call Backward with "
+             "accumulate=true first, or send grads");
+        return;
+    }
     float norm = 0.0f;
     uint64_t t0 = rnnd_now_ns();
+    if (rc == 0)
+        rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
     if (rc == 0)
         rc = e->be.ops->optim_step(e->be.ctx, w->params, g, e->adam_m, e->adam_v, e->P, &o,
                                    e->optim_t + 1, &norm);
@@ -1164,12 +1447,16 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
         weights_unref(e, w);
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend optimizer step failed: %s", rnnd_strerror(rc));
+        if (e->replicas)
+            rnnd_log(RNND_LOG_ERROR, "device %d skipped an update (%s): its weights now differ "
+                     "from the other replicas'; restart rnnd to resynchronise them",
+                     e->index, rnnd_strerror(rc));
         fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
         return;
     }
     e->optim_t++;
-    if (a->grads == NULL) {
-        e->be.ops->zero(e->be.ctx, e->grad_accum, bytes);
+    if (!sent) {
+        e->be.ops->zero(e->be.ctx, e->grad_accum, bytes + sizeof(float));
         e->grad_pending = false;
     }
     weights_swap(e, w);
@@ -1190,21 +1477,87 @@ static void run_get_weights(struct rnnd_engine *e, struct rnnd_job *job) {
 }
 
 static void run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
+    int root = job->weights.root;
     struct weights *w = weights_new(e);
-    if (w == NULL) {
-        fail(job, RNND_ENOMEM, "out of backend memory for the next weights version");
-        return;
+    int rc = w ? 0 : RNND_ENOMEM;
+    bool root_here = root < 0 || !e->replicas || rnnd_comm_rank(e->replicas) == root;
+    if (rc == 0 && root_here)
+        rc = be_in(e, w->params, job->weights.params, e->P * sizeof(float));
+    if (e->replicas && root >= 0) {
+        // Joined whatever happened here; without a buffer of its own a replica receives into
+        // the scratch gradients (it then keeps its old weights and says so).
+        int crc = rnnd_comm_broadcast(e->replicas, w ? w->params : e->grad_scratch, e->P, root);
+        if (rc == 0)
+            rc = crc;
     }
-    int rc = be_in(e, w->params, job->weights.params, e->P * sizeof(float));
     if (rc == 0)
         rc = e->be.ops->sync(e->be.ctx);
     if (rc != 0) {
         weights_unref(e, w);
+        if (e->replicas)
+            rnnd_log(RNND_LOG_ERROR, "device %d did not take the new weights (%s): its weights "
+                     "differ from the other replicas'; restart rnnd to resynchronise them",
+                     e->index, rnnd_strerror(rc));
         fail(job, rc, "cannot load the weights: %s", rnnd_strerror(rc));
         return;
     }
     weights_swap(e, w);
     job->model_version = e->cur->version;
+    job->err = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replicas: joining a communicator, and the start-up sync
+
+static void run_comm(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_comm_job *c = &job->comm;
+    struct rnnd_comm *comm;
+    int rc = rnnd_comm_init(&e->be, &c->id, c->nranks, c->rank, c->timeout_ms, &comm);
+    if (rc != 0) {
+        fail(job, rc, "device %d could not join the communicator as rank %d of %d: %s", e->index,
+             c->rank, c->nranks, rnnd_strerror(rc));
+        return;
+    }
+    if (c->local)
+        e->local = comm;
+    if (c->replicas)
+        e->replicas = comm;
+    job->err = 0;
+}
+
+// Every replica takes replica 0's weights, Adam moments, step count and version, so replicas
+// that restored different checkpoints (or none) start identical. The two integers travel as
+// the bits of four floats (a broadcast copies bits).
+static void run_sync(struct rnnd_engine *e, struct rnnd_job *job) {
+    size_t P = e->P;
+    uint64_t meta[2] = {e->cur->version, (uint64_t)e->optim_t};
+    float *d_meta = e->grad_scratch; // P >= 4 for every model
+    int rc = be_in(e, d_meta, meta, sizeof(meta));
+    if (rc == 0)
+        rc = rnnd_comm_broadcast(e->replicas, d_meta, 4, 0);
+    if (rc == 0)
+        rc = be_out(e, meta, d_meta, sizeof(meta));
+    if (rc == 0)
+        rc = rnnd_comm_broadcast(e->replicas, e->cur->params, P, 0);
+    if (rc == 0 && e->adam_m)
+        rc = rnnd_comm_broadcast(e->replicas, e->adam_m, P, 0);
+    if (rc == 0 && e->adam_v)
+        rc = rnnd_comm_broadcast(e->replicas, e->adam_v, P, 0);
+    if (rc == 0)
+        rc = e->be.ops->zero(e->be.ctx, e->grad_accum, (P + 1) * sizeof(float));
+    if (rc == 0)
+        rc = e->be.ops->sync(e->be.ctx);
+    if (rc != 0) {
+        fail(job, rc, "device %d could not take replica 0's weights: %s", e->index,
+             rnnd_strerror(rc));
+        return;
+    }
+    e->grad_pending = false;
+    e->optim_t = (int64_t)meta[1];
+    e->cur->version = meta[0];
+    atomic_store(&e->version, meta[0]);
+    atomic_store_explicit(&rnnd_metrics.model_version, meta[0], memory_order_relaxed);
+    job->model_version = meta[0];
     job->err = 0;
 }
 
@@ -1362,6 +1715,10 @@ out:
 static void run_checkpoint(struct rnnd_engine *e, struct rnnd_job *job) {
     char dir[RNND_CONFIG_PATH_MAX];
     bool automatic = job->ckpt.path[0] == '\0';
+    size_t top = strlen(e->top_dir);
+    if (e->count > 1 && strncmp(job->ckpt.path, e->top_dir, top) == 0 && job->ckpt.path[top] == '/')
+        // A path inside --state-dir names this device's part inside its own directory.
+        memmove(job->ckpt.path, job->ckpt.path + top + 1, strlen(job->ckpt.path + top + 1) + 1);
     int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, job->ckpt.path, e->cur->version, dir,
                                      sizeof(dir), job->msg, sizeof(job->msg));
     if (rc != 0) {
@@ -1456,10 +1813,17 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         traj = false;
     }
     uint64_t now = rnnd_now_ns();
-    int rc = 0;
+    int rc = 0, elsewhere = 0;
     size_t at = 0;
     for (int i = 0; i < ck->n_envs && rc == 0; i++) {
         struct rnnd_env *env;
+        if (e->count > 1 && rnnd_place(ck->env_ids[i], e->count) != e->index) {
+            // Another device holds this env now (a checkpoint of another --devices list).
+            elsewhere++;
+            if (ck->traj_count)
+                at += (size_t)ck->traj_count[i];
+            continue;
+        }
         if (rnnd_envtable_find(e->envs, ck->env_ids[i])) {
             snprintf(msg, msglen, "env %" PRIu64 " appears twice in envs.safetensors",
                      ck->env_ids[i]);
@@ -1503,6 +1867,11 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         }
         return rc;
     }
+    if (elsewhere)
+        rnnd_log(RNND_LOG_INFO,
+                 "device %d: %d of the checkpoint's %d envs are placed on other devices and are "
+                 "restored there (from their own checkpoints, or this one)",
+                 e->index, elsewhere, ck->n_envs);
     bool same_opt = strcmp(d->optimizer, e->cfg.optimizer == RNND_OPTIM_ADAM ? "adam" : "sgd") == 0;
     e->optim_t = same_opt ? ck->optim_step : 0;
     e->cur->version = ck->model_version;
@@ -1596,7 +1965,12 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
         rnnd_checkpoint_data_free(&d);
         restored = e->cfg.restore;
     } else if (e->cfg.state_dir[0]) {
-        if (rnnd_checkpoint_list(e->cfg.state_dir, &paths, &n) != 0) {
+        // Several devices: this device's own directory first, then --state-dir itself, whose
+        // checkpoints (written with one device) hold every env.
+        const char *dirs[2] = {e->cfg.state_dir, e->count > 1 ? e->top_dir : NULL};
+        for (int k = 0; k < 2 && dirs[k] && !restored; k++) {
+        rnnd_checkpoint_list_free(paths, n);
+        if (rnnd_checkpoint_list(dirs[k], &paths, &n) != 0) {
             snprintf(msg, msglen, "out of memory listing --state-dir");
             free(weights);
             return RNND_ENOMEM;
@@ -1616,6 +1990,7 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
                          paths[i], why);
             else
                 restored = paths[i];
+        }
         }
     }
     if (weights && restored) {
@@ -1646,6 +2021,8 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
     rnnd_checkpoint_list_free(paths, n);
     if (e->cfg.state_dir[0]) {
         // Best effort: without the marker the next start cannot tell a crash from a clean stop.
+        if (e->count > 1)
+            mkdir(e->top_dir, 0755);
         mkdir(e->cfg.state_dir, 0755);
         int fd = open(marker, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd >= 0)
@@ -1695,10 +2072,22 @@ static void run_control(struct rnnd_engine *e, struct rnnd_job *job) {
             run_end(e, job);
             break;
         case RNND_JOB_FORWARD:
-            run_forward(e, job);
+            if (job->fwd.part)
+                run_forward_part(e, job);
+            else
+                run_forward(e, job, NULL);
             break;
         case RNND_JOB_BACKWARD:
-            run_backward(e, job);
+            if (job->bwd.part)
+                run_backward_part(e, job);
+            else
+                run_backward(e, job, false);
+            break;
+        case RNND_JOB_COMM:
+            run_comm(e, job);
+            break;
+        case RNND_JOB_SYNC:
+            run_sync(e, job);
             break;
         case RNND_JOB_APPLY:
             run_apply(e, job);
@@ -1750,8 +2139,7 @@ static void engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
     }
     if (b->items)
         run_step_batch(e, (struct rnnd_job *)b->items);
-    atomic_store_explicit(&rnnd_metrics.queue_rows, rnnd_batcher_rows(e->batcher),
-                          memory_order_relaxed);
+    publish(&rnnd_metrics.queue_rows, &e->pub_queue, rnnd_batcher_rows(e->batcher));
 }
 
 // Admits nothing: for the last sweep after the engine stopped.
@@ -1830,11 +2218,23 @@ static void *engine_main(void *arg) {
 // ---------------------------------------------------------------------------------------------
 // Public API
 
-struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg) {
+struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, int count) {
     struct rnnd_engine *e = calloc(1, sizeof(*e));
     if (e == NULL)
         return NULL;
     e->cfg = *cfg;
+    e->index = index;
+    e->count = count;
+    snprintf(e->top_dir, sizeof(e->top_dir), "%s", cfg->state_dir);
+    if (count > 1 && cfg->state_dir[0]) {
+        // Each device checkpoints its envs into a directory of its own.
+        size_t n = strlen(cfg->state_dir);
+        while (n > 1 && cfg->state_dir[n - 1] == '/')
+            n--;
+        snprintf(e->cfg.state_dir, sizeof(e->cfg.state_dir), "%.*s/device-%d", (int)n,
+                 cfg->state_dir, index);
+        e->top_dir[n] = '\0';
+    }
     e->model = cfg->model;
     e->lstm = cfg->model.cell == RNND_CELL_LSTM;
     e->P = rnnd_model_param_count(&e->model);
@@ -1978,4 +2378,24 @@ size_t rnnd_engine_param_count(const struct rnnd_engine *e) {
 
 int rnnd_engine_queue_rows(struct rnnd_engine *e) {
     return rnnd_batcher_rows(e->batcher);
+}
+
+const struct rnnd_backend *rnnd_engine_backend(const struct rnnd_engine *e) {
+    return &e->be;
+}
+
+int rnnd_place(uint64_t env_id, int n) {
+    // splitmix64's finaliser first: env ids are often small consecutive integers.
+    uint64_t key = env_id + 0x9e3779b97f4a7c15ull;
+    key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
+    key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+    key ^= key >> 31;
+    // Jump consistent hash (Lamping and Veach, 2014).
+    int64_t b = -1, j = 0;
+    while (j < n) {
+        b = j;
+        key = key * 2862933555777941757ull + 1;
+        j = (int64_t)((double)(b + 1) * ((double)(1ll << 31) / (double)((key >> 33) + 1)));
+    }
+    return (int)b;
 }

@@ -9,6 +9,12 @@
  * job->done(job) on the engine thread, after which it never touches the job again. A job the
  * engine refuses is finished the same way, with job->err < 0 and job->msg saying what was wrong
  * and what to send instead; a refused job changed no state.
+ *
+ * Several engines (one per device, or replicas on several hosts) are driven by group.c, which
+ * splits work between them and keeps their weights identical: it submits the collective jobs
+ * (RNND_JOB_COMM, _SYNC, and ApplyGradients / SetWeights / Backward parts once engines share a
+ * communicator) to every engine in one order, and each engine takes part in every collective it
+ * is given even when its own part failed, so that no peer is left waiting.
  */
 #ifndef RNND_ENGINE_H
 #define RNND_ENGINE_H
@@ -20,6 +26,7 @@
 
 #include "batcher.h"
 #include "config.h"
+#include "rnnd_comm.h"
 #include "rnnd_kernels.h"
 
 enum rnnd_job_kind {
@@ -32,6 +39,8 @@ enum rnnd_job_kind {
     RNND_JOB_SET_WEIGHTS,
     RNND_JOB_CHECKPOINT,
     RNND_JOB_HOUSEKEEPING,
+    RNND_JOB_COMM, // join a communicator (group.c)
+    RNND_JOB_SYNC, // take the weights, optimizer state and version of replica 0 (group.c)
 };
 
 struct rnnd_env;
@@ -61,6 +70,11 @@ struct rnnd_end_job {
 };
 
 // Forward over explicit trajectories (recorded false) or the last T recorded steps of envs.
+//
+// A part (several engines share one Forward, group.c): the inputs hold all B rows and this engine
+// runs rows[0..nrows) of them (env_ids too are all B); the outputs are allocated by the submitter
+// for all B rows and the engine writes only its rows; a kept tape is stored under tape_id as
+// given (the same id on every engine) and remembers its rows for Backward.
 struct rnnd_forward_job {
     bool recorded;
     bool keep_tape;
@@ -81,8 +95,17 @@ struct rnnd_forward_job {
     uint8_t *rec_is_init; // (B, T)
     float *rec_extras;    // (B, T, E) when E > 0
     int64_t *rec_version; // (B, T)
+    // Parts only:
+    bool part;
+    const int32_t *rows; // (nrows) ascending row indices
+    int nrows;
 };
 
+// A part (group.c): every engine of the daemon gets the job, with all B rows of grad_out (and
+// grad_h_n, grad_c_n); an engine that holds part of the tape (has_part) runs its rows and writes
+// them into the outputs, which the submitter allocated for all B rows. Without accumulate the
+// weight gradients are summed over the engines (all-reduce) and engine 0 writes grads (P),
+// also allocated by the submitter.
 struct rnnd_backward_job {
     uint64_t tape_id;
     int B, T;                   // dims of grad_output as sent (checked against the tape)
@@ -91,7 +114,9 @@ struct rnnd_backward_job {
     const float *grad_c_n;      // (B, L, H) or NULL
     int grad_h_n_B, grad_c_n_B; // their first dims as sent
     bool accumulate;
-    // Outputs, malloc'd by the engine; the submitter frees them:
+    bool part;
+    bool has_part; // part only: this engine holds rows of the tape
+    // Outputs, malloc'd by the engine (by the submitter for a part); the submitter frees them:
     float *grads;       // (P) unless accumulate
     float *grad_x;      // (B, T, I)
     float *grad_h0;     // (B, L, H) when the Forward started from h0 (or a recorded state)
@@ -100,14 +125,29 @@ struct rnnd_backward_job {
     float *grad_cell;   // (B, T, L, H) LSTM, likewise
 };
 
+// With replicas (engines sharing a communicator) the accumulated gradients are summed over every
+// replica first; sent gradients come from the host (root < 0) or are broadcast from replica
+// `root`, the only one whose grads must be set.
 struct rnnd_apply_job {
-    const float *grads; // (P) host, or NULL: use the accumulated buffer
+    const float *grads; // (P) host, or NULL: use the accumulated buffer (unless sent)
+    bool sent;          // gradients were sent (grads, or a broadcast from root)
     bool has_lr;
     float lr;
+    int root;
 };
 
 struct rnnd_weights_job {
     float *params; // (P) host: GetWeights fills it, SetWeights reads it; submitter allocates
+    int root;      // SetWeights with replicas: -1 (every engine has params) or the replica whose
+                   // params are broadcast (params may be NULL elsewhere)
+};
+
+// Joins a communicator: as the engines of this daemon (local: Backward parts), as the replicas
+// of the weights (ApplyGradients, SetWeights, the start-up sync), or both.
+struct rnnd_comm_job {
+    struct rnnd_comm_id id;
+    int nranks, rank, timeout_ms;
+    bool local, replicas;
 };
 
 struct rnnd_checkpoint_job {
@@ -132,6 +172,7 @@ struct rnnd_job {
         struct rnnd_apply_job apply;
         struct rnnd_weights_job weights;
         struct rnnd_checkpoint_job ckpt;
+        struct rnnd_comm_job comm;
     };
 };
 
@@ -141,8 +182,10 @@ struct rnnd_engine;
 // else the reason in msg (and the thread exits).
 typedef void (*rnnd_engine_ready_cb)(void *ctx, int err, const char *msg);
 
-// A new engine for cfg (copied); nothing runs yet. NULL when out of memory.
-struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg);
+// A new engine for cfg (copied; its device, state_dir and restore are this engine's own), device
+// `index` of `count` in this daemon: a restored checkpoint keeps only the envs that rnnd_place
+// puts on index. Nothing runs yet. NULL when out of memory.
+struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, int count);
 // Starts the engine thread, which opens the backend and loads the model, then calls ready.
 // 0 or RNND_ENOMEM (no thread).
 int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *ctx);
@@ -172,5 +215,13 @@ const struct rnnd_model *rnnd_engine_model(const struct rnnd_engine *e);
 size_t rnnd_engine_param_count(const struct rnnd_engine *e);
 // Step rows waiting.
 int rnnd_engine_queue_rows(struct rnnd_engine *e);
+// The backend, valid after ready, for rnnd_comm_supported / rnnd_comm_id_new (which read only its
+// kind); any thread.
+const struct rnnd_backend *rnnd_engine_backend(const struct rnnd_engine *e);
+
+// The device index (0 <= result < n) that holds env id among n devices: jump consistent hashing
+// (Lamping and Veach) of a mix of the id, so envs spread evenly and going from n to n + 1 devices
+// moves only a 1/(n+1) share of them.
+int rnnd_place(uint64_t env_id, int n);
 
 #endif // RNND_ENGINE_H

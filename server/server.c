@@ -7,7 +7,9 @@
  *   drain:  SIGTERM/SIGINT -> not ready -> rpc drain (no new calls, in-flight ones finish, idle
  *           streams end) -> when the gRPC threads have stopped: engine stop (it finishes what is
  *           queued and writes a final checkpoint) -> join -> close handles -> exit 0.
- * A second signal during the drain cancels the calls still running at once.
+ * A second signal during the drain cancels the calls still running at once. When the group of
+ * rnnd instances breaks (a peer is gone: group.h), the same drain runs and rnnd exits with
+ * status 3, so that its supervisor restarts it and the group forms again.
  *
  * Other threads talk to the loop through one uv_async_t and a bit set under a mutex: libuv
  * merges async sends, so the callback handles every pending event.
@@ -25,7 +27,7 @@
 #include <string.h>
 #include <uv.h>
 
-#include "engine.h"
+#include "group.h"
 #include "http.h"
 #include "log.h"
 #include "metrics.h"
@@ -36,7 +38,11 @@ enum {
     EV_ENGINE_READY = 1,
     EV_ENGINE_FAILED = 2,
     EV_RPC_STOPPED = 4,
+    EV_GROUP_LOST = 8,
 };
+
+// Exit status after the group of instances broke (see above).
+#define EXIT_GROUP_LOST 3
 
 struct rnnd_server {
     struct rnnd_config cfg;
@@ -47,7 +53,8 @@ struct rnnd_server {
     pthread_mutex_t lock;
     int events; // EV_* bits, under lock
     char engine_msg[512];
-    struct rnnd_engine *engine;
+    char lost_msg[512];
+    struct rnnd_group *group;
     struct rnnd_rpc *rpc;
     struct rnnd_http *http;
     struct rnnd_service svc;
@@ -75,6 +82,15 @@ static void on_engine_ready(void *ctx, int err, const char *msg) {
     post_event(s, err ? EV_ENGINE_FAILED : EV_ENGINE_READY);
 }
 
+// The group's channel thread.
+static void on_group_lost(void *ctx, const char *why) {
+    struct rnnd_server *s = ctx;
+    pthread_mutex_lock(&s->lock);
+    snprintf(s->lost_msg, sizeof(s->lost_msg), "%s", why);
+    pthread_mutex_unlock(&s->lock);
+    post_event(s, EV_GROUP_LOST);
+}
+
 // The last gRPC thread, as it exits.
 static void on_rpc_stopped(void *ctx) {
     post_event(ctx, EV_RPC_STOPPED);
@@ -83,7 +99,7 @@ static void on_rpc_stopped(void *ctx) {
 static void on_cron(uv_timer_t *t) {
     struct rnnd_server *s = t->data;
     if (s->ready && !s->draining)
-        rnnd_engine_housekeeping(s->engine);
+        rnnd_group_housekeeping(s->group);
 }
 
 static void on_drain_timeout(uv_timer_t *t) {
@@ -118,8 +134,8 @@ static void close_handle(uv_handle_t *h) {
 
 static void shutdown_finish(struct rnnd_server *s) {
     // Every gRPC call is done: the engine may stop once it has finished its queue.
-    rnnd_engine_stop(s->engine);
-    rnnd_engine_join(s->engine);
+    rnnd_group_stop(s->group);
+    rnnd_group_join(s->group);
     rnnd_http_close(s->http, NULL, NULL);
     s->http = NULL;
     close_handle((uv_handle_t *)&s->sigterm);
@@ -135,6 +151,14 @@ static void on_async(uv_async_t *a) {
     int ev = s->events;
     s->events = 0;
     pthread_mutex_unlock(&s->lock);
+    if ((ev & EV_GROUP_LOST) && !s->draining) {
+        rnnd_log(RNND_LOG_ERROR,
+                 "the group of rnnd instances broke (%s): stopping with status %d so that the "
+                 "supervisor restarts this instance and the group forms again",
+                 s->lost_msg, EXIT_GROUP_LOST);
+        s->exit_code = EXIT_GROUP_LOST;
+        drain_begin(s, "group lost");
+    }
     if (ev & EV_ENGINE_FAILED) {
         rnnd_log(RNND_LOG_ERROR, "start-up failed: %s", s->engine_msg);
         s->exit_code = 1;
@@ -156,7 +180,10 @@ static void on_async(uv_async_t *a) {
             snprintf(http_addr, sizeof(http_addr), "off");
         }
         rnnd_log_banner("rnnd ready grpc=%s:%d http=%s backend=%s", grpc_host, s->grpc_port,
-                        http_addr, rnnd_engine_backend_name(s->engine));
+                        http_addr, rnnd_group_backend_name(s->group));
+        if (rnnd_group_devices(s->group) > 1 || s->cfg.world_size > 1)
+            rnnd_log(RNND_LOG_INFO, "serving on %s%s", rnnd_group_device_name(s->group),
+                     s->cfg.world_size > 1 ? ", weights shared with the other instances" : "");
         uint64_t period = 1000 / (uint64_t)s->cfg.hz;
         uv_timer_start(&s->cron, on_cron, period ? period : 1, period ? period : 1);
     }
@@ -256,16 +283,16 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     int rc = 0;
     if (s->cfg.reply_threads < 0)
         s->cfg.reply_threads = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2 : 0;
-    s->engine = rnnd_engine_init(&s->cfg);
-    if (s->engine == NULL) {
+    s->group = rnnd_group_init(&s->cfg);
+    if (s->group == NULL) {
         rnnd_log(RNND_LOG_ERROR, "out of memory");
         rc = 1;
         goto fail_loop;
     }
-    s->svc = (struct rnnd_service){.cfg = &s->cfg, .engine = s->engine};
+    s->svc = (struct rnnd_service){.cfg = &s->cfg, .group = s->group};
     rnnd_request_limits_init(&s->svc.limits, &s->cfg);
     int64_t bounds[RNND_LIMIT_COUNT] = {
-        [RNND_LIMIT_ENVS] = cfg->max_envs,
+        [RNND_LIMIT_ENVS] = (int64_t)cfg->max_envs * rnnd_group_devices(s->group),
         [RNND_LIMIT_QUEUE_ROWS] = rnnd_config_queue_rows(cfg),
         [RNND_LIMIT_TAPE_BYTES] = (int64_t)cfg->tape_memory_mb << 20,
         [RNND_LIMIT_MESSAGE] = (int64_t)s->svc.limits.max_message_bytes,
@@ -300,7 +327,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
-    if (rnnd_engine_start(s->engine, on_engine_ready, s) != 0) {
+    if (rnnd_group_start(s->group, on_engine_ready, on_group_lost, s) != 0) {
         rnnd_log(RNND_LOG_ERROR, "cannot start the engine thread");
         s->exit_code = 1;
         drain_begin(s, "start-up failure");
@@ -336,7 +363,7 @@ out:
         free(token);
     }
     uv_loop_close(&s->loop);
-    rnnd_engine_free(s->engine);
+    rnnd_group_free(s->group);
     grpc_shutdown();
     pthread_mutex_destroy(&s->lock);
     free(s);

@@ -71,17 +71,17 @@ static int counted(int rc) {
 void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const ProtobufCMessage *req) {
     (void)req;
     struct rnnd_service *s = svc_of(p);
-    const struct rnnd_model *m = rnnd_engine_model(s->engine);
+    const struct rnnd_model *m = rnnd_group_model(s->group);
     Rnnd__V1__ModelInfo info = RNND__V1__MODEL_INFO__INIT;
     info.cell = (char *)rnnd_config_cell_name(m->cell);
     info.input_size = m->I;
     info.hidden_size = m->H;
     info.num_layers = m->L;
     info.compute = (char *)rnnd_config_compute_name(m->compute);
-    info.backend = (char *)rnnd_engine_backend_name(s->engine);
-    info.device = (char *)rnnd_engine_device_name(s->engine);
-    info.model_version = rnnd_engine_model_version(s->engine);
-    info.envs_active = rnnd_engine_envs_active(s->engine);
+    info.backend = (char *)rnnd_group_backend_name(s->group);
+    info.device = (char *)rnnd_group_device_name(s->group);
+    info.model_version = rnnd_group_model_version(s->group);
+    info.envs_active = rnnd_group_envs_active(s->group);
     info.max_batch = (uint64_t)s->cfg->max_batch;
     info.extras_size = s->cfg->extras_size;
     rnnd_call_reply(call, &info.base);
@@ -96,7 +96,7 @@ static void step_done(struct rnnd_job *job) {
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
     } else {
-        const struct rnnd_model *m = rnnd_engine_model(svc_of(job->aux)->engine);
+        const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
         int64_t dims[3] = {m->H, m->L, m->cell == RNND_CELL_LSTM};
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
@@ -115,7 +115,7 @@ static void step_done(struct rnnd_job *job) {
 void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {
     struct rnnd_service *s = svc_of(p);
     const Rnnd__V1__StepRequest *req = (const Rnnd__V1__StepRequest *)msg;
-    const struct rnnd_model *m = rnnd_engine_model(s->engine);
+    const struct rnnd_model *m = rnnd_group_model(s->group);
     char err[ERRLEN];
     size_t B = req->n_env_ids;
     bool lstm = m->cell == RNND_CELL_LSTM, extras;
@@ -168,7 +168,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         .envs = envs,
         .repeat = repeat,
     };
-    rc = rnnd_engine_submit_step(s->engine, job);
+    rc = rnnd_group_submit_step(s->group, job);
     if (rc == 0)
         return;
     free(job);
@@ -177,7 +177,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         snprintf(err, sizeof(err),
                  "the Step queue is full (%d rows waiting, --max-queue-rows %d); retry after a "
                  "short backoff or add replicas",
-                 rnnd_engine_queue_rows(s->engine), rnnd_config_queue_rows(s->cfg));
+                 rnnd_group_queue_rows(s->group), rnnd_config_queue_rows(s->cfg));
     } else if (rc == RNND_EUNAVAIL)
         snprintf(err, sizeof(err), "rnnd is shutting down; retry on another replica");
     else
@@ -224,7 +224,7 @@ void rnnd_service_end_episodes(void *p, struct rnnd_call *call, const ProtobufCM
     job->done = end_done;
     job->end.B = (int)req->n_env_ids;
     job->end.env_ids = req->env_ids;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ static void forward_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
     struct rnnd_forward_job *f = &job->fwd;
     struct rnnd_service *s = svc_of(job->aux);
-    const struct rnnd_model *m = rnnd_engine_model(s->engine);
+    const struct rnnd_model *m = rnnd_group_model(s->group);
     int E = s->cfg->extras_size;
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
@@ -311,7 +311,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     job->owner = call;
     job->done = forward_done;
     job->fwd = f;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
     return;
 bad:
     rnnd_call_fail(call, rc, err);
@@ -323,7 +323,7 @@ bad:
 static void backward_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
     struct rnnd_backward_job *g = &job->bwd;
-    const struct rnnd_model *m = rnnd_engine_model(svc_of(job->aux)->engine);
+    const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
     } else {
@@ -382,7 +382,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->owner = call;
     job->done = backward_done;
     job->bwd = g;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
     return;
 bad:
     rnnd_call_fail(call, rc, err);
@@ -421,12 +421,14 @@ void rnnd_service_apply_gradients(void *p, struct rnnd_call *call, const Protobu
         return;
     }
     job->apply.grads = req->n_grads ? flat : NULL;
+    job->apply.sent = req->n_grads != 0;
+    job->apply.root = -1;
     job->kind = RNND_JOB_APPLY;
     job->owner = call;
     job->done = apply_done;
     job->apply.has_lr = has_lr;
     job->apply.lr = req->lr;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -434,7 +436,7 @@ void rnnd_service_apply_gradients(void *p, struct rnnd_call *call, const Protobu
 
 static void get_weights_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
-    const struct rnnd_model *m = rnnd_engine_model(svc_of(job->aux)->engine);
+    const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
     } else {
@@ -479,7 +481,7 @@ void rnnd_service_get_weights(void *p, struct rnnd_call *call, const ProtobufCMe
     job->kind = RNND_JOB_GET_WEIGHTS;
     job->owner = call;
     job->done = get_weights_done;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
 }
 
 static void set_weights_done(struct rnnd_job *job) {
@@ -510,10 +512,11 @@ void rnnd_service_set_weights(void *p, struct rnnd_call *call, const ProtobufCMe
         return;
     }
     job->weights.params = flat;
+    job->weights.root = -1;
     job->kind = RNND_JOB_SET_WEIGHTS;
     job->owner = call;
     job->done = set_weights_done;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -549,5 +552,5 @@ void rnnd_service_save_checkpoint(void *p, struct rnnd_call *call, const Protobu
     job->kind = RNND_JOB_CHECKPOINT;
     job->owner = call;
     job->done = checkpoint_done;
-    rnnd_engine_submit(s->engine, job);
+    rnnd_group_submit(s->group, job);
 }

@@ -3,7 +3,8 @@
  * dtypes, byte counts, duplicates, non-finite values), turn it into an engine job, and turn the
  * finished job into the reply. Checks that need engine state (env table, tapes) happen in the
  * engine; everything else is refused here, before anything is queued, so a rejected request
- * changes no state. No grpc_* calls here (rpc.h is the seam).
+ * changes no state. No grpc_* calls here (rpc.h is the seam). Jobs go to the group (group.h),
+ * which runs them on this daemon's one engine or splits them over several.
  */
 #ifndef RNND_SERVICE_H
 #define RNND_SERVICE_H
@@ -11,13 +12,13 @@
 #include <stddef.h>
 
 #include "config.h"
-#include "engine.h"
+#include "group.h"
 #include "request.h"
 #include "rpc.h"
 
 struct rnnd_service {
     const struct rnnd_config *cfg;
-    struct rnnd_engine *engine;
+    struct rnnd_group *group;
     struct rnnd_request_limits limits; // what requests are checked against
 };
 

@@ -83,13 +83,15 @@ int rnnd_tapes_fits(struct rnnd_tapes *ts, size_t bytes, uint64_t now_ns) {
     return bytes <= ts->budget && ts->bytes <= ts->budget - bytes ? 0 : RNND_EFULL;
 }
 
-int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns, uint64_t *id) {
+static struct tape_entry *entry_find(const struct rnnd_tapes *ts, uint64_t id);
+
+static int add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns, uint64_t id) {
     if (rnnd_tapes_fits(ts, bytes, now_ns) != 0)
         return RNND_EFULL;
     struct tape_entry *e = calloc(1, sizeof(*e));
     if (e == NULL)
         return RNND_ENOMEM;
-    e->id = ts->next_id++;
+    e->id = id;
     e->created_ns = now_ns;
     e->bytes = bytes;
     e->tape = tape;
@@ -101,8 +103,21 @@ int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now
     ts->tail = e;
     ts->bytes += bytes;
     ts->count++;
-    *id = e->id;
     return 0;
+}
+
+int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns, uint64_t *id) {
+    int rc = add(ts, tape, bytes, now_ns, ts->next_id);
+    if (rc == 0)
+        *id = ts->next_id++;
+    return rc;
+}
+
+int rnnd_tapes_add_as(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns,
+                      uint64_t id) {
+    if (id == 0 || entry_find(ts, id))
+        return RNND_EINVAL;
+    return add(ts, tape, bytes, now_ns, id);
 }
 
 static struct tape_entry *entry_find(const struct rnnd_tapes *ts, uint64_t id) {

@@ -28,6 +28,11 @@ int rnnd_tapes_fits(struct rnnd_tapes *ts, size_t bytes, uint64_t now_ns);
 // Takes ownership of tape (bytes counted against the budget) and returns its id (never 0) in
 // *id. RNND_EFULL when over budget, RNND_ENOMEM: then the caller still owns tape.
 int rnnd_tapes_add(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns, uint64_t *id);
+// The same under an id chosen by the caller (group.c gives the parts of one Forward on several
+// engines one id), which must not be 0 or in use (RNND_EINVAL); ids from rnnd_tapes_add and
+// chosen ones must not meet (group.c sets bit 63 in its own).
+int rnnd_tapes_add_as(struct rnnd_tapes *ts, void *tape, size_t bytes, uint64_t now_ns,
+                      uint64_t id);
 // The tape with this id, still owned by the store: 0 and *tape, or RNND_ENOTFOUND when the id
 // is unknown, was taken or has expired.
 int rnnd_tapes_get(struct rnnd_tapes *ts, uint64_t id, uint64_t now_ns, void **tape);

@@ -14,9 +14,8 @@
  * case (lines starting with '{'). The input gradient is not computed unless --grad-input is given
  * (a policy's observations need none; kernels/bench/torch_cpu_bench.py does the same).
  * --threads sets the CPU backend's thread count (RNND_CPU_THREADS; default: the CPUs available).
- * The device column names OpenBLAS's kernel: on CPUs newer than the OpenBLAS build knows it falls
- * back to a slow generic one ("Prescott"); OPENBLAS_CORETYPE=SkylakeX (or Haswell) picks a fast
- * one.
+ * The device column names OpenBLAS's kernel; on CPUs the OpenBLAS build does not know, the bench
+ * re-executes itself with OPENBLAS_CORETYPE set (rnnd_cpu_blas_reexec), as rnnd does.
  *
  * Plugging in CUDA (kernels/bench/cuda_*.cu, built only when RNND_HAVE_CUDA is defined): implement
  * rnnd_bench_cuda() from bench.h. main() below calls it for --backend cuda, and that is the only
@@ -384,6 +383,7 @@ static int run_case(const struct bench_case *bc, struct bench_result *res) {
 }
 
 int main(int argc, char **argv) {
+    rnnd_cpu_blas_reexec(argv);
     const char *backend = "cpu";
     struct str_list cells = {1, {"gru"}}, computes = {1, {"fp32"}};
     struct int_list Bs = {1, {64}}, Ts = {1, {128}}, Is = {1, {64}}, Hs = {1, {128}}, Ls = {1, {1}};

@@ -56,6 +56,11 @@ const char *harness_compute(void) {
     return e && *e ? e : "fp32";
 }
 
+const char *harness_devices(void) {
+    const char *e = getenv("RNND_DEVICES");
+    return e && *e ? e : NULL;
+}
+
 const char *rnndctl_bin(void) {
     const char *e = getenv("RNNDCTL_BIN");
     return e && *e ? e : RNNDCTL_BIN;
@@ -152,6 +157,10 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
     argv[n++] = "127.0.0.1:0";
     argv[n++] = "--state-dir";
     argv[n++] = d->state_dir;
+    if (harness_devices()) {
+        argv[n++] = "--devices";
+        argv[n++] = harness_devices();
+    }
     for (int k = 0; args && args[k] && n < 95; k++)
         argv[n++] = args[k];
     argv[n] = NULL;

@@ -70,6 +70,9 @@ const char *rnndctl_bin(void);
 // and win.
 const char *harness_backend(void);
 const char *harness_compute(void);
+// $RNND_DEVICES ("0,1"), passed as --devices to every daemon (the whole suite then runs on
+// several devices), or NULL.
+const char *harness_devices(void);
 
 // ---------------------------------------------------------------------------------------------
 // HTTP.

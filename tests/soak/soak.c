@@ -515,7 +515,8 @@ static long rss_kib(pid_t pid) {
     return v;
 }
 
-static int fd_count(pid_t pid) {
+// The daemon's open descriptors; with show, each one's target on stderr (to name a leak).
+static int fd_count(pid_t pid, bool show) {
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
     DIR *dp = opendir(path);
@@ -523,8 +524,18 @@ static int fd_count(pid_t pid) {
         return -1;
     int n = 0;
     struct dirent *e;
-    while ((e = readdir(dp)))
-        n += e->d_name[0] != '.';
+    while ((e = readdir(dp))) {
+        if (e->d_name[0] == '.')
+            continue;
+        n++;
+        if (show) {
+            char link[320], target[256];
+            snprintf(link, sizeof link, "%s/%s", path, e->d_name);
+            ssize_t k = readlink(link, target, sizeof target - 1);
+            target[k > 0 ? k : 0] = '\0';
+            fprintf(stderr, "  fd %s -> %s\n", e->d_name, target);
+        }
+    }
     closedir(dp);
     return n;
 }
@@ -646,7 +657,7 @@ static void test_soak(void **state) {
     struct rnnd_client *main_c = daemon_client(&d, NULL);
     struct rnnd_model_info info;
     EXPECT_OK(rnnd_client_info(main_c, &info));
-    int fd_before = fd_count(d.pid);
+    int fd_before = fd_count(d.pid, false);
     long rss_start = rss_kib(d.pid);
 
     workers = calloc((size_t)opt.workers, sizeof *workers);
@@ -735,11 +746,13 @@ static void test_soak(void **state) {
         rnnd_client_free(workers[i].impatient);
         ref_free(&workers[i].r);
     }
-    int fd_after = fd_count(d.pid);
+    int fd_after = fd_count(d.pid, false);
     for (double t1 = now_seconds(); fd_after > fd_before && now_seconds() - t1 < 5;) {
         sleep_ms(100);
-        fd_after = fd_count(d.pid);
+        fd_after = fd_count(d.pid, false);
     }
+    if (fd_after > fd_before)
+        fd_count(d.pid, true);
 
     // Figures.
     uint64_t calls[N_CODES + 1] = {0}, steps = 0, resent = 0, mism = 0, unexp = 0, unans = 0,

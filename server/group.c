@@ -589,7 +589,9 @@ static void on_commit(void *ctx, const struct rnnd_cluster_op *op) {
         pthread_mutex_unlock(&g->lock);
     }
     if (job == NULL) {
-        // Another instance's update (or, were it ever lost here, our own): every rank runs it.
+        // Our own update must be pending here: its data is only in that job.
+        RNND_ASSERT(op->origin != (uint32_t)g->rank);
+        // Another instance's update: this rank joins it with nothing of its own to send.
         job = calloc(1, sizeof(*job));
         if (job == NULL)
             rnnd_panic(__FILE__, __LINE__, "out of memory for update %" PRIu64, op->seq);

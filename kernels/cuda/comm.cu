@@ -42,7 +42,6 @@ struct nccl_api {
                               cudaStream_t);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
     ncclResult_t (*CommAbort)(ncclComm_t);
-    ncclResult_t (*CommDestroy)(ncclComm_t);
     const char *(*GetErrorString)(ncclResult_t);
 };
 
@@ -51,6 +50,9 @@ static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
 static char nccl_error[512]; // empty once loaded
 
 static void nccl_load(void) {
+    // NVLink multicast (NVLS) can take the GPUs of a shared host out of service; rnnd's
+    // collectives are small and gain nothing from it. Off unless the operator says otherwise.
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
     const char *path = getenv("RNND_NCCL_LIBRARY");
     if (path == NULL || path[0] == '\0')
         path = "libnccl.so.2";
@@ -74,7 +76,6 @@ static void nccl_load(void) {
         {(void **)&nccl.Broadcast, "ncclBroadcast"},
         {(void **)&nccl.CommGetAsyncError, "ncclCommGetAsyncError"},
         {(void **)&nccl.CommAbort, "ncclCommAbort"},
-        {(void **)&nccl.CommDestroy, "ncclCommDestroy"},
         {(void **)&nccl.GetErrorString, "ncclGetErrorString"},
     };
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
@@ -90,7 +91,7 @@ static void nccl_load(void) {
 
 static bool nccl_ready(void) {
     pthread_once(&nccl_once, nccl_load);
-    return nccl.CommDestroy != NULL && nccl_error[0] == '\0';
+    return nccl.GetErrorString != NULL && nccl_error[0] == '\0';
 }
 
 extern "C" int rnnd__cuda_comm_supported(char *why, size_t len) {
@@ -185,12 +186,14 @@ static int nccl_broadcast(struct rnnd_comm *rc, float *buf, size_t n, int root) 
     return enqueued(c, nccl.Broadcast(buf, buf, n, ncclFloat32, root, c->comm, c->stream));
 }
 
+// Abort, not destroy: every collective of ours has finished when it returned, and destroying
+// (which finalises with the peers) can wait forever for a peer that is already gone.
 static void nccl_comm_free(struct rnnd_comm *rc) {
     struct nccl_comm *c = (struct nccl_comm *)rc;
     if (c->comm) {
         cudaSetDevice(c->device);
         cudaStreamSynchronize(c->stream);
-        nccl.CommDestroy(c->comm);
+        nccl.CommAbort(c->comm);
     }
     free(c);
 }

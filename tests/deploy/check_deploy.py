@@ -162,15 +162,17 @@ def port_of(hostport):
 # Starting rnnd with a command line found in deploy/.
 
 def start_rnnd(name, rnnd, args, timeout=45.0):
-    """Runs rnnd args (with loopback ports, a temp state dir and the CPU backend forced) until its
-    ready line, then SIGTERM; checks the exit status is 0."""
+    """Runs rnnd args (with loopback ports, a temp state dir and the CPU backend forced, as one
+    instance: the group flags are left out) until its ready line, then SIGTERM; checks the exit
+    status is 0."""
     with tempfile.TemporaryDirectory(prefix="rnnd-deploy-") as state:
         forced = {"listen": "127.0.0.1:0", "http": "127.0.0.1:0", "state-dir": state,
                   "backend": "cpu"}
+        dropped = {"world-size", "rank", "rendezvous"}
         argv, k = [rnnd], 0
         while k < len(args):
             f = args[k][2:].partition("=")[0]
-            if f in forced:
+            if f in forced or f in dropped:
                 k += 1 if "=" in args[k] else 2
                 continue
             argv.append(args[k])
@@ -488,6 +490,22 @@ def check_k8s(kdir, flags, keys):
     check(int(grace) > drain, "k8s StatefulSet: terminationGracePeriodSeconds exceeds "
           "drain-timeout-s (%d)" % drain, "grace %s" % grace)
 
+    # A group of pods (--world-size): one rank per replica, rank 0 met at pod 0's rendezvous
+    # port, which the headless Service publishes before the pods are ready.
+    world = int(eff.get("world-size", 1))
+    rdv = str(eff.get("rendezvous", ""))
+    if world > 1:
+        check(world == int(spec.get("replicas", 1)) and str(eff.get("rank")) == "auto",
+              "k8s StatefulSet: --world-size equals replicas and --rank is auto",
+              "world-size %s replicas %s rank %s" % (world, spec.get("replicas"), eff.get("rank")))
+        first = "%s-0.%s" % (sts["metadata"]["name"], spec.get("serviceName"))
+        check(rdv.rpartition(":")[0] in (first, first + ".svc") or
+              rdv.startswith(first + "."),
+              "k8s StatefulSet: --rendezvous is pod 0 of the headless Service (%s)" % first, rdv)
+        check(port_of(rdv) == ports.get("rendezvous"),
+              "k8s StatefulSet: the rendezvous port is the containerPort named rendezvous",
+              "%s vs %s" % (rdv, ports))
+
     # Headless Service.
     svcs = [d for d in of_kind("Service") if d["metadata"]["name"] == spec.get("serviceName")]
     if check(len(svcs) == 1, "k8s: a Service named as the StatefulSet's serviceName (%s)"
@@ -500,6 +518,10 @@ def check_k8s(kdir, flags, keys):
         sports = {p.get("targetPort", p.get("port")) for p in ss.get("ports") or []}
         check("grpc" in sports or grpc_port in sports, "k8s Service: exposes the gRPC port",
               str(ss.get("ports")))
+        if world > 1:
+            check(ss.get("publishNotReadyAddresses") is True,
+                  "k8s Service: publishes pods before they are ready (rank 0 waits for the "
+                  "others before it is ready)", str(ss.get("publishNotReadyAddresses")))
     return argv[1:], conf.get("__text__")
 
 

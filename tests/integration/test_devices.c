@@ -17,7 +17,7 @@
  *              the same bits (the reference's SGD step over the sum); sent gradients and
  *              SetWeights through either rank reach both; when rank 1 stops, rank 0 drains and
  *              exits with status 3.
- *   timing     (RNND_TEST_TIMING=1) a learner step (Forward + Backward(accumulate) +
+ *   timing     (RNND_TEST_TIMING=1; RNND_TEST_FILTER=*timing runs it alone) a learner step (Forward + Backward(accumulate) +
  *              ApplyGradients, B=2048 T=64 I=64 H=128 GRU) on --devices 0 and on the
  *              RNND_TEST_DEVICES list; medians printed as "learner_step devices=... ms".
  *
@@ -217,7 +217,20 @@ static void test_replicas_identical(void **state) {
     adam_first_step(want, sum, P, 0.01f);
     float *have = get_params(c, &r.m, &v);
     assert_int_equal(v, 1);
-    assert_true(close_f32("weights after Adam", have, want, P, 1e-5f, 1e-4f));
+    // Adam's first step is lr * sign(g) where |g| >> eps: compare where the summed gradient is
+    // clearly away from zero (elsewhere the devices' and the reference's rounding may differ
+    // in sign); the update stays within lr everywhere.
+    size_t checked = 0;
+    for (size_t i = 0; i < P; i++) {
+        if (fabsf(sum[i]) > 1e-3f) {
+            checked++;
+            if (fabsf(have[i] - want[i]) > 1e-5f + 1e-4f * fabsf(want[i]))
+                fprintf(stderr, "weight %zu: %.9g, reference %.9g\n", i, have[i], want[i]);
+            assert_true(fabsf(have[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]));
+        }
+        assert_true(fabsf(have[i] - r.params[i]) <= 0.0101f);
+    }
+    assert_true(checked > P / 2);
     free(have);
 
     // More rounds: accumulated, sent (from a Backward without accumulate) with an lr, and a
@@ -539,12 +552,25 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// Backend seconds and calls of each learner op so far, from /metrics.
+static void op_totals(const struct daemon *d, double secs[3], double calls[3]) {
+    static const char *const ops[3] = {"op=\"forward\"", "op=\"backward\"", "op=\"optim\""};
+    int status;
+    char *body = NULL;
+    assert_int_equal(http_get(d->http, "/metrics", &status, NULL, &body), 0);
+    for (int k = 0; k < 3; k++) {
+        secs[k] = prom_value(body, "rnnd_backend_kernel_seconds_total", ops[k]);
+        calls[k] = prom_value(body, "rnnd_backend_calls_total", ops[k]);
+    }
+    free(body);
+}
+
 static void time_learner_step(const char *list) {
     enum { B = 2048, T = 64, I = 64, H = 128, WARM = 3, REPS = 10 };
     struct daemon d;
-    const char *args[] = {"--cell",          "gru",   "--input-size", "64", "--hidden-size", "128",
-                          "--layers",        "1",     "--devices",    list, "--tape-memory-mb",
-                          "8192",            "--max-message-mb", "512", NULL};
+    const char *args[] = {"--cell",    "gru", "--input-size", "64",     "--hidden-size",
+                          "128",       "--layers", "1",   "--devices",    list,
+                          "--tape-memory-mb", "8192", "--max-message-mb", "512", NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client_opts o = {.target = d.grpc, .max_message_bytes = 512 << 20};
     struct rnnd_client *c;
@@ -555,8 +581,10 @@ static void time_learner_step(const char *list) {
     struct rng g = {1};
     rng_fill(&g, x, nx);
     rng_fill(&g, go, no);
-    double ms[3][REPS];
+    double ms[3][REPS], s0[3], c0[3], s1[3], c1[3];
     for (int it = 0; it < WARM + REPS; it++) {
+        if (it == WARM)
+            op_totals(&d, s0, c0);
         double t0 = now_seconds();
         struct rnnd_forward_req fr = {
             .obs = rnnd_tensor_f32(x, 3, B, T, I, 0),
@@ -582,6 +610,7 @@ static void time_learner_step(const char *list) {
             ms[2][it - WARM] = (t3 - t2) * 1e3;
         }
     }
+    op_totals(&d, s1, c1);
     double med[3];
     for (int k = 0; k < 3; k++) {
         qsort(ms[k], REPS, sizeof(double), cmp_double);
@@ -592,6 +621,12 @@ static void time_learner_step(const char *list) {
     printf("learner_step devices=%s B=%d T=%d forward=%.2f ms backward=%.2f ms apply=%.2f ms "
            "total=%.2f ms (median of %d, over gRPC from this process; %s)\n",
            list, B, T, med[0], med[1], med[2], med[0] + med[1] + med[2], REPS, info.device);
+    // Inside the daemon: each device's part, per call (copies to and from the device included;
+    // with several devices the parts run at once).
+    printf("learner_step devices=%s in the daemon per device: forward=%.2f ms backward=%.2f ms "
+           "optim=%.2f ms\n",
+           list, 1e3 * (s1[0] - s0[0]) / (c1[0] - c0[0]), 1e3 * (s1[1] - s0[1]) / (c1[1] - c0[1]),
+           1e3 * (s1[2] - s0[2]) / (c1[2] - c0[2]));
     fflush(stdout);
     free(x);
     free(go);
@@ -621,5 +656,8 @@ int main(void) {
         cmocka_unit_test(test_cluster_two_daemons),
         cmocka_unit_test(test_learner_step_timing),
     };
+    // RNND_TEST_FILTER: run only the tests whose names match (cmocka's pattern, e.g. "*timing").
+    if (getenv("RNND_TEST_FILTER"))
+        cmocka_set_test_filter(getenv("RNND_TEST_FILTER"));
     return cmocka_run_group_tests_name("devices", tests, NULL, NULL) ? 1 : 0;
 }

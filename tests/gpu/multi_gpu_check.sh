@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# multi_gpu_check.sh: several GPUs in one rnnd (--devices) and two rnnd as two hosts
+# (--world-size 2), on a host with two or more GPUs, from a bundle made here by
+# `deploy/bundle.sh -b BUILD -o .device --tests` (BUILD configured with -DCMAKE_CUDA_ARCHITECTURES=90
+# on a machine with nccl.h; NCCL itself comes from this host: the CUDA toolkit's or PyTorch's
+# nvidia-nccl wheel):
+#   1. test_integration_devices on --devices 0,1, strict fp32 against the CPU reference:
+#      bit-identical replicas (GetWeights compares the devices, per-device checkpoints compared
+#      byte for byte), restart and 1 -> 2 device restore, two daemons (rank 0 on GPU 0, rank 1 on
+#      GPU 1) staying in sync and rank 0 leaving when rank 1 stops;
+#   2. the Step, learner and concurrency suites with every daemon on --devices 0,1 (the CPU
+#      reference still holds);
+#   3. the time of a learner step (Forward + Backward + ApplyGradients, B=2048 T=64 GRU H=128,
+#      fp32/TF32) on 1 and 2 GPUs;
+#   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256);
+#   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
+# Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.gz]
+# Logs go to $OUT (default /tmp/rnnd-out); a table is printed last. BUDGET_S (default 330) stops
+# starting new sections when the time is nearly up. BACKEND=cpu dry-runs the script anywhere
+# (two CPU engines; no two-daemon test).
+set -u
+BACKEND=${BACKEND:-cuda}
+cluster='RNND_TEST_CLUSTER_DEVICES=0;1'
+[ "$BACKEND" = cuda ] || cluster=RNND_TEST_CLUSTER_DEVICES=
+export NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+t_start=$(date +%s)
+budget=${BUDGET_S:-330}
+left() { echo $((budget - ($(date +%s) - t_start))); }
+bundle=${1:-.device/rnnd-bundle.tar.gz}
+OUT=${OUT:-/tmp/rnnd-out}
+mkdir -p "$OUT"
+log=$OUT/multi_gpu.log
+exec > >(tee -a "$log") 2>&1
+work=$(mktemp -d)
+tar -C "$work" -xzf "$bundle" || { echo "multi_gpu_check: cannot unpack $bundle"; exit 1; }
+R=$work/rnnd-bundle
+cat .device/bundle.commit 2>/dev/null | head -1 | sed 's/^/bundle built from /'
+
+# cuBLAS and NCCL: the CUDA toolkit's, else PyTorch's pip wheels.
+libs=$R/lib
+site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+for lib in libcublas.so.13 libnccl.so.2; do
+    d=$(ls /usr/local/cuda/lib64/$lib 2>/dev/null || find "$site/nvidia" -name "$lib" 2>/dev/null | head -1)
+    [ -n "$d" ] && libs=$libs:$(dirname "$d")
+    [ "$lib" = libnccl.so.2 ] && [ -n "$d" ] && export RNND_NCCL_LIBRARY=$d
+done
+export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export RNND_BIN=$R/bin/rnnd RNNDCTL_BIN=$R/bin/rnndctl
+echo "NCCL: ${RNND_NCCL_LIBRARY:-not found}"
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -4
+ldd "$RNND_BIN" | grep 'not found' && exit 1
+
+declare -A res
+run_test() { # name timeout env... -- binary
+    local name=$1 to=$2
+    shift 2
+    local envs=()
+    while [ "$1" != -- ]; do envs+=("$1"); shift; done
+    shift
+    if [ "$(left)" -lt "$to" ]; then res[$name]="not run (time)"; echo "== $name: not run (time)"; return; fi
+    echo "== $name"
+    (cd "$work" && env "${envs[@]}" timeout "$to" "$@") >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local ok failed
+    ok=$(grep -cE '^\[       OK \]' "$OUT/$name.log")
+    failed=$(grep -cE '^\[  FAILED  \] [a-z_]+$' "$OUT/$name.log")
+    res[$name]="rc=$rc ok=$ok failed=$failed"
+    echo "${res[$name]}"
+    grep -E '^\[  FAILED  \]|^\[  ERROR   \]|^\[  SKIPPED \] [a-z]|mismatch|devices:' "$OUT/$name.log" | head -12
+}
+
+B=$R/bin
+# 1. replicas, placement, two daemons
+run_test devices 150 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_TEST_DEVICES=0,1 \
+    "$cluster" -- "$B/test_integration_devices"
+# 3. learner step timing (before the long suites, on a quiet machine)
+run_test learner_timing 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=fp32 RNND_TEST_DEVICES=0,1 \
+    RNND_TEST_TIMING=1 'RNND_TEST_FILTER=*timing' -- "$B/test_integration_devices"
+grep '^learner_step' "$OUT/learner_timing.log"
+
+# 4. bench: rnnd on 1 and 2 GPUs
+bench_on() { # devices label args...
+    local devs=$1 label=$2
+    shift 2
+    if [ "$(left)" -lt 25 ]; then res[bench_$label]="not run (time)"; return; fi
+    local state dlog pid target
+    state=$(mktemp -d)
+    dlog=$OUT/rnnd_bench_$label.log
+    "$RNND_BIN" --backend "$BACKEND" --devices "$devs" --listen 127.0.0.1:0 --http off \
+        --state-dir "$state" >"$dlog" 2>&1 &
+    pid=$!
+    for _ in $(seq 150); do grep -q 'rnnd ready' "$dlog" && break; sleep 0.1; done
+    target=$(grep -m1 -o 'grpc=[^ ]*' "$dlog" | cut -d= -f2)
+    echo "-- bench devices=$devs $*" | tee -a "$OUT/bench.txt"
+    timeout 40 "$RNNDCTL_BIN" -t "$target" bench "$@" --no-floor 2>&1 | tee -a "$OUT/bench.txt" \
+        >"$OUT/bench_$label.txt"
+    res[bench_$label]=$(grep -m1 '^Step ' "$OUT/bench_$label.txt" | tr -s ' ' | cut -d' ' -f2-9)
+    kill -TERM $pid
+    wait $pid
+}
+bench_on 0 1gpu_c32e64 --connections 32 --envs 64 --duration 5
+bench_on 0,1 2gpu_c32e64 --connections 32 --envs 64 --duration 5
+bench_on 0 1gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
+bench_on 0,1 2gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
+
+# 2. the suites on two devices
+for t in step learner concurrency; do
+    run_test ${t}_2gpu 100 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
+        "$B/test_integration_$t"
+done
+# 5. the one-GPU suite, as before
+for t in step learner errors weights ops concurrency tls; do
+    run_test ${t}_1gpu 100 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee -- "$B/test_integration_$t"
+done
+
+echo "== summary ($(($(date +%s) - t_start)) s)"
+printf '%-22s %s\n' check result
+for k in devices learner_timing step_2gpu learner_2gpu concurrency_2gpu step_1gpu learner_1gpu \
+    errors_1gpu weights_1gpu ops_1gpu concurrency_1gpu tls_1gpu; do
+    printf '%-22s %s\n' "$k" "${res[$k]:-?}"
+done
+for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s; do
+    printf '%-22s %s\n' "bench $k" "${res[bench_$k]:-?}"
+done
+grep '^learner_step' "$OUT/learner_timing.log" 2>/dev/null | sed 's/ (median.*; / (/'

@@ -16,8 +16,9 @@
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
 # Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.gz]
-# Logs go to $OUT (default /tmp/rnnd-out); a table is printed last. BUDGET_S (default 330) stops
-# starting new sections when the time is nearly up. BACKEND=cpu dry-runs the script anywhere
+# The console log goes to $OUT/multi_gpu.log, every other log into $OUT/logs.tar.gz (the device
+# tool brings back few files); default OUT /tmp/rnnd-out. A table is printed last. BUDGET_S
+# (default 330) stops starting new sections when the time is nearly up. BACKEND=cpu dry-runs the script anywhere
 # (two CPU engines; no two-daemon test).
 set -u
 BACKEND=${BACKEND:-cuda}
@@ -30,8 +31,9 @@ left() { echo $((budget - ($(date +%s) - t_start))); }
 bundle=${1:-.device/rnnd-bundle.tar.gz}
 OUT=${OUT:-/tmp/rnnd-out}
 mkdir -p "$OUT"
-log=$OUT/multi_gpu.log
-exec > >(tee -a "$log") 2>&1
+exec > >(tee -a "$OUT/multi_gpu.log") 2>&1
+LOGS=$(mktemp -d)
+trap 'tar -C "$LOGS" -czf "$OUT/logs.tar.gz" .' EXIT
 work=$(mktemp -d)
 tar -C "$work" -xzf "$bundle" || { echo "multi_gpu_check: cannot unpack $bundle"; exit 1; }
 R=$work/rnnd-bundle
@@ -61,14 +63,14 @@ run_test() { # name timeout env... -- binary
     shift
     if [ "$(left)" -lt "$to" ]; then res[$name]="not run (time)"; echo "== $name: not run (time)"; return; fi
     echo "== $name"
-    (cd "$work" && env "${envs[@]}" timeout "$to" "$@") >"$OUT/$name.log" 2>&1
+    (cd "$work" && env "${envs[@]}" timeout "$to" "$@") >"$LOGS/$name.log" 2>&1
     local rc=$?
     local ok failed
-    ok=$(grep -cE '^\[       OK \]' "$OUT/$name.log")
-    failed=$(grep -cE '^\[  FAILED  \] [a-z_]+$' "$OUT/$name.log")
+    ok=$(grep -cE '^\[       OK \]' "$LOGS/$name.log")
+    failed=$(grep -cE '^\[  FAILED  \] [a-z_]+$' "$LOGS/$name.log")
     res[$name]="rc=$rc ok=$ok failed=$failed"
     echo "${res[$name]}"
-    grep -E '^\[  FAILED  \]|^\[  ERROR   \]|^\[  SKIPPED \] [a-z]|mismatch|devices:' "$OUT/$name.log" | head -12
+    grep -E '^\[  FAILED  \]|^\[  ERROR   \]|^\[  SKIPPED \] [a-z]|mismatch|devices:' "$LOGS/$name.log" | head -12
 }
 
 B=$R/bin
@@ -78,7 +80,7 @@ run_test devices 150 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_TEST_DEVICES=0
 # 3. learner step timing (before the long suites, on a quiet machine)
 run_test learner_timing 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=fp32 RNND_TEST_DEVICES=0,1 \
     RNND_TEST_TIMING=1 'RNND_TEST_FILTER=*timing' -- "$B/test_integration_devices"
-grep '^learner_step' "$OUT/learner_timing.log"
+grep '^learner_step' "$LOGS/learner_timing.log"
 
 # 4. bench: rnnd on 1 and 2 GPUs
 bench_on() { # devices label args...
@@ -87,16 +89,16 @@ bench_on() { # devices label args...
     if [ "$(left)" -lt 25 ]; then res[bench_$label]="not run (time)"; return; fi
     local state dlog pid target
     state=$(mktemp -d)
-    dlog=$OUT/rnnd_bench_$label.log
+    dlog=$LOGS/rnnd_bench_$label.log
     "$RNND_BIN" --backend "$BACKEND" --devices "$devs" --listen 127.0.0.1:0 --http off \
         --state-dir "$state" >"$dlog" 2>&1 &
     pid=$!
     for _ in $(seq 150); do grep -q 'rnnd ready' "$dlog" && break; sleep 0.1; done
     target=$(grep -m1 -o 'grpc=[^ ]*' "$dlog" | cut -d= -f2)
-    echo "-- bench devices=$devs $*" | tee -a "$OUT/bench.txt"
-    timeout 40 "$RNNDCTL_BIN" -t "$target" bench "$@" --no-floor 2>&1 | tee -a "$OUT/bench.txt" \
-        >"$OUT/bench_$label.txt"
-    res[bench_$label]=$(grep -m1 '^Step ' "$OUT/bench_$label.txt" | tr -s ' ' | cut -d' ' -f2-9)
+    echo "-- bench devices=$devs $*" | tee -a "$LOGS/bench.txt"
+    timeout 40 "$RNNDCTL_BIN" -t "$target" bench "$@" --no-floor 2>&1 | tee -a "$LOGS/bench.txt" \
+        >"$LOGS/bench_$label.txt"
+    res[bench_$label]=$(grep -m1 '^Step ' "$LOGS/bench_$label.txt" | tr -s ' ' | cut -d' ' -f2-9)
     kill -TERM $pid
     wait $pid
 }
@@ -124,4 +126,4 @@ done
 for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s; do
     printf '%-22s %s\n' "bench $k" "${res[bench_$k]:-?}"
 done
-grep '^learner_step' "$OUT/learner_timing.log" 2>/dev/null | sed 's/ (median.*; / (/'
+grep '^learner_step' "$LOGS/learner_timing.log" 2>/dev/null | sed 's/ (median.*; / (/'

@@ -109,12 +109,12 @@ bench_on 0,1 2gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
 
 # 2. the suites on two devices
 for t in step learner concurrency; do
-    run_test ${t}_2gpu 100 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
+    run_test ${t}_2gpu 60 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
         "$B/test_integration_$t"
 done
 # 5. the one-GPU suite, as before
 for t in step learner errors weights ops concurrency tls; do
-    run_test ${t}_1gpu 100 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee -- "$B/test_integration_$t"
+    run_test ${t}_1gpu 60 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee -- "$B/test_integration_$t"
 done
 
 echo "== summary ($(($(date +%s) - t_start)) s)"

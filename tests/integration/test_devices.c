@@ -416,16 +416,44 @@ static void test_bad_flags(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Two daemons as two hosts.
 
+// Starts a daemon on a thread of its own (it waits for its peer to start), and keeps that thread
+// alive until released: the harness's daemons die with the thread that forked them
+// (PR_SET_PDEATHSIG).
 struct start_arg {
     struct daemon *d;
     const char **args;
     int rc;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool started, released;
 };
 
 static void *start_main(void *p) {
     struct start_arg *a = p;
-    a->rc = daemon_start(a->d, a->args);
+    int rc = daemon_start(a->d, a->args);
+    pthread_mutex_lock(&a->mu);
+    a->rc = rc;
+    a->started = true;
+    pthread_cond_broadcast(&a->cv);
+    while (!a->released)
+        pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
     return NULL;
+}
+
+static void start_wait(struct start_arg *a) {
+    pthread_mutex_lock(&a->mu);
+    while (!a->started)
+        pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+}
+
+static void start_release(struct start_arg *a, pthread_t t) {
+    pthread_mutex_lock(&a->mu);
+    a->released = true;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    pthread_join(t, NULL);
 }
 
 static int free_port(void) {
@@ -458,12 +486,19 @@ static void test_cluster_two_daemons(void **state) {
     build_args(a0, dev0, e0);
     build_args(a1, dev1, e1);
     struct daemon d0, d1;
-    struct start_arg s1 = {&d1, a1, -1};
+    struct start_arg s1 = {.d = &d1, .args = a1, .rc = -1};
+    pthread_mutex_init(&s1.mu, NULL);
+    pthread_cond_init(&s1.cv, NULL);
     pthread_t t;
     pthread_create(&t, NULL, start_main, &s1);
     sleep_ms(300); // rank 1 is past the harness's bookkeeping; it waits for rank 0 now
     int rc0 = daemon_start(&d0, a0);
-    pthread_join(t, NULL);
+    start_wait(&s1);
+    if (rc0 != 0 || s1.rc != 0) {
+        daemon_free(&d0);
+        daemon_free(&d1);
+        start_release(&s1, t);
+    }
     assert_int_equal(rc0, 0);
     assert_int_equal(s1.rc, 0);
     struct rnnd_client *c0 = daemon_client(&d0, NULL), *c1 = daemon_client(&d1, NULL);
@@ -542,6 +577,7 @@ static void test_cluster_two_daemons(void **state) {
     rnnd_client_free(c0);
     daemon_free(&d0);
     daemon_free(&d1);
+    start_release(&s1, t);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ static bool word_after(const char *line, const char *key, char *out, size_t n) {
     return true;
 }
 
-int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const char *const *args) {
+int daemon_spawn_in(struct daemon *d, const char *state_dir, bool owned, const char *const *args) {
     memset(d, 0, sizeof *d);
     snprintf(d->state_dir, sizeof d->state_dir, "%s", state_dir);
     mark_owned(d->state_dir, owned);
@@ -196,10 +196,17 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
     }
     d->pid = pid;
     d->log_start = log_start;
+    d->spawn_seconds = t0;
+    return 0;
+}
 
+int daemon_wait_ready(struct daemon *d, double timeout_s) {
+    double t0 = d->spawn_seconds;
+    pid_t pid = d->pid;
+    size_t log_start = d->log_start;
     // A restart in the same directory appends to the log: only text after this start's offset
     // counts, and the ready line may follow other log lines.
-    while (now_seconds() - t0 < 30.0) {
+    while (now_seconds() - t0 < timeout_s) {
         size_t len;
         char *log = slurp(d->log_path, &len);
         const char *from = log && len >= log_start ? log + log_start : log;
@@ -233,10 +240,25 @@ int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const c
         }
         sleep_ms(5);
     }
-    fprintf(stderr, "rnnd not ready after 30 s\n");
+    fprintf(stderr, "rnnd not ready after %.0f s\n", timeout_s);
     daemon_dump_log(d, 4000);
     daemon_free(d);
     return -1;
+}
+
+int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const char *const *args) {
+    if (daemon_spawn_in(d, state_dir, owned, args) != 0)
+        return -1;
+    return daemon_wait_ready(d, 30.0);
+}
+
+int daemon_spawn(struct daemon *d, const char *const *args) {
+    char dir[] = "/tmp/rnnd-it-XXXXXX";
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "mkdtemp: %s\n", strerror(errno));
+        return -1;
+    }
+    return daemon_spawn_in(d, dir, true, args);
 }
 
 bool daemon_log_contains(const struct daemon *d, const char *needle) {

@@ -35,6 +35,7 @@ struct daemon {
     char ready_line[512];
     double start_seconds; // from spawn to the ready line
     size_t log_start;     // where this start's lines begin in log_path (restarts append)
+    double spawn_seconds; // now_seconds() at the spawn
 };
 
 // Starts rnnd with --backend cpu --listen 127.0.0.1:0 --http 127.0.0.1:0 --state-dir <new temp
@@ -44,6 +45,13 @@ int daemon_start(struct daemon *d, const char *const *args);
 // Same with an existing state directory (a restart); the directory is not removed by daemon_free
 // unless owned is true.
 int daemon_start_in(struct daemon *d, const char *state_dir, bool owned, const char *const *args);
+// The two halves of daemon_start, for daemons that must start together (a group of instances
+// whose ranks wait for each other): spawn returns once the process runs (0, or -1), wait_ready
+// waits until timeout_s after the spawn for the ready line (0, or -1 with the log tail printed
+// and the daemon freed).
+int daemon_spawn(struct daemon *d, const char *const *args);
+int daemon_spawn_in(struct daemon *d, const char *state_dir, bool owned, const char *const *args);
+int daemon_wait_ready(struct daemon *d, double timeout_s);
 // Sends sig and waits up to timeout_ms for the exit. 0 when it exited (status in d->exit_status),
 // -1 on timeout (the daemon is then still running).
 int daemon_signal_wait(struct daemon *d, int sig, int timeout_ms);

@@ -29,7 +29,6 @@
 #include <grpc/status.h>
 #include <math.h>
 #include <netinet/in.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -416,46 +415,6 @@ static void test_bad_flags(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Two daemons as two hosts.
 
-// Starts a daemon on a thread of its own (it waits for its peer to start), and keeps that thread
-// alive until released: the harness's daemons die with the thread that forked them
-// (PR_SET_PDEATHSIG).
-struct start_arg {
-    struct daemon *d;
-    const char **args;
-    int rc;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool started, released;
-};
-
-static void *start_main(void *p) {
-    struct start_arg *a = p;
-    int rc = daemon_start(a->d, a->args);
-    pthread_mutex_lock(&a->mu);
-    a->rc = rc;
-    a->started = true;
-    pthread_cond_broadcast(&a->cv);
-    while (!a->released)
-        pthread_cond_wait(&a->cv, &a->mu);
-    pthread_mutex_unlock(&a->mu);
-    return NULL;
-}
-
-static void start_wait(struct start_arg *a) {
-    pthread_mutex_lock(&a->mu);
-    while (!a->started)
-        pthread_cond_wait(&a->cv, &a->mu);
-    pthread_mutex_unlock(&a->mu);
-}
-
-static void start_release(struct start_arg *a, pthread_t t) {
-    pthread_mutex_lock(&a->mu);
-    a->released = true;
-    pthread_cond_broadcast(&a->cv);
-    pthread_mutex_unlock(&a->mu);
-    pthread_join(t, NULL);
-}
-
 static int free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -485,22 +444,18 @@ static void test_cluster_two_daemons(void **state) {
     const char *a0[40], *a1[40];
     build_args(a0, dev0, e0);
     build_args(a1, dev1, e1);
+    // Both from this thread (the harness's daemons die with the thread that forked them), rank 1
+    // first: it retries until rank 0 listens; neither is ready before the other has joined.
     struct daemon d0, d1;
-    struct start_arg s1 = {.d = &d1, .args = a1, .rc = -1};
-    pthread_mutex_init(&s1.mu, NULL);
-    pthread_cond_init(&s1.cv, NULL);
-    pthread_t t;
-    pthread_create(&t, NULL, start_main, &s1);
-    sleep_ms(300); // rank 1 is past the harness's bookkeeping; it waits for rank 0 now
-    int rc0 = daemon_start(&d0, a0);
-    start_wait(&s1);
-    if (rc0 != 0 || s1.rc != 0) {
+    assert_int_equal(daemon_spawn(&d1, a1), 0);
+    assert_int_equal(daemon_spawn(&d0, a0), 0);
+    int rc0 = daemon_wait_ready(&d0, 60.0), rc1 = daemon_wait_ready(&d1, 60.0);
+    if (rc0 != 0 || rc1 != 0) {
         daemon_free(&d0);
         daemon_free(&d1);
-        start_release(&s1, t);
     }
     assert_int_equal(rc0, 0);
-    assert_int_equal(s1.rc, 0);
+    assert_int_equal(rc1, 0);
     struct rnnd_client *c0 = daemon_client(&d0, NULL), *c1 = daemon_client(&d1, NULL);
     struct ref r0, r1;
     ref_init(&r0, c0, 4);
@@ -577,7 +532,6 @@ static void test_cluster_two_daemons(void **state) {
     rnnd_client_free(c0);
     daemon_free(&d0);
     daemon_free(&d1);
-    start_release(&s1, t);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -148,9 +148,10 @@ static struct rnnd_job *part_init(struct fan *f, int i, const struct rnnd_job *p
 // Queues every part on its engine, under the group lock so that collectives keep one order.
 static void fan_submit(struct fan *f, const int *engine) {
     struct rnnd_group *g = f->g;
-    atomic_store(&f->left, f->n);
+    int n = f->n; // f is freed by the last part to finish, maybe before the loop ends
+    atomic_store(&f->left, n);
     pthread_mutex_lock(&g->lock);
-    for (int i = 0; i < f->n; i++)
+    for (int i = 0; i < n; i++)
         rnnd_engine_submit(g->e[engine[i]], &f->parts[i]);
     pthread_mutex_unlock(&g->lock);
 }

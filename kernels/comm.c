@@ -72,10 +72,6 @@ int rnnd_comm_rank(const struct rnnd_comm *c) {
     return c->rank;
 }
 
-int rnnd_comm_size(const struct rnnd_comm *c) {
-    return c->nranks;
-}
-
 int rnnd_comm_all_reduce(struct rnnd_comm *c, float *buf, size_t n) {
     if (n == 0)
         return 0;

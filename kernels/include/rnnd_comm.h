@@ -57,7 +57,6 @@ int rnnd_comm_init(struct rnnd_backend *b, const struct rnnd_comm_id *id, int nr
 void rnnd_comm_free(struct rnnd_comm *c); // NULL does nothing
 
 int rnnd_comm_rank(const struct rnnd_comm *c);
-int rnnd_comm_size(const struct rnnd_comm *c);
 
 // buf (n floats) = the sum of every rank's buf, on every rank. 0, RNND_EUNAVAIL (a peer did not
 // join in time or is gone: the communicator is then unusable and every later call fails the same

@@ -4,6 +4,10 @@
  * the reference says, the weights and model version are the same and no env appeared or vanished.
  *
  * One daemon for the file: GRU I=8 H=16, --max-message-mb 2, --max-envs 32, --tape-memory-mb 1.
+ * With RNND_DEVICES=0,1 (CMakeLists.txt) the daemon runs two engines: the probe envs then live on
+ * both devices, and the requests that mix envs of both devices, one of which refuses its part,
+ * check that the other device ran nothing either. --max-envs and --tape-memory-mb count per
+ * device.
  */
 #include "harness.h"
 
@@ -13,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine.h" // rnnd_place: the device that holds an env
+
 #define I_     8
 #define H_     16
 #define NPROBE 4
@@ -21,6 +27,7 @@
 
 struct fixture {
     struct daemon d;
+    int devices; // engines of the daemon (--devices)
     struct rnnd_client *c;
     struct ref r;
     uint64_t version;
@@ -31,6 +38,29 @@ struct fixture {
 static struct fixture fx;
 static const uint64_t probe_ids[NPROBE] = {100, 101, 102, 103};
 static const int32_t probe_slots[NPROBE] = {0, 1, 2, 3};
+
+// The device (engine) that holds env id.
+static int device_of(const struct fixture *f, uint64_t id) {
+    return rnnd_place(id, f->devices);
+}
+
+// The first env id from `from` on that holds its state on device k.
+static uint64_t id_on(const struct fixture *f, int k, uint64_t from) {
+    while (device_of(f, from) != k)
+        from++;
+    return from;
+}
+
+// Forward tapes the daemon holds (every device's), from /metrics.
+static double tapes_held(const struct fixture *f) {
+    int status;
+    char *body = NULL;
+    assert_int_equal(http_get(f->d.http, "/metrics", &status, NULL, &body), 0);
+    assert_int_equal(status, 200);
+    double n = prom_value(body, "rnnd_tapes", NULL);
+    free(body);
+    return n;
+}
 
 static void probe_step(struct fixture *f, bool init, const char *what) {
     float x[NPROBE * I_], ref[NPROBE * H_];
@@ -62,6 +92,11 @@ static void check_unchanged_(struct fixture *f, const char *what) {
                 (unsigned long long)i.envs_active, (unsigned long long)f->envs_active);
     assert_int_equal(i.model_version, f->version);
     assert_int_equal(i.envs_active, f->envs_active);
+    // Every test uses up the tapes it keeps: a tape still held was left by a refused call.
+    double tapes = tapes_held(f);
+    if (tapes != 0)
+        fprintf(stderr, "%s: %g tapes held\n", what, tapes);
+    assert_true(tapes == 0);
     struct rnnd_named_tensors w;
     EXPECT_OK(rnnd_client_get_weights(f->c, &w, NULL));
     float *p = malloc(f->r.P * sizeof(float));
@@ -78,6 +113,9 @@ static void check_unchanged_(struct fixture *f, const char *what) {
 static int setup(void **state) {
     struct fixture *f = &fx;
     f->g.s = 1234;
+    f->devices = 1;
+    for (const char *d = harness_devices(); d && *d; d++)
+        f->devices += *d == ',';
     const char *args[] = {"--cell",
                           "gru",
                           "--input-size",
@@ -355,40 +393,140 @@ static void test_oversize(void **state) {
     check_unchanged(f);
 }
 
+// Steps one new env (is_init) with step_index `index` (no index when 0): 0 or the error.
+static int step_new(struct fixture *f, uint64_t id, uint64_t index) {
+    float x[I_] = {0};
+    bool init = true;
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &id,
+                                .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                .n_is_init = 1,
+                                .is_init = &init,
+                                .n_step_index = index ? 1 : 0,
+                                .step_index = &index};
+    return step(f, &req);
+}
+
+// A Step over the probe envs (which live on every device when there are several) plus a new env
+// `fresh` (is_init) and an env `bad` that its device refuses (`bad_init`, `bad_index`: its row's
+// is_init and step_index; every row gets step_index when bad_index is nonzero), sent on a stream
+// or as a unary call. It must be refused with `status` and change nothing: the probes continue as
+// the reference says and `fresh` is not created, also on the devices that had nothing to refuse.
+static void refused_mix(struct fixture *f, uint64_t fresh, uint64_t bad, bool bad_init,
+                        uint64_t bad_index, bool stream, int status, const char *what) {
+    enum { B = NPROBE + 2 };
+    uint64_t ids[B], index[B];
+    bool init[B] = {false};
+    float x[B * I_];
+    rng_fill(&f->g, x, B * I_);
+    for (int k = 0; k < NPROBE; k++) {
+        ids[k] = probe_ids[k];
+        index[k] = 1; // the probes have no step_index history: any index is their next
+    }
+    ids[NPROBE] = fresh;
+    init[NPROBE] = true;
+    index[NPROBE] = 1;
+    ids[NPROBE + 1] = bad;
+    init[NPROBE + 1] = bad_init;
+    index[NPROBE + 1] = bad_index;
+    struct rnnd_step_req req = {.n_env_ids = B,
+                                .env_ids = ids,
+                                .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
+                                .n_is_init = B,
+                                .is_init = init,
+                                .n_step_index = bad_index ? B : 0,
+                                .step_index = index};
+    fprintf(stderr, "%s (%s): env %llu on device %d refused, new env %llu on device %d\n", what,
+            stream ? "StepStream" : "Step", (unsigned long long)bad, device_of(f, bad),
+            (unsigned long long)fresh, device_of(f, fresh));
+    if (stream) {
+        struct rnnd_client_stream *s;
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_stream_init(f->c, &s));
+        EXPECT_STATUS(rnnd_client_stream_step(s, &req, &r), status);
+        rnnd_client_stream_free(s);
+    } else {
+        EXPECT_STATUS(step(f, &req), status);
+    }
+    check_unchanged_(f, what);
+    // Still unknown (check_unchanged counted the envs; this names the one).
+    float y[I_] = {0};
+    struct rnnd_step_req again = {
+        .n_env_ids = 1, .env_ids = &fresh, .obs = rnnd_tensor_f32(y, 2, 1, I_, 0, 0)};
+    EXPECT_STATUS(step(f, &again), GRPC_STATUS_FAILED_PRECONDITION);
+}
+
+// A Step that one device refuses runs on no device (DESIGN.md §3), as a unary call and on a
+// stream: an unknown env without is_init, and a step_index that skips ahead.
+static void test_refused_on_one_device(void **state) {
+    struct fixture *f = *state;
+    // The probes live on every device, so whichever device refuses, another one holds probes.
+    bool on[8] = {false};
+    for (int k = 0; k < NPROBE; k++)
+        on[device_of(f, probe_ids[k])] = true;
+    for (int d = 0; d < f->devices && d < 8; d++)
+        assert_true(on[d]);
+    int bad_dev = 0, other = 1 % f->devices;
+    uint64_t fresh = id_on(f, other, 5000);
+    uint64_t unknown = id_on(f, bad_dev, 6000);
+    for (int stream = 0; stream < 2; stream++)
+        refused_mix(f, fresh, unknown, false, 0, stream, GRPC_STATUS_FAILED_PRECONDITION,
+                    "unknown env");
+    // An env with a step_index history: last index 10.
+    uint64_t indexed = id_on(f, bad_dev, 7000);
+    EXPECT_OK(step_new(f, indexed, 10));
+    f->envs_active++;
+    for (int stream = 0; stream < 2; stream++)
+        refused_mix(f, fresh, indexed, false, 12, stream, GRPC_STATUS_FAILED_PRECONDITION,
+                    "step_index skips ahead");
+    // The refusals did not advance it: 11 is still its next step.
+    float x[I_] = {0};
+    uint64_t k = 11;
+    struct rnnd_step_req next = {.n_env_ids = 1,
+                                 .env_ids = &indexed,
+                                 .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                 .n_step_index = 1,
+                                 .step_index = &k};
+    EXPECT_OK(step(f, &next));
+    uint64_t released;
+    EXPECT_OK(rnnd_client_end_episodes(f->c, &indexed, 1, &released));
+    assert_int_equal(released, 1);
+    f->envs_active--;
+    check_unchanged(f);
+}
+
 static void test_env_table_full(void **state) {
     struct fixture *f = *state;
-    struct rnnd_model_info i;
-    EXPECT_OK(rnnd_client_info(f->c, &i));
-    int room = 32 - (int)i.envs_active;
-    assert_true(room > 2);
-    uint64_t ids[32];
-    bool init[32];
-    float x[32 * I_] = {0};
-    for (int k = 0; k < room; k++) {
-        ids[k] = 300 + (uint64_t)k;
-        init[k] = true;
+    // --max-envs counts per device: fill device 0's table with new envs that live there, one Step
+    // each until it refuses (how many it already holds depends on the tests before).
+    uint64_t ids[32], id = 300;
+    int added = 0;
+    for (;;) {
+        id = id_on(f, 0, id + 1);
+        int err = step_new(f, id, 0);
+        if (err) {
+            EXPECT_STATUS(err, GRPC_STATUS_RESOURCE_EXHAUSTED);
+            break;
+        }
+        assert_true(added < 32);
+        ids[added++] = id;
+        f->envs_active++;
     }
-    struct rnnd_step_req req = {.n_env_ids = (size_t)room,
-                                .env_ids = ids,
-                                .obs = rnnd_tensor_f32(x, 2, room, I_, 0, 0),
-                                .n_is_init = (size_t)room,
-                                .is_init = init};
-    EXPECT_OK(step(f, &req)); // fills the table exactly
-    f->envs_active += (uint64_t)room;
-    uint64_t more[2] = {400, 401};
-    req = (struct rnnd_step_req){.n_env_ids = 2,
-                                 .env_ids = more,
-                                 .obs = rnnd_tensor_f32(x, 2, 2, I_, 0, 0),
-                                 .n_is_init = 2,
-                                 .is_init = init};
-    EXPECT_STATUS(step(f, &req), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_true(added > 2);
     // Known envs still step while the table is full.
     check_unchanged(f);
+    // A new env for the full device next to new and known envs elsewhere: nothing happens on any
+    // device.
+    uint64_t fresh = id_on(f, 1 % f->devices, 400), more = id_on(f, 0, id + 1);
+    for (int stream = 0; stream < 2; stream++)
+        refused_mix(f, fresh, more, true, 0, stream, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                    "env table full");
     uint64_t released;
-    EXPECT_OK(rnnd_client_end_episodes(f->c, ids, (size_t)room, &released));
-    assert_int_equal(released, (uint64_t)room);
-    f->envs_active -= (uint64_t)room;
-    EXPECT_OK(step(f, &req)); // room again
+    EXPECT_OK(rnnd_client_end_episodes(f->c, ids, (size_t)added, &released));
+    assert_int_equal(released, (uint64_t)added);
+    f->envs_active -= (uint64_t)added;
+    EXPECT_OK(step_new(f, more, 0)); // room again
+    EXPECT_OK(step_new(f, fresh, 0));
     f->envs_active += 2;
     check_unchanged(f);
 }
@@ -480,6 +618,13 @@ static void test_forward_errors(void **state) {
     req.env_ids = unknown;
     req.steps = 1;
     EXPECT_STATUS(forward(f, &req, NULL), GRPC_STATUS_FAILED_PRECONDITION);
+    // With keep_tape, and the unknown env on another device than env 100 when there are several:
+    // the device that could run its part keeps no tape of it (check_unchanged counts tapes).
+    uint64_t elsewhere[2] = {100, id_on(f, (device_of(f, 100) + 1) % f->devices, 888888)};
+    req.env_ids = elsewhere;
+    req.keep_tape = true;
+    EXPECT_STATUS(forward(f, &req, NULL), GRPC_STATUS_FAILED_PRECONDITION);
+    req.keep_tape = false;
     uint64_t dup[2] = {100, 100};
     req.env_ids = dup;
     EXPECT_STATUS(forward(f, &req, NULL), GRPC_STATUS_INVALID_ARGUMENT);
@@ -697,6 +842,7 @@ int main(void) {
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_unknown_env),
         cmocka_unit_test(test_step_index_errors),
+        cmocka_unit_test(test_refused_on_one_device),
         cmocka_unit_test(test_extras_without_flag),
         cmocka_unit_test(test_oversize),
         cmocka_unit_test(test_env_table_full),

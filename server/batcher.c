@@ -280,6 +280,7 @@ int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item
 void rnnd_batcher_wake(struct rnnd_batcher *b) {
     pthread_mutex_lock(&b->lock);
     b->wake = true;
+    atomic_fetch_add_explicit(&b->pushes, 1, memory_order_release);
     if (b->waiting)
         pthread_cond_signal(&b->cond);
     pthread_mutex_unlock(&b->lock);
@@ -361,9 +362,16 @@ static void batch_form(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
             b->pending.tail = NULL;
         b->pending_rows -= it->B;
         it->next = NULL;
-        if (admit(ctx, it) == RNND_BATCH_ADMIT) {
+        enum rnnd_batch_admit a = admit(ctx, it);
+        if (a == RNND_BATCH_ADMIT) {
             out->items = it;
             out->rows = it->B;
+        } else if (a == RNND_BATCH_HOLD) {
+            it->next = b->pending.head;
+            b->pending.head = it;
+            if (b->pending.tail == NULL)
+                b->pending.tail = it;
+            b->pending_rows += it->B;
         } else {
             out->rejected = it;
         }
@@ -388,10 +396,16 @@ static void batch_form(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
             continue;
         }
         b->pending_rows -= it->B;
-        if (admit(ctx, it) == RNND_BATCH_ADMIT) {
+        enum rnnd_batch_admit a = admit(ctx, it);
+        if (a == RNND_BATCH_ADMIT) {
             item_take_envs(b, it);
             list_append(&items, it);
             out->rows += it->B;
+        } else if (a == RNND_BATCH_HOLD) {
+            // Keeps its place, and its envs: nothing behind it may step them meanwhile.
+            b->pending_rows += it->B;
+            item_take_envs(b, it);
+            list_append(&keep, it);
         } else {
             list_append(&rejected, it);
         }
@@ -420,7 +434,8 @@ static bool batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_adm
     for (struct rnnd_batch_item *it = fresh; it; it = it->next)
         srcmap_touch(&b->active, it->source, it->enqueued_ns, b->window_ns);
 
-    if (b->pending.head) {
+    // The controls run before anything is admitted (batcher.h); the caller polls again after.
+    if (b->pending.head && out->controls == NULL) {
         uint64_t due = b->pending.head->enqueued_ns + b->cfg.max_delay_ns;
         bool ready = closed || b->held_back || b->pending_rows >= b->cfg.max_batch ||
                      now_ns >= due || sources_all_waiting(b, now_ns);

@@ -12,7 +12,13 @@
  * A batch never holds two items that share an env id: the later one waits for a later batch,
  * and so does every item after it that shares an env with it, so each env's steps run in
  * arrival order. Items are taken whole and in arrival order; each one is offered to an admit
- * callback that may reject it (its rows then leave the queue without running).
+ * callback that may reject it (its rows then leave the queue without running) or hold it (it
+ * stays queued in its place, its envs blocked, and is offered again at the next batch: a part of
+ * a Step over several devices that waits for the other parts, engine.h).
+ *
+ * A poll that hands out control jobs forms no batch: the engine runs them first, and the next
+ * poll admits Step items against the state they left (an EndEpisodes never runs between the
+ * admission of a step of its env and the step).
  *
  * "Engine thread" below means whoever acts as the engine: the engine serialises that role.
  *
@@ -41,11 +47,12 @@ struct rnnd_batcher_config {
     uint64_t spin_ns;   // rnnd_batcher_wait polls this long before sleeping (0: never)
 };
 
-enum rnnd_batch_admit { RNND_BATCH_ADMIT, RNND_BATCH_REJECT };
+enum rnnd_batch_admit { RNND_BATCH_ADMIT, RNND_BATCH_REJECT, RNND_BATCH_HOLD };
 
 // Called on the engine thread for each item about to join a batch, in arrival order. It may
 // change engine state for an item it admits (e.g. give new envs their slots); an item it
-// rejects must leave everything as it was.
+// rejects must leave everything as it was; an item it holds is offered again later (and is
+// not in the batch meanwhile).
 typedef enum rnnd_batch_admit (*rnnd_batch_admit_fn)(void *ctx, struct rnnd_batch_item *item);
 
 // What a poll hands to the engine. Lists are linked through next, in arrival order.
@@ -70,16 +77,17 @@ int rnnd_batcher_push(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint
 // rnnd_batcher_push without waking a sleeping engine: for a pusher that will run the batch
 // itself (or call rnnd_batcher_wake).
 int rnnd_batcher_push_quiet(struct rnnd_batcher *b, struct rnnd_batch_item *item, uint64_t now_ns);
-// Wakes the engine (or makes its next sleep return at once). Any thread.
+// Wakes the engine (or makes its next sleep or spin return at once). Any thread.
 void rnnd_batcher_wake(struct rnnd_batcher *b);
 // Queues a control job (any thread); always accepted, even when closed.
 void rnnd_batcher_push_control(struct rnnd_batcher *b, struct rnnd_batch_item *item);
 // Refuses further Step items; queued ones are still handed out, without waiting for more.
 void rnnd_batcher_close(struct rnnd_batcher *b);
 
-// Engine thread, non-blocking: fills *out (zeroed first) with the control jobs queued and, if a
-// batch is due at now_ns, a batch. Returns true when *out holds anything. When no batch is due,
-// *wait_ns says how long until one may be (UINT64_MAX: not before the next push).
+// Engine thread, non-blocking: fills *out (zeroed first) with the control jobs queued or, when
+// there are none and a batch is due at now_ns, a batch. Returns true when *out holds anything.
+// When no batch is due, *wait_ns says how long until one may be (UINT64_MAX: not before the next
+// push or wake).
 bool rnnd_batcher_poll(struct rnnd_batcher *b, uint64_t now_ns, rnnd_batch_admit_fn admit,
                        void *ctx, struct rnnd_batch *out, uint64_t *wait_ns);
 // Like rnnd_batcher_poll, but leaves control jobs queued (for a thread that runs Step batches

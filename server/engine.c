@@ -107,7 +107,7 @@ struct rnnd_engine {
     // Backend memory.
     struct weights *cur, *spare;
     float *grad_accum;   // (P + 1): the last float is 1 while gradients are pending (replicas)
-    float *grad_scratch; // (P)
+    float *grad_scratch; // (P + 1): the last float is the flag replicas agree with (agree)
     bool grad_pending;
     float *adam_m, *adam_v; // (P), Adam only
     int64_t optim_t;
@@ -122,6 +122,8 @@ struct rnnd_engine {
     struct row_ref *rows; // (max_batch)
 
     struct rnnd_envtable *envs;
+    int envs_reserved;          // slots promised to the new envs of held Step parts
+    struct rnnd_job *ends_held; // EndEpisodes waiting for held envs (run_end), in arrival order
     struct rnnd_traj_dims tdims;
     _Atomic bool traj_warned;
     struct rnnd_tapes *tapes;
@@ -342,7 +344,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
 
     what = "gradient buffers";
     if (be_alloc(e, (P + 1) * sizeof(float), (void **)&e->grad_accum) != 0 ||
-        be_alloc(e, P * sizeof(float), (void **)&e->grad_scratch) != 0)
+        be_alloc(e, (P + 1) * sizeof(float), (void **)&e->grad_scratch) != 0)
         goto oom;
     e->be.ops->zero(e->be.ctx, e->grad_accum, (P + 1) * sizeof(float));
     if (c->optimizer == RNND_OPTIM_ADAM) {
@@ -431,13 +433,65 @@ static void engine_close(struct rnnd_engine *e) {
 // ---------------------------------------------------------------------------------------------
 // Step batches
 
+void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted) {
+    if (!admitted)
+        atomic_store(&v->refused, true);
+    if (atomic_fetch_sub(&v->left, 1) == 1)
+        v->decided(v);
+}
+
+// A refused Step: its vote, when it is a part.
+static enum rnnd_batch_admit step_refuse(struct rnnd_step_job *s) {
+    if (s->vote)
+        rnnd_step_vote_cast(s->vote, false);
+    return RNND_BATCH_REJECT;
+}
+
+// Gives the new envs of an admitted Step (envs[r] NULL) their slots.
+static void step_add_envs(struct rnnd_engine *e, struct rnnd_step_job *s) {
+    uint64_t now = rnnd_now_ns();
+    for (int r = 0; r < s->B; r++) {
+        if (s->envs[r] == NULL) {
+            int rc = rnnd_envtable_add(e->envs, s->env_ids[r], now, &s->envs[r]);
+            RNND_ASSERT(rc == 0);
+        }
+    }
+}
+
+// A held part, offered again: waits while the vote is open, then runs or gives back what it
+// reserved (struct rnnd_step_vote). Nothing it checked can have changed meanwhile: its envs are
+// held and its new envs' slots reserved.
+static enum rnnd_batch_admit step_part_decide(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_step_job *s = &job->step;
+    if (atomic_load(&s->vote->left) > 0)
+        return RNND_BATCH_HOLD;
+    s->held = false;
+    int fresh = 0;
+    for (int r = 0; r < s->B; r++) {
+        if (s->envs[r])
+            s->envs[r]->held = false;
+        else
+            fresh++;
+    }
+    e->envs_reserved -= fresh;
+    if (atomic_load(&s->vote->refused)) {
+        job->err = 0; // another part was refused: that one says why
+        return RNND_BATCH_REJECT;
+    }
+    if (fresh)
+        step_add_envs(e, s);
+    return RNND_BATCH_ADMIT;
+}
+
 static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item) {
     struct rnnd_engine *e = ctx;
     struct rnnd_job *job = (struct rnnd_job *)item;
     struct rnnd_step_job *s = &job->step;
+    if (s->held)
+        return step_part_decide(e, job);
     if (job->cancelled && atomic_load(job->cancelled)) {
         fail(job, RNND_ECANCELED, "the client cancelled the call before its step ran");
-        return RNND_BATCH_REJECT;
+        return step_refuse(s);
     }
     int fresh = 0;
     for (int r = 0; r < s->B; r++) {
@@ -451,7 +505,7 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
                      "EndEpisodes, or was evicted after --env-idle-timeout-s %d s idle; send "
                      "is_init=true for its first step",
                      s->env_ids[r], r, e->cfg.env_idle_timeout_s);
-                return RNND_BATCH_REJECT;
+                return step_refuse(s);
             }
             fresh++;
             continue;
@@ -467,28 +521,32 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
                      " for the next step or %" PRIu64
                      " to repeat the last one (or is_init with EndEpisodes first to restart)",
                      s->env_ids[r], r, si, env->last_index, env->last_index + 1, env->last_index);
-                return RNND_BATCH_REJECT;
+                return step_refuse(s);
             }
         }
     }
-    int free_slots = rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs);
+    int free_slots =
+        rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs) - e->envs_reserved;
     if (fresh > free_slots) {
         rnnd_metrics_limit_hit(RNND_LIMIT_ENVS);
         fail(job, RNND_EFULL,
              "env table full: %d new envs but %d of --max-envs %d slots free; send "
              "EndEpisodes for finished envs or raise --max-envs",
              fresh, free_slots, rnnd_envtable_capacity(e->envs));
-        return RNND_BATCH_REJECT;
+        return step_refuse(s);
     }
-    if (fresh) {
-        uint64_t now = rnnd_now_ns();
-        for (int r = 0; r < s->B; r++) {
-            if (s->envs[r] == NULL) {
-                int rc = rnnd_envtable_add(e->envs, s->env_ids[r], now, &s->envs[r]);
-                RNND_ASSERT(rc == 0);
-            }
-        }
+    if (s->vote) {
+        // A part: hold what it checked until every part has voted.
+        s->held = true;
+        for (int r = 0; r < s->B; r++)
+            if (s->envs[r])
+                s->envs[r]->held = true;
+        e->envs_reserved += fresh;
+        rnnd_step_vote_cast(s->vote, true);
+        return step_part_decide(e, job);
     }
+    if (fresh)
+        step_add_envs(e, s);
     return RNND_BATCH_ADMIT;
 }
 
@@ -825,9 +883,54 @@ static void reply_threads_stop(struct rnnd_engine *e) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Agreement
+
+// Engines that run one collective job (the replicas, or this daemon's engines) agree before any
+// of them changes state that every one of them can go on, so that the job is done everywhere or
+// nowhere (engine.h).
+struct agreement {
+    struct rnnd_comm *comm; // NULL: this engine alone
+    bool done;              // agree ran
+    bool all;               // every engine can go on
+    int rc;                 // the communicator's error (then all is false)
+};
+
+// Adds this engine's word (ok) to a sum over the communicator, in the float after the scratch
+// gradients, and returns whether every engine said ok. Each engine calls it once per job.
+static bool agree(struct rnnd_engine *e, struct agreement *ag, bool ok) {
+    ag->done = true;
+    ag->all = ok;
+    if (ag->comm == NULL)
+        return ok;
+    float *d_flag = e->grad_scratch + e->P, flag = ok ? 0.0f : 1.0f;
+    int rc = be_in(e, d_flag, &flag, sizeof(flag));
+    if (rc == 0)
+        rc = rnnd_comm_all_reduce(ag->comm, d_flag, 1);
+    if (rc == 0)
+        rc = be_out(e, &flag, d_flag, sizeof(flag));
+    ag->rc = rc;
+    ag->all = rc == 0 && flag == 0.0f;
+    return ag->all;
+}
+
+// ---------------------------------------------------------------------------------------------
 // EndEpisodes
 
-static void run_end(struct rnnd_engine *e, struct rnnd_job *job) {
+// False when an env of the job is held by a Step part that waits for its other devices: that
+// Step was admitted first, so the EndEpisodes waits in e->ends_held and runs after it
+// (engine_process).
+static bool run_end(struct rnnd_engine *e, struct rnnd_job *job) {
+    for (int r = 0; r < job->end.B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, job->end.env_ids[r]);
+        if (env && env->held) {
+            struct rnnd_job **tail = &e->ends_held;
+            while (*tail)
+                tail = (struct rnnd_job **)&(*tail)->item.next;
+            job->item.next = NULL;
+            *tail = job;
+            return false;
+        }
+    }
     uint64_t released = 0;
     for (int r = 0; r < job->end.B; r++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, job->end.env_ids[r]);
@@ -838,6 +941,18 @@ static void run_end(struct rnnd_engine *e, struct rnnd_job *job) {
     }
     job->end.released = released;
     env_gauges(e);
+    return true;
+}
+
+// The EndEpisodes that waited for held envs, once those Steps ran or gave up.
+static void run_ends_held(struct rnnd_engine *e) {
+    struct rnnd_job *list = e->ends_held, *next;
+    e->ends_held = NULL;
+    for (struct rnnd_job *job = list; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        if (run_end(e, job))
+            job->done(job);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1145,12 +1260,15 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
 // ---------------------------------------------------------------------------------------------
 // Backward
 
-// part: a part's own rows (run_backward_part), whose weight gradients stay in grad_scratch
-// (without accumulate) for the all-reduce.
-static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, bool part) {
+// ag: a part's own rows (run_backward_part), which run only once every engine agrees, and whose
+// weight gradients stay in grad_scratch (without accumulate) for the all-reduce; NULL alone.
+// The tape is looked up as of now.
+static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agreement *ag,
+                         uint64_t now) {
     struct rnnd_backward_job *g = &job->bwd;
+    bool part = ag != NULL;
     void *p;
-    if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) != 0) {
+    if (rnnd_tapes_get(e->tapes, g->tape_id, now, &p) != 0) {
         tape_gauges(e);
         fail(job, RNND_ENOTFOUND,
              "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
@@ -1208,6 +1326,12 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, bool part)
         (d_gc0 && !g->grad_c0) || (d_ghid && !g->grad_hidden) || (d_gcell && !g->grad_cell)) {
         be_free(e, block);
         fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
+        return;
+    }
+    // Everything this part needs is here; from now on it changes state (the tape, and the
+    // accumulated gradients), so only if every other part can run too.
+    if (part && !agree(e, ag, true)) {
+        be_free(e, block);
         return;
     }
     float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
@@ -1270,20 +1394,24 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, bool part)
 }
 
 // This engine's share of a Backward over a Forward that several engines ran (struct
-// rnnd_backward_job): its rows, then, without accumulate, the all-reduce of the weight gradients
-// over the daemon's engines, which every engine joins whatever happened to its own rows.
+// rnnd_backward_job): every engine of the daemon checks its part (its tape part is there, the
+// shapes match, the memory is there), all agree, and only then run their rows and, without
+// accumulate, all-reduce the weight gradients. A part refused here is the Backward's error;
+// the others finish with err 0 and their tape parts kept.
 static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_backward_job *g = &job->bwd;
     size_t P = e->P, Tz = (size_t)g->T, I = (size_t)e->model.I, H = (size_t)e->model.H;
     size_t LH = e->LH;
+    struct agreement ag = {.comm = e->local};
+    uint64_t now = rnnd_now_ns(); // one instant for every look at the tape: it cannot expire midway
     int rc = 0;
     if (!g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, e->grad_scratch, P * sizeof(float));
     void *p = NULL;
     struct tape_obj *t = NULL;
     if (!g->has_part) {
-        // No rows here: only the all-reduce below.
-    } else if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) != 0) {
+        // No rows here: only the agreement and the all-reduce below.
+    } else if (rnnd_tapes_get(e->tapes, g->tape_id, now, &p) != 0) {
         tape_gauges(e);
         fail(job, RNND_ENOTFOUND,
              "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
@@ -1312,7 +1440,7 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                 rows_gather(ghn, g->grad_h_n, rows, n, LH * sizeof(float));
             if (gcn)
                 rows_gather(gcn, g->grad_c_n, rows, n, LH * sizeof(float));
-            // The tape is dropped by the inner Backward: keep its rows.
+            // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
             struct rnnd_job sub = {.kind = RNND_JOB_BACKWARD};
@@ -1325,17 +1453,14 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                                                  .grad_h_n_B = n,
                                                  .grad_c_n_B = n,
                                                  .accumulate = g->accumulate};
-            run_backward(e, &sub, true);
+            run_backward(e, &sub, &ag, now);
             struct rnnd_backward_job *sb = &sub.bwd;
+            // Still there unless the rows ran (refused, a part elsewhere refused, or failed).
+            bool kept = rnnd_tapes_get(e->tapes, g->tape_id, now, &p) == 0;
             if (sub.err) {
-                // The tape is still there unless it expired meanwhile.
-                if (rnnd_tapes_get(e->tapes, g->tape_id, rnnd_now_ns(), &p) == 0)
-                    ((struct tape_obj *)p)->rows = mine;
-                else
-                    free(mine);
                 job->err = sub.err;
                 memcpy(job->msg, sub.msg, sizeof(job->msg));
-            } else {
+            } else if (!kept) {
                 job->model_version = sub.model_version;
                 rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * sizeof(float));
                 if (g->grad_h0 && sb->grad_h0)
@@ -1346,8 +1471,11 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                     rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * sizeof(float));
                 if (g->grad_cell && sb->grad_cell)
                     rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * sizeof(float));
-                free(mine);
             }
+            if (kept)
+                ((struct tape_obj *)p)->rows = mine;
+            else
+                free(mine);
             free(sb->grad_x);
             free(sb->grad_h0);
             free(sb->grad_c0);
@@ -1358,9 +1486,17 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
         free(ghn);
         free(gcn);
     }
-    if (g->accumulate)
+    // An engine without rows, or refused before the agreement, still has its say: the others
+    // wait for it.
+    if (!ag.done)
+        agree(e, &ag, job->err == 0);
+    if (ag.rc != 0 && job->err == 0)
+        fail(job, ag.rc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
+             "this daemon's devices could not agree to run the Backward: %s", rnnd_strerror(ag.rc));
+    if (g->accumulate || !ag.all)
         return;
-    // Every engine joins, also one whose rows failed (it adds zeros), or a peer would wait.
+    // Every engine joins, also one whose rows failed after the agreement (the Backward then
+    // fails with its error), or a peer would wait.
     int crc = rc == 0 ? rnnd_comm_all_reduce(e->local, e->grad_scratch, P) : rc;
     if (crc == 0 && e->index == 0)
         crc = be_out(e, g->grads, e->grad_scratch, P * sizeof(float));
@@ -1371,6 +1507,31 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
 
 // ---------------------------------------------------------------------------------------------
 // Weights and the optimizer
+
+// An update (ApplyGradients, SetWeights) that some replica could not take (rc here, or another
+// replica's: agree): no replica changed anything.
+static void update_refused(struct rnnd_engine *e, struct rnnd_job *job, int rc,
+                           const struct agreement *ag) {
+    if (ag->rc != 0) {
+        if (ag->rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "agreeing on an update failed: %s",
+                       rnnd_strerror(ag->rc));
+        fail(job, ag->rc,
+             "the replicas could not agree on the update: %s; updates need every device and "
+             "every rnnd of the group (--comm-timeout-s %d)",
+             rnnd_strerror(ag->rc), e->cfg.comm_timeout_s);
+    } else if (rc != 0) {
+        rnnd_log(RNND_LOG_WARN, "device %d cannot take an update: %s", e->index, rnnd_strerror(rc));
+        fail(job, rc,
+             "device %d cannot take the update: %s (kept tapes hold older weights: call Backward "
+             "on them or let them expire); nothing changed, retry",
+             e->index, rnnd_strerror(rc));
+    } else {
+        fail(job, RNND_ENOMEM,
+             "another replica (device or rnnd instance of the group) cannot take the update "
+             "(its log says why); nothing changed, retry");
+    }
+}
 
 static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_apply_job *a = &job->apply;
@@ -1395,16 +1556,24 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
         fail(job, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0", (double)o.lr);
         return;
     }
-    // From here on a replica takes part in the collective even when its own steps fail.
+    // What this replica needs (a buffer for the new weights, the sent gradients where they
+    // arrive), then the agreement: the update runs on every replica or on none.
     struct weights *w = weights_new(e);
     size_t bytes = e->P * sizeof(float);
     float *g = sent ? e->grad_scratch : e->grad_accum;
     int rc = w ? 0 : RNND_ENOMEM;
     bool root_here = a->root < 0 || !e->replicas || rnnd_comm_rank(e->replicas) == a->root;
+    if (rc == 0 && sent && a->grads && root_here)
+        rc = be_in(e, g, a->grads, bytes);
+    struct agreement ag = {.comm = e->replicas};
+    if (!agree(e, &ag, rc == 0)) {
+        weights_unref(e, w);
+        update_refused(e, job, rc, &ag);
+        return;
+    }
+    // From here on a replica takes part in the collective even when its own steps fail.
     int crc = 0;
-    if (sent && a->grads && root_here)
-        crc = be_in(e, g, a->grads, bytes);
-    if (e->replicas && crc == 0) {
+    if (e->replicas) {
         if (!sent)
             crc = rnnd_comm_all_reduce(e->replicas, e->grad_accum, e->P + 1);
         else if (a->root >= 0)
@@ -1435,8 +1604,7 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     }
     float norm = 0.0f;
     uint64_t t0 = rnnd_now_ns();
-    if (rc == 0)
-        rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
+    rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
     if (rc == 0)
         rc = e->be.ops->optim_step(e->be.ctx, w->params, g, e->adam_m, e->adam_v, e->P, &o,
                                    e->optim_t + 1, &norm);
@@ -1483,13 +1651,15 @@ static void run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
     bool root_here = root < 0 || !e->replicas || rnnd_comm_rank(e->replicas) == root;
     if (rc == 0 && root_here)
         rc = be_in(e, w->params, job->weights.params, e->P * sizeof(float));
-    if (e->replicas && root >= 0) {
-        // Joined whatever happened here; without a buffer of its own a replica receives into
-        // the scratch gradients (it then keeps its old weights and says so).
-        int crc = rnnd_comm_broadcast(e->replicas, w ? w->params : e->grad_scratch, e->P, root);
-        if (rc == 0)
-            rc = crc;
+    // The new weights run on every replica or on none.
+    struct agreement ag = {.comm = e->replicas};
+    if (!agree(e, &ag, rc == 0)) {
+        weights_unref(e, w);
+        update_refused(e, job, rc, &ag);
+        return;
     }
+    if (e->replicas && root >= 0)
+        rc = rnnd_comm_broadcast(e->replicas, w->params, e->P, root);
     if (rc == 0)
         rc = e->be.ops->sync(e->be.ctx);
     if (rc != 0) {
@@ -2041,9 +2211,11 @@ static void run_housekeeping(struct rnnd_engine *e) {
     if (e->cfg.env_idle_timeout_s > 0) {
         uint64_t ttl = (uint64_t)e->cfg.env_idle_timeout_s * 1000000000ull;
         int n = 0;
-        struct rnnd_env *env;
-        while ((env = rnnd_envtable_oldest(e->envs)) && now - env->last_used_ns >= ttl &&
-               now >= env->last_used_ns) {
+        struct rnnd_env *env = rnnd_envtable_oldest(e->envs), *next;
+        for (; env && now - env->last_used_ns >= ttl && now >= env->last_used_ns; env = next) {
+            next = rnnd_envtable_newer(e->envs, env);
+            if (env->held) // a Step admitted for it is about to run (admit_step)
+                continue;
             env_drop(e, env, RNND_EVICT_IDLE);
             n++;
         }
@@ -2069,7 +2241,8 @@ static void run_control(struct rnnd_engine *e, struct rnnd_job *job) {
     job->model_version = e->cur->version;
     switch (job->kind) {
         case RNND_JOB_END_EPISODES:
-            run_end(e, job);
+            if (!run_end(e, job))
+                return;
             break;
         case RNND_JOB_FORWARD:
             if (job->fwd.part)
@@ -2081,13 +2254,17 @@ static void run_control(struct rnnd_engine *e, struct rnnd_job *job) {
             if (job->bwd.part)
                 run_backward_part(e, job);
             else
-                run_backward(e, job, false);
+                run_backward(e, job, NULL, rnnd_now_ns());
             break;
         case RNND_JOB_COMM:
             run_comm(e, job);
             break;
         case RNND_JOB_SYNC:
             run_sync(e, job);
+            break;
+        case RNND_JOB_DROP_TAPE:
+            rnnd_tapes_remove(e->tapes, job->fwd.tape_id);
+            tape_gauges(e);
             break;
         case RNND_JOB_APPLY:
             run_apply(e, job);
@@ -2139,6 +2316,8 @@ static void engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
     }
     if (b->items)
         run_step_batch(e, (struct rnnd_job *)b->items);
+    if (e->ends_held)
+        run_ends_held(e);
     publish(&rnnd_metrics.queue_rows, &e->pub_queue, rnnd_batcher_rows(e->batcher));
 }
 
@@ -2277,29 +2456,51 @@ int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *c
     return 0;
 }
 
-int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
+static struct rnnd_batch_item *step_item(struct rnnd_job *job) {
     job->kind = RNND_JOB_STEP;
     job->item.B = job->step.B;
     job->item.env_ids = job->step.env_ids;
-    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire))
-        return rnnd_batcher_push(e->batcher, &job->item, rnnd_now_ns());
-    // CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs
-    // the batch itself, saving the hand-off to the engine thread and back.
-    int rc = rnnd_batcher_push_quiet(e->batcher, &job->item, rnnd_now_ns());
-    if (rc != 0)
-        return rc;
+    return &job->item;
+}
+
+// CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs the
+// batch itself, saving the hand-off to the engine thread and back.
+static void step_run_inline(struct rnnd_engine *e) {
     if (pthread_mutex_trylock(&e->emu) == 0) {
         struct rnnd_batch b;
         uint64_t wait;
         if (rnnd_batcher_poll_steps(e->batcher, rnnd_now_ns(), admit_step, e, &b, &wait))
-            engine_process(e, &b); // job may be finished and freed here
+            engine_process(e, &b); // the job may be finished and freed here
         bool empty = rnnd_batcher_empty(e->batcher);
         pthread_mutex_unlock(&e->emu);
         if (empty)
-            return 0;
+            return;
     }
     rnnd_batcher_wake(e->batcher); // busy, or something left to do (controls, a timer)
-    return 0;
+}
+
+int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
+    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+        return rnnd_batcher_push(e->batcher, step_item(job), rnnd_now_ns());
+    int rc = rnnd_batcher_push_quiet(e->batcher, step_item(job), rnnd_now_ns());
+    if (rc == 0)
+        step_run_inline(e);
+    return rc;
+}
+
+int rnnd_engine_queue_step(struct rnnd_engine *e, struct rnnd_job *job) {
+    return rnnd_batcher_push_quiet(e->batcher, step_item(job), rnnd_now_ns());
+}
+
+void rnnd_engine_kick(struct rnnd_engine *e) {
+    if (atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+        step_run_inline(e);
+    else
+        rnnd_batcher_wake(e->batcher);
+}
+
+void rnnd_engine_wake(struct rnnd_engine *e) {
+    rnnd_batcher_wake(e->batcher);
 }
 
 void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job) {

@@ -14,7 +14,11 @@
  * splits work between them and keeps their weights identical: it submits the collective jobs
  * (RNND_JOB_COMM, _SYNC, and ApplyGradients / SetWeights / Backward parts once engines share a
  * communicator) to every engine in one order, and each engine takes part in every collective it
- * is given even when its own part failed, so that no peer is left waiting.
+ * is given even when its own part failed, so that no peer is left waiting. A job split over
+ * several engines is done by all of them or by none (a refused request changes no state): the
+ * parts of a Step vote (struct rnnd_step_vote), the collective jobs first agree over their
+ * communicator that every engine can go on before any of them changes anything, and a Forward
+ * part's kept tape is dropped again (RNND_JOB_DROP_TAPE) when another part failed.
  */
 #ifndef RNND_ENGINE_H
 #define RNND_ENGINE_H
@@ -39,11 +43,29 @@ enum rnnd_job_kind {
     RNND_JOB_SET_WEIGHTS,
     RNND_JOB_CHECKPOINT,
     RNND_JOB_HOUSEKEEPING,
-    RNND_JOB_COMM, // join a communicator (group.c)
-    RNND_JOB_SYNC, // take the weights, optimizer state and version of replica 0 (group.c)
+    RNND_JOB_COMM,      // join a communicator (group.c)
+    RNND_JOB_SYNC,      // take the weights, optimizer state and version of replica 0 (group.c)
+    RNND_JOB_DROP_TAPE, // forget fwd.tape_id, kept by a Forward part whose Forward failed
 };
 
 struct rnnd_env;
+
+// The parts of one Step over several devices (group.c) run on every device or on none. Each
+// engine admits its part as it would a Step of its own (checks its envs, reserves slots for the
+// new ones) and votes; a part admitted before the vote is complete stays queued, its envs held
+// (no other step, EndEpisodes or eviction touches them), until it is. Then every part runs, or,
+// if one was refused, the others give their reservations back and finish with err 0 (the refused
+// part's err and msg are the Step's).
+struct rnnd_step_vote {
+    _Atomic int left;     // parts that have not voted
+    _Atomic bool refused; // some part was refused
+    // Called once by whoever casts the last vote (an engine, or group.c for a part its engine
+    // would not queue), on that thread, before the voter's own part finishes; wakes the engines.
+    void (*decided)(struct rnnd_step_vote *v);
+};
+
+// Casts one part's vote (any thread).
+void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted);
 
 // A Step: B rows, one per env. Inputs are borrowed (host memory).
 struct rnnd_step_job {
@@ -61,6 +83,9 @@ struct rnnd_step_job {
     // Engine scratch, allocated by the submitter:
     struct rnnd_env **envs; // (B)
     uint8_t *repeat;        // (B) 1: the row resends its env's last step_index
+    // A part of a Step over several devices, or NULL:
+    struct rnnd_step_vote *vote;
+    bool held; // engine: admitted and waiting for the vote (envs[r] NULL: a reserved new env)
 };
 
 struct rnnd_end_job {
@@ -103,9 +128,10 @@ struct rnnd_forward_job {
 
 // A part (group.c): every engine of the daemon gets the job, with all B rows of grad_out (and
 // grad_h_n, grad_c_n); an engine that holds part of the tape (has_part) runs its rows and writes
-// them into the outputs, which the submitter allocated for all B rows. Without accumulate the
-// weight gradients are summed over the engines (all-reduce) and engine 0 writes grads (P),
-// also allocated by the submitter.
+// them into the outputs, which the submitter allocated for all B rows, once every engine has
+// agreed that it can (its tape part found and the memory there). Without accumulate the weight
+// gradients are summed over the engines (all-reduce) and engine 0 writes grads (P), also
+// allocated by the submitter.
 struct rnnd_backward_job {
     uint64_t tape_id;
     int B, T;                   // dims of grad_output as sent (checked against the tape)
@@ -192,6 +218,15 @@ int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *c
 // Queues a Step job (any thread). 0, or RNND_EFULL (queue full), RNND_EUNAVAIL (stopping),
 // RNND_EINVAL (B out of range): then the caller keeps the job and done is not called.
 int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job);
+// rnnd_engine_submit_step in two halves, for group.c, which queues the parts of a Step on its
+// engines in one order (under its lock) before any may run: queue_step queues the job (returns
+// as submit_step) and kick lets the engine take it (with the CPU backend this thread may run the
+// batch itself, as submit_step does).
+int rnnd_engine_queue_step(struct rnnd_engine *e, struct rnnd_job *job);
+void rnnd_engine_kick(struct rnnd_engine *e);
+// Wakes the engine thread so that it looks at its queue again: a held Step part may now run or
+// give up (struct rnnd_step_vote). Any thread.
+void rnnd_engine_wake(struct rnnd_engine *e);
 // Queues any other job (any thread); done is always called.
 void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job);
 // Queues one housekeeping pass (idle eviction, tape expiry, periodic checkpoint) unless one is

@@ -25,7 +25,7 @@ struct rnnd_env {
     uint64_t last_used_ns;
     uint64_t out_version;   // model version that computed the cached output
     struct rnnd_traj *traj; // recorded steps, or NULL; owned by the engine
-    uint32_t mark;          // scratch for the engine (batch formation)
+    bool held;              // engine: a Step part admitted for it waits for its other devices
     // Private to envtable.c:
     int32_t next, lru_prev, lru_next;
 };

@@ -4,8 +4,10 @@
  * A job for several engines is a fan: one allocation holding the parts (one engine job each,
  * with their own arrays where the rows differ) and what is needed to merge them. Each part's
  * done runs on its engine's thread; the last one merges into the caller's job and calls its
- * done. Parts of one fan that meet in a collective must reach every engine in the same order
- * as every other collective: all multi-engine submissions happen under g->lock.
+ * done (after undoing, for a Forward, what the parts that succeeded kept). Parts of one fan that
+ * meet in a collective must reach every engine in the same order as every other collective, and
+ * the parts of Steps, which hold their envs while they wait for each other, must too: all
+ * multi-engine submissions happen under g->lock.
  *
  * Start-up with several devices or instances runs on a thread of its own (the starter), since
  * forming communicators blocks: wait until every engine is ready, check that NCCL (or the cpu
@@ -16,6 +18,7 @@
 
 #include <inttypes.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,7 +70,8 @@ struct rnnd_group {
     struct rnnd_cluster *cluster;
     struct pending *pending; // our calls proposed to rank 0, waiting for their commit
     uint64_t next_token;
-    bool broken; // the group of instances is gone: no more updates
+    bool stopping; // rnnd_group_stop: multi-engine jobs go to no engine rather than to some
+    bool broken;   // the group of instances is gone: no more updates
     char broken_why[512];
     char device_name[256];
 };
@@ -88,15 +92,23 @@ static int fail(struct rnnd_job *job, int err, const char *fmt, ...) {
 
 struct fan;
 typedef void (*fan_finish_fn)(struct fan *f);
+typedef bool (*fan_undo_fn)(struct fan *f);
 
 struct fan {
     struct rnnd_group *g;
     struct rnnd_job *parent;
     fan_finish_fn finish; // merges the parts into parent (parent->err is set from them first)
+    // When a part failed: takes back what the other parts did, by submitting the parts again as
+    // other jobs, and returns true (the parts finish once more, then finish and the parent's done
+    // run); false when there is nothing to take back.
+    fan_undo_fn undo;
+    bool undone;
     _Atomic int left;
     int n;                           // parts
-    int32_t *rows[RNND_MAX_DEVICES]; // Step, EndEpisodes: each part's rows in the parent
+    int engine[RNND_MAX_DEVICES];    // each part's engine
+    int32_t *rows[RNND_MAX_DEVICES]; // Step: each part's rows in the parent
     float *copy[RNND_MAX_DEVICES];   // GetWeights: each device's weights (part 0: the parent's)
+    struct rnnd_step_vote vote;      // Step
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
 
@@ -117,14 +129,19 @@ static void part_done(struct rnnd_job *part) {
     if (atomic_fetch_sub(&f->left, 1) != 1)
         return;
     struct rnnd_job *p = f->parent;
-    p->err = 0;
-    p->msg[0] = '\0';
-    p->model_version = f->parts[0].model_version;
-    for (int i = 0; i < f->n; i++) {
-        if (f->parts[i].err && p->err == 0) {
-            p->err = f->parts[i].err;
-            memcpy(p->msg, f->parts[i].msg, sizeof(p->msg));
+    if (!f->undone) {
+        p->err = 0;
+        p->msg[0] = '\0';
+        p->model_version = f->parts[0].model_version;
+        for (int i = 0; i < f->n; i++) {
+            if (f->parts[i].err && p->err == 0) {
+                p->err = f->parts[i].err;
+                memcpy(p->msg, f->parts[i].msg, sizeof(p->msg));
+            }
         }
+        f->undone = true;
+        if (p->err && f->undo && f->undo(f))
+            return;
     }
     if (f->finish)
         f->finish(f);
@@ -146,14 +163,21 @@ static struct rnnd_job *part_init(struct fan *f, int i, const struct rnnd_job *p
 }
 
 // Queues every part on its engine, under the group lock so that collectives keep one order.
-static void fan_submit(struct fan *f, const int *engine) {
+static void fan_submit(struct fan *f) {
     struct rnnd_group *g = f->g;
     int n = f->n; // f is freed by the last part to finish, maybe before the loop ends
     atomic_store(&f->left, n);
     pthread_mutex_lock(&g->lock);
-    for (int i = 0; i < n; i++)
-        rnnd_engine_submit(g->e[engine[i]], &f->parts[i]);
+    bool stopping = g->stopping;
+    for (int i = 0; !stopping && i < n; i++)
+        rnnd_engine_submit(g->e[f->engine[i]], &f->parts[i]);
     pthread_mutex_unlock(&g->lock);
+    if (stopping) {
+        // The engines stop taking jobs one after the other: the job goes to none of them.
+        fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
+        f->parent->done(f->parent);
+        free(f);
+    }
 }
 
 static struct fan *fan_new(struct rnnd_group *g, struct rnnd_job *parent, size_t extra,
@@ -178,12 +202,11 @@ static void fan_all(struct rnnd_group *g, struct rnnd_job *job, fan_finish_fn fi
     }
     f->finish = finish;
     f->n = g->n;
-    int engine[RNND_MAX_DEVICES];
     for (int i = 0; i < g->n; i++) {
         part_init(f, i, job);
-        engine[i] = i;
+        f->engine[i] = i;
     }
-    fan_submit(f, engine);
+    fan_submit(f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -214,8 +237,16 @@ static void step_merge(struct fan *f) {
     f->parent->model_version = version;
 }
 
+// Whoever cast the last vote: the engines holding parts run them, or give them up.
+static void step_decided(struct rnnd_step_vote *v) {
+    struct fan *f = (struct fan *)((char *)v - offsetof(struct fan, vote));
+    for (int i = 0; i < f->n; i++)
+        rnnd_engine_wake(f->g->e[f->engine[i]]);
+}
+
 // A part its engine would not queue: finished here, as the engine would have refused it.
 static void step_refused(struct rnnd_group *g, int k, struct rnnd_job *part, int rc) {
+    rnnd_step_vote_cast(part->step.vote, false);
     if (rc == RNND_EFULL) {
         rnnd_metrics_limit_hit(RNND_LIMIT_QUEUE_ROWS);
         fail(part, rc,
@@ -248,7 +279,7 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
     struct bump b = {0};
     struct fan *f = NULL;
     int engine[RNND_MAX_DEVICES];
-    struct rnnd_step_job parts[RNND_MAX_DEVICES];
+    struct rnnd_step_job parts[RNND_MAX_DEVICES] = {0};
     for (int pass = 0; pass < 2; pass++) {
         int i = 0;
         for (int k = 0; k < g->n; k++) {
@@ -280,6 +311,7 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
                 return RNND_ENOMEM;
             f->n = i;
             f->finish = step_merge;
+            memcpy(f->engine, engine, sizeof(engine));
         }
     }
     // Gather each part's rows.
@@ -303,14 +335,26 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
     for (int i = 0; i < f->n; i++) {
         struct rnnd_job *q = part_init(f, i, job);
         q->step = parts[i];
+        q->step.vote = &f->vote;
     }
-    // Steps go through each engine's batcher (no collective: no lock needed).
+    f->vote.decided = step_decided;
+    atomic_store(&f->vote.left, f->n);
     atomic_store(&f->left, f->n);
-    int n = f->n; // f may be freed by the last part
+    // Every engine admits its part, then holds it with its envs until all parts are admitted
+    // (engine.h). Two Steps that share envs on two engines must therefore be queued in the same
+    // order on both, or each could hold what the other waits for: parts are queued under the lock.
+    int n = f->n, rc[RNND_MAX_DEVICES]; // f may be freed by the last part
+    pthread_mutex_lock(&g->lock);
+    for (int i = 0; i < n; i++)
+        rc[i] = rnnd_engine_queue_step(g->e[engine[i]], &f->parts[i]);
+    pthread_mutex_unlock(&g->lock);
     for (int i = 0; i < n; i++) {
-        int rc = rnnd_engine_submit_step(g->e[engine[i]], &f->parts[i]);
-        if (rc != 0)
-            step_refused(g, engine[i], &f->parts[i], rc);
+        if (rc[i] != 0)
+            step_refused(g, engine[i], &f->parts[i], rc[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        if (rc[i] == 0)
+            rnnd_engine_kick(g->e[engine[i]]);
     }
     return 0;
 }
@@ -327,7 +371,7 @@ static void end_merge(struct fan *f) {
 
 static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
     struct rnnd_end_job *s = &job->end;
-    int count[RNND_MAX_DEVICES] = {0}, engine[RNND_MAX_DEVICES], part_of[RNND_MAX_DEVICES];
+    int count[RNND_MAX_DEVICES] = {0}, part_of[RNND_MAX_DEVICES];
     for (int r = 0; r < s->B; r++)
         count[rnnd_place(s->env_ids[r], g->n)]++;
     struct bump b = {0};
@@ -347,7 +391,7 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
         int i = f->n++;
         struct rnnd_job *q = part_init(f, i, job);
         q->end = (struct rnnd_end_job){.B = count[k], .env_ids = ids + at};
-        engine[i] = k;
+        f->engine[i] = k;
         part_of[k] = i;
         at += (size_t)count[k];
     }
@@ -356,7 +400,7 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
         int i = part_of[rnnd_place(s->env_ids[r], g->n)];
         ((uint64_t *)f->parts[i].end.env_ids)[fill[i]++] = s->env_ids[r];
     }
-    fan_submit(f, engine);
+    fan_submit(f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -365,6 +409,28 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
 static void forward_merge(struct fan *f) {
     if (f->parent->err)
         f->parent->fwd.tape_id = 0;
+}
+
+// A Forward that failed on some device: the devices that kept their part of its tape drop it
+// again, before the reply (nobody could use it: the reply carries no tape id).
+static bool forward_undo(struct fan *f) {
+    int n = 0;
+    for (int i = 0; i < f->n; i++) {
+        struct rnnd_job *q = &f->parts[i];
+        if (q->err == 0 && q->fwd.keep_tape) {
+            q->kind = RNND_JOB_DROP_TAPE;
+            f->parts[n] = *q;
+            f->engine[n++] = f->engine[i];
+        }
+    }
+    if (n == 0)
+        return false;
+    f->n = n;
+    atomic_store(&f->left, n);
+    // Not through fan_submit: no collective, and a stopping engine still drops (or frees) it.
+    for (int i = 0; i < n; i++)
+        rnnd_engine_submit(f->g->e[f->engine[i]], &f->parts[i]);
+    return true;
 }
 
 static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
@@ -392,9 +458,10 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
         return;
     }
     f->finish = forward_merge;
+    f->undo = forward_undo;
     int32_t *rows = take(&b, B * sizeof(int32_t));
     // Rows: contiguous ranges, or recorded envs where they live.
-    int count[RNND_MAX_DEVICES] = {0}, first[RNND_MAX_DEVICES], engine[RNND_MAX_DEVICES];
+    int count[RNND_MAX_DEVICES] = {0}, first[RNND_MAX_DEVICES];
     for (size_t r = 0; r < B; r++)
         count[rec ? rnnd_place(fw->env_ids[r], g->n) : (int)(r * (size_t)g->n / B)]++;
     int at = 0;
@@ -430,10 +497,10 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
         q->fwd.rows = rows + first[k];
         q->fwd.nrows = count[k];
         q->fwd.tape_id = tape_id;
-        engine[i] = k;
+        f->engine[i] = k;
     }
     fw->tape_id = tape_id; // the parts return it; the reply carries it only on success
-    fan_submit(f, engine);
+    fan_submit(f);
 }
 
 static void backward_merge(struct fan *f) {
@@ -477,19 +544,16 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
         return;
     }
     f->finish = backward_merge;
-    int engine[RNND_MAX_DEVICES];
+    // Every device has its say before any runs its rows (engine.h), and without accumulate
+    // every device joins the sum of the gradients.
     for (int k = 0; k < g->n; k++) {
-        bool has = mask & (1u << k);
-        // Without accumulate every device joins the sum of the gradients.
-        if (!has && bw->accumulate)
-            continue;
         int i = f->n++;
         struct rnnd_job *q = part_init(f, i, job);
         q->bwd.part = true;
-        q->bwd.has_part = has;
-        engine[i] = k;
+        q->bwd.has_part = mask & (1u << k);
+        f->engine[i] = k;
     }
-    fan_submit(f, engine);
+    fan_submit(f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,14 +599,13 @@ static void submit_get_weights(struct rnnd_group *g, struct rnnd_job *job) {
     }
     f->finish = get_weights_merge;
     f->n = g->n;
-    int engine[RNND_MAX_DEVICES];
     for (int i = 0; i < g->n; i++) {
         struct rnnd_job *q = part_init(f, i, job);
         f->copy[i] = i == 0 ? job->weights.params : take(&b, bytes);
         q->weights.params = f->copy[i];
-        engine[i] = i;
+        f->engine[i] = i;
     }
-    fan_submit(f, engine);
+    fan_submit(f);
 }
 
 static void checkpoint_merge(struct fan *f) {
@@ -977,6 +1040,9 @@ int rnnd_group_start(struct rnnd_group *g, rnnd_engine_ready_cb ready, rnnd_grou
 
 void rnnd_group_stop(struct rnnd_group *g) {
     atomic_store(&g->aborting, true);
+    pthread_mutex_lock(&g->lock);
+    g->stopping = true;
+    pthread_mutex_unlock(&g->lock);
     for (int k = 0; k < g->n; k++)
         rnnd_engine_stop(g->e[k]);
 }

@@ -20,9 +20,26 @@
  *   GetWeights         read from every device and compared: a difference is reported as an
  *                      error (it would be a bug), so tests and operators see it.
  *
- * A Step or Forward refused on one device may have run on the others: a Step's envs there have
- * advanced (resend it with step_index: the repeat returns the cached outputs), and a Forward's
- * other tape parts wait out --tape-ttl-s.
+ * A job split over several devices runs on all of them or on none: a request refused on one
+ * device changes nothing on the others either (DESIGN.md §3).
+ *   Step               every device admits its part first (checks its envs, reserves slots for
+ *                      the new ones, holds the envs); the parts run once all are admitted, and
+ *                      give their reservations back when one is refused (unknown env without
+ *                      is_init, step_index that skips ahead, env table or queue full, cancelled):
+ *                      struct rnnd_step_vote, engine.h. A Step on one device runs as before.
+ *   Backward,          every device (every replica, across instances) says whether it can go
+ *   ApplyGradients,    on (its tape part is there, memory for the new weights) in an all-reduce
+ *   SetWeights         of one flag before anything changes, and none goes on unless all can.
+ *   Forward            its only state is a kept tape: when a part failed, the devices that kept
+ *                      theirs drop them again before the reply.
+ *   EndEpisodes        cannot fail on one device alone; once rnnd stops, a job that needs
+ *                      several engines goes to none (they stop one after the other).
+ *   GetWeights         reads only.
+ *   SaveCheckpoint     each device writes its own directory, complete on its own (as the
+ *                      periodic ones, written at each device's own times): when one fails, the
+ *                      others' new checkpoints stay.
+ * What remains is a device failing while it runs its part after all agreed (a backend fault:
+ * rnnd aborts on a sticky device error); the call then fails with it.
  */
 #ifndef RNND_GROUP_H
 #define RNND_GROUP_H
@@ -43,7 +60,8 @@ struct rnnd_group *rnnd_group_init(const struct rnnd_config *cfg);
 int rnnd_group_start(struct rnnd_group *g, rnnd_engine_ready_cb ready, rnnd_group_lost_cb lost,
                      void *ctx);
 // As rnnd_engine_submit_step and rnnd_engine_submit (engine.h). With several devices a Step that
-// one device cannot queue is finished through done with the reason, and submit returns 0.
+// one device cannot queue is finished through done with the reason (no device runs it), and
+// submit returns 0.
 int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job);
 void rnnd_group_submit(struct rnnd_group *g, struct rnnd_job *job);
 void rnnd_group_housekeeping(struct rnnd_group *g);

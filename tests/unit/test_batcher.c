@@ -3,7 +3,8 @@
  * rnnd_batcher_poll: flush on --max-batch rows, on --max-delay-us, and early when every active
  * source has a step waiting; never two steps of one env in one batch, with the later one and
  * everything behind it on the same env held back in arrival order; the queue bound; rejection by
- * the admit callback; control jobs first.
+ * the admit callback, and items it holds (they keep their place and their envs); control jobs
+ * first, alone in their poll.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -25,6 +26,7 @@ struct item {
     uint64_t ids[8];
     int tag;
     bool reject;
+    int hold; // offers to hold before admitting
 };
 
 static struct item *mk(int tag, uint64_t source, int B, ...) {
@@ -48,6 +50,10 @@ static enum rnnd_batch_admit admit(void *ctx, struct rnnd_batch_item *item) {
     struct item *x = (struct item *)item;
     if (x->reject)
         return RNND_BATCH_REJECT;
+    if (x->hold > 0) {
+        x->hold--;
+        return RNND_BATCH_HOLD;
+    }
     admitted_count++;
     return RNND_BATCH_ADMIT;
 }
@@ -252,6 +258,13 @@ static void test_reject_and_controls(void **state) {
     assert_int_equal(tags(out.controls, t), 2);
     assert_int_equal(t[0], 10);
     assert_int_equal(t[1], 11);
+    // The controls come alone: Steps are admitted only once they have run.
+    assert_null(out.items);
+    assert_null(out.rejected);
+    assert_int_equal(admitted_count, 0);
+    free_list(out.controls);
+    assert_true(rnnd_batcher_poll(b, 0, admit, NULL, &out, &wait));
+    assert_null(out.controls);
     // A rejected item holds nobody back: env 5's next step joins the same batch.
     assert_int_equal(tags(out.rejected, t), 1);
     assert_int_equal(t[0], 1);
@@ -260,9 +273,45 @@ static void test_reject_and_controls(void **state) {
     assert_int_equal(t[1], 3);
     assert_int_equal(out.rows, 2);
     assert_int_equal(rnnd_batcher_rows(b), 0);
-    free_list(out.controls);
     free_list(out.rejected);
     free_list(out.items);
+    rnnd_batcher_free(b);
+}
+
+// A held item stays queued in its place with its envs: a later step of one of them waits behind
+// it, other envs go ahead; once admitted it runs, and the one behind it follows.
+static void test_hold(void **state) {
+    (void)state;
+    struct rnnd_batcher *b = mkb(8, 0, 64);
+    struct item *x = mk(1, 1, 2, 5ull, 6ull), *y = mk(2, 2, 1, 6ull), *z = mk(3, 3, 1, 7ull);
+    x->hold = 2;
+    rnnd_batcher_push(b, &x->it, 0);
+    rnnd_batcher_push(b, &y->it, 0);
+    rnnd_batcher_push(b, &z->it, 0);
+    struct rnnd_batch out;
+    uint64_t wait;
+    int t[8];
+    for (int round = 0; round < 2; round++) {
+        assert_true(rnnd_batcher_poll(b, 0, admit, NULL, &out, &wait) == (round == 0));
+        assert_int_equal(tags(out.items, t), round == 0 ? 1 : 0);
+        if (round == 0)
+            assert_int_equal(t[0], 3);
+        assert_null(out.rejected);
+        free_list(out.items);
+        // Nothing to run but the held item (and what waits behind it): sleep until a wake.
+        assert_int_equal(wait, UINT64_MAX);
+        assert_int_equal(rnnd_batcher_rows(b), 3);
+        assert_false(rnnd_batcher_empty(b));
+    }
+    assert_true(rnnd_batcher_poll(b, 0, admit, NULL, &out, &wait));
+    assert_int_equal(tags(out.items, t), 1);
+    assert_int_equal(t[0], 1);
+    free_list(out.items);
+    assert_true(rnnd_batcher_poll(b, 0, admit, NULL, &out, &wait));
+    assert_int_equal(tags(out.items, t), 1);
+    assert_int_equal(t[0], 2);
+    free_list(out.items);
+    assert_true(rnnd_batcher_empty(b));
     rnnd_batcher_free(b);
 }
 
@@ -306,6 +355,7 @@ int main(void) {
         cmocka_unit_test(test_same_env_never_twice_order_kept),
         cmocka_unit_test(test_queue_bound_and_bad_sizes),
         cmocka_unit_test(test_reject_and_controls),
+        cmocka_unit_test(test_hold),
         cmocka_unit_test(test_many_sources_large_queue),
     };
     return cmocka_run_group_tests_name("batcher", tests, NULL, NULL);

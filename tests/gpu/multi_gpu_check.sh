@@ -6,10 +6,13 @@
 # nvidia-nccl wheel):
 #   1. test_integration_devices on --devices 0,1, strict fp32 against the CPU reference:
 #      bit-identical replicas (GetWeights compares the devices, per-device checkpoints compared
-#      byte for byte), restart and 1 -> 2 device restore, two daemons (rank 0 on GPU 0, rank 1 on
-#      GPU 1) staying in sync and rank 0 leaving when rank 1 stops;
-#   2. the Step, learner and concurrency suites with every daemon on --devices 0,1 (the CPU
-#      reference still holds);
+#      byte for byte), restart and 1 -> 2 device restore; then, alone and under a watchdog
+#      (TWO_DAEMONS_S, default 120 s), two daemons (rank 0 on GPU 0, rank 1 on GPU 1) staying in
+#      sync and rank 0 leaving when rank 1 stops: when it hangs, the watchdog prints the test's
+#      last step, the daemons' threads (stacks with gdb or eu-stack) and their log tails, and
+#      the daemons' state dirs (their logs) go into the archive either way;
+#   2. the Step, learner, concurrency and errors suites with every daemon on --devices 0,1 (the
+#      CPU reference still holds; a request refused on one GPU changes nothing on the other);
 #   3. the time of a learner step (Forward + Backward + ApplyGradients, B=2048 T=64 GRU H=128,
 #      fp32/TF32) on 1 and 2 GPUs;
 #   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256);
@@ -73,10 +76,66 @@ run_test() { # name timeout env... -- binary
     grep -E '^\[  FAILED  \]|^\[  ERROR   \]|^\[  SKIPPED \] [a-z]|mismatch|devices:' "$LOGS/$name.log" | head -12
 }
 
+# Where a process is: every thread's stack (gdb, else eu-stack), else each thread's name and the
+# kernel function it waits in.
+where() { # pid
+    echo "-- pid $1: $(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | cut -c1-160)"
+    if command -v gdb >/dev/null; then
+        timeout 30 gdb -p "$1" -batch -nx -ex 'thread apply all bt' 2>&1 | grep -E '^Thread|^#'
+    elif command -v eu-stack >/dev/null; then
+        timeout 30 eu-stack -p "$1" 2>&1
+    else
+        for t in /proc/"$1"/task/*; do
+            echo "   thread $(basename "$t") $(cat "$t/comm" 2>/dev/null): $(cat "$t/wchan" 2>/dev/null)"
+        done
+    fi
+}
+
+# The two-daemon test alone, under a watchdog that says where it was if it hangs; the daemons'
+# state dirs (RNND_TEST_KEEP=1: their rnnd.log) go into the archive.
+two_daemons() { # timeout
+    local to=$1 log=$LOGS/two_daemons.log
+    if [ "$(left)" -lt "$to" ]; then res[two_daemons]="not run (time)"; echo "== two_daemons: not run (time)"; return; fi
+    echo "== two_daemons"
+    (cd "$work" && exec env RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_TEST_DEVICES=0,1 \
+        "$cluster" RNND_TEST_KEEP=1 'RNND_TEST_FILTER=*two_daemons' \
+        "$B/test_integration_devices") >"$log" 2>&1 &
+    local pid=$! waited=0 hung=""
+    while kill -0 $pid 2>/dev/null && [ $waited -lt "$to" ]; do sleep 1; waited=$((waited + 1)); done
+    if kill -0 $pid 2>/dev/null; then
+        hung=" (hung: killed after $to s)"
+        {
+            echo "== watchdog: still running after $to s; the test's last step:"
+            grep '^two daemons' "$log" | tail -1
+            for p in $pid $(ps -o pid= --ppid $pid); do where "$p"; done
+        } >"$LOGS/two_daemons_where.txt" 2>&1
+        cat "$LOGS/two_daemons_where.txt"
+        kill -TERM $pid
+        sleep 2
+        kill -KILL $pid 2>/dev/null
+    fi
+    wait $pid
+    local rc=$?
+    res[two_daemons]="rc=$rc ok=$(grep -cE '^\[       OK \]' "$log") skipped=$(grep -cE '^\[  SKIPPED \]' "$log")$hung"
+    echo "${res[two_daemons]}"
+    grep -E '^two daemons|^\[  FAILED  \]|^\[  ERROR   \]|^\[  SKIPPED \]' "$log" | tail -12
+    local d
+    for d in $(grep '^two daemons' "$log" | grep -o ' in /[^ ,;]*rnnd-it-[^ ,;]*' | cut -c5-); do
+        [ -d "$d" ] || continue
+        mkdir -p "$LOGS/two_daemons"
+        cp -r "$d" "$LOGS/two_daemons/" && rm -rf "$d"
+        if [ -n "$hung" ]; then
+            echo "-- $(basename "$d")/rnnd.log, last lines"
+            tail -n 15 "$LOGS/two_daemons/$(basename "$d")/rnnd.log"
+        fi
+    done
+}
+
 B=$R/bin
-# 1. replicas, placement, two daemons
-run_test devices 150 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_TEST_DEVICES=0,1 \
-    "$cluster" -- "$B/test_integration_devices"
+# 1. replicas, placement; then two daemons
+run_test devices 150 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_TEST_DEVICES=0,1 -- \
+    "$B/test_integration_devices"
+two_daemons "${TWO_DAEMONS_S:-120}"
 # 3. learner step timing (before the long suites, on a quiet machine)
 run_test learner_timing 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=fp32 RNND_TEST_DEVICES=0,1 \
     RNND_TEST_TIMING=1 'RNND_TEST_FILTER=*timing' -- "$B/test_integration_devices"
@@ -108,7 +167,7 @@ bench_on 0 1gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
 bench_on 0,1 2gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
 
 # 2. the suites on two devices
-for t in step learner concurrency; do
+for t in step learner concurrency errors; do
     run_test ${t}_2gpu 60 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
         "$B/test_integration_$t"
 done
@@ -119,8 +178,8 @@ done
 
 echo "== summary ($(($(date +%s) - t_start)) s)"
 printf '%-22s %s\n' check result
-for k in devices learner_timing step_2gpu learner_2gpu concurrency_2gpu step_1gpu learner_1gpu \
-    errors_1gpu weights_1gpu ops_1gpu concurrency_1gpu tls_1gpu; do
+for k in devices two_daemons learner_timing step_2gpu learner_2gpu concurrency_2gpu errors_2gpu \
+    step_1gpu learner_1gpu errors_1gpu weights_1gpu ops_1gpu concurrency_1gpu tls_1gpu; do
     printf '%-22s %s\n' "$k" "${res[$k]:-?}"
 done
 for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s; do

@@ -16,7 +16,9 @@
  *              0's weights; gradients accumulated on both and applied through rank 1 give both
  *              the same bits (the reference's SGD step over the sum); sent gradients and
  *              SetWeights through either rank reach both; when rank 1 stops, rank 0 drains and
- *              exits with status 3.
+ *              exits with status 3. It says on stderr where it is ("two daemons [SECONDS s]:
+ *              ...", first the daemons' state dirs, kept with RNND_TEST_KEEP=1), so that a hang
+ *              shows where it hung (tests/gpu/multi_gpu_check.sh runs it under a watchdog).
  *   timing     (RNND_TEST_TIMING=1; RNND_TEST_FILTER=*timing runs it alone) a learner step (Forward + Backward(accumulate) +
  *              ApplyGradients, B=2048 T=64 I=64 H=128 GRU) on --devices 0 and on the
  *              RNND_TEST_DEVICES list; medians printed as "learner_step devices=... ms".
@@ -30,6 +32,7 @@
 #include <math.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -425,8 +428,21 @@ static int free_port(void) {
     return ntohs(a.sin_port);
 }
 
+// Where the two-daemon test is, on stderr, with the seconds since it began.
+static double cluster_t0;
+static void cluster_phase(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void cluster_phase(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "two daemons [%.1f s]: ", now_seconds() - cluster_t0);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
 static void test_cluster_two_daemons(void **state) {
     (void)state;
+    cluster_t0 = now_seconds();
     const char *spec = getenv("RNND_TEST_CLUSTER_DEVICES");
     if (spec == NULL || strchr(spec, ';') == NULL) {
         fprintf(stderr, "two daemons: set RNND_TEST_CLUSTER_DEVICES=\"0;1\" (needs NCCL)\n");
@@ -449,6 +465,8 @@ static void test_cluster_two_daemons(void **state) {
     struct daemon d0, d1;
     assert_int_equal(daemon_spawn(&d1, a1), 0);
     assert_int_equal(daemon_spawn(&d0, a0), 0);
+    cluster_phase("rank 0 (pid %d) in %s, rank 1 (pid %d) in %s; waiting for both to be ready",
+                  (int)d0.pid, d0.state_dir, (int)d1.pid, d1.state_dir);
     int rc0 = daemon_wait_ready(&d0, 60.0), rc1 = daemon_wait_ready(&d1, 60.0);
     if (rc0 != 0 || rc1 != 0) {
         daemon_free(&d0);
@@ -456,6 +474,7 @@ static void test_cluster_two_daemons(void **state) {
     }
     assert_int_equal(rc0, 0);
     assert_int_equal(rc1, 0);
+    cluster_phase("both ready; reading their weights");
     struct rnnd_client *c0 = daemon_client(&d0, NULL), *c1 = daemon_client(&d1, NULL);
     struct ref r0, r1;
     ref_init(&r0, c0, 4);
@@ -468,9 +487,11 @@ static void test_cluster_two_daemons(void **state) {
     // applies the sum on both.
     struct rng g = {31337};
     float *sum = calloc(P, sizeof(float));
+    cluster_phase("Forward + Backward(accumulate) on each rank");
     forward_backward(c0, &r0, &g, 11, 6, true, NULL, sum);
     forward_backward(c1, &r1, &g, 5, 4, true, NULL, sum);
     uint64_t v0, v1;
+    cluster_phase("ApplyGradients (accumulated) through rank 1");
     EXPECT_OK(rnnd_client_apply_gradients(c1, NULL, NULL, &v1));
     float *w0 = get_params(c0, &r0.m, &v0), *w1 = get_params(c1, &r1.m, &v1);
     assert_int_equal(v0, 1);
@@ -491,6 +512,7 @@ static void test_cluster_two_daemons(void **state) {
     for (size_t i = 0; i < P; i++)
         grads[i] = rng_f(&g);
     assert_int_equal(rnnd_named_tensors_from_params(&nt, &r0.m, grads), 0);
+    cluster_phase("ApplyGradients (sent) through rank 0");
     EXPECT_OK(rnnd_client_apply_gradients(c0, &nt, NULL, &v0));
     rnnd_named_tensors_free(&nt);
     w0 = get_params(c0, &r0.m, &v0);
@@ -501,6 +523,7 @@ static void test_cluster_two_daemons(void **state) {
     for (size_t i = 0; i < P; i++)
         want[i] = rng_f(&g) * 0.2f;
     assert_int_equal(rnnd_named_tensors_from_params(&nt, &r1.m, want), 0);
+    cluster_phase("SetWeights through rank 1");
     EXPECT_OK(rnnd_client_set_weights(c1, &nt, &v1));
     rnnd_named_tensors_free(&nt);
     free(w0);
@@ -510,18 +533,22 @@ static void test_cluster_two_daemons(void **state) {
     assert_memory_equal(w0, want, P * sizeof(float));
     ref_reload(&r0, c0);
     ref_reload(&r1, c1);
+    cluster_phase("Steps on each rank");
     step_envs(c0, &r0, &g, 2, true);
     step_envs(c1, &r1, &g, 2, true);
 
     // Rank 1 stops: rank 0 cannot update alone; it drains and exits with status 3.
     rnnd_client_free(c1);
+    cluster_phase("SIGTERM to rank 1; waiting for it to exit");
     assert_int_equal(daemon_signal_wait(&d1, SIGTERM, 30000), 0);
+    cluster_phase("rank 1 exited; waiting for rank 0 to drain and exit with status 3");
     int rc = daemon_signal_wait(&d0, 0, 30000);
     if (rc != 0 || !WIFEXITED(d0.exit_status) || WEXITSTATUS(d0.exit_status) != 3)
         daemon_dump_log(&d0, 3000);
     assert_int_equal(rc, 0);
     assert_true(WIFEXITED(d0.exit_status) && WEXITSTATUS(d0.exit_status) == 3);
     assert_true(daemon_log_contains(&d0, "rank 1 closed its connection"));
+    cluster_phase("done");
 
     free(w0);
     free(want);

@@ -14,7 +14,8 @@
 #       variants  the variants under trial, VARIANTS_GRU / VARIANTS_LSTM (not in all);
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
-#       FP32_ONLY=1 leaves out the bf16 and ieee bench cases; REPEAT sets the bench's repeats.
+#       FP32_ONLY=1 leaves out the bf16 and ieee bench cases; REPEAT sets the bench's repeats;
+#       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz).
 set -u
 cd "$(dirname "$0")/../.."
 MODE=${1:-run}
@@ -38,9 +39,10 @@ mkdir -p "$OUT"
 W=/tmp/rnnd-bundle
 rm -rf "$W"
 mkdir -p "$W"
-tar -C "$W" -xzf .device/rnnd-bundle.tar.gz || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
+BUNDLE=${BUNDLE:-.device/rnnd-bundle.tar.gz}
+tar -C "$W" -xzf "$BUNDLE" || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
 BIN=$W/rnnd-bundle/bin
-cat .device/bundle.commit 2>/dev/null | head -1 | sed 's/^/bundle built from /'
+cat "$(dirname "$BUNDLE")/bundle.commit" 2>/dev/null | head -1 | sed 's/^/bundle built from /'
 
 # Libraries: the toolkit's, else PyTorch's wheels (nvidia-cublas, nvidia-cudnn-cu13).
 LIBS=$W/rnnd-bundle/lib:/usr/local/cuda/lib64

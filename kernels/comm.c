@@ -17,15 +17,9 @@ static bool is_cuda(const struct rnnd_backend *b) {
 }
 #endif
 
-int rnnd_comm_supported(const struct rnnd_backend *b, bool cross_process, char *why, size_t len) {
-    if (is_cpu(b)) {
-        if (!cross_process)
-            return 0;
-        snprintf(why, len,
-                 "the cpu backend joins devices of one process only; several hosts need "
-                 "--backend cuda and NCCL");
-        return RNND_ENOTSUP;
-    }
+int rnnd_comm_supported(const struct rnnd_backend *b, char *why, size_t len) {
+    if (is_cpu(b))
+        return 0;
 #ifdef RNND_HAVE_CUDA
     if (is_cuda(b))
         return rnnd__cuda_comm_supported(why, len);
@@ -34,14 +28,16 @@ int rnnd_comm_supported(const struct rnnd_backend *b, bool cross_process, char *
     return RNND_ENOTSUP;
 }
 
-int rnnd_comm_id_new(const struct rnnd_backend *b, int nranks, struct rnnd_comm_id *id) {
+int rnnd_comm_id_new(const struct rnnd_backend *b, int nranks, const char *host,
+                     struct rnnd_comm_id *id) {
     if (is_cpu(b))
-        return rnnd__cpu_comm_id_new(nranks, id);
+        return rnnd__cpu_comm_id_new(nranks, host, id);
 #ifdef RNND_HAVE_CUDA
     if (is_cuda(b))
         return rnnd__cuda_comm_id_new(id);
 #endif
     (void)nranks;
+    (void)host;
     (void)id;
     return RNND_ENOTSUP;
 }

@@ -532,7 +532,7 @@ static int leader_start(struct rnnd_cluster *cl, const struct rnnd_cluster_confi
         else if (fp != cfg->fingerprint)
             snprintf(why, sizeof(why),
                      "rank %d serves another model or number of devices than rank 0 (cell, "
-                     "sizes, compute, optimizer and --devices must match)",
+                     "sizes, compute, optimizer, backend and --devices must match)",
                      r);
         else if (cl->fds[r] >= 0)
             snprintf(why, sizeof(why), "rank %d has already joined (two instances with one rank?)",
@@ -697,6 +697,11 @@ int rnnd_cluster_propose(struct rnnd_cluster *cl, struct rnnd_cluster_op *op) {
     }
     pthread_mutex_unlock(&cl->lock);
     return rc;
+}
+
+int rnnd_cluster_host(const char *addr, char *host, size_t len) {
+    char port[16];
+    return split_addr(addr, host, len, port, sizeof(port)) == 0 ? 0 : RNND_EINVAL;
 }
 
 void rnnd_cluster_free(struct rnnd_cluster *cl) {

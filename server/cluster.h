@@ -63,5 +63,8 @@ int rnnd_cluster_start(const struct rnnd_cluster_config *cfg, struct rnnd_comm_i
 int rnnd_cluster_propose(struct rnnd_cluster *cl, struct rnnd_cluster_op *op);
 // Leaves the group: closes the connections (the peers see the group end) and ends the thread.
 void rnnd_cluster_free(struct rnnd_cluster *cl);
+// The HOST of a HOST:PORT address ([v6]:PORT too) into host (len bytes). 0, or RNND_EINVAL
+// when addr is not HOST:PORT or the host does not fit.
+int rnnd_cluster_host(const char *addr, char *host, size_t len);
 
 #endif // RNND_CLUSTER_H

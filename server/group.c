@@ -873,10 +873,11 @@ static int join_all(struct rnnd_group *g, const struct rnnd_comm_id *id, int nra
     return run_on_all(g, jobs, msg, msglen);
 }
 
-// Same model, compute, optimizer and device count: what ranks must agree on (FNV-1a).
+// Same model, compute, optimizer, device count and backend: what ranks must agree on (FNV-1a).
 static uint64_t fingerprint(const struct rnnd_group *g) {
     const struct rnnd_model *m = &g->cfg.model;
-    int64_t v[] = {m->cell, m->compute, m->I, m->H, m->L, g->cfg.optimizer, g->n};
+    bool cpu = strcmp(rnnd_engine_backend_name(g->e[0]), "cpu") == 0; // their ids differ
+    int64_t v[] = {m->cell, m->compute, m->I, m->H, m->L, g->cfg.optimizer, g->n, cpu};
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
         for (int b = 0; b < 8; b++) {
@@ -904,7 +905,7 @@ static int group_form(struct rnnd_group *g, char *msg, size_t msglen) {
     else if (g->n > 1)
         snprintf(g->device_name, sizeof(g->device_name), "%d devices: %s, ...", g->n, name0);
     char why[512];
-    if (rnnd_comm_supported(b0, g->world > 1, why, sizeof(why)) != 0) {
+    if (rnnd_comm_supported(b0, why, sizeof(why)) != 0) {
         snprintf(msg, msglen, "%s: %.400s",
                  g->world > 1 ? "--world-size above 1" : "--devices with several devices", why);
         return RNND_ENOTSUP;
@@ -913,7 +914,7 @@ static int group_form(struct rnnd_group *g, char *msg, size_t msglen) {
     int rc;
     if (g->world == 1) {
         // One communicator: this daemon's engines are all the replicas.
-        if ((rc = rnnd_comm_id_new(b0, g->n, &id)) != 0) {
+        if ((rc = rnnd_comm_id_new(b0, g->n, NULL, &id)) != 0) {
             snprintf(msg, msglen, "cannot create a communicator: %s", rnnd_strerror(rc));
             return rc;
         }
@@ -923,7 +924,7 @@ static int group_form(struct rnnd_group *g, char *msg, size_t msglen) {
             return rc;
     } else {
         if (g->n > 1) {
-            if ((rc = rnnd_comm_id_new(b0, g->n, &id)) != 0) {
+            if ((rc = rnnd_comm_id_new(b0, g->n, NULL, &id)) != 0) {
                 snprintf(msg, msglen, "cannot create a communicator: %s", rnnd_strerror(rc));
                 return rc;
             }
@@ -932,10 +933,19 @@ static int group_form(struct rnnd_group *g, char *msg, size_t msglen) {
             if (rc)
                 return rc;
         }
+        // The other ranks reach rank 0 where they reach its rendezvous (the cpu backend listens
+        // there for them).
         int nranks = g->world * g->n;
-        if (g->rank == 0 && (rc = rnnd_comm_id_new(b0, nranks, &id)) != 0) {
-            snprintf(msg, msglen, "cannot create the group's NCCL id: %s", rnnd_strerror(rc));
-            return rc;
+        char host[RNND_CONFIG_ADDR_MAX];
+        if (g->rank == 0) {
+            rc = rnnd_cluster_host(g->cfg.rendezvous, host, sizeof(host));
+            if (rc == 0)
+                rc = rnnd_comm_id_new(b0, nranks, host, &id);
+            if (rc != 0) {
+                snprintf(msg, msglen, "cannot create the group's communicator id on %s: %s",
+                         g->cfg.rendezvous, rnnd_strerror(rc));
+                return rc;
+            }
         }
         struct rnnd_cluster_config cc = {.rank = g->rank,
                                          .world = g->world,
@@ -945,12 +955,14 @@ static int group_form(struct rnnd_group *g, char *msg, size_t msglen) {
                                          .abort = &g->aborting};
         struct rnnd_cluster *cl;
         rc = rnnd_cluster_start(&cc, &id, on_commit, on_lost, g, &cl, msg, msglen);
-        if (rc)
-            return rc;
-        pthread_mutex_lock(&g->lock);
-        g->cluster = cl;
-        pthread_mutex_unlock(&g->lock);
-        rc = join_all(g, &id, nranks, g->rank * g->n, false, true, msg, msglen);
+        if (rc == 0) {
+            pthread_mutex_lock(&g->lock);
+            g->cluster = cl;
+            pthread_mutex_unlock(&g->lock);
+            rc = join_all(g, &id, nranks, g->rank * g->n, false, true, msg, msglen);
+        }
+        if (g->rank == 0)
+            rnnd_comm_id_release(b0, &id); // every rank has joined or given up
         if (rc)
             return rc;
         rnnd_log(RNND_LOG_INFO, "rank %d of %d: the group formed (%d devices in all)", g->rank,

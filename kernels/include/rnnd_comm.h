@@ -10,8 +10,10 @@
  *   cuda: NCCL, loaded at run time (dlopen of libnccl.so.2, or $RNND_NCCL_LIBRARY), so a build
  *         with nccl.h runs single-GPU on hosts without NCCL; ranks may live in several processes
  *         and hosts (the id travels over the caller's own channel: rnnd's rendezvous).
- *   cpu:  ranks are threads of one process that share host memory; the sum is taken in rank
- *         order. It exists so the multi-device daemon runs, and is tested, without a GPU.
+ *   cpu:  ranks are threads of one process that share host memory, or (an id made with a host)
+ *         live in several processes and hosts, connected over TCP to rank 0, which must run in
+ *         the process that made the id; the sum is taken in rank order. It exists so that the
+ *         multi-device and multi-host daemon runs, and is tested, without a GPU.
  *
  * Buffers are backend memory of the rank's own backend (device memory for cuda). Calls block the
  * calling thread until this rank's part is done.
@@ -38,14 +40,20 @@ struct rnnd_comm_id {
 
 struct rnnd_comm;
 
-// 0 when b can join communicators (across processes too when cross_process), else RNND_ENOTSUP
-// with the reason (what to install or change) in why.
-int rnnd_comm_supported(const struct rnnd_backend *b, bool cross_process, char *why, size_t len);
-// A new id for a communicator of nranks ranks on backends like b. For cpu it holds an in-process
-// group that lives until every rank has freed its communicator and the maker has called
-// rnnd_comm_id_release (which does nothing for cuda). 0, RNND_ENOMEM, RNND_ENOTSUP or
-// RNND_EDEVICE (NCCL could not open its bootstrap socket).
-int rnnd_comm_id_new(const struct rnnd_backend *b, int nranks, struct rnnd_comm_id *id);
+// 0 when b can join communicators (of one process or several), else RNND_ENOTSUP with the
+// reason (what to install or change) in why.
+int rnnd_comm_supported(const struct rnnd_backend *b, char *why, size_t len);
+// A new id for a communicator of nranks ranks on backends like b. host NULL: every rank lives in
+// this process. Else ranks may live in other processes and hosts, which reach this one at host
+// (a name or address of this machine, as they know it): the cpu backend listens there on a port
+// the system picks, and rank 0 must then join from this process; NCCL picks its own interface.
+// For cpu the id holds a group (shared state, or the listening socket) that lives until every
+// in-process rank has freed its communicator and the maker has called rnnd_comm_id_release
+// (which does nothing for cuda): call it once every rank has joined or given up. 0, RNND_ENOMEM,
+// RNND_ENOTSUP, RNND_EINVAL (host does not resolve) or RNND_EDEVICE (no socket could be opened:
+// the cpu backend's, or NCCL's bootstrap socket).
+int rnnd_comm_id_new(const struct rnnd_backend *b, int nranks, const char *host,
+                     struct rnnd_comm_id *id);
 void rnnd_comm_id_release(const struct rnnd_backend *b, const struct rnnd_comm_id *id);
 
 // Joins communicator id as rank (0 <= rank < nranks) with backend b (borrowed; it must outlive
@@ -80,7 +88,7 @@ struct rnnd_comm {
     int rank, nranks;
 };
 
-int rnnd__cpu_comm_id_new(int nranks, struct rnnd_comm_id *id);
+int rnnd__cpu_comm_id_new(int nranks, const char *host, struct rnnd_comm_id *id);
 void rnnd__cpu_comm_id_release(const struct rnnd_comm_id *id);
 int rnnd__cpu_comm_init(const struct rnnd_comm_id *id, int nranks, int rank, int timeout_ms,
                         struct rnnd_comm **out);

@@ -10,15 +10,17 @@
  *   placement  Steps of many envs against the reference, a restart that restores each device's
  *              envs from its own directory, and a one-device checkpoint taken up by two devices.
  *   flags      bad --devices / --world-size / --rendezvous / --rank values are refused with a
- *              message; the cpu backend refuses several hosts.
- *   cluster    (RNND_TEST_CLUSTER_DEVICES="0;1": the --devices of rank 0 and rank 1; needs NCCL,
- *              so GPUs) two daemons form a group: rank 1 starts with another seed and takes rank
- *              0's weights; gradients accumulated on both and applied through rank 1 give both
- *              the same bits (the reference's SGD step over the sum); sent gradients and
- *              SetWeights through either rank reach both; when rank 1 stops, rank 0 drains and
- *              exits with status 3. It says on stderr where it is ("two daemons [SECONDS s]:
- *              ...", first the daemons' state dirs, kept with RNND_TEST_KEEP=1), so that a hang
- *              shows where it hung (tests/gpu/multi_gpu_check.sh runs it under a watchdog).
+ *              message; a rank whose rank 0 never answers gives up after --rendezvous-timeout-s.
+ *   cluster    two daemons form a group: rank 1 starts with another seed and takes rank 0's
+ *              weights; gradients accumulated on both and applied through rank 1 give both the
+ *              same bits (the reference's SGD step over the sum); sent gradients and SetWeights
+ *              through either rank reach both; Steps on both run on the new weights; when rank
+ *              1 stops, rank 0 drains and exits with status 3. The cpu backend runs it with one
+ *              engine per daemon and with two (its communicator joins processes over TCP);
+ *              RNND_TEST_CLUSTER_DEVICES="0;1" gives the --devices of rank 0 and rank 1 (GPUs:
+ *              NCCL). It says on stderr where it is ("two daemons [SECONDS s]: ...", first the
+ *              daemons' state dirs, kept with RNND_TEST_KEEP=1), so that a hang shows where it
+ *              hung (tests/gpu/multi_gpu_check.sh runs it under a watchdog).
  *   timing     (RNND_TEST_TIMING=1; RNND_TEST_FILTER=*timing runs it alone) a learner step (Forward + Backward(accumulate) +
  *              ApplyGradients, B=2048 T=64 I=64 H=128 GRU) on --devices 0 and on the
  *              RNND_TEST_DEVICES list; medians printed as "learner_step devices=... ms".
@@ -368,6 +370,17 @@ static void test_one_device_checkpoint_to_several(void **state) {
     daemon_free(&d);
 }
 
+// A loopback port that was free just now.
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    bind(fd, (struct sockaddr *)&a, sizeof(a));
+    socklen_t len = sizeof(a);
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
 // rnnd with these flags exits with status `status` and says `needle`.
 static void expect_refused(const char *const *flags, int status, const char *needle) {
     const char *argv[40];
@@ -409,24 +422,16 @@ static void test_bad_flags(void **state) {
                                     "127.0.0.1:1", NULL},
                    1, "$RNND_RANK is '7'");
     unsetenv("RNND_RANK");
-    if (strcmp(harness_backend(), "cpu") == 0)
-        expect_refused((const char *[]){"--world-size", "2", "--rank", "0", "--rendezvous",
-                                        "127.0.0.1:1", NULL},
-                       1, "several hosts need --backend cuda");
+    // Nobody listens there (the port was free a moment ago).
+    char rdv[64];
+    snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", free_port());
+    expect_refused((const char *[]){"--world-size", "2", "--rank", "1", "--rendezvous", rdv,
+                                    "--rendezvous-timeout-s", "1", NULL},
+                   1, "did not answer within --rendezvous-timeout-s 1");
 }
 
 // ---------------------------------------------------------------------------------------------
 // Two daemons as two hosts.
-
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&a, sizeof(a));
-    socklen_t len = sizeof(a);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 // Where the two-daemon test is, on stderr, with the seconds since it began.
 static double cluster_t0;
@@ -440,26 +445,19 @@ static void cluster_phase(const char *fmt, ...) {
     va_end(ap);
 }
 
-static void test_cluster_two_daemons(void **state) {
-    (void)state;
+// Two daemons on the --devices lists dev0 and dev1 ("": none) form a group and stay in sync.
+static void two_daemons(const char *dev0, const char *dev1) {
     cluster_t0 = now_seconds();
-    const char *spec = getenv("RNND_TEST_CLUSTER_DEVICES");
-    if (spec == NULL || strchr(spec, ';') == NULL) {
-        fprintf(stderr, "two daemons: set RNND_TEST_CLUSTER_DEVICES=\"0;1\" (needs NCCL)\n");
-        skip();
-        return;
-    }
-    char dev0[64], dev1[64], rdv[64];
-    snprintf(dev0, sizeof(dev0), "%.*s", (int)(strchr(spec, ';') - spec), spec);
-    snprintf(dev1, sizeof(dev1), "%s", strchr(spec, ';') + 1);
+    cluster_phase("rank 0 on --devices '%s', rank 1 on --devices '%s'", dev0, dev1);
+    char rdv[64];
     snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", free_port());
     const char *e0[] = {"--world-size", "2", "--rank", "0", "--rendezvous", rdv, "--seed", "1",
                         "--optimizer", "sgd", "--lr", "0.1", "--comm-timeout-s", "20", NULL};
     const char *e1[] = {"--world-size", "2", "--rank", "1", "--rendezvous", rdv, "--seed", "2",
                         "--optimizer", "sgd", "--lr", "0.1", "--comm-timeout-s", "20", NULL};
     const char *a0[40], *a1[40];
-    build_args(a0, dev0, e0);
-    build_args(a1, dev1, e1);
+    build_args(a0, dev0[0] ? dev0 : NULL, e0);
+    build_args(a1, dev1[0] ? dev1 : NULL, e1);
     // Both from this thread (the harness's daemons die with the thread that forked them), rank 1
     // first: it retries until rank 0 listens; neither is ready before the other has joined.
     struct daemon d0, d1;
@@ -477,8 +475,8 @@ static void test_cluster_two_daemons(void **state) {
     cluster_phase("both ready; reading their weights");
     struct rnnd_client *c0 = daemon_client(&d0, NULL), *c1 = daemon_client(&d1, NULL);
     struct ref r0, r1;
-    ref_init(&r0, c0, 4);
-    ref_init(&r1, c1, 4);
+    ref_init(&r0, c0, 48); // step_envs steps 48 envs
+    ref_init(&r1, c1, 48);
     size_t P = r0.P;
     // Rank 1 began from seed 2 and took rank 0's weights when the group formed.
     assert_memory_equal(r0.params, r1.params, P * sizeof(float));
@@ -559,6 +557,24 @@ static void test_cluster_two_daemons(void **state) {
     rnnd_client_free(c0);
     daemon_free(&d0);
     daemon_free(&d1);
+}
+
+static void test_cluster_two_daemons(void **state) {
+    (void)state;
+    const char *spec = getenv("RNND_TEST_CLUSTER_DEVICES");
+    if (spec && strchr(spec, ';')) {
+        char dev0[64], dev1[64];
+        snprintf(dev0, sizeof(dev0), "%.*s", (int)(strchr(spec, ';') - spec), spec);
+        snprintf(dev1, sizeof(dev1), "%s", strchr(spec, ';') + 1);
+        two_daemons(dev0, dev1);
+    } else if (strcmp(harness_backend(), "cpu") == 0) {
+        // One engine each, as one GPU each; then two each (ranks in one process and in two).
+        two_daemons("", "");
+        two_daemons("0,1", "0,1");
+    } else {
+        fprintf(stderr, "two daemons: set RNND_TEST_CLUSTER_DEVICES=\"0;1\" (needs NCCL)\n");
+        skip();
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

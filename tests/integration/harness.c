@@ -573,8 +573,15 @@ void ref_free(struct ref *r) {
 void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const bool *is_init,
               float *out) {
     uint8_t *init = calloc((size_t)B, 1);
-    for (int b = 0; b < B; b++)
+    for (int b = 0; b < B; b++) {
+        // A slot past the reference's table would write over whatever follows it (wrong
+        // references, heap corruption or a hang, depending on the heap): a test bug, said here.
+        if (slots[b] < 0 || slots[b] >= r->S)
+            fprintf(stderr, "ref_step: row %d uses slot %d; ref_init gave %d slots\n", b,
+                    slots[b], r->S);
+        assert_true(slots[b] >= 0 && slots[b] < r->S);
         init[b] = is_init ? is_init[b] : 0;
+    }
     struct rnnd_step st = {
         .B = B,
         .x = x,

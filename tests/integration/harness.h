@@ -115,7 +115,8 @@ void ref_init(struct ref *r, struct rnnd_client *c, int S);
 void ref_free(struct ref *r);
 // Reloads params from c's GetWeights.
 void ref_reload(struct ref *r, struct rnnd_client *c);
-// One reference step of B rows (slots, x (B, I), is_init (B) may be NULL) into out (B, H).
+// One reference step of B rows (slots, each below S: checked; x (B, I), is_init (B) may be NULL)
+// into out (B, H).
 void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const bool *is_init,
               float *out);
 

@@ -531,8 +531,9 @@ static void two_daemons(const char *dev0, const char *dev1) {
     assert_memory_equal(w0, want, P * sizeof(float));
     ref_reload(&r0, c0);
     ref_reload(&r1, c1);
-    cluster_phase("Steps on each rank");
+    cluster_phase("Steps on rank 0");
     step_envs(c0, &r0, &g, 2, true);
+    cluster_phase("Steps on rank 1");
     step_envs(c1, &r1, &g, 2, true);
 
     // Rank 1 stops: rank 0 cannot update alone; it drains and exits with status 3.

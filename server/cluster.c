@@ -10,6 +10,8 @@
  *            a rank already joined, and keeps waiting. Once all world - 1 ranks have joined it
  *            sends WELCOME {NCCL id} to each. Every rank then creates its NCCL communicator
  *            from the id (NCCL's own bootstrap, not this channel) and takes rank 0's weights.
+ *            (The cpu backend's id names a TCP port that rank 0 opened instead: its collectives
+ *            run through rank 0, kernels/cpu/comm.c.)
  *   updates  an ApplyGradients or SetWeights received by rank r becomes PROPOSE {kind, origin,
  *            token, lr} to rank 0 (rank 0's own calls go to its channel thread directly). Rank 0
  *            numbers proposals in arrival order and sends COMMIT {the same, seq} to every

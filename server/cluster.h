@@ -3,8 +3,9 @@
  * forms the group and hands every rank the NCCL id, and the control channel that puts every
  * weight update into one order. The protocol is described at the top of cluster.c.
  *
- * The data (gradients, weights) never crosses this channel: it goes over NCCL, inside the
- * collective jobs that the commit callback starts on every rank (group.c).
+ * The data (gradients, weights) never crosses this channel: it goes over NCCL (the cpu backend:
+ * its own TCP connections to rank 0), inside the collective jobs that the commit callback starts
+ * on every rank (group.c).
  */
 #ifndef RNND_CLUSTER_H
 #define RNND_CLUSTER_H

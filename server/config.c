@@ -65,7 +65,8 @@ static const struct opt opts[] = {
      "this rnnd's rank among --world-size (auto: $RNND_RANK, else the number ending the host "
      "name, as in a StatefulSet's rnnd-0, rnnd-1)"},
     {"world-size", INT(world_size, 1, 65536), "N",
-     "rnnd instances (hosts) that keep one set of weights in sync over NCCL"},
+     "rnnd instances (hosts) that keep one set of weights in sync over NCCL (--backend cpu: "
+     "over TCP through rank 0)"},
     {"rendezvous", ADDR(rendezvous), "HOST:PORT",
      "where rank 0 listens and the other ranks connect to form the group (needs --world-size)"},
     {"rendezvous-timeout-s", INT(rendezvous_timeout_s, 1, 86400), "N",

@@ -62,7 +62,7 @@ struct rnnd_config {
     // Several devices and hosts (group.c, cluster.c):
     char devices[RNND_CONFIG_ADDR_MAX]; // "0,1,...": one engine per device; "": --device alone
     int rank;                           // this rnnd among --world-size, or RNND_RANK_AUTO
-    int world_size;                     // rnnd instances sharing the weights over NCCL
+    int world_size;                     // rnnd instances sharing the weights (NCCL, or cpu: TCP)
     char rendezvous[RNND_CONFIG_ADDR_MAX]; // HOST:PORT where rank 0 meets the others
     int rendezvous_timeout_s;              // how long ranks wait for each other at start
     int comm_timeout_s;                    // a collective not finished by then fails

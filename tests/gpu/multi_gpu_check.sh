@@ -22,7 +22,7 @@
 # The console log goes to $OUT/multi_gpu.log, every other log into $OUT/logs.tar.gz (the device
 # tool brings back few files); default OUT /tmp/rnnd-out. A table is printed last. BUDGET_S
 # (default 330) stops starting new sections when the time is nearly up. BACKEND=cpu dry-runs the script anywhere
-# (two CPU engines; no two-daemon test).
+# (two CPU engines; the two-daemon test on two CPU daemons, as in make test).
 set -u
 BACKEND=${BACKEND:-cuda}
 cluster='RNND_TEST_CLUSTER_DEVICES=0;1'

@@ -72,7 +72,7 @@ struct id_layout {
     struct cpu_group *g;
     uint64_t nonce; // sockets: tells this communicator's connections from others
     int32_t nranks;
-    uint16_t port;                // sockets: where the maker listens; 0 in-process
+    uint16_t port;               // sockets: where the maker listens; 0 in-process
     char host[INET6_ADDRSTRLEN]; // sockets: the maker's address, numeric
 };
 
@@ -355,8 +355,8 @@ struct net_comm {
 static int net_io(int fd, void *buf, size_t n, bool send_it, double deadline) {
     char *p = buf;
     while (n > 0) {
-        ssize_t k = send_it ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT)
-                            : recv(fd, p, n, MSG_DONTWAIT);
+        ssize_t k =
+            send_it ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, p, n, MSG_DONTWAIT);
         if (k > 0) {
             p += k;
             n -= (size_t)k;

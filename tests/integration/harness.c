@@ -577,8 +577,8 @@ void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const 
         // A slot past the reference's table would write over whatever follows it (wrong
         // references, heap corruption or a hang, depending on the heap): a test bug, said here.
         if (slots[b] < 0 || slots[b] >= r->S)
-            fprintf(stderr, "ref_step: row %d uses slot %d; ref_init gave %d slots\n", b,
-                    slots[b], r->S);
+            fprintf(stderr, "ref_step: row %d uses slot %d; ref_init gave %d slots\n", b, slots[b],
+                    r->S);
         assert_true(slots[b] >= 0 && slots[b] < r->S);
         init[b] = is_init ? is_init[b] : 0;
     }

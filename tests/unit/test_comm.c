@@ -154,8 +154,8 @@ static int net_round(struct rnnd_comm *c, int nranks) {
 }
 
 // Forks a process that joins id as rank and runs body; its exit status says how it went.
-static pid_t fork_rank(struct rnnd_backend *be, const struct rnnd_comm_id *id, int nranks,
-                       int rank, int timeout_ms, int (*body)(struct rnnd_comm *c, int nranks)) {
+static pid_t fork_rank(struct rnnd_backend *be, const struct rnnd_comm_id *id, int nranks, int rank,
+                       int timeout_ms, int (*body)(struct rnnd_comm *c, int nranks)) {
     pid_t pid = fork();
     if (pid != 0)
         return pid;

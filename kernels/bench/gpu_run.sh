@@ -9,7 +9,8 @@
 #       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
 #       test      test_rnn_cuda: every op against the CPU reference;
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
-#       bench     rnnd-kernel-bench --backend cuda at the shapes (ours and cuDNN);
+#       bench     rnnd-kernel-bench --backend cuda at the shapes (ours and cuDNN; LSTM
+#                 also at H=256);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
 #       variants  the variants under trial, VARIANTS_GRU / VARIANTS_LSTM (not in all);
 #       all       test, sanitize and bench (the default).
@@ -85,6 +86,10 @@ if has bench; then
     : >"$OUT/bench.log"
     timeout 180 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
     echo "bench fp32 rc=$?" | tee -a "$OUT/bench.log"
+    # The wide row: LSTM H=256 (W_hh does not fit one SM's shared memory).
+    timeout 150 ${BENCH/--hidden 128/--hidden 256} --repeat 5 --cell lstm --compute fp32 \
+        --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
+    echo "bench fp32 H=256 rc=$?" | tee -a "$OUT/bench.log"
     if [ -z "${FP32_ONLY:-}" ]; then
         timeout 80 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.1 >>"$OUT/bench.log" 2>&1
         echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
@@ -138,9 +143,9 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 def f(r, k):
     v = r.get(k)
     return f"{v:8.2f}" if isinstance(v, (int, float)) and v >= 0 else "       -"
-print("cell comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   path")
+print("cell    H comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   path")
 for r in rows:
-    print(f"{r.get('cell','?'):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
+    print(f"{r.get('cell','?'):4} {r.get('H',0):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
           f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
           f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
           f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')} v{r.get('variant','')}")

@@ -9,16 +9,10 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
-    // Bench variant bit 8 (phase clocks): TF32, H=128, vector access only.
-    if (!backward && !bf16 && HP == 128) {
-        const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
-        if (a.vec && (a.variant & 8))
-            return persist_launch_forward<cell_lstm, mode_tf32, 128, 8>(a, stream);
-    }
-    if (backward && !bf16 && HP == 128) {
-        const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
-        if (a.vec && (a.variant & 8))
-            return persist_launch_backward<cell_lstm, mode_tf32, 128, 8>(a, stream);
+    if (!bf16 && HP == 128) {
+        int err = persist_launch_variant<cell_lstm>(backward, args, stream);
+        if (err != RNND_ENOTSUP)
+            return err;
     }
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \

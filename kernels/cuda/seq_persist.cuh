@@ -13,18 +13,18 @@
  * of n-tile `half` holds columns 2tg, 2tg+1, which we map to units u0 + 2*half + {0,1}), so the
  * cell math needs no shared-memory round trip and global accesses are 16-byte vectors.
  *
- * Forward, per step (one __syncthreads, the A tile double-buffered in shared memory):
- *   acc (16 x G*16 per warp) = [h | x] (16 x (HP + IP)) . [W_hh | W_ih][warp's gate rows]^T
- *   (MMA, weights on chip): the input projection is fused (the loop reads x, not x W_ih^T) when
- *   I_l <= HP/2 and the weights fit; otherwise A is h alone and x W_ih^T comes precomputed from
- *   one cuBLAS GEMM. The GRU's n gate keeps its x part in separate accumulators (r multiplies
- *   the h part only). Then the cell from acc + biases; h' (c'); stores of y and the tape; the
- *   state of the next step, after the reset rule (a per-row select), and its x into the other
- *   tile.
- * Backward, per step in reverse (two __syncthreads):
+ * Forward, per step (one __syncthreads, the A tiles double-buffered in shared memory):
+ *   acc (16 x G*16 per warp) = h (16 x HP) . W_hh[warp's gate rows]^T and, apart,
+ *   accx = x (16 x IP) . W_ih[warp's gate rows]^T (MMA, weights on chip): the input projection
+ *   is fused (the loop reads x, not x W_ih^T) when I_l <= HP/2 and the weights fit; otherwise
+ *   x W_ih^T comes precomputed from one cuBLAS GEMM. In TF32 mode the h part runs as fp16
+ *   m16n8k16 MMAs on h scaled into fp16 (as exact as TF32, mode_f16), the x part as TF32.
+ *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
+ *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
+ * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
  *   gate gradients from the tape (stored activated gates) and dL/dh' -> D (global, for the
  *   weight and input GEMMs) and the dh-gate tile (16 x G*HP) in shared memory;
- *   dh (16 x 16 per warp) = tile . W_hh[:, warp's units]   (MMA) + the direct term; routing of
+ *   dh = tile . W_hh + the direct term, K split over warp pairs (persist_geom); routing of
  *   the gradient at resets (DESIGN.md §2) and at t = 0.
  * Weights are loaded once per launch into shared memory, pre-arranged as per-lane MMA B
  * fragments. In TF32 mode they are stored as fp16 scaled by a power of two (the largest |w| of
@@ -35,7 +35,7 @@
  * fragments come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D
  * planes are written from the dh-gate tile by the bulk-copy engine.
  *
- * Versions v1..v6: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * Versions v1..v7: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
@@ -100,15 +100,60 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// The B operand (weights) of both modes is stored in shared memory as WPF 32-bit words per
+// The B operand (weights) of every mode is stored in shared memory as WPF 32-bit words per
 // fragment (lane, n-tile, k-step): wpack builds them from an accessor B(k, n), wunpack turns them
-// into the MMA's b0, b1.
+// into the MMA's b0, b1. A mode's hmode is the mode of the forward's h part.
+
+// The h part of the forward in TF32 mode: h scaled by a power of two (the block's largest |h|
+// lands in [2^13, 2^14)) and rounded to fp16 keeps the 10 mantissa bits TF32 keeps, for every
+// |h| within 2^27 of that largest value, so m16n8k16 fp16 MMAs on the fp16 weights give TF32's
+// products with half the MMAs and no conversions.
+struct mode_f16 {
+    static constexpr int KSTEP = 16;
+    static constexpr int APAD = 8;
+    static constexpr int WPF = 2;
+    static constexpr bool SCALED = true;
+    using elem = __half;
+    static __device__ __forceinline__ void put(elem *p, float v) {
+        *p = __float2half_rn(v);
+    }
+    static __device__ __forceinline__ void put4(elem *p, const float v[4]) {
+        __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+        *reinterpret_cast<uint2 *>(p) =
+            make_uint2(*reinterpret_cast<uint32_t *>(&lo), *reinterpret_cast<uint32_t *>(&hi));
+    }
+    // b0 = {B[16ks+2tg][g], B[16ks+2tg+1][g]}, b1 = the same 8 rows further, times scale.
+    template <class F>
+    static __device__ __forceinline__ void wpack(uint32_t *o, F B, int ks, int g, int tg,
+                                                 float scale) {
+        int k = ks * 16 + 2 * tg;
+        __half2 lo = __floats2half2_rn(B(k, g) * scale, B(k + 1, g) * scale);
+        __half2 hi = __floats2half2_rn(B(k + 8, g) * scale, B(k + 9, g) * scale);
+        o[0] = *reinterpret_cast<uint32_t *>(&lo);
+        o[1] = *reinterpret_cast<uint32_t *>(&hi);
+    }
+    static __device__ __forceinline__ uint2 wunpack(const uint32_t *o) {
+        return make_uint2(o[0], o[1]);
+    }
+    static __device__ __forceinline__ void afrag(uint32_t a[4], const elem *tile, int ld, int ks,
+                                                 int lane) {
+        ldmatrix_x4(a, tile, ld, ks * 16, 8, lane);
+    }
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint2 b) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+    }
+};
+
 struct mode_tf32 {
     static constexpr int KSTEP = 8;
     static constexpr int APAD = 4; // floats of padding per A-tile row: conflict-free fragments
     static constexpr int WPF = 1;  // {B[k][n], B[k+4][n]} as one fp16 pair
     static constexpr bool SCALED = true;
     using elem = float; // tf32 values kept in fp32 bit patterns
+    using hmode = mode_f16; // the forward's h part (h is bounded: scaled fp16)
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __uint_as_float(f32_to_tf32(v));
     }
@@ -150,6 +195,7 @@ struct mode_bf16 {
     static constexpr int WPF = 2;
     static constexpr bool SCALED = false;
     using elem = __nv_bfloat16;
+    using hmode = mode_bf16;
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __float2bfloat16_rn(v);
     }
@@ -264,26 +310,41 @@ struct persist_geom {
     static constexpr int NW = HP / 16;
     static constexpr int THREADS = NW * 32;
     using elem = typename Mode::elem;
-    // Forward: N = 2G n-tiles a warp (its 16 units of each gate); K = HP (h), plus up to HP/2
-    // (x, padded to whole k-steps) when the input projection is fused.
+    using HM = typename Mode::hmode;
+    using helem = typename HM::elem;
+    // Forward: N = 2G n-tiles a warp (its 16 units of each gate); K = HP (h, in HM's k-steps),
+    // plus up to HP/2 (x, in Mode's k-steps) when the input projection is fused. h and x have
+    // their own A tiles (double-buffered) and weight fragments, in that order.
     static constexpr int F_NT = 2 * G;
-    static constexpr int F_KS = HP / Mode::KSTEP;
+    static constexpr int F_KS = HP / HM::KSTEP;
     static constexpr int F_XKS = HP / 2 / Mode::KSTEP; // most x k-steps a fused loop takes
-    static constexpr int F_WPL = F_NT * Mode::WPF;      // weight words a lane reads per k-step
-    static constexpr long F_KS_BYTES = (long)F_WPL * 4 * 32 * NW;
-    static constexpr int f_lda(int xks) { return HP + xks * Mode::KSTEP + Mode::APAD; }
+    static constexpr int F_HWPL = F_NT * HM::WPF;       // weight words a lane reads per k-step
+    static constexpr int F_XWPL = F_NT * Mode::WPF;
+    static constexpr long F_HKS_BYTES = (long)F_HWPL * 4 * 32 * NW;
+    static constexpr long F_XKS_BYTES = (long)F_XWPL * 4 * 32 * NW;
+    static constexpr int F_HLD = HP + HM::APAD;
+    static constexpr int f_xld(int xks) { return xks * Mode::KSTEP + Mode::APAD; }
+    static constexpr long f_wbytes(int xks) { return F_KS * F_HKS_BYTES + xks * F_XKS_BYTES; }
+    static constexpr long F_HTILES_BYTES = 2L * 16 * F_HLD * (long)sizeof(helem);
     static constexpr long f_smem(int xks) {
-        return (F_KS + xks) * F_KS_BYTES + 2L * 16 * f_lda(xks) * (long)sizeof(elem);
+        return f_wbytes(xks) + F_HTILES_BYTES +
+               (xks ? 2L * 16 * f_xld(xks) * (long)sizeof(elem) : 0);
     }
-    // Backward: K = G*HP (gate rows), N = 2 n-tiles a warp (its 16 units).
-    static constexpr int B_NT = 2;
+    // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
+    // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
+    // partner the partial sums of the partner's units through an exchange buffer (8 floats a
+    // lane). Halves the A-tile reads of a warp against N = 2 n-tiles over the whole of K.
+    static constexpr int B_NT = 4;
     static constexpr int B_KS = G * HP / Mode::KSTEP;
+    static constexpr int B_KSW = B_KS / 2; // k-steps a warp takes
     static constexpr int B_WPL = B_NT * Mode::WPF;
     static constexpr long B_KS_BYTES = (long)B_WPL * 4 * 32 * NW;
     static constexpr int B_LDA = G * HP + Mode::APAD;
     static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(elem);
-    static constexpr long B_SMEM = B_KS * B_KS_BYTES + B_TILE_BYTES;
-    static constexpr int B_SPLIT = 4; // independent accumulator chains over k in backward
+    static constexpr long B_XCH_BYTES = NW * 2L * 32 * 16;
+    static constexpr long B_SMEM = B_KSW * B_KS_BYTES + B_TILE_BYTES + B_XCH_BYTES;
+    static constexpr int B_SPLIT = 2; // independent accumulator chains over k in backward
+    static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
 };
@@ -322,9 +383,30 @@ struct persist_wlayout {
     }
 };
 
-// The power of two 2^s that puts max |w| over a[0..na) and b[0..nb) in [2^14, 2^15), so that the
-// scaled weights fit fp16 with room to spare (1 for all-zero or non-finite weights). red: 32
-// floats of shared scratch, free again on return.
+// The power of two 2^(top - e) for the block-wide maximum m = f 2^e (f in [0.5, 1)) of the
+// threads' values: it puts m in [2^(top-1), 2^top) (1 for m zero or not finite). red: 32 floats
+// of shared scratch, free again on return.
+static __device__ float persist_pow2_scale(float m, int top, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int k = 0; k < (int)blockDim.x / 32; k++)
+        m = fmaxf(m, red[k]);
+    __syncthreads();
+    if (!(m > 0.0f) || !(m <= 3.0e38f))
+        return 1.0f;
+    int e;
+    frexpf(m, &e);
+    e = e < -100 ? -100 : e;
+    return ldexpf(1.0f, top - e);
+}
+
+// The weights' scale: max |w| over a[0..na) and b[0..nb) into [2^14, 2^15), so that the scaled
+// weights fit fp16 with room to spare.
 static __device__ float persist_wscale(const float *a, int na, const float *b, int nb,
                                        float *red) {
     float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
@@ -339,23 +421,29 @@ static __device__ float persist_wscale(const float *a, int na, const float *b, i
         m0 = fmaxf(m0, fabsf(__ldg(a + i)));
     for (i = threadIdx.x; i < nb; i += blockDim.x)
         m1 = fmaxf(m1, fabsf(__ldg(b + i)));
-    float m = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if ((threadIdx.x & 31) == 0)
-        red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0.0f;
-    for (int k = 0; k < (int)blockDim.x / 32; k++)
-        m = fmaxf(m, red[k]);
-    __syncthreads();
-    if (!(m > 0.0f) || !(m <= 3.0e38f))
-        return 1.0f;
-    int e;
-    frexpf(m, &e); // m = f 2^e, f in [0.5, 1)
-    e = e < -100 ? -100 : e;
-    return ldexpf(1.0f, 15 - e);
+    return persist_pow2_scale(fmaxf(fmaxf(m0, m1), fmaxf(m2, m3)), 15, red);
+}
+
+// The scale of h in the forward's fp16 A tile: every h the block's rows can hold is at most
+// max(1, |h0|, |stored states|) (a GRU's h' is a convex combination of h and n in [-1, 1], an
+// LSTM's h' = o tanh(c')), which this puts in [2^13, 2^14), far from fp16's overflow at 65504.
+// Only the stored states and h0 of the block's own rows are read (none when absent).
+static __device__ float persist_hscale(const struct persist_fwd_args &a, float *red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int steps = a.hidden ? a.T : a.h0 ? 1 : 0;
+    float m = 1.0f;
+    for (int rt = w; rt < 16 * steps; rt += nw) { // a warp per (row, step)
+        int row = rt / steps, t = rt - row * steps, b = blockIdx.x * 16 + row;
+        if (b >= a.B)
+            break;
+        for (int u = lane; u < a.H; u += 32) {
+            if (a.hidden)
+                m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * a.T + t) * a.L + a.l) * a.H + u)));
+            if (t == 0 && a.h0)
+                m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * a.L + a.l) * a.H + u)));
+        }
+    }
+    return persist_pow2_scale(m, 14, red);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,31 +532,37 @@ template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
+    using HM = typename Gm::HM;
     using E = typename Mode::elem;
-    using WL = persist_wlayout<Gm::F_WPL>;
+    using HE = typename Gm::helem;
+    using WLH = persist_wlayout<Gm::F_HWPL>;
+    using WLX = persist_wlayout<Gm::F_XWPL>;
     constexpr int G = Gm::G, NT = Gm::F_NT, KSH = Gm::F_KS, XKS = XF ? Gm::F_XKS : 0;
-    constexpr int NW = Gm::NW, SW = Cell::SW, WPF = Mode::WPF, THREADS = Gm::THREADS;
-    constexpr bool GRU = G == 3;
+    constexpr int NW = Gm::NW, SW = Cell::SW, THREADS = Gm::THREADS, HLD = Gm::F_HLD;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H, Il = a.Il;
-    const int xks = XF ? a.xks : 0, lda = Gm::f_lda(xks);
+    const int xks = XF ? a.xks : 0, xld = Gm::f_xld(xks);
     const int u0 = w * 16 + 4 * tg;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char *wsm = smem;
-    E *tiles = reinterpret_cast<E *>(smem + (size_t)(KSH + xks) * Gm::F_KS_BYTES);
+    unsigned char *wsm = smem, *wsmx = smem + KSH * Gm::F_HKS_BYTES;
+    HE *htiles = reinterpret_cast<HE *>(smem + Gm::f_wbytes(xks));
+    E *xtiles = reinterpret_cast<E *>(smem + Gm::f_wbytes(xks) + Gm::F_HTILES_BYTES);
 
-    // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] for k < HP, W_ih[..][k - HP]
-    // above, q the gate of n-tile nt = 2q + half.
-    float wscale = 1.0f;
+    // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] (h k-steps) and W_ih[..][k]
+    // (x k-steps), q the gate of n-tile nt = 2q + half. Scales (powers of two): wscale for
+    // the weights, hscale for h in its fp16 tile; the accumulators are scaled back exactly.
+    float wscale = 1.0f, hscale = 1.0f;
     if constexpr (Mode::SCALED)
         wscale = persist_wscale(a.w_hh, GH * H, XF ? a.w_ih : nullptr, XF ? GH * Il : 0,
-                                reinterpret_cast<float *>(tiles));
-    const float winv = 1.0f / wscale;
-#pragma unroll 2
-    for (int ks = 0; ks < KSH + xks; ks++) {
-        uint32_t o[Gm::F_WPL];
+                                reinterpret_cast<float *>(htiles));
+    if constexpr (HM::SCALED)
+        hscale = persist_hscale(a, reinterpret_cast<float *>(htiles));
+    const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
+    auto wpack_all = [&](auto mode, unsigned char *to, int ks, bool xpart) {
+        using M = decltype(mode);
+        uint32_t o[NT * M::WPF];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int q = nt >> 1, half = nt & 1;
@@ -476,15 +570,19 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 int unit = persist_unit(w, half, n);
                 if (unit >= H)
                     return 0.0f;
-                if (k < HP)
+                if (!xpart)
                     return k < H ? __ldg(a.w_hh + (size_t)(q * H + unit) * H + k) : 0.0f;
-                k -= HP;
                 return k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k) : 0.0f;
             };
-            Mode::wpack(o + nt * WPF, Bf, ks, g, tg, wscale);
+            M::wpack(o + nt * M::WPF, Bf, ks, g, tg, wscale);
         }
-        WL::store(wsm, ks, NW, w, lane, o);
-    }
+        persist_wlayout<NT * M::WPF>::store(to, ks, NW, w, lane, o);
+    };
+#pragma unroll 2
+    for (int ks = 0; ks < KSH; ks++)
+        wpack_all(HM(), wsm, ks, false);
+    for (int ks = 0; ks < xks; ks++)
+        wpack_all(Mode(), wsmx, ks, true);
 
     // Biases of this thread's elements.
     float bi[G][4], bh[G][4];
@@ -526,7 +624,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         xok[k] = xin && e < 16 * Il && b < (size_t)a.B;
         xsrc[k] = xok[k] ? a.x + b * T * a.ldx + col : nullptr;
         xdst[k] = xok[k] && a.xcopy ? a.z + b * T * a.ldz + a.xoff + col : nullptr;
-        xtile[k] = row * lda + HP + col;
+        xtile[k] = row * xld + col;
     }
     float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto load_x = [&](int t) {
@@ -582,19 +680,23 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     }
     if constexpr (XF) {
-        // The x columns of both tiles start at zero (the padding past I_l stays so).
-        for (int e = threadIdx.x; e < 2 * 16 * xks * Mode::KSTEP; e += THREADS) {
-            int tr = e / (xks * Mode::KSTEP), col = e - tr * (xks * Mode::KSTEP);
-            Mode::put(tiles + tr * lda + HP + col, 0.0f);
-        }
+        // Both x tiles start at zero (the padding past I_l stays so).
+        for (int e = threadIdx.x; e < 2 * 16 * xld; e += THREADS)
+            Mode::put(xtiles + e, 0.0f);
         __syncthreads();
     }
+    // h (scaled) into the step's h tile.
+    auto put_h = [&](HE *tile) {
 #pragma unroll
-    for (int i = 0; i < 2; i++)
-        Mode::put4(tiles + (g + 8 * i) * lda + u0, h[i]);
+        for (int i = 0; i < 2; i++) {
+            float v[4] = {h[i][0] * hscale, h[i][1] * hscale, h[i][2] * hscale, h[i][3] * hscale};
+            HM::put4(tile + (g + 8 * i) * HLD + u0, v);
+        }
+    };
+    put_h(htiles);
     if (xin) {
         load_x(0);
-        put_x(tiles, 0);
+        put_x(xtiles, 0);
     }
 
     // x W_ih^T of step 0 (not fused), and the reset flags and stored values of step 1.
@@ -621,38 +723,55 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
         }
     }
+    // Variant bit 16: the first FREG h k-steps of weights stay in registers (less shared-memory
+    // traffic a step; the thread reads back only what it stored itself).
+    constexpr int FREG = (V & 16) ? 4 : 0;
+    uint32_t wreg[FREG > 0 ? FREG : 1][Gm::F_HWPL];
+#pragma unroll
+    for (int ks = 0; ks < FREG; ks++)
+        WLH::load(wreg[ks], wsm, ks, NW, w, lane);
     persist_clock<V> clk;
     __syncthreads();
 
     for (int t = 0; t < T; t++) {
-        const E *cur = tiles + (t & 1) * (16 * lda);
-        E *nxt = tiles + ((t + 1) & 1) * (16 * lda);
+        const HE *hcur = htiles + (t & 1) * (16 * HLD);
+        HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
+        const E *xcur = xtiles + (t & 1) * (16 * xld);
+        E *xnxt = xtiles + ((t + 1) & 1) * (16 * xld);
         clk.start();
         if (xin && t + 1 < T)
             load_x(t + 1); // in flight during the MMA
 
-        // gates = [h | x] [W_hh | W_ih]^T for the warp's 2G n-tiles (the GRU's x part of n apart).
-        float acc[NT][4], accx[2][4];
+        // Gates for the warp's 2G n-tiles: h W_hh^T (acc) and, fused, x W_ih^T (accx) apart:
+        // their scales differ, and the GRU's r multiplies the h part of n alone.
+        float acc[NT][4], accx[XF ? NT : 1][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
             zero4(acc[nt]);
-        zero4(accx[0]);
-        zero4(accx[1]);
 #pragma unroll
-        for (int ks = 0; ks < KSH + XKS; ks++) {
-            if (ks >= KSH && ks - KSH >= xks)
+        for (int nt = 0; nt < (XF ? NT : 1); nt++)
+            zero4(accx[nt]);
+#pragma unroll
+        for (int ks = 0; ks < KSH; ks++) {
+            uint32_t af[4], wv[Gm::F_HWPL];
+            HM::afrag(af, hcur, HLD, ks, lane);
+            if (ks >= FREG)
+                WLH::load(wv, wsm, ks, NW, w, lane);
+            const uint32_t *wp = ks < FREG ? wreg[ks < FREG ? ks : 0] : wv;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                HM::mma(acc[nt], af, HM::wunpack(wp + nt * HM::WPF));
+        }
+#pragma unroll
+        for (int ks = 0; ks < XKS; ks++) {
+            if (ks >= xks)
                 break;
-            uint32_t af[4], wv[Gm::F_WPL];
-            Mode::afrag(af, cur, lda, ks, lane);
-            WL::load(wv, wsm, ks, NW, w, lane);
+            uint32_t af[4], wv[Gm::F_XWPL];
+            Mode::afrag(af, xcur, xld, ks, lane);
+            WLX::load(wv, wsmx, ks, NW, w, lane);
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                uint2 b = Mode::wunpack(wv + nt * WPF);
-                if (GRU && ks >= KSH && nt >= 4)
-                    Mode::mma(accx[nt & 1], af, b); // nt = 4, 5
-                else
-                    Mode::mma(acc[nt], af, b);
-            }
+            for (int nt = 0; nt < NT; nt++)
+                Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
         }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
@@ -668,15 +787,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 float xq[G], hq[G], s[SW];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
+                    const int nt = 2 * q + (j >> 1), e = 2 * i + (j & 1);
                     float gx;
-                    if constexpr (!XF)
-                        gx = xg[i][q][j];
-                    else if (GRU && q == 2)
-                        gx = accx[j >> 1][2 * i + (j & 1)] * winv;
+                    if constexpr (XF)
+                        gx = accx[nt][e] * winv;
                     else
-                        gx = 0.0f; // in acc
+                        gx = xg[i][q][j];
                     xq[q] = gx + bi[q][j];
-                    hq[q] = acc[2 * q + (j >> 1)][2 * i + (j & 1)] * winv + bh[q][j];
+                    hq[q] = acc[nt][e] * hinv + bh[q][j];
                 }
                 Cell::template forward<true>(xq, hq, h[i][j], c[i][j], hn[i][j], cn[i][j], s);
 #pragma unroll
@@ -730,11 +848,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     h[i][j] = nreset[i] ? nh[i][j] : hn[i][j];
                     c[i][j] = nreset[i] ? nc[i][j] : cn[i][j];
                 }
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                Mode::put4(nxt + (g + 8 * i) * lda + u0, h[i]);
+            put_h(hnxt);
             if (xin)
-                put_x(nxt, t + 1);
+                put_x(xnxt, t + 1);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
             for (int i = 0; i < 2; i++) {
@@ -776,35 +892,39 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     using Gm = persist_geom<Cell, Mode, HP>;
     using E = typename Mode::elem;
     using WL = persist_wlayout<Gm::B_WPL>;
-    constexpr int G = Gm::G, NT = Gm::B_NT, KS = Gm::B_KS, NW = Gm::NW, WPF = Mode::WPF;
+    constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = Mode::WPF;
     constexpr int LDA = Gm::B_LDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
     constexpr bool LSTM = G == 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char *wsm = smem;
-    E *tile = reinterpret_cast<E *>(smem + KS * Gm::B_KS_BYTES);
+    E *tile = reinterpret_cast<E *>(smem + KSW * Gm::B_KS_BYTES);
+    float4 *xch = reinterpret_cast<float4 *>(smem + KSW * Gm::B_KS_BYTES + Gm::B_TILE_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
     const int u0 = w * 16 + 4 * tg;
+    // The K half this warp takes (its own units are n-tiles 2kh, 2kh+1 of the pair's 4).
+    const int kh = w & 1, k0 = kh * KSW;
 
-    // W_hh as B fragments: B[k][n] = W_hh[q*H + uu][unit(n)] for k = q*HP + uu.
+    // W_hh as B fragments: B[k][n] = W_hh[q*H + uu][unit(n)] for k = q*HP + uu, n-tile nt of
+    // the pair's warp 2p + nt/2.
     float wscale = 1.0f;
     if constexpr (Mode::SCALED)
         wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
 #pragma unroll 4
-    for (int ks = 0; ks < KS; ks++) {
+    for (int ks = 0; ks < KSW; ks++) {
         uint32_t o[Gm::B_WPL];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             auto Bf = [&](int k, int n) -> float {
-                int unit = persist_unit(w, nt, n);
+                int unit = persist_unit((w & ~1) + (nt >> 1), nt & 1, n);
                 int q = k / HP, uu = k - q * HP;
                 return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit)
                                           : 0.0f;
             };
-            Mode::wpack(o + nt * WPF, Bf, ks, g, tg, wscale);
+            Mode::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
         }
         WL::store(wsm, ks, NW, w, lane, o);
     }
@@ -851,6 +971,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     load_step(T - 1);
+    // Variant bit 16: the warp's first 12 k-steps of weights stay in registers (of 24 GRU, 32
+    // LSTM at HP = 128).
+    constexpr int BREG = (V & 16) ? (KSW < 12 ? KSW : 12) : 0;
+    uint32_t wreg[BREG > 0 ? BREG : 1][Gm::B_WPL];
+#pragma unroll
+    for (int ks = 0; ks < BREG; ks++)
+        WL::load(wreg[ks], wsm, ks, NW, w, lane);
     persist_clock<V> clk;
     __syncthreads(); // the weights are in place
 
@@ -910,7 +1037,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
         }
 
-        // dL/dh of the state entering step t: tile . W_hh (+ the direct term).
+        // dL/dh of the state entering step t: tile . W_hh (+ the direct term), this warp's
+        // K half for the pair's 4 n-tiles, then the partner's half of this warp's 2 added.
         float acc[SPLIT][NT][4];
 #pragma unroll
         for (int sp = 0; sp < SPLIT; sp++)
@@ -918,17 +1046,42 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int nt = 0; nt < NT; nt++)
                 zero4(acc[sp][nt]);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
+        for (int ks = 0; ks < KSW; ks++) {
             uint32_t af[4], wv[Gm::B_WPL];
-            Mode::afrag(af, tile, LDA, ks, lane);
-            WL::load(wv, wsm, ks, NW, w, lane);
+            Mode::afrag(af, tile, LDA, k0 + ks, lane);
+            if (ks >= BREG)
+                WL::load(wv, wsm, ks, NW, w, lane);
+            const uint32_t *wp = ks < BREG ? wreg[ks < BREG ? ks : 0] : wv;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
-                Mode::mma(acc[ks % SPLIT][nt], af, Mode::wunpack(wv + nt * WPF));
+                Mode::mma(acc[ks % SPLIT][nt], af, Mode::wunpack(wp + nt * WPF));
         }
+        // mine: the n-tiles of this warp's units (selected, not indexed: kh is not constant).
+        float mine[2][4], theirs[2][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+                for (int sp = 0; sp < SPLIT; sp++)
+                    lo += acc[sp][hf][e], hi += acc[sp][2 + hf][e];
+                mine[hf][e] = kh ? hi : lo;
+                theirs[hf][e] = kh ? lo : hi;
+            }
         if constexpr ((V & 8) != 0) {
-            persist_wait_for(acc[0][0][0] + acc[SPLIT - 1][NT - 1][3], a.dbg);
+            persist_wait_for(mine[0][0] + theirs[1][3], a.dbg);
             clk.mark(3);
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+            xch[(w * 2 + hf) * 32 + lane] =
+                make_float4(theirs[hf][0], theirs[hf][1], theirs[hf][2], theirs[hf][3]);
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + (w >> 1)) : "memory"); // the pair only
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
+            mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
         }
 
         // Route it (DESIGN.md §2): carried to step t-1, or into the gradient of the value the
@@ -937,13 +1090,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         for (int i = 0; i < 2; i++) {
             float dhp[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int sp = 0; sp < SPLIT; sp++)
-                    s += acc[sp][j >> 1][2 * i + (j & 1)];
-                dhp[j] = ddir[i][j] + s * winv;
-            }
+            for (int j = 0; j < 4; j++)
+                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * winv;
             bool carry = t > 0 && !rst[i];
             if (carry) {
 #pragma unroll
@@ -1023,6 +1171,29 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
+}
+
+// Bench variants of the TF32 H=128 loops with vector access (kernels/bench/NOTES.md): bit 8
+// phase clocks, bit 16 weights partly in registers. RNND_ENOTSUP where none applies.
+template <class Cell>
+static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
+    int v = backward ? static_cast<const persist_bwd_args *>(args)->variant
+                     : static_cast<const persist_fwd_args *>(args)->variant;
+    bool vec = backward ? static_cast<const persist_bwd_args *>(args)->vec
+                        : static_cast<const persist_fwd_args *>(args)->vec;
+    if (!vec)
+        return RNND_ENOTSUP;
+#define VARIANT(V)                                                                                 \
+    if ((v & 24) == V)                                                                             \
+        return backward ? persist_launch_backward<Cell, mode_tf32, 128, V>(                        \
+                              *static_cast<const persist_bwd_args *>(args), stream)                \
+                        : persist_launch_forward<Cell, mode_tf32, 128, V>(                         \
+                              *static_cast<const persist_fwd_args *>(args), stream);
+    VARIANT(8)
+    VARIANT(16)
+    VARIANT(24)
+#undef VARIANT
+    return RNND_ENOTSUP;
 }
 
 // Shared memory of one launch (forward with xks fused x k-steps), or -1 when xks is more than

@@ -261,8 +261,9 @@ static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const str
     return 0;
 }
 
+// state_scale: h0, c0, hidden and cell are uniform in +-state_scale.
 static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
-                     bool check_determinism) {
+                     bool check_determinism, float state_scale) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
     size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
@@ -279,8 +280,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     h.params = xmalloc(P * 4);
     rnnd_model_init_params(&m, rng_next(), h.params);
     h.x = host_uniform(nx, 1.0f);
-    h.h0 = host_uniform(blh, 0.8f), h.c0 = host_uniform(blh, 0.8f);
-    h.hidden = host_uniform(btlh, 0.8f), h.cell = host_uniform(btlh, 0.8f);
+    h.h0 = host_uniform(blh, state_scale), h.c0 = host_uniform(blh, state_scale);
+    h.hidden = host_uniform(btlh, state_scale), h.cell = host_uniform(btlh, state_scale);
     h.gout = host_uniform(nout, 1.0f), h.ghn = host_uniform(blh, 1.0f);
     h.gcn = host_uniform(blh, 1.0f), h.gbase = host_uniform(P, 1.0f);
     h.is_init = xmalloc(BT);
@@ -573,7 +574,17 @@ int main(int argc, char **argv) {
     int ncases = quick ? (int)(sizeof(quick_cases) / sizeof(quick_cases[0]))
                        : (int)(sizeof(full_cases) / sizeof(full_cases[0]));
     for (int i = 0; i < ncases; i++)
-        test_seq(&gpu, &cpu, &cases[i], i == 0);
+        test_seq(&gpu, &cpu, &cases[i], i == 0, 0.8f);
+    // States beyond [-1, 1]: the forward's fp16 h tile is scaled by the largest of them
+    // (unscaled, 12 * 2^13 would overflow fp16); the per-step path gives the TF32 baseline.
+    const struct seq_case wide_states[] = {
+        {GRU, F32, 64, 128, 1, 33, 20, 0.1, STATE_H0, AUTO},
+        {GRU, F32, 64, 128, 1, 33, 20, 0.1, STATE_H0, STEP},
+        {GRU, F32, 64, 128, 1, 33, 20, 0.05, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 64, 128, 1, 33, 20, 0.05, STATE_HIDDEN, AUTO},
+    };
+    for (int i = 0; !quick && i < (int)(sizeof(wide_states) / sizeof(wide_states[0])); i++)
+        test_seq(&gpu, &cpu, &wide_states[i], false, 12.0f);
 
     const struct step_case steps[] = {
         {GRU, F32, 64, 128, 1, 17, 50, false, false},

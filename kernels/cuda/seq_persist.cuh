@@ -102,14 +102,12 @@ static __device__ __forceinline__ void fence_proxy_async() {
 
 // The B operand (weights) of every mode is stored in shared memory as WPF 32-bit words per
 // fragment (lane, n-tile, k-step): wpack builds them from an accessor B(k, n), wunpack turns them
-// into the MMA's b0, b1. A mode's mma16 runs the MMAs whose A operand can be 16-bit: the
-// forward's h part and the backward's dh-gate tile.
+// into the MMA's b0, b1. A mode's hmode is the mode of the forward's h part.
 
-// TF32 mode's 16-bit MMAs: an operand scaled by a power of two that puts its largest value in
-// [2^13, 2^14) (the block's largest |h| in the forward, each row's largest gate gradient in the
-// backward) and rounded to fp16 keeps the 10 mantissa bits TF32 keeps, for every value within
-// 2^27 of that largest one, so m16n8k16 fp16 MMAs on the fp16 weights give TF32's products with
-// half the MMAs and no conversions.
+// The h part of the forward in TF32 mode: h scaled by a power of two (the block's largest |h|
+// lands in [2^13, 2^14)) and rounded to fp16 keeps the 10 mantissa bits TF32 keeps, for every
+// |h| within 2^27 of that largest value, so m16n8k16 fp16 MMAs on the fp16 weights give TF32's
+// products with half the MMAs and no conversions.
 struct mode_f16 {
     static constexpr int KSTEP = 16;
     static constexpr int APAD = 8;
@@ -155,7 +153,7 @@ struct mode_tf32 {
     static constexpr int WPF = 1;  // {B[k][n], B[k+4][n]} as one fp16 pair
     static constexpr bool SCALED = true;
     using elem = float; // tf32 values kept in fp32 bit patterns
-    using mma16 = mode_f16; // scaled fp16 operands: the forward's h, the backward's dh tile
+    using hmode = mode_f16; // the forward's h part (h is bounded: scaled fp16)
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __uint_as_float(f32_to_tf32(v));
     }
@@ -197,7 +195,7 @@ struct mode_bf16 {
     static constexpr int WPF = 2;
     static constexpr bool SCALED = false;
     using elem = __nv_bfloat16;
-    using mma16 = mode_bf16;
+    using hmode = mode_bf16;
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __float2bfloat16_rn(v);
     }
@@ -312,7 +310,7 @@ struct persist_geom {
     static constexpr int NW = HP / 16;
     static constexpr int THREADS = NW * 32;
     using elem = typename Mode::elem;
-    using HM = typename Mode::mma16;
+    using HM = typename Mode::hmode;
     using helem = typename HM::elem;
     // Forward: N = 2G n-tiles a warp (its 16 units of each gate); K = HP (h, in HM's k-steps),
     // plus up to HP/2 (x, in Mode's k-steps) when the input projection is fused. h and x have
@@ -332,26 +330,19 @@ struct persist_geom {
         return f_wbytes(xks) + F_HTILES_BYTES +
                (xks ? 2L * 16 * f_xld(xks) * (long)sizeof(elem) : 0);
     }
-    // Backward: K = G*HP (gate rows, in HM's k-steps) split in two halves; warps 2p and 2p+1
-    // share N = 4 n-tiles (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh,
-    // and each hands the partner the partial sums of the partner's units through an exchange
-    // buffer (8 floats a lane). Halves the A-tile reads of a warp against N = 2 n-tiles over the
-    // whole of K. The A tile holds HM elements (rows scaled when HM::SCALED, with the rows'
-    // maxima gathered in B_RED); TF32 mode keeps the fp32 gate gradients in a second tile, the
-    // one the bulk-copy engine writes to D.
+    // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
+    // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
+    // partner the partial sums of the partner's units through an exchange buffer (8 floats a
+    // lane). Halves the A-tile reads of a warp against N = 2 n-tiles over the whole of K.
     static constexpr int B_NT = 4;
-    static constexpr int B_KS = G * HP / HM::KSTEP;
+    static constexpr int B_KS = G * HP / Mode::KSTEP;
     static constexpr int B_KSW = B_KS / 2; // k-steps a warp takes
-    static constexpr int B_WPL = B_NT * HM::WPF;
+    static constexpr int B_WPL = B_NT * Mode::WPF;
     static constexpr long B_KS_BYTES = (long)B_WPL * 4 * 32 * NW;
-    static constexpr int B_LDA = G * HP + HM::APAD;
-    static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(helem);
-    static constexpr int B_DLDA = G * HP + 4;
-    static constexpr long B_DTILE_BYTES = sizeof(elem) == 4 ? 16L * B_DLDA * 4 : 0;
+    static constexpr int B_LDA = G * HP + Mode::APAD;
+    static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(elem);
     static constexpr long B_XCH_BYTES = NW * 2L * 32 * 16;
-    static constexpr long B_RED_BYTES = HM::SCALED ? 16L * NW * 4 : 0;
-    static constexpr long B_SMEM =
-        B_KSW * B_KS_BYTES + B_TILE_BYTES + B_DTILE_BYTES + B_XCH_BYTES + B_RED_BYTES;
+    static constexpr long B_SMEM = B_KSW * B_KS_BYTES + B_TILE_BYTES + B_XCH_BYTES;
     static constexpr int B_SPLIT = 2; // independent accumulator chains over k in backward
     static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
@@ -412,15 +403,6 @@ static __device__ float persist_pow2_scale(float m, int top, float *red) {
     frexpf(m, &e);
     e = e < -100 ? -100 : e;
     return ldexpf(1.0f, top - e);
-}
-
-// s = 2^(14 - e) and inv = 1 / s for m = f 2^e >= 0 (f in [0.5, 1)): s puts m in [2^13, 2^14);
-// e is clamped to [-100, 129] (zero and subnormal m, inf and NaN), so both stay normal floats.
-static __device__ __forceinline__ void persist_pow2_14(float m, float &s, float &inv) {
-    int e = (int)((__float_as_uint(m) >> 23) & 0xffu) - 126;
-    e = e < -100 ? -100 : e;
-    s = __uint_as_float((uint32_t)(141 - e) << 23);
-    inv = __uint_as_float((uint32_t)(113 + e) << 23);
 }
 
 // The weights' scale: max |w| over a[0..na) and b[0..nb) into [2^14, 2^15), so that the scaled
@@ -712,14 +694,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     put_h(htiles);
-    // x of steps 0 and 1 (the x part of a step's gates is computed a step ahead).
     if (xin) {
         load_x(0);
         put_x(xtiles, 0);
-        if (T > 1) {
-            load_x(1);
-            put_x(xtiles + 16 * xld, 1);
-        }
     }
 
     // x W_ih^T of step 0 (not fused), and the reset flags and stored values of step 1.
@@ -746,55 +723,35 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 ld4<VEC>(nc[i], a.cell + at, u0, H, ok);
         }
     }
-    // Variant bit 16: the first FREG h k-steps of weights stay in registers (less shared-memory
-    // traffic a step; the thread reads back only what it stored itself). GRU only: the LSTM
-    // loop has no 64 registers to spare.
-    constexpr int FREG = (V & 16) && G == 3 ? 4 : 0;
+    // The first FREG h k-steps of weights stay in registers (48 GRU, 64 LSTM: less shared-memory
+    // traffic a step; the thread reads back only what it stored itself). Fused loops only: the
+    // others keep x W_ih^T in those registers.
+    constexpr int FREG = XF ? (KSH < 4 ? KSH : 4) : 0;
     uint32_t wreg[FREG > 0 ? FREG : 1][Gm::F_HWPL];
 #pragma unroll
     for (int ks = 0; ks < FREG; ks++)
         WLH::load(wreg[ks], wsm, ks, NW, w, lane);
-    // Fused: x W_ih^T of one step (x's tile) for the warp's 2G n-tiles. It does not depend on
-    // h, so the loop computes it a step ahead, behind the h part's MMAs and during the cell.
-    constexpr int NTX = XF ? NT : 1;
-    auto x_mma = [&](const E *xtile, float (&o)[NTX][4]) {
-#pragma unroll
-        for (int nt = 0; nt < NTX; nt++)
-            zero4(o[nt]);
-#pragma unroll
-        for (int ks = 0; ks < XKS; ks++) {
-            if (ks >= xks)
-                break;
-            uint32_t af[4], wv[Gm::F_XWPL];
-            Mode::afrag(af, xtile, xld, ks, lane);
-            WLX::load(wv, wsmx, ks, NW, w, lane);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                Mode::mma(o[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
-        }
-    };
     persist_clock<V> clk;
     __syncthreads();
-    float accx[NTX][4];
-    if constexpr (XF)
-        x_mma(xtiles, accx);
 
     for (int t = 0; t < T; t++) {
         const HE *hcur = htiles + (t & 1) * (16 * HLD);
         HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
-        const E *xnext = xtiles + ((t + 1) & 1) * (16 * xld); // x of step t+1
-        E *xfree = xtiles + (t & 1) * (16 * xld);             // for x of step t+2
+        const E *xcur = xtiles + (t & 1) * (16 * xld);
+        E *xnxt = xtiles + ((t + 1) & 1) * (16 * xld);
         clk.start();
-        if (xin && t + 2 < T)
-            load_x(t + 2); // in flight during the MMA
+        if (xin && t + 1 < T)
+            load_x(t + 1); // in flight during the MMA
 
-        // Gates for the warp's 2G n-tiles: h W_hh^T (acc) and, fused, x W_ih^T (accx, from
-        // the step before) apart: their scales differ, and the GRU's r multiplies the h part
-        // of n alone.
-        float acc[NT][4], accn[NTX][4];
+        // Gates for the warp's 2G n-tiles: h W_hh^T (acc) and, fused, x W_ih^T (accx) apart:
+        // their scales differ, and the GRU's r multiplies the h part of n alone.
+        float acc[NT][4], accx[XF ? NT : 1][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
             zero4(acc[nt]);
+#pragma unroll
+        for (int nt = 0; nt < (XF ? NT : 1); nt++)
+            zero4(accx[nt]);
 #pragma unroll
         for (int ks = 0; ks < KSH; ks++) {
             uint32_t af[4], wv[Gm::F_HWPL];
@@ -806,8 +763,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int nt = 0; nt < NT; nt++)
                 HM::mma(acc[nt], af, HM::wunpack(wp + nt * HM::WPF));
         }
-        if (XF && t + 1 < T)
-            x_mma(xnext, accn);
+#pragma unroll
+        for (int ks = 0; ks < XKS; ks++) {
+            if (ks >= xks)
+                break;
+            uint32_t af[4], wv[Gm::F_XWPL];
+            Mode::afrag(af, xcur, xld, ks, lane);
+            WLX::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+        }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
             clk.mark(0);
@@ -884,8 +850,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     c[i][j] = nreset[i] ? nc[i][j] : cn[i][j];
                 }
             put_h(hnxt);
-            if (xin && t + 2 < T)
-                put_x(xfree, t + 2);
+            if (xin)
+                put_x(xnxt, t + 1);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
             for (int i = 0; i < 2; i++) {
@@ -911,13 +877,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(2);
         __syncthreads();
         clk.mark(3);
-        if (XF && t + 1 < T) {
-#pragma unroll
-            for (int nt = 0; nt < NTX; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    accx[nt][e] = accn[nt][e];
-        }
     }
     clk.flush(a.dbg);
 }
@@ -925,26 +884,23 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 // ---------------------------------------------------------------------------------------------
 // Backward kernel
 
-// TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are rows of the fp32 gate-gradient
-// tile, so the copy engine writes them to D while the warps run the MMA; only the GRU's fourth
-// plane is stored by the threads.
+// TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
+// the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
+// stored by the threads.
 template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    using HM = typename Gm::HM;
-    using HE = typename Gm::helem;
+    using E = typename Mode::elem;
     using WL = persist_wlayout<Gm::B_WPL>;
-    constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = HM::WPF;
-    constexpr int LDA = Gm::B_LDA, DLDA = Gm::B_DLDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
+    constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = Mode::WPF;
+    constexpr int LDA = Gm::B_LDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
     constexpr bool LSTM = G == 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char *wsm = smem, *at = smem + KSW * Gm::B_KS_BYTES;
-    HE *tile = reinterpret_cast<HE *>(at);
-    float *dtile = reinterpret_cast<float *>(at += Gm::B_TILE_BYTES);
-    float4 *xch = reinterpret_cast<float4 *>(at += Gm::B_DTILE_BYTES);
-    float *red = reinterpret_cast<float *>(at + Gm::B_XCH_BYTES);
+    unsigned char *wsm = smem;
+    E *tile = reinterpret_cast<E *>(smem + KSW * Gm::B_KS_BYTES);
+    float4 *xch = reinterpret_cast<float4 *>(smem + KSW * Gm::B_KS_BYTES + Gm::B_TILE_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
@@ -956,7 +912,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // the pair's warp 2p + nt/2.
     float wscale = 1.0f;
     if constexpr (Mode::SCALED)
-        wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(xch));
+        wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
 #pragma unroll 4
     for (int ks = 0; ks < KSW; ks++) {
@@ -969,7 +925,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit)
                                           : 0.0f;
             };
-            HM::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
+            Mode::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
         }
         WL::store(wsm, ks, NW, w, lane, o);
     }
@@ -1016,9 +972,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     load_step(T - 1);
-    // Variant bit 16: the warp's first 6 k-steps of weights stay in registers (of 12 GRU, 16
-    // LSTM at HP = 128).
-    constexpr int BREG = (V & 16) ? (KSW < 6 ? KSW : 6) : 0;
+    // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
+    // and 32 LSTM k-steps at HP = 128 in TF32 mode); not in the scalar-access loops, which
+    // would spill.
+    constexpr int BREG = !VEC ? 0 : KSW < 48 / Gm::B_WPL ? KSW : 48 / Gm::B_WPL;
     uint32_t wreg[BREG > 0 ? BREG : 1][Gm::B_WPL];
 #pragma unroll
     for (int ks = 0; ks < BREG; ks++)
@@ -1056,31 +1013,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             clk.mark(0);
         }
 
-        // The rows' largest |gate gradient| (this warp's share) for the A tile's row scales.
-        if constexpr (HM::SCALED) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float m = 0.0f;
-#pragma unroll
-                for (int q = 0; q < G; q++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        m = fmaxf(m, fabsf(tv[q][i][j]));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                if (tg == 0)
-                    red[(g + 8 * i) * NW + w] = m;
-            }
-        }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
 #pragma unroll
-            for (int q = 0; q < G; q++) {
-                if constexpr (TMA)
-                    mode_tf32::put4(dtile + (g + 8 * i) * DLDA + q * HP + u0, tv[q][i]);
-                if constexpr (!HM::SCALED)
-                    HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
-            }
+            for (int q = 0; q < G; q++)
+                Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
             size_t r = rbase[i] + t;
 #pragma unroll
             for (int p = TMA ? G : 0; p < 4; p++)
@@ -1094,32 +1031,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         __syncthreads();
         clk.mark(2);
         if constexpr (TMA) {
-            // Row threadIdx.x of the fp32 tile -> D row (b, t), planes 0..G-1.
+            // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
             if (threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
                 size_t r = (size_t)(blockIdx.x * 16 + threadIdx.x) * T + t;
-                bulk_s2g(a.d + r * (4 * H), dtile + threadIdx.x * DLDA, G * H * sizeof(float));
+                bulk_s2g(a.d + r * (4 * H), tile + threadIdx.x * LDA, G * H * sizeof(float));
                 bulk_commit();
             }
-        }
-        // Rows i scaled by rs[i] (a power of two: the row's largest |value| into [2^13, 2^14)).
-        float rinv[2] = {1.0f, 1.0f};
-        if constexpr (HM::SCALED) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float m = 0.0f;
-#pragma unroll
-                for (int k = 0; k < NW; k++)
-                    m = fmaxf(m, red[(g + 8 * i) * NW + k]);
-                float rs;
-                persist_pow2_14(m, rs, rinv[i]);
-#pragma unroll
-                for (int q = 0; q < G; q++) {
-                    float v[4] = {tv[q][i][0] * rs, tv[q][i][1] * rs, tv[q][i][2] * rs,
-                                  tv[q][i][3] * rs};
-                    HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, v);
-                }
-            }
-            __syncthreads();
         }
 
         // dL/dh of the state entering step t: tile . W_hh (+ the direct term), this warp's
@@ -1133,13 +1050,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < KSW; ks++) {
             uint32_t af[4], wv[Gm::B_WPL];
-            HM::afrag(af, tile, LDA, k0 + ks, lane);
+            Mode::afrag(af, tile, LDA, k0 + ks, lane);
             if (ks >= BREG)
                 WL::load(wv, wsm, ks, NW, w, lane);
             const uint32_t *wp = ks < BREG ? wreg[ks < BREG ? ks : 0] : wv;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
-                HM::mma(acc[ks % SPLIT][nt], af, HM::wunpack(wp + nt * WPF));
+                Mode::mma(acc[ks % SPLIT][nt], af, Mode::wunpack(wp + nt * WPF));
         }
         // mine: the n-tiles of this warp's units (selected, not indexed: kh is not constant).
         float mine[2][4], theirs[2][4];
@@ -1176,7 +1093,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * rinv[i] * winv;
+                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * winv;
             bool carry = t > 0 && !rst[i];
             if (carry) {
 #pragma unroll
@@ -1258,27 +1175,18 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     return 0;
 }
 
-// Bench variants of the TF32 H=128 loops with vector access (kernels/bench/NOTES.md): bit 8
-// phase clocks, bit 16 weights partly in registers. RNND_ENOTSUP where none applies.
+// Bench variant bit 8 (phase clocks) of the TF32 H=128 loops with vector access
+// (kernels/bench/NOTES.md); RNND_ENOTSUP where it does not apply.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
-    int v = backward ? static_cast<const persist_bwd_args *>(args)->variant
-                     : static_cast<const persist_fwd_args *>(args)->variant;
-    bool vec = backward ? static_cast<const persist_bwd_args *>(args)->vec
-                        : static_cast<const persist_fwd_args *>(args)->vec;
-    if (!vec)
-        return RNND_ENOTSUP;
-#define VARIANT(V)                                                                                 \
-    if ((v & 24) == V)                                                                             \
-        return backward ? persist_launch_backward<Cell, mode_tf32, 128, V>(                        \
-                              *static_cast<const persist_bwd_args *>(args), stream)                \
-                        : persist_launch_forward<Cell, mode_tf32, 128, V>(                         \
-                              *static_cast<const persist_fwd_args *>(args), stream);
-    VARIANT(8)
-    VARIANT(16)
-    VARIANT(24)
-#undef VARIANT
-    return RNND_ENOTSUP;
+    if (backward) {
+        const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
+        return a.vec && (a.variant & 8) ? persist_launch_backward<Cell, mode_tf32, 128, 8>(a, stream)
+                                        : RNND_ENOTSUP;
+    }
+    const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
+    return a.vec && (a.variant & 8) ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)
+                                    : RNND_ENOTSUP;
 }
 
 // Shared memory of one launch (forward with xks fused x k-steps), or -1 when xks is more than

@@ -4,6 +4,8 @@
  *   rnnd-kernel-bench --backend cpu|cuda --cell gru|lstm --batch B --steps T --input I
  *       --hidden H --layers L --reset-prob p --compute fp32|ieee|bf16
  *       [--warmup n] [--repeat n] [--seed n] [--device n] [--threads n] [--grad-input]
+ *   rnnd-kernel-bench --backend cuda --op step --cell gru --batch B --input I --hidden H
+ *       --layers L --reset-prob p --compute fp32|ieee|bf16 [--warmup n] [--repeat n]
  *
  * --cell, --batch, --steps, --input, --hidden, --layers, --reset-prob and --compute take comma
  * lists (--batch 16,64); every combination is one case. Each case draws random non-zero inputs
@@ -13,6 +15,9 @@
  * tape) and of forward+backward and reports medians: a table on stdout, then one JSON line per
  * case (lines starting with '{'). The input gradient is not computed unless --grad-input is given
  * (a policy's observations need none; kernels/bench/torch_cpu_bench.py does the same).
+ * --op step times the single-step op instead (rnn_step, B rows gathered from a 4B-slot table
+ * through a random permutation; CUDA only, kernels/bench/cuda_step_bench.cu): a step table and
+ * JSON lines with "op":"step" (--steps is ignored).
  * --threads sets the CPU backend's thread count (RNND_CPU_THREADS; default: the CPUs available).
  * The device column names OpenBLAS's kernel; on CPUs the OpenBLAS build does not know, the bench
  * re-executes itself with OPENBLAS_CORETYPE set (rnnd_cpu_blas_reexec), as rnnd does.
@@ -354,7 +359,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: rnnd-kernel-bench [--backend cpu|cuda] [--cell gru|lstm] [--batch B]\n"
                "         [--steps T] [--input I] [--hidden H] [--layers L] [--reset-prob p]\n"
                "         [--compute fp32|ieee|bf16] [--warmup n] [--repeat n] [--seed n]\n"
-               "         [--device n] [--threads n] [--grad-input]\n"
+               "         [--device n] [--threads n] [--grad-input] [--op seq|step]\n"
                "List options take comma lists (--batch 16,64); every combination is one case.\n"
                "Defaults: cpu gru B=64 T=128 I=64 H=128 L=1 p=0.1 fp32, warmup 3, repeat 10.\n");
 }
@@ -364,9 +369,13 @@ static const char *compute_name(enum rnnd_compute c) {
 }
 
 static int run_case(const struct bench_case *bc, struct bench_result *res) {
+    if (bc->step && strcmp(bc->backend, "cuda") != 0) {
+        fprintf(stderr, "rnnd-kernel-bench: --op step runs on --backend cuda only\n");
+        return RNND_ENOTSUP;
+    }
     if (strcmp(bc->backend, "cuda") == 0) {
 #ifdef RNND_HAVE_CUDA
-        return rnnd_bench_cuda(bc, res);
+        return bc->step ? rnnd_bench_cuda_step(bc, res) : rnnd_bench_cuda(bc, res);
 #else
         fprintf(stderr, "rnnd-kernel-bench: this build has no CUDA backend (RNND_CUDA=OFF or no "
                         "nvcc); use --backend cpu\n");
@@ -382,6 +391,47 @@ static int run_case(const struct bench_case *bc, struct bench_result *res) {
     return err;
 }
 
+// --op step: runs the cases, prints a table, then one JSON line per case.
+static int step_main(const struct bench_case *cases, struct bench_result *results, int *errs,
+                     int ncase) {
+    printf("%-7s %-4s %-5s %5s %5s %5s %2s %6s %9s %9s %9s %9s %9s\n", "backend", "cell", "comp",
+           "B", "I", "H", "L", "reset", "step_us", "graph_us", "call_us", "out_err", "state_err");
+    int failed = 0;
+    for (int c = 0; c < ncase; c++) {
+        const struct bench_case *bc = &cases[c];
+        struct bench_result *r = &results[c];
+        const struct rnnd_model *m = &bc->model;
+        errs[c] = run_case(bc, r);
+        printf("%-7s %-4s %-5s %5d %5d %5d %2d %6.3f ", bc->backend,
+               m->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(m->compute), bc->B, m->I,
+               m->H, m->L, bc->reset_prob);
+        if (errs[c]) {
+            failed = 1;
+            printf(" failed: %s\n", rnnd_strerror(errs[c]));
+            continue;
+        }
+        printf("%9.2f %9.2f %9.2f %9.1e %9.1e\n", r->step_us, r->graph_us, r->call_us, r->out_err,
+               r->grad_err);
+    }
+    fflush(stdout);
+    for (int c = 0; c < ncase; c++) {
+        if (errs[c])
+            continue;
+        const struct bench_case *bc = &cases[c];
+        const struct bench_result *r = &results[c];
+        const struct rnnd_model *m = &bc->model;
+        printf("{\"op\":\"step\",\"backend\":\"%s\",\"device\":\"%s\",\"cell\":\"%s\",\"B\":%d,"
+               "\"I\":%d,\"H\":%d,\"L\":%d,\"reset_prob\":%g,\"compute\":\"%s\",\"step_us\":%.3f,"
+               "\"graph_us\":%.3f,\"call_us\":%.3f,\"out_err\":%.3e,\"state_err\":%.3e,"
+               "\"warmup\":%d,\"repeat\":%d,\"seed\":%llu%s}\n",
+               bc->backend, r->device, m->cell == RNND_CELL_LSTM ? "lstm" : "gru", bc->B, m->I,
+               m->H, m->L, bc->reset_prob, compute_name(m->compute), r->step_us, r->graph_us,
+               r->call_us, r->out_err, r->grad_err, bc->warmup, bc->repeat,
+               (unsigned long long)bc->seed, r->extra);
+    }
+    return failed;
+}
+
 int main(int argc, char **argv) {
     rnnd_cpu_blas_reexec(argv);
     const char *backend = "cpu";
@@ -390,7 +440,7 @@ int main(int argc, char **argv) {
     struct dbl_list ps = {1, {0.1}};
     int warmup = 3, repeat = 10, device = 0, threads = 0;
     uint64_t seed = 1;
-    bool grad_input = false;
+    bool grad_input = false, step = false;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -403,6 +453,9 @@ int main(int argc, char **argv) {
             continue;
         } else if (v == NULL) {
             bad = 1;
+        } else if (strcmp(a, "--op") == 0) {
+            step = strcmp(v, "step") == 0;
+            bad = !step && strcmp(v, "seq") != 0;
         } else if (strcmp(a, "--backend") == 0) {
             backend = v;
             bad = strcmp(v, "cpu") != 0 && strcmp(v, "cuda") != 0;
@@ -502,8 +555,16 @@ int main(int argc, char **argv) {
                                     bc->repeat = repeat;
                                     bc->seed = seed;
                                     bc->grad_input = grad_input;
+                                    bc->step = step;
                                 }
 
+    if (step) {
+        int failed = step_main(cases, results, errs, ncase);
+        free(cases);
+        free(results);
+        free(errs);
+        return failed;
+    }
     printf("%-7s %-4s %-5s %5s %5s %5s %5s %2s %6s %10s %10s %8s %10s\n", "backend", "cell", "comp",
            "B", "T", "I", "H", "L", "reset", "fwd_ms", "fwdbwd_ms", "GFLOP/s", "err");
     int failed = 0;

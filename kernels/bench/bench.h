@@ -28,6 +28,7 @@ struct bench_case {
     int warmup, repeat;
     uint64_t seed;
     bool grad_input; // also compute the input gradient dL/dx
+    bool step;       // --op step: the single-step op (rnn_step) instead of the sequence ops
 };
 
 struct bench_result {
@@ -37,6 +38,10 @@ struct bench_result {
     double fwd_min_ms, fwdbwd_min_ms;
     double out_err, grad_err; // ||a - ref|| / ||ref|| against the CPU backend; -1 when not checked
     char extra[1024];         // more JSON members, each written as ,"name":value (appended as is)
+    // --op step: microseconds per step of back-to-back launches, of CUDA-graph replays, and of
+    // a whole backend call (copy in, step, copy out); out_err, grad_err are then the output's
+    // and the state table's errors.
+    double step_us, graph_us, call_us;
 };
 
 // A timer around one timed call: start() before it, stop() after it returns the elapsed
@@ -57,6 +62,8 @@ int rnnd_bench_backend(struct rnnd_backend *be, const struct bench_case *bc,
 #ifdef RNND_HAVE_CUDA
 // kernels/bench/cuda_*.cu: the whole --backend cuda case (see the top of this file).
 int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result *res);
+// kernels/bench/cuda_step_bench.cu: a --op step case on the CUDA backend.
+int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_result *res);
 #endif
 
 #ifdef __cplusplus

@@ -13,12 +13,17 @@
 #                 also at H=256);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
 #       variants  the variants under trial, VARIANTS_GRU / VARIANTS_LSTM (not in all);
+#       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
+#                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
+#                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
+#                 kernel to time beside it;
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
 #       per-step path); REPEAT sets the bench's repeats;
 #       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz).
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd) # torch_step_bench.py lies beside this script
 cd "$(dirname "$0")/../.."
 MODE=${1:-run}
 shift || true
@@ -137,6 +142,39 @@ if [[ " $STEPS " == *" variants "* ]]; then
         RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell lstm >>"$OUT/variants.log" 2>&1
     done
     grep '^{' "$OUT/variants.log" >>"$OUT/bench.jsonl"
+fi
+
+if [[ " $STEPS " == *" step "* ]]; then
+    # Issue 8's rows (GRU H=256 I=256, B=1024 and B=1, resets 0 / 0.01 / 0.1), LSTM, bf16 and
+    # ieee, two layers, and the daemon's default model (I=64 H=128) at B=1.
+    : >"$OUT/step.log"
+    SB="$BIN/rnnd-kernel-bench --backend cuda --op step --warmup 3 --repeat ${REPEAT:-15}"
+    STEP_CASES=(
+        "--cell gru,lstm --compute fp32 --batch 1,1024 --input 256 --hidden 256 --reset-prob 0,0.01,0.1"
+        "--cell gru,lstm --compute bf16,ieee --batch 1,1024 --input 256 --hidden 256 --reset-prob 0.1"
+        "--cell gru,lstm --compute fp32 --batch 1,1024 --input 256 --hidden 256 --layers 2 --reset-prob 0.1"
+        "--cell gru --compute fp32 --batch 1,64,256,4096 --input 64 --hidden 128 --reset-prob 0.1")
+    for args in "${STEP_CASES[@]}"; do
+        echo "== step $args" | tee -a "$OUT/step.log"
+        timeout 120 $SB $args >>"$OUT/step.log" 2>&1
+        echo "step rc=$?" | tee -a "$OUT/step.log"
+        if [ -n "${OLD_BENCH:-}" ]; then
+            timeout 120 "$OLD_BENCH" --backend cuda --op step --warmup 3 --repeat 5 $args \
+                >>"$OUT/step_old.log" 2>&1
+            echo "old step rc=$?" | tee -a "$OUT/step_old.log"
+        fi
+    done
+    grep -v '^{' "$OUT/step.log"
+    [ -n "${OLD_BENCH:-}" ] && grep -v '^{' "$OUT/step_old.log" | grep -v '^==' | sed 's/^/old: /'
+    echo "== torch step"
+    for args in "${STEP_CASES[@]}"; do
+        PYTHONUNBUFFERED=1 timeout 150 python3 "$HERE/torch_step_bench.py" --warmup 3 \
+            --repeat ${REPEAT:-15} $args >>"$OUT/torch_step.log" 2>&1
+        echo "torch step rc=$?" >>"$OUT/torch_step.log"
+    done
+    grep -v '^{' "$OUT/torch_step.log" | grep -v '^backend' | grep -v skipped
+    cat "$OUT/step.log" "$OUT/torch_step.log" "$OUT/step_old.log" 2>/dev/null | grep '^{' \
+        >"$OUT/step.jsonl"
 fi
 
 if [ -s "$OUT/bench.jsonl" ]; then

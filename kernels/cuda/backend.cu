@@ -54,6 +54,8 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_partials);
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
+    cudaFree(c->d_step_stage);
+    cudaFree(c->d_step_count);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
     if (c->stream)
@@ -154,15 +156,10 @@ static int cuda_sync(void *ctx) {
 }
 
 // Every valid model runs: the persistent kernels where they fit (rnnd__persist_hp), the per-step
-// path elsewhere; the single-step kernel bounds the widths.
+// path elsewhere; the single-step kernel takes any width.
 static int cuda_supports(void *ctx, const struct rnnd_model *m) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    int err = rnnd_model_check(m);
-    if (err)
-        return err;
-    if (rnnd__cuda_step_rows(m, c->smem_optin) == 0)
-        return RNND_ENOTSUP;
-    return 0;
+    (void)ctx;
+    return rnnd_model_check(m);
 }
 
 static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {

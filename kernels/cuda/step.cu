@@ -1,194 +1,524 @@
 /*
  * step.cu: one recurrent step for a batch of rows whose states live in a slot table (the
  * inference path; struct rnnd_step). Per layer l (gate order GRU r,z,n; LSTM i,f,g,o):
- *   gx = W_ih x_l, gh = W_hh h_l (no biases), then the cell exactly as in the sequence kernels
- *   (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)), LSTM c' = f c + i g).
- * Mapping: a block of RNND_STEP_BLOCK threads owns R rows (R <= 8, set by the shared memory the
- * widths need). Shared memory holds the rows' layer input, state and gate sums. For the two
- * matvecs, warp w takes gate rows j = w, w + 8, ...; its lanes stride along the row of W (so the
- * weight reads are coalesced) with R partial sums each, then a warp reduction. The cell then runs
- * one thread per (row, unit). Products are fp32 FMAs (bf16 mode rounds both operands to bf16
- * first, as a bf16 tensor-core product would).
+ *   gates = [x_l | h_l] . [W_ih | W_hh]^T (no biases; h_l zero where is_init), then the cell of
+ *   the sequence kernels (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)),
+ *   LSTM c' = f c + i g).
+ *
+ * Mapping (bench/NOTES.md, "single step"): one launch per layer. Block (s, t) owns a tile of MT
+ * rows (t) and UT hidden units (s) with all their gates, a GEMM tile of MT x G*UT over
+ * K = I_l + H, fed by a cp.async pipeline of NS stages of KC columns (x chunks, then h chunks),
+ * rows gathered through the slot table (zero-filled where a row resets). The block's 8 warps are
+ * WM x WU x WK: a warp owns MTW m-tiles of 16 rows times 8 units of every gate plane, and every
+ * WK-th k-step of K (the WK partial sums are added through shared memory). Its accumulator
+ * planes are r, z, n_x, n_h (GRU: r multiplies only the h part of n) or i, f, g, o (LSTM), so a
+ * lane's MMA C fragment holds every plane of its own (row, unit) elements and the cell runs in
+ * registers. Three tile shapes: many rows take 64 x 32 tiles (B=1024, H=256: 128 blocks), few
+ * rows 16 x 8 tiles with K split over the warps (B=1: one block per 8 units), 32 x 16 between.
+ * Products: TF32 mma.sync m16n8k8 with both operands rounded to tf32 (fp32 mode), BF16 m16n8k16
+ * (bf16 mode), FFMA in the same fragment layout (ieee), always accumulated in fp32.
+ *
+ * In-place hazard: every block of a row tile reads the tile's old h of layer l over all units,
+ * so no block may write its new state into the slot table while another may still read it.
+ * Blocks write new h and c to dense stages (the context's d_step_stage; the top layer's h goes
+ * to `out`), then count themselves on the tile's counter; the block that arrives last (all the
+ * others have finished reading) copies the tile's rows into the slot table and zeroes the
+ * counter for the next launch. No block ever waits for another, so any schedule is safe. Layer
+ * l+1 reads its input, layer l's new h, back from the slot table. Batches larger than the stages
+ * run in chunks of rows. Every launch is a plain kernel on the context's stream: CUDA-graph safe.
  */
 #include "step.cuh"
 
 #include "seq_persist.cuh"
 
-#define RNND_STEP_BLOCK 256
-#define RNND_STEP_MAX_ROWS 8
+#define RNND_STEP_THREADS 256
 
-struct step_kargs {
-    int B, I, H, L, R;
-    bool lstm, bf16;
-    const float *x;
-    const uint8_t *is_init;
-    const int32_t *slots;
-    float *state_h, *state_c, *out, *h_before, *c_before;
-    const float *w_ih[RNND_MAX_LAYERS], *w_hh[RNND_MAX_LAYERS];
-    const float *b_ih[RNND_MAX_LAYERS], *b_hh[RNND_MAX_LAYERS];
+// ---------------------------------------------------------------------------------------------
+// Tile shapes and matmul modes
+
+template <int MTW_, int WM_, int WU_, int WK_, int KC_, int NS_>
+struct step_cfg {
+    static constexpr int MTW = MTW_; // m-tiles (16 rows) per warp
+    static constexpr int WM = WM_, WU = WU_, WK = WK_; // warps along rows, units, k-steps
+    static constexpr int KC = KC_, NS = NS_;           // chunk width, pipeline stages
+    static constexpr int MT = 16 * MTW * WM;           // rows per block
+    static constexpr int UT = 8 * WU;                  // units per block
+    static_assert(WM * WU * WK * 32 == RNND_STEP_THREADS, "8 warps");
+};
+using cfg_big = step_cfg<2, 2, 4, 1, 32, 4>;   // 64 rows x 32 units
+using cfg_mid = step_cfg<2, 1, 2, 4, 32, 6>;   // 32 x 16, K split in 4
+using cfg_small = step_cfg<1, 1, 1, 8, 64, 8>; // 16 x 8, K split in 8
+
+// One k-step of a warp's tile: acc[mt][plane] += A[rows of m-tile mt][k0..] . W[plane's 8
+// units][k0..]^T. A is the stage's (MT, ld) row tile, W its (G*UT, ld) weight rows (plane p,
+// unit uu at row p*UT + uu); m0, n0 are the warp's first row and unit. Loaded plane p adds into
+// accumulator plane p, except the GRU's n gate in the h part (NH), which goes to plane 3.
+// C fragment of every mode (mma.sync's): c[0] (g, 2tg), c[1] (g, 2tg+1), c[2] (g+8, 2tg),
+// c[3] (g+8, 2tg+1) for row g = lane/4 and unit 2tg (tg = lane%4) of the 16 x 8 tile.
+struct step_tf32 {
+    static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free fragment loads
+    static constexpr bool FAST = true;
+    template <int MTW, int G, bool NH>
+    static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
+                                                 const float *W, int ld, int m0, int n0, int UT,
+                                                 int k0, int g, int tg) {
+        uint32_t a[MTW][4];
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++) {
+            const float *p = A + (m0 + 16 * mt + g) * ld + k0 + tg;
+            a[mt][0] = f32_to_tf32(p[0]);
+            a[mt][1] = f32_to_tf32(p[8 * ld]);
+            a[mt][2] = f32_to_tf32(p[4]);
+            a[mt][3] = f32_to_tf32(p[8 * ld + 4]);
+        }
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const float *p = W + (q * UT + n0 + g) * ld + k0 + tg;
+            uint32_t b0 = f32_to_tf32(p[0]), b1 = f32_to_tf32(p[4]);
+            const int ap = NH && q == 2 ? 3 : q;
+#pragma unroll
+            for (int mt = 0; mt < MTW; mt++)
+                asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                    "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                    : "+f"(acc[mt][ap][0]), "+f"(acc[mt][ap][1]), "+f"(acc[mt][ap][2]),
+                      "+f"(acc[mt][ap][3])
+                    : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0),
+                      "r"(b1));
+        }
+    }
 };
 
-// Floats of shared memory per row: layer input, h, c, gx, gh.
-static size_t step_row_floats(const struct rnnd_model *m) {
-    size_t G = (size_t)rnnd_model_gates(m), H = (size_t)m->H;
-    size_t in = (size_t)(m->I > m->H ? m->I : m->H);
-    return in + 2 * H + 2 * G * H;
-}
-
-int rnnd__cuda_step_rows(const struct rnnd_model *m, size_t smem_optin) {
-    size_t row = step_row_floats(m) * sizeof(float);
-    for (int R = RNND_STEP_MAX_ROWS; R >= 1; R /= 2)
-        if (R * row <= smem_optin)
-            return R;
-    return 0;
-}
-
-template <class Cell, bool FAST>
-static __global__ void __launch_bounds__(RNND_STEP_BLOCK)
-    step_kernel(const step_kargs a, int in_stride) {
-    constexpr int G = Cell::G, SW = Cell::SW;
-    extern __shared__ float sm[];
-    const int R = a.R, H = a.H, L = a.L, GH = G * H;
-    float *xs = sm;                       // (R, in_stride) layer input
-    float *hs = xs + R * in_stride;       // (R, H) state entering the step
-    float *cs = hs + R * H;               // (R, H)
-    float *gx = cs + R * H;               // (R, G*H)
-    float *gh = gx + R * GH;              // (R, G*H)
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = RNND_STEP_BLOCK / 32;
-    const int row0 = blockIdx.x * R;
-    const int nrows = min(R, a.B - row0);
-
-    for (int idx = tid; idx < nrows * a.I; idx += RNND_STEP_BLOCK) {
-        int r = idx / a.I, k = idx % a.I;
-        xs[r * in_stride + k] = a.x[(size_t)(row0 + r) * a.I + k];
+struct step_bf16 {
+    static constexpr int KSTEP = 16, PAD = 8; // row pitch KC+8: conflict-free float2 loads
+    static constexpr bool FAST = true;
+    static __device__ __forceinline__ uint32_t ld2(const float *p) {
+        float2 v = *reinterpret_cast<const float2 *>(p);
+        return pack_bf16(v.x, v.y);
     }
-    for (int l = 0; l < L; l++) {
-        const int Il = l == 0 ? a.I : H;
-        // Gather the state (zero on reset) and report it.
-        for (int idx = tid; idx < nrows * H; idx += RNND_STEP_BLOCK) {
-            int r = idx / H, u = idx % H, b = row0 + r;
-            bool reset = a.is_init && a.is_init[b];
-            size_t at = ((size_t)a.slots[b] * L + l) * H + u;
-            float h = reset ? 0.0f : a.state_h[at];
-            float c = a.lstm && !reset ? a.state_c[at] : 0.0f;
-            hs[r * H + u] = h;
-            cs[r * H + u] = c;
-            if (a.h_before)
-                a.h_before[((size_t)b * L + l) * H + u] = h;
-            if (a.c_before)
-                a.c_before[((size_t)b * L + l) * H + u] = c;
+    template <int MTW, int G, bool NH>
+    static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
+                                                 const float *W, int ld, int m0, int n0, int UT,
+                                                 int k0, int g, int tg) {
+        uint32_t a[MTW][4];
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++) {
+            const float *p = A + (m0 + 16 * mt + g) * ld + k0 + 2 * tg;
+            a[mt][0] = ld2(p);
+            a[mt][1] = ld2(p + 8 * ld);
+            a[mt][2] = ld2(p + 8);
+            a[mt][3] = ld2(p + 8 * ld + 8);
         }
-        __syncthreads();
-
-        const float *wih = a.w_ih[l], *whh = a.w_hh[l];
-        for (int j = warp; j < GH; j += nwarps) {
-            float ax[RNND_STEP_MAX_ROWS], ah[RNND_STEP_MAX_ROWS];
 #pragma unroll
-            for (int r = 0; r < RNND_STEP_MAX_ROWS; r++)
-                ax[r] = ah[r] = 0.0f;
-            for (int k = lane; k < Il; k += 32) {
-                float wv = __ldg(wih + (size_t)j * Il + k);
-                if (a.bf16)
-                    wv = round_bf16(wv);
+        for (int q = 0; q < G; q++) {
+            const float *p = W + (q * UT + n0 + g) * ld + k0 + 2 * tg;
+            uint32_t b0 = ld2(p), b1 = ld2(p + 8);
+            const int ap = NH && q == 2 ? 3 : q;
 #pragma unroll
-                for (int r = 0; r < RNND_STEP_MAX_ROWS; r++)
-                    if (r < nrows) {
-                        float xv = xs[r * in_stride + k];
-                        ax[r] = fmaf(wv, a.bf16 ? round_bf16(xv) : xv, ax[r]);
-                    }
-            }
-            for (int k = lane; k < H; k += 32) {
-                float wv = __ldg(whh + (size_t)j * H + k);
-                if (a.bf16)
-                    wv = round_bf16(wv);
-#pragma unroll
-                for (int r = 0; r < RNND_STEP_MAX_ROWS; r++)
-                    if (r < nrows) {
-                        float hv = hs[r * H + k];
-                        ah[r] = fmaf(wv, a.bf16 ? round_bf16(hv) : hv, ah[r]);
-                    }
-            }
-#pragma unroll
-            for (int r = 0; r < RNND_STEP_MAX_ROWS; r++)
-                if (r < nrows) {
-                    float sx = warp_sum(ax[r]), sh = warp_sum(ah[r]);
-                    if (lane == 0) {
-                        gx[r * GH + j] = sx;
-                        gh[r * GH + j] = sh;
-                    }
-                }
+            for (int mt = 0; mt < MTW; mt++)
+                asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                    "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                    : "+f"(acc[mt][ap][0]), "+f"(acc[mt][ap][1]), "+f"(acc[mt][ap][2]),
+                      "+f"(acc[mt][ap][3])
+                    : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0),
+                      "r"(b1));
         }
-        __syncthreads();
+    }
+};
 
-        // The cell; the new h becomes the next layer's input.
-        const float *bih = a.b_ih[l], *bhh = a.b_hh[l];
-        for (int idx = tid; idx < nrows * H; idx += RNND_STEP_BLOCK) {
-            int r = idx / H, u = idx % H, b = row0 + r;
-            float xq[G], hq[G], s[SW], hn, cn;
+// Strict fp32: each lane sums its own C fragment elements with FFMA, k in order.
+struct step_ieee {
+    static constexpr int KSTEP = 8, PAD = 4;
+    static constexpr bool FAST = false;
+    template <int MTW, int G, bool NH>
+    static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
+                                                 const float *W, int ld, int m0, int n0, int UT,
+                                                 int k0, int g, int tg) {
+#pragma unroll
+        for (int kk = 0; kk < KSTEP; kk++) {
+            float a[MTW][2];
+#pragma unroll
+            for (int mt = 0; mt < MTW; mt++) {
+                a[mt][0] = A[(m0 + 16 * mt + g) * ld + k0 + kk];
+                a[mt][1] = A[(m0 + 16 * mt + g + 8) * ld + k0 + kk];
+            }
 #pragma unroll
             for (int q = 0; q < G; q++) {
-                xq[q] = gx[r * GH + q * H + u] + bih[q * H + u];
-                hq[q] = gh[r * GH + q * H + u] + bhh[q * H + u];
+                const float *p = W + (q * UT + n0 + 2 * tg) * ld + k0 + kk;
+                float w0 = p[0], w1 = p[ld];
+                const int ap = NH && q == 2 ? 3 : q;
+#pragma unroll
+                for (int mt = 0; mt < MTW; mt++) {
+                    acc[mt][ap][0] = fmaf(a[mt][0], w0, acc[mt][ap][0]);
+                    acc[mt][ap][1] = fmaf(a[mt][0], w1, acc[mt][ap][1]);
+                    acc[mt][ap][2] = fmaf(a[mt][1], w0, acc[mt][ap][2]);
+                    acc[mt][ap][3] = fmaf(a[mt][1], w1, acc[mt][ap][3]);
+                }
             }
-            Cell::template forward<FAST>(xq, hq, hs[r * H + u], cs[r * H + u], hn, cn, s);
-            xs[r * in_stride + u] = hn;
-            size_t at = ((size_t)a.slots[b] * L + l) * H + u;
-            a.state_h[at] = hn;
-            if (a.lstm)
-                a.state_c[at] = cn;
-            if (l == L - 1)
-                a.out[(size_t)b * H + u] = hn;
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+// Asynchronous global -> shared copies; ok false writes zeros instead (src is not read).
+static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
+    uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa),
+                 "l"(__cvta_generic_to_global(g)), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void cp_async4(float *s, const float *g, bool ok) {
+    uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa),
+                 "l"(__cvta_generic_to_global(g)), "r"(ok ? 4 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void cp_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+struct step_kargs {
+    int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
+    const float *x;         // (B, I) layer 0's input; layers above read the slot table
+    const uint8_t *is_init; // (B) or NULL
+    const int32_t *slots;   // (B)
+    float *state_h, *state_c;
+    float *h_new;           // (B, H) the layer's new h: out for the top layer, else a stage
+    float *c_new;           // (B, H) the layer's new c (LSTM), a stage
+    float *h_before, *c_before; // (B, L, H) or NULL
+    const float *w_ih, *w_hh, *b_ih, *b_hh;
+    int *count;             // (row tiles) zero between launches
+    bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
+};
+
+// ---------------------------------------------------------------------------------------------
+// The kernel: one layer for a (unit slice, row tile) block.
+
+template <class Cell, class Mode, class Cfg>
+static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const step_kargs a) {
+    constexpr int G = Cell::G, MT = Cfg::MT, UT = Cfg::UT, KC = Cfg::KC, NS = Cfg::NS;
+    constexpr int MTW = Cfg::MTW, WM = Cfg::WM, WU = Cfg::WU, WK = Cfg::WK;
+    constexpr int LD = KC + Mode::PAD, KSTEPS = KC / Mode::KSTEP;
+    constexpr int STAGE = (MT + G * UT) * LD; // floats: A rows, then G*UT weight rows
+    constexpr bool GRU = G == 3;
+    extern __shared__ float4 smem4[];
+    float *sm = reinterpret_cast<float *>(smem4);
+    __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
+    __shared__ int s_slot[MT];
+    __shared__ bool s_reset[MT], s_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
+    const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
+    const int row0 = blockIdx.y * MT, u0 = blockIdx.x * UT;
+
+    for (int m = tid; m < MT; m += RNND_STEP_THREADS) {
+        int b = row0 + m;
+        bool valid = b < a.B, reset = valid && a.is_init && a.is_init[b];
+        int slot = valid ? a.slots[b] : 0;
+        s_slot[m] = slot;
+        s_reset[m] = reset;
+        s_xrow[m] = !valid  ? nullptr
+                    : l == 0 ? a.x + (size_t)b * a.I
+                             : a.state_h + ((size_t)slot * L + l - 1) * H;
+        s_hrow[m] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
+    }
+    __syncthreads();
+
+    // Chunk c of K into stage st: x columns for c < cx, h columns after.
+    const int cx = CEIL_DIV(Il, KC), nc = cx + CEIL_DIV(H, KC);
+    const float *w_ih = a.w_ih, *w_hh = a.w_hh;
+    auto load = [&](int c, int st) {
+        const bool hp = c >= cx;
+        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+        const float *const *rows = hp ? s_hrow : s_xrow;
+        const float *W = hp ? w_hh : w_ih;
+        float *As = sm + st * STAGE, *Ws = As + MT * LD;
+        if (hp ? a.vec_h : a.vec_x) { // K % 4 == 0: a group of 4 is all in or all out
+            constexpr int KG = KC / 4;
+            for (int i = tid; i < MT * KG; i += RNND_STEP_THREADS) {
+                int m = i / KG, k = k0 + 4 * (i % KG);
+                const float *src = rows[m];
+                bool ok = src && k < K;
+                cp_async16(As + m * LD + (k - k0), ok ? src + k : W, ok);
+            }
+            for (int i = tid; i < G * UT * KG; i += RNND_STEP_THREADS) {
+                int r = i / KG, k = k0 + 4 * (i % KG), q = r / UT, u = u0 + r % UT;
+                bool ok = u < H && k < K;
+                cp_async16(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+            }
+        } else {
+            for (int i = tid; i < MT * KC; i += RNND_STEP_THREADS) {
+                int m = i / KC, k = k0 + i % KC;
+                const float *src = rows[m];
+                bool ok = src && k < K;
+                cp_async4(As + m * LD + (k - k0), ok ? src + k : W, ok);
+            }
+            for (int i = tid; i < G * UT * KC; i += RNND_STEP_THREADS) {
+                int r = i / KC, k = k0 + i % KC, q = r / UT, u = u0 + r % UT;
+                bool ok = u < H && k < K;
+                cp_async4(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+            }
+        }
+    };
+
+    float acc[MTW][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[mt][q][e] = 0.0f;
+
+    const int m0 = wm * MTW * 16, n0 = wu * 8;
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < nc)
+            load(s, s);
+        cp_commit();
+    }
+    for (int c = 0; c < nc; c++) {
+        cp_wait<NS - 2>();
+        __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
+        if (c + NS - 1 < nc)
+            load(c + NS - 1, (c + NS - 1) % NS);
+        cp_commit();
+        const float *As = sm + (c % NS) * STAGE, *Ws = As + MT * LD;
+        const bool hp = c >= cx;
+        const int kend = (hp ? H : Il) - (hp ? c - cx : c) * KC; // valid columns in this chunk
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ks++) {
+            if ((c * KSTEPS + ks) % WK != wk || ks * Mode::KSTEP >= kend)
+                continue;
+            if (GRU && hp)
+                Mode::template kstep<MTW, G, true>(acc, As, Ws, LD, m0, n0, UT,
+                                                   ks * Mode::KSTEP, g, tg);
+            else
+                Mode::template kstep<MTW, G, false>(acc, As, Ws, LD, m0, n0, UT,
+                                                    ks * Mode::KSTEP, g, tg);
+        }
+    }
+    cp_wait<0>();
+    __syncthreads(); // every stage read: the space is the reduction buffer now
+
+    if constexpr (WK > 1) {
+        // Partial sums of warps wk > 0 to shared memory ([wk-1][warp tile][element][lane]: no
+        // bank conflicts), added by the wk = 0 warps.
+        constexpr int NACC = MTW * 16;
+        float *red = sm + ((wk - 1) * WM * WU + wm * WU + wu) * NACC * 32 + lane;
+        if (wk > 0) {
+#pragma unroll
+            for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        red[((mt * 4 + q) * 4 + e) * 32] = acc[mt][q][e];
         }
         __syncthreads();
+        if (wk == 0) {
+            for (int j = 1; j < WK; j++) {
+                const float *r = sm + ((j - 1) * WM * WU + wm * WU + wu) * NACC * 32 + lane;
+#pragma unroll
+                for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            acc[mt][q][e] += r[((mt * 4 + q) * 4 + e) * 32];
+            }
+        }
     }
+
+    // The cell on the lane's (row, unit) elements; new states to the dense outputs.
+    if (wk == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = m0 + 16 * mt + g + 8 * (e >> 1), b = row0 + m;
+                const int u = u0 + n0 + 2 * tg + (e & 1);
+                if (b >= a.B || u >= H)
+                    continue;
+                const bool reset = s_reset[m];
+                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+                const float hprev = reset ? 0.0f : a.state_h[at];
+                const float cprev = !GRU && !reset ? a.state_c[at] : 0.0f;
+                float xq[G], hq[G], s[Cell::SW], hn, cn;
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    xq[q] = acc[mt][q][e] + a.b_ih[q * H + u];
+                    hq[q] = a.b_hh[q * H + u];
+                }
+                if (GRU)
+                    hq[2] += acc[mt][3][e];
+                Cell::template forward<Mode::FAST>(xq, hq, hprev, cprev, hn, cn, s);
+                a.h_new[(size_t)b * H + u] = hn;
+                if (!GRU)
+                    a.c_new[(size_t)b * H + u] = cn;
+                if (a.h_before)
+                    a.h_before[((size_t)b * L + l) * H + u] = hprev;
+                if (a.c_before)
+                    a.c_before[((size_t)b * L + l) * H + u] = cprev;
+            }
+    }
+
+    // Count this block on its row tile; the last one scatters the tile into the slot table.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0)
+        s_last = atomicAdd(&a.count[blockIdx.y], 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!s_last)
+        return;
+    __threadfence();
+    const int nrows = min(MT, a.B - row0);
+    // Loads through L2 (__ldcg): other SMs wrote the stage during this launch.
+    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
+        const int H4 = H / 4;
+        for (int i = tid; i < nrows * H4; i += RNND_STEP_THREADS) {
+            int m = i / H4, k = i % H4;
+            size_t src = (size_t)(row0 + m) * H4 + k, dst = ((size_t)s_slot[m] * L + l) * H4 + k;
+            reinterpret_cast<float4 *>(a.state_h)[dst] =
+                __ldcg(reinterpret_cast<const float4 *>(a.h_new) + src);
+            if (!GRU)
+                reinterpret_cast<float4 *>(a.state_c)[dst] =
+                    __ldcg(reinterpret_cast<const float4 *>(a.c_new) + src);
+        }
+    } else {
+        for (int i = tid; i < nrows * H; i += RNND_STEP_THREADS) {
+            int m = i / H, k = i % H;
+            size_t src = (size_t)(row0 + m) * H + k, dst = ((size_t)s_slot[m] * L + l) * H + k;
+            a.state_h[dst] = __ldcg(a.h_new + src);
+            if (!GRU)
+                a.state_c[dst] = __ldcg(a.c_new + src);
+        }
+    }
+    if (tid == 0)
+        a.count[blockIdx.y] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launcher
+// Launchers
+
+template <class Cfg, int G>
+static constexpr size_t step_smem(int pad) {
+    size_t stages = (size_t)Cfg::NS * (Cfg::MT + G * Cfg::UT) * (Cfg::KC + pad);
+    size_t red = (size_t)(Cfg::WK - 1) * Cfg::WM * Cfg::WU * Cfg::MTW * 16 * 32;
+    return (stages > red ? stages : red) * sizeof(float);
+}
+
+static bool aligned16(const void *p) {
+    return ((uintptr_t)p & 15) == 0;
+}
+
+template <class Cell, class Mode, class Cfg>
+static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                       const struct rnnd_model *m, int chunk) {
+    const int B = st->B, H = m->H, L = m->L;
+    const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
+    const dim3 block(RNND_STEP_THREADS);
+    for (int r0 = 0; r0 < B; r0 += chunk) {
+        step_kargs a = {};
+        a.B = B - r0 < chunk ? B - r0 : chunk;
+        a.I = m->I, a.H = H, a.L = L;
+        a.x = st->x + (size_t)r0 * m->I;
+        a.is_init = st->is_init ? st->is_init + r0 : NULL;
+        a.slots = st->slots + r0;
+        a.state_h = st->state_h, a.state_c = st->state_c;
+        a.h_before = st->h_before ? st->h_before + (size_t)r0 * L * H : NULL;
+        a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
+        a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
+        a.count = c->d_step_count;
+        const dim3 grid(CEIL_DIV(H, Cfg::UT), CEIL_DIV(a.B, Cfg::MT));
+        for (int l = 0; l < L; l++) {
+            struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
+            a.l = l;
+            a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
+            a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
+                      aligned16(st->state_h) && aligned16(lp.w_ih);
+            a.vec_h = H % 4 == 0 && aligned16(st->state_h) && aligned16(lp.w_hh) &&
+                      (st->state_c == NULL || aligned16(st->state_c));
+            step_kernel<Cell, Mode, Cfg><<<grid, block, smem, c->stream>>>(a);
+            CUDA_LAUNCH_CHECK();
+        }
+    }
+    return 0;
+}
+
+// The tile shape: the largest whose grid still gives half the SMs a block.
+template <class Cell, class Mode>
+static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                         const struct rnnd_model *m) {
+    // Rows per launch: what the stages hold (h, and c for LSTM), and the tile counters.
+    size_t per_row = (size_t)m->H * sizeof(float) * 2;
+    size_t fit = RNND_STEP_STAGE_BYTES / per_row;
+    auto blocks = [&](int MT, int UT) {
+        return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
+    };
+    auto chunk = [&](int MT) {
+        size_t rows = fit < (size_t)RNND_STEP_TILES * MT ? fit : (size_t)RNND_STEP_TILES * MT;
+        return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
+    };
+    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
+        return step_launch<Cell, Mode, cfg_big>(c, st, params, m, chunk(cfg_big::MT));
+    if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
+        return step_launch<Cell, Mode, cfg_mid>(c, st, params, m, chunk(cfg_mid::MT));
+    return step_launch<Cell, Mode, cfg_small>(c, st, params, m, chunk(cfg_small::MT));
+}
 
 int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const float *params,
                         const struct rnnd_model *m) {
     if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL)
         return RNND_EINVAL;
-    int R = rnnd__cuda_step_rows(m, c->smem_optin);
-    if (R == 0)
-        return RNND_ENOTSUP;
-    step_kargs a = {};
-    a.B = step->B, a.I = m->I, a.H = m->H, a.L = m->L, a.R = R;
-    a.lstm = m->cell == RNND_CELL_LSTM, a.bf16 = m->compute == RNND_COMPUTE_BF16;
-    a.x = step->x, a.is_init = step->is_init, a.slots = step->slots;
-    a.state_h = step->state_h, a.state_c = step->state_c, a.out = step->out;
-    a.h_before = step->h_before, a.c_before = step->c_before;
-    for (int l = 0; l < m->L; l++) {
-        struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
-        a.w_ih[l] = lp.w_ih, a.w_hh[l] = lp.w_hh, a.b_ih[l] = lp.b_ih, a.b_hh[l] = lp.b_hh;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    switch (m->compute) {
+        case RNND_COMPUTE_BF16:
+            return lstm ? step_dispatch<cell_lstm, step_bf16>(c, step, params, m)
+                        : step_dispatch<cell_gru, step_bf16>(c, step, params, m);
+        case RNND_COMPUTE_IEEE:
+            return lstm ? step_dispatch<cell_lstm, step_ieee>(c, step, params, m)
+                        : step_dispatch<cell_gru, step_ieee>(c, step, params, m);
+        default:
+            return lstm ? step_dispatch<cell_lstm, step_tf32>(c, step, params, m)
+                        : step_dispatch<cell_gru, step_tf32>(c, step, params, m);
     }
-    int in_stride = m->I > m->H ? m->I : m->H;
-    size_t smem = (size_t)R * step_row_floats(m) * sizeof(float);
-    int grid = CEIL_DIV(step->B, R);
-    // Fast activations in the tensor-core modes, libdevice ones for ieee (as the sequence paths).
-    bool fast = m->compute != RNND_COMPUTE_IEEE;
-    if (a.lstm && fast)
-        step_kernel<cell_lstm, true><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
-    else if (a.lstm)
-        step_kernel<cell_lstm, false><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
-    else if (fast)
-        step_kernel<cell_gru, true><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
-    else
-        step_kernel<cell_gru, false><<<grid, RNND_STEP_BLOCK, smem, c->stream>>>(a, in_stride);
-    CUDA_LAUNCH_CHECK();
+}
+
+// Raises the dynamic shared-memory limit of every instance to what it asks for.
+template <class Cell, class Mode, class Cfg>
+static int step_attr() {
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)step_smem<Cfg, Cell::G>(Mode::PAD)));
     return 0;
+}
+template <class Cell, class Mode>
+static int step_attr_cfgs() {
+    RNND_TRY((step_attr<Cell, Mode, cfg_big>()));
+    RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
+    return step_attr<Cell, Mode, cfg_small>();
+}
+template <class Cell>
+static int step_attr_modes() {
+    RNND_TRY((step_attr_cfgs<Cell, step_tf32>()));
+    RNND_TRY((step_attr_cfgs<Cell, step_bf16>()));
+    return step_attr_cfgs<Cell, step_ieee>();
 }
 
 int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
-    const void *kernels[4] = {(const void *)step_kernel<cell_lstm, true>,
-                              (const void *)step_kernel<cell_lstm, false>,
-                              (const void *)step_kernel<cell_gru, true>,
-                              (const void *)step_kernel<cell_gru, false>};
-    for (int k = 0; k < 4; k++)
-        RNND_CUDA_TRY(cudaFuncSetAttribute(kernels[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)c->smem_optin));
+    RNND_TRY(step_attr_modes<cell_gru>());
+    RNND_TRY(step_attr_modes<cell_lstm>());
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, RNND_STEP_TILES * sizeof(int)));
+    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, RNND_STEP_TILES * sizeof(int)));
     return 0;
 }

@@ -38,10 +38,11 @@ struct bench_result {
     double fwd_min_ms, fwdbwd_min_ms;
     double out_err, grad_err; // ||a - ref|| / ||ref|| against the CPU backend; -1 when not checked
     char extra[1024];         // more JSON members, each written as ,"name":value (appended as is)
-    // --op step: microseconds per step of back-to-back launches, of CUDA-graph replays, and of
-    // a whole backend call (copy in, step, copy out); out_err, grad_err are then the output's
-    // and the state table's errors.
-    double step_us, graph_us, call_us;
+    // --op step: microseconds per step of back-to-back launches, of CUDA-graph replays, of
+    // steps inside one graph (the device's time), and of a whole backend call (copy in, step,
+    // copy out); out_err, grad_err are then the output's and the state table's errors.
+    double step_us, graph_us, gpu_us, call_us;
+    double sm_mhz; // the SM clock measured right after the timed loops
 };
 
 // A timer around one timed call: start() before it, stop() after it returns the elapsed

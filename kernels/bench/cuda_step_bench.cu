@@ -11,7 +11,9 @@
  *      stream (each updates the table in place, as the daemon's steps do), per step, median of
  *      `repeat` after `warmup`;
  *   3. graph_us: one rnn_step captured in a CUDA graph, replayed `launches` times between events,
- *      per replay (what a caller that replays a captured step pays);
+ *      per replay (what a caller that replays a captured step pays); gpu_us: `launches` steps
+ *      captured in one graph, replayed once, per step: the device's own time per step, with no
+ *      host launch cost in it (host_us - gpu_us is what launching costs on this host);
  *   4. call_us: a host clock around the whole backend call of the daemon's engine: one copy_in
  *      of x, slots and is_init from page-locked memory, rnn_step, copy_out of out (which
  *      synchronises), median over `launches` calls.
@@ -23,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <stdlib.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -55,6 +58,14 @@ static double step_rel_err(const std::vector<float> &a, const std::vector<float>
         den += (double)ref[i] * ref[i];
     }
     return den > 0.0 ? sqrt(num / den) : sqrt(num);
+}
+
+// Spins one warp for `cycles` SM clocks: timed with events, it gives the SM clock right after
+// the timed loops (small grids may not bring the GPU to its boost clock).
+static __global__ void step_spin_kernel(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
 }
 
 static double host_us(void) {
@@ -188,6 +199,50 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
     if (graph)
         cudaGraphDestroy(graph);
 
+    // `launches` steps in one graph.
+    graph = NULL, exec = NULL;
+    if (!err && cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+        err = RNND_EDEVICE;
+    if (!err) {
+        int e = 0;
+        for (int k = 0; k < STEP_LAUNCHES && !e; k++)
+            e = o->rnn_step(be->ctx, &st, b.params, m);
+        if (cudaStreamEndCapture(s, &graph) != cudaSuccess || e != 0 ||
+            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+            err = e ? e : RNND_EDEVICE;
+    }
+    if (!err) {
+        std::vector<double> v;
+        for (int i = -bc->warmup; i < bc->repeat && !err; i++) {
+            cudaEventRecord(e0, s);
+            if (cudaGraphLaunch(exec, s) != cudaSuccess)
+                err = RNND_EDEVICE;
+            cudaEventRecord(e1, s);
+            if (cudaEventSynchronize(e1) != cudaSuccess)
+                err = RNND_EDEVICE;
+            float ms = 0.0f;
+            cudaEventElapsedTime(&ms, e0, e1);
+            if (i >= 0)
+                v.push_back(1e3 * ms / STEP_LAUNCHES);
+        }
+        if (!err)
+            res->gpu_us = step_median(v);
+    }
+    if (exec)
+        cudaGraphExecDestroy(exec);
+    if (graph)
+        cudaGraphDestroy(graph);
+
+    if (!err) {
+        const long long cycles = 4000000;
+        cudaEventRecord(e0, s);
+        step_spin_kernel<<<1, 32, 0, s>>>(cycles);
+        cudaEventRecord(e1, s);
+        float ms = 0.0f;
+        if (cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
+            res->sm_mhz = cycles / (1e3 * ms);
+    }
+
     // The engine's whole call: x, slots and is_init in one page-locked buffer, one copy each way.
     size_t nx = h->x.size() * 4, ns = h->slots.size() * 4, ni = h->init.size();
     size_t in_bytes = nx + ns + ni, out_bytes = (size_t)bc->B * m->H * 4;
@@ -239,6 +294,10 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         return err;
     }
     snprintf(res->device, sizeof(res->device), "%s", gpu.device);
+    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (kernels/bench/NOTES.md).
+    const char *variant = getenv("RNND_CUDA_VARIANT");
+    if (variant && *variant)
+        rnnd_cuda_set_variant(&gpu, atoi(variant));
     err = rnnd_backend_cpu_init(&cpu);
     if (err) {
         rnnd_backend_free(&gpu);
@@ -279,8 +338,8 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         err = step_timings(&gpu, &h, bc, res);
     }
     if (!err)
-        snprintf(res->extra, sizeof(res->extra), ",\"slots\":%d,\"launches\":%d", S,
-                 STEP_LAUNCHES);
+        snprintf(res->extra, sizeof(res->extra), ",\"slots\":%d,\"launches\":%d,\"variant\":%d,\"sm_mhz\":%.0f",
+                 S, STEP_LAUNCHES, variant && *variant ? atoi(variant) : 0, res->sm_mhz);
     rnnd_backend_free(&cpu);
     rnnd_backend_free(&gpu);
     return err;

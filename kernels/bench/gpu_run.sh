@@ -16,12 +16,13 @@
 #       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
-#                 kernel to time beside it;
+#                 kernel to time beside it, STEP_VARIANTS kernel variants, PROFILE_STEP=1 adds
+#                 ncu metrics of the step kernel, NO_TORCH=1 leaves out PyTorch;
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
 #       per-step path); REPEAT sets the bench's repeats;
-#       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz).
+#       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz; any tar that tar -xf reads).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd) # torch_step_bench.py lies beside this script
 cd "$(dirname "$0")/../.."
@@ -47,7 +48,7 @@ W=/tmp/rnnd-bundle
 rm -rf "$W"
 mkdir -p "$W"
 BUNDLE=${BUNDLE:-.device/rnnd-bundle.tar.gz}
-tar -C "$W" -xzf "$BUNDLE" || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
+tar -C "$W" -xf "$BUNDLE" || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
 BIN=$W/rnnd-bundle/bin
 cat "$(dirname "$BUNDLE")/bundle.commit" 2>/dev/null | head -1 | sed 's/^/bundle built from /'
 
@@ -146,7 +147,11 @@ fi
 
 if [[ " $STEPS " == *" step "* ]]; then
     # Issue 8's rows (GRU H=256 I=256, B=1024 and B=1, resets 0 / 0.01 / 0.1), LSTM, bf16 and
-    # ieee, two layers, and the daemon's default model (I=64 H=128) at B=1.
+    # ieee, two layers, and the daemon's default model (I=64 H=128) at B=1. SM clocks are
+    # sampled meanwhile (clocks.csv).
+    nvidia-smi --query-gpu=timestamp,clocks.sm,utilization.gpu,power.draw --format=csv \
+        -lms 250 >"$OUT/clocks.csv" 2>&1 &
+    SMI=$!
     : >"$OUT/step.log"
     SB="$BIN/rnnd-kernel-bench --backend cuda --op step --warmup 3 --repeat ${REPEAT:-15}"
     STEP_CASES=(
@@ -164,15 +169,42 @@ if [[ " $STEPS " == *" step "* ]]; then
             echo "old step rc=$?" | tee -a "$OUT/step_old.log"
         fi
     done
+    # Kernel variants under trial (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
+    for v in ${STEP_VARIANTS:-}; do
+        echo "== step variant $v" | tee -a "$OUT/step.log"
+        RNND_CUDA_VARIANT=$v timeout 60 $SB --cell gru --compute fp32 --batch 1,1024 --input 256 \
+            --hidden 256 --reset-prob 0.1 >>"$OUT/step.log" 2>&1
+        echo "step variant rc=$?" | tee -a "$OUT/step.log"
+    done
     grep -v '^{' "$OUT/step.log"
     [ -n "${OLD_BENCH:-}" ] && grep -v '^{' "$OUT/step_old.log" | grep -v '^==' | sed 's/^/old: /'
-    echo "== torch step"
-    for args in "${STEP_CASES[@]}"; do
-        PYTHONUNBUFFERED=1 timeout 150 python3 "$HERE/torch_step_bench.py" --warmup 3 \
-            --repeat ${REPEAT:-15} $args >>"$OUT/torch_step.log" 2>&1
-        echo "torch step rc=$?" >>"$OUT/torch_step.log"
-    done
-    grep -v '^{' "$OUT/torch_step.log" | grep -v '^backend' | grep -v skipped
+    if [ -n "${PROFILE_STEP:-}" ]; then
+        # One step kernel at B=1 and at B=1024 (warm L2, clocks as found).
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        for b in 1 1024; do
+            timeout 90 "$NCU" --clock-control none --cache-control none --kernel-name \
+                regex:step_kernel --launch-skip 100 --launch-count 2 --metrics \
+gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+                $BIN/rnnd-kernel-bench --backend cuda --op step --cell gru --batch $b --input 256 \
+                --hidden 256 --reset-prob 0.1 --warmup 0 --repeat 1 >"$OUT/ncu_step_$b.txt" 2>&1
+            echo "ncu step B=$b rc=$?"
+            grep -E 'step_kernel|duration|per_second|cycles_active|warps_active|bytes|hit_rate|wavefronts|inst_executed|stalled' \
+                "$OUT/ncu_step_$b.txt" | awk '$NF+0 > 0.05 || /step_kernel/' \
+                | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -40
+        done
+    fi
+    if [ -z "${NO_TORCH:-}" ]; then
+        echo "== torch step"
+        for args in "${STEP_CASES[@]}"; do
+            PYTHONUNBUFFERED=1 timeout 150 python3 "$HERE/torch_step_bench.py" --warmup 3 \
+                --repeat ${REPEAT:-15} $args >>"$OUT/torch_step.log" 2>&1
+            echo "torch step rc=$?" >>"$OUT/torch_step.log"
+        done
+        grep -v '^{' "$OUT/torch_step.log" | grep -v '^backend' | grep -v skipped
+    fi
+    kill "$SMI" 2>/dev/null
+    awk -F', ' 'NR > 1 {n[$2]++} END {for (c in n) print "sm clock", c, n[c], "samples"}' \
+        "$OUT/clocks.csv" | sort -k4 -n | tail -4
     cat "$OUT/step.log" "$OUT/torch_step.log" "$OUT/step_old.log" 2>/dev/null | grep '^{' \
         >"$OUT/step.jsonl"
 fi

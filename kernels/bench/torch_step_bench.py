@@ -12,6 +12,7 @@ the top layer's h into a static output. Timed three ways, each per step, with CU
 200 back-to-back runs, median of --repeat after --warmup:
   eager_us  the step as plain PyTorch calls;
   graph_us  the step captured in a torch.cuda.CUDAGraph, replayed;
+  gpu_us    200 steps captured in one graph, replayed once: the device's own time per step;
   call_us   host clock around copy in (x, is_init from pinned memory), replay, copy out of the
             output to pinned memory and synchronize (median of 200 calls).
 fp32 allows TF32 matmuls (as rnnd's fp32 mode and cuDNN do); ieee forbids them; bf16 is skipped.
@@ -78,12 +79,13 @@ def run_case(cell, B, I, H, L, p, args):
             table_c.index_copy_(0, slots, torch.stack(cs, 1))
         out.copy_(inp)
 
-    def events_us(fn):
+    def events_us(fn, calls=LAUNCHES):
+        """Microseconds per step of `calls` calls of fn, each running LAUNCHES / calls steps."""
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         v = []
         for i in range(-args.warmup, args.repeat):
             e0.record()
-            for _ in range(LAUNCHES):
+            for _ in range(calls):
                 fn()
             e1.record()
             e1.synchronize()
@@ -103,6 +105,11 @@ def run_case(cell, B, I, H, L, p, args):
     with torch.cuda.graph(graph):
         step()
     graph_us = events_us(graph.replay)
+    graph_n = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_n):
+        for _ in range(LAUNCHES):
+            step()
+    gpu_us = events_us(graph_n.replay, calls=1)
 
     x_host = x.cpu().pin_memory()
     init_host = is_init.cpu().pin_memory()
@@ -122,6 +129,7 @@ def run_case(cell, B, I, H, L, p, args):
         "device": "%s (torch %s)" % (torch.cuda.get_device_name(), torch.__version__),
         "cell": cell, "B": B, "I": I, "H": H, "L": L, "reset_prob": p,
         "compute": args.compute_now, "eager_us": round(eager, 3), "graph_us": round(graph_us, 3),
+        "gpu_us": round(gpu_us, 3),
         "call_us": round(median(v), 3), "slots": S, "launches": LAUNCHES,
         "warmup": args.warmup, "repeat": args.repeat, "seed": args.seed,
     }
@@ -141,8 +149,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
 
-    print("%-10s %-4s %-5s %5s %5s %5s %2s %6s %9s %9s %9s" % (
-        "backend", "cell", "comp", "B", "I", "H", "L", "reset", "eager_us", "graph_us", "call_us"))
+    print("%-10s %-4s %-5s %5s %5s %5s %2s %6s %9s %9s %9s %9s" % (
+        "backend", "cell", "comp", "B", "I", "H", "L", "reset", "eager_us", "graph_us", "gpu_us",
+        "call_us"))
     results = []
     for cell, comp, L, H, I, B, p in itertools.product(
             args.cell, args.compute, args.layers, args.hidden, args.input, args.batch,
@@ -156,8 +165,8 @@ def main():
         args.compute_now = comp
         r = run_case(cell, B, I, H, L, p, args)
         results.append(r)
-        print("%-10s %-4s %-5s %5d %5d %5d %2d %6.3f %9.2f %9.2f %9.2f" % (
-            r["backend"], cell, comp, B, I, H, L, p, r["eager_us"], r["graph_us"],
+        print("%-10s %-4s %-5s %5d %5d %5d %2d %6.3f %9.2f %9.2f %9.2f %9.2f" % (
+            r["backend"], cell, comp, B, I, H, L, p, r["eager_us"], r["graph_us"], r["gpu_us"],
             r["call_us"]), flush=True)
     for r in results:
         print(json.dumps(r, separators=(",", ":")))

@@ -194,6 +194,7 @@ struct step_kargs {
     const float *w_ih, *w_hh, *b_ih, *b_hh;
     int *count;             // (row tiles) zero between launches
     bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
+    int variant;            // bench variants under trial (rnnd_cuda_set_variant)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -217,6 +218,56 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * MT, u0 = blockIdx.x * UT;
 
+    // Chunk c of K into stage st: x columns for c < cx, h columns after. Weights and rows are
+    // issued apart, so that the first chunks' weights need not wait for the slots.
+    const int cx = CEIL_DIV(Il, KC), nc = cx + CEIL_DIV(H, KC);
+    auto load_w = [&](int c, int st) {
+        const bool hp = c >= cx;
+        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+        const float *W = hp ? a.w_hh : a.w_ih;
+        float *Ws = sm + st * STAGE + MT * LD;
+        if (hp ? a.vec_h : a.vec_x) { // K % 4 == 0: a group of 4 is all in or all out
+            constexpr int KG = KC / 4;
+            for (int i = tid; i < G * UT * KG; i += RNND_STEP_THREADS) {
+                int r = i / KG, k = k0 + 4 * (i % KG), q = r / UT, u = u0 + r % UT;
+                bool ok = u < H && k < K;
+                cp_async16(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+            }
+        } else {
+            for (int i = tid; i < G * UT * KC; i += RNND_STEP_THREADS) {
+                int r = i / KC, k = k0 + i % KC, q = r / UT, u = u0 + r % UT;
+                bool ok = u < H && k < K;
+                cp_async4(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+            }
+        }
+    };
+    auto load_a = [&](int c, int st) {
+        const bool hp = c >= cx;
+        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+        const float *const *rows = hp ? s_hrow : s_xrow;
+        float *As = sm + st * STAGE;
+        if (hp ? a.vec_h : a.vec_x) {
+            constexpr int KG = KC / 4;
+            for (int i = tid; i < MT * KG; i += RNND_STEP_THREADS) {
+                int m = i / KG, k = k0 + 4 * (i % KG);
+                const float *src = rows[m];
+                bool ok = src && k < K;
+                cp_async16(As + m * LD + (k - k0), ok ? src + k : a.w_ih, ok);
+            }
+        } else {
+            for (int i = tid; i < MT * KC; i += RNND_STEP_THREADS) {
+                int m = i / KC, k = k0 + i % KC;
+                const float *src = rows[m];
+                bool ok = src && k < K;
+                cp_async4(As + m * LD + (k - k0), ok ? src + k : a.w_ih, ok);
+            }
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < NS - 1; st++)
+        if (st < nc)
+            load_w(st, st);
+
     for (int m = tid; m < MT; m += RNND_STEP_THREADS) {
         int b = row0 + m;
         bool valid = b < a.B, reset = valid && a.is_init && a.is_init[b];
@@ -229,43 +280,39 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
         s_hrow[m] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
     }
     __syncthreads();
+#pragma unroll
+    for (int st = 0; st < NS - 1; st++) {
+        if (st < nc)
+            load_a(st, st);
+        cp_commit(); // group 0 holds the prologue's weights too
+    }
 
-    // Chunk c of K into stage st: x columns for c < cx, h columns after.
-    const int cx = CEIL_DIV(Il, KC), nc = cx + CEIL_DIV(H, KC);
-    const float *w_ih = a.w_ih, *w_hh = a.w_hh;
-    auto load = [&](int c, int st) {
-        const bool hp = c >= cx;
-        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
-        const float *const *rows = hp ? s_hrow : s_xrow;
-        const float *W = hp ? w_hh : w_ih;
-        float *As = sm + st * STAGE, *Ws = As + MT * LD;
-        if (hp ? a.vec_h : a.vec_x) { // K % 4 == 0: a group of 4 is all in or all out
-            constexpr int KG = KC / 4;
-            for (int i = tid; i < MT * KG; i += RNND_STEP_THREADS) {
-                int m = i / KG, k = k0 + 4 * (i % KG);
-                const float *src = rows[m];
-                bool ok = src && k < K;
-                cp_async16(As + m * LD + (k - k0), ok ? src + k : W, ok);
-            }
-            for (int i = tid; i < G * UT * KG; i += RNND_STEP_THREADS) {
-                int r = i / KG, k = k0 + 4 * (i % KG), q = r / UT, u = u0 + r % UT;
-                bool ok = u < H && k < K;
-                cp_async16(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
-            }
-        } else {
-            for (int i = tid; i < MT * KC; i += RNND_STEP_THREADS) {
-                int m = i / KC, k = k0 + i % KC;
-                const float *src = rows[m];
-                bool ok = src && k < K;
-                cp_async4(As + m * LD + (k - k0), ok ? src + k : W, ok);
-            }
-            for (int i = tid; i < G * UT * KC; i += RNND_STEP_THREADS) {
-                int r = i / KC, k = k0 + i % KC, q = r / UT, u = u0 + r % UT;
-                bool ok = u < H && k < K;
-                cp_async4(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+    // What the cell needs besides the sums, loaded now so it lands during the matmuls: per
+    // element (row, unit) of the lane's C fragments the old state, per unit the biases.
+    const int m0 = wm * MTW * 16, n0 = wu * 8;
+    float hprev[MTW][4], cprev[MTW][4], bx[G][2], bh[G][2];
+    if (wk == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int u = min(u0 + n0 + 2 * tg + j, H - 1);
+#pragma unroll
+            for (int q = 0; q < G; q++) {
+                bx[q][j] = a.b_ih[q * H + u];
+                bh[q][j] = a.b_hh[q * H + u];
             }
         }
-    };
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = m0 + 16 * mt + g + 8 * (e >> 1);
+                const int u = min(u0 + n0 + 2 * tg + (e & 1), H - 1);
+                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+                const bool live = row0 + m < a.B && !s_reset[m];
+                hprev[mt][e] = live ? a.state_h[at] : 0.0f;
+                cprev[mt][e] = live && !GRU ? a.state_c[at] : 0.0f;
+            }
+    }
 
     float acc[MTW][4][4];
 #pragma unroll
@@ -276,18 +323,13 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
             for (int e = 0; e < 4; e++)
                 acc[mt][q][e] = 0.0f;
 
-    const int m0 = wm * MTW * 16, n0 = wu * 8;
-#pragma unroll
-    for (int s = 0; s < NS - 1; s++) {
-        if (s < nc)
-            load(s, s);
-        cp_commit();
-    }
     for (int c = 0; c < nc; c++) {
         cp_wait<NS - 2>();
         __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
-        if (c + NS - 1 < nc)
-            load(c + NS - 1, (c + NS - 1) % NS);
+        if (c + NS - 1 < nc) {
+            load_w(c + NS - 1, (c + NS - 1) % NS);
+            load_a(c + NS - 1, (c + NS - 1) % NS);
+        }
         cp_commit();
         const float *As = sm + (c % NS) * STAGE, *Ws = As + MT * LD;
         const bool hp = c >= cx;
@@ -346,38 +388,54 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
                 const int u = u0 + n0 + 2 * tg + (e & 1);
                 if (b >= a.B || u >= H)
                     continue;
-                const bool reset = s_reset[m];
-                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-                const float hprev = reset ? 0.0f : a.state_h[at];
-                const float cprev = !GRU && !reset ? a.state_c[at] : 0.0f;
                 float xq[G], hq[G], s[Cell::SW], hn, cn;
 #pragma unroll
                 for (int q = 0; q < G; q++) {
-                    xq[q] = acc[mt][q][e] + a.b_ih[q * H + u];
-                    hq[q] = a.b_hh[q * H + u];
+                    xq[q] = acc[mt][q][e] + bx[q][e & 1];
+                    hq[q] = bh[q][e & 1];
                 }
                 if (GRU)
                     hq[2] += acc[mt][3][e];
-                Cell::template forward<Mode::FAST>(xq, hq, hprev, cprev, hn, cn, s);
+                Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn, cn, s);
                 a.h_new[(size_t)b * H + u] = hn;
                 if (!GRU)
                     a.c_new[(size_t)b * H + u] = cn;
                 if (a.h_before)
-                    a.h_before[((size_t)b * L + l) * H + u] = hprev;
+                    a.h_before[((size_t)b * L + l) * H + u] = hprev[mt][e];
                 if (a.c_before)
-                    a.c_before[((size_t)b * L + l) * H + u] = cprev;
+                    a.c_before[((size_t)b * L + l) * H + u] = cprev[mt][e];
             }
     }
 
     // Count this block on its row tile; the last one scatters the tile into the slot table.
-    __threadfence();
-    __syncthreads();
-    if (tid == 0)
-        s_last = atomicAdd(&a.count[blockIdx.y], 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!s_last)
-        return;
-    __threadfence();
+    if (a.variant & 2)
+        return; // bench only: no scatter (wrong states), to time the rest
+    if (a.variant & 1) { // bench only: every thread fences (the textbook pattern)
+        __threadfence();
+        __syncthreads();
+        if (tid == 0)
+            s_last = atomicAdd(&a.count[blockIdx.y], 1) == (int)gridDim.x - 1;
+        __syncthreads();
+        if (!s_last)
+            return;
+        __threadfence();
+    } else {
+        // The block's stores are ordered before the barrier; thread 0's acq_rel add releases
+        // them at gpu scope (cumulatively) and, for the last block, acquires the others' (the
+        // pattern of CUTLASS's semaphore).
+        __syncthreads();
+        if (tid == 0) {
+            int old;
+            asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
+                         : "=r"(old)
+                         : "l"(a.count + blockIdx.y)
+                         : "memory");
+            s_last = old == (int)gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!s_last)
+            return;
+    }
     const int nrows = min(MT, a.B - row0);
     // Loads through L2 (__ldcg): other SMs wrote the stage during this launch.
     if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
@@ -436,6 +494,7 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
         a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
         a.count = c->d_step_count;
+        a.variant = c->variant;
         const dim3 grid(CEIL_DIV(H, Cfg::UT), CEIL_DIV(a.B, Cfg::MT));
         for (int l = 0; l < L; l++) {
             struct layer_params lp = rnnd__cuda_layer_params(m, l, params);

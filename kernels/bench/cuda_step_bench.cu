@@ -25,7 +25,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <stdlib.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -294,10 +293,6 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         return err;
     }
     snprintf(res->device, sizeof(res->device), "%s", gpu.device);
-    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (kernels/bench/NOTES.md).
-    const char *variant = getenv("RNND_CUDA_VARIANT");
-    if (variant && *variant)
-        rnnd_cuda_set_variant(&gpu, atoi(variant));
     err = rnnd_backend_cpu_init(&cpu);
     if (err) {
         rnnd_backend_free(&gpu);
@@ -338,8 +333,8 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         err = step_timings(&gpu, &h, bc, res);
     }
     if (!err)
-        snprintf(res->extra, sizeof(res->extra), ",\"slots\":%d,\"launches\":%d,\"variant\":%d,\"sm_mhz\":%.0f",
-                 S, STEP_LAUNCHES, variant && *variant ? atoi(variant) : 0, res->sm_mhz);
+        snprintf(res->extra, sizeof(res->extra), ",\"slots\":%d,\"launches\":%d,\"sm_mhz\":%.0f", S,
+                 STEP_LAUNCHES, res->sm_mhz);
     rnnd_backend_free(&cpu);
     rnnd_backend_free(&gpu);
     return err;

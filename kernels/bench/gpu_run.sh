@@ -16,8 +16,8 @@
 #       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
-#                 kernel to time beside it, STEP_VARIANTS kernel variants, PROFILE_STEP=1 adds
-#                 ncu metrics of the step kernel, NO_TORCH=1 leaves out PyTorch;
+#                 kernel to time beside it, PROFILE_STEP=1 adds ncu metrics of the step
+#                 kernels, NO_TORCH=1 leaves out PyTorch;
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
@@ -169,13 +169,6 @@ if [[ " $STEPS " == *" step "* ]]; then
             echo "old step rc=$?" | tee -a "$OUT/step_old.log"
         fi
     done
-    # Kernel variants under trial (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
-    for v in ${STEP_VARIANTS:-}; do
-        echo "== step variant $v" | tee -a "$OUT/step.log"
-        RNND_CUDA_VARIANT=$v timeout 60 $SB --cell gru --compute fp32 --batch 1,1024 --input 256 \
-            --hidden 256 --reset-prob 0.1 >>"$OUT/step.log" 2>&1
-        echo "step variant rc=$?" | tee -a "$OUT/step.log"
-    done
     grep -v '^{' "$OUT/step.log"
     [ -n "${OLD_BENCH:-}" ] && grep -v '^{' "$OUT/step_old.log" | grep -v '^==' | sed 's/^/old: /'
     if [ -n "${PROFILE_STEP:-}" ]; then
@@ -183,13 +176,13 @@ if [[ " $STEPS " == *" step "* ]]; then
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
         for b in 1 1024; do
             timeout 90 "$NCU" --clock-control none --cache-control none --kernel-name \
-                regex:step_kernel --launch-skip 100 --launch-count 2 --metrics \
+                regex:step_ --launch-skip 100 --launch-count 2 --metrics \
 gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
                 $BIN/rnnd-kernel-bench --backend cuda --op step --cell gru --batch $b --input 256 \
                 --hidden 256 --reset-prob 0.1 --warmup 0 --repeat 1 >"$OUT/ncu_step_$b.txt" 2>&1
             echo "ncu step B=$b rc=$?"
-            grep -E 'step_kernel|duration|per_second|cycles_active|warps_active|bytes|hit_rate|wavefronts|inst_executed|stalled' \
-                "$OUT/ncu_step_$b.txt" | awk '$NF+0 > 0.05 || /step_kernel/' \
+            grep -E 'step_|duration|per_second|cycles_active|warps_active|bytes|hit_rate|wavefronts|inst_executed|stalled' \
+                "$OUT/ncu_step_$b.txt" | awk '$NF+0 > 0.05 || /step_/' \
                 | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -40
         done
     fi

@@ -5,18 +5,20 @@
  *   the sequence kernels (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)),
  *   LSTM c' = f c + i g).
  *
- * Mapping (bench/NOTES.md, "single step"): one launch per layer. Block (s, t) owns a tile of MT
- * rows (t) and UT hidden units (s) with all their gates, a GEMM tile of MT x G*UT over
- * K = I_l + H, fed by a cp.async pipeline of NS stages of KC columns (x chunks, then h chunks),
- * rows gathered through the slot table (zero-filled where a row resets). The block's 8 warps are
- * WM x WU x WK: a warp owns MTW m-tiles of 16 rows times 8 units of every gate plane, and every
- * WK-th k-step of K (the WK partial sums are added through shared memory). Its accumulator
- * planes are r, z, n_x, n_h (GRU: r multiplies only the h part of n) or i, f, g, o (LSTM), so a
- * lane's MMA C fragment holds every plane of its own (row, unit) elements and the cell runs in
- * registers. Three tile shapes: many rows take 64 x 32 tiles (B=1024, H=256: 128 blocks), few
- * rows 16 x 8 tiles with K split over the warps (B=1: one block per 8 units), 32 x 16 between.
- * Products: TF32 mma.sync m16n8k8 with both operands rounded to tf32 (fp32 mode), BF16 m16n8k16
- * (bf16 mode), FFMA in the same fragment layout (ieee), always accumulated in fp32.
+ * One launch per layer (bench/NOTES.md, "single step"), in one of two kernels:
+ * - step_kernel, for more than a few rows: block (s, t) owns a tile of MT rows (t) and UT hidden
+ *   units (s) with all their gates, a GEMM tile of MT x G*UT over K = I_l + H, fed by a cp.async
+ *   pipeline of NS stages of KC columns (x chunks, then h chunks; rows gathered through the slot
+ *   table, zero-filled where a row resets). The block's 8 warps are WM x WU x WK: a warp owns
+ *   MTW m-tiles of 16 rows times 8 units of every gate plane, and every WK-th k-step of K (the
+ *   WK partial sums are added through shared memory). Its accumulator planes are r, z, n_x, n_h
+ *   (GRU: r multiplies only the h part of n) or i, f, g, o (LSTM), so a lane's MMA C fragment
+ *   holds every plane of its own (row, unit) elements and the cell runs in registers. Tiles are
+ *   64 x 32 for many rows (B=1024, H=256: 128 blocks), 32 x 16 or 16 x 8 (K split over the
+ *   warps) for fewer. Products: TF32 mma.sync m16n8k8 (fp32 mode), BF16 m16n8k16 (bf16 mode),
+ *   FFMA in the same fragment layout (ieee), accumulated in fp32.
+ * - step_mv_kernel, for at most 8 rows: a warp per unit computes its gates' dot products with
+ *   FFMA from shared memory (a block: 4 units, 4 rows), so that B=1 runs on H/4 blocks.
  *
  * In-place hazard: every block of a row tile reads the tile's old h of layer l over all units,
  * so no block may write its new state into the slot table while another may still read it.
@@ -31,7 +33,15 @@
 
 #include "seq_persist.cuh"
 
+#include <type_traits>
+
 #define RNND_STEP_THREADS 256
+// The few-rows kernel: at most MV_MAX_ROWS rows in a call, MV_ROWS rows and MV_UNITS units (a
+// warp each) per block, at most MV_SMEM bytes of weights and rows in shared memory.
+#define RNND_STEP_MV_MAX_ROWS 8
+#define RNND_STEP_MV_ROWS     4
+#define RNND_STEP_MV_UNITS    4
+#define RNND_STEP_MV_SMEM     (96 << 10)
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -45,8 +55,8 @@ struct step_cfg {
     static constexpr int UT = 8 * WU;                  // units per block
     static_assert(WM * WU * WK * 32 == RNND_STEP_THREADS, "8 warps");
 };
-using cfg_big = step_cfg<2, 2, 4, 1, 32, 4>;   // 64 rows x 32 units
-using cfg_mid = step_cfg<2, 1, 2, 4, 32, 6>;   // 32 x 16, K split in 4
+using cfg_big = step_cfg<2, 2, 4, 1, 64, 3>;   // 64 rows x 32 units
+using cfg_mid = step_cfg<2, 1, 2, 4, 64, 4>;   // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 64, 8>; // 16 x 8, K split in 8
 
 // One k-step of a warp's tile: acc[mt][plane] += A[rows of m-tile mt][k0..] . W[plane's 8
@@ -55,35 +65,63 @@ using cfg_small = step_cfg<1, 1, 1, 8, 64, 8>; // 16 x 8, K split in 8
 // accumulator plane p, except the GRU's n gate in the h part (NH), which goes to plane 3.
 // C fragment of every mode (mma.sync's): c[0] (g, 2tg), c[1] (g, 2tg+1), c[2] (g+8, 2tg),
 // c[3] (g+8, 2tg+1) for row g = lane/4 and unit 2tg (tg = lane%4) of the 16 x 8 tile.
+// ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
+// float t%4 of each matrix. p is this lane's row address (lanes 8j..8j+7 give matrix j's rows).
+static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float *p) {
+    uint32_t sa = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(sa));
+}
+static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const float *p) {
+    uint32_t sa = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(sa));
+}
+
+static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
+                                                uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// TF32: fragments straight from the stage with ldmatrix (A: one x4 per m-tile; W: one x4 per
+// two planes), fp32 bit patterns as they are: the tensor cores read their tf32 part, i.e. the
+// operands are rounded toward zero to 10 mantissa bits (a cvt.rna per element would double the
+// k-step's instructions; the error stays within DESIGN.md's tf32 bound, bench/NOTES.md).
 struct step_tf32 {
-    static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free fragment loads
+    static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free ldmatrix rows
     static constexpr bool FAST = true;
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
                                                  const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int g, int tg) {
+                                                 int k0, int lane) {
+        const int j = lane >> 3, r8 = lane & 7;
         uint32_t a[MTW][4];
 #pragma unroll
-        for (int mt = 0; mt < MTW; mt++) {
-            const float *p = A + (m0 + 16 * mt + g) * ld + k0 + tg;
-            a[mt][0] = f32_to_tf32(p[0]);
-            a[mt][1] = f32_to_tf32(p[8 * ld]);
-            a[mt][2] = f32_to_tf32(p[4]);
-            a[mt][3] = f32_to_tf32(p[8 * ld + 4]);
-        }
+        for (int mt = 0; mt < MTW; mt++) // matrices: rows 0-7 | 8-15 at k0, then at k0+4
+            ldsm_x4(a[mt], A + (m0 + 16 * mt + r8 + 8 * (j & 1)) * ld + k0 + 4 * (j >> 1));
 #pragma unroll
-        for (int q = 0; q < G; q++) {
-            const float *p = W + (q * UT + n0 + g) * ld + k0 + tg;
-            uint32_t b0 = f32_to_tf32(p[0]), b1 = f32_to_tf32(p[4]);
-            const int ap = NH && q == 2 ? 3 : q;
+        for (int q = 0; q < G; q += 2) {
+            uint32_t b[4]; // b0, b1 of plane q, then of plane q+1
+            const float *p = W + (q * UT + n0 + r8) * ld + k0 + 4 * (j & 1);
+            if (q + 1 < G) {
+                ldsm_x4(b, p + (j >> 1) * UT * ld);
+            } else {
+                uint32_t b2[2];
+                ldsm_x2(b2, p);
+                b[0] = b2[0], b[1] = b2[1];
+            }
 #pragma unroll
-            for (int mt = 0; mt < MTW; mt++)
-                asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
-                    "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                    : "+f"(acc[mt][ap][0]), "+f"(acc[mt][ap][1]), "+f"(acc[mt][ap][2]),
-                      "+f"(acc[mt][ap][3])
-                    : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0),
-                      "r"(b1));
+            for (int h = 0; h < 2 && q + h < G; h++) {
+                const int ap = NH && q + h == 2 ? 3 : q + h;
+#pragma unroll
+                for (int mt = 0; mt < MTW; mt++)
+                    mma_tf32(acc[mt][ap], a[mt], b[2 * h], b[2 * h + 1]);
+            }
         }
     }
 };
@@ -98,7 +136,8 @@ struct step_bf16 {
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
                                                  const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int g, int tg) {
+                                                 int k0, int lane) {
+        const int g = lane >> 2, tg = lane & 3;
         uint32_t a[MTW][4];
 #pragma unroll
         for (int mt = 0; mt < MTW; mt++) {
@@ -132,7 +171,8 @@ struct step_ieee {
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
                                                  const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int g, int tg) {
+                                                 int k0, int lane) {
+        const int g = lane >> 2, tg = lane & 3;
 #pragma unroll
         for (int kk = 0; kk < KSTEP; kk++) {
             float a[MTW][2];
@@ -194,8 +234,90 @@ struct step_kargs {
     const float *w_ih, *w_hh, *b_ih, *b_hh;
     int *count;             // (row tiles) zero between launches
     bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
-    int variant;            // bench variants under trial (rnnd_cuda_set_variant)
 };
+
+// Counts the calling block on its row tile's counter; true in the block that arrives last (every
+// thread of the block gets the answer). Every block's stores before the call are visible to the
+// last one: they are ordered before the barrier, and thread 0's acq_rel add releases them at gpu
+// scope (cumulatively) and acquires the others' (the pattern of CUTLASS's semaphore).
+static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "l"(count)
+                     : "memory");
+        *s_last = old == (int)(gridDim.x - 1);
+        if (*s_last)
+            *count = 0; // for the next launch (kernel boundaries order it)
+    }
+    __syncthreads();
+    return *s_last;
+}
+
+// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
+// table, layer a.l. Loads go through L2 (__ldcg): other SMs wrote them during this launch. Each
+// thread issues a batch of loads before its stores, so the tail costs about one L2 round trip
+// per batch rather than one per element.
+static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
+    constexpr int NB = 8;
+    const int H = a.H, L = a.L, l = a.l, nt = blockDim.x;
+    const bool lstm = a.state_c != nullptr;
+    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
+        const int H4 = H / 4, n = nrows * H4;
+        const float4 *hs = reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4;
+        const float4 *cs = reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4;
+        float4 *hd = reinterpret_cast<float4 *>(a.state_h), *cd = reinterpret_cast<float4 *>(a.state_c);
+        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
+            float4 vh[NB], vc[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    vh[j] = __ldcg(hs + i);
+                    if (lstm)
+                        vc[j] = __ldcg(cs + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    const size_t at = ((size_t)s_slot[i / H4] * L + l) * H4 + i % H4;
+                    hd[at] = vh[j];
+                    if (lstm)
+                        cd[at] = vc[j];
+                }
+            }
+        }
+    } else {
+        const int n = nrows * H;
+        const float *hs = a.h_new + (size_t)row0 * H, *cs = a.c_new + (size_t)row0 * H;
+        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
+            float vh[NB], vc[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    vh[j] = __ldcg(hs + i);
+                    if (lstm)
+                        vc[j] = __ldcg(cs + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    const size_t at = ((size_t)s_slot[i / H] * L + l) * H + i % H;
+                    a.state_h[at] = vh[j];
+                    if (lstm)
+                        a.state_c[at] = vc[j];
+                }
+            }
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The kernel: one layer for a (unit slice, row tile) block.
@@ -340,10 +462,10 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
                 continue;
             if (GRU && hp)
                 Mode::template kstep<MTW, G, true>(acc, As, Ws, LD, m0, n0, UT,
-                                                   ks * Mode::KSTEP, g, tg);
+                                                   ks * Mode::KSTEP, lane);
             else
                 Mode::template kstep<MTW, G, false>(acc, As, Ws, LD, m0, n0, UT,
-                                                    ks * Mode::KSTEP, g, tg);
+                                                    ks * Mode::KSTEP, lane);
         }
     }
     cp_wait<0>();
@@ -408,58 +530,147 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
     }
 
     // Count this block on its row tile; the last one scatters the tile into the slot table.
-    if (a.variant & 2)
-        return; // bench only: no scatter (wrong states), to time the rest
-    if (a.variant & 1) { // bench only: every thread fences (the textbook pattern)
-        __threadfence();
-        __syncthreads();
-        if (tid == 0)
-            s_last = atomicAdd(&a.count[blockIdx.y], 1) == (int)gridDim.x - 1;
-        __syncthreads();
-        if (!s_last)
-            return;
-        __threadfence();
-    } else {
-        // The block's stores are ordered before the barrier; thread 0's acq_rel add releases
-        // them at gpu scope (cumulatively) and, for the last block, acquires the others' (the
-        // pattern of CUTLASS's semaphore).
-        __syncthreads();
-        if (tid == 0) {
-            int old;
-            asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
-                         : "=r"(old)
-                         : "l"(a.count + blockIdx.y)
-                         : "memory");
-            s_last = old == (int)gridDim.x - 1;
-        }
-        __syncthreads();
-        if (!s_last)
-            return;
-    }
-    const int nrows = min(MT, a.B - row0);
-    // Loads through L2 (__ldcg): other SMs wrote the stage during this launch.
-    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
-        const int H4 = H / 4;
-        for (int i = tid; i < nrows * H4; i += RNND_STEP_THREADS) {
-            int m = i / H4, k = i % H4;
-            size_t src = (size_t)(row0 + m) * H4 + k, dst = ((size_t)s_slot[m] * L + l) * H4 + k;
-            reinterpret_cast<float4 *>(a.state_h)[dst] =
-                __ldcg(reinterpret_cast<const float4 *>(a.h_new) + src);
-            if (!GRU)
-                reinterpret_cast<float4 *>(a.state_c)[dst] =
-                    __ldcg(reinterpret_cast<const float4 *>(a.c_new) + src);
-        }
-    } else {
-        for (int i = tid; i < nrows * H; i += RNND_STEP_THREADS) {
-            int m = i / H, k = i % H;
-            size_t src = (size_t)(row0 + m) * H + k, dst = ((size_t)s_slot[m] * L + l) * H + k;
-            a.state_h[dst] = __ldcg(a.h_new + src);
-            if (!GRU)
-                a.state_c[dst] = __ldcg(a.c_new + src);
+    if (tile_arrive(a.count + blockIdx.y, &s_last))
+        tile_scatter(a, row0, min(MT, a.B - row0), s_slot);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel for few rows: one layer for up to RNND_STEP_MV_ROWS rows and RNND_STEP_MV_UNITS
+// units per block (a warp per unit, all its gates), as plain dot products. The block copies
+// its units' gate rows [W_ih | W_hh] and the rows' [x | h] (zero where is_init) to shared
+// memory with cp.async (the weights first: they need no slot), then every lane sums a stride of
+// K for each (gate plane, row), a warp reduction per sum, and lane r runs the cell for row r.
+// FFMA in fp32 for every mode (bf16 rounds both operands to bf16 first): as exact as the tensor
+// cores' products or more, and with so few rows the matmul is no cost.
+
+template <class Cell, bool BF16, bool FAST>
+static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel(const step_kargs a) {
+    constexpr int G = Cell::G, R = RNND_STEP_MV_ROWS, U = RNND_STEP_MV_UNITS;
+    constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
+    constexpr bool GRU = G == 3;
+    extern __shared__ float4 smem4[];
+    __shared__ int s_slot[R];
+    __shared__ const float *s_hrow[R], *s_xrow[R];
+    __shared__ bool s_last;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
+    const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
+    float *Ws = reinterpret_cast<float *>(smem4); // (G*U, K): [W_ih row | W_hh row], plane major
+    float *Xs = Ws + G * U * K;                    // (R, K): [x | h]
+    const bool vec = a.vec_x && a.vec_h;            // Il, H multiples of 4 and aligned
+
+    // Weights of the block's units (zero past H): warp w copies rows w, w + U, ...
+    const int step = vec ? 128 : 32;
+    for (int r = w; r < G * U; r += U) {
+        const int q = r / U, uw = u0 + r % U;
+        const bool ok = uw < H;
+        const float *wx = a.w_ih + (size_t)(q * H + uw) * Il;
+        const float *wh = a.w_hh + (size_t)(q * H + uw) * H;
+        for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
+            const float *src = !ok ? a.w_ih : kk < Il ? wx + kk : wh + (kk - Il);
+            if (vec)
+                cp_async16(Ws + r * K + kk, src, ok);
+            else
+                cp_async4(Ws + r * K + kk, src, ok);
         }
     }
-    if (tid == 0)
-        a.count[blockIdx.y] = 0;
+    if (tid < R) {
+        const int b = row0 + tid;
+        const bool valid = tid < nrows, reset = valid && a.is_init && a.is_init[b];
+        const int slot = valid ? a.slots[b] : 0;
+        s_slot[tid] = slot;
+        s_xrow[tid] = !valid  ? nullptr
+                      : l == 0 ? a.x + (size_t)b * a.I
+                               : a.state_h + ((size_t)slot * L + l - 1) * H;
+        s_hrow[tid] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
+    }
+    // The cell's other inputs (lane r < R: row r of warp w's unit), loaded meanwhile.
+    const int u = u0 + w, uc = min(u, H - 1);
+    float bx[G], bh[G];
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        bx[q] = a.b_ih[q * H + uc];
+        bh[q] = a.b_hh[q * H + uc];
+    }
+    __syncthreads();
+    float cprev = 0.0f;
+    if (!GRU && lane < nrows && s_hrow[lane])
+        cprev = a.state_c[((size_t)s_slot[lane] * L + l) * H + uc];
+    for (int r = w; r < R; r += U) {
+        const float *xr = s_xrow[r], *hr = s_hrow[r];
+        for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
+            const float *row = kk < Il ? xr : hr;
+            const float *src = row ? row + (kk < Il ? kk : kk - Il) : a.w_ih;
+            if (vec)
+                cp_async16(Xs + r * K + kk, src, row != nullptr);
+            else
+                cp_async4(Xs + r * K + kk, src, row != nullptr);
+        }
+    }
+    cp_commit();
+    cp_wait<0>();
+    __syncthreads();
+
+    // acc[p][r]: lane's partial sums over its k stride, then warp sums.
+    float acc[NP][R];
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[p][r] = 0.0f;
+    const float *wr = Ws + w * K; // plane q's row at + q*U*K
+    auto dot = [&](int k, bool hp) {
+        float xv[R], wv[G];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            xv[r] = BF16 ? round_bf16(Xs[r * K + k]) : Xs[r * K + k];
+#pragma unroll
+        for (int q = 0; q < G; q++)
+            wv[q] = BF16 ? round_bf16(wr[q * U * K + k]) : wr[q * U * K + k];
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int p = GRU && hp && q == 2 ? 3 : q;
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                acc[p][r] = fmaf(wv[q], xv[r], acc[p][r]);
+        }
+    };
+    for (int k = lane; k < Il; k += 32)
+        dot(k, false);
+    for (int k = Il + lane; k < K; k += 32)
+        dot(k, true);
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[p][r] = warp_sum(acc[p][r]);
+
+    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select).
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (lane != r || r >= nrows || u >= H)
+            continue;
+        const int b = row0 + r;
+        const float hprev = Xs[r * K + Il + u];
+        float xq[G], hq[G], sv[Cell::SW], hn, cn;
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            xq[q] = acc[q][r] + bx[q];
+            hq[q] = bh[q];
+        }
+        if (GRU)
+            hq[2] += acc[3][r];
+        Cell::template forward<FAST>(xq, hq, hprev, cprev, hn, cn, sv);
+        a.h_new[(size_t)b * H + u] = hn;
+        if (!GRU)
+            a.c_new[(size_t)b * H + u] = cn;
+        if (a.h_before)
+            a.h_before[((size_t)b * L + l) * H + u] = hprev;
+        if (a.c_before)
+            a.c_before[((size_t)b * L + l) * H + u] = cprev;
+    }
+    if (tile_arrive(a.count + blockIdx.y, &s_last))
+        tile_scatter(a, row0, nrows, s_slot);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -472,65 +683,96 @@ static constexpr size_t step_smem(int pad) {
     return (stages > red ? stages : red) * sizeof(float);
 }
 
+// Shared memory of the few-rows kernel for layer inputs of width Il.
+static size_t step_mv_smem(int G, int Il, int H) {
+    return (size_t)(G * RNND_STEP_MV_UNITS + RNND_STEP_MV_ROWS) * (Il + H) * sizeof(float);
+}
+
 static bool aligned16(const void *p) {
     return ((uintptr_t)p & 15) == 0;
 }
 
+// Arguments of layer l for the chunk of rows [r0, r0 + rows).
+static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                            const struct rnnd_model *m, int r0, int rows, int chunk, int l) {
+    const int H = m->H, L = m->L;
+    step_kargs a = {};
+    a.B = rows, a.I = m->I, a.H = H, a.L = L, a.l = l;
+    a.x = st->x + (size_t)r0 * m->I;
+    a.is_init = st->is_init ? st->is_init + r0 : NULL;
+    a.slots = st->slots + r0;
+    a.state_h = st->state_h, a.state_c = st->state_c;
+    a.h_before = st->h_before ? st->h_before + (size_t)r0 * L * H : NULL;
+    a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
+    a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
+    a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
+    a.count = c->d_step_count;
+    struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
+    a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+    a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
+              aligned16(st->state_h) && aligned16(lp.w_ih);
+    a.vec_h = H % 4 == 0 && aligned16(st->state_h) && aligned16(lp.w_hh) &&
+              (st->state_c == NULL || aligned16(st->state_c));
+    return a;
+}
+
+// Rows per chunk: what the stages hold (h, and c for LSTM) and the tile counters count.
+static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, int MT) {
+    size_t rows = RNND_STEP_STAGE_BYTES / ((size_t)m->H * sizeof(float) * 2);
+    if (rows > (size_t)RNND_STEP_TILES * MT)
+        rows = (size_t)RNND_STEP_TILES * MT;
+    return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
+}
+
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                       const struct rnnd_model *m, int chunk) {
-    const int B = st->B, H = m->H, L = m->L;
+                       const struct rnnd_model *m) {
     const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
-    const dim3 block(RNND_STEP_THREADS);
-    for (int r0 = 0; r0 < B; r0 += chunk) {
-        step_kargs a = {};
-        a.B = B - r0 < chunk ? B - r0 : chunk;
-        a.I = m->I, a.H = H, a.L = L;
-        a.x = st->x + (size_t)r0 * m->I;
-        a.is_init = st->is_init ? st->is_init + r0 : NULL;
-        a.slots = st->slots + r0;
-        a.state_h = st->state_h, a.state_c = st->state_c;
-        a.h_before = st->h_before ? st->h_before + (size_t)r0 * L * H : NULL;
-        a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
-        a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
-        a.count = c->d_step_count;
-        a.variant = c->variant;
-        const dim3 grid(CEIL_DIV(H, Cfg::UT), CEIL_DIV(a.B, Cfg::MT));
-        for (int l = 0; l < L; l++) {
-            struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
-            a.l = l;
-            a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
-            a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
-            a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
-                      aligned16(st->state_h) && aligned16(lp.w_ih);
-            a.vec_h = H % 4 == 0 && aligned16(st->state_h) && aligned16(lp.w_hh) &&
-                      (st->state_c == NULL || aligned16(st->state_c));
-            step_kernel<Cell, Mode, Cfg><<<grid, block, smem, c->stream>>>(a);
+    const int chunk = step_chunk(st, m, Cfg::MT);
+    for (int r0 = 0; r0 < st->B; r0 += chunk) {
+        const int rows = st->B - r0 < chunk ? st->B - r0 : chunk;
+        const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
+        for (int l = 0; l < m->L; l++) {
+            step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
+            step_kernel<Cell, Mode, Cfg><<<grid, RNND_STEP_THREADS, smem, c->stream>>>(a);
             CUDA_LAUNCH_CHECK();
         }
     }
     return 0;
 }
 
-// The tile shape: the largest whose grid still gives half the SMs a block.
+template <class Cell, class Mode>
+static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                          const struct rnnd_model *m) {
+    constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
+    const dim3 grid(CEIL_DIV(m->H, RNND_STEP_MV_UNITS), CEIL_DIV(st->B, RNND_STEP_MV_ROWS));
+    for (int l = 0; l < m->L; l++) {
+        step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
+        const size_t smem = step_mv_smem(Cell::G, rnnd_model_layer_input(m, l), m->H);
+        step_mv_kernel<Cell, BF16, Mode::FAST>
+            <<<grid, 32 * RNND_STEP_MV_UNITS, smem, c->stream>>>(a);
+        CUDA_LAUNCH_CHECK();
+    }
+    return 0;
+}
+
+// Few rows: dot products (when the rows and weights fit in shared memory). More: the tile shape
+// that still gives half the SMs a block, largest first.
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                          const struct rnnd_model *m) {
-    // Rows per launch: what the stages hold (h, and c for LSTM), and the tile counters.
-    size_t per_row = (size_t)m->H * sizeof(float) * 2;
-    size_t fit = RNND_STEP_STAGE_BYTES / per_row;
+    const int in = m->I > m->H ? m->I : m->H;
+    if (st->B <= RNND_STEP_MV_MAX_ROWS &&
+        step_mv_smem(Cell::G, in, m->H) <= RNND_STEP_MV_SMEM)
+        return step_mv_launch<Cell, Mode>(c, st, params, m);
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
-    auto chunk = [&](int MT) {
-        size_t rows = fit < (size_t)RNND_STEP_TILES * MT ? fit : (size_t)RNND_STEP_TILES * MT;
-        return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
-    };
     if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
-        return step_launch<Cell, Mode, cfg_big>(c, st, params, m, chunk(cfg_big::MT));
+        return step_launch<Cell, Mode, cfg_big>(c, st, params, m);
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
-        return step_launch<Cell, Mode, cfg_mid>(c, st, params, m, chunk(cfg_mid::MT));
-    return step_launch<Cell, Mode, cfg_small>(c, st, params, m, chunk(cfg_small::MT));
+        return step_launch<Cell, Mode, cfg_mid>(c, st, params, m);
+    return step_launch<Cell, Mode, cfg_small>(c, st, params, m);
 }
 
 int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const float *params,
@@ -551,7 +793,7 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
     }
 }
 
-// Raises the dynamic shared-memory limit of every instance to what it asks for.
+// Raises the dynamic shared-memory limit of every instance to what it may ask for.
 template <class Cell, class Mode, class Cfg>
 static int step_attr() {
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg>,
@@ -560,16 +802,21 @@ static int step_attr() {
     return 0;
 }
 template <class Cell, class Mode>
-static int step_attr_cfgs() {
+static int step_attr_kernels() {
     RNND_TRY((step_attr<Cell, Mode, cfg_big>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
-    return step_attr<Cell, Mode, cfg_small>();
+    RNND_TRY((step_attr<Cell, Mode, cfg_small>()));
+    constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       RNND_STEP_MV_SMEM));
+    return 0;
 }
 template <class Cell>
 static int step_attr_modes() {
-    RNND_TRY((step_attr_cfgs<Cell, step_tf32>()));
-    RNND_TRY((step_attr_cfgs<Cell, step_bf16>()));
-    return step_attr_cfgs<Cell, step_ieee>();
+    RNND_TRY((step_attr_kernels<Cell, step_tf32>()));
+    RNND_TRY((step_attr_kernels<Cell, step_bf16>()));
+    return step_attr_kernels<Cell, step_ieee>();
 }
 
 int rnnd__cuda_step_prepare(struct cuda_ctx *c) {

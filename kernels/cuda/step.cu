@@ -59,12 +59,6 @@ using cfg_big = step_cfg<2, 2, 4, 1, 64, 3>;   // 64 rows x 32 units
 using cfg_mid = step_cfg<2, 1, 2, 4, 64, 4>;   // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 64, 8>; // 16 x 8, K split in 8
 
-// One k-step of a warp's tile: acc[mt][plane] += A[rows of m-tile mt][k0..] . W[plane's 8
-// units][k0..]^T. A is the stage's (MT, ld) row tile, W its (G*UT, ld) weight rows (plane p,
-// unit uu at row p*UT + uu); m0, n0 are the warp's first row and unit. Loaded plane p adds into
-// accumulator plane p, except the GRU's n gate in the h part (NH), which goes to plane 3.
-// C fragment of every mode (mma.sync's): c[0] (g, 2tg), c[1] (g, 2tg+1), c[2] (g+8, 2tg),
-// c[3] (g+8, 2tg+1) for row g = lane/4 and unit 2tg (tg = lane%4) of the 16 x 8 tile.
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
 // float t%4 of each matrix. p is this lane's row address (lanes 8j..8j+7 give matrix j's rows).
 static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float *p) {
@@ -88,6 +82,13 @@ static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One k-step of a warp's tile: acc[mt][plane] += A[rows of m-tile mt][k0..] . W[plane's 8
+// units][k0..]^T. A is the stage's (MT, ld) row tile, W its (G*UT, ld) weight rows (plane p,
+// unit uu at row p*UT + uu); m0, n0 are the warp's first row and unit. Loaded plane p adds into
+// accumulator plane p, except the GRU's n gate in the h part (NH), which goes to plane 3.
+// C fragment of every mode (mma.sync's): c[0] (g, 2tg), c[1] (g, 2tg+1), c[2] (g+8, 2tg),
+// c[3] (g+8, 2tg+1) for row g = lane/4 and unit 2tg (tg = lane%4) of the 16 x 8 tile.
+//
 // TF32: fragments straight from the stage with ldmatrix (A: one x4 per m-tile; W: one x4 per
 // two planes), fp32 bit patterns as they are: the tensor cores read their tf32 part, i.e. the
 // operands are rounded toward zero to 10 mantissa bits (a cvt.rna per element would double the

@@ -35,9 +35,9 @@
 
 #include <type_traits>
 
-#define RNND_STEP_THREADS 256
-// The few-rows kernel: at most MV_MAX_ROWS rows in a call, MV_ROWS rows and MV_UNITS units (a
-// warp each) per block, at most MV_SMEM bytes of weights and rows in shared memory.
+// The few-rows kernel: at most MV_MAX_ROWS rows in a call, 1 (B = 1) or MV_ROWS rows and
+// MV_UNITS units (a warp each) per block, at most MV_SMEM bytes of weights and rows in shared
+// memory.
 #define RNND_STEP_MV_MAX_ROWS 8
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
@@ -46,29 +46,28 @@
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
 
-template <int MTW_, int WM_, int WU_, int WK_, int KC_, int NS_>
+template <int MTW_, int WM_, int WU_, int WK_, int NS_>
 struct step_cfg {
     static constexpr int MTW = MTW_; // m-tiles (16 rows) per warp
     static constexpr int WM = WM_, WU = WU_, WK = WK_; // warps along rows, units, k-steps
-    static constexpr int KC = KC_, NS = NS_;           // chunk width, pipeline stages
+    static constexpr int KC = 64, NS = NS_;            // chunk width, pipeline stages
     static constexpr int MT = 16 * MTW * WM;           // rows per block
     static constexpr int UT = 8 * WU;                  // units per block
-    static_assert(WM * WU * WK * 32 == RNND_STEP_THREADS, "8 warps");
+    static constexpr int NT = 32 * WM * WU * WK;       // threads
 };
-using cfg_big = step_cfg<2, 2, 4, 1, 64, 3>;   // 64 rows x 32 units
-using cfg_mid = step_cfg<2, 1, 2, 4, 64, 4>;   // 32 x 16, K split in 4
-using cfg_small = step_cfg<1, 1, 1, 8, 64, 8>; // 16 x 8, K split in 8
+using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16 warps)
+using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
+using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
 
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
-// float t%4 of each matrix. p is this lane's row address (lanes 8j..8j+7 give matrix j's rows).
-static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float *p) {
-    uint32_t sa = (uint32_t)__cvta_generic_to_shared(p);
+// float t%4 of each matrix. sa is this lane's row address in shared space (lanes 8j..8j+7 give
+// matrix j's rows).
+static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t sa) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(sa));
 }
-static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const float *p) {
-    uint32_t sa = (uint32_t)__cvta_generic_to_shared(p);
+static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t sa) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(sa));
@@ -96,21 +95,30 @@ static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&
 struct step_tf32 {
     static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free ldmatrix rows
     static constexpr bool FAST = true;
+    // The lane's ldmatrix row addresses (bytes from the A tile, the W tile) at k = 0:
+    // A matrices rows 0-7 | 8-15 at k, then at k+4; W: plane q at k | k+4, then plane q+1.
+    static __device__ __forceinline__ uint32_t a_lane(int ld, int m0, int lane) {
+        return 4 * ((m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 4 * (lane >> 4));
+    }
+    static __device__ __forceinline__ uint32_t w_lane(int ld, int n0, int UT, int lane) {
+        return 4 * ((n0 + (lane & 7) + (lane >> 4) * UT) * ld + 4 * ((lane >> 3) & 1));
+    }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int lane) {
-        const int j = lane >> 3, r8 = lane & 7;
+                                                 const float *W, uint32_t sa, uint32_t sw,
+                                                 int ld, int m0, int n0, int UT, int k0,
+                                                 int lane) {
+        (void)A, (void)W, (void)m0, (void)n0, (void)lane;
         uint32_t a[MTW][4];
 #pragma unroll
-        for (int mt = 0; mt < MTW; mt++) // matrices: rows 0-7 | 8-15 at k0, then at k0+4
-            ldsm_x4(a[mt], A + (m0 + 16 * mt + r8 + 8 * (j & 1)) * ld + k0 + 4 * (j >> 1));
+        for (int mt = 0; mt < MTW; mt++)
+            ldsm_x4(a[mt], sa + 4 * (16 * mt * ld + k0));
 #pragma unroll
         for (int q = 0; q < G; q += 2) {
             uint32_t b[4]; // b0, b1 of plane q, then of plane q+1
-            const float *p = W + (q * UT + n0 + r8) * ld + k0 + 4 * (j & 1);
+            const uint32_t p = sw + 4 * (q * UT * ld + k0);
             if (q + 1 < G) {
-                ldsm_x4(b, p + (j >> 1) * UT * ld);
+                ldsm_x4(b, p);
             } else {
                 uint32_t b2[2];
                 ldsm_x2(b2, p);
@@ -134,10 +142,18 @@ struct step_bf16 {
         float2 v = *reinterpret_cast<const float2 *>(p);
         return pack_bf16(v.x, v.y);
     }
+    static __device__ __forceinline__ uint32_t a_lane(int, int, int) {
+        return 0;
+    }
+    static __device__ __forceinline__ uint32_t w_lane(int, int, int, int) {
+        return 0;
+    }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int lane) {
+                                                 const float *W, uint32_t sa, uint32_t sw,
+                                                 int ld, int m0, int n0, int UT, int k0,
+                                                 int lane) {
+        (void)sa, (void)sw;
         const int g = lane >> 2, tg = lane & 3;
         uint32_t a[MTW][4];
 #pragma unroll
@@ -169,10 +185,18 @@ struct step_bf16 {
 struct step_ieee {
     static constexpr int KSTEP = 8, PAD = 4;
     static constexpr bool FAST = false;
+    static __device__ __forceinline__ uint32_t a_lane(int, int, int) {
+        return 0;
+    }
+    static __device__ __forceinline__ uint32_t w_lane(int, int, int, int) {
+        return 0;
+    }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, int ld, int m0, int n0, int UT,
-                                                 int k0, int lane) {
+                                                 const float *W, uint32_t sa, uint32_t sw,
+                                                 int ld, int m0, int n0, int UT, int k0,
+                                                 int lane) {
+        (void)sa, (void)sw;
         const int g = lane >> 2, tg = lane & 3;
 #pragma unroll
         for (int kk = 0; kk < KSTEP; kk++) {
@@ -203,11 +227,13 @@ struct step_ieee {
 // Device helpers
 
 // Asynchronous global -> shared copies; ok false writes zeros instead (src is not read).
-static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
-    uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa),
-                 "l"(__cvta_generic_to_global(g)), "r"(ok ? 16 : 0)
+static __device__ __forceinline__ void cp_async16(uint32_t sa, const float *g, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
+                 "r"(ok ? 16 : 0)
                  : "memory");
+}
+static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
+    cp_async16((uint32_t)__cvta_generic_to_shared(s), g, ok);
 }
 static __device__ __forceinline__ void cp_async4(float *s, const float *g, bool ok) {
     uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
@@ -324,14 +350,15 @@ static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, co
 // The kernel: one layer for a (unit slice, row tile) block.
 
 template <class Cell, class Mode, class Cfg>
-static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const step_kargs a) {
+static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a) {
     constexpr int G = Cell::G, MT = Cfg::MT, UT = Cfg::UT, KC = Cfg::KC, NS = Cfg::NS;
-    constexpr int MTW = Cfg::MTW, WM = Cfg::WM, WU = Cfg::WU, WK = Cfg::WK;
+    constexpr int MTW = Cfg::MTW, WM = Cfg::WM, WU = Cfg::WU, WK = Cfg::WK, NT = Cfg::NT;
     constexpr int LD = KC + Mode::PAD, KSTEPS = KC / Mode::KSTEP;
     constexpr int STAGE = (MT + G * UT) * LD; // floats: A rows, then G*UT weight rows
     constexpr bool GRU = G == 3;
     extern __shared__ float4 smem4[];
     float *sm = reinterpret_cast<float *>(smem4);
+    const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
     __shared__ int s_slot[MT];
     __shared__ bool s_reset[MT], s_last;
@@ -341,44 +368,68 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * MT, u0 = blockIdx.x * UT;
 
-    // Chunk c of K into stage st: x columns for c < cx, h columns after. Weights and rows are
-    // issued apart, so that the first chunks' weights need not wait for the slots.
+    // Chunk c of K into stage c % NS: x columns for c < cx, h columns after. Weights and rows
+    // are issued apart, so that the first chunks' weights need not wait for the slots; each
+    // is called once per chunk, in order.
+    // 16-byte copies: thread t copies 4 columns (kg) of rows t/KG + j*RP, whose sources it
+    // keeps for the current part of K (x, then h) and moves by k0.
     const int cx = CEIL_DIV(Il, KC), nc = cx + CEIL_DIV(H, KC);
-    auto load_w = [&](int c, int st) {
-        const bool hp = c >= cx;
-        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+    constexpr int KG = KC / 4, RP = NT / KG;
+    constexpr int NWJ = CEIL_DIV(G * UT, RP), NAJ = CEIL_DIV(MT, RP);
+    const int kg = 4 * (tid % KG), r0t = tid / KG;
+    const float *wsrc[NWJ], *asrc[NAJ];
+    int wpart = -1, apart = -1; // which part of K the sources point into (0 x, 1 h)
+    auto load_w = [&](int c) {
+        const int hp = c >= cx, k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
         const float *W = hp ? a.w_hh : a.w_ih;
-        float *Ws = sm + st * STAGE + MT * LD;
+        float *Ws = sm + (c % NS) * STAGE + MT * LD;
         if (hp ? a.vec_h : a.vec_x) { // K % 4 == 0: a group of 4 is all in or all out
-            constexpr int KG = KC / 4;
-            for (int i = tid; i < G * UT * KG; i += RNND_STEP_THREADS) {
-                int r = i / KG, k = k0 + 4 * (i % KG), q = r / UT, u = u0 + r % UT;
-                bool ok = u < H && k < K;
-                cp_async16(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
+            if (wpart != hp) {
+                wpart = hp;
+#pragma unroll
+                for (int j = 0; j < NWJ; j++) {
+                    const int r = r0t + j * RP, u = u0 + r % UT;
+                    wsrc[j] = r < G * UT && u < H ? W + (size_t)((r / UT) * H + u) * K + kg
+                                                  : nullptr;
+                }
             }
+            const uint32_t dst = (uint32_t)__cvta_generic_to_shared(Ws) + 4 * (r0t * LD + kg);
+            const bool kin = k0 + kg < K;
+#pragma unroll
+            for (int j = 0; j < NWJ; j++)
+                if (r0t + j * RP < G * UT)
+                    cp_async16(dst + 4 * j * RP * LD, wsrc[j] && kin ? wsrc[j] + k0 : W,
+                               wsrc[j] && kin);
         } else {
-            for (int i = tid; i < G * UT * KC; i += RNND_STEP_THREADS) {
+            for (int i = tid; i < G * UT * KC; i += NT) {
                 int r = i / KC, k = k0 + i % KC, q = r / UT, u = u0 + r % UT;
                 bool ok = u < H && k < K;
                 cp_async4(Ws + r * LD + (k - k0), ok ? W + (size_t)(q * H + u) * K + k : W, ok);
             }
         }
     };
-    auto load_a = [&](int c, int st) {
-        const bool hp = c >= cx;
-        const int k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+    auto load_a = [&](int c) {
+        const int hp = c >= cx, k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
         const float *const *rows = hp ? s_hrow : s_xrow;
-        float *As = sm + st * STAGE;
+        float *As = sm + (c % NS) * STAGE;
         if (hp ? a.vec_h : a.vec_x) {
-            constexpr int KG = KC / 4;
-            for (int i = tid; i < MT * KG; i += RNND_STEP_THREADS) {
-                int m = i / KG, k = k0 + 4 * (i % KG);
-                const float *src = rows[m];
-                bool ok = src && k < K;
-                cp_async16(As + m * LD + (k - k0), ok ? src + k : a.w_ih, ok);
+            if (apart != hp) {
+                apart = hp;
+#pragma unroll
+                for (int j = 0; j < NAJ; j++) {
+                    const int m = r0t + j * RP;
+                    asrc[j] = m < MT && rows[m] ? rows[m] + kg : nullptr;
+                }
             }
+            const uint32_t dst = (uint32_t)__cvta_generic_to_shared(As) + 4 * (r0t * LD + kg);
+            const bool kin = k0 + kg < K;
+#pragma unroll
+            for (int j = 0; j < NAJ; j++)
+                if (r0t + j * RP < MT)
+                    cp_async16(dst + 4 * j * RP * LD, asrc[j] && kin ? asrc[j] + k0 : a.w_ih,
+                               asrc[j] && kin);
         } else {
-            for (int i = tid; i < MT * KC; i += RNND_STEP_THREADS) {
+            for (int i = tid; i < MT * KC; i += NT) {
                 int m = i / KC, k = k0 + i % KC;
                 const float *src = rows[m];
                 bool ok = src && k < K;
@@ -387,11 +438,11 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
         }
     };
 #pragma unroll
-    for (int st = 0; st < NS - 1; st++)
-        if (st < nc)
-            load_w(st, st);
+    for (int c = 0; c < NS - 1; c++)
+        if (c < nc)
+            load_w(c);
 
-    for (int m = tid; m < MT; m += RNND_STEP_THREADS) {
+    for (int m = tid; m < MT; m += NT) {
         int b = row0 + m;
         bool valid = b < a.B, reset = valid && a.is_init && a.is_init[b];
         int slot = valid ? a.slots[b] : 0;
@@ -404,9 +455,9 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
     }
     __syncthreads();
 #pragma unroll
-    for (int st = 0; st < NS - 1; st++) {
-        if (st < nc)
-            load_a(st, st);
+    for (int c = 0; c < NS - 1; c++) {
+        if (c < nc)
+            load_a(c);
         cp_commit(); // group 0 holds the prologue's weights too
     }
 
@@ -446,15 +497,18 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
             for (int e = 0; e < 4; e++)
                 acc[mt][q][e] = 0.0f;
 
+    const uint32_t sa_lane = Mode::a_lane(LD, m0, lane), sw_lane = Mode::w_lane(LD, n0, UT, lane);
     for (int c = 0; c < nc; c++) {
         cp_wait<NS - 2>();
         __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
         if (c + NS - 1 < nc) {
-            load_w(c + NS - 1, (c + NS - 1) % NS);
-            load_a(c + NS - 1, (c + NS - 1) % NS);
+            load_w(c + NS - 1);
+            load_a(c + NS - 1);
         }
         cp_commit();
         const float *As = sm + (c % NS) * STAGE, *Ws = As + MT * LD;
+        const uint32_t sa = sm_u32 + 4 * (c % NS) * STAGE + sa_lane;
+        const uint32_t sw = sm_u32 + 4 * ((c % NS) * STAGE + MT * LD) + sw_lane;
         const bool hp = c >= cx;
         const int kend = (hp ? H : Il) - (hp ? c - cx : c) * KC; // valid columns in this chunk
 #pragma unroll
@@ -462,10 +516,10 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
             if ((c * KSTEPS + ks) % WK != wk || ks * Mode::KSTEP >= kend)
                 continue;
             if (GRU && hp)
-                Mode::template kstep<MTW, G, true>(acc, As, Ws, LD, m0, n0, UT,
+                Mode::template kstep<MTW, G, true>(acc, As, Ws, sa, sw, LD, m0, n0, UT,
                                                    ks * Mode::KSTEP, lane);
             else
-                Mode::template kstep<MTW, G, false>(acc, As, Ws, LD, m0, n0, UT,
+                Mode::template kstep<MTW, G, false>(acc, As, Ws, sa, sw, LD, m0, n0, UT,
                                                     ks * Mode::KSTEP, lane);
         }
     }
@@ -536,17 +590,17 @@ static __global__ void __launch_bounds__(RNND_STEP_THREADS) step_kernel(const st
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel for few rows: one layer for up to RNND_STEP_MV_ROWS rows and RNND_STEP_MV_UNITS
-// units per block (a warp per unit, all its gates), as plain dot products. The block copies
+// The kernel for few rows: one layer for up to R rows (1, or RNND_STEP_MV_ROWS) and
+// RNND_STEP_MV_UNITS units per block (a warp per unit, all its gates), as plain dot products. The block copies
 // its units' gate rows [W_ih | W_hh] and the rows' [x | h] (zero where is_init) to shared
 // memory with cp.async (the weights first: they need no slot), then every lane sums a stride of
 // K for each (gate plane, row), a warp reduction per sum, and lane r runs the cell for row r.
 // FFMA in fp32 for every mode (bf16 rounds both operands to bf16 first): as exact as the tensor
 // cores' products or more, and with so few rows the matmul is no cost.
 
-template <class Cell, bool BF16, bool FAST>
+template <class Cell, bool BF16, bool FAST, int R>
 static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel(const step_kargs a) {
-    constexpr int G = Cell::G, R = RNND_STEP_MV_ROWS, U = RNND_STEP_MV_UNITS;
+    constexpr int G = Cell::G, U = RNND_STEP_MV_UNITS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
     extern __shared__ float4 smem4[];
@@ -684,9 +738,9 @@ static constexpr size_t step_smem(int pad) {
     return (stages > red ? stages : red) * sizeof(float);
 }
 
-// Shared memory of the few-rows kernel for layer inputs of width Il.
-static size_t step_mv_smem(int G, int Il, int H) {
-    return (size_t)(G * RNND_STEP_MV_UNITS + RNND_STEP_MV_ROWS) * (Il + H) * sizeof(float);
+// Shared memory of the few-rows kernel (R rows a block) for layer inputs of width Il.
+static size_t step_mv_smem(int G, int R, int Il, int H) {
+    return (size_t)(G * RNND_STEP_MV_UNITS + R) * (Il + H) * sizeof(float);
 }
 
 static bool aligned16(const void *p) {
@@ -735,22 +789,22 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
             step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
-            step_kernel<Cell, Mode, Cfg><<<grid, RNND_STEP_THREADS, smem, c->stream>>>(a);
+            step_kernel<Cell, Mode, Cfg><<<grid, Cfg::NT, smem, c->stream>>>(a);
             CUDA_LAUNCH_CHECK();
         }
     }
     return 0;
 }
 
-template <class Cell, class Mode>
+template <class Cell, class Mode, int R>
 static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                           const struct rnnd_model *m) {
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
-    const dim3 grid(CEIL_DIV(m->H, RNND_STEP_MV_UNITS), CEIL_DIV(st->B, RNND_STEP_MV_ROWS));
+    const dim3 grid(CEIL_DIV(m->H, RNND_STEP_MV_UNITS), CEIL_DIV(st->B, R));
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
-        const size_t smem = step_mv_smem(Cell::G, rnnd_model_layer_input(m, l), m->H);
-        step_mv_kernel<Cell, BF16, Mode::FAST>
+        const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
+        step_mv_kernel<Cell, BF16, Mode::FAST, R>
             <<<grid, 32 * RNND_STEP_MV_UNITS, smem, c->stream>>>(a);
         CUDA_LAUNCH_CHECK();
     }
@@ -763,9 +817,11 @@ template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                          const struct rnnd_model *m) {
     const int in = m->I > m->H ? m->I : m->H;
+    if (st->B == 1 && step_mv_smem(Cell::G, 1, in, m->H) <= RNND_STEP_MV_SMEM)
+        return step_mv_launch<Cell, Mode, 1>(c, st, params, m);
     if (st->B <= RNND_STEP_MV_MAX_ROWS &&
-        step_mv_smem(Cell::G, in, m->H) <= RNND_STEP_MV_SMEM)
-        return step_mv_launch<Cell, Mode>(c, st, params, m);
+        step_mv_smem(Cell::G, RNND_STEP_MV_ROWS, in, m->H) <= RNND_STEP_MV_SMEM)
+        return step_mv_launch<Cell, Mode, RNND_STEP_MV_ROWS>(c, st, params, m);
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
@@ -808,7 +864,10 @@ static int step_attr_kernels() {
     RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_small>()));
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST>,
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, 1>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       RNND_STEP_MV_SMEM));
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, RNND_STEP_MV_ROWS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        RNND_STEP_MV_SMEM));
     return 0;

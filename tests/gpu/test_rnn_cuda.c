@@ -586,8 +586,9 @@ int main(int argc, char **argv) {
     for (int i = 0; !quick && i < (int)(sizeof(wide_states) / sizeof(wide_states[0])); i++)
         test_seq(&gpu, &cpu, &wide_states[i], false, 12.0f);
 
-    // Every tile shape (16 x 8 for few rows, 32 x 16, 64 x 32 from ~1000 rows at H=256), odd
-    // widths (4-byte copies), several layers, rows in several chunks (H=1024 LSTM: 512 rows).
+    // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
+    // from ~1000 rows at H=256), odd widths (4-byte copies), several layers, rows in several
+    // chunks (H=1024 LSTM: 512 rows).
     const struct step_case steps[] = {
         {GRU, F32, 64, 128, 1, 17, 50, false, false},
         {LSTM, F32, 64, 128, 2, 33, 40, false, true},
@@ -596,6 +597,7 @@ int main(int argc, char **argv) {
         {GRU, IEEE, 64, 256, 1, 1, 3, false, true},
         {LSTM, F32, 64, 1024, 1, 6, 7, false, false},
         {GRU, F32, 256, 256, 1, 1, 7, false, true},
+        {GRU, F32, 256, 256, 1, 8, 40, false, true},
         {GRU, F32, 256, 256, 1, 1024, 4096, false, true},
         {LSTM, F32, 256, 256, 1, 1024, 3000, false, false},
         {GRU, BF16, 256, 256, 2, 1024, 2048, false, false},

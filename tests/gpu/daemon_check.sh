@@ -8,10 +8,12 @@
 #   3. rnndctl bench against rnnd --backend cuda (fp32/TF32): 1 env x 1 connection (latency) and
 #      64 envs x 16 connections (throughput), each next to the GetModelInfo floor, plus larger
 #      requests for peak throughput.
-# Usage (repository root on the GPU host): tests/gpu/daemon_check.sh [BUNDLE.tar.gz]
+# Usage (repository root on the GPU host): tests/gpu/daemon_check.sh [BUNDLE.tar.gz] [bench]
+# (bench: only part 3, when parts 1 and 2 ran in the same session, e.g. from gpu_run.sh)
 # Logs go to $OUT (default /tmp/rnnd-out); a summary is printed last.
 set -u
 bundle=${1:-.device/rnnd-bundle.tar.gz}
+only=${2:-}
 OUT=${OUT:-/tmp/rnnd-out}
 mkdir -p "$OUT"
 work=$(mktemp -d)
@@ -33,6 +35,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 ldd "$RNND_BIN" | grep 'not found' && exit 1
 
 summary=()
+if [ "$only" != bench ]; then
 echo "== test_rnn_cuda"
 timeout 200 "$R/bin/test_rnn_cuda" >"$OUT/test_rnn_cuda.log" 2>&1
 rc=$?
@@ -48,6 +51,7 @@ for t in "$R"/bin/test_integration_*; do
     grep -E '^\[  FAILED  \]|^\[  ERROR   \]' "$OUT/$name.log" | head -5
     summary+=("$name rc=$rc")
 done
+fi
 
 echo "== rnndctl bench, rnnd --backend cuda"
 state=$(mktemp -d)

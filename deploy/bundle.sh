@@ -7,7 +7,8 @@
 #
 # Produces OUT_DIR/rnnd-bundle/ and OUT_DIR/rnnd-bundle.tar.gz (default OUT_DIR: bundle/). On the
 # target:  tar xzf rnnd-bundle.tar.gz && rnnd-bundle/run rnnd --backend cuda ...
-# --tests adds the test binaries (tests/*/test_*) for checking a GPU host.
+# --tests adds the test binaries a GPU host runs (tests/gpu, tests/integration: the unit tests
+# need no GPU, and each would add the linked kernels, ~24 MB, to the tarball).
 # Left out on purpose: glibc, libstdc++ and libgcc (the target's own, which must be as new as this
 # machine's: Debian 12 = glibc 2.36), the NVIDIA driver (libcuda) and the CUDA toolkit's libraries
 # (cuBLAS, cuDNN: hundreds of MB, and they must match the target's driver).
@@ -31,7 +32,7 @@ for f in server/rnnd client/rnndctl kernels/bench/rnnd-kernel-bench; do
   [ -x "$build/$f" ] && bins+=("$build/$f")
 done
 if [ "$tests" = 1 ]; then
-  for f in "$build"/tests/*/test_*; do
+  for f in "$build"/tests/gpu/test_* "$build"/tests/integration/test_*; do
     [ -x "$f" ] && [ -f "$f" ] && bins+=("$f")
   done
 fi

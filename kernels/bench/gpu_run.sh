@@ -17,7 +17,8 @@
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
 #                 kernel to time beside it, PROFILE_STEP=1 adds ncu metrics of the step
-#                 kernels, NO_TORCH=1 leaves out PyTorch;
+#                 kernels, NO_TORCH=1 leaves out PyTorch, STEP_ARGS replaces the cases (bench
+#                 arguments, ';'-separated);
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
@@ -159,6 +160,8 @@ if [[ " $STEPS " == *" step "* ]]; then
         "--cell gru,lstm --compute bf16,ieee --batch 1,1024 --input 256 --hidden 256 --reset-prob 0.1"
         "--cell gru,lstm --compute fp32 --batch 1,1024 --input 256 --hidden 256 --layers 2 --reset-prob 0.1"
         "--cell gru --compute fp32 --batch 1,64,256,4096 --input 64 --hidden 128 --reset-prob 0.1")
+    # STEP_ARGS: other cases, ';'-separated (a short run of the rows under trial).
+    [ -n "${STEP_ARGS:-}" ] && IFS=';' read -ra STEP_CASES <<<"$STEP_ARGS"
     for args in "${STEP_CASES[@]}"; do
         echo "== step $args" | tee -a "$OUT/step.log"
         timeout 120 $SB $args >>"$OUT/step.log" 2>&1

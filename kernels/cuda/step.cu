@@ -17,8 +17,10 @@
  *   64 x 32 for many rows (B=1024, H=256: 128 blocks), 32 x 16 or 16 x 8 (K split over the
  *   warps) for fewer. Products: TF32 mma.sync m16n8k8 (fp32 mode), BF16 m16n8k16 (bf16 mode),
  *   FFMA in the same fragment layout (ieee), accumulated in fp32.
- * - step_mv_kernel, for at most 8 rows: a warp per unit computes its gates' dot products with
- *   FFMA from shared memory (a block: 4 units, 4 rows), so that B=1 runs on H/4 blocks.
+ * - step_mv_kernel, for 2 to 8 rows: a warp per unit computes its gates' dot products with
+ *   FFMA from shared memory (a block: 4 units, 4 rows).
+ * - step_row_kernel, for one row: the same dot products with weights and row loaded straight
+ *   into registers (a block: 2 units), so that B=1 runs on H/2 blocks.
  *
  * In-place hazard: every block of a row tile reads the tile's old h of layer l over all units,
  * so no block may write its new state into the slot table while another may still read it.
@@ -27,7 +29,9 @@
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
  * counter for the next launch. No block ever waits for another, so any schedule is safe. Layer
  * l+1 reads its input, layer l's new h, back from the slot table. Batches larger than the stages
- * run in chunks of rows. Every launch is a plain kernel on the context's stream: CUDA-graph safe.
+ * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. The
+ * one-row kernel is launched programmatically (PDL): its blocks may become resident while the
+ * previous kernel runs, but read nothing before that kernel has completed (griddepcontrol.wait).
  */
 #include "step.cuh"
 
@@ -35,9 +39,12 @@
 
 #include <type_traits>
 
-// The few-rows kernel: at most MV_MAX_ROWS rows in a call, 1 (B = 1) or MV_ROWS rows and
-// MV_UNITS units (a warp each) per block, at most MV_SMEM bytes of weights and rows in shared
-// memory.
+// The one-row kernel (B = 1): ROW_UNITS units (a warp each) per block (H=256: 128 blocks, most
+// SMs pull a share of the weights), K in passes of ROW_CHUNKS chunks of 128 columns.
+#define RNND_STEP_ROW_UNITS  2
+#define RNND_STEP_ROW_CHUNKS 4
+// The few-rows kernel: at most MV_MAX_ROWS rows in a call, MV_ROWS rows and MV_UNITS units (a
+// warp each) per block, at most MV_SMEM bytes of weights and rows in shared memory.
 #define RNND_STEP_MV_MAX_ROWS 8
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
@@ -590,7 +597,7 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel for few rows: one layer for up to R rows (1, or RNND_STEP_MV_ROWS) and
+// The kernel for few rows: one layer for up to R rows (RNND_STEP_MV_ROWS) and
 // RNND_STEP_MV_UNITS units per block (a warp per unit, all its gates), as plain dot products. The block copies
 // its units' gate rows [W_ih | W_hh] and the rows' [x | h] (zero where is_init) to shared
 // memory with cp.async (the weights first: they need no slot), then every lane sums a stride of
@@ -729,6 +736,155 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
 }
 
 // ---------------------------------------------------------------------------------------------
+// The kernel for one row (B = 1): one layer, RNND_STEP_ROW_UNITS units per block, a warp per unit
+// (all its gates), as plain dot products straight from global memory into registers. The
+// K = I_l + H columns of the unit's gate rows [W_ih | W_hh] and of the row's [x | h] (h zero
+// where is_init) go in passes of RNND_STEP_ROW_CHUNKS chunks of 128 columns, lane t holding
+// columns 4t..4t+3 of each chunk; a pass issues all its loads before its first product, every
+// lane reads the row's slot itself (no barrier between the slot and the h loads) and nothing goes
+// through shared memory, so the step is the chain slot -> h row, products, warp reductions,
+// cell, tile counter (bench/NOTES.md, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
+// every mode (bf16 rounds both operands to bf16 first), like the few-rows kernel. (The same
+// scheme with 4 rows a block measured 1.5-2 us slower than the few-rows kernel at B = 4 and 8,
+// so that one keeps B = 2..8.)
+//
+// The kernel is launched with programmatic stream serialization (step_row_launch): its blocks
+// may be resident before the previous kernel on the stream has finished, and wait for it
+// (griddepcontrol.wait) before their first load, weights included (a previous kernel may write
+// them). Every load bypasses L1 (.cg), which may still hold lines the previous kernel's blocks
+// read on the same SM before its last block rewrote them.
+
+// Columns k..k+3 of the concatenation [xp (Il) | hp (K - Il)], zero past K or where the part's
+// pointer is null. vec: 16-byte loads (Il and K multiples of 4, the parts aligned; k is a
+// multiple of 4, so a group never straddles the parts).
+static __device__ __forceinline__ float4 row_load4(const float *xp, const float *hp, int Il, int K,
+                                                   int k, bool vec) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (vec) {
+        const float *p = k < Il ? xp : hp;
+        if (k < K && p)
+            v = __ldcg(reinterpret_cast<const float4 *>(p + (k < Il ? k : k - Il)));
+        return v;
+    }
+    float *e = &v.x;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int ki = k + i;
+        const float *p = ki < Il ? xp : hp;
+        if (ki < K && p)
+            e[i] = __ldcg(p + (ki < Il ? ki : ki - Il));
+    }
+    return v;
+}
+
+static __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
+// still wait for this grid's completion before they read anything.
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+template <class Cell, bool BF16, bool FAST>
+static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kernel(const step_kargs a) {
+    constexpr int G = Cell::G, U = RNND_STEP_ROW_UNITS, NCH = RNND_STEP_ROW_CHUNKS;
+    constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
+    constexpr bool GRU = G == 3;
+    __shared__ int s_slot[1];
+    __shared__ bool s_last;
+    grid_dependency_wait();
+    // After the wait, so that at most this grid and the next are resident at once.
+    grid_launch_dependents();
+    const int lane = threadIdx.x & 31;
+    const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
+    const int u = blockIdx.x * U + (threadIdx.x >> 5), uc = min(u, H - 1); // past H: no stores
+    const bool vec = a.vec_x && a.vec_h;
+
+    // The row's sources (null: zeros) and the unit's gate rows.
+    const bool reset = a.is_init && __ldcg(a.is_init);
+    const int slot = __ldcg(a.slots);
+    const float *xr = l == 0 ? a.x : a.state_h + ((size_t)slot * L + l - 1) * H;
+    const float *hr = reset ? nullptr : a.state_h + ((size_t)slot * L + l) * H;
+    if (threadIdx.x == 0)
+        s_slot[0] = slot; // for the scatter (tile_arrive's barrier publishes it)
+    const float *wx[G], *wh[G];
+    float bx[G], bh[G];
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        wx[q] = a.w_ih + (size_t)(q * H + uc) * Il;
+        wh[q] = a.w_hh + (size_t)(q * H + uc) * H;
+        bx[q] = __ldcg(a.b_ih + q * H + uc);
+        bh[q] = __ldcg(a.b_hh + q * H + uc);
+    }
+    // The cell's state inputs (lane 0).
+    float hprev = 0.0f, cprev = 0.0f;
+    if (lane == 0 && hr) {
+        hprev = __ldcg(hr + uc);
+        if (!GRU)
+            cprev = __ldcg(a.state_c + ((size_t)slot * L + l) * H + uc);
+    }
+
+    float acc[NP] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 4 * lane; k0 < K; k0 += NCH * 128) {
+        float4 wv[NCH][G], xv[NCH];
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int k = k0 + 128 * j;
+#pragma unroll
+            for (int q = 0; q < G; q++)
+                wv[j][q] = row_load4(wx[q], wh[q], Il, K, k, vec);
+            xv[j] = row_load4(xr, hr, Il, K, k, vec);
+        }
+#pragma unroll
+        for (int j = 0; j < NCH; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const bool hpart = k0 + 128 * j + i >= Il; // GRU: n's h part goes to plane 3
+                const float v = (&xv[j].x)[i], xe = BF16 ? round_bf16(v) : v;
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    const float w = (&wv[j][q].x)[i], we = BF16 ? round_bf16(w) : w;
+                    if (GRU && q == 2) {
+                        acc[2] = fmaf(hpart ? 0.0f : we, xe, acc[2]);
+                        acc[3] = fmaf(hpart ? we : 0.0f, xe, acc[3]);
+                    } else {
+                        acc[q] = fmaf(we, xe, acc[q]);
+                    }
+                }
+            }
+    }
+#pragma unroll
+    for (int p = 0; p < NP; p++)
+        acc[p] = warp_sum(acc[p]);
+
+    if (lane == 0 && u < H) {
+        float xq[G], hq[G], sv[Cell::SW], hn, cn;
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            xq[q] = acc[q] + bx[q];
+            hq[q] = bh[q];
+        }
+        if (GRU)
+            hq[2] += acc[3];
+        Cell::template forward<FAST>(xq, hq, hprev, cprev, hn, cn, sv);
+        a.h_new[u] = hn;
+        if (!GRU)
+            a.c_new[u] = cn;
+        if (a.h_before)
+            a.h_before[(size_t)l * H + u] = hprev;
+        if (a.c_before)
+            a.c_before[(size_t)l * H + u] = cprev;
+    }
+    if (tile_arrive(a.count, &s_last))
+        tile_scatter(a, 0, 1, s_slot);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launchers
 
 template <class Cfg, int G>
@@ -811,14 +967,38 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     return 0;
 }
 
-// Few rows: dot products (when the rows and weights fit in shared memory). More: the tile shape
-// that still gives half the SMs a block, largest first.
+// Launched with programmatic stream serialization (Hopper on): the blocks of this launch may
+// start while the previous kernel on the stream runs and wait for it in griddepcontrol.wait,
+// which hides most of the launch gap between back-to-back steps and between layers. A captured
+// launch becomes a programmatic graph edge.
+template <class Cell, class Mode>
+static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                           const struct rnnd_model *m) {
+    constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS));
+    cfg.blockDim = dim3(32 * RNND_STEP_ROW_UNITS);
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = c->cc_major >= 9 ? 1 : 0;
+    for (int l = 0; l < m->L; l++) {
+        step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
+        RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_row_kernel<Cell, BF16, Mode::FAST>, a));
+    }
+    return 0;
+}
+
+// One row: dot products from registers. A few: dot products from shared memory (when the rows
+// and weights fit). More: the tile shape that still gives half the SMs a block, largest first.
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                          const struct rnnd_model *m) {
+    if (st->B == 1)
+        return step_row_launch<Cell, Mode>(c, st, params, m);
     const int in = m->I > m->H ? m->I : m->H;
-    if (st->B == 1 && step_mv_smem(Cell::G, 1, in, m->H) <= RNND_STEP_MV_SMEM)
-        return step_mv_launch<Cell, Mode, 1>(c, st, params, m);
     if (st->B <= RNND_STEP_MV_MAX_ROWS &&
         step_mv_smem(Cell::G, RNND_STEP_MV_ROWS, in, m->H) <= RNND_STEP_MV_SMEM)
         return step_mv_launch<Cell, Mode, RNND_STEP_MV_ROWS>(c, st, params, m);
@@ -864,9 +1044,6 @@ static int step_attr_kernels() {
     RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_small>()));
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, 1>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       RNND_STEP_MV_SMEM));
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, RNND_STEP_MV_ROWS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        RNND_STEP_MV_SMEM));

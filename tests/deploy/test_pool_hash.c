@@ -15,11 +15,10 @@
 #include <string.h>
 
 #include <cmocka.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "rnnd_client_pool.h"
+#include "loopback_port.h"
 
 static const char *const targets[] = {"rnnd-0.rnnd:50051", "rnnd-1.rnnd:50051",
                                       "rnnd-2.rnnd:50051"};
@@ -183,22 +182,11 @@ static void test_pool_init_checks(void **state) {
     rnnd_client_pool_stream_free(NULL);
 }
 
-// A port that was just bound and closed: nothing listens there.
-static int dead_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&sa, sizeof sa);
-    socklen_t len = sizeof sa;
-    getsockname(fd, (struct sockaddr *)&sa, &len);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
 static void test_pool_local_errors(void **state) {
     (void)state;
     char t0[32], t1[32];
-    snprintf(t0, sizeof t0, "127.0.0.1:%d", dead_port());
-    snprintf(t1, sizeof t1, "127.0.0.1:%d", dead_port());
+    snprintf(t0, sizeof t0, "127.0.0.1:%d", loopback_free_port());
+    snprintf(t1, sizeof t1, "127.0.0.1:%d", loopback_free_port());
     const char *names[2] = {t0, t1};
     struct rnnd_client_opts o = {.timeout_ms = 3000};
     struct rnnd_client_pool *p;

@@ -21,24 +21,23 @@
  *              NCCL). It says on stderr where it is ("two daemons [SECONDS s]: ...", first the
  *              daemons' state dirs, kept with RNND_TEST_KEEP=1), so that a hang shows where it
  *              hung (tests/gpu/multi_gpu_check.sh runs it under a watchdog).
- *   timing     (RNND_TEST_TIMING=1; RNND_TEST_FILTER=*timing runs it alone) a learner step (Forward + Backward(accumulate) +
- *              ApplyGradients, B=2048 T=64 I=64 H=128 GRU) on --devices 0 and on the
+ *   timing     (RNND_TEST_TIMING=1; RNND_TEST_FILTER=*timing runs it alone) a learner step (Forward
+ * + Backward(accumulate) + ApplyGradients, B=2048 T=64 I=64 H=128 GRU) on --devices 0 and on the
  *              RNND_TEST_DEVICES list; medians printed as "learner_step devices=... ms".
  *
  * The devices come from RNND_TEST_DEVICES (default "0,1": with the cpu backend, two CPU
  * engines); the backend from RNND_BACKEND as for every integration test.
  */
 #include "harness.h"
+#include "loopback_port.h"
 
 #include <grpc/status.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,8 +61,8 @@ static int device_count(void) {
     return n;
 }
 
-static const char *const model_args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size",
-                                         "16",     "--layers", "2", NULL};
+static const char *const model_args[] = {
+    "--cell", "gru", "--input-size", "8", "--hidden-size", "16", "--layers", "2", NULL};
 
 // args = model_args + --devices LIST + extra (NULL-terminated).
 static void build_args(const char **out, const char *list, const char *const *extra) {
@@ -130,9 +129,8 @@ static void forward_backward(struct rnnd_client *c, struct ref *r, struct rng *g
     assert_true(close_f32("forward output", f.output.data, out, no, ATOL, RTOL));
     float *rg = calloc(P, sizeof(float)), *rgx = malloc(nx * sizeof(float));
     struct rnnd_seq_grads sg = {.params = rg, .x = rgx};
-    assert_int_equal(r->be.ops->rnn_backward(r->be.ctx, &sg, go, NULL, NULL, tape, &seq, r->params,
-                                             &r->m),
-                     0);
+    assert_int_equal(
+        r->be.ops->rnn_backward(r->be.ctx, &sg, go, NULL, NULL, tape, &seq, r->params, &r->m), 0);
     struct rnnd_backward_req br = {.tape_id = f.tape_id,
                                    .grad_output = rnnd_tensor_f32(go, 3, B, T, H_, 0),
                                    .accumulate = accumulate};
@@ -370,17 +368,6 @@ static void test_one_device_checkpoint_to_several(void **state) {
     daemon_free(&d);
 }
 
-// A loopback port that was free just now.
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&a, sizeof(a));
-    socklen_t len = sizeof(a);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 // rnnd with these flags exits with status `status` and says `needle`.
 static void expect_refused(const char *const *flags, int status, const char *needle) {
     const char *argv[40];
@@ -413,9 +400,9 @@ static void test_bad_flags(void **state) {
     expect_refused((const char *[]){"--world-size", "2", NULL}, 2, "needs --rendezvous");
     expect_refused((const char *[]){"--rendezvous", "127.0.0.1:1", NULL}, 2,
                    "--rendezvous needs --world-size");
-    expect_refused((const char *[]){"--world-size", "2", "--rank", "2", "--rendezvous",
-                                    "127.0.0.1:1", NULL},
-                   2, "--rank 2 is not below --world-size 2");
+    expect_refused(
+        (const char *[]){"--world-size", "2", "--rank", "2", "--rendezvous", "127.0.0.1:1", NULL},
+        2, "--rank 2 is not below --world-size 2");
     expect_refused((const char *[]){"--rank", "x", NULL}, 2, "neither auto nor an integer");
     setenv("RNND_RANK", "7", 1);
     expect_refused((const char *[]){"--world-size", "2", "--rank", "auto", "--rendezvous",
@@ -424,7 +411,7 @@ static void test_bad_flags(void **state) {
     unsetenv("RNND_RANK");
     // Nobody listens there (the port was free a moment ago).
     char rdv[64];
-    snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", free_port());
+    snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", loopback_free_port());
     expect_refused((const char *[]){"--world-size", "2", "--rank", "1", "--rendezvous", rdv,
                                     "--rendezvous-timeout-s", "1", NULL},
                    1, "did not answer within --rendezvous-timeout-s 1");
@@ -450,11 +437,13 @@ static void two_daemons(const char *dev0, const char *dev1) {
     cluster_t0 = now_seconds();
     cluster_phase("rank 0 on --devices '%s', rank 1 on --devices '%s'", dev0, dev1);
     char rdv[64];
-    snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", free_port());
-    const char *e0[] = {"--world-size", "2", "--rank", "0", "--rendezvous", rdv, "--seed", "1",
-                        "--optimizer", "sgd", "--lr", "0.1", "--comm-timeout-s", "20", NULL};
-    const char *e1[] = {"--world-size", "2", "--rank", "1", "--rendezvous", rdv, "--seed", "2",
-                        "--optimizer", "sgd", "--lr", "0.1", "--comm-timeout-s", "20", NULL};
+    snprintf(rdv, sizeof(rdv), "127.0.0.1:%d", loopback_free_port());
+    const char *e0[] = {"--world-size",     "2",  "--rank",      "0",   "--rendezvous", rdv,
+                        "--seed",           "1",  "--optimizer", "sgd", "--lr",         "0.1",
+                        "--comm-timeout-s", "20", NULL};
+    const char *e1[] = {"--world-size",     "2",  "--rank",      "1",   "--rendezvous", rdv,
+                        "--seed",           "2",  "--optimizer", "sgd", "--lr",         "0.1",
+                        "--comm-timeout-s", "20", NULL};
     const char *a0[40], *a1[40];
     build_args(a0, dev0[0] ? dev0 : NULL, e0);
     build_args(a1, dev1[0] ? dev1 : NULL, e1);
@@ -602,9 +591,9 @@ static void op_totals(const struct daemon *d, double secs[3], double calls[3]) {
 static void time_learner_step(const char *list) {
     enum { B = 2048, T = 64, I = 64, H = 128, WARM = 3, REPS = 10 };
     struct daemon d;
-    const char *args[] = {"--cell",    "gru", "--input-size", "64",     "--hidden-size",
-                          "128",       "--layers", "1",   "--devices",    list,
-                          "--tape-memory-mb", "8192", "--max-message-mb", "512", NULL};
+    const char *args[] = {
+        "--cell",    "gru", "--input-size",     "64",   "--hidden-size",    "128", "--layers", "1",
+        "--devices", list,  "--tape-memory-mb", "8192", "--max-message-mb", "512", NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client_opts o = {.target = d.grpc, .max_message_bytes = 512 << 20};
     struct rnnd_client *c;
@@ -627,9 +616,9 @@ static void time_learner_step(const char *list) {
         struct rnnd_forward_reply f;
         EXPECT_OK(rnnd_client_forward(c, &fr, &f));
         double t1 = now_seconds();
-        struct rnnd_backward_req br = {
-            .tape_id = f.tape_id, .grad_output = rnnd_tensor_f32(go, 3, B, T, H, 0),
-            .accumulate = true};
+        struct rnnd_backward_req br = {.tape_id = f.tape_id,
+                                       .grad_output = rnnd_tensor_f32(go, 3, B, T, H, 0),
+                                       .accumulate = true};
         struct rnnd_backward_reply b;
         EXPECT_OK(rnnd_client_backward(c, &br, &b));
         double t2 = now_seconds();

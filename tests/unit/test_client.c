@@ -12,11 +12,10 @@
 #include <string.h>
 
 #include <cmocka.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "rnnd_client.h"
+#include "loopback_port.h"
 
 static void test_tensor_helpers(void **state) {
     (void)state;
@@ -114,21 +113,10 @@ static void test_init_checks(void **state) {
     rnnd_client_free(NULL);
 }
 
-// A port that was just bound and closed: nothing listens there.
-static int dead_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&sa, sizeof sa);
-    socklen_t len = sizeof sa;
-    getsockname(fd, (struct sockaddr *)&sa, &len);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
 static void test_unreachable(void **state) {
     (void)state;
     char target[64];
-    snprintf(target, sizeof target, "127.0.0.1:%d", dead_port());
+    snprintf(target, sizeof target, "127.0.0.1:%d", loopback_free_port());
     struct rnnd_client_opts o = {.target = target, .timeout_ms = 3000};
     struct rnnd_client *c;
     assert_int_equal(rnnd_client_init(&o, &c), 0);

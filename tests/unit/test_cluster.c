@@ -10,18 +10,16 @@
 
 #include <cmocka.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "cluster.h"
 #include "config.h"
 #include "engine.h"
+#include "loopback_port.h"
 
 // ---------------------------------------------------------------------------------------------
 // Placement
@@ -125,19 +123,8 @@ static void *start_main(void *p) {
                                       .rendezvous = s->addr,
                                       .timeout_ms = s->timeout_ms,
                                       .fingerprint = s->fingerprint};
-    s->rc = rnnd_cluster_start(&cfg, &s->id, on_commit, on_lost, s, &s->cl, s->err,
-                               sizeof(s->err));
+    s->rc = rnnd_cluster_start(&cfg, &s->id, on_commit, on_lost, s, &s->cl, s->err, sizeof(s->err));
     return NULL;
-}
-
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    bind(fd, (struct sockaddr *)&a, sizeof(a));
-    socklen_t len = sizeof(a);
-    getsockname(fd, (struct sockaddr *)&a, &len);
-    close(fd);
-    return ntohs(a.sin_port);
 }
 
 static void rank_init(struct rank_state *s, int rank, int world, const char *addr, uint64_t fp) {
@@ -179,7 +166,7 @@ static void test_cluster_forms_and_orders(void **state) {
     (void)state;
     enum { W = 3 };
     char addr[64];
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", free_port());
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", loopback_free_port());
     struct rank_state s[W], bad_world, bad_fp, dup;
     pthread_t t[W], tb[1];
     for (int r = 0; r < W; r++)
@@ -271,7 +258,7 @@ static void test_cluster_forms_and_orders(void **state) {
 static void test_cluster_timeouts(void **state) {
     (void)state;
     char addr[64];
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", free_port());
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", loopback_free_port());
     struct rank_state s;
     // Rank 0 alone.
     rank_init(&s, 0, 3, addr, 1);
@@ -317,9 +304,9 @@ static void test_rank_auto(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_place_stable),     cmocka_unit_test(test_place_balance),
+        cmocka_unit_test(test_place_stable),       cmocka_unit_test(test_place_balance),
         cmocka_unit_test(test_place_moves_little), cmocka_unit_test(test_cluster_forms_and_orders),
-        cmocka_unit_test(test_cluster_timeouts), cmocka_unit_test(test_rank_auto),
+        cmocka_unit_test(test_cluster_timeouts),   cmocka_unit_test(test_rank_auto),
     };
     return cmocka_run_group_tests_name("cluster", tests, NULL, NULL);
 }

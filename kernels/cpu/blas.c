@@ -29,6 +29,14 @@ void rnnd_cpu_blas_reexec(char **argv) {
         core = "Haswell";
     if (core == NULL || setenv("OPENBLAS_CORETYPE", core, 1) != 0)
         return;
-    execv("/proc/self/exe", argv);
+    // The program's own path, not /proc/self/exe: the kernel names the process after the file
+    // executed, and operators find it as "rnnd" (ps, pgrep, top), not "exe".
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (n > 0) {
+        self[n] = '\0';
+        execv(self, argv);
+    }
+    execv("/proc/self/exe", argv); // the path is gone (replaced on disk) or too long
     unsetenv("OPENBLAS_CORETYPE"); // the re-exec failed: carry on with what loaded
 }

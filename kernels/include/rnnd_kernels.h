@@ -236,7 +236,7 @@ struct rnnd_backend {
 int rnnd_backend_cpu_init(struct rnnd_backend *b);
 // Call first thing in main(argv): when OpenBLAS did not recognise this CPU and loaded its slow
 // generic kernels, sets OPENBLAS_CORETYPE from the CPU's features and re-executes the program once
-// (execv of /proc/self/exe), so the library loads again with fast ones. Returns when nothing
+// (execv of its own path, so it keeps its name), so the library loads again with fast ones. Returns when nothing
 // needed doing or the re-exec failed.
 void rnnd_cpu_blas_reexec(char **argv);
 // The CUDA backend on device `device`: RNND_ENOTSUP in a build without CUDA, RNND_EDEVICE when no

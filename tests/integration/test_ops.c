@@ -92,6 +92,17 @@ static void test_ready_line(void **state) {
     assert_true(atoi(strrchr(d.grpc, ':') + 1) > 0);
     assert_true(atoi(strrchr(d.http, ':') + 1) > 0);
     assert_string_equal(d.backend, harness_backend());
+    // Named after its binary (ps, pgrep, top), also after re-executing itself for OpenBLAS's
+    // kernels (rnnd_cpu_blas_reexec).
+    char path[64], comm[64] = "";
+    snprintf(path, sizeof(path), "/proc/%d/comm", (int)d.pid);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    assert_non_null(fgets(comm, sizeof(comm), f));
+    fclose(f);
+    comm[strcspn(comm, "\n")] = '\0';
+    const char *bin = strrchr(rnnd_bin(), '/') ? strrchr(rnnd_bin(), '/') + 1 : rnnd_bin();
+    assert_true(strncmp(comm, bin, 15) == 0); // comm holds 15 characters
 }
 
 static void test_grpc_health(void **state) {

@@ -156,9 +156,7 @@ struct rnnd_engine {
     char device[128];
 };
 
-static int fail(struct rnnd_job *job, int err, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(struct rnnd_job *job, int err, const char *fmt, ...) {
+int rnnd_job_fail(struct rnnd_job *job, int err, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(job->msg, sizeof(job->msg), fmt, ap);
@@ -490,7 +488,7 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
     if (s->held)
         return step_part_decide(e, job);
     if (job->cancelled && atomic_load(job->cancelled)) {
-        fail(job, RNND_ECANCELED, "the client cancelled the call before its step ran");
+        rnnd_job_fail(job, RNND_ECANCELED, "the client cancelled the call before its step ran");
         return step_refuse(s);
     }
     int fresh = 0;
@@ -500,11 +498,12 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
         s->repeat[r] = 0;
         if (env == NULL) {
             if (!s->is_init[r]) {
-                fail(job, RNND_EPRECOND,
-                     "env %" PRIu64 " (row %d) has no state: it is new, was ended by "
-                     "EndEpisodes, or was evicted after --env-idle-timeout-s %d s idle; send "
-                     "is_init=true for its first step",
-                     s->env_ids[r], r, e->cfg.env_idle_timeout_s);
+                rnnd_job_fail(
+                    job, RNND_EPRECOND,
+                    "env %" PRIu64 " (row %d) has no state: it is new, was ended by "
+                    "EndEpisodes, or was evicted after --env-idle-timeout-s %d s idle; send "
+                    "is_init=true for its first step",
+                    s->env_ids[r], r, e->cfg.env_idle_timeout_s);
                 return step_refuse(s);
             }
             fresh++;
@@ -515,12 +514,13 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
             if (si == env->last_index) {
                 s->repeat[r] = 1;
             } else if (si != env->last_index + 1) {
-                fail(job, RNND_EPRECOND,
-                     "env %" PRIu64 " (row %d): step_index %" PRIu64
-                     " but its last step was %" PRIu64 "; send %" PRIu64
-                     " for the next step or %" PRIu64
-                     " to repeat the last one (or is_init with EndEpisodes first to restart)",
-                     s->env_ids[r], r, si, env->last_index, env->last_index + 1, env->last_index);
+                rnnd_job_fail(
+                    job, RNND_EPRECOND,
+                    "env %" PRIu64 " (row %d): step_index %" PRIu64
+                    " but its last step was %" PRIu64 "; send %" PRIu64
+                    " for the next step or %" PRIu64
+                    " to repeat the last one (or is_init with EndEpisodes first to restart)",
+                    s->env_ids[r], r, si, env->last_index, env->last_index + 1, env->last_index);
                 return step_refuse(s);
             }
         }
@@ -529,10 +529,10 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
         rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs) - e->envs_reserved;
     if (fresh > free_slots) {
         rnnd_metrics_limit_hit(RNND_LIMIT_ENVS);
-        fail(job, RNND_EFULL,
-             "env table full: %d new envs but %d of --max-envs %d slots free; send "
-             "EndEpisodes for finished envs or raise --max-envs",
-             fresh, free_slots, rnnd_envtable_capacity(e->envs));
+        rnnd_job_fail(job, RNND_EFULL,
+                      "env table full: %d new envs but %d of --max-envs %d slots free; send "
+                      "EndEpisodes for finished envs or raise --max-envs",
+                      fresh, free_slots, rnnd_envtable_capacity(e->envs));
         return step_refuse(s);
     }
     if (s->vote) {
@@ -794,8 +794,8 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         job->model_version = version;
         njobs++;
         if (rc != 0) {
-            fail(job, RNND_EDEVICE, "the backend failed to run the step: %s; retry",
-                 rnnd_strerror(rc));
+            rnnd_job_fail(job, RNND_EDEVICE, "the backend failed to run the step: %s; retry",
+                          rnnd_strerror(rc));
             continue;
         }
         for (int r = 0; r < s->B; r++) {
@@ -991,11 +991,11 @@ static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
         int have = env ? rnnd_traj_count(env->traj) : 0;
         if (have < T)
-            return fail(job, RNND_EPRECOND,
-                        "env %" PRIu64 " has %d recorded steps%s, Forward asked for the last %d; "
-                        "ask for at most %d steps or step the env more first",
-                        f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T,
-                        have);
+            return rnnd_job_fail(
+                job, RNND_EPRECOND,
+                "env %" PRIu64 " has %d recorded steps%s, Forward asked for the last %d; "
+                "ask for at most %d steps or step the env more first",
+                f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T, have);
     }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, LH = e->LH;
     size_t E = (size_t)e->cfg.extras_size;
@@ -1007,7 +1007,8 @@ static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **
     *c0 = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
     if (!f->rec_obs || !f->rec_is_init || (E && !f->rec_extras) || !f->rec_version || !*h0 ||
         (e->lstm && !*c0))
-        return fail(job, RNND_ENOMEM, "out of host memory gathering %d x %d recorded steps", B, T);
+        return rnnd_job_fail(job, RNND_ENOMEM,
+                             "out of host memory gathering %d x %d recorded steps", B, T);
     for (int b = 0; b < B; b++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
         size_t bt = (size_t)b * (size_t)T;
@@ -1056,23 +1057,24 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     uint64_t now = rnnd_now_ns();
     if (f->keep_tape && rnnd_tapes_fits(e->tapes, bytes, now) != 0) {
         rnnd_metrics_limit_hit(RNND_LIMIT_TAPE_BYTES);
-        fail(job, RNND_EFULL,
-             "tape memory budget reached: this tape needs %.1f MiB, %d tapes hold %.1f of "
-             "--tape-memory-mb %zu MiB; call Backward on earlier tapes (or let them expire "
-             "after --tape-ttl-s %d s), send keep_tape=false, or raise --tape-memory-mb",
-             (double)bytes / 1048576.0, rnnd_tapes_count(e->tapes),
-             (double)rnnd_tapes_bytes(e->tapes) / 1048576.0, rnnd_tapes_budget(e->tapes) >> 20,
-             e->cfg.tape_ttl_s);
+        rnnd_job_fail(
+            job, RNND_EFULL,
+            "tape memory budget reached: this tape needs %.1f MiB, %d tapes hold %.1f of "
+            "--tape-memory-mb %zu MiB; call Backward on earlier tapes (or let them expire "
+            "after --tape-ttl-s %d s), send keep_tape=false, or raise --tape-memory-mb",
+            (double)bytes / 1048576.0, rnnd_tapes_count(e->tapes),
+            (double)rnnd_tapes_bytes(e->tapes) / 1048576.0, rnnd_tapes_budget(e->tapes) >> 20,
+            e->cfg.tape_ttl_s);
         goto out;
     }
     f->out = malloc(BT * H * sizeof(float));
     f->h_n = malloc((size_t)B * LH * sizeof(float));
     f->c_n = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
     if (!f->out || !f->h_n || (e->lstm && !f->c_n) || be_alloc(e, bytes, (void **)&block) != 0) {
-        fail(job, RNND_ENOMEM,
-             "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
-             "backend); send fewer rows or steps",
-             B, T, (double)bytes / 1048576.0, e->backend_name);
+        rnnd_job_fail(job, RNND_ENOMEM,
+                      "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
+                      "backend); send fewer rows or steps",
+                      B, T, (double)bytes / 1048576.0, e->backend_name);
         goto out;
     }
     cv = (struct carve){block, 0};
@@ -1110,14 +1112,14 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend forward failed: %s", rnnd_strerror(rc));
-        fail(job, rc, "the backend refused the Forward: %s", rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "the backend refused the Forward: %s", rnnd_strerror(rc));
         goto out;
     }
     job->model_version = e->cur->version;
     if (f->keep_tape) {
         tobj = calloc(1, sizeof(*tobj));
         if (tobj == NULL) {
-            fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
+            rnnd_job_fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
             goto out;
         }
         *tobj = (struct tape_obj){.w = e->cur,
@@ -1138,7 +1140,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
             tobj->rows = malloc((size_t)B * sizeof(int32_t));
             if (tobj->rows == NULL) {
                 free(tobj);
-                fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
+                rnnd_job_fail(job, RNND_ENOMEM, "out of host memory keeping the tape");
                 goto out;
             }
             memcpy(tobj->rows, pt->rows, (size_t)B * sizeof(int32_t));
@@ -1151,7 +1153,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
             e->cur->refs--;
             free(tobj->rows);
             free(tobj);
-            fail(job, rc, "cannot keep the tape: %s", rnnd_strerror(rc));
+            rnnd_job_fail(job, rc, "cannot keep the tape: %s", rnnd_strerror(rc));
             goto out;
         }
         block = NULL; // the tape owns it now
@@ -1194,7 +1196,7 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     if (f->recorded) {
         ids = malloc((size_t)n * sizeof(*ids));
         if (ids == NULL) {
-            fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
+            rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
             return;
         }
         rows_gather(ids, f->env_ids, rows, n, sizeof(*ids));
@@ -1211,7 +1213,8 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
             if (pass == 0) {
                 block = malloc(cv.used);
                 if (block == NULL) {
-                    fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
+                    rnnd_job_fail(job, RNND_ENOMEM,
+                                  "out of host memory for a Forward part of %d rows", n);
                     return;
                 }
                 cv = (struct carve){block, 0};
@@ -1270,26 +1273,29 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     void *p;
     if (rnnd_tapes_get(e->tapes, g->tape_id, now, &p) != 0) {
         tape_gauges(e);
-        fail(job, RNND_ENOTFOUND,
-             "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
-             "by one Backward); run Forward with keep_tape=true again and send its tape_id",
-             g->tape_id, e->cfg.tape_ttl_s);
+        rnnd_job_fail(
+            job, RNND_ENOTFOUND,
+            "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
+            "by one Backward); run Forward with keep_tape=true again and send its tape_id",
+            g->tape_id, e->cfg.tape_ttl_s);
         return;
     }
     struct tape_obj *t = p;
     int B = t->B, T = t->T;
     if (g->B != B || g->T != T) {
-        fail(job, RNND_EINVAL,
-             "grad_output: shape [%d, %d, %d] does not match tape %" PRIu64 " ([B, T, H] = [%d, "
-             "%d, %d] from its Forward); send the gradient of that Forward's output",
-             g->B, g->T, e->model.H, g->tape_id, B, T, e->model.H);
+        rnnd_job_fail(job, RNND_EINVAL,
+                      "grad_output: shape [%d, %d, %d] does not match tape %" PRIu64
+                      " ([B, T, H] = [%d, "
+                      "%d, %d] from its Forward); send the gradient of that Forward's output",
+                      g->B, g->T, e->model.H, g->tape_id, B, T, e->model.H);
         return;
     }
     if ((g->grad_h_n && g->grad_h_n_B != B) || (g->grad_c_n && g->grad_c_n_B != B)) {
-        fail(job, RNND_EINVAL,
-             "grad_h_n/grad_c_n: first dim %d does not match tape %" PRIu64 "'s B = %d; send [%d, "
-             "%d, %d]",
-             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L, e->model.H);
+        rnnd_job_fail(
+            job, RNND_EINVAL,
+            "grad_h_n/grad_c_n: first dim %d does not match tape %" PRIu64 "'s B = %d; send [%d, "
+            "%d, %d]",
+            g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L, e->model.H);
         return;
     }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
@@ -1309,8 +1315,8 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
         d_gcell = t->has_hidden && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
         if (pass == 0) {
             if (be_alloc(e, cv.used, &block) != 0) {
-                fail(job, RNND_ENOMEM, "out of backend memory for a Backward of %d x %d steps", B,
-                     T);
+                rnnd_job_fail(job, RNND_ENOMEM,
+                              "out of backend memory for a Backward of %d x %d steps", B, T);
                 return;
             }
             cv = (struct carve){block, 0};
@@ -1325,7 +1331,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     if ((!g->accumulate && !part && !g->grads) || !g->grad_x || (d_gh0 && !g->grad_h0) ||
         (d_gc0 && !g->grad_c0) || (d_ghid && !g->grad_hidden) || (d_gcell && !g->grad_cell)) {
         be_free(e, block);
-        fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
+        rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
         return;
     }
     // Everything this part needs is here; from now on it changes state (the tape, and the
@@ -1375,7 +1381,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend backward failed: %s", rnnd_strerror(rc));
-        fail(job, rc, "the backend refused the Backward: %s", rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "the backend refused the Backward: %s", rnnd_strerror(rc));
         return;
     }
     job->model_version = t->w->version;
@@ -1413,19 +1419,21 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
         // No rows here: only the agreement and the all-reduce below.
     } else if (rnnd_tapes_get(e->tapes, g->tape_id, now, &p) != 0) {
         tape_gauges(e);
-        fail(job, RNND_ENOTFOUND,
-             "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
-             "by one Backward); run Forward with keep_tape=true again and send its tape_id",
-             g->tape_id, e->cfg.tape_ttl_s);
+        rnnd_job_fail(
+            job, RNND_ENOTFOUND,
+            "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
+            "by one Backward); run Forward with keep_tape=true again and send its tape_id",
+            g->tape_id, e->cfg.tape_ttl_s);
     } else if ((t = p)->rows == NULL || g->B != t->B_all || g->T != t->T ||
                (g->grad_h_n && g->grad_h_n_B != t->B_all) ||
                (g->grad_c_n && g->grad_c_n_B != t->B_all)) {
-        fail(job, RNND_EINVAL,
-             "grad_output: shape [%d, %d, %d] (grad_h_n/grad_c_n first dim %d) does not match "
-             "tape %" PRIu64 " ([B, T, H] = [%d, %d, %d] from its Forward); send the gradient of "
-             "that Forward's output",
-             g->B, g->T, e->model.H, g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id,
-             t->B_all, t->T, e->model.H);
+        rnnd_job_fail(
+            job, RNND_EINVAL,
+            "grad_output: shape [%d, %d, %d] (grad_h_n/grad_c_n first dim %d) does not match "
+            "tape %" PRIu64 " ([B, T, H] = [%d, %d, %d] from its Forward); send the gradient of "
+            "that Forward's output",
+            g->B, g->T, e->model.H, g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id,
+            t->B_all, t->T, e->model.H);
     } else {
         int n = t->B;
         const int32_t *rows = t->rows;
@@ -1433,7 +1441,7 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
         float *ghn = g->grad_h_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
         float *gcn = g->grad_c_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
         if (!go || (g->grad_h_n && !ghn) || (g->grad_c_n && !gcn)) {
-            fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
+            rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
         } else {
             rows_gather(go, g->grad_out, rows, n, Tz * H * sizeof(float));
             if (ghn)
@@ -1491,8 +1499,9 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     if (!ag.done)
         agree(e, &ag, job->err == 0);
     if (ag.rc != 0 && job->err == 0)
-        fail(job, ag.rc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
-             "this daemon's devices could not agree to run the Backward: %s", rnnd_strerror(ag.rc));
+        rnnd_job_fail(job, ag.rc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
+                      "this daemon's devices could not agree to run the Backward: %s",
+                      rnnd_strerror(ag.rc));
     if (g->accumulate || !ag.all)
         return;
     // Every engine joins, also one whose rows failed after the agreement (the Backward then
@@ -1501,8 +1510,9 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     if (crc == 0 && e->index == 0)
         crc = be_out(e, g->grads, e->grad_scratch, P * sizeof(float));
     if (crc != 0 && job->err == 0)
-        fail(job, crc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
-             "summing the gradients over this daemon's devices failed: %s", rnnd_strerror(crc));
+        rnnd_job_fail(job, crc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
+                      "summing the gradients over this daemon's devices failed: %s",
+                      rnnd_strerror(crc));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1516,20 +1526,23 @@ static void update_refused(struct rnnd_engine *e, struct rnnd_job *job, int rc,
         if (ag->rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "agreeing on an update failed: %s",
                        rnnd_strerror(ag->rc));
-        fail(job, ag->rc,
-             "the replicas could not agree on the update: %s; updates need every device and "
-             "every rnnd of the group (--comm-timeout-s %d)",
-             rnnd_strerror(ag->rc), e->cfg.comm_timeout_s);
+        rnnd_job_fail(
+            job, ag->rc,
+            "the replicas could not agree on the update: %s; updates need every device and "
+            "every rnnd of the group (--comm-timeout-s %d)",
+            rnnd_strerror(ag->rc), e->cfg.comm_timeout_s);
     } else if (rc != 0) {
         rnnd_log(RNND_LOG_WARN, "device %d cannot take an update: %s", e->index, rnnd_strerror(rc));
-        fail(job, rc,
-             "device %d cannot take the update: %s (kept tapes hold older weights: call Backward "
-             "on them or let them expire); nothing changed, retry",
-             e->index, rnnd_strerror(rc));
+        rnnd_job_fail(
+            job, rc,
+            "device %d cannot take the update: %s (kept tapes hold older weights: call Backward "
+            "on them or let them expire); nothing changed, retry",
+            e->index, rnnd_strerror(rc));
     } else {
-        fail(job, RNND_ENOMEM,
-             "another replica (device or rnnd instance of the group) cannot take the update "
-             "(its log says why); nothing changed, retry");
+        rnnd_job_fail(
+            job, RNND_ENOMEM,
+            "another replica (device or rnnd instance of the group) cannot take the update "
+            "(its log says why); nothing changed, retry");
     }
 }
 
@@ -1537,9 +1550,10 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_apply_job *a = &job->apply;
     bool sent = a->sent || a->grads != NULL;
     if (!sent && !e->grad_pending && e->replicas == NULL) {
-        fail(job, RNND_EPRECOND,
-             "no accumulated gradients to apply; call Backward with accumulate=true first, or "
-             "send grads");
+        rnnd_job_fail(
+            job, RNND_EPRECOND,
+            "no accumulated gradients to apply; call Backward with accumulate=true first, or "
+            "send grads");
         return;
     }
     struct rnnd_optim o = {
@@ -1553,7 +1567,7 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
     };
     // Replicas see the same lr, so all of them refuse here alike, before any collective.
     if (rnnd_optim_check(&o) != 0) {
-        fail(job, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0", (double)o.lr);
+        rnnd_job_fail(job, RNND_EINVAL, "lr %g is not usable; send a finite lr > 0", (double)o.lr);
         return;
     }
     // What this replica needs (a buffer for the new weights, the sent gradients where they
@@ -1589,17 +1603,17 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
         weights_unref(e, w);
         if (crc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "gradient exchange failed: %s", rnnd_strerror(crc));
-        fail(job, crc,
-             "the replicas did not exchange the gradients: %s; ApplyGradients needs every "
-             "device and every rnnd of the group (--comm-timeout-s %d)",
-             rnnd_strerror(crc), e->cfg.comm_timeout_s);
+        rnnd_job_fail(job, crc,
+                      "the replicas did not exchange the gradients: %s; ApplyGradients needs every "
+                      "device and every rnnd of the group (--comm-timeout-s %d)",
+                      rnnd_strerror(crc), e->cfg.comm_timeout_s);
         return;
     }
     if (!sent && !pending) {
         weights_unref(e, w);
-        fail(job, RNND_EPRECOND,
-             "no accumulated gradients to apply on any replica; call Backward with "
-             "accumulate=true first, or send grads");
+        rnnd_job_fail(job, RNND_EPRECOND,
+                      "no accumulated gradients to apply on any replica; call Backward with "
+                      "accumulate=true first, or send grads");
         return;
     }
     float norm = 0.0f;
@@ -1619,7 +1633,7 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
             rnnd_log(RNND_LOG_ERROR, "device %d skipped an update (%s): its weights now differ "
                      "from the other replicas'; restart rnnd to resynchronise them",
                      e->index, rnnd_strerror(rc));
-        fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
         return;
     }
     e->optim_t++;
@@ -1637,7 +1651,7 @@ static void run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
 static void run_get_weights(struct rnnd_engine *e, struct rnnd_job *job) {
     int rc = be_out(e, job->weights.params, e->cur->params, e->P * sizeof(float));
     if (rc != 0) {
-        fail(job, rc, "cannot read the weights: %s", rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "cannot read the weights: %s", rnnd_strerror(rc));
         return;
     }
     job->model_version = e->cur->version;
@@ -1668,7 +1682,7 @@ static void run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
             rnnd_log(RNND_LOG_ERROR, "device %d did not take the new weights (%s): its weights "
                      "differ from the other replicas'; restart rnnd to resynchronise them",
                      e->index, rnnd_strerror(rc));
-        fail(job, rc, "cannot load the weights: %s", rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "cannot load the weights: %s", rnnd_strerror(rc));
         return;
     }
     weights_swap(e, w);
@@ -1684,8 +1698,8 @@ static void run_comm(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_comm *comm;
     int rc = rnnd_comm_init(&e->be, &c->id, c->nranks, c->rank, c->timeout_ms, &comm);
     if (rc != 0) {
-        fail(job, rc, "device %d could not join the communicator as rank %d of %d: %s", e->index,
-             c->rank, c->nranks, rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "device %d could not join the communicator as rank %d of %d: %s",
+                      e->index, c->rank, c->nranks, rnnd_strerror(rc));
         return;
     }
     if (c->local)
@@ -1718,8 +1732,8 @@ static void run_sync(struct rnnd_engine *e, struct rnnd_job *job) {
     if (rc == 0)
         rc = e->be.ops->sync(e->be.ctx);
     if (rc != 0) {
-        fail(job, rc, "device %d could not take replica 0's weights: %s", e->index,
-             rnnd_strerror(rc));
+        rnnd_job_fail(job, rc, "device %d could not take replica 0's weights: %s", e->index,
+                      rnnd_strerror(rc));
         return;
     }
     e->grad_pending = false;
@@ -2298,7 +2312,7 @@ static void finish_unavailable(struct rnnd_job *list) {
         next = (struct rnnd_job *)job->item.next;
         if (job->kind == RNND_JOB_HOUSEKEEPING)
             continue;
-        fail(job, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
+        rnnd_job_fail(job, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         job->done(job);
     }
 }

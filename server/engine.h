@@ -202,6 +202,10 @@ struct rnnd_job {
     };
 };
 
+// Marks job failed with err and the message; returns err.
+int rnnd_job_fail(struct rnnd_job *job, int err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 struct rnnd_engine;
 
 // Called once from the engine thread after start: err 0 when the backend and model are ready,

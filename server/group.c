@@ -76,17 +76,6 @@ struct rnnd_group {
     char device_name[256];
 };
 
-static int fail(struct rnnd_job *job, int err, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(struct rnnd_job *job, int err, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(job->msg, sizeof(job->msg), fmt, ap);
-    va_end(ap);
-    job->err = err;
-    return err;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Fans
 
@@ -174,7 +163,7 @@ static void fan_submit(struct fan *f) {
     pthread_mutex_unlock(&g->lock);
     if (stopping) {
         // The engines stop taking jobs one after the other: the job goes to none of them.
-        fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
+        rnnd_job_fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         f->parent->done(f->parent);
         free(f);
     }
@@ -196,7 +185,7 @@ static void fan_all(struct rnnd_group *g, struct rnnd_job *job, fan_finish_fn fi
     struct bump b;
     struct fan *f = fan_new(g, job, 0, &b);
     if (f == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory");
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory");
         job->done(job);
         return;
     }
@@ -249,14 +238,15 @@ static void step_refused(struct rnnd_group *g, int k, struct rnnd_job *part, int
     rnnd_step_vote_cast(part->step.vote, false);
     if (rc == RNND_EFULL) {
         rnnd_metrics_limit_hit(RNND_LIMIT_QUEUE_ROWS);
-        fail(part, rc,
-             "the Step queue of device %d is full (%d rows waiting, --max-queue-rows %d per "
-             "device); retry after a short backoff or add replicas",
-             k, rnnd_engine_queue_rows(g->e[k]), rnnd_config_queue_rows(&g->cfg));
+        rnnd_job_fail(
+            part, rc,
+            "the Step queue of device %d is full (%d rows waiting, --max-queue-rows %d per "
+            "device); retry after a short backoff or add replicas",
+            k, rnnd_engine_queue_rows(g->e[k]), rnnd_config_queue_rows(&g->cfg));
     } else if (rc == RNND_EUNAVAIL) {
-        fail(part, rc, "rnnd is shutting down; retry on another replica");
+        rnnd_job_fail(part, rc, "rnnd is shutting down; retry on another replica");
     } else {
-        fail(part, rc, "cannot queue the Step on device %d: %s", k, rnnd_strerror(rc));
+        rnnd_job_fail(part, rc, "cannot queue the Step on device %d: %s", k, rnnd_strerror(rc));
     }
     part->done(part);
 }
@@ -378,7 +368,7 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
     size_t bytes = (size_t)s->B * sizeof(uint64_t);
     struct fan *f = fan_new(g, job, bytes, &b);
     if (f == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory");
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory");
         job->done(job);
         return;
     }
@@ -453,7 +443,7 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
                   fw->rec_version)))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
     if (f == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job); // the service frees the outputs
         return;
     }
@@ -517,10 +507,11 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
     uint64_t id = bw->tape_id;
     unsigned mask = TAPE_MASK(id);
     if (!(id & TAPE_GROUP_BIT) || mask == 0 || mask >= (1u << g->n)) {
-        fail(job, RNND_ENOTFOUND,
-             "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
-             "by one Backward); run Forward with keep_tape=true again and send its tape_id",
-             id, g->cfg.tape_ttl_s);
+        rnnd_job_fail(
+            job, RNND_ENOTFOUND,
+            "tape %" PRIu64 " is unknown or expired (a tape lives --tape-ttl-s %d s and is used "
+            "by one Backward); run Forward with keep_tape=true again and send its tape_id",
+            id, g->cfg.tape_ttl_s);
         job->done(job);
         return;
     }
@@ -539,7 +530,7 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
         (!hidden || !g->lstm || bw->grad_cell))
         f = fan_new(g, job, 0, &b);
     if (f == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory for a Backward of %zu x %zu steps", B, Tz);
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %zu x %zu steps", B, Tz);
         job->done(job);
         return;
     }
@@ -578,11 +569,12 @@ static void get_weights_merge(struct fan *f) {
                 first = j;
             }
         }
-        fail(f->parent, RNND_EDEVICE,
-             "the devices' weights differ: device %d has %zu of %zu floats unlike device 0's "
-             "(first at %zu: %.9g vs %.9g); this is a bug: restart rnnd, which gives every "
-             "device device 0's weights",
-             i, differ, g->P, first, (double)w[first], (double)a[first]);
+        rnnd_job_fail(
+            f->parent, RNND_EDEVICE,
+            "the devices' weights differ: device %d has %zu of %zu floats unlike device 0's "
+            "(first at %zu: %.9g vs %.9g); this is a bug: restart rnnd, which gives every "
+            "device device 0's weights",
+            i, differ, g->P, first, (double)w[first], (double)a[first]);
         rnnd_log(RNND_LOG_ERROR, "GetWeights: %s", f->parent->msg);
         return;
     }
@@ -593,7 +585,7 @@ static void submit_get_weights(struct rnnd_group *g, struct rnnd_job *job) {
     size_t bytes = g->P * sizeof(float);
     struct fan *f = fan_new(g, job, (size_t)(g->n - 1) * (bytes + 16), &b);
     if (f == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory");
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory");
         job->done(job);
         return;
     }
@@ -682,10 +674,11 @@ static void on_lost(void *ctx, const char *why) {
     pthread_mutex_unlock(&g->lock);
     while (p) {
         struct pending *next = p->next;
-        fail(p->job, RNND_EUNAVAIL,
-             "the group of rnnd instances broke before this update ran (%s); retry once it has "
-             "formed again",
-             why);
+        rnnd_job_fail(
+            p->job, RNND_EUNAVAIL,
+            "the group of rnnd instances broke before this update ran (%s); retry once it has "
+            "formed again",
+            why);
         p->job->done(p->job);
         free(p);
         p = next;
@@ -709,7 +702,7 @@ static void submit_update(struct rnnd_group *g, struct rnnd_job *job) {
     }
     struct pending *p = malloc(sizeof(*p));
     if (p == NULL) {
-        fail(job, RNND_ENOMEM, "out of memory");
+        rnnd_job_fail(job, RNND_ENOMEM, "out of memory");
         job->done(job);
         return;
     }
@@ -719,10 +712,11 @@ static void submit_update(struct rnnd_group *g, struct rnnd_job *job) {
         snprintf(why, sizeof(why), "%s", g->broken ? g->broken_why : "not formed yet");
         pthread_mutex_unlock(&g->lock);
         free(p);
-        fail(job, RNND_EUNAVAIL,
-             "the group of rnnd instances is not available (%s); weights change only with every "
-             "instance there",
-             why);
+        rnnd_job_fail(
+            job, RNND_EUNAVAIL,
+            "the group of rnnd instances is not available (%s); weights change only with every "
+            "instance there",
+            why);
         job->done(job);
         return;
     }
@@ -748,10 +742,11 @@ static void submit_update(struct rnnd_group *g, struct rnnd_job *job) {
     if (!mine) // on_lost took it and has answered the call
         return;
     free(p);
-    fail(job, RNND_EUNAVAIL,
-         "rank 0 (--rendezvous %s) cannot be reached to order this update; weights change only "
-         "with every instance there",
-         g->cfg.rendezvous);
+    rnnd_job_fail(
+        job, RNND_EUNAVAIL,
+        "rank 0 (--rendezvous %s) cannot be reached to order this update; weights change only "
+        "with every instance there",
+        g->cfg.rendezvous);
     job->done(job);
 }
 

@@ -78,14 +78,7 @@ struct round {
 
 static void make_round(struct rng *g, bool all, bool return_state, struct round *rd) {
     int perm[NENV];
-    for (int k = 0; k < NENV; k++)
-        perm[k] = k;
-    for (int k = NENV - 1; k > 0; k--) {
-        int j = (int)rng_u(g, (uint32_t)k + 1);
-        int t = perm[k];
-        perm[k] = perm[j];
-        perm[j] = t;
-    }
+    rng_perm(g, perm, NENV);
     rd->B = all ? NENV : 2 + (int)rng_u(g, NENV - 1);
     for (int b = 0; b < rd->B; b++) {
         rd->ids[b] = fx.ids[perm[b]];

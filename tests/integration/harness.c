@@ -612,6 +612,17 @@ uint32_t rng_u(struct rng *g, uint32_t n) {
     return k >= n ? n - 1 : k;
 }
 
+void rng_perm(struct rng *g, int *perm, int n) {
+    for (int k = 0; k < n; k++)
+        perm[k] = k;
+    for (int k = n - 1; k > 0; k--) { // Fisher-Yates
+        int j = (int)rng_u(g, (uint32_t)k + 1);
+        int t = perm[k];
+        perm[k] = perm[j];
+        perm[j] = t;
+    }
+}
+
 void rng_fill(struct rng *g, float *v, size_t n) {
     for (size_t k = 0; k < n; k++)
         v[k] = rng_f(g);

@@ -130,6 +130,7 @@ struct rng {
 float rng_f(struct rng *g);
 uint32_t rng_u(struct rng *g, uint32_t n); // [0, n)
 void rng_fill(struct rng *g, float *v, size_t n);
+void rng_perm(struct rng *g, int *perm, int n); // a random permutation of 0 .. n-1
 
 // Compares n floats: |a - b| <= atol + rtol * |b|. On mismatch prints what and the first few
 // indices, and returns false. NaN never matches.

@@ -64,14 +64,7 @@ struct req_buf {
 
 static void make(struct worker *w, struct rng *g, int round, struct req_buf *q) {
     int perm[NENV];
-    for (int k = 0; k < NENV; k++)
-        perm[k] = k;
-    for (int k = NENV - 1; k > 0; k--) {
-        int j = (int)rng_u(g, (uint32_t)k + 1);
-        int t = perm[k];
-        perm[k] = perm[j];
-        perm[j] = t;
-    }
+    rng_perm(g, perm, NENV);
     q->B = round == 0 ? NENV : 1 + (int)rng_u(g, NENV);
     for (int b = 0; b < q->B; b++) {
         int k = perm[b];

@@ -104,14 +104,7 @@ struct round {
 
 static void make_round(struct rng *g, uint64_t base, bool all_init, struct round *rd) {
     int perm[NENV];
-    for (int k = 0; k < NENV; k++)
-        perm[k] = k;
-    for (int k = NENV - 1; k > 0; k--) {
-        int j = (int)rng_u(g, (uint32_t)k + 1);
-        int t = perm[k];
-        perm[k] = perm[j];
-        perm[j] = t;
-    }
+    rng_perm(g, perm, NENV);
     rd->B = all_init ? NENV : 1 + (int)rng_u(g, NENV);
     rd->any_init = false;
     for (int b = 0; b < rd->B; b++) {

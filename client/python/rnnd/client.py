@@ -300,7 +300,20 @@ class Client:
 _END = object()
 
 
-class Stepper:
+class _SendRecv:
+    """step()/step_result() for a stepper that has send() and recv() (Stepper, PoolStepper)."""
+
+    def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
+        self.send(env_ids, obs, is_init, step_index, extras)
+        return self.recv().output
+
+    def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
+                    return_state=False):
+        self.send(env_ids, obs, is_init, step_index, extras, return_state)
+        return self.recv()
+
+
+class Stepper(_SendRecv):
     """Step over one StepStream. ``step()`` sends one request and waits for its reply;
     ``send()``/``recv()`` let an actor keep several requests in flight (replies come in order).
     An error ends the stream (gRPC semantics): the RnndError is raised from recv()/step() and
@@ -335,15 +348,6 @@ class Stepper:
                             "StepStream") from None
         self._pending -= 1
         return _step_result(reply)
-
-    def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
-        self.send(env_ids, obs, is_init, step_index, extras)
-        return self.recv().output
-
-    def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        self.send(env_ids, obs, is_init, step_index, extras, return_state)
-        return self.recv()
 
     def close(self):
         """Half-closes the stream and waits for the daemon to finish it."""

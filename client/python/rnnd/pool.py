@@ -20,7 +20,8 @@ The hash is shared with the C client (client/include/rnnd_client_pool.h), bit fo
 import grpc
 import numpy as np
 
-from .client import Client, RnndError, StepResult, _step_request, _step_result, _ids
+from .client import (Client, RnndError, StepResult, _SendRecv, _step_request, _step_result,
+                     _ids)
 
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
@@ -224,7 +225,7 @@ def _target_error(err, target, method):
     return RnndError(e.code, "target %s: %s" % (target, e.details), method)
 
 
-class PoolStepper:
+class PoolStepper(_SendRecv):
     """Stepper over a Pool: send() splits a request and sends each part on its target's stream;
     recv() returns the oldest request's reply in its row order. An error breaks the stepper (as
     it ends a gRPC stream): later calls raise. One thread at a time."""
@@ -271,15 +272,6 @@ class PoolStepper:
                 raise RnndError(e.code, "target %s: %s" % (self._pool.targets[t], e.details),
                                 "StepStream") from None
         return Pool._join(B, parts, results)
-
-    def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
-        self.send(env_ids, obs, is_init, step_index, extras)
-        return self.recv().output
-
-    def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        self.send(env_ids, obs, is_init, step_index, extras, return_state)
-        return self.recv()
 
     def close(self):
         for s in self._steppers.values():

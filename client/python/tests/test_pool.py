@@ -157,6 +157,7 @@ class PoolDaemonsTest(unittest.TestCase):
                 self.assertSame(s.recv(), self.ref.step_result(*b), False)
             self.assertEqual(s.step(*a[:2]).shape, (len(a[0]), H))
             self.ref.step(*a[:2])
+            self.assertSame(s.step_result(*b), self.ref.step_result(*b), False)
 
     def test_4_errors_name_the_target(self):
         where = self.pool.pick(self.ids)

@@ -80,6 +80,25 @@ bool rnnd__cuda_seq_persistent(const struct cuda_ctx *c, const struct rnnd_model
     return rnnd__persist_hp(m, c->smem_optin) > 0;
 }
 
+// Layer l's backward recomputes its gates instead of reading them from the tape (v10,
+// kernels/bench/NOTES.md): GRU at HP = 128 with H = 128 and a layer input the loop can read
+// (I_l <= 64, I_l % 4 == 0); the forward then writes no s rows. The forward and the backward of
+// one tape must agree, so this depends on the model, the context and l only. Bench variant bit
+// 64 turns it off.
+static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, int l) {
+    if (!rnnd__cuda_seq_persistent(c, m) || (c->variant & 64) || m->cell != RNND_CELL_GRU ||
+        m->H != 128 || rnnd__persist_hp(m, c->smem_optin) != 128)
+        return false;
+    int Il = rnnd_model_layer_input(m, l);
+    long need = rnnd__persist_gru_rc_smem(m->compute == RNND_COMPUTE_BF16, 128);
+    return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
+}
+
+// x k-steps of the gate recompute (as the forward's fused projection).
+static int seq_recompute_xks(const struct rnnd_model *m, int l) {
+    return CEIL_DIV(rnnd_model_layer_input(m, l), m->compute == RNND_COMPUTE_BF16 ? 16 : 8);
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
 
@@ -387,7 +406,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape ? s : nullptr;
+            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
             a.x = xks[l] || xcopy ? x : nullptr, a.ldx = ldx;
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
@@ -502,6 +521,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.g_h0 = grads->h0, a.g_c0 = grads->c0;
             a.g_hidden = grads->hidden, a.g_cell = grads->cell;
             a.tma = c->cc_major >= 9;
+            a.rc = seq_recompute(c, m, l);
+            a.w_ih = lp.w_ih, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.h0 = seq->h0, a.hidden = seq->hidden;
+            a.xoff = ly->xoff, a.Il = ly->Il, a.xks = a.rc ? seq_recompute_xks(m, l) : 0;
             a.variant = c->variant, a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
         } else {

@@ -9,6 +9,13 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
+    if (backward && static_cast<const persist_bwd_args *>(args)->rc) {
+        const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
+        if (HP != 128)
+            return RNND_ENOTSUP;
+        return bf16 ? persist_launch_backward_rc<mode_bf16, 128>(a, stream)
+                    : persist_launch_backward_rc<mode_tf32, 128>(a, stream);
+    }
     if (!bf16 && HP == 128) {
         int err = persist_launch_variant<cell_gru>(backward, args, stream);
         if (err != RNND_ENOTSUP)
@@ -32,4 +39,10 @@ long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks) {
     PERSIST_CASES(X)
 #undef X
     return -1;
+}
+
+long rnnd__persist_gru_rc_smem(bool bf16, int HP) {
+    if (HP != 128)
+        return -1;
+    return bf16 ? persist_rc_geom<mode_bf16, 128>::SMEM : persist_rc_geom<mode_tf32, 128>::SMEM;
 }

@@ -117,6 +117,10 @@ struct mode_f16 {
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __float2half_rn(v);
     }
+    static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    }
     static __device__ __forceinline__ void put4(elem *p, const float v[4]) {
         __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
         *reinterpret_cast<uint2 *>(p) =
@@ -198,6 +202,9 @@ struct mode_bf16 {
     using hmode = mode_bf16;
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __float2bfloat16_rn(v);
+    }
+    static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+        return pack_bf16(lo, hi);
     }
     static __device__ __forceinline__ void put4(elem *p, const float v[4]) {
         *reinterpret_cast<uint2 *>(p) = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
@@ -428,7 +435,9 @@ static __device__ float persist_wscale(const float *a, int na, const float *b, i
 // max(1, |h0|, |stored states|) (a GRU's h' is a convex combination of h and n in [-1, 1], an
 // LSTM's h' = o tanh(c')), which this puts in [2^13, 2^14), far from fp16's overflow at 65504.
 // Only the stored states and h0 of the block's own rows are read (none when absent).
-static __device__ float persist_hscale(const struct persist_fwd_args &a, float *red) {
+// The backward without the gate tape (v10) uses the same bound for the hprev it recomputes from.
+template <class A>
+static __device__ float persist_hscale(const A &a, float *red) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int steps = a.hidden ? a.T : a.h0 ? 1 : 0;
     float m = 1.0f;
@@ -1132,6 +1141,447 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             bulk_wait_all();
     }
     clk.flush(a.dbg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward kernel without the gate tape (GRU, v10)
+
+// ldmatrix of four 8x8 matrices of 16-bit elements, lane L giving the row address of row L%8 of
+// matrix L/8; TRANS hands each lane a column pair instead of a row pair.
+template <bool TRANS>
+static __device__ __forceinline__ void ldmatrix_x4_at(uint32_t r[4], const void *row) {
+    uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+}
+
+// The unit a storage position of a 16-unit group holds: position 8 half + n holds the unit of
+// column n of n-tile `half` (persist_unit), so that 8 consecutive positions are one n-tile.
+static __device__ __forceinline__ int persist_rc_unit(int pos) {
+    int n = pos & 7, half = (pos >> 3) & 1;
+    return (pos & ~15) + 4 * (n >> 1) + 2 * half + (n & 1);
+}
+
+// One copy of W_hh serves both directions: stored row-major as 16-bit values (fp16 scaled as in
+// the forward, or bf16), rows (gate rows) and columns (units) both in storage order
+// (persist_rc_unit), pitch HP + 8 elements (16 bytes mod 128: conflict-free ldmatrix). The
+// recompute (h W_hh^T) reads it with ldmatrix (rows are n), dh = tile . W_hh with ldmatrix.trans
+// (rows are k); both MMAs are m16n8k16 on 16-bit operands, so the dh-gate tile is 16-bit too,
+// each row scaled by a power of two (its largest |value| in [2^13, 2^14)) in fp16.
+template <class Mode, int HP>
+struct persist_rc_geom {
+    using HM = typename Mode::hmode;
+    using helem = typename HM::elem;
+    static constexpr int G = 3, NW = HP / 16, THREADS = NW * 32;
+    static constexpr int WLD = HP + 8;
+    static constexpr long W_BYTES = (long)G * HP * WLD * 2;
+    static constexpr int XKS = HP / 2 / Mode::KSTEP;
+    static constexpr int F_NT = 2 * G;
+    static constexpr int F_XWPL = F_NT * Mode::WPF;
+    static constexpr long X_KS_BYTES = (long)F_XWPL * 4 * 32 * NW;
+    static constexpr long WX_BYTES = XKS * X_KS_BYTES;
+    static constexpr int ALD = G * HP + 8;
+    static constexpr long A_BYTES = 16L * ALD * 2;
+    static constexpr int HLD = HP + 8;
+    static constexpr long H_BYTES = 2 * 16L * HLD * 2; // two steps' tiles (by step parity)
+    static constexpr int XLD = HP / 2 + Mode::APAD;
+    static constexpr long X_BYTES = 2 * 16L * XLD * (long)sizeof(typename Mode::elem);
+    static constexpr long XCH_BYTES = NW * 2L * 32 * 16;
+    static constexpr long RMAX_BYTES = NW * 16L * 4;
+    static constexpr long SMEM =
+        W_BYTES + WX_BYTES + A_BYTES + H_BYTES + X_BYTES + XCH_BYTES + RMAX_BYTES;
+    static constexpr int KS = G * HP / 16; // k16-steps of dh = tile . W_hh
+    static constexpr int KSW = KS / 2;     // a warp's half (warp pairs split K, as persist_geom)
+    static_assert(SMEM <= RNND_PERSIST_SMEM_BUDGET, "rc backward does not fit");
+    static_assert(KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
+};
+
+// Per step in reverse: gate gradients from the recomputed gates (registers) -> D (stores) and the
+// 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
+// dh = tile . W_hh (K split over warp pairs) interleaved with the recompute of step t-1's gates
+// (h W_hh^T, x W_ih^T: independent of dh); routing; the cell of step t-1.
+template <class Mode, int HP, bool VEC>
+static __global__ void __launch_bounds__(HP / 16 * 32, 1)
+    seq_backward_rc_kernel(const struct persist_bwd_args a) {
+    using Gm = persist_rc_geom<Mode, HP>;
+    using HM = typename Gm::HM;
+    using HE = typename Gm::helem;
+    using E = typename Mode::elem;
+    using WLX = persist_wlayout<Gm::F_XWPL>;
+    using Cell = cell_gru;
+    constexpr int G = Gm::G, NW = Gm::NW, WLD = Gm::WLD, ALD = Gm::ALD, HLD = Gm::HLD;
+    constexpr int XLD = Gm::XLD, KSW = Gm::KSW, FNT = Gm::F_NT, SW = Cell::SW;
+    constexpr int FKS = HP / 16, XKS = Gm::XKS;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char *at = smem;
+    HE *wsm = reinterpret_cast<HE *>(at);
+    unsigned char *wsmx = (at += Gm::W_BYTES);
+    HE *atile = reinterpret_cast<HE *>(at += Gm::WX_BYTES);
+    HE *htile = reinterpret_cast<HE *>(at += Gm::A_BYTES);
+    E *xtile = reinterpret_cast<E *>(at += Gm::H_BYTES);
+    float4 *xch = reinterpret_cast<float4 *>(at += Gm::X_BYTES);
+    float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il, xks = a.xks;
+    const int u0 = w * 16 + 4 * tg;
+    const int kh = w & 1, pair = w >> 1;
+
+    // Scales as the forward's: wscale over W_hh and W_ih, hscale for h in its fp16 tile.
+    float wscale = 1.0f, hscale = 1.0f;
+    if constexpr (Mode::SCALED)
+        wscale = persist_wscale(a.w_hh, G * H * H, a.w_ih, G * H * Il,
+                                reinterpret_cast<float *>(htile));
+    if constexpr (HM::SCALED)
+        hscale = persist_hscale(a, reinterpret_cast<float *>(htile));
+    const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
+
+    // W_hh in storage order (pairs of units are adjacent in it), W_ih as the forward's x
+    // fragments.
+    for (int e = threadIdx.x; e < G * HP * (HP / 2); e += blockDim.x) {
+        int pr = e / (HP / 2), pc = 2 * (e - pr * (HP / 2));
+        int q = pr / HP, row = persist_rc_unit(pr - q * HP), col = persist_rc_unit(pc);
+        float lo = 0.0f, hi = 0.0f;
+        if (row < H && col < H) {
+            const float *src = a.w_hh + (size_t)(q * H + row) * H + col;
+            lo = __ldg(src) * wscale;
+            hi = col + 1 < H ? __ldg(src + 1) * wscale : 0.0f;
+        }
+        *reinterpret_cast<uint32_t *>(wsm + (size_t)pr * WLD + pc) = HM::pack2(lo, hi);
+    }
+    for (int ks = 0; ks < xks; ks++) {
+        uint32_t o[Gm::F_XWPL];
+#pragma unroll
+        for (int nt = 0; nt < FNT; nt++) {
+            const int q = nt >> 1, half = nt & 1;
+            auto Bf = [&](int k, int n) -> float {
+                int unit = persist_unit(w, half, n);
+                return unit < H && k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k)
+                                          : 0.0f;
+            };
+            Mode::wpack(o + nt * Mode::WPF, Bf, ks, g, tg, wscale);
+        }
+        WLX::store(wsmx, ks, NW, w, lane, o);
+    }
+    float bi[G][4], bh[G][4];
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        ld4<false>(bi[q], a.b_ih + q * H + u0, u0, H, true);
+        ld4<false>(bh[q], a.b_hh + q * H + u0, u0, H, true);
+    }
+    for (int e = threadIdx.x; e < 2 * 16 * XLD; e += blockDim.x)
+        Mode::put(xtile + e, 0.0f); // the padding past I_l stays zero
+
+    bool rv[2];
+    size_t rbase[2], bidx[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int b = blockIdx.x * 16 + g + 8 * i;
+        rv[i] = b < a.B;
+        bidx[i] = rv[i] ? b : 0;
+        rbase[i] = bidx[i] * T;
+    }
+    // The x values this thread moves each step: one float4 of the block's 16 x I_l.
+    const int xe = threadIdx.x * 4, xrow = Il > 0 ? xe / Il : 0, xcol = xe - xrow * Il;
+    const bool xok = xe < 16 * Il && blockIdx.x * 16 + xrow < a.B;
+    const float *xsrc = xok ? a.z + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldz + a.xoff + xcol
+                            : nullptr;
+
+    float dh[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        zero4(dh[i]);
+        if (a.gh_n)
+            ld4<VEC>(dh[i], a.gh_n + (bidx[i] * L + l) * H + u0, u0, H, rv[i]);
+    }
+
+    // Step t's gates (recomputed), output gradient, hprev and flag; hprev and x of the step
+    // the next recompute is for (zh, zx: loaded a step ahead).
+    float sv[SW][2][4], gy[2][4], hp[2][4], zh[2][4], zx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int reset[2];
+    auto load_gy = [&](int t) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            size_t r = rbase[i] + t;
+            ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
+            reset[i] = ld_flag(a.is_init + r, rv[i]);
+        }
+    };
+    auto load_z = [&](int t) {
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            ld4<VEC>(zh[i], a.z + (rbase[i] + t) * a.ldz + u0, u0, H, rv[i]);
+        if (xok) {
+            float4 q = __ldg(reinterpret_cast<const float4 *>(xsrc + (size_t)t * a.ldz));
+            zx[0] = q.x, zx[1] = q.y, zx[2] = q.z, zx[3] = q.w;
+        }
+    };
+    // zh, zx (of step s) into step s's h and x tiles (h scaled; units in storage order). Two
+    // of each: a tile is written in the iteration that reads it, between its two barriers, and
+    // the next write of the same one is two iterations later.
+    auto put_z = [&](int s) {
+        HE *ht = htile + (s & 1) * (16 * HLD);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            uint32_t *p = reinterpret_cast<uint32_t *>(ht + (g + 8 * i) * HLD + 16 * w + 2 * tg);
+            p[0] = HM::pack2(zh[i][0] * hscale, zh[i][1] * hscale);
+            p[4] = HM::pack2(zh[i][2] * hscale, zh[i][3] * hscale);
+        }
+        if (xok)
+            Mode::put4(xtile + (s & 1) * (16 * XLD) + xrow * XLD + xcol, zx);
+    };
+    float acc[FNT][4], accx[FNT][4];
+    // h W_hh^T and x W_ih^T of the tiles' step, as the forward's (warp w: its 16 units of each
+    // gate; n-tile 2q + half).
+    auto gates_mma = [&](int s) {
+        const HE *ht = htile + (s & 1) * (16 * HLD);
+        const E *xt = xtile + (s & 1) * (16 * XLD);
+#pragma unroll
+        for (int nt = 0; nt < FNT; nt++) {
+            zero4(acc[nt]);
+            zero4(accx[nt]);
+        }
+        const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+        for (int ks = 0; ks < FKS; ks++) {
+            uint32_t af[4];
+            ldmatrix_x4(af, ht, HLD, ks * 16, 8, lane);
+#pragma unroll
+            for (int q = 0; q < G; q++) {
+                uint32_t b[4];
+                ldmatrix_x4_at<false>(
+                    b, wsm + (size_t)(q * HP + 16 * w + 8 * (m >> 1) + r) * WLD + ks * 16 + 8 * (m & 1));
+                HM::mma(acc[2 * q], af, make_uint2(b[0], b[1]));
+                HM::mma(acc[2 * q + 1], af, make_uint2(b[2], b[3]));
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < XKS; ks++) {
+            if (ks >= xks)
+                break;
+            uint32_t af[4], wv[Gm::F_XWPL];
+            Mode::afrag(af, xt, XLD, ks, lane);
+            WLX::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+            for (int nt = 0; nt < FNT; nt++)
+                Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+        }
+    };
+    // The forward's cell on those sums: the step's gates r, z, n, hn.
+    auto gates_cell = [&]() {
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float xq[G], hq[G], s[SW], hn, cn;
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    const int nt = 2 * q + (j >> 1), e = 2 * i + (j & 1);
+                    xq[q] = accx[nt][e] * winv + bi[q][j];
+                    hq[q] = acc[nt][e] * hinv + bh[q][j];
+                }
+                Cell::template forward<true>(xq, hq, 0.0f, 0.0f, hn, cn, s);
+#pragma unroll
+                for (int p = 0; p < SW; p++)
+                    sv[p][i][j] = s[p];
+            }
+    };
+
+    // Step T-1's gates before the loop.
+    __syncthreads(); // the x tiles' zeros before their first values
+    load_gy(T - 1);
+    load_z(T - 1);
+    put_z(T - 1);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            hp[i][j] = zh[i][j];
+    if (T > 1)
+        load_z(T - 2);
+    __syncthreads(); // weights and tiles in place
+    gates_mma(T - 1);
+    gates_cell();
+
+    for (int t = T - 1; t >= 0; t--) {
+        // Gate gradients of step t, the row maxima of the tile part.
+        float ddir[2][4], tv[G][2][4];
+        float rm[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float dv[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float s[SW], d[4], tl[G], dcp;
+#pragma unroll
+                for (int p = 0; p < SW; p++)
+                    s[p] = sv[p][i][j];
+                Cell::template backward<true>(s, hp[i][j], gy[i][j] + dh[i][j], 0.0f, d, tl,
+                                              ddir[i][j], dcp);
+                bool live = rv[i] && u0 + j < H;
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+                    dv[p][j] = d[p];
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    tv[q][i][j] = live ? tl[q] : 0.0f;
+                    rm[i] = fmaxf(rm[i], fabsf(tv[q][i][j]));
+                }
+            }
+            size_t r = rbase[i] + t;
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p], u0, H, rv[i]);
+        }
+        if constexpr (HM::SCALED) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                rm[i] = fmaxf(rm[i], __shfl_xor_sync(0xffffffffu, rm[i], 1));
+                rm[i] = fmaxf(rm[i], __shfl_xor_sync(0xffffffffu, rm[i], 2));
+                if (tg == 0)
+                    rmax[w * 16 + g + 8 * i] = rm[i];
+            }
+        }
+        int rst[2] = {reset[0], reset[1]};
+        if (t > 0) {
+            put_z(t - 1); // step t-1's hprev and x
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    hp[i][j] = zh[i][j];
+            load_gy(t - 1);
+            if (t > 1)
+                load_z(t - 2);
+        }
+        __syncthreads();
+
+        // Row scales, then the 16-bit tile (units in storage order).
+        float rsc[2] = {1.0f, 1.0f};
+        if constexpr (HM::SCALED) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float m = 0.0f;
+#pragma unroll
+                for (int k = 0; k < NW; k++)
+                    m = fmaxf(m, rmax[k * 16 + g + 8 * i]);
+                if (m > 0.0f && m <= 3.0e38f) {
+                    int e;
+                    frexpf(m, &e);
+                    rsc[i] = ldexpf(1.0f, 14 - e);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int q = 0; q < G; q++) {
+                uint32_t *p = reinterpret_cast<uint32_t *>(atile + (g + 8 * i) * ALD + q * HP +
+                                                           16 * w + 2 * tg);
+                p[0] = HM::pack2(tv[q][i][0] * rsc[i], tv[q][i][1] * rsc[i]);
+                p[4] = HM::pack2(tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]);
+            }
+        __syncthreads();
+
+        // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap).
+        if (t > 0)
+            gates_mma(t - 1);
+        // dL/dh of the state entering step t: this warp's K half for the pair's 4 n-tiles
+        // (n-tile 2j + half: units of warp 2 pair + j), the partner's half of its 2 added.
+        float bacc[2][4][4];
+#pragma unroll
+        for (int sp = 0; sp < 2; sp++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+                zero4(bacc[sp][nt]);
+        {
+            const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+            for (int ks = 0; ks < KSW; ks++) {
+                const int kk = kh * KSW + ks;
+                uint32_t af[4];
+                ldmatrix_x4(af, atile, ALD, kk * 16, 8, lane);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    uint32_t b[4];
+                    ldmatrix_x4_at<true>(b, wsm + (size_t)(kk * 16 + 8 * (m & 1) + r) * WLD +
+                                                16 * (2 * pair + j) + 8 * (m >> 1));
+                    HM::mma(bacc[ks & 1][2 * j], af, make_uint2(b[0], b[1]));
+                    HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
+                }
+            }
+        }
+        float mine[2][4], theirs[2][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float lo = bacc[0][hf][e] + bacc[1][hf][e];
+                float hi = bacc[0][2 + hf][e] + bacc[1][2 + hf][e];
+                mine[hf][e] = kh ? hi : lo;
+                theirs[hf][e] = kh ? lo : hi;
+            }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+            xch[(w * 2 + hf) * 32 + lane] =
+                make_float4(theirs[hf][0], theirs[hf][1], theirs[hf][2], theirs[hf][3]);
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory"); // the pair only
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
+            mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
+        }
+
+        // Route it (DESIGN.md §2), as seq_backward_kernel does.
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float inv = winv * (1.0f / rsc[i]);
+            float dhp[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * inv;
+            bool carry = t > 0 && !rst[i];
+            if (carry) {
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    dh[i][j] = dhp[j];
+                continue;
+            }
+            if (a.stored) {
+                size_t at = ((rbase[i] + t) * L + l) * H + u0;
+                if (a.g_hidden)
+                    st4<VEC>(a.g_hidden + at, dhp, u0, H, rv[i]);
+            } else if (!rst[i]) { // t == 0: the initial state
+                size_t at = (bidx[i] * L + l) * H + u0;
+                if (a.g_h0)
+                    st4<VEC>(a.g_h0 + at, dhp, u0, H, rv[i]);
+            }
+            zero4(dh[i]);
+        }
+        if (t > 0)
+            gates_cell();
+    }
+}
+
+template <class Mode, int HP>
+static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStream_t stream) {
+    using Gm = persist_rc_geom<Mode, HP>;
+    if (a.xks < 0 || a.xks > Gm::XKS || a.Il > HP / 2 || a.Il % 4 != 0 || a.w_ih == nullptr)
+        return RNND_EINVAL;
+    auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true>
+                        : seq_backward_rc_kernel<Mode, HP, false>;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)Gm::SMEM));
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::SMEM, stream>>>(a);
+    CUDA_LAUNCH_CHECK();
+    return 0;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -52,6 +52,13 @@ struct persist_bwd_args {
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)
+    // rc (GRU, v10): no gate tape; the loop recomputes the gates of each step from hprev and
+    // x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih, W_hh and the biases.
+    bool rc;
+    const float *w_ih;           // (G*H, Il)
+    const float *b_ih, *b_hh;    // (G*H)
+    const float *h0, *hidden;    // the forward's, for the bound of h (or NULL)
+    int xoff, Il, xks;           // xks: x k-steps, as the forward's
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };
@@ -75,6 +82,9 @@ int rnnd__persist_xks(const struct rnnd_model *m, int l, size_t smem_optin);
 int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
 int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream);
 long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks);
+// Shared memory of the GRU backward without the gate tape (persist_bwd_args.rc), -1 where it
+// has no instance (HP != 128).
+long rnnd__persist_gru_rc_smem(bool bf16, int HP);
 long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP, int xks);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

@@ -94,11 +94,6 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
-// x k-steps of the gate recompute (as the forward's fused projection).
-static int seq_recompute_xks(const struct rnnd_model *m, int l) {
-    return CEIL_DIV(rnnd_model_layer_input(m, l), m->compute == RNND_COMPUTE_BF16 ? 16 : 8);
-}
-
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
 
@@ -524,7 +519,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.rc = seq_recompute(c, m, l);
             a.w_ih = lp.w_ih, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             a.h0 = seq->h0, a.hidden = seq->hidden;
-            a.xoff = ly->xoff, a.Il = ly->Il, a.xks = a.rc ? seq_recompute_xks(m, l) : 0;
+            a.xoff = ly->xoff, a.Il = ly->Il;
             a.variant = c->variant, a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
         } else {

@@ -45,6 +45,8 @@
 
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 // Shared memory a block may use on sm_90 (227 KB); sm_80 gets less and falls back at run time.
 #define RNND_PERSIST_SMEM_BUDGET 232448
 
@@ -1174,28 +1176,32 @@ static __device__ __forceinline__ int persist_rc_unit(int pos) {
 // recompute (h W_hh^T) reads it with ldmatrix (rows are n), dh = tile . W_hh with ldmatrix.trans
 // (rows are k); both MMAs are m16n8k16 on 16-bit operands, so the dh-gate tile is 16-bit too,
 // each row scaled by a power of two (its largest |value| in [2^13, 2^14)) in fp16.
-template <class Mode, int HP>
+// XM: the mode of the x part: Mode's, or (XH, TF32 mode) HM's on x rows scaled into fp16 per
+// row by a power of two, converted from an fp32 stage (XS) between the step's two barriers.
+template <class Mode, int HP, class XM = Mode>
 struct persist_rc_geom {
     using HM = typename Mode::hmode;
+    static constexpr bool XH = !std::is_same<XM, Mode>::value;
     using helem = typename HM::elem;
     static constexpr int G = 3, NW = HP / 16, THREADS = NW * 32;
     static constexpr int WLD = HP + 8;
     static constexpr long W_BYTES = (long)G * HP * WLD * 2;
-    static constexpr int XKS = HP / 2 / Mode::KSTEP;
+    static constexpr int XKS = HP / 2 / XM::KSTEP;
     static constexpr int F_NT = 2 * G;
-    static constexpr int F_XWPL = F_NT * Mode::WPF;
+    static constexpr int F_XWPL = F_NT * XM::WPF;
     static constexpr long X_KS_BYTES = (long)F_XWPL * 4 * 32 * NW;
     static constexpr long WX_BYTES = XKS * X_KS_BYTES;
     static constexpr int ALD = G * HP + 8;
     static constexpr long A_BYTES = 16L * ALD * 2;
     static constexpr int HLD = HP + 8;
     static constexpr long H_BYTES = 2 * 16L * HLD * 2; // two steps' tiles (by step parity)
-    static constexpr int XLD = HP / 2 + Mode::APAD;
-    static constexpr long X_BYTES = 2 * 16L * XLD * (long)sizeof(typename Mode::elem);
+    static constexpr int XLD = HP / 2 + XM::APAD;
+    static constexpr long X_BYTES = 2 * 16L * XLD * (long)sizeof(typename XM::elem);
+    static constexpr long XS_BYTES = XH ? 16L * (HP / 2) * 4 + 2 * 16 * 4 : 0; // stage, 1/scales
     static constexpr long XCH_BYTES = NW * 2L * 32 * 16;
     static constexpr long RMAX_BYTES = NW * 16L * 4;
     static constexpr long SMEM =
-        W_BYTES + WX_BYTES + A_BYTES + H_BYTES + X_BYTES + XCH_BYTES + RMAX_BYTES;
+        W_BYTES + WX_BYTES + A_BYTES + H_BYTES + X_BYTES + XS_BYTES + XCH_BYTES + RMAX_BYTES;
     static constexpr int KS = G * HP / 16; // k16-steps of dh = tile . W_hh
     static constexpr int KSW = KS / 2;     // a warp's half (warp pairs split K, as persist_geom)
     static_assert(SMEM <= RNND_PERSIST_SMEM_BUDGET, "rc backward does not fit");
@@ -1206,13 +1212,15 @@ struct persist_rc_geom {
 // 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
 // dh = tile . W_hh (K split over warp pairs) interleaved with the recompute of step t-1's gates
 // (h W_hh^T, x W_ih^T: independent of dh); routing; the cell of step t-1.
-template <class Mode, int HP, bool VEC>
+template <class Mode, int HP, bool VEC, bool XH>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
-    using Gm = persist_rc_geom<Mode, HP>;
-    using HM = typename Gm::HM;
+    using HM = typename Mode::hmode;
+    using XM = typename std::conditional<XH, HM, Mode>::type;
+    using Gm = persist_rc_geom<Mode, HP, XM>;
     using HE = typename Gm::helem;
-    using E = typename Mode::elem;
+    using E = typename XM::elem;
+    static_assert(!XH || (Gm::THREADS == 256 && HP / 2 == 64), "x stage: a half-warp a row");
     using WLX = persist_wlayout<Gm::F_XWPL>;
     using Cell = cell_gru;
     constexpr int G = Gm::G, NW = Gm::NW, WLD = Gm::WLD, ALD = Gm::ALD, HLD = Gm::HLD;
@@ -1226,11 +1234,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     HE *atile = reinterpret_cast<HE *>(at += Gm::WX_BYTES);
     HE *htile = reinterpret_cast<HE *>(at += Gm::A_BYTES);
     E *xtile = reinterpret_cast<E *>(at += Gm::H_BYTES);
-    float4 *xch = reinterpret_cast<float4 *>(at += Gm::X_BYTES);
+    float *xstage = reinterpret_cast<float *>(at += Gm::X_BYTES);
+    float *xinv = xstage + 16 * (HP / 2); // two steps' 16 row inverse scales
+    float4 *xch = reinterpret_cast<float4 *>(at += Gm::XS_BYTES);
     float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il, xks = a.xks;
+    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il, xks = CEIL_DIV(Il, XM::KSTEP);
     const int u0 = w * 16 + 4 * tg;
     const int kh = w & 1, pair = w >> 1;
 
@@ -1266,7 +1276,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 return unit < H && k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k)
                                           : 0.0f;
             };
-            Mode::wpack(o + nt * Mode::WPF, Bf, ks, g, tg, wscale);
+            XM::wpack(o + nt * XM::WPF, Bf, ks, g, tg, wscale);
         }
         WLX::store(wsmx, ks, NW, w, lane, o);
     }
@@ -1277,7 +1287,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         ld4<false>(bh[q], a.b_hh + q * H + u0, u0, H, true);
     }
     for (int e = threadIdx.x; e < 2 * 16 * XLD; e += blockDim.x)
-        Mode::put(xtile + e, 0.0f); // the padding past I_l stays zero
+        XM::put(xtile + e, 0.0f); // the padding past I_l stays zero
+    if constexpr (XH)
+        for (int e = threadIdx.x; e < 16 * (HP / 2) + 32; e += blockDim.x)
+            xstage[e] = e < 16 * (HP / 2) ? 0.0f : 1.0f;
 
     bool rv[2];
     size_t rbase[2], bidx[2];
@@ -1334,8 +1347,37 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             p[0] = HM::pack2(zh[i][0] * hscale, zh[i][1] * hscale);
             p[4] = HM::pack2(zh[i][2] * hscale, zh[i][3] * hscale);
         }
-        if (xok)
-            Mode::put4(xtile + (s & 1) * (16 * XLD) + xrow * XLD + xcol, zx);
+        if (xok) {
+            if constexpr (XH)
+                *reinterpret_cast<float4 *>(xstage + xrow * (HP / 2) + xcol) =
+                    make_float4(zx[0], zx[1], zx[2], zx[3]);
+            else
+                XM::put4(xtile + (s & 1) * (16 * XLD) + xrow * XLD + xcol, zx);
+        }
+    };
+    // XH: step s's x stage into its fp16 tile, each row scaled (largest |x| in [2^13, 2^14));
+    // a half-warp a row, between the step's barriers.
+    auto convert_x = [&](int s) {
+        if constexpr (XH) {
+            const int row = threadIdx.x >> 4, c = 4 * (threadIdx.x & 15);
+            float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + c);
+            float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1)
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            float sc = 1.0f;
+            if (m > 0.0f && m <= 3.0e38f) {
+                int e;
+                frexpf(m, &e);
+                sc = ldexpf(1.0f, 14 - e);
+            }
+            *reinterpret_cast<uint2 *>(xtile + (s & 1) * (16 * XLD) + row * XLD + c) =
+                make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+            if ((threadIdx.x & 15) == 0)
+                xinv[(s & 1) * 16 + row] = 1.0f / sc;
+        } else {
+            (void)s;
+        }
     };
     float acc[FNT][4], accx[FNT][4];
     // h W_hh^T and x W_ih^T of the tiles' step, as the forward's (warp w: its 16 units of each
@@ -1367,24 +1409,25 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if (ks >= xks)
                 break;
             uint32_t af[4], wv[Gm::F_XWPL];
-            Mode::afrag(af, xt, XLD, ks, lane);
+            XM::afrag(af, xt, XLD, ks, lane);
             WLX::load(wv, wsmx, ks, NW, w, lane);
 #pragma unroll
             for (int nt = 0; nt < FNT; nt++)
-                Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+                XM::mma(accx[nt], af, XM::wunpack(wv + nt * XM::WPF));
         }
     };
     // The forward's cell on those sums: the step's gates r, z, n, hn.
-    auto gates_cell = [&]() {
+    auto gates_cell = [&](int st) {
 #pragma unroll
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++) {
+            const float xw = XH ? winv * xinv[(st & 1) * 16 + g + 8 * i] : winv;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float xq[G], hq[G], s[SW], hn, cn;
 #pragma unroll
                 for (int q = 0; q < G; q++) {
                     const int nt = 2 * q + (j >> 1), e = 2 * i + (j & 1);
-                    xq[q] = accx[nt][e] * winv + bi[q][j];
+                    xq[q] = accx[nt][e] * xw + bi[q][j];
                     hq[q] = acc[nt][e] * hinv + bh[q][j];
                 }
                 Cell::template forward<true>(xq, hq, 0.0f, 0.0f, hn, cn, s);
@@ -1392,6 +1435,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int p = 0; p < SW; p++)
                     sv[p][i][j] = s[p];
             }
+        }
     };
 
     // Step T-1's gates before the loop.
@@ -1407,8 +1451,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     if (T > 1)
         load_z(T - 2);
     __syncthreads(); // weights and tiles in place
+    if constexpr (XH) {
+        convert_x(T - 1);
+        __syncthreads();
+    }
     gates_mma(T - 1);
-    gates_cell();
+    gates_cell(T - 1);
 
     for (int t = T - 1; t >= 0; t--) {
         // Gate gradients of step t, the row maxima of the tile part.
@@ -1463,6 +1511,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         __syncthreads();
 
+        if (t > 0)
+            convert_x(t - 1);
         // Row scales, then the 16-bit tile (units in storage order).
         float rsc[2] = {1.0f, 1.0f};
         if constexpr (HM::SCALED) {
@@ -1566,20 +1616,35 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dh[i]);
         }
         if (t > 0)
-            gates_cell();
+            gates_cell(t - 1);
     }
 }
 
+// Shared memory of the launch with x part XH (the larger of the two where the mode has both).
+template <class Mode, int HP>
+static long persist_rc_smem(bool xh) {
+    using HM = typename Mode::hmode;
+    constexpr bool HAS_XH = HM::SCALED; // TF32 mode: x in row-scaled fp16 (v10b)
+    return xh && HAS_XH ? persist_rc_geom<Mode, HP, HM>::SMEM : persist_rc_geom<Mode, HP>::SMEM;
+}
+
+// The x part in row-scaled fp16 in TF32 mode unless bench variant bit 128 asks for v10's TF32
+// x part.
 template <class Mode, int HP>
 static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStream_t stream) {
-    using Gm = persist_rc_geom<Mode, HP>;
-    if (a.xks < 0 || a.xks > Gm::XKS || a.Il > HP / 2 || a.Il % 4 != 0 || a.w_ih == nullptr)
+    constexpr bool HAS_XH = Mode::hmode::SCALED;
+    if (a.Il > HP / 2 || a.Il % 4 != 0 || a.w_ih == nullptr)
         return RNND_EINVAL;
-    auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true>
-                        : seq_backward_rc_kernel<Mode, HP, false>;
+    const bool xh = HAS_XH && !(a.variant & 128);
+    auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, false>
+                        : seq_backward_rc_kernel<Mode, HP, false, false>;
+    if (xh)
+        kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, HAS_XH>
+                       : seq_backward_rc_kernel<Mode, HP, false, HAS_XH>;
+    long smem = persist_rc_smem<Mode, HP>(xh);
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)Gm::SMEM));
-    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::SMEM, stream>>>(a);
+                                       (int)smem));
+    kernel<<<CEIL_DIV(a.B, 16), persist_rc_geom<Mode, HP>::THREADS, smem, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

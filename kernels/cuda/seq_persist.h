@@ -58,7 +58,7 @@ struct persist_bwd_args {
     const float *w_ih;           // (G*H, Il)
     const float *b_ih, *b_hh;    // (G*H)
     const float *h0, *hidden;    // the forward's, for the bound of h (or NULL)
-    int xoff, Il, xks;           // xks: x k-steps, as the forward's
+    int xoff, Il;
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
 };

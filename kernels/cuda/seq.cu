@@ -8,7 +8,8 @@
  *   2. the time loop: the persistent kernel (seq_persist.cuh), or per step one GEMM
  *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
  *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
- *      s: activated gates and, LSTM, cprev) and h_n, c_n.
+ *      s: activated gates and, LSTM, cprev; no s where the backward recomputes the gates,
+ *      seq_recompute) and h_n, c_n.
  * Backward, layer l from the top:
  *   1. the reverse time loop (persistent or per step) writes D (B*T, 4H), the gradient of the
  *      gate pre-activations (GRU: r, z, n on the input side, n on the hidden side;

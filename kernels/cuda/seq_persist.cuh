@@ -35,7 +35,11 @@
  * fragments come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D
  * planes are written from the dh-gate tile by the bulk-copy engine.
  *
- * Versions v1..v7: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * The GRU at HP = 128 has a second backward (seq_backward_rc_kernel, v10) that reads no gate
+ * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
+ * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
+ *
+ * Versions v1..v10: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH

@@ -49,6 +49,15 @@
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
 #define RNND_STEP_MV_SMEM     (96 << 10)
+// Zeros after the stage: a source of KC = 64 columns for the cluster kernel's bulk copies.
+#define RNND_STEP_ZERO_FLOATS 64
+// Bench variants (cuda_ctx.variant, RNND_CUDA_VARIANT; bench/NOTES.md "single step" v6): the
+// tile kernel without clusters (v5's), in clusters of 2 x 1 or 1 x 2 blocks (TF32) instead of
+// 2 x 2, and the one-row kernel launched without programmatic serialization.
+#define RNND_STEP_VARIANT_NO_MC  64
+#define RNND_STEP_VARIANT_MC21   128
+#define RNND_STEP_VARIANT_MC12   256
+#define RNND_STEP_VARIANT_NO_PDL 512
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -65,6 +74,7 @@ struct step_cfg {
 using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16 warps)
 using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
+using cfg_mc = step_cfg<2, 2, 4, 2, 4>;    // cfg_big's tile in clusters (bulk copies), 4 stages
 
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
 // float t%4 of each matrix. sa is this lane's row address in shared space (lanes 8j..8j+7 give
@@ -256,6 +266,54 @@ static __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Clusters, mbarriers and bulk copies (sm_90; the cluster kernel is launched on cc >= 9 only).
+static __device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One arrival on the barrier's current phase, which then also waits for `bytes` more bytes.
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .b64 st;\n\t"
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "STEP_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+                 "@!p bra STEP_WAIT_%=;\n\t}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+#endif
+}
+// bytes (a multiple of 16) from global src to the same shared offset dst in every CTA of mask,
+// completing on the barrier at offset bar in each of them.
+static __device__ __forceinline__ void bulk_g2s_mc(uint32_t dst, const float *src, uint32_t bytes,
+                                                   uint32_t bar, uint16_t mask) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
+                 "cluster [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+                 : "memory");
+#endif
+}
+
 struct step_kargs {
     int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
     const float *x;         // (B, I) layer 0's input; layers above read the slot table
@@ -267,6 +325,7 @@ struct step_kargs {
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
     int *count;             // (row tiles) zero between launches
+    const float *zero;      // (RNND_STEP_ZERO_FLOATS) zeros: the source of reset and absent rows
     bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
 };
 
@@ -356,19 +415,24 @@ static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, co
 // ---------------------------------------------------------------------------------------------
 // The kernel: one layer for a (unit slice, row tile) block.
 
-template <class Cell, class Mode, class Cfg>
+template <class Cell, class Mode, class Cfg, int CX = 1, int CY = 1>
 static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a) {
     constexpr int G = Cell::G, MT = Cfg::MT, UT = Cfg::UT, KC = Cfg::KC, NS = Cfg::NS;
     constexpr int MTW = Cfg::MTW, WM = Cfg::WM, WU = Cfg::WU, WK = Cfg::WK, NT = Cfg::NT;
     constexpr int LD = KC + Mode::PAD, KSTEPS = KC / Mode::KSTEP;
     constexpr int STAGE = (MT + G * UT) * LD; // floats: A rows, then G*UT weight rows
     constexpr bool GRU = G == 3;
+    constexpr bool MC = CX * CY > 1; // launched in clusters of CX x CY blocks (step_mc_launch)
+    static_assert(!MC || (MT % CX == 0 && (G * UT) % CY == 0 && MT / CX + G * UT / CY <= NT),
+                  "one bulk copy a thread per chunk");
     extern __shared__ float4 smem4[];
     float *sm = reinterpret_cast<float *>(smem4);
     const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
     __shared__ int s_slot[MT];
     __shared__ bool s_reset[MT], s_last;
+    __shared__ alignas(8) uint64_t s_full[NS]; // cluster kernel: stage c % NS holds chunk c
+    const uint32_t bar_u32 = (uint32_t)__cvta_generic_to_shared(s_full);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
     const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
@@ -444,10 +508,45 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             }
         }
     };
+    // Cluster kernel: chunk c of K lands in stage c % NS through bulk copies, one row of
+    // KC columns (or what is left of the part) each. The blocks of a cluster that share a row
+    // tile (same y) copy a CX-th of its rows each, multicast to all of them; those that share
+    // a unit slice (same x) a CY-th of its weight rows. Each block's barrier s_full[s] counts
+    // every byte landing in its stage s (its own copies and its peers'), plus one arrival (its
+    // thread 0's expect_tx). A stage is refilled only after every block of the cluster has
+    // passed a cluster barrier behind its reads of the stage (refill).
+    const int ccx = (int)(blockIdx.x % CX), ccy = (int)(blockIdx.y % CY);
+    uint16_t row_mask = (uint16_t)(((1u << CX) - 1) << (CX * ccy)), w_mask = 0;
 #pragma unroll
-    for (int c = 0; c < NS - 1; c++)
-        if (c < nc)
-            load_w(c);
+    for (int j = 0; j < CY; j++)
+        w_mask |= (uint16_t)(1u << (ccx + CX * j));
+    auto refill = [&](int c) {
+        const int s = c % NS, hp = c >= cx, k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
+        const uint32_t nb = 4 * min(KC, K - k0), bar = bar_u32 + 8 * s;
+        const uint32_t st = sm_u32 + 4 * s * STAGE;
+        if (tid == 0)
+            mbar_expect_tx(bar, (uint32_t)(MT + G * UT) * nb);
+        if (tid < MT / CX) {
+            const int m = tid * CX + ccx;
+            const float *row = (hp ? s_hrow : s_xrow)[m];
+            bulk_g2s_mc(st + 4 * m * LD, row ? row + k0 : a.zero, nb, bar, row_mask);
+        } else if (tid < MT / CX + G * UT / CY) {
+            const int r = (tid - MT / CX) * CY + ccy, u = u0 + r % UT;
+            const float *W = hp ? a.w_hh : a.w_ih;
+            const float *src = u < H ? W + (size_t)((r / UT) * H + u) * K + k0 : a.zero;
+            bulk_g2s_mc(st + 4 * (MT + r) * LD, src, nb, bar, w_mask);
+        }
+    };
+    if constexpr (MC) {
+        if (tid == 0)
+            for (int s = 0; s < NS; s++)
+                mbar_init(bar_u32 + 8 * s, 1);
+    } else {
+#pragma unroll
+        for (int c = 0; c < NS - 1; c++)
+            if (c < nc)
+                load_w(c);
+    }
 
     for (int m = tid; m < MT; m += NT) {
         int b = row0 + m;
@@ -460,12 +559,20 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                              : a.state_h + ((size_t)slot * L + l - 1) * H;
         s_hrow[m] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
     }
-    __syncthreads();
+    if constexpr (MC) {
+        // Every block's barriers initialised and row sources set before any copy lands.
+        cluster_arrive();
+        cluster_wait();
+        for (int c = 0; c < NS && c < nc; c++)
+            refill(c);
+    } else {
+        __syncthreads();
 #pragma unroll
-    for (int c = 0; c < NS - 1; c++) {
-        if (c < nc)
-            load_a(c);
-        cp_commit(); // group 0 holds the prologue's weights too
+        for (int c = 0; c < NS - 1; c++) {
+            if (c < nc)
+                load_a(c);
+            cp_commit(); // group 0 holds the prologue's weights too
+        }
     }
 
     // What the cell needs besides the sums, loaded now so it lands during the matmuls: per
@@ -506,13 +613,17 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 
     const uint32_t sa_lane = Mode::a_lane(LD, m0, lane), sw_lane = Mode::w_lane(LD, n0, UT, lane);
     for (int c = 0; c < nc; c++) {
-        cp_wait<NS - 2>();
-        __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
-        if (c + NS - 1 < nc) {
-            load_w(c + NS - 1);
-            load_a(c + NS - 1);
+        if constexpr (MC) {
+            mbar_wait(bar_u32 + 8 * (c % NS), (uint32_t)(c / NS) & 1);
+        } else {
+            cp_wait<NS - 2>();
+            __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
+            if (c + NS - 1 < nc) {
+                load_w(c + NS - 1);
+                load_a(c + NS - 1);
+            }
+            cp_commit();
         }
-        cp_commit();
         const float *As = sm + (c % NS) * STAGE, *Ws = As + MT * LD;
         const uint32_t sa = sm_u32 + 4 * (c % NS) * STAGE + sa_lane;
         const uint32_t sw = sm_u32 + 4 * ((c % NS) * STAGE + MT * LD) + sw_lane;
@@ -529,9 +640,25 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 Mode::template kstep<MTW, G, false>(acc, As, Ws, sa, sw, LD, m0, n0, UT,
                                                     ks * Mode::KSTEP, lane);
         }
+        if constexpr (MC) {
+            // Stage (c-1) % NS is free in every block of the cluster once all have passed the
+            // barrier they arrived at behind chunk c-1 (one chunk of work hides its latency).
+            if (c > 0) {
+                cluster_wait();
+                if (c - 1 + NS < nc)
+                    refill(c - 1 + NS);
+            }
+            cluster_arrive();
+        }
     }
-    cp_wait<0>();
-    __syncthreads(); // every stage read: the space is the reduction buffer now
+    if constexpr (MC) {
+        // Every block of the cluster is done with every stage (and no copy is in flight): the
+        // space is the reduction buffer now.
+        cluster_wait();
+    } else {
+        cp_wait<0>();
+        __syncthreads(); // every stage read: the space is the reduction buffer now
+    }
 
     if constexpr (WK > 1) {
         // Partial sums of warps wk > 0 to shared memory ([wk-1][warp tile][element][lane]: no
@@ -918,6 +1045,7 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
     a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
     a.count = c->d_step_count;
+    a.zero = (const float *)((const char *)c->d_step_stage + RNND_STEP_STAGE_BYTES);
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
     a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
@@ -950,6 +1078,54 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         }
     }
     return 0;
+}
+
+// The tile kernel in clusters of CX x CY blocks (Hopper): the blocks of a cluster share their
+// row tiles' and weight tiles' loads through multicast bulk copies, so L2 serves each byte once
+// per cluster instead of once per block (bench/NOTES.md, "single step" v6). Only for grids that
+// the cluster divides, widths that are multiples of 16 (whole chunks of k-steps; 16-byte rows)
+// and 16-byte aligned rows (vec_x, vec_h).
+template <class Cell, class Mode, int CX, int CY>
+static int step_mc_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                          const struct rnnd_model *m) {
+    using Cfg = cfg_mc;
+    const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
+    const int chunk = step_chunk(st, m, Cfg::MT);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CX;
+    attr[0].val.clusterDim.y = CY;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(Cfg::NT);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    for (int r0 = 0; r0 < st->B; r0 += chunk) {
+        const int rows = st->B - r0 < chunk ? st->B - r0 : chunk;
+        cfg.gridDim = dim3(CEIL_DIV(m->H, Cfg::UT), ROUND_UP(CEIL_DIV(rows, Cfg::MT), CY));
+        for (int l = 0; l < m->L; l++) {
+            step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
+            RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_kernel<Cell, Mode, Cfg, CX, CY>, a));
+        }
+    }
+    return 0;
+}
+
+// Whether the cluster kernel may run this step: every layer's rows and weights in whole
+// 16-byte groups (and chunks of whole k-steps), the unit slices a multiple of the cluster.
+static bool step_mc_fits(const struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
+                         const struct rnnd_model *m, int CX) {
+    if (c->cc_major < 9 || m->I % 16 || m->H % 16 || CEIL_DIV(m->H, cfg_mc::UT) % CX)
+        return false;
+    for (int l = 0; l < m->L; l++) {
+        struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
+        if (!aligned16(lp.w_ih) || !aligned16(lp.w_hh))
+            return false;
+    }
+    return aligned16(st->x) && aligned16(st->state_h) &&
+           (st->state_c == NULL || aligned16(st->state_c));
 }
 
 template <class Cell, class Mode, int R>
@@ -986,7 +1162,12 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
     cfg.numAttrs = c->cc_major >= 9 ? 1 : 0;
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
-        RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_row_kernel<Cell, BF16, Mode::FAST>, a));
+        if (c->variant & RNND_STEP_VARIANT_NO_PDL) {
+            step_row_kernel<Cell, BF16, Mode::FAST><<<cfg.gridDim, cfg.blockDim, 0, c->stream>>>(a);
+            CUDA_LAUNCH_CHECK();
+        } else {
+            RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_row_kernel<Cell, BF16, Mode::FAST>, a));
+        }
     }
     return 0;
 }
@@ -1005,8 +1186,20 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
-    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
+    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2) {
+        // Clusters of 2 x 2 blocks; variant bits (bench only): 2 x 1, 1 x 2 (TF32), or none.
+        const int v = c->variant;
+        constexpr bool TF32 = std::is_same<Mode, step_tf32>::value;
+        if (!(v & RNND_STEP_VARIANT_NO_MC)) {
+            if (TF32 && (v & RNND_STEP_VARIANT_MC21) && step_mc_fits(c, st, params, m, 2))
+                return step_mc_launch<Cell, Mode, 2, TF32 ? 1 : 2>(c, st, params, m);
+            if (TF32 && (v & RNND_STEP_VARIANT_MC12) && step_mc_fits(c, st, params, m, 1))
+                return step_mc_launch<Cell, Mode, TF32 ? 1 : 2, 2>(c, st, params, m);
+            if (step_mc_fits(c, st, params, m, 2))
+                return step_mc_launch<Cell, Mode, 2, 2>(c, st, params, m);
+        }
         return step_launch<Cell, Mode, cfg_big>(c, st, params, m);
+    }
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
         return step_launch<Cell, Mode, cfg_mid>(c, st, params, m);
     return step_launch<Cell, Mode, cfg_small>(c, st, params, m);
@@ -1031,9 +1224,9 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
 }
 
 // Raises the dynamic shared-memory limit of every instance to what it may ask for.
-template <class Cell, class Mode, class Cfg>
+template <class Cell, class Mode, class Cfg, int CX = 1, int CY = 1>
 static int step_attr() {
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg>,
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg, CX, CY>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)step_smem<Cfg, Cell::G>(Mode::PAD)));
     return 0;
@@ -1043,6 +1236,11 @@ static int step_attr_kernels() {
     RNND_TRY((step_attr<Cell, Mode, cfg_big>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_small>()));
+    RNND_TRY((step_attr<Cell, Mode, cfg_mc, 2, 2>()));
+    if constexpr (std::is_same<Mode, step_tf32>::value) {
+        RNND_TRY((step_attr<Cell, Mode, cfg_mc, 2, 1>()));
+        RNND_TRY((step_attr<Cell, Mode, cfg_mc, 1, 2>()));
+    }
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, RNND_STEP_MV_ROWS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1060,7 +1258,10 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
     RNND_TRY(step_attr_modes<cell_gru>());
     RNND_TRY(step_attr_modes<cell_lstm>());
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
+    // The stage, then RNND_STEP_ZERO_FLOATS zeros (step_kargs.zero).
+    const size_t zb = RNND_STEP_ZERO_FLOATS * sizeof(float);
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES + zb));
+    RNND_CUDA_TRY(cudaMemset((char *)c->d_step_stage + RNND_STEP_STAGE_BYTES, 0, zb));
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, RNND_STEP_TILES * sizeof(int)));
     RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, RNND_STEP_TILES * sizeof(int)));
     return 0;

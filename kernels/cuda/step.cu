@@ -292,14 +292,23 @@ static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t byt
                  : "memory");
 #endif
 }
+// Waits for the barrier's phase of this parity to complete; a broken count traps (a launch
+// error) after ~2^26 tries instead of hanging the stream.
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("{\n\t.reg .pred p;\n"
-                 "STEP_WAIT_%=:\n\t"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-                 "@!p bra STEP_WAIT_%=;\n\t}" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
+    for (uint32_t n = 0;; n++) {
+        uint32_t done;
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+        if (done)
+            return;
+        if (n == (1u << 26))
+            __trap();
+    }
 #endif
 }
 // bytes (a multiple of 16) from global src to the same shared offset dst in every CTA of mask,

@@ -37,7 +37,27 @@
 
 #include "seq_persist.cuh"
 
+#include <cuda.h>
 #include <type_traits>
+
+// The driver's cuLaunchKernelEx (through the runtime's entry-point query: no link to libcuda),
+// for the one-row kernel's launches under variant bit 1024; NULL when the query failed. Looked
+// up once per process.
+typedef CUresult (*step_cu_launch_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
+static step_cu_launch_fn step_cu_launch() {
+    static const step_cu_launch_fn f = [] {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fn, 12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();
+            fn = NULL;
+        }
+        return (step_cu_launch_fn)fn;
+    }();
+    return f;
+}
 
 // The one-row kernel (B = 1): ROW_UNITS units (a warp each) per block (H=256: 128 blocks, most
 // SMs pull a share of the weights), K in passes of ROW_CHUNKS chunks of 128 columns.
@@ -58,6 +78,9 @@
 #define RNND_STEP_VARIANT_MC21   128
 #define RNND_STEP_VARIANT_MC12   256
 #define RNND_STEP_VARIANT_NO_PDL 512
+#define RNND_STEP_VARIANT_DRIVER 1024 // the one-row kernel through the driver's cuLaunchKernelEx
+#define RNND_STEP_VARIANT_MC_ANY 2048 // 2 x 2 clusters even where they do not all fit at once
+#define RNND_STEP_VARIANT_NS4    4096 // v5's tile kernel with cfg_mc's 4 stages (TF32)
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -267,9 +290,17 @@ static __device__ __forceinline__ void cp_wait() {
 }
 
 // Clusters, mbarriers and bulk copies (sm_90; the cluster kernel is launched on cc >= 9 only).
+// cluster_arrive releases this thread's writes to the cluster (a fence: hundreds of cycles);
+// cluster_arrive_relaxed orders nothing, for a thread whose only earlier accesses that matter are
+// shared-memory reads already complete (their results consumed by instructions issued before).
 static __device__ __forceinline__ void cluster_arrive() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #endif
 }
 static __device__ __forceinline__ void cluster_wait() {
@@ -652,12 +683,14 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
         if constexpr (MC) {
             // Stage (c-1) % NS is free in every block of the cluster once all have passed the
             // barrier they arrived at behind chunk c-1 (one chunk of work hides its latency).
+            // The arrival needs no release: a warp issues in order, so its MMAs of chunk c, and
+            // with them its ldmatrix reads of the stage (their operands), are done by then.
             if (c > 0) {
                 cluster_wait();
                 if (c - 1 + NS < nc)
                     refill(c - 1 + NS);
             }
-            cluster_arrive();
+            cluster_arrive_relaxed();
         }
     }
     if constexpr (MC) {
@@ -1122,11 +1155,45 @@ static int step_mc_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     return 0;
 }
 
+// How many clusters of this instance the device runs at once (asked once per process: the
+// backend's GPUs are alike), 0 when unknown.
+template <class Cell, class Mode, int CX, int CY>
+static int step_mc_clusters() {
+    static const int n = [] {
+        using Cfg = cfg_mc;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = CX;
+        attr[0].val.clusterDim.y = CY;
+        attr[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(CX, CY);
+        cfg.blockDim = dim3(Cfg::NT);
+        cfg.dynamicSmemBytes = step_smem<Cfg, Cell::G>(Mode::PAD);
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int k = 0;
+        if (cudaOccupancyMaxActiveClusters(&k, step_kernel<Cell, Mode, Cfg, CX, CY>, &cfg) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            k = 0;
+        }
+        return k;
+    }();
+    return n;
+}
+
 // Whether the cluster kernel may run this step: every layer's rows and weights in whole
 // 16-byte groups (and chunks of whole k-steps), the unit slices a multiple of the cluster.
+// And every cluster of the first chunk of rows resident at once (clusters), else one wave of
+// v5's blocks beats two of clusters.
 static bool step_mc_fits(const struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                         const struct rnnd_model *m, int CX) {
+                         const struct rnnd_model *m, int CX, int CY, int clusters) {
     if (c->cc_major < 9 || m->I % 16 || m->H % 16 || CEIL_DIV(m->H, cfg_mc::UT) % CX)
+        return false;
+    const int rows = step_chunk(st, m, cfg_mc::MT);
+    const long need = (long)CEIL_DIV(m->H, cfg_mc::UT) / CX * CEIL_DIV(CEIL_DIV(rows, cfg_mc::MT), CY);
+    if (need > clusters)
         return false;
     for (int l = 0; l < m->L; l++) {
         struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
@@ -1169,9 +1236,30 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
     cfg.stream = c->stream;
     cfg.attrs = attr;
     cfg.numAttrs = c->cc_major >= 9 ? 1 : 0;
+    const step_cu_launch_fn launch =
+        c->variant & RNND_STEP_VARIANT_DRIVER ? step_cu_launch() : nullptr;
+    CUlaunchAttribute cattr[1];
+    cattr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    cattr[0].value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig lc = {};
+    lc.gridDimX = cfg.gridDim.x, lc.gridDimY = 1, lc.gridDimZ = 1;
+    lc.blockDimX = cfg.blockDim.x, lc.blockDimY = 1, lc.blockDimZ = 1;
+    lc.hStream = (CUstream)c->stream;
+    lc.attrs = cattr;
+    lc.numAttrs = cfg.numAttrs;
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
-        if (c->variant & RNND_STEP_VARIANT_NO_PDL) {
+        if (launch) {
+            static const CUfunction f = [] {
+                cudaKernel_t k = nullptr;
+                if (cudaGetKernel(&k, step_row_kernel<Cell, BF16, Mode::FAST>) != cudaSuccess)
+                    (void)cudaGetLastError();
+                return (CUfunction)k;
+            }();
+            void *args[] = {&a};
+            if (f == nullptr || launch(&lc, f, args, nullptr) != CUDA_SUCCESS)
+                return RNND_EDEVICE;
+        } else if (c->variant & RNND_STEP_VARIANT_NO_PDL) {
             step_row_kernel<Cell, BF16, Mode::FAST><<<cfg.gridDim, cfg.blockDim, 0, c->stream>>>(a);
             CUDA_LAUNCH_CHECK();
         } else {
@@ -1200,13 +1288,19 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
         const int v = c->variant;
         constexpr bool TF32 = std::is_same<Mode, step_tf32>::value;
         if (!(v & RNND_STEP_VARIANT_NO_MC)) {
-            if (TF32 && (v & RNND_STEP_VARIANT_MC21) && step_mc_fits(c, st, params, m, 2))
-                return step_mc_launch<Cell, Mode, 2, TF32 ? 1 : 2>(c, st, params, m);
-            if (TF32 && (v & RNND_STEP_VARIANT_MC12) && step_mc_fits(c, st, params, m, 1))
-                return step_mc_launch<Cell, Mode, TF32 ? 1 : 2, 2>(c, st, params, m);
-            if (step_mc_fits(c, st, params, m, 2))
+            constexpr int X21 = 2, Y21 = TF32 ? 1 : 2, X12 = TF32 ? 1 : 2, Y12 = 2;
+            if (TF32 && (v & RNND_STEP_VARIANT_MC21) &&
+                step_mc_fits(c, st, params, m, X21, Y21, step_mc_clusters<Cell, Mode, X21, Y21>()))
+                return step_mc_launch<Cell, Mode, X21, Y21>(c, st, params, m);
+            if (TF32 && (v & RNND_STEP_VARIANT_MC12) &&
+                step_mc_fits(c, st, params, m, X12, Y12, step_mc_clusters<Cell, Mode, X12, Y12>()))
+                return step_mc_launch<Cell, Mode, X12, Y12>(c, st, params, m);
+            const int n22 = v & RNND_STEP_VARIANT_MC_ANY ? 1 << 30 : step_mc_clusters<Cell, Mode, 2, 2>();
+            if (step_mc_fits(c, st, params, m, 2, 2, n22))
                 return step_mc_launch<Cell, Mode, 2, 2>(c, st, params, m);
         }
+        if (TF32 && (v & RNND_STEP_VARIANT_NS4))
+            return step_launch<Cell, Mode, std::conditional_t<TF32, cfg_mc, cfg_big>>(c, st, params, m);
         return step_launch<Cell, Mode, cfg_big>(c, st, params, m);
     }
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
@@ -1249,6 +1343,7 @@ static int step_attr_kernels() {
     if constexpr (std::is_same<Mode, step_tf32>::value) {
         RNND_TRY((step_attr<Cell, Mode, cfg_mc, 2, 1>()));
         RNND_TRY((step_attr<Cell, Mode, cfg_mc, 1, 2>()));
+        RNND_TRY((step_attr<Cell, Mode, cfg_mc>()));
     }
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, RNND_STEP_MV_ROWS>,

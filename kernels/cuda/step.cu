@@ -29,35 +29,16 @@
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
  * counter for the next launch. No block ever waits for another, so any schedule is safe. Layer
  * l+1 reads its input, layer l's new h, back from the slot table. Batches larger than the stages
- * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. The
- * one-row kernel is launched programmatically (PDL): its blocks may become resident while the
- * previous kernel runs, but read nothing before that kernel has completed (griddepcontrol.wait).
+ * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. On
+ * Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels where their
+ * copies bypass L1): their blocks may become resident while the previous kernel runs, but read
+ * nothing before that kernel has completed (griddepcontrol.wait), and they read through L2 only.
  */
 #include "step.cuh"
 
 #include "seq_persist.cuh"
 
-#include <cuda.h>
 #include <type_traits>
-
-// The driver's cuLaunchKernelEx (through the runtime's entry-point query: no link to libcuda),
-// for the one-row kernel's launches under variant bit 1024; NULL when the query failed. Looked
-// up once per process.
-typedef CUresult (*step_cu_launch_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
-static step_cu_launch_fn step_cu_launch() {
-    static const step_cu_launch_fn f = [] {
-        void *fn = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fn, 12000, cudaEnableDefault,
-                                             &q) != cudaSuccess ||
-            q != cudaDriverEntryPointSuccess) {
-            (void)cudaGetLastError();
-            fn = NULL;
-        }
-        return (step_cu_launch_fn)fn;
-    }();
-    return f;
-}
 
 // The one-row kernel (B = 1): ROW_UNITS units (a warp each) per block (H=256: 128 blocks, most
 // SMs pull a share of the weights), K in passes of ROW_CHUNKS chunks of 128 columns.
@@ -69,18 +50,9 @@ static step_cu_launch_fn step_cu_launch() {
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
 #define RNND_STEP_MV_SMEM     (96 << 10)
-// Zeros after the stage: a source of KC = 64 columns for the cluster kernel's bulk copies.
-#define RNND_STEP_ZERO_FLOATS 64
-// Bench variants (cuda_ctx.variant, RNND_CUDA_VARIANT; bench/NOTES.md "single step" v6): the
-// tile kernel without clusters (v5's), in clusters of 2 x 1 or 1 x 2 blocks (TF32) instead of
-// 2 x 2, and the one-row kernel launched without programmatic serialization.
-#define RNND_STEP_VARIANT_NO_MC  64
-#define RNND_STEP_VARIANT_MC21   128
-#define RNND_STEP_VARIANT_MC12   256
+// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
+// "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
-#define RNND_STEP_VARIANT_DRIVER 1024 // the one-row kernel through the driver's cuLaunchKernelEx
-#define RNND_STEP_VARIANT_MC_ANY 2048 // 2 x 2 clusters even where they do not all fit at once
-#define RNND_STEP_VARIANT_NS4    4096 // v5's tile kernel with cfg_mc's 4 stages (TF32)
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -97,7 +69,6 @@ struct step_cfg {
 using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16 warps)
 using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
-using cfg_mc = step_cfg<2, 2, 4, 2, 4>;    // cfg_big's tile in clusters (bulk copies), 4 stages
 
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
 // float t%4 of each matrix. sa is this lane's row address in shared space (lanes 8j..8j+7 give
@@ -289,68 +260,19 @@ static __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Clusters, mbarriers and bulk copies (sm_90; the cluster kernel is launched on cc >= 9 only).
-// cluster_arrive releases this thread's writes to the cluster (a fence: hundreds of cycles);
-// cluster_arrive_relaxed orders nothing, for a thread whose only earlier accesses that matter are
-// shared-memory reads already complete (their results consumed by instructions issued before).
-static __device__ __forceinline__ void cluster_arrive() {
+// Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
+// every step kernel waits for the previous kernel on the stream to complete (its writes visible)
+// before its first load, then lets the next one start its blocks.
+static __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-static __device__ __forceinline__ void cluster_arrive_relaxed() {
+// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
+// still wait for this grid's completion before they read anything.
+static __device__ __forceinline__ void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-static __device__ __forceinline__ void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// One arrival on the barrier's current phase, which then also waits for `bytes` more bytes.
-static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("{\n\t.reg .b64 st;\n\t"
-                 "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(bar),
-                 "r"(bytes)
-                 : "memory");
-#endif
-}
-// Waits for the barrier's phase of this parity to complete; a broken count traps (a launch
-// error) after ~2^26 tries instead of hanging the stream.
-static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
-    for (uint32_t n = 0;; n++) {
-        uint32_t done;
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-        if (done)
-            return;
-        if (n == (1u << 26))
-            __trap();
-    }
-#endif
-}
-// bytes (a multiple of 16) from global src to the same shared offset dst in every CTA of mask,
-// completing on the barrier at offset bar in each of them.
-static __device__ __forceinline__ void bulk_g2s_mc(uint32_t dst, const float *src, uint32_t bytes,
-                                                   uint32_t bar, uint16_t mask) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
-                 "cluster [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar), "h"(mask)
-                 : "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
 
@@ -365,7 +287,6 @@ struct step_kargs {
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
     int *count;             // (row tiles) zero between launches
-    const float *zero;      // (RNND_STEP_ZERO_FLOATS) zeros: the source of reset and absent rows
     bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
 };
 
@@ -455,25 +376,22 @@ static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, co
 // ---------------------------------------------------------------------------------------------
 // The kernel: one layer for a (unit slice, row tile) block.
 
-template <class Cell, class Mode, class Cfg, int CX = 1, int CY = 1>
+template <class Cell, class Mode, class Cfg>
 static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a) {
     constexpr int G = Cell::G, MT = Cfg::MT, UT = Cfg::UT, KC = Cfg::KC, NS = Cfg::NS;
     constexpr int MTW = Cfg::MTW, WM = Cfg::WM, WU = Cfg::WU, WK = Cfg::WK, NT = Cfg::NT;
     constexpr int LD = KC + Mode::PAD, KSTEPS = KC / Mode::KSTEP;
     constexpr int STAGE = (MT + G * UT) * LD; // floats: A rows, then G*UT weight rows
     constexpr bool GRU = G == 3;
-    constexpr bool MC = CX * CY > 1; // launched in clusters of CX x CY blocks (step_mc_launch)
-    static_assert(!MC || (MT % CX == 0 && (G * UT) % CY == 0 && MT / CX + G * UT / CY <= NT),
-                  "one bulk copy a thread per chunk");
     extern __shared__ float4 smem4[];
     float *sm = reinterpret_cast<float *>(smem4);
     const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
     __shared__ int s_slot[MT];
     __shared__ bool s_reset[MT], s_last;
-    __shared__ alignas(8) uint64_t s_full[NS]; // cluster kernel: stage c % NS holds chunk c
-    const uint32_t bar_u32 = (uint32_t)__cvta_generic_to_shared(s_full);
 
+    grid_dependency_wait();
+    grid_launch_dependents(); // after the wait: at most this grid and the next resident
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
     const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
@@ -548,50 +466,15 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             }
         }
     };
-    // Cluster kernel: chunk c of K lands in stage c % NS through bulk copies, one row of
-    // KC columns (or what is left of the part) each. The blocks of a cluster that share a row
-    // tile (same y) copy a CX-th of its rows each, multicast to all of them; those that share
-    // a unit slice (same x) a CY-th of its weight rows. Each block's barrier s_full[s] counts
-    // every byte landing in its stage s (its own copies and its peers'), plus one arrival (its
-    // thread 0's expect_tx). A stage is refilled only after every block of the cluster has
-    // passed a cluster barrier behind its reads of the stage (refill).
-    const int ccx = (int)(blockIdx.x % CX), ccy = (int)(blockIdx.y % CY);
-    uint16_t row_mask = (uint16_t)(((1u << CX) - 1) << (CX * ccy)), w_mask = 0;
 #pragma unroll
-    for (int j = 0; j < CY; j++)
-        w_mask |= (uint16_t)(1u << (ccx + CX * j));
-    auto refill = [&](int c) {
-        const int s = c % NS, hp = c >= cx, k0 = (hp ? c - cx : c) * KC, K = hp ? H : Il;
-        const uint32_t nb = 4 * min(KC, K - k0), bar = bar_u32 + 8 * s;
-        const uint32_t st = sm_u32 + 4 * s * STAGE;
-        if (tid == 0)
-            mbar_expect_tx(bar, (uint32_t)(MT + G * UT) * nb);
-        if (tid < MT / CX) {
-            const int m = tid * CX + ccx;
-            const float *row = (hp ? s_hrow : s_xrow)[m];
-            bulk_g2s_mc(st + 4 * m * LD, row ? row + k0 : a.zero, nb, bar, row_mask);
-        } else if (tid < MT / CX + G * UT / CY) {
-            const int r = (tid - MT / CX) * CY + ccy, u = u0 + r % UT;
-            const float *W = hp ? a.w_hh : a.w_ih;
-            const float *src = u < H ? W + (size_t)((r / UT) * H + u) * K + k0 : a.zero;
-            bulk_g2s_mc(st + 4 * (MT + r) * LD, src, nb, bar, w_mask);
-        }
-    };
-    if constexpr (MC) {
-        if (tid == 0)
-            for (int s = 0; s < NS; s++)
-                mbar_init(bar_u32 + 8 * s, 1);
-    } else {
-#pragma unroll
-        for (int c = 0; c < NS - 1; c++)
-            if (c < nc)
-                load_w(c);
-    }
+    for (int c = 0; c < NS - 1; c++)
+        if (c < nc)
+            load_w(c);
 
     for (int m = tid; m < MT; m += NT) {
         int b = row0 + m;
-        bool valid = b < a.B, reset = valid && a.is_init && a.is_init[b];
-        int slot = valid ? a.slots[b] : 0;
+        bool valid = b < a.B, reset = valid && a.is_init && __ldcg(a.is_init + b);
+        int slot = valid ? __ldcg(a.slots + b) : 0;
         s_slot[m] = slot;
         s_reset[m] = reset;
         s_xrow[m] = !valid  ? nullptr
@@ -599,20 +482,12 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                              : a.state_h + ((size_t)slot * L + l - 1) * H;
         s_hrow[m] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
     }
-    if constexpr (MC) {
-        // Every block's barriers initialised and row sources set before any copy lands.
-        cluster_arrive();
-        cluster_wait();
-        for (int c = 0; c < NS && c < nc; c++)
-            refill(c);
-    } else {
-        __syncthreads();
+    __syncthreads();
 #pragma unroll
-        for (int c = 0; c < NS - 1; c++) {
-            if (c < nc)
-                load_a(c);
-            cp_commit(); // group 0 holds the prologue's weights too
-        }
+    for (int c = 0; c < NS - 1; c++) {
+        if (c < nc)
+            load_a(c);
+        cp_commit(); // group 0 holds the prologue's weights too
     }
 
     // What the cell needs besides the sums, loaded now so it lands during the matmuls: per
@@ -625,8 +500,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             const int u = min(u0 + n0 + 2 * tg + j, H - 1);
 #pragma unroll
             for (int q = 0; q < G; q++) {
-                bx[q][j] = a.b_ih[q * H + u];
-                bh[q][j] = a.b_hh[q * H + u];
+                bx[q][j] = __ldcg(a.b_ih + q * H + u);
+                bh[q][j] = __ldcg(a.b_hh + q * H + u);
             }
         }
 #pragma unroll
@@ -637,8 +512,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 const int u = min(u0 + n0 + 2 * tg + (e & 1), H - 1);
                 const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
                 const bool live = row0 + m < a.B && !s_reset[m];
-                hprev[mt][e] = live ? a.state_h[at] : 0.0f;
-                cprev[mt][e] = live && !GRU ? a.state_c[at] : 0.0f;
+                hprev[mt][e] = live ? __ldcg(a.state_h + at) : 0.0f;
+                cprev[mt][e] = live && !GRU ? __ldcg(a.state_c + at) : 0.0f;
             }
     }
 
@@ -653,17 +528,13 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 
     const uint32_t sa_lane = Mode::a_lane(LD, m0, lane), sw_lane = Mode::w_lane(LD, n0, UT, lane);
     for (int c = 0; c < nc; c++) {
-        if constexpr (MC) {
-            mbar_wait(bar_u32 + 8 * (c % NS), (uint32_t)(c / NS) & 1);
-        } else {
-            cp_wait<NS - 2>();
-            __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
-            if (c + NS - 1 < nc) {
-                load_w(c + NS - 1);
-                load_a(c + NS - 1);
-            }
-            cp_commit();
+        cp_wait<NS - 2>();
+        __syncthreads(); // chunk c landed for every thread; stage (c-1) % NS is free again
+        if (c + NS - 1 < nc) {
+            load_w(c + NS - 1);
+            load_a(c + NS - 1);
         }
+        cp_commit();
         const float *As = sm + (c % NS) * STAGE, *Ws = As + MT * LD;
         const uint32_t sa = sm_u32 + 4 * (c % NS) * STAGE + sa_lane;
         const uint32_t sw = sm_u32 + 4 * ((c % NS) * STAGE + MT * LD) + sw_lane;
@@ -680,27 +551,9 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 Mode::template kstep<MTW, G, false>(acc, As, Ws, sa, sw, LD, m0, n0, UT,
                                                     ks * Mode::KSTEP, lane);
         }
-        if constexpr (MC) {
-            // Stage (c-1) % NS is free in every block of the cluster once all have passed the
-            // barrier they arrived at behind chunk c-1 (one chunk of work hides its latency).
-            // The arrival needs no release: a warp issues in order, so its MMAs of chunk c, and
-            // with them its ldmatrix reads of the stage (their operands), are done by then.
-            if (c > 0) {
-                cluster_wait();
-                if (c - 1 + NS < nc)
-                    refill(c - 1 + NS);
-            }
-            cluster_arrive_relaxed();
-        }
     }
-    if constexpr (MC) {
-        // Every block of the cluster is done with every stage (and no copy is in flight): the
-        // space is the reduction buffer now.
-        cluster_wait();
-    } else {
-        cp_wait<0>();
-        __syncthreads(); // every stage read: the space is the reduction buffer now
-    }
+    cp_wait<0>();
+    __syncthreads(); // every stage read: the space is the reduction buffer now
 
     if constexpr (WK > 1) {
         // Partial sums of warps wk > 0 to shared memory ([wk-1][warp tile][element][lane]: no
@@ -783,6 +636,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     __shared__ int s_slot[R];
     __shared__ const float *s_hrow[R], *s_xrow[R];
     __shared__ bool s_last;
+    grid_dependency_wait();
+    grid_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
@@ -807,8 +662,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     }
     if (tid < R) {
         const int b = row0 + tid;
-        const bool valid = tid < nrows, reset = valid && a.is_init && a.is_init[b];
-        const int slot = valid ? a.slots[b] : 0;
+        const bool valid = tid < nrows, reset = valid && a.is_init && __ldcg(a.is_init + b);
+        const int slot = valid ? __ldcg(a.slots + b) : 0;
         s_slot[tid] = slot;
         s_xrow[tid] = !valid  ? nullptr
                       : l == 0 ? a.x + (size_t)b * a.I
@@ -820,13 +675,13 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     float bx[G], bh[G];
 #pragma unroll
     for (int q = 0; q < G; q++) {
-        bx[q] = a.b_ih[q * H + uc];
-        bh[q] = a.b_hh[q * H + uc];
+        bx[q] = __ldcg(a.b_ih + q * H + uc);
+        bh[q] = __ldcg(a.b_hh + q * H + uc);
     }
     __syncthreads();
     float cprev = 0.0f;
     if (!GRU && lane < nrows && s_hrow[lane])
-        cprev = a.state_c[((size_t)s_slot[lane] * L + l) * H + uc];
+        cprev = __ldcg(a.state_c + ((size_t)s_slot[lane] * L + l) * H + uc);
     for (int r = w; r < R; r += U) {
         const float *xr = s_xrow[r], *hr = s_hrow[r];
         for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
@@ -944,19 +799,6 @@ static __device__ __forceinline__ float4 row_load4(const float *xp, const float 
             e[i] = __ldcg(p + (ki < Il ? ki : ki - Il));
     }
     return v;
-}
-
-static __device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
-// still wait for this grid's completion before they read anything.
-static __device__ __forceinline__ void grid_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
 }
 
 template <class Cell, bool BF16, bool FAST>
@@ -1087,7 +929,6 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
     a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
     a.count = c->d_step_count;
-    a.zero = (const float *)((const char *)c->d_step_stage + RNND_STEP_STAGE_BYTES);
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
     a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
@@ -1105,6 +946,30 @@ static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, in
     return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
 }
 
+// Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its
+// blocks may become resident while the previous kernel on the stream runs and wait for it in
+// griddepcontrol.wait, which hides the launch gap between back-to-back steps and between layers
+// (a captured launch becomes a programmatic graph edge). Only where the kernel reads nothing
+// through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
+// copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
+// turns it off.
+template <class Kernel>
+static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block,
+                              size_t smem, const step_kargs &a, bool l1_free) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, a));
+    return 0;
+}
+
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                        const struct rnnd_model *m) {
@@ -1115,93 +980,11 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
             step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
-            step_kernel<Cell, Mode, Cfg><<<grid, Cfg::NT, smem, c->stream>>>(a);
-            CUDA_LAUNCH_CHECK();
+            RNND_TRY(step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
+                                        a, a.vec_x && a.vec_h));
         }
     }
     return 0;
-}
-
-// The tile kernel in clusters of CX x CY blocks (Hopper): the blocks of a cluster share their
-// row tiles' and weight tiles' loads through multicast bulk copies, so L2 serves each byte once
-// per cluster instead of once per block (bench/NOTES.md, "single step" v6). Only for grids that
-// the cluster divides, widths that are multiples of 16 (whole chunks of k-steps; 16-byte rows)
-// and 16-byte aligned rows (vec_x, vec_h).
-template <class Cell, class Mode, int CX, int CY>
-static int step_mc_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                          const struct rnnd_model *m) {
-    using Cfg = cfg_mc;
-    const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
-    const int chunk = step_chunk(st, m, Cfg::MT);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CX;
-    attr[0].val.clusterDim.y = CY;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(Cfg::NT);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    for (int r0 = 0; r0 < st->B; r0 += chunk) {
-        const int rows = st->B - r0 < chunk ? st->B - r0 : chunk;
-        cfg.gridDim = dim3(CEIL_DIV(m->H, Cfg::UT), ROUND_UP(CEIL_DIV(rows, Cfg::MT), CY));
-        for (int l = 0; l < m->L; l++) {
-            step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
-            RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_kernel<Cell, Mode, Cfg, CX, CY>, a));
-        }
-    }
-    return 0;
-}
-
-// How many clusters of this instance the device runs at once (asked once per process: the
-// backend's GPUs are alike), 0 when unknown.
-template <class Cell, class Mode, int CX, int CY>
-static int step_mc_clusters() {
-    static const int n = [] {
-        using Cfg = cfg_mc;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = CX;
-        attr[0].val.clusterDim.y = CY;
-        attr[0].val.clusterDim.z = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(CX, CY);
-        cfg.blockDim = dim3(Cfg::NT);
-        cfg.dynamicSmemBytes = step_smem<Cfg, Cell::G>(Mode::PAD);
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        int k = 0;
-        if (cudaOccupancyMaxActiveClusters(&k, step_kernel<Cell, Mode, Cfg, CX, CY>, &cfg) !=
-            cudaSuccess) {
-            (void)cudaGetLastError();
-            k = 0;
-        }
-        return k;
-    }();
-    return n;
-}
-
-// Whether the cluster kernel may run this step: every layer's rows and weights in whole
-// 16-byte groups (and chunks of whole k-steps), the unit slices a multiple of the cluster.
-// And every cluster of the first chunk of rows resident at once (clusters), else one wave of
-// v5's blocks beats two of clusters.
-static bool step_mc_fits(const struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                         const struct rnnd_model *m, int CX, int CY, int clusters) {
-    if (c->cc_major < 9 || m->I % 16 || m->H % 16 || CEIL_DIV(m->H, cfg_mc::UT) % CX)
-        return false;
-    const int rows = step_chunk(st, m, cfg_mc::MT);
-    const long need = (long)CEIL_DIV(m->H, cfg_mc::UT) / CX * CEIL_DIV(CEIL_DIV(rows, cfg_mc::MT), CY);
-    if (need > clusters)
-        return false;
-    for (int l = 0; l < m->L; l++) {
-        struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
-        if (!aligned16(lp.w_ih) || !aligned16(lp.w_hh))
-            return false;
-    }
-    return aligned16(st->x) && aligned16(st->state_h) &&
-           (st->state_c == NULL || aligned16(st->state_c));
 }
 
 template <class Cell, class Mode, int R>
@@ -1212,59 +995,22 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
         const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
-        step_mv_kernel<Cell, BF16, Mode::FAST, R>
-            <<<grid, 32 * RNND_STEP_MV_UNITS, smem, c->stream>>>(a);
-        CUDA_LAUNCH_CHECK();
+        RNND_TRY(step_kernel_launch(c, step_mv_kernel<Cell, BF16, Mode::FAST, R>, grid,
+                                    dim3(32 * RNND_STEP_MV_UNITS), smem, a, a.vec_x && a.vec_h));
     }
     return 0;
 }
 
-// Launched with programmatic stream serialization (Hopper on): the blocks of this launch may
-// start while the previous kernel on the stream runs and wait for it in griddepcontrol.wait,
-// which hides most of the launch gap between back-to-back steps and between layers. A captured
-// launch becomes a programmatic graph edge.
+// The one-row kernel reads everything through __ldcg: launched with PDL at any width.
 template <class Cell, class Mode>
 static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                            const struct rnnd_model *m) {
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS));
-    cfg.blockDim = dim3(32 * RNND_STEP_ROW_UNITS);
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = c->cc_major >= 9 ? 1 : 0;
-    const step_cu_launch_fn launch =
-        c->variant & RNND_STEP_VARIANT_DRIVER ? step_cu_launch() : nullptr;
-    CUlaunchAttribute cattr[1];
-    cattr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    cattr[0].value.programmaticStreamSerializationAllowed = 1;
-    CUlaunchConfig lc = {};
-    lc.gridDimX = cfg.gridDim.x, lc.gridDimY = 1, lc.gridDimZ = 1;
-    lc.blockDimX = cfg.blockDim.x, lc.blockDimY = 1, lc.blockDimZ = 1;
-    lc.hStream = (CUstream)c->stream;
-    lc.attrs = cattr;
-    lc.numAttrs = cfg.numAttrs;
+    const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
-        if (launch) {
-            static const CUfunction f = [] {
-                cudaKernel_t k = nullptr;
-                if (cudaGetKernel(&k, step_row_kernel<Cell, BF16, Mode::FAST>) != cudaSuccess)
-                    (void)cudaGetLastError();
-                return (CUfunction)k;
-            }();
-            void *args[] = {&a};
-            if (f == nullptr || launch(&lc, f, args, nullptr) != CUDA_SUCCESS)
-                return RNND_EDEVICE;
-        } else if (c->variant & RNND_STEP_VARIANT_NO_PDL) {
-            step_row_kernel<Cell, BF16, Mode::FAST><<<cfg.gridDim, cfg.blockDim, 0, c->stream>>>(a);
-            CUDA_LAUNCH_CHECK();
-        } else {
-            RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_row_kernel<Cell, BF16, Mode::FAST>, a));
-        }
+        RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0, a,
+                                    true));
     }
     return 0;
 }
@@ -1283,26 +1029,8 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
-    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2) {
-        // Clusters of 2 x 2 blocks; variant bits (bench only): 2 x 1, 1 x 2 (TF32), or none.
-        const int v = c->variant;
-        constexpr bool TF32 = std::is_same<Mode, step_tf32>::value;
-        if (!(v & RNND_STEP_VARIANT_NO_MC)) {
-            constexpr int X21 = 2, Y21 = TF32 ? 1 : 2, X12 = TF32 ? 1 : 2, Y12 = 2;
-            if (TF32 && (v & RNND_STEP_VARIANT_MC21) &&
-                step_mc_fits(c, st, params, m, X21, Y21, step_mc_clusters<Cell, Mode, X21, Y21>()))
-                return step_mc_launch<Cell, Mode, X21, Y21>(c, st, params, m);
-            if (TF32 && (v & RNND_STEP_VARIANT_MC12) &&
-                step_mc_fits(c, st, params, m, X12, Y12, step_mc_clusters<Cell, Mode, X12, Y12>()))
-                return step_mc_launch<Cell, Mode, X12, Y12>(c, st, params, m);
-            const int n22 = v & RNND_STEP_VARIANT_MC_ANY ? 1 << 30 : step_mc_clusters<Cell, Mode, 2, 2>();
-            if (step_mc_fits(c, st, params, m, 2, 2, n22))
-                return step_mc_launch<Cell, Mode, 2, 2>(c, st, params, m);
-        }
-        if (TF32 && (v & RNND_STEP_VARIANT_NS4))
-            return step_launch<Cell, Mode, std::conditional_t<TF32, cfg_mc, cfg_big>>(c, st, params, m);
+    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
         return step_launch<Cell, Mode, cfg_big>(c, st, params, m);
-    }
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
         return step_launch<Cell, Mode, cfg_mid>(c, st, params, m);
     return step_launch<Cell, Mode, cfg_small>(c, st, params, m);
@@ -1327,9 +1055,9 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
 }
 
 // Raises the dynamic shared-memory limit of every instance to what it may ask for.
-template <class Cell, class Mode, class Cfg, int CX = 1, int CY = 1>
+template <class Cell, class Mode, class Cfg>
 static int step_attr() {
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg, CX, CY>,
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_kernel<Cell, Mode, Cfg>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)step_smem<Cfg, Cell::G>(Mode::PAD)));
     return 0;
@@ -1339,12 +1067,6 @@ static int step_attr_kernels() {
     RNND_TRY((step_attr<Cell, Mode, cfg_big>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_mid>()));
     RNND_TRY((step_attr<Cell, Mode, cfg_small>()));
-    RNND_TRY((step_attr<Cell, Mode, cfg_mc, 2, 2>()));
-    if constexpr (std::is_same<Mode, step_tf32>::value) {
-        RNND_TRY((step_attr<Cell, Mode, cfg_mc, 2, 1>()));
-        RNND_TRY((step_attr<Cell, Mode, cfg_mc, 1, 2>()));
-        RNND_TRY((step_attr<Cell, Mode, cfg_mc>()));
-    }
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_mv_kernel<Cell, BF16, Mode::FAST, RNND_STEP_MV_ROWS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1362,10 +1084,7 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
     RNND_TRY(step_attr_modes<cell_gru>());
     RNND_TRY(step_attr_modes<cell_lstm>());
-    // The stage, then RNND_STEP_ZERO_FLOATS zeros (step_kargs.zero).
-    const size_t zb = RNND_STEP_ZERO_FLOATS * sizeof(float);
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES + zb));
-    RNND_CUDA_TRY(cudaMemset((char *)c->d_step_stage + RNND_STEP_STAGE_BYTES, 0, zb));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, RNND_STEP_TILES * sizeof(int)));
     RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, RNND_STEP_TILES * sizeof(int)));
     return 0;

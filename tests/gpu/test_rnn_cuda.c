@@ -610,7 +610,7 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 1024, 1, 600, 1200, false, true},
     };
     // --quick: the first five, one per step kernel (tiles at one and two layers, few rows,
-    // one row, the tile kernel in clusters).
+    // one row, the 64 x 32 tiles at B = 1024).
     int nsteps = quick ? 5 : (int)(sizeof(steps) / sizeof(steps[0]));
     for (int i = 0; i < nsteps; i++)
         test_step(&gpu, &cpu, &steps[i]);

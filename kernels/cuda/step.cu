@@ -954,8 +954,8 @@ static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, in
 // copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
 // turns it off.
 template <class Kernel>
-static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block,
-                              size_t smem, const step_kargs &a, bool l1_free) {
+static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
+                              const step_kargs &a, bool l1_free) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;

@@ -9,15 +9,19 @@
  *      ||out - ref|| / ||ref||, grad_err the same over the whole state table (h, and c);
  *   2. step_us: CUDA events around `launches` back-to-back rnn_step calls on the backend's
  *      stream (each updates the table in place, as the daemon's steps do), per step, median of
- *      `repeat` after `warmup`;
+ *      `repeat` after `warmup`; host_us: the host clock around the same `launches` calls (the
+ *      enqueues only, no synchronisation), per call: when it is close to step_us, the
+ *      back-to-back figure is set by the host's launch rate, not by the device;
  *   3. graph_us: one rnn_step captured in a CUDA graph, replayed `launches` times between events,
  *      per replay (what a caller that replays a captured step pays); gpu_us: `launches` steps
  *      captured in one graph, replayed once, per step: the device's own time per step, with no
- *      host launch cost in it (host_us - gpu_us is what launching costs on this host);
+ *      host launch cost in it (step_us - gpu_us is what launching costs on this host);
  *   4. call_us: a host clock around the whole backend call of the daemon's engine: one copy_in
  *      of x, slots and is_init from page-locked memory, rnn_step, copy_out of out (which
  *      synchronises), median over `launches` calls.
- * Figures go to res->step_us, graph_us, call_us; res->extra gets the launch count and slots.
+ * Figures go to res->step_us, graph_us, call_us; res->extra gets the launch count, slots,
+ * host_us and the SM clock. RNND_CUDA_VARIANT (bench only) sets the backend's variant bits
+ * (kernels/bench/NOTES.md).
  */
 #include "bench.h"
 #include "cuda_backend.h"
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -149,7 +154,7 @@ static int step_once(struct rnnd_backend *be, const struct step_host *h,
 }
 
 static int step_timings(struct rnnd_backend *be, const struct step_host *h,
-                        const struct bench_case *bc, struct bench_result *res) {
+                        const struct bench_case *bc, struct bench_result *res, double *enq_us) {
     const struct rnnd_model *m = &bc->model;
     const struct rnnd_backend_ops *o = be->ops;
     cudaStream_t s = (cudaStream_t)rnnd_cuda_stream(be);
@@ -159,12 +164,15 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
-    auto events_us = [&](auto launch, double *us) {
-        std::vector<double> v;
+    auto events_us = [&](auto launch, double *us, double *host) {
+        std::vector<double> v, vh;
         for (int i = -bc->warmup; i < bc->repeat && !err; i++) {
             cudaEventRecord(e0, s);
+            const double t0 = host_us();
             for (int k = 0; k < STEP_LAUNCHES && !err; k++)
                 err = launch();
+            if (i >= 0)
+                vh.push_back((host_us() - t0) / STEP_LAUNCHES);
             cudaEventRecord(e1, s);
             if (cudaEventSynchronize(e1) != cudaSuccess)
                 err = RNND_EDEVICE;
@@ -175,9 +183,11 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
         }
         if (!err)
             *us = step_median(v);
+        if (!err && host)
+            *host = step_median(vh);
     };
     if (!err)
-        events_us([&] { return o->rnn_step(be->ctx, &st, b.params, m); }, &res->step_us);
+        events_us([&] { return o->rnn_step(be->ctx, &st, b.params, m); }, &res->step_us, enq_us);
 
     // One step captured in a graph, replayed.
     cudaGraph_t graph = NULL;
@@ -192,7 +202,7 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
     }
     if (!err)
         events_us([&] { return cudaGraphLaunch(exec, s) == cudaSuccess ? 0 : RNND_EDEVICE; },
-                  &res->graph_us);
+                  &res->graph_us, nullptr);
     if (exec)
         cudaGraphExecDestroy(exec);
     if (graph)
@@ -293,6 +303,9 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         return err;
     }
     snprintf(res->device, sizeof(res->device), "%s", gpu.device);
+    const char *variant = getenv("RNND_CUDA_VARIANT");
+    if (variant && *variant)
+        rnnd_cuda_set_variant(&gpu, atoi(variant));
     err = rnnd_backend_cpu_init(&cpu);
     if (err) {
         rnnd_backend_free(&gpu);
@@ -324,17 +337,19 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         v = step_uniform(&seed) < bc->reset_prob;
 
     std::vector<float> out, table, ref_out, ref_table;
+    double enq_us = -1.0;
     err = step_once(&cpu, &h, bc, ref_out, ref_table);
     if (!err)
         err = step_once(&gpu, &h, bc, out, table);
     if (!err) {
         res->out_err = step_rel_err(out, ref_out);
         res->grad_err = step_rel_err(table, ref_table);
-        err = step_timings(&gpu, &h, bc, res);
+        err = step_timings(&gpu, &h, bc, res, &enq_us);
     }
     if (!err)
-        snprintf(res->extra, sizeof(res->extra), ",\"slots\":%d,\"launches\":%d,\"sm_mhz\":%.0f", S,
-                 STEP_LAUNCHES, res->sm_mhz);
+        snprintf(res->extra, sizeof(res->extra),
+                 ",\"slots\":%d,\"launches\":%d,\"sm_mhz\":%.0f,\"host_us\":%.3f,\"variant\":%d", S,
+                 STEP_LAUNCHES, res->sm_mhz, enq_us, variant && *variant ? atoi(variant) : 0);
     rnnd_backend_free(&cpu);
     rnnd_backend_free(&gpu);
     return err;

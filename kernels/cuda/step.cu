@@ -29,9 +29,10 @@
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
  * counter for the next launch. No block ever waits for another, so any schedule is safe. Layer
  * l+1 reads its input, layer l's new h, back from the slot table. Batches larger than the stages
- * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. The
- * one-row kernel is launched programmatically (PDL): its blocks may become resident while the
- * previous kernel runs, but read nothing before that kernel has completed (griddepcontrol.wait).
+ * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. On
+ * Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels where their
+ * copies bypass L1): their blocks may become resident while the previous kernel runs, but read
+ * nothing before that kernel has completed (griddepcontrol.wait), and they read through L2 only.
  */
 #include "step.cuh"
 
@@ -49,6 +50,9 @@
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
 #define RNND_STEP_MV_SMEM     (96 << 10)
+// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
+// "single step" v6).
+#define RNND_STEP_VARIANT_NO_PDL 512
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -256,6 +260,22 @@ static __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
+// every step kernel waits for the previous kernel on the stream to complete (its writes visible)
+// before its first load, then lets the next one start its blocks.
+static __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
+// still wait for this grid's completion before they read anything.
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 struct step_kargs {
     int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
     const float *x;         // (B, I) layer 0's input; layers above read the slot table
@@ -370,6 +390,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
     __shared__ int s_slot[MT];
     __shared__ bool s_reset[MT], s_last;
 
+    grid_dependency_wait();
+    grid_launch_dependents(); // after the wait: at most this grid and the next resident
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
     const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
@@ -451,8 +473,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 
     for (int m = tid; m < MT; m += NT) {
         int b = row0 + m;
-        bool valid = b < a.B, reset = valid && a.is_init && a.is_init[b];
-        int slot = valid ? a.slots[b] : 0;
+        bool valid = b < a.B, reset = valid && a.is_init && __ldcg(a.is_init + b);
+        int slot = valid ? __ldcg(a.slots + b) : 0;
         s_slot[m] = slot;
         s_reset[m] = reset;
         s_xrow[m] = !valid  ? nullptr
@@ -478,8 +500,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             const int u = min(u0 + n0 + 2 * tg + j, H - 1);
 #pragma unroll
             for (int q = 0; q < G; q++) {
-                bx[q][j] = a.b_ih[q * H + u];
-                bh[q][j] = a.b_hh[q * H + u];
+                bx[q][j] = __ldcg(a.b_ih + q * H + u);
+                bh[q][j] = __ldcg(a.b_hh + q * H + u);
             }
         }
 #pragma unroll
@@ -490,8 +512,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 const int u = min(u0 + n0 + 2 * tg + (e & 1), H - 1);
                 const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
                 const bool live = row0 + m < a.B && !s_reset[m];
-                hprev[mt][e] = live ? a.state_h[at] : 0.0f;
-                cprev[mt][e] = live && !GRU ? a.state_c[at] : 0.0f;
+                hprev[mt][e] = live ? __ldcg(a.state_h + at) : 0.0f;
+                cprev[mt][e] = live && !GRU ? __ldcg(a.state_c + at) : 0.0f;
             }
     }
 
@@ -614,6 +636,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     __shared__ int s_slot[R];
     __shared__ const float *s_hrow[R], *s_xrow[R];
     __shared__ bool s_last;
+    grid_dependency_wait();
+    grid_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
@@ -638,8 +662,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     }
     if (tid < R) {
         const int b = row0 + tid;
-        const bool valid = tid < nrows, reset = valid && a.is_init && a.is_init[b];
-        const int slot = valid ? a.slots[b] : 0;
+        const bool valid = tid < nrows, reset = valid && a.is_init && __ldcg(a.is_init + b);
+        const int slot = valid ? __ldcg(a.slots + b) : 0;
         s_slot[tid] = slot;
         s_xrow[tid] = !valid  ? nullptr
                       : l == 0 ? a.x + (size_t)b * a.I
@@ -651,13 +675,13 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     float bx[G], bh[G];
 #pragma unroll
     for (int q = 0; q < G; q++) {
-        bx[q] = a.b_ih[q * H + uc];
-        bh[q] = a.b_hh[q * H + uc];
+        bx[q] = __ldcg(a.b_ih + q * H + uc);
+        bh[q] = __ldcg(a.b_hh + q * H + uc);
     }
     __syncthreads();
     float cprev = 0.0f;
     if (!GRU && lane < nrows && s_hrow[lane])
-        cprev = a.state_c[((size_t)s_slot[lane] * L + l) * H + uc];
+        cprev = __ldcg(a.state_c + ((size_t)s_slot[lane] * L + l) * H + uc);
     for (int r = w; r < R; r += U) {
         const float *xr = s_xrow[r], *hr = s_hrow[r];
         for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
@@ -775,19 +799,6 @@ static __device__ __forceinline__ float4 row_load4(const float *xp, const float 
             e[i] = __ldcg(p + (ki < Il ? ki : ki - Il));
     }
     return v;
-}
-
-static __device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
-// still wait for this grid's completion before they read anything.
-static __device__ __forceinline__ void grid_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
 }
 
 template <class Cell, bool BF16, bool FAST>
@@ -935,6 +946,30 @@ static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, in
     return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
 }
 
+// Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its
+// blocks may become resident while the previous kernel on the stream runs and wait for it in
+// griddepcontrol.wait, which hides the launch gap between back-to-back steps and between layers
+// (a captured launch becomes a programmatic graph edge). Only where the kernel reads nothing
+// through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
+// copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
+// turns it off.
+template <class Kernel>
+static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
+                              const step_kargs &a, bool l1_free) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, a));
+    return 0;
+}
+
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                        const struct rnnd_model *m) {
@@ -945,8 +980,8 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
             step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
-            step_kernel<Cell, Mode, Cfg><<<grid, Cfg::NT, smem, c->stream>>>(a);
-            CUDA_LAUNCH_CHECK();
+            RNND_TRY(step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
+                                        a, a.vec_x && a.vec_h));
         }
     }
     return 0;
@@ -960,33 +995,22 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
         const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
-        step_mv_kernel<Cell, BF16, Mode::FAST, R>
-            <<<grid, 32 * RNND_STEP_MV_UNITS, smem, c->stream>>>(a);
-        CUDA_LAUNCH_CHECK();
+        RNND_TRY(step_kernel_launch(c, step_mv_kernel<Cell, BF16, Mode::FAST, R>, grid,
+                                    dim3(32 * RNND_STEP_MV_UNITS), smem, a, a.vec_x && a.vec_h));
     }
     return 0;
 }
 
-// Launched with programmatic stream serialization (Hopper on): the blocks of this launch may
-// start while the previous kernel on the stream runs and wait for it in griddepcontrol.wait,
-// which hides most of the launch gap between back-to-back steps and between layers. A captured
-// launch becomes a programmatic graph edge.
+// The one-row kernel reads everything through __ldcg: launched with PDL at any width.
 template <class Cell, class Mode>
 static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                            const struct rnnd_model *m) {
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS));
-    cfg.blockDim = dim3(32 * RNND_STEP_ROW_UNITS);
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = c->cc_major >= 9 ? 1 : 0;
+    const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
-        RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, step_row_kernel<Cell, BF16, Mode::FAST>, a));
+        RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0, a,
+                                    true));
     }
     return 0;
 }

@@ -95,6 +95,17 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
+// Layer l's forward runs in thread-block clusters (seq_cluster.cu, v11 in kernels/bench/NOTES.md):
+// LSTM, TF32 mode, H = 256, a layer input the loop reads (I_l <= 64, I_l % 4 == 0), sm_90. The
+// caller adds the run-time alignment. Bench variant bit 128 turns it off (the per-step path).
+static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, int l) {
+    if (c->path == CUDA_PATH_STEPWISE || (c->variant & 128) || c->cc_major < 9 ||
+        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256)
+        return false;
+    int Il = rnnd_model_layer_input(m, l);
+    return Il <= 64 && Il % 4 == 0 && (size_t)rnnd__cluster_lstm_smem() + 256 <= c->smem_optin;
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
 
@@ -351,10 +362,14 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     // Per layer: the x k-steps the persistent loop fuses (0: x W_ih^T from a GEMM into xg).
     // Bench variant bit 32 turns the fusion off (kernels/bench/NOTES.md v6).
     int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0, xks[RNND_MAX_LAYERS];
-    bool need_xg = false;
+    bool need_xg = false, vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) &&
+                                aligned16(c_n) && aligned16(seq->h0) && aligned16(seq->c0) &&
+                                aligned16(seq->hidden) && aligned16(seq->cell);
+    // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
+    bool clus0 = seq_cluster(c, m, 0) && vec && aligned16(seq->x);
     for (int l = 0; l < L; l++) {
         xks[l] = persistent && !(c->variant & 32) ? rnnd__persist_xks(m, l, c->smem_optin) : 0;
-        need_xg = need_xg || xks[l] == 0;
+        need_xg = need_xg || (xks[l] == 0 && !(l == 0 && clus0));
     }
     float *xg, *hg, *own;
     struct cuda_carve cv = {0};
@@ -368,9 +383,6 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         }
     }
     float *tp = tape ? (float *)tape : own;
-    bool vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) && aligned16(c_n) &&
-               aligned16(seq->h0) && aligned16(seq->c0) && aligned16(seq->hidden) &&
-               aligned16(seq->cell);
 
     for (int l = 0; l < L; l++) {
         const struct seq_layer_layout *ly = &lay.layer[l];
@@ -381,19 +393,32 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         // The persistent loop reads the layer input itself when a thread's share of a step is
         // at most 4 values (I_l <= HP/2): for the fused projection, and to copy x into the
         // tape (layer 0); otherwise a 2D copy and a GEMM do it here.
-        bool xloop = persistent && ly->Il <= hp / 2;
+        bool clus = l == 0 && clus0;
+        bool xloop = (persistent && ly->Il <= hp / 2) || clus;
         bool xcopy = xloop && tape && l == 0;
         if (tape && l == 0 && !xcopy)
             RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
                                             m->I * sizeof(float), m->I * sizeof(float), BT,
                                             cudaMemcpyDeviceToDevice, c->stream));
-        if (xks[l] == 0)
+        if (xks[l] == 0 && !clus)
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, (int)BT, ly->Il, lp.w_ih,
                           ly->Il, x, ldx, 0.0f, xg, GH));
         float *y = l < L - 1 ? tp + lay.layer[l + 1].z_off + lay.layer[l + 1].xoff : out;
         int ldy = l < L - 1 ? lay.layer[l + 1].ldz : H;
 
-        if (persistent) {
+        if (clus) {
+            struct persist_fwd_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
+            a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
+            a.hidden = seq->hidden, a.cell = seq->cell;
+            a.y = y, a.ldy = ldy;
+            a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
+            a.s = tape ? s : nullptr;
+            a.h_n = h_n, a.c_n = c_n;
+            a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
+            RNND_TRY(rnnd__cluster_lstm_forward(&a, c->stream));
+        } else if (persistent) {
             struct persist_fwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
             a.xks = xks[l], a.xg = xks[l] ? nullptr : xg, a.w_ih = lp.w_ih;

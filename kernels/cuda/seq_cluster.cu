@@ -1,0 +1,518 @@
+/*
+ * seq_cluster.cu: the LSTM forward time loop at H = 256 in thread-block clusters (sm_90, v11 in
+ * kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit one SM, so a
+ * cluster of CL = 4 CTAs owns ROWS = 64 batch rows for all T steps and CTA r of the cluster holds
+ * the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
+ * fp16-scaled W_hh in shared memory; its 256 x I_l slice of W_ih in registers). Each step every
+ * CTA computes the gates of its 64 rows x 64 units (M = 64), runs the cell for them and writes
+ * its slice of h' (fp16, scaled as in seq_persist.cuh's forward) into the h tile of every CTA of
+ * the cluster through distributed shared memory; one cluster barrier a step (arrive after the
+ * writes, wait before the reads, h tiles double-buffered) orders the reads of step t before the
+ * writes of step t+2 and the writes of step t+1 before its reads.
+ *
+ * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all 64 rows: 4 m-tiles x 4
+ * n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each B fragment 4.
+ * Lane (g, tg) owns rows 16 mt + g + 8 i and units 8w + 2tg + j (mt < 4, i, j < 2): 16
+ * (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is read by the
+ * loop, scaled by the h scale and rounded to TF32 into its own double-buffered tile, so the x part
+ * (m16n8k8 TF32 MMAs) and the h part (m16n8k16 fp16 MMAs) share one accumulator and one
+ * unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding (the padding would
+ * not fit): 128 + 64 + 32 KB = 224 KB.
+ *
+ * The tape written is the one of the per-step path and of seq_persist.cuh (z = [hprev | 1 | x],
+ * s = i, f, g, o, cprev in fp32), so any backward reads it.
+ */
+#include "seq_persist.cuh"
+
+namespace {
+
+constexpr int CL = 4;              // CTAs a cluster
+constexpr int ROWS = 64;           // batch rows a cluster
+constexpr int HC = 256;            // hidden width
+constexpr int UPC = HC / CL;       // units a CTA
+constexpr int NWC = 8;             // warps a CTA
+constexpr int CTHREADS = NWC * 32;
+constexpr int CKSH = HC / 16;      // h k-steps (fp16 m16n8k16)
+constexpr int CXKS = 8;            // x k-steps (TF32 m16n8k8): I_l <= 64
+constexpr int CXLD = CXKS * 8;     // x tile row (floats)
+constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
+constexpr long C_HTILE = (long)ROWS * HC * 2;
+constexpr long C_XTILE = (long)ROWS * CXLD * 4;
+constexpr long C_SMEM = C_WBYTES + 2 * C_HTILE + 2 * C_XTILE;
+static_assert(C_SMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "cluster forward does not fit");
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// The shared::cluster address of shared address s in CTA rank r of the cluster.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t s, uint32_t r) {
+    uint32_t o = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(s), "r"(r));
+#else
+    (void)s, (void)r;
+    __trap();
+#endif
+    return o;
+}
+__device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+#else
+    (void)addr, (void)v;
+    __trap();
+#endif
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+
+// Byte offsets in the swizzled tiles: row pitch P bytes, 16-byte chunk c stored at c ^ (row & 7).
+__device__ __forceinline__ uint32_t hoff(int row, int unit) { // fp16 h tile, 512-byte rows
+    return (uint32_t)(row * (HC * 2) + ((((unit >> 3) ^ (row & 7))) << 4) + (unit & 7) * 2);
+}
+__device__ __forceinline__ uint32_t xoff(int row, int col) { // fp32 x tile, 256-byte rows
+    return (uint32_t)(row * (CXLD * 4) + ((((col >> 2) ^ (row & 7))) << 4) + (col & 3) * 4);
+}
+
+// Block-wide maximum of v (every thread gets it). red: NWC floats.
+__device__ float block_max(float v, float *red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NWC; k++)
+        v = fmaxf(v, red[k]);
+    __syncthreads();
+    return v;
+}
+
+__device__ float pow2_for(float m, int top) {
+    if (!(m > 0.0f) || !(m <= 3.0e38f))
+        return 1.0f;
+    int e;
+    frexpf(m, &e);
+    e = e < -100 ? -100 : e;
+    return ldexpf(1.0f, top - e);
+}
+
+__global__ void __launch_bounds__(CTHREADS, 1)
+    seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float red[NWC];
+    __shared__ float hmax[CL];
+    unsigned char *wsm = smem;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t hbase = sbase + (uint32_t)C_WBYTES;
+    const uint32_t xbase = hbase + 2 * (uint32_t)C_HTILE;
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il;
+    const int rank = (int)cluster_rank();
+    const int row0 = (int)(blockIdx.x / CL) * ROWS;
+    const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
+    using WL = persist_wlayout<8>;
+
+    // Every CTA of the cluster has started before any distributed shared memory access.
+    cluster_arrive();
+    cluster_wait();
+
+    // Weight scale over this CTA's gate rows of W_hh and W_ih (each CTA unscales its own).
+    float m = 0.0f;
+    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
+        int q = e / (UPC * H), rem = e - q * UPC * H;
+        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
+    }
+    for (int e = threadIdx.x; e < 4 * UPC * Il; e += CTHREADS) {
+        int q = e / (UPC * Il), rem = e - q * UPC * Il;
+        m = fmaxf(m, fabsf(__ldg(a.w_ih + (size_t)(q * H + rank * UPC) * Il + rem)));
+    }
+    const float wscale = pow2_for(block_max(m, red), 15);
+
+    // h scale, the same in every CTA of the cluster: max(1, |h0|, |stored states|) of the
+    // cluster's rows (each CTA its units, then the four maxima through distributed memory).
+    m = 1.0f;
+    {
+        const int steps = a.hidden ? T : a.h0 ? 1 : 0;
+        for (int rt = w; rt < ROWS * steps; rt += NWC) {
+            int row = rt / steps, t = rt - row * steps, b = row0 + row;
+            if (b >= a.B)
+                break;
+            for (int u = rank * UPC + lane; u < rank * UPC + UPC; u += 32) {
+                if (a.hidden)
+                    m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * T + t) * L + l) * H + u)));
+                if (t == 0 && a.h0)
+                    m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * L + l) * H + u)));
+            }
+        }
+        m = block_max(m, red);
+        if (threadIdx.x < CL) {
+            uint32_t at = cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]),
+                                      (uint32_t)threadIdx.x);
+            cluster_st(at, __float_as_uint(m));
+        }
+        cluster_arrive();
+        cluster_wait();
+        m = fmaxf(fmaxf(hmax[0], hmax[1]), fmaxf(hmax[2], hmax[3]));
+    }
+    const float hscale = pow2_for(m, 14);
+    const float hinv = (1.0f / wscale) * (1.0f / hscale);
+
+    // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
+    // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers.
+#pragma unroll 2
+    for (int ks = 0; ks < CKSH; ks++) {
+        uint32_t o[8];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            auto Bf = [&](int k, int n) -> float {
+                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + 8 * w + n) * H + k);
+            };
+            mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
+        }
+        WL::store(wsm, ks, NWC, w, lane, o);
+    }
+    uint32_t wih[CXKS][4];
+#pragma unroll
+    for (int ks = 0; ks < CXKS; ks++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            auto Bf = [&](int k, int n) -> float {
+                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
+                              : 0.0f;
+            };
+            mode_tf32::wpack(&wih[ks][q], Bf, ks, g, tg, wscale);
+        }
+
+    // Biases (b_ih + b_hh) of this lane's units.
+    float bias[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
+
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i.
+    bool rv[4][2];
+    size_t rbase[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int b = row0 + 16 * mt + g + 8 * i;
+            rv[mt][i] = b < a.B;
+            rbase[mt][i] = (size_t)(rv[mt][i] ? b : 0) * T;
+        }
+    const size_t hid_step = (size_t)L * H;
+
+    // x of a step: 64 rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread.
+    const int x4r = Il / 4; // float4 a row
+    const float *xsrc[4];
+    float *xdst[4];
+    uint32_t xto[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS, c4 = e - row * x4r;
+        bool ok = x4r > 0 && row < ROWS && row0 + row < a.B;
+        size_t b = (size_t)row0 + row;
+        xsrc[k] = ok ? a.x + b * T * a.ldx + 4 * c4 : nullptr;
+        // The tape's copy of x: rank r writes rows [16r, 16r+16).
+        xdst[k] = ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4
+                                                       : nullptr;
+        xto[k] = ok ? xoff(row, 4 * c4) : 0;
+    }
+    float4 xv[4];
+    auto load_x = [&](int t) {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (xsrc[k])
+                xv[k] = __ldg(reinterpret_cast<const float4 *>(xsrc[k] + (size_t)t * a.ldx));
+    };
+    auto put_x = [&](int t) {
+        float *tile = reinterpret_cast<float *>(smem + C_WBYTES + 2 * C_HTILE + (t & 1) * C_XTILE);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (xsrc[k]) {
+                float4 v = xv[k];
+                *reinterpret_cast<float4 *>(reinterpret_cast<unsigned char *>(tile) + xto[k]) =
+                    make_float4(__uint_as_float(f32_to_tf32(v.x * hscale)),
+                                __uint_as_float(f32_to_tf32(v.y * hscale)),
+                                __uint_as_float(f32_to_tf32(v.z * hscale)),
+                                __uint_as_float(f32_to_tf32(v.w * hscale)));
+                if (xdst[k])
+                    *reinterpret_cast<float4 *>(xdst[k] + (size_t)t * a.ldz) = v;
+            }
+    };
+
+    // Both x tiles start at zero (columns past I_l and rows past B stay so).
+    for (int e = threadIdx.x; e < (int)(2 * C_XTILE / 16); e += CTHREADS)
+        reinterpret_cast<float4 *>(smem + C_WBYTES + 2 * C_HTILE)[e] =
+            make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncthreads();
+
+    // The remote bases of the h tiles (shared::cluster addresses of every CTA's tile 0).
+    uint32_t hrem[CL];
+#pragma unroll
+    for (int r = 0; r < CL; r++)
+        hrem[r] = cluster_map(hbase, (uint32_t)r);
+
+    // h entering a step (this lane's elements) into tile `buf` of every CTA and the tape.
+    auto put_h = [&](const float hv[4][2][2], int t) {
+        const uint32_t bo = (uint32_t)((t & 1) * C_HTILE);
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+                __half2 p = __floats2half2_rn(hv[mt][i][0] * hscale, hv[mt][i][1] * hscale);
+                const uint32_t v = *reinterpret_cast<uint32_t *>(&p), o = bo + hoff(row, ub);
+#pragma unroll
+                for (int r = 0; r < CL; r++)
+                    cluster_st(hrem[r] + o, v);
+                if (a.z && rv[mt][i]) {
+                    float *zr = a.z + (rbase[mt][i] + t) * a.ldz;
+                    *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
+                    if (rank == 0 && w == 0 && tg == 0) {
+                        zr[H] = 1.0f;
+                        for (int k = H + 1; k < a.xoff; k++)
+                            zr[k] = 0.0f;
+                        for (int k = a.xoff + Il; k < a.ldz; k++)
+                            zr[k] = 0.0f;
+                    }
+                }
+            }
+    };
+
+    // The state entering step 0 (reset rule as in seq_persist.cuh).
+    float h[4][2][2], c[4][2][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float2 hv = make_float2(0.0f, 0.0f), cv = make_float2(0.0f, 0.0f);
+            size_t b = rbase[mt][i] / T;
+            if (rv[mt][i] && a.hidden) {
+                size_t at = rbase[mt][i] * hid_step + (size_t)l * H + ub;
+                hv = *reinterpret_cast<const float2 *>(a.hidden + at);
+                if (a.cell)
+                    cv = *reinterpret_cast<const float2 *>(a.cell + at);
+            } else if (rv[mt][i] && a.h0 && !a.is_init[rbase[mt][i]]) {
+                size_t at = (b * L + l) * H + ub;
+                hv = *reinterpret_cast<const float2 *>(a.h0 + at);
+                if (a.c0)
+                    cv = *reinterpret_cast<const float2 *>(a.c0 + at);
+            }
+            h[mt][i][0] = hv.x, h[mt][i][1] = hv.y, c[mt][i][0] = cv.x, c[mt][i][1] = cv.y;
+        }
+    put_h(h, 0);
+    load_x(0);
+    put_x(0);
+    int nreset[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            nreset[mt][i] = ld_flag(a.is_init + rbase[mt][i] + 1, rv[mt][i] && T > 1);
+    cluster_arrive();
+
+    // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
+    // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
+    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
+    uint32_t hb[4], xb[4]; // per ks % 4 (ks / 4 adds 128 bytes, m-tile mt adds 16 rows)
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int ch = (2 * k + (mi >> 1)) ^ key;
+        hb[k] = hbase + (uint32_t)(lrow * HC * 2 + ch * 16);
+        xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
+    }
+
+    for (int t = 0; t < T; t++) {
+        cluster_wait(); // h of step t complete in every CTA's tile t & 1
+        if (t + 1 < T)
+            load_x(t + 1); // in flight during the MMAs
+        const uint32_t ho = (uint32_t)((t & 1) * C_HTILE), xo = (uint32_t)((t & 1) * C_XTILE);
+
+        float acc[4][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                zero4(acc[mt][q]);
+#pragma unroll
+        for (int ks = 0; ks < CXKS; ks++) {
+            uint32_t af[4][4];
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+                ldsm_x4(af[mt], xb[ks & 3] + xo + (ks >> 2) * 128 + mt * 16 * CXLD * 4);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mode_tf32::mma(acc[mt][q], af[mt], mode_tf32::wunpack(&wih[ks][q]));
+        }
+#pragma unroll
+        for (int ks = 0; ks < CKSH; ks++) {
+            uint32_t wv[8], af[4][4];
+            WL::load(wv, wsm, ks, NWC, w, lane);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+                ldsm_x4(af[mt], hb[ks & 3] + ho + (ks >> 2) * 128 + mt * 16 * HC * 2);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mode_f16::mma(acc[mt][q], af[mt], make_uint2(wv[2 * q], wv[2 * q + 1]));
+        }
+
+        // The cell; outputs and tape.
+        float hn[4][2][2], cn[4][2][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float sv[5][2];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[5];
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        pre[q] = acc[mt][q][2 * i + j] * hinv + bias[q][j];
+                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j],
+                                             cn[mt][i][j], s);
+#pragma unroll
+                    for (int p = 0; p < 5; p++)
+                        sv[p][j] = s[p];
+                }
+                if (rv[mt][i]) {
+                    size_t r = rbase[mt][i] + t;
+                    *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
+                        make_float2(hn[mt][i][0], hn[mt][i][1]);
+                    if (a.s) {
+#pragma unroll
+                        for (int p = 0; p < 5; p++)
+                            *reinterpret_cast<float2 *>(a.s + r * (5 * H) + p * H + ub) =
+                                make_float2(sv[p][0], sv[p][1]);
+                    }
+                }
+            }
+
+        if (t + 1 < T) {
+            // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
+                    if (nreset[mt][i] && a.hidden) {
+                        size_t at = (rbase[mt][i] + t + 1) * hid_step + (size_t)l * H + ub;
+                        nh = *reinterpret_cast<const float2 *>(a.hidden + at);
+                        if (a.cell)
+                            nc = *reinterpret_cast<const float2 *>(a.cell + at);
+                    }
+                    h[mt][i][0] = nreset[mt][i] ? nh.x : hn[mt][i][0];
+                    h[mt][i][1] = nreset[mt][i] ? nh.y : hn[mt][i][1];
+                    c[mt][i][0] = nreset[mt][i] ? nc.x : cn[mt][i][0];
+                    c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
+                }
+            put_h(h, t + 1);
+            put_x(t + 1);
+            cluster_arrive();
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    nreset[mt][i] =
+                        ld_flag(a.is_init + rbase[mt][i] + t + 2, rv[mt][i] && t + 2 < T);
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    if (!rv[mt][i])
+                        continue;
+                    size_t at = (rbase[mt][i] / T * L + l) * H + ub;
+                    if (a.h_n)
+                        *reinterpret_cast<float2 *>(a.h_n + at) =
+                            make_float2(hn[mt][i][0], hn[mt][i][1]);
+                    if (a.c_n)
+                        *reinterpret_cast<float2 *>(a.c_n + at) =
+                            make_float2(cn[mt][i][0], cn[mt][i][1]);
+                }
+        }
+    }
+}
+
+} // namespace
+
+long rnnd__cluster_lstm_smem(void) {
+    return C_SMEM;
+}
+
+// Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
+// z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
+int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
+        return RNND_EINVAL;
+    auto kernel = seq_cluster_lstm_forward_kernel;
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C_SMEM));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(CEIL_DIV(a->B, ROWS) * CL), 1, 1);
+    cfg.blockDim = dim3(CTHREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)C_SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, *a));
+    return 0;
+}
+
+// Clusters of this kernel the device runs at once (0 when it cannot launch it).
+int rnnd__cluster_lstm_active(void) {
+    auto kernel = seq_cluster_lstm_forward_kernel;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C_SMEM) !=
+        cudaSuccess)
+        return 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CL * 32, 1, 1);
+    cfg.blockDim = dim3(CTHREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)C_SMEM;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}

@@ -21,6 +21,7 @@
  */
 #include "bench.h"
 #include "cuda_backend.h"
+#include "seq_persist.h"
 
 #include <cuda_runtime.h>
 #ifdef RNND_HAVE_CUDNN
@@ -357,6 +358,10 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
     snprintf(res->extra + at, cap - at, ",\"path\":\"%s\",\"variant\":%d",
              path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise",
              variant && *variant ? atoi(variant) : 0);
+    if (bc->model.cell == RNND_CELL_LSTM && bc->model.H == 256) { // v11: clusters at once
+        at = strlen(res->extra);
+        snprintf(res->extra + at, cap - at, ",\"clusters\":%d", rnnd__cluster_lstm_active());
+    }
     if (!err) {
         double f = -1, a = -1;
         if (bench_ours_extra(&be, bc, &t, &f, &a) == 0) {

@@ -106,6 +106,14 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
     return Il <= 64 && Il % 4 == 0 && (size_t)rnnd__cluster_lstm_smem() + 256 <= c->smem_optin;
 }
 
+// The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
+// which every forward writes alike). Bench variant bits 128 (both) and 256 (this one) turn it off.
+static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m) {
+    return c->path != CUDA_PATH_STEPWISE && !(c->variant & (128 | 256)) && c->cc_major >= 9 &&
+           m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && m->H == 256 &&
+           (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 <= c->smem_optin;
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
 
@@ -532,7 +540,17 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         const float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *gy = l == L - 1 ? grad_out : gyb;
 
-        if (persistent) {
+        if (seq_cluster_bwd(c, m) && vec) {
+            struct persist_bwd_args a = {};
+            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
+            a.stored = seq->hidden != NULL;
+            a.w_hh = lp.w_hh, a.is_init = seq->is_init;
+            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
+            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
+            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
+            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+            RNND_TRY(rnnd__cluster_lstm_backward(&a, c->stream));
+        } else if (persistent) {
             struct persist_bwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
             a.stored = seq->hidden != NULL;

@@ -462,6 +462,300 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Backward: the same cluster, CTA r the gate rows of units [64r, 64r+64) of the 64 rows. Per step
+// (reverse) each lane runs the cell backward for its 16 elements (D out), the CTA's 64 x 256
+// dgate columns go into an fp16 tile, each row scaled by a power of two (its largest |value| in
+// [2^13, 2^14), as v8's: as exact as TF32), and the CTA computes its partial of dh for all 256
+// units, P_r = tile . W_hh[its gate rows] (M = 64, N = 256, K = 256; warp w the units
+// [32w, 32w+32)). The partials of units [64r', 64r'+64) go to CTA r' (warps 2r', 2r'+1) through
+// distributed shared memory, slot r of its receive buffer; CTA r' sums its four slots in a fixed
+// order (deterministic). Two cluster barriers a step: "partials in" before the sums, and
+// "sums read" (arrive right after them, wait just before the next step's partials go out).
+constexpr long CB_ATILE = (long)ROWS * HC * 2;           // 64 rows x 256 gate columns, fp16
+constexpr long CB_RECV = (long)CL * ROWS * UPC * 4;       // 4 slots of 64 x 64 fp32
+constexpr long CB_SMEM = C_WBYTES + CB_ATILE + CB_RECV;
+static_assert(CB_SMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+              "cluster backward does not fit");
+
+// Float offset of (row, local unit) in a receive slot: units XOR 8 (row % 8), conflict-free
+// float2 accesses of a warp's 8 rows x 4 unit pairs.
+__device__ __forceinline__ int roff(int row, int lu) {
+    return row * UPC + (lu ^ ((row & 7) << 3));
+}
+
+__device__ __forceinline__ void cluster_st2(uint32_t addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y)
+                 : "memory");
+#else
+    (void)addr, (void)x, (void)y;
+    __trap();
+#endif
+}
+
+__global__ void __launch_bounds__(CTHREADS, 1)
+    seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float red[NWC];
+    __shared__ float rowmax[NWC][ROWS];
+    __shared__ float rowinv[ROWS];
+    unsigned char *wsm = smem;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t abase = sbase + (uint32_t)C_WBYTES;
+    const uint32_t rbase_s = abase + (uint32_t)CB_ATILE;
+    const float *recv = reinterpret_cast<const float *>(smem + C_WBYTES + CB_ATILE);
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int H = a.H, T = a.T, L = a.L, l = a.l;
+    const int rank = (int)cluster_rank();
+    const int row0 = (int)(blockIdx.x / CL) * ROWS;
+    const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0; // this lane's first unit
+    using WL = persist_wlayout<8>;
+
+    cluster_arrive();
+    cluster_wait();
+
+    float m = 0.0f;
+    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
+        int q = e / (UPC * H), rem = e - q * UPC * H;
+        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
+    }
+    const float wscale = pow2_for(block_max(m, red), 15), winv = 1.0f / wscale;
+
+    // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 nt + n] for tile column k = 64 q + uu.
+#pragma unroll 2
+    for (int ks = 0; ks < CKSH; ks++) {
+        uint32_t o[8];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            auto Bf = [&](int k, int n) -> float {
+                int q = k >> 6, uu = k & 63;
+                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + uu) * H + 32 * w + 8 * nt + n);
+            };
+            mode_f16::wpack(o + 2 * nt, Bf, ks, g, tg, wscale);
+        }
+        WL::store(wsm, ks, NWC, w, lane, o);
+    }
+
+    bool rv[4][2];
+    size_t rb[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int b = row0 + 16 * mt + g + 8 * i;
+            rv[mt][i] = b < a.B;
+            rb[mt][i] = (size_t)(rv[mt][i] ? b : 0);
+        }
+
+    // Carried gradients of the state leaving step t.
+    float dh[4][2][2], dc[4][2][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
+            size_t at = (rb[mt][i] * L + l) * H + ub;
+            if (rv[mt][i] && a.gh_n)
+                x = *reinterpret_cast<const float2 *>(a.gh_n + at);
+            if (rv[mt][i] && a.gc_n)
+                y = *reinterpret_cast<const float2 *>(a.gc_n + at);
+            dh[mt][i][0] = x.x, dh[mt][i][1] = x.y, dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
+        }
+
+    // Step t's tape record, output gradient and reset flag.
+    float2 sv[5][4][2], gy[4][2];
+    int reset[4][2];
+    auto load_step = [&](int t) {
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                size_t r = rb[mt][i] * T + t;
+                bool ok = rv[mt][i];
+#pragma unroll
+                for (int p = 0; p < 5; p++)
+                    sv[p][mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(
+                                            a.s + r * (5 * H) + p * H + ub))
+                                      : make_float2(0.0f, 0.0f);
+                gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
+                               : make_float2(0.0f, 0.0f);
+                reset[mt][i] = ld_flag(a.is_init + r, ok);
+            }
+    };
+    load_step(T - 1);
+
+    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
+    uint32_t ab[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
+    // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
+    const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
+    __syncthreads(); // the weights are in place
+    cluster_arrive(); // "sums read" of a step before the first
+
+    for (int t = T - 1; t >= 0; t--) {
+        // Gate gradients; D; the row maxima of the tile values.
+        float dv[4][4][2][2], dcp[4][2][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float s[5], d[4], tl[4], ddir;
+#pragma unroll
+                    for (int p = 0; p < 5; p++)
+                        s[p] = j ? sv[p][mt][i].y : sv[p][mt][i].x;
+                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + dh[mt][i][j];
+                    cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
+                                              dcp[mt][i][j]);
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        dv[q][mt][i][j] = d[q];
+                        mx = fmaxf(mx, fabsf(d[q]));
+                    }
+                }
+                if (rv[mt][i]) {
+                    size_t r = rb[mt][i] * T + t;
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
+                            make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                if (tg == 0)
+                    rowmax[w][16 * mt + g + 8 * i] = mx;
+            }
+        int rst[4][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                rst[mt][i] = reset[mt][i];
+        __syncthreads();
+        // The tile, each row scaled.
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+                float mx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < NWC; k++)
+                    mx = fmaxf(mx, rowmax[k][row]);
+                const float sc = pow2_for(mx, 14);
+                if (w == 0 && tg == 0)
+                    rowinv[row] = winv / sc;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    __half2 p = __floats2half2_rn(dv[q][mt][i][0] * sc, dv[q][mt][i][1] * sc);
+                    *reinterpret_cast<__half2 *>(smem + C_WBYTES + hoff(row, q * UPC + lu0)) = p;
+                }
+            }
+        __syncthreads();
+
+        // This CTA's partial of dh: 64 rows x the warp's 32 units.
+        float acc[4][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+                zero4(acc[mt][nt]);
+#pragma unroll
+        for (int ks = 0; ks < CKSH; ks++) {
+            uint32_t wv[8], af[4][4];
+            WL::load(wv, wsm, ks, NWC, w, lane);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+                ldsm_x4(af[mt], ab[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    mode_f16::mma(acc[mt][nt], af[mt], make_uint2(wv[2 * nt], wv[2 * nt + 1]));
+        }
+        float ri[4][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                ri[mt][i] = rowinv[16 * mt + g + 8 * i];
+
+        cluster_wait(); // every CTA has read its sums of the step before
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    const int lu = 32 * (w & 1) + 8 * nt + 2 * tg;
+                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4,
+                                acc[mt][nt][2 * i] * ri[mt][i], acc[mt][nt][2 * i + 1] * ri[mt][i]);
+                }
+            }
+        cluster_arrive();
+        cluster_wait(); // every partial is in
+        if (t > 0)
+            load_step(t - 1); // in flight during the sums and the routing
+
+        // dL/dh of the state entering step t (LSTM: no direct term), then routed (DESIGN.md §2).
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+                float dhp[2] = {0.0f, 0.0f};
+#pragma unroll
+                for (int sl = 0; sl < CL; sl++) {
+                    float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC +
+                                                                 roff(row, lu0));
+                    dhp[0] += v.x, dhp[1] += v.y;
+                }
+                dh[mt][i][0] = dhp[0], dh[mt][i][1] = dhp[1];
+            }
+        cluster_arrive(); // this CTA's sums are read
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                bool carry = t > 0 && !rst[mt][i];
+                if (carry) {
+                    dc[mt][i][0] = dcp[mt][i][0], dc[mt][i][1] = dcp[mt][i][1];
+                    continue;
+                }
+                if (rv[mt][i]) {
+                    if (a.stored) {
+                        size_t at = ((rb[mt][i] * T + t) * L + l) * H + ub;
+                        if (a.g_hidden)
+                            *reinterpret_cast<float2 *>(a.g_hidden + at) =
+                                make_float2(dh[mt][i][0], dh[mt][i][1]);
+                        if (a.g_cell)
+                            *reinterpret_cast<float2 *>(a.g_cell + at) =
+                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                    } else if (!rst[mt][i]) { // t == 0: the initial state
+                        size_t at = (rb[mt][i] * L + l) * H + ub;
+                        if (a.g_h0)
+                            *reinterpret_cast<float2 *>(a.g_h0 + at) =
+                                make_float2(dh[mt][i][0], dh[mt][i][1]);
+                        if (a.g_c0)
+                            *reinterpret_cast<float2 *>(a.g_c0 + at) =
+                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                    }
+                }
+                dh[mt][i][0] = dh[mt][i][1] = 0.0f;
+                dc[mt][i][0] = dc[mt][i][1] = 0.0f;
+            }
+    }
+    cluster_wait(); // the last "sums read": no CTA leaves while another may still write to it
+}
+
 } // namespace
 
 long rnnd__cluster_lstm_smem(void) {
@@ -515,4 +809,30 @@ int rnnd__cluster_lstm_active(void) {
         return 0;
     }
     return n;
+}
+
+long rnnd__cluster_lstm_bwd_smem(void) {
+    return CB_SMEM;
+}
+
+int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || !a->vec)
+        return RNND_EINVAL;
+    auto kernel = seq_cluster_lstm_backward_kernel;
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB_SMEM));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(CEIL_DIV(a->B, ROWS) * CL), 1, 1);
+    cfg.blockDim = dim3(CTHREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)CB_SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, *a));
+    return 0;
 }

@@ -93,5 +93,8 @@ long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP, int xks);
 long rnnd__cluster_lstm_smem(void);
 int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__cluster_lstm_active(void);
+// Its backward (any layer input: it reads the tape, not x; a.vec), same cluster shape.
+long rnnd__cluster_lstm_bwd_smem(void);
+int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

@@ -107,9 +107,11 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
 }
 
 // The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
-// which every forward writes alike). Bench variant bits 128 (both) and 256 (this one) turn it off.
+// which every forward writes alike). Opt-in, bench variant bit 256: on the first H100 run it was
+// slower than the per-step backward (NOTES v11: 30 clusters of 4 run at once, 32 are needed).
 static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m) {
-    return c->path != CUDA_PATH_STEPWISE && !(c->variant & (128 | 256)) && c->cc_major >= 9 &&
+    return c->path != CUDA_PATH_STEPWISE && (c->variant & 256) && !(c->variant & 128) &&
+           c->cc_major >= 9 &&
            m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && m->H == 256 &&
            (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 <= c->smem_optin;
 }

@@ -5,7 +5,8 @@
  *   1. xg (B*T, G*H) = x_l W_ih^T: one cuBLAS GEMM (TF32 in fp32 mode, bf16 operands in bf16
  *      mode, strict fp32 in ieee mode), unless the persistent loop fuses it (I_l <= HP/2 and
  *      the weights fit in shared memory: it then reads x_l itself);
- *   2. the time loop: the persistent kernel (seq_persist.cuh), or per step one GEMM
+ *   2. the time loop: the persistent kernel (seq_persist.cuh), the LSTM H = 256 kernel in
+ *      thread-block clusters (seq_cluster.cu, sm_90; layer input <= 64 wide), or per step one GEMM
  *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
  *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
  *      s: activated gates and, LSTM, cprev; no s where the backward recomputes the gates,
@@ -111,9 +112,8 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
 // slower than the per-step backward (NOTES v11: 30 clusters of 4 run at once, 32 are needed).
 static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m) {
     return c->path != CUDA_PATH_STEPWISE && (c->variant & 256) && !(c->variant & 128) &&
-           c->cc_major >= 9 &&
-           m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && m->H == 256 &&
-           (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 <= c->smem_optin;
+           c->cc_major >= 9 && m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 &&
+           m->H == 256 && (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 <= c->smem_optin;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -372,8 +372,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     // Per layer: the x k-steps the persistent loop fuses (0: x W_ih^T from a GEMM into xg).
     // Bench variant bit 32 turns the fusion off (kernels/bench/NOTES.md v6).
     int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0, xks[RNND_MAX_LAYERS];
-    bool need_xg = false, vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) &&
-                                aligned16(c_n) && aligned16(seq->h0) && aligned16(seq->c0) &&
+    bool need_xg = false, vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) && aligned16(c_n) &&
+                                aligned16(seq->h0) && aligned16(seq->c0) &&
                                 aligned16(seq->hidden) && aligned16(seq->cell);
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
     bool clus0 = seq_cluster(c, m, 0) && vec && aligned16(seq->x);

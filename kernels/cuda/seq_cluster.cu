@@ -20,21 +20,24 @@
  * not fit): 128 + 64 + 32 KB = 224 KB.
  *
  * The tape written is the one of the per-step path and of seq_persist.cuh (z = [hprev | 1 | x],
- * s = i, f, g, o, cprev in fp32), so any backward reads it.
+ * s = i, f, g, o, cprev in fp32), so any backward reads it. The backward loop in the same
+ * clusters (below) is opt-in (bench variant bit 256): an H100 places 30 of these clusters at
+ * once, B = 2048 needs 32, and its second wave makes it slower than the per-step backward there
+ * (faster in one wave; kernels/bench/NOTES.md v11).
  */
 #include "seq_persist.cuh"
 
 namespace {
 
-constexpr int CL = 4;              // CTAs a cluster
-constexpr int ROWS = 64;           // batch rows a cluster
-constexpr int HC = 256;            // hidden width
-constexpr int UPC = HC / CL;       // units a CTA
-constexpr int NWC = 8;             // warps a CTA
+constexpr int CL = 4;        // CTAs a cluster
+constexpr int ROWS = 64;     // batch rows a cluster
+constexpr int HC = 256;      // hidden width
+constexpr int UPC = HC / CL; // units a CTA
+constexpr int NWC = 8;       // warps a CTA
 constexpr int CTHREADS = NWC * 32;
-constexpr int CKSH = HC / 16;      // h k-steps (fp16 m16n8k16)
-constexpr int CXKS = 8;            // x k-steps (TF32 m16n8k8): I_l <= 64
-constexpr int CXLD = CXKS * 8;     // x tile row (floats)
+constexpr int CKSH = HC / 16;                            // h k-steps (fp16 m16n8k16)
+constexpr int CXKS = 8;                                  // x k-steps (TF32 m16n8k8): I_l <= 64
+constexpr int CXLD = CXKS * 8;                           // x tile row (floats)
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
 constexpr long C_HTILE = (long)ROWS * HC * 2;
 constexpr long C_XTILE = (long)ROWS * CXLD * 4;
@@ -167,8 +170,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
         m = block_max(m, red);
         if (threadIdx.x < CL) {
-            uint32_t at = cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]),
-                                      (uint32_t)threadIdx.x);
+            uint32_t at =
+                cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]), (uint32_t)threadIdx.x);
             cluster_st(at, __float_as_uint(m));
         }
         cluster_arrive();
@@ -237,8 +240,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         size_t b = (size_t)row0 + row;
         xsrc[k] = ok ? a.x + b * T * a.ldx + 4 * c4 : nullptr;
         // The tape's copy of x: rank r writes rows [16r, 16r+16).
-        xdst[k] = ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4
-                                                       : nullptr;
+        xdst[k] =
+            ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4 : nullptr;
         xto[k] = ok ? xoff(row, 4 * c4) : 0;
     }
     float4 xv[4];
@@ -397,8 +400,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                     for (int q = 0; q < 4; q++)
                         pre[q] = acc[mt][q][2 * i + j] * hinv + bias[q][j];
-                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j],
-                                             cn[mt][i][j], s);
+                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j], cn[mt][i][j],
+                                             s);
 #pragma unroll
                     for (int p = 0; p < 5; p++)
                         sv[p][j] = s[p];
@@ -473,8 +476,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // distributed shared memory, slot r of its receive buffer; CTA r' sums its four slots in a fixed
 // order (deterministic). Two cluster barriers a step: "partials in" before the sums, and
 // "sums read" (arrive right after them, wait just before the next step's partials go out).
-constexpr long CB_ATILE = (long)ROWS * HC * 2;           // 64 rows x 256 gate columns, fp16
-constexpr long CB_RECV = (long)CL * ROWS * UPC * 4;       // 4 slots of 64 x 64 fp32
+constexpr long CB_ATILE = (long)ROWS * HC * 2;      // 64 rows x 256 gate columns, fp16
+constexpr long CB_RECV = (long)CL * ROWS * UPC * 4; // 4 slots of 64 x 64 fp32
 constexpr long CB_SMEM = C_WBYTES + CB_ATILE + CB_RECV;
 static_assert(CB_SMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
               "cluster backward does not fit");
@@ -577,9 +580,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 bool ok = rv[mt][i];
 #pragma unroll
                 for (int p = 0; p < 5; p++)
-                    sv[p][mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(
-                                            a.s + r * (5 * H) + p * H + ub))
-                                      : make_float2(0.0f, 0.0f);
+                    sv[p][mt][i] =
+                        ok ? __ldg(reinterpret_cast<const float2 *>(a.s + r * (5 * H) + p * H + ub))
+                           : make_float2(0.0f, 0.0f);
                 gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(a.is_init + r, ok);
@@ -593,8 +596,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int k = 0; k < 4; k++)
         ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
     // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
-    const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
-    __syncthreads(); // the weights are in place
+    const uint32_t dst =
+        cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
+    __syncthreads();  // the weights are in place
     cluster_arrive(); // "sums read" of a step before the first
 
     for (int t = T - 1; t >= 0; t--) {
@@ -696,8 +700,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
                     const int lu = 32 * (w & 1) + 8 * nt + 2 * tg;
-                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4,
-                                acc[mt][nt][2 * i] * ri[mt][i], acc[mt][nt][2 * i + 1] * ri[mt][i]);
+                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4, acc[mt][nt][2 * i] * ri[mt][i],
+                                acc[mt][nt][2 * i + 1] * ri[mt][i]);
                 }
             }
         cluster_arrive();
@@ -705,7 +709,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         if (t > 0)
             load_step(t - 1); // in flight during the sums and the routing
 
-        // dL/dh of the state entering step t (LSTM: no direct term), then routed (DESIGN.md §2).
+            // dL/dh of the state entering step t (LSTM: no direct term), then routed (DESIGN.md
+            // §2).
 #pragma unroll
         for (int mt = 0; mt < 4; mt++)
 #pragma unroll
@@ -714,8 +719,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 float dhp[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int sl = 0; sl < CL; sl++) {
-                    float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC +
-                                                                 roff(row, lu0));
+                    float2 v =
+                        *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC + roff(row, lu0));
                     dhp[0] += v.x, dhp[1] += v.y;
                 }
                 dh[mt][i][0] = dhp[0], dh[mt][i][1] = dhp[1];

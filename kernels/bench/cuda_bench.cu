@@ -360,7 +360,8 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
              variant && *variant ? atoi(variant) : 0);
     if (bc->model.cell == RNND_CELL_LSTM && bc->model.H == 256) { // v11: clusters at once
         at = strlen(res->extra);
-        snprintf(res->extra + at, cap - at, ",\"clusters\":%d", rnnd__cluster_lstm_active());
+        snprintf(res->extra + at, cap - at, ",\"clusters\":%d,\"clusters_bwd\":%d",
+                 rnnd__cluster_lstm_active(false), rnnd__cluster_lstm_active(true));
     }
     if (!err) {
         double f = -1, a = -1;

@@ -108,12 +108,19 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
 }
 
 // The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
-// which every forward writes alike). Opt-in, bench variant bit 256: on the first H100 run it was
-// slower than the per-step backward (NOTES v11: 30 clusters of 4 run at once, 32 are needed).
-static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m) {
-    return c->path != CUDA_PATH_STEPWISE && (c->variant & 256) && !(c->variant & 128) &&
-           c->cc_major >= 9 && m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 &&
-           m->H == 256 && (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 <= c->smem_optin;
+// which every forward writes alike), where it beats the per-step backward (NOTES v11): when all
+// the batch's clusters run at once (an H100 runs 30 of them, B = 2048 needs 32, and a second
+// wave costs a whole loop) and the batch has at least RNND_CLUSTER_BWD_MIN_ROWS rows (one
+// cluster's step, ~15.5 us, is slower than the per-step path's at B = 64, ~13.6 us; the per-step
+// path's grows ~2.4 times faster with B). Bench variant bit 256 turns it off.
+#define RNND_CLUSTER_BWD_MIN_ROWS 320
+static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
+    if (c->path == CUDA_PATH_STEPWISE || (c->variant & (128 | 256)) || c->cc_major < 9 ||
+        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256 ||
+        B < RNND_CLUSTER_BWD_MIN_ROWS ||
+        (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 > c->smem_optin)
+        return false;
+    return CEIL_DIV(B, 64) <= rnnd__cluster_lstm_active(true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -542,7 +549,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         const float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *gy = l == L - 1 ? grad_out : gyb;
 
-        if (seq_cluster_bwd(c, m) && vec) {
+        if (seq_cluster_bwd(c, m, B) && vec) {
             struct persist_bwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
             a.stored = seq->hidden != NULL;

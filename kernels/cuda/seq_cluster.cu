@@ -21,9 +21,8 @@
  *
  * The tape written is the one of the per-step path and of seq_persist.cuh (z = [hprev | 1 | x],
  * s = i, f, g, o, cprev in fp32), so any backward reads it. The backward loop in the same
- * clusters (below) is opt-in (bench variant bit 256): an H100 places 30 of these clusters at
- * once, B = 2048 needs 32, and its second wave makes it slower than the per-step backward there
- * (faster in one wave; kernels/bench/NOTES.md v11).
+ * clusters (below) runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
+ * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11).
  */
 #include "seq_persist.cuh"
 
@@ -761,6 +760,27 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     cluster_wait(); // the last "sums read": no CTA leaves while another may still write to it
 }
 
+// The launch of either loop: CL-CTA clusters, one per ROWS batch rows (not copyable: cfg points
+// at attr).
+struct cluster_launch {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cluster_launch(int B, long smem, cudaStream_t stream) {
+        cfg.gridDim = dim3((unsigned)(CEIL_DIV(B, ROWS) * CL), 1, 1);
+        cfg.blockDim = dim3(CTHREADS, 1, 1);
+        cfg.dynamicSmemBytes = (size_t)smem;
+        cfg.stream = stream;
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = CL;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    cluster_launch(const cluster_launch &) = delete;
+    cluster_launch &operator=(const cluster_launch &) = delete;
+};
+
 } // namespace
 
 long rnnd__cluster_lstm_smem(void) {
@@ -775,45 +795,31 @@ int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t st
     auto kernel = seq_cluster_lstm_forward_kernel;
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C_SMEM));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(CEIL_DIV(a->B, ROWS) * CL), 1, 1);
-    cfg.blockDim = dim3(CTHREADS, 1, 1);
-    cfg.dynamicSmemBytes = (size_t)C_SMEM;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CL;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, *a));
+    cluster_launch launch(a->B, C_SMEM, stream);
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
     return 0;
 }
 
-// Clusters of this kernel the device runs at once (0 when it cannot launch it).
-int rnnd__cluster_lstm_active(void) {
-    auto kernel = seq_cluster_lstm_forward_kernel;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C_SMEM) !=
-        cudaSuccess)
+// Clusters of a loop's kernel the device runs at once (0 when it cannot launch it).
+template <class Args>
+static int cluster_active(void (*kernel)(Args), long smem) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
         return 0;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(CL * 32, 1, 1);
-    cfg.blockDim = dim3(CTHREADS, 1, 1);
-    cfg.dynamicSmemBytes = (size_t)C_SMEM;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CL;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    }
+    cluster_launch launch(32 * ROWS, smem, nullptr);
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.cfg) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
     return n;
+}
+
+int rnnd__cluster_lstm_active(bool backward) {
+    return backward ? cluster_active(seq_cluster_lstm_backward_kernel, CB_SMEM)
+                    : cluster_active(seq_cluster_lstm_forward_kernel, C_SMEM);
 }
 
 long rnnd__cluster_lstm_bwd_smem(void) {
@@ -826,18 +832,7 @@ int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t s
     auto kernel = seq_cluster_lstm_backward_kernel;
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB_SMEM));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(CEIL_DIV(a->B, ROWS) * CL), 1, 1);
-    cfg.blockDim = dim3(CTHREADS, 1, 1);
-    cfg.dynamicSmemBytes = (size_t)CB_SMEM;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CL;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, *a));
+    cluster_launch launch(a->B, CB_SMEM, stream);
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
     return 0;
 }

@@ -89,10 +89,10 @@ long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP, int xks);
 
 // The LSTM forward at H = 256 in 4-CTA clusters (seq_cluster.cu, sm_90, TF32 mode, I_l <= 64
 // with I_l % 4 == 0, a.x set, a.vec and a.xvec): shared memory a CTA, the launch, and the
-// clusters the device runs at once (0 where it cannot launch them).
+// clusters of the forward (backward) loop the device runs at once (0 where it cannot launch them).
 long rnnd__cluster_lstm_smem(void);
 int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
-int rnnd__cluster_lstm_active(void);
+int rnnd__cluster_lstm_active(bool backward);
 // Its backward (any layer input: it reads the tape, not x; a.vec), same cluster shape.
 long rnnd__cluster_lstm_bwd_smem(void);
 int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);

@@ -533,7 +533,7 @@ int main(int argc, char **argv) {
         {GRU, BF16, 5, 7, 2, 3, 5, 0.3, STATE_NONE, AUTO},
         {LSTM, IEEE, 8, 20, 2, 5, 4, 0.3, STATE_H0, AUTO},
         {GRU, F32, 16, 160, 1, 4, 3, 0.3, STATE_HIDDEN, AUTO},
-        {LSTM, F32, 64, 256, 1, 70, 5, 0.2, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 64, 256, 1, 330, 3, 0.2, STATE_HIDDEN, AUTO}, // both cluster loops
     };
     const struct seq_case full_cases[] = {
         // The bench shape's model at a small batch, every mode.
@@ -570,14 +570,17 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 1024, 2, 5, 4, 0.2, STATE_HIDDEN, AUTO},
         {LSTM, BF16, 64, 1024, 1, 5, 4, 0.2, STATE_NONE, AUTO},
         {GRU, IEEE, 64, 1024, 1, 4, 3, 0.2, STATE_NONE, AUTO},
-        // LSTM H=256 in thread-block clusters (TF32, I <= 64; reported as "stepwise": its
-        // backward is the per-step path): a partial last cluster (B=70 is 64 + 6 rows), stored
-        // states, h0, I=32 with a second layer on the per-step path, B=1.
+        // LSTM H=256 in thread-block clusters (TF32, I <= 64; reported as "stepwise"): the
+        // forward with the per-step backward below 320 rows, a partial last cluster (B=70 is
+        // 64 + 6 rows), stored states, h0, I=32 with a second layer on the per-step path, B=1;
+        // both loops in clusters at B=385 (7 clusters, the last partial).
         {LSTM, F32, 64, 256, 1, 70, 9, 0.1, STATE_H0, AUTO},
         {LSTM, F32, 64, 256, 1, 33, 12, 0.2, STATE_HIDDEN, AUTO},
         {LSTM, F32, 32, 256, 2, 20, 7, 0.1, STATE_NONE, AUTO},
         {LSTM, F32, 64, 256, 1, 1, 1, 0.0, STATE_H0, AUTO},
         {LSTM, F32, 64, 256, 1, 129, 20, 0.01, STATE_NONE, AUTO},
+        {LSTM, F32, 64, 256, 1, 385, 6, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 32, 256, 2, 400, 5, 0.1, STATE_H0, AUTO},
     };
     const struct seq_case *cases = quick ? quick_cases : full_cases;
     int ncases = quick ? (int)(sizeof(quick_cases) / sizeof(quick_cases[0]))
@@ -593,6 +596,7 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 128, 1, 33, 20, 0.05, STATE_HIDDEN, AUTO},
         {LSTM, F32, 64, 256, 1, 33, 20, 0.05, STATE_HIDDEN, AUTO},
         {LSTM, F32, 64, 256, 1, 33, 20, 0.1, STATE_H0, AUTO},
+        {LSTM, F32, 64, 256, 1, 330, 8, 0.1, STATE_HIDDEN, AUTO}, // the cluster backward
     };
     for (int i = 0; !quick && i < (int)(sizeof(wide_states) / sizeof(wide_states[0])); i++)
         test_seq(&gpu, &cpu, &wide_states[i], false, 12.0f);

@@ -13,6 +13,9 @@
 #                 also at H=256);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
 #       variants  the variants under trial, VARIANTS_GRU / VARIANTS_LSTM (not in all);
+#       h256      LSTM H=256 at B=384, 1920 (one wave of clusters on an H100) and 2048, with
+#                 each of VARIANTS_H256 (default "0 256": the cluster backward on / off) (not
+#                 in all);
 #       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
@@ -22,7 +25,8 @@
 #       all       test, sanitize and bench (the default).
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
-#       per-step path); REPEAT sets the bench's repeats;
+#       per-step path), NO_H256=1 the H=256 ones; REPEAT sets the bench's repeats; TEST_VARIANTS
+#       runs test_rnn_cuda again with each of these variant bits (RNND_CUDA_VARIANT);
 #       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz; any tar that tar -xf reads).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd) # torch_step_bench.py lies beside this script
@@ -76,6 +80,11 @@ if has test; then
     timeout 150 "$BIN/test_rnn_cuda" >"$OUT/test.log" 2>&1
     echo "test_rnn_cuda rc=$?" | tee -a "$OUT/test.log"
     grep -E 'FAIL|checks' "$OUT/test.log" | head -40
+    for v in ${TEST_VARIANTS:-}; do
+        RNND_CUDA_VARIANT=$v timeout 150 "$BIN/test_rnn_cuda" >"$OUT/test_v$v.log" 2>&1
+        echo "test_rnn_cuda variant $v rc=$?" | tee -a "$OUT/test_v$v.log"
+        grep -E 'FAIL|checks' "$OUT/test_v$v.log" | head -20
+    done
 fi
 
 if has sanitize; then
@@ -94,10 +103,12 @@ if has bench; then
     : >"$OUT/bench.log"
     timeout 180 $BENCH --cell gru,lstm --compute fp32 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
     echo "bench fp32 rc=$?" | tee -a "$OUT/bench.log"
-    # The issue's wide row: LSTM H=256 (W_hh does not fit one SM's shared memory).
-    timeout 150 ${BENCH/--hidden 128/--hidden 256} --repeat 5 --cell lstm --compute fp32 \
-        --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
-    echo "bench fp32 H=256 rc=$?" | tee -a "$OUT/bench.log"
+    if [ -z "${NO_H256:-}" ]; then
+        # The issue's wide row: LSTM H=256 (W_hh does not fit one SM's shared memory).
+        timeout 150 ${BENCH/--hidden 128/--hidden 256} --repeat 5 --cell lstm --compute fp32 \
+            --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
+        echo "bench fp32 H=256 rc=$?" | tee -a "$OUT/bench.log"
+    fi
     if [ -z "${FP32_ONLY:-}" ]; then
         timeout 100 $BENCH --cell gru,lstm --compute bf16 --reset-prob 0,0.01,0.1 >>"$OUT/bench.log" 2>&1
         echo "bench bf16 rc=$?" | tee -a "$OUT/bench.log"
@@ -144,6 +155,19 @@ if [[ " $STEPS " == *" variants "* ]]; then
         RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 $VB --cell lstm >>"$OUT/variants.log" 2>&1
     done
     grep '^{' "$OUT/variants.log" >>"$OUT/bench.jsonl"
+fi
+
+if [[ " $STEPS " == *" h256 "* ]]; then
+    # Where the cluster loops of LSTM H=256 win: batches in one wave and not (kernels/bench/NOTES.md v11).
+    : >"$OUT/h256.log"
+    for v in ${VARIANTS_H256:-0 256}; do
+        for b in 384 1920 2048; do
+            RNND_BENCH_NO_CUDNN=1 RNND_CUDA_VARIANT=$v timeout 60 ${BENCH/--hidden 128/--hidden 256} \
+                --batch $b --repeat 5 --cell lstm --compute fp32 --reset-prob 0.1 >>"$OUT/h256.log" 2>&1
+            echo "h256 variant $v B=$b rc=$?" | tee -a "$OUT/h256.log"
+        done
+    done
+    grep '^{' "$OUT/h256.log" >>"$OUT/bench.jsonl"
 fi
 
 if [[ " $STEPS " == *" step "* ]]; then

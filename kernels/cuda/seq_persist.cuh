@@ -1294,7 +1294,10 @@ struct persist_rc_geom {
 // 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
 // dh = tile . W_hh (K split over warp pairs) interleaved with the recompute of step t-1's gates
 // (h W_hh^T, x W_ih^T: independent of dh); routing; the cell of step t-1.
-template <class Mode, int HP, bool VEC, bool XH>
+// Phase clocks (V bit 8, v12): gate gradients and D stores; tile puts, loads and the first
+// barrier; row scales, 16-bit tile and the second barrier; both MMAs and the pair exchange;
+// routing; the recompute's cell.
+template <class Mode, int HP, bool VEC, bool XH, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
     using HM = typename Mode::hmode;
@@ -1539,8 +1542,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
     gates_mma(T - 1);
     gates_cell(T - 1);
+    persist_clock<V> clk;
 
     for (int t = T - 1; t >= 0; t--) {
+        clk.start();
         // Gate gradients of step t, the row maxima of the tile part.
         float ddir[2][4], tv[G][2][4];
         float rm[2] = {0.0f, 0.0f};
@@ -1579,6 +1584,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     rmax[w * 16 + g + 8 * i] = rm[i];
             }
         }
+        clk.mark(0);
         int rst[2] = {reset[0], reset[1]};
         if (t > 0) {
             put_z(t - 1); // step t-1's hprev and x
@@ -1592,6 +1598,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 load_z(t - 2);
         }
         __syncthreads();
+        clk.mark(1);
 
         if (t > 0)
             convert_x(t - 1);
@@ -1621,6 +1628,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 p[4] = HM::pack2(tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]);
             }
         __syncthreads();
+        clk.mark(2);
 
         // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap).
         if (t > 0)
@@ -1670,6 +1678,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
             mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
         }
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(mine[0][0] + mine[1][3] + acc[0][0] + accx[FNT - 1][3], a.dbg);
+            clk.mark(3);
+        }
 
         // Route it (DESIGN.md §2), as seq_backward_kernel does.
 #pragma unroll
@@ -1697,9 +1709,15 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
             zero4(dh[i]);
         }
+        clk.mark(4);
         if (t > 0)
             gates_cell(t - 1);
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(sv[0][0][0] + sv[SW - 1][1][3], a.dbg);
+            clk.mark(5);
+        }
     }
+    clk.flush(a.dbg);
 }
 
 // The x part in row-scaled fp16 in TF32 mode (v10b: XH), in bf16 as it is (bf16 mode).
@@ -1717,6 +1735,9 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         return RNND_EINVAL;
     auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, XH>
                         : seq_backward_rc_kernel<Mode, HP, false, XH>;
+    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
+        if (a.vec && (a.variant & 8))
+            kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
     long smem = persist_rc_smem<Mode, HP>();
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem));

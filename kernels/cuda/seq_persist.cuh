@@ -19,6 +19,10 @@
  *   is fused (the loop reads x, not x W_ih^T) when I_l <= HP/2 and the weights fit; otherwise
  *   x W_ih^T comes precomputed from one cuBLAS GEMM. In TF32 mode the h part runs as fp16
  *   m16n8k16 MMAs on h scaled into fp16 (as exact as TF32, mode_f16), the x part as TF32.
+ *   The GRU's fused TF32 loop at HP = 128 (KP, v12) has twice the warps: per 16-unit group
+ *   one runs the h part and one the x part (x rows scaled into fp16 per row, m16n8k16), they
+ *   swap the partial sums of each other's row through shared memory, and each runs the cell
+ *   for one of the lane's two rows (see seq_forward_kernel).
  *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
  *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
  * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
@@ -39,7 +43,7 @@
  * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
  * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
  *
- * Versions v1..v10: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * Versions v1..v12: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
@@ -344,10 +348,20 @@ struct persist_geom {
                (xks ? 2L * 16 * f_xld(xks) * (long)sizeof(elem) : 0);
     }
     // The forward with K split over warp pairs (KP, v12): the GRU's fused TF32 loop at HP = 128
-    // (LSTM's exchange does not fit next to its weights), with 2 NT floats a lane of exchange.
+    // (LSTM's exchange does not fit next to its weights). Its x part runs in HM's k-steps on x
+    // rows scaled into fp16 per row: h weights, x weights (HM fragments), h tiles, an fp32 x
+    // stage (16 x HP/2), the fp16 x tile, the rows' inverse x scales, the pair exchange (2 NT
+    // floats a lane).
     static constexpr bool F_KP = G == 3 && HP == 128 && std::is_same<Mode, mode_tf32>::value;
+    static constexpr int F_KP_XKS = HP / 2 / HM::KSTEP;
+    static constexpr int F_KP_XLD = HP / 2 + HM::APAD;
+    static constexpr long F_KP_WBYTES = (F_KS + F_KP_XKS) * F_HKS_BYTES;
+    static constexpr long F_KP_STAGE = F_KP_WBYTES + F_HTILES_BYTES;
+    static constexpr long F_KP_XTILE = F_KP_STAGE + 16L * (HP / 2) * 4;
+    static constexpr long F_KP_XINV = F_KP_XTILE + 16L * F_KP_XLD * (long)sizeof(helem);
+    static constexpr long F_KP_XCH = F_KP_XINV + 16 * 4;
     static constexpr long F_XCH_BYTES = 2L * NW * 32 * 2 * F_NT * 4;
-    static constexpr long f_smem_kp(int xks) { return f_smem(xks) + F_XCH_BYTES; }
+    static constexpr long f_smem_kp(int xks) { return (void)xks, F_KP_XCH + F_XCH_BYTES; }
     // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
     // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
     // partner the partial sums of the partner's units through an exchange buffer (8 floats a
@@ -550,13 +564,15 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
 // input is read by the loop (a.x) when it is fused and when the tape copy of x is made here
 // (a.xcopy); each thread then moves up to 4 of the 16 x I_l values of a step (I_l <= HP/2).
 //
-// KP (v12, fused loops with vector access, HP a multiple of 64): two warps per 16-unit group,
-// 2*HP/16 warps a block. Of the pair (warps w16 and w16 ^ 4, so that each scheduler holds
+// KP (v12: GRU, TF32, HP = 128, fused, vector access; persist_geom::F_KP): two warps per 16-unit
+// group, 2*HP/16 warps a block. Of the pair (warps w16 and w16 ^ 4, so that each scheduler holds
 // both kinds) the first (kh = 0) runs the h part for all 16 rows, the second (kh = 1) the x
-// part; each hands its partner the partial sums of the partner's row (g + 8 for kh = 0, g for
-// kh = 1: 2 NT floats a lane) through shared memory and a 64-thread barrier, and runs the cell
-// for its own row, g + 8 kh, only: half the MMA chain and half the cell a warp, twice the warps
-// to hide their latencies, no weights in registers (128 registers a thread at most).
+// part on x rows scaled into fp16 (converted from an fp32 stage by the x-warps at the top of
+// the step, behind their own 256-thread barrier); each hands its partner the partial sums of
+// the partner's row (g + 8 for kh = 0, g for kh = 1: 2 NT floats a lane) through shared memory
+// and a 64-thread barrier, and runs the cell for its own row, g + 8 kh, only: half the MMA
+// chain and half the cell a warp, twice the warps to hide their latencies, no weights in
+// registers (128 registers a thread at most).
 template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false>
 static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
@@ -577,14 +593,21 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     const int w = KP ? (w16 & 3) | ((w16 >> 3) << 2) : w16, kh = KP ? (w16 >> 2) & 1 : 0;
     auto rowof = [&](int r) { return KP ? kh : r; };
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H, Il = a.Il;
-    const int xks = XF ? a.xks : 0, xld = Gm::f_xld(xks);
+    // KP: x goes to an fp32 stage (pitch HP/2), the x-warps convert it (convert_x).
+    const int xks = XF ? a.xks : 0, xld = KP ? HP / 2 : Gm::f_xld(xks);
     const int u0 = w * 16 + 4 * tg;
 
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char *wsm = smem, *wsmx = smem + KSH * Gm::F_HKS_BYTES;
-    HE *htiles = reinterpret_cast<HE *>(smem + Gm::f_wbytes(xks));
+    HE *htiles = reinterpret_cast<HE *>(smem + (KP ? Gm::F_KP_WBYTES : Gm::f_wbytes(xks)));
     E *xtiles = reinterpret_cast<E *>(smem + Gm::f_wbytes(xks) + Gm::F_HTILES_BYTES);
-    float4 *xch = reinterpret_cast<float4 *>(smem + Gm::f_smem(xks)); // KP: the pair exchange
+    // KP: the x stage (fp32), the x tile (fp16, row-scaled), 1/scale a row, the pair exchange.
+    float *xstage = reinterpret_cast<float *>(smem + Gm::F_KP_STAGE);
+    HE *x16 = reinterpret_cast<HE *>(smem + Gm::F_KP_XTILE);
+    float *xinv = reinterpret_cast<float *>(smem + Gm::F_KP_XINV);
+    float4 *xch = reinterpret_cast<float4 *>(smem + Gm::F_KP_XCH);
+    if constexpr (KP)
+        xtiles = reinterpret_cast<E *>(xstage);
 
     // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] (h k-steps) and W_ih[..][k]
     // (x k-steps), q the gate of n-tile nt = 2q + half. Scales (powers of two): wscale for
@@ -619,9 +642,12 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         for (int ks = 0; ks < KSH; ks++)
             wpack_all(HM(), wsm, ks, false);
     }
-    if (!KP || kh == 1)
+    if (!KP)
         for (int ks = 0; ks < xks; ks++)
             wpack_all(Mode(), wsmx, ks, true);
+    else if (kh == 1)
+        for (int ks = 0; ks < CEIL_DIV(Il, HM::KSTEP); ks++)
+            wpack_all(HM(), wsmx, ks, true);
 
     // Biases of this thread's elements.
     float bi[G][4], bh[G][4];
@@ -682,7 +708,10 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     auto put_x = [&](E *tile, int t) { // into the A tile (fused) and the tape (xcopy)
         if (xv4) {
             if (xok[0]) {
-                if (XF)
+                if (KP)
+                    *reinterpret_cast<float4 *>(tile + xtile[0]) =
+                        make_float4(xv[0], xv[1], xv[2], xv[3]);
+                else if (XF)
                     Mode::put4(tile + xtile[0], xv);
                 if (xdst[0])
                     *reinterpret_cast<float4 *>(xdst[0] + (size_t)t * a.ldz) =
@@ -692,7 +721,9 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 #pragma unroll
             for (int k = 0; k < 4; k++)
                 if (xok[k]) {
-                    if (XF)
+                    if (KP)
+                        tile[xtile[k]] = xv[k];
+                    else if (XF)
                         Mode::put(tile + xtile[k], xv[k]);
                     if (xdst[k])
                         xdst[k][(size_t)t * a.ldz] = xv[k];
@@ -720,7 +751,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     }
     if constexpr (XF) {
         // Both x tiles start at zero (the padding past I_l stays so).
-        for (int e = threadIdx.x; e < 2 * 16 * xld; e += THREADS)
+        for (int e = threadIdx.x; e < (KP ? 1 : 2) * 16 * xld; e += THREADS)
             Mode::put(xtiles + e, 0.0f);
         __syncthreads();
     }
@@ -776,8 +807,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     for (int t = 0; t < T; t++) {
         const HE *hcur = htiles + (t & 1) * (16 * HLD);
         HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
-        const E *xcur = xtiles + (t & 1) * (16 * xld);
-        E *xnxt = xtiles + ((t + 1) & 1) * (16 * xld);
+        const E *xcur = xtiles + (KP ? 0 : (t & 1) * (16 * xld));
+        E *xnxt = xtiles + (KP ? 0 : ((t + 1) & 1) * (16 * xld));
         clk.start();
         if (xin && t + 1 < T)
             load_x(t + 1); // in flight during the MMA
@@ -804,21 +835,53 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     HM::mma(acc[nt], af, HM::wunpack(wp + nt * HM::WPF));
             }
         }
-        if constexpr (XF) {
-            // KP: the x part accumulates in acc (the warp has no h part).
-            float(*ax)[4] = KP ? acc : accx;
-            if (!KP || kh == 1) {
+        if constexpr (KP) {
+            if (kh == 1) {
+                // The stage of this step into the fp16 x tile, a half-warp a row (the x-warps'
+                // 256 threads), each row scaled by a power of two (its largest |x| in
+                // [2^13, 2^14): as exact as TF32 for every x within 2^27 of it), then the x
+                // part (HM's MMAs, accumulated in acc: this warp has no h part).
+                static_assert(THREADS / 2 == 16 * 16 && HP / 2 == 64, "a half-warp a row");
+                const int xt = w * 32 + lane, row = xt >> 4, cx = 4 * (xt & 15);
+                float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + cx);
+                float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-                for (int ks = 0; ks < XKS; ks++) {
-                    if (ks >= xks)
+                for (int o = 8; o > 0; o >>= 1)
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                float sc = 1.0f;
+                if (m > 0.0f && m <= 3.0e38f) {
+                    int e;
+                    frexpf(m, &e);
+                    sc = ldexpf(1.0f, 14 - e);
+                }
+                *reinterpret_cast<uint2 *>(x16 + row * Gm::F_KP_XLD + cx) =
+                    make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+                if ((lane & 15) == 0)
+                    xinv[row] = 1.0f / sc;
+                asm volatile("bar.sync 9, %0;" ::"n"(THREADS / 2) : "memory"); // x-warps only
+#pragma unroll
+                for (int ks = 0; ks < Gm::F_KP_XKS; ks++) {
+                    if (ks * HM::KSTEP >= Il)
                         break;
-                    uint32_t af[4], wv[Gm::F_XWPL];
-                    Mode::afrag(af, xcur, xld, ks, lane);
-                    WLX::load(wv, wsmx, ks, NW, w, lane);
+                    uint32_t af[4], wv[Gm::F_HWPL];
+                    HM::afrag(af, x16, Gm::F_KP_XLD, ks, lane);
+                    WLH::load(wv, wsmx, ks, NW, w, lane);
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
-                        Mode::mma(ax[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+                        HM::mma(acc[nt], af, HM::wunpack(wv + nt * HM::WPF));
                 }
+            }
+        } else if constexpr (XF) {
+#pragma unroll
+            for (int ks = 0; ks < XKS; ks++) {
+                if (ks >= xks)
+                    break;
+                uint32_t af[4], wv[Gm::F_XWPL];
+                Mode::afrag(af, xcur, xld, ks, lane);
+                WLX::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
             }
         }
         if constexpr ((V & 8) != 0) {
@@ -874,6 +937,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 
         // The cell, element by element.
         float hn[NR][4], cn[NR][4], sv[SW][NR][4];
+        // The x part's scale back: the weights' (and, KP, the row's x scale).
+        const float xw = KP ? winv * xinv[g + 8 * kh] : winv;
 #pragma unroll
         for (int i = 0; i < NR; i++)
 #pragma unroll
@@ -884,7 +949,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     const int nt = 2 * q + (j >> 1), e = j & 1;
                     float gxq;
                     if constexpr (XF)
-                        gxq = gx[i][nt][e] * winv;
+                        gxq = gx[i][nt][e] * xw;
                     else
                         gxq = xg[i][q][j];
                     xq[q] = gxq + bi[q][j];

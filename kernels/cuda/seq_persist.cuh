@@ -21,8 +21,9 @@
  *   m16n8k16 MMAs on h scaled into fp16 (as exact as TF32, mode_f16), the x part as TF32.
  *   The GRU's fused TF32 loop at HP = 128 (KP, v12) has twice the warps: per 16-unit group
  *   one runs the h part and one the x part (x rows scaled into fp16 per row, m16n8k16), they
- *   swap the partial sums of each other's row through shared memory, and each runs the cell
- *   for one of the lane's two rows (see seq_forward_kernel).
+ *   swap the partial sums of each other's row through shared memory (a 64-thread barrier per
+ *   pair; x goes through an fp32 stage and one fp16 tile behind the x-warps' own barrier), and
+ *   each runs the cell for one of the lane's two rows (see seq_forward_kernel).
  *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
  *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
  * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
@@ -361,7 +362,9 @@ struct persist_geom {
     static constexpr long F_KP_XINV = F_KP_XTILE + 16L * F_KP_XLD * (long)sizeof(helem);
     static constexpr long F_KP_XCH = F_KP_XINV + 16 * 4;
     static constexpr long F_XCH_BYTES = 2L * NW * 32 * 2 * F_NT * 4;
-    static constexpr long f_smem_kp(int xks) { return (void)xks, F_KP_XCH + F_XCH_BYTES; }
+    static constexpr long f_smem_kp(int xks) {
+        return (void)xks, F_KP_XCH + F_XCH_BYTES;
+    }
     // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
     // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
     // partner the partial sums of the partner's units through an exchange buffer (8 floats a
@@ -904,8 +907,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                 }
 #pragma unroll
             for (int v = 0; v < NT / 2; v++)
-                xo[v * 16 * 32] = make_float4(snd[2 * v][0], snd[2 * v][1], snd[2 * v + 1][0],
-                                              snd[2 * v + 1][1]);
+                xo[v * 16 * 32] =
+                    make_float4(snd[2 * v][0], snd[2 * v][1], snd[2 * v + 1][0], snd[2 * v + 1][1]);
             asm volatile("bar.sync %0, 64;" ::"r"(1 + w) : "memory");
 #pragma unroll
             for (int v = 0; v < NT / 2; v++) {
@@ -1865,8 +1868,8 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
 }
 
 // The TF32 H=128 loops with vector access: the fused GRU forward with K split over warp pairs
-// (v12; bench variant bit 256: without), and bench variant bit 8 (phase clocks)
-// (kernels/bench/NOTES.md); RNND_ENOTSUP where none of these applies.
+// (v12), and bench variant bit 8 (phase clocks) (kernels/bench/NOTES.md); RNND_ENOTSUP where
+// neither applies.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
     if (backward) {
@@ -1878,7 +1881,7 @@ static int persist_launch_variant(bool backward, const void *args, cudaStream_t 
     if (!a.vec)
         return RNND_ENOTSUP;
     if constexpr (persist_geom<Cell, mode_tf32, 128>::F_KP)
-        if (a.xks > 0 && !(a.variant & 256))
+        if (a.xks > 0)
             return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8, true>(a, stream)
                                  : persist_launch_forward<Cell, mode_tf32, 128, 0, true>(a, stream);
     return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)

@@ -44,8 +44,5 @@ long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks) {
 long rnnd__persist_gru_rc_smem(bool bf16, int HP) {
     if (HP != 128)
         return -1;
-    if (bf16)
-        return persist_rc_smem<mode_bf16, 128>(false);
-    long a = persist_rc_smem<mode_tf32, 128>(false), b = persist_rc_smem<mode_tf32, 128>(true);
-    return a > b ? a : b;
+    return bf16 ? persist_rc_smem<mode_bf16, 128>() : persist_rc_smem<mode_tf32, 128>();
 }

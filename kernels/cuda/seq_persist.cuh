@@ -19,6 +19,11 @@
  *   is fused (the loop reads x, not x W_ih^T) when I_l <= HP/2 and the weights fit; otherwise
  *   x W_ih^T comes precomputed from one cuBLAS GEMM. In TF32 mode the h part runs as fp16
  *   m16n8k16 MMAs on h scaled into fp16 (as exact as TF32, mode_f16), the x part as TF32.
+ *   The GRU's fused TF32 loop at HP = 128 (KP, v12) has twice the warps: per 16-unit group
+ *   one runs the h part and one the x part (x rows scaled into fp16 per row, m16n8k16), they
+ *   swap the partial sums of each other's row through shared memory (a 64-thread barrier per
+ *   pair; x goes through an fp32 stage and one fp16 tile behind the x-warps' own barrier), and
+ *   each runs the cell for one of the lane's two rows (see seq_forward_kernel).
  *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
  *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
  * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
@@ -39,7 +44,7 @@
  * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
  * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
  *
- * Versions v1..v10: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * Versions v1..v12: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
@@ -343,6 +348,23 @@ struct persist_geom {
         return f_wbytes(xks) + F_HTILES_BYTES +
                (xks ? 2L * 16 * f_xld(xks) * (long)sizeof(elem) : 0);
     }
+    // The forward with K split over warp pairs (KP, v12): the GRU's fused TF32 loop at HP = 128
+    // (LSTM's exchange does not fit next to its weights). Its x part runs in HM's k-steps on x
+    // rows scaled into fp16 per row: h weights, x weights (HM fragments), h tiles, an fp32 x
+    // stage (16 x HP/2), the fp16 x tile, the rows' inverse x scales, the pair exchange (2 NT
+    // floats a lane).
+    static constexpr bool F_KP = G == 3 && HP == 128 && std::is_same<Mode, mode_tf32>::value;
+    static constexpr int F_KP_XKS = HP / 2 / HM::KSTEP;
+    static constexpr int F_KP_XLD = HP / 2 + HM::APAD;
+    static constexpr long F_KP_WBYTES = (F_KS + F_KP_XKS) * F_HKS_BYTES;
+    static constexpr long F_KP_STAGE = F_KP_WBYTES + F_HTILES_BYTES;
+    static constexpr long F_KP_XTILE = F_KP_STAGE + 16L * (HP / 2) * 4;
+    static constexpr long F_KP_XINV = F_KP_XTILE + 16L * F_KP_XLD * (long)sizeof(helem);
+    static constexpr long F_KP_XCH = F_KP_XINV + 16 * 4;
+    static constexpr long F_XCH_BYTES = 2L * NW * 32 * 2 * F_NT * 4;
+    static constexpr long f_smem_kp(int xks) {
+        return (void)xks, F_KP_XCH + F_XCH_BYTES;
+    }
     // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
     // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
     // partner the partial sums of the partner's units through an exchange buffer (8 floats a
@@ -359,6 +381,7 @@ struct persist_geom {
     static constexpr int B_SPLIT = 2; // independent accumulator chains over k in backward
     static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
+    static_assert(!F_KP || f_smem_kp(F_XKS) <= RNND_PERSIST_SMEM_BUDGET, "KP does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
 };
 
@@ -543,8 +566,18 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
 // XF: the input projection is fused (a.xks x k-steps; the loop reads x, not a.xg). The layer
 // input is read by the loop (a.x) when it is fused and when the tape copy of x is made here
 // (a.xcopy); each thread then moves up to 4 of the 16 x I_l values of a step (I_l <= HP/2).
-template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0>
-static __global__ void __launch_bounds__(HP / 16 * 32, 1)
+//
+// KP (v12: GRU, TF32, HP = 128, fused, vector access; persist_geom::F_KP): two warps per 16-unit
+// group, 2*HP/16 warps a block. Of the pair (warps w16 and w16 ^ 4, so that each scheduler holds
+// both kinds) the first (kh = 0) runs the h part for all 16 rows, the second (kh = 1) the x
+// part on x rows scaled into fp16 (converted from an fp32 stage by the x-warps at the top of
+// the step, behind their own 256-thread barrier); each hands its partner the partial sums of
+// the partner's row (g + 8 for kh = 0, g for kh = 1: 2 NT floats a lane) through shared memory
+// and a 64-thread barrier, and runs the cell for its own row, g + 8 kh, only: half the MMA
+// chain and half the cell a warp, twice the warps to hide their latencies, no weights in
+// registers (128 registers a thread at most).
+template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false>
+static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
     using HM = typename Gm::HM;
@@ -553,17 +586,31 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     using WLH = persist_wlayout<Gm::F_HWPL>;
     using WLX = persist_wlayout<Gm::F_XWPL>;
     constexpr int G = Gm::G, NT = Gm::F_NT, KSH = Gm::F_KS, XKS = XF ? Gm::F_XKS : 0;
-    constexpr int NW = Gm::NW, SW = Cell::SW, THREADS = Gm::THREADS, HLD = Gm::F_HLD;
+    constexpr int NW = Gm::NW, SW = Cell::SW, HLD = Gm::F_HLD;
+    constexpr int THREADS = (KP ? 2 : 1) * Gm::THREADS;
+    constexpr int NR = KP ? 1 : 2; // rows a thread runs the cell for
+    static_assert(!KP || (XF && VEC && NW % 4 == 0 && (2 * NT) % 4 == 0), "KP instance");
 
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int lane = threadIdx.x & 31, w16 = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    // The 16-unit group and, KP, the part (h 0, x 1) of this warp; its rows are g + 8 rowof(r).
+    const int w = KP ? (w16 & 3) | ((w16 >> 3) << 2) : w16, kh = KP ? (w16 >> 2) & 1 : 0;
+    auto rowof = [&](int r) { return KP ? kh : r; };
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H, Il = a.Il;
-    const int xks = XF ? a.xks : 0, xld = Gm::f_xld(xks);
+    // KP: x goes to an fp32 stage (pitch HP/2), the x-warps convert it (convert_x).
+    const int xks = XF ? a.xks : 0, xld = KP ? HP / 2 : Gm::f_xld(xks);
     const int u0 = w * 16 + 4 * tg;
 
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char *wsm = smem, *wsmx = smem + KSH * Gm::F_HKS_BYTES;
-    HE *htiles = reinterpret_cast<HE *>(smem + Gm::f_wbytes(xks));
+    HE *htiles = reinterpret_cast<HE *>(smem + (KP ? Gm::F_KP_WBYTES : Gm::f_wbytes(xks)));
     E *xtiles = reinterpret_cast<E *>(smem + Gm::f_wbytes(xks) + Gm::F_HTILES_BYTES);
+    // KP: the x stage (fp32), the x tile (fp16, row-scaled), 1/scale a row, the pair exchange.
+    float *xstage = reinterpret_cast<float *>(smem + Gm::F_KP_STAGE);
+    HE *x16 = reinterpret_cast<HE *>(smem + Gm::F_KP_XTILE);
+    float *xinv = reinterpret_cast<float *>(smem + Gm::F_KP_XINV);
+    float4 *xch = reinterpret_cast<float4 *>(smem + Gm::F_KP_XCH);
+    if constexpr (KP)
+        xtiles = reinterpret_cast<E *>(xstage);
 
     // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] (h k-steps) and W_ih[..][k]
     // (x k-steps), q the gate of n-tile nt = 2q + half. Scales (powers of two): wscale for
@@ -593,11 +640,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         persist_wlayout<NT * M::WPF>::store(to, ks, NW, w, lane, o);
     };
+    if (!KP || kh == 0) {
 #pragma unroll 2
-    for (int ks = 0; ks < KSH; ks++)
-        wpack_all(HM(), wsm, ks, false);
-    for (int ks = 0; ks < xks; ks++)
-        wpack_all(Mode(), wsmx, ks, true);
+        for (int ks = 0; ks < KSH; ks++)
+            wpack_all(HM(), wsm, ks, false);
+    }
+    if (!KP)
+        for (int ks = 0; ks < xks; ks++)
+            wpack_all(Mode(), wsmx, ks, true);
+    else if (kh == 1)
+        for (int ks = 0; ks < CEIL_DIV(Il, HM::KSTEP); ks++)
+            wpack_all(HM(), wsmx, ks, true);
 
     // Biases of this thread's elements.
     float bi[G][4], bh[G][4];
@@ -608,14 +661,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
 
     // Per-row base pointers at step 0 (rows past B point at row 0 and are never accessed).
-    bool rv[2];
-    size_t rbase[2];
-    const float *xgp[2];
-    float *yp[2];
-    const uint8_t *initp[2];
+    bool rv[NR];
+    size_t rbase[NR];
+    const float *xgp[NR];
+    float *yp[NR];
+    const uint8_t *initp[NR];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        int b = blockIdx.x * 16 + g + 8 * i;
+    for (int i = 0; i < NR; i++) {
+        int b = blockIdx.x * 16 + g + 8 * rowof(i);
         rv[i] = b < a.B;
         rbase[i] = (size_t)(rv[i] ? b : 0) * T;
         xgp[i] = XF ? nullptr : a.xg + rbase[i] * GH + u0;
@@ -658,7 +711,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     auto put_x = [&](E *tile, int t) { // into the A tile (fused) and the tape (xcopy)
         if (xv4) {
             if (xok[0]) {
-                if (XF)
+                if (KP)
+                    *reinterpret_cast<float4 *>(tile + xtile[0]) =
+                        make_float4(xv[0], xv[1], xv[2], xv[3]);
+                else if (XF)
                     Mode::put4(tile + xtile[0], xv);
                 if (xdst[0])
                     *reinterpret_cast<float4 *>(xdst[0] + (size_t)t * a.ldz) =
@@ -668,7 +724,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int k = 0; k < 4; k++)
                 if (xok[k]) {
-                    if (XF)
+                    if (KP)
+                        tile[xtile[k]] = xv[k];
+                    else if (XF)
                         Mode::put(tile + xtile[k], xv[k]);
                     if (xdst[k])
                         xdst[k][(size_t)t * a.ldz] = xv[k];
@@ -678,9 +736,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
     // The state entering step 0 (reset rule): hidden[b, 0] when stored states are given, else
     // zero where is_init[b, 0], else h0 (c0) or zero.
-    float h[2][4], c[2][4];
+    float h[NR][4], c[NR][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < NR; i++) {
         zero4(h[i]);
         zero4(c[i]);
         size_t b = rbase[i] / (T > 0 ? T : 1);
@@ -696,16 +754,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
     if constexpr (XF) {
         // Both x tiles start at zero (the padding past I_l stays so).
-        for (int e = threadIdx.x; e < 2 * 16 * xld; e += THREADS)
+        for (int e = threadIdx.x; e < (KP ? 1 : 2) * 16 * xld; e += THREADS)
             Mode::put(xtiles + e, 0.0f);
         __syncthreads();
     }
     // h (scaled) into the step's h tile.
     auto put_h = [&](HE *tile) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < NR; i++) {
             float v[4] = {h[i][0] * hscale, h[i][1] * hscale, h[i][2] * hscale, h[i][3] * hscale};
-            HM::put4(tile + (g + 8 * i) * HLD + u0, v);
+            HM::put4(tile + (g + 8 * rowof(i)) * HLD + u0, v);
         }
     };
     put_h(htiles);
@@ -715,18 +773,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
 
     // x W_ih^T of step 0 (not fused), and the reset flags and stored values of step 1.
-    float xg[XF ? 1 : 2][G][4];
+    float xg[XF ? 1 : NR][G][4];
     if constexpr (!XF) {
 #pragma unroll
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < NR; i++)
 #pragma unroll
             for (int q = 0; q < G; q++)
                 ld4<VEC>(xg[i][q], xgp[i] + q * H, u0, H, rv[i]);
     }
-    int nreset[2];
-    float nh[2][4], nc[2][4];
+    int nreset[NR];
+    float nh[NR][4], nc[NR][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < NR; i++) {
         zero4(nh[i]);
         zero4(nc[i]);
         bool ok = rv[i] && T > 1;
@@ -740,8 +798,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
     // The first FREG h k-steps of weights stay in registers (48 GRU, 64 LSTM: less shared-memory
     // traffic a step; the thread reads back only what it stored itself). Fused loops only: the
-    // others keep x W_ih^T in those registers.
-    constexpr int FREG = XF ? (KSH < 4 ? KSH : 4) : 0;
+    // others keep x W_ih^T in those registers; KP has no room for them.
+    constexpr int FREG = XF && !KP ? (KSH < 4 ? KSH : 4) : 0;
     uint32_t wreg[FREG > 0 ? FREG : 1][Gm::F_HWPL];
 #pragma unroll
     for (int ks = 0; ks < FREG; ks++)
@@ -752,8 +810,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     for (int t = 0; t < T; t++) {
         const HE *hcur = htiles + (t & 1) * (16 * HLD);
         HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
-        const E *xcur = xtiles + (t & 1) * (16 * xld);
-        E *xnxt = xtiles + ((t + 1) & 1) * (16 * xld);
+        const E *xcur = xtiles + (KP ? 0 : (t & 1) * (16 * xld));
+        E *xnxt = xtiles + (KP ? 0 : ((t + 1) & 1) * (16 * xld));
         clk.start();
         if (xin && t + 1 < T)
             load_x(t + 1); // in flight during the MMA
@@ -767,50 +825,138 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int nt = 0; nt < (XF ? NT : 1); nt++)
             zero4(accx[nt]);
+        if (!KP || kh == 0) {
 #pragma unroll
-        for (int ks = 0; ks < KSH; ks++) {
-            uint32_t af[4], wv[Gm::F_HWPL];
-            HM::afrag(af, hcur, HLD, ks, lane);
-            if (ks >= FREG)
-                WLH::load(wv, wsm, ks, NW, w, lane);
-            const uint32_t *wp = ks < FREG ? wreg[ks < FREG ? ks : 0] : wv;
+            for (int ks = 0; ks < KSH; ks++) {
+                uint32_t af[4], wv[Gm::F_HWPL];
+                HM::afrag(af, hcur, HLD, ks, lane);
+                if (ks >= FREG)
+                    WLH::load(wv, wsm, ks, NW, w, lane);
+                const uint32_t *wp = ks < FREG ? wreg[ks < FREG ? ks : 0] : wv;
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                HM::mma(acc[nt], af, HM::wunpack(wp + nt * HM::WPF));
+                for (int nt = 0; nt < NT; nt++)
+                    HM::mma(acc[nt], af, HM::wunpack(wp + nt * HM::WPF));
+            }
         }
+        if constexpr (KP) {
+            if (kh == 1) {
+                // The stage of this step into the fp16 x tile, a half-warp a row (the x-warps'
+                // 256 threads), each row scaled by a power of two (its largest |x| in
+                // [2^13, 2^14): as exact as TF32 for every x within 2^27 of it), then the x
+                // part (HM's MMAs, accumulated in acc: this warp has no h part).
+                static_assert(THREADS / 2 == 16 * 16 && HP / 2 == 64, "a half-warp a row");
+                const int xt = w * 32 + lane, row = xt >> 4, cx = 4 * (xt & 15);
+                float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + cx);
+                float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-        for (int ks = 0; ks < XKS; ks++) {
-            if (ks >= xks)
-                break;
-            uint32_t af[4], wv[Gm::F_XWPL];
-            Mode::afrag(af, xcur, xld, ks, lane);
-            WLX::load(wv, wsmx, ks, NW, w, lane);
+                for (int o = 8; o > 0; o >>= 1)
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                float sc = 1.0f;
+                if (m > 0.0f && m <= 3.0e38f) {
+                    int e;
+                    frexpf(m, &e);
+                    sc = ldexpf(1.0f, 14 - e);
+                }
+                *reinterpret_cast<uint2 *>(x16 + row * Gm::F_KP_XLD + cx) =
+                    make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+                if ((lane & 15) == 0)
+                    xinv[row] = 1.0f / sc;
+                asm volatile("bar.sync 9, %0;" ::"n"(THREADS / 2) : "memory"); // x-warps only
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+                for (int ks = 0; ks < Gm::F_KP_XKS; ks++) {
+                    if (ks * HM::KSTEP >= Il)
+                        break;
+                    uint32_t af[4], wv[Gm::F_HWPL];
+                    HM::afrag(af, x16, Gm::F_KP_XLD, ks, lane);
+                    WLH::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        HM::mma(acc[nt], af, HM::wunpack(wv + nt * HM::WPF));
+                }
+            }
+        } else if constexpr (XF) {
+#pragma unroll
+            for (int ks = 0; ks < XKS; ks++) {
+                if (ks >= xks)
+                    break;
+                uint32_t af[4], wv[Gm::F_XWPL];
+                Mode::afrag(af, xcur, xld, ks, lane);
+                WLX::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
+            }
         }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
             clk.mark(0);
         }
+        // The row this thread runs the cell for: gh (h part) and gx (x part) of n-tile nt,
+        // elements k = 0, 1 (units 2 half + k of its four), row g + 8 rowof(r).
+        float gh[NR][NT][2], gx[XF ? NR : 1][XF ? NT : 1][2];
+        if constexpr (KP) {
+            // Send the partner's row, keep our own; the partner sends its part of our row.
+            float4 *xo = xch + (size_t)w16 * 32 + lane, *xi = xch + (size_t)(w16 ^ 4) * 32 + lane;
+            float own[NT][2], snd[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    own[nt][k] = kh ? acc[nt][2 + k] : acc[nt][k];
+                    snd[nt][k] = kh ? acc[nt][k] : acc[nt][2 + k];
+                }
+#pragma unroll
+            for (int v = 0; v < NT / 2; v++)
+                xo[v * 16 * 32] =
+                    make_float4(snd[2 * v][0], snd[2 * v][1], snd[2 * v + 1][0], snd[2 * v + 1][1]);
+            asm volatile("bar.sync %0, 64;" ::"r"(1 + w) : "memory");
+#pragma unroll
+            for (int v = 0; v < NT / 2; v++) {
+                float4 q = xi[v * 16 * 32];
+                float rcv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const int nt = 2 * v + (k >> 1), e = k & 1;
+                    gh[0][nt][e] = kh ? rcv[k] : own[nt][e];
+                    gx[0][nt][e] = kh ? own[nt][e] : rcv[k];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NR; i++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        gh[i][nt][k] = acc[nt][2 * i + k];
+                        if constexpr (XF)
+                            gx[i][nt][k] = accx[nt][2 * i + k];
+                    }
+        }
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(gh[0][0][0] + gh[0][NT - 1][1], a.dbg);
+            clk.mark(4);
+        }
 
         // The cell, element by element.
-        float hn[2][4], cn[2][4], sv[SW][2][4];
+        float hn[NR][4], cn[NR][4], sv[SW][NR][4];
+        // The x part's scale back: the weights' (and, KP, the row's x scale).
+        const float xw = KP ? winv * xinv[g + 8 * kh] : winv;
 #pragma unroll
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < NR; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float xq[G], hq[G], s[SW];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
-                    const int nt = 2 * q + (j >> 1), e = 2 * i + (j & 1);
-                    float gx;
+                    const int nt = 2 * q + (j >> 1), e = j & 1;
+                    float gxq;
                     if constexpr (XF)
-                        gx = accx[nt][e] * winv;
+                        gxq = gx[i][nt][e] * xw;
                     else
-                        gx = xg[i][q][j];
-                    xq[q] = gx + bi[q][j];
-                    hq[q] = acc[nt][e] * hinv + bh[q][j];
+                        gxq = xg[i][q][j];
+                    xq[q] = gxq + bi[q][j];
+                    hq[q] = gh[i][nt][e] * hinv + bh[q][j];
                 }
                 Cell::template forward<true>(xq, hq, h[i][j], c[i][j], hn[i][j], cn[i][j], s);
 #pragma unroll
@@ -825,7 +971,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         // Next step's x W_ih^T (not fused): in flight during the next MMA.
         if constexpr (!XF) {
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < NR; i++)
 #pragma unroll
                 for (int q = 0; q < G; q++)
                     ld4<VEC>(xg[i][q], xgp[i] + (size_t)(t + 1) * GH + q * H, u0, H,
@@ -834,7 +980,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
         // Outputs and tape.
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < NR; i++) {
             size_t r = rbase[i] + t;
             st4<VEC>(yp[i] + (size_t)t * a.ldy, hn[i], u0, H, rv[i]);
             if (a.z) {
@@ -858,7 +1004,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         if (t + 1 < T) {
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < NR; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     h[i][j] = nreset[i] ? nh[i][j] : hn[i][j];
@@ -869,7 +1015,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 put_x(xnxt, t + 1);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
+            for (int i = 0; i < NR; i++) {
                 bool ok = rv[i] && t + 2 < T;
                 nreset[i] = ld_flag(initp[i] + t + 2, ok);
                 if (a.hidden) {
@@ -881,7 +1027,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
+            for (int i = 0; i < NR; i++) {
                 size_t at = (rbase[i] / T * L + l) * H + u0;
                 if (a.h_n)
                     st4<VEC>(a.h_n + at, hn[i], u0, H, rv[i]);
@@ -1216,7 +1362,10 @@ struct persist_rc_geom {
 // 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
 // dh = tile . W_hh (K split over warp pairs) interleaved with the recompute of step t-1's gates
 // (h W_hh^T, x W_ih^T: independent of dh); routing; the cell of step t-1.
-template <class Mode, int HP, bool VEC, bool XH>
+// Phase clocks (V bit 8, v12): gate gradients and D stores; tile puts, loads and the first
+// barrier; row scales, 16-bit tile and the second barrier; both MMAs and the pair exchange;
+// routing; the recompute's cell.
+template <class Mode, int HP, bool VEC, bool XH, int V = 0>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
     using HM = typename Mode::hmode;
@@ -1461,8 +1610,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     }
     gates_mma(T - 1);
     gates_cell(T - 1);
+    persist_clock<V> clk;
 
     for (int t = T - 1; t >= 0; t--) {
+        clk.start();
         // Gate gradients of step t, the row maxima of the tile part.
         float ddir[2][4], tv[G][2][4];
         float rm[2] = {0.0f, 0.0f};
@@ -1501,6 +1652,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     rmax[w * 16 + g + 8 * i] = rm[i];
             }
         }
+        clk.mark(0);
         int rst[2] = {reset[0], reset[1]};
         if (t > 0) {
             put_z(t - 1); // step t-1's hprev and x
@@ -1514,6 +1666,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 load_z(t - 2);
         }
         __syncthreads();
+        clk.mark(1);
 
         if (t > 0)
             convert_x(t - 1);
@@ -1543,6 +1696,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 p[4] = HM::pack2(tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]);
             }
         __syncthreads();
+        clk.mark(2);
 
         // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap).
         if (t > 0)
@@ -1592,6 +1746,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
             mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
         }
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(mine[0][0] + mine[1][3] + acc[0][0] + accx[FNT - 1][3], a.dbg);
+            clk.mark(3);
+        }
 
         // Route it (DESIGN.md §2), as seq_backward_kernel does.
 #pragma unroll
@@ -1619,33 +1777,36 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
             zero4(dh[i]);
         }
+        clk.mark(4);
         if (t > 0)
             gates_cell(t - 1);
+        if constexpr ((V & 8) != 0) {
+            persist_wait_for(sv[0][0][0] + sv[SW - 1][1][3], a.dbg);
+            clk.mark(5);
+        }
     }
+    clk.flush(a.dbg);
 }
 
-// Shared memory of the launch with x part XH (the larger of the two where the mode has both).
+// The x part in row-scaled fp16 in TF32 mode (v10b: XH), in bf16 as it is (bf16 mode).
 template <class Mode, int HP>
-static long persist_rc_smem(bool xh) {
+static long persist_rc_smem() {
     using HM = typename Mode::hmode;
-    constexpr bool HAS_XH = HM::SCALED; // TF32 mode: x in row-scaled fp16 (v10b)
-    return xh && HAS_XH ? persist_rc_geom<Mode, HP, HM>::SMEM : persist_rc_geom<Mode, HP>::SMEM;
+    constexpr bool XH = HM::SCALED;
+    return XH ? persist_rc_geom<Mode, HP, HM>::SMEM : persist_rc_geom<Mode, HP>::SMEM;
 }
 
-// The x part in row-scaled fp16 in TF32 mode unless bench variant bit 128 asks for v10's TF32
-// x part.
 template <class Mode, int HP>
 static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStream_t stream) {
-    constexpr bool HAS_XH = Mode::hmode::SCALED;
+    constexpr bool XH = Mode::hmode::SCALED;
     if (a.Il > HP / 2 || a.Il % 4 != 0 || a.w_ih == nullptr)
         return RNND_EINVAL;
-    const bool xh = HAS_XH && !(a.variant & 128);
-    auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, false>
-                        : seq_backward_rc_kernel<Mode, HP, false, false>;
-    if (xh)
-        kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, HAS_XH>
-                       : seq_backward_rc_kernel<Mode, HP, false, HAS_XH>;
-    long smem = persist_rc_smem<Mode, HP>(xh);
+    auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, XH>
+                        : seq_backward_rc_kernel<Mode, HP, false, XH>;
+    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
+        if (a.vec && (a.variant & 8))
+            kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
+    long smem = persist_rc_smem<Mode, HP>();
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem));
     kernel<<<CEIL_DIV(a.B, 16), persist_rc_geom<Mode, HP>::THREADS, smem, stream>>>(a);
@@ -1656,12 +1817,24 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
 // ---------------------------------------------------------------------------------------------
 // Launchers, one per (cell, mode, HP): raise the shared-memory limit, launch, check.
 
-template <class Cell, class Mode, int HP, int V = 0>
+// KP: the K split over warp pairs (fused, vector access only; the caller checks).
+template <class Cell, class Mode, int HP, int V = 0, bool KP = false>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
     int xks = a.xks > 0 && a.xks <= Gm::F_XKS ? a.xks : 0;
     if (a.xks != xks || (xks == 0 && a.xg == nullptr))
         return RNND_EINVAL;
+    if constexpr (KP) {
+        if (!xks || !a.vec)
+            return RNND_EINVAL;
+        auto kernel = seq_forward_kernel<Cell, Mode, HP, true, true, V, true>;
+        long smem = Gm::f_smem_kp(xks);
+        RNND_CUDA_TRY(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        kernel<<<CEIL_DIV(a.B, 16), 2 * Gm::THREADS, smem, stream>>>(a);
+        CUDA_LAUNCH_CHECK();
+        return 0;
+    }
     // Variants exist with vector access only (the dispatcher asks for them only then).
     auto kernel = xks ? seq_forward_kernel<Cell, Mode, HP, true, true, V>
                       : seq_forward_kernel<Cell, Mode, HP, true, false, V>;
@@ -1694,8 +1867,9 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     return 0;
 }
 
-// Bench variant bit 8 (phase clocks) of the TF32 H=128 loops with vector access
-// (kernels/bench/NOTES.md); RNND_ENOTSUP where it does not apply.
+// The TF32 H=128 loops with vector access: the fused GRU forward with K split over warp pairs
+// (v12), and bench variant bit 8 (phase clocks) (kernels/bench/NOTES.md); RNND_ENOTSUP where
+// neither applies.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
     if (backward) {
@@ -1704,8 +1878,14 @@ static int persist_launch_variant(bool backward, const void *args, cudaStream_t 
                                         : RNND_ENOTSUP;
     }
     const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
-    return a.vec && (a.variant & 8) ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)
-                                    : RNND_ENOTSUP;
+    if (!a.vec)
+        return RNND_ENOTSUP;
+    if constexpr (persist_geom<Cell, mode_tf32, 128>::F_KP)
+        if (a.xks > 0)
+            return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8, true>(a, stream)
+                                 : persist_launch_forward<Cell, mode_tf32, 128, 0, true>(a, stream);
+    return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)
+                         : RNND_ENOTSUP;
 }
 
 // Shared memory of one launch (forward with xks fused x k-steps), or -1 when xks is more than
@@ -1715,7 +1895,9 @@ static long persist_smem(bool backward, int xks) {
     using Gm = persist_geom<Cell, Mode, HP>;
     if (backward)
         return Gm::B_SMEM;
-    return xks >= 0 && xks <= Gm::F_XKS ? Gm::f_smem(xks) : -1;
+    if (xks < 0 || xks > Gm::F_XKS)
+        return -1;
+    return Gm::F_KP && xks > 0 ? Gm::f_smem_kp(xks) : Gm::f_smem(xks);
 }
 
 #endif // RNND_CUDA_SEQ_PERSIST_CUH

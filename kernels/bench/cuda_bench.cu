@@ -360,8 +360,10 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
              variant && *variant ? atoi(variant) : 0);
     if (bc->model.cell == RNND_CELL_LSTM && bc->model.H == 256) { // v11: clusters at once
         at = strlen(res->extra);
-        snprintf(res->extra + at, cap - at, ",\"clusters\":%d,\"clusters_bwd\":%d",
-                 rnnd__cluster_lstm_active(false), rnnd__cluster_lstm_active(true));
+        snprintf(res->extra + at, cap - at,
+                 ",\"clusters\":%d,\"clusters_bwd\":%d,\"clusters80\":%d,\"clusters80_bwd\":%d",
+                 rnnd__cluster_lstm_active(false), rnnd__cluster_lstm_active(true),
+                 rnnd__cluster80_lstm_active(false), rnnd__cluster80_lstm_active(true));
     }
     if (!err) {
         double f = -1, a = -1;

@@ -96,6 +96,11 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
+// Bench variant bit RNND_SEQ_VARIANT_CLUSTER80 runs both cluster loops with 80 rows a cluster
+// (seq_cluster.cu, v11b in kernels/bench/NOTES.md: B = 2048 in 26 clusters, one wave on an H100)
+// instead of 64; not yet the default.
+#define RNND_SEQ_VARIANT_CLUSTER80 1024
+
 // Layer l's forward runs in thread-block clusters (seq_cluster.cu, v11 in kernels/bench/NOTES.md):
 // LSTM, TF32 mode, H = 256, a layer input the loop reads (I_l <= 64, I_l % 4 == 0), sm_90. The
 // caller adds the run-time alignment. Bench variant bit 128 turns it off (the per-step path).
@@ -104,7 +109,9 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
         m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256)
         return false;
     int Il = rnnd_model_layer_input(m, l);
-    return Il <= 64 && Il % 4 == 0 && (size_t)rnnd__cluster_lstm_smem() + 256 <= c->smem_optin;
+    long need = (c->variant & RNND_SEQ_VARIANT_CLUSTER80) ? rnnd__cluster80_lstm_smem()
+                                                          : rnnd__cluster_lstm_smem();
+    return Il <= 64 && Il % 4 == 0 && (size_t)need + 256 <= c->smem_optin;
 }
 
 // The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
@@ -112,12 +119,18 @@ static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, in
 // the batch's clusters run at once (an H100 runs 30 of them, B = 2048 needs 32, and a second
 // wave costs a whole loop) and the batch has at least RNND_CLUSTER_BWD_MIN_ROWS rows (one
 // cluster's step, ~15.5 us, is slower than the per-step path's at B = 64, ~13.6 us; the per-step
-// path's grows ~2.4 times faster with B). Bench variant bit 256 turns it off.
+// path's grows ~2.4 times faster with B). Bench variant bit 256 turns it off. With bit
+// RNND_SEQ_VARIANT_CLUSTER80 the 80-row backward runs at every B (under trial: no row minimum,
+// no wave check; it only needs the device to run one of its clusters).
 #define RNND_CLUSTER_BWD_MIN_ROWS 320
 static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
     if (c->path == CUDA_PATH_STEPWISE || (c->variant & (128 | 256)) || c->cc_major < 9 ||
-        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256 ||
-        B < RNND_CLUSTER_BWD_MIN_ROWS ||
+        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256)
+        return false;
+    if (c->variant & RNND_SEQ_VARIANT_CLUSTER80)
+        return (size_t)rnnd__cluster80_lstm_bwd_smem() + 3072 <= c->smem_optin &&
+               rnnd__cluster80_lstm_active(true) > 0;
+    if (B < RNND_CLUSTER_BWD_MIN_ROWS ||
         (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 > c->smem_optin)
         return false;
     return CEIL_DIV(B, 64) <= rnnd__cluster_lstm_active(true);
@@ -434,7 +447,9 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
             a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
-            RNND_TRY(rnnd__cluster_lstm_forward(&a, c->stream));
+            RNND_TRY((c->variant & RNND_SEQ_VARIANT_CLUSTER80)
+                         ? rnnd__cluster80_lstm_forward(&a, c->stream)
+                         : rnnd__cluster_lstm_forward(&a, c->stream));
         } else if (persistent) {
             struct persist_fwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
@@ -558,7 +573,9 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
             a.g_h0 = grads->h0, a.g_c0 = grads->c0;
             a.g_hidden = grads->hidden, a.g_cell = grads->cell;
-            RNND_TRY(rnnd__cluster_lstm_backward(&a, c->stream));
+            RNND_TRY((c->variant & RNND_SEQ_VARIANT_CLUSTER80)
+                         ? rnnd__cluster80_lstm_backward(&a, c->stream)
+                         : rnnd__cluster_lstm_backward(&a, c->stream));
         } else if (persistent) {
             struct persist_bwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;

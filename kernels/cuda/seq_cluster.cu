@@ -23,6 +23,9 @@
  * s = i, f, g, o, cprev in fp32), so any backward reads it. The backward loop in the same
  * clusters (below) runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
  * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11).
+ *
+ * v11b (bench variant bit 1024, not yet run on a GPU): both loops again with 80 rows a cluster
+ * (B = 2048 in 26 clusters: one wave on an H100), at the end of this file's kernels.
  */
 #include "seq_persist.cuh"
 
@@ -78,6 +81,9 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     (void)addr, (void)v;
     __trap();
 #endif
+}
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.L2 [%0];" ::"l"(p)); // generic address
 }
 __device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -760,13 +766,679 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     cluster_wait(); // the last "sums read": no CTA leaves while another may still write to it
 }
 
+// ---------------------------------------------------------------------------------------------
+// v11b (kernels/bench/NOTES.md): the same two loops with ROWS5 = 80 rows a cluster (5 m-tiles a
+// warp), so that B = 2048 needs 26 clusters, within the 30 an H100 runs at once (64 rows: 32
+// clusters, two waves). Bench variant bit 1024 (seq.cu) selects them; the 64-row kernels above
+// stay the default.
+//
+// Forward: 80 rows do not fit with double-buffered tiles (128 KB W_hh + 2 x 40 KB h + 2 x 20 KB
+// x = 248 KB), so the h tile and the x tile are single-buffered and W_ih moves from registers
+// (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32 = 220 KB. Two cluster barriers
+// a step instead of one: A_t (arrive after the h stores of step t, wait before the MMAs of t:
+// the tile holds h_t) and B_t (arrive right after the MMAs of t, wait before the h stores of
+// t + 1: every CTA has read h_t and this CTA x_t), so the cell runs while B_t completes. A
+// thread's barrier sequence: start, hmax, A_0, then per step wait A_t, [arrive B_t, wait B_t,
+// arrive A_{t+1}] (t + 1 < T): the same in every CTA; after the last wait (A_{T-1}) no CTA
+// writes to another's shared memory.
+constexpr int MT5 = 5;          // m-tiles a warp
+constexpr int ROWS5 = 16 * MT5; // batch rows a cluster
+constexpr long C5_HTILE = (long)ROWS5 * HC * 2;
+constexpr long C5_XTILE = (long)ROWS5 * CXLD * 4;
+constexpr long C5_WIH = (long)CXKS * NWC * 32 * 16; // 4 TF32 fragment words a lane and k-step
+constexpr long C5_SMEM = C_WBYTES + C5_HTILE + C5_XTILE + C5_WIH;
+static_assert(C5_SMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "80-row cluster forward does not fit");
+static_assert(ROWS5 * (CXLD / 4) == MT5 * CTHREADS, "x: MT5 float4 a thread");
+static_assert(ROWS5 % CL == 0, "x tape copy: ROWS5 / CL rows a CTA");
+
+__global__ void __launch_bounds__(CTHREADS, 1)
+    seq_cluster80_lstm_forward_kernel(const struct persist_fwd_args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float red[NWC];
+    __shared__ float hmax[CL];
+    unsigned char *wsm = smem;
+    unsigned char *wism = smem + C_WBYTES + C5_HTILE + C5_XTILE;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t hbase = sbase + (uint32_t)C_WBYTES;
+    const uint32_t xbase = hbase + (uint32_t)C5_HTILE;
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il;
+    const int rank = (int)cluster_rank();
+    const int row0 = (int)(blockIdx.x / CL) * ROWS5;
+    const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
+    using WL = persist_wlayout<8>;
+    using WLX = persist_wlayout<4>;
+
+    // Every CTA of the cluster has started before any distributed shared memory access.
+    cluster_arrive();
+    cluster_wait();
+
+    float m = 0.0f;
+    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
+        int q = e / (UPC * H), rem = e - q * UPC * H;
+        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
+    }
+    for (int e = threadIdx.x; e < 4 * UPC * Il; e += CTHREADS) {
+        int q = e / (UPC * Il), rem = e - q * UPC * Il;
+        m = fmaxf(m, fabsf(__ldg(a.w_ih + (size_t)(q * H + rank * UPC) * Il + rem)));
+    }
+    const float wscale = pow2_for(block_max(m, red), 15);
+
+    m = 1.0f;
+    {
+        const int steps = a.hidden ? T : a.h0 ? 1 : 0;
+        for (int rt = w; rt < ROWS5 * steps; rt += NWC) {
+            int row = rt / steps, t = rt - row * steps, b = row0 + row;
+            if (b >= a.B)
+                break;
+            for (int u = rank * UPC + lane; u < rank * UPC + UPC; u += 32) {
+                if (a.hidden)
+                    m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * T + t) * L + l) * H + u)));
+                if (t == 0 && a.h0)
+                    m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * L + l) * H + u)));
+            }
+        }
+        m = block_max(m, red);
+        if (threadIdx.x < CL) {
+            uint32_t at =
+                cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]), (uint32_t)threadIdx.x);
+            cluster_st(at, __float_as_uint(m));
+        }
+        cluster_arrive();
+        cluster_wait();
+        m = fmaxf(fmaxf(hmax[0], hmax[1]), fmaxf(hmax[2], hmax[3]));
+    }
+    const float hscale = pow2_for(m, 14);
+    const float hinv = (1.0f / wscale) * (1.0f / hscale);
+
+    // W_hh as in the 64-row kernel; W_ih's TF32 fragments (4 gates a k-step) in shared memory.
+#pragma unroll 2
+    for (int ks = 0; ks < CKSH; ks++) {
+        uint32_t o[8];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            auto Bf = [&](int k, int n) -> float {
+                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + 8 * w + n) * H + k);
+            };
+            mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
+        }
+        WL::store(wsm, ks, NWC, w, lane, o);
+    }
+#pragma unroll 2
+    for (int ks = 0; ks < CXKS; ks++) {
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            auto Bf = [&](int k, int n) -> float {
+                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
+                              : 0.0f;
+            };
+            mode_tf32::wpack(&o[q], Bf, ks, g, tg, wscale);
+        }
+        WLX::store(wism, ks, NWC, w, lane, o);
+    }
+
+    float bias[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
+
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rb the batch row (0 where past B).
+    bool rv[MT5][2];
+    int rb[MT5][2];
+#pragma unroll
+    for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int b = row0 + 16 * mt + g + 8 * i;
+            rv[mt][i] = b < a.B;
+            rb[mt][i] = rv[mt][i] ? b : 0;
+        }
+    const size_t hid_step = (size_t)L * H;
+
+    // x of a step: 80 rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread (k < 5):
+    // its batch row (-1: none), column, swizzled tile offset, and whether it copies to the tape.
+    const int x4r = Il / 4;
+    int xr[MT5], xc[MT5];
+    uint32_t xto[MT5];
+    bool xd[MT5];
+#pragma unroll
+    for (int k = 0; k < MT5; k++) {
+        int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS5, c4 = e - row * x4r;
+        bool ok = x4r > 0 && row < ROWS5 && row0 + row < a.B;
+        xr[k] = ok ? row0 + row : -1;
+        xc[k] = ok ? 4 * c4 : 0;
+        // The tape's copy of x: rank r writes rows [20r, 20r+20).
+        xd[k] = ok && a.xcopy && row / (ROWS5 / CL) == rank;
+        xto[k] = ok ? xoff(row, 4 * c4) : 0;
+    }
+    float4 xv[MT5];
+    auto load_x = [&](int t) {
+#pragma unroll
+        for (int k = 0; k < MT5; k++)
+            if (xr[k] >= 0)
+                xv[k] = __ldg(reinterpret_cast<const float4 *>(
+                    a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
+    };
+    auto put_x = [&](int t) {
+        unsigned char *tile = smem + C_WBYTES + C5_HTILE;
+#pragma unroll
+        for (int k = 0; k < MT5; k++)
+            if (xr[k] >= 0) {
+                float4 v = xv[k];
+                *reinterpret_cast<float4 *>(tile + xto[k]) =
+                    make_float4(__uint_as_float(f32_to_tf32(v.x * hscale)),
+                                __uint_as_float(f32_to_tf32(v.y * hscale)),
+                                __uint_as_float(f32_to_tf32(v.z * hscale)),
+                                __uint_as_float(f32_to_tf32(v.w * hscale)));
+                if (xd[k])
+                    *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
+                                                xc[k]) = v;
+            }
+    };
+
+    // The x tile starts at zero (columns past I_l and rows past B stay so).
+    for (int e = threadIdx.x; e < (int)(C5_XTILE / 16); e += CTHREADS)
+        reinterpret_cast<float4 *>(smem + C_WBYTES + C5_HTILE)[e] =
+            make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncthreads();
+
+    uint32_t hrem[CL];
+#pragma unroll
+    for (int r = 0; r < CL; r++)
+        hrem[r] = cluster_map(hbase, (uint32_t)r);
+
+    // h entering step t (this lane's elements) into the h tile of every CTA, and the tape.
+    auto put_h = [&](const float hv[MT5][2][2], int t) {
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+                __half2 p = __floats2half2_rn(hv[mt][i][0] * hscale, hv[mt][i][1] * hscale);
+                const uint32_t v = *reinterpret_cast<uint32_t *>(&p), o = hoff(row, ub);
+#pragma unroll
+                for (int r = 0; r < CL; r++)
+                    cluster_st(hrem[r] + o, v);
+                if (a.z && rv[mt][i]) {
+                    float *zr = a.z + ((size_t)rb[mt][i] * T + t) * a.ldz;
+                    *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
+                    if (rank == 0 && w == 0 && tg == 0) {
+                        zr[H] = 1.0f;
+                        for (int k = H + 1; k < a.xoff; k++)
+                            zr[k] = 0.0f;
+                        for (int k = a.xoff + Il; k < a.ldz; k++)
+                            zr[k] = 0.0f;
+                    }
+                }
+            }
+    };
+
+    float h[MT5][2][2], c[MT5][2][2];
+#pragma unroll
+    for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float2 hv = make_float2(0.0f, 0.0f), cv = make_float2(0.0f, 0.0f);
+            const size_t b = (size_t)rb[mt][i];
+            if (rv[mt][i] && a.hidden) {
+                size_t at = b * T * hid_step + (size_t)l * H + ub;
+                hv = *reinterpret_cast<const float2 *>(a.hidden + at);
+                if (a.cell)
+                    cv = *reinterpret_cast<const float2 *>(a.cell + at);
+            } else if (rv[mt][i] && a.h0 && !a.is_init[b * T]) {
+                size_t at = (b * L + l) * H + ub;
+                hv = *reinterpret_cast<const float2 *>(a.h0 + at);
+                if (a.c0)
+                    cv = *reinterpret_cast<const float2 *>(a.c0 + at);
+            }
+            h[mt][i][0] = hv.x, h[mt][i][1] = hv.y, c[mt][i][0] = cv.x, c[mt][i][1] = cv.y;
+        }
+    put_h(h, 0);
+    load_x(0);
+    put_x(0);
+    int nreset[MT5][2];
+#pragma unroll
+    for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            nreset[mt][i] = ld_flag(a.is_init + (size_t)rb[mt][i] * T + 1, rv[mt][i] && T > 1);
+    cluster_arrive(); // A_0
+
+    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
+    uint32_t hb[4], xb[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int ch = (2 * k + (mi >> 1)) ^ key;
+        hb[k] = hbase + (uint32_t)(lrow * HC * 2 + ch * 16);
+        xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
+    }
+
+    for (int t = 0; t < T; t++) {
+        cluster_wait(); // A_t: h_t in every CTA's tile, x_t in this CTA's
+        const bool more = t + 1 < T;
+
+        float acc[MT5][4][4];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                zero4(acc[mt][q]);
+#pragma unroll
+        for (int ks = 0; ks < CXKS; ks++) {
+            uint32_t wi[4], af[MT5][4];
+            WLX::load(wi, wism, ks, NWC, w, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+                ldsm_x4(af[mt], xb[ks & 3] + (ks >> 2) * 128 + mt * 16 * CXLD * 4);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mode_tf32::mma(acc[mt][q], af[mt], mode_tf32::wunpack(&wi[q]));
+        }
+#pragma unroll
+        for (int ks = 0; ks < CKSH; ks++) {
+            uint32_t wv[8], af[MT5][4];
+            WL::load(wv, wsm, ks, NWC, w, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+                ldsm_x4(af[mt], hb[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mode_f16::mma(acc[mt][q], af[mt], make_uint2(wv[2 * q], wv[2 * q + 1]));
+        }
+        if (more) {
+            cluster_arrive(); // B_t: this CTA has read the h and x tiles of step t
+            load_x(t + 1);    // in flight during the cell
+        }
+
+        float hn[MT5][2][2], cn[MT5][2][2];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float sv[5][2];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[5];
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        pre[q] = acc[mt][q][2 * i + j] * hinv + bias[q][j];
+                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j], cn[mt][i][j],
+                                             s);
+#pragma unroll
+                    for (int p = 0; p < 5; p++)
+                        sv[p][j] = s[p];
+                }
+                if (rv[mt][i]) {
+                    size_t r = (size_t)rb[mt][i] * T + t;
+                    *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
+                        make_float2(hn[mt][i][0], hn[mt][i][1]);
+                    if (a.s) {
+#pragma unroll
+                        for (int p = 0; p < 5; p++)
+                            *reinterpret_cast<float2 *>(a.s + r * (5 * H) + p * H + ub) =
+                                make_float2(sv[p][0], sv[p][1]);
+                    }
+                }
+            }
+
+        if (more) {
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
+                    if (nreset[mt][i] && a.hidden) {
+                        size_t at = ((size_t)rb[mt][i] * T + t + 1) * hid_step + (size_t)l * H + ub;
+                        nh = *reinterpret_cast<const float2 *>(a.hidden + at);
+                        if (a.cell)
+                            nc = *reinterpret_cast<const float2 *>(a.cell + at);
+                    }
+                    h[mt][i][0] = nreset[mt][i] ? nh.x : hn[mt][i][0];
+                    h[mt][i][1] = nreset[mt][i] ? nh.y : hn[mt][i][1];
+                    c[mt][i][0] = nreset[mt][i] ? nc.x : cn[mt][i][0];
+                    c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
+                }
+            cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
+            put_h(h, t + 1);
+            put_x(t + 1);
+            cluster_arrive(); // A_{t+1}
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    nreset[mt][i] =
+                        ld_flag(a.is_init + (size_t)rb[mt][i] * T + t + 2, rv[mt][i] && t + 2 < T);
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    if (!rv[mt][i])
+                        continue;
+                    size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
+                    if (a.h_n)
+                        *reinterpret_cast<float2 *>(a.h_n + at) =
+                            make_float2(hn[mt][i][0], hn[mt][i][1]);
+                    if (a.c_n)
+                        *reinterpret_cast<float2 *>(a.c_n + at) =
+                            make_float2(cn[mt][i][0], cn[mt][i][1]);
+                }
+        }
+    }
+}
+
+// Backward with 80 rows: the 64-row layout (128 KB W_hh, A tile 80 x 256 fp16 = 40 KB, receive
+// slots 4 x 80 x 64 fp32 = 80 KB) would need 248 KB, so the receive slots share their memory
+// with the A tile: 128 + 80 = 208 KB. A CTA's partials may then land only after every CTA of the
+// cluster has finished its MMAs (which read its A tile), so the barriers of a step are M_t
+// (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of step t + 1
+// read, which came before its MMAs of t) and P_t (after the sends: every partial in). The A
+// tile of step t - 1 is written after this CTA's own sums of step t (the __syncthreads after the
+// row maxima orders them). A thread's barrier sequence: start, then per step M_t, P_t; the last
+// wait (P_0) comes after every write to this CTA's shared memory. Registers (255 with 16 bytes
+// spilled, as the 64-row backward): dL/dh stays in the receive slots between steps (see below)
+// and a step's tape record is loaded at its start, with the next one's prefetched into L2.
+constexpr long CB5_ATILE = (long)ROWS5 * HC * 2;
+constexpr long CB5_RECV = (long)CL * ROWS5 * UPC * 4;
+constexpr long CB5_SMEM = C_WBYTES + (CB5_RECV > CB5_ATILE ? CB5_RECV : CB5_ATILE);
+static_assert(CB5_SMEM + NWC * ROWS5 * 4 + ROWS5 * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+              "80-row cluster backward does not fit");
+
+__global__ void __launch_bounds__(CTHREADS, 1)
+    seq_cluster80_lstm_backward_kernel(const struct persist_bwd_args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float red[NWC];
+    __shared__ float rowmax[NWC][ROWS5];
+    __shared__ float rowinv[ROWS5];
+    unsigned char *wsm = smem;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t abase = sbase + (uint32_t)C_WBYTES;
+    const uint32_t rbase_s = abase; // the receive slots: the same memory as the A tile
+    const float *recv = reinterpret_cast<const float *>(smem + C_WBYTES);
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int H = a.H, T = a.T, L = a.L, l = a.l;
+    const int rank = (int)cluster_rank();
+    const int row0 = (int)(blockIdx.x / CL) * ROWS5;
+    const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0;
+    using WL = persist_wlayout<8>;
+
+    cluster_arrive();
+    cluster_wait();
+
+    float m = 0.0f;
+    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
+        int q = e / (UPC * H), rem = e - q * UPC * H;
+        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
+    }
+    const float wscale = pow2_for(block_max(m, red), 15), winv = 1.0f / wscale;
+
+#pragma unroll 2
+    for (int ks = 0; ks < CKSH; ks++) {
+        uint32_t o[8];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            auto Bf = [&](int k, int n) -> float {
+                int q = k >> 6, uu = k & 63;
+                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + uu) * H + 32 * w + 8 * nt + n);
+            };
+            mode_f16::wpack(o + 2 * nt, Bf, ks, g, tg, wscale);
+        }
+        WL::store(wsm, ks, NWC, w, lane, o);
+    }
+
+    bool rv[MT5][2];
+    int rb[MT5][2];
+#pragma unroll
+    for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int b = row0 + 16 * mt + g + 8 * i;
+            rv[mt][i] = b < a.B;
+            rb[mt][i] = rv[mt][i] ? b : 0;
+        }
+
+    // dL/dh of the state leaving a step is not held in registers across steps: it is the sum of
+    // the four receive slots (row, this lane's units), read again by the cell of the next step
+    // (the slots are overwritten only after the __syncthreads behind that cell, and by the other
+    // CTAs only after the next M barrier). `carried` bit 2 mt + i: 1 where the sum of row
+    // (mt, i) carries into the next step (else dL/dh there is 0). The step T-1 gets dL/dh_n the
+    // same way: slot 0 = grad_h_n, slots 1..3 = 0 (this lane's own elements, before any remote
+    // write: those come after M_{T-1}, which waits for this CTA).
+    float *recvw = reinterpret_cast<float *>(smem + C_WBYTES);
+    float dc[MT5][2][2];
+    uint32_t carried = 0;
+#pragma unroll
+    for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
+            size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
+            if (rv[mt][i] && a.gh_n)
+                x = *reinterpret_cast<const float2 *>(a.gh_n + at);
+            if (rv[mt][i] && a.gc_n)
+                y = *reinterpret_cast<const float2 *>(a.gc_n + at);
+            const int row = 16 * mt + g + 8 * i;
+#pragma unroll
+            for (int sl = 0; sl < CL; sl++)
+                *reinterpret_cast<float2 *>(recvw + sl * ROWS5 * UPC + roff(row, lu0)) =
+                    sl == 0 ? x : make_float2(0.0f, 0.0f);
+            dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
+            carried |= 1u << (2 * mt + i);
+        }
+    // The sum of the four slots at (row, this lane's two units).
+    auto slot_sum = [&](int row) -> float2 {
+        float2 s = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int sl = 0; sl < CL; sl++) {
+            float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS5 * UPC + roff(row, lu0));
+            s.x += v.x, s.y += v.y;
+        }
+        return s;
+    };
+
+    // Step t's tape record, output gradient and reset flag, loaded at the start of the step (no
+    // registers to spare for a prefetch across the barriers); step t - 1's are prefetched into
+    // L2 right after (one lane in four: a 32-byte sector).
+    float2 sv[5][MT5][2], gy[MT5][2];
+    int reset[MT5][2];
+    auto load_step = [&](int t) {
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                size_t r = (size_t)rb[mt][i] * T + t;
+                bool ok = rv[mt][i];
+#pragma unroll
+                for (int p = 0; p < 5; p++)
+                    sv[p][mt][i] =
+                        ok ? __ldg(reinterpret_cast<const float2 *>(a.s + r * (5 * H) + p * H + ub))
+                           : make_float2(0.0f, 0.0f);
+                gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
+                               : make_float2(0.0f, 0.0f);
+                reset[mt][i] = ld_flag(a.is_init + r, ok);
+            }
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                if (rv[mt][i] && tg == 0 && t > 0) {
+                    size_t r = (size_t)rb[mt][i] * T + t - 1;
+#pragma unroll
+                    for (int p = 0; p < 5; p++)
+                        prefetch_l2(a.s + r * (5 * H) + p * H + ub);
+                    prefetch_l2(a.gy + r * a.ldgy + ub);
+                }
+    };
+
+    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
+    uint32_t ab[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
+    // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
+    const uint32_t dst =
+        cluster_map(rbase_s + (uint32_t)(rank * ROWS5 * UPC * 4), (uint32_t)(w >> 1));
+    __syncthreads(); // the weights are in place
+
+    for (int t = T - 1; t >= 0; t--) {
+        load_step(t);
+        float dv[4][MT5][2][2], dcp[MT5][2][2];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const float2 dh = (carried >> (2 * mt + i)) & 1u ? slot_sum(16 * mt + g + 8 * i)
+                                                                 : make_float2(0.0f, 0.0f);
+                float mx = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float s[5], d[4], tl[4], ddir;
+#pragma unroll
+                    for (int p = 0; p < 5; p++)
+                        s[p] = j ? sv[p][mt][i].y : sv[p][mt][i].x;
+                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dh.y : dh.x);
+                    cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
+                                              dcp[mt][i][j]);
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        dv[q][mt][i][j] = d[q];
+                        mx = fmaxf(mx, fabsf(d[q]));
+                    }
+                }
+                if (rv[mt][i]) {
+                    size_t r = (size_t)rb[mt][i] * T + t;
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
+                            make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                if (tg == 0)
+                    rowmax[w][16 * mt + g + 8 * i] = mx;
+            }
+        int rst[MT5][2];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                rst[mt][i] = reset[mt][i];
+        __syncthreads(); // the row maxima; this CTA's reads of the receive slots are done
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+                float mx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < NWC; k++)
+                    mx = fmaxf(mx, rowmax[k][row]);
+                const float sc = pow2_for(mx, 14);
+                if (w == 0 && tg == 0)
+                    rowinv[row] = winv / sc;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    __half2 p = __floats2half2_rn(dv[q][mt][i][0] * sc, dv[q][mt][i][1] * sc);
+                    *reinterpret_cast<__half2 *>(smem + C_WBYTES + hoff(row, q * UPC + lu0)) = p;
+                }
+            }
+        __syncthreads();
+
+        float acc[MT5][4][4];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+                zero4(acc[mt][nt]);
+#pragma unroll
+        for (int ks = 0; ks < CKSH; ks++) {
+            uint32_t wv[8], af[MT5][4];
+            WL::load(wv, wsm, ks, NWC, w, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+                ldsm_x4(af[mt], ab[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
+#pragma unroll
+            for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    mode_f16::mma(acc[mt][nt], af[mt], make_uint2(wv[2 * nt], wv[2 * nt + 1]));
+        }
+        cluster_arrive(); // M_t: this CTA's A tile is read
+        float ri[MT5][2];
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                ri[mt][i] = rowinv[16 * mt + g + 8 * i];
+        cluster_wait(); // M_t: every A tile is read, the receive slots may be written
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int row = 16 * mt + g + 8 * i;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    const int lu = 32 * (w & 1) + 8 * nt + 2 * tg;
+                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4, acc[mt][nt][2 * i] * ri[mt][i],
+                                acc[mt][nt][2 * i + 1] * ri[mt][i]);
+                }
+            }
+        cluster_arrive();
+        cluster_wait(); // P_t: every partial is in
+
+        // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
+        // (DESIGN.md §2): carried into step t - 1 (read there), or out where it ends here.
+        carried = 0;
+#pragma unroll
+        for (int mt = 0; mt < MT5; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                bool carry = t > 0 && !rst[mt][i];
+                if (carry) {
+                    carried |= 1u << (2 * mt + i);
+                    dc[mt][i][0] = dcp[mt][i][0], dc[mt][i][1] = dcp[mt][i][1];
+                    continue;
+                }
+                if (rv[mt][i] && (a.stored || !rst[mt][i])) {
+                    const float2 dh = slot_sum(16 * mt + g + 8 * i);
+                    if (a.stored) {
+                        size_t at = (((size_t)rb[mt][i] * T + t) * L + l) * H + ub;
+                        if (a.g_hidden)
+                            *reinterpret_cast<float2 *>(a.g_hidden + at) = dh;
+                        if (a.g_cell)
+                            *reinterpret_cast<float2 *>(a.g_cell + at) =
+                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                    } else { // t == 0 and no reset: the initial state
+                        size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
+                        if (a.g_h0)
+                            *reinterpret_cast<float2 *>(a.g_h0 + at) = dh;
+                        if (a.g_c0)
+                            *reinterpret_cast<float2 *>(a.g_c0 + at) =
+                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                    }
+                }
+                dc[mt][i][0] = dc[mt][i][1] = 0.0f;
+            }
+    }
+    // P_0 was the last barrier: every write to this CTA's shared memory is done.
+}
+
 // The launch of either loop: CL-CTA clusters, one per ROWS batch rows (not copyable: cfg points
 // at attr).
 struct cluster_launch {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    cluster_launch(int B, long smem, cudaStream_t stream) {
-        cfg.gridDim = dim3((unsigned)(CEIL_DIV(B, ROWS) * CL), 1, 1);
+    cluster_launch(int B, long smem, cudaStream_t stream, int rows = ROWS) {
+        cfg.gridDim = dim3((unsigned)(CEIL_DIV(B, rows) * CL), 1, 1);
         cfg.blockDim = dim3(CTHREADS, 1, 1);
         cfg.dynamicSmemBytes = (size_t)smem;
         cfg.stream = stream;
@@ -802,13 +1474,13 @@ int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t st
 
 // Clusters of a loop's kernel the device runs at once (0 when it cannot launch it).
 template <class Args>
-static int cluster_active(void (*kernel)(Args), long smem) {
+static int cluster_active(void (*kernel)(Args), long smem, int rows = ROWS) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
-    cluster_launch launch(32 * ROWS, smem, nullptr);
+    cluster_launch launch(32 * rows, smem, nullptr, rows);
     int n = 0;
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &launch.cfg) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -833,6 +1505,42 @@ int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t s
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB_SMEM));
     cluster_launch launch(a->B, CB_SMEM, stream);
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
+    return 0;
+}
+
+// The 80-row clusters (v11b, bench variant bit 1024): same conditions and arguments.
+long rnnd__cluster80_lstm_smem(void) {
+    return C5_SMEM;
+}
+
+long rnnd__cluster80_lstm_bwd_smem(void) {
+    return CB5_SMEM;
+}
+
+int rnnd__cluster80_lstm_active(bool backward) {
+    return backward ? cluster_active(seq_cluster80_lstm_backward_kernel, CB5_SMEM, ROWS5)
+                    : cluster_active(seq_cluster80_lstm_forward_kernel, C5_SMEM, ROWS5);
+}
+
+int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
+        return RNND_EINVAL;
+    auto kernel = seq_cluster80_lstm_forward_kernel;
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C5_SMEM));
+    cluster_launch launch(a->B, C5_SMEM, stream, ROWS5);
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
+    return 0;
+}
+
+int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || !a->vec)
+        return RNND_EINVAL;
+    auto kernel = seq_cluster80_lstm_backward_kernel;
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB5_SMEM));
+    cluster_launch launch(a->B, CB5_SMEM, stream, ROWS5);
     RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
     return 0;
 }

@@ -96,5 +96,12 @@ int rnnd__cluster_lstm_active(bool backward);
 // Its backward (any layer input: it reads the tape, not x; a.vec), same cluster shape.
 long rnnd__cluster_lstm_bwd_smem(void);
 int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
+// The same two loops with 80 rows a cluster (v11b: B = 2048 in 26 clusters, one wave on an
+// H100; bench variant bit 1024 in seq.cu), same conditions and arguments.
+long rnnd__cluster80_lstm_smem(void);
+long rnnd__cluster80_lstm_bwd_smem(void);
+int rnnd__cluster80_lstm_active(bool backward);
+int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
+int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

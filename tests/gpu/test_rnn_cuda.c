@@ -521,6 +521,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cpu backend init failed\n");
         return 1;
     }
+    // RNND_CUDA_VARIANT: run every case with a kernel variant under trial (as the bench does;
+    // kernels/bench/NOTES.md), e.g. 1024 for the 80-row LSTM H=256 clusters.
+    const char *variant = getenv("RNND_CUDA_VARIANT");
+    if (variant && *variant) {
+        if (rnnd_cuda_set_variant(&gpu, atoi(variant)) != 0) {
+            fprintf(stderr, "RNND_CUDA_VARIANT=%s: not accepted\n", variant);
+            return 1;
+        }
+        printf("variant: %d\n", atoi(variant));
+    }
     printf("device: %s\n", gpu.device);
     const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
     const enum rnnd_compute F32 = RNND_COMPUTE_FP32, IEEE = RNND_COMPUTE_IEEE,

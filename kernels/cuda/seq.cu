@@ -96,44 +96,49 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
-// Bench variant bit RNND_SEQ_VARIANT_CLUSTER80 runs both cluster loops with 80 rows a cluster
-// (seq_cluster.cu, v11b in kernels/bench/NOTES.md: B = 2048 in 26 clusters, one wave on an H100)
-// instead of 64; not yet the default.
-#define RNND_SEQ_VARIANT_CLUSTER80 1024
+// The LSTM H = 256 loops may run in thread-block clusters (seq_cluster.cu, v11 and v11b in
+// kernels/bench/NOTES.md): TF32 mode, sm_90. Bench variant bit 128 turns them off (the per-step
+// path).
+static bool seq_cluster_model(const struct cuda_ctx *c, const struct rnnd_model *m) {
+    return c->path != CUDA_PATH_STEPWISE && !(c->variant & 128) && c->cc_major >= 9 &&
+           m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && m->H == 256;
+}
 
-// Layer l's forward runs in thread-block clusters (seq_cluster.cu, v11 in kernels/bench/NOTES.md):
-// LSTM, TF32 mode, H = 256, a layer input the loop reads (I_l <= 64, I_l % 4 == 0), sm_90. The
-// caller adds the run-time alignment. Bench variant bit 128 turns it off (the per-step path).
+// Layer l's forward in clusters reads its input itself (I_l <= 64, I_l % 4 == 0); the caller
+// adds the run-time alignment and asks seq_cluster_rows for the shape.
 static bool seq_cluster(const struct cuda_ctx *c, const struct rnnd_model *m, int l) {
-    if (c->path == CUDA_PATH_STEPWISE || (c->variant & 128) || c->cc_major < 9 ||
-        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256)
-        return false;
     int Il = rnnd_model_layer_input(m, l);
-    long need = (c->variant & RNND_SEQ_VARIANT_CLUSTER80) ? rnnd__cluster80_lstm_smem()
-                                                          : rnnd__cluster_lstm_smem();
-    return Il <= 64 && Il % 4 == 0 && (size_t)need + 256 <= c->smem_optin;
+    return seq_cluster_model(c, m) && Il <= 64 && Il % 4 == 0;
+}
+
+// Rows a cluster of a B-row LSTM H = 256 loop (0: the device cannot run either shape): 64, or
+// 80 where that takes fewer waves (an H100 runs 30 clusters of either: B = 2048 is two waves of
+// 64-row clusters, one of 80-row ones; a wave costs a whole loop). At equal waves 64, whose
+// steps are faster (the 80-row loops single-buffer their tiles: a second cluster barrier a
+// step; NOTES v11b). Bench variant bit 1024 asks for 80 rows wherever they run.
+#define RNND_SEQ_VARIANT_CLUSTER80 1024
+static int seq_cluster_rows(const struct cuda_ctx *c, int B, bool backward) {
+    int a64 = rnnd__cluster_lstm_active(backward), a80 = rnnd__cluster80_lstm_active(backward);
+    if (a80 > 0 && (c->variant & RNND_SEQ_VARIANT_CLUSTER80))
+        return 80;
+    if (a64 <= 0 || a80 <= 0)
+        return a64 > 0 ? 64 : a80 > 0 ? 80 : 0;
+    return CEIL_DIV(CEIL_DIV(B, 80), a80) < CEIL_DIV(CEIL_DIV(B, 64), a64) ? 80 : 64;
 }
 
 // The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
-// which every forward writes alike), where it beats the per-step backward (NOTES v11): when all
-// the batch's clusters run at once (an H100 runs 30 of them, B = 2048 needs 32, and a second
-// wave costs a whole loop) and the batch has at least RNND_CLUSTER_BWD_MIN_ROWS rows (one
-// cluster's step, ~15.5 us, is slower than the per-step path's at B = 64, ~13.6 us; the per-step
-// path's grows ~2.4 times faster with B). Bench variant bit 256 turns it off. With bit
-// RNND_SEQ_VARIANT_CLUSTER80 the 80-row backward runs at every B (under trial: no row minimum,
-// no wave check; it only needs the device to run one of its clusters).
+// which both forward shapes and the per-step path write alike): rows a cluster, or 0 for the
+// per-step backward. Clusters win (NOTES v11, v11b) when the batch runs in one wave and has at
+// least RNND_CLUSTER_BWD_MIN_ROWS rows (one cluster's step, ~15.5 us, is slower than the
+// per-step path's at B = 64, ~13.6 us; the per-step path's grows ~2.4 times faster with B).
+// Bench variant bit 256 turns them off.
 #define RNND_CLUSTER_BWD_MIN_ROWS 320
-static bool seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
-    if (c->path == CUDA_PATH_STEPWISE || (c->variant & (128 | 256)) || c->cc_major < 9 ||
-        m->cell != RNND_CELL_LSTM || m->compute != RNND_COMPUTE_FP32 || m->H != 256)
-        return false;
-    if (c->variant & RNND_SEQ_VARIANT_CLUSTER80)
-        return (size_t)rnnd__cluster80_lstm_bwd_smem() + 3072 <= c->smem_optin &&
-               rnnd__cluster80_lstm_active(true) > 0;
-    if (B < RNND_CLUSTER_BWD_MIN_ROWS ||
-        (size_t)rnnd__cluster_lstm_bwd_smem() + 2560 > c->smem_optin)
-        return false;
-    return CEIL_DIV(B, 64) <= rnnd__cluster_lstm_active(true);
+static int seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
+    if (!seq_cluster_model(c, m) || (c->variant & 256) || B < RNND_CLUSTER_BWD_MIN_ROWS)
+        return 0;
+    int rows = seq_cluster_rows(c, B, true);
+    int active = rows == 80 ? rnnd__cluster80_lstm_active(true) : rnnd__cluster_lstm_active(true);
+    return rows > 0 && CEIL_DIV(B, rows) <= active ? rows : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -396,7 +401,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
                                 aligned16(seq->h0) && aligned16(seq->c0) &&
                                 aligned16(seq->hidden) && aligned16(seq->cell);
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
-    bool clus0 = seq_cluster(c, m, 0) && vec && aligned16(seq->x);
+    int crows = seq_cluster(c, m, 0) && vec && aligned16(seq->x) ? seq_cluster_rows(c, B, false) : 0;
+    bool clus0 = crows > 0;
     for (int l = 0; l < L; l++) {
         xks[l] = persistent && !(c->variant & 32) ? rnnd__persist_xks(m, l, c->smem_optin) : 0;
         need_xg = need_xg || (xks[l] == 0 && !(l == 0 && clus0));
@@ -447,9 +453,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.s = tape ? s : nullptr;
             a.h_n = h_n, a.c_n = c_n;
             a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
-            RNND_TRY((c->variant & RNND_SEQ_VARIANT_CLUSTER80)
-                         ? rnnd__cluster80_lstm_forward(&a, c->stream)
-                         : rnnd__cluster_lstm_forward(&a, c->stream));
+            RNND_TRY(crows == 80 ? rnnd__cluster80_lstm_forward(&a, c->stream)
+                                 : rnnd__cluster_lstm_forward(&a, c->stream));
         } else if (persistent) {
             struct persist_fwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
@@ -557,6 +562,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
                aligned16(grads->hidden) && aligned16(grads->cell);
     const float *tp = (const float *)tape;
+    const int brows = vec ? seq_cluster_bwd(c, m, B) : 0; // rows a cluster of the backward, or 0
 
     for (int l = L - 1; l >= 0; l--) {
         const struct seq_layer_layout *ly = &lay.layer[l];
@@ -564,7 +570,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         const float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *gy = l == L - 1 ? grad_out : gyb;
 
-        if (seq_cluster_bwd(c, m, B) && vec) {
+        if (brows > 0) {
             struct persist_bwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
             a.stored = seq->hidden != NULL;
@@ -573,9 +579,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
             a.g_h0 = grads->h0, a.g_c0 = grads->c0;
             a.g_hidden = grads->hidden, a.g_cell = grads->cell;
-            RNND_TRY((c->variant & RNND_SEQ_VARIANT_CLUSTER80)
-                         ? rnnd__cluster80_lstm_backward(&a, c->stream)
-                         : rnnd__cluster_lstm_backward(&a, c->stream));
+            RNND_TRY(brows == 80 ? rnnd__cluster80_lstm_backward(&a, c->stream)
+                                 : rnnd__cluster_lstm_backward(&a, c->stream));
         } else if (persistent) {
             struct persist_bwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;

@@ -591,6 +591,8 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 256, 1, 129, 20, 0.01, STATE_NONE, AUTO},
         {LSTM, F32, 64, 256, 1, 385, 6, 0.1, STATE_HIDDEN, AUTO},
         {LSTM, F32, 32, 256, 2, 400, 5, 0.1, STATE_H0, AUTO},
+        // B=2000: 32 clusters of 64 rows are two waves on an H100, 25 of 80 one: the 80-row loops.
+        {LSTM, F32, 64, 256, 1, 2000, 3, 0.1, STATE_HIDDEN, AUTO},
     };
     const struct seq_case *cases = quick ? quick_cases : full_cases;
     int ncases = quick ? (int)(sizeof(quick_cases) / sizeof(quick_cases[0]))

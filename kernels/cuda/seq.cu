@@ -570,26 +570,19 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         const float *z = tp + ly->z_off, *s = tp + ly->s_off;
         const float *gy = l == L - 1 ? grad_out : gyb;
 
+        // The time loop's arguments (the persistent loops and the clusters).
+        struct persist_bwd_args a = {};
+        a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
+        a.stored = seq->hidden != NULL;
+        a.w_hh = lp.w_hh, a.is_init = seq->is_init;
+        a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
+        a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
+        a.g_h0 = grads->h0, a.g_c0 = grads->c0;
+        a.g_hidden = grads->hidden, a.g_cell = grads->cell;
         if (brows > 0) {
-            struct persist_bwd_args a = {};
-            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
-            a.stored = seq->hidden != NULL;
-            a.w_hh = lp.w_hh, a.is_init = seq->is_init;
-            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
-            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
-            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
-            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
             RNND_TRY(brows == 80 ? rnnd__cluster80_lstm_backward(&a, c->stream)
                                  : rnnd__cluster_lstm_backward(&a, c->stream));
         } else if (persistent) {
-            struct persist_bwd_args a = {};
-            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
-            a.stored = seq->hidden != NULL;
-            a.w_hh = lp.w_hh, a.is_init = seq->is_init;
-            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
-            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
-            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
-            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
             a.tma = c->cc_major >= 9;
             a.rc = seq_recompute(c, m, l);
             a.w_ih = lp.w_ih, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
@@ -598,15 +591,15 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.variant = c->variant, a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(rnnd__persist_backward(m, &a, c->stream));
         } else {
-            stepwise_bwd_args a = {};
-            a.B = B, a.T = T, a.H = H, a.L = L, a.l = l;
-            a.stored = seq->hidden != NULL, a.is_init = seq->is_init;
-            a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
-            a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
-            a.dh = dh, a.dc = dc, a.dhp = dhp, a.dcp = dcp;
-            a.g_h0 = grads->h0, a.g_c0 = grads->c0;
-            a.g_hidden = grads->hidden, a.g_cell = grads->cell;
-            RNND_TRY(stepwise_backward(c, m, a, lp.w_hh));
+            stepwise_bwd_args sw = {};
+            sw.B = B, sw.T = T, sw.H = H, sw.L = L, sw.l = l;
+            sw.stored = a.stored, sw.is_init = a.is_init;
+            sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.gy = gy, sw.ldgy = H;
+            sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
+            sw.dh = dh, sw.dc = dc, sw.dhp = dhp, sw.dcp = dcp;
+            sw.g_h0 = grads->h0, sw.g_c0 = grads->c0;
+            sw.g_hidden = grads->hidden, sw.g_cell = grads->cell;
+            RNND_TRY(stepwise_backward(c, m, sw, lp.w_hh));
         }
 
         // [dW_ih | dW_hh | db] (4H rows of ldz) = D^T z over every row and step.

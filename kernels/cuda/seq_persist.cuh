@@ -44,7 +44,8 @@
  * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
  * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
  *
- * Versions v1..v12: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * Versions v1..v12: kernels/bench/NOTES.md has each one's prediction and measured result; v13
+ * (KP with the x part a step ahead, bench variant bit 2048) is not yet run on a GPU.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
@@ -365,6 +366,15 @@ struct persist_geom {
     static constexpr long f_smem_kp(int xks) {
         return (void)xks, F_KP_XCH + F_XCH_BYTES;
     }
+    // KP with the x part a step ahead (XA, v13, bench variant bit 2048): behind KP's regions,
+    // the x partial sums of the h-warps' rows in two parities (NW pairs x 32 lanes x NT/2
+    // float4 each) and a second fp32 x stage (x is staged two steps ahead).
+    static constexpr long F_KPXA_XSLOT = F_KP_XCH + F_XCH_BYTES;
+    static constexpr long F_KPXA_SLOTP = (long)NW * 32 * (F_NT / 2) * 16;
+    static constexpr long F_KPXA_STAGE1 = F_KPXA_XSLOT + 2 * F_KPXA_SLOTP;
+    static constexpr long f_smem_kpxa() {
+        return F_KPXA_STAGE1 + 16L * (HP / 2) * 4;
+    }
     // Backward: K = G*HP (gate rows) split in two halves; warps 2p and 2p+1 share N = 4 n-tiles
     // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
     // partner the partial sums of the partner's units through an exchange buffer (8 floats a
@@ -382,6 +392,9 @@ struct persist_geom {
     static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
     static_assert(!F_KP || f_smem_kp(F_XKS) <= RNND_PERSIST_SMEM_BUDGET, "KP does not fit");
+    static_assert(!F_KP || (f_smem_kpxa() <= RNND_PERSIST_SMEM_BUDGET &&
+                            f_smem_kpxa() >= f_smem_kp(F_XKS)),
+                  "KP x-ahead does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
 };
 
@@ -576,7 +589,23 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
 // and a 64-thread barrier, and runs the cell for its own row, g + 8 kh, only: half the MMA
 // chain and half the cell a warp, twice the warps to hide their latencies, no weights in
 // registers (128 registers a thread at most).
-template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false>
+//
+// XA (v13, KP only; bench variant bit 2048, NOT YET RUN ON A GPU): the x-warps run the x part
+// a step ahead, so the h-warps never wait for it. x is loaded two steps ahead into one of two
+// fp32 stages (x(t+2) at the end of step t); at the top of step t the x-warps convert x(t+1)
+// into the fp16 tile (their barrier 9) and, at the end of step t (after the cell, the stores and
+// put_h, where the fewest registers are live), run the x part of step t+1, scale each row back
+// by its 1/x scale and write the h-partner's row (g) into parity (t+1)&1 of the x slots and
+// their own row (g+8) into their own exchange slot. The block barrier at the end of step t
+// publishes both. Per step the pair then needs one direction only: the h-warp writes the h part
+// of row g+8, bar.arrive; the x-warp bar.sync (64 threads, barrier 1+w) and reads it. The h-warp
+// reads the x slot of parity t&1 (written before the last block barrier) without waiting; the
+// two parities keep the x-warp's writes of step t+1 off the slot the h-warp may still read.
+// At t = T-1 there is no step T: no conversion, no x part. Resets touch only h (the x part does
+// not depend on the state); the tape's x copy is written with the stage (rows t+2, 0 and 1 in
+// the prologue).
+template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false,
+          bool XA = false>
 static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -590,6 +619,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     constexpr int THREADS = (KP ? 2 : 1) * Gm::THREADS;
     constexpr int NR = KP ? 1 : 2; // rows a thread runs the cell for
     static_assert(!KP || (XF && VEC && NW % 4 == 0 && (2 * NT) % 4 == 0), "KP instance");
+    static_assert(!XA || KP, "XA is a KP variant");
 
     const int lane = threadIdx.x & 31, w16 = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // The 16-unit group and, KP, the part (h 0, x 1) of this warp; its rows are g + 8 rowof(r).
@@ -611,6 +641,10 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     float4 *xch = reinterpret_cast<float4 *>(smem + Gm::F_KP_XCH);
     if constexpr (KP)
         xtiles = reinterpret_cast<E *>(xstage);
+    // XA: stage p (x of the steps of parity p), the x slots (x part of the h-warps' rows).
+    float *xstage1 = reinterpret_cast<float *>(smem + Gm::F_KPXA_STAGE1);
+    auto xstage_p = [&](int p) { return p ? xstage1 : xstage; };
+    float4 *xslot = reinterpret_cast<float4 *>(smem + Gm::F_KPXA_XSLOT);
 
     // Weights as B fragments: B[k][n] = W_hh[q*H + unit(n)][k] (h k-steps) and W_ih[..][k]
     // (x k-steps), q the gate of n-tile nt = 2q + half. Scales (powers of two): wscale for
@@ -756,8 +790,68 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         // Both x tiles start at zero (the padding past I_l stays so).
         for (int e = threadIdx.x; e < (KP ? 1 : 2) * 16 * xld; e += THREADS)
             Mode::put(xtiles + e, 0.0f);
+        if constexpr (XA)
+            for (int e = threadIdx.x; e < 16 * xld; e += THREADS)
+                xstage1[e] = 0.0f;
         __syncthreads();
     }
+    // KP, x-warps: an fp32 stage into the fp16 x tile, a half-warp a row (the x-warps' 256
+    // threads), each row scaled by a power of two (its largest |x| in [2^13, 2^14): as exact as
+    // TF32 for every x within 2^27 of it), and 1/scale a row; then the x-warps' barrier 9.
+    auto convert_x = [&](const float *stage) {
+        static_assert(!KP || (THREADS / 2 == 16 * 16 && HP / 2 == 64), "a half-warp a row");
+        const int xt = w * 32 + lane, row = xt >> 4, cx = 4 * (xt & 15);
+        float4 v = *reinterpret_cast<const float4 *>(stage + row * (HP / 2) + cx);
+        float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sc = 1.0f;
+        if (m > 0.0f && m <= 3.0e38f) {
+            int e;
+            frexpf(m, &e);
+            sc = ldexpf(1.0f, 14 - e);
+        }
+        *reinterpret_cast<uint2 *>(x16 + row * Gm::F_KP_XLD + cx) =
+            make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+        if ((lane & 15) == 0)
+            xinv[row] = 1.0f / sc;
+        asm volatile("bar.sync 9, %0;" ::"n"(THREADS / 2) : "memory"); // x-warps only
+    };
+    // KP, x-warps: the x part (HM's MMAs on the fp16 x tile) accumulated into cx.
+    auto xmma = [&](float(&cx)[NT][4]) {
+#pragma unroll
+        for (int ks = 0; ks < Gm::F_KP_XKS; ks++) {
+            if (ks * HM::KSTEP >= Il)
+                break;
+            uint32_t af[4], wv[Gm::F_HWPL];
+            HM::afrag(af, x16, Gm::F_KP_XLD, ks, lane);
+            WLH::load(wv, wsmx, ks, NW, w, lane);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                HM::mma(cx[nt], af, HM::wunpack(wv + nt * HM::WPF));
+        }
+    };
+    // XA, x-warps: the x part of step tn from the converted tile, each row scaled back by its
+    // 1/x scale (a power of two: exact), row g into parity tn&1 of the x slots (for the h-warp),
+    // row g+8 into this warp's own exchange slot (for itself, next step).
+    auto xahead = [&](int tn) {
+        float cx[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            zero4(cx[nt]);
+        xmma(cx);
+        const float i0 = xinv[g], i1 = xinv[g + 8];
+        float4 *xs = xslot + (size_t)(tn & 1) * (NW * (NT / 2) * 32) + w * 32 + lane;
+        float4 *xo = xch + (size_t)w16 * 32 + lane;
+#pragma unroll
+        for (int v = 0; v < NT / 2; v++) {
+            xs[v * NW * 32] = make_float4(cx[2 * v][0] * i0, cx[2 * v][1] * i0,
+                                          cx[2 * v + 1][0] * i0, cx[2 * v + 1][1] * i0);
+            xo[v * 16 * 32] = make_float4(cx[2 * v][2] * i1, cx[2 * v][3] * i1,
+                                          cx[2 * v + 1][2] * i1, cx[2 * v + 1][3] * i1);
+        }
+    };
     // h (scaled) into the step's h tile.
     auto put_h = [&](HE *tile) {
 #pragma unroll
@@ -770,6 +864,19 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     if (xin) {
         load_x(0);
         put_x(xtiles, 0);
+    }
+    if constexpr (XA) {
+        // x(0) converted and its x part run before the loop, x(1) staged (stage 1); the
+        // barrier before the loop publishes the slots.
+        __syncthreads();
+        if (kh == 1 && T > 0) {
+            convert_x(xstage_p(0));
+            xahead(0);
+        }
+        if (xin && T > 1) {
+            load_x(1);
+            put_x(xstage_p(1), 1);
+        }
     }
 
     // x W_ih^T of step 0 (not fused), and the reset flags and stored values of step 1.
@@ -812,9 +919,12 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
         const E *xcur = xtiles + (KP ? 0 : (t & 1) * (16 * xld));
         E *xnxt = xtiles + (KP ? 0 : ((t + 1) & 1) * (16 * xld));
+        if constexpr (XA)
+            xnxt = xstage_p(t & 1);     // x(t+2): (t+2)&1 == t&1
+        constexpr int XAH = XA ? 2 : 1; // steps x is loaded ahead
         clk.start();
-        if (xin && t + 1 < T)
-            load_x(t + 1); // in flight during the MMA
+        if (xin && t + XAH < T)
+            load_x(t + XAH); // in flight during the MMA
 
         // Gates for the warp's 2G n-tiles: h W_hh^T (acc) and, fused, x W_ih^T (accx) apart:
         // their scales differ, and the GRU's r multiplies the h part of n alone.
@@ -840,38 +950,13 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         }
         if constexpr (KP) {
             if (kh == 1) {
-                // The stage of this step into the fp16 x tile, a half-warp a row (the x-warps'
-                // 256 threads), each row scaled by a power of two (its largest |x| in
-                // [2^13, 2^14): as exact as TF32 for every x within 2^27 of it), then the x
-                // part (HM's MMAs, accumulated in acc: this warp has no h part).
-                static_assert(THREADS / 2 == 16 * 16 && HP / 2 == 64, "a half-warp a row");
-                const int xt = w * 32 + lane, row = xt >> 4, cx = 4 * (xt & 15);
-                float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + cx);
-                float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-                for (int o = 8; o > 0; o >>= 1)
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                float sc = 1.0f;
-                if (m > 0.0f && m <= 3.0e38f) {
-                    int e;
-                    frexpf(m, &e);
-                    sc = ldexpf(1.0f, 14 - e);
-                }
-                *reinterpret_cast<uint2 *>(x16 + row * Gm::F_KP_XLD + cx) =
-                    make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
-                if ((lane & 15) == 0)
-                    xinv[row] = 1.0f / sc;
-                asm volatile("bar.sync 9, %0;" ::"n"(THREADS / 2) : "memory"); // x-warps only
-#pragma unroll
-                for (int ks = 0; ks < Gm::F_KP_XKS; ks++) {
-                    if (ks * HM::KSTEP >= Il)
-                        break;
-                    uint32_t af[4], wv[Gm::F_HWPL];
-                    HM::afrag(af, x16, Gm::F_KP_XLD, ks, lane);
-                    WLH::load(wv, wsmx, ks, NW, w, lane);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        HM::mma(acc[nt], af, HM::wunpack(wv + nt * HM::WPF));
+                if constexpr (!XA) {
+                    // This step's stage into the fp16 x tile, then the x part (accumulated in
+                    // acc: this warp has no h part).
+                    convert_x(xstage);
+                    xmma(acc);
+                } else if (t + 1 < T) {
+                    convert_x(xstage_p((t + 1) & 1)); // x(t+1), for the x part at the end
                 }
             }
         } else if constexpr (XF) {
@@ -894,7 +979,40 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         // The row this thread runs the cell for: gh (h part) and gx (x part) of n-tile nt,
         // elements k = 0, 1 (units 2 half + k of its four), row g + 8 rowof(r).
         float gh[NR][NT][2], gx[XF ? NR : 1][XF ? NT : 1][2];
-        if constexpr (KP) {
+        if constexpr (XA) {
+            // The h-warp sends the h part of row g+8 and reads the x part of row g (written
+            // before the last block barrier); the x-warp waits for the h part of its row and
+            // reads its own x part (its own slot).
+            float4 *xo = xch + (size_t)w16 * 32 + lane;
+            if (kh == 0) {
+#pragma unroll
+                for (int v = 0; v < NT / 2; v++)
+                    xo[v * 16 * 32] = make_float4(acc[2 * v][2], acc[2 * v][3], acc[2 * v + 1][2],
+                                                  acc[2 * v + 1][3]);
+                asm volatile("bar.arrive %0, 64;" ::"r"(1 + w) : "memory");
+                const float4 *xs = xslot + (size_t)(t & 1) * (NW * (NT / 2) * 32) + w * 32 + lane;
+#pragma unroll
+                for (int v = 0; v < NT / 2; v++) {
+                    float4 q = xs[v * NW * 32];
+                    gx[0][2 * v][0] = q.x, gx[0][2 * v][1] = q.y;
+                    gx[0][2 * v + 1][0] = q.z, gx[0][2 * v + 1][1] = q.w;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    gh[0][nt][0] = acc[nt][0], gh[0][nt][1] = acc[nt][1];
+            } else {
+                asm volatile("bar.sync %0, 64;" ::"r"(1 + w) : "memory");
+                const float4 *xi = xch + (size_t)(w16 ^ 4) * 32 + lane;
+#pragma unroll
+                for (int v = 0; v < NT / 2; v++) {
+                    float4 q = xi[v * 16 * 32], p = xo[v * 16 * 32];
+                    gh[0][2 * v][0] = q.x, gh[0][2 * v][1] = q.y;
+                    gh[0][2 * v + 1][0] = q.z, gh[0][2 * v + 1][1] = q.w;
+                    gx[0][2 * v][0] = p.x, gx[0][2 * v][1] = p.y;
+                    gx[0][2 * v + 1][0] = p.z, gx[0][2 * v + 1][1] = p.w;
+                }
+            }
+        } else if constexpr (KP) {
             // Send the partner's row, keep our own; the partner sends its part of our row.
             float4 *xo = xch + (size_t)w16 * 32 + lane, *xi = xch + (size_t)(w16 ^ 4) * 32 + lane;
             float own[NT][2], snd[NT][2];
@@ -941,7 +1059,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         // The cell, element by element.
         float hn[NR][4], cn[NR][4], sv[SW][NR][4];
         // The x part's scale back: the weights' (and, KP, the row's x scale).
-        const float xw = KP ? winv * xinv[g + 8 * kh] : winv;
+        // XA: the x-warps scaled the x part back by the row's 1/x scale already.
+        const float xw = KP && !XA ? winv * xinv[g + 8 * kh] : winv;
 #pragma unroll
         for (int i = 0; i < NR; i++)
 #pragma unroll
@@ -1011,8 +1130,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     c[i][j] = nreset[i] ? nc[i][j] : cn[i][j];
                 }
             put_h(hnxt);
-            if (xin)
-                put_x(xnxt, t + 1);
+            if (xin && (!XA || t + 2 < T))
+                put_x(xnxt, t + XAH);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
             for (int i = 0; i < NR; i++) {
@@ -1035,6 +1154,9 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     st4<VEC>(a.c_n + at, cn[i], u0, H, rv[i]);
             }
         }
+        if constexpr (XA)
+            if (kh == 1 && t + 1 < T)
+                xahead(t + 1); // the x part of step t+1 (its tile converted at the top)
         clk.mark(2);
         __syncthreads();
         clk.mark(3);
@@ -1817,8 +1939,9 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
 // ---------------------------------------------------------------------------------------------
 // Launchers, one per (cell, mode, HP): raise the shared-memory limit, launch, check.
 
-// KP: the K split over warp pairs (fused, vector access only; the caller checks).
-template <class Cell, class Mode, int HP, int V = 0, bool KP = false>
+// KP: the K split over warp pairs (fused, vector access only; the caller checks); XA: KP with
+// the x part a step ahead (v13).
+template <class Cell, class Mode, int HP, int V = 0, bool KP = false, bool XA = false>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
     int xks = a.xks > 0 && a.xks <= Gm::F_XKS ? a.xks : 0;
@@ -1827,8 +1950,8 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
     if constexpr (KP) {
         if (!xks || !a.vec)
             return RNND_EINVAL;
-        auto kernel = seq_forward_kernel<Cell, Mode, HP, true, true, V, true>;
-        long smem = Gm::f_smem_kp(xks);
+        auto kernel = seq_forward_kernel<Cell, Mode, HP, true, true, V, true, XA>;
+        long smem = XA ? Gm::f_smem_kpxa() : Gm::f_smem_kp(xks);
         RNND_CUDA_TRY(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         kernel<<<CEIL_DIV(a.B, 16), 2 * Gm::THREADS, smem, stream>>>(a);
@@ -1867,9 +1990,12 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     return 0;
 }
 
+// Bench variant bit of the KP forward with the x part a step ahead (v13, NOT YET RUN ON A GPU).
+#define RNND_SEQ_VARIANT_XAHEAD 2048
+
 // The TF32 H=128 loops with vector access: the fused GRU forward with K split over warp pairs
-// (v12), and bench variant bit 8 (phase clocks) (kernels/bench/NOTES.md); RNND_ENOTSUP where
-// neither applies.
+// (v12; with bench variant bit RNND_SEQ_VARIANT_XAHEAD the x part a step ahead, v13), and bench
+// variant bit 8 (phase clocks) (kernels/bench/NOTES.md); RNND_ENOTSUP where neither applies.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
     if (backward) {
@@ -1881,9 +2007,16 @@ static int persist_launch_variant(bool backward, const void *args, cudaStream_t 
     if (!a.vec)
         return RNND_ENOTSUP;
     if constexpr (persist_geom<Cell, mode_tf32, 128>::F_KP)
-        if (a.xks > 0)
+        if (a.xks > 0) {
+            // The A/B of v13: XA under the bit (to make it the default: == 0 here).
+            const bool xa = (a.variant & RNND_SEQ_VARIANT_XAHEAD) != 0;
+            if (xa)
+                return a.variant & 8
+                           ? persist_launch_forward<Cell, mode_tf32, 128, 8, true, true>(a, stream)
+                           : persist_launch_forward<Cell, mode_tf32, 128, 0, true, true>(a, stream);
             return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8, true>(a, stream)
                                  : persist_launch_forward<Cell, mode_tf32, 128, 0, true>(a, stream);
+        }
     return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)
                          : RNND_ENOTSUP;
 }
@@ -1897,7 +2030,8 @@ static long persist_smem(bool backward, int xks) {
         return Gm::B_SMEM;
     if (xks < 0 || xks > Gm::F_XKS)
         return -1;
-    return Gm::F_KP && xks > 0 ? Gm::f_smem_kp(xks) : Gm::f_smem(xks);
+    // KP: the larger of its two forwards (XA, v13), so that the fit check holds for both.
+    return Gm::F_KP && xks > 0 ? Gm::f_smem_kpxa() : Gm::f_smem(xks);
 }
 
 #endif // RNND_CUDA_SEQ_PERSIST_CUH

@@ -1083,7 +1083,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     sv[p][i][j] = s[p];
             }
         if constexpr ((V & 8) != 0) {
-            persist_wait_for(hn[0][0] + hn[1][3], a.dbg);
+            persist_wait_for(hn[0][0] + hn[NR - 1][3], a.dbg);
             clk.mark(1);
         }
 

@@ -454,6 +454,26 @@ static __device__ float persist_pow2_scale(float m, int top, float *red) {
     return ldexpf(1.0f, top - e);
 }
 
+// A row of 64 fp32 values held by a half-warp (4 consecutive values a lane) into 16-bit HM
+// values at dst (this lane's 4), the row scaled by the power of two that puts its largest |value|
+// in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale.
+template <class HM>
+static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sc = 1.0f;
+    if (m > 0.0f && m <= 3.0e38f) {
+        int e;
+        frexpf(m, &e);
+        sc = ldexpf(1.0f, 14 - e);
+    }
+    *reinterpret_cast<uint2 *>(dst) =
+        make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+    return 1.0f / sc;
+}
+
 // The weights' scale: max |w| over a[0..na) and b[0..nb) into [2^14, 2^15), so that the scaled
 // weights fit fp16 with room to spare.
 static __device__ float persist_wscale(const float *a, int na, const float *b, int nb,
@@ -802,20 +822,9 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         static_assert(!KP || (THREADS / 2 == 16 * 16 && HP / 2 == 64), "a half-warp a row");
         const int xt = w * 32 + lane, row = xt >> 4, cx = 4 * (xt & 15);
         float4 v = *reinterpret_cast<const float4 *>(stage + row * (HP / 2) + cx);
-        float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float sc = 1.0f;
-        if (m > 0.0f && m <= 3.0e38f) {
-            int e;
-            frexpf(m, &e);
-            sc = ldexpf(1.0f, 14 - e);
-        }
-        *reinterpret_cast<uint2 *>(x16 + row * Gm::F_KP_XLD + cx) =
-            make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+        const float inv = persist_row16<HM>(v, x16 + row * Gm::F_KP_XLD + cx);
         if ((lane & 15) == 0)
-            xinv[row] = 1.0f / sc;
+            xinv[row] = inv;
         asm volatile("bar.sync 9, %0;" ::"n"(THREADS / 2) : "memory"); // x-warps only
     };
     // KP, x-warps: the x part (HM's MMAs on the fp16 x tile) accumulated into cx.
@@ -1636,20 +1645,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         if constexpr (XH) {
             const int row = threadIdx.x >> 4, c = 4 * (threadIdx.x & 15);
             float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + c);
-            float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1)
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            float sc = 1.0f;
-            if (m > 0.0f && m <= 3.0e38f) {
-                int e;
-                frexpf(m, &e);
-                sc = ldexpf(1.0f, 14 - e);
-            }
-            *reinterpret_cast<uint2 *>(xtile + (s & 1) * (16 * XLD) + row * XLD + c) =
-                make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
+            const float inv = persist_row16<HM>(v, xtile + (s & 1) * (16 * XLD) + row * XLD + c);
             if ((threadIdx.x & 15) == 0)
-                xinv[(s & 1) * 16 + row] = 1.0f / sc;
+                xinv[(s & 1) * 16 + row] = inv;
         } else {
             (void)s;
         }

@@ -1,38 +1,38 @@
 /*
  * seq_cluster.cu: the LSTM forward time loop at H = 256 in thread-block clusters (sm_90, v11 in
  * kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit one SM, so a
- * cluster of CL = 4 CTAs owns ROWS = 64 batch rows for all T steps and CTA r of the cluster holds
- * the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
- * fp16-scaled W_hh in shared memory; its 256 x I_l slice of W_ih in registers). Each step every
- * CTA computes the gates of its 64 rows x 64 units (M = 64), runs the cell for them and writes
- * its slice of h' (fp16, scaled as in seq_persist.cuh's forward) into the h tile of every CTA of
- * the cluster through distributed shared memory; one cluster barrier a step (arrive after the
- * writes, wait before the reads, h tiles double-buffered) orders the reads of step t before the
- * writes of step t+2 and the writes of step t+1 before its reads.
+ * cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster holds the
+ * gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
+ * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
+ * units, runs the cell for them and writes its slice of h' (fp16, scaled as in seq_persist.cuh's
+ * forward) into the h tile of every CTA of the cluster through distributed shared memory.
  *
- * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all 64 rows: 4 m-tiles x 4
- * n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each B fragment 4.
- * Lane (g, tg) owns rows 16 mt + g + 8 i and units 8w + 2tg + j (mt < 4, i, j < 2): 16
- * (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is read by the
- * loop, scaled by the h scale and rounded to TF32 into its own double-buffered tile, so the x part
+ * Two cluster shapes, one template each loop (cshape below): ROWS = 64 (v11, the default) and
+ * ROWS = 80 (v11b: B = 2048 in 26 clusters, one wave on an H100; seq.cu's seq_cluster_rows picks
+ * it where it saves a wave). 64 rows: W_ih's 256 x I_l slice in registers, h and x tiles
+ * double-buffered, one cluster barrier a step (arrive after the writes, wait before the reads),
+ * which orders the reads of step t before the writes of step t+2 and the writes of step t+1
+ * before its reads. 80 rows (the `WIDE` branches): see the forward and backward kernels.
+ *
+ * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all rows: MT = ROWS / 16
+ * m-tiles x 4 n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each
+ * B fragment MT. Lane (g, tg) owns rows 16 mt + g + 8 i and units 8w + 2tg + j (mt < MT, i,
+ * j < 2): 4 MT (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is
+ * read by the loop, scaled by the h scale and rounded to TF32 into its own tile, so the x part
  * (m16n8k8 TF32 MMAs) and the h part (m16n8k16 fp16 MMAs) share one accumulator and one
  * unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding (the padding would
- * not fit): 128 + 64 + 32 KB = 224 KB.
+ * not fit): 64 rows 128 + 64 + 32 KB = 224 KB.
  *
  * The tape written is the one of the per-step path and of seq_persist.cuh (z = [hprev | 1 | x],
  * s = i, f, g, o, cprev in fp32), so any backward reads it. The backward loop in the same
  * clusters (below) runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
  * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11).
- *
- * v11b (bench variant bit 1024, not yet run on a GPU): both loops again with 80 rows a cluster
- * (B = 2048 in 26 clusters: one wave on an H100), at the end of this file's kernels.
  */
 #include "seq_persist.cuh"
 
 namespace {
 
 constexpr int CL = 4;        // CTAs a cluster
-constexpr int ROWS = 64;     // batch rows a cluster
 constexpr int HC = 256;      // hidden width
 constexpr int UPC = HC / CL; // units a CTA
 constexpr int NWC = 8;       // warps a CTA
@@ -41,10 +41,38 @@ constexpr int CKSH = HC / 16;                            // h k-steps (fp16 m16n
 constexpr int CXKS = 8;                                  // x k-steps (TF32 m16n8k8): I_l <= 64
 constexpr int CXLD = CXKS * 8;                           // x tile row (floats)
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
-constexpr long C_HTILE = (long)ROWS * HC * 2;
-constexpr long C_XTILE = (long)ROWS * CXLD * 4;
-constexpr long C_SMEM = C_WBYTES + 2 * C_HTILE + 2 * C_XTILE;
-static_assert(C_SMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "cluster forward does not fit");
+
+// A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows,
+// v11b) does not fit the 64-row layouts (kernels/bench/NOTES.md v11b): the forward's h and x
+// tiles are single-buffered and W_ih's TF32 fragments live in shared memory (after the x tile)
+// instead of registers; the backward's receive slots share their memory with the A tile.
+template <int ROWS> struct cshape {
+    static_assert(ROWS == 64 || ROWS == 80, "64 or 80 rows a cluster");
+    static constexpr int MT = ROWS / 16;
+    static constexpr bool WIDE = ROWS == 80;
+    static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h and x tiles
+    static constexpr long HTILE = (long)ROWS * HC * 2;
+    static constexpr long XTILE = (long)ROWS * CXLD * 4;
+    static constexpr long XBASE = C_WBYTES + NB * HTILE; // forward: the x tiles in smem
+    static constexpr long WIHBASE = XBASE + NB * XTILE;  // forward, WIDE: W_ih's fragments
+    // 4 TF32 fragment words a lane and k-step
+    static constexpr long WIH = WIDE ? (long)CXKS * NWC * 32 * 16 : 0;
+    static constexpr long FSMEM = WIHBASE + WIH;
+    // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp32.
+    static constexpr long ATILE = (long)ROWS * HC * 2;
+    static constexpr long RECV = (long)CL * ROWS * UPC * 4;
+    static constexpr long RECVBASE = WIDE ? C_WBYTES : C_WBYTES + ATILE;
+    static constexpr long BSMEM =
+        WIDE ? C_WBYTES + (RECV > ATILE ? RECV : ATILE) : C_WBYTES + ATILE + RECV;
+    static_assert(FSMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "cluster forward does not fit");
+    static_assert(BSMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+                  "cluster backward does not fit");
+    static_assert(ROWS * (CXLD / 4) == MT * CTHREADS, "x: MT float4 a thread");
+    static_assert(ROWS % CL == 0, "x tape copy: ROWS / CL rows a CTA");
+    // A lane row's batch index as the loops keep it (64 rows: size_t, 80 rows: int, fewer
+    // registers); 0 where past B.
+    using RowT = std::conditional_t<WIDE, int, size_t>;
+};
 
 __device__ __forceinline__ uint32_t cluster_rank() {
     uint32_t r = 0;
@@ -82,6 +110,15 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
+__device__ __forceinline__ void cluster_st2(uint32_t addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y)
+                 : "memory");
+#else
+    (void)addr, (void)x, (void)y;
+    __trap();
+#endif
+}
 __device__ __forceinline__ void prefetch_l2(const void *p) {
     asm volatile("prefetch.L2 [%0];" ::"l"(p)); // generic address
 }
@@ -98,8 +135,15 @@ __device__ __forceinline__ uint32_t hoff(int row, int unit) { // fp16 h tile, 51
 __device__ __forceinline__ uint32_t xoff(int row, int col) { // fp32 x tile, 256-byte rows
     return (uint32_t)(row * (CXLD * 4) + ((((col >> 2) ^ (row & 7))) << 4) + (col & 3) * 4);
 }
+// Float offset of (row, local unit) in a backward receive slot: units XOR 8 (row % 8),
+// conflict-free float2 accesses of a warp's 8 rows x 4 unit pairs.
+__device__ __forceinline__ int roff(int row, int lu) {
+    return row * UPC + (lu ^ ((row & 7) << 3));
+}
 
-// Block-wide maximum of v (every thread gets it). red: NWC floats.
+// Block-wide maximum of v (every thread gets it). red: NWC floats. (The weight scales use
+// seq_persist.cuh's persist_pow2_scale, the same reduction fused with pow2_for; the h scale needs
+// the maximum itself, agreed on by the cluster before the power of two.)
 __device__ float block_max(float v, float *red) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
@@ -124,15 +168,82 @@ __device__ float pow2_for(float m, int top) {
     return ldexpf(1.0f, top - e);
 }
 
+// max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
+// columns.
+__device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H, int K, int rank) {
+    for (int e = threadIdx.x; e < 4 * UPC * K; e += CTHREADS) {
+        int q = e / (UPC * K), rem = e - q * UPC * K;
+        m = fmaxf(m, fabsf(__ldg(W + (size_t)(q * H + rank * UPC) * K + rem)));
+    }
+    return m;
+}
+
+// The accumulators of a warp's MT m-tiles x 4 n-tiles, zeroed.
+template <int MT> __device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+            zero4(acc[mt][nt]);
+}
+
+// acc += A . B over KS k-steps (MMA Mode: m16n8k16 fp16 or m16n8k8 TF32, 16 or 8 k a step): A
+// the warp's MT m-tiles of a swizzled tile of PITCH-byte rows (ab: the lane's ldmatrix addresses
+// per ks % 4, ks / 4 adds 128 bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
+// ks and n-tile nt, after fetch(ks) (once a k-step, before the ldmatrix).
+template <class Mode, int KS, int PITCH, int MT, class Fetch, class Bfrag>
+__device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t (&ab)[4],
+                                         uint32_t off, Fetch fetch, Bfrag B) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        uint32_t af[MT][4];
+        fetch(ks);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            ldsm_x4(af[mt], ab[ks & 3] + off + (ks >> 2) * 128 + mt * 16 * PITCH);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+                Mode::mma(acc[mt][nt], af[mt], B(ks, nt));
+    }
+}
+
+// acc += A . W_hh over K = 256 (fp16): A a 512-byte-row tile as in mma_tile, B the W_hh
+// fragments in shared memory (wsm, 8 words a lane and k-step).
+template <int MT>
+__device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned char *wsm,
+                                        const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
+    uint32_t wv[8];
+    mma_tile<mode_f16, CKSH, HC * 2>(
+        acc, ab, off, [&](int ks) { persist_wlayout<8>::load(wv, wsm, ks, NWC, w, lane); },
+        [&](int, int nt) { return make_uint2(wv[2 * nt], wv[2 * nt + 1]); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward. 64 rows: one cluster barrier a step (see the top). 80 rows (WIDE): 128 KB W_hh + 2 x
+// 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile are single-buffered
+// and W_ih moves from registers (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32
+// = 220 KB. Two cluster barriers a step instead of one: A_t (arrive after the h stores of step
+// t, wait before the MMAs of t: the tile holds h_t) and B_t (arrive right after the MMAs of t,
+// wait before the h stores of t + 1: every CTA has read h_t and this CTA x_t), so the cell runs
+// while B_t completes. A thread's barrier sequence: start, hmax, A_0, then per step wait A_t,
+// [arrive B_t, wait B_t, arrive A_{t+1}] (t + 1 < T): the same in every CTA; after the last wait
+// (A_{T-1}) no CTA writes to another's shared memory.
+template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
+    using S = cshape<ROWS>;
+    constexpr int MT = S::MT;
+    constexpr bool WIDE = S::WIDE;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
     unsigned char *wsm = smem;
+    unsigned char *wism = smem + S::WIHBASE; // WIDE: W_ih's fragments
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t hbase = sbase + (uint32_t)C_WBYTES;
-    const uint32_t xbase = hbase + 2 * (uint32_t)C_HTILE;
+    const uint32_t xbase = hbase + S::NB * (uint32_t)S::HTILE;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il;
@@ -140,26 +251,20 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int row0 = (int)(blockIdx.x / CL) * ROWS;
     const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
     using WL = persist_wlayout<8>;
+    using WLX = persist_wlayout<4>;
 
     // Every CTA of the cluster has started before any distributed shared memory access.
     cluster_arrive();
     cluster_wait();
 
-    // Weight scale over this CTA's gate rows of W_hh and W_ih (each CTA unscales its own).
-    float m = 0.0f;
-    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
-        int q = e / (UPC * H), rem = e - q * UPC * H;
-        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
-    }
-    for (int e = threadIdx.x; e < 4 * UPC * Il; e += CTHREADS) {
-        int q = e / (UPC * Il), rem = e - q * UPC * Il;
-        m = fmaxf(m, fabsf(__ldg(a.w_ih + (size_t)(q * H + rank * UPC) * Il + rem)));
-    }
-    const float wscale = pow2_for(block_max(m, red), 15);
+    // Weight scale over this CTA's gate rows of W_hh and W_ih (each CTA unscales its own; red:
+    // persist_pow2_scale reads blockDim.x / 32 = NWC floats of it).
+    const float wscale = persist_pow2_scale(
+        gate_rows_absmax(gate_rows_absmax(0.0f, a.w_hh, H, H, rank), a.w_ih, H, Il, rank), 15, red);
 
     // h scale, the same in every CTA of the cluster: max(1, |h0|, |stored states|) of the
     // cluster's rows (each CTA its units, then the four maxima through distributed memory).
-    m = 1.0f;
+    float m = 1.0f;
     {
         const int steps = a.hidden ? T : a.h0 ? 1 : 0;
         for (int rt = w; rt < ROWS * steps; rt += NWC) {
@@ -187,7 +292,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const float hinv = (1.0f / wscale) * (1.0f / hscale);
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
-    // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers.
+    // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers (64 rows) or in
+    // shared memory (WIDE).
 #pragma unroll 2
     for (int ks = 0; ks < CKSH; ks++) {
         uint32_t o[8];
@@ -200,17 +306,30 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
         WL::store(wsm, ks, NWC, w, lane, o);
     }
-    uint32_t wih[CXKS][4];
+    uint32_t wih[WIDE ? 1 : CXKS][4];
+    auto wih_pack = [&](uint32_t *o, int ks, int q) {
+        auto Bf = [&](int k, int n) -> float {
+            return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
+                          : 0.0f;
+        };
+        mode_tf32::wpack(o, Bf, ks, g, tg, wscale);
+    };
+    if constexpr (WIDE) {
+#pragma unroll 2
+        for (int ks = 0; ks < CXKS; ks++) {
+            uint32_t o[4];
 #pragma unroll
-    for (int ks = 0; ks < CXKS; ks++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            auto Bf = [&](int k, int n) -> float {
-                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
-                              : 0.0f;
-            };
-            mode_tf32::wpack(&wih[ks][q], Bf, ks, g, tg, wscale);
+            for (int q = 0; q < 4; q++)
+                wih_pack(&o[q], ks, q);
+            WLX::store(wism, ks, NWC, w, lane, o);
         }
+    } else {
+#pragma unroll
+        for (int ks = 0; ks < CXKS; ks++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                wih_pack(&wih[ks][q], ks, q);
+    }
 
     // Biases (b_ih + b_hh) of this lane's units.
     float bias[4][2];
@@ -220,62 +339,104 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int j = 0; j < 2; j++)
             bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
 
-    // Rows: lane row (mt, i) = 16 mt + g + 8 i.
-    bool rv[4][2];
-    size_t rbase[4][2];
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i. rs: b T (64 rows) or b (WIDE), 0 where past B;
+    // rowT is b T and rowb b either way.
+    bool rv[MT][2];
+    typename S::RowT rs[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < 4; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int b = row0 + 16 * mt + g + 8 * i;
             rv[mt][i] = b < a.B;
-            rbase[mt][i] = (size_t)(rv[mt][i] ? b : 0) * T;
+            if constexpr (WIDE)
+                rs[mt][i] = rv[mt][i] ? b : 0;
+            else
+                rs[mt][i] = (size_t)(rv[mt][i] ? b : 0) * T;
         }
+    auto rowT = [&](int mt, int i) -> size_t {
+        if constexpr (WIDE)
+            return (size_t)rs[mt][i] * T;
+        else
+            return rs[mt][i];
+    };
+    auto rowb = [&](int mt, int i) -> size_t {
+        if constexpr (WIDE)
+            return (size_t)rs[mt][i];
+        else
+            return rs[mt][i] / T;
+    };
     const size_t hid_step = (size_t)L * H;
 
-    // x of a step: 64 rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread.
+    // x of a step: ROWS rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread
+    // (k < MT). 64 rows: its source and tape pointers (null: none); WIDE (fewer registers): its
+    // batch row (-1: none), column and whether it copies to the tape. Both: its swizzled tile
+    // offset. The tape's copy of x: rank r writes rows [r ROWS / CL, (r + 1) ROWS / CL).
     const int x4r = Il / 4; // float4 a row
-    const float *xsrc[4];
-    float *xdst[4];
-    uint32_t xto[4];
+    const float *xsrc[MT];
+    float *xdst[MT];
+    int xr[MT], xc[MT];
+    bool xd[MT];
+    uint32_t xto[MT];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < MT; k++) {
         int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS, c4 = e - row * x4r;
         bool ok = x4r > 0 && row < ROWS && row0 + row < a.B;
-        size_t b = (size_t)row0 + row;
-        xsrc[k] = ok ? a.x + b * T * a.ldx + 4 * c4 : nullptr;
-        // The tape's copy of x: rank r writes rows [16r, 16r+16).
-        xdst[k] =
-            ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4 : nullptr;
+        if constexpr (WIDE) {
+            xr[k] = ok ? row0 + row : -1;
+            xc[k] = ok ? 4 * c4 : 0;
+            xd[k] = ok && a.xcopy && row / (ROWS / CL) == rank;
+        } else {
+            size_t b = (size_t)row0 + row;
+            xsrc[k] = ok ? a.x + b * T * a.ldx + 4 * c4 : nullptr;
+            xdst[k] = ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4
+                                                          : nullptr;
+        }
         xto[k] = ok ? xoff(row, 4 * c4) : 0;
     }
-    float4 xv[4];
+    auto x_ok = [&](int k) -> bool {
+        if constexpr (WIDE)
+            return xr[k] >= 0;
+        else
+            return xsrc[k] != nullptr;
+    };
+    float4 xv[MT];
     auto load_x = [&](int t) {
 #pragma unroll
-        for (int k = 0; k < 4; k++)
-            if (xsrc[k])
-                xv[k] = __ldg(reinterpret_cast<const float4 *>(xsrc[k] + (size_t)t * a.ldx));
+        for (int k = 0; k < MT; k++)
+            if (x_ok(k)) {
+                if constexpr (WIDE)
+                    xv[k] = __ldg(reinterpret_cast<const float4 *>(
+                        a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
+                else
+                    xv[k] = __ldg(reinterpret_cast<const float4 *>(xsrc[k] + (size_t)t * a.ldx));
+            }
     };
     auto put_x = [&](int t) {
-        float *tile = reinterpret_cast<float *>(smem + C_WBYTES + 2 * C_HTILE + (t & 1) * C_XTILE);
+        unsigned char *tile = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
 #pragma unroll
-        for (int k = 0; k < 4; k++)
-            if (xsrc[k]) {
+        for (int k = 0; k < MT; k++)
+            if (x_ok(k)) {
                 float4 v = xv[k];
-                *reinterpret_cast<float4 *>(reinterpret_cast<unsigned char *>(tile) + xto[k]) =
+                *reinterpret_cast<float4 *>(tile + xto[k]) =
                     make_float4(__uint_as_float(f32_to_tf32(v.x * hscale)),
                                 __uint_as_float(f32_to_tf32(v.y * hscale)),
                                 __uint_as_float(f32_to_tf32(v.z * hscale)),
                                 __uint_as_float(f32_to_tf32(v.w * hscale)));
-                if (xdst[k])
-                    *reinterpret_cast<float4 *>(xdst[k] + (size_t)t * a.ldz) = v;
+                if constexpr (WIDE) {
+                    if (xd[k])
+                        *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
+                                                    xc[k]) = v;
+                } else {
+                    if (xdst[k])
+                        *reinterpret_cast<float4 *>(xdst[k] + (size_t)t * a.ldz) = v;
+                }
             }
     };
 
-    // Both x tiles start at zero (columns past I_l and rows past B stay so).
-    for (int e = threadIdx.x; e < (int)(2 * C_XTILE / 16); e += CTHREADS)
-        reinterpret_cast<float4 *>(smem + C_WBYTES + 2 * C_HTILE)[e] =
-            make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The x tiles start at zero (columns past I_l and rows past B stay so).
+    for (int e = threadIdx.x; e < (int)(S::NB * S::XTILE / 16); e += CTHREADS)
+        reinterpret_cast<float4 *>(smem + S::XBASE)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     __syncthreads();
 
     // The remote bases of the h tiles (shared::cluster addresses of every CTA's tile 0).
@@ -284,11 +445,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int r = 0; r < CL; r++)
         hrem[r] = cluster_map(hbase, (uint32_t)r);
 
-    // h entering a step (this lane's elements) into tile `buf` of every CTA and the tape.
-    auto put_h = [&](const float hv[4][2][2], int t) {
-        const uint32_t bo = (uint32_t)((t & 1) * C_HTILE);
+    // h entering step t (this lane's elements) into tile t & 1 (64 rows) or the tile (WIDE) of
+    // every CTA, and the tape.
+    auto put_h = [&](const float hv[MT][2][2], int t) {
+        const uint32_t bo = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE);
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int row = 16 * mt + g + 8 * i;
@@ -298,7 +460,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int r = 0; r < CL; r++)
                     cluster_st(hrem[r] + o, v);
                 if (a.z && rv[mt][i]) {
-                    float *zr = a.z + (rbase[mt][i] + t) * a.ldz;
+                    float *zr = a.z + (rowT(mt, i) + t) * a.ldz;
                     *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
                     if (rank == 0 && w == 0 && tg == 0) {
                         zr[H] = 1.0f;
@@ -312,19 +474,19 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     };
 
     // The state entering step 0 (reset rule as in seq_persist.cuh).
-    float h[4][2][2], c[4][2][2];
+    float h[MT][2][2], c[MT][2][2];
 #pragma unroll
-    for (int mt = 0; mt < 4; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float2 hv = make_float2(0.0f, 0.0f), cv = make_float2(0.0f, 0.0f);
-            size_t b = rbase[mt][i] / T;
+            const size_t b = rowb(mt, i);
             if (rv[mt][i] && a.hidden) {
-                size_t at = rbase[mt][i] * hid_step + (size_t)l * H + ub;
+                size_t at = rowT(mt, i) * hid_step + (size_t)l * H + ub;
                 hv = *reinterpret_cast<const float2 *>(a.hidden + at);
                 if (a.cell)
                     cv = *reinterpret_cast<const float2 *>(a.cell + at);
-            } else if (rv[mt][i] && a.h0 && !a.is_init[rbase[mt][i]]) {
+            } else if (rv[mt][i] && a.h0 && !a.is_init[rowT(mt, i)]) {
                 size_t at = (b * L + l) * H + ub;
                 hv = *reinterpret_cast<const float2 *>(a.h0 + at);
                 if (a.c0)
@@ -335,13 +497,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     put_h(h, 0);
     load_x(0);
     put_x(0);
-    int nreset[4][2];
+    int nreset[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < 4; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++)
-            nreset[mt][i] = ld_flag(a.is_init + rbase[mt][i] + 1, rv[mt][i] && T > 1);
-    cluster_arrive();
+            nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
+    cluster_arrive(); // WIDE: A_0
 
     // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
     // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
@@ -355,47 +517,40 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
 
     for (int t = 0; t < T; t++) {
-        cluster_wait(); // h of step t complete in every CTA's tile t & 1
-        if (t + 1 < T)
-            load_x(t + 1); // in flight during the MMAs
-        const uint32_t ho = (uint32_t)((t & 1) * C_HTILE), xo = (uint32_t)((t & 1) * C_XTILE);
+        cluster_wait(); // h of step t complete in every CTA's tile (t & 1); WIDE: A_t, x_t too
+        const bool more = t + 1 < T;
+        if constexpr (!WIDE)
+            if (more)
+                load_x(t + 1); // in flight during the MMAs
+        const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE),
+                       xo = WIDE ? 0u : (uint32_t)((t & 1) * S::XTILE);
 
-        float acc[4][4][4];
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                zero4(acc[mt][q]);
-#pragma unroll
-        for (int ks = 0; ks < CXKS; ks++) {
-            uint32_t af[4][4];
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-                ldsm_x4(af[mt], xb[ks & 3] + xo + (ks >> 2) * 128 + mt * 16 * CXLD * 4);
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mode_tf32::mma(acc[mt][q], af[mt], mode_tf32::wunpack(&wih[ks][q]));
-        }
-#pragma unroll
-        for (int ks = 0; ks < CKSH; ks++) {
-            uint32_t wv[8], af[4][4];
-            WL::load(wv, wsm, ks, NWC, w, lane);
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-                ldsm_x4(af[mt], hb[ks & 3] + ho + (ks >> 2) * 128 + mt * 16 * HC * 2);
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mode_f16::mma(acc[mt][q], af[mt], make_uint2(wv[2 * q], wv[2 * q + 1]));
-        }
+        float acc[MT][4][4];
+        zero_acc(acc);
+        uint32_t wi[4]; // WIDE: W_ih's fragments of the k-step
+        mma_tile<mode_tf32, CXKS, CXLD * 4>(
+            acc, xb, xo,
+            [&](int ks) {
+                if constexpr (WIDE)
+                    WLX::load(wi, wism, ks, NWC, w, lane);
+            },
+            [&](int ks, int q) {
+                if constexpr (WIDE)
+                    return mode_tf32::wunpack(wi + q);
+                else
+                    return mode_tf32::wunpack(wih[ks] + q);
+            });
+        mma_whh(acc, wsm, hb, ho, w, lane);
+        if constexpr (WIDE)
+            if (more) {
+                cluster_arrive(); // B_t: this CTA has read the h and x tiles of step t
+                load_x(t + 1);    // in flight during the cell
+            }
 
         // The cell; outputs and tape.
-        float hn[4][2][2], cn[4][2][2];
+        float hn[MT][2][2], cn[MT][2][2];
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 float sv[5][2];
@@ -412,7 +567,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         sv[p][j] = s[p];
                 }
                 if (rv[mt][i]) {
-                    size_t r = rbase[mt][i] + t;
+                    size_t r = rowT(mt, i) + t;
                     *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
                         make_float2(hn[mt][i][0], hn[mt][i][1]);
                     if (a.s) {
@@ -424,15 +579,15 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
             }
 
-        if (t + 1 < T) {
+        if (more) {
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
                     if (nreset[mt][i] && a.hidden) {
-                        size_t at = (rbase[mt][i] + t + 1) * hid_step + (size_t)l * H + ub;
+                        size_t at = (rowT(mt, i) + t + 1) * hid_step + (size_t)l * H + ub;
                         nh = *reinterpret_cast<const float2 *>(a.hidden + at);
                         if (a.cell)
                             nc = *reinterpret_cast<const float2 *>(a.cell + at);
@@ -442,23 +597,25 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     c[mt][i][0] = nreset[mt][i] ? nc.x : cn[mt][i][0];
                     c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
                 }
+            if constexpr (WIDE)
+                cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
             put_h(h, t + 1);
             put_x(t + 1);
-            cluster_arrive();
+            cluster_arrive(); // WIDE: A_{t+1}
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
                     nreset[mt][i] =
-                        ld_flag(a.is_init + rbase[mt][i] + t + 2, rv[mt][i] && t + 2 < T);
+                        ld_flag(a.is_init + rowT(mt, i) + t + 2, rv[mt][i] && t + 2 < T);
         } else {
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     if (!rv[mt][i])
                         continue;
-                    size_t at = (rbase[mt][i] / T * L + l) * H + ub;
+                    size_t at = (rowb(mt, i) * L + l) * H + ub;
                     if (a.h_n)
                         *reinterpret_cast<float2 *>(a.h_n + at) =
                             make_float2(hn[mt][i][0], hn[mt][i][1]);
@@ -470,41 +627,37 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------
-// Backward: the same cluster, CTA r the gate rows of units [64r, 64r+64) of the 64 rows. Per step
-// (reverse) each lane runs the cell backward for its 16 elements (D out), the CTA's 64 x 256
-// dgate columns go into an fp16 tile, each row scaled by a power of two (its largest |value| in
-// [2^13, 2^14), as v8's: as exact as TF32), and the CTA computes its partial of dh for all 256
-// units, P_r = tile . W_hh[its gate rows] (M = 64, N = 256, K = 256; warp w the units
-// [32w, 32w+32)). The partials of units [64r', 64r'+64) go to CTA r' (warps 2r', 2r'+1) through
+// Backward: the same cluster, CTA r the gate rows of units [64r, 64r+64) of the ROWS rows. Per
+// step (reverse) each lane runs the cell backward for its 4 MT elements (D out), the CTA's ROWS x
+// 256 dgate columns go into an fp16 tile, each row scaled by a power of two (its largest |value|
+// in [2^13, 2^14), as v8's: as exact as TF32), and the CTA computes its partial of dh for all 256
+// units, P_r = tile . W_hh[its gate rows] (M = ROWS, N = 256, K = 256; warp w the units [32w,
+// 32w+32)). The partials of units [64r', 64r'+64) go to CTA r' (warps 2r', 2r'+1) through
 // distributed shared memory, slot r of its receive buffer; CTA r' sums its four slots in a fixed
-// order (deterministic). Two cluster barriers a step: "partials in" before the sums, and
-// "sums read" (arrive right after them, wait just before the next step's partials go out).
-constexpr long CB_ATILE = (long)ROWS * HC * 2;      // 64 rows x 256 gate columns, fp16
-constexpr long CB_RECV = (long)CL * ROWS * UPC * 4; // 4 slots of 64 x 64 fp32
-constexpr long CB_SMEM = C_WBYTES + CB_ATILE + CB_RECV;
-static_assert(CB_SMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
-              "cluster backward does not fit");
-
-// Float offset of (row, local unit) in a receive slot: units XOR 8 (row % 8), conflict-free
-// float2 accesses of a warp's 8 rows x 4 unit pairs.
-__device__ __forceinline__ int roff(int row, int lu) {
-    return row * UPC + (lu ^ ((row & 7) << 3));
-}
-
-__device__ __forceinline__ void cluster_st2(uint32_t addr, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y)
-                 : "memory");
-#else
-    (void)addr, (void)x, (void)y;
-    __trap();
-#endif
-}
-
+// order (deterministic).
+//
+// 64 rows: two cluster barriers a step, "partials in" before the sums, and "sums read" (arrive
+// right after them, wait just before the next step's partials go out); dL/dh is carried in
+// registers and the next step's tape record prefetched into registers.
+//
+// 80 rows (WIDE): the 64-row layout (128 KB W_hh, A tile 80 x 256 fp16 = 40 KB, receive slots 4 x
+// 80 x 64 fp32 = 80 KB) would need 248 KB, so the receive slots share their memory with the A
+// tile: 128 + 80 = 208 KB. A CTA's partials may then land only after every CTA of the cluster has
+// finished its MMAs (which read its A tile), so the barriers of a step are M_t (arrive and wait
+// right after the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came
+// before its MMAs of t) and P_t (after the sends: every partial in). The A tile of step t - 1 is
+// written after this CTA's own sums of step t (the __syncthreads after the row maxima orders
+// them). A thread's barrier sequence: start, then per step M_t, P_t; the last wait (P_0) comes
+// after every write to this CTA's shared memory. Registers (255 with 16 bytes spilled, as the
+// 64-row backward): dL/dh stays in the receive slots between steps (see below) and a step's tape
+// record is loaded at its start, with the next one's prefetched into L2.
+template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
+    using S = cshape<ROWS>;
+    constexpr int MT = S::MT;
+    constexpr bool WIDE = S::WIDE;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float rowmax[NWC][ROWS];
@@ -512,8 +665,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     unsigned char *wsm = smem;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t abase = sbase + (uint32_t)C_WBYTES;
-    const uint32_t rbase_s = abase + (uint32_t)CB_ATILE;
-    const float *recv = reinterpret_cast<const float *>(smem + C_WBYTES + CB_ATILE);
+    // The receive slots (WIDE: the same memory as the A tile).
+    const uint32_t rbase_s = WIDE ? abase : abase + (uint32_t)S::ATILE;
+    const float *recv = reinterpret_cast<const float *>(smem + S::RECVBASE);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
@@ -525,12 +679,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     cluster_arrive();
     cluster_wait();
 
-    float m = 0.0f;
-    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
-        int q = e / (UPC * H), rem = e - q * UPC * H;
-        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
-    }
-    const float wscale = pow2_for(block_max(m, red), 15), winv = 1.0f / wscale;
+    const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, H, H, rank), 15, red),
+                winv = 1.0f / wscale;
 
     // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 nt + n] for tile column k = 64 q + uu.
 #pragma unroll 2
@@ -547,41 +697,84 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         WL::store(wsm, ks, NWC, w, lane, o);
     }
 
-    bool rv[4][2];
-    size_t rb[4][2];
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rb its batch row (0 where past B), rowb as size_t.
+    bool rv[MT][2];
+    typename S::RowT rb[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < 4; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int b = row0 + 16 * mt + g + 8 * i;
             rv[mt][i] = b < a.B;
-            rb[mt][i] = (size_t)(rv[mt][i] ? b : 0);
+            rb[mt][i] = (typename S::RowT)(rv[mt][i] ? b : 0);
         }
+    auto rowb = [&](int mt, int i) -> size_t { return (size_t)rb[mt][i]; };
 
-    // Carried gradients of the state leaving step t.
-    float dh[4][2][2], dc[4][2][2];
+    // Carried gradients of the state leaving step t. 64 rows: dL/dh in registers (dh). WIDE:
+    // dL/dh of the state leaving a step is not held in registers across steps: it is the sum of
+    // the four receive slots (row, this lane's units), read again by the cell of the next step
+    // (the slots are overwritten only after the __syncthreads behind that cell, and by the other
+    // CTAs only after the next M barrier). `carried` bit 2 mt + i: 1 where the sum of row
+    // (mt, i) carries into the next step (else dL/dh there is 0). The step T-1 gets dL/dh_n the
+    // same way: slot 0 = grad_h_n, slots 1..3 = 0 (this lane's own elements, before any remote
+    // write: those come after M_{T-1}, which waits for this CTA).
+    float *recvw = reinterpret_cast<float *>(smem + S::RECVBASE);
+    float dh[WIDE ? 1 : MT][2][2], dc[MT][2][2];
+    uint32_t carried = 0;
 #pragma unroll
-    for (int mt = 0; mt < 4; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
-            size_t at = (rb[mt][i] * L + l) * H + ub;
+            size_t at = (rowb(mt, i) * L + l) * H + ub;
             if (rv[mt][i] && a.gh_n)
                 x = *reinterpret_cast<const float2 *>(a.gh_n + at);
             if (rv[mt][i] && a.gc_n)
                 y = *reinterpret_cast<const float2 *>(a.gc_n + at);
-            dh[mt][i][0] = x.x, dh[mt][i][1] = x.y, dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
+            if constexpr (WIDE) {
+                const int row = 16 * mt + g + 8 * i;
+#pragma unroll
+                for (int sl = 0; sl < CL; sl++)
+                    *reinterpret_cast<float2 *>(recvw + sl * ROWS * UPC + roff(row, lu0)) =
+                        sl == 0 ? x : make_float2(0.0f, 0.0f);
+                carried |= 1u << (2 * mt + i);
+            } else {
+                dh[mt][i][0] = x.x, dh[mt][i][1] = x.y;
+            }
+            dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
         }
+    // The sum of the four slots at (row, this lane's two units).
+    auto slot_sum = [&](int row) -> float2 {
+        float2 s = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int sl = 0; sl < CL; sl++) {
+            float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC + roff(row, lu0));
+            s.x += v.x, s.y += v.y;
+        }
+        return s;
+    };
 
-    // Step t's tape record, output gradient and reset flag.
-    float2 sv[5][4][2], gy[4][2];
-    int reset[4][2];
+    // dL/dh of the state leaving a step at (mt, i), this lane's two units.
+    auto dh_in = [&](int mt, int i) -> float2 {
+        if constexpr (WIDE)
+            return (carried >> (2 * mt + i)) & 1u ? slot_sum(16 * mt + g + 8 * i)
+                                                  : make_float2(0.0f, 0.0f);
+        else
+            return make_float2(dh[mt][i][0], dh[mt][i][1]);
+    };
+
+    // Step t's tape record, output gradient and reset flag. 64 rows: loaded a step ahead into
+    // registers. WIDE: loaded at the start of the step (no registers to spare for a prefetch
+    // across the barriers); step t - 1's are prefetched into L2 right after (one lane in four: a
+    // 32-byte sector).
+    float2 sv[5][MT][2], gy[MT][2];
+    int reset[MT][2];
     auto load_step = [&](int t) {
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                size_t r = rb[mt][i] * T + t;
+                size_t r = rowb(mt, i) * T + t;
                 bool ok = rv[mt][i];
 #pragma unroll
                 for (int p = 0; p < 5; p++)
@@ -592,8 +785,22 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(a.is_init + r, ok);
             }
+        if constexpr (WIDE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    if (rv[mt][i] && tg == 0 && t > 0) {
+                        size_t r = rowb(mt, i) * T + t - 1;
+#pragma unroll
+                        for (int p = 0; p < 5; p++)
+                            prefetch_l2(a.s + r * (5 * H) + p * H + ub);
+                        prefetch_l2(a.gy + r * a.ldgy + ub);
+                    }
+        }
     };
-    load_step(T - 1);
+    if constexpr (!WIDE)
+        load_step(T - 1);
 
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
     uint32_t ab[4];
@@ -603,701 +810,20 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
     const uint32_t dst =
         cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
-    __syncthreads();  // the weights are in place
-    cluster_arrive(); // "sums read" of a step before the first
-
-    for (int t = T - 1; t >= 0; t--) {
-        // Gate gradients; D; the row maxima of the tile values.
-        float dv[4][4][2][2], dcp[4][2][2];
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float mx = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float s[5], d[4], tl[4], ddir;
-#pragma unroll
-                    for (int p = 0; p < 5; p++)
-                        s[p] = j ? sv[p][mt][i].y : sv[p][mt][i].x;
-                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + dh[mt][i][j];
-                    cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
-                                              dcp[mt][i][j]);
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        dv[q][mt][i][j] = d[q];
-                        mx = fmaxf(mx, fabsf(d[q]));
-                    }
-                }
-                if (rv[mt][i]) {
-                    size_t r = rb[mt][i] * T + t;
-#pragma unroll
-                    for (int q = 0; q < 4; q++)
-                        *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
-                            make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                if (tg == 0)
-                    rowmax[w][16 * mt + g + 8 * i] = mx;
-            }
-        int rst[4][2];
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                rst[mt][i] = reset[mt][i];
-        __syncthreads();
-        // The tile, each row scaled.
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-                float mx = 0.0f;
-#pragma unroll
-                for (int k = 0; k < NWC; k++)
-                    mx = fmaxf(mx, rowmax[k][row]);
-                const float sc = pow2_for(mx, 14);
-                if (w == 0 && tg == 0)
-                    rowinv[row] = winv / sc;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    __half2 p = __floats2half2_rn(dv[q][mt][i][0] * sc, dv[q][mt][i][1] * sc);
-                    *reinterpret_cast<__half2 *>(smem + C_WBYTES + hoff(row, q * UPC + lu0)) = p;
-                }
-            }
-        __syncthreads();
-
-        // This CTA's partial of dh: 64 rows x the warp's 32 units.
-        float acc[4][4][4];
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-                zero4(acc[mt][nt]);
-#pragma unroll
-        for (int ks = 0; ks < CKSH; ks++) {
-            uint32_t wv[8], af[4][4];
-            WL::load(wv, wsm, ks, NWC, w, lane);
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-                ldsm_x4(af[mt], ab[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
-#pragma unroll
-            for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    mode_f16::mma(acc[mt][nt], af[mt], make_uint2(wv[2 * nt], wv[2 * nt + 1]));
-        }
-        float ri[4][2];
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                ri[mt][i] = rowinv[16 * mt + g + 8 * i];
-
-        cluster_wait(); // every CTA has read its sums of the step before
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    const int lu = 32 * (w & 1) + 8 * nt + 2 * tg;
-                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4, acc[mt][nt][2 * i] * ri[mt][i],
-                                acc[mt][nt][2 * i + 1] * ri[mt][i]);
-                }
-            }
-        cluster_arrive();
-        cluster_wait(); // every partial is in
-        if (t > 0)
-            load_step(t - 1); // in flight during the sums and the routing
-
-            // dL/dh of the state entering step t (LSTM: no direct term), then routed (DESIGN.md
-            // §2).
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-                float dhp[2] = {0.0f, 0.0f};
-#pragma unroll
-                for (int sl = 0; sl < CL; sl++) {
-                    float2 v =
-                        *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC + roff(row, lu0));
-                    dhp[0] += v.x, dhp[1] += v.y;
-                }
-                dh[mt][i][0] = dhp[0], dh[mt][i][1] = dhp[1];
-            }
-        cluster_arrive(); // this CTA's sums are read
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                bool carry = t > 0 && !rst[mt][i];
-                if (carry) {
-                    dc[mt][i][0] = dcp[mt][i][0], dc[mt][i][1] = dcp[mt][i][1];
-                    continue;
-                }
-                if (rv[mt][i]) {
-                    if (a.stored) {
-                        size_t at = ((rb[mt][i] * T + t) * L + l) * H + ub;
-                        if (a.g_hidden)
-                            *reinterpret_cast<float2 *>(a.g_hidden + at) =
-                                make_float2(dh[mt][i][0], dh[mt][i][1]);
-                        if (a.g_cell)
-                            *reinterpret_cast<float2 *>(a.g_cell + at) =
-                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
-                    } else if (!rst[mt][i]) { // t == 0: the initial state
-                        size_t at = (rb[mt][i] * L + l) * H + ub;
-                        if (a.g_h0)
-                            *reinterpret_cast<float2 *>(a.g_h0 + at) =
-                                make_float2(dh[mt][i][0], dh[mt][i][1]);
-                        if (a.g_c0)
-                            *reinterpret_cast<float2 *>(a.g_c0 + at) =
-                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
-                    }
-                }
-                dh[mt][i][0] = dh[mt][i][1] = 0.0f;
-                dc[mt][i][0] = dc[mt][i][1] = 0.0f;
-            }
-    }
-    cluster_wait(); // the last "sums read": no CTA leaves while another may still write to it
-}
-
-// ---------------------------------------------------------------------------------------------
-// v11b (kernels/bench/NOTES.md): the same two loops with ROWS5 = 80 rows a cluster (5 m-tiles a
-// warp), so that B = 2048 needs 26 clusters, within the 30 an H100 runs at once (64 rows: 32
-// clusters, two waves). Bench variant bit 1024 (seq.cu) selects them; the 64-row kernels above
-// stay the default.
-//
-// Forward: 80 rows do not fit with double-buffered tiles (128 KB W_hh + 2 x 40 KB h + 2 x 20 KB
-// x = 248 KB), so the h tile and the x tile are single-buffered and W_ih moves from registers
-// (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32 = 220 KB. Two cluster barriers
-// a step instead of one: A_t (arrive after the h stores of step t, wait before the MMAs of t:
-// the tile holds h_t) and B_t (arrive right after the MMAs of t, wait before the h stores of
-// t + 1: every CTA has read h_t and this CTA x_t), so the cell runs while B_t completes. A
-// thread's barrier sequence: start, hmax, A_0, then per step wait A_t, [arrive B_t, wait B_t,
-// arrive A_{t+1}] (t + 1 < T): the same in every CTA; after the last wait (A_{T-1}) no CTA
-// writes to another's shared memory.
-constexpr int MT5 = 5;          // m-tiles a warp
-constexpr int ROWS5 = 16 * MT5; // batch rows a cluster
-constexpr long C5_HTILE = (long)ROWS5 * HC * 2;
-constexpr long C5_XTILE = (long)ROWS5 * CXLD * 4;
-constexpr long C5_WIH = (long)CXKS * NWC * 32 * 16; // 4 TF32 fragment words a lane and k-step
-constexpr long C5_SMEM = C_WBYTES + C5_HTILE + C5_XTILE + C5_WIH;
-static_assert(C5_SMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "80-row cluster forward does not fit");
-static_assert(ROWS5 * (CXLD / 4) == MT5 * CTHREADS, "x: MT5 float4 a thread");
-static_assert(ROWS5 % CL == 0, "x tape copy: ROWS5 / CL rows a CTA");
-
-__global__ void __launch_bounds__(CTHREADS, 1)
-    seq_cluster80_lstm_forward_kernel(const struct persist_fwd_args a) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ float red[NWC];
-    __shared__ float hmax[CL];
-    unsigned char *wsm = smem;
-    unsigned char *wism = smem + C_WBYTES + C5_HTILE + C5_XTILE;
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    const uint32_t hbase = sbase + (uint32_t)C_WBYTES;
-    const uint32_t xbase = hbase + (uint32_t)C5_HTILE;
-
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il;
-    const int rank = (int)cluster_rank();
-    const int row0 = (int)(blockIdx.x / CL) * ROWS5;
-    const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
-    using WL = persist_wlayout<8>;
-    using WLX = persist_wlayout<4>;
-
-    // Every CTA of the cluster has started before any distributed shared memory access.
-    cluster_arrive();
-    cluster_wait();
-
-    float m = 0.0f;
-    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
-        int q = e / (UPC * H), rem = e - q * UPC * H;
-        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
-    }
-    for (int e = threadIdx.x; e < 4 * UPC * Il; e += CTHREADS) {
-        int q = e / (UPC * Il), rem = e - q * UPC * Il;
-        m = fmaxf(m, fabsf(__ldg(a.w_ih + (size_t)(q * H + rank * UPC) * Il + rem)));
-    }
-    const float wscale = pow2_for(block_max(m, red), 15);
-
-    m = 1.0f;
-    {
-        const int steps = a.hidden ? T : a.h0 ? 1 : 0;
-        for (int rt = w; rt < ROWS5 * steps; rt += NWC) {
-            int row = rt / steps, t = rt - row * steps, b = row0 + row;
-            if (b >= a.B)
-                break;
-            for (int u = rank * UPC + lane; u < rank * UPC + UPC; u += 32) {
-                if (a.hidden)
-                    m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * T + t) * L + l) * H + u)));
-                if (t == 0 && a.h0)
-                    m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * L + l) * H + u)));
-            }
-        }
-        m = block_max(m, red);
-        if (threadIdx.x < CL) {
-            uint32_t at =
-                cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]), (uint32_t)threadIdx.x);
-            cluster_st(at, __float_as_uint(m));
-        }
-        cluster_arrive();
-        cluster_wait();
-        m = fmaxf(fmaxf(hmax[0], hmax[1]), fmaxf(hmax[2], hmax[3]));
-    }
-    const float hscale = pow2_for(m, 14);
-    const float hinv = (1.0f / wscale) * (1.0f / hscale);
-
-    // W_hh as in the 64-row kernel; W_ih's TF32 fragments (4 gates a k-step) in shared memory.
-#pragma unroll 2
-    for (int ks = 0; ks < CKSH; ks++) {
-        uint32_t o[8];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            auto Bf = [&](int k, int n) -> float {
-                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + 8 * w + n) * H + k);
-            };
-            mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
-        }
-        WL::store(wsm, ks, NWC, w, lane, o);
-    }
-#pragma unroll 2
-    for (int ks = 0; ks < CXKS; ks++) {
-        uint32_t o[4];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            auto Bf = [&](int k, int n) -> float {
-                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
-                              : 0.0f;
-            };
-            mode_tf32::wpack(&o[q], Bf, ks, g, tg, wscale);
-        }
-        WLX::store(wism, ks, NWC, w, lane, o);
-    }
-
-    float bias[4][2];
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-            bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
-
-    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rb the batch row (0 where past B).
-    bool rv[MT5][2];
-    int rb[MT5][2];
-#pragma unroll
-    for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int b = row0 + 16 * mt + g + 8 * i;
-            rv[mt][i] = b < a.B;
-            rb[mt][i] = rv[mt][i] ? b : 0;
-        }
-    const size_t hid_step = (size_t)L * H;
-
-    // x of a step: 80 rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread (k < 5):
-    // its batch row (-1: none), column, swizzled tile offset, and whether it copies to the tape.
-    const int x4r = Il / 4;
-    int xr[MT5], xc[MT5];
-    uint32_t xto[MT5];
-    bool xd[MT5];
-#pragma unroll
-    for (int k = 0; k < MT5; k++) {
-        int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS5, c4 = e - row * x4r;
-        bool ok = x4r > 0 && row < ROWS5 && row0 + row < a.B;
-        xr[k] = ok ? row0 + row : -1;
-        xc[k] = ok ? 4 * c4 : 0;
-        // The tape's copy of x: rank r writes rows [20r, 20r+20).
-        xd[k] = ok && a.xcopy && row / (ROWS5 / CL) == rank;
-        xto[k] = ok ? xoff(row, 4 * c4) : 0;
-    }
-    float4 xv[MT5];
-    auto load_x = [&](int t) {
-#pragma unroll
-        for (int k = 0; k < MT5; k++)
-            if (xr[k] >= 0)
-                xv[k] = __ldg(reinterpret_cast<const float4 *>(
-                    a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
-    };
-    auto put_x = [&](int t) {
-        unsigned char *tile = smem + C_WBYTES + C5_HTILE;
-#pragma unroll
-        for (int k = 0; k < MT5; k++)
-            if (xr[k] >= 0) {
-                float4 v = xv[k];
-                *reinterpret_cast<float4 *>(tile + xto[k]) =
-                    make_float4(__uint_as_float(f32_to_tf32(v.x * hscale)),
-                                __uint_as_float(f32_to_tf32(v.y * hscale)),
-                                __uint_as_float(f32_to_tf32(v.z * hscale)),
-                                __uint_as_float(f32_to_tf32(v.w * hscale)));
-                if (xd[k])
-                    *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
-                                                xc[k]) = v;
-            }
-    };
-
-    // The x tile starts at zero (columns past I_l and rows past B stay so).
-    for (int e = threadIdx.x; e < (int)(C5_XTILE / 16); e += CTHREADS)
-        reinterpret_cast<float4 *>(smem + C_WBYTES + C5_HTILE)[e] =
-            make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    __syncthreads();
-
-    uint32_t hrem[CL];
-#pragma unroll
-    for (int r = 0; r < CL; r++)
-        hrem[r] = cluster_map(hbase, (uint32_t)r);
-
-    // h entering step t (this lane's elements) into the h tile of every CTA, and the tape.
-    auto put_h = [&](const float hv[MT5][2][2], int t) {
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-                __half2 p = __floats2half2_rn(hv[mt][i][0] * hscale, hv[mt][i][1] * hscale);
-                const uint32_t v = *reinterpret_cast<uint32_t *>(&p), o = hoff(row, ub);
-#pragma unroll
-                for (int r = 0; r < CL; r++)
-                    cluster_st(hrem[r] + o, v);
-                if (a.z && rv[mt][i]) {
-                    float *zr = a.z + ((size_t)rb[mt][i] * T + t) * a.ldz;
-                    *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
-                    if (rank == 0 && w == 0 && tg == 0) {
-                        zr[H] = 1.0f;
-                        for (int k = H + 1; k < a.xoff; k++)
-                            zr[k] = 0.0f;
-                        for (int k = a.xoff + Il; k < a.ldz; k++)
-                            zr[k] = 0.0f;
-                    }
-                }
-            }
-    };
-
-    float h[MT5][2][2], c[MT5][2][2];
-#pragma unroll
-    for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float2 hv = make_float2(0.0f, 0.0f), cv = make_float2(0.0f, 0.0f);
-            const size_t b = (size_t)rb[mt][i];
-            if (rv[mt][i] && a.hidden) {
-                size_t at = b * T * hid_step + (size_t)l * H + ub;
-                hv = *reinterpret_cast<const float2 *>(a.hidden + at);
-                if (a.cell)
-                    cv = *reinterpret_cast<const float2 *>(a.cell + at);
-            } else if (rv[mt][i] && a.h0 && !a.is_init[b * T]) {
-                size_t at = (b * L + l) * H + ub;
-                hv = *reinterpret_cast<const float2 *>(a.h0 + at);
-                if (a.c0)
-                    cv = *reinterpret_cast<const float2 *>(a.c0 + at);
-            }
-            h[mt][i][0] = hv.x, h[mt][i][1] = hv.y, c[mt][i][0] = cv.x, c[mt][i][1] = cv.y;
-        }
-    put_h(h, 0);
-    load_x(0);
-    put_x(0);
-    int nreset[MT5][2];
-#pragma unroll
-    for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            nreset[mt][i] = ld_flag(a.is_init + (size_t)rb[mt][i] * T + 1, rv[mt][i] && T > 1);
-    cluster_arrive(); // A_0
-
-    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
-    uint32_t hb[4], xb[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        int ch = (2 * k + (mi >> 1)) ^ key;
-        hb[k] = hbase + (uint32_t)(lrow * HC * 2 + ch * 16);
-        xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
-    }
-
-    for (int t = 0; t < T; t++) {
-        cluster_wait(); // A_t: h_t in every CTA's tile, x_t in this CTA's
-        const bool more = t + 1 < T;
-
-        float acc[MT5][4][4];
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                zero4(acc[mt][q]);
-#pragma unroll
-        for (int ks = 0; ks < CXKS; ks++) {
-            uint32_t wi[4], af[MT5][4];
-            WLX::load(wi, wism, ks, NWC, w, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-                ldsm_x4(af[mt], xb[ks & 3] + (ks >> 2) * 128 + mt * 16 * CXLD * 4);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mode_tf32::mma(acc[mt][q], af[mt], mode_tf32::wunpack(&wi[q]));
-        }
-#pragma unroll
-        for (int ks = 0; ks < CKSH; ks++) {
-            uint32_t wv[8], af[MT5][4];
-            WL::load(wv, wsm, ks, NWC, w, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-                ldsm_x4(af[mt], hb[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mode_f16::mma(acc[mt][q], af[mt], make_uint2(wv[2 * q], wv[2 * q + 1]));
-        }
-        if (more) {
-            cluster_arrive(); // B_t: this CTA has read the h and x tiles of step t
-            load_x(t + 1);    // in flight during the cell
-        }
-
-        float hn[MT5][2][2], cn[MT5][2][2];
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float sv[5][2];
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[5];
-#pragma unroll
-                    for (int q = 0; q < 4; q++)
-                        pre[q] = acc[mt][q][2 * i + j] * hinv + bias[q][j];
-                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j], cn[mt][i][j],
-                                             s);
-#pragma unroll
-                    for (int p = 0; p < 5; p++)
-                        sv[p][j] = s[p];
-                }
-                if (rv[mt][i]) {
-                    size_t r = (size_t)rb[mt][i] * T + t;
-                    *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
-                        make_float2(hn[mt][i][0], hn[mt][i][1]);
-                    if (a.s) {
-#pragma unroll
-                        for (int p = 0; p < 5; p++)
-                            *reinterpret_cast<float2 *>(a.s + r * (5 * H) + p * H + ub) =
-                                make_float2(sv[p][0], sv[p][1]);
-                    }
-                }
-            }
-
-        if (more) {
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
-                    if (nreset[mt][i] && a.hidden) {
-                        size_t at = ((size_t)rb[mt][i] * T + t + 1) * hid_step + (size_t)l * H + ub;
-                        nh = *reinterpret_cast<const float2 *>(a.hidden + at);
-                        if (a.cell)
-                            nc = *reinterpret_cast<const float2 *>(a.cell + at);
-                    }
-                    h[mt][i][0] = nreset[mt][i] ? nh.x : hn[mt][i][0];
-                    h[mt][i][1] = nreset[mt][i] ? nh.y : hn[mt][i][1];
-                    c[mt][i][0] = nreset[mt][i] ? nc.x : cn[mt][i][0];
-                    c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
-                }
-            cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
-            put_h(h, t + 1);
-            put_x(t + 1);
-            cluster_arrive(); // A_{t+1}
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-                    nreset[mt][i] =
-                        ld_flag(a.is_init + (size_t)rb[mt][i] * T + t + 2, rv[mt][i] && t + 2 < T);
-        } else {
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    if (!rv[mt][i])
-                        continue;
-                    size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
-                    if (a.h_n)
-                        *reinterpret_cast<float2 *>(a.h_n + at) =
-                            make_float2(hn[mt][i][0], hn[mt][i][1]);
-                    if (a.c_n)
-                        *reinterpret_cast<float2 *>(a.c_n + at) =
-                            make_float2(cn[mt][i][0], cn[mt][i][1]);
-                }
-        }
-    }
-}
-
-// Backward with 80 rows: the 64-row layout (128 KB W_hh, A tile 80 x 256 fp16 = 40 KB, receive
-// slots 4 x 80 x 64 fp32 = 80 KB) would need 248 KB, so the receive slots share their memory
-// with the A tile: 128 + 80 = 208 KB. A CTA's partials may then land only after every CTA of the
-// cluster has finished its MMAs (which read its A tile), so the barriers of a step are M_t
-// (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of step t + 1
-// read, which came before its MMAs of t) and P_t (after the sends: every partial in). The A
-// tile of step t - 1 is written after this CTA's own sums of step t (the __syncthreads after the
-// row maxima orders them). A thread's barrier sequence: start, then per step M_t, P_t; the last
-// wait (P_0) comes after every write to this CTA's shared memory. Registers (255 with 16 bytes
-// spilled, as the 64-row backward): dL/dh stays in the receive slots between steps (see below)
-// and a step's tape record is loaded at its start, with the next one's prefetched into L2.
-constexpr long CB5_ATILE = (long)ROWS5 * HC * 2;
-constexpr long CB5_RECV = (long)CL * ROWS5 * UPC * 4;
-constexpr long CB5_SMEM = C_WBYTES + (CB5_RECV > CB5_ATILE ? CB5_RECV : CB5_ATILE);
-static_assert(CB5_SMEM + NWC * ROWS5 * 4 + ROWS5 * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
-              "80-row cluster backward does not fit");
-
-__global__ void __launch_bounds__(CTHREADS, 1)
-    seq_cluster80_lstm_backward_kernel(const struct persist_bwd_args a) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ float red[NWC];
-    __shared__ float rowmax[NWC][ROWS5];
-    __shared__ float rowinv[ROWS5];
-    unsigned char *wsm = smem;
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    const uint32_t abase = sbase + (uint32_t)C_WBYTES;
-    const uint32_t rbase_s = abase; // the receive slots: the same memory as the A tile
-    const float *recv = reinterpret_cast<const float *>(smem + C_WBYTES);
-
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int H = a.H, T = a.T, L = a.L, l = a.l;
-    const int rank = (int)cluster_rank();
-    const int row0 = (int)(blockIdx.x / CL) * ROWS5;
-    const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0;
-    using WL = persist_wlayout<8>;
-
-    cluster_arrive();
-    cluster_wait();
-
-    float m = 0.0f;
-    for (int e = threadIdx.x; e < 4 * UPC * H; e += CTHREADS) {
-        int q = e / (UPC * H), rem = e - q * UPC * H;
-        m = fmaxf(m, fabsf(__ldg(a.w_hh + (size_t)(q * H + rank * UPC) * H + rem)));
-    }
-    const float wscale = pow2_for(block_max(m, red), 15), winv = 1.0f / wscale;
-
-#pragma unroll 2
-    for (int ks = 0; ks < CKSH; ks++) {
-        uint32_t o[8];
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-            auto Bf = [&](int k, int n) -> float {
-                int q = k >> 6, uu = k & 63;
-                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + uu) * H + 32 * w + 8 * nt + n);
-            };
-            mode_f16::wpack(o + 2 * nt, Bf, ks, g, tg, wscale);
-        }
-        WL::store(wsm, ks, NWC, w, lane, o);
-    }
-
-    bool rv[MT5][2];
-    int rb[MT5][2];
-#pragma unroll
-    for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int b = row0 + 16 * mt + g + 8 * i;
-            rv[mt][i] = b < a.B;
-            rb[mt][i] = rv[mt][i] ? b : 0;
-        }
-
-    // dL/dh of the state leaving a step is not held in registers across steps: it is the sum of
-    // the four receive slots (row, this lane's units), read again by the cell of the next step
-    // (the slots are overwritten only after the __syncthreads behind that cell, and by the other
-    // CTAs only after the next M barrier). `carried` bit 2 mt + i: 1 where the sum of row
-    // (mt, i) carries into the next step (else dL/dh there is 0). The step T-1 gets dL/dh_n the
-    // same way: slot 0 = grad_h_n, slots 1..3 = 0 (this lane's own elements, before any remote
-    // write: those come after M_{T-1}, which waits for this CTA).
-    float *recvw = reinterpret_cast<float *>(smem + C_WBYTES);
-    float dc[MT5][2][2];
-    uint32_t carried = 0;
-#pragma unroll
-    for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
-            size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
-            if (rv[mt][i] && a.gh_n)
-                x = *reinterpret_cast<const float2 *>(a.gh_n + at);
-            if (rv[mt][i] && a.gc_n)
-                y = *reinterpret_cast<const float2 *>(a.gc_n + at);
-            const int row = 16 * mt + g + 8 * i;
-#pragma unroll
-            for (int sl = 0; sl < CL; sl++)
-                *reinterpret_cast<float2 *>(recvw + sl * ROWS5 * UPC + roff(row, lu0)) =
-                    sl == 0 ? x : make_float2(0.0f, 0.0f);
-            dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
-            carried |= 1u << (2 * mt + i);
-        }
-    // The sum of the four slots at (row, this lane's two units).
-    auto slot_sum = [&](int row) -> float2 {
-        float2 s = make_float2(0.0f, 0.0f);
-#pragma unroll
-        for (int sl = 0; sl < CL; sl++) {
-            float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS5 * UPC + roff(row, lu0));
-            s.x += v.x, s.y += v.y;
-        }
-        return s;
-    };
-
-    // Step t's tape record, output gradient and reset flag, loaded at the start of the step (no
-    // registers to spare for a prefetch across the barriers); step t - 1's are prefetched into
-    // L2 right after (one lane in four: a 32-byte sector).
-    float2 sv[5][MT5][2], gy[MT5][2];
-    int reset[MT5][2];
-    auto load_step = [&](int t) {
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                size_t r = (size_t)rb[mt][i] * T + t;
-                bool ok = rv[mt][i];
-#pragma unroll
-                for (int p = 0; p < 5; p++)
-                    sv[p][mt][i] =
-                        ok ? __ldg(reinterpret_cast<const float2 *>(a.s + r * (5 * H) + p * H + ub))
-                           : make_float2(0.0f, 0.0f);
-                gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
-                               : make_float2(0.0f, 0.0f);
-                reset[mt][i] = ld_flag(a.is_init + r, ok);
-            }
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                if (rv[mt][i] && tg == 0 && t > 0) {
-                    size_t r = (size_t)rb[mt][i] * T + t - 1;
-#pragma unroll
-                    for (int p = 0; p < 5; p++)
-                        prefetch_l2(a.s + r * (5 * H) + p * H + ub);
-                    prefetch_l2(a.gy + r * a.ldgy + ub);
-                }
-    };
-
-    const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
-    uint32_t ab[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-        ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
-    // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
-    const uint32_t dst =
-        cluster_map(rbase_s + (uint32_t)(rank * ROWS5 * UPC * 4), (uint32_t)(w >> 1));
     __syncthreads(); // the weights are in place
+    if constexpr (!WIDE)
+        cluster_arrive(); // "sums read" of a step before the first
 
     for (int t = T - 1; t >= 0; t--) {
-        load_step(t);
-        float dv[4][MT5][2][2], dcp[MT5][2][2];
+        if constexpr (WIDE)
+            load_step(t);
+        // Gate gradients; D; the row maxima of the tile values.
+        float dv[4][MT][2][2], dcp[MT][2][2];
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const float2 dh = (carried >> (2 * mt + i)) & 1u ? slot_sum(16 * mt + g + 8 * i)
-                                                                 : make_float2(0.0f, 0.0f);
+                const float2 dhv = dh_in(mt, i);
                 float mx = 0.0f;
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
@@ -1305,7 +831,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                     for (int p = 0; p < 5; p++)
                         s[p] = j ? sv[p][mt][i].y : sv[p][mt][i].x;
-                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dh.y : dh.x);
+                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dhv.y : dhv.x);
                     cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
                                               dcp[mt][i][j]);
 #pragma unroll
@@ -1315,7 +841,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     }
                 }
                 if (rv[mt][i]) {
-                    size_t r = (size_t)rb[mt][i] * T + t;
+                    size_t r = rowb(mt, i) * T + t;
 #pragma unroll
                     for (int q = 0; q < 4; q++)
                         *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
@@ -1326,15 +852,16 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 if (tg == 0)
                     rowmax[w][16 * mt + g + 8 * i] = mx;
             }
-        int rst[MT5][2];
+        int rst[MT][2];
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++)
                 rst[mt][i] = reset[mt][i];
-        __syncthreads(); // the row maxima; this CTA's reads of the receive slots are done
+        __syncthreads(); // the row maxima; WIDE: this CTA's reads of the receive slots are done
+                         // The tile, each row scaled.
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int row = 16 * mt + g + 8 * i;
@@ -1353,35 +880,24 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             }
         __syncthreads();
 
-        float acc[MT5][4][4];
+        // This CTA's partial of dh: ROWS rows x the warp's 32 units.
+        float acc[MT][4][4];
+        zero_acc(acc);
+        mma_whh(acc, wsm, ab, 0u, w, lane);
+        if constexpr (WIDE)
+            cluster_arrive(); // M_t: this CTA's A tile is read
+        float ri[MT][2];
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-                zero4(acc[mt][nt]);
-#pragma unroll
-        for (int ks = 0; ks < CKSH; ks++) {
-            uint32_t wv[8], af[MT5][4];
-            WL::load(wv, wsm, ks, NWC, w, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-                ldsm_x4(af[mt], ab[ks & 3] + (ks >> 2) * 128 + mt * 16 * HC * 2);
-#pragma unroll
-            for (int mt = 0; mt < MT5; mt++)
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    mode_f16::mma(acc[mt][nt], af[mt], make_uint2(wv[2 * nt], wv[2 * nt + 1]));
-        }
-        cluster_arrive(); // M_t: this CTA's A tile is read
-        float ri[MT5][2];
-#pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++)
                 ri[mt][i] = rowinv[16 * mt + g + 8 * i];
-        cluster_wait(); // M_t: every A tile is read, the receive slots may be written
+
+        // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
+        // read, the receive slots may be written.
+        cluster_wait();
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int row = 16 * mt + g + 8 * i;
@@ -1393,51 +909,78 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
             }
         cluster_arrive();
-        cluster_wait(); // P_t: every partial is in
+        cluster_wait(); // every partial is in (WIDE: P_t)
 
         // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
-        // (DESIGN.md §2): carried into step t - 1 (read there), or out where it ends here.
-        carried = 0;
+        // (DESIGN.md §2): carried into step t - 1, or out where it ends here. 64 rows: the sums
+        // into registers first, then "sums read"; WIDE: the sums are read again where needed.
+        if constexpr (!WIDE) {
+            if (t > 0)
+                load_step(t - 1); // in flight during the sums and the routing
 #pragma unroll
-        for (int mt = 0; mt < MT5; mt++)
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const float2 s = slot_sum(16 * mt + g + 8 * i);
+                    dh[mt][i][0] = s.x, dh[mt][i][1] = s.y;
+                }
+            cluster_arrive(); // this CTA's sums are read
+        } else {
+            carried = 0;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 bool carry = t > 0 && !rst[mt][i];
                 if (carry) {
-                    carried |= 1u << (2 * mt + i);
+                    if constexpr (WIDE)
+                        carried |= 1u << (2 * mt + i);
                     dc[mt][i][0] = dcp[mt][i][0], dc[mt][i][1] = dcp[mt][i][1];
                     continue;
                 }
-                if (rv[mt][i] && (a.stored || !rst[mt][i])) {
-                    const float2 dh = slot_sum(16 * mt + g + 8 * i);
+                // dL/dh and dL/dc out where stored, else (t == 0 and no reset) into g_h0, g_c0.
+                auto out = [&](const float2 dho, bool initial) {
                     if (a.stored) {
-                        size_t at = (((size_t)rb[mt][i] * T + t) * L + l) * H + ub;
+                        size_t at = ((rowb(mt, i) * T + t) * L + l) * H + ub;
                         if (a.g_hidden)
-                            *reinterpret_cast<float2 *>(a.g_hidden + at) = dh;
+                            *reinterpret_cast<float2 *>(a.g_hidden + at) = dho;
                         if (a.g_cell)
                             *reinterpret_cast<float2 *>(a.g_cell + at) =
                                 make_float2(dcp[mt][i][0], dcp[mt][i][1]);
-                    } else { // t == 0 and no reset: the initial state
-                        size_t at = ((size_t)rb[mt][i] * L + l) * H + ub;
+                    } else if (initial) {
+                        size_t at = (rowb(mt, i) * L + l) * H + ub;
                         if (a.g_h0)
-                            *reinterpret_cast<float2 *>(a.g_h0 + at) = dh;
+                            *reinterpret_cast<float2 *>(a.g_h0 + at) = dho;
                         if (a.g_c0)
                             *reinterpret_cast<float2 *>(a.g_c0 + at) =
                                 make_float2(dcp[mt][i][0], dcp[mt][i][1]);
                     }
+                };
+                if constexpr (WIDE) {
+                    if (rv[mt][i] && (a.stored || !rst[mt][i]))
+                        out(slot_sum(16 * mt + g + 8 * i), true);
+                } else {
+                    if (rv[mt][i])
+                        out(make_float2(dh[mt][i][0], dh[mt][i][1]), !rst[mt][i]);
                 }
+                if constexpr (!WIDE)
+                    dh[mt][i][0] = dh[mt][i][1] = 0.0f;
                 dc[mt][i][0] = dc[mt][i][1] = 0.0f;
             }
     }
-    // P_0 was the last barrier: every write to this CTA's shared memory is done.
+    // 64 rows: the last "sums read": no CTA leaves while another may still write to it. WIDE: P_0
+    // was the last barrier: every write to this CTA's shared memory is done.
+    if constexpr (!WIDE)
+        cluster_wait();
 }
 
-// The launch of either loop: CL-CTA clusters, one per ROWS batch rows (not copyable: cfg points
+// The launch of either loop: CL-CTA clusters, one per `rows` batch rows (not copyable: cfg points
 // at attr).
 struct cluster_launch {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    cluster_launch(int B, long smem, cudaStream_t stream, int rows = ROWS) {
+    cluster_launch(int B, long smem, cudaStream_t stream, int rows) {
         cfg.gridDim = dim3((unsigned)(CEIL_DIV(B, rows) * CL), 1, 1);
         cfg.blockDim = dim3(CTHREADS, 1, 1);
         cfg.dynamicSmemBytes = (size_t)smem;
@@ -1453,28 +996,8 @@ struct cluster_launch {
     cluster_launch &operator=(const cluster_launch &) = delete;
 };
 
-} // namespace
-
-long rnnd__cluster_lstm_smem(void) {
-    return C_SMEM;
-}
-
-// Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
-// z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
-int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
-        return RNND_EINVAL;
-    auto kernel = seq_cluster_lstm_forward_kernel;
-    RNND_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C_SMEM));
-    cluster_launch launch(a->B, C_SMEM, stream);
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
-    return 0;
-}
-
 // Clusters of a loop's kernel the device runs at once (0 when it cannot launch it).
-template <class Args>
-static int cluster_active(void (*kernel)(Args), long smem, int rows = ROWS) {
+template <class Args> int cluster_active(void (*kernel)(Args), long smem, int rows) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         (void)cudaGetLastError();
@@ -1489,58 +1012,78 @@ static int cluster_active(void (*kernel)(Args), long smem, int rows = ROWS) {
     return n;
 }
 
+template <int ROWS> int cluster_active_rows(bool backward) {
+    return backward
+               ? cluster_active(seq_cluster_lstm_backward_kernel<ROWS>, cshape<ROWS>::BSMEM, ROWS)
+               : cluster_active(seq_cluster_lstm_forward_kernel<ROWS>, cshape<ROWS>::FSMEM, ROWS);
+}
+
+// Launches kernel in the clusters of `rows` rows over a's B rows with smem bytes of dynamic
+// shared memory.
+template <class Args>
+int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaStream_t stream) {
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    cluster_launch launch(a->B, smem, stream, rows);
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
+    return 0;
+}
+
+// Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
+// z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
+template <int ROWS> int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
+        return RNND_EINVAL;
+    return cluster_run(seq_cluster_lstm_forward_kernel<ROWS>, a, cshape<ROWS>::FSMEM, ROWS, stream);
+}
+
+template <int ROWS> int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
+    if (a->H != HC || !a->vec)
+        return RNND_EINVAL;
+    return cluster_run(seq_cluster_lstm_backward_kernel<ROWS>, a, cshape<ROWS>::BSMEM, ROWS,
+                       stream);
+}
+
+} // namespace
+
+// The 64-row clusters (v11, the default).
+long rnnd__cluster_lstm_smem(void) {
+    return cshape<64>::FSMEM;
+}
+
+int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+    return cluster_forward<64>(a, stream);
+}
+
 int rnnd__cluster_lstm_active(bool backward) {
-    return backward ? cluster_active(seq_cluster_lstm_backward_kernel, CB_SMEM)
-                    : cluster_active(seq_cluster_lstm_forward_kernel, C_SMEM);
+    return cluster_active_rows<64>(backward);
 }
 
 long rnnd__cluster_lstm_bwd_smem(void) {
-    return CB_SMEM;
+    return cshape<64>::BSMEM;
 }
 
 int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || !a->vec)
-        return RNND_EINVAL;
-    auto kernel = seq_cluster_lstm_backward_kernel;
-    RNND_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB_SMEM));
-    cluster_launch launch(a->B, CB_SMEM, stream);
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
-    return 0;
+    return cluster_backward<64>(a, stream);
 }
 
-// The 80-row clusters (v11b, bench variant bit 1024): same conditions and arguments.
+// The 80-row clusters (v11b): same conditions and arguments.
 long rnnd__cluster80_lstm_smem(void) {
-    return C5_SMEM;
+    return cshape<80>::FSMEM;
 }
 
 long rnnd__cluster80_lstm_bwd_smem(void) {
-    return CB5_SMEM;
+    return cshape<80>::BSMEM;
 }
 
 int rnnd__cluster80_lstm_active(bool backward) {
-    return backward ? cluster_active(seq_cluster80_lstm_backward_kernel, CB5_SMEM, ROWS5)
-                    : cluster_active(seq_cluster80_lstm_forward_kernel, C5_SMEM, ROWS5);
+    return cluster_active_rows<80>(backward);
 }
 
 int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
-        return RNND_EINVAL;
-    auto kernel = seq_cluster80_lstm_forward_kernel;
-    RNND_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C5_SMEM));
-    cluster_launch launch(a->B, C5_SMEM, stream, ROWS5);
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
-    return 0;
+    return cluster_forward<80>(a, stream);
 }
 
 int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || !a->vec)
-        return RNND_EINVAL;
-    auto kernel = seq_cluster80_lstm_backward_kernel;
-    RNND_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)CB5_SMEM));
-    cluster_launch launch(a->B, CB5_SMEM, stream, ROWS5);
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&launch.cfg, kernel, *a));
-    return 0;
+    return cluster_backward<80>(a, stream);
 }

@@ -363,12 +363,9 @@ struct persist_geom {
     static constexpr long F_KP_XINV = F_KP_XTILE + 16L * F_KP_XLD * (long)sizeof(helem);
     static constexpr long F_KP_XCH = F_KP_XINV + 16 * 4;
     static constexpr long F_XCH_BYTES = 2L * NW * 32 * 2 * F_NT * 4;
-    static constexpr long f_smem_kp(int xks) {
-        return (void)xks, F_KP_XCH + F_XCH_BYTES;
-    }
-    // KP with the x part a step ahead (XA, v13, bench variant bit 2048): behind KP's regions,
-    // the x partial sums of the h-warps' rows in two parities (NW pairs x 32 lanes x NT/2
-    // float4 each) and a second fp32 x stage (x is staged two steps ahead).
+    // Behind those (the x part a step ahead, v13): the x partial sums of the h-warps' rows in
+    // two parities (NW pairs x 32 lanes x NT/2 float4 each) and a second fp32 x stage (x is
+    // staged two steps ahead).
     static constexpr long F_KPXA_XSLOT = F_KP_XCH + F_XCH_BYTES;
     static constexpr long F_KPXA_SLOTP = (long)NW * 32 * (F_NT / 2) * 16;
     static constexpr long F_KPXA_STAGE1 = F_KPXA_XSLOT + 2 * F_KPXA_SLOTP;
@@ -391,10 +388,7 @@ struct persist_geom {
     static constexpr int B_SPLIT = 2; // independent accumulator chains over k in backward
     static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
-    static_assert(!F_KP || f_smem_kp(F_XKS) <= RNND_PERSIST_SMEM_BUDGET, "KP does not fit");
-    static_assert(!F_KP || (f_smem_kpxa() <= RNND_PERSIST_SMEM_BUDGET &&
-                            f_smem_kpxa() >= f_smem_kp(F_XKS)),
-                  "KP x-ahead does not fit");
+    static_assert(!F_KP || f_smem_kpxa() <= RNND_PERSIST_SMEM_BUDGET, "KP does not fit");
     static_assert(B_SMEM <= RNND_PERSIST_SMEM_BUDGET, "backward does not fit");
 };
 
@@ -610,8 +604,7 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
 // chain and half the cell a warp, twice the warps to hide their latencies, no weights in
 // registers (128 registers a thread at most).
 //
-// XA (v13, KP only; bench variant bit 2048, NOT YET RUN ON A GPU): the x-warps run the x part
-// a step ahead, so the h-warps never wait for it. x is loaded two steps ahead into one of two
+// The x part runs a step ahead (v13), so the h-warps do not wait for it. x is loaded two steps ahead into one of two
 // fp32 stages (x(t+2) at the end of step t); at the top of step t the x-warps convert x(t+1)
 // into the fp16 tile (their barrier 9) and, at the end of step t (after the cell, the stores and
 // put_h, where the fewest registers are live), run the x part of step t+1, scale each row back
@@ -624,8 +617,7 @@ static __device__ __forceinline__ void persist_wait_for(float v, long long *dbg)
 // At t = T-1 there is no step T: no conversion, no x part. Resets touch only h (the x part does
 // not depend on the state); the tape's x copy is written with the stage (rows t+2, 0 and 1 in
 // the prologue).
-template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false,
-          bool XA = false>
+template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false>
 static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -639,7 +631,6 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     constexpr int THREADS = (KP ? 2 : 1) * Gm::THREADS;
     constexpr int NR = KP ? 1 : 2; // rows a thread runs the cell for
     static_assert(!KP || (XF && VEC && NW % 4 == 0 && (2 * NT) % 4 == 0), "KP instance");
-    static_assert(!XA || KP, "XA is a KP variant");
 
     const int lane = threadIdx.x & 31, w16 = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // The 16-unit group and, KP, the part (h 0, x 1) of this warp; its rows are g + 8 rowof(r).
@@ -661,7 +652,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     float4 *xch = reinterpret_cast<float4 *>(smem + Gm::F_KP_XCH);
     if constexpr (KP)
         xtiles = reinterpret_cast<E *>(xstage);
-    // XA: stage p (x of the steps of parity p), the x slots (x part of the h-warps' rows).
+    // KP: stage p (x of the steps of parity p), the x slots (x part of the h-warps' rows).
     float *xstage1 = reinterpret_cast<float *>(smem + Gm::F_KPXA_STAGE1);
     auto xstage_p = [&](int p) { return p ? xstage1 : xstage; };
     float4 *xslot = reinterpret_cast<float4 *>(smem + Gm::F_KPXA_XSLOT);
@@ -810,7 +801,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         // Both x tiles start at zero (the padding past I_l stays so).
         for (int e = threadIdx.x; e < (KP ? 1 : 2) * 16 * xld; e += THREADS)
             Mode::put(xtiles + e, 0.0f);
-        if constexpr (XA)
+        if constexpr (KP)
             for (int e = threadIdx.x; e < 16 * xld; e += THREADS)
                 xstage1[e] = 0.0f;
         __syncthreads();
@@ -841,7 +832,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                 HM::mma(cx[nt], af, HM::wunpack(wv + nt * HM::WPF));
         }
     };
-    // XA, x-warps: the x part of step tn from the converted tile, each row scaled back by its
+    // KP, x-warps: the x part of step tn from the converted tile, each row scaled back by its
     // 1/x scale (a power of two: exact), row g into parity tn&1 of the x slots (for the h-warp),
     // row g+8 into this warp's own exchange slot (for itself, next step).
     auto xahead = [&](int tn) {
@@ -874,7 +865,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         load_x(0);
         put_x(xtiles, 0);
     }
-    if constexpr (XA) {
+    if constexpr (KP) {
         // x(0) converted and its x part run before the loop, x(1) staged (stage 1); the
         // barrier before the loop publishes the slots.
         __syncthreads();
@@ -928,9 +919,9 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         HE *hnxt = htiles + ((t + 1) & 1) * (16 * HLD);
         const E *xcur = xtiles + (KP ? 0 : (t & 1) * (16 * xld));
         E *xnxt = xtiles + (KP ? 0 : ((t + 1) & 1) * (16 * xld));
-        if constexpr (XA)
+        if constexpr (KP)
             xnxt = xstage_p(t & 1);     // x(t+2): (t+2)&1 == t&1
-        constexpr int XAH = XA ? 2 : 1; // steps x is loaded ahead
+        constexpr int XAH = KP ? 2 : 1; // steps x is loaded ahead
         clk.start();
         if (xin && t + XAH < T)
             load_x(t + XAH); // in flight during the MMA
@@ -958,16 +949,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
             }
         }
         if constexpr (KP) {
-            if (kh == 1) {
-                if constexpr (!XA) {
-                    // This step's stage into the fp16 x tile, then the x part (accumulated in
-                    // acc: this warp has no h part).
-                    convert_x(xstage);
-                    xmma(acc);
-                } else if (t + 1 < T) {
-                    convert_x(xstage_p((t + 1) & 1)); // x(t+1), for the x part at the end
-                }
-            }
+            if (kh == 1 && t + 1 < T)
+                convert_x(xstage_p((t + 1) & 1)); // x(t+1), for the x part at the end
         } else if constexpr (XF) {
 #pragma unroll
             for (int ks = 0; ks < XKS; ks++) {
@@ -988,7 +971,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         // The row this thread runs the cell for: gh (h part) and gx (x part) of n-tile nt,
         // elements k = 0, 1 (units 2 half + k of its four), row g + 8 rowof(r).
         float gh[NR][NT][2], gx[XF ? NR : 1][XF ? NT : 1][2];
-        if constexpr (XA) {
+        if constexpr (KP) {
             // The h-warp sends the h part of row g+8 and reads the x part of row g (written
             // before the last block barrier); the x-warp waits for the h part of its row and
             // reads its own x part (its own slot).
@@ -1021,33 +1004,6 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     gx[0][2 * v + 1][0] = p.z, gx[0][2 * v + 1][1] = p.w;
                 }
             }
-        } else if constexpr (KP) {
-            // Send the partner's row, keep our own; the partner sends its part of our row.
-            float4 *xo = xch + (size_t)w16 * 32 + lane, *xi = xch + (size_t)(w16 ^ 4) * 32 + lane;
-            float own[NT][2], snd[NT][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int k = 0; k < 2; k++) {
-                    own[nt][k] = kh ? acc[nt][2 + k] : acc[nt][k];
-                    snd[nt][k] = kh ? acc[nt][k] : acc[nt][2 + k];
-                }
-#pragma unroll
-            for (int v = 0; v < NT / 2; v++)
-                xo[v * 16 * 32] =
-                    make_float4(snd[2 * v][0], snd[2 * v][1], snd[2 * v + 1][0], snd[2 * v + 1][1]);
-            asm volatile("bar.sync %0, 64;" ::"r"(1 + w) : "memory");
-#pragma unroll
-            for (int v = 0; v < NT / 2; v++) {
-                float4 q = xi[v * 16 * 32];
-                float rcv[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const int nt = 2 * v + (k >> 1), e = k & 1;
-                    gh[0][nt][e] = kh ? rcv[k] : own[nt][e];
-                    gx[0][nt][e] = kh ? own[nt][e] : rcv[k];
-                }
-            }
         } else {
 #pragma unroll
             for (int i = 0; i < NR; i++)
@@ -1067,9 +1023,6 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 
         // The cell, element by element.
         float hn[NR][4], cn[NR][4], sv[SW][NR][4];
-        // The x part's scale back: the weights' (and, KP, the row's x scale).
-        // XA: the x-warps scaled the x part back by the row's 1/x scale already.
-        const float xw = KP && !XA ? winv * xinv[g + 8 * kh] : winv;
 #pragma unroll
         for (int i = 0; i < NR; i++)
 #pragma unroll
@@ -1080,7 +1033,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     const int nt = 2 * q + (j >> 1), e = j & 1;
                     float gxq;
                     if constexpr (XF)
-                        gxq = gx[i][nt][e] * xw;
+                        gxq = gx[i][nt][e] * winv; // KP: already times the row's 1/x scale
                     else
                         gxq = xg[i][q][j];
                     xq[q] = gxq + bi[q][j];
@@ -1139,7 +1092,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     c[i][j] = nreset[i] ? nc[i][j] : cn[i][j];
                 }
             put_h(hnxt);
-            if (xin && (!XA || t + 2 < T))
+            if (xin && (!KP || t + 2 < T))
                 put_x(xnxt, t + XAH);
             // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
@@ -1163,7 +1116,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
                     st4<VEC>(a.c_n + at, cn[i], u0, H, rv[i]);
             }
         }
-        if constexpr (XA)
+        if constexpr (KP)
             if (kh == 1 && t + 1 < T)
                 xahead(t + 1); // the x part of step t+1 (its tile converted at the top)
         clk.mark(2);
@@ -1937,9 +1890,9 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
 // ---------------------------------------------------------------------------------------------
 // Launchers, one per (cell, mode, HP): raise the shared-memory limit, launch, check.
 
-// KP: the K split over warp pairs (fused, vector access only; the caller checks); XA: KP with
-// the x part a step ahead (v13).
-template <class Cell, class Mode, int HP, int V = 0, bool KP = false, bool XA = false>
+// KP: the K split over warp pairs with the x part a step ahead (fused, vector access only; the
+// caller checks).
+template <class Cell, class Mode, int HP, int V = 0, bool KP = false>
 static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
     int xks = a.xks > 0 && a.xks <= Gm::F_XKS ? a.xks : 0;
@@ -1948,8 +1901,8 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
     if constexpr (KP) {
         if (!xks || !a.vec)
             return RNND_EINVAL;
-        auto kernel = seq_forward_kernel<Cell, Mode, HP, true, true, V, true, XA>;
-        long smem = XA ? Gm::f_smem_kpxa() : Gm::f_smem_kp(xks);
+        auto kernel = seq_forward_kernel<Cell, Mode, HP, true, true, V, true>;
+        long smem = Gm::f_smem_kpxa();
         RNND_CUDA_TRY(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         kernel<<<CEIL_DIV(a.B, 16), 2 * Gm::THREADS, smem, stream>>>(a);
@@ -1988,12 +1941,9 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     return 0;
 }
 
-// Bench variant bit of the KP forward with the x part a step ahead (v13, NOT YET RUN ON A GPU).
-#define RNND_SEQ_VARIANT_XAHEAD 2048
-
 // The TF32 H=128 loops with vector access: the fused GRU forward with K split over warp pairs
-// (v12; with bench variant bit RNND_SEQ_VARIANT_XAHEAD the x part a step ahead, v13), and bench
-// variant bit 8 (phase clocks) (kernels/bench/NOTES.md); RNND_ENOTSUP where neither applies.
+// and the x part a step ahead (v12, v13), and bench variant bit 8 (phase clocks)
+// (kernels/bench/NOTES.md); RNND_ENOTSUP where neither applies.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
     if (backward) {
@@ -2005,16 +1955,9 @@ static int persist_launch_variant(bool backward, const void *args, cudaStream_t 
     if (!a.vec)
         return RNND_ENOTSUP;
     if constexpr (persist_geom<Cell, mode_tf32, 128>::F_KP)
-        if (a.xks > 0) {
-            // The A/B of v13: XA under the bit (to make it the default: == 0 here).
-            const bool xa = (a.variant & RNND_SEQ_VARIANT_XAHEAD) != 0;
-            if (xa)
-                return a.variant & 8
-                           ? persist_launch_forward<Cell, mode_tf32, 128, 8, true, true>(a, stream)
-                           : persist_launch_forward<Cell, mode_tf32, 128, 0, true, true>(a, stream);
+        if (a.xks > 0)
             return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8, true>(a, stream)
                                  : persist_launch_forward<Cell, mode_tf32, 128, 0, true>(a, stream);
-        }
     return a.variant & 8 ? persist_launch_forward<Cell, mode_tf32, 128, 8>(a, stream)
                          : RNND_ENOTSUP;
 }
@@ -2028,7 +1971,7 @@ static long persist_smem(bool backward, int xks) {
         return Gm::B_SMEM;
     if (xks < 0 || xks > Gm::F_XKS)
         return -1;
-    // KP: the larger of its two forwards (XA, v13), so that the fit check holds for both.
+    // KP: its own layout (the x part a step ahead needs two stages and the x slots).
     return Gm::F_KP && xks > 0 ? Gm::f_smem_kpxa() : Gm::f_smem(xks);
 }
 

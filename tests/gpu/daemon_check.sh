@@ -4,7 +4,8 @@
 # -DCMAKE_CUDA_ARCHITECTURES=90):
 #   1. test_rnn_cuda (every CUDA op against the CPU reference);
 #   2. the integration suite against rnnd on the CUDA backend in strict fp32 (RNND_BACKEND=cuda
-#      RNND_COMPUTE=ieee: the suite's tolerances are the CPU reference's);
+#      RNND_COMPUTE=ieee: the suite's tolerances are the CPU reference's; the devices suite
+#      needs two GPUs and is skipped on one: tests/gpu/multi_gpu_check.sh runs it);
 #   3. rnndctl bench against rnnd --backend cuda (fp32/TF32): 1 env x 1 connection (latency) and
 #      64 envs x 16 connections (throughput), each next to the GetModelInfo floor, plus larger
 #      requests for peak throughput.
@@ -43,8 +44,15 @@ tail -3 "$OUT/test_rnn_cuda.log"
 summary+=("test_rnn_cuda rc=$rc")
 
 echo "== integration suite, RNND_BACKEND=cuda RNND_COMPUTE=ieee"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 for t in "$R"/bin/test_integration_*; do
     name=$(basename "$t")
+    if [ "$name" = test_integration_devices ] && [ "$ngpu" -lt 2 ]; then
+        # Its daemons run on --devices 0,1: tests/gpu/multi_gpu_check.sh runs it on two GPUs.
+        echo "$name skipped: $ngpu GPU (needs 2; tests/gpu/multi_gpu_check.sh)"
+        summary+=("$name skipped ($ngpu GPU)")
+        continue
+    fi
     (cd "$work" && RNND_BACKEND=cuda RNND_COMPUTE=ieee timeout 120 "$t") >"$OUT/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $(grep -cE '^\[  FAILED  \] [a-z_]+$' "$OUT/$name.log") failed"

@@ -1,5 +1,5 @@
 /*
- * seq_cluster.cu: the LSTM forward time loop at H = 256 in thread-block clusters (sm_90, v11 in
+ * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters (sm_90, v11 in
  * kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit one SM, so a
  * cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster holds the
  * gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of

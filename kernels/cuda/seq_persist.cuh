@@ -19,11 +19,12 @@
  *   is fused (the loop reads x, not x W_ih^T) when I_l <= HP/2 and the weights fit; otherwise
  *   x W_ih^T comes precomputed from one cuBLAS GEMM. In TF32 mode the h part runs as fp16
  *   m16n8k16 MMAs on h scaled into fp16 (as exact as TF32, mode_f16), the x part as TF32.
- *   The GRU's fused TF32 loop at HP = 128 (KP, v12) has twice the warps: per 16-unit group
- *   one runs the h part and one the x part (x rows scaled into fp16 per row, m16n8k16), they
- *   swap the partial sums of each other's row through shared memory (a 64-thread barrier per
- *   pair; x goes through an fp32 stage and one fp16 tile behind the x-warps' own barrier), and
- *   each runs the cell for one of the lane's two rows (see seq_forward_kernel).
+ *   The GRU's fused TF32 loop at HP = 128 (KP, v12, v13) has twice the warps: per 16-unit
+ *   group one runs the h part and one the x part (x rows scaled into fp16 per row, m16n8k16),
+ *   the x part a step ahead (x staged two steps ahead through fp32 stages and one fp16 tile
+ *   behind the x-warps' own barrier); they hand each other the partial sums of the other's row
+ *   through shared memory (a 64-thread barrier per pair), and each runs the cell for one of the
+ *   lane's two rows (see seq_forward_kernel).
  *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
  *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
  * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
@@ -44,8 +45,7 @@
  * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
  * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
  *
- * Versions v1..v12: kernels/bench/NOTES.md has each one's prediction and measured result; v13
- * (KP with the x part a step ahead, bench variant bit 2048) is not yet run on a GPU.
+ * Versions v1..v13: kernels/bench/NOTES.md has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH

@@ -191,12 +191,16 @@ static void test_pool_local_errors(void **state) {
     struct rnnd_client_opts o = {.timeout_ms = 3000};
     struct rnnd_client_pool *p;
     assert_int_equal(rnnd_client_pool_init(&o, names, 2, &p), 0);
-    // Envs on both targets.
+    // Envs on both targets. The ports are random, so the hashes are: eight ids taken in order
+    // land on one target once in 128 draws, so the last one is the first id on the other.
     uint64_t ids[8];
     size_t on0 = 0;
-    for (int i = 0; i < 8; i++) {
-        ids[i] = (uint64_t)i;
-        on0 += rnnd_client_pool_pick(p, ids[i]) == 0;
+    for (uint64_t e = 0, n = 0; n < 8; e++) {
+        const bool on_t0 = rnnd_client_pool_pick(p, e) == 0;
+        if (n == 7 && (on0 == 0 || on0 == 7) && on_t0 == (on0 == 7))
+            continue;
+        ids[n++] = e;
+        on0 += on_t0;
     }
     assert_true(on0 > 0 && on0 < 8);
     float x[8 * 4] = {0};

@@ -382,6 +382,7 @@ static bool end_locked(struct rnnd_call *c, int err, const char *msg) {
     if (c->sending || c->outq) {
         c->ending = true;
         c->end_code = code;
+        free(c->end_msg); // an end that on_close replaced (the peer left during a drain)
         c->end_msg = strdup(msg ? msg : "");
         return false;
     }

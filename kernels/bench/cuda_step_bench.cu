@@ -164,12 +164,14 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
-    auto events_us = [&](auto launch, double *us, double *host) {
+    // Per step, between events: `calls` calls of launch() that run STEP_LAUNCHES steps in all;
+    // the median over the repeats into *us (and the host's enqueue time per step into *host).
+    auto events_us = [&](auto launch, int calls, double *us, double *host) {
         std::vector<double> v, vh;
         for (int i = -bc->warmup; i < bc->repeat && !err; i++) {
             cudaEventRecord(e0, s);
             const double t0 = host_us();
-            for (int k = 0; k < STEP_LAUNCHES && !err; k++)
+            for (int k = 0; k < calls && !err; k++)
                 err = launch();
             if (i >= 0)
                 vh.push_back((host_us() - t0) / STEP_LAUNCHES);
@@ -186,61 +188,35 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
         if (!err && host)
             *host = step_median(vh);
     };
+    auto step = [&] { return o->rnn_step(be->ctx, &st, b.params, m); };
     if (!err)
-        events_us([&] { return o->rnn_step(be->ctx, &st, b.params, m); }, &res->step_us, enq_us);
+        events_us(step, STEP_LAUNCHES, &res->step_us, enq_us);
 
-    // One step captured in a graph, replayed.
-    cudaGraph_t graph = NULL;
-    cudaGraphExec_t exec = NULL;
-    if (!err && cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
-        err = RNND_EDEVICE;
-    if (!err) {
-        int e = o->rnn_step(be->ctx, &st, b.params, m);
-        if (cudaStreamEndCapture(s, &graph) != cudaSuccess || e != 0 ||
-            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
-            err = e ? e : RNND_EDEVICE;
-    }
-    if (!err)
-        events_us([&] { return cudaGraphLaunch(exec, s) == cudaSuccess ? 0 : RNND_EDEVICE; },
-                  &res->graph_us, nullptr);
-    if (exec)
-        cudaGraphExecDestroy(exec);
-    if (graph)
-        cudaGraphDestroy(graph);
-
-    // `launches` steps in one graph.
-    graph = NULL, exec = NULL;
-    if (!err && cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
-        err = RNND_EDEVICE;
-    if (!err) {
-        int e = 0;
-        for (int k = 0; k < STEP_LAUNCHES && !e; k++)
-            e = o->rnn_step(be->ctx, &st, b.params, m);
-        if (cudaStreamEndCapture(s, &graph) != cudaSuccess || e != 0 ||
-            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
-            err = e ? e : RNND_EDEVICE;
-    }
-    if (!err) {
-        std::vector<double> v;
-        for (int i = -bc->warmup; i < bc->repeat && !err; i++) {
-            cudaEventRecord(e0, s);
-            if (cudaGraphLaunch(exec, s) != cudaSuccess)
-                err = RNND_EDEVICE;
-            cudaEventRecord(e1, s);
-            if (cudaEventSynchronize(e1) != cudaSuccess)
-                err = RNND_EDEVICE;
-            float ms = 0.0f;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (i >= 0)
-                v.push_back(1e3 * ms / STEP_LAUNCHES);
+    // n steps captured in one graph, replayed: one step (what a caller that replays a captured
+    // step pays) and STEP_LAUNCHES steps (the device's own time).
+    auto graph_us = [&](int n, double *us) {
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        if (!err && cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            err = RNND_EDEVICE;
+        if (!err) {
+            int e = 0;
+            for (int k = 0; k < n && !e; k++)
+                e = step();
+            if (cudaStreamEndCapture(s, &graph) != cudaSuccess || e != 0 ||
+                cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+                err = e ? e : RNND_EDEVICE;
         }
         if (!err)
-            res->gpu_us = step_median(v);
-    }
-    if (exec)
-        cudaGraphExecDestroy(exec);
-    if (graph)
-        cudaGraphDestroy(graph);
+            events_us([&] { return cudaGraphLaunch(exec, s) == cudaSuccess ? 0 : RNND_EDEVICE; },
+                      STEP_LAUNCHES / n, us, nullptr);
+        if (exec)
+            cudaGraphExecDestroy(exec);
+        if (graph)
+            cudaGraphDestroy(graph);
+    };
+    graph_us(1, &res->graph_us);
+    graph_us(STEP_LAUNCHES, &res->gpu_us);
 
     if (!err) {
         const long long cycles = 4000000;

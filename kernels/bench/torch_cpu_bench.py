@@ -14,24 +14,13 @@ rnnd-kernel-bench). Prints a table, then one JSON line per case (backend "torch-
 options take comma lists like rnnd-kernel-bench's. --compute accepts only fp32/ieee (the same on
 a CPU); bf16 cases are skipped with a note.
 """
-import argparse
 import itertools
 import json
 import time
 
 import torch
 
-
-def int_list(s):
-    return [int(v) for v in s.split(",")]
-
-
-def float_list(s):
-    return [float(v) for v in s.split(",")]
-
-
-def str_list(s):
-    return s.split(",")
+import bench_args
 
 
 def run_case(cell, B, T, I, H, L, p, args):
@@ -92,18 +81,9 @@ def run_case(cell, B, T, I, H, L, p, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cell", type=str_list, default=["gru"])
-    ap.add_argument("--batch", type=int_list, default=[64])
-    ap.add_argument("--steps", type=int_list, default=[128])
-    ap.add_argument("--input", type=int_list, default=[64])
-    ap.add_argument("--hidden", type=int_list, default=[128])
-    ap.add_argument("--layers", type=int_list, default=[1])
-    ap.add_argument("--reset-prob", type=float_list, default=[0.1])
-    ap.add_argument("--compute", type=str_list, default=["fp32"])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=1)
+    ap = bench_args.parser(__doc__.splitlines()[0], batch=64, input_size=64, hidden=128,
+                           reset_prob=0.1, repeat=10)
+    ap.add_argument("--steps", type=bench_args.int_list, default=[128])
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--grad-input", action="store_true")
     args = ap.parse_args()

@@ -18,26 +18,15 @@ the top layer's h into a static output. Timed three ways, each per step, with CU
 fp32 allows TF32 matmuls (as rnnd's fp32 mode and cuDNN do); ieee forbids them; bf16 is skipped.
 Prints a table, then one JSON line per case (backend "torch-cuda", "op":"step").
 """
-import argparse
 import itertools
 import json
 import time
 
 import torch
 
+import bench_args
+
 LAUNCHES = 200
-
-
-def int_list(s):
-    return [int(v) for v in s.split(",")]
-
-
-def float_list(s):
-    return [float(v) for v in s.split(",")]
-
-
-def str_list(s):
-    return s.split(",")
 
 
 def median(v):
@@ -136,17 +125,8 @@ def run_case(cell, B, I, H, L, p, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cell", type=str_list, default=["gru"])
-    ap.add_argument("--batch", type=int_list, default=[1024])
-    ap.add_argument("--input", type=int_list, default=[256])
-    ap.add_argument("--hidden", type=int_list, default=[256])
-    ap.add_argument("--layers", type=int_list, default=[1])
-    ap.add_argument("--reset-prob", type=float_list, default=[0.0])
-    ap.add_argument("--compute", type=str_list, default=["fp32"])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=1)
+    ap = bench_args.parser(__doc__.splitlines()[0], batch=1024, input_size=256, hidden=256,
+                           reset_prob=0.0, repeat=20)
     args = ap.parse_args()
 
     print("%-10s %-4s %-5s %5s %5s %5s %2s %6s %9s %9s %9s %9s" % (

@@ -376,9 +376,10 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
         if (variant && (atoi(variant) & 8) && rnnd_cuda_phase_clocks(&be, bc->B, bc->T, pf, pb) == 0) {
             at = strlen(res->extra);
             snprintf(res->extra + at, cap - at,
-                     ",\"fwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f],"
+                     ",\"fwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f],"
                      "\"bwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f,%.0f]",
-                     pf[0], pf[1], pf[2], pf[3], pf[4], pb[0], pb[1], pb[2], pb[3], pb[4], pb[5]);
+                     pf[0], pf[1], pf[2], pf[3], pf[4], pf[5], pf[6], pf[7], pb[0], pb[1], pb[2],
+                     pb[3], pb[4], pb[5]);
         }
     }
 #ifdef RNND_HAVE_CUDNN

@@ -33,6 +33,7 @@ struct persist_fwd_args {
     bool xcopy;                  // copy x into z at xoff
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
+    bool wg;                     // the device runs seq_wg.cu's sm_90a code (compute 9.0)
 };
 
 // One layer's backward time loop.
@@ -103,5 +104,11 @@ long rnnd__cluster80_lstm_bwd_smem(void);
 int rnnd__cluster80_lstm_active(bool backward);
 int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
+
+// The GRU forward without a tape with warpgroup MMAs (seq_wg.cu; built when the architectures
+// include 90, as RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with
+// 1 <= I_l <= 64, a.vec and a.xvec. Shared memory of one launch, and the launch.
+long rnnd__wg_gru_smem(void);
+int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

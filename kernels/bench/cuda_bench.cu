@@ -119,7 +119,9 @@ static T *to_device(const std::vector<T> &h) {
 // Our forward without tape, and forward+backward with the input gradient
 
 static int bench_ours_extra(struct rnnd_backend *be, const struct bench_case *bc,
-                            struct event_timer *t, double *fwd_notape_ms, double *fwdbwd_gx_ms) {
+                            struct event_timer *t, double *fwd_notape_ms, double *fwdbwd_gx_ms,
+                            double *notape_phases) {
+    double pb[8];
     const struct rnnd_model *m = &bc->model;
     const struct rnnd_backend_ops *ops = be->ops;
     size_t BT = (size_t)bc->B * bc->T, P = rnnd_model_param_count(m);
@@ -144,6 +146,9 @@ static int bench_ours_extra(struct rnnd_backend *be, const struct bench_case *bc
     int err = time_median(t, bc->warmup, bc->repeat, [&] {
         return ops->rnn_forward(be->ctx, d_out, NULL, NULL, NULL, &seq, d_params, m);
     }, fwd_notape_ms);
+    // Phase clocks (variant bit 8) of the forward without a tape, which may run another loop.
+    if (!err && notape_phases && rnnd_cuda_phase_clocks(be, bc->B, bc->T, notape_phases, pb) != 0)
+        notape_phases[0] = -1;
     if (!err)
         err = time_median(t, bc->warmup, bc->repeat, [&] {
             int e = ops->rnn_forward(be->ctx, d_out, NULL, NULL, d_tape, &seq, d_params, m);
@@ -366,14 +371,21 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
                  rnnd__cluster80_lstm_active(false), rnnd__cluster80_lstm_active(true));
     }
     if (!err) {
-        double f = -1, a = -1;
-        if (bench_ours_extra(&be, bc, &t, &f, &a) == 0) {
+        double f = -1, a = -1, pn[8] = {-1};
+        bool clocks = variant && (atoi(variant) & 8);
+        if (bench_ours_extra(&be, bc, &t, &f, &a, clocks ? pn : NULL) == 0) {
             at = strlen(res->extra);
             snprintf(res->extra + at, cap - at, ",\"fwd_notape_ms\":%.4f,\"fwdbwd_gradx_ms\":%.4f",
                      f, a);
+            if (clocks && pn[0] >= 0) {
+                at = strlen(res->extra);
+                snprintf(res->extra + at, cap - at,
+                         ",\"fwd_notape_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f]",
+                         pn[0], pn[1], pn[2], pn[3], pn[4], pn[5], pn[6], pn[7]);
+            }
         }
         double pf[8], pb[8];
-        if (variant && (atoi(variant) & 8) && rnnd_cuda_phase_clocks(&be, bc->B, bc->T, pf, pb) == 0) {
+        if (clocks && rnnd_cuda_phase_clocks(&be, bc->B, bc->T, pf, pb) == 0) {
             at = strlen(res->extra);
             snprintf(res->extra + at, cap - at,
                      ",\"fwd_phase_cycles\":[%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f],"

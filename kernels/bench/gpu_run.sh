@@ -244,7 +244,8 @@ for r in rows:
           f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')} v{r.get('variant','')}")
 for r in rows:
     if "fwd_phase_cycles" in r:
-        print(f"{r['cell']} v{r.get('variant')} phase cycles/step fwd", r["fwd_phase_cycles"], "bwd", r["bwd_phase_cycles"])
+        print(f"{r['cell']} v{r.get('variant')} phase cycles/step fwd", r["fwd_phase_cycles"], "bwd", r["bwd_phase_cycles"],
+              "fwd without tape", r.get("fwd_notape_phase_cycles"))
 print("device:", rows[0].get("device") if rows else "?")
 EOF
 fi

@@ -16,6 +16,7 @@ int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaSt
         return bf16 ? persist_launch_backward_rc<mode_bf16, 128>(a, stream)
                     : persist_launch_backward_rc<mode_tf32, 128>(a, stream);
     }
+#ifdef RNND_HAVE_WG
     if (!backward && !bf16 && HP == 128) {
         // Without a tape, the wgmma loop where the device and the arguments allow it (seq_wg.cu;
         // with the tape's stores the KP loop is faster, NOTES v14).
@@ -23,6 +24,7 @@ int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaSt
         if (a.wg && a.xks > 0 && a.vec && a.xvec && a.x && !a.z && !a.s && a.H % 4 == 0)
             return rnnd__wg_gru_forward(&a, stream);
     }
+#endif
     if (!bf16 && HP == 128) {
         int err = persist_launch_variant<cell_gru>(backward, args, stream);
         if (err != RNND_ENOTSUP)

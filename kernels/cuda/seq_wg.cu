@@ -387,10 +387,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 
 } // namespace
 
-long rnnd__wg_gru_smem(void) {
-    return WG_SMEM;
-}
-
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
     if (a->H > WG_HP || a->H % 4 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || a->z || a->s || a->c0 || a->cell)

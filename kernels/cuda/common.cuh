@@ -140,6 +140,51 @@ static __device__ __forceinline__ float act_tanh(float x) {
     return FAST ? 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)) : tanhf(x);
 }
 
+// The FAST cells share one reciprocal among the gates they can (act_sig2, act_gates4): an SM's
+// 16 SFU lanes a clock bound the time loops' cells, and each reciprocal costs as much there as an
+// ex2 (kernels/bench/NOTES.md v15). act_den(y) = 1 + 2^y with 2^y held to 2^30, so that a product
+// of four denominators stays finite: sigmoid(x) for x < -20.8 is then < 1e-9 off, tanh(x) for
+// x > 10.4 rounds to 1 either way; min.NaN keeps a NaN a NaN (sm_80, as the MMAs of these cells).
+static __device__ __forceinline__ float act_den(float y) {
+    float c, e;
+    asm("min.NaN.f32 %0, %1, 0f41F00000;" : "=f"(c) : "f"(y)); // 30
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(c));
+    return 1.0f + e;
+}
+static __device__ __forceinline__ float act_sig_den(float x) { // sigmoid(x) = 1 / this
+    return act_den(-1.4426950408889634f * x);
+}
+static __device__ __forceinline__ float act_tanh_den(float x) { // tanh(x) = 1 - 2 / this
+    return act_den(2.8853900817779268f * x);
+}
+
+// sigmoid(a), sigmoid(b).
+template <bool FAST>
+static __device__ __forceinline__ void act_sig2(float a, float b, float &sa, float &sb) {
+    if (FAST) {
+        const float da = act_sig_den(a), db = act_sig_den(b), inv = __fdividef(1.0f, da * db);
+        sa = db * inv, sb = da * inv;
+    } else {
+        sa = act_sigmoid<false>(a), sb = act_sigmoid<false>(b);
+    }
+}
+
+// An LSTM's gates: sigmoid(a), sigmoid(b), tanh(c), sigmoid(d).
+template <bool FAST>
+static __device__ __forceinline__ void act_gates4(float a, float b, float c, float d, float &sa,
+                                                  float &sb, float &tc, float &sd) {
+    if (FAST) {
+        const float da = act_sig_den(a), db = act_sig_den(b), dc = act_tanh_den(c),
+                    dd = act_sig_den(d);
+        const float pab = da * db, pcd = dc * dd, inv = __fdividef(1.0f, pab * pcd);
+        const float iab = inv * pcd, icd = inv * pab; // 1 / (da db), 1 / (dc dd)
+        sa = db * iab, sb = da * iab, tc = 1.0f - 2.0f * (dd * icd), sd = dc * icd;
+    } else {
+        sa = act_sigmoid<false>(a), sb = act_sigmoid<false>(b);
+        tc = act_tanh<false>(c), sd = act_sigmoid<false>(d);
+    }
+}
+
 static __device__ __forceinline__ uint32_t f32_to_tf32(float x) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));

@@ -126,24 +126,15 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
 // ---------------------------------------------------------------------------------------------
 // Device helpers
 
-// Activations. FAST (the tensor-core modes): ex2.approx-based exp and an approximate division
-// (a few ulp; tanh loses relative accuracy only below |x| ~ 1e-3, where it is ~x anyway).
-// Otherwise (ieee, the per-step path): expf and tanhf from libdevice with IEEE division.
-template <bool FAST>
-static __device__ __forceinline__ float act_sigmoid(float x) {
-    return FAST ? __fdividef(1.0f, 1.0f + __expf(-x)) : 1.0f / (1.0f + expf(-x));
-}
-
-template <bool FAST>
-static __device__ __forceinline__ float act_tanh(float x) {
-    // 1 - 2 / (1 + e^2x): saturates cleanly (e^2x = inf gives 1, e^2x = 0 gives -1).
-    return FAST ? 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x)) : tanhf(x);
-}
-
-// The FAST cells share one reciprocal among the gates they can (act_sig2, act_gates4): an SM's
-// 16 SFU lanes a clock bound the time loops' cells, and each reciprocal costs as much there as an
-// ex2 (kernels/bench/NOTES.md v15). act_den(y) = 1 + 2^y with 2^y held to 2^30, so that a product
-// of four denominators stays finite: sigmoid(x) for x < -20.8 is then < 1e-9 off, tanh(x) for
+// Activations. FAST (the tensor-core modes): ex2.approx-based exp and an approximate reciprocal
+// (a few ulp; tanh loses relative accuracy only below |x| ~ 1e-3, where it is ~x anyway), one
+// reciprocal shared by the gates that allow it (act_sig2, act_gates4): an SM's 16 SFU lanes a
+// clock bound the time loops' cells, and a reciprocal costs as much there as an ex2
+// (kernels/bench/NOTES.md v15). Otherwise (ieee, the per-step path): expf and tanhf from libdevice
+// with IEEE division.
+//
+// act_den(y) = 1 + 2^y with 2^y held to 2^30, so that a product of four denominators stays below
+// 2^126 (where __fdividef gives 0): sigmoid(x) for x < -20.8 is then < 1e-9 off, tanh(x) for
 // x > 10.4 rounds to 1 either way; min.NaN keeps a NaN a NaN (sm_80, as the MMAs of these cells).
 static __device__ __forceinline__ float act_den(float y) {
     float c, e;
@@ -158,6 +149,15 @@ static __device__ __forceinline__ float act_tanh_den(float x) { // tanh(x) = 1 -
     return act_den(2.8853900817779268f * x);
 }
 
+static __device__ __forceinline__ float act_sigmoid_ieee(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+template <bool FAST>
+static __device__ __forceinline__ float act_tanh(float x) {
+    return FAST ? 1.0f - __fdividef(2.0f, act_tanh_den(x)) : tanhf(x);
+}
+
 // sigmoid(a), sigmoid(b).
 template <bool FAST>
 static __device__ __forceinline__ void act_sig2(float a, float b, float &sa, float &sb) {
@@ -165,7 +165,7 @@ static __device__ __forceinline__ void act_sig2(float a, float b, float &sa, flo
         const float da = act_sig_den(a), db = act_sig_den(b), inv = __fdividef(1.0f, da * db);
         sa = db * inv, sb = da * inv;
     } else {
-        sa = act_sigmoid<false>(a), sb = act_sigmoid<false>(b);
+        sa = act_sigmoid_ieee(a), sb = act_sigmoid_ieee(b);
     }
 }
 
@@ -180,8 +180,8 @@ static __device__ __forceinline__ void act_gates4(float a, float b, float c, flo
         const float iab = inv * pcd, icd = inv * pab; // 1 / (da db), 1 / (dc dd)
         sa = db * iab, sb = da * iab, tc = 1.0f - 2.0f * (dd * icd), sd = dc * icd;
     } else {
-        sa = act_sigmoid<false>(a), sb = act_sigmoid<false>(b);
-        tc = act_tanh<false>(c), sd = act_sigmoid<false>(d);
+        sa = act_sigmoid_ieee(a), sb = act_sigmoid_ieee(b);
+        tc = tanhf(c), sd = act_sigmoid_ieee(d);
     }
 }
 

@@ -141,33 +141,6 @@ __device__ __forceinline__ int roff(int row, int lu) {
     return row * UPC + (lu ^ ((row & 7) << 3));
 }
 
-// Block-wide maximum of v (every thread gets it). red: NWC floats. (The weight scales use
-// seq_persist.cuh's persist_pow2_scale, the same reduction fused with pow2_for; the h scale needs
-// the maximum itself, agreed on by the cluster before the power of two.)
-__device__ float block_max(float v, float *red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if ((threadIdx.x & 31) == 0)
-        red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NWC; k++)
-        v = fmaxf(v, red[k]);
-    __syncthreads();
-    return v;
-}
-
-__device__ float pow2_for(float m, int top) {
-    if (!(m > 0.0f) || !(m <= 3.0e38f))
-        return 1.0f;
-    int e;
-    frexpf(m, &e);
-    e = e < -100 ? -100 : e;
-    return ldexpf(1.0f, top - e);
-}
-
 // max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
 // columns.
 __device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H, int K, int rank) {
@@ -278,7 +251,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * L + l) * H + u)));
             }
         }
-        m = block_max(m, red);
+        m = persist_block_max(m, red); // the cluster agrees on it before the power of two
         if (threadIdx.x < CL) {
             uint32_t at =
                 cluster_map((uint32_t)__cvta_generic_to_shared(&hmax[rank]), (uint32_t)threadIdx.x);
@@ -288,7 +261,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         cluster_wait();
         m = fmaxf(fmaxf(hmax[0], hmax[1]), fmaxf(hmax[2], hmax[3]));
     }
-    const float hscale = pow2_for(m, 14);
+    const float hscale = persist_pow2_for(m, 14);
     const float hinv = (1.0f / wscale) * (1.0f / hscale);
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
@@ -869,7 +842,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                 for (int k = 0; k < NWC; k++)
                     mx = fmaxf(mx, rowmax[k][row]);
-                const float sc = pow2_for(mx, 14);
+                const float sc = persist_pow2_for(mx, 14);
                 if (w == 0 && tg == 0)
                     rowinv[row] = winv / sc;
 #pragma unroll

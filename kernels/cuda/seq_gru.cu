@@ -17,12 +17,11 @@ int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaSt
                     : persist_launch_backward_rc<mode_tf32, 128>(a, stream);
     }
 #ifdef RNND_HAVE_WG
-    if (!backward && !bf16 && HP == 128) {
-        // Without a tape, the wgmma loop where the device and the arguments allow it (seq_wg.cu;
-        // with the tape's stores the KP loop is faster, NOTES v14).
-        const persist_fwd_args &a = *static_cast<const persist_fwd_args *>(args);
-        if (a.wg && a.xks > 0 && a.vec && a.xvec && a.x && !a.z && !a.s && a.H % 4 == 0)
-            return rnnd__wg_gru_forward(&a, stream);
+    if (!backward && !bf16 && HP == 128 && static_cast<const persist_fwd_args *>(args)->wg) {
+        // The wgmma loop where its arguments allow it (seq_wg.cu), else the loops below.
+        int err = rnnd__wg_gru_forward(static_cast<const persist_fwd_args *>(args), stream);
+        if (err != RNND_ENOTSUP)
+            return err;
     }
 #endif
     if (!bf16 && HP == 128) {

@@ -424,26 +424,37 @@ struct persist_wlayout {
     }
 };
 
-// The power of two 2^(top - e) for the block-wide maximum m = f 2^e (f in [0.5, 1)) of the
-// threads' values: it puts m in [2^(top-1), 2^top) (1 for m zero or not finite). red: 32 floats
-// of shared scratch, free again on return.
-static __device__ float persist_pow2_scale(float m, int top, float *red) {
+// The block-wide maximum of the threads' v (every thread gets it). red: a float a warp of shared
+// scratch, free again on return.
+static __device__ float persist_block_max(float v, float *red) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     if ((threadIdx.x & 31) == 0)
-        red[threadIdx.x >> 5] = m;
+        red[threadIdx.x >> 5] = v;
     __syncthreads();
-    m = 0.0f;
+    v = 0.0f;
     for (int k = 0; k < (int)blockDim.x / 32; k++)
-        m = fmaxf(m, red[k]);
+        v = fmaxf(v, red[k]);
     __syncthreads();
+    return v;
+}
+
+// The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in
+// [2^(top-1), 2^top) (1 for m zero or not finite).
+static __device__ float persist_pow2_for(float m, int top) {
     if (!(m > 0.0f) || !(m <= 3.0e38f))
         return 1.0f;
     int e;
     frexpf(m, &e);
     e = e < -100 ? -100 : e;
     return ldexpf(1.0f, top - e);
+}
+
+// persist_pow2_for of the block-wide maximum of the threads' values. red: 32 floats of shared
+// scratch, free again on return.
+static __device__ float persist_pow2_scale(float m, int top, float *red) {
+    return persist_pow2_for(persist_block_max(m, red), top);
 }
 
 // A row of 64 fp32 values held by a half-warp (4 consecutive values a lane) into 16-bit HM
@@ -553,6 +564,40 @@ static __device__ __forceinline__ int ld_flag(const uint8_t *p, bool ok) {
 // Unit of column n of a warp's n-tile `half` (the permutation in the header comment).
 static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
     return w * 16 + 4 * (n >> 1) + 2 * half + (n & 1);
+}
+
+// The x part of a step: acc[nt] += the x tile's rows (M's A fragments, pitch ld) times the
+// W_ih fragments at wsmx (layout WL), over k-steps [0, nks), nks <= KS. The forward, its KP x-warps
+// and the recomputing backward run it in their own modes.
+template <class M, class WL, int KS, int NT>
+static __device__ __forceinline__ void persist_xmma(float (&acc)[NT][4],
+                                                    const typename M::elem *tile, int ld,
+                                                    const unsigned char *wsmx, int nks, int nw,
+                                                    int w, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        if (ks >= nks)
+            break;
+        uint32_t af[4], wv[NT * M::WPF];
+        M::afrag(af, tile, ld, ks, lane);
+        WL::load(wv, wsmx, ks, nw, w, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            M::mma(acc[nt], af, M::wunpack(wv + nt * M::WPF));
+    }
+}
+
+// Rows g and g + 8 of the block (the backward loops' two rows a thread): whether each exists, its
+// batch index (0 past B) and its first tape row b T.
+static __device__ __forceinline__ void persist_rows2(bool rv[2], size_t bidx[2], size_t rbase[2],
+                                                     int B, int T, int g) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int b = blockIdx.x * 16 + g + 8 * i;
+        rv[i] = b < B;
+        bidx[i] = rv[i] ? b : 0;
+        rbase[i] = bidx[i] * T;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -818,17 +863,8 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     };
     // KP, x-warps: the x part (HM's MMAs on the fp16 x tile) accumulated into cx.
     auto xmma = [&](float(&cx)[NT][4]) {
-#pragma unroll
-        for (int ks = 0; ks < Gm::F_KP_XKS; ks++) {
-            if (ks * HM::KSTEP >= Il)
-                break;
-            uint32_t af[4], wv[Gm::F_HWPL];
-            HM::afrag(af, x16, Gm::F_KP_XLD, ks, lane);
-            WLH::load(wv, wsmx, ks, NW, w, lane);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                HM::mma(cx[nt], af, HM::wunpack(wv + nt * HM::WPF));
-        }
+        persist_xmma<HM, WLH, Gm::F_KP_XKS>(cx, x16, Gm::F_KP_XLD, wsmx, CEIL_DIV(Il, HM::KSTEP),
+                                            NW, w, lane);
     };
     // KP, x-warps: the x part of step tn from the converted tile, each row scaled back by its
     // 1/x scale (a power of two: exact), row g into parity tn&1 of the x slots (for the h-warp),
@@ -950,17 +986,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
             if (kh == 1 && t + 1 < T)
                 convert_x(xstage_p((t + 1) & 1)); // x(t+1), for the x part at the end
         } else if constexpr (XF) {
-#pragma unroll
-            for (int ks = 0; ks < XKS; ks++) {
-                if (ks >= xks)
-                    break;
-                uint32_t af[4], wv[Gm::F_XWPL];
-                Mode::afrag(af, xcur, xld, ks, lane);
-                WLX::load(wv, wsmx, ks, NW, w, lane);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    Mode::mma(accx[nt], af, Mode::wunpack(wv + nt * Mode::WPF));
-            }
+            persist_xmma<Mode, WLX, XKS>(accx, xcur, xld, wsmx, xks, NW, w, lane);
         }
         if constexpr ((V & 8) != 0) {
             persist_wait_for(acc[0][0] + acc[NT - 1][3], a.dbg);
@@ -1175,13 +1201,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
     bool rv[2];
     size_t rbase[2], bidx[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        int b = blockIdx.x * 16 + g + 8 * i;
-        rv[i] = b < a.B;
-        bidx[i] = rv[i] ? b : 0;
-        rbase[i] = bidx[i] * T;
-    }
+    persist_rows2(rv, bidx, rbase, a.B, T, g);
 
     // Carried gradients: dL/dh' (and dL/dc') of the state leaving step t.
     float dh[2][4], dc[2][4];
@@ -1529,13 +1549,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
     bool rv[2];
     size_t rbase[2], bidx[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        int b = blockIdx.x * 16 + g + 8 * i;
-        rv[i] = b < a.B;
-        bidx[i] = rv[i] ? b : 0;
-        rbase[i] = bidx[i] * T;
-    }
+    persist_rows2(rv, bidx, rbase, a.B, T, g);
     // The x values this thread moves each step: one float4 of the block's 16 x I_l.
     const int xe = threadIdx.x * 4, xrow = Il > 0 ? xe / Il : 0, xcol = xe - xrow * Il;
     const bool xok = xe < 16 * Il && blockIdx.x * 16 + xrow < a.B;
@@ -1628,17 +1642,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 HM::mma(acc[2 * q + 1], af, make_uint2(b[2], b[3]));
             }
         }
-#pragma unroll
-        for (int ks = 0; ks < XKS; ks++) {
-            if (ks >= xks)
-                break;
-            uint32_t af[4], wv[Gm::F_XWPL];
-            XM::afrag(af, xt, XLD, ks, lane);
-            WLX::load(wv, wsmx, ks, NW, w, lane);
-#pragma unroll
-            for (int nt = 0; nt < FNT; nt++)
-                XM::mma(accx[nt], af, XM::wunpack(wv + nt * XM::WPF));
-        }
+        persist_xmma<XM, WLX, XKS>(accx, xt, XLD, wsmx, xks, NW, w, lane);
     };
     // The forward's cell on those sums: the step's gates r, z, n, hn.
     auto gates_cell = [&](int st) {

@@ -388,9 +388,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 } // namespace
 
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    if (a->H > WG_HP || a->H % 4 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
-        !a->xvec || a->z || a->s || a->c0 || a->cell)
-        return RNND_EINVAL;
+    // Its case: no tape (with one, the KP loop is faster: NOTES v14), fused x, vector access.
+    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x ||
+        !a->vec || !a->xvec || a->z || a->s || a->c0 || a->cell)
+        return RNND_ENOTSUP;
     auto kernel = a->variant & 8 ? seq_wg_gru_forward<8> : seq_wg_gru_forward<0>;
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WG_SMEM));

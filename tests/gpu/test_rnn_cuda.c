@@ -187,6 +187,37 @@ static void seq_out_free(struct seq_out *o) {
     free(o->gh0), free(o->gc0), free(o->ghid), free(o->gcell);
 }
 
+// Random inputs of case sc: h0, c0, hidden and cell uniform in +-state_scale; with bias_scale > 0
+// the biases are redrawn uniform in +-bias_scale.
+static void seq_host_init(struct seq_host *h, const struct seq_case *sc, float bias_scale,
+                          float state_scale) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
+    size_t blh = (size_t)sc->B * sc->L * sc->H, btlh = BT * sc->L * sc->H;
+    h->params = xmalloc(P * 4);
+    rnnd_model_init_params(&m, rng_next(), h->params);
+    for (int k = 0; bias_scale > 0.0f && k < rnnd_model_param_tensors(&m); k++) {
+        struct rnnd_param_tensor pt;
+        rnnd_model_param_tensor(&m, k, &pt);
+        if (k % 4 == RNND_PARAM_BIAS_IH || k % 4 == RNND_PARAM_BIAS_HH)
+            for (size_t i = 0; i < pt.count; i++)
+                h->params[pt.offset + i] = (float)((2.0 * rng_uniform() - 1.0) * bias_scale);
+    }
+    h->x = host_uniform(BT * sc->I, 1.0f);
+    h->h0 = host_uniform(blh, state_scale), h->c0 = host_uniform(blh, state_scale);
+    h->hidden = host_uniform(btlh, state_scale), h->cell = host_uniform(btlh, state_scale);
+    h->gout = host_uniform(BT * sc->H, 1.0f), h->ghn = host_uniform(blh, 1.0f);
+    h->gcn = host_uniform(blh, 1.0f), h->gbase = host_uniform(P, 1.0f);
+    h->is_init = xmalloc(BT);
+    for (size_t i = 0; i < BT; i++)
+        h->is_init[i] = rng_uniform() < sc->reset_prob;
+}
+
+static void seq_host_free(struct seq_host *h) {
+    free(h->params), free(h->x), free(h->h0), free(h->c0), free(h->hidden), free(h->cell);
+    free(h->gout), free(h->ghn), free(h->gcn), free(h->gbase), free(h->is_init);
+}
+
 // Runs forward (with and without tape) and backward of case sc on be; results to o.
 static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const struct seq_host *h,
                    struct seq_out *o, bool poison) {
@@ -261,9 +292,9 @@ static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const str
     return 0;
 }
 
-// state_scale: h0, c0, hidden and cell are uniform in +-state_scale.
+// Case sc on gpu against cpu, on seq_host_init's inputs.
 static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
-                     bool check_determinism, float state_scale) {
+                     bool check_determinism, float bias_scale, float state_scale) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
     size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
@@ -276,17 +307,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
              sc->state == STATE_H0 ? "h0" : sc->state == STATE_HIDDEN ? "hid" : "-",
              sc->path == RNND_CUDA_PATH_STEPWISE ? " step" : "");
 
-    struct seq_host h = {0};
-    h.params = xmalloc(P * 4);
-    rnnd_model_init_params(&m, rng_next(), h.params);
-    h.x = host_uniform(nx, 1.0f);
-    h.h0 = host_uniform(blh, state_scale), h.c0 = host_uniform(blh, state_scale);
-    h.hidden = host_uniform(btlh, state_scale), h.cell = host_uniform(btlh, state_scale);
-    h.gout = host_uniform(nout, 1.0f), h.ghn = host_uniform(blh, 1.0f);
-    h.gcn = host_uniform(blh, 1.0f), h.gbase = host_uniform(P, 1.0f);
-    h.is_init = xmalloc(BT);
-    for (size_t i = 0; i < BT; i++)
-        h.is_init[i] = rng_uniform() < sc->reset_prob;
+    struct seq_host h;
+    seq_host_init(&h, sc, bias_scale, state_scale);
 
     rnnd_cuda_set_path(gpu, sc->path);
     int path = rnnd_cuda_path_of(gpu, &m);
@@ -336,8 +358,46 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     rnnd_cuda_set_path(gpu, RNND_CUDA_PATH_AUTO);
     seq_out_free(&og);
     seq_out_free(&oc);
-    free(h.params), free(h.x), free(h.h0), free(h.c0), free(h.hidden), free(h.cell);
-    free(h.gout), free(h.ghn), free(h.gcn), free(h.gbase), free(h.is_init);
+    seq_host_free(&h);
+}
+
+// A NaN in x reaches exactly the outputs that depend on it, as in the CPU reference (the FAST
+// cells' clamp and shared reciprocal keep a NaN a NaN), and the other outputs match it.
+static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell) {
+    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
+                                RNND_CUDA_PATH_AUTO};
+    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc.B * sc.T;
+    size_t nx = BT * sc.I, nout = BT * sc.H, blh = (size_t)sc.B * sc.L * sc.H;
+    const char *tag = cell == RNND_CELL_LSTM ? "lstm fp32 NaN in x" : "gru fp32 NaN in x";
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    h.x[(3 * (size_t)sc.T + 5) * sc.I + 7] = NAN; // row 3, step 5
+    struct seq_out og, oc;
+    seq_out_alloc(&og, P, nx, nout, blh, BT * sc.L * sc.H);
+    seq_out_alloc(&oc, P, nx, nout, blh, BT * sc.L * sc.H);
+    int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
+    checks++;
+    size_t nans = 0, mismatched = 0;
+    for (size_t i = 0; !err && !err2 && i < nout; i++) {
+        bool want = isnan(oc.out[i]);
+        mismatched += isnan(og.out[i]) != want || isnan(og.out_notape[i]) != want;
+        if (want) { // compared as equal below
+            nans++;
+            og.out[i] = og.out_notape[i] = oc.out[i] = 0.0f;
+        }
+    }
+    bool ok = !err && !err2 && nans > 0 && mismatched == 0;
+    failures += !ok;
+    printf("  %s %-34s %zu NaN outputs in the reference, %zu placed otherwise (%s, %s)\n",
+           ok ? "ok  " : "FAIL", tag, nans, mismatched, rnnd_err_name(err), rnnd_err_name(err2));
+    if (!err && !err2) {
+        compare("out", tag, og.out, oc.out, NULL, nout, tolerance(sc.compute));
+        compare("out(no tape)", tag, og.out_notape, og.out, NULL, nout, 1e-7);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -600,7 +660,7 @@ int main(int argc, char **argv) {
     int ncases = quick ? (int)(sizeof(quick_cases) / sizeof(quick_cases[0]))
                        : (int)(sizeof(full_cases) / sizeof(full_cases[0]));
     for (int i = 0; i < ncases; i++)
-        test_seq(&gpu, &cpu, &cases[i], i == 0, 0.8f);
+        test_seq(&gpu, &cpu, &cases[i], i == 0, 0.0f, 0.8f);
     // States beyond [-1, 1]: the forward's fp16 h tile is scaled by the largest of them
     // (unscaled, 12 * 2^13 would overflow fp16); the per-step path gives the TF32 baseline.
     const struct seq_case wide_states[] = {
@@ -613,7 +673,7 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 256, 1, 330, 8, 0.1, STATE_HIDDEN, AUTO}, // the cluster backward
     };
     for (int i = 0; !quick && i < (int)(sizeof(wide_states) / sizeof(wide_states[0])); i++)
-        test_seq(&gpu, &cpu, &wide_states[i], false, 12.0f);
+        test_seq(&gpu, &cpu, &wide_states[i], false, 0.0f, 12.0f);
 
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
     // from ~1000 rows at H=256), odd widths (4-byte copies), several layers, rows in several
@@ -656,7 +716,21 @@ int main(int argc, char **argv) {
         {GRU, F32, 36, 124, 1, 17, 9, 0.3, STATE_H0, AUTO},
     };
     for (int i = 0; !quick && i < (int)(sizeof(wg_cases) / sizeof(wg_cases[0])); i++)
-        test_seq(&gpu, &cpu, &wg_cases[i], false, 0.8f);
+        test_seq(&gpu, &cpu, &wg_cases[i], false, 0.0f, 0.8f);
+    // Gates saturated far past the FAST cells' clamp of 1 + e^-x at 1 + 2^30 (biases of up to
+    // +-40: exact in every mode, unlike large x, whose TF32 rounding alone would pass 1e-3), and
+    // a NaN in x.
+    const struct seq_case saturated[] = {
+        {GRU, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+        {LSTM, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+        {GRU, BF16, 64, 128, 1, 33, 12, 0.1, STATE_NONE, AUTO},
+    };
+    for (int i = 0; !quick && i < (int)(sizeof(saturated) / sizeof(saturated[0])); i++)
+        test_seq(&gpu, &cpu, &saturated[i], false, 40.0f, 0.8f);
+    if (!quick) {
+        test_nan(&gpu, &cpu, GRU);
+        test_nan(&gpu, &cpu, LSTM);
+    }
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

@@ -259,8 +259,7 @@ struct cell_gru {
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)c;
-        float r, z;
-        act_sig2<FAST>(xq[0] + hq[0], xq[1] + hq[1], r, z);
+        float r = act_sigmoid<FAST>(xq[0] + hq[0]), z = act_sigmoid<FAST>(xq[1] + hq[1]);
         float n = act_tanh<FAST>(xq[2] + r * hq[2]);
         h_new = (1.0f - z) * n + z * h;
         c_new = 0.0f;
@@ -293,8 +292,8 @@ struct cell_lstm {
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)h;
-        float i, f, g, o;
-        act_gates4<FAST>(xq[0] + hq[0], xq[1] + hq[1], xq[2] + hq[2], xq[3] + hq[3], i, f, g, o);
+        float i = act_sigmoid<FAST>(xq[0] + hq[0]), f = act_sigmoid<FAST>(xq[1] + hq[1]);
+        float g = act_tanh<FAST>(xq[2] + hq[2]), o = act_sigmoid<FAST>(xq[3] + hq[3]);
         c_new = f * c + i * g;
         h_new = o * act_tanh<FAST>(c_new);
         s[0] = i, s[1] = f, s[2] = g, s[3] = o, s[4] = c;

@@ -362,7 +362,7 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
 }
 
 // A NaN in x reaches exactly the outputs that depend on it, as in the CPU reference (the FAST
-// cells' clamp and shared reciprocal keep a NaN a NaN), and the other outputs match it.
+// cells' SFU tanh keeps a NaN a NaN), and the other outputs match it.
 static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell) {
     const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
                                 RNND_CUDA_PATH_AUTO};
@@ -717,9 +717,9 @@ int main(int argc, char **argv) {
     };
     for (int i = 0; !quick && i < (int)(sizeof(wg_cases) / sizeof(wg_cases[0])); i++)
         test_seq(&gpu, &cpu, &wg_cases[i], false, 0.0f, 0.8f);
-    // Gates saturated far past the FAST cells' clamp of 1 + e^-x at 1 + 2^30 (biases of up to
-    // +-40: exact in every mode, unlike large x, whose TF32 rounding alone would pass 1e-3), and
-    // a NaN in x.
+    // Gates saturated far into the tails of the FAST cells' SFU tanh (biases of up to +-40:
+    // exact in every mode, unlike large x, whose TF32 rounding alone would pass 1e-3), and a NaN
+    // in x.
     const struct seq_case saturated[] = {
         {GRU, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
         {LSTM, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},

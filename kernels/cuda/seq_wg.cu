@@ -9,12 +9,16 @@
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
  * from registers, so W_hh stays in registers for the whole sequence.
  *
- * Shape: 16 batch rows a block, two warpgroups. The gate rows are the MMA's M (the weights are
- * A), the batch rows its N = 16: D[gate unit][row] = W[gate unit][:] . h[row][:]. Warpgroup q
- * owns units [64q, 64q + 64) of all three gates (one m64 tile a gate), so every thread holds the
- * r, z and n sums of its own elements and runs their cell with no exchange. M row m of a tile
- * (warp w = m / 16, g = m % 8, i = (m / 8) % 2) is unit 64q + 16w + 2g + i: a thread's two
- * units are adjacent (8-byte stores), its rows are 2tg + e + 8j (D's n8 chunks j).
+ * Shape: 16 batch rows a block, three warpgroups. The gate rows are the MMA's M (the weights are
+ * A), the batch rows its N = 16: D[gate unit][row] = W[gate unit][:] . h[row][:]. Consumer
+ * warpgroup q (0, 1) owns units [64q, 64q + 64) of all three gates (one m64 tile a gate), so every
+ * thread holds the r, z and n sums of its own elements and runs their cell with no exchange. M
+ * row m of a tile (warp w = m / 16, g = m % 8, i = (m / 8) % 2) is unit 64q + 16w + 2g + i: a
+ * thread's two units are adjacent (8-byte stores), its rows are 2tg + e + 8j (D's n8 chunks j).
+ * Warpgroup 2, the producer, computes the x part x W_ih^T + b_ih, which does not depend on h, up
+ * to two steps ahead, and hands it over in shared memory in the consumers' accumulator layout
+ * (NOTES v17: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
+ * gives the consumers 216 registers (W_hh alone takes 96) and the producer 72.
  *
  * Operands in shared memory (B: h and x tiles; A: W_ih) are K-major fp16 in 8 x 8 core
  * matrices (8 rows of 16 bytes, 128 contiguous bytes), no swizzle: core matrices adjacent in K
@@ -22,34 +26,68 @@
  * apart (its stride byte offset). Scales as in the mma.sync loops: weights and h by powers of
  * two (persist_wscale, persist_hscale), each x row by its own (persist_row16).
  *
- * Per step t: the h part (3 gates x 8 k-steps, A in registers) and the x part (3 x 4 k-steps,
- * A = W_ih from shared memory) are issued asynchronously; while they run the block stores step
- * t-1's outputs and converts x(t+1) into the other x tile; then the cell, h into the other h
- * tile, one barrier. x reaches shared memory by cp.async three steps ahead (three fp32 stages),
- * so its latency is off the step. Tiles are double-buffered by step parity, so the only barrier
- * a step is the one that publishes h(t+1), x(t+1) and x(t+2)'s stage.
+ * Per step t, consumers: the h part (3 gates x 8 k-steps, A in registers) is issued
+ * asynchronously; while it runs they store step t-1's outputs; then the x part of step t from
+ * its slot (t % 2), the cell, h into the other h tile, one barrier of the consumers. Producer:
+ * x(t) (cp.async three steps ahead, three fp32 stages) into the fp16 x tile, the x part's
+ * MMAs (A = W_ih from shared memory), scaled and biased into slot t % 2 once the consumers have
+ * read step t-2's. mbarriers hand the slots back and forth (full: producer arrives,
+ * consumers wait; empty: the reverse).
  */
 #include "seq_persist.cuh"
 
 namespace {
 
-constexpr int WG_THREADS = 256;
-constexpr int WG_HP = 128;                          // units (padded)
-constexpr int WG_XK = 64;                           // x columns (padded): I_l <= 64
-constexpr long WG_WIH_TILE = 64L * WG_XK * 2;       // one m64 tile of W_ih: 8 KB
-constexpr long WG_WIH = 6 * WG_WIH_TILE;            // 2 warpgroups x 3 gates
-constexpr long WG_HTILE = 16L * WG_HP * 2;          // 16 rows of h, fp16: 4 KB
-constexpr long WG_XTILE = 16L * WG_XK * 2;          // 16 rows of x, fp16: 2 KB
-constexpr long WG_STAGE = 16L * WG_XK * 4;          // 16 rows of x, fp32: 4 KB
-constexpr int WG_NSTAGE = 3;                        // x stages (x arrives 3 steps ahead)
+constexpr int WG_CONS = 256;                  // warpgroups 0, 1: h part, cell
+constexpr int WG_THREADS = WG_CONS + 128;     // warpgroup 2: x part (producer)
+constexpr int WG_CREGS = 200, WG_PREGS = 104; // setmaxnreg: 256 x 200 + 128 x 104 = 384 x 168
+constexpr int WG_HP = 128;                    // units (padded)
+constexpr int WG_XK = 64;                     // x columns (padded): I_l <= 64
+constexpr long WG_WIH_TILE = 64L * WG_XK * 2; // one m64 tile of W_ih: 8 KB
+constexpr long WG_WIH = 6 * WG_WIH_TILE;      // 2 unit halves x 3 gates
+constexpr long WG_HTILE = 16L * WG_HP * 2;    // 16 rows of h, fp16: 4 KB
+constexpr long WG_XTILE = 16L * WG_XK * 2;    // 16 rows of x, fp16: 2 KB
+constexpr long WG_STAGE = 16L * WG_XK * 4;    // 16 rows of x, fp32: 4 KB
+constexpr int WG_NSTAGE = 3;                  // x stages (x arrives 3 steps ahead)
+constexpr long WG_XP = 2L * 3 * 8 * 128 * 4;  // a step's x part, fp32: 24 KB
 constexpr long WG_OFF_H = WG_WIH;
 constexpr long WG_OFF_X = WG_OFF_H + 2 * WG_HTILE;
 constexpr long WG_OFF_STAGE = WG_OFF_X + 2 * WG_XTILE;
 constexpr long WG_OFF_XINV = WG_OFF_STAGE + WG_NSTAGE * WG_STAGE;
 constexpr long WG_OFF_BIAS = WG_OFF_XINV + 2 * 16 * 4; // b_ih, b_hh: 2 x 3 gates x WG_HP
 constexpr long WG_OFF_RED = WG_OFF_BIAS + 6L * WG_HP * 4;
-constexpr long WG_OFF_WHH = WG_OFF_RED + 32 * 4; // W_hh's A fragments, read once into registers
-constexpr long WG_SMEM = WG_OFF_WHH + 3L * 8 * WG_THREADS * 16;
+constexpr long WG_OFF_MBAR = WG_OFF_RED + 32 * 4;  // 4 mbarriers: full[2], empty[2]
+constexpr long WG_OFF_XP = WG_OFF_MBAR + 4 * 8;    // the x part's two slots
+constexpr long WG_OFF_WHH = WG_OFF_XP + 2 * WG_XP; // W_hh's A fragments, read once into registers
+constexpr long WG_SMEM = WG_OFF_WHH + 3L * 8 * WG_CONS * 16;
+
+// Named barriers (0 is __syncthreads): the consumers' step barrier, the producer's own.
+constexpr int WG_BAR_CONS = 1, WG_BAR_PROD = 2;
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// The x part's slots change hands through mbarriers: full[p] (each producer thread arrives
+// after its writes, release), empty[p] (each consumer thread after its reads); the waiting side
+// acquires. The k-th use of a slot completes phase k, so a wait is on parity k % 2.
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t *b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+}
 
 // Byte offset of element (r, k) in a K-major fp16 operand of kg groups of 8 columns.
 __device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
@@ -86,19 +124,23 @@ __device__ __forceinline__ void wg_pin(float (&d)[8]) {
 // keep the accumulators live across the whole loop.
 #define WG_RS                                                                                      \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                   \
-    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                         \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
 #define WG_SS                                                                                      \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                   \
-    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                         \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
 #define WG_D(c) c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7])
 template <bool ACC>
 __device__ __forceinline__ void wg_mma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
     if constexpr (ACC)
-        asm volatile(WG_RS : WG_D("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+        asm volatile(WG_RS
+                     : WG_D("+f")
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
     else
-        asm volatile(WG_RS : WG_D("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0));
+        asm volatile(WG_RS
+                     : WG_D("=f")
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0));
 }
 // The same with A from shared memory (K-major, descriptor).
 template <bool ACC>
@@ -122,16 +164,14 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
 }
 
-// V: bench variant bit 8, phase clocks (8 phases, persist_clock).
+// V: bench variant bit 8, phase clocks of warp 0 (8 phases, persist_clock).
 template <int V>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using HM = mode_f16;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp >> 2, w = warp & 3;
-    const int g = lane >> 2, tg = lane & 3;
+    const int g = lane >> 2, tg = lane & 3, x = threadIdx.x & 127;
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = 3 * H, Il = a.Il;
-    const int u0 = 64 * q + 16 * w + 2 * g; // this thread's units: u0, u0 + 1
-    const bool uok = u0 < H;
 
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *wih = smem, *htile = smem + WG_OFF_H, *xtile = smem + WG_OFF_X;
@@ -139,41 +179,37 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
     float *xinv = reinterpret_cast<float *>(smem + WG_OFF_XINV);
     float *bias = reinterpret_cast<float *>(smem + WG_OFF_BIAS);
     float *red = reinterpret_cast<float *>(smem + WG_OFF_RED);
+    float4 *xpart = reinterpret_cast<float4 *>(smem + WG_OFF_XP);
 
     const float wscale = persist_wscale(a.w_hh, GH * H, a.w_ih, GH * Il, red);
     const float hscale = persist_hscale(a, red);
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
 
-    // W_hh as A fragments, in registers for all steps: a0 = {W[u0][k], W[u0][k+1]}, a1 = unit
-    // u0+1, a2, a3 = the same at k + 8; k = 16 ks + 2 tg. Built in shared memory first (fragment
-    // f = 8 gate + ks of thread x at f * 256 + x), which keeps the compiler from holding every
-    // global load of them in registers at once.
+    // W_hh as the consumers' A fragments: a0 = {W[u0][k], W[u0][k+1]}, a1 = unit u0+1, a2, a3
+    // = the same at k + 8; k = 16 ks + 2 tg. Staged in shared memory (fragment f = 8 gate + ks
+    // of consumer c at f * 256 + c), which keeps the compiler from holding every global load of
+    // them in registers at once.
     uint4 *wfrag = reinterpret_cast<uint4 *>(smem + WG_OFF_WHH);
-    for (int e = threadIdx.x; e < 24 * WG_THREADS; e += WG_THREADS) {
-        const int f = e / WG_THREADS, x = e % WG_THREADS, qq = f / 8, k = 16 * (f % 8) + 2 * (x & 3);
-        const int u = 64 * (x >> 7) + 16 * ((x >> 5) & 3) + 2 * ((x & 31) >> 2);
+    for (int e = threadIdx.x; e < 24 * WG_CONS; e += WG_THREADS) {
+        const int f = e / WG_CONS, c = e % WG_CONS, qq = f / 8, k = 16 * (f % 8) + 2 * (c & 3);
+        const int u = 64 * (c >> 7) + 16 * ((c >> 5) & 3) + 2 * ((c & 31) >> 2);
         auto whh = [&](int uu, int kk) {
-            return uu < H && kk < H ? __ldg(a.w_hh + (size_t)(qq * H + uu) * H + kk) * wscale : 0.0f;
+            return uu < H && kk < H ? __ldg(a.w_hh + (size_t)(qq * H + uu) * H + kk) * wscale
+                                    : 0.0f;
         };
-        wfrag[e] = make_uint4(HM::pack2(whh(u, k), whh(u, k + 1)), HM::pack2(whh(u + 1, k), whh(u + 1, k + 1)),
+        wfrag[e] = make_uint4(HM::pack2(whh(u, k), whh(u, k + 1)),
+                              HM::pack2(whh(u + 1, k), whh(u + 1, k + 1)),
                               HM::pack2(whh(u, k + 8), whh(u, k + 9)),
                               HM::pack2(whh(u + 1, k + 8), whh(u + 1, k + 9)));
     }
-    __syncthreads();
-    uint32_t wa[3][8][4];
-#pragma unroll
-    for (int f = 0; f < 24; f++) {
-        const uint4 v = wfrag[f * WG_THREADS + threadIdx.x];
-        wa[f / 8][f % 8][0] = v.x, wa[f / 8][f % 8][1] = v.y;
-        wa[f / 8][f % 8][2] = v.z, wa[f / 8][f % 8][3] = v.w;
-    }
-    // W_ih as A tiles in shared memory (tile 3q + gate; row m is unit 64q + 16(m/16) + 2(m%8)
-    // + (m/8)%2, as in the registers); zero past H and I_l. Both tiles' padding, the x stages
-    // and the h tiles start at zero.
+    // W_ih as A tiles in shared memory (tile 3 half + gate; row m is unit 64 half + 16(m/16) +
+    // 2(m%8) + (m/8)%2, as in the registers); zero past H and I_l. The x tile's padding, the x
+    // stages and the h tiles start at zero.
     for (int e = threadIdx.x; e < 6 * 64 * WG_XK; e += WG_THREADS) {
         const int tile = e / (64 * WG_XK), m = (e / WG_XK) % 64, k = e % WG_XK;
         const int qq = tile % 3, u = 64 * (tile / 3) + 16 * (m >> 4) + 2 * (m & 7) + ((m >> 3) & 1);
-        const float v = u < H && k < Il ? __ldg(a.w_ih + (size_t)(qq * H + u) * Il + k) * wscale : 0.0f;
+        const float v =
+            u < H && k < Il ? __ldg(a.w_ih + (size_t)(qq * H + u) * Il + k) * wscale : 0.0f;
         *reinterpret_cast<__half *>(wih + tile * WG_WIH_TILE + km_off(m, k, WG_XK / 8)) =
             __float2half_rn(v);
     }
@@ -185,38 +221,129 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
         const float *b = e < 3 * WG_HP ? a.b_ih : a.b_hh;
         bias[e] = u < H ? __ldg(b + qq * H + u) : 0.0f;
     }
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + WG_OFF_MBAR), *empty = full + 2;
+    if (threadIdx.x == 0) {
+        mbar_init(full, 128), mbar_init(full + 1, 128);
+        mbar_init(empty, WG_CONS), mbar_init(empty + 1, WG_CONS);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    fence_proxy_async(); // W_ih and the zeroed tiles, for the MMAs
+    __syncthreads();
 
-    // This thread's rows: r = 2j + e is row 8j + 2tg + e of the block (D's column); rb(r) is
-    // b * T, the first tape row of batch row b.
+    // A thread's accumulator rows: r = 2j + e is row 8j + 2tg + e of the block (D's column);
+    // element (r, unit u0 + i) of an m64 tile is D[4j + 2i + e] = D[dix(r, i)].
     auto rowb = [&](int r) { return blockIdx.x * 16 + 8 * (r >> 1) + 2 * tg + (r & 1); };
     auto rvalid = [&](int r) { return rowb(r) < a.B; };
     auto rb = [&](int r) { return (size_t)rowb(r) * T; };
-    const size_t hid_step = (size_t)L * H;
+    auto dix = [](int r, int i) { return 4 * (r >> 1) + 2 * i + (r & 1); };
+    // The x part of step t for consumer c of warpgroups 0, 1: slot t % 2, gate qq, float4 j of
+    // the 8 accumulator values (conflict-free: a warp reads 512 contiguous bytes).
+    auto xp_at = [&](int t, int c, int qq, int j) {
+        return xpart + ((((t & 1) * 2 + (c >> 7)) * 3 + qq) * 2 + j) * 128 + (c & 127);
+    };
 
-    // x: each thread copies 4 consecutive of the block's 16 x I_l values a step (a.xvec: 16-byte
-    // aligned) into stage t % 3 with cp.async, one commit group a step (empty where nothing is
-    // left to copy, so that the group count stays uniform).
-    const int xe = threadIdx.x * 4, xrow = xe / Il, xcol = xe - xrow * Il;
-    const bool xok = xe < 16 * Il && blockIdx.x * 16 + xrow < a.B;
-    const float *xsrc = a.x + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldx + xcol;
-    const uint32_t xdst = (uint32_t)__cvta_generic_to_shared(stage + xrow * WG_XK + xcol);
-    auto fetch_x = [&](int t) {
-        if (xok && t < T)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                             xdst + (uint32_t)((t % WG_NSTAGE) * WG_STAGE)),
-                         "l"(xsrc + (size_t)t * a.ldx)
-                         : "memory");
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    // x(t)'s stage into x tile p: a half-warp a row, each row scaled into fp16 (persist_row16).
-    auto convert_x = [&](int p, int t) { // x(t) into x tile p
-        const int row = threadIdx.x >> 4, cx = 4 * (threadIdx.x & 15);
-        const float4 v = *reinterpret_cast<const float4 *>(
-            stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx);
-        const float inv = persist_row16<HM>(v, xtile + p * WG_XTILE + km_off(row, cx, WG_XK / 8));
-        if ((threadIdx.x & 15) == 0)
-            xinv[p * 16 + row] = inv;
-    };
+    if (q == 2) {
+        // The producer: for every step, x(t) (cp.async three steps ahead) into fp16 x tile t % 2,
+        // row-scaled (persist_row16); x(t) W_ih^T for all 6 tiles, scaled and with b_ih, into
+        // slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
+        auto fetch_x = [&](int t) { // 2 x 4 consecutive of the block's 16 x I_l values
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int xe = (x + 128 * j) * 4, xrow = xe / Il, xcol = xe - xrow * Il;
+                if (t < T && xe < 16 * Il && blockIdx.x * 16 + xrow < a.B)
+                    asm volatile(
+                        "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                            (uint32_t)__cvta_generic_to_shared(
+                                stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol)),
+                        "l"(a.x + ((size_t)(blockIdx.x * 16 + xrow) * T + t) * a.ldx + xcol)
+                        : "memory");
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory"); // one group a step, maybe empty
+        };
+        // x(t), landed in its stage, into x tile t % 2 and its rows' inverse scales.
+        auto convert_x = [&](int t) {
+            asm volatile("cp.async.wait_group 2;" ::: "memory"); // x(t) is in (t+1, t+2 may not be)
+            bar_sync(WG_BAR_PROD, 128);                          // every thread's part of it
+#pragma unroll
+            for (int j = 0; j < 2; j++) { // a half-warp a row
+                const int row = 8 * j + (x >> 4), cx = 4 * (x & 15);
+                const float4 v = *reinterpret_cast<const float4 *>(
+                    stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx);
+                const float inv =
+                    persist_row16<HM>(v, xtile + (t & 1) * WG_XTILE + km_off(row, cx, WG_XK / 8));
+                if ((x & 15) == 0)
+                    xinv[(t & 1) * 16 + row] = inv;
+            }
+            fence_proxy_async(); // for the MMAs
+        };
+        fetch_x(0);
+        fetch_x(1);
+        fetch_x(2);
+        convert_x(0);
+        bar_sync(WG_BAR_PROD, 128); // x tile 0 complete, stage 0 free
+        fetch_x(3);
+        const uint64_t wd = wg_desc(wih, 1024);
+        for (int t = 0; t < T; t++) {
+            const uint64_t xd = wg_desc(xtile + (t & 1) * WG_XTILE, 1024);
+            float dx[2][3][8];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < WG_XK / 16; ks++) // past I_l both operands are zero
+#pragma unroll
+                for (int tile = 0; tile < 6; tile++) {
+                    const uint64_t ad = wd + (tile * WG_WIH_TILE >> 4) + 16 * ks;
+                    if (ks == 0)
+                        wg_mma_ss<false>(dx[tile / 3][tile % 3], ad, xd + 16 * ks);
+                    else
+                        wg_mma_ss<true>(dx[tile / 3][tile % 3], ad, xd + 16 * ks);
+                }
+            wg_commit();
+            if (t + 1 < T)
+                convert_x(t + 1);
+            float xs[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                xs[r] = winv * xinv[(t & 1) * 16 + 8 * (r >> 1) + 2 * tg + (r & 1)];
+            wg_wait_all();
+            if (t >= 2)
+                mbar_wait(empty + (t & 1), ((t >> 1) & 1) ^ 1); // the consumers read step t-2's
+#pragma unroll
+            for (int half = 0; half < 2; half++)
+#pragma unroll
+                for (int qq = 0; qq < 3; qq++) {
+                    wg_pin(dx[half][qq]);
+                    const int u0 = 64 * half + 16 * w + 2 * g;
+                    float v[8];
+#pragma unroll
+                    for (int r = 0; r < 4; r++)
+#pragma unroll
+                        for (int i = 0; i < 2; i++)
+                            v[dix(r, i)] =
+                                dx[half][qq][dix(r, i)] * xs[r] + bias[qq * WG_HP + u0 + i];
+                    *xp_at(t, 128 * half + x, qq, 0) = make_float4(v[0], v[1], v[2], v[3]);
+                    *xp_at(t, 128 * half + x, qq, 1) = make_float4(v[4], v[5], v[6], v[7]);
+                }
+            mbar_arrive(full + (t & 1));
+            bar_sync(WG_BAR_PROD, 128); // x tile t+1 complete; its stage free; xinv t read
+            fetch_x(t + 4);
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+    }
+
+    // The consumers: warpgroup q owns units [64q, 64q + 64) of the three gates.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WG_CREGS));
+    const int u0 = 64 * q + 16 * w + 2 * g; // this thread's units: u0, u0 + 1
+    const bool uok = u0 < H;
+    uint32_t wa[3][8][4];
+#pragma unroll
+    for (int f = 0; f < 24; f++) {
+        const uint4 v = wfrag[f * WG_CONS + threadIdx.x];
+        wa[f / 8][f % 8][0] = v.x, wa[f / 8][f % 8][1] = v.y;
+        wa[f / 8][f % 8][2] = v.z, wa[f / 8][f % 8][3] = v.w;
+    }
+    const size_t hid_step = (size_t)L * H;
 
     // The state entering step 0 (reset rule as the other loops): hidden[b, 0] when stored
     // states are given, else zero where is_init[b, 0], else h0 or zero.
@@ -240,12 +367,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
                 HM::pack2(h[r][0] * hscale, h[r][1] * hscale);
         }
     };
-    __syncthreads(); // the zeroed tiles and stages before anything is put into them
-    put_h(0);
-    fetch_x(0);
-    fetch_x(1);
-    fetch_x(2);
-    // Reset flags and stored values of step 1.
+    // Reset flags and stored values of step t.
     int nreset[4];
     float nh[4][2];
     auto load_next = [&](int t) {
@@ -259,12 +381,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
             nh[r][0] = v.x, nh[r][1] = v.y;
         }
     };
+    put_h(0);
     load_next(1);
-    asm volatile("cp.async.wait_group 1;" ::: "memory"); // x(0) and x(1) are in
-    __syncthreads();
-    convert_x(0, 0);
     fence_proxy_async();
-    __syncthreads();
+    bar_sync(WG_BAR_CONS, WG_CONS);
 
     // Step t's outputs, stored while the MMAs of step t+1 run (right after the cell, every
     // block's stores meet at once and wait for memory; NOTES v14).
@@ -278,69 +398,54 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
     for (int t = 0; t < T; t++) {
         const int p = t & 1;
         clk.start();
-        fetch_x(t + 3); // into the stage x(t) left (converted last step)
-        float dh[3][8], dx[3][8];
-        // The step's MMAs, asynchronous: h part (A = W_hh in registers), x part (A = W_ih).
-        // Descriptors of the step's tiles; a k-step is 256 bytes further (16 in address units).
+        // The h part, asynchronous, k-step by k-step with the gates' chains interleaved (gate by
+        // gate was 3-5% slower); a k-step is 256 bytes further (16 in address units).
+        float dh[3][8];
         const uint64_t hd = wg_desc(htile + p * WG_HTILE, 2048);
-        const uint64_t xd0 = wg_desc(xtile + p * WG_XTILE, 1024), wd0 = wg_desc(wih + 3 * q * WG_WIH_TILE, 1024);
-        // k-step by k-step, the gates' chains interleaved (gate by gate was 3-5% slower).
-        auto hmma = [&](int qq, int ks) {
-            if (ks == 0)
-                wg_mma_rs<false>(dh[qq], wa[qq][ks], hd + 16 * ks);
-            else
-                wg_mma_rs<true>(dh[qq], wa[qq][ks], hd + 16 * ks);
-        };
-        auto xmma = [&](int qq, int ks) { // all 4 k-steps: past I_l both operands are zero
-            const uint64_t wd = wd0 + (qq * WG_WIH_TILE >> 4) + 16 * ks, xd = xd0 + 16 * ks;
-            if (ks == 0)
-                wg_mma_ss<false>(dx[qq], wd, xd);
-            else
-                wg_mma_ss<true>(dx[qq], wd, xd);
-        };
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ks++)
 #pragma unroll
             for (int qq = 0; qq < 3; qq++) {
-                hmma(qq, ks);
-                if (ks < WG_XK / 16)
-                    xmma(qq, ks);
+                if (ks == 0)
+                    wg_mma_rs<false>(dh[qq], wa[qq][ks], hd + 16 * ks);
+                else
+                    wg_mma_rs<true>(dh[qq], wa[qq][ks], hd + 16 * ks);
             }
         wg_commit();
         if (t > 0)
             out_put(t - 1);
         clk.mark(0);
-        // Meanwhile: x(t+1) into the other x tile.
-        if (t + 1 < T)
-            convert_x(p ^ 1, t + 1);
-        float xs[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-            xs[r] = winv * xinv[p * 16 + 8 * (r >> 1) + 2 * tg + (r & 1)];
-        clk.mark(1);
         wg_wait_all();
 #pragma unroll
-        for (int qq = 0; qq < 3; qq++) {
+        for (int qq = 0; qq < 3; qq++)
             wg_pin(dh[qq]);
-            wg_pin(dx[qq]);
+        clk.mark(1);
+        // The producer's x part of this step (it runs ahead: the wait is short).
+        mbar_wait(full + p, (t >> 1) & 1);
+        float xq[3][8];
+#pragma unroll
+        for (int qq = 0; qq < 3; qq++) {
+            const float4 lo = *xp_at(t, threadIdx.x, qq, 0), hi = *xp_at(t, threadIdx.x, qq, 1);
+            xq[qq][0] = lo.x, xq[qq][1] = lo.y, xq[qq][2] = lo.z, xq[qq][3] = lo.w;
+            xq[qq][4] = hi.x, xq[qq][5] = hi.y, xq[qq][6] = hi.z, xq[qq][7] = hi.w;
         }
+        mbar_arrive(empty + p);
         clk.mark(2);
 
-        // The cell: element (row r = 2j + e, unit u0 + i) is D[4j + 2i + e].
         float hn[4][2];
 #pragma unroll
         for (int r = 0; r < 4; r++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const int d = 4 * (r >> 1) + 2 * i + (r & 1);
-                float xq[3], hq[3], s[cell_gru::SW], cn;
+                const int d = dix(r, i);
+                float xc[3], hq[3], s[cell_gru::SW], cn;
 #pragma unroll
                 for (int qq = 0; qq < 3; qq++) {
-                    xq[qq] = dx[qq][d] * xs[r] + bias[qq * WG_HP + u0 + i];
+                    xc[qq] = xq[qq][d];
                     hq[qq] = dh[qq][d] * hinv + bias[(3 + qq) * WG_HP + u0 + i];
                 }
-                cell_gru::forward<true>(xq, hq, h[r][i], 0.0f, hn[r][i], cn, s);
+                cell_gru::forward<true>(xc, hq, h[r][i], 0.0f, hn[r][i], cn, s);
             }
         if constexpr ((V & 8) != 0)
             persist_wait_for(hn[0][0] + hn[3][1], a.dbg);
@@ -370,10 +475,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
             }
         }
         clk.mark(5);
-        asm volatile("cp.async.wait_group 1;" ::: "memory"); // x(t+2) is in (x(t+3) may not be)
-        fence_proxy_async(); // this thread's tile writes, visible to the next step's MMAs
+        fence_proxy_async(); // this thread's h tile writes, visible to the next step's MMAs
         clk.mark(6);
-        __syncthreads();
+        bar_sync(WG_BAR_CONS, WG_CONS);
         clk.mark(7);
     }
     if (T > 0)
@@ -389,8 +493,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
     // Its case: no tape (with one, the KP loop is faster: NOTES v14), fused x, vector access.
-    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x ||
-        !a->vec || !a->xvec || a->z || a->s || a->c0 || a->cell)
+    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
+        !a->xvec || a->z || a->s || a->c0 || a->cell)
         return RNND_ENOTSUP;
     auto kernel = a->variant & 8 ? seq_wg_gru_forward<8> : seq_wg_gru_forward<0>;
     RNND_CUDA_TRY(

@@ -730,6 +730,14 @@ int main(int argc, char **argv) {
     if (!quick) {
         test_nan(&gpu, &cpu, GRU);
         test_nan(&gpu, &cpu, LSTM);
+        // The wgmma forward's producer and consumers with two steps (each x-part slot used
+        // once, no slot waited for) and with three (the first slot reused).
+        const struct seq_case wg_short[] = {
+            {GRU, F32, 64, 128, 1, 33, 2, 0.5, STATE_HIDDEN, AUTO},
+            {GRU, F32, 64, 128, 1, 18, 3, 0.0, STATE_H0, AUTO},
+        };
+        for (int i = 0; i < (int)(sizeof(wg_short) / sizeof(wg_short[0])); i++)
+            test_seq(&gpu, &cpu, &wg_short[i], false, 0.0f, 0.8f);
     }
 
     printf("%d checks, %d failed\n", checks, failures);

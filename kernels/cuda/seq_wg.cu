@@ -2,8 +2,8 @@
  * seq_wg.cu: the GRU forward time loop without a tape (inference) at H <= 128 in TF32 mode with
  * warpgroup MMAs (wgmma, sm_90a only: this file is built for that target alone and the host asks
  * for it only on a compute-capability 9.0 device). Same arguments and outputs as the persistent
- * forward it replaces there (seq_persist.cuh's KP loop), fused input projection only; forwards
- * that write the tape stay on the KP loop, which is faster with it (NOTES v14).
+ * forward it replaces there (seq_persist.cuh's KP loop), fused input projection only; with a
+ * tape it writes the z rows alone (no gate tape: the GRU's backward recomputes its gates).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -164,8 +164,9 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
 }
 
-// V: bench variant bit 8, phase clocks of warp 0 (8 phases, persist_clock).
-template <int V>
+// V: bench variant bit 8, phase clocks of warp 0 (8 phases, persist_clock). Z: the tape's z rows
+// (hprev, the 1, x) are written for the backward, which recomputes the GRU's gates from them.
+template <int V, bool Z>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using HM = mode_f16;
@@ -274,6 +275,16 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
                     persist_row16<HM>(v, xtile + (t & 1) * WG_XTILE + km_off(row, cx, WG_XK / 8));
                 if ((x & 15) == 0)
                     xinv[(t & 1) * 16 + row] = inv;
+                // The tape's z row of (row, t): x at xoff (a copy of the layer input), and the
+                // 1 and its padding at H (xoff = H + 4: the launcher checks).
+                const int b = blockIdx.x * 16 + row;
+                if (Z && b < a.B) {
+                    float *zr = a.z + ((size_t)b * T + t) * a.ldz;
+                    if (a.xcopy && cx < Il)
+                        *reinterpret_cast<float4 *>(zr + a.xoff + cx) = v;
+                    if ((x & 15) == 0)
+                        *reinterpret_cast<float4 *>(zr + H) = make_float4(1.0f, 0.0f, 0.0f, 0.0f);
+                }
             }
             fence_proxy_async(); // for the MMAs
         };
@@ -415,6 +426,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
         wg_commit();
         if (t > 0)
             out_put(t - 1);
+        if constexpr (Z) // the tape's hprev: the state entering step t
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                st2(a.z + (rb(r) + t) * a.ldz + u0, h[r][0], h[r][1], rvalid(r) && uok);
         clk.mark(0);
         wg_wait_all();
 #pragma unroll
@@ -492,11 +507,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 } // namespace
 
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    // Its case: no tape (with one, the KP loop is faster: NOTES v14), fused x, vector access.
+    // Its case: fused x, vector access, no gate tape (the z rows only), z rows laid out as
+    // seq.cu does for H % 4 == 0, I_l % 4 == 0.
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
-        !a->xvec || a->z || a->s || a->c0 || a->cell)
+        !a->xvec || a->s || a->c0 || a->cell ||
+        (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)))
         return RNND_ENOTSUP;
-    auto kernel = a->variant & 8 ? seq_wg_gru_forward<8> : seq_wg_gru_forward<0>;
+    auto kernel = a->variant & 8
+                      ? (a->z ? seq_wg_gru_forward<8, true> : seq_wg_gru_forward<8, false>)
+                      : (a->z ? seq_wg_gru_forward<0, true> : seq_wg_gru_forward<0, false>);
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WG_SMEM));
     kernel<<<CEIL_DIV(a->B, 16), WG_THREADS, WG_SMEM, stream>>>(*a);

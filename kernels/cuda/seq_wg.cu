@@ -27,12 +27,13 @@
  * two (persist_wscale, persist_hscale), each x row by its own (persist_row16).
  *
  * Per step t, consumers: the h part (3 gates x 8 k-steps, A in registers) is issued
- * asynchronously; while it runs they store step t-1's outputs; then the x part of step t from
- * its slot (t % 2), the cell, h into the other h tile, one barrier of the consumers. Producer:
- * x(t) (cp.async three steps ahead, three fp32 stages) into the fp16 x tile, the x part's
- * MMAs (A = W_ih from shared memory), scaled and biased into slot t % 2 once the consumers have
- * read step t-2's. mbarriers hand the slots back and forth (full: producer arrives,
- * consumers wait; empty: the reverse).
+ * asynchronously; while it runs they store step t-1's outputs (and, with a tape, the z rows'
+ * hprev of step t); then the x part of step t from its slot (t % 2), the cell, h into the other
+ * h tile, one barrier of the consumers. Producer: x(t+1) (cp.async three steps ahead, three fp32
+ * stages) into the other fp16 x tile (with a tape, also into the z rows with their 1) while step
+ * t's x-part MMAs run (A = W_ih from shared memory), then their sums, scaled and biased, into
+ * slot t % 2 once the consumers have read step t-2's. mbarriers hand the slots back and forth
+ * (full: producer arrives, consumers wait; empty: the reverse).
  */
 #include "seq_persist.cuh"
 

@@ -256,8 +256,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
                 if (t < T && xe < 16 * Il && blockIdx.x * 16 + xrow < a.B)
                     asm volatile(
                         "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                            (uint32_t)__cvta_generic_to_shared(
-                                stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol)),
+                            smem_u32(stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol)),
                         "l"(a.x + ((size_t)(blockIdx.x * 16 + xrow) * T + t) * a.ldx + xcol)
                         : "memory");
             }

@@ -106,6 +106,16 @@ static __device__ __forceinline__ void bulk_wait_all() {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #endif
 }
+// 16 bytes global -> shared, asynchronous; ok false writes zeros instead (src is not read).
+static __device__ __forceinline__ void cp_async16(uint32_t sa, const float *g, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
+    cp_async16((uint32_t)__cvta_generic_to_shared(s), g, ok);
+}
+
 static __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

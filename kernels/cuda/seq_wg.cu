@@ -253,12 +253,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int xe = (x + 128 * j) * 4, xrow = xe / Il, xcol = xe - xrow * Il;
-                if (t < T && xe < 16 * Il && blockIdx.x * 16 + xrow < a.B)
-                    asm volatile(
-                        "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                            smem_u32(stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol)),
-                        "l"(a.x + ((size_t)(blockIdx.x * 16 + xrow) * T + t) * a.ldx + xcol)
-                        : "memory");
+                const bool ok = blockIdx.x * 16 + xrow < a.B; // else zeros
+                if (t < T && xe < 16 * Il)
+                    cp_async16(stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol,
+                               ok ? a.x + ((size_t)(blockIdx.x * 16 + xrow) * T + t) * a.ldx + xcol
+                                  : a.x,
+                               ok);
             }
             asm volatile("cp.async.commit_group;" ::: "memory"); // one group a step, maybe empty
         };

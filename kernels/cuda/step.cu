@@ -237,15 +237,8 @@ struct step_ieee {
 // ---------------------------------------------------------------------------------------------
 // Device helpers
 
-// Asynchronous global -> shared copies; ok false writes zeros instead (src is not read).
-static __device__ __forceinline__ void cp_async16(uint32_t sa, const float *g, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
-                 "r"(ok ? 16 : 0)
-                 : "memory");
-}
-static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
-    cp_async16((uint32_t)__cvta_generic_to_shared(s), g, ok);
-}
+// Asynchronous global -> shared copies (cp_async16: seq_persist.cuh); ok false writes zeros
+// instead (src is not read).
 static __device__ __forceinline__ void cp_async4(float *s, const float *g, bool ok) {
     uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa),

@@ -21,6 +21,7 @@
 
 static int failures;
 static int checks;
+static int base_variant; // RNND_CUDA_VARIANT, restored after a test that sets another
 
 // ---------------------------------------------------------------------------------------------
 // Random numbers and host helpers
@@ -324,8 +325,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     } else {
         double tol = tolerance(sc->compute);
         compare("out", tag, og.out, oc.out, NULL, nout, tol);
-        // Bitwise, also where the forward without a tape runs another loop (seq_wg.cu on sm_90:
-        // the same products summed in the same order).
+        // The forward without a tape: the same loop, or another one with the same products
+        // summed in the same order (bitwise; test_wg_kp compares the two GRU loops).
         compare("out(no tape)", tag, og.out_notape, og.out, NULL, nout, 1e-7);
         compare("h_n", tag, og.hn, oc.hn, NULL, blh, tol);
         if (lstm)
@@ -397,6 +398,39 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rn
     }
     seq_out_free(&og);
     seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
+// The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
+// (variant bit 4096) sum the same products in the same order, so forwards (with and without a
+// tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
+static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
+    size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
+    struct seq_host h;
+    seq_host_init(&h, sc, 0.0f, 0.8f);
+    struct seq_out ow, ok;
+    seq_out_alloc(&ow, P, nx, nout, blh, BT * sc->L * sc->H);
+    seq_out_alloc(&ok, P, nx, nout, blh, BT * sc->L * sc->H);
+    int err = run_seq(gpu, sc, &h, &ow, true);
+    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 4096);
+    if (!err2)
+        err2 = run_seq(gpu, sc, &h, &ok, true);
+    rnnd_cuda_set_variant(gpu, base_variant);
+    const char *tag = "gru fp32 wgmma loop against KP";
+    checks++;
+    if (err || err2) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        compare("out", tag, ow.out, ok.out, NULL, nout, 1e-7);
+        compare("out(no tape)", tag, ow.out_notape, ok.out_notape, NULL, nout, 1e-7);
+        compare("grad params", tag, ow.gp, ok.gp, h.gbase, P, 1e-7);
+        compare("grad x", tag, ow.gx, ok.gx, NULL, nx, 1e-7);
+    }
+    seq_out_free(&ow);
+    seq_out_free(&ok);
     seq_host_free(&h);
 }
 
@@ -591,7 +625,8 @@ int main(int argc, char **argv) {
             fprintf(stderr, "RNND_CUDA_VARIANT=%s: not accepted\n", variant);
             return 1;
         }
-        printf("variant: %d\n", atoi(variant));
+        base_variant = atoi(variant);
+        printf("variant: %d\n", base_variant);
     }
     printf("device: %s\n", gpu.device);
     const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
@@ -738,6 +773,8 @@ int main(int argc, char **argv) {
         };
         for (int i = 0; i < (int)(sizeof(wg_short) / sizeof(wg_short[0])); i++)
             test_seq(&gpu, &cpu, &wg_short[i], false, 0.0f, 0.8f);
+        const struct seq_case wg_kp = {GRU, F32, 64, 128, 1, 37, 21, 0.2, STATE_H0, AUTO};
+        test_wg_kp(&gpu, &wg_kp);
     }
 
     printf("%d checks, %d failed\n", checks, failures);

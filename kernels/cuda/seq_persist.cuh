@@ -450,7 +450,8 @@ static __device__ float persist_block_max(float v, float *red) {
 }
 
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in
-// [2^(top-1), 2^top) (1 for m zero or not finite).
+// [2^(top-1), 2^top) (1 for m zero or not finite). e is taken as at least -100, so that the
+// power stays finite: a maximum below 2^-100 is scaled by 2^(top+100), less than the others.
 static __device__ float persist_pow2_for(float m, int top) {
     if (!(m > 0.0f) || !(m <= 3.0e38f))
         return 1.0f;
@@ -475,12 +476,7 @@ static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float sc = 1.0f;
-    if (m > 0.0f && m <= 3.0e38f) {
-        int e;
-        frexpf(m, &e);
-        sc = ldexpf(1.0f, 14 - e);
-    }
+    const float sc = persist_pow2_for(m, 14);
     *reinterpret_cast<uint2 *>(dst) =
         make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
     return 1.0f / sc;
@@ -1763,11 +1759,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                 for (int k = 0; k < NW; k++)
                     m = fmaxf(m, rmax[k * 16 + g + 8 * i]);
-                if (m > 0.0f && m <= 3.0e38f) {
-                    int e;
-                    frexpf(m, &e);
-                    rsc[i] = ldexpf(1.0f, 14 - e);
-                }
+                rsc[i] = persist_pow2_for(m, 14);
             }
         }
 #pragma unroll

@@ -18,7 +18,7 @@
  * Warpgroup 2, the producer, computes the x part x W_ih^T + b_ih, which does not depend on h, up
  * to two steps ahead, and hands it over in shared memory in the consumers' accumulator layout
  * (NOTES v17: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
- * gives the consumers 216 registers (W_hh alone takes 96) and the producer 72.
+ * gives the consumers 200 registers (W_hh alone takes 96) and the producer 104.
  *
  * Operands in shared memory (B: h and x tiles; A: W_ih) are K-major fp16 in 8 x 8 core
  * matrices (8 rows of 16 bytes, 128 contiguous bytes), no swizzle: core matrices adjacent in K

@@ -401,6 +401,51 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rn
     seq_host_free(&h);
 }
 
+// Rows of tiny values (1e-36, below 2^-100): one row's x, another row's output gradients. The
+// TF32 loops scale such rows into their fp16 tiles by a power of two, which must stay finite (it
+// once overflowed to inf for a row maximum below 2^-114: NaN outputs and gradients). Both rows'
+// results match the CPU reference, the tiny gradients of the second row on their own scale too.
+static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell) {
+    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
+                                RNND_CUDA_PATH_AUTO};
+    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc.B * sc.T;
+    size_t nx = BT * sc.I, nout = BT * sc.H, blh = (size_t)sc.B * sc.L * sc.H;
+    const char *tag = cell == RNND_CELL_LSTM ? "lstm fp32 tiny rows" : "gru fp32 tiny rows";
+    const float tiny = 1e-36f;
+    const size_t rx = 3, rg = 5; // the rows: tiny x, tiny output gradients
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    for (size_t i = 0; i < (size_t)sc.T * sc.I; i++)
+        h.x[rx * sc.T * sc.I + i] *= tiny;
+    for (size_t i = 0; i < (size_t)sc.T * sc.H; i++)
+        h.gout[rg * sc.T * sc.H + i] *= tiny;
+    for (size_t i = 0; i < (size_t)sc.L * sc.H; i++) {
+        h.ghn[rg * sc.L * sc.H + i] *= tiny;
+        h.gcn[rg * sc.L * sc.H + i] *= tiny;
+    }
+    struct seq_out og, oc;
+    seq_out_alloc(&og, P, nx, nout, blh, BT * sc.L * sc.H);
+    seq_out_alloc(&oc, P, nx, nout, blh, BT * sc.L * sc.H);
+    int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
+    checks++;
+    if (err || err2) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        const double tol = tolerance(sc.compute);
+        compare("out", tag, og.out, oc.out, NULL, nout, tol);
+        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, nout, tol);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, nx, tol);
+        const size_t at = rg * sc.T * sc.I;
+        compare("grad x, tiny row", tag, og.gx + at, oc.gx + at, NULL, (size_t)sc.T * sc.I, tol);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
 // The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
 // (variant bit 4096) sum the same products in the same order, so forwards (with and without a
 // tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
@@ -765,6 +810,8 @@ int main(int argc, char **argv) {
     if (!quick) {
         test_nan(&gpu, &cpu, GRU);
         test_nan(&gpu, &cpu, LSTM);
+        test_tiny(&gpu, &cpu, GRU);
+        test_tiny(&gpu, &cpu, LSTM);
         // The wgmma forward's producer and consumers with two steps (each x-part slot used
         // once, no slot waited for) and with three (the first slot reused).
         const struct seq_case wg_short[] = {

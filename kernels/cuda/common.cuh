@@ -75,6 +75,19 @@ struct cuda_ctx {
     int *d_step_count;   // rnn_step: per row tile, blocks done (RNND_STEP_TILES, zero at rest)
 };
 
+// The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's
+// tile kernel) run where the build has their sm_90a code and the device is compute 9.0. Bench
+// variant bit RNND_VARIANT_NO_WG asks for the mma.sync kernels instead.
+#define RNND_VARIANT_NO_WG 4096
+static inline bool cuda_wg(const struct cuda_ctx *c) {
+#ifdef RNND_HAVE_WG
+    return c->cc_major == 9 && !(c->variant & RNND_VARIANT_NO_WG);
+#else
+    (void)c;
+    return false;
+#endif
+}
+
 // Makes ctx->d_scratch at least bytes long.
 int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes);
 

@@ -126,18 +126,6 @@ static int seq_cluster_rows(const struct cuda_ctx *c, int B, bool backward) {
     return CEIL_DIV(CEIL_DIV(B, 80), a80) < CEIL_DIV(CEIL_DIV(B, 64), a64) ? 80 : 64;
 }
 
-// The GRU forward with warpgroup MMAs (seq_wg.cu, NOTES v14) runs where the build has its sm_90a
-// code and the device is compute 9.0. Bench variant bit 4096 asks for the mma.sync loop instead.
-#define RNND_SEQ_VARIANT_NO_WG 4096
-static bool seq_wg(const struct cuda_ctx *c) {
-#ifdef RNND_HAVE_WG
-    return c->cc_major == 9 && !(c->variant & RNND_SEQ_VARIANT_NO_WG);
-#else
-    (void)c;
-    return false;
-#endif
-}
-
 // The backward loop of an LSTM H = 256 layer in clusters (any layer input: it reads the tape,
 // which both forward shapes and the per-step path write alike): rows a cluster, or 0 for the
 // per-step backward. Clusters win (NOTES v11, v11b) when the batch runs in one wave and has at
@@ -482,7 +470,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
             a.xcopy = xcopy;
             a.variant = c->variant, a.dbg = c->d_dbg;
-            a.wg = seq_wg(c);
+            a.wg = cuda_wg(c);
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
             stepwise_args a = {};

@@ -36,6 +36,7 @@
  * (full: producer arrives, consumers wait; empty: the reverse).
  */
 #include "seq_persist.cuh"
+#include "wg.cuh"
 
 namespace {
 
@@ -70,49 +71,14 @@ __device__ __forceinline__ void bar_sync(int id, int n) {
 
 // The x part's slots change hands through mbarriers: full[p] (each producer thread arrives
 // after its writes, release), empty[p] (each consumer thread after its reads); the waiting side
-// acquires. The k-th use of a slot completes phase k, so a wait is on parity k % 2.
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(uint64_t *b, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b))
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-                 "r"(parity)
-                 : "memory");
-}
+// acquires. The k-th use of a slot completes phase k, so a wait is on parity k % 2 (wg.cuh).
 
 // Byte offset of element (r, k) in a K-major fp16 operand of kg groups of 8 columns.
 __device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
     return (uint32_t)((r >> 3) * (kg * 128) + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 
-// Shared-memory matrix descriptor: start address, leading byte offset 128 (the next core matrix
-// in K), stride byte offset sbo (the next 8 rows), no swizzle; addresses in 16-byte units.
-__device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t sbo) {
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) |
-           ((uint64_t)(sbo >> 4) << 32);
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wg_wait_all() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
 __device__ __forceinline__ void wg_pin(float (&d)[8]) {
 #pragma unroll
@@ -316,7 +282,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
 #pragma unroll
             for (int r = 0; r < 4; r++)
                 xs[r] = winv * xinv[(t & 1) * 16 + 8 * (r >> 1) + 2 * tg + (r & 1)];
-            wg_wait_all();
+            wg_wait<0>();
             if (t >= 2)
                 mbar_wait(empty + (t & 1), ((t >> 1) & 1) ^ 1); // the consumers read step t-2's
 #pragma unroll
@@ -431,7 +397,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
             for (int r = 0; r < 4; r++)
                 st2(a.z + (rb(r) + t) * a.ldz + u0, h[r][0], h[r][1], rvalid(r) && uok);
         clk.mark(0);
-        wg_wait_all();
+        wg_wait<0>();
 #pragma unroll
         for (int qq = 0; qq < 3; qq++)
             wg_pin(dh[qq]);

@@ -37,6 +37,7 @@
 #include "step.cuh"
 
 #include "seq_persist.cuh"
+#include "step_impl.cuh"
 
 #include <type_traits>
 
@@ -50,9 +51,6 @@
 #define RNND_STEP_MV_ROWS     4
 #define RNND_STEP_MV_UNITS    4
 #define RNND_STEP_MV_SMEM     (96 << 10)
-// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
-// "single step" v6).
-#define RNND_STEP_VARIANT_NO_PDL 512
 
 // ---------------------------------------------------------------------------------------------
 // Tile shapes and matmul modes
@@ -69,6 +67,8 @@ struct step_cfg {
 using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16 warps)
 using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
+static_assert(cfg_big::MT == RNND_STEP_WG_MT && cfg_big::UT == RNND_STEP_WG_UT,
+              "step_wg.cu's kernel replaces cfg_big's: same tiles, chunks of rows, counters");
 
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
 // float t%4 of each matrix. sa is this lane's row address in shared space (lanes 8j..8j+7 give
@@ -244,126 +244,6 @@ static __device__ __forceinline__ void cp_async4(float *s, const float *g, bool 
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa),
                  "l"(__cvta_generic_to_global(g)), "r"(ok ? 4 : 0)
                  : "memory");
-}
-static __device__ __forceinline__ void cp_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-static __device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
-// every step kernel waits for the previous kernel on the stream to complete (its writes visible)
-// before its first load, then lets the next one start its blocks.
-static __device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
-// still wait for this grid's completion before they read anything.
-static __device__ __forceinline__ void grid_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-struct step_kargs {
-    int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
-    const float *x;         // (B, I) layer 0's input; layers above read the slot table
-    const uint8_t *is_init; // (B) or NULL
-    const int32_t *slots;   // (B)
-    float *state_h, *state_c;
-    float *h_new;           // (B, H) the layer's new h: out for the top layer, else a stage
-    float *c_new;           // (B, H) the layer's new c (LSTM), a stage
-    float *h_before, *c_before; // (B, L, H) or NULL
-    const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;             // (row tiles) zero between launches
-    bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
-};
-
-// Counts the calling block on its row tile's counter; true in the block that arrives last (every
-// thread of the block gets the answer). Every block's stores before the call are visible to the
-// last one: they are ordered before the barrier, and thread 0's acq_rel add releases them at gpu
-// scope (cumulatively) and acquires the others' (the pattern of CUTLASS's semaphore).
-static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
-                     : "=r"(old)
-                     : "l"(count)
-                     : "memory");
-        *s_last = old == (int)(gridDim.x - 1);
-        if (*s_last)
-            *count = 0; // for the next launch (kernel boundaries order it)
-    }
-    __syncthreads();
-    return *s_last;
-}
-
-// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
-// table, layer a.l. Loads go through L2 (__ldcg): other SMs wrote them during this launch. Each
-// thread issues a batch of loads before its stores, so the tail costs about one L2 round trip
-// per batch rather than one per element.
-static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
-    constexpr int NB = 8;
-    const int H = a.H, L = a.L, l = a.l, nt = blockDim.x;
-    const bool lstm = a.state_c != nullptr;
-    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
-        const int H4 = H / 4, n = nrows * H4;
-        const float4 *hs = reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4;
-        const float4 *cs = reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4;
-        float4 *hd = reinterpret_cast<float4 *>(a.state_h), *cd = reinterpret_cast<float4 *>(a.state_c);
-        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
-            float4 vh[NB], vc[NB];
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    vh[j] = __ldcg(hs + i);
-                    if (lstm)
-                        vc[j] = __ldcg(cs + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    const size_t at = ((size_t)s_slot[i / H4] * L + l) * H4 + i % H4;
-                    hd[at] = vh[j];
-                    if (lstm)
-                        cd[at] = vc[j];
-                }
-            }
-        }
-    } else {
-        const int n = nrows * H;
-        const float *hs = a.h_new + (size_t)row0 * H, *cs = a.c_new + (size_t)row0 * H;
-        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
-            float vh[NB], vc[NB];
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    vh[j] = __ldcg(hs + i);
-                    if (lstm)
-                        vc[j] = __ldcg(cs + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    const size_t at = ((size_t)s_slot[i / H] * L + l) * H + i % H;
-                    a.state_h[at] = vh[j];
-                    if (lstm)
-                        a.state_c[at] = vc[j];
-                }
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -939,33 +819,16 @@ static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, in
     return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
 }
 
-// Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its
-// blocks may become resident while the previous kernel on the stream runs and wait for it in
-// griddepcontrol.wait, which hides the launch gap between back-to-back steps and between layers
-// (a captured launch becomes a programmatic graph edge). Only where the kernel reads nothing
-// through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
-// copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
-// turns it off.
-template <class Kernel>
-static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
-                              const step_kargs &a, bool l1_free) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, a));
-    return 0;
-}
+#ifdef RNND_HAVE_WG
+static constexpr bool step_have_wg = true;
+#else
+static constexpr bool step_have_wg = false;
+#endif
 
+// wg: layers whose copies are all 16 bytes run step_wg.cu's kernel (same tiles as cfg_big).
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                       const struct rnnd_model *m) {
+                       const struct rnnd_model *m, bool wg) {
     const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
     const int chunk = step_chunk(st, m, Cfg::MT);
     for (int r0 = 0; r0 < st->B; r0 += chunk) {
@@ -973,6 +836,12 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
             step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
+            if constexpr (step_have_wg) {
+                if (wg && a.vec_x && a.vec_h) {
+                    RNND_TRY(rnnd__wg_step_launch(c, a, Cell::G == 4));
+                    continue;
+                }
+            }
             RNND_TRY(step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
                                         a, a.vec_x && a.vec_h));
         }
@@ -1009,7 +878,8 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 }
 
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
-// and weights fit). More: the tile shape that still gives half the SMs a block, largest first.
+// and weights fit). More: the tile shape that still gives half the SMs a block, largest first
+// (the 64 x 32 tiles on warpgroup MMAs in TF32 mode where cuda_wg allows).
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                          const struct rnnd_model *m) {
@@ -1023,10 +893,11 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
     if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
-        return step_launch<Cell, Mode, cfg_big>(c, st, params, m);
+        return step_launch<Cell, Mode, cfg_big>(c, st, params, m,
+                                                std::is_same<Mode, step_tf32>::value && cuda_wg(c));
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
-        return step_launch<Cell, Mode, cfg_mid>(c, st, params, m);
-    return step_launch<Cell, Mode, cfg_small>(c, st, params, m);
+        return step_launch<Cell, Mode, cfg_mid>(c, st, params, m, false);
+    return step_launch<Cell, Mode, cfg_small>(c, st, params, m, false);
 }
 
 int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const float *params,
@@ -1077,6 +948,10 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
     RNND_TRY(step_attr_modes<cell_gru>());
     RNND_TRY(step_attr_modes<cell_lstm>());
+    if constexpr (step_have_wg) {
+        if (c->cc_major == 9)
+            RNND_TRY(rnnd__wg_step_prepare());
+    }
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, RNND_STEP_TILES * sizeof(int)));
     RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, RNND_STEP_TILES * sizeof(int)));

@@ -756,8 +756,8 @@ int main(int argc, char **argv) {
         test_seq(&gpu, &cpu, &wide_states[i], false, 0.0f, 12.0f);
 
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
-    // from ~1000 rows at H=256), odd widths (4-byte copies), several layers, rows in several
-    // chunks (H=1024 LSTM: 512 rows).
+    // from ~1000 rows at H=256; TF32 on Hopper: the 64 x 32 tiles on warpgroup MMAs), odd
+    // widths (4-byte copies), several layers, rows in several chunks (H=1024 LSTM: 512 rows).
     const struct step_case steps[] = {
         {GRU, F32, 64, 128, 1, 17, 50, false, false},
         {LSTM, F32, 64, 128, 2, 33, 40, false, true},
@@ -777,6 +777,10 @@ int main(int argc, char **argv) {
         {LSTM, F32, 33, 130, 4, 257, 600, false, false},
         {GRU, F32, 64, 512, 2, 200, 256, false, false},
         {LSTM, F32, 64, 1024, 1, 600, 1200, false, true},
+        // The tile kernel on warpgroup MMAs (TF32 on Hopper) at widths that are not multiples of
+        // its 32-column chunks or 32-unit slices, partial last row tiles, two layers.
+        {GRU, F32, 36, 100, 2, 2000, 2100, false, false},
+        {LSTM, F32, 20, 132, 1, 1100, 1200, true, false},
     };
     // --quick: the first five, one per step kernel (tiles at one and two layers, few rows,
     // one row, the 64 x 32 tiles at B = 1024).

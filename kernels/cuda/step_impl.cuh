@@ -1,0 +1,167 @@
+/*
+ * step_impl.cuh: what the step kernels of step.cu and step_wg.cu (the tile kernel on warpgroup
+ * MMAs, sm_90a) share: their arguments, the programmatic-launch controls, the row-tile counter
+ * and scatter of the in-place scheme (step.cu's header says why), and the launcher.
+ */
+#ifndef RNND_CUDA_STEP_IMPL_CUH
+#define RNND_CUDA_STEP_IMPL_CUH
+
+#include "common.cuh"
+
+// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
+// "single step" v6).
+#define RNND_STEP_VARIANT_NO_PDL 512
+
+static __device__ __forceinline__ void cp_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
+// every step kernel waits for the previous kernel on the stream to complete (its writes visible)
+// before its first load, then lets the next one start its blocks.
+static __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
+// still wait for this grid's completion before they read anything.
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+struct step_kargs {
+    int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
+    const float *x;         // (B, I) layer 0's input; layers above read the slot table
+    const uint8_t *is_init; // (B) or NULL
+    const int32_t *slots;   // (B)
+    float *state_h, *state_c;
+    float *h_new;           // (B, H) the layer's new h: out for the top layer, else a stage
+    float *c_new;           // (B, H) the layer's new c (LSTM), a stage
+    float *h_before, *c_before; // (B, L, H) or NULL
+    const float *w_ih, *w_hh, *b_ih, *b_hh;
+    int *count;             // (row tiles) zero between launches
+    bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
+};
+
+// Counts the calling block on its row tile's counter; true in the block that arrives last (every
+// thread of the block gets the answer). Every block's stores before the call are visible to the
+// last one: they are ordered before the barrier, and thread 0's acq_rel add releases them at gpu
+// scope (cumulatively) and acquires the others' (the pattern of CUTLASS's semaphore).
+static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "l"(count)
+                     : "memory");
+        *s_last = old == (int)(gridDim.x - 1);
+        if (*s_last)
+            *count = 0; // for the next launch (kernel boundaries order it)
+    }
+    __syncthreads();
+    return *s_last;
+}
+
+// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
+// table, layer a.l. Loads go through L2 (__ldcg): other SMs wrote them during this launch. Each
+// thread issues a batch of loads before its stores, so the tail costs about one L2 round trip
+// per batch rather than one per element.
+static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
+    constexpr int NB = 8;
+    const int H = a.H, L = a.L, l = a.l, nt = blockDim.x;
+    const bool lstm = a.state_c != nullptr;
+    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
+        const int H4 = H / 4, n = nrows * H4;
+        const float4 *hs = reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4;
+        const float4 *cs = reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4;
+        float4 *hd = reinterpret_cast<float4 *>(a.state_h), *cd = reinterpret_cast<float4 *>(a.state_c);
+        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
+            float4 vh[NB], vc[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    vh[j] = __ldcg(hs + i);
+                    if (lstm)
+                        vc[j] = __ldcg(cs + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    const size_t at = ((size_t)s_slot[i / H4] * L + l) * H4 + i % H4;
+                    hd[at] = vh[j];
+                    if (lstm)
+                        cd[at] = vc[j];
+                }
+            }
+        }
+    } else {
+        const int n = nrows * H;
+        const float *hs = a.h_new + (size_t)row0 * H, *cs = a.c_new + (size_t)row0 * H;
+        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
+            float vh[NB], vc[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    vh[j] = __ldcg(hs + i);
+                    if (lstm)
+                        vc[j] = __ldcg(cs + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const int i = i0 + j * nt;
+                if (i < n) {
+                    const size_t at = ((size_t)s_slot[i / H] * L + l) * H + i % H;
+                    a.state_h[at] = vh[j];
+                    if (lstm)
+                        a.state_c[at] = vc[j];
+                }
+            }
+        }
+    }
+}
+
+// Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its
+// blocks may become resident while the previous kernel on the stream runs and wait for it in
+// griddepcontrol.wait, which hides the launch gap between back-to-back steps and between layers
+// (a captured launch becomes a programmatic graph edge). Only where the kernel reads nothing
+// through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
+// copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
+// turns it off.
+template <class Kernel>
+static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
+                              const step_kargs &a, bool l1_free) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, a));
+    return 0;
+}
+
+// The tile kernel on warpgroup MMAs (step_wg.cu, TF32 mode, 16-byte copies), on a compute 9.0
+// device of a build whose architectures include 90; rows tile 64 at a time.
+#define RNND_STEP_WG_MT 64
+#define RNND_STEP_WG_UT 32
+int rnnd__wg_step_prepare(void);
+int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm);
+
+#endif // RNND_CUDA_STEP_IMPL_CUH

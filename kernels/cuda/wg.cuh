@@ -1,0 +1,74 @@
+/*
+ * wg.cuh: the warpgroup-MMA (wgmma, sm_90a) primitives that seq_wg.cu and step_wg.cu share:
+ * shared-memory matrix descriptors, mbarriers, and the fence / commit / wait of the asynchronous
+ * MMAs. The MMAs themselves stay with their kernels (shapes and operand types differ).
+ *
+ * Operands in shared memory are K-major in core matrices of 8 rows x 16 bytes (128 contiguous
+ * bytes), no swizzle: core matrices adjacent in K 128 bytes apart (the descriptor's leading byte
+ * offset), adjacent 8-row groups `sbo` bytes apart (its stride byte offset). One k-step of an MMA
+ * (16 fp16 or 8 tf32 columns) spans two core matrices: the next k-step's descriptor is 256 bytes
+ * (16 in the descriptor's units) further.
+ */
+#ifndef RNND_CUDA_WG_CUH
+#define RNND_CUDA_WG_CUH
+
+#include <stdint.h>
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// Shared-memory matrix descriptor: start address, leading byte offset 128, stride byte offset
+// sbo, no swizzle; addresses in 16-byte units.
+static __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t sbo) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) |
+           ((uint64_t)(sbo >> 4) << 32);
+}
+
+// The same for a K-major operand in 128-byte swizzled rows: 8-row atoms of 1024 bytes (1024-byte
+// aligned), row r of an atom at 128 r with its 16-byte units permuted (unit j at j ^ (r % 8));
+// the next 8 rows 1024 bytes further. A k-step inside the 128 bytes moves the start address.
+static __device__ __forceinline__ uint64_t wg_desc_sw128(const void *p) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// mbarriers in shared memory: a phase completes when `count` arrivals have come; a wait is on the
+// parity of the phase it waits for (the k-th phase of a barrier: parity k % 2).
+static __device__ __forceinline__ void mbar_init(uint64_t *b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count)
+                 : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(uint64_t *b) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b))
+                 : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+}
+// An arrival on b once every cp.async this thread issued before has landed (.noinc: it counts
+// toward b's arrivals like mbar_arrive).
+static __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *b) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b))
+                 : "memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+static __device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+static __device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+// Waits until at most N of this warp's committed MMA groups are pending.
+template <int N>
+static __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+#endif
+
+#endif // RNND_CUDA_WG_CUH

@@ -15,8 +15,7 @@
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-template <int N>
-static __device__ __forceinline__ void cp_wait() {
+template <int N> static __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
@@ -42,12 +41,12 @@ struct step_kargs {
     const uint8_t *is_init; // (B) or NULL
     const int32_t *slots;   // (B)
     float *state_h, *state_c;
-    float *h_new;           // (B, H) the layer's new h: out for the top layer, else a stage
-    float *c_new;           // (B, H) the layer's new c (LSTM), a stage
+    float *h_new;               // (B, H) the layer's new h: out for the top layer, else a stage
+    float *c_new;               // (B, H) the layer's new c (LSTM), a stage
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;             // (row tiles) zero between launches
-    bool vec_x, vec_h;      // 16-byte copies possible for the x part, the h part
+    int *count;        // (row tiles) zero between launches
+    bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
 };
 
 // Counts the calling block on its row tile's counter; true in the block that arrives last (every
@@ -82,7 +81,8 @@ static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, co
         const int H4 = H / 4, n = nrows * H4;
         const float4 *hs = reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4;
         const float4 *cs = reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4;
-        float4 *hd = reinterpret_cast<float4 *>(a.state_h), *cd = reinterpret_cast<float4 *>(a.state_c);
+        float4 *hd = reinterpret_cast<float4 *>(a.state_h),
+               *cd = reinterpret_cast<float4 *>(a.state_c);
         for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
             float4 vh[NB], vc[NB];
 #pragma unroll

@@ -7,18 +7,22 @@
  * Why (bench/NOTES.md, "single step" v6a, v7): at B = 1024, H = I = 256 the mma.sync kernel is
  * bound by its instruction chains (5.8M instructions a step: fragments, 3072 MMAs a block, copy
  * arithmetic), not by bytes. Here one warpgroup's MMA instruction does a 64 x N x 8 product
- * straight from shared memory.
+ * straight from shared memory, and the copies are what is left: 40 MB through L2 a step at that
+ * shape, which a copy-only loop of the same tiles streams in ~9 us (v7).
  *
- * Block (unit slice s, row tile t): one warpgroup, 64 rows x 32 units with all their gates. The
- * rows [x | h] are the MMA's A (M = 64 rows), the gate rows of [W_ih | W_hh] its B (N = G * 32:
- * plane q's units at rows 32q..32q+31), both K-major fp32 in shared memory, fed through the
- * tensor cores' tf32 (their operands' low mantissa bits are ignored, as in step.cu's mma.sync).
- * K runs in chunks of 32 columns (x chunks, then h chunks) through an 8-stage cp.async pipeline,
- * 6 chunks ahead of the MMAs. Accumulators: GRU dx (the x part: r, z, n_x) and dh (the h part: r,
- * z, n_h), 48 registers each; LSTM one, 64 registers. D fragment: warp w, lane (g, tg) holds rows
- * 16w + g + 8h (h = 0, 1) and units 8j + 2tg + e (j < 4, e = 0, 1) of every plane q at
- * d[4 (4q + j) + 2h + e], so the cell runs in registers. The old h and c come to shared memory
- * in the first copy group; biases are read from shared memory in the cell.
+ * Block (unit slice s, row tile t): 64 rows x 32 units with all their gates, two warpgroups;
+ * warpgroup q computes units [16q, 16q + 16) of every gate plane. The rows [x | h] are the MMA's
+ * A (M = 64 rows, shared by both), the gate rows of [W_ih | W_hh] its B (N = G * 16 a warpgroup:
+ * plane p's units at rows 16p.. of the warpgroup's half of the weight tile), both K-major fp32 in
+ * 128-byte swizzled rows in shared memory, fed through the tensor cores' tf32 (their operands'
+ * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
+ * chunks, then h chunks) through an 8-stage cp.async pipeline 6 chunks ahead of the MMAs, handed
+ * over by mbarriers (every thread's copies of a chunk: s_full; every warp done with a stage:
+ * s_empty), with no block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
+ * dh (the h part: r, z, n_h), 24 registers each; LSTM one, 32 registers. D fragment: warp w,
+ * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
+ * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
+ * in shared memory with chunk 0; biases are read from shared memory in the cell.
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -27,16 +31,15 @@
 namespace {
 
 constexpr int SW_MT = RNND_STEP_WG_MT, SW_UT = RNND_STEP_WG_UT; // rows, units a block
-constexpr int SW_NT = 128;                                      // one warpgroup
-constexpr int SW_KC = 32;                  // columns a chunk: one 128-byte row, 4 k-steps
-constexpr int SW_NS = 8;                   // stages; copies run SW_NS - 2 chunks ahead
-constexpr int SW_HLD = SW_UT + 8;          // row pitch (floats) of the old-state tiles
+constexpr int SW_NT = 256;        // two warpgroups: units [0, 16) and [16, 32) of every gate
+constexpr int SW_KC = 32;         // columns a chunk: one 128-byte row, 4 k-steps
+constexpr int SW_NS = 8;          // stages; copies run SW_NS - 2 chunks ahead
+constexpr int SW_HLD = SW_UT + 8; // row pitch (floats) of the old-state tiles
 constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 
 // Shared memory (bytes) for G gate planes: stages (row tile, then weight tile), old h, old c
 // (LSTM), biases [b_ih | b_hh] of the block's N gate rows.
-template <int G>
-struct sw_layout {
+template <int G> struct sw_layout {
     static constexpr int N = G * SW_UT;
     static constexpr int STAGE = SW_ATILE + N * SW_KC * 4;
     static constexpr int OFF_H = SW_NS * STAGE;
@@ -50,30 +53,24 @@ struct sw_layout {
 // (descriptors). The first k-step writes d without reading it: no instruction outside the MMAs
 // defines the accumulators (ptxas would serialize the MMAs, C7515).
 #define SW_D8(i)                                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
         "+f"(d[i + 6]), "+f"(d[i + 7])
-template <bool ACC>
-__device__ __forceinline__ void sw_mma(float (&d)[48], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
+template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[24], uint64_t a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-                 "%48, %49, p, 1, 1;\n}\n"
-                 : SW_D8(0), SW_D8(8), SW_D8(16), SW_D8(24), SW_D8(32), SW_D8(40)
+                 "%16, %17, %18, %19, %20, %21, %22, %23}, "
+                 "%24, %25, p, 1, 1;\n}\n"
+                 : SW_D8(0), SW_D8(8), SW_D8(16)
                  : "l"(a), "l"(b), "n"(ACC ? 1 : 0));
 }
-template <bool ACC>
-__device__ __forceinline__ void sw_mma(float (&d)[64], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint64_t a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "%64, %65, p, 1, 1;\n}\n"
-                 : SW_D8(0), SW_D8(8), SW_D8(16), SW_D8(24), SW_D8(32), SW_D8(40), SW_D8(48),
-                   SW_D8(56)
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1;\n}\n"
+                 : SW_D8(0), SW_D8(8), SW_D8(16), SW_D8(24)
                  : "l"(a), "l"(b), "n"(ACC ? 1 : 0));
 }
 #undef SW_D8
@@ -82,7 +79,7 @@ __device__ __forceinline__ void sw_mma(float (&d)[64], uint64_t a, uint64_t b) {
 template <class Cell>
 __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int G = Cell::G, N = G * SW_UT, ND = N / 2;
+    constexpr int G = Cell::G, N = G * SW_UT, ND = N / 4; // a warpgroup's N / 2 columns
     constexpr bool GRU = G == 3;
     using LY = sw_layout<G>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -93,7 +90,8 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
 
     grid_dependency_wait();
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
+    const int g = lane >> 2, tg = lane & 3;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * SW_MT, u0 = blockIdx.x * SW_UT;
     const int cx = CEIL_DIV(Il, SW_KC), nc = cx + CEIL_DIV(H, SW_KC);
@@ -101,21 +99,28 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     const uint32_t sbase = smem_u32(sm);
 
     // Chunk c (x columns for c < cx, h columns after) into stage c % SW_NS, in 128-byte swizzled
-    // rows (wg.cuh). Thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of every other 8-row
-    // atom from t / 64 on: 8 consecutive lanes read one row's 128 contiguous bytes and write one
-    // 128-byte line. Past K, past H and in absent or resetting rows the copies write zeros.
+    // rows (wg.cuh). Thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms
+    // t / 64 + 4i: 8 consecutive lanes read one row's 128 contiguous bytes and write one 128-byte
+    // line. Past K, past H and in absent or resetting rows the copies write zeros. The weight
+    // tile holds warpgroup q's rows at [q N/2, (q+1) N/2): plane p's units 16q..16q+15 at
+    // q N/2 + 16p; wrow[i] is the W row of the thread's row 32i + 8(t / 64) + (t / 8) % 8, or -1.
     const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
     const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
+    int wrow[N / 32];
+#pragma unroll
+    for (int i = 0; i < N / 32; i++) {
+        const int i16 = 2 * i + (jp >> 1), u = u0 + 16 * (i16 / G) + 8 * (jp & 1) + r8;
+        wrow[i] = u < H ? (i16 % G) * H + u : -1;
+    }
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
-        const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq, u = u0 + 8 * jp + r8;
-        const float *W = (hp ? a.w_hh : a.w_ih) + (size_t)u * K + k;
+        const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
+        const float *W = (hp ? a.w_hh : a.w_ih) + k;
         const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + SW_ATILE + lane_off;
 #pragma unroll
-        for (int i = 0; i < N / 16; i++) { // rows 16i + 8jp + r8: plane i / 2, unit 16(i % 2) + ..
-            const int du = 16 * (i % 2);
-            const bool ok = k < K && u + du < H;
-            cp_async16(dst + 2048 * i, ok ? W + (size_t)((i / 2) * H + du) * K : a.w_ih, ok);
+        for (int i = 0; i < N / 32; i++) {
+            const bool ok = k < K && wrow[i] >= 0;
+            cp_async16(dst + 4096 * i, ok ? W + (size_t)wrow[i] * K : a.w_ih, ok);
         }
     };
     auto load_a = [&](int c) {
@@ -124,10 +129,10 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
         const float *const *rows = hp ? s_hrow : s_xrow;
         const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + lane_off;
 #pragma unroll
-        for (int i = 0; i < SW_MT / 16; i++) {
-            const float *src = rows[16 * i + 8 * jp + r8];
+        for (int i = 0; i < SW_MT / 32; i++) {
+            const float *src = rows[32 * i + 8 * jp + r8];
             const bool ok = k < K && src;
-            cp_async16(dst + 2048 * i, ok ? src + k : a.w_ih, ok);
+            cp_async16(dst + 4096 * i, ok ? src + k : a.w_ih, ok);
         }
     };
     load_w(0); // needs no slot
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
         const bool valid = b < a.B, reset = valid && a.is_init && __ldcg(a.is_init + b);
         const int slot = valid ? __ldcg(a.slots + b) : 0;
         s_slot[tid] = slot;
-        s_xrow[tid] = !valid  ? nullptr
+        s_xrow[tid] = !valid   ? nullptr
                       : l == 0 ? a.x + (size_t)b * a.I
                                : a.state_h + ((size_t)slot * L + l - 1) * H;
         s_hrow[tid] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     // with chunk 0.
 #pragma unroll
     for (int i = 0; i < SW_MT * SW_UT / 4 / SW_NT; i++) {
-        const int m = (tid >> 3) + 16 * i, k = 4 * (tid & 7);
+        const int m = (tid >> 3) + 32 * i, k = 4 * (tid & 7);
         const bool ok = s_hrow[m] && u0 + k < H;
         const size_t at = ((size_t)s_slot[m] * L + l) * H + u0 + k;
         cp_async16(hs + m * SW_HLD + k, ok ? a.state_h + at : a.w_ih, ok);
@@ -188,7 +193,7 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
         }
         mbar_wait(s_full + c % SW_NS, (c / SW_NS) & 1);
         const unsigned char *st = sm + (c % SW_NS) * LY::STAGE;
-        const uint64_t ad = wg_desc_sw128(st), bd = wg_desc_sw128(st + SW_ATILE);
+        const uint64_t ad = wg_desc_sw128(st), bd = wg_desc_sw128(st + SW_ATILE + wq * N / 2 * 128);
         wg_fence();
         if (acc) // a constant where the lambda is inlined: no MMA under a run-time condition
             sw_mma<true>(d, ad, bd);
@@ -217,10 +222,11 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
 
     // The cell on the thread's (row, unit) elements; new states to the dense outputs.
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < 2; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int m = 16 * w + g + 8 * h, b = row0 + m, uu = 8 * j + 2 * tg, u = u0 + uu;
+            const int m = 16 * w + g + 8 * h, b = row0 + m, uu = 16 * wq + 8 * j + 2 * tg;
+            const int u = u0 + uu;
             if (b >= a.B || u >= H) // H % 4 == 0: units u and u + 1 both exist or neither
                 continue;
             const float2 hp = *reinterpret_cast<const float2 *>(hs + m * SW_HLD + uu);
@@ -232,7 +238,7 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
                 float xq[G], hq[G], s[Cell::SW];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
-                    const int di = 4 * (4 * q + j) + 2 * h + e;
+                    const int di = 4 * (2 * q + j) + 2 * h + e;
                     xq[q] = dx[di] + bias[q * SW_UT + uu + e];
                     hq[q] = bias[N + q * SW_UT + uu + e];
                     if constexpr (GRU) {
@@ -242,8 +248,8 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
                             hq[q] += dh[di];
                     }
                 }
-                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e],
-                                             cn[e], s);
+                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e], cn[e],
+                                             s);
             }
             // Scalar stores: the callers' outputs need only 4-byte alignment.
             const size_t bl = ((size_t)b * L + l) * H + u;
@@ -271,9 +277,8 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
 } // namespace
 
 int rnnd__wg_step_prepare(void) {
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_gru>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       sw_layout<3>::SMEM));
+    RNND_CUDA_TRY(cudaFuncSetAttribute(
+        step_wg_kernel<cell_gru>, cudaFuncAttributeMaxDynamicSharedMemorySize, sw_layout<3>::SMEM));
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_lstm>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        sw_layout<4>::SMEM));
@@ -282,8 +287,8 @@ int rnnd__wg_step_prepare(void) {
 
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {
     const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
-    return lstm ? step_kernel_launch(c, step_wg_kernel<cell_lstm>, grid, block,
-                                     sw_layout<4>::SMEM, a, true)
-                : step_kernel_launch(c, step_wg_kernel<cell_gru>, grid, block,
-                                     sw_layout<3>::SMEM, a, true);
+    return lstm ? step_kernel_launch(c, step_wg_kernel<cell_lstm>, grid, block, sw_layout<4>::SMEM,
+                                     a, true)
+                : step_kernel_launch(c, step_wg_kernel<cell_gru>, grid, block, sw_layout<3>::SMEM,
+                                     a, true);
 }

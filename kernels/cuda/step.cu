@@ -261,7 +261,7 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
     const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
     __shared__ int s_slot[MT];
-    __shared__ bool s_reset[MT], s_last;
+    __shared__ bool s_last;
 
     grid_dependency_wait();
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
@@ -345,15 +345,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             load_w(c);
 
     for (int m = tid; m < MT; m += NT) {
-        int b = row0 + m;
-        bool valid = b < a.B, reset = valid && a.is_init && __ldcg(a.is_init + b);
-        int slot = valid ? __ldcg(a.slots + b) : 0;
-        s_slot[m] = slot;
-        s_reset[m] = reset;
-        s_xrow[m] = !valid  ? nullptr
-                    : l == 0 ? a.x + (size_t)b * a.I
-                             : a.state_h + ((size_t)slot * L + l - 1) * H;
-        s_hrow[m] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
+        const step_row r = step_row_at(a, row0 + m);
+        s_slot[m] = r.slot, s_xrow[m] = r.x, s_hrow[m] = r.h;
     }
     __syncthreads();
 #pragma unroll
@@ -384,7 +377,7 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 const int m = m0 + 16 * mt + g + 8 * (e >> 1);
                 const int u = min(u0 + n0 + 2 * tg + (e & 1), H - 1);
                 const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-                const bool live = row0 + m < a.B && !s_reset[m];
+                const bool live = s_hrow[m] != nullptr; // present and not resetting
                 hprev[mt][e] = live ? __ldcg(a.state_h + at) : 0.0f;
                 cprev[mt][e] = live && !GRU ? __ldcg(a.state_c + at) : 0.0f;
             }
@@ -534,14 +527,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         }
     }
     if (tid < R) {
-        const int b = row0 + tid;
-        const bool valid = tid < nrows, reset = valid && a.is_init && __ldcg(a.is_init + b);
-        const int slot = valid ? __ldcg(a.slots + b) : 0;
-        s_slot[tid] = slot;
-        s_xrow[tid] = !valid  ? nullptr
-                      : l == 0 ? a.x + (size_t)b * a.I
-                               : a.state_h + ((size_t)slot * L + l - 1) * H;
-        s_hrow[tid] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
+        const step_row r = step_row_at(a, row0 + tid);
+        s_slot[tid] = r.slot, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     // The cell's other inputs (lane r < R: row r of warp w's unit), loaded meanwhile.
     const int u = u0 + w, uc = min(u, H - 1);

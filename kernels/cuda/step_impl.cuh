@@ -49,6 +49,23 @@ struct step_kargs {
     bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
 };
 
+// Where row b (< a.B) of a launch reads layer a.l: its slot, its x part (layer 0: x, above:
+// layer l-1 of its state) and its h part (NULL where it resets: zeros). Absent rows: {0, NULL,
+// NULL}.
+struct step_row {
+    int slot;
+    const float *x, *h;
+};
+static __device__ __forceinline__ step_row step_row_at(const step_kargs &a, int b) {
+    if (b >= a.B)
+        return {0, nullptr, nullptr};
+    const bool reset = a.is_init && __ldcg(a.is_init + b);
+    const int slot = __ldcg(a.slots + b);
+    const float *state = a.state_h + (size_t)slot * a.L * a.H;
+    return {slot, a.l == 0 ? a.x + (size_t)b * a.I : state + (size_t)(a.l - 1) * a.H,
+            reset ? nullptr : state + (size_t)a.l * a.H};
+}
+
 // Counts the calling block on its row tile's counter; true in the block that arrives last (every
 // thread of the block gets the answer). Every block's stores before the call are visible to the
 // last one: they are ordered before the barrier, and thread 0's acq_rel add releases them at gpu

@@ -141,14 +141,8 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
     if (tid < SW_MT) {
-        const int b = row0 + tid;
-        const bool valid = b < a.B, reset = valid && a.is_init && __ldcg(a.is_init + b);
-        const int slot = valid ? __ldcg(a.slots + b) : 0;
-        s_slot[tid] = slot;
-        s_xrow[tid] = !valid   ? nullptr
-                      : l == 0 ? a.x + (size_t)b * a.I
-                               : a.state_h + ((size_t)slot * L + l - 1) * H;
-        s_hrow[tid] = valid && !reset ? a.state_h + ((size_t)slot * L + l) * H : nullptr;
+        const step_row r = step_row_at(a, row0 + tid);
+        s_slot[tid] = r.slot, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     if (tid < SW_NS) {
         mbar_init(s_full + tid, SW_NT);       // every thread's copies of the stage's chunk

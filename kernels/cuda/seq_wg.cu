@@ -69,10 +69,6 @@ __device__ __forceinline__ void bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
-// The x part's slots change hands through mbarriers: full[p] (each producer thread arrives
-// after its writes, release), empty[p] (each consumer thread after its reads); the waiting side
-// acquires. The k-th use of a slot completes phase k, so a wait is on parity k % 2 (wg.cuh).
-
 // Byte offset of element (r, k) in a K-major fp16 operand of kg groups of 8 columns.
 __device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
     return (uint32_t)((r >> 3) * (kg * 128) + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
@@ -189,6 +185,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_gru_forward(const persis
         const float *b = e < 3 * WG_HP ? a.b_ih : a.b_hh;
         bias[e] = u < H ? __ldg(b + qq * H + u) : 0.0f;
     }
+    // The x part's slots change hands through mbarriers: full[p] (each producer thread arrives
+    // after its writes, release), empty[p] (each consumer thread after its reads); the waiting
+    // side acquires. The k-th use of a slot completes phase k, so a wait is on parity k % 2.
     uint64_t *full = reinterpret_cast<uint64_t *>(smem + WG_OFF_MBAR), *empty = full + 2;
     if (threadIdx.x == 0) {
         mbar_init(full, 128), mbar_init(full + 1, 128);

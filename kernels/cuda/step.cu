@@ -806,13 +806,7 @@ static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, in
     return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
 }
 
-#ifdef RNND_HAVE_WG
-static constexpr bool step_have_wg = true;
-#else
-static constexpr bool step_have_wg = false;
-#endif
-
-// wg: layers whose copies are all 16 bytes run step_wg.cu's kernel (same tiles as cfg_big).
+// wg: step_wg.cu's kernel (same tiles as cfg_big) for every layer whose arguments it takes.
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                        const struct rnnd_model *m, bool wg) {
@@ -823,14 +817,15 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
             step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
-            if constexpr (step_have_wg) {
-                if (wg && a.vec_x && a.vec_h) {
-                    RNND_TRY(rnnd__wg_step_launch(c, a, Cell::G == 4));
-                    continue;
-                }
-            }
-            RNND_TRY(step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
-                                        a, a.vec_x && a.vec_h));
+            int err = RNND_ENOTSUP;
+#ifdef RNND_HAVE_WG
+            if (wg)
+                err = rnnd__wg_step_launch(c, a, Cell::G == 4);
+#endif
+            if (err == RNND_ENOTSUP)
+                err = step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
+                                         a, a.vec_x && a.vec_h);
+            RNND_TRY(err);
         }
     }
     return 0;
@@ -935,10 +930,10 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     // Once per context, so that rnn_step itself only launches (safe inside graph capture).
     RNND_TRY(step_attr_modes<cell_gru>());
     RNND_TRY(step_attr_modes<cell_lstm>());
-    if constexpr (step_have_wg) {
-        if (c->cc_major == 9)
-            RNND_TRY(rnnd__wg_step_prepare());
-    }
+#ifdef RNND_HAVE_WG
+    if (c->cc_major == 9)
+        RNND_TRY(rnnd__wg_step_prepare());
+#endif
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, RNND_STEP_TILES * sizeof(int)));
     RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, RNND_STEP_TILES * sizeof(int)));

@@ -86,67 +86,52 @@ static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
     return *s_last;
 }
 
-// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
-// table, layer a.l. Loads go through L2 (__ldcg): other SMs wrote them during this launch. Each
-// thread issues a batch of loads before its stores, so the tail costs about one L2 round trip
-// per batch rather than one per element.
-static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
+// The n elements T of the dense rows hs (cs) into rows s_slot[i / W] of the slot table hd (cd,
+// when not NULL), layer l of L, W elements a row. Each thread issues a batch of loads before its
+// stores, so the tail costs about one L2 round trip per batch rather than one per element.
+template <class T>
+static __device__ void tile_scatter_rows(const T *hs, const T *cs, T *hd, T *cd, int n, int W,
+                                         int L, int l, const int *s_slot) {
     constexpr int NB = 8;
-    const int H = a.H, L = a.L, l = a.l, nt = blockDim.x;
-    const bool lstm = a.state_c != nullptr;
+    const int nt = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
+        T vh[NB], vc[NB];
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            const int i = i0 + j * nt;
+            if (i < n) {
+                vh[j] = __ldcg(hs + i);
+                if (cd)
+                    vc[j] = __ldcg(cs + i);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            const int i = i0 + j * nt;
+            if (i < n) {
+                const size_t at = ((size_t)s_slot[i / W] * L + l) * W + i % W;
+                hd[at] = vh[j];
+                if (cd)
+                    cd[at] = vc[j];
+            }
+        }
+    }
+}
+
+// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
+// table, layer a.l, in 16-byte elements where the widths and pointers allow. Loads go through L2
+// (__ldcg): other SMs wrote them during this launch.
+static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
+    const int H = a.H;
     if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
-        const int H4 = H / 4, n = nrows * H4;
-        const float4 *hs = reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4;
-        const float4 *cs = reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4;
-        float4 *hd = reinterpret_cast<float4 *>(a.state_h),
-               *cd = reinterpret_cast<float4 *>(a.state_c);
-        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
-            float4 vh[NB], vc[NB];
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    vh[j] = __ldcg(hs + i);
-                    if (lstm)
-                        vc[j] = __ldcg(cs + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    const size_t at = ((size_t)s_slot[i / H4] * L + l) * H4 + i % H4;
-                    hd[at] = vh[j];
-                    if (lstm)
-                        cd[at] = vc[j];
-                }
-            }
-        }
+        const int H4 = H / 4;
+        tile_scatter_rows(reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4,
+                          reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4,
+                          reinterpret_cast<float4 *>(a.state_h),
+                          reinterpret_cast<float4 *>(a.state_c), nrows * H4, H4, a.L, a.l, s_slot);
     } else {
-        const int n = nrows * H;
-        const float *hs = a.h_new + (size_t)row0 * H, *cs = a.c_new + (size_t)row0 * H;
-        for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
-            float vh[NB], vc[NB];
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    vh[j] = __ldcg(hs + i);
-                    if (lstm)
-                        vc[j] = __ldcg(cs + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NB; j++) {
-                const int i = i0 + j * nt;
-                if (i < n) {
-                    const size_t at = ((size_t)s_slot[i / H] * L + l) * H + i % H;
-                    a.state_h[at] = vh[j];
-                    if (lstm)
-                        a.state_c[at] = vc[j];
-                }
-            }
-        }
+        tile_scatter_rows(a.h_new + (size_t)row0 * H, a.c_new + (size_t)row0 * H, a.state_h,
+                          a.state_c, nrows * H, H, a.L, a.l, s_slot);
     }
 }
 
@@ -174,8 +159,10 @@ static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3
     return 0;
 }
 
-// The tile kernel on warpgroup MMAs (step_wg.cu, TF32 mode, 16-byte copies), on a compute 9.0
-// device of a build whose architectures include 90; rows tile 64 at a time.
+// The tile kernel on warpgroup MMAs (step_wg.cu; built when the architectures include 90, as
+// RNND_HAVE_WG says), for TF32 mode on a compute 9.0 device: tiles of 64 rows x 32 units. The
+// launch takes layers whose copies are all 16 bytes (a.vec_x, a.vec_h) and returns RNND_ENOTSUP
+// for others; prepare raises its shared-memory limits, once per context.
 #define RNND_STEP_WG_MT 64
 #define RNND_STEP_WG_UT 32
 int rnnd__wg_step_prepare(void);

@@ -52,28 +52,44 @@ template <int G> struct sw_layout {
 // d = A B^T (ACC: d += A B^T): m64 nN k8, tf32 operands (fp32 bit patterns) from shared memory
 // (descriptors). The first k-step writes d without reading it: no instruction outside the MMAs
 // defines the accumulators (ptxas would serialize the MMAs, C7515).
-#define SW_D8(i)                                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
-        "+f"(d[i + 6]), "+f"(d[i + 7])
+#define SW_D8(c, i)                                                                                \
+    c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]),         \
+        c(d[i + 7])
+#define SW_MMA(N, LAST)                                                                            \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %" #LAST ", 0;\n"                                            \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 "
+#define SW_N48                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+    "%16, %17, %18, %19, %20, %21, %22, %23}, "                                                    \
+    "%24, %25, p, 1, 1;\n}\n"
+#define SW_N64                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
+    "%32, %33, p, 1, 1;\n}\n"
 template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[24], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23}, "
-                 "%24, %25, p, 1, 1;\n}\n"
-                 : SW_D8(0), SW_D8(8), SW_D8(16)
-                 : "l"(a), "l"(b), "n"(ACC ? 1 : 0));
+    if constexpr (ACC)
+        asm volatile(SW_MMA(48, 26) SW_N48
+                     : SW_D8("+f", 0), SW_D8("+f", 8), SW_D8("+f", 16)
+                     : "l"(a), "l"(b), "n"(1));
+    else
+        asm volatile(SW_MMA(48, 26) SW_N48
+                     : SW_D8("=f", 0), SW_D8("=f", 8), SW_D8("=f", 16)
+                     : "l"(a), "l"(b), "n"(0));
 }
 template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1;\n}\n"
-                 : SW_D8(0), SW_D8(8), SW_D8(16), SW_D8(24)
-                 : "l"(a), "l"(b), "n"(ACC ? 1 : 0));
+    if constexpr (ACC)
+        asm volatile(SW_MMA(64, 34) SW_N64
+                     : SW_D8("+f", 0), SW_D8("+f", 8), SW_D8("+f", 16), SW_D8("+f", 24)
+                     : "l"(a), "l"(b), "n"(1));
+    else
+        asm volatile(SW_MMA(64, 34) SW_N64
+                     : SW_D8("=f", 0), SW_D8("=f", 8), SW_D8("=f", 16), SW_D8("=f", 24)
+                     : "l"(a), "l"(b), "n"(0));
 }
 #undef SW_D8
+#undef SW_MMA
+#undef SW_N48
+#undef SW_N64
 #endif
 
 template <class Cell>
@@ -280,6 +296,8 @@ int rnnd__wg_step_prepare(void) {
 }
 
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {
+    if (!a.vec_x || !a.vec_h) // 16-byte copies only: step.cu's kernel takes the others
+        return RNND_ENOTSUP;
     const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
     return lstm ? step_kernel_launch(c, step_wg_kernel<cell_lstm>, grid, block, sw_layout<4>::SMEM,
                                      a, true)

@@ -174,13 +174,24 @@ struct seq_out {
     float *out, *hn, *cn, *gp, *gx, *gh0, *gc0, *ghid, *gcell, *out_notape;
 };
 
-static void seq_out_alloc(struct seq_out *o, size_t P, size_t nx, size_t nout, size_t blh,
-                          size_t btlh) {
-    o->out = xmalloc(nout * 4), o->out_notape = xmalloc(nout * 4);
-    o->hn = xmalloc(blh * 4), o->cn = xmalloc(blh * 4);
-    o->gp = xmalloc(P * 4), o->gx = xmalloc(nx * 4);
-    o->gh0 = xmalloc(blh * 4), o->gc0 = xmalloc(blh * 4);
-    o->ghid = xmalloc(btlh * 4), o->gcell = xmalloc(btlh * 4);
+// Element counts of case sc: parameters, x and out (B, T, I or H), a state (B, L, H), a
+// sequence of states (B, T, L, H).
+struct seq_sizes {
+    size_t P, nx, nout, blh, btlh;
+};
+static struct seq_sizes seq_sizes_of(const struct seq_case *sc) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    size_t BT = (size_t)sc->B * sc->T, LH = (size_t)sc->L * sc->H;
+    return (struct seq_sizes){rnnd_model_param_count(&m), BT * sc->I, BT * sc->H,
+                              (size_t)sc->B * LH, BT * LH};
+}
+
+static void seq_out_alloc(struct seq_out *o, const struct seq_sizes *z) {
+    o->out = xmalloc(z->nout * 4), o->out_notape = xmalloc(z->nout * 4);
+    o->hn = xmalloc(z->blh * 4), o->cn = xmalloc(z->blh * 4);
+    o->gp = xmalloc(z->P * 4), o->gx = xmalloc(z->nx * 4);
+    o->gh0 = xmalloc(z->blh * 4), o->gc0 = xmalloc(z->blh * 4);
+    o->ghid = xmalloc(z->btlh * 4), o->gcell = xmalloc(z->btlh * 4);
 }
 
 static void seq_out_free(struct seq_out *o) {
@@ -298,9 +309,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
                      bool check_determinism, float bias_scale, float state_scale) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
-    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
-    size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
-    size_t btlh = BT * sc->L * sc->H;
+    const struct seq_sizes z = seq_sizes_of(sc);
+    const size_t P = z.P, nx = z.nx, nout = z.nout, blh = z.blh, btlh = z.btlh;
     char tag[96];
     snprintf(tag, sizeof(tag), "%s %s I%d H%d L%d B%d T%d p%.2g %s%s",
              lstm ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->T,
@@ -314,8 +324,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     rnnd_cuda_set_path(gpu, sc->path);
     int path = rnnd_cuda_path_of(gpu, &m);
     struct seq_out og, oc;
-    seq_out_alloc(&og, P, nx, nout, blh, btlh);
-    seq_out_alloc(&oc, P, nx, nout, blh, btlh);
+    seq_out_alloc(&og, &z);
+    seq_out_alloc(&oc, &z);
     int err = run_seq(gpu, sc, &h, &og, true);
     int err2 = run_seq(cpu, sc, &h, &oc, false);
     printf("%s [%s]\n", tag, path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise");
@@ -344,7 +354,7 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
         }
         if (check_determinism) {
             struct seq_out o2;
-            seq_out_alloc(&o2, P, nx, nout, blh, btlh);
+            seq_out_alloc(&o2, &z);
             if (run_seq(gpu, sc, &h, &o2, true) == 0) {
                 bool same = memcmp(o2.gp, og.gp, P * 4) == 0 && memcmp(o2.gx, og.gx, nx * 4) == 0 &&
                             memcmp(o2.out, og.out, nout * 4) == 0;
@@ -362,25 +372,28 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     seq_host_free(&h);
 }
 
+// The model of the NaN and tiny-value checks: fp32, I=64 H=128, B=20 T=12, resets 0.1, h0.
+static struct seq_case edge_case(enum rnnd_cell cell) {
+    return (struct seq_case){cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
+                             RNND_CUDA_PATH_AUTO};
+}
+
 // A NaN in x reaches exactly the outputs that depend on it, as in the CPU reference (the FAST
 // cells' SFU tanh keeps a NaN a NaN), and the other outputs match it.
 static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell) {
-    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
-                                RNND_CUDA_PATH_AUTO};
-    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
-    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc.B * sc.T;
-    size_t nx = BT * sc.I, nout = BT * sc.H, blh = (size_t)sc.B * sc.L * sc.H;
+    const struct seq_case sc = edge_case(cell);
+    const struct seq_sizes z = seq_sizes_of(&sc);
     const char *tag = cell == RNND_CELL_LSTM ? "lstm fp32 NaN in x" : "gru fp32 NaN in x";
     struct seq_host h;
     seq_host_init(&h, &sc, 0.0f, 0.8f);
     h.x[(3 * (size_t)sc.T + 5) * sc.I + 7] = NAN; // row 3, step 5
     struct seq_out og, oc;
-    seq_out_alloc(&og, P, nx, nout, blh, BT * sc.L * sc.H);
-    seq_out_alloc(&oc, P, nx, nout, blh, BT * sc.L * sc.H);
+    seq_out_alloc(&og, &z);
+    seq_out_alloc(&oc, &z);
     int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
     checks++;
     size_t nans = 0, mismatched = 0;
-    for (size_t i = 0; !err && !err2 && i < nout; i++) {
+    for (size_t i = 0; !err && !err2 && i < z.nout; i++) {
         bool want = isnan(oc.out[i]);
         mismatched += isnan(og.out[i]) != want || isnan(og.out_notape[i]) != want;
         if (want) { // compared as equal below
@@ -393,8 +406,8 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rn
     printf("  %s %-34s %zu NaN outputs in the reference, %zu placed otherwise (%s, %s)\n",
            ok ? "ok  " : "FAIL", tag, nans, mismatched, rnnd_err_name(err), rnnd_err_name(err2));
     if (!err && !err2) {
-        compare("out", tag, og.out, oc.out, NULL, nout, tolerance(sc.compute));
-        compare("out(no tape)", tag, og.out_notape, og.out, NULL, nout, 1e-7);
+        compare("out", tag, og.out, oc.out, NULL, z.nout, tolerance(sc.compute));
+        compare("out(no tape)", tag, og.out_notape, og.out, NULL, z.nout, 1e-7);
     }
     seq_out_free(&og);
     seq_out_free(&oc);
@@ -406,11 +419,8 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rn
 // once overflowed to inf for a row maximum below 2^-114: NaN outputs and gradients). Both rows'
 // results match the CPU reference, the tiny gradients of the second row on their own scale too.
 static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell) {
-    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 20, 12, 0.1, STATE_H0,
-                                RNND_CUDA_PATH_AUTO};
-    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
-    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc.B * sc.T;
-    size_t nx = BT * sc.I, nout = BT * sc.H, blh = (size_t)sc.B * sc.L * sc.H;
+    const struct seq_case sc = edge_case(cell);
+    const struct seq_sizes z = seq_sizes_of(&sc);
     const char *tag = cell == RNND_CELL_LSTM ? "lstm fp32 tiny rows" : "gru fp32 tiny rows";
     const float tiny = 1e-36f;
     const size_t rx = 3, rg = 5; // the rows: tiny x, tiny output gradients
@@ -425,8 +435,8 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
         h.gcn[rg * sc.L * sc.H + i] *= tiny;
     }
     struct seq_out og, oc;
-    seq_out_alloc(&og, P, nx, nout, blh, BT * sc.L * sc.H);
-    seq_out_alloc(&oc, P, nx, nout, blh, BT * sc.L * sc.H);
+    seq_out_alloc(&og, &z);
+    seq_out_alloc(&oc, &z);
     int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
     checks++;
     if (err || err2) {
@@ -434,10 +444,10 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
         failures++;
     } else {
         const double tol = tolerance(sc.compute);
-        compare("out", tag, og.out, oc.out, NULL, nout, tol);
-        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, nout, tol);
-        compare("grad params", tag, og.gp, oc.gp, h.gbase, P, tol);
-        compare("grad x", tag, og.gx, oc.gx, NULL, nx, tol);
+        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
+        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, z.nout, tol);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
         const size_t at = rg * sc.T * sc.I;
         compare("grad x, tiny row", tag, og.gx + at, oc.gx + at, NULL, (size_t)sc.T * sc.I, tol);
     }
@@ -450,14 +460,12 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
 // (variant bit 4096) sum the same products in the same order, so forwards (with and without a
 // tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
 static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
-    size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
-    size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
+    const struct seq_sizes z = seq_sizes_of(sc);
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     struct seq_out ow, ok;
-    seq_out_alloc(&ow, P, nx, nout, blh, BT * sc->L * sc->H);
-    seq_out_alloc(&ok, P, nx, nout, blh, BT * sc->L * sc->H);
+    seq_out_alloc(&ow, &z);
+    seq_out_alloc(&ok, &z);
     int err = run_seq(gpu, sc, &h, &ow, true);
     int err2 = rnnd_cuda_set_variant(gpu, base_variant | 4096);
     if (!err2)
@@ -469,10 +477,10 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
         printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
         failures++;
     } else {
-        compare("out", tag, ow.out, ok.out, NULL, nout, 1e-7);
-        compare("out(no tape)", tag, ow.out_notape, ok.out_notape, NULL, nout, 1e-7);
-        compare("grad params", tag, ow.gp, ok.gp, h.gbase, P, 1e-7);
-        compare("grad x", tag, ow.gx, ok.gx, NULL, nx, 1e-7);
+        compare("out", tag, ow.out, ok.out, NULL, z.nout, 1e-7);
+        compare("out(no tape)", tag, ow.out_notape, ok.out_notape, NULL, z.nout, 1e-7);
+        compare("grad params", tag, ow.gp, ok.gp, h.gbase, z.P, 1e-7);
+        compare("grad x", tag, ow.gx, ok.gx, NULL, z.nx, 1e-7);
     }
     seq_out_free(&ow);
     seq_out_free(&ok);
@@ -787,6 +795,14 @@ int main(int argc, char **argv) {
     int nsteps = quick ? 5 : (int)(sizeof(steps) / sizeof(steps[0]));
     for (int i = 0; i < nsteps; i++)
         test_step(&gpu, &cpu, &steps[i]);
+    // On Hopper TF32's 64 x 32 tiles run on warpgroup MMAs: their mma.sync kernel (variant bit
+    // 4096) at B = 1024 and in the odd-width case, where it still runs elsewhere.
+    if (!quick && rnnd_cuda_set_variant(&gpu, base_variant | 4096) == 0) {
+        printf("variant %d (the mma.sync tile kernel):\n", base_variant | 4096);
+        test_step(&gpu, &cpu, &steps[4]);
+        test_step(&gpu, &cpu, &steps[18]);
+        rnnd_cuda_set_variant(&gpu, base_variant);
+    }
 
     test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.5f, 0.01f, 10007);
     test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.0f, 0.0f, 4099);

@@ -9,7 +9,7 @@
  *      thread-block clusters (seq_cluster.cu, sm_90; layer input <= 64 wide), or per step one GEMM
  *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
  *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
- *      s: activated gates and, LSTM, cprev; no s where the backward recomputes the gates,
+ *      s: GRU gates, LSTM pre-activations and cprev; no s where the backward recomputes the gates,
  *      seq_recompute) and h_n, c_n.
  * Backward, layer l from the top:
  *   1. the reverse time loop (persistent or per step) writes D (B*T, 4H), the gradient of the
@@ -32,6 +32,8 @@
 // ---------------------------------------------------------------------------------------------
 // Layout
 
+// The layout holds s rows of fp32 planes; a tape whose gate planes are fp16 (tape_half) packs
+// its shorter rows into the same space.
 void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_layout *lay) {
     size_t BT = (size_t)B * T, at = 0;
     int H = m->H, sw = (m->cell == RNND_CELL_LSTM ? 5 : 4) * H;
@@ -141,6 +143,17 @@ static int seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m,
     return rows > 0 && CEIL_DIV(B, rows) <= active ? rows : 0;
 }
 
+// An LSTM tape of B rows holds its gate planes in fp16 (common.cuh, tape_rec; cell_lstm says why
+// pre-activations) where its backward runs in the persistent or the cluster loops, which take
+// nothing else: 40% fewer tape bytes each way (NOTES v20). Where it runs per step, fp32: that
+// path's TF32 GEMMs leave no room under the 1e-3 bound for one more rounding (an H = 256, B = 33
+// case measured 9.6e-4 with fp32 and 1.0e-3 with fp16 planes). Forward and backward of one tape
+// agree: this depends on the context, the model and B only.
+static bool tape_half(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
+    return m->cell == RNND_CELL_LSTM &&
+           (rnnd__cuda_seq_persistent(c, m) || seq_cluster_bwd(c, m, B) > 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
 
@@ -178,13 +191,15 @@ struct stepwise_args {
     const float *b_ih, *b_hh;
 };
 
-// z row r: hprev = h, the constant 1 and zero pads.
-static __device__ void stepwise_put_state(const stepwise_args &a, bool lstm, size_t r, int u,
-                                          float h, float c) {
+// z row r: hprev = h, the constant 1 and zero pads; the LSTM's cprev.
+template <class Cell, bool HALF>
+static __device__ void stepwise_put_state(const stepwise_args &a, size_t r, int u, float h,
+                                          float c) {
+    using TR = tape_rec<Cell, HALF>;
     float *zr = a.z + r * a.ldz;
     zr[u] = h;
-    if (lstm)
-        a.s[r * (5 * a.H) + 4 * a.H + u] = c;
+    if (Cell::G == 4)
+        TR::put(a.s + r * TR::floats(a.H), 4, a.H, u, c);
     if (u == 0) {
         zr[a.H] = 1.0f;
         for (int k = a.H + 1; k < a.xoff; k++)
@@ -194,7 +209,8 @@ static __device__ void stepwise_put_state(const stepwise_args &a, bool lstm, siz
     }
 }
 
-static __global__ void stepwise_init_kernel(const stepwise_args a, bool lstm) {
+template <class Cell, bool HALF>
+static __global__ void stepwise_init_kernel(const stepwise_args a) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
@@ -211,13 +227,14 @@ static __global__ void stepwise_init_kernel(const stepwise_args a, bool lstm) {
         if (a.c0)
             c = a.c0[(b * a.L + a.l) * H + u];
     }
-    stepwise_put_state(a, lstm, r, u, h, c);
+    stepwise_put_state<Cell, HALF>(a, r, u, h, c);
 }
 
-template <class Cell>
+template <class Cell, bool HALF>
 static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const float *xg,
                                             const float *hg, float *y, int ldy, float *h_n,
                                             float *c_n) {
+    using TR = tape_rec<Cell, HALF>;
     constexpr int G = Cell::G, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -232,20 +249,21 @@ static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const 
         xq[q] = xg[r * (G * H) + q * H + u] + a.b_ih[q * H + u];
         hq[q] = hg[b * (G * H) + q * H + u] + a.b_hh[q * H + u];
     }
+    float *srow = a.s + r * TR::floats(H);
     float h = a.z[r * a.ldz + u];
-    float c = LSTM ? a.s[r * (SW * H) + 4 * H + u] : 0.0f;
+    float c = LSTM ? TR::get(srow, 4, H, u) : 0.0f;
     float hn, cn;
     Cell::template forward<false>(xq, hq, h, c, hn, cn, s);
     y[r * ldy + u] = hn;
     for (int p = 0; p < 4; p++)
-        a.s[r * (SW * H) + p * H + u] = s[p];
+        TR::put(srow, p, H, u, s[p]);
     if (t + 1 < T) {
         size_t r1 = r + 1;
         if (a.is_init[r1]) {
             hn = a.hidden ? a.hidden[(r1 * a.L + a.l) * H + u] : 0.0f;
             cn = a.cell ? a.cell[(r1 * a.L + a.l) * H + u] : 0.0f;
         }
-        stepwise_put_state(a, LSTM, r1, u, hn, cn);
+        stepwise_put_state<Cell, HALF>(a, r1, u, hn, cn);
     } else {
         if (h_n)
             h_n[(b * a.L + a.l) * H + u] = hn;
@@ -270,8 +288,9 @@ struct stepwise_bwd_args {
     float *g_h0, *g_c0, *g_hidden, *g_cell;
 };
 
-template <class Cell>
+template <class Cell, bool HALF>
 static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
+    using TR = tape_rec<Cell, HALF>;
     constexpr int G = Cell::G, SW = Cell::SW;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
@@ -290,7 +309,7 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
     }
     float s[SW], d[4], tile[G], ddir, dcp;
     for (int p = 0; p < SW; p++)
-        s[p] = a.s[r * (SW * H) + p * H + u];
+        s[p] = TR::get(a.s + r * TR::floats(H), p, H, u);
     float hprev = a.z[r * a.ldz + u];
     Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
                                      dcp);
@@ -361,20 +380,21 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
 static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, const stepwise_args &a,
                             const struct layer_params &lp, const float *xg, float *hg, float *y,
                             int ldy, float *h_n, float *c_n) {
-    bool lstm = m->cell == RNND_CELL_LSTM;
+    bool lstm = m->cell == RNND_CELL_LSTM, half = tape_half(c, m, a.B);
     int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
-    stepwise_init_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, lstm);
+    auto init = !lstm ? &stepwise_init_kernel<cell_gru, false>
+                : half ? &stepwise_init_kernel<cell_lstm, true>
+                       : &stepwise_init_kernel<cell_lstm, false>;
+    auto cell = !lstm ? &stepwise_cell_kernel<cell_gru, false>
+                : half ? &stepwise_cell_kernel<cell_lstm, true>
+                       : &stepwise_cell_kernel<cell_lstm, false>;
+    init<<<grid, SEQ_BLOCK, 0, c->stream>>>(a);
     CUDA_LAUNCH_CHECK();
     for (int t = 0; t < a.T; t++) {
         // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
         RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
                       a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
-        if (lstm)
-            stepwise_cell_kernel<cell_lstm>
-                <<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
-        else
-            stepwise_cell_kernel<cell_gru>
-                <<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
+        cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
         CUDA_LAUNCH_CHECK();
     }
     return 0;
@@ -450,7 +470,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape ? s : nullptr;
+            a.s = tape ? s : nullptr, a.shalf = tape_half(c, m, B);
             a.h_n = h_n, a.c_n = c_n;
             a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
             RNND_TRY(crows == 80 ? rnnd__cluster80_lstm_forward(&a, c->stream)
@@ -464,7 +484,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr;
+            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr, a.shalf = tape_half(c, m, B);
             a.h_n = h_n, a.c_n = c_n;
             a.x = xks[l] || xcopy ? x : nullptr, a.ldx = ldx;
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
@@ -492,11 +512,11 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
                              const stepwise_bwd_args &a, const float *w_hh) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
+    auto cell = !lstm                   ? &stepwise_cell_backward_kernel<cell_gru, false>
+                : tape_half(c, m, a.B) ? &stepwise_cell_backward_kernel<cell_lstm, true>
+                                        : &stepwise_cell_backward_kernel<cell_lstm, false>;
     for (int t = a.T - 1; t >= 0; t--) {
-        if (lstm)
-            stepwise_cell_backward_kernel<cell_lstm><<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
-        else
-            stepwise_cell_backward_kernel<cell_gru><<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+        cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
         CUDA_LAUNCH_CHECK();
         // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
         const float *dt = a.d + (size_t)t * 4 * H;
@@ -576,7 +596,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
         a.stored = seq->hidden != NULL;
         a.w_hh = lp.w_hh, a.is_init = seq->is_init;
-        a.z = z, a.ldz = ly->ldz, a.s = s, a.gy = gy, a.ldgy = H;
+        a.z = z, a.ldz = ly->ldz, a.s = s, a.shalf = tape_half(c, m, B);
+        a.gy = gy, a.ldgy = H;
         a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
         a.g_h0 = grads->h0, a.g_c0 = grads->c0;
         a.g_hidden = grads->hidden, a.g_cell = grads->cell;
@@ -672,10 +693,14 @@ static int persist_dispatch(const struct rnnd_model *m, bool backward, const voi
 
 int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_args *a,
                           cudaStream_t stream) {
+    if (m->cell == RNND_CELL_LSTM && a->s && !a->shalf)
+        return RNND_EINVAL;
     return persist_dispatch(m, false, a, stream);
 }
 
 int rnnd__persist_backward(const struct rnnd_model *m, const struct persist_bwd_args *a,
                            cudaStream_t stream) {
+    if (m->cell == RNND_CELL_LSTM && !a->shalf)
+        return RNND_EINVAL;
     return persist_dispatch(m, true, a, stream);
 }

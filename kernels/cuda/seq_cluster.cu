@@ -203,12 +203,13 @@ __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned c
 // while B_t completes. A thread's barrier sequence: start, hmax, A_0, then per step wait A_t,
 // [arrive B_t, wait B_t, arrive A_{t+1}] (t + 1 < T): the same in every CTA; after the last wait
 // (A_{T-1}) no CTA writes to another's shared memory.
-template <int ROWS>
+template <int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
     using S = cshape<ROWS>;
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
+    using TR = tape_rec<cell_lstm, HALF>;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
@@ -546,8 +547,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     if (a.s) {
 #pragma unroll
                         for (int p = 0; p < 5; p++)
-                            *reinterpret_cast<float2 *>(a.s + r * (5 * H) + p * H + ub) =
-                                make_float2(sv[p][0], sv[p][1]);
+                            TR::put2(a.s + r * TR::floats(H), p, H, ub,
+                                     make_float2(sv[p][0], sv[p][1]));
                     }
                 }
             }
@@ -631,6 +632,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     using S = cshape<ROWS>;
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
+    using TR = tape_rec<cell_lstm, true>; // the only tape it runs on (cluster_backward)
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float rowmax[NWC][ROWS];
@@ -752,8 +754,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                 for (int p = 0; p < 5; p++)
                     sv[p][mt][i] =
-                        ok ? __ldg(reinterpret_cast<const float2 *>(a.s + r * (5 * H) + p * H + ub))
-                           : make_float2(0.0f, 0.0f);
+                        ok ? TR::get2(a.s + r * TR::floats(H), p, H, ub) : make_float2(0.0f, 0.0f);
                 gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(a.is_init + r, ok);
@@ -765,9 +766,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int i = 0; i < 2; i++)
                     if (rv[mt][i] && tg == 0 && t > 0) {
                         size_t r = rowb(mt, i) * T + t - 1;
+                        const float *row = a.s + r * TR::floats(H);
 #pragma unroll
                         for (int p = 0; p < 5; p++)
-                            prefetch_l2(a.s + r * (5 * H) + p * H + ub);
+                            prefetch_l2(p < TR::SH ? (const void *)(TR::hp(row, p, H) + ub)
+                                                   : (const void *)(TR::fp(row, p, H) + ub));
                         prefetch_l2(a.gy + r * a.ldgy + ub);
                     }
         }
@@ -988,7 +991,8 @@ template <class Args> int cluster_active(void (*kernel)(Args), long smem, int ro
 template <int ROWS> int cluster_active_rows(bool backward) {
     return backward
                ? cluster_active(seq_cluster_lstm_backward_kernel<ROWS>, cshape<ROWS>::BSMEM, ROWS)
-               : cluster_active(seq_cluster_lstm_forward_kernel<ROWS>, cshape<ROWS>::FSMEM, ROWS);
+               : cluster_active(seq_cluster_lstm_forward_kernel<ROWS, true>, cshape<ROWS>::FSMEM,
+                                ROWS);
 }
 
 // Launches kernel in the clusters of `rows` rows over a's B rows with smem bytes of dynamic
@@ -1007,11 +1011,13 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
 template <int ROWS> int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
     if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
         return RNND_EINVAL;
-    return cluster_run(seq_cluster_lstm_forward_kernel<ROWS>, a, cshape<ROWS>::FSMEM, ROWS, stream);
+    return cluster_run(a->shalf ? seq_cluster_lstm_forward_kernel<ROWS, true>
+                                : seq_cluster_lstm_forward_kernel<ROWS, false>,
+                       a, cshape<ROWS>::FSMEM, ROWS, stream);
 }
 
 template <int ROWS> int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || !a->vec)
+    if (a->H != HC || !a->vec || !a->shalf)
         return RNND_EINVAL;
     return cluster_run(seq_cluster_lstm_backward_kernel<ROWS>, a, cshape<ROWS>::BSMEM, ROWS,
                        stream);

@@ -28,8 +28,8 @@
  *   Then the cell from acc, accx and the biases; h' (c'); stores of y and the tape; the state
  *   of the next step, after the reset rule (a per-row select), and its x into the other tiles.
  * Backward, per step in reverse (two __syncthreads and a barrier per warp pair):
- *   gate gradients from the tape (stored activated gates) and dL/dh' -> D (global, for the
- *   weight and input GEMMs) and the dh-gate tile (16 x G*HP) in shared memory;
+ *   gate gradients from the tape (the GRU's gates, the LSTM's pre-activations) and dL/dh' -> D
+ *   (global, for the weight and input GEMMs) and the dh-gate tile (16 x G*HP) in shared memory;
  *   dh = tile . W_hh + the direct term, K split over warp pairs (persist_geom); routing of
  *   the gradient at resets (DESIGN.md §2) and at t = 0.
  * Weights are loaded once per launch into shared memory, pre-arranged as per-lane MMA B
@@ -263,6 +263,7 @@ struct mode_bf16 {
 struct cell_gru {
     static constexpr int G = 3;
     static constexpr int SW = 4; // r, z, n, hn
+    static constexpr int SH = 0; // planes held in fp16 (tape_rec)
     // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q.
     template <bool FAST>
     static __device__ __forceinline__ void forward(const float xq[3], const float hq[3], float h,
@@ -294,26 +295,36 @@ struct cell_gru {
     }
 };
 
+// The LSTM's record holds the gates' pre-activations, not the gates: the backward applies the
+// activations again. Its four gate planes are what the tensor-core modes store in fp16 (SH),
+// and a rounded pre-activation keeps sigma' = sigma (1 - sigma) and the forget gate's product
+// over steps to a relative 2^-12 where a gate saturates; a rounded gate near 1 would not (f =
+// 0.9999 rounds to 1 in fp16, and the product over 256 steps is then off by 2.5%).
 struct cell_lstm {
     static constexpr int G = 4;
-    static constexpr int SW = 5; // i, f, g, o, cprev
+    static constexpr int SW = 5; // a_i, a_f, a_g, a_o (pre-activations), cprev
+    static constexpr int SH = 4;
     template <bool FAST>
     static __device__ __forceinline__ void forward(const float xq[4], const float hq[4], float h,
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)h;
-        float i = act_sigmoid<FAST>(xq[0] + hq[0]), f = act_sigmoid<FAST>(xq[1] + hq[1]);
-        float g = act_tanh<FAST>(xq[2] + hq[2]), o = act_sigmoid<FAST>(xq[3] + hq[3]);
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            s[q] = xq[q] + hq[q];
+        s[4] = c;
+        float i = act_sigmoid<FAST>(s[0]), f = act_sigmoid<FAST>(s[1]);
+        float g = act_tanh<FAST>(s[2]), o = act_sigmoid<FAST>(s[3]);
         c_new = f * c + i * g;
         h_new = o * act_tanh<FAST>(c_new);
-        s[0] = i, s[1] = f, s[2] = g, s[3] = o, s[4] = c;
     }
     template <bool FAST>
     static __device__ __forceinline__ void backward(const float s[SW], float hprev, float dhj,
                                                     float dc_in, float d[4], float tile[4],
                                                     float &dh_direct, float &dc_prev) {
         (void)hprev;
-        float i = s[0], f = s[1], g = s[2], o = s[3], c = s[4];
+        float i = act_sigmoid<FAST>(s[0]), f = act_sigmoid<FAST>(s[1]);
+        float g = act_tanh<FAST>(s[2]), o = act_sigmoid<FAST>(s[3]), c = s[4];
         float tc = act_tanh<FAST>(f * c + i * g);
         float dcj = dc_in + dhj * o * (1.0f - tc * tc);
         d[0] = dcj * g * i * (1.0f - i);
@@ -560,6 +571,78 @@ static __device__ __forceinline__ void zero4(float v[4]) {
     v[0] = v[1] = v[2] = v[3] = 0.0f;
 }
 
+// A tape s row (common.cuh): Cell::SW planes of H values, the first SH of them fp16 where HALF
+// (the tensor-core modes: tape_s_floats), the others fp32. Accessors for plane p of a row at
+// one unit u, at two (u even: get2 / put2) and at four (ld4 / st4's u0, H and ok).
+template <class Cell, bool HALF>
+struct tape_rec {
+    static constexpr int SH = HALF ? Cell::SH : 0;
+    static __device__ __forceinline__ size_t floats(int H) {
+        return (size_t)tape_s_floats(Cell::SW, SH, H);
+    }
+    static __device__ __forceinline__ __half *hp(const float *row, int p, int H) {
+        return reinterpret_cast<__half *>(const_cast<float *>(row)) + (size_t)p * H;
+    }
+    static __device__ __forceinline__ float *fp(const float *row, int p, int H) {
+        return const_cast<float *>(row) + (size_t)(SH / 2) * H + (size_t)(p - SH) * H;
+    }
+    static __device__ __forceinline__ float get(const float *row, int p, int H, int u) {
+        return p < SH ? __half2float(hp(row, p, H)[u]) : fp(row, p, H)[u];
+    }
+    static __device__ __forceinline__ void put(float *row, int p, int H, int u, float v) {
+        if (p < SH)
+            hp(row, p, H)[u] = __float2half_rn(v);
+        else
+            fp(row, p, H)[u] = v;
+    }
+    static __device__ __forceinline__ float2 get2(const float *row, int p, int H, int u) {
+        if (p < SH)
+            return __half22float2(__ldg(reinterpret_cast<const __half2 *>(hp(row, p, H) + u)));
+        return __ldg(reinterpret_cast<const float2 *>(fp(row, p, H) + u));
+    }
+    static __device__ __forceinline__ void put2(float *row, int p, int H, int u, float2 v) {
+        if (p < SH)
+            *reinterpret_cast<__half2 *>(hp(row, p, H) + u) = __float22half2_rn(v);
+        else
+            *reinterpret_cast<float2 *>(fp(row, p, H) + u) = v;
+    }
+    template <bool VEC>
+    static __device__ __forceinline__ void ld4(float v[4], const float *row, int p, int u0, int H,
+                                               bool ok) {
+        if (p >= SH)
+            return ::ld4<VEC>(v, fp(row, p, H) + u0, u0, H, ok);
+        if (VEC) {
+            uint2 q = make_uint2(0u, 0u);
+            if (ok && u0 < H)
+                q = __ldg(reinterpret_cast<const uint2 *>(hp(row, p, H) + u0));
+            float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&q.x));
+            float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&q.y));
+            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v[j] = ok && u0 + j < H ? get(row, p, H, u0 + j) : 0.0f;
+        }
+    }
+    template <bool VEC>
+    static __device__ __forceinline__ void st4(float *row, int p, const float v[4], int u0, int H,
+                                               bool ok) {
+        if (p >= SH)
+            return ::st4<VEC>(fp(row, p, H) + u0, v, u0, H, ok);
+        if (VEC) {
+            alignas(8) __half2 q[2] = {__floats2half2_rn(v[0], v[1]),
+                                       __floats2half2_rn(v[2], v[3])};
+            if (ok && u0 < H)
+                *reinterpret_cast<uint2 *>(hp(row, p, H) + u0) = *reinterpret_cast<uint2 *>(q);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (ok && u0 + j < H)
+                    put(row, p, H, u0 + j, v[j]);
+        }
+    }
+};
+
 // A reset flag, kept as a plain int until it is used: a bool would be normalised (compared)
 // right after the load, and the warp would wait for the load there.
 static __device__ __forceinline__ int ld_flag(const uint8_t *p, bool ok) {
@@ -676,6 +759,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     using WLX = persist_wlayout<Gm::F_XWPL>;
     constexpr int G = Gm::G, NT = Gm::F_NT, KSH = Gm::F_KS, XKS = XF ? Gm::F_XKS : 0;
     constexpr int NW = Gm::NW, SW = Cell::SW, HLD = Gm::F_HLD;
+    using TR = tape_rec<Cell, true>; // the persistent loops never run in ieee mode
     constexpr int THREADS = (KP ? 2 : 1) * Gm::THREADS;
     constexpr int NR = KP ? 1 : 2; // rows a thread runs the cell for
     static_assert(!KP || (XF && VEC && NW % 4 == 0 && (2 * NT) % 4 == 0), "KP instance");
@@ -1107,7 +1191,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
             if (a.s) {
 #pragma unroll
                 for (int p = 0; p < SW; p++)
-                    st4<VEC>(a.s + r * (SW * H) + p * H + u0, sv[p][i], u0, H, rv[i]);
+                    TR::template st4<VEC>(a.s + r * TR::floats(H), p, sv[p][i], u0, H, rv[i]);
             }
         }
 
@@ -1169,6 +1253,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     using WL = persist_wlayout<Gm::B_WPL>;
     constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = Mode::WPF;
     constexpr int LDA = Gm::B_LDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
+    using TR = tape_rec<Cell, true>; // as the forward
     constexpr bool LSTM = G == 4;
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -1230,7 +1315,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             size_t r = rbase[i] + t;
 #pragma unroll
             for (int p = 0; p < SW; p++)
-                ld4<VEC>(sv[p][i], a.s + r * (SW * H) + p * H + u0, u0, H, rv[i]);
+                TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
             if (LSTM)
                 zero4(hp[i]);

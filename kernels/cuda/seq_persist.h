@@ -25,7 +25,9 @@ struct persist_fwd_args {
     int ldy;
     float *z;                    // tape z rows (ldz) or NULL: hprev at 0, 1 at H, x_l at xoff
     int ldz, xoff, Il;
-    float *s;                    // tape s rows (SW*H) or NULL
+    float *s;                    // tape s rows or NULL
+    bool shalf;                  // s's gate planes are fp16 (tape_rec); only the cluster loop
+                                 // writes either, the persistent ones take fp16 only
     float *h_n, *c_n;            // (B, L, H) or NULL
     const float *x;              // (B*T rows, ldx) the layer input, read by the loop when xks > 0
     int ldx;                     // or xcopy (then Il <= HP/2), else NULL
@@ -45,7 +47,8 @@ struct persist_bwd_args {
     const uint8_t *is_init;      // (B, T)
     const float *z;              // tape z rows (ldz): hprev
     int ldz;
-    const float *s;              // tape s rows (SW*H)
+    const float *s;              // tape s rows
+    bool shalf;                  // s's gate planes are fp16 (the only tape these loops read)
     const float *gy;             // (B*T rows, ldgy): dL/d(layer output)
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL

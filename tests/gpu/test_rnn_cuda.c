@@ -456,6 +456,45 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
     seq_host_free(&h);
 }
 
+// Saturated gates over 256 steps: forget gates at 1 - 1.2e-4 (bias +9), input gates at 1.2e-4
+// (bias -9, so c stays near c0 and TF32's own errors small), and dL/dc0 a sum of products of up
+// to 256 forget gates (0.97 at the far end). The LSTM tape holds the gates' pre-activations
+// (fp16 where the persistent loops run, as here); the gates themselves rounded to fp16 would
+// each be 1 and those products off by up to 3%.
+static void test_saturated(struct rnnd_backend *gpu, struct rnnd_backend *cpu) {
+    const struct seq_case sc = {RNND_CELL_LSTM, RNND_COMPUTE_FP32, 64, 128, 1, 24, 256, 0.0,
+                                STATE_H0, RNND_CUDA_PATH_AUTO};
+    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    const struct seq_sizes z = seq_sizes_of(&sc);
+    const char *tag = "lstm fp32 saturated gates";
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    struct rnnd_param_tensor b;
+    rnnd_model_param_tensor(&m, RNND_PARAM_BIAS_IH, &b);
+    for (int u = 0; u < sc.H; u++) { // gate order i, f, g, o
+        h.params[b.offset + u] -= 9.0f;
+        h.params[b.offset + (size_t)sc.H + u] += 9.0f;
+    }
+    struct seq_out og, oc;
+    seq_out_alloc(&og, &z);
+    seq_out_alloc(&oc, &z);
+    int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
+    checks++;
+    if (err || err2) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        const double tol = tolerance(sc.compute);
+        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
+        compare("grad h0", tag, og.gh0, oc.gh0, NULL, z.blh, tol);
+        compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
 // The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
 // (variant bit 4096) sum the same products in the same order, so forwards (with and without a
 // tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
@@ -832,6 +871,7 @@ int main(int argc, char **argv) {
         test_nan(&gpu, &cpu, LSTM);
         test_tiny(&gpu, &cpu, GRU);
         test_tiny(&gpu, &cpu, LSTM);
+        test_saturated(&gpu, &cpu);
         // The wgmma forward's producer and consumers with two steps (each x-part slot used
         // once, no slot waited for) and with three (the first slot reused).
         const struct seq_case wg_short[] = {

@@ -414,6 +414,23 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rn
     seq_host_free(&h);
 }
 
+// Runs case sc with inputs h on the GPU (og) and on the CPU reference (oc), allocating both;
+// the run counts as a check. False, with a FAIL line, when either returned an error.
+static bool run_pair(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
+                     const struct seq_host *h, struct seq_out *og, struct seq_out *oc,
+                     const char *tag) {
+    const struct seq_sizes z = seq_sizes_of(sc);
+    seq_out_alloc(og, &z);
+    seq_out_alloc(oc, &z);
+    int err = run_seq(gpu, sc, h, og, true), err2 = run_seq(cpu, sc, h, oc, false);
+    checks++;
+    if (err || err2) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    }
+    return !err && !err2;
+}
+
 // Rows of tiny values (1e-36, below 2^-100): one row's x, another row's output gradients. The
 // TF32 loops scale such rows into their fp16 tiles by a power of two, which must stay finite (it
 // once overflowed to inf for a row maximum below 2^-114: NaN outputs and gradients). Both rows'
@@ -435,14 +452,7 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
         h.gcn[rg * sc.L * sc.H + i] *= tiny;
     }
     struct seq_out og, oc;
-    seq_out_alloc(&og, &z);
-    seq_out_alloc(&oc, &z);
-    int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
-    checks++;
-    if (err || err2) {
-        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
-        failures++;
-    } else {
+    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
         const double tol = tolerance(sc.compute);
         compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
         compare("out(no tape)", tag, og.out_notape, oc.out, NULL, z.nout, tol);
@@ -476,14 +486,7 @@ static void test_saturated(struct rnnd_backend *gpu, struct rnnd_backend *cpu) {
         h.params[b.offset + (size_t)sc.H + u] += 9.0f;
     }
     struct seq_out og, oc;
-    seq_out_alloc(&og, &z);
-    seq_out_alloc(&oc, &z);
-    int err = run_seq(gpu, &sc, &h, &og, true), err2 = run_seq(cpu, &sc, &h, &oc, false);
-    checks++;
-    if (err || err2) {
-        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
-        failures++;
-    } else {
+    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
         const double tol = tolerance(sc.compute);
         compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
         compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);

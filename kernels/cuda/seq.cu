@@ -145,7 +145,7 @@ static int seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m,
 
 // An LSTM tape of B rows holds its gate planes in fp16 (common.cuh, tape_rec; cell_lstm says why
 // pre-activations) where its backward runs in the persistent or the cluster loops, which take
-// nothing else: 40% fewer tape bytes each way (NOTES v20). Where it runs per step, fp32: that
+// nothing else: 12 bytes an element instead of 20 each way (NOTES v20). Per step, fp32: that
 // path's TF32 GEMMs leave no room under the 1e-3 bound for one more rounding (an H = 256, B = 33
 // case measured 9.6e-4 with fp32 and 1.0e-3 with fp16 planes). Forward and backward of one tape
 // agree: this depends on the context, the model and B only.

@@ -109,17 +109,12 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //   z (ldz floats a row): [ hprev (H) | 1 | pad | x_l (I_l) | pad ]
 //        hprev is the state entering the step (after the reset rule), x_l the layer's input.
 //        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
-//   s (tape_s_floats a row): GRU [r, z, n, hn] (4H fp32), hn = W_hn h + b_hn;
+//   s (tape_rec::floats a row): GRU [r, z, n, hn] (4H fp32), hn = W_hn h + b_hn;
 //        LSTM [a_i, a_f, a_g, a_o | cprev]: the gates' pre-activations (4H; fp16 where the
 //        backward runs in the persistent or cluster loops, else fp32: seq.cu's tape_half) and
 //        the cell state entering the step (H fp32). The layout holds fp32 rows.
 // The top layer's output goes to `out`; layer l < L-1 writes its output straight into z of
 // layer l+1 (the x_l part), which is what that layer reads as input.
-
-// Floats a tape s row of SW planes of H values takes when its first SH (even) are fp16.
-static inline __host__ __device__ int tape_s_floats(int SW, int SH, int H) {
-    return (SW - SH) * H + SH / 2 * H;
-}
 
 struct seq_layer_layout {
     int Il;       // input width

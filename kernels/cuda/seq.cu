@@ -358,12 +358,11 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
                                          const float *tmp, int G, int H, int Il, int xoff,
                                          bool gru) {
     int cols = Il + H + 1;
-    size_t n = (size_t)G * H * cols;
+    size_t n = (size_t)G * H * cols, ldt = 4 * (size_t)H;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int row = (int)(idx / cols), col = (int)(idx % cols);
         int hh = row, ih = gru && row >= 2 * H ? row + H : row;
-        const size_t ldt = 4 * (size_t)H;
         if (col < Il)
             gw_ih[(size_t)row * Il + col] += tmp[(size_t)(xoff + col) * ldt + ih];
         else if (col < Il + H)
@@ -379,9 +378,9 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
 // Forward
 
 static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, const stepwise_args &a,
-                            const struct layer_params &lp, const float *xg, float *hg, float *y,
-                            int ldy, float *h_n, float *c_n) {
-    bool lstm = m->cell == RNND_CELL_LSTM, half = tape_half(c, m, a.B);
+                            bool half, const struct layer_params &lp, const float *xg, float *hg,
+                            float *y, int ldy, float *h_n, float *c_n) {
+    bool lstm = m->cell == RNND_CELL_LSTM;
     int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
     auto init = !lstm ? &stepwise_init_kernel<cell_gru, false>
                 : half ? &stepwise_init_kernel<cell_lstm, true>
@@ -412,6 +411,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     int B = seq->B, T = seq->T, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t BT = (size_t)B * T;
     bool persistent = rnnd__cuda_seq_persistent(c, m);
+    const bool shalf = tape_half(c, m, B); // the tape's gate planes in fp16
 
     struct seq_layout lay;
     rnnd__cuda_seq_layout(m, B, T, &lay);
@@ -471,7 +471,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape ? s : nullptr, a.shalf = tape_half(c, m, B);
+            a.s = tape ? s : nullptr, a.shalf = shalf;
             a.h_n = h_n, a.c_n = c_n;
             a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
             RNND_TRY(crows == 80 ? rnnd__cluster80_lstm_forward(&a, c->stream)
@@ -485,7 +485,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr, a.shalf = tape_half(c, m, B);
+            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr, a.shalf = shalf;
             a.h_n = h_n, a.c_n = c_n;
             a.x = xks[l] || xcopy ? x : nullptr, a.ldx = ldx;
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
@@ -500,7 +500,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.z = z, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il, a.s = s;
             a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
-            RNND_TRY(stepwise_forward(c, m, a, lp, xg, hg, y, ldy, h_n, c_n));
+            RNND_TRY(stepwise_forward(c, m, a, shalf, lp, xg, hg, y, ldy, h_n, c_n));
         }
     }
     return 0;
@@ -510,12 +510,12 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 // Backward
 
 static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
-                             const stepwise_bwd_args &a, const float *w_hh) {
+                             const stepwise_bwd_args &a, bool half, const float *w_hh) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
-    auto cell = !lstm                   ? &stepwise_cell_backward_kernel<cell_gru, false>
-                : tape_half(c, m, a.B) ? &stepwise_cell_backward_kernel<cell_lstm, true>
-                                        : &stepwise_cell_backward_kernel<cell_lstm, false>;
+    auto cell = !lstm  ? &stepwise_cell_backward_kernel<cell_gru, false>
+                : half ? &stepwise_cell_backward_kernel<cell_lstm, true>
+                       : &stepwise_cell_backward_kernel<cell_lstm, false>;
     for (int t = a.T - 1; t >= 0; t--) {
         cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
         CUDA_LAUNCH_CHECK();
@@ -585,6 +585,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                aligned16(grads->hidden) && aligned16(grads->cell);
     const float *tp = (const float *)tape;
     const int brows = vec ? seq_cluster_bwd(c, m, B) : 0; // rows a cluster of the backward, or 0
+    const bool shalf = tape_half(c, m, B); // as the forward
 
     for (int l = L - 1; l >= 0; l--) {
         const struct seq_layer_layout *ly = &lay.layer[l];
@@ -597,7 +598,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;
         a.stored = seq->hidden != NULL;
         a.w_hh = lp.w_hh, a.is_init = seq->is_init;
-        a.z = z, a.ldz = ly->ldz, a.s = s, a.shalf = tape_half(c, m, B);
+        a.z = z, a.ldz = ly->ldz, a.s = s, a.shalf = shalf;
         a.gy = gy, a.ldgy = H;
         a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
         a.g_h0 = grads->h0, a.g_c0 = grads->c0;
@@ -622,7 +623,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.dh = dh, sw.dc = dc, sw.dhp = dhp, sw.dcp = dcp;
             sw.g_h0 = grads->h0, sw.g_c0 = grads->c0;
             sw.g_hidden = grads->hidden, sw.g_cell = grads->cell;
-            RNND_TRY(stepwise_backward(c, m, sw, lp.w_hh));
+            RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));
         }
 
         // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step. With D's 4H

@@ -572,13 +572,13 @@ static __device__ __forceinline__ void zero4(float v[4]) {
 }
 
 // A tape s row (common.cuh): Cell::SW planes of H values, the first SH of them fp16 where HALF
-// (the tensor-core modes: tape_s_floats), the others fp32. Accessors for plane p of a row at
+// (seq.cu's tape_half), the others fp32. Accessors for plane p of a row at
 // one unit u, at two (u even: get2 / put2) and at four (ld4 / st4's u0, H and ok).
 template <class Cell, bool HALF>
 struct tape_rec {
     static constexpr int SH = HALF ? Cell::SH : 0;
-    static __device__ __forceinline__ size_t floats(int H) {
-        return (size_t)tape_s_floats(Cell::SW, SH, H);
+    static __device__ __forceinline__ size_t floats(int H) { // a row's, SH even
+        return (size_t)(Cell::SW - SH) * H + (size_t)(SH / 2) * H;
     }
     static __device__ __forceinline__ __half *hp(const float *row, int p, int H) {
         return reinterpret_cast<__half *>(const_cast<float *>(row)) + (size_t)p * H;

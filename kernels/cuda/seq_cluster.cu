@@ -119,9 +119,6 @@ __device__ __forceinline__ void cluster_st2(uint32_t addr, float x, float y) {
     __trap();
 #endif
 }
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-    asm volatile("prefetch.L2 [%0];" ::"l"(p)); // generic address
-}
 __device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])

@@ -824,7 +824,7 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
 #endif
             if (err == RNND_ENOTSUP)
                 err = step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
-                                         a, a.vec_x && a.vec_h);
+                                         a.vec_x && a.vec_h, a);
             RNND_TRY(err);
         }
     }
@@ -840,7 +840,7 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
         step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
         const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
         RNND_TRY(step_kernel_launch(c, step_mv_kernel<Cell, BF16, Mode::FAST, R>, grid,
-                                    dim3(32 * RNND_STEP_MV_UNITS), smem, a, a.vec_x && a.vec_h));
+                                    dim3(32 * RNND_STEP_MV_UNITS), smem, a.vec_x && a.vec_h, a));
     }
     return 0;
 }
@@ -853,8 +853,8 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
-        RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0, a,
-                                    true));
+        RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0,
+                                    true, a));
     }
     return 0;
 }

@@ -142,9 +142,9 @@ static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, co
 // through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
 // copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
 // turns it off.
-template <class Kernel>
+template <class Kernel, class... Args>
 static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
-                              const step_kargs &a, bool l1_free) {
+                              bool l1_free, const Args &...args) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -155,7 +155,7 @@ static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3
     cfg.stream = c->stream;
     cfg.attrs = attr;
     cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, a));
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
     return 0;
 }
 

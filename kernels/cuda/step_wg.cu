@@ -16,9 +16,11 @@
  * plane p's units at rows 16p.. of the warpgroup's half of the weight tile), both K-major fp32 in
  * 128-byte swizzled rows in shared memory, fed through the tensor cores' tf32 (their operands'
  * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
- * chunks, then h chunks) through an 8-stage cp.async pipeline 6 chunks ahead of the MMAs, handed
- * over by mbarriers (every thread's copies of a chunk: s_full; every warp done with a stage:
- * s_empty), with no block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
+ * chunks, then h chunks) through an 8-stage pipeline 6 chunks ahead of the MMAs: the rows by
+ * every thread's cp.async (gathered by slot), the weight tile by two tensor-map copies (TMA) of
+ * thread 0 (bench/NOTES.md "single step" v8: LSTM 1.2 us faster than by cp.async), handed over by
+ * mbarriers (a chunk's copies and bytes: s_full; every warp done with a stage: s_empty), with no
+ * block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
  * dh (the h part: r, z, n_h), 24 registers each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
@@ -27,6 +29,9 @@
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
 #include "wg.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 namespace {
 
@@ -93,7 +98,9 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint6
 #endif
 
 template <class Cell>
-__global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
+__global__ void __launch_bounds__(SW_NT, 1)
+    step_wg_kernel(const step_kargs a, const __grid_constant__ CUtensorMap tw_ih,
+                   const __grid_constant__ CUtensorMap tw_hh) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int G = Cell::G, N = G * SW_UT, ND = N / 4; // a warpgroup's N / 2 columns
     constexpr bool GRU = G == 3;
@@ -104,9 +111,13 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     __shared__ uint64_t s_full[SW_NS], s_empty[SW_NS]; // a stage's copies landed; released
     __shared__ bool s_last;
 
+    const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
+    if (tid == 0) { // kernel parameters: no previous kernel writes them
+        tma_prefetch_desc(&tw_ih);
+        tma_prefetch_desc(&tw_hh);
+    }
     grid_dependency_wait();
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
-    const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
     const int g = lane >> 2, tg = lane & 3;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * SW_MT, u0 = blockIdx.x * SW_UT;
@@ -115,30 +126,23 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     const uint32_t sbase = smem_u32(sm);
 
     // Chunk c (x columns for c < cx, h columns after) into stage c % SW_NS, in 128-byte swizzled
-    // rows (wg.cuh). Thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms
-    // t / 64 + 4i: 8 consecutive lanes read one row's 128 contiguous bytes and write one 128-byte
-    // line. Past K, past H and in absent or resetting rows the copies write zeros. The weight
-    // tile holds warpgroup q's rows at [q N/2, (q+1) N/2): plane p's units 16q..16q+15 at
-    // q N/2 + 16p; wrow[i] is the W row of the thread's row 32i + 8(t / 64) + (t / 8) % 8, or -1.
-    const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
-    const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
-    int wrow[N / 32];
-#pragma unroll
-    for (int i = 0; i < N / 32; i++) {
-        const int i16 = 2 * i + (jp >> 1), u = u0 + 16 * (i16 / G) + 8 * (jp & 1) + r8;
-        wrow[i] = u < H ? (i16 % G) * H + u : -1;
-    }
+    // rows (wg.cuh). The weight tile by thread 0: two tensor-map boxes (warpgroup q's rows: units
+    // u0 + 16q.. of every gate plane, zeros past K and H) whose bytes s_full expects.
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
-        const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
-        const float *W = (hp ? a.w_hh : a.w_ih) + k;
-        const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + SW_ATILE + lane_off;
+        const int k = (hp ? c - cx : c) * SW_KC;
+        const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + SW_ATILE;
+        mbar_expect_tx(s_full + c % SW_NS, N * SW_KC * 4);
 #pragma unroll
-        for (int i = 0; i < N / 32; i++) {
-            const bool ok = k < K && wrow[i] >= 0;
-            cp_async16(dst + 4096 * i, ok ? W + (size_t)wrow[i] * K : a.w_ih, ok);
-        }
+        for (int q = 0; q < 2; q++)
+            tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, k, u0 + 16 * q, 0,
+                        smem_u32(s_full + c % SW_NS));
     };
+    // The row tile: thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms
+    // t / 64 + 4i: 8 consecutive lanes read one row's 128 contiguous bytes and write one 128-byte
+    // line. Past K and in absent or resetting rows the copies write zeros.
+    const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
+    const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
     auto load_a = [&](int c) {
         const bool hp = c >= cx;
         const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
@@ -151,18 +155,22 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
             cp_async16(dst + 4096 * i, ok ? src + k : a.w_ih, ok);
         }
     };
-    load_w(0); // needs no slot
 
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
+    if (tid == 0) { // weight tiles need no slot: the first ones go out at once
+        for (int i = 0; i < SW_NS; i++) {
+            mbar_init(s_full + i, SW_NT);       // every thread's copies, the weight tile's bytes
+            mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
+        }
+        fence_mbar_init();
+        for (int c = 0; c < SW_NS - 2 && c < nc; c++)
+            load_w(c);
+    }
     if (tid < SW_MT) {
         const step_row r = step_row_at(a, row0 + tid);
         s_slot[tid] = r.slot, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
-    }
-    if (tid < SW_NS) {
-        mbar_init(s_full + tid, SW_NT);       // every thread's copies of the stage's chunk
-        mbar_init(s_empty + tid, SW_NT / 32); // every warp's MMAs on it
     }
     for (int e = tid; e < 2 * N; e += SW_NT) {
         const int n = e % N, u = u0 + n % SW_UT;
@@ -181,8 +189,6 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
             cp_async16(cs + m * SW_HLD + k, ok ? a.state_c + at : a.w_ih, ok);
     }
     for (int c = 0; c < SW_NS - 2 && c < nc; c++) {
-        if (c > 0)
-            load_w(c);
         load_a(c);
         cp_async_mbar_arrive(s_full + c);
     }
@@ -197,7 +203,8 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
         if (f < nc) {
             if (c >= 2)
                 mbar_wait(s_empty + f % SW_NS, ((c - 2) / SW_NS) & 1);
-            load_w(f);
+            if (tid == 0)
+                load_w(f);
             load_a(f);
             cp_async_mbar_arrive(s_full + f % SW_NS);
         }
@@ -279,16 +286,57 @@ __global__ void __launch_bounds__(SW_NT, 1) step_wg_kernel(const step_kargs a) {
     if (tile_arrive(a.count + blockIdx.y, &s_last))
         tile_scatter(a, row0, min(SW_MT, a.B - row0), s_slot);
 #else
-    (void)a;
+    (void)a, (void)tw_ih, (void)tw_hh;
     __trap(); // never launched: the host asks for this kernel on sm_90 only
 #endif
+}
+
+// cuTensorMapEncodeTiled from the driver (the runtime has no wrapper), looked up once; NULL
+// where the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                             cudaEnableDefault, &found) != cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            p = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    }();
+    return fn;
+}
+
+// W (G gate planes of H rows x K columns, fp32) as a 3-D tensor map {K, H, G} whose boxes are
+// load_w's: 32 columns (one 128-byte swizzled row) x 16 units x G planes, zeros outside W.
+int weight_map(CUtensorMap *m, const float *W, int K, int H, int G) {
+    const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)H, (cuuint64_t)G};
+    const cuuint64_t strides[2] = {(cuuint64_t)K * 4, (cuuint64_t)H * K * 4}; // bytes
+    const cuuint32_t box[3] = {SW_KC, 16, (cuuint32_t)G}, step[3] = {1, 1, 1};
+    return encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float *>(W), dims,
+                        strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+               ? 0
+               : RNND_EDEVICE;
+}
+
+template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
+    CUtensorMap ih, hh;
+    RNND_TRY(weight_map(&ih, a.w_ih, a.l == 0 ? a.I : a.H, a.H, Cell::G));
+    RNND_TRY(weight_map(&hh, a.w_hh, a.H, a.H, Cell::G));
+    const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
+    return step_kernel_launch(c, step_wg_kernel<Cell>, grid, block, sw_layout<Cell::G>::SMEM, true,
+                              a, ih, hh);
 }
 
 } // namespace
 
 int rnnd__wg_step_prepare(void) {
-    RNND_CUDA_TRY(cudaFuncSetAttribute(
-        step_wg_kernel<cell_gru>, cudaFuncAttributeMaxDynamicSharedMemorySize, sw_layout<3>::SMEM));
+    if (encode_tiled() == nullptr)
+        return RNND_EDEVICE;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_gru>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       sw_layout<3>::SMEM));
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_lstm>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        sw_layout<4>::SMEM));
@@ -298,9 +346,5 @@ int rnnd__wg_step_prepare(void) {
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {
     if (!a.vec_x || !a.vec_h) // 16-byte copies only: step.cu's kernel takes the others
         return RNND_ENOTSUP;
-    const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
-    return lstm ? step_kernel_launch(c, step_wg_kernel<cell_lstm>, grid, block, sw_layout<4>::SMEM,
-                                     a, true)
-                : step_kernel_launch(c, step_wg_kernel<cell_gru>, grid, block, sw_layout<3>::SMEM,
-                                     a, true);
+    return lstm ? wg_launch<cell_lstm>(c, a) : wg_launch<cell_gru>(c, a);
 }

@@ -1,7 +1,8 @@
 /*
- * wg.cuh: the warpgroup-MMA (wgmma, sm_90a) primitives that seq_wg.cu and step_wg.cu share:
- * shared-memory matrix descriptors, mbarriers, and the fence / commit / wait of the asynchronous
- * MMAs. The MMAs themselves stay with their kernels (shapes and operand types differ).
+ * wg.cuh: the Hopper primitives that seq_wg.cu and step_wg.cu share: shared-memory matrix
+ * descriptors, mbarriers, tensor-map copies (TMA) and the fence / commit / wait of the
+ * asynchronous warpgroup MMAs (wgmma, sm_90a). The MMAs themselves stay with their kernels
+ * (shapes and operand types differ).
  *
  * Operands in shared memory are K-major in core matrices of 8 rows x 16 bytes (128 contiguous
  * bytes), no swizzle: core matrices adjacent in K 128 bytes apart (the descriptor's leading byte
@@ -58,6 +59,29 @@ static __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *b) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Raises the bytes b's current phase waits for (asynchronous copies complete them).
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+// Makes the mbarriers this thread initialized visible to the copy engine (the tensor-map copies).
+static __device__ __forceinline__ void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+static __device__ __forceinline__ void tma_prefetch_desc(const void *tmap) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
+}
+// The box at coordinates (x, y, z) of a 3-D tensor map into shared address dst, completing its
+// bytes on the mbarrier at shared address bar.
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int x, int y,
+                                                   int z, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+                 "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(bar)
+                 : "memory");
+}
+
 static __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }

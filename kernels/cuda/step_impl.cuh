@@ -7,10 +7,13 @@
 #define RNND_CUDA_STEP_IMPL_CUH
 
 #include "common.cuh"
+#include "step.cuh"
 
 // Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
 // "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
+// Bench variant: step_wg.cu's kernel with the tile counter and scatter at every grid size.
+#define RNND_STEP_VARIANT_SCATTER 2
 
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -45,7 +48,7 @@ struct step_kargs {
     float *c_new;               // (B, H) the layer's new c (LSTM), a stage
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;        // (row tiles) zero between launches
+    int *count;        // (row tiles) zero between launches; then (row tiles) flags (step_wg.cu)
     bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
 };
 
@@ -84,6 +87,35 @@ static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
     }
     __syncthreads();
     return *s_last;
+}
+
+// A sense-reversing barrier of the blocks of a row tile (step_wg.cu), for launches whose blocks
+// are all resident at once. One thread a block. count[0] counts arrivals; the flag
+// count[RNND_STEP_TILES] flips when all have come. Each block reads the flag before it arrives
+// (no block can flip it before then) and waits for the other value; the last arriver resets the
+// count for the next launch, then flips the flag (release: the resets and every arrival's reads
+// before it, cumulatively).
+static __device__ __forceinline__ int tile_flag(const int *count) {
+    return __ldcg(count + RNND_STEP_TILES);
+}
+static __device__ __forceinline__ void tile_barrier_arrive(int *count, int blocks, int flag) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+    if (old == blocks - 1) {
+        *count = 0;
+        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(count + RNND_STEP_TILES),
+                     "r"(flag ^ 1)
+                     : "memory");
+    }
+}
+static __device__ __forceinline__ void tile_barrier_wait(const int *count, int flag) {
+    int f;
+    do
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
+                     : "=r"(f)
+                     : "l"(count + RNND_STEP_TILES)
+                     : "memory");
+    while (f == flag);
 }
 
 // The n elements T of the dense rows hs (cs) into rows s_slot[i / W] of the slot table hd (cd,

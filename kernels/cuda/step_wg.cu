@@ -38,7 +38,7 @@ namespace {
 constexpr int SW_MT = RNND_STEP_WG_MT, SW_UT = RNND_STEP_WG_UT; // rows, units a block
 constexpr int SW_NT = 256;        // two warpgroups: units [0, 16) and [16, 32) of every gate
 constexpr int SW_KC = 32;         // columns a chunk: one 128-byte row, 4 k-steps
-constexpr int SW_NS = 8;          // stages; copies run SW_NS - 2 chunks ahead
+constexpr int NS = 8;             // stages; copies run NS - 2 chunks ahead
 constexpr int SW_HLD = SW_UT + 8; // row pitch (floats) of the old-state tiles
 constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 
@@ -47,7 +47,7 @@ constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 template <int G> struct sw_layout {
     static constexpr int N = G * SW_UT;
     static constexpr int STAGE = SW_ATILE + N * SW_KC * 4;
-    static constexpr int OFF_H = SW_NS * STAGE;
+    static constexpr int OFF_H = NS * STAGE;
     static constexpr int OFF_C = OFF_H + SW_MT * SW_HLD * 4;
     static constexpr int OFF_B = OFF_C + (G == 4 ? SW_MT * SW_HLD * 4 : 0);
     static constexpr int SMEM = OFF_B + 2 * N * 4 + 1024; // + the stages' 1024-byte alignment
@@ -97,10 +97,11 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint6
 #undef SW_N64
 #endif
 
-template <class Cell>
+template <class Cell, bool DW>
 __global__ void __launch_bounds__(SW_NT, 1)
     step_wg_kernel(const step_kargs a, const __grid_constant__ CUtensorMap tw_ih,
-                   const __grid_constant__ CUtensorMap tw_hh) {
+                   const __grid_constant__ CUtensorMap tw_hh, const __grid_constant__ CUtensorMap tx,
+                   const bool xt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int G = Cell::G, N = G * SW_UT, ND = N / 4; // a warpgroup's N / 2 columns
     constexpr bool GRU = G == 3;
@@ -108,13 +109,15 @@ __global__ void __launch_bounds__(SW_NT, 1)
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ const float *s_xrow[SW_MT], *s_hrow[SW_MT]; // row sources, NULL: zeros
     __shared__ int s_slot[SW_MT];
-    __shared__ uint64_t s_full[SW_NS], s_empty[SW_NS]; // a stage's copies landed; released
+    __shared__ uint64_t s_full[NS], s_empty[NS]; // a stage's copies landed; released
     __shared__ bool s_last;
 
     const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
     if (tid == 0) { // kernel parameters: no previous kernel writes them
         tma_prefetch_desc(&tw_ih);
         tma_prefetch_desc(&tw_hh);
+        if (xt)
+            tma_prefetch_desc(&tx);
     }
     grid_dependency_wait();
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
@@ -125,18 +128,20 @@ __global__ void __launch_bounds__(SW_NT, 1)
     unsigned char *sm = smem + (-smem_u32(smem) & 1023); // the stages' atoms: 1024-byte aligned
     const uint32_t sbase = smem_u32(sm);
 
-    // Chunk c (x columns for c < cx, h columns after) into stage c % SW_NS, in 128-byte swizzled
+    // Chunk c (x columns for c < cx, h columns after) into stage c % NS, in 128-byte swizzled
     // rows (wg.cuh). The weight tile by thread 0: two tensor-map boxes (warpgroup q's rows: units
     // u0 + 16q.. of every gate plane, zeros past K and H) whose bytes s_full expects.
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
         const int k = (hp ? c - cx : c) * SW_KC;
-        const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + SW_ATILE;
-        mbar_expect_tx(s_full + c % SW_NS, N * SW_KC * 4);
+        const uint32_t dst = sbase + (c % NS) * LY::STAGE + SW_ATILE;
+        const uint32_t bar = smem_u32(s_full + c % NS);
+        mbar_expect_tx(s_full + c % NS, N * SW_KC * 4 + (xt && !hp ? SW_ATILE : 0));
 #pragma unroll
         for (int q = 0; q < 2; q++)
-            tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, k, u0 + 16 * q, 0,
-                        smem_u32(s_full + c % SW_NS));
+            tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, k, u0 + 16 * q, 0, bar);
+        if (xt && !hp)
+            tma_load_2d(dst - SW_ATILE, &tx, k, row0, bar);
     };
     // The row tile: thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms
     // t / 64 + 4i: 8 consecutive lanes read one row's 128 contiguous bytes and write one 128-byte
@@ -145,9 +150,11 @@ __global__ void __launch_bounds__(SW_NT, 1)
     const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
     auto load_a = [&](int c) {
         const bool hp = c >= cx;
+        if (xt && !hp)
+            return;
         const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
         const float *const *rows = hp ? s_hrow : s_xrow;
-        const uint32_t dst = sbase + (c % SW_NS) * LY::STAGE + lane_off;
+        const uint32_t dst = sbase + (c % NS) * LY::STAGE + lane_off;
 #pragma unroll
         for (int i = 0; i < SW_MT / 32; i++) {
             const float *src = rows[32 * i + 8 * jp + r8];
@@ -159,13 +166,16 @@ __global__ void __launch_bounds__(SW_NT, 1)
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
+    int flag = 0; // DW: the row tile's barrier flag before this block arrives
     if (tid == 0) { // weight tiles need no slot: the first ones go out at once
-        for (int i = 0; i < SW_NS; i++) {
+        if (DW)
+            flag = tile_flag(a.count + blockIdx.y);
+        for (int i = 0; i < NS; i++) {
             mbar_init(s_full + i, SW_NT);       // every thread's copies, the weight tile's bytes
             mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
         }
         fence_mbar_init();
-        for (int c = 0; c < SW_NS - 2 && c < nc; c++)
+        for (int c = 0; c < NS - 2 && c < nc; c++)
             load_w(c);
     }
     if (tid < SW_MT) {
@@ -188,28 +198,28 @@ __global__ void __launch_bounds__(SW_NT, 1)
         if (!GRU)
             cp_async16(cs + m * SW_HLD + k, ok ? a.state_c + at : a.w_ih, ok);
     }
-    for (int c = 0; c < SW_NS - 2 && c < nc; c++) {
+    for (int c = 0; c < NS - 2 && c < nc; c++) {
         load_a(c);
         cp_async_mbar_arrive(s_full + c);
     }
 
     // Chunk c's MMAs into d (acc false: the first chunk of d, which it writes). First the copies
-    // of chunk f = c + SW_NS - 2 go out, into the stage of chunk c - 2 once every warp has
+    // of chunk f = c + NS - 2 go out, into the stage of chunk c - 2 once every warp has
     // released it (s_empty); chunk c's own wait is on s_full. No barrier of the block: each warp
     // releases chunk c - 1's stage when its MMAs on it are done.
     float dx[ND], dh[GRU ? ND : 1];
     auto chunk = [&](int c, float(&d)[ND], bool acc) {
-        const int f = c + SW_NS - 2;
+        const int f = c + NS - 2;
         if (f < nc) {
             if (c >= 2)
-                mbar_wait(s_empty + f % SW_NS, ((c - 2) / SW_NS) & 1);
+                mbar_wait(s_empty + f % NS, ((c - 2) / NS) & 1);
             if (tid == 0)
                 load_w(f);
             load_a(f);
-            cp_async_mbar_arrive(s_full + f % SW_NS);
+            cp_async_mbar_arrive(s_full + f % NS);
         }
-        mbar_wait(s_full + c % SW_NS, (c / SW_NS) & 1);
-        const unsigned char *st = sm + (c % SW_NS) * LY::STAGE;
+        mbar_wait(s_full + c % NS, (c / NS) & 1);
+        const unsigned char *st = sm + (c % NS) * LY::STAGE;
         const uint64_t ad = wg_desc_sw128(st), bd = wg_desc_sw128(st + SW_ATILE + wq * N / 2 * 128);
         wg_fence();
         if (acc) // a constant where the lambda is inlined: no MMA under a run-time condition
@@ -222,7 +232,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
         wg_commit();
         wg_wait<1>();
         if (c >= 1 && lane == 0)
-            mbar_arrive(s_empty + (c - 1) % SW_NS);
+            mbar_arrive(s_empty + (c - 1) % NS);
     };
     chunk(0, dx, false);
     for (int c = 1; c < cx; c++)
@@ -236,8 +246,14 @@ __global__ void __launch_bounds__(SW_NT, 1)
             chunk(c, dx, true);
     }
     wg_wait<0>();
+    // DW: this block has read the old states (every chunk landed): it arrives on its row tile's
+    // barrier while the cell runs.
+    if (DW && tid == 0)
+        tile_barrier_arrive(a.count + blockIdx.y, gridDim.x, flag);
 
-    // The cell on the thread's (row, unit) elements; new states to the dense outputs.
+    // The cell on the thread's (row, unit) elements; new states to the dense outputs (DW: to
+    // out for the top layer, to the slot table below).
+    float hn[2][2][2], cn[2][2][2];
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
@@ -249,7 +265,6 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const float2 hp = *reinterpret_cast<const float2 *>(hs + m * SW_HLD + uu);
             const float2 cp = GRU ? make_float2(0.0f, 0.0f)
                                   : *reinterpret_cast<const float2 *>(cs + m * SW_HLD + uu);
-            float hn[2], cn[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float xq[G], hq[G], s[Cell::SW];
@@ -265,16 +280,17 @@ __global__ void __launch_bounds__(SW_NT, 1)
                             hq[q] += dh[di];
                     }
                 }
-                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e], cn[e],
-                                             s);
+                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[j][h][e],
+                                             cn[j][h][e], s);
             }
             // Scalar stores: the callers' outputs need only 4-byte alignment.
             const size_t bl = ((size_t)b * L + l) * H + u;
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                a.h_new[(size_t)b * H + u + e] = hn[e];
-                if (!GRU)
-                    a.c_new[(size_t)b * H + u + e] = cn[e];
+                if (!DW || l == L - 1)
+                    a.h_new[(size_t)b * H + u + e] = hn[j][h][e];
+                if (!DW && !GRU)
+                    a.c_new[(size_t)b * H + u + e] = cn[j][h][e];
                 if (a.h_before)
                     a.h_before[bl + e] = e ? hp.y : hp.x;
                 if (a.c_before)
@@ -282,9 +298,29 @@ __global__ void __launch_bounds__(SW_NT, 1)
             }
         }
 
-    // Count this block on its row tile; the last one scatters the tile into the slot table.
-    if (tile_arrive(a.count + blockIdx.y, &s_last))
+    if constexpr (DW) {
+        // Once every block of the row tile has read the old states, each writes its new ones
+        // into the slot table (16-byte copies: the table's rows and H allow 8-byte stores).
+        if (tid == 0)
+            tile_barrier_wait(a.count + blockIdx.y, flag);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int m = 16 * w + g + 8 * h, b = row0 + m, u = u0 + 16 * wq + 8 * j + 2 * tg;
+                if (b >= a.B || u >= H)
+                    continue;
+                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+                *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[j][h][0], hn[j][h][1]);
+                if (!GRU)
+                    *reinterpret_cast<float2 *>(a.state_c + at) =
+                        make_float2(cn[j][h][0], cn[j][h][1]);
+            }
+    } else if (tile_arrive(a.count + blockIdx.y, &s_last)) {
+        // Count this block on its row tile; the last one scatters the tile into the slot table.
         tile_scatter(a, row0, min(SW_MT, a.B - row0), s_slot);
+    }
 #else
     (void)a, (void)tw_ih, (void)tw_hh;
     __trap(); // never launched: the host asks for this kernel on sm_90 only
@@ -306,27 +342,50 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     return fn;
 }
 
-// W (G gate planes of H rows x K columns, fp32) as a 3-D tensor map {K, H, G} whose boxes are
-// load_w's: 32 columns (one 128-byte swizzled row) x 16 units x G planes, zeros outside W.
-int weight_map(CUtensorMap *m, const float *W, int K, int H, int G) {
-    const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)H, (cuuint64_t)G};
-    const cuuint64_t strides[2] = {(cuuint64_t)K * 4, (cuuint64_t)H * K * 4}; // bytes
-    const cuuint32_t box[3] = {SW_KC, 16, (cuuint32_t)G}, step[3] = {1, 1, 1};
-    return encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float *>(W), dims,
-                        strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+// A K-major fp32 tensor (rank 2 or 3: {K, rows, planes}) as a tensor map of the given boxes in
+// 128-byte swizzled rows, zeros outside it.
+int fp32_map(CUtensorMap *m, int rank, const float *p, const cuuint64_t *dims, const cuuint32_t *box) {
+    const cuuint64_t strides[2] = {dims[0] * 4, dims[0] * dims[1] * 4}; // bytes
+    const cuuint32_t step[3] = {1, 1, 1};
+    return encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rank, const_cast<float *>(p), dims,
+                          strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
                ? 0
                : RNND_EDEVICE;
 }
 
+template <class Cell, bool DW> int wg_attr() {
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<Cell, DW>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       sw_layout<Cell::G>::SMEM));
+    return 0;
+}
+
+// The weights (G gate planes of H rows x K) as load_w's boxes: 32 columns x 16 units x G planes;
+// layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows. New states straight into the
+// slot table where every block is resident at once (one a SM), else the tile counter and
+// scatter (bench variant RNND_STEP_VARIANT_SCATTER: always).
 template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
-    CUtensorMap ih, hh;
-    RNND_TRY(weight_map(&ih, a.w_ih, a.l == 0 ? a.I : a.H, a.H, Cell::G));
-    RNND_TRY(weight_map(&hh, a.w_hh, a.H, a.H, Cell::G));
+    constexpr int G = Cell::G;
+    const int Il = a.l == 0 ? a.I : a.H;
+    const bool xt = a.l == 0;
+    CUtensorMap ih, hh, tx = {};
+    const cuuint64_t dih[3] = {(cuuint64_t)Il, (cuuint64_t)a.H, G}, dhh[3] = {(cuuint64_t)a.H, (cuuint64_t)a.H, G};
+    const cuuint32_t bw[3] = {SW_KC, 16, G}, bx[2] = {SW_KC, SW_MT};
+    RNND_TRY(fp32_map(&ih, 3, a.w_ih, dih, bw));
+    RNND_TRY(fp32_map(&hh, 3, a.w_hh, dhh, bw));
+    if (xt) {
+        const cuuint64_t dx[2] = {(cuuint64_t)a.I, (cuuint64_t)a.B};
+        RNND_TRY(fp32_map(&tx, 2, a.x, dx, bx));
+    }
     const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
-    return step_kernel_launch(c, step_wg_kernel<Cell>, grid, block, sw_layout<Cell::G>::SMEM, true,
-                              a, ih, hh);
+    const size_t smem = sw_layout<G>::SMEM;
+    if ((int)(grid.x * grid.y) <= c->num_sms && !(c->variant & RNND_STEP_VARIANT_SCATTER))
+        return step_kernel_launch(c, step_wg_kernel<Cell, true>, grid, block, smem, true, a, ih,
+                                  hh, tx, xt);
+    return step_kernel_launch(c, step_wg_kernel<Cell, false>, grid, block, smem, true, a, ih, hh,
+                              tx, xt);
 }
 
 } // namespace
@@ -334,13 +393,10 @@ template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
 int rnnd__wg_step_prepare(void) {
     if (encode_tiled() == nullptr)
         return RNND_EDEVICE;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_gru>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       sw_layout<3>::SMEM));
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<cell_lstm>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       sw_layout<4>::SMEM));
-    return 0;
+    RNND_TRY((wg_attr<cell_gru, false>()));
+    RNND_TRY((wg_attr<cell_gru, true>()));
+    RNND_TRY((wg_attr<cell_lstm, false>()));
+    return wg_attr<cell_lstm, true>();
 }
 
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {

@@ -72,7 +72,16 @@ static __device__ __forceinline__ void fence_mbar_init() {
 static __device__ __forceinline__ void tma_prefetch_desc(const void *tmap) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
 }
-// The box at coordinates (x, y, z) of a 3-D tensor map into shared address dst, completing its
+// The box at coordinates (x, y) of a 2-D tensor map into shared address dst, completing its bytes
+// on the mbarrier at shared address bar.
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void *tmap, int x, int y,
+                                                   uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(tmap), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+}
+// The same for the box at (x, y, z) of a 3-D tensor map. into shared address dst, completing its
 // bytes on the mbarrier at shared address bar.
 static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int x, int y,
                                                    int z, uint32_t bar) {

@@ -846,6 +846,16 @@ int main(int argc, char **argv) {
         test_step(&gpu, &cpu, &steps[18]);
         rnnd_cuda_set_variant(&gpu, base_variant);
     }
+    // Where all their blocks are resident at once, those tiles write their new states straight
+    // into the slot table after a barrier of the row tile's blocks; elsewhere (H = 1024 above)
+    // and with variant bit 2 the row tile's last block scatters them.
+    if (!quick && rnnd_cuda_set_variant(&gpu, base_variant | 2) == 0) {
+        printf("variant %d (the tile kernel's scatter):\n", base_variant | 2);
+        test_step(&gpu, &cpu, &steps[4]);
+        test_step(&gpu, &cpu, &steps[18]);
+        test_step(&gpu, &cpu, &steps[19]);
+        rnnd_cuda_set_variant(&gpu, base_variant);
+    }
 
     test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.5f, 0.01f, 10007);
     test_optim(&gpu, &cpu, RNND_OPTIM_ADAM, 0.0f, 0.0f, 4099);

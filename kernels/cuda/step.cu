@@ -27,8 +27,10 @@
  * Blocks write new h and c to dense stages (the context's d_step_stage; the top layer's h goes
  * to `out`), then count themselves on the tile's counter; the block that arrives last (all the
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
- * counter for the next launch. No block ever waits for another, so any schedule is safe. Layer
- * l+1 reads its input, layer l's new h, back from the slot table. Batches larger than the stages
+ * counter for the next launch. No block ever waits for another, so any schedule is safe.
+ * (step_wg.cu's tiles on Hopper, where their grid fits the SMs, meet at a barrier of the row
+ * tile instead and write their own new states: no scatter at the end.) Layer l+1 reads its
+ * input, layer l's new h, back from the slot table. Batches larger than the stages
  * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. On
  * Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels where their
  * copies bypass L1): their blocks may become resident while the previous kernel runs, but read

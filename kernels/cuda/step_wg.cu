@@ -16,15 +16,21 @@
  * plane p's units at rows 16p.. of the warpgroup's half of the weight tile), both K-major fp32 in
  * 128-byte swizzled rows in shared memory, fed through the tensor cores' tf32 (their operands'
  * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
- * chunks, then h chunks) through an 8-stage pipeline 6 chunks ahead of the MMAs: the rows by
- * every thread's cp.async (gathered by slot), the weight tile by two tensor-map copies (TMA) of
- * thread 0 (bench/NOTES.md "single step" v8: LSTM 1.2 us faster than by cp.async), handed over by
- * mbarriers (a chunk's copies and bytes: s_full; every warp done with a stage: s_empty), with no
- * block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
+ * chunks, then h chunks) through an 8-stage pipeline 6 chunks ahead of the MMAs: the h rows (and
+ * the x part of layers above 0) by every thread's cp.async, gathered by slot; the weight tile and
+ * layer 0's x rows by tensor-map copies (TMA) of thread 0 (bench/NOTES.md "single step" v8: 0.5
+ * and 1.2 us less than by cp.async for GRU and LSTM), handed over by mbarriers (a chunk's copies
+ * and bytes: s_full; every warp done with a stage: s_empty), with no block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
  * dh (the h part: r, z, n_h), 24 registers each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
  * in shared memory with chunk 0; biases are read from shared memory in the cell.
+ *
+ * In place (DW, where the grid fits the SMs: B = 1024 at H = 256): a row tile's blocks meet at a
+ * barrier once each has read the old states (its last chunk landed; the arrival overlaps the
+ * cell), then each writes its new h and c straight into the slot table (v10: GRU 12.3 -> 10.0 us,
+ * LSTM 15.2 -> 11.1). Elsewhere step.cu's scheme: dense outputs, the row tile's counter, and its
+ * last block scatters the tile.
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -364,8 +370,12 @@ template <class Cell, bool DW> int wg_attr() {
 
 // The weights (G gate planes of H rows x K) as load_w's boxes: 32 columns x 16 units x G planes;
 // layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows. New states straight into the
-// slot table where every block is resident at once (one a SM), else the tile counter and
-// scatter (bench variant RNND_STEP_VARIANT_SCATTER: always).
+// slot table where the grid fits the SMs (one block a SM), else the tile counter and scatter
+// (bench variant RNND_STEP_VARIANT_SCATTER: always). The tile barrier goes without a cooperative
+// launch (which cost 0.8 us a step, bench/NOTES.md "single step" v10): blocks start in index
+// order and a row tile's blocks are consecutive, so the tiles before the last started one have
+// all their blocks running and finish, freeing SMs for the rest, even where fewer SMs are free
+// than the grid has blocks (other streams' kernels, MPS).
 template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
     constexpr int G = Cell::G;
     const int Il = a.l == 0 ? a.I : a.H;

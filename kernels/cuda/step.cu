@@ -28,8 +28,8 @@
  * to `out`), then count themselves on the tile's counter; the block that arrives last (all the
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
  * counter for the next launch. No block ever waits for another, so any schedule is safe.
- * (step_wg.cu's tiles on Hopper, where their grid fits the SMs, meet at a barrier of the row
- * tile instead and write their own new states: no scatter at the end.) Layer l+1 reads its
+ * (step_wg.cu's tiles on Hopper meet at a barrier of the row tile instead and write their own
+ * new states: no scatter at the end.) Layer l+1 reads its
  * input, layer l's new h, back from the slot table. Batches larger than the stages
  * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. On
  * Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels where their
@@ -862,8 +862,10 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 }
 
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
-// and weights fit). More: the tile shape that still gives half the SMs a block, largest first
-// (the 64 x 32 tiles on warpgroup MMAs in TF32 mode where cuda_wg allows).
+// and weights fit). More: in TF32 mode where cuda_wg allows, the 64 x 32 tiles on warpgroup MMAs
+// wherever they make 16 blocks or each block streams at most 128 KB of weights (below that the
+// smaller tiles, which spread the weights over more SMs, win: bench/NOTES.md "single step" v12);
+// else the tile shape that still gives half the SMs a block, largest first.
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                          const struct rnnd_model *m) {
@@ -876,9 +878,12 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
-    if (blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
-        return step_launch<Cell, Mode, cfg_big>(c, st, params, m,
-                                                std::is_same<Mode, step_tf32>::value && cuda_wg(c));
+    const bool wg = std::is_same<Mode, step_tf32>::value && cuda_wg(c);
+    const long wg_wbytes = (long)Cell::G * cfg_big::UT * (in + m->H) * sizeof(float);
+    const bool wg_wins = wg && m->I % 4 == 0 && m->H % 4 == 0 &&
+                         (blocks(cfg_big::MT, cfg_big::UT) >= 16 || wg_wbytes <= (128 << 10));
+    if (wg_wins || blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
+        return step_launch<Cell, Mode, cfg_big>(c, st, params, m, wg);
     if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
         return step_launch<Cell, Mode, cfg_mid>(c, st, params, m, false);
     return step_launch<Cell, Mode, cfg_small>(c, st, params, m, false);

@@ -12,8 +12,6 @@
 // Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
 // "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
-// Bench variant: step_wg.cu's kernel with the tile counter and scatter at every grid size.
-#define RNND_STEP_VARIANT_SCATTER 2
 
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -89,8 +87,8 @@ static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
     return *s_last;
 }
 
-// A sense-reversing barrier of the blocks of a row tile (step_wg.cu), for launches whose blocks
-// are all resident at once. One thread a block. count[0] counts arrivals; the flag
+// A sense-reversing barrier of the blocks of a row tile (step_wg.cu; why no block waits forever:
+// its wg_launch). One thread a block. count[0] counts arrivals; the flag
 // count[RNND_STEP_TILES] flips when all have come. Each block reads the flag before it arrives
 // (no block can flip it before then) and waits for the other value; the last arriver resets the
 // count for the next launch, then flips the flag (release: the resets and every arrival's reads

@@ -26,11 +26,10 @@
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
  * in shared memory with chunk 0; biases are read from shared memory in the cell.
  *
- * In place (DW, where the grid fits the SMs: B = 1024 at H = 256): a row tile's blocks meet at a
- * barrier once each has read the old states (its last chunk landed; the arrival overlaps the
- * cell), then each writes its new h and c straight into the slot table (v10: GRU 12.3 -> 10.0 us,
- * LSTM 15.2 -> 11.1). Elsewhere step.cu's scheme: dense outputs, the row tile's counter, and its
- * last block scatters the tile.
+ * In place: a row tile's blocks meet at a barrier (step_impl.cuh) once each has read the old
+ * states (its last chunk landed; the arrival overlaps the cell), then each writes its new h and c
+ * straight into the slot table, instead of step.cu's dense stage and last block's scatter (v10:
+ * at B = 1024, H = 256, GRU 12.3 -> 10.0 us, LSTM 15.2 -> 11.1).
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -103,7 +102,7 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint6
 #undef SW_N64
 #endif
 
-template <class Cell, bool DW>
+template <class Cell>
 __global__ void __launch_bounds__(SW_NT, 1)
     step_wg_kernel(const step_kargs a, const __grid_constant__ CUtensorMap tw_ih,
                    const __grid_constant__ CUtensorMap tw_hh, const __grid_constant__ CUtensorMap tx,
@@ -116,7 +115,6 @@ __global__ void __launch_bounds__(SW_NT, 1)
     __shared__ const float *s_xrow[SW_MT], *s_hrow[SW_MT]; // row sources, NULL: zeros
     __shared__ int s_slot[SW_MT];
     __shared__ uint64_t s_full[NS], s_empty[NS]; // a stage's copies landed; released
-    __shared__ bool s_last;
 
     const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
     if (tid == 0) { // kernel parameters: no previous kernel writes them
@@ -172,10 +170,9 @@ __global__ void __launch_bounds__(SW_NT, 1)
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
-    int flag = 0; // DW: the row tile's barrier flag before this block arrives
+    int flag = 0; // the row tile's barrier flag before this block arrives
     if (tid == 0) { // weight tiles need no slot: the first ones go out at once
-        if (DW)
-            flag = tile_flag(a.count + blockIdx.y);
+        flag = tile_flag(a.count + blockIdx.y);
         for (int i = 0; i < NS; i++) {
             mbar_init(s_full + i, SW_NT);       // every thread's copies, the weight tile's bytes
             mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
@@ -252,13 +249,12 @@ __global__ void __launch_bounds__(SW_NT, 1)
             chunk(c, dx, true);
     }
     wg_wait<0>();
-    // DW: this block has read the old states (every chunk landed): it arrives on its row tile's
+    // This block has read the old states (every chunk landed): it arrives on its row tile's
     // barrier while the cell runs.
-    if (DW && tid == 0)
+    if (tid == 0)
         tile_barrier_arrive(a.count + blockIdx.y, gridDim.x, flag);
 
-    // The cell on the thread's (row, unit) elements; new states to the dense outputs (DW: to
-    // out for the top layer, to the slot table below).
+    // The cell on the thread's (row, unit) elements; the top layer's new h to out.
     float hn[2][2][2], cn[2][2][2];
 #pragma unroll
     for (int j = 0; j < 2; j++)
@@ -293,10 +289,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const size_t bl = ((size_t)b * L + l) * H + u;
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                if (!DW || l == L - 1)
+                if (l == L - 1)
                     a.h_new[(size_t)b * H + u + e] = hn[j][h][e];
-                if (!DW && !GRU)
-                    a.c_new[(size_t)b * H + u + e] = cn[j][h][e];
                 if (a.h_before)
                     a.h_before[bl + e] = e ? hp.y : hp.x;
                 if (a.c_before)
@@ -304,29 +298,23 @@ __global__ void __launch_bounds__(SW_NT, 1)
             }
         }
 
-    if constexpr (DW) {
-        // Once every block of the row tile has read the old states, each writes its new ones
-        // into the slot table (16-byte copies: the table's rows and H allow 8-byte stores).
-        if (tid == 0)
-            tile_barrier_wait(a.count + blockIdx.y, flag);
-        __syncthreads();
+    // Once every block of the row tile has read the old states, each writes its new ones into
+    // the slot table (16-byte copies allowed: the table's rows and H allow 8-byte stores).
+    if (tid == 0)
+        tile_barrier_wait(a.count + blockIdx.y, flag);
+    __syncthreads();
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+    for (int j = 0; j < 2; j++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int m = 16 * w + g + 8 * h, b = row0 + m, u = u0 + 16 * wq + 8 * j + 2 * tg;
-                if (b >= a.B || u >= H)
-                    continue;
-                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-                *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[j][h][0], hn[j][h][1]);
-                if (!GRU)
-                    *reinterpret_cast<float2 *>(a.state_c + at) =
-                        make_float2(cn[j][h][0], cn[j][h][1]);
-            }
-    } else if (tile_arrive(a.count + blockIdx.y, &s_last)) {
-        // Count this block on its row tile; the last one scatters the tile into the slot table.
-        tile_scatter(a, row0, min(SW_MT, a.B - row0), s_slot);
-    }
+        for (int h = 0; h < 2; h++) {
+            const int m = 16 * w + g + 8 * h, b = row0 + m, u = u0 + 16 * wq + 8 * j + 2 * tg;
+            if (b >= a.B || u >= H)
+                continue;
+            const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+            *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[j][h][0], hn[j][h][1]);
+            if (!GRU)
+                *reinterpret_cast<float2 *>(a.state_c + at) = make_float2(cn[j][h][0], cn[j][h][1]);
+        }
 #else
     (void)a, (void)tw_ih, (void)tw_hh;
     __trap(); // never launched: the host asks for this kernel on sm_90 only
@@ -361,21 +349,19 @@ int fp32_map(CUtensorMap *m, int rank, const float *p, const cuuint64_t *dims, c
                : RNND_EDEVICE;
 }
 
-template <class Cell, bool DW> int wg_attr() {
-    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<Cell, DW>,
+template <class Cell> int wg_attr() {
+    RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<Cell>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        sw_layout<Cell::G>::SMEM));
     return 0;
 }
 
 // The weights (G gate planes of H rows x K) as load_w's boxes: 32 columns x 16 units x G planes;
-// layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows. New states straight into the
-// slot table where the grid fits the SMs (one block a SM), else the tile counter and scatter
-// (bench variant RNND_STEP_VARIANT_SCATTER: always). The tile barrier goes without a cooperative
-// launch (which cost 0.8 us a step, bench/NOTES.md "single step" v10): blocks start in index
-// order and a row tile's blocks are consecutive, so the tiles before the last started one have
-// all their blocks running and finish, freeing SMs for the rest, even where fewer SMs are free
-// than the grid has blocks (other streams' kernels, MPS).
+// layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows. The row tiles' barriers need
+// no cooperative launch (which cost 0.8 us a step, bench/NOTES.md "single step" v10): blocks
+// start in index order and a row tile's blocks are consecutive, so every tile before the last
+// started one has all its blocks running, finishes and frees SMs for the rest, whatever the
+// grid's size and however few SMs are free (other streams' kernels, MPS).
 template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
     constexpr int G = Cell::G;
     const int Il = a.l == 0 ? a.I : a.H;
@@ -390,12 +376,8 @@ template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
         RNND_TRY(fp32_map(&tx, 2, a.x, dx, bx));
     }
     const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
-    const size_t smem = sw_layout<G>::SMEM;
-    if ((int)(grid.x * grid.y) <= c->num_sms && !(c->variant & RNND_STEP_VARIANT_SCATTER))
-        return step_kernel_launch(c, step_wg_kernel<Cell, true>, grid, block, smem, true, a, ih,
-                                  hh, tx, xt);
-    return step_kernel_launch(c, step_wg_kernel<Cell, false>, grid, block, smem, true, a, ih, hh,
-                              tx, xt);
+    return step_kernel_launch(c, step_wg_kernel<Cell>, grid, block, sw_layout<G>::SMEM, true, a,
+                              ih, hh, tx, xt);
 }
 
 } // namespace
@@ -403,10 +385,8 @@ template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
 int rnnd__wg_step_prepare(void) {
     if (encode_tiled() == nullptr)
         return RNND_EDEVICE;
-    RNND_TRY((wg_attr<cell_gru, false>()));
-    RNND_TRY((wg_attr<cell_gru, true>()));
-    RNND_TRY((wg_attr<cell_lstm, false>()));
-    return wg_attr<cell_lstm, true>();
+    RNND_TRY(wg_attr<cell_gru>());
+    return wg_attr<cell_lstm>();
 }
 
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {

@@ -29,12 +29,12 @@
  * others have finished reading) copies the tile's rows into the slot table and zeroes the
  * counter for the next launch. No block ever waits for another, so any schedule is safe.
  * (step_wg.cu's tiles on Hopper meet at a barrier of the row tile instead and write their own
- * new states: no scatter at the end.) Layer l+1 reads its
- * input, layer l's new h, back from the slot table. Batches larger than the stages
- * run in chunks of rows. Every launch is a kernel on the context's stream: CUDA-graph safe. On
- * Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels where their
- * copies bypass L1): their blocks may become resident while the previous kernel runs, but read
- * nothing before that kernel has completed (griddepcontrol.wait), and they read through L2 only.
+ * new states: no scatter at the end.) Layer l+1 reads its input, layer l's new h, back from the
+ * slot table. Batches larger than the stages run in chunks of rows. Every launch is a kernel on
+ * the context's stream: CUDA-graph safe. On Hopper the kernels are launched programmatically
+ * (PDL; the tile and few-rows kernels where their copies bypass L1): their blocks may become
+ * resident while the previous kernel runs, but read nothing before that kernel has completed
+ * (griddepcontrol.wait), and they read through L2 only.
  */
 #include "step.cuh"
 

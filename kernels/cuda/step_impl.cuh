@@ -98,7 +98,10 @@ static __device__ __forceinline__ int tile_flag(const int *count) {
 }
 static __device__ __forceinline__ void tile_barrier_arrive(int *count, int blocks, int flag) {
     int old;
-    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
+                 : "=r"(old)
+                 : "l"(count)
+                 : "memory");
     if (old == blocks - 1) {
         *count = 0;
         asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(count + RNND_STEP_TILES),

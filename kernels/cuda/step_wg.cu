@@ -20,8 +20,9 @@
  * the x part of layers above 0) by every thread's cp.async, gathered by slot; the weight tile and
  * layer 0's x rows by tensor-map copies (TMA) of thread 0 (bench/NOTES.md "single step" v8: 0.5
  * and 1.2 us less than by cp.async for GRU and LSTM), handed over by mbarriers (a chunk's copies
- * and bytes: s_full; every warp done with a stage: s_empty), with no block barrier in the loop. Accumulators: GRU dx (the x part: r, z, n_x) and
- * dh (the h part: r, z, n_h), 24 registers each; LSTM one, 32 registers. D fragment: warp w,
+ * and bytes: s_full; every warp done with a stage: s_empty), with no block barrier in the loop.
+ * Accumulators: GRU dx (the x part: r, z, n_x) and dh (the h part: r, z, n_h), 24 registers
+ * each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
  * in shared memory with chunk 0; biases are read from shared memory in the cell.
@@ -105,8 +106,8 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint6
 template <class Cell>
 __global__ void __launch_bounds__(SW_NT, 1)
     step_wg_kernel(const step_kargs a, const __grid_constant__ CUtensorMap tw_ih,
-                   const __grid_constant__ CUtensorMap tw_hh, const __grid_constant__ CUtensorMap tx,
-                   const bool xt) {
+                   const __grid_constant__ CUtensorMap tw_hh,
+                   const __grid_constant__ CUtensorMap tx, const bool xt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int G = Cell::G, N = G * SW_UT, ND = N / 4; // a warpgroup's N / 2 columns
     constexpr bool GRU = G == 3;
@@ -133,8 +134,9 @@ __global__ void __launch_bounds__(SW_NT, 1)
     const uint32_t sbase = smem_u32(sm);
 
     // Chunk c (x columns for c < cx, h columns after) into stage c % NS, in 128-byte swizzled
-    // rows (wg.cuh). The weight tile by thread 0: two tensor-map boxes (warpgroup q's rows: units
-    // u0 + 16q.. of every gate plane, zeros past K and H) whose bytes s_full expects.
+    // rows (wg.cuh). By thread 0 (load_w), tensor-map boxes whose bytes s_full expects: the
+    // weight tile in two (warpgroup q's rows: units u0 + 16q.. of every gate plane, zeros past K
+    // and H) and, at layer 0 (xt), the x rows of x chunks (dense rows: zeros past K and B).
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
         const int k = (hp ? c - cx : c) * SW_KC;
@@ -147,9 +149,10 @@ __global__ void __launch_bounds__(SW_NT, 1)
         if (xt && !hp)
             tma_load_2d(dst - SW_ATILE, &tx, k, row0, bar);
     };
-    // The row tile: thread t copies 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms
-    // t / 64 + 4i: 8 consecutive lanes read one row's 128 contiguous bytes and write one 128-byte
-    // line. Past K and in absent or resetting rows the copies write zeros.
+    // The row tile's gathered rows (the h chunks; x chunks above layer 0): thread t copies
+    // 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms t / 64 + 4i: 8 consecutive lanes
+    // read one row's 128 contiguous bytes and write one 128-byte line. Past K and in absent or
+    // resetting rows the copies write zeros.
     const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
     const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
     auto load_a = [&](int c) {
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
                 *reinterpret_cast<float2 *>(a.state_c + at) = make_float2(cn[j][h][0], cn[j][h][1]);
         }
 #else
-    (void)a, (void)tw_ih, (void)tw_hh;
+    (void)a, (void)tw_ih, (void)tw_hh, (void)tx, (void)xt;
     __trap(); // never launched: the host asks for this kernel on sm_90 only
 #endif
 }
@@ -338,7 +341,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 
 // A K-major fp32 tensor (rank 2 or 3: {K, rows, planes}) as a tensor map of the given boxes in
 // 128-byte swizzled rows, zeros outside it.
-int fp32_map(CUtensorMap *m, int rank, const float *p, const cuuint64_t *dims, const cuuint32_t *box) {
+int fp32_map(CUtensorMap *m, int rank, const float *p, const cuuint64_t *dims,
+             const cuuint32_t *box) {
     const cuuint64_t strides[2] = {dims[0] * 4, dims[0] * dims[1] * 4}; // bytes
     const cuuint32_t step[3] = {1, 1, 1};
     return encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rank, const_cast<float *>(p), dims,
@@ -367,7 +371,8 @@ template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
     const int Il = a.l == 0 ? a.I : a.H;
     const bool xt = a.l == 0;
     CUtensorMap ih, hh, tx = {};
-    const cuuint64_t dih[3] = {(cuuint64_t)Il, (cuuint64_t)a.H, G}, dhh[3] = {(cuuint64_t)a.H, (cuuint64_t)a.H, G};
+    const cuuint64_t dih[3] = {(cuuint64_t)Il, (cuuint64_t)a.H, G};
+    const cuuint64_t dhh[3] = {(cuuint64_t)a.H, (cuuint64_t)a.H, G};
     const cuuint32_t bw[3] = {SW_KC, 16, G}, bx[2] = {SW_KC, SW_MT};
     RNND_TRY(fp32_map(&ih, 3, a.w_ih, dih, bw));
     RNND_TRY(fp32_map(&hh, 3, a.w_hh, dhh, bw));

@@ -81,8 +81,7 @@ static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void *tma
                  "l"(tmap), "r"(x), "r"(y), "r"(bar)
                  : "memory");
 }
-// The same for the box at (x, y, z) of a 3-D tensor map. into shared address dst, completing its
-// bytes on the mbarrier at shared address bar.
+// The same for the box at (x, y, z) of a 3-D tensor map.
 static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tmap, int x, int y,
                                                    int z, uint32_t bar) {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"

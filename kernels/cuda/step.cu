@@ -942,8 +942,8 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
         RNND_TRY(rnnd__wg_step_prepare());
 #endif
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
-    // Tile counters, then the flags of step_wg.cu's tile barriers.
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, 2 * RNND_STEP_TILES * sizeof(int)));
-    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, 2 * RNND_STEP_TILES * sizeof(int)));
+    // Tile counters, then the arrivals and done counts of step_wg.cu's tile barriers.
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, 3 * RNND_STEP_TILES * sizeof(int)));
+    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, 3 * RNND_STEP_TILES * sizeof(int)));
     return 0;
 }

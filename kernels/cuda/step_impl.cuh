@@ -46,7 +46,7 @@ struct step_kargs {
     float *c_new;               // (B, H) the layer's new c (LSTM), a stage
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;        // (row tiles) zero between launches; then (row tiles) flags (step_wg.cu)
+    int *count;        // (row tiles) zero between launches; then step_wg.cu's barriers (below)
     bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
 };
 
@@ -87,36 +87,31 @@ static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
     return *s_last;
 }
 
-// A sense-reversing barrier of the blocks of a row tile (step_wg.cu; why no block waits forever:
-// its wg_launch). One thread a block. count[0] counts arrivals; the flag
-// count[RNND_STEP_TILES] flips when all have come. Each block reads the flag before it arrives
-// (no block can flip it before then) and waits for the other value; the last arriver resets the
-// count for the next launch, then flips the flag (release: the resets and every arrival's reads
-// before it, cumulatively).
-static __device__ __forceinline__ int tile_flag(const int *count) {
-    return __ldcg(count + RNND_STEP_TILES);
+// A barrier of the blocks of a row tile (step_wg.cu; why no block waits forever: its
+// wg_launch), one thread a block, on two counters of the tile that only grow (unsigned,
+// wrapping): arrivals count[RNND_STEP_TILES] and done count[2 RNND_STEP_TILES], the arrivals when
+// the previous launch on the tile completed. A block reads done at its start (no block of this
+// launch writes it before every block has arrived), arrives with a release add (its reads of the
+// old states before it; no value to wait for), waits until the arrivals reach done + blocks
+// (acquire: every block's reads before), then records that as done for the next launch (every
+// block writes the same value). No reset, no last arriver: the waiters see the last add itself.
+static __device__ __forceinline__ unsigned tile_done(const int *count) {
+    return __ldcg(reinterpret_cast<const unsigned *>(count) + 2 * RNND_STEP_TILES);
 }
-static __device__ __forceinline__ void tile_barrier_arrive(int *count, int blocks, int flag) {
-    int old;
-    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
-                 : "=r"(old)
-                 : "l"(count)
+static __device__ __forceinline__ void tile_barrier_arrive(int *count) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count + RNND_STEP_TILES)
                  : "memory");
-    if (old == blocks - 1) {
-        *count = 0;
-        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(count + RNND_STEP_TILES),
-                     "r"(flag ^ 1)
-                     : "memory");
-    }
 }
-static __device__ __forceinline__ void tile_barrier_wait(const int *count, int flag) {
-    int f;
+static __device__ __forceinline__ void tile_barrier_wait(int *count, unsigned done, int blocks) {
+    const unsigned target = done + (unsigned)blocks;
+    unsigned n;
     do
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
-                     : "=r"(f)
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
+                     : "=r"(n)
                      : "l"(count + RNND_STEP_TILES)
                      : "memory");
-    while (f == flag);
+    while ((int)(n - target) < 0);
+    reinterpret_cast<unsigned *>(count)[2 * RNND_STEP_TILES] = target;
 }
 
 // The n elements T of the dense rows hs (cs) into rows s_slot[i / W] of the slot table hd (cd,

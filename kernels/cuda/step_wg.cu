@@ -173,9 +173,9 @@ __global__ void __launch_bounds__(SW_NT, 1)
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
-    int flag = 0; // the row tile's barrier flag before this block arrives
-    if (tid == 0) { // weight tiles need no slot: the first ones go out at once
-        flag = tile_flag(a.count + blockIdx.y);
+    unsigned done = 0; // the row tile's barrier: its arrivals when the previous launch completed
+    if (tid == 0) {    // weight tiles need no slot: the first ones go out at once
+        done = tile_done(a.count + blockIdx.y);
         for (int i = 0; i < NS; i++) {
             mbar_init(s_full + i, SW_NT);       // every thread's copies, the weight tile's bytes
             mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
     // This block has read the old states (every chunk landed): it arrives on its row tile's
     // barrier while the cell runs.
     if (tid == 0)
-        tile_barrier_arrive(a.count + blockIdx.y, gridDim.x, flag);
+        tile_barrier_arrive(a.count + blockIdx.y);
 
     // The cell on the thread's (row, unit) elements; the top layer's new h to out.
     float hn[2][2][2], cn[2][2][2];
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
     // Once every block of the row tile has read the old states, each writes its new ones into
     // the slot table (16-byte copies allowed: the table's rows and H allow 8-byte stores).
     if (tid == 0)
-        tile_barrier_wait(a.count + blockIdx.y, flag);
+        tile_barrier_wait(a.count + blockIdx.y, done, gridDim.x);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < 2; j++)

@@ -54,7 +54,6 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_partials);
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
-    cudaFree(c->d_step_stage);
     cudaFree(c->d_step_count);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);

@@ -71,9 +71,7 @@ struct cuda_ctx {
     enum cuda_path path;
     int variant;       // bench variant of the persistent loops (rnnd_cuda_set_variant)
     long long *d_dbg;  // variant bit 8: phase clocks, [2][1024][8] (forward, backward)
-    float *d_step_stage; // rnn_step: new states of a chunk of rows (RNND_STEP_STAGE_BYTES)
-    int *d_step_count;   // rnn_step: per row tile, blocks done (RNND_STEP_TILES, zero at rest),
-                         // then step_wg.cu's tile barriers (2 x RNND_STEP_TILES)
+    int *d_step_count;  // rnn_step: the row tiles' barriers (2 x RNND_STEP_TILES)
 };
 
 // The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's

@@ -22,15 +22,11 @@
  * - step_row_kernel, for one row: the same dot products with weights and row loaded straight
  *   into registers (a block: 2 units), so that B=1 runs on H/2 blocks.
  *
- * In-place hazard: every block of a row tile reads the tile's old h of layer l over all units,
- * so no block may write its new state into the slot table while another may still read it.
- * Blocks write new h and c to dense stages (the context's d_step_stage; the top layer's h goes
- * to `out`), then count themselves on the tile's counter; the block that arrives last (all the
- * others have finished reading) copies the tile's rows into the slot table and zeroes the
- * counter for the next launch. No block ever waits for another, so any schedule is safe.
- * (step_wg.cu's tiles on Hopper meet at a barrier of the row tile instead and write their own
- * new states: no scatter at the end.) Layer l+1 reads its input, layer l's new h, back from the
- * slot table. Batches larger than the stages run in chunks of rows. Every launch is a kernel on
+ * In place: every block of a row tile reads the tile's old h of layer l over all units, so the
+ * blocks of a row tile meet at a barrier once they have all read it (step_impl.cuh's
+ * tile_barrier), then each writes its new h and c into the slot table (the top layer's h to
+ * `out` too). Layer l+1 reads its input, layer l's new h, back from the slot table. Batches with
+ * more row tiles than the barriers' counters run in chunks of rows. Every launch is a kernel on
  * the context's stream: CUDA-graph safe. On Hopper the kernels are launched programmatically
  * (PDL; the tile and few-rows kernels where their copies bypass L1): their blocks may become
  * resident while the previous kernel runs, but read nothing before that kernel has completed
@@ -263,11 +259,11 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
     const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
     __shared__ int s_slot[MT];
-    __shared__ bool s_last;
 
     grid_dependency_wait();
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const unsigned done = tid == 0 ? tile_done(a.count + blockIdx.y) : 0;
     const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * MT, u0 = blockIdx.x * UT;
@@ -452,7 +448,9 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
         }
     }
 
-    // The cell on the lane's (row, unit) elements; new states to the dense outputs.
+    // The cell on the lane's (row, unit) elements; the new states go to the slot table after
+    // the row tile's barrier.
+    float hn[MTW][4], cn[MTW][4];
     if (wk == 0) {
 #pragma unroll
         for (int mt = 0; mt < MTW; mt++)
@@ -462,7 +460,7 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 const int u = u0 + n0 + 2 * tg + (e & 1);
                 if (b >= a.B || u >= H)
                     continue;
-                float xq[G], hq[G], s[Cell::SW], hn, cn;
+                float xq[G], hq[G], s[Cell::SW];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
                     xq[q] = acc[mt][q][e] + bx[q][e & 1];
@@ -470,10 +468,10 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                 }
                 if (GRU)
                     hq[2] += acc[mt][3][e];
-                Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn, cn, s);
-                a.h_new[(size_t)b * H + u] = hn;
-                if (!GRU)
-                    a.c_new[(size_t)b * H + u] = cn;
+                Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn[mt][e],
+                                                   cn[mt][e], s);
+                if (a.out)
+                    a.out[(size_t)b * H + u] = hn[mt][e];
                 if (a.h_before)
                     a.h_before[((size_t)b * L + l) * H + u] = hprev[mt][e];
                 if (a.c_before)
@@ -481,9 +479,22 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             }
     }
 
-    // Count this block on its row tile; the last one scatters the tile into the slot table.
-    if (tile_arrive(a.count + blockIdx.y, &s_last))
-        tile_scatter(a, row0, min(MT, a.B - row0), s_slot);
+    tile_barrier(a.count + blockIdx.y, done);
+    if (wk == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = m0 + 16 * mt + g + 8 * (e >> 1), b = row0 + m;
+                const int u = u0 + n0 + 2 * tg + (e & 1);
+                if (b >= a.B || u >= H)
+                    continue;
+                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+                a.state_h[at] = hn[mt][e];
+                if (!GRU)
+                    a.state_c[at] = cn[mt][e];
+            }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -503,10 +514,10 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     extern __shared__ float4 smem4[];
     __shared__ int s_slot[R];
     __shared__ const float *s_hrow[R], *s_xrow[R];
-    __shared__ bool s_last;
     grid_dependency_wait();
     grid_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const unsigned done = tid == 0 ? tile_done(a.count + blockIdx.y) : 0;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
     float *Ws = reinterpret_cast<float *>(smem4); // (G*U, K): [W_ih row | W_hh row], plane major
@@ -593,14 +604,16 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         for (int r = 0; r < R; r++)
             acc[p][r] = warp_sum(acc[p][r]);
 
-    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select).
+    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select);
+    // its new states go to the slot table after the row tile's barrier.
+    float hn = 0.0f, cn = 0.0f;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (lane != r || r >= nrows || u >= H)
             continue;
         const int b = row0 + r;
         const float hprev = Xs[r * K + Il + u];
-        float xq[G], hq[G], sv[Cell::SW], hn, cn;
+        float xq[G], hq[G], sv[Cell::SW];
 #pragma unroll
         for (int q = 0; q < G; q++) {
             xq[q] = acc[q][r] + bx[q];
@@ -609,16 +622,20 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         if (GRU)
             hq[2] += acc[3][r];
         Cell::template forward<FAST>(xq, hq, hprev, cprev, hn, cn, sv);
-        a.h_new[(size_t)b * H + u] = hn;
-        if (!GRU)
-            a.c_new[(size_t)b * H + u] = cn;
+        if (a.out)
+            a.out[(size_t)b * H + u] = hn;
         if (a.h_before)
             a.h_before[((size_t)b * L + l) * H + u] = hprev;
         if (a.c_before)
             a.c_before[((size_t)b * L + l) * H + u] = cprev;
     }
-    if (tile_arrive(a.count + blockIdx.y, &s_last))
-        tile_scatter(a, row0, nrows, s_slot);
+    tile_barrier(a.count + blockIdx.y, done);
+    if (lane < nrows && u < H) {
+        const size_t at = ((size_t)s_slot[lane] * L + l) * H + u;
+        a.state_h[at] = hn;
+        if (!GRU)
+            a.state_c[at] = cn;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -668,12 +685,11 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
     constexpr int G = Cell::G, U = RNND_STEP_ROW_UNITS, NCH = RNND_STEP_ROW_CHUNKS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
-    __shared__ int s_slot[1];
-    __shared__ bool s_last;
     grid_dependency_wait();
     // After the wait, so that at most this grid and the next are resident at once.
     grid_launch_dependents();
     const int lane = threadIdx.x & 31;
+    const unsigned done = threadIdx.x == 0 ? tile_done(a.count) : 0;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int u = blockIdx.x * U + (threadIdx.x >> 5), uc = min(u, H - 1); // past H: no stores
     const bool vec = a.vec_x && a.vec_h;
@@ -683,8 +699,6 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
     const int slot = __ldcg(a.slots);
     const float *xr = l == 0 ? a.x : a.state_h + ((size_t)slot * L + l - 1) * H;
     const float *hr = reset ? nullptr : a.state_h + ((size_t)slot * L + l) * H;
-    if (threadIdx.x == 0)
-        s_slot[0] = slot; // for the scatter (tile_arrive's barrier publishes it)
     const float *wx[G], *wh[G];
     float bx[G], bh[G];
 #pragma unroll
@@ -735,8 +749,9 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
     for (int p = 0; p < NP; p++)
         acc[p] = warp_sum(acc[p]);
 
+    float hn = 0.0f, cn = 0.0f; // lane 0's new states, to the slot table after the barrier
     if (lane == 0 && u < H) {
-        float xq[G], hq[G], sv[Cell::SW], hn, cn;
+        float xq[G], hq[G], sv[Cell::SW];
 #pragma unroll
         for (int q = 0; q < G; q++) {
             xq[q] = acc[q] + bx[q];
@@ -745,16 +760,20 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
         if (GRU)
             hq[2] += acc[3];
         Cell::template forward<FAST>(xq, hq, hprev, cprev, hn, cn, sv);
-        a.h_new[u] = hn;
-        if (!GRU)
-            a.c_new[u] = cn;
+        if (a.out)
+            a.out[u] = hn;
         if (a.h_before)
             a.h_before[(size_t)l * H + u] = hprev;
         if (a.c_before)
             a.c_before[(size_t)l * H + u] = cprev;
     }
-    if (tile_arrive(a.count, &s_last))
-        tile_scatter(a, 0, 1, s_slot);
+    tile_barrier(a.count, done);
+    if (lane == 0 && u < H) {
+        const size_t at = ((size_t)slot * L + l) * H + u;
+        a.state_h[at] = hn;
+        if (!GRU)
+            a.state_c[at] = cn;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -778,7 +797,7 @@ static bool aligned16(const void *p) {
 
 // Arguments of layer l for the chunk of rows [r0, r0 + rows).
 static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                            const struct rnnd_model *m, int r0, int rows, int chunk, int l) {
+                            const struct rnnd_model *m, int r0, int rows, int l) {
     const int H = m->H, L = m->L;
     step_kargs a = {};
     a.B = rows, a.I = m->I, a.H = H, a.L = L, a.l = l;
@@ -788,8 +807,7 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.state_h = st->state_h, a.state_c = st->state_c;
     a.h_before = st->h_before ? st->h_before + (size_t)r0 * L * H : NULL;
     a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
-    a.h_new = l == L - 1 ? st->out + (size_t)r0 * H : c->d_step_stage;
-    a.c_new = c->d_step_stage + (size_t)chunk * H; // after the h stage
+    a.out = l == L - 1 ? st->out + (size_t)r0 * H : NULL;
     a.count = c->d_step_count;
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
@@ -800,12 +818,10 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     return a;
 }
 
-// Rows per chunk: what the stages hold (h, and c for LSTM) and the tile counters count.
-static int step_chunk(const struct rnnd_step *st, const struct rnnd_model *m, int MT) {
-    size_t rows = RNND_STEP_STAGE_BYTES / ((size_t)m->H * sizeof(float) * 2);
-    if (rows > (size_t)RNND_STEP_TILES * MT)
-        rows = (size_t)RNND_STEP_TILES * MT;
-    return (int)(rows < (size_t)st->B ? rows : (size_t)st->B);
+// Rows per chunk: as many row tiles as the barriers have counters.
+static int step_chunk(const struct rnnd_step *st, int MT) {
+    const long rows = (long)RNND_STEP_TILES * MT;
+    return (int)(rows < st->B ? rows : st->B);
 }
 
 // wg: step_wg.cu's kernel (same tiles as cfg_big) for every layer whose arguments it takes.
@@ -813,12 +829,12 @@ template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                        const struct rnnd_model *m, bool wg) {
     const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
-    const int chunk = step_chunk(st, m, Cfg::MT);
+    const int chunk = step_chunk(st, Cfg::MT);
     for (int r0 = 0; r0 < st->B; r0 += chunk) {
         const int rows = st->B - r0 < chunk ? st->B - r0 : chunk;
         const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
         for (int l = 0; l < m->L; l++) {
-            step_kargs a = step_args(c, st, params, m, r0, rows, chunk, l);
+            step_kargs a = step_args(c, st, params, m, r0, rows, l);
             int err = RNND_ENOTSUP;
 #ifdef RNND_HAVE_WG
             if (wg)
@@ -839,7 +855,7 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_MV_UNITS), CEIL_DIV(st->B, R));
     for (int l = 0; l < m->L; l++) {
-        step_kargs a = step_args(c, st, params, m, 0, st->B, st->B, l);
+        step_kargs a = step_args(c, st, params, m, 0, st->B, l);
         const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
         RNND_TRY(step_kernel_launch(c, step_mv_kernel<Cell, BF16, Mode::FAST, R>, grid,
                                     dim3(32 * RNND_STEP_MV_UNITS), smem, a.vec_x && a.vec_h, a));
@@ -854,7 +870,7 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
     for (int l = 0; l < m->L; l++) {
-        step_kargs a = step_args(c, st, params, m, 0, 1, 1, l);
+        step_kargs a = step_args(c, st, params, m, 0, 1, l);
         RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0,
                                     true, a));
     }
@@ -941,9 +957,8 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     if (c->cc_major == 9)
         RNND_TRY(rnnd__wg_step_prepare());
 #endif
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_stage, RNND_STEP_STAGE_BYTES));
-    // Tile counters, then the arrivals and done counts of step_wg.cu's tile barriers.
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, 3 * RNND_STEP_TILES * sizeof(int)));
-    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, 3 * RNND_STEP_TILES * sizeof(int)));
+    // The row tiles' barriers: arrivals, then done counts (tile_barrier).
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, 2 * RNND_STEP_TILES * sizeof(int)));
+    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, 2 * RNND_STEP_TILES * sizeof(int)));
     return 0;
 }

@@ -9,13 +9,12 @@
 
 #include "common.cuh"
 
-// The dense stage of new states (h and c of one chunk of rows) and the number of row-tile
-// counters, allocated once per context; larger batches run in chunks of rows.
-#define RNND_STEP_STAGE_BYTES (4u << 20)
-#define RNND_STEP_TILES       4096
+// The number of row tiles a launch may have (their barriers' counters, allocated once per
+// context); larger batches run in chunks of rows.
+#define RNND_STEP_TILES 4096
 
-// Raises the kernels' shared-memory limits and allocates the stage and the counters
-// (ctx->d_step_stage, ctx->d_step_count); once per context, before any rnn_step.
+// Raises the kernels' shared-memory limits and allocates the row tiles' barriers
+// (ctx->d_step_count); once per context, before any rnn_step.
 int rnnd__cuda_step_prepare(struct cuda_ctx *c);
 int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const float *params,
                         const struct rnnd_model *m);

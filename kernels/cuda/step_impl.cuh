@@ -1,7 +1,7 @@
 /*
  * step_impl.cuh: what the step kernels of step.cu and step_wg.cu (the tile kernel on warpgroup
- * MMAs, sm_90a) share: their arguments, the programmatic-launch controls, the row-tile counter
- * and scatter of the in-place scheme (step.cu's header says why), and the launcher.
+ * MMAs, sm_90a) share: their arguments, the programmatic-launch controls, the row tiles'
+ * barrier of the in-place scheme, and the launcher.
  */
 #ifndef RNND_CUDA_STEP_IMPL_CUH
 #define RNND_CUDA_STEP_IMPL_CUH
@@ -42,11 +42,10 @@ struct step_kargs {
     const uint8_t *is_init; // (B) or NULL
     const int32_t *slots;   // (B)
     float *state_h, *state_c;
-    float *h_new;               // (B, H) the layer's new h: out for the top layer, else a stage
-    float *c_new;               // (B, H) the layer's new c (LSTM), a stage
+    float *out;                 // (B, H) the top layer's new h (NULL below it)
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;        // (row tiles) zero between launches; then step_wg.cu's barriers (below)
+    int *count;        // the row tiles' barriers (tile_barrier): arrivals, then done
     bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
 };
 
@@ -67,100 +66,45 @@ static __device__ __forceinline__ step_row step_row_at(const step_kargs &a, int 
             reset ? nullptr : state + (size_t)a.l * a.H};
 }
 
-// Counts the calling block on its row tile's counter; true in the block that arrives last (every
-// thread of the block gets the answer). Every block's stores before the call are visible to the
-// last one: they are ordered before the barrier, and thread 0's acq_rel add releases them at gpu
-// scope (cumulatively) and acquires the others' (the pattern of CUTLASS's semaphore).
-static __device__ __forceinline__ bool tile_arrive(int *count, bool *s_last) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;"
-                     : "=r"(old)
-                     : "l"(count)
-                     : "memory");
-        *s_last = old == (int)(gridDim.x - 1);
-        if (*s_last)
-            *count = 0; // for the next launch (kernel boundaries order it)
-    }
-    __syncthreads();
-    return *s_last;
-}
-
-// A barrier of the blocks of a row tile (step_wg.cu; why no block waits forever: its
-// wg_launch), one thread a block, on two counters of the tile that only grow (unsigned,
-// wrapping): arrivals count[RNND_STEP_TILES] and done count[2 RNND_STEP_TILES], the arrivals when
-// the previous launch on the tile completed. A block reads done at its start (no block of this
-// launch writes it before every block has arrived), arrives with a release add (its reads of the
-// old states before it; no value to wait for), waits until the arrivals reach done + blocks
-// (acquire: every block's reads before), then records that as done for the next launch (every
-// block writes the same value). No reset, no last arriver: the waiters see the last add itself.
+// In place: every block of a row tile reads the tile's old h of layer l over all units, so no
+// block may write its new states into the slot table while another may still read them. The
+// blocks of a row tile meet at a barrier once each has read them, then each writes its own.
+// Why no block waits forever: blocks start in index order and a row tile's blocks are
+// consecutive, so every tile before the last started one has all its blocks running, finishes
+// and frees SMs for the rest, whatever the grid's size and however few SMs are free (other
+// streams' kernels, MPS); a cooperative launch, the formal guarantee, cost 0.8 us a step
+// (bench/NOTES.md "single step" v10).
+//
+// The barrier, one thread a block, on two counters of the tile that only grow (unsigned,
+// wrapping): arrivals count[0] and done count[RNND_STEP_TILES], the arrivals when the previous
+// launch on the tile completed. A block reads done at its start (no block of this launch writes
+// it before every block has arrived), arrives with a release add (its reads of the old states
+// before it; no value to wait for), waits until the arrivals reach done + blocks (acquire: every
+// block's reads before), then records that as done for the next launch (every block writes the
+// same value). No reset, no last arriver: the waiters see the last add itself (v17).
 static __device__ __forceinline__ unsigned tile_done(const int *count) {
-    return __ldcg(reinterpret_cast<const unsigned *>(count) + 2 * RNND_STEP_TILES);
+    return __ldcg(reinterpret_cast<const unsigned *>(count) + RNND_STEP_TILES);
 }
 static __device__ __forceinline__ void tile_barrier_arrive(int *count) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count + RNND_STEP_TILES)
-                 : "memory");
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
 }
 static __device__ __forceinline__ void tile_barrier_wait(int *count, unsigned done, int blocks) {
     const unsigned target = done + (unsigned)blocks;
     unsigned n;
     do
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
-                     : "=r"(n)
-                     : "l"(count + RNND_STEP_TILES)
-                     : "memory");
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(count) : "memory");
     while ((int)(n - target) < 0);
-    reinterpret_cast<unsigned *>(count)[2 * RNND_STEP_TILES] = target;
+    reinterpret_cast<unsigned *>(count)[RNND_STEP_TILES] = target;
 }
-
-// The n elements T of the dense rows hs (cs) into rows s_slot[i / W] of the slot table hd (cd,
-// when not NULL), layer l of L, W elements a row. Each thread issues a batch of loads before its
-// stores, so the tail costs about one L2 round trip per batch rather than one per element.
-template <class T>
-static __device__ void tile_scatter_rows(const T *hs, const T *cs, T *hd, T *cd, int n, int W,
-                                         int L, int l, const int *s_slot) {
-    constexpr int NB = 8;
-    const int nt = blockDim.x;
-    for (int i0 = threadIdx.x; i0 < n; i0 += NB * nt) {
-        T vh[NB], vc[NB];
-#pragma unroll
-        for (int j = 0; j < NB; j++) {
-            const int i = i0 + j * nt;
-            if (i < n) {
-                vh[j] = __ldcg(hs + i);
-                if (cd)
-                    vc[j] = __ldcg(cs + i);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < NB; j++) {
-            const int i = i0 + j * nt;
-            if (i < n) {
-                const size_t at = ((size_t)s_slot[i / W] * L + l) * W + i % W;
-                hd[at] = vh[j];
-                if (cd)
-                    cd[at] = vc[j];
-            }
-        }
+// The whole barrier for a block whose threads have all read (and used) the old states: thread 0
+// (which read done at the start) arrives and waits; the block's stores may follow.
+static __device__ __forceinline__ void tile_barrier(int *count, unsigned done) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tile_barrier_arrive(count);
+        tile_barrier_wait(count, done, gridDim.x);
     }
-}
-
-// The last block of a row tile: the tile's new h (and c) from the dense outputs into the slot
-// table, layer a.l, in 16-byte elements where the widths and pointers allow. Loads go through L2
-// (__ldcg): other SMs wrote them during this launch.
-static __device__ void tile_scatter(const step_kargs &a, int row0, int nrows, const int *s_slot) {
-    const int H = a.H;
-    if (a.vec_h && ((uintptr_t)a.h_new & 15) == 0 && ((uintptr_t)a.c_new & 15) == 0) {
-        const int H4 = H / 4;
-        tile_scatter_rows(reinterpret_cast<const float4 *>(a.h_new) + (size_t)row0 * H4,
-                          reinterpret_cast<const float4 *>(a.c_new) + (size_t)row0 * H4,
-                          reinterpret_cast<float4 *>(a.state_h),
-                          reinterpret_cast<float4 *>(a.state_c), nrows * H4, H4, a.L, a.l, s_slot);
-    } else {
-        tile_scatter_rows(a.h_new + (size_t)row0 * H, a.c_new + (size_t)row0 * H, a.state_h,
-                          a.state_c, nrows * H, H, a.L, a.l, s_slot);
-    }
+    __syncthreads();
 }
 
 // Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its

@@ -27,10 +27,10 @@
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
  * in shared memory with chunk 0; biases are read from shared memory in the cell.
  *
- * In place: a row tile's blocks meet at a barrier (step_impl.cuh) once each has read the old
- * states (its last chunk landed; the arrival overlaps the cell), then each writes its new h and c
- * straight into the slot table, instead of step.cu's dense stage and last block's scatter (v10:
- * at B = 1024, H = 256, GRU 12.3 -> 10.0 us, LSTM 15.2 -> 11.1).
+ * In place: a row tile's blocks meet at the barrier of step_impl.cuh once each has read the old
+ * states (its last chunk landed; here the arrival overlaps the cell), then each writes its new h
+ * and c straight into the slot table (v10: at B = 1024, H = 256, GRU 12.3 -> 10.0 us, LSTM
+ * 15.2 -> 11.1, against a dense stage and the row tile's last block scattering it).
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -292,8 +292,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const size_t bl = ((size_t)b * L + l) * H + u;
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                if (l == L - 1)
-                    a.h_new[(size_t)b * H + u + e] = hn[j][h][e];
+                if (a.out)
+                    a.out[(size_t)b * H + u + e] = hn[j][h][e];
                 if (a.h_before)
                     a.h_before[bl + e] = e ? hp.y : hp.x;
                 if (a.c_before)
@@ -361,11 +361,7 @@ template <class Cell> int wg_attr() {
 }
 
 // The weights (G gate planes of H rows x K) as load_w's boxes: 32 columns x 16 units x G planes;
-// layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows. The row tiles' barriers need
-// no cooperative launch (which cost 0.8 us a step, bench/NOTES.md "single step" v10): blocks
-// start in index order and a row tile's blocks are consecutive, so every tile before the last
-// started one has all its blocks running, finishes and frees SMs for the rest, whatever the
-// grid's size and however few SMs are free (other streams' kernels, MPS).
+// layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows.
 template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
     constexpr int G = Cell::G;
     const int Il = a.l == 0 ? a.I : a.H;

@@ -448,53 +448,47 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
         }
     }
 
-    // The cell on the lane's (row, unit) elements; the new states go to the slot table after
-    // the row tile's barrier.
+    // The lane's (row, unit) elements of the C fragments (the wk = 0 warps), past B and H skipped.
+    auto for_elements = [&](auto f) {
+        if (wk != 0)
+            return;
+#pragma unroll
+        for (int mt = 0; mt < MTW; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = m0 + 16 * mt + g + 8 * (e >> 1), b = row0 + m;
+                const int u = u0 + n0 + 2 * tg + (e & 1);
+                if (b < a.B && u < H)
+                    f(mt, e, m, b, u);
+            }
+    };
+    // The cell on them; the new states go to the slot table after the row tile's barrier.
     float hn[MTW][4], cn[MTW][4];
-    if (wk == 0) {
+    for_elements([&](int mt, int e, int, int b, int u) {
+        float xq[G], hq[G], s[Cell::SW];
 #pragma unroll
-        for (int mt = 0; mt < MTW; mt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = m0 + 16 * mt + g + 8 * (e >> 1), b = row0 + m;
-                const int u = u0 + n0 + 2 * tg + (e & 1);
-                if (b >= a.B || u >= H)
-                    continue;
-                float xq[G], hq[G], s[Cell::SW];
-#pragma unroll
-                for (int q = 0; q < G; q++) {
-                    xq[q] = acc[mt][q][e] + bx[q][e & 1];
-                    hq[q] = bh[q][e & 1];
-                }
-                if (GRU)
-                    hq[2] += acc[mt][3][e];
-                Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn[mt][e],
-                                                   cn[mt][e], s);
-                if (a.out)
-                    a.out[(size_t)b * H + u] = hn[mt][e];
-                if (a.h_before)
-                    a.h_before[((size_t)b * L + l) * H + u] = hprev[mt][e];
-                if (a.c_before)
-                    a.c_before[((size_t)b * L + l) * H + u] = cprev[mt][e];
-            }
-    }
-
+        for (int q = 0; q < G; q++) {
+            xq[q] = acc[mt][q][e] + bx[q][e & 1];
+            hq[q] = bh[q][e & 1];
+        }
+        if (GRU)
+            hq[2] += acc[mt][3][e];
+        Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn[mt][e],
+                                           cn[mt][e], s);
+        if (a.out)
+            a.out[(size_t)b * H + u] = hn[mt][e];
+        if (a.h_before)
+            a.h_before[((size_t)b * L + l) * H + u] = hprev[mt][e];
+        if (a.c_before)
+            a.c_before[((size_t)b * L + l) * H + u] = cprev[mt][e];
+    });
     tile_barrier(a.count + blockIdx.y, done);
-    if (wk == 0) {
-#pragma unroll
-        for (int mt = 0; mt < MTW; mt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = m0 + 16 * mt + g + 8 * (e >> 1), b = row0 + m;
-                const int u = u0 + n0 + 2 * tg + (e & 1);
-                if (b >= a.B || u >= H)
-                    continue;
-                const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-                a.state_h[at] = hn[mt][e];
-                if (!GRU)
-                    a.state_c[at] = cn[mt][e];
-            }
-    }
+    for_elements([&](int mt, int e, int m, int, int u) {
+        const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
+        a.state_h[at] = hn[mt][e];
+        if (!GRU)
+            a.state_c[at] = cn[mt][e];
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -111,8 +111,10 @@ struct rnnd_engine {
     bool grad_pending;
     float *adam_m, *adam_v; // (P), Adam only
     int64_t optim_t;
-    float *state_h, *state_c; // (S, L, H)
-    // A batch's inputs (x, slots, is_init) and outputs (out, h_before, c_before) each sit packed
+    // Two rows per env slot s, s and s + S: a step reads the env's current row (env->half) and
+    // writes the other (struct rnnd_step), then flips env->half.
+    float *state_h, *state_c; // (2S, L, H)
+    // A batch's inputs (x, slots, slots_new, is_init) and outputs (out, h_before, c_before) each sit packed
     // in one block, laid out for the batch's row count (step_layout), so that a batch costs one
     // copy in and one copy out. Sized for --max-batch rows.
     char *d_in, *d_outb;
@@ -354,12 +356,12 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
         e->be.ops->zero(e->be.ctx, e->adam_v, P * sizeof(float));
     }
     what = "env state table (lower --max-envs)";
-    if (be_alloc(e, S * LH * sizeof(float), (void **)&e->state_h) != 0)
+    if (be_alloc(e, 2 * S * LH * sizeof(float), (void **)&e->state_h) != 0)
         goto oom;
-    if (e->lstm && be_alloc(e, S * LH * sizeof(float), (void **)&e->state_c) != 0)
+    if (e->lstm && be_alloc(e, 2 * S * LH * sizeof(float), (void **)&e->state_c) != 0)
         goto oom;
     what = "step buffers (lower --max-batch)";
-    e->in_bytes = MB * I * sizeof(float) + MB * sizeof(int32_t) + MB + 3 * CARVE_ALIGN;
+    e->in_bytes = MB * I * sizeof(float) + 2 * MB * sizeof(int32_t) + MB + 4 * CARVE_ALIGN;
     e->out_bytes =
         MB * H * sizeof(float) + (e->lstm ? 2 : 1) * MB * LH * sizeof(float) + 3 * CARVE_ALIGN;
     if (be_alloc(e, e->in_bytes, (void **)&e->d_in) != 0 ||
@@ -563,10 +565,18 @@ static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float
     }
 }
 
+// The state tables' row that holds env's state, and the one its next step writes.
+static size_t env_row(const struct rnnd_engine *e, const struct rnnd_env *env) {
+    return (size_t)env->slot + (env->half ? (size_t)e->cfg.max_envs : 0);
+}
+static size_t env_row_next(const struct rnnd_engine *e, const struct rnnd_env *env) {
+    return (size_t)env->slot + (env->half ? 0 : (size_t)e->cfg.max_envs);
+}
+
 // Where a batch of n rows keeps its inputs and outputs inside the packed blocks (see
 // struct rnnd_engine): the same offsets on the host and on the device.
 struct step_layout {
-    size_t x, slots, init, in_used; // in the input block
+    size_t x, slots, slots_new, init, in_used; // in the input block
     size_t out, hb, cb, out_used;   // in the output block; out_used covers what is copied back
 };
 
@@ -582,6 +592,7 @@ static struct step_layout step_layout(const struct rnnd_engine *e, int n, bool r
     size_t in = 0, out = 0, rows = (size_t)n;
     l.x = carve_off(&in, rows * (size_t)e->model.I * sizeof(float));
     l.slots = carve_off(&in, rows * sizeof(int32_t));
+    l.slots_new = carve_off(&in, rows * sizeof(int32_t));
     l.init = carve_off(&in, rows);
     l.in_used = in;
     l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
@@ -708,6 +719,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     struct step_layout lay = step_layout(e, n, record);
     float *h_x = (float *)(e->h_in + lay.x), *h_out = (float *)(e->h_outb + lay.out);
     int32_t *h_slots = (int32_t *)(e->h_in + lay.slots);
+    int32_t *h_slots_new = (int32_t *)(e->h_in + lay.slots_new);
     uint8_t *h_init = (uint8_t *)(e->h_in + lay.init);
     float *h_hb = (float *)(e->h_outb + lay.hb), *h_cb = (float *)(e->h_outb + lay.cb);
     n = 0;
@@ -719,7 +731,8 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
                 continue;
             memcpy(h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
             h_init[n] = s->is_init[r];
-            h_slots[n] = s->envs[r]->slot;
+            h_slots[n] = (int32_t)env_row(e, s->envs[r]);
+            h_slots_new[n] = (int32_t)env_row_next(e, s->envs[r]);
             e->rows[n] = (struct row_ref){job, r};
             n++;
         }
@@ -731,12 +744,13 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
                               memory_order_relaxed);
     if (n > 0) {
         uint64_t t0 = t_kernel;
-        rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, is_init
+        rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, slots_new, is_init
         struct rnnd_step st = {
             .B = n,
             .x = (const float *)(e->d_in + lay.x),
             .is_init = (const uint8_t *)(e->d_in + lay.init),
             .slots = (const int32_t *)(e->d_in + lay.slots),
+            .slots_new = (const int32_t *)(e->d_in + lay.slots_new),
             .state_h = e->state_h,
             .state_c = e->state_c,
             .out = (float *)(e->d_outb + lay.out),
@@ -764,6 +778,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         struct rnnd_step_job *s = &e->rows[i].job->step;
         int r = e->rows[i].row;
         struct rnnd_env *env = s->envs[r];
+        env->half ^= 1; // its new state is in the other row now
         rnnd_envtable_touch(e->envs, env, now);
         if (s->step_index) {
             env->has_index = true;
@@ -806,7 +821,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
                 rnnd_envtable_touch(e->envs, env, now);
             }
             if (s->return_state) {
-                size_t off = (size_t)env->slot * LH;
+                size_t off = env_row(e, env) * LH;
                 be_out(e, s->h + (size_t)r * LH, e->state_h + off, LH * sizeof(float));
                 if (e->lstm)
                     be_out(e, s->c + (size_t)r * LH, e->state_c + off, LH * sizeof(float));
@@ -1844,7 +1859,7 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         has[i] = env->has_index;
         memcpy(lo + (size_t)i * (size_t)e->model.H, rnnd_envtable_output(e->envs, env),
                (size_t)e->model.H * sizeof(float));
-        size_t off = (size_t)env->slot * LH;
+        size_t off = env_row(e, env) * LH;
         rc = be_out(e, h + (size_t)i * LH, e->state_h + off, LH * sizeof(float));
         if (rc == 0 && e->lstm)
             rc = be_out(e, c + (size_t)i * LH, e->state_c + off, LH * sizeof(float));
@@ -2022,7 +2037,7 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         if (ck->last_output)
             memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * H,
                    H * sizeof(float));
-        size_t off = (size_t)env->slot * LH;
+        size_t off = env_row(e, env) * LH;
         rc = be_in(e, e->state_h + off, ck->env_h + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && e->lstm)
             rc = be_in(e, e->state_c + off, ck->env_c + (size_t)i * LH, LH * sizeof(float));

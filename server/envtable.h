@@ -26,6 +26,7 @@ struct rnnd_env {
     uint64_t out_version;   // model version that computed the cached output
     struct rnnd_traj *traj; // recorded steps, or NULL; owned by the engine
     bool held;              // engine: a Step part admitted for it waits for its other devices
+    bool half;              // engine: its state is in table row slot + S (else slot)
     // Private to envtable.c:
     int32_t next, lru_prev, lru_next;
 };

@@ -3,12 +3,13 @@
  * rnnd_bench_cuda_step): the single-step op (rnn_step) as the daemon runs it.
  *
  * For one case (cell, compute, B, I, H, L, reset probability): weights as PyTorch initialises
- * them, x uniform in [-1, 1], a state table of S = 4B slots (uniform in [-1, 1]), the B rows'
- * slots a random permutation of the table's, is_init set with probability p. Then:
+ * them, x uniform in [-1, 1], a state table of S = 4B rows (uniform in [-1, 1]), the B rows'
+ * table rows and the rows their new states go to (struct rnnd_step: slots, slots_new) 2B
+ * distinct rows of a random permutation of the table's, is_init set with probability p. Then:
  *   1. validation: one step on the CPU reference and on CUDA from the same table; out_err is
  *      ||out - ref|| / ||ref||, grad_err the same over the whole state table (h, and c);
  *   2. step_us: CUDA events around `launches` back-to-back rnn_step calls on the backend's
- *      stream (each updates the table in place, as the daemon's steps do), per step, median of
+ *      stream (each reads the rows the one before wrote, as the daemon's steps do), per step, median of
  *      `repeat` after `warmup`; host_us: the host clock around the same `launches` calls (the
  *      enqueues only, no synchronisation), per call: when it is close to step_us, the
  *      back-to-back figure is set by the host's launch rate, not by the device;
@@ -17,7 +18,7 @@
  *      captured in one graph, replayed once, per step: the device's own time per step, with no
  *      host launch cost in it (step_us - gpu_us is what launching costs on this host);
  *   4. call_us: a host clock around the whole backend call of the daemon's engine: one copy_in
- *      of x, slots and is_init from page-locked memory, rnn_step, copy_out of out (which
+ *      of x, both row lists and is_init from page-locked memory, rnn_step, copy_out of out (which
  *      synchronises), median over `launches` calls.
  * Figures go to res->step_us, graph_us, call_us; res->extra gets the launch count, slots,
  * host_us and the SM clock. RNND_CUDA_VARIANT (bench only) sets the backend's variant bits
@@ -82,13 +83,13 @@ static double host_us(void) {
 struct step_bufs {
     struct rnnd_backend *be;
     float *params, *x, *state_h, *state_c, *out;
-    int32_t *slots;
+    int32_t *slots; // (2B): the rows of one step, then the rows it writes
     uint8_t *init;
 };
 
 struct step_host {
     std::vector<float> params, x, state_h, state_c;
-    std::vector<int32_t> slots;
+    std::vector<int32_t> slots; // (2B): as step_bufs.slots
     std::vector<uint8_t> init;
 };
 
@@ -124,9 +125,11 @@ static int step_bufs_init(struct step_bufs *b, struct rnnd_backend *be, const st
     return err;
 }
 
-static struct rnnd_step step_of(const struct step_bufs *b, int B) {
+// A step from the rows in slots[0, B) to those in slots[B, 2B), or back (flip).
+static struct rnnd_step step_of(const struct step_bufs *b, int B, bool flip) {
     struct rnnd_step st = {};
-    st.B = B, st.x = b->x, st.is_init = b->init, st.slots = b->slots;
+    st.B = B, st.x = b->x, st.is_init = b->init;
+    st.slots = b->slots + (flip ? B : 0), st.slots_new = b->slots + (flip ? 0 : B);
     st.state_h = b->state_h, st.state_c = b->state_c, st.out = b->out;
     return st;
 }
@@ -137,7 +140,7 @@ static int step_once(struct rnnd_backend *be, const struct step_host *h,
                      std::vector<float> &table) {
     struct step_bufs b;
     int err = step_bufs_init(&b, be, h, bc);
-    struct rnnd_step st = step_of(&b, bc->B);
+    struct rnnd_step st = step_of(&b, bc->B, false);
     size_t tab = h->state_h.size();
     out.resize((size_t)bc->B * bc->model.H);
     table.resize(b.state_c ? 2 * tab : tab);
@@ -160,7 +163,8 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
     cudaStream_t s = (cudaStream_t)rnnd_cuda_stream(be);
     struct step_bufs b;
     int err = step_bufs_init(&b, be, h, bc);
-    struct rnnd_step st = step_of(&b, bc->B);
+    struct rnnd_step st[2] = {step_of(&b, bc->B, false), step_of(&b, bc->B, true)};
+    int k_step = 0; // steps so far: the next one reads what the last one wrote
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -188,7 +192,7 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
         if (!err && host)
             *host = step_median(vh);
     };
-    auto step = [&] { return o->rnn_step(be->ctx, &st, b.params, m); };
+    auto step = [&] { return o->rnn_step(be->ctx, &st[k_step++ % 2], b.params, m); };
     if (!err)
         events_us(step, STEP_LAUNCHES, &res->step_us, enq_us);
 
@@ -242,16 +246,19 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
         memcpy(h_in, h->x.data(), nx);
         memcpy(h_in + nx, h->slots.data(), ns);
         memcpy(h_in + nx + ns, h->init.data(), ni);
-        struct rnnd_step cs = st;
-        cs.x = (const float *)d_in;
-        cs.slots = (const int32_t *)(d_in + nx);
-        cs.is_init = (const uint8_t *)(d_in + nx + ns);
+        const int32_t *rows = (const int32_t *)(d_in + nx);
+        struct rnnd_step cs[2] = {st[0], st[0]};
+        for (int f = 0; f < 2; f++) {
+            cs[f].x = (const float *)d_in;
+            cs[f].slots = rows + (f ? bc->B : 0), cs[f].slots_new = rows + (f ? 0 : bc->B);
+            cs[f].is_init = (const uint8_t *)(d_in + nx + ns);
+        }
         std::vector<double> v;
         for (int i = -bc->warmup * STEP_LAUNCHES; i < STEP_LAUNCHES && !err; i++) {
             double t0 = host_us();
             err = o->copy_in(be->ctx, d_in, h_in, in_bytes);
             if (!err)
-                err = o->rnn_step(be->ctx, &cs, b.params, m);
+                err = o->rnn_step(be->ctx, &cs[k_step++ % 2], b.params, m);
             if (!err)
                 err = o->copy_out(be->ctx, h_out, b.out, out_bytes);
             if (i >= 0)
@@ -307,7 +314,7 @@ extern "C" int rnnd_bench_cuda_step(const struct bench_case *bc, struct bench_re
         perm[i] = i;
     for (int i = S - 1; i > 0; i--)
         std::swap(perm[i], perm[step_rng(&seed) % (uint64_t)(i + 1)]);
-    h.slots.assign(perm.begin(), perm.begin() + bc->B);
+    h.slots.assign(perm.begin(), perm.begin() + 2 * bc->B);
     h.init.resize(bc->B);
     for (uint8_t &v : h.init)
         v = step_uniform(&seed) < bc->reset_prob;

@@ -53,6 +53,7 @@
 #include "cpu.h"
 
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 // ---------------------------------------------------------------------------------------------
@@ -691,13 +692,35 @@ static void step_rows(void *arg, int k, int n) {
     }
 }
 
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+// The step's 2B table rows (slots, then slots_new) are all >= 0 and distinct (struct rnnd_step).
+static int step_rows_check(const struct rnnd_step *step) {
+    size_t n = 2 * (size_t)step->B;
+    int32_t *rows = malloc(n * sizeof(int32_t));
+    if (rows == NULL)
+        return RNND_ENOMEM;
+    memcpy(rows, step->slots, (size_t)step->B * sizeof(int32_t));
+    memcpy(rows + step->B, step->slots_new, (size_t)step->B * sizeof(int32_t));
+    qsort(rows, n, sizeof(int32_t), cmp_i32);
+    int err = rows[0] < 0 ? RNND_EINVAL : 0;
+    for (size_t i = 1; i < n && !err; i++)
+        if (rows[i] == rows[i - 1])
+            err = RNND_EINVAL;
+    free(rows);
+    return err;
+}
+
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m) {
     if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL || !dims_fit_int(m))
         return RNND_EINVAL;
-    for (int b = 0; b < step->B; b++)
-        if (step->slots[b] < 0)
-            return RNND_EINVAL;
+    int rows_err = step_rows_check(step);
+    if (rows_err)
+        return rows_err;
     bool lstm = m->cell == RNND_CELL_LSTM, bf16 = m->compute == RNND_COMPUTE_BF16;
     int B = step->B, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t P = rnnd_model_param_count(m), row = (size_t)L * H, fsz = sizeof(float);
@@ -729,7 +752,7 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
         round_weights(m, params, wr);
     j.wr = bf16 ? wr : NULL;
 
-    // Gather every row's state first, so nothing is written before everything is read.
+    // Gather every row's state (after the reset rule) for the layers and h_before.
     for (int b = 0; b < B; b++) {
         bool reset = step->is_init && step->is_init[b];
         size_t s = (size_t)step->slots[b] * row;
@@ -739,7 +762,7 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
     }
     rnnd__cpu_parallel(c, nt, step_rows, &j);
     for (int b = 0; b < B; b++) {
-        size_t s = (size_t)step->slots[b] * row;
+        size_t s = (size_t)step->slots_new[b] * row;
         memcpy(step->out + (size_t)b * H, j.hnew + blh(b, L - 1, m), fsz * H);
         memcpy(step->state_h + s, j.hnew + b * row, fsz * row);
         if (lstm)

@@ -54,7 +54,6 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_partials);
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
-    cudaFree(c->d_step_count);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
     if (c->stream)
@@ -109,6 +108,7 @@ static void cuda_host_free(void *ctx, void *ptr) {
 // contract in rnnd_kernels.h. A step then costs one synchronisation, in copy_out.
 static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
     if (bytes == 0)
         return 0;
     if (dst == NULL || host_src == NULL)
@@ -119,6 +119,7 @@ static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes
 
 static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
     if (bytes == 0)
         return 0;
     if (host_dst == NULL || src == NULL)
@@ -130,6 +131,7 @@ static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t byte
 
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
     if (bytes == 0)
         return 0;
     if (dst == NULL || src == NULL)
@@ -140,6 +142,7 @@ static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 
 static int cuda_zero(void *ctx, void *dst, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
     if (bytes == 0)
         return 0;
     if (dst == NULL)
@@ -169,6 +172,7 @@ static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int 
 static int cuda_rnn_forward(void *ctx, float *out, float *h_n, float *c_n, void *tape,
                             const struct rnnd_seq *seq, const float *params,
                             const struct rnnd_model *m) {
+    ((struct cuda_ctx *)ctx)->step_tail = false;
     return rnnd__cuda_rnn_forward((struct cuda_ctx *)ctx, out, h_n, c_n, tape, seq, params, m);
 }
 
@@ -176,6 +180,7 @@ static int cuda_rnn_backward(void *ctx, const struct rnnd_seq_grads *grads, cons
                              const float *grad_h_n, const float *grad_c_n, const void *tape,
                              const struct rnnd_seq *seq, const float *params,
                              const struct rnnd_model *m) {
+    ((struct cuda_ctx *)ctx)->step_tail = false;
     return rnnd__cuda_rnn_backward((struct cuda_ctx *)ctx, grads, grad_out, grad_h_n, grad_c_n,
                                    tape, seq, params, m);
 }
@@ -187,6 +192,7 @@ static int cuda_rnn_step(void *ctx, const struct rnnd_step *step, const float *p
 
 static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                            const struct rnnd_optim *o, int64_t t, float *grad_norm) {
+    ((struct cuda_ctx *)ctx)->step_tail = false;
     return rnnd__cuda_optim_step((struct cuda_ctx *)ctx, params, grads, m, v, n, o, t, grad_norm);
 }
 

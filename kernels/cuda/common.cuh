@@ -71,7 +71,10 @@ struct cuda_ctx {
     enum cuda_path path;
     int variant;       // bench variant of the persistent loops (rnnd_cuda_set_variant)
     long long *d_dbg;  // variant bit 8: phase clocks, [2][1024][8] (forward, backward)
-    int *d_step_count;  // rnn_step: the row tiles' barriers (2 x RNND_STEP_TILES)
+    // The last work enqueued on the stream is rnn_step's (which writes no weights), so the next
+    // step's kernels may read the weights before their programmatic wait (step_kargs.pre). Every
+    // other op that enqueues work clears it (backend.cu).
+    bool step_tail;
 };
 
 // The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's

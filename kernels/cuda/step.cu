@@ -22,15 +22,14 @@
  * - step_row_kernel, for one row: the same dot products with weights and row loaded straight
  *   into registers (a block: 2 units), so that B=1 runs on H/2 blocks.
  *
- * In place: every block of a row tile reads the tile's old h of layer l over all units, so the
- * blocks of a row tile meet at a barrier once they have all read it (step_impl.cuh's
- * tile_barrier), then each writes its new h and c into the slot table (the top layer's h to
- * `out` too). Layer l+1 reads its input, layer l's new h, back from the slot table. Batches with
- * more row tiles than the barriers' counters run in chunks of rows. Every launch is a kernel on
- * the context's stream: CUDA-graph safe. On Hopper the kernels are launched programmatically
- * (PDL; the tile and few-rows kernels where their copies bypass L1): their blocks may become
- * resident while the previous kernel runs, but read nothing before that kernel has completed
- * (griddepcontrol.wait), and they read through L2 only.
+ * Every block of a row tile reads the tile's old h of layer l over all units, and writes its
+ * own units' new h and c: to other table rows than the ones read (struct rnnd_step), so no block
+ * waits for another. Layer l+1 reads its input, layer l's new h, from the new rows (the top
+ * layer's h also goes to `out`). Every launch is a kernel on the context's stream: CUDA-graph
+ * safe. On Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels
+ * where their copies bypass L1): their blocks may become resident while the previous kernel
+ * runs, read only weights and biases before that kernel has completed (griddepcontrol.wait;
+ * step_kargs.pre), and read through L2 only.
  */
 #include "step.cuh"
 
@@ -66,7 +65,7 @@ using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16
 using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
 static_assert(cfg_big::MT == RNND_STEP_WG_MT && cfg_big::UT == RNND_STEP_WG_UT,
-              "step_wg.cu's kernel replaces cfg_big's: same tiles, chunks of rows, counters");
+              "step_wg.cu's kernel replaces cfg_big's: same tiles");
 
 // ldmatrix of 8x8 matrices of 16-bit pairs = 8 rows of 4 floats: lane t receives row t/4,
 // float t%4 of each matrix. sa is this lane's row address in shared space (lanes 8j..8j+7 give
@@ -258,12 +257,9 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
     float *sm = reinterpret_cast<float *>(smem4);
     const uint32_t sm_u32 = (uint32_t)__cvta_generic_to_shared(sm);
     __shared__ const float *s_xrow[MT], *s_hrow[MT]; // row sources, NULL: zeros
-    __shared__ int s_slot[MT];
+    __shared__ int s_slot[MT], s_slot_new[MT];       // table rows: old state, new state
 
-    grid_dependency_wait();
-    grid_launch_dependents(); // after the wait: at most this grid and the next resident
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-    const unsigned done = tid == 0 ? tile_done(a.count + blockIdx.y) : 0;
     const int wu = warp % WU, wm = (warp / WU) % WM, wk = warp / (WU * WM);
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * MT, u0 = blockIdx.x * UT;
@@ -337,14 +333,23 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             }
         }
     };
+    // The first chunks' weights need no slot: before the wait where a.pre allows.
+    auto load_weights = [&] {
 #pragma unroll
-    for (int c = 0; c < NS - 1; c++)
-        if (c < nc)
-            load_w(c);
+        for (int c = 0; c < NS - 1; c++)
+            if (c < nc)
+                load_w(c);
+    };
+    if (a.pre)
+        load_weights();
+    grid_dependency_wait();
+    grid_launch_dependents(); // after the wait: at most this grid and the next resident
+    if (!a.pre)
+        load_weights();
 
     for (int m = tid; m < MT; m += NT) {
         const step_row r = step_row_at(a, row0 + m);
-        s_slot[m] = r.slot, s_xrow[m] = r.x, s_hrow[m] = r.h;
+        s_slot[m] = r.slot, s_slot_new[m] = r.slot_new, s_xrow[m] = r.x, s_hrow[m] = r.h;
     }
     __syncthreads();
 #pragma unroll
@@ -462,9 +467,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
                     f(mt, e, m, b, u);
             }
     };
-    // The cell on them; the new states go to the slot table after the row tile's barrier.
-    float hn[MTW][4], cn[MTW][4];
-    for_elements([&](int mt, int e, int, int b, int u) {
+    // The cell on them; the new states to their table rows.
+    for_elements([&](int mt, int e, int m, int b, int u) {
         float xq[G], hq[G], s[Cell::SW];
 #pragma unroll
         for (int q = 0; q < G; q++) {
@@ -473,21 +477,18 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
         }
         if (GRU)
             hq[2] += acc[mt][3][e];
-        Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn[mt][e],
-                                           cn[mt][e], s);
+        float hn, cn;
+        Cell::template forward<Mode::FAST>(xq, hq, hprev[mt][e], cprev[mt][e], hn, cn, s);
         if (a.out)
-            a.out[(size_t)b * H + u] = hn[mt][e];
+            a.out[(size_t)b * H + u] = hn;
         if (a.h_before)
             a.h_before[((size_t)b * L + l) * H + u] = hprev[mt][e];
         if (a.c_before)
             a.c_before[((size_t)b * L + l) * H + u] = cprev[mt][e];
-    });
-    tile_barrier(a.count + blockIdx.y, done);
-    for_elements([&](int mt, int e, int m, int, int u) {
-        const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-        a.state_h[at] = hn[mt][e];
+        const size_t at = ((size_t)s_slot_new[m] * L + l) * H + u;
+        a.state_h[at] = hn;
         if (!GRU)
-            a.state_c[at] = cn[mt][e];
+            a.state_c[at] = cn;
     });
 }
 
@@ -506,44 +507,49 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
     extern __shared__ float4 smem4[];
-    __shared__ int s_slot[R];
+    __shared__ int s_slot[R], s_slot_new[R]; // table rows: old state, new state
     __shared__ const float *s_hrow[R], *s_xrow[R];
-    grid_dependency_wait();
-    grid_launch_dependents();
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const unsigned done = tid == 0 ? tile_done(a.count + blockIdx.y) : 0;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
     float *Ws = reinterpret_cast<float *>(smem4); // (G*U, K): [W_ih row | W_hh row], plane major
     float *Xs = Ws + G * U * K;                    // (R, K): [x | h]
     const bool vec = a.vec_x && a.vec_h;            // Il, H multiples of 4 and aligned
 
-    // Weights of the block's units (zero past H): warp w copies rows w, w + U, ...
+    // Weights of the block's units (zero past H): warp w copies rows w, w + U, ...; and warp w's
+    // unit's biases for the cell. Before the wait where a.pre allows.
     const int step = vec ? 128 : 32;
-    for (int r = w; r < G * U; r += U) {
-        const int q = r / U, uw = u0 + r % U;
-        const bool ok = uw < H;
-        const float *wx = a.w_ih + (size_t)(q * H + uw) * Il;
-        const float *wh = a.w_hh + (size_t)(q * H + uw) * H;
-        for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
-            const float *src = !ok ? a.w_ih : kk < Il ? wx + kk : wh + (kk - Il);
-            if (vec)
-                cp_async16(Ws + r * K + kk, src, ok);
-            else
-                cp_async4(Ws + r * K + kk, src, ok);
-        }
-    }
-    if (tid < R) {
-        const step_row r = step_row_at(a, row0 + tid);
-        s_slot[tid] = r.slot, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
-    }
-    // The cell's other inputs (lane r < R: row r of warp w's unit), loaded meanwhile.
     const int u = u0 + w, uc = min(u, H - 1);
     float bx[G], bh[G];
+    auto load_weights = [&] {
+        for (int r = w; r < G * U; r += U) {
+            const int q = r / U, uw = u0 + r % U;
+            const bool ok = uw < H;
+            const float *wx = a.w_ih + (size_t)(q * H + uw) * Il;
+            const float *wh = a.w_hh + (size_t)(q * H + uw) * H;
+            for (int kk = vec ? 4 * lane : lane; kk < K; kk += step) {
+                const float *src = !ok ? a.w_ih : kk < Il ? wx + kk : wh + (kk - Il);
+                if (vec)
+                    cp_async16(Ws + r * K + kk, src, ok);
+                else
+                    cp_async4(Ws + r * K + kk, src, ok);
+            }
+        }
 #pragma unroll
-    for (int q = 0; q < G; q++) {
-        bx[q] = __ldcg(a.b_ih + q * H + uc);
-        bh[q] = __ldcg(a.b_hh + q * H + uc);
+        for (int q = 0; q < G; q++) {
+            bx[q] = __ldcg(a.b_ih + q * H + uc);
+            bh[q] = __ldcg(a.b_hh + q * H + uc);
+        }
+    };
+    if (a.pre)
+        load_weights();
+    grid_dependency_wait();
+    grid_launch_dependents();
+    if (!a.pre)
+        load_weights();
+    if (tid < R) {
+        const step_row r = step_row_at(a, row0 + tid);
+        s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     __syncthreads();
     float cprev = 0.0f;
@@ -598,9 +604,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         for (int r = 0; r < R; r++)
             acc[p][r] = warp_sum(acc[p][r]);
 
-    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select);
-    // its new states go to the slot table after the row tile's barrier.
-    float hn = 0.0f, cn = 0.0f;
+    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select)
+    // and its new states to its table row.
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (lane != r || r >= nrows || u >= H)
@@ -615,6 +620,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         }
         if (GRU)
             hq[2] += acc[3][r];
+        float hn, cn;
         Cell::template forward<FAST>(xq, hq, hprev, cprev, hn, cn, sv);
         if (a.out)
             a.out[(size_t)b * H + u] = hn;
@@ -622,10 +628,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
             a.h_before[((size_t)b * L + l) * H + u] = hprev;
         if (a.c_before)
             a.c_before[((size_t)b * L + l) * H + u] = cprev;
-    }
-    tile_barrier(a.count + blockIdx.y, done);
-    if (lane < nrows && u < H) {
-        const size_t at = ((size_t)s_slot[lane] * L + l) * H + u;
+        const size_t at = ((size_t)s_slot_new[r] * L + l) * H + u;
         a.state_h[at] = hn;
         if (!GRU)
             a.state_c[at] = cn;
@@ -640,16 +643,17 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
 // columns 4t..4t+3 of each chunk; a pass issues all its loads before its first product, every
 // lane reads the row's slot itself (no barrier between the slot and the h loads) and nothing goes
 // through shared memory, so the step is the chain slot -> h row, products, warp reductions,
-// cell, tile counter (bench/NOTES.md, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
+// cell, stores (bench/NOTES.md, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
 // every mode (bf16 rounds both operands to bf16 first), like the few-rows kernel. (The same
 // scheme with 4 rows a block measured 1.5-2 us slower than the few-rows kernel at B = 4 and 8,
 // so that one keeps B = 2..8.)
 //
 // The kernel is launched with programmatic stream serialization (step_row_launch): its blocks
 // may be resident before the previous kernel on the stream has finished, and wait for it
-// (griddepcontrol.wait) before their first load, weights included (a previous kernel may write
-// them). Every load bypasses L1 (.cg), which may still hold lines the previous kernel's blocks
-// read on the same SM before its last block rewrote them.
+// (griddepcontrol.wait) before their first load of the row; the first pass's weights and the
+// biases go to registers before that wait where a.pre allows. Every load bypasses L1 (.cg),
+// which may still hold lines the previous kernel's blocks read on the same SM before its last
+// block rewrote them.
 
 // Columns k..k+3 of the concatenation [xp (Il) | hp (K - Il)], zero past K or where the part's
 // pointer is null. vec: 16-byte loads (Il and K multiples of 4, the parts aligned; k is a
@@ -679,29 +683,48 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
     constexpr int G = Cell::G, U = RNND_STEP_ROW_UNITS, NCH = RNND_STEP_ROW_CHUNKS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
-    grid_dependency_wait();
-    // After the wait, so that at most this grid and the next are resident at once.
-    grid_launch_dependents();
     const int lane = threadIdx.x & 31;
-    const unsigned done = threadIdx.x == 0 ? tile_done(a.count) : 0;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int u = blockIdx.x * U + (threadIdx.x >> 5), uc = min(u, H - 1); // past H: no stores
     const bool vec = a.vec_x && a.vec_h;
 
-    // The row's sources (null: zeros) and the unit's gate rows.
-    const bool reset = a.is_init && __ldcg(a.is_init);
-    const int slot = __ldcg(a.slots);
-    const float *xr = l == 0 ? a.x : a.state_h + ((size_t)slot * L + l - 1) * H;
-    const float *hr = reset ? nullptr : a.state_h + ((size_t)slot * L + l) * H;
+    // The unit's gate rows, a pass of them (columns k0 + 128 j) into wv, and its biases.
     const float *wx[G], *wh[G];
-    float bx[G], bh[G];
 #pragma unroll
     for (int q = 0; q < G; q++) {
         wx[q] = a.w_ih + (size_t)(q * H + uc) * Il;
         wh[q] = a.w_hh + (size_t)(q * H + uc) * H;
-        bx[q] = __ldcg(a.b_ih + q * H + uc);
-        bh[q] = __ldcg(a.b_hh + q * H + uc);
     }
+    float4 wv[NCH][G];
+    auto load_pass = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < NCH; j++)
+#pragma unroll
+            for (int q = 0; q < G; q++)
+                wv[j][q] = row_load4(wx[q], wh[q], Il, K, k0 + 128 * j, vec);
+    };
+    float bx[G], bh[G];
+    auto load_weights = [&] {
+        load_pass(4 * lane);
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            bx[q] = __ldcg(a.b_ih + q * H + uc);
+            bh[q] = __ldcg(a.b_hh + q * H + uc);
+        }
+    };
+    if (a.pre)
+        load_weights();
+    grid_dependency_wait();
+    // After the wait, so that at most this grid and the next are resident at once.
+    grid_launch_dependents();
+    if (!a.pre)
+        load_weights();
+
+    // The row's sources (null: zeros).
+    const bool reset = a.is_init && __ldcg(a.is_init);
+    const int slot = __ldcg(a.slots), slot_new = __ldcg(a.slots_new);
+    const float *xr = l == 0 ? a.x : a.state_h + ((size_t)slot_new * L + l - 1) * H;
+    const float *hr = reset ? nullptr : a.state_h + ((size_t)slot * L + l) * H;
     // The cell's state inputs (lane 0).
     float hprev = 0.0f, cprev = 0.0f;
     if (lane == 0 && hr) {
@@ -712,15 +735,12 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
 
     float acc[NP] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int k0 = 4 * lane; k0 < K; k0 += NCH * 128) {
-        float4 wv[NCH][G], xv[NCH];
+        if (k0 != 4 * lane) // the first pass's weights are in already
+            load_pass(k0);
+        float4 xv[NCH];
 #pragma unroll
-        for (int j = 0; j < NCH; j++) {
-            const int k = k0 + 128 * j;
-#pragma unroll
-            for (int q = 0; q < G; q++)
-                wv[j][q] = row_load4(wx[q], wh[q], Il, K, k, vec);
-            xv[j] = row_load4(xr, hr, Il, K, k, vec);
-        }
+        for (int j = 0; j < NCH; j++)
+            xv[j] = row_load4(xr, hr, Il, K, k0 + 128 * j, vec);
 #pragma unroll
         for (int j = 0; j < NCH; j++)
 #pragma unroll
@@ -743,9 +763,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
     for (int p = 0; p < NP; p++)
         acc[p] = warp_sum(acc[p]);
 
-    float hn = 0.0f, cn = 0.0f; // lane 0's new states, to the slot table after the barrier
     if (lane == 0 && u < H) {
-        float xq[G], hq[G], sv[Cell::SW];
+        float xq[G], hq[G], sv[Cell::SW], hn, cn;
 #pragma unroll
         for (int q = 0; q < G; q++) {
             xq[q] = acc[q] + bx[q];
@@ -760,10 +779,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
             a.h_before[(size_t)l * H + u] = hprev;
         if (a.c_before)
             a.c_before[(size_t)l * H + u] = cprev;
-    }
-    tile_barrier(a.count, done);
-    if (lane == 0 && u < H) {
-        const size_t at = ((size_t)slot * L + l) * H + u;
+        const size_t at = ((size_t)slot_new * L + l) * H + u;
         a.state_h[at] = hn;
         if (!GRU)
             a.state_c[at] = cn;
@@ -789,20 +805,18 @@ static bool aligned16(const void *p) {
     return ((uintptr_t)p & 15) == 0;
 }
 
-// Arguments of layer l for the chunk of rows [r0, r0 + rows).
+// Arguments of layer l. Its weights may be read before the wait above layer 0 (the kernel before
+// it is layer l-1's) and where the stream's last work is a step (cuda_ctx.step_tail).
 static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
-                            const struct rnnd_model *m, int r0, int rows, int l) {
+                            const struct rnnd_model *m, int l) {
     const int H = m->H, L = m->L;
     step_kargs a = {};
-    a.B = rows, a.I = m->I, a.H = H, a.L = L, a.l = l;
-    a.x = st->x + (size_t)r0 * m->I;
-    a.is_init = st->is_init ? st->is_init + r0 : NULL;
-    a.slots = st->slots + r0;
+    a.B = st->B, a.I = m->I, a.H = H, a.L = L, a.l = l;
+    a.x = st->x, a.is_init = st->is_init, a.slots = st->slots, a.slots_new = st->slots_new;
     a.state_h = st->state_h, a.state_c = st->state_c;
-    a.h_before = st->h_before ? st->h_before + (size_t)r0 * L * H : NULL;
-    a.c_before = st->c_before ? st->c_before + (size_t)r0 * L * H : NULL;
-    a.out = l == L - 1 ? st->out + (size_t)r0 * H : NULL;
-    a.count = c->d_step_count;
+    a.h_before = st->h_before, a.c_before = st->c_before;
+    a.out = l == L - 1 ? st->out : NULL;
+    a.pre = l > 0 || c->step_tail;
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
     a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
@@ -812,33 +826,23 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     return a;
 }
 
-// Rows per chunk: as many row tiles as the barriers have counters.
-static int step_chunk(const struct rnnd_step *st, int MT) {
-    const long rows = (long)RNND_STEP_TILES * MT;
-    return (int)(rows < st->B ? rows : st->B);
-}
-
 // wg: step_wg.cu's kernel (same tiles as cfg_big) for every layer whose arguments it takes.
 template <class Cell, class Mode, class Cfg>
 static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                        const struct rnnd_model *m, bool wg) {
     const size_t smem = step_smem<Cfg, Cell::G>(Mode::PAD);
-    const int chunk = step_chunk(st, Cfg::MT);
-    for (int r0 = 0; r0 < st->B; r0 += chunk) {
-        const int rows = st->B - r0 < chunk ? st->B - r0 : chunk;
-        const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(rows, Cfg::MT));
-        for (int l = 0; l < m->L; l++) {
-            step_kargs a = step_args(c, st, params, m, r0, rows, l);
-            int err = RNND_ENOTSUP;
+    const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(st->B, Cfg::MT));
+    for (int l = 0; l < m->L; l++) {
+        step_kargs a = step_args(c, st, params, m, l);
+        int err = RNND_ENOTSUP;
 #ifdef RNND_HAVE_WG
-            if (wg)
-                err = rnnd__wg_step_launch(c, a, Cell::G == 4);
+        if (wg)
+            err = rnnd__wg_step_launch(c, a, Cell::G == 4);
 #endif
-            if (err == RNND_ENOTSUP)
-                err = step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
-                                         a.vec_x && a.vec_h, a);
-            RNND_TRY(err);
-        }
+        if (err == RNND_ENOTSUP)
+            err = step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
+                                     a.vec_x && a.vec_h, a);
+        RNND_TRY(err);
     }
     return 0;
 }
@@ -849,7 +853,7 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_MV_UNITS), CEIL_DIV(st->B, R));
     for (int l = 0; l < m->L; l++) {
-        step_kargs a = step_args(c, st, params, m, 0, st->B, l);
+        step_kargs a = step_args(c, st, params, m, l);
         const size_t smem = step_mv_smem(Cell::G, R, rnnd_model_layer_input(m, l), m->H);
         RNND_TRY(step_kernel_launch(c, step_mv_kernel<Cell, BF16, Mode::FAST, R>, grid,
                                     dim3(32 * RNND_STEP_MV_UNITS), smem, a.vec_x && a.vec_h, a));
@@ -864,7 +868,7 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
     for (int l = 0; l < m->L; l++) {
-        step_kargs a = step_args(c, st, params, m, 0, 1, l);
+        step_kargs a = step_args(c, st, params, m, l);
         RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0,
                                     true, a));
     }
@@ -904,17 +908,22 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
     if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL)
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM;
+    int err;
     switch (m->compute) {
         case RNND_COMPUTE_BF16:
-            return lstm ? step_dispatch<cell_lstm, step_bf16>(c, step, params, m)
-                        : step_dispatch<cell_gru, step_bf16>(c, step, params, m);
+            err = lstm ? step_dispatch<cell_lstm, step_bf16>(c, step, params, m)
+                       : step_dispatch<cell_gru, step_bf16>(c, step, params, m);
+            break;
         case RNND_COMPUTE_IEEE:
-            return lstm ? step_dispatch<cell_lstm, step_ieee>(c, step, params, m)
-                        : step_dispatch<cell_gru, step_ieee>(c, step, params, m);
+            err = lstm ? step_dispatch<cell_lstm, step_ieee>(c, step, params, m)
+                       : step_dispatch<cell_gru, step_ieee>(c, step, params, m);
+            break;
         default:
-            return lstm ? step_dispatch<cell_lstm, step_tf32>(c, step, params, m)
-                        : step_dispatch<cell_gru, step_tf32>(c, step, params, m);
+            err = lstm ? step_dispatch<cell_lstm, step_tf32>(c, step, params, m)
+                       : step_dispatch<cell_gru, step_tf32>(c, step, params, m);
     }
+    c->step_tail = err == 0;
+    return err;
 }
 
 // Raises the dynamic shared-memory limit of every instance to what it may ask for.
@@ -951,8 +960,5 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     if (c->cc_major == 9)
         RNND_TRY(rnnd__wg_step_prepare());
 #endif
-    // The row tiles' barriers: arrivals, then done counts (tile_barrier).
-    RNND_CUDA_TRY(cudaMalloc(&c->d_step_count, 2 * RNND_STEP_TILES * sizeof(int)));
-    RNND_CUDA_TRY(cudaMemset(c->d_step_count, 0, 2 * RNND_STEP_TILES * sizeof(int)));
     return 0;
 }

@@ -1,7 +1,6 @@
 /*
  * step_impl.cuh: what the step kernels of step.cu and step_wg.cu (the tile kernel on warpgroup
- * MMAs, sm_90a) share: their arguments, the programmatic-launch controls, the row tiles'
- * barrier of the in-place scheme, and the launcher.
+ * MMAs, sm_90a) share: their arguments, the programmatic-launch controls and the launcher.
  */
 #ifndef RNND_CUDA_STEP_IMPL_CUH
 #define RNND_CUDA_STEP_IMPL_CUH
@@ -22,89 +21,57 @@ template <int N> static __device__ __forceinline__ void cp_wait() {
 
 // Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
 // every step kernel waits for the previous kernel on the stream to complete (its writes visible)
-// before its first load, then lets the next one start its blocks.
+// before it reads what that kernel may have written, then lets the next one start its blocks.
+// What no earlier kernel can be writing (step_kargs.pre: the weights and biases) may be read
+// before the wait, while the previous kernel finishes.
 static __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 // Lets the next kernel on the stream (when launched programmatically) start its blocks; they
-// still wait for this grid's completion before they read anything.
+// still wait for this grid's completion before they read anything it may write.
 static __device__ __forceinline__ void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
 
+// One layer of a step. Row b reads its old state from table row slots[b] and writes its new one
+// to row slots_new[b]; no row is both (struct rnnd_step), so blocks never wait for each other:
+// each writes its new states as soon as its cell has them (bench/NOTES.md "single step" v19).
 struct step_kargs {
-    int B, I, H, L, l;      // B: rows of this launch (a chunk of the call's rows)
-    const float *x;         // (B, I) layer 0's input; layers above read the slot table
+    int B, I, H, L, l;      // B: rows of this launch
+    const float *x;         // (B, I) layer 0's input; layers above read layer l-1's new state
     const uint8_t *is_init; // (B) or NULL
-    const int32_t *slots;   // (B)
+    const int32_t *slots, *slots_new; // (B) each
     float *state_h, *state_c;
     float *out;                 // (B, H) the top layer's new h (NULL below it)
     float *h_before, *c_before; // (B, L, H) or NULL
     const float *w_ih, *w_hh, *b_ih, *b_hh;
-    int *count;        // the row tiles' barriers (tile_barrier): arrivals, then done
     bool vec_x, vec_h; // 16-byte copies possible for the x part, the h part
+    // The kernel may read the weights and biases before griddepcontrol.wait: the kernel before
+    // it on the stream is one of rnn_step's (which writes no weights), or there is none that
+    // could still run (rnnd__cuda_rnn_step: cuda_ctx.step_tail).
+    bool pre;
 };
 
-// Where row b (< a.B) of a launch reads layer a.l: its slot, its x part (layer 0: x, above:
-// layer l-1 of its state) and its h part (NULL where it resets: zeros). Absent rows: {0, NULL,
-// NULL}.
+// Where row b (< a.B) of a launch reads layer a.l: its table rows (old state, new state), its x
+// part (layer 0: x, above: layer l-1's new state) and its h part (NULL where it resets: zeros).
+// Absent rows: {0, 0, NULL, NULL}.
 struct step_row {
-    int slot;
+    int slot, slot_new;
     const float *x, *h;
 };
 static __device__ __forceinline__ step_row step_row_at(const step_kargs &a, int b) {
     if (b >= a.B)
-        return {0, nullptr, nullptr};
+        return {0, 0, nullptr, nullptr};
     const bool reset = a.is_init && __ldcg(a.is_init + b);
-    const int slot = __ldcg(a.slots + b);
-    const float *state = a.state_h + (size_t)slot * a.L * a.H;
-    return {slot, a.l == 0 ? a.x + (size_t)b * a.I : state + (size_t)(a.l - 1) * a.H,
-            reset ? nullptr : state + (size_t)a.l * a.H};
-}
-
-// In place: every block of a row tile reads the tile's old h of layer l over all units, so no
-// block may write its new states into the slot table while another may still read them. The
-// blocks of a row tile meet at a barrier once each has read them, then each writes its own.
-// Why no block waits forever: blocks start in index order and a row tile's blocks are
-// consecutive, so every tile before the last started one has all its blocks running, finishes
-// and frees SMs for the rest, whatever the grid's size and however few SMs are free (other
-// streams' kernels, MPS); a cooperative launch, the formal guarantee, cost 0.8 us a step
-// (bench/NOTES.md "single step" v10).
-//
-// The barrier, one thread a block, on two counters of the tile that only grow (unsigned,
-// wrapping): arrivals count[0] and done count[RNND_STEP_TILES], the arrivals when the previous
-// launch on the tile completed. A block reads done at its start (no block of this launch writes
-// it before every block has arrived), arrives with a release add (its reads of the old states
-// before it; no value to wait for), waits until the arrivals reach done + blocks (acquire: every
-// block's reads before), then records that as done for the next launch (every block writes the
-// same value). No reset, no last arriver: the waiters see the last add itself (v17).
-static __device__ __forceinline__ unsigned tile_done(const int *count) {
-    return __ldcg(reinterpret_cast<const unsigned *>(count) + RNND_STEP_TILES);
-}
-static __device__ __forceinline__ void tile_barrier_arrive(int *count) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
-}
-static __device__ __forceinline__ void tile_barrier_wait(int *count, unsigned done, int blocks) {
-    const unsigned target = done + (unsigned)blocks;
-    unsigned n;
-    do
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(count) : "memory");
-    while ((int)(n - target) < 0);
-    reinterpret_cast<unsigned *>(count)[RNND_STEP_TILES] = target;
-}
-// The whole barrier for a block whose threads have all read (and used) the old states: thread 0
-// (which read done at the start) arrives and waits; the block's stores may follow.
-static __device__ __forceinline__ void tile_barrier(int *count, unsigned done) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        tile_barrier_arrive(count);
-        tile_barrier_wait(count, done, gridDim.x);
-    }
-    __syncthreads();
+    const int slot = __ldcg(a.slots + b), slot_new = __ldcg(a.slots_new + b);
+    const size_t LH = (size_t)a.L * a.H;
+    return {slot, slot_new,
+            a.l == 0 ? a.x + (size_t)b * a.I : a.state_h + slot_new * LH + (size_t)(a.l - 1) * a.H,
+            reset ? nullptr : a.state_h + slot * LH + (size_t)a.l * a.H};
 }
 
 // Launches one layer's kernel. On Hopper with programmatic stream serialization (PDL): its

@@ -1,8 +1,8 @@
 /*
  * step_wg.cu: step.cu's tile kernel (many rows, TF32 mode) on warpgroup MMAs (wgmma, sm_90a only:
- * built for that target alone, asked for on a compute 9.0 device only). Same arguments, tiles,
- * in-place scheme and outputs as step_kernel's 64 x 32 tiles (step.cu's header), which it
- * replaces there for rows and weights that allow 16-byte copies.
+ * built for that target alone, asked for on a compute 9.0 device only). Same arguments, tiles
+ * and outputs as step_kernel's 64 x 32 tiles (step.cu's header), which it replaces there for
+ * rows and weights that allow 16-byte copies.
  *
  * Why (bench/NOTES.md, "single step" v6a, v7): at B = 1024, H = I = 256 the mma.sync kernel is
  * bound by its instruction chains (5.8M instructions a step: fragments, 3072 MMAs a block, copy
@@ -25,12 +25,13 @@
  * each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
- * in shared memory with chunk 0; biases are read from shared memory in the cell.
+ * in shared memory with chunk 0; biases are read from shared memory in the cell. The new h and c
+ * go straight to their table rows (step_kargs).
  *
- * In place: a row tile's blocks meet at the barrier of step_impl.cuh once each has read the old
- * states (its last chunk landed; here the arrival overlaps the cell), then each writes its new h
- * and c straight into the slot table (v10: at B = 1024, H = 256, GRU 12.3 -> 10.0 us, LSTM
- * 15.2 -> 11.1, against a dense stage and the row tile's last block scattering it).
+ * With a.pre, thread 0 sets up the mbarriers and issues the first chunks' weight boxes, and the
+ * block loads its biases, before griddepcontrol.wait: on back-to-back steps and between layers
+ * the block then has its first weights while the previous kernel completes (bench/NOTES.md
+ * "single step" v19).
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -114,18 +115,10 @@ __global__ void __launch_bounds__(SW_NT, 1)
     using LY = sw_layout<G>;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ const float *s_xrow[SW_MT], *s_hrow[SW_MT]; // row sources, NULL: zeros
-    __shared__ int s_slot[SW_MT];
+    __shared__ int s_slot[SW_MT], s_slot_new[SW_MT]; // table rows: old state, new state
     __shared__ uint64_t s_full[NS], s_empty[NS]; // a stage's copies landed; released
 
     const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
-    if (tid == 0) { // kernel parameters: no previous kernel writes them
-        tma_prefetch_desc(&tw_ih);
-        tma_prefetch_desc(&tw_hh);
-        if (xt)
-            tma_prefetch_desc(&tx);
-    }
-    grid_dependency_wait();
-    grid_launch_dependents(); // after the wait: at most this grid and the next resident
     const int g = lane >> 2, tg = lane & 3;
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H;
     const int row0 = blockIdx.y * SW_MT, u0 = blockIdx.x * SW_UT;
@@ -134,21 +127,53 @@ __global__ void __launch_bounds__(SW_NT, 1)
     const uint32_t sbase = smem_u32(sm);
 
     // Chunk c (x columns for c < cx, h columns after) into stage c % NS, in 128-byte swizzled
-    // rows (wg.cuh). By thread 0 (load_w), tensor-map boxes whose bytes s_full expects: the
-    // weight tile in two (warpgroup q's rows: units u0 + 16q.. of every gate plane, zeros past K
-    // and H) and, at layer 0 (xt), the x rows of x chunks (dense rows: zeros past K and B).
+    // rows (wg.cuh). By thread 0, tensor-map boxes whose bytes s_full expects: load_w the weight
+    // tile in two (warpgroup q's rows: units u0 + 16q.. of every gate plane, zeros past K and
+    // H), load_x at layer 0 (xt) the x rows of x chunks (dense rows: zeros past K and B).
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
-        const int k = (hp ? c - cx : c) * SW_KC;
         const uint32_t dst = sbase + (c % NS) * LY::STAGE + SW_ATILE;
-        const uint32_t bar = smem_u32(s_full + c % NS);
-        mbar_expect_tx(s_full + c % NS, N * SW_KC * 4 + (xt && !hp ? SW_ATILE : 0));
+        mbar_expect_tx(s_full + c % NS, N * SW_KC * 4);
 #pragma unroll
         for (int q = 0; q < 2; q++)
-            tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, k, u0 + 16 * q, 0, bar);
-        if (xt && !hp)
-            tma_load_2d(dst - SW_ATILE, &tx, k, row0, bar);
+            tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, (hp ? c - cx : c) * SW_KC,
+                        u0 + 16 * q, 0, smem_u32(s_full + c % NS));
     };
+    auto load_x = [&](int c) {
+        if (!xt || c >= cx)
+            return;
+        mbar_expect_tx(s_full + c % NS, SW_ATILE);
+        tma_load_2d(sbase + (c % NS) * LY::STAGE, &tx, c * SW_KC, row0, smem_u32(s_full + c % NS));
+    };
+    float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
+    // Weights that need no slot: the first chunks' boxes (thread 0, after the mbarriers' set-up)
+    // and the biases, before the wait where a.pre allows.
+    auto load_weights = [&] {
+        if (tid == 0) {
+            tma_prefetch_desc(&tw_ih);
+            tma_prefetch_desc(&tw_hh);
+            if (xt)
+                tma_prefetch_desc(&tx);
+            for (int i = 0; i < NS; i++) {
+                mbar_init(s_full + i, SW_NT);       // every thread's copies, the boxes' bytes
+                mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
+            }
+            fence_mbar_init();
+            for (int c = 0; c < NS - 2 && c < nc; c++)
+                load_w(c);
+        }
+        for (int e = tid; e < 2 * N; e += SW_NT) {
+            const int n = e % N, u = u0 + n % SW_UT;
+            bias[e] = u < H ? __ldcg((e < N ? a.b_ih : a.b_hh) + (n / SW_UT) * H + u) : 0.0f;
+        }
+    };
+    if (a.pre)
+        load_weights();
+    grid_dependency_wait();
+    grid_launch_dependents(); // after the wait: at most this grid and the next resident
+    if (!a.pre)
+        load_weights();
+
     // The row tile's gathered rows (the h chunks; x chunks above layer 0): thread t copies
     // 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms t / 64 + 4i: 8 consecutive lanes
     // read one row's 128 contiguous bytes and write one 128-byte line. Past K and in absent or
@@ -172,25 +197,12 @@ __global__ void __launch_bounds__(SW_NT, 1)
 
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
-    float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
-    unsigned done = 0; // the row tile's barrier: its arrivals when the previous launch completed
-    if (tid == 0) {    // weight tiles need no slot: the first ones go out at once
-        done = tile_done(a.count + blockIdx.y);
-        for (int i = 0; i < NS; i++) {
-            mbar_init(s_full + i, SW_NT);       // every thread's copies, the weight tile's bytes
-            mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
-        }
-        fence_mbar_init();
+    if (tid == 0)
         for (int c = 0; c < NS - 2 && c < nc; c++)
-            load_w(c);
-    }
+            load_x(c);
     if (tid < SW_MT) {
         const step_row r = step_row_at(a, row0 + tid);
-        s_slot[tid] = r.slot, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
-    }
-    for (int e = tid; e < 2 * N; e += SW_NT) {
-        const int n = e % N, u = u0 + n % SW_UT;
-        bias[e] = u < H ? __ldcg((e < N ? a.b_ih : a.b_hh) + (n / SW_UT) * H + u) : 0.0f;
+        s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     __syncthreads();
     // The old h (and c) of the tile's (row, unit) elements, zero where the row resets: they land
@@ -219,8 +231,10 @@ __global__ void __launch_bounds__(SW_NT, 1)
         if (f < nc) {
             if (c >= 2)
                 mbar_wait(s_empty + f % NS, ((c - 2) / NS) & 1);
-            if (tid == 0)
+            if (tid == 0) {
                 load_w(f);
+                load_x(f);
+            }
             load_a(f);
             cp_async_mbar_arrive(s_full + f % NS);
         }
@@ -252,13 +266,9 @@ __global__ void __launch_bounds__(SW_NT, 1)
             chunk(c, dx, true);
     }
     wg_wait<0>();
-    // This block has read the old states (every chunk landed): it arrives on its row tile's
-    // barrier while the cell runs.
-    if (tid == 0)
-        tile_barrier_arrive(a.count + blockIdx.y);
 
-    // The cell on the thread's (row, unit) elements; the top layer's new h to out.
-    float hn[2][2][2], cn[2][2][2];
+    // The cell on the thread's (row, unit) elements; the top layer's new h to out, the new
+    // states to their table rows (8-byte stores: the table's rows and H allow them).
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
@@ -270,6 +280,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const float2 hp = *reinterpret_cast<const float2 *>(hs + m * SW_HLD + uu);
             const float2 cp = GRU ? make_float2(0.0f, 0.0f)
                                   : *reinterpret_cast<const float2 *>(cs + m * SW_HLD + uu);
+            float hn[2], cn[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float xq[G], hq[G], s[Cell::SW];
@@ -285,38 +296,24 @@ __global__ void __launch_bounds__(SW_NT, 1)
                             hq[q] += dh[di];
                     }
                 }
-                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[j][h][e],
-                                             cn[j][h][e], s);
+                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e],
+                                             cn[e], s);
             }
             // Scalar stores: the callers' outputs need only 4-byte alignment.
             const size_t bl = ((size_t)b * L + l) * H + u;
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 if (a.out)
-                    a.out[(size_t)b * H + u + e] = hn[j][h][e];
+                    a.out[(size_t)b * H + u + e] = hn[e];
                 if (a.h_before)
                     a.h_before[bl + e] = e ? hp.y : hp.x;
                 if (a.c_before)
                     a.c_before[bl + e] = e ? cp.y : cp.x;
             }
-        }
-
-    // Once every block of the row tile has read the old states, each writes its new ones into
-    // the slot table (16-byte copies allowed: the table's rows and H allow 8-byte stores).
-    if (tid == 0)
-        tile_barrier_wait(a.count + blockIdx.y, done, gridDim.x);
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int m = 16 * w + g + 8 * h, b = row0 + m, u = u0 + 16 * wq + 8 * j + 2 * tg;
-            if (b >= a.B || u >= H)
-                continue;
-            const size_t at = ((size_t)s_slot[m] * L + l) * H + u;
-            *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[j][h][0], hn[j][h][1]);
+            const size_t at = ((size_t)s_slot_new[m] * L + l) * H + u;
+            *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[0], hn[1]);
             if (!GRU)
-                *reinterpret_cast<float2 *>(a.state_c + at) = make_float2(cn[j][h][0], cn[j][h][1]);
+                *reinterpret_cast<float2 *>(a.state_c + at) = make_float2(cn[0], cn[1]);
         }
 #else
     (void)a, (void)tw_ih, (void)tw_hh, (void)tx, (void)xt;

@@ -145,19 +145,25 @@ struct rnnd_seq_grads {
     float *cell;   // (B, T, L, H) =  or NULL; LSTM
 };
 
-// One step for a batch of rows whose states live in a slot table (the inference path): row b
-// reads slot slots[b] (zero instead when is_init[b]), runs every layer and writes the new state
-// back to the same slot. Slots in one call are unique.
+// One step for a batch of rows whose states live in a table of rows (the inference path): row b
+// reads table row slots[b] (zero instead when is_init[b]), runs every layer and writes its new
+// state to table row slots_new[b]. No table row is both read and written by one call: the 2B
+// indices are distinct (the CPU backend refuses others with RNND_EINVAL; the CUDA backend, whose
+// indices are in device memory, leaves the result undefined). So a call never reads a state it
+// has already replaced, and the CUDA kernels need no barrier between the blocks that read a row's
+// old state and those that write its new one (kernels/bench/NOTES.md "single step" v19). A
+// caller keeps two rows per env and alternates them (the daemon: rows slot and slot + S).
 struct rnnd_step {
     int B;
-    const float *x;         // (B, I)
-    const uint8_t *is_init; // (B) 0 or 1, or NULL for all 0
-    const int32_t *slots;   // (B) indices into the state tables
-    float *state_h;         // (S, L, H) read and written in place
-    float *state_c;         // (S, L, H) LSTM, else NULL
-    float *out;             // (B, H) last layer's new h
-    float *h_before;        // (B, L, H) or NULL: the state each row started from (after reset)
-    float *c_before;        // (B, L, H) or NULL; LSTM
+    const float *x;             // (B, I)
+    const uint8_t *is_init;     // (B) 0 or 1, or NULL for all 0
+    const int32_t *slots;       // (B) table rows the states are read from
+    const int32_t *slots_new;   // (B) table rows the new states are written to
+    float *state_h;             // (rows, L, H)
+    float *state_c;             // (rows, L, H) LSTM, else NULL
+    float *out;                 // (B, H) last layer's new h
+    float *h_before;            // (B, L, H) or NULL: the state each row started from (after reset)
+    float *c_before;            // (B, L, H) or NULL; LSTM
 };
 
 enum rnnd_optim_kind { RNND_OPTIM_ADAM, RNND_OPTIM_SGD };

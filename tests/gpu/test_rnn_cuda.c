@@ -538,17 +538,19 @@ struct step_case {
     enum rnnd_compute compute;
     int I, H, L, B, S;
     bool init_null; // is_init NULL (all false)
-    bool graph;     // capture rnn_step in a CUDA graph and replay it `reps` times
+    bool graph;     // capture two steps in a CUDA graph and replay it twice
 };
 
 static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                       const struct step_case *sc) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
-    size_t P = rnnd_model_param_count(&m), tab = (size_t)sc->S * sc->L * sc->H;
+    // Two rows per env as the daemon keeps them, s and s + S (struct rnnd_step): row b of the
+    // first step reads rows[b] and writes rows[B + b], the next step goes back, and so on.
+    size_t P = rnnd_model_param_count(&m), tab = 2 * (size_t)sc->S * sc->L * sc->H;
     size_t blh = (size_t)sc->B * sc->L * sc->H, nx = (size_t)sc->B * sc->I;
     size_t nout = (size_t)sc->B * sc->H;
-    int reps = sc->graph ? 3 : 1;
+    int nstep = sc->graph ? 4 : 2;
     char tag[96];
     snprintf(tag, sizeof(tag), "step %s %s I%d H%d L%d B%d S%d%s%s", lstm ? "lstm" : "gru",
              compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->S,
@@ -560,7 +562,7 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     float *x = host_uniform(nx, 1.0f);
     float *sh = host_uniform(tab, 0.9f), *sc_ = host_uniform(tab, 0.9f);
     uint8_t *init = xmalloc(sc->B);
-    int32_t *slots = xmalloc(sc->B * sizeof(int32_t));
+    int32_t *rows = xmalloc(2 * sc->B * sizeof(int32_t));
     int32_t *perm = xmalloc(sc->S * sizeof(int32_t));
     for (int i = 0; i < sc->S; i++)
         perm[i] = i;
@@ -571,8 +573,10 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         perm[j] = t;
     }
     for (int b = 0; b < sc->B; b++) {
-        slots[b] = perm[b];
         init[b] = rng_uniform() < 0.3;
+        int half = rng_uniform() < 0.5 ? sc->S : 0; // envs start in either row
+        rows[b] = perm[b] + half;
+        rows[sc->B + b] = perm[b] + (sc->S - half);
     }
 
     float *res[2][6];
@@ -581,16 +585,18 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     for (int k = 0; k < 2; k++) {
         struct rnnd_backend *be = bes[k];
         struct bufs b = {.be = be};
-        struct rnnd_step st = {.B = sc->B};
+        struct rnnd_step st = {.B = sc->B}, back;
         st.x = dev(&b, x, nx * 4);
         st.is_init = sc->init_null ? NULL : dev(&b, init, sc->B);
-        st.slots = dev(&b, slots, sc->B * sizeof(int32_t));
+        const int32_t *drows = dev(&b, rows, 2 * sc->B * sizeof(int32_t));
+        st.slots = drows, st.slots_new = drows + sc->B;
         st.state_h = dev(&b, sh, tab * 4);
         st.state_c = lstm ? dev(&b, sc_, tab * 4) : NULL;
         st.out = dev_poison(&b, nout, k == 0);
         st.h_before = dev_poison(&b, blh, k == 0);
         st.c_before = lstm ? dev_poison(&b, blh, k == 0) : NULL;
         float *dparams = dev(&b, params, P * 4);
+        back = st, back.slots = st.slots_new, back.slots_new = st.slots;
         if (k == 0 && sc->graph) {
             cudaStream_t s = (cudaStream_t)rnnd_cuda_stream(be);
             cudaGraph_t graph;
@@ -599,12 +605,14 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                 errs[k] = RNND_EDEVICE;
             } else {
                 errs[k] = be->ops->rnn_step(be->ctx, &st, dparams, &m);
+                if (!errs[k])
+                    errs[k] = be->ops->rnn_step(be->ctx, &back, dparams, &m);
                 if (cudaStreamEndCapture(s, &graph) != cudaSuccess)
                     errs[k] = RNND_EDEVICE;
                 else if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
                     errs[k] = RNND_EDEVICE;
                 else {
-                    for (int r = 0; r < reps && !errs[k]; r++)
+                    for (int r = 0; r < nstep / 2 && !errs[k]; r++)
                         if (cudaGraphLaunch(exec, s) != cudaSuccess)
                             errs[k] = RNND_EDEVICE;
                     cudaGraphExecDestroy(exec);
@@ -612,8 +620,8 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                 }
             }
         } else {
-            for (int r = 0; r < reps && !errs[k]; r++)
-                errs[k] = be->ops->rnn_step(be->ctx, &st, dparams, &m);
+            for (int r = 0; r < nstep && !errs[k]; r++)
+                errs[k] = be->ops->rnn_step(be->ctx, r % 2 ? &back : &st, dparams, &m);
         }
         res[k][0] = xmalloc(nout * 4), res[k][1] = xmalloc(tab * 4), res[k][2] = xmalloc(tab * 4);
         res[k][3] = xmalloc(blh * 4), res[k][4] = xmalloc(blh * 4);
@@ -644,7 +652,7 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     for (int k = 0; k < 2; k++)
         for (int i = 0; i < 5; i++)
             free(res[k][i]);
-    free(params), free(x), free(sh), free(sc_), free(init), free(slots), free(perm);
+    free(params), free(x), free(sh), free(sc_), free(init), free(rows), free(perm);
 }
 
 // ---------------------------------------------------------------------------------------------

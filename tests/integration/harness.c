@@ -572,8 +572,20 @@ void ref_free(struct ref *r) {
 
 void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const bool *is_init,
               float *out) {
+    // The backend writes new states to other rows (struct rnnd_step): rows S + b of a copy of the
+    // table, copied back to the rows' slots after the step.
+    size_t LH = (size_t)r->m.L * (size_t)r->m.H, tab = (size_t)r->S * LH;
+    bool lstm = r->state_c != NULL;
+    float *th = malloc((tab + (size_t)B * LH) * sizeof(float));
+    float *tc = lstm ? malloc((tab + (size_t)B * LH) * sizeof(float)) : NULL;
+    int32_t *rows_new = malloc((size_t)B * sizeof(int32_t));
     uint8_t *init = calloc((size_t)B, 1);
+    assert_true(th && (tc || !lstm) && rows_new && init);
+    memcpy(th, r->state_h, tab * sizeof(float));
+    if (lstm)
+        memcpy(tc, r->state_c, tab * sizeof(float));
     for (int b = 0; b < B; b++) {
+        rows_new[b] = r->S + b;
         // A slot past the reference's table would write over whatever follows it (wrong
         // references, heap corruption or a hang, depending on the heap): a test bug, said here.
         if (slots[b] < 0 || slots[b] >= r->S)
@@ -587,11 +599,21 @@ void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const 
         .x = x,
         .is_init = init,
         .slots = slots,
-        .state_h = r->state_h,
-        .state_c = r->state_c,
+        .slots_new = rows_new,
+        .state_h = th,
+        .state_c = tc,
         .out = out,
     };
     assert_int_equal(r->be.ops->rnn_step(r->be.ctx, &st, r->params, &r->m), 0);
+    for (int b = 0; b < B; b++) {
+        memcpy(r->state_h + (size_t)slots[b] * LH, th + (size_t)rows_new[b] * LH, LH * sizeof(float));
+        if (lstm)
+            memcpy(r->state_c + (size_t)slots[b] * LH, tc + (size_t)rows_new[b] * LH,
+                   LH * sizeof(float));
+    }
+    free(th);
+    free(tc);
+    free(rows_new);
     free(init);
 }
 

@@ -487,12 +487,14 @@ static void test_step_matches_forward(void **state) {
         int B = r.B, T = r.T, H = m->H, S = B + 5;
         size_t row = (size_t)m->L * H;
         bool lstm = m->cell == RNND_CELL_LSTM;
-        float *state_h = rand_floats((size_t)S * row, 1.0), *state_c = NULL;
+        // Two rows per env, b's at slots[b] and slots[b] + S: the steps alternate between them.
+        float *state_h = rand_floats(2 * (size_t)S * row, 1.0), *state_c = NULL;
         if (lstm)
-            state_c = rand_floats((size_t)S * row, 1.0);
-        int32_t *slots = malloc(sizeof(int32_t) * B);
+            state_c = rand_floats(2 * (size_t)S * row, 1.0);
+        int32_t *slots = malloc(sizeof(int32_t) * B), *other = malloc(sizeof(int32_t) * B);
         for (int b = 0; b < B; b++) {
             slots[b] = (int32_t)((b * 7 + 3) % S); // distinct: 7 and S share no factor here
+            other[b] = slots[b] + S;
             float *dh = state_h + (size_t)slots[b] * row;
             if (r.h0)
                 memcpy(dh, r.h0 + (size_t)b * row, row * sizeof(float));
@@ -518,7 +520,8 @@ static void test_step_matches_forward(void **state) {
             struct rnnd_step st = {.B = B,
                                    .x = x,
                                    .is_init = ii,
-                                   .slots = slots,
+                                   .slots = t % 2 ? other : slots,
+                                   .slots_new = t % 2 ? slots : other,
                                    .state_h = state_h,
                                    .state_c = state_c,
                                    .out = out,
@@ -540,17 +543,19 @@ static void test_step_matches_forward(void **state) {
             total++;
         }
         double num = 0.0, den = 0.0;
+        const int32_t *last = T % 2 ? other : slots; // where the last step wrote
         for (int b = 0; b < B; b++) {
-            assert_true(close_to(state_h + (size_t)slots[b] * row, r.h_n + (size_t)b * row, row,
+            assert_true(close_to(state_h + (size_t)last[b] * row, r.h_n + (size_t)b * row, row,
                                  &num, &den));
             if (lstm)
-                assert_true(close_to(state_c + (size_t)slots[b] * row, r.c_n + (size_t)b * row, row,
+                assert_true(close_to(state_c + (size_t)last[b] * row, r.c_n + (size_t)b * row, row,
                                      &num, &den));
         }
         assert_true(sqrt(num / den) <= STEP_RTOL);
         free(state_h);
         free(state_c);
         free(slots);
+        free(other);
         free(x);
         free(out);
         free(hb);
@@ -571,13 +576,14 @@ static void test_step_defaults_and_bf16(void **state) {
     r.m.compute = RNND_COMPUTE_BF16;
     run_forward(&r, true);
     size_t row = (size_t)r.m.L * r.m.H;
-    float *state_h = zalloc(4 * row), *out = zalloc(4 * (size_t)r.m.H);
+    float *state_h = zalloc(8 * row), *out = zalloc(4 * (size_t)r.m.H);
     memcpy(state_h, r.h0, 4 * row * sizeof(float));
-    int32_t slots[4] = {0, 1, 2, 3};
-    struct rnnd_step st = {.B = 4, .x = r.x, .slots = slots, .state_h = state_h, .out = out};
+    int32_t slots[4] = {0, 1, 2, 3}, slots_new[4] = {4, 5, 6, 7};
+    struct rnnd_step st = {
+        .B = 4, .x = r.x, .slots = slots, .slots_new = slots_new, .state_h = state_h, .out = out};
     assert_int_equal(cpu.ops->rnn_step(cpu.ctx, &st, r.params, &r.m), 0);
     assert_memory_equal(out, r.out, 4 * (size_t)r.m.H * sizeof(float));
-    assert_memory_equal(state_h, r.h_n, 4 * row * sizeof(float));
+    assert_memory_equal(state_h + 4 * row, r.h_n, 4 * row * sizeof(float));
     free(state_h);
     free(out);
     run_free(&r);
@@ -757,10 +763,11 @@ static void test_bad_arguments(void **state) {
     memcpy(keep_c, state_c, 4 * row * sizeof(float));
     for (int i = 0; i < 2 * m.H; i++)
         out[i] = S;
-    int32_t slots[2] = {1, 3}, neg[2] = {1, -1};
+    int32_t slots[2] = {1, 3}, slots_new[2] = {0, 2}, neg[2] = {1, -1}, twice[2] = {0, 0};
     struct rnnd_step st = {.B = 2,
                            .x = r.x,
                            .slots = slots,
+                           .slots_new = slots_new,
                            .state_h = state_h,
                            .state_c = state_c,
                            .out = out},
@@ -776,6 +783,17 @@ static void test_bad_arguments(void **state) {
     assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
     sb = st, sb.slots = neg;
     assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
+    sb = st, sb.slots_new = NULL;
+    assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
+    sb = st, sb.slots_new = neg;
+    assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
+    sb = st, sb.slots_new = slots; // a row both read and written
+    assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
+    sb = st, sb.slots_new = twice; // two new states to one row
+    assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
+    slots_new[1] = 1; // row 1 is read by row 0 and written by row 1
+    assert_int_equal(ops->rnn_step(cpu.ctx, &st, r.params, &m), RNND_EINVAL);
+    slots_new[1] = 2;
     sb = st, sb.state_c = NULL; // LSTM without c
     assert_int_equal(ops->rnn_step(cpu.ctx, &sb, r.params, &m), RNND_EINVAL);
     sb = st, sb.out = NULL;

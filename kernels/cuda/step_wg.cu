@@ -25,13 +25,14 @@
  * each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
  * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
- * in shared memory with chunk 0; biases are read from shared memory in the cell. The new h and c
- * go straight to their table rows (step_kargs).
+ * in shared memory during the loop; biases are read from shared memory in the cell. The new h
+ * and c go straight to their table rows (step_kargs).
  *
- * With a.pre, thread 0 sets up the mbarriers and issues the first chunks' weight boxes, and the
- * block loads its biases, before griddepcontrol.wait: on back-to-back steps and between layers
- * the block then has its first weights while the previous kernel completes (bench/NOTES.md
- * "single step" v19).
+ * The chain before the first MMA (bench/NOTES.md "single step" v19): with a.pre, thread 0 sets up
+ * the mbarriers and issues the first chunks' weight boxes, and the block loads its biases, before
+ * griddepcontrol.wait, so that on back-to-back steps and between layers the first weights come
+ * while the previous kernel completes; at layer 0 the x chunks need no slot, so their MMAs start
+ * while the slots and the gathered rows load.
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -197,16 +198,22 @@ __global__ void __launch_bounds__(SW_NT, 1)
 
     float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
+    // Layer 0's x chunks come by tensor map alone: the threads' arrivals on those in the prologue
+    // go out before the slots are read, so their MMAs need not wait for the slots.
+    const int pro = min(NS - 2, nc), own = xt ? min(cx, pro) : 0;
     if (tid == 0)
-        for (int c = 0; c < NS - 2 && c < nc; c++)
+        for (int c = 0; c < pro; c++)
             load_x(c);
+    for (int c = 0; c < own; c++)
+        mbar_arrive(s_full + c);
     if (tid < SW_MT) {
         const step_row r = step_row_at(a, row0 + tid);
         s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     __syncthreads();
     // The old h (and c) of the tile's (row, unit) elements, zero where the row resets: they land
-    // with chunk 0.
+    // before the next chunk the thread arrives on (cp_async_mbar_arrive waits for all its
+    // copies), long before the cell.
 #pragma unroll
     for (int i = 0; i < SW_MT * SW_UT / 4 / SW_NT; i++) {
         const int m = (tid >> 3) + 32 * i, k = 4 * (tid & 7);
@@ -216,7 +223,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
         if (!GRU)
             cp_async16(cs + m * SW_HLD + k, ok ? a.state_c + at : a.w_ih, ok);
     }
-    for (int c = 0; c < NS - 2 && c < nc; c++) {
+    for (int c = own; c < pro; c++) {
         load_a(c);
         cp_async_mbar_arrive(s_full + c);
     }

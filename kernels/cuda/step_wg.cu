@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
     grid_launch_dependents(); // after the wait: at most this grid and the next resident
     if (!a.pre)
         load_weights();
+    __syncthreads(); // the mbarriers are set up before anyone arrives on them
 
     // The row tile's gathered rows (the h chunks; x chunks above layer 0): thread t copies
     // 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms t / 64 + 4i: 8 consecutive lanes

@@ -816,8 +816,8 @@ int main(int argc, char **argv) {
 
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
     // from ~1000 rows at H=256; TF32 on Hopper: the 64 x 32 tiles on warpgroup MMAs from 9 rows
-    // where widths are multiples of 4), odd widths (4-byte copies), several layers, rows in
-    // several chunks (H=1024 LSTM: 512 rows).
+    // where widths are multiples of 4), odd widths (4-byte copies), several layers, grids of
+    // several waves (H=1024 LSTM: 320 blocks of 64 x 32 at 600 rows).
     const struct step_case steps[] = {
         {GRU, F32, 64, 128, 1, 17, 50, false, false},
         {LSTM, F32, 64, 128, 2, 33, 40, false, true},
@@ -841,6 +841,9 @@ int main(int argc, char **argv) {
         // its 32-column chunks or 32-unit slices, partial last row tiles, two layers.
         {GRU, F32, 36, 100, 2, 2000, 2100, false, false},
         {LSTM, F32, 20, 132, 1, 1100, 1200, true, false},
+        // Two waves of its blocks (256 on an H100), in a graph: a block of the second wave finds
+        // the first one's mbarriers in its shared memory (they must be set up before use).
+        {GRU, F32, 256, 256, 1, 2048, 2100, false, true},
     };
     // --quick: the first five, one per step kernel (tiles at one and two layers, few rows,
     // one row, the 64 x 32 tiles at B = 1024; on Hopper the first two on warpgroup MMAs too).

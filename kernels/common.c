@@ -158,8 +158,7 @@ int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
     if (step == NULL || rnnd_model_check(m) != 0)
         return RNND_EINVAL;
     if (step->B < 1 || step->x == NULL || step->slots == NULL || step->slots_new == NULL ||
-        step->state_h == NULL ||
-        step->out == NULL)
+        step->state_h == NULL || step->out == NULL)
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM;
     if (lstm != (step->state_c != NULL))

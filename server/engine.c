@@ -114,9 +114,9 @@ struct rnnd_engine {
     // Two rows per env slot s, s and s + S: a step reads the env's current row (env->half) and
     // writes the other (struct rnnd_step), then flips env->half.
     float *state_h, *state_c; // (2S, L, H)
-    // A batch's inputs (x, slots, slots_new, is_init) and outputs (out, h_before, c_before) each sit packed
-    // in one block, laid out for the batch's row count (step_layout), so that a batch costs one
-    // copy in and one copy out. Sized for --max-batch rows.
+    // A batch's inputs (x, slots, slots_new, is_init) and outputs (out, h_before, c_before) each
+    // sit packed in one block, laid out for the batch's row count (step_layout), so that a batch
+    // costs one copy in and one copy out. Sized for --max-batch rows.
     char *d_in, *d_outb;
     size_t in_bytes, out_bytes;
     // Host staging (aliases of the above when host_mem).

@@ -9,9 +9,9 @@
  *   1. validation: one step on the CPU reference and on CUDA from the same table; out_err is
  *      ||out - ref|| / ||ref||, grad_err the same over the whole state table (h, and c);
  *   2. step_us: CUDA events around `launches` back-to-back rnn_step calls on the backend's
- *      stream (each reads the rows the one before wrote, as the daemon's steps do), per step, median of
- *      `repeat` after `warmup`; host_us: the host clock around the same `launches` calls (the
- *      enqueues only, no synchronisation), per call: when it is close to step_us, the
+ *      stream (each reads the rows the one before wrote, as the daemon's steps do), per step,
+ *      median of `repeat` after `warmup`; host_us: the host clock around the same `launches`
+ *      calls (the enqueues only, no synchronisation), per call: when it is close to step_us, the
  *      back-to-back figure is set by the host's launch rate, not by the device;
  *   3. graph_us: one rnn_step captured in a CUDA graph, replayed `launches` times between events,
  *      per replay (what a caller that replays a captured step pays); gpu_us: `launches` steps

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
     using LY = sw_layout<G>;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ const float *s_xrow[SW_MT], *s_hrow[SW_MT]; // row sources, NULL: zeros
-    __shared__ int s_slot[SW_MT], s_slot_new[SW_MT]; // table rows: old state, new state
-    __shared__ uint64_t s_full[NS], s_empty[NS]; // a stage's copies landed; released
+    __shared__ int s_slot[SW_MT], s_slot_new[SW_MT];       // table rows: old state, new state
+    __shared__ uint64_t s_full[NS], s_empty[NS];           // a stage's copies landed; released
 
     const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 7, w = (tid >> 5) & 3;
     const int g = lane >> 2, tg = lane & 3;
@@ -304,8 +304,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
                             hq[q] += dh[di];
                     }
                 }
-                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e],
-                                             cn[e], s);
+                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e], cn[e],
+                                             s);
             }
             // Scalar stores: the callers' outputs need only 4-byte alignment.
             const size_t bl = ((size_t)b * L + l) * H + u;

@@ -155,15 +155,15 @@ struct rnnd_seq_grads {
 // caller keeps two rows per env and alternates them (the daemon: rows slot and slot + S).
 struct rnnd_step {
     int B;
-    const float *x;             // (B, I)
-    const uint8_t *is_init;     // (B) 0 or 1, or NULL for all 0
-    const int32_t *slots;       // (B) table rows the states are read from
-    const int32_t *slots_new;   // (B) table rows the new states are written to
-    float *state_h;             // (rows, L, H)
-    float *state_c;             // (rows, L, H) LSTM, else NULL
-    float *out;                 // (B, H) last layer's new h
-    float *h_before;            // (B, L, H) or NULL: the state each row started from (after reset)
-    float *c_before;            // (B, L, H) or NULL; LSTM
+    const float *x;           // (B, I)
+    const uint8_t *is_init;   // (B) 0 or 1, or NULL for all 0
+    const int32_t *slots;     // (B) table rows the states are read from
+    const int32_t *slots_new; // (B) table rows the new states are written to
+    float *state_h;           // (rows, L, H)
+    float *state_c;           // (rows, L, H) LSTM, else NULL
+    float *out;               // (B, H) last layer's new h
+    float *h_before;          // (B, L, H) or NULL: the state each row started from (after reset)
+    float *c_before;          // (B, L, H) or NULL; LSTM
 };
 
 enum rnnd_optim_kind { RNND_OPTIM_ADAM, RNND_OPTIM_SGD };

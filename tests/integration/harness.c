@@ -606,7 +606,8 @@ void ref_step(struct ref *r, int B, const int32_t *slots, const float *x, const 
     };
     assert_int_equal(r->be.ops->rnn_step(r->be.ctx, &st, r->params, &r->m), 0);
     for (int b = 0; b < B; b++) {
-        memcpy(r->state_h + (size_t)slots[b] * LH, th + (size_t)rows_new[b] * LH, LH * sizeof(float));
+        memcpy(r->state_h + (size_t)slots[b] * LH, th + (size_t)rows_new[b] * LH,
+               LH * sizeof(float));
         if (lstm)
             memcpy(r->state_c + (size_t)slots[b] * LH, tc + (size_t)rows_new[b] * LH,
                    LH * sizeof(float));

@@ -333,19 +333,13 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
             }
         }
     };
-    // The first chunks' weights need no slot: before the wait where a.pre allows.
-    auto load_weights = [&] {
+    // The first chunks' weights need no slot.
+    step_wait(a, [&] {
 #pragma unroll
         for (int c = 0; c < NS - 1; c++)
             if (c < nc)
                 load_w(c);
-    };
-    if (a.pre)
-        load_weights();
-    grid_dependency_wait();
-    grid_launch_dependents(); // after the wait: at most this grid and the next resident
-    if (!a.pre)
-        load_weights();
+    });
 
     for (int m = tid; m < MT; m += NT) {
         const step_row r = step_row_at(a, row0 + m);
@@ -521,7 +515,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     const int step = vec ? 128 : 32;
     const int u = u0 + w, uc = min(u, H - 1);
     float bx[G], bh[G];
-    auto load_weights = [&] {
+    step_wait(a, [&] {
         for (int r = w; r < G * U; r += U) {
             const int q = r / U, uw = u0 + r % U;
             const bool ok = uw < H;
@@ -535,18 +529,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
                     cp_async4(Ws + r * K + kk, src, ok);
             }
         }
-#pragma unroll
-        for (int q = 0; q < G; q++) {
-            bx[q] = __ldcg(a.b_ih + q * H + uc);
-            bh[q] = __ldcg(a.b_hh + q * H + uc);
-        }
-    };
-    if (a.pre)
-        load_weights();
-    grid_dependency_wait();
-    grid_launch_dependents();
-    if (!a.pre)
-        load_weights();
+        unit_biases(a, uc, bx, bh);
+    });
     if (tid < R) {
         const step_row r = step_row_at(a, row0 + tid);
         s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
@@ -704,21 +688,10 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kern
                 wv[j][q] = row_load4(wx[q], wh[q], Il, K, k0 + 128 * j, vec);
     };
     float bx[G], bh[G];
-    auto load_weights = [&] {
+    step_wait(a, [&] {
         load_pass(4 * lane);
-#pragma unroll
-        for (int q = 0; q < G; q++) {
-            bx[q] = __ldcg(a.b_ih + q * H + uc);
-            bh[q] = __ldcg(a.b_hh + q * H + uc);
-        }
-    };
-    if (a.pre)
-        load_weights();
-    grid_dependency_wait();
-    // After the wait, so that at most this grid and the next are resident at once.
-    grid_launch_dependents();
-    if (!a.pre)
-        load_weights();
+        unit_biases(a, uc, bx, bh);
+    });
 
     // The row's sources (null: zeros).
     const bool reset = a.is_init && __ldcg(a.is_init);

@@ -56,6 +56,29 @@ struct step_kargs {
     bool pre;
 };
 
+// The start of every step kernel: load (reads of weights and biases only) before the programmatic
+// wait where a.pre allows, else after it; then the next kernel may start its blocks (after the
+// wait: at most this grid and the next resident).
+template <class Load> static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
+    if (a.pre)
+        load();
+    grid_dependency_wait();
+    grid_launch_dependents();
+    if (!a.pre)
+        load();
+}
+
+// Unit u's biases of every gate plane, for its cell.
+template <int G>
+static __device__ __forceinline__ void unit_biases(const step_kargs &a, int u, float (&bx)[G],
+                                                   float (&bh)[G]) {
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        bx[q] = __ldcg(a.b_ih + q * a.H + u);
+        bh[q] = __ldcg(a.b_hh + q * a.H + u);
+    }
+}
+
 // Where row b (< a.B) of a launch reads layer a.l: its table rows (old state, new state), its x
 // part (layer 0: x, above: layer l-1's new state) and its h part (NULL where it resets: zeros).
 // Absent rows: {0, 0, NULL, NULL}.

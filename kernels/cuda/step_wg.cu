@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
     // Weights that need no slot: the first chunks' boxes (thread 0, after the mbarriers' set-up)
     // and the biases, before the wait where a.pre allows.
-    auto load_weights = [&] {
+    step_wait(a, [&] {
         if (tid == 0) {
             tma_prefetch_desc(&tw_ih);
             tma_prefetch_desc(&tw_hh);
@@ -167,13 +167,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const int n = e % N, u = u0 + n % SW_UT;
             bias[e] = u < H ? __ldcg((e < N ? a.b_ih : a.b_hh) + (n / SW_UT) * H + u) : 0.0f;
         }
-    };
-    if (a.pre)
-        load_weights();
-    grid_dependency_wait();
-    grid_launch_dependents(); // after the wait: at most this grid and the next resident
-    if (!a.pre)
-        load_weights();
+    });
     __syncthreads(); // the mbarriers are set up before anyone arrives on them
 
     // The row tile's gathered rows (the h chunks; x chunks above layer 0): thread t copies

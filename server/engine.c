@@ -577,7 +577,7 @@ static size_t env_row_next(const struct rnnd_engine *e, const struct rnnd_env *e
 // struct rnnd_engine): the same offsets on the host and on the device.
 struct step_layout {
     size_t x, slots, slots_new, init, in_used; // in the input block
-    size_t out, hb, cb, out_used;   // in the output block; out_used covers what is copied back
+    size_t out, hb, cb, out_used; // in the output block; out_used covers what is copied back
 };
 
 // Offset of a new aligned piece of `bytes` after *used.

@@ -697,30 +697,25 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-// The step's 2B table rows (slots, then slots_new) are all >= 0 and distinct (struct rnnd_step).
-static int step_rows_check(const struct rnnd_step *step) {
+// The step's 2B table rows (slots, then slots_new) are all >= 0 and distinct (struct rnnd_step);
+// rows is scratch for 2B of them.
+static bool step_rows_ok(const struct rnnd_step *step, int32_t *rows) {
     size_t n = 2 * (size_t)step->B;
-    int32_t *rows = malloc(n * sizeof(int32_t));
-    if (rows == NULL)
-        return RNND_ENOMEM;
     memcpy(rows, step->slots, (size_t)step->B * sizeof(int32_t));
     memcpy(rows + step->B, step->slots_new, (size_t)step->B * sizeof(int32_t));
     qsort(rows, n, sizeof(int32_t), cmp_i32);
-    int err = rows[0] < 0 ? RNND_EINVAL : 0;
-    for (size_t i = 1; i < n && !err; i++)
+    if (rows[0] < 0)
+        return false;
+    for (size_t i = 1; i < n; i++)
         if (rows[i] == rows[i - 1])
-            err = RNND_EINVAL;
-    free(rows);
-    return err;
+            return false;
+    return true;
 }
 
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m) {
     if (c == NULL || rnnd_step_check(step, m) != 0 || params == NULL || !dims_fit_int(m))
         return RNND_EINVAL;
-    int rows_err = step_rows_check(step);
-    if (rows_err)
-        return rows_err;
     bool lstm = m->cell == RNND_CELL_LSTM, bf16 = m->compute == RNND_COMPUTE_BF16;
     int B = step->B, H = m->H, L = m->L, GH = rnnd_model_gates(m) * H;
     size_t P = rnnd_model_param_count(m), row = (size_t)L * H, fsz = sizeof(float);
@@ -729,8 +724,10 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
 
     struct step_job j = {.m = m, .step = step, .params = params, .lstm = lstm, .bf16 = bf16};
     float *wr;
+    int32_t *rows;
     struct cpu_carve cv = {0};
     for (int pass = 0; pass < 2; pass++) {
+        rows = rnnd__cpu_carve(&cv, 2 * (size_t)B * sizeof(int32_t));
         wr = rnnd__cpu_carve(&cv, bf16 ? P * fsz : 0);
         j.xr = rnnd__cpu_carve(&cv, bf16 ? (size_t)B * maxw * fsz : 0);
         j.hb = rnnd__cpu_carve(&cv, (size_t)B * row * fsz);
@@ -748,6 +745,8 @@ int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const fl
             cv = (struct cpu_carve){.base = c->work};
         }
     }
+    if (!step_rows_ok(step, rows)) // before anything is written
+        return RNND_EINVAL;
     if (bf16)
         round_weights(m, params, wr);
     j.wr = bf16 ? wr : NULL;

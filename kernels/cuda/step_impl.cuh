@@ -6,7 +6,6 @@
 #define RNND_CUDA_STEP_IMPL_CUH
 
 #include "common.cuh"
-#include "step.cuh"
 
 // Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
 // "single step" v6).

@@ -75,6 +75,12 @@ struct cuda_ctx {
     // step's kernels may read the weights before their programmatic wait (step_kargs.pre). Every
     // other op that enqueues work clears it (backend.cu).
     bool step_tail;
+    // What that step wrote outside the state tables (out, h_before, c_before; n = 0: nothing): a
+    // step whose inputs overlap none of it may read them before its wait (step_kargs.early_x).
+    struct dev_span {
+        const void *p;
+        size_t n;
+    } step_wrote[3];
 };
 
 // The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's

@@ -778,8 +778,30 @@ static bool aligned16(const void *p) {
     return ((uintptr_t)p & 15) == 0;
 }
 
+static bool spans_meet(cuda_ctx::dev_span a, cuda_ctx::dev_span b) {
+    const char *p = (const char *)a.p, *q = (const char *)b.p;
+    return a.n && b.n && p < q + b.n && q < p + a.n;
+}
+
+// Whether the step's inputs overlap nothing the last step wrote: neither the state tables (which
+// inputs never lie in: struct rnnd_step) nor its out, h_before and c_before.
+static bool inputs_untouched(const struct cuda_ctx *c, const struct rnnd_step *st,
+                             const struct rnnd_model *m) {
+    const size_t B = st->B;
+    const cuda_ctx::dev_span in[4] = {{st->x, B * m->I * sizeof(float)},
+                                      {st->is_init, st->is_init ? B : 0},
+                                      {st->slots, B * sizeof(int32_t)},
+                                      {st->slots_new, B * sizeof(int32_t)}};
+    for (const cuda_ctx::dev_span &i : in)
+        for (const cuda_ctx::dev_span &w : c->step_wrote)
+            if (spans_meet(i, w))
+                return false;
+    return true;
+}
+
 // Arguments of layer l. Its weights may be read before the wait above layer 0 (the kernel before
-// it is layer l-1's) and where the stream's last work is a step (cuda_ctx.step_tail).
+// it is layer l-1's) and where the stream's last work is a step (cuda_ctx.step_tail); layer 0's
+// inputs too where that step wrote none of them.
 static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                             const struct rnnd_model *m, int l) {
     const int H = m->H, L = m->L;
@@ -790,6 +812,8 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.h_before = st->h_before, a.c_before = st->c_before;
     a.out = l == L - 1 ? st->out : NULL;
     a.pre = l > 0 || c->step_tail;
+    a.early_x = l == 0 && c->step_tail && !(c->variant & RNND_STEP_VARIANT_NO_EARLY_X) &&
+                inputs_untouched(c, st, m);
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
     a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
@@ -896,6 +920,10 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
                        : step_dispatch<cell_gru, step_tf32>(c, step, params, m);
     }
     c->step_tail = err == 0;
+    const size_t blh = (size_t)step->B * m->L * m->H * sizeof(float);
+    c->step_wrote[0] = {step->out, (size_t)step->B * m->H * sizeof(float)};
+    c->step_wrote[1] = {step->h_before, step->h_before ? blh : 0};
+    c->step_wrote[2] = {step->c_before, step->c_before ? blh : 0};
     return err;
 }
 

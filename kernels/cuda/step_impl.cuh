@@ -10,6 +10,8 @@
 // Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
 // "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
+// Trial bit (bench/NOTES.md "single step" v20): no early x.
+#define RNND_STEP_VARIANT_NO_EARLY_X 16
 
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -53,6 +55,9 @@ struct step_kargs {
     // it on the stream is one of rnn_step's (which writes no weights), or there is none that
     // could still run (rnnd__cuda_rnn_step: cuda_ctx.step_tail).
     bool pre;
+    // Layer 0 may also read this step's inputs (x, is_init, slots, slots_new) before the wait: it
+    // follows a step that wrote none of them (implies pre). Only step_wg.cu's kernel uses it.
+    bool early_x;
 };
 
 // The start of every step kernel: load (reads of weights and biases only) before the programmatic

@@ -16,23 +16,34 @@
  * plane p's units at rows 16p.. of the warpgroup's half of the weight tile), both K-major fp32 in
  * 128-byte swizzled rows in shared memory, fed through the tensor cores' tf32 (their operands'
  * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
- * chunks, then h chunks) through an 8-stage pipeline 6 chunks ahead of the MMAs: the h rows (and
+ * chunks, then h chunks) through a 4-stage pipeline 2 chunks ahead of the MMAs: the h rows (and
  * the x part of layers above 0) by every thread's cp.async, gathered by slot; the weight tile and
  * layer 0's x rows by tensor-map copies (TMA) of thread 0 (bench/NOTES.md "single step" v8: 0.5
  * and 1.2 us less than by cp.async for GRU and LSTM), handed over by mbarriers (a chunk's copies
- * and bytes: s_full; every warp done with a stage: s_empty), with no block barrier in the loop.
+ * and bytes: s_full; every thread done with a stage: s_empty), with no block barrier in the loop.
  * Accumulators: GRU dx (the x part: r, z, n_x) and dh (the h part: r, z, n_h), 24 registers
  * each; LSTM one, 32 registers. D fragment: warp w,
  * lane (g, tg) holds rows 16w + g + 8h (h = 0, 1) and units 16q + 8j + 2tg + e (j, e = 0, 1) of
- * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h and c land
- * in shared memory during the loop; biases are read from shared memory in the cell. The new h
- * and c go straight to their table rows (step_kargs).
+ * every plane p at d[4 (2p + j) + 2h + e], so the cell runs in registers. The old h comes from
+ * the block's own h chunk while it is resident, the old c (LSTM) lands in shared memory during
+ * the loop; biases are read from shared memory in the cell. The new h and c go straight to their
+ * table rows (step_kargs).
+ *
+ * Two blocks an SM (bench/NOTES.md "single step" v20): with 4 stages a block takes ~90 KB (GRU)
+ * or ~100 KB (LSTM) of shared memory and at most 128 registers a thread, so the next kernel's
+ * blocks are resident while this one runs (its programmatic launch comes after this grid's
+ * wait) and grids of up to twice the SMs run in one wave. Fewer chunks in flight (2 instead of
+ * 6) cost 0.3-0.6 us where a step starts cold (after a copy); back to back and in graphs the
+ * overlap gains 1.6-1.8 us at B = 1024, I = H = 256.
  *
  * The chain before the first MMA (bench/NOTES.md "single step" v19): with a.pre, thread 0 sets up
  * the mbarriers and issues the first chunks' weight boxes, and the block loads its biases, before
  * griddepcontrol.wait, so that on back-to-back steps and between layers the first weights come
  * while the previous kernel completes; at layer 0 the x chunks need no slot, so their MMAs start
- * while the slots and the gathered rows load.
+ * while the slots and the gathered rows load. With a.early_x (layer 0 after a step that wrote
+ * none of this step's inputs) the wait moves to the first h chunk: the x chunks' copies and MMAs
+ * and the slot reads all overlap the previous step (the lead "overlap the next step's
+ * independent MMA" of issue 8).
  */
 #include "seq_persist.cuh"
 #include "step_impl.cuh"
@@ -46,18 +57,18 @@ namespace {
 constexpr int SW_MT = RNND_STEP_WG_MT, SW_UT = RNND_STEP_WG_UT; // rows, units a block
 constexpr int SW_NT = 256;        // two warpgroups: units [0, 16) and [16, 32) of every gate
 constexpr int SW_KC = 32;         // columns a chunk: one 128-byte row, 4 k-steps
-constexpr int NS = 8;             // stages; copies run NS - 2 chunks ahead
-constexpr int SW_HLD = SW_UT + 8; // row pitch (floats) of the old-state tiles
+constexpr int NS = 4;             // stages; copies run NS - 2 chunks ahead
 constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 
-// Shared memory (bytes) for G gate planes: stages (row tile, then weight tile), old h, old c
-// (LSTM), biases [b_ih | b_hh] of the block's N gate rows.
+constexpr int SW_CLD = SW_UT + 8; // row pitch (floats) of the old-c tile
+
+// Shared memory (bytes) for G gate planes and NS stages (copies run NS - 2 chunks ahead): stages
+// (row tile, then weight tile), old c (LSTM), biases [b_ih | b_hh] of the block's N gate rows.
 template <int G> struct sw_layout {
     static constexpr int N = G * SW_UT;
     static constexpr int STAGE = SW_ATILE + N * SW_KC * 4;
-    static constexpr int OFF_H = NS * STAGE;
-    static constexpr int OFF_C = OFF_H + SW_MT * SW_HLD * 4;
-    static constexpr int OFF_B = OFF_C + (G == 4 ? SW_MT * SW_HLD * 4 : 0);
+    static constexpr int OFF_C = NS * STAGE;
+    static constexpr int OFF_B = OFF_C + (G == 4 ? SW_MT * SW_CLD * 4 : 0);
     static constexpr int SMEM = OFF_B + 2 * N * 4 + 1024; // + the stages' 1024-byte alignment
 };
 
@@ -106,7 +117,7 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint6
 #endif
 
 template <class Cell>
-__global__ void __launch_bounds__(SW_NT, 1)
+__global__ void __launch_bounds__(SW_NT, 2)
     step_wg_kernel(const step_kargs a, const __grid_constant__ CUtensorMap tw_ih,
                    const __grid_constant__ CUtensorMap tw_hh,
                    const __grid_constant__ CUtensorMap tx, const bool xt) {
@@ -149,15 +160,15 @@ __global__ void __launch_bounds__(SW_NT, 1)
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
     // Weights that need no slot: the first chunks' boxes (thread 0, after the mbarriers' set-up)
     // and the biases, before the wait where a.pre allows.
-    step_wait(a, [&] {
+    auto load_weights = [&] {
         if (tid == 0) {
             tma_prefetch_desc(&tw_ih);
             tma_prefetch_desc(&tw_hh);
             if (xt)
                 tma_prefetch_desc(&tx);
             for (int i = 0; i < NS; i++) {
-                mbar_init(s_full + i, SW_NT);       // every thread's copies, the boxes' bytes
-                mbar_init(s_empty + i, SW_NT / 32); // every warp's MMAs on it
+                mbar_init(s_full + i, SW_NT);  // every thread's copies, the boxes' bytes
+                mbar_init(s_empty + i, SW_NT); // every thread done with it (MMAs, read_h)
             }
             fence_mbar_init();
             for (int c = 0; c < NS - 2 && c < nc; c++)
@@ -167,8 +178,37 @@ __global__ void __launch_bounds__(SW_NT, 1)
             const int n = e % N, u = u0 + n % SW_UT;
             bias[e] = u < H ? __ldcg((e < N ? a.b_ih : a.b_hh) + (n / SW_UT) * H + u) : 0.0f;
         }
-    });
+    };
+    // With a.early_x (which implies a.pre) the wait comes later, before the first h chunk.
+    if (a.early_x)
+        load_weights();
+    else
+        step_wait(a, load_weights);
     __syncthreads(); // the mbarriers are set up before anyone arrives on them
+
+    // The start of the reads of what the previous step wrote (the state table), in the prologue,
+    // or with a.early_x before the first h chunk's copies, where the programmatic wait comes
+    // first: everything before it read only weights and this step's inputs, which the previous
+    // kernel did not write, so the x chunks' copies and MMAs overlap it. Then, for the LSTM, the
+    // old c of the tile's (row, unit) elements, zero where the row resets; it lands before the
+    // next chunk the thread arrives on (cp_async_mbar_arrive waits for all its copies), long
+    // before the cell.
+    float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
+    auto start_h = [&] {
+        if (a.early_x) {
+            grid_dependency_wait();
+            grid_launch_dependents();
+        }
+        if constexpr (!GRU) {
+#pragma unroll
+            for (int i = 0; i < SW_MT * SW_UT / 4 / SW_NT; i++) {
+                const int m = (tid >> 3) + 32 * i, k = 4 * (tid & 7);
+                const bool ok = s_hrow[m] && u0 + k < H;
+                const size_t at = ((size_t)s_slot[m] * L + l) * H + u0 + k;
+                cp_async16(cs + m * SW_CLD + k, ok ? a.state_c + at : a.w_ih, ok);
+            }
+        }
+    };
 
     // The row tile's gathered rows (the h chunks; x chunks above layer 0): thread t copies
     // 16-byte unit t % 8 of row (t / 8) % 8 of the 8-row atoms t / 64 + 4i: 8 consecutive lanes
@@ -178,6 +218,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
     const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
     auto load_a = [&](int c) {
         const bool hp = c >= cx;
+        if (a.early_x && c == cx)
+            start_h();
         if (xt && !hp)
             return;
         const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
@@ -191,8 +233,6 @@ __global__ void __launch_bounds__(SW_NT, 1)
         }
     };
 
-    float *hs = reinterpret_cast<float *>(sm + LY::OFF_H);
-    float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     // Layer 0's x chunks come by tensor map alone: the threads' arrivals on those in the prologue
     // go out before the slots are read, so their MMAs need not wait for the slots.
     const int pro = min(NS - 2, nc), own = xt ? min(cx, pro) : 0;
@@ -206,27 +246,33 @@ __global__ void __launch_bounds__(SW_NT, 1)
         s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     __syncthreads();
-    // The old h (and c) of the tile's (row, unit) elements, zero where the row resets: they land
-    // before the next chunk the thread arrives on (cp_async_mbar_arrive waits for all its
-    // copies), long before the cell.
-#pragma unroll
-    for (int i = 0; i < SW_MT * SW_UT / 4 / SW_NT; i++) {
-        const int m = (tid >> 3) + 32 * i, k = 4 * (tid & 7);
-        const bool ok = s_hrow[m] && u0 + k < H;
-        const size_t at = ((size_t)s_slot[m] * L + l) * H + u0 + k;
-        cp_async16(hs + m * SW_HLD + k, ok ? a.state_h + at : a.w_ih, ok);
-        if (!GRU)
-            cp_async16(cs + m * SW_HLD + k, ok ? a.state_c + at : a.w_ih, ok);
-    }
+    if (!a.early_x)
+        start_h();
     for (int c = own; c < pro; c++) {
         load_a(c);
         cp_async_mbar_arrive(s_full + c);
     }
 
+    // The old h of the thread's cell elements (rows 16w + g + 8h, units 16q + 8j + 2tg + e, as
+    // the D fragment's) is in the block's own h chunk, which holds the row tile's h columns
+    // [u0, u0 + 32) (zeros where a row resets or is absent, or past H): read while it is resident.
+    const int hc = cx + blockIdx.x;
+    float2 hp[2][2];
+    auto read_h = [&](const unsigned char *st) {
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int m = 16 * w + g + 8 * h, uu = 16 * wq + 8 * j + 2 * tg;
+                const int at = (m >> 3) * 1024 + (m & 7) * 128 + (((uu >> 2) ^ (m & 7)) << 4);
+                hp[j][h] = *reinterpret_cast<const float2 *>(st + at + (uu & 3) * 4);
+            }
+    };
     // Chunk c's MMAs into d (acc false: the first chunk of d, which it writes). First the copies
-    // of chunk f = c + NS - 2 go out, into the stage of chunk c - 2 once every warp has
-    // released it (s_empty); chunk c's own wait is on s_full. No barrier of the block: each warp
-    // releases chunk c - 1's stage when its MMAs on it are done.
+    // of chunk f = c + NS - 2 go out, into the stage of chunk c - 2 once every thread has
+    // released it (s_empty); chunk c's own wait is on s_full. No barrier of the block: each
+    // thread releases chunk c - 1's stage when its warpgroup's MMAs on it are done (and its own
+    // reads of it, read_h: a release of every thread rather than one a warp).
     float dx[ND], dh[GRU ? ND : 1];
     auto chunk = [&](int c, float(&d)[ND], bool acc) {
         const int f = c + NS - 2;
@@ -242,6 +288,8 @@ __global__ void __launch_bounds__(SW_NT, 1)
         }
         mbar_wait(s_full + c % NS, (c / NS) & 1);
         const unsigned char *st = sm + (c % NS) * LY::STAGE;
+        if (c == hc)
+            read_h(st);
         const uint64_t ad = wg_desc_sw128(st), bd = wg_desc_sw128(st + SW_ATILE + wq * N / 2 * 128);
         wg_fence();
         if (acc) // a constant where the lambda is inlined: no MMA under a run-time condition
@@ -253,7 +301,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
             sw_mma<true>(d, ad + 2 * ks, bd + 2 * ks); // 32 bytes a k-step
         wg_commit();
         wg_wait<1>();
-        if (c >= 1 && lane == 0)
+        if (c >= 1)
             mbar_arrive(s_empty + (c - 1) % NS);
     };
     chunk(0, dx, false);
@@ -277,11 +325,11 @@ __global__ void __launch_bounds__(SW_NT, 1)
         for (int h = 0; h < 2; h++) {
             const int m = 16 * w + g + 8 * h, b = row0 + m, uu = 16 * wq + 8 * j + 2 * tg;
             const int u = u0 + uu;
-            if (b >= a.B || u >= H) // H % 4 == 0: units u and u + 1 both exist or neither
+            if (b >= a.B || u >= H)
                 continue;
-            const float2 hp = *reinterpret_cast<const float2 *>(hs + m * SW_HLD + uu);
-            const float2 cp = GRU ? make_float2(0.0f, 0.0f)
-                                  : *reinterpret_cast<const float2 *>(cs + m * SW_HLD + uu);
+            const float2 ho = hp[j][h];
+            const float2 co = GRU ? make_float2(0.0f, 0.0f)
+                                  : *reinterpret_cast<const float2 *>(cs + m * SW_CLD + uu);
             float hn[2], cn[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
@@ -298,7 +346,7 @@ __global__ void __launch_bounds__(SW_NT, 1)
                             hq[q] += dh[di];
                     }
                 }
-                Cell::template forward<true>(xq, hq, e ? hp.y : hp.x, e ? cp.y : cp.x, hn[e], cn[e],
+                Cell::template forward<true>(xq, hq, e ? ho.y : ho.x, e ? co.y : co.x, hn[e], cn[e],
                                              s);
             }
             // Scalar stores: the callers' outputs need only 4-byte alignment.
@@ -308,9 +356,9 @@ __global__ void __launch_bounds__(SW_NT, 1)
                 if (a.out)
                     a.out[(size_t)b * H + u + e] = hn[e];
                 if (a.h_before)
-                    a.h_before[bl + e] = e ? hp.y : hp.x;
+                    a.h_before[bl + e] = e ? ho.y : ho.x;
                 if (a.c_before)
-                    a.c_before[bl + e] = e ? cp.y : cp.x;
+                    a.c_before[bl + e] = e ? co.y : co.x;
             }
             const size_t at = ((size_t)s_slot_new[m] * L + l) * H + u;
             *reinterpret_cast<float2 *>(a.state_h + at) = make_float2(hn[0], hn[1]);

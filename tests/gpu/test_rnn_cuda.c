@@ -539,6 +539,7 @@ struct step_case {
     int I, H, L, B, S;
     bool init_null; // is_init NULL (all false)
     bool graph;     // capture two steps in a CUDA graph and replay it twice
+    bool feed;      // I == H: every other step's x is the step before's out (step_kargs.early_x)
 };
 
 static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
@@ -552,9 +553,9 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     size_t nout = (size_t)sc->B * sc->H;
     int nstep = sc->graph ? 4 : 2;
     char tag[96];
-    snprintf(tag, sizeof(tag), "step %s %s I%d H%d L%d B%d S%d%s%s", lstm ? "lstm" : "gru",
+    snprintf(tag, sizeof(tag), "step %s %s I%d H%d L%d B%d S%d%s%s%s", lstm ? "lstm" : "gru",
              compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->S,
-             sc->init_null ? " noinit" : "", sc->graph ? " graph" : "");
+             sc->init_null ? " noinit" : "", sc->graph ? " graph" : "", sc->feed ? " feed" : "");
     printf("%s\n", tag);
 
     float *params = xmalloc(P * 4);
@@ -580,6 +581,7 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     }
 
     float *res[2][6];
+    float *fed_out[2] = {NULL, NULL}; // feed: the last step's out
     struct rnnd_backend *bes[2] = {gpu, cpu};
     int errs[2] = {0, 0};
     for (int k = 0; k < 2; k++) {
@@ -597,6 +599,8 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         st.c_before = lstm ? dev_poison(&b, blh, k == 0) : NULL;
         float *dparams = dev(&b, params, P * 4);
         back = st, back.slots = st.slots_new, back.slots_new = st.slots;
+        if (sc->feed)
+            back.x = st.out, back.out = dev_poison(&b, nout, k == 0);
         if (k == 0 && sc->graph) {
             cudaStream_t s = (cudaStream_t)rnnd_cuda_stream(be);
             cudaGraph_t graph;
@@ -627,6 +631,10 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         res[k][3] = xmalloc(blh * 4), res[k][4] = xmalloc(blh * 4);
         if (!errs[k]) {
             to_host(be, res[k][0], st.out, nout);
+            if (sc->feed) {
+                fed_out[k] = xmalloc(nout * 4);
+                to_host(be, fed_out[k], back.out, nout);
+            }
             to_host(be, res[k][1], st.state_h, tab);
             if (lstm)
                 to_host(be, res[k][2], st.state_c, tab);
@@ -642,6 +650,8 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     } else {
         double tol = tolerance(sc->compute);
         compare("out", tag, res[0][0], res[1][0], NULL, nout, tol);
+        if (sc->feed)
+            compare("fed step's out", tag, fed_out[0], fed_out[1], NULL, nout, tol);
         compare("state h", tag, res[0][1], res[1][1], NULL, tab, tol);
         compare("h before", tag, res[0][3], res[1][3], NULL, blh, tol);
         if (lstm) {
@@ -649,9 +659,11 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
             compare("c before", tag, res[0][4], res[1][4], NULL, blh, tol);
         }
     }
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 2; k++) {
         for (int i = 0; i < 5; i++)
             free(res[k][i]);
+        free(fed_out[k]);
+    }
     free(params), free(x), free(sh), free(sc_), free(init), free(rows), free(perm);
 }
 
@@ -898,6 +910,15 @@ int main(int argc, char **argv) {
             test_seq(&gpu, &cpu, &wg_short[i], false, 0.0f, 0.8f);
         const struct seq_case wg_kp = {GRU, F32, 64, 128, 1, 37, 21, 0.2, STATE_H0, AUTO};
         test_wg_kp(&gpu, &wg_kp);
+        // The step kernels read layer 0's x before their programmatic wait where the step before
+        // wrote none of it (every case's later steps above); here every other step's x is the
+        // out of the step before, which they must not read early. Last, as wg_cases.
+        const struct step_case feed[] = {
+            {GRU, F32, 256, 256, 1, 1024, 2048, false, true, true},
+            {LSTM, F32, 128, 128, 2, 600, 700, false, false, true},
+        };
+        for (int i = 0; i < (int)(sizeof(feed) / sizeof(feed[0])); i++)
+            test_step(&gpu, &cpu, &feed[i]);
     }
 
     printf("%d checks, %d failed\n", checks, failures);

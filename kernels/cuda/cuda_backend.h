@@ -29,8 +29,10 @@ int rnnd_cuda_phase_clocks(struct rnnd_backend *b, int B, int T, double fwd[8], 
 // RNND_CUDA_PATH_PERSISTENT or _STEPWISE: what rnn_forward of m runs on b now.
 int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m);
 // The backend's cudaStream_t (as void *), for timing with events on the same stream and for
-// capturing ops in a CUDA graph. A kernel of the caller's own on it must not write a step's
-// weights: a step that follows a step reads them before its programmatic wait (step_kargs.pre).
+// capturing ops in a CUDA graph. A kernel of the caller's own on it between two steps must not
+// write the second one's weights or inputs: a step that follows a step reads them before its
+// programmatic wait (step_kargs.pre, early_x). Inputs that the caller writes go through copy_in
+// (or any backend op), after which the next step waits first.
 void *rnnd_cuda_stream(const struct rnnd_backend *b);
 
 #ifdef __cplusplus

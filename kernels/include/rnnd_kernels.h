@@ -152,7 +152,10 @@ struct rnnd_seq_grads {
 // indices are in device memory, leaves the result undefined). So a call never reads a state it
 // has already replaced, and the CUDA kernels need no barrier between the blocks that read a row's
 // old state and those that write its new one (kernels/bench/NOTES.md "single step" v19). A
-// caller keeps two rows per env and alternates them (the daemon: rows slot and slot + S).
+// caller keeps two rows per env and alternates them (the daemon: rows slot and slot + S). The
+// inputs (x, is_init, slots, slots_new) never lie in the state tables, nor overlap this call's
+// out, h_before or c_before; they may be what the call before wrote there (x = the last out):
+// the CUDA backend then waits for that call before it reads them ("single step" v20).
 struct rnnd_step {
     int B;
     const float *x;           // (B, I)

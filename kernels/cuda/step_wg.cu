@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(SW_NT, 2)
         for (int h = 0; h < 2; h++) {
             const int m = 16 * w + g + 8 * h, b = row0 + m, uu = 16 * wq + 8 * j + 2 * tg;
             const int u = u0 + uu;
-            if (b >= a.B || u >= H)
+            if (b >= a.B || u >= H) // H % 4 == 0: units u and u + 1 both exist or neither
                 continue;
             const float2 ho = hp[j][h];
             const float2 co = GRU ? make_float2(0.0f, 0.0f)

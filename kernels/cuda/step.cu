@@ -29,7 +29,8 @@
  * safe. On Hopper the kernels are launched programmatically (PDL; the tile and few-rows kernels
  * where their copies bypass L1): their blocks may become resident while the previous kernel
  * runs, read only weights and biases before that kernel has completed (griddepcontrol.wait;
- * step_kargs.pre), and read through L2 only.
+ * step_kargs.pre; step_wg.cu's kernel also layer 0's inputs, step_kargs.early_x), and read
+ * through L2 only.
  */
 #include "step.cuh"
 
@@ -920,10 +921,12 @@ int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const 
                        : step_dispatch<cell_gru, step_tf32>(c, step, params, m);
     }
     c->step_tail = err == 0;
-    const size_t blh = (size_t)step->B * m->L * m->H * sizeof(float);
-    c->step_wrote[0] = {step->out, (size_t)step->B * m->H * sizeof(float)};
-    c->step_wrote[1] = {step->h_before, step->h_before ? blh : 0};
-    c->step_wrote[2] = {step->c_before, step->c_before ? blh : 0};
+    if (err == 0) {
+        const size_t blh = (size_t)step->B * m->L * m->H * sizeof(float);
+        c->step_wrote[0] = {step->out, (size_t)step->B * m->H * sizeof(float)};
+        c->step_wrote[1] = {step->h_before, step->h_before ? blh : 0};
+        c->step_wrote[2] = {step->c_before, step->c_before ? blh : 0};
+    }
     return err;
 }
 

@@ -10,7 +10,8 @@
 // Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
 // "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
-// Trial bit (bench/NOTES.md "single step" v20): no early x.
+// Bench variant: layer 0 never reads its inputs before the wait (step_kargs.early_x), as in a
+// step that starts cold (bench/NOTES.md "single step" v20).
 #define RNND_STEP_VARIANT_NO_EARLY_X 16
 
 static __device__ __forceinline__ void cp_commit() {
@@ -22,18 +23,13 @@ template <int N> static __device__ __forceinline__ void cp_wait() {
 
 // Programmatic dependent launch (Hopper; no-ops before sm_90 and in a grid launched without it):
 // every step kernel waits for the previous kernel on the stream to complete (its writes visible)
-// before it reads what that kernel may have written, then lets the next one start its blocks.
-// What no earlier kernel can be writing (step_kargs.pre: the weights and biases) may be read
-// before the wait, while the previous kernel finishes.
-static __device__ __forceinline__ void grid_dependency_wait() {
+// before it reads what that kernel may have written, then lets the next one start its blocks;
+// they still wait for this grid's completion before they read anything it may write. What no
+// earlier kernel can be writing may be read before the wait, while the previous kernel finishes:
+// the weights and biases (step_kargs.pre), and at layer 0 the step's inputs (step_kargs.early_x).
+static __device__ __forceinline__ void grid_wait_then_release() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets the next kernel on the stream (when launched programmatically) start its blocks; they
-// still wait for this grid's completion before they read anything it may write.
-static __device__ __forceinline__ void grid_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
@@ -66,8 +62,7 @@ struct step_kargs {
 template <class Load> static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
     if (a.pre)
         load();
-    grid_dependency_wait();
-    grid_launch_dependents();
+    grid_wait_then_release();
     if (!a.pre)
         load();
 }

@@ -195,10 +195,8 @@ __global__ void __launch_bounds__(SW_NT, 2)
     // before the cell.
     float *cs = reinterpret_cast<float *>(sm + LY::OFF_C);
     auto start_h = [&] {
-        if (a.early_x) {
-            grid_dependency_wait();
-            grid_launch_dependents();
-        }
+        if (a.early_x)
+            grid_wait_then_release();
         if constexpr (!GRU) {
 #pragma unroll
             for (int i = 0; i < SW_MT * SW_UT / 4 / SW_NT; i++) {

@@ -141,10 +141,8 @@ __device__ __forceinline__ int roff(int row, int lu) {
 // max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
 // columns.
 __device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H, int K, int rank) {
-    for (int e = threadIdx.x; e < 4 * UPC * K; e += CTHREADS) {
-        int q = e / (UPC * K), rem = e - q * UPC * K;
-        m = fmaxf(m, fabsf(__ldg(W + (size_t)(q * H + rank * UPC) * K + rem)));
-    }
+    for (int q = 0; q < 4; q++)
+        m = fmaxf(m, persist_absmax(W + (size_t)(q * H + rank * UPC) * K, UPC * K));
     return m;
 }
 

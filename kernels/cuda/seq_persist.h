@@ -108,9 +108,12 @@ int rnnd__cluster80_lstm_active(bool backward);
 int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
 
-// The GRU forward with warpgroup MMAs (seq_wg.cu; built when the architectures include 90, as
-// RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with 1 <= I_l <= 64, a.vec and
-// a.xvec, no gate tape (z rows only, seq.cu's layout); RNND_ENOTSUP for other arguments.
+// The GRU and LSTM forwards with warpgroup MMAs (seq_wg.cu; built when the architectures
+// include 90, as RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with
+// 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the GRU without a gate tape, the
+// LSTM with its fp16 one (a.shalf) exactly when z rows are written; RNND_ENOTSUP for other
+// arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

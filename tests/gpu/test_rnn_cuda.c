@@ -920,6 +920,17 @@ int main(int argc, char **argv) {
         };
         for (int i = 0; i < (int)(sizeof(feed) / sizeof(feed[0])); i++)
             test_step(&gpu, &cpu, &feed[i], true);
+        // The wgmma LSTM forward (sm_90, NOTES v23) as wg_cases and wg_short above: padded H
+        // and I_l with stored states (c included) under a second layer it does not take, h0 and
+        // c0, two and three steps. Last, as wg_cases.
+        const struct seq_case wg_lstm[] = {
+            {LSTM, F32, 20, 100, 2, 45, 13, 0.1, STATE_HIDDEN, AUTO},
+            {LSTM, F32, 36, 124, 1, 17, 9, 0.3, STATE_H0, AUTO},
+            {LSTM, F32, 64, 128, 1, 33, 2, 0.5, STATE_HIDDEN, AUTO},
+            {LSTM, F32, 64, 128, 1, 18, 3, 0.0, STATE_H0, AUTO},
+        };
+        for (int i = 0; i < (int)(sizeof(wg_lstm) / sizeof(wg_lstm[0])); i++)
+            test_seq(&gpu, &cpu, &wg_lstm[i], false, 0.0f, 0.8f);
     }
 
     printf("%d checks, %d failed\n", checks, failures);

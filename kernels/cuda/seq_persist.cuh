@@ -1664,7 +1664,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
 
     // W_hh in storage order (pairs of units are adjacent in it), W_ih as the forward's x
-    // fragments.
+    // fragments. Unrolled, for loads in flight (one pair at a time took ~2% of the loop).
+#pragma unroll 4
     for (int e = threadIdx.x; e < G * HP * (HP / 2); e += blockDim.x) {
         int pr = e / (HP / 2), pc = 2 * (e - pr * (HP / 2));
         int q = pr / HP, row = persist_rc_unit(pr - q * HP), col = persist_rc_unit(pc);

@@ -699,6 +699,15 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
                           cudaStream_t stream) {
     if (m->cell == RNND_CELL_LSTM && a->s && !a->shalf)
         return RNND_EINVAL;
+#ifdef RNND_HAVE_WG
+    if (a->wg && m->compute != RNND_COMPUTE_BF16 && m->H > 96) {
+        // The wgmma loops (seq_wg.cu) where their arguments allow it, else the persistent ones.
+        int err = m->cell == RNND_CELL_LSTM ? rnnd__wg_lstm_forward(a, stream)
+                                            : rnnd__wg_gru_forward(a, stream);
+        if (err != RNND_ENOTSUP)
+            return err;
+    }
+#endif
     return persist_dispatch(m, false, a, stream);
 }
 

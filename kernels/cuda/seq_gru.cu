@@ -16,14 +16,6 @@ int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaSt
         return bf16 ? persist_launch_backward_rc<mode_bf16, 128>(a, stream)
                     : persist_launch_backward_rc<mode_tf32, 128>(a, stream);
     }
-#ifdef RNND_HAVE_WG
-    if (!backward && !bf16 && HP == 128 && static_cast<const persist_fwd_args *>(args)->wg) {
-        // The wgmma loop where its arguments allow it (seq_wg.cu), else the loops below.
-        int err = rnnd__wg_gru_forward(static_cast<const persist_fwd_args *>(args), stream);
-        if (err != RNND_ENOTSUP)
-            return err;
-    }
-#endif
     if (!bf16 && HP == 128) {
         int err = persist_launch_variant<cell_gru>(backward, args, stream);
         if (err != RNND_ENOTSUP)

@@ -9,14 +9,6 @@
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
 int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
-#ifdef RNND_HAVE_WG
-    if (!backward && !bf16 && HP == 128 && static_cast<const persist_fwd_args *>(args)->wg) {
-        // The wgmma loop where its arguments allow it (seq_wg.cu), else the loops below.
-        int err = rnnd__wg_lstm_forward(static_cast<const persist_fwd_args *>(args), stream);
-        if (err != RNND_ENOTSUP)
-            return err;
-    }
-#endif
     if (!bf16 && HP == 128) {
         int err = persist_launch_variant<cell_lstm>(backward, args, stream);
         if (err != RNND_ENOTSUP)

@@ -19,10 +19,11 @@
  * to two steps ahead, and hands it over in shared memory in the consumers' accumulator layout
  * (NOTES v17: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
  * gives the consumers 200 registers (W_hh alone takes 96) and the producer 104. The LSTM's
- * fourth gate (o) takes its W_hh from shared memory (NOTES v23).
+ * fourth gate (o), and with a tape its third (g) too, take W_hh from shared memory (wg_gr).
  *
- * Operands in shared memory (B: h and x tiles; A: W_ih, the LSTM's W_ho) are K-major fp16 in 8 x 8 core
- * matrices (8 rows of 16 bytes, 128 contiguous bytes), no swizzle: core matrices adjacent in K
+ * Operands in shared memory (B: h and x tiles; A: W_ih, the W_hh of gates not in registers) are
+ * K-major fp16 in 8 x 8 core matrices (8 rows of 16 bytes, 128 contiguous bytes), no swizzle:
+ * core matrices adjacent in K
  * 128 bytes apart (the descriptor's leading byte offset), adjacent 8-row groups K/8 * 128
  * apart (its stride byte offset). Scales as in the mma.sync loops: weights and h by powers of
  * two (persist_wscale, persist_hscale), each x row by its own (persist_row16).
@@ -140,10 +141,6 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
 }
 
-// Cell: cell_gru or cell_lstm. V: bench variant bit 8, phase clocks of warp 0 (8 phases,
-// persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) and, for
-// the LSTM, the s rows (the gates' pre-activations in fp16 and cprev; the GRU's backward
-// recomputes its gates from the z rows).
 // Gates whose W_hh a consumer holds in registers (the others' come from shared memory): all
 // three of the GRU's; three of the LSTM's four (128 registers of weights would leave too few for
 // the rest), two where it writes a tape (its deferred stores need the registers; NOTES v23).
@@ -151,6 +148,10 @@ template <class Cell, bool Z> constexpr int wg_gr() {
     return Cell::G == 4 && Z ? 2 : 3;
 }
 
+// Cell: cell_gru or cell_lstm. V: bench variant bit 8, phase clocks of warp 0 (8 phases,
+// persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) and, for
+// the LSTM, the s rows (the gates' pre-activations in fp16 and cprev; the GRU's backward
+// recomputes its gates from the z rows).
 template <class Cell, int V, bool Z>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -178,7 +179,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
     // Row m of an m64 A tile of unit half hf (W_ih's, W_hh's in shared memory and in registers)
     // is unit 64 hf + 16 (m / 16) + 2 (m % 8) + (m / 8) % 2: a consumer's two units are adjacent.
-    auto tile_unit = [](int hf, int m) { return 64 * hf + 16 * (m >> 4) + 2 * (m & 7) + ((m >> 3) & 1); };
+    auto tile_unit = [](int hf, int m) {
+        return 64 * hf + 16 * (m >> 4) + 2 * (m & 7) + ((m >> 3) & 1);
+    };
     // W_ih as A tiles in shared memory (tile G half + gate); W_hh's gates past GR likewise
     // (tile GS half + gate - GR); zero past H and I_l. Unrolled, for loads in flight: one at a
     // time, these fills took ~5% of a 0.8 ms loop (NOTES v23). The x tile's padding, the x
@@ -565,8 +568,9 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
         (LSTM ? !a->z != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
         return RNND_ENOTSUP;
-    auto kernel = a->variant & 8 ? (a->z ? seq_wg_forward<Cell, 8, true> : seq_wg_forward<Cell, 8, false>)
-                                 : (a->z ? seq_wg_forward<Cell, 0, true> : seq_wg_forward<Cell, 0, false>);
+    auto kernel = a->variant & 8
+                      ? (a->z ? seq_wg_forward<Cell, 8, true> : seq_wg_forward<Cell, 8, false>)
+                      : (a->z ? seq_wg_forward<Cell, 0, true> : seq_wg_forward<Cell, 0, false>);
     const int smem = (int)(a->z ? wg_geom<Cell::G, wg_gr<Cell, true>()>::SMEM
                                 : wg_geom<Cell::G, wg_gr<Cell, false>()>::SMEM);
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -628,6 +628,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
     using TR = tape_rec<cell_lstm, true>; // the only tape it runs on (cluster_backward)
+    static_assert(TR::SH == 4, "four fp16 planes and cprev");
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float rowmax[NWC][ROWS];
@@ -737,7 +738,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // registers. WIDE: loaded at the start of the step (no registers to spare for a prefetch
     // across the barriers); step t - 1's are prefetched into L2 right after (one lane in four: a
     // 32-byte sector).
-    float2 sv[5][MT][2], gy[MT][2];
+    // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
+    uint32_t svh[4][MT][2];
+    float2 sv[MT][2], gy[MT][2]; // sv: cprev
     int reset[MT][2];
     auto load_step = [&](int t) {
 #pragma unroll
@@ -747,9 +750,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 size_t r = rowb(mt, i) * T + t;
                 bool ok = rv[mt][i];
 #pragma unroll
-                for (int p = 0; p < 5; p++)
-                    sv[p][mt][i] =
-                        ok ? TR::get2(a.s + r * TR::floats(H), p, H, ub) : make_float2(0.0f, 0.0f);
+                for (int p = 0; p < 4; p++)
+                    svh[p][mt][i] = ok ? TR::ld2_packed(a.s + r * TR::floats(H), p, H, ub) : 0u;
+                sv[mt][i] =
+                    ok ? TR::get2(a.s + r * TR::floats(H), 4, H, ub) : make_float2(0.0f, 0.0f);
                 gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(a.is_init + r, ok);
@@ -800,8 +804,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int j = 0; j < 2; j++) {
                     float s[5], d[4], tl[4], ddir;
 #pragma unroll
-                    for (int p = 0; p < 5; p++)
-                        s[p] = j ? sv[p][mt][i].y : sv[p][mt][i].x;
+                    for (int p = 0; p < 4; p++) {
+                        const float2 v = TR::unpack2(svh[p][mt][i]);
+                        s[p] = j ? v.y : v.x;
+                    }
+                    s[4] = j ? sv[mt][i].y : sv[mt][i].x;
                     float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dhv.y : dhv.x);
                     cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
                                               dcp[mt][i][j]);

@@ -620,9 +620,16 @@ struct tape_rec {
         else
             fp(row, p, H)[u] = v;
     }
+    // Units u, u+1 of 16-bit plane p packed, and their values (see ld4_packed).
+    static __device__ __forceinline__ uint32_t ld2_packed(const float *row, int p, int H, int u) {
+        return __ldg(reinterpret_cast<const uint32_t *>(hp(row, p, H) + u));
+    }
+    static __device__ __forceinline__ float2 unpack2(uint32_t q) {
+        return __half22float2(*reinterpret_cast<const __half2 *>(&q));
+    }
     static __device__ __forceinline__ float2 get2(const float *row, int p, int H, int u) {
         if (p < SH)
-            return __half22float2(__ldg(reinterpret_cast<const __half2 *>(hp(row, p, H) + u)));
+            return unpack2(ld2_packed(row, p, H, u));
         return __ldg(reinterpret_cast<const float2 *>(fp(row, p, H) + u));
     }
     static __device__ __forceinline__ void put2(float *row, int p, int H, int u, float2 v) {
@@ -631,18 +638,26 @@ struct tape_rec {
         else
             *reinterpret_cast<float2 *>(fp(row, p, H) + u) = v;
     }
+    // Units u0..u0+3 of 16-bit plane p (u0 % 4 == 0, vector access) packed, zeros where !ok or
+    // past H, and their values: a loop that loads a step ahead keeps them packed until it uses
+    // them (NOTES v23).
+    static __device__ __forceinline__ uint2 ld4_packed(const float *row, int p, int u0, int H,
+                                                       bool ok) {
+        return ok && u0 < H ? __ldg(reinterpret_cast<const uint2 *>(hp(row, p, H) + u0))
+                            : make_uint2(0u, 0u);
+    }
+    static __device__ __forceinline__ void unpack4(float v[4], uint2 q) {
+        float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&q.x));
+        float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&q.y));
+        v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+    }
     template <bool VEC>
     static __device__ __forceinline__ void ld4(float v[4], const float *row, int p, int u0, int H,
                                                bool ok) {
         if (p >= SH)
             return ::ld4<VEC>(v, fp(row, p, H) + u0, u0, H, ok);
         if (VEC) {
-            uint2 q = make_uint2(0u, 0u);
-            if (ok && u0 < H)
-                q = __ldg(reinterpret_cast<const uint2 *>(hp(row, p, H) + u0));
-            float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&q.x));
-            float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&q.y));
-            v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+            unpack4(v, ld4_packed(row, p, u0, H, ok));
         } else {
 #pragma unroll
             for (int j = 0; j < 4; j++)
@@ -1334,16 +1349,25 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             ld4<VEC>(dc[i], a.gc_n + at, u0, H, rv[i]);
     }
 
-    // Step t's tape record, output gradient, h entering the step and reset flag.
+    // Step t's tape record, output gradient, h entering the step and reset flag. With vector
+    // access the record's 16-bit planes stay packed (svh) until the step's top: converted at
+    // the load, a step ahead, ptxas waited for the load there (12% of the LSTM loop's stall
+    // samples; NOTES v23).
+    constexpr int SHP = VEC ? TR::SH : 0;
     float sv[SW][2][4], gy[2][4], hp[2][4];
+    uint2 svh[SHP > 0 ? SHP : 1][2];
     int reset[2];
     auto load_step = [&](int t) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             size_t r = rbase[i] + t;
 #pragma unroll
-            for (int p = 0; p < SW; p++)
-                TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
+            for (int p = 0; p < SW; p++) {
+                if (p < SHP)
+                    svh[p][i] = TR::ld4_packed(a.s + r * TR::floats(H), p, u0, H, rv[i]);
+                else
+                    TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
+            }
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
             if (LSTM)
                 zero4(hp[i]);
@@ -1401,6 +1425,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
     for (int t = T - 1; t >= 0; t--) {
         clk.start();
+#pragma unroll
+        for (int p = 0; p < SHP; p++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                TR::unpack4(sv[p][i], svh[p][i]);
         // Gate gradients of step t.
         float ddir[2][4], dcp[2][4], tv[G][2][4], dv[4][2][4];
 #pragma unroll

@@ -1352,7 +1352,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // Step t's tape record, output gradient, h entering the step and reset flag. With vector
     // access the record's 16-bit planes stay packed (svh) until the step's top: converted at
     // the load, a step ahead, ptxas waited for the load there (12% of the LSTM loop's stall
-    // samples; NOTES v23).
+    // samples). Since then the loads have a step to land, and v22's fetch of the step after
+    // into L2 only cost time (its instructions waited on the memory queue; NOTES v23).
     constexpr int SHP = VEC ? TR::SH : 0;
     float sv[SW][2][4], gy[2][4], hp[2][4];
     uint2 svh[SHP > 0 ? SHP : 1][2];
@@ -1376,42 +1377,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
-    // LSTM: step t's record and output gradient into L2, a step before load_step reads them, so
-    // that its loads wait on L2 rather than DRAM (ncu: 35% of the loop's stall samples were on
-    // global loads). One lane a row: a warp's 16 units are 32 bytes of a 16-bit plane, 64 of an
-    // fp32 one. The GRU's loop here (fp32 planes) was 4% slower with it (NOTES v22).
-    auto prefetch_step = [&](int t) {
-        if constexpr (LSTM) {
-            if (tg != 0 || u0 >= H)
-                return;
-            const bool two = u0 + 8 < H; // the second 32 bytes of the fp32 rows' 16 units
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                if (!rv[i])
-                    continue;
-                const size_t r = rbase[i] + t;
-                const float *row = a.s + r * TR::floats(H);
-#pragma unroll
-                for (int p = 0; p < SW; p++) {
-                    if (p < TR::SH) {
-                        prefetch_l2(TR::hp(row, p, H) + u0);
-                    } else {
-                        prefetch_l2(TR::fp(row, p, H) + u0);
-                        if (two)
-                            prefetch_l2(TR::fp(row, p, H) + u0 + 8);
-                    }
-                }
-                prefetch_l2(a.gy + r * a.ldgy + u0);
-                if (two)
-                    prefetch_l2(a.gy + r * a.ldgy + u0 + 8);
-            }
-        } else {
-            (void)t;
-        }
-    };
     load_step(T - 1);
-    if (T > 1)
-        prefetch_step(T - 2);
     // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
     // and 32 LSTM k-steps at HP = 128 in TF32 mode); not in the scalar-access loops, which
     // would spill.
@@ -1472,8 +1438,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             fence_proxy_async();
         if (t > 0)
             load_step(t - 1); // in flight during the MMA
-        if (t > 1)
-            prefetch_step(t - 2);
         clk.mark(1);
         __syncthreads();
         clk.mark(2);

@@ -258,26 +258,26 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         // row-scaled (persist_row16); x(t) W_ih^T for all 2G tiles, scaled and with b_ih, into
         // slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
-        auto fetch_x = [&](int t) { // 2 x 4 consecutive of the block's 16 x I_l values
+        // A thread moves columns [cx, cx + 4) of rows 8j + x / 16 (j = 0, 1) of x: it fetches
+        // and converts the same values, so no barrier comes between (NOTES v23m).
+        const int cx = 4 * (x & 15);
+        auto fetch_x = [&](int t) {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                const int xe = (x + 128 * j) * 4, xrow = xe / Il, xcol = xe - xrow * Il;
-                const bool ok = blockIdx.x * 16 + xrow < a.B; // else zeros
-                if (t < T && xe < 16 * Il)
-                    cp_async16(stage + (t % WG_NSTAGE) * 16 * WG_XK + xrow * WG_XK + xcol,
-                               ok ? a.x + ((size_t)(blockIdx.x * 16 + xrow) * T + t) * a.ldx + xcol
-                                  : a.x,
-                               ok);
+                const int row = 8 * j + (x >> 4), b = blockIdx.x * 16 + row;
+                const bool ok = b < a.B; // else zeros
+                if (t < T && cx < Il)
+                    cp_async16(stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx,
+                               ok ? a.x + ((size_t)b * T + t) * a.ldx + cx : a.x, ok);
             }
             asm volatile("cp.async.commit_group;" ::: "memory"); // one group a step, maybe empty
         };
         // x(t), landed in its stage, into x tile t % 2 and its rows' inverse scales.
         auto convert_x = [&](int t) {
             asm volatile("cp.async.wait_group 2;" ::: "memory"); // x(t) is in (t+1, t+2 may not be)
-            bar_sync(WG_BAR_PROD, 128);                          // every thread's part of it
 #pragma unroll
             for (int j = 0; j < 2; j++) { // a half-warp a row
-                const int row = 8 * j + (x >> 4), cx = 4 * (x & 15);
+                const int row = 8 * j + (x >> 4);
                 const float4 v = *reinterpret_cast<const float4 *>(
                     stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx);
                 const float inv =

@@ -182,28 +182,27 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     auto tile_unit = [](int hf, int m) {
         return 64 * hf + 16 * (m >> 4) + 2 * (m & 7) + ((m >> 3) & 1);
     };
-    // W_ih as A tiles in shared memory (tile G half + gate); W_hh's gates past GR likewise
-    // (tile GS half + gate - GR); zero past H and I_l. Unrolled, for loads in flight: one at a
-    // time, these fills took ~5% of a 0.8 ms loop (NOTES v23). The x tile's padding, the x
-    // stages and the h tiles start at zero.
+    // Element (row qq H + u, column k) of weight wt (kw columns), scaled; zero past H and kw.
+    auto wval = [&](const float *wt, int kw, int qq, int u, int k) {
+        return u < H && k < kw ? __ldg(wt + (size_t)(qq * H + u) * kw + k) * wscale : 0.0f;
+    };
+    // Gates [q0, q0 + nq) of weight wt (G H rows of kw columns) as m64 A tiles of KP columns in
+    // shared memory at dst (tile nq half + gate - q0), zero past H and kw: W_ih's, and W_hh's of
+    // the gates past GR. Unrolled, for loads in flight: one at a time, these fills took ~5% of a
+    // 0.8 ms loop (NOTES v23).
+    auto fill_tiles = [&](unsigned char *dst, const float *wt, int kw, int q0, int nq, auto kp) {
+        constexpr int KP = decltype(kp)::value;
 #pragma unroll 8
-    for (int e = threadIdx.x; e < 2 * G * 64 * WG_XK; e += WG_THREADS) {
-        const int tile = e / (64 * WG_XK), m = (e / WG_XK) % 64, k = e % WG_XK;
-        const int qq = tile % G, u = tile_unit(tile / G, m);
-        const float v =
-            u < H && k < Il ? __ldg(a.w_ih + (size_t)(qq * H + u) * Il + k) * wscale : 0.0f;
-        *reinterpret_cast<__half *>(wih + tile * WG_WIH_TILE + km_off(m, k, WG_XK / 8)) =
-            __float2half_rn(v);
-    }
-#pragma unroll 8
-    for (int e = threadIdx.x; e < 2 * GS * 64 * WG_HP; e += WG_THREADS) {
-        const int tile = e / (64 * WG_HP), m = (e / WG_HP) % 64, k = e % WG_HP;
-        const int qq = GR + tile % (GS > 0 ? GS : 1), u = tile_unit(tile / (GS > 0 ? GS : 1), m);
-        const float v =
-            u < H && k < H ? __ldg(a.w_hh + (size_t)(qq * H + u) * H + k) * wscale : 0.0f;
-        *reinterpret_cast<__half *>(whs + tile * WG_WHS_TILE + km_off(m, k, WG_HP / 8)) =
-            __float2half_rn(v);
-    }
+        for (int e = threadIdx.x; e < 2 * nq * 64 * KP; e += WG_THREADS) {
+            const int tile = e / (64 * KP), m = (e / KP) % 64, k = e % KP;
+            const int qq = q0 + tile % nq, u = tile_unit(tile / nq, m);
+            *reinterpret_cast<__half *>(dst + tile * (64L * KP * 2) + km_off(m, k, KP / 8)) =
+                __float2half_rn(wval(wt, kw, qq, u, k));
+        }
+    };
+    fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, WG_XK>());
+    if constexpr (GS > 0)
+        fill_tiles(whs, a.w_hh, H, GR, GS, std::integral_constant<int, WG_HP>());
     // W_hh of the first GR gates as the consumers' A fragments: a0 = {W[u0][k], W[u0][k+1]},
     // a1 = unit u0+1, a2, a3 = the same at k + 8; k = 16 ks + 2 tg. Staged in shared memory
     // (fragment f = 8 gate + ks of consumer c at f * 256 + c): read straight from global memory
@@ -212,15 +211,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     for (int e = threadIdx.x; e < 8 * GR * WG_CONS; e += WG_THREADS) {
         const int f = e / WG_CONS, c = e % WG_CONS, qq = f / 8, k = 16 * (f % 8) + 2 * (c & 3);
         const int u = 64 * (c >> 7) + 16 * ((c >> 5) & 3) + 2 * ((c & 31) >> 2);
-        auto whh = [&](int uu, int kk) {
-            return uu < H && kk < H ? __ldg(a.w_hh + (size_t)(qq * H + uu) * H + kk) * wscale
-                                    : 0.0f;
-        };
+        auto whh = [&](int uu, int kk) { return wval(a.w_hh, H, qq, uu, kk); };
         wfrag[e] = make_uint4(HM::pack2(whh(u, k), whh(u, k + 1)),
                               HM::pack2(whh(u + 1, k), whh(u + 1, k + 1)),
                               HM::pack2(whh(u, k + 8), whh(u, k + 9)),
                               HM::pack2(whh(u + 1, k + 8), whh(u + 1, k + 9)));
     }
+    // The x tile's padding, the x stages and the h tiles start at zero.
     for (long e = threadIdx.x; e < (Gm::OFF_XINV - Gm::OFF_H) / 4; e += WG_THREADS)
         reinterpret_cast<float *>(smem + Gm::OFF_H)[e] = 0.0f;
     // Biases (zero past H), read each step: registers go to W_hh.
@@ -509,9 +506,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 }
                 Cell::template forward<true>(xc, hq, h[r][i], c[r][i], hn[r][i], cn[r][i], s[i]);
             }
+            if constexpr (Z && LSTM)
 #pragma unroll
-            for (int qq = 0; qq < G; qq++)
-                sv[qq][r] = HM::pack2(s[0][qq], s[1][qq]);
+                for (int qq = 0; qq < G; qq++)
+                    sv[qq][r] = HM::pack2(s[0][qq], s[1][qq]);
         }
         if constexpr ((V & 8) != 0)
             persist_wait_for(hn[0][0] + hn[3][1], a.dbg);

@@ -530,6 +530,42 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
     seq_host_free(&h);
 }
 
+// The TF32 loops scale their weights into fp16 by the largest |w| (persist_absmax: 16-byte
+// loads where a weight is 16-byte aligned, single floats after that and where it is not). Here
+// the last element of every weight_ih and weight_hh is 8 times the others' bound: missed by
+// that maximum, it would overflow fp16 (the others' maximum is scaled into [2^14, 2^15); NaN
+// outputs). With 60 times, H = 7's gradients missed 1e-3 by TF32's own errors (1.4e-3). Cases: the wgmma forwards and the
+// recomputing and tape backwards (H = 128), H = 7 (its weight_hh not 16-byte aligned, its
+// weight_ih a single-float tail), and the cluster loops (H = 256, whose CTAs each take the
+// maximum of their own gate rows).
+static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                                 const struct seq_case *sc) {
+    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct seq_sizes z = seq_sizes_of(sc);
+    char tag[64];
+    snprintf(tag, sizeof(tag), "%s fp32 H%d L%d weight outliers",
+             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->H, sc->L);
+    struct seq_host h;
+    seq_host_init(&h, sc, 0.0f, 0.8f);
+    for (int k = 0; k < rnnd_model_param_tensors(&m); k++) {
+        struct rnnd_param_tensor pt;
+        rnnd_model_param_tensor(&m, k, &pt);
+        if (k % 4 == RNND_PARAM_WEIGHT_IH || k % 4 == RNND_PARAM_WEIGHT_HH)
+            h.params[pt.offset + pt.count - 1] = (float)(8.0 / sqrt((double)sc->H));
+    }
+    struct seq_out og, oc;
+    if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
+        const double tol = tolerance(sc->compute);
+        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
+        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, z.nout, tol);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Single step with slot gather/scatter (optionally captured in a CUDA graph on the GPU side)
 
@@ -931,6 +967,14 @@ int main(int argc, char **argv) {
         };
         for (int i = 0; i < (int)(sizeof(wg_lstm) / sizeof(wg_lstm[0])); i++)
             test_seq(&gpu, &cpu, &wg_lstm[i], false, 0.0f, 0.8f);
+        const struct seq_case outliers[] = {
+            {GRU, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+            {LSTM, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+            {GRU, F32, 5, 7, 2, 9, 6, 0.2, STATE_H0, AUTO},
+            {LSTM, F32, 64, 256, 1, 33, 8, 0.1, STATE_H0, AUTO},
+        };
+        for (int i = 0; i < (int)(sizeof(outliers) / sizeof(outliers[0])); i++)
+            test_weight_outliers(&gpu, &cpu, &outliers[i]);
     }
 
     printf("%d checks, %d failed\n", checks, failures);

@@ -534,10 +534,10 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
 // loads where a weight is 16-byte aligned, single floats after that and where it is not). Here
 // the last element of every weight_ih and weight_hh is 8 times the others' bound: missed by
 // that maximum, it would overflow fp16 (the others' maximum is scaled into [2^14, 2^15); NaN
-// outputs). With 60 times, H = 7's gradients missed 1e-3 by TF32's own errors (1.4e-3). Cases: the wgmma forwards and the
-// recomputing and tape backwards (H = 128), H = 7 (its weight_hh not 16-byte aligned, its
-// weight_ih a single-float tail), and the cluster loops (H = 256, whose CTAs each take the
-// maximum of their own gate rows).
+// outputs). With 60 times, H = 7's gradients missed 1e-3 by TF32's own errors (1.4e-3).
+// Cases: the wgmma forwards and the recomputing and tape backwards (H = 128), H = 7 (its
+// weight_hh not 16-byte aligned, its weight_ih a single-float tail), and the cluster loops
+// (H = 256, whose CTAs each take the maximum of their own gate rows).
 static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                                  const struct seq_case *sc) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};

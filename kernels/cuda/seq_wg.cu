@@ -58,7 +58,8 @@ constexpr int WG_NSTAGE = 3;                  // x stages (x arrives 3 steps ahe
 // (2 unit halves x G gates), W_hh of the other gates, h and x tiles, x stages, the rows' 1/x
 // scales, biases (b_ih, b_hh: 2G x WG_HP), reduction scratch, 4 mbarriers (full[2], empty[2]),
 // the x part's two slots (fp32), which first hold the consumers' W_hh fragments on their way
-// into registers. GRU 123 KB; LSTM 188 KB (GR 3) or 220 KB (GR 2).
+// into registers and, being larger than the slots, set the size: GRU 171 KB, LSTM 220 KB (GR 2
+// or 3).
 template <int G, int GR> struct wg_geom {
     static constexpr int GS = G - GR;
     static constexpr long XP = 2L * G * 8 * 128 * 4; // a step's x part

@@ -98,6 +98,17 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
+// Layer l's weight gradients come from seq_dw.cu's product on dw16 chunks (NOTES v25) instead
+// of cuBLAS on D in fp32: the recomputing GRU loop in bf16 mode on compute 9.0, vector access,
+// and no dL/dx wanted from this layer (its GEMM reads D in fp32). Bench variant bit 16384 turns
+// it off.
+#define RNND_SEQ_VARIANT_NO_DW16 16384
+static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool dx,
+                     bool vec) {
+    return cuda_wg(c) && !(c->variant & RNND_SEQ_VARIANT_NO_DW16) &&
+           m->compute == RNND_COMPUTE_BF16 && seq_recompute(c, m, l) && !dx && vec;
+}
+
 // The LSTM H = 256 loops may run in thread-block clusters (seq_cluster.cu, v11 and v11b in
 // kernels/bench/NOTES.md): TF32 mode, sm_90. Bench variant bit 128 turns them off (the per-step
 // path).
@@ -552,11 +563,23 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     int max_ldz = 0;
     for (int l = 0; l < L; l++)
         max_ldz = lay.layer[l].ldz > max_ldz ? lay.layer[l].ldz : max_ldz;
-    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp;
+    bool vec = H % 4 == 0 && aligned16(grad_out) && aligned16(grad_h_n) &&
+               aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
+               aligned16(grads->hidden) && aligned16(grads->cell);
+    // Layer 0 alone may take the dw16 product (each layer above gives dL/dx to the one below).
+    const bool dw16 = seq_dw16(c, m, 0, grads->x != NULL, vec);
+    const int dw_ks = c->num_sms / 4, dw_step = dw_ks * RNND_DW16_CH;
+    const int dw_pitch = CEIL_DIV(CEIL_DIV(B, 16) * T, dw_step) * dw_step;
+    size_t d_bytes = BT * 4 * H * sizeof(float);
+    if (dw16 && (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z) > d_bytes)
+        d_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z);
+    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part;
     struct cuda_carve cv = {0};
     size_t bh = persistent ? 0 : (size_t)B * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
-        d = (float *)cuda_carve(&cv, BT * 4 * H * sizeof(float));
+        d = (float *)cuda_carve(&cv, d_bytes);
+        dw_part = (float *)cuda_carve(
+            &cv, dw16 ? (size_t)dw_ks * 4 * H * RNND_DW16_NZ * sizeof(float) : 0);
         gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dh = (float *)cuda_carve(&cv, bh);
@@ -580,9 +603,6 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     if (grads->cell)
         RNND_CUDA_TRY(cudaMemsetAsync(grads->cell, 0, blh * T, c->stream));
 
-    bool vec = H % 4 == 0 && aligned16(grad_out) && aligned16(grad_h_n) &&
-               aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
-               aligned16(grads->hidden) && aligned16(grads->cell);
     const float *tp = (const float *)tape;
     const int brows = vec ? seq_cluster_bwd(c, m, B) : 0; // rows a cluster of the backward, or 0
     const bool shalf = tape_half(c, m, B); // as the forward
@@ -609,6 +629,18 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         } else if (persistent) {
             a.tma = c->cc_major >= 9;
             a.rc = seq_recompute(c, m, l);
+            if (dw16 && l == 0) {
+                // The chunks past the loop's (whole stages for the product) hold zeros.
+                size_t nch = (size_t)CEIL_DIV(B, 16) * T, pad = dw_pitch - nch;
+                char *base = (char *)d;
+                for (int p = 0; p < 4; p++)
+                    RNND_CUDA_TRY(cudaMemsetAsync(base + (p * dw_pitch + nch) * RNND_DW16_D, 0,
+                                                  pad * RNND_DW16_D, c->stream));
+                RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
+                                                  nch * RNND_DW16_Z,
+                                              0, pad * RNND_DW16_Z, c->stream));
+                a.dw16 = d, a.dw16_pitch = dw_pitch;
+            }
             a.w_ih = lp.w_ih, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             a.h0 = seq->h0, a.hidden = seq->hidden;
             a.xoff = ly->xoff, a.Il = ly->Il;
@@ -628,9 +660,16 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 
         // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step. With D's 4H
         // columns as cuBLAS's M, fwd+bwd is 0.6 ms faster at H = 256 (0.02-0.03 ms at H = 128)
-        // than with z's ldz columns as M (NOTES v20).
-        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_T, 4 * H, ly->ldz, (int)BT, d, 4 * H,
-                      z, ly->ldz, 0.0f, tmp, 4 * H));
+        // than with z's ldz columns as M (NOTES v20). Where the loop wrote dw16 chunks, our
+        // product on them (NOTES v25).
+#ifdef RNND_HAVE_WG
+        if (a.dw16) {
+            struct dw16_args dw = {d, dw_pitch, dw_ks, H, ly->Il, ly->xoff, dw_part, tmp};
+            RNND_TRY(rnnd__dw16_product(&dw, c->stream));
+        } else
+#endif
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_T, 4 * H, ly->ldz, (int)BT, d,
+                          4 * H, z, ly->ldz, 0.0f, tmp, 4 * H));
         struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);
         size_t n = (size_t)GH * (ly->Il + H + 1);
         int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)

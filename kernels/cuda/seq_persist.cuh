@@ -1608,6 +1608,21 @@ struct persist_rc_geom {
     static_assert(KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
 };
 
+// dw16 chunks (seq_persist.h): the warp's 8 x 16 block of one row half (lane: row g, its units
+// 4tg..4tg+3 as bf16 pairs lo, hi) into the two K-major core matrices at cm and cm + 256.
+// movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows 2(l%4) and
+// 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The columns come
+// out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2, 4tg+3 in the
+// second).
+static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v[4], int lane) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint32_t a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
+    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
+    *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
+}
+
 // Per step in reverse: gate gradients from the recomputed gates (registers) -> D (stores) and the
 // 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
 // dh = tile . W_hh (K split over warp pairs) interleaved with the recompute of step t-1's gates
@@ -1615,7 +1630,8 @@ struct persist_rc_geom {
 // Phase clocks (V bit 8, v12): gate gradients and D stores; tile puts, loads and the first
 // barrier; row scales, 16-bit tile and the second barrier; both MMAs and the pair exchange;
 // routing; the recompute's cell.
-template <class Mode, int HP, bool VEC, bool XH, int V = 0>
+// DW (bf16 mode): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32.
+template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
     using HM = typename Mode::hmode;
@@ -1862,10 +1878,48 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     rm[i] = fmaxf(rm[i], fabsf(tv[q][i][j]));
                 }
             }
-            size_t r = rbase[i] + t;
+            if constexpr (DW) {
+                // D's 4 planes and z's h part of this row half (rows past B: zeros).
+                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + 2 * w * 256 + i * 128;
+                const size_t c = (size_t)blockIdx.x * T + t, pitch = a.dw16_pitch;
 #pragma unroll
-            for (int p = 0; p < 4; p++)
-                st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p], u0, H, rv[i]);
+                for (int p = 0; p < 4; p++) {
+                    float v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        v[j] = rv[i] ? dv[p][j] : 0.0f;
+                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D, v, lane);
+                }
+                dw16_put(ch + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z, hp[i], lane);
+            } else {
+                size_t r = rbase[i] + t;
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+                    st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p], u0, H, rv[i]);
+            }
+        }
+        if constexpr (DW) {
+            // z's x part (columns 128..191: the x tile of step t, zero past I_l and B) by warps
+            // 0-3, two 8-column groups each, with ldmatrix.trans: lane l gets rows 2(l%4),
+            // 2(l%4)+1 of column l/4 of each 8 x 8 matrix, as dw16_put stores them; warp 4 the
+            // constant 1 (column 192) and zeros.
+            unsigned char *zc = static_cast<unsigned char *>(a.dw16) +
+                                4 * (size_t)a.dw16_pitch * RNND_DW16_D +
+                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+            if (w < 4) {
+                const int mi = lane >> 3, cg = 2 * w + (mi & 1), kh = mi >> 1;
+                uint32_t m4[4];
+                ldmatrix_x4_at<true>(m4, xtile + (t & 1) * (16 * XLD) +
+                                             (8 * kh + (lane & 7)) * XLD + 8 * cg);
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 +
+                                                  (q >> 1) * 128 + 4 * lane) = m4[q];
+            } else if (w == 4) {
+                const uint32_t one = lane < 4 ? 0x3F803F80u : 0u; // bf16 1.0 twice, column 0
+                *reinterpret_cast<uint32_t *>(zc + 24 * 256 + 4 * lane) = one;
+                *reinterpret_cast<uint32_t *>(zc + 24 * 256 + 128 + 4 * lane) = one;
+            }
         }
         if constexpr (HM::SCALED) {
 #pragma unroll
@@ -2023,6 +2077,14 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         return RNND_EINVAL;
     auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, XH>
                         : seq_backward_rc_kernel<Mode, HP, false, XH>;
+    if (a.dw16) { // bf16 mode, vector access (seq.cu asks for nothing else)
+        if constexpr (XH || HP != 128)
+            return RNND_EINVAL;
+        else if (!a.vec || a.H != HP)
+            return RNND_EINVAL;
+        else
+            kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>;
+    }
     if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
         if (a.vec && (a.variant & 8))
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;

@@ -53,6 +53,8 @@ struct persist_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
+    void *dw16;                  // or, instead of d (bf16 rc loop): D and z in dw16 chunks
+    int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)
@@ -115,5 +117,29 @@ int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t
 // arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
+
+// The weight gradients' product z^T D on warpgroup MMAs (seq_dw.cu, sm_90a, NOTES v25) from
+// 16-bit chunks a backward loop writes instead of D in fp32: chunk c = block x T + t holds the
+// block's 16 rows of step t, K-major in 8 x 8 core matrices (element (column n, row r) at
+// (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes). D: 4 planes of H = 128 columns,
+// plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z: RNND_DW16_NZ columns (h's 128, x's
+// 64 padded with zeros, the constant 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z.
+// Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
+// 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
+// (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.
+#define RNND_DW16_D 4096L
+#define RNND_DW16_NZ 200
+#define RNND_DW16_Z (RNND_DW16_NZ * 32L)
+#define RNND_DW16_CH 4
+struct dw16_args {
+    const void *chunks; // as above, bf16
+    int pitch;          // chunks a plane
+    int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
+    int H, Il, xoff;    // the layer: H = 128, I_l <= 64, x's first column in z
+    float *part;        // ks x 4H x RNND_DW16_NZ floats of scratch
+    float *tmp;         // out: (ldz, 4H) z^T D, as cuBLAS's product in seq.cu (h, 1, x rows)
+};
+// Built when the architectures include 90 (RNND_HAVE_WG); RNND_EINVAL for other shapes.
+int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

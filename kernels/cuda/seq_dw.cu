@@ -1,0 +1,190 @@
+/*
+ * seq_dw.cu: the weight gradients' product out = z^T D over every row and step, on warpgroup
+ * MMAs (wgmma, sm_90a only: built for that target alone, asked for only on compute 9.0), from
+ * the bf16 chunks the GRU's recomputing backward writes in bf16 mode (seq_persist.h, dw16).
+ *
+ * Why: at B = 2048, T = 256, H = 128 cuBLAS takes 0.58 ms on the fp32 D and z (1.49 GB, at DRAM
+ * speed), and 0.50 on the same values in 16 bits, row-major. Chunks laid out for the MMA and
+ * fetched by bulk copies take 0.27 ms (0.747 GB at 2.76 TB/s; NOTES v25, probes/dw16.cu).
+ *
+ * Shape: CTA (plane p, K range s): D's plane p (M = 128 columns) against all of z's N = 200
+ * columns over its chunks (K = 16 rows each, one k-step). Two consumer warpgroups, m64 each,
+ * hold 100 fp32 accumulators a thread (m64n200k16); one producer lane brings RNND_DW16_CH chunks
+ * a stage by two bulk copies into DW_NST stages (mbarriers full / empty). Each CTA writes its
+ * partial product; a second kernel sums the ks partials in a fixed order (runs repeat bitwise)
+ * and puts each sum where cuBLAS's product put it, undoing the chunks' column order.
+ */
+#include "common.cuh"
+#include "seq_persist.h"
+#include "wg.cuh"
+
+#include <cuda_bf16.h>
+
+namespace {
+
+constexpr int DW_NST = 4;  // stages
+constexpr int DW_MP = 128; // D's columns a plane
+constexpr long DW_STAGE = RNND_DW16_CH * (RNND_DW16_D + RNND_DW16_Z);
+constexpr long DW_SMEM = DW_NST * DW_STAGE + 2 * DW_NST * 8;
+constexpr int DW_THREADS = 288; // 8 consumer warps, 1 producer warp
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes,
+                                         uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+// d += A B, m64 n200 k16, bf16 A and B K-major in shared memory (descriptors).
+__device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n200k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99"
+        "}, %100, %101, 1, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+          "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+          "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+          "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+          "+f"(d[98]), "+f"(d[99])
+        : "l"(a), "l"(b));
+}
+#endif
+
+__global__ void __launch_bounds__(DW_THREADS, 1)
+    dw16_kernel(const uint8_t *__restrict__ chunks, int pitch, int ks, float *__restrict__ part) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) uint8_t sm[];
+    uint64_t *full = reinterpret_cast<uint64_t *>(sm + DW_NST * DW_STAGE), *empty = full + DW_NST;
+    const int p = blockIdx.x % 4, s = blockIdx.x / 4, warp = threadIdx.x / 32;
+    const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
+    const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
+    const uint8_t *B = chunks + 4 * (size_t)pitch * RNND_DW16_D + (size_t)c0 * RNND_DW16_Z;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < DW_NST; i++) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, 8); // lane 0 of each consumer warp
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (warp == 8) {
+        if (threadIdx.x % 32 == 0)
+            for (int i = 0; i < nst; i++) {
+                const int st = i % DW_NST;
+                if (i >= DW_NST)
+                    mbar_wait(empty + st, (i / DW_NST - 1) & 1);
+                mbar_expect_tx(full + st, (uint32_t)DW_STAGE);
+                mbar_arrive(full + st);
+                uint8_t *dst = sm + st * DW_STAGE;
+                bulk_g2s(dst, A + (size_t)i * RNND_DW16_CH * RNND_DW16_D,
+                         RNND_DW16_CH * RNND_DW16_D, full + st);
+                bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D,
+                         B + (size_t)i * RNND_DW16_CH * RNND_DW16_Z, RNND_DW16_CH * RNND_DW16_Z,
+                         full + st);
+            }
+        return;
+    }
+    const int wg = warp / 4;
+    float d[100];
+#pragma unroll
+    for (int i = 0; i < 100; i++)
+        d[i] = 0.0f;
+    // Whole stages only: ptxas serialises an MMA under a run-time condition (the caller pads
+    // the chunks with zeros to a multiple of ks stages).
+    for (int i = 0; i < nst; i++) {
+        const int st = i % DW_NST;
+        mbar_wait(full + st, (i / DW_NST) & 1);
+        const uint8_t *a = sm + st * DW_STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
+        wg_fence();
+#pragma unroll
+        for (int c = 0; c < RNND_DW16_CH; c++)
+            mma_n200(d, wg_desc(a + c * RNND_DW16_D + wg * 2048, 256),
+                     wg_desc(b + c * RNND_DW16_Z, 256));
+        wg_commit();
+        wg_wait<1>(); // the previous stage's MMAs are done with its buffers
+        if (i > 0 && threadIdx.x % 32 == 0)
+            mbar_arrive(empty + (i - 1) % DW_NST);
+    }
+    wg_wait<0>();
+    // m64nN accumulators: warp (of 4) 16 rows, lane / 4 the row within 8, lane % 4 the column
+    // pair within each n8 group.
+    const int lane = threadIdx.x % 32, row = p * DW_MP + wg * 64 + (warp % 4) * 16 + lane / 4;
+    float *o = part + (size_t)s * 4 * DW_MP * RNND_DW16_NZ;
+#pragma unroll
+    for (int c = 0; c < RNND_DW16_NZ / 8; c++) {
+        const int col = c * 8 + 2 * (lane % 4);
+        *reinterpret_cast<float2 *>(o + (size_t)row * RNND_DW16_NZ + col) =
+            make_float2(d[4 * c], d[4 * c + 1]);
+        *reinterpret_cast<float2 *>(o + (size_t)(row + 8) * RNND_DW16_NZ + col) =
+            make_float2(d[4 * c + 2], d[4 * c + 3]);
+    }
+#else
+    (void)chunks, (void)pitch, (void)ks, (void)part;
+#endif
+}
+
+// The unit a chunk column holds within its group of 16 (the loop's movmatrix order).
+__device__ __forceinline__ int dw16_unit(int n) {
+    const int v = n & 15;
+    return (n & ~15) + 4 * ((v & 7) >> 1) + 2 * (v >> 3) + (v & 1);
+}
+
+// tmp[zc][dc] (cuBLAS's column-major (4H, ldz) product) = the sum of the ks partials of chunk
+// column (m, n): dc = D's column of m, zc = z's column of n (h units, the 1 at H, x at xoff).
+__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, int Il, int xoff,
+                                float *__restrict__ tmp) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 4 * DW_MP * RNND_DW16_NZ)
+        return;
+    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ;
+    int zc;
+    if (n < H)
+        zc = dw16_unit(n);
+    else if (n < H + 64)
+        zc = n - H < Il ? xoff + n - H : -1;
+    else
+        zc = n == H + 64 ? H : -1;
+    if (zc < 0)
+        return;
+    float acc = 0.0f;
+    for (int s = 0; s < ks; s++)
+        acc += part[(size_t)s * 4 * DW_MP * RNND_DW16_NZ + i];
+    tmp[(size_t)zc * 4 * H + (m / DW_MP) * H + dw16_unit(m % DW_MP)] = acc;
+}
+
+} // namespace
+
+int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
+    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || a->ks < 1 ||
+        a->pitch % (a->ks * RNND_DW16_CH) != 0)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(dw16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)DW_SMEM));
+    dw16_kernel<<<4 * a->ks, DW_THREADS, DW_SMEM, stream>>>(static_cast<const uint8_t *>(a->chunks),
+                                                            a->pitch, a->ks, a->part);
+    CUDA_LAUNCH_CHECK();
+    const int n = 4 * DW_MP * RNND_DW16_NZ;
+    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->xoff,
+                                                          a->tmp);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}

@@ -10,6 +10,9 @@
  * CTA (p, s): plane p's 128 columns (two consumer warpgroups, m64 each) over K split s; one
  * producer warp brings CH chunks a stage by two bulk copies; partials summed in a fixed order.
  *
+ * kernels/cuda/seq_dw.cu is this product in production (bf16, v25d); the probe keeps the fp16
+ * variant, the stage shapes tried and the precision study of the per-row split (TF32 mode).
+ *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o dw16 dw16.cu -lcublas
  *   ./dw16 [K]
  */

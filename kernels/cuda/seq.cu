@@ -99,14 +99,19 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
 }
 
 // Layer l's weight gradients come from seq_dw.cu's product on dw16 chunks (NOTES v25) instead
-// of cuBLAS on D in fp32: the recomputing GRU loop in bf16 mode on compute 9.0, vector access,
-// and no dL/dx wanted from this layer (its GEMM reads D in fp32). Bench variant bit 16384 turns
-// it off.
+// of cuBLAS on D in fp32: bf16 mode on compute 9.0, the persistent loops at H = 128 with
+// I_l <= 64 (the GRU's recomputing one, the LSTM's), vector access, and no dL/dx wanted from
+// this layer (its GEMM reads D in fp32). Bench variant bit 16384 turns it off.
 #define RNND_SEQ_VARIANT_NO_DW16 16384
 static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool dx,
                      bool vec) {
-    return cuda_wg(c) && !(c->variant & RNND_SEQ_VARIANT_NO_DW16) &&
-           m->compute == RNND_COMPUTE_BF16 && seq_recompute(c, m, l) && !dx && vec;
+    if (!cuda_wg(c) || (c->variant & RNND_SEQ_VARIANT_NO_DW16) ||
+        m->compute != RNND_COMPUTE_BF16 || dx || !vec)
+        return false;
+    if (m->cell == RNND_CELL_GRU)
+        return seq_recompute(c, m, l);
+    return rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
+           rnnd__persist_hp(m, c->smem_optin) == 128 && rnnd_model_layer_input(m, l) <= 64;
 }
 
 // The LSTM H = 256 loops may run in thread-block clusters (seq_cluster.cu, v11 and v11b in

@@ -1285,10 +1285,27 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 // ---------------------------------------------------------------------------------------------
 // Backward kernel
 
+// dw16 chunks (seq_persist.h): the warp's 8 x 16 block of one row half (lane: row g, its units
+// 4tg..4tg+3 as bf16 pairs lo, hi) into the two K-major core matrices at cm and cm + 256.
+// movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows 2(l%4) and
+// 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The columns come
+// out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2, 4tg+3 in the
+// second).
+static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v[4], int lane) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint32_t a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
+    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
+    *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
+}
+
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
 // the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
 // stored by the threads.
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false>
+// DW (bf16 mode, LSTM): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32; the
+// loop then loads each row's hprev and (warps 0-3) x, which z holds.
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -1355,9 +1372,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // samples). Since then the loads have a step to land, and v22's fetch of the step after
     // into L2 only cost time (its instructions waited on the memory queue; NOTES v23).
     constexpr int SHP = VEC ? TR::SH : 0;
-    float sv[SW][2][4], gy[2][4], hp[2][4];
+    float sv[SW][2][4], gy[2][4], hp[2][4], xv[2][4];
     uint2 svh[SHP > 0 ? SHP : 1][2];
     int reset[2];
+    // DW: x columns 16w + 2tg, +1, +8, +9 (warps 0-3), so that dw16_put leaves them in order.
+    const int xc = 16 * w + 2 * tg;
     auto load_step = [&](int t) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1370,10 +1389,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
             }
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
-            if (LSTM)
+            if (LSTM && !DW)
                 zero4(hp[i]);
             else
                 ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
+            if constexpr (DW) {
+                const float *x = a.z + r * a.ldz + a.xoff;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int col = xc + (j & 1) + 8 * (j >> 1);
+                    xv[i][j] = rv[i] && w < 4 && col < a.Il ? __ldg(x + col) : 0.0f;
+                }
+            }
             reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
@@ -1429,10 +1456,33 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int q = 0; q < G; q++)
                 Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
-            size_t r = rbase[i] + t;
+            if constexpr (DW) {
+                // D's 4 planes and z's h part of this row half (rows past B: zeros), x's by
+                // warps 0-3, the constant 1 (z's column 192) by warp 4.
+                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + 2 * w * 256 + i * 128;
+                const size_t c = (size_t)blockIdx.x * T + t, pitch = a.dw16_pitch;
+                unsigned char *zc = ch + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
 #pragma unroll
-            for (int p = TMA ? G : 0; p < 4; p++)
-                st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
+                for (int p = 0; p < 4; p++) {
+                    float v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        v[j] = rv[i] ? dv[p][i][j] : 0.0f;
+                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D, v, lane);
+                }
+                dw16_put(zc, hp[i], lane);
+                if (w < 4) {
+                    dw16_put(zc + 16 * 256, xv[i], lane);
+                } else if (w == 4) {
+                    const uint32_t one = lane < 4 ? 0x3F803F80u : 0u; // bf16 1.0 twice
+                    *reinterpret_cast<uint32_t *>(zc - 2 * w * 256 + 24 * 256 + 4 * lane) = one;
+                }
+            } else {
+                size_t r = rbase[i] + t;
+#pragma unroll
+                for (int p = TMA ? G : 0; p < 4; p++)
+                    st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
+            }
         }
         if constexpr (TMA)
             fence_proxy_async();
@@ -1607,21 +1657,6 @@ struct persist_rc_geom {
     static_assert(SMEM <= RNND_PERSIST_SMEM_BUDGET, "rc backward does not fit");
     static_assert(KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
 };
-
-// dw16 chunks (seq_persist.h): the warp's 8 x 16 block of one row half (lane: row g, its units
-// 4tg..4tg+3 as bf16 pairs lo, hi) into the two K-major core matrices at cm and cm + 256.
-// movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows 2(l%4) and
-// 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The columns come
-// out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2, 4tg+3 in the
-// second).
-static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v[4], int lane) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint32_t a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
-    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
-    *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
-}
 
 // Per step in reverse: gate gradients from the recomputed gates (registers) -> D (stores) and the
 // 16-bit dh-gate tile; hprev, x of step t-1 into their tiles; barrier; row scales, tile; barrier;
@@ -2143,6 +2178,14 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
+    if (a.dw16) { // the LSTM in bf16 mode, vector access (seq.cu asks for nothing else)
+        if constexpr (Gm::G != 4 || sizeof(typename Mode::elem) != 2 || HP != 128 || V != 0)
+            return RNND_EINVAL;
+        else if (!a.vec || a.H != HP)
+            return RNND_EINVAL;
+        else
+            kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>;
+    }
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)Gm::B_SMEM));
     kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);

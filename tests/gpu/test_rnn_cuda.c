@@ -535,14 +535,14 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
     seq_host_free(&h);
 }
 
-// The bf16 GRU's layer-0 weight gradients from seq_dw.cu's product on the loop's dw16 chunks
-// (compute 9.0, no dL/dx asked for): test_seq's checks (the mode's tolerance, a repeat run
-// bitwise identical), then layer 0's parameter gradients against the CPU reference at dw16_tol.
-// The product rounds D and z to bf16 to nearest: 3e-4 to 8e-4 on these cases, where cuBLAS's
-// bf16 product on the fp32 D and z (variant bit 16384) gives 1.3e-3 to 2.2e-3 (NOTES v25d). So
-// a lost or misplaced chunk, row or column fails, and so does a fall-back to cuBLAS. With a
-// second layer, layer 0's gradients carry the error of layer 1's dL/dx (cuBLAS, bf16: 2.5e-3),
-// and other devices run cuBLAS's product: there the mode's tolerance.
+// The bf16 GRU's and LSTM's layer-0 weight gradients from seq_dw.cu's product on the loops'
+// dw16 chunks (compute 9.0, no dL/dx asked for): test_seq's checks (the mode's tolerance, a
+// repeat run bitwise identical), then layer 0's parameter gradients against the CPU reference
+// at dw16_tol. The product rounds D and z to bf16 to nearest: 3e-4 to 8.1e-4 on these cases,
+// where cuBLAS's bf16 product on the fp32 D and z (variant bit 16384) gives 1.3e-3 to 2.2e-3
+// (NOTES v25d, v25e). So a lost or misplaced chunk, row or column fails, and so does a fall-back
+// to cuBLAS. With a second layer, layer 0's gradients carry the error of layer 1's dL/dx (cuBLAS,
+// bf16: 1.4e-3 to 2.5e-3), and other devices run cuBLAS's product: there the mode's tolerance.
 static const double dw16_tol = 1e-3;
 static bool sm90; // the device is compute 9.0
 static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc) {
@@ -552,7 +552,8 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     char tag[80];
-    snprintf(tag, sizeof(tag), "gru bf16 I%d L%d B%d T%d dw16", sc->I, sc->L, sc->B, sc->T);
+    snprintf(tag, sizeof(tag), "%s bf16 I%d L%d B%d T%d dw16",
+             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->I, sc->L, sc->B, sc->T);
     struct seq_out og, oc;
     if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
         struct rnnd_param_tensor first, last; // layer 0's tensors are the first four
@@ -1017,8 +1018,8 @@ int main(int argc, char **argv) {
             test_weight_outliers(&gpu, &cpu, &outliers[i]);
     }
 
-    // The bf16 GRU's weight-gradient product (seq_dw.cu), last so that the random draws of the
-    // cases above stay as they were: I_l = 64, 40 and 8 (x's zero columns in the chunks), a
+    // The bf16 weight-gradient product (seq_dw.cu), last so that the random draws of the cases
+    // above stay as they were: I_l = 64, 40, 8 and (LSTM) 6 (x's zero columns in the chunks), a
     // partial last block (B = 300, 2049), stored states, a second layer (which gives dL/dx to
     // layer 0, so only layer 0 takes the product), B = T = 1. --quick: the first.
     const struct seq_case dw16_cases[] = {
@@ -1027,6 +1028,10 @@ int main(int argc, char **argv) {
         {GRU, BF16, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
         {GRU, BF16, 8, 128, 1, 2049, 3, 0.1, STATE_NONE, AUTO},
         {GRU, BF16, 64, 128, 1, 1, 1, 0.0, STATE_H0, AUTO},
+        {LSTM, BF16, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {LSTM, BF16, 40, 128, 1, 300, 20, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, BF16, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
+        {LSTM, BF16, 6, 128, 1, 2049, 3, 0.1, STATE_H0, AUTO},
     };
     for (int i = 0; i < (quick ? 1 : (int)(sizeof(dw16_cases) / sizeof(dw16_cases[0]))); i++)
         test_dw16(&gpu, &cpu, &dw16_cases[i]);

@@ -1,7 +1,8 @@
 /*
  * seq_dw.cu: the weight gradients' product out = z^T D over every row and step, on warpgroup
  * MMAs (wgmma, sm_90a only: built for that target alone, asked for only on compute 9.0), from
- * the bf16 chunks the GRU's recomputing backward writes in bf16 mode (seq_persist.h, dw16).
+ * the bf16 chunks that the GRU's recomputing backward and the LSTM's backward write in bf16
+ * mode (seq_persist.h, dw16).
  *
  * Why: at B = 2048, T = 256, H = 128 cuBLAS takes 0.58 ms on the fp32 D and z (1.49 GB, at DRAM
  * speed), and 0.50 on the same values in 16 bits, row-major. Chunks laid out for the MMA and

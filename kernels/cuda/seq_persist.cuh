@@ -1299,6 +1299,11 @@ static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
     *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
 }
+// The core matrix of z's columns 192..199 at cm: the constant 1 (bf16 1.0 in both rows a lane
+// holds, column 0: lanes 0-3) and zeros.
+static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane) {
+    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = lane < 4 ? 0x3F803F80u : 0u;
+}
 
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
 // the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
@@ -1459,7 +1464,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if constexpr (DW) {
                 // D's 4 planes and z's h part of this row half (rows past B: zeros), x's by
                 // warps 0-3, the constant 1 (z's column 192) by warp 4.
-                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + 2 * w * 256 + i * 128;
+                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + i * 128;
                 const size_t c = (size_t)blockIdx.x * T + t, pitch = a.dw16_pitch;
                 unsigned char *zc = ch + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
 #pragma unroll
@@ -1468,15 +1473,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
                         v[j] = rv[i] ? dv[p][i][j] : 0.0f;
-                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D, v, lane);
+                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
                 }
-                dw16_put(zc, hp[i], lane);
-                if (w < 4) {
-                    dw16_put(zc + 16 * 256, xv[i], lane);
-                } else if (w == 4) {
-                    const uint32_t one = lane < 4 ? 0x3F803F80u : 0u; // bf16 1.0 twice
-                    *reinterpret_cast<uint32_t *>(zc - 2 * w * 256 + 24 * 256 + 4 * lane) = one;
-                }
+                dw16_put(zc + 2 * w * 256, hp[i], lane);
+                if (w < 4)
+                    dw16_put(zc + (16 + 2 * w) * 256, xv[i], lane);
+                else if (w == 4)
+                    dw16_put_one(zc + 24 * 256, lane);
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
@@ -1951,9 +1954,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 +
                                                   (q >> 1) * 128 + 4 * lane) = m4[q];
             } else if (w == 4) {
-                const uint32_t one = lane < 4 ? 0x3F803F80u : 0u; // bf16 1.0 twice, column 0
-                *reinterpret_cast<uint32_t *>(zc + 24 * 256 + 4 * lane) = one;
-                *reinterpret_cast<uint32_t *>(zc + 24 * 256 + 128 + 4 * lane) = one;
+                dw16_put_one(zc + 24 * 256, lane);
+                dw16_put_one(zc + 24 * 256 + 128, lane);
             }
         }
         if constexpr (HM::SCALED) {

@@ -53,7 +53,7 @@ struct persist_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
-    void *dw16;                  // or, instead of d (bf16 rc loop): D and z in dw16 chunks
+    void *dw16;                  // or, instead of d (bf16 mode): D and z in dw16 chunks
     int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used

@@ -98,15 +98,14 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
     return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= c->smem_optin;
 }
 
-// Layer l's weight gradients come from seq_dw.cu's product on dw16 chunks (NOTES v25) instead
-// of cuBLAS on D in fp32: bf16 mode on compute 9.0, the persistent loops at H = 128 with
-// I_l <= 64 (the GRU's recomputing one, the LSTM's), vector access, and no dL/dx wanted from
-// this layer (its GEMM reads D in fp32). Bench variant bit 16384 turns it off.
+// Layer l's weight gradients and dL/dx come from seq_dw.cu's products on dw16 chunks (NOTES
+// v25d-f) instead of cuBLAS on D in fp32: bf16 mode on compute 9.0, the persistent loops at
+// H = 128 with I_l <= 64 (the GRU's recomputing one, the LSTM's), vector access. Bench variant
+// bit 16384 turns it off.
 #define RNND_SEQ_VARIANT_NO_DW16 16384
-static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool dx,
-                     bool vec) {
+static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool vec) {
     if (!cuda_wg(c) || (c->variant & RNND_SEQ_VARIANT_NO_DW16) ||
-        m->compute != RNND_COMPUTE_BF16 || dx || !vec)
+        m->compute != RNND_COMPUTE_BF16 || !vec)
         return false;
     if (m->cell == RNND_CELL_GRU)
         return seq_recompute(c, m, l);
@@ -571,8 +570,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     bool vec = H % 4 == 0 && aligned16(grad_out) && aligned16(grad_h_n) &&
                aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
                aligned16(grads->hidden) && aligned16(grads->cell);
-    // Layer 0 alone may take the dw16 product (each layer above gives dL/dx to the one below).
-    const bool dw16 = seq_dw16(c, m, 0, grads->x != NULL, vec);
+    // Layer 0 alone: the layers above have I_l = H, more than the chunks hold.
+    const bool dw16 = seq_dw16(c, m, 0, vec);
     const int dw_ks = c->num_sms / 4, dw_step = dw_ks * RNND_DW16_CH;
     const int dw_pitch = CEIL_DIV(CEIL_DIV(B, 16) * T, dw_step) * dw_step;
     size_t d_bytes = BT * 4 * H * sizeof(float);
@@ -687,6 +686,13 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x. The GRU's
         // input-side planes are r, z (D's first two) and n (D's fourth).
         float *dx = l > 0 ? gyb : grads->x;
+#ifdef RNND_HAVE_WG
+        if (dx && a.dw16) { // from the loop's dw16 chunks (NOTES v25f)
+            struct dx16_args dxa = {d, dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3, c->num_sms,
+                                    H, ly->Il, B, T, lp.w_ih, dx};
+            RNND_TRY(rnnd__dx16_product(&dxa, c->stream));
+        } else
+#endif
         if (dx && lstm) {
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, GH, lp.w_ih,
                           ly->Il, d, 4 * H, 0.0f, dx, ly->Il));

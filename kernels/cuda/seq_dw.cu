@@ -172,6 +172,138 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, i
     tmp[(size_t)zc * 4 * H + (m / DW_MP) * H + dw16_unit(m % DW_MP)] = acc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// dL/dx from the same chunks (the layer's input gradient, which the daemon's Backward always
+// returns): dx[row][i] = sum over the input-side gate columns j of D[row][j] W_ih[j][i]. A warp
+// group takes 4 chunks at a time, one a warp: its 16 rows are the MMA's M rows of that warp, A
+// comes from registers (ldmatrix.trans of the chunk's core matrices gives the m16k16 fragment
+// directly) and B is W_ih^T, K-major bf16, resident in shared memory. m64n64k16, 32 accumulators a
+// thread. One producer lane brings the 4 chunks' planes a stage (one bulk copy a plane).
+
+constexpr int DX_NST = 2;
+constexpr int DX_KMAX = 4 * DW_MP;                          // the LSTM's 4 planes
+constexpr long DX_WT = 64L * DX_KMAX * 2;                   // W_ih^T: 64 inputs x K, bf16
+constexpr long DX_STAGE = 4L * 4 * RNND_DW16_D;             // 4 chunks x up to 4 planes
+constexpr long DX_SMEM = DX_WT + DX_NST * DX_STAGE + 2 * DX_NST * 8;
+constexpr int DX_THREADS = 160;                             // 4 consumer warps, 1 producer warp
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (ACC: +)= A B, m64 n64 k16, bf16; A from registers (this warp's 16 rows), B K-major in shared
+// memory (descriptor). The first k-step writes d without reading it.
+template <bool ACC>
+__device__ __forceinline__ void mma_n64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0));
+}
+#endif
+
+// CTA: groups of 4 chunks [g0, g1). planes: the chunk planes of K's 128-column slots (GRU r, z
+// and the input side of n: 0, 1, 3; LSTM 0-3), npl of them.
+__global__ void __launch_bounds__(DX_THREADS, 1)
+    dx16_kernel(const uint8_t *__restrict__ chunks, int pitch, int nch, int npl, int plane2,
+                const float *__restrict__ w_ih, int H, int Il, int B, int T,
+                float *__restrict__ dx) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) uint8_t sm[];
+    uint8_t *wt = sm, *stages = sm + DX_WT;
+    uint64_t *full = reinterpret_cast<uint64_t *>(stages + DX_NST * DX_STAGE), *empty = full + DX_NST;
+    const int K = npl * DW_MP, kg = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
+    const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
+    // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
+    // order), zero past I_l; K-major core matrices (element (i, k) at km_off(i, k, kg)).
+    for (int e = threadIdx.x; e < 64 * K; e += blockDim.x) {
+        const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
+        const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
+        *reinterpret_cast<__nv_bfloat16 *>(wt + (i >> 3) * (kg * 128) + (k >> 3) * 128 +
+                                           (i & 7) * 16 + (k & 7) * 2) = __float2bfloat16_rn(v);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < DX_NST; i++) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, 4); // lane 0 of each consumer warp
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (warp == 4) {
+        if (lane == 0)
+            for (int g = g0; g < g1; g++) {
+                const int i = g - g0, st = i % DX_NST;
+                if (i >= DX_NST)
+                    mbar_wait(empty + st, (i / DX_NST - 1) & 1);
+                mbar_expect_tx(full + st, (uint32_t)(npl * 4 * RNND_DW16_D));
+                mbar_arrive(full + st);
+                for (int s = 0; s < npl; s++) {
+                    const int p = s < 2 ? s : s == 2 ? plane2 : 3;
+                    bulk_g2s(stages + st * DX_STAGE + s * 4 * RNND_DW16_D,
+                             chunks + ((size_t)p * pitch + 4 * (size_t)g) * RNND_DW16_D,
+                             4 * RNND_DW16_D, full + st);
+                }
+            }
+        return;
+    }
+    const int q = lane >> 3; // the matrix whose row address this lane gives (ldmatrix.x4)
+    for (int g = g0; g < g1; g++) {
+        const int i = g - g0, st = i % DX_NST;
+        mbar_wait(full + st, (i / DX_NST) & 1);
+        // This warp's chunk; matrix q of a k-step: rows 8 (q & 1).., columns 8 (q >> 1)..
+        const uint8_t *ch = stages + st * DX_STAGE + warp * RNND_DW16_D + (q & 1) * 128 +
+                            (q >> 1) * 256 + (lane & 7) * 16;
+        // k-step ks: slot ks / 8 (4 chunks a slot), columns 16 (ks % 8).. of the chunk.
+        auto frag = [&](uint32_t (&a)[4], int ks) {
+            const uint8_t *src = ch + (ks / 8) * 4 * RNND_DW16_D + (ks % 8) * 512;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                         : "r"(smem_u32(src)));
+            wg_fence(); // the MMA reads registers just written
+        };
+        float d[32];
+        uint32_t a[4];
+        frag(a, 0);
+        mma_n64_rs<false>(d, a, wg_desc(wt, kg * 128));
+        for (int ks = 1; ks < K / 16; ks++) {
+            frag(a, ks);
+            mma_n64_rs<true>(d, a, wg_desc(wt + ks * 256, kg * 128));
+        }
+        wg_commit();
+        wg_wait<0>();
+        if (lane == 0)
+            mbar_arrive(empty + st);
+        // Rows g, g + 8 of this warp's chunk c = 4 g + warp (block c / T, step c % T).
+        const int c = 4 * g + warp, blk = c / T, t = c % T;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int b = blk * 16 + (lane >> 2) + 8 * h;
+            if (c >= nch || b >= B)
+                continue;
+            float *row = dx + ((size_t)b * T + t) * Il;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const int col = 8 * n + 2 * (lane & 3);
+                if (col < Il)
+                    row[col] = d[4 * n + 2 * h];
+                if (col + 1 < Il)
+                    row[col + 1] = d[4 * n + 2 * h + 1];
+            }
+        }
+    }
+#else
+    (void)chunks, (void)pitch, (void)nch, (void)npl, (void)plane2, (void)w_ih, (void)H, (void)Il;
+    (void)B, (void)T, (void)dx;
+#endif
+}
+
 } // namespace
 
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
@@ -186,6 +318,19 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
     const int n = 4 * DW_MP * RNND_DW16_NZ;
     dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->xoff,
                                                           a->tmp);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream) {
+    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || (a->npl != 3 && a->npl != 4) ||
+        a->pitch < a->nch || a->sms < 1)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(dx16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)DX_SMEM));
+    dx16_kernel<<<a->sms, DX_THREADS, DX_SMEM, stream>>>(
+        static_cast<const uint8_t *>(a->chunks), a->pitch, a->nch, a->npl, a->npl == 3 ? 3 : 2,
+        a->w_ih, a->H, a->Il, a->B, a->T, a->dx);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -141,5 +141,17 @@ struct dw16_args {
 };
 // Built when the architectures include 90 (RNND_HAVE_WG); RNND_EINVAL for other shapes.
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream);
+// dL/dx of the layer from the same chunks: dx = D_x W_ih over the input-side planes (GRU: r, z
+// and n's input side, planes 0, 1, 3; LSTM: all 4). Same build and shapes.
+struct dx16_args {
+    const void *chunks;    // as above
+    int pitch, nch;        // chunks a plane; the loop's chunks (blocks x T)
+    int npl;               // input-side planes: 3 (GRU) or 4 (LSTM)
+    int sms;               // CTAs (one an SM)
+    int H, Il, B, T;
+    const float *w_ih;     // (npl H, Il)
+    float *dx;             // out: (B T, Il)
+};
+int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

@@ -30,14 +30,6 @@ constexpr long DW_SMEM = DW_NST * DW_STAGE + 2 * DW_NST * 8;
 constexpr int DW_THREADS = 288; // 8 consumer warps, 1 producer warp
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes,
-                                         uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];" ::"r"(smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
 // d += A B, m64 n200 k16, bf16 A and B K-major in shared memory (descriptors).
 __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b) {
     asm volatile(
@@ -220,12 +212,11 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
     const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
     // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
-    // order), zero past I_l; K-major core matrices (element (i, k) at km_off(i, k, kg)).
+    // order), zero past I_l; K-major core matrices (km_off).
     for (int e = threadIdx.x; e < 64 * K; e += blockDim.x) {
         const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
         const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
-        *reinterpret_cast<__nv_bfloat16 *>(wt + (i >> 3) * (kg * 128) + (k >> 3) * 128 +
-                                           (i & 7) * 16 + (k & 7) * 2) = __float2bfloat16_rn(v);
+        *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
     if (threadIdx.x == 0) {

@@ -1299,6 +1299,25 @@ static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
     *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
 }
+// A backward loop's row half i of chunk c into the dw16 chunks: D's 4 planes (plane(p): this
+// thread's 4 units of plane p) and z's h part (h), warp w's 16 units being core-matrix groups
+// 2w and 2w + 1; zeros where live is false (rows past B). Returns chunk c's z part at row half i.
+template <class P>
+static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t pitch, size_t c,
+                                                             int w, int i, int lane, bool live,
+                                                             P plane, const float h[4]) {
+    unsigned char *base = static_cast<unsigned char *>(dw16) + i * 128;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const float *d = plane(p);
+        const float v[4] = {live ? d[0] : 0.0f, live ? d[1] : 0.0f, live ? d[2] : 0.0f,
+                            live ? d[3] : 0.0f};
+        dw16_put(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
+    }
+    unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
+    dw16_put(zc + 2 * w * 256, h, lane);
+    return zc;
+}
 // The core matrix of z's columns 192..199 at cm: the constant 1 (bf16 1.0 in both rows a lane
 // holds, column 0: lanes 0-3) and zeros.
 static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane) {
@@ -1464,18 +1483,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if constexpr (DW) {
                 // D's 4 planes and z's h part of this row half (rows past B: zeros), x's by
                 // warps 0-3, the constant 1 (z's column 192) by warp 4.
-                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + i * 128;
-                const size_t c = (size_t)blockIdx.x * T + t, pitch = a.dw16_pitch;
-                unsigned char *zc = ch + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
-#pragma unroll
-                for (int p = 0; p < 4; p++) {
-                    float v[4];
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        v[j] = rv[i] ? dv[p][i][j] : 0.0f;
-                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
-                }
-                dw16_put(zc + 2 * w * 256, hp[i], lane);
+                unsigned char *zc = dw16_put_dh(
+                    a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
+                    [&](int p) -> const float * { return dv[p][i]; }, hp[i]);
                 if (w < 4)
                     dw16_put(zc + (16 + 2 * w) * 256, xv[i], lane);
                 else if (w == 4)
@@ -1918,17 +1928,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
             if constexpr (DW) {
                 // D's 4 planes and z's h part of this row half (rows past B: zeros).
-                unsigned char *ch = static_cast<unsigned char *>(a.dw16) + 2 * w * 256 + i * 128;
-                const size_t c = (size_t)blockIdx.x * T + t, pitch = a.dw16_pitch;
-#pragma unroll
-                for (int p = 0; p < 4; p++) {
-                    float v[4];
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        v[j] = rv[i] ? dv[p][j] : 0.0f;
-                    dw16_put(ch + (p * pitch + c) * RNND_DW16_D, v, lane);
-                }
-                dw16_put(ch + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z, hp[i], lane);
+                dw16_put_dh(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
+                            [&](int p) -> const float * { return dv[p]; }, hp[i]);
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll

@@ -84,11 +84,6 @@ __device__ __forceinline__ void bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
-// Byte offset of element (r, k) in a K-major fp16 operand of kg groups of 8 columns.
-__device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
-    return (uint32_t)((r >> 3) * (kg * 128) + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
 __device__ __forceinline__ void wg_pin(float (&d)[8]) {

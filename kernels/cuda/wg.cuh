@@ -1,6 +1,7 @@
 /*
- * wg.cuh: the Hopper primitives that seq_wg.cu and step_wg.cu share: shared-memory matrix
- * descriptors, mbarriers, tensor-map copies (TMA) and the fence / commit / wait of the
+ * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu and step_wg.cu share: shared-memory
+ * matrix descriptors and the K-major operand offset, mbarriers, bulk and tensor-map copies (TMA)
+ * and the fence / commit / wait of the
  * asynchronous warpgroup MMAs (wgmma, sm_90a). The MMAs themselves stay with their kernels
  * (shapes and operand types differ).
  *
@@ -32,6 +33,11 @@ static __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t sbo) 
 static __device__ __forceinline__ uint64_t wg_desc_sw128(const void *p) {
     return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
            ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+// Byte offset of element (r, k) in a K-major 16-bit operand of kg groups of 8 columns.
+static __device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
+    return (uint32_t)((r >> 3) * (kg * 128) + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 
 // mbarriers in shared memory: a phase completes when `count` arrivals have come; a wait is on the
@@ -71,6 +77,14 @@ static __device__ __forceinline__ void fence_mbar_init() {
 }
 static __device__ __forceinline__ void tma_prefetch_desc(const void *tmap) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
+}
+// bytes (a multiple of 16) from global src to shared dst, completing them on the mbarrier bar.
+static __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes,
+                                                uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
 }
 // The box at coordinates (x, y) of a 2-D tensor map into shared address dst, completing its bytes
 // on the mbarrier at shared address bar.

@@ -48,14 +48,6 @@ constexpr int M = 512, NP = 4, MP = 128; // D's columns, planes, columns a plane
 constexpr int NZ = 200, LDZ = 196;       // z's columns (padded for the MMA), as stored today
 constexpr int CHUNK_A = MP * 16 * 2, CHUNK_B = NZ * 16 * 2;
 
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void *src, uint32_t bytes,
-                                         uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
 // d += A B, m64 n200 k16, A and B K-major in shared memory; BF selects bf16 operands.
 template <bool BF>
 __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b) {
@@ -127,9 +119,9 @@ __global__ void __launch_bounds__(288, 1)
                 mbar_expect_tx(full + st, STAGE);
                 mbar_arrive(full + st);
                 uint8_t *a = sm + st * STAGE;
-                bulk_g2s(smem_u32(a), At + ((size_t)p * npad + c) * CHUNK_A, CH * CHUNK_A,
+                bulk_g2s(a, At + ((size_t)p * npad + c) * CHUNK_A, CH * CHUNK_A,
                          full + st);
-                bulk_g2s(smem_u32(a + CH * CHUNK_A), Bt + (size_t)c * CHUNK_B, CH * CHUNK_B,
+                bulk_g2s(a + CH * CHUNK_A, Bt + (size_t)c * CHUNK_B, CH * CHUNK_B,
                          full + st);
             }
         }
@@ -198,9 +190,8 @@ template <bool BF> __device__ __forceinline__ uint16_t to16(float v, float &back
         return __half_as_ushort(h);
     }
 }
-__device__ __forceinline__ size_t kb_off(int col, int r) { // within a chunk, bytes
-    return (size_t)(col >> 3) * 256 + ((r & 15) >> 3) * 128 + (col & 7) * 16 + (r & 7) * 2;
-}
+// Byte offset of (column col, row r) within its chunk: K-major, 16 rows (wg.cuh's km_off).
+__device__ __forceinline__ size_t kb_off(int col, int r) { return km_off(col, r & 15, 2); }
 // The same values three ways: fp32 row-major (today's D and z), 16-bit row-major (cuBLAS's
 // 16-bit product) and K-blocked 16-bit (ours).
 template <bool BF>

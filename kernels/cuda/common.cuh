@@ -84,16 +84,21 @@ struct cuda_ctx {
 };
 
 // The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's
-// tile kernel) run where the build has their sm_90a code and the device is compute 9.0. Bench
-// variant bit RNND_VARIANT_NO_WG asks for the mma.sync kernels instead.
-#define RNND_VARIANT_NO_WG 4096
-static inline bool cuda_wg(const struct cuda_ctx *c) {
+// tile kernel; seq_dw.cu: the weight-gradient products) can run where the build has their
+// sm_90a code and the device is compute 9.0.
+static inline bool cuda_has_wg(const struct cuda_ctx *c) {
 #ifdef RNND_HAVE_WG
-    return c->cc_major == 9 && !(c->variant & RNND_VARIANT_NO_WG);
+    return c->cc_major == 9;
 #else
     (void)c;
     return false;
 #endif
+}
+// Bench variant bit RNND_VARIANT_NO_WG asks for the mma.sync loops instead of the wgmma forward
+// and step kernels (the products have their own bit, seq.cu's RNND_SEQ_VARIANT_NO_DW16).
+#define RNND_VARIANT_NO_WG 4096
+static inline bool cuda_wg(const struct cuda_ctx *c) {
+    return cuda_has_wg(c) && !(c->variant & RNND_VARIANT_NO_WG);
 }
 
 // Makes ctx->d_scratch at least bytes long.

@@ -99,17 +99,17 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
 }
 
 // Layer l's weight gradients and dL/dx come from seq_dw.cu's products on dw16 chunks (NOTES
-// v25d-f) instead of cuBLAS on D in fp32: bf16 mode on compute 9.0, the persistent loops at
-// H = 128 with I_l <= 64 (the GRU's recomputing one, the LSTM's), vector access. Bench variant
-// bit 16384 turns it off.
+// v25d-f, v26) instead of cuBLAS on D in fp32: compute 9.0, vector access, the persistent loops
+// at H = 128 with I_l <= 64: the GRU's recomputing one in bf16 and TF32 mode (fp16 chunks with
+// exponent records), the LSTM's in bf16 mode. Bench variant bit 16384 turns it off.
 #define RNND_SEQ_VARIANT_NO_DW16 16384
 static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool vec) {
-    if (!cuda_wg(c) || (c->variant & RNND_SEQ_VARIANT_NO_DW16) ||
-        m->compute != RNND_COMPUTE_BF16 || !vec)
+    if (!cuda_has_wg(c) || (c->variant & RNND_SEQ_VARIANT_NO_DW16) ||
+        m->compute == RNND_COMPUTE_IEEE || !vec)
         return false;
     if (m->cell == RNND_CELL_GRU)
         return seq_recompute(c, m, l);
-    return rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
+    return m->compute == RNND_COMPUTE_BF16 && rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
            rnnd__persist_hp(m, c->smem_optin) == 128 && rnnd_model_layer_input(m, l) <= 64;
 }
 
@@ -572,18 +572,21 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                aligned16(grads->hidden) && aligned16(grads->cell);
     // Layer 0 alone: the layers above have I_l = H, more than the chunks hold.
     const bool dw16 = seq_dw16(c, m, 0, vec);
+    const bool dw_exp = dw16 && m->compute == RNND_COMPUTE_FP32; // fp16 chunks, their records
     const int dw_ks = c->num_sms / 4, dw_step = dw_ks * RNND_DW16_CH;
     const int dw_pitch = CEIL_DIV(CEIL_DIV(B, 16) * T, dw_step) * dw_step;
     size_t d_bytes = BT * 4 * H * sizeof(float);
     if (dw16 && (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z) > d_bytes)
         d_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z);
     float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part;
+    int16_t *dw_rec;
     struct cuda_carve cv = {0};
     size_t bh = persistent ? 0 : (size_t)B * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
         d = (float *)cuda_carve(&cv, d_bytes);
         dw_part = (float *)cuda_carve(
             &cv, dw16 ? (size_t)dw_ks * 4 * H * RNND_DW16_NZ * sizeof(float) : 0);
+        dw_rec = (int16_t *)cuda_carve(&cv, dw_exp ? (size_t)dw_pitch * RNND_DW16_E : 0);
         gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dh = (float *)cuda_carve(&cv, bh);
@@ -643,7 +646,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                 RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
                                                   nch * RNND_DW16_Z,
                                               0, pad * RNND_DW16_Z, c->stream));
-                a.dw16 = d, a.dw16_pitch = dw_pitch;
+                if (dw_exp) // RNND_DW16_EZERO and less in every field
+                    RNND_CUDA_TRY(cudaMemsetAsync((char *)dw_rec + nch * RNND_DW16_E, 0x80,
+                                                  pad * RNND_DW16_E, c->stream));
+                a.dw16 = d, a.dw16_pitch = dw_pitch, a.dw16_exp = dw_exp ? dw_rec : nullptr;
             }
             a.w_ih = lp.w_ih, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             a.h0 = seq->h0, a.hidden = seq->hidden;
@@ -668,7 +674,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         // product on them (NOTES v25).
 #ifdef RNND_HAVE_WG
         if (a.dw16) {
-            struct dw16_args dw = {d, dw_pitch, dw_ks, H, ly->Il, ly->xoff, dw_part, tmp};
+            struct dw16_args dw = {d,       dw_pitch, dw_ks, H, ly->Il, ly->xoff,
+                                   dw_part, tmp,      a.dw16_exp};
             RNND_TRY(rnnd__dw16_product(&dw, c->stream));
         } else
 #endif
@@ -688,8 +695,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         float *dx = l > 0 ? gyb : grads->x;
 #ifdef RNND_HAVE_WG
         if (dx && a.dw16) { // from the loop's dw16 chunks (NOTES v25f)
-            struct dx16_args dxa = {d, dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3, c->num_sms,
-                                    H, ly->Il, B, T, lp.w_ih, dx};
+            struct dx16_args dxa = {d,  dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3, c->num_sms,
+                                    H,  ly->Il,   B,    T,     lp.w_ih,    dx, a.dw16_exp};
             RNND_TRY(rnnd__dx16_product(&dxa, c->stream));
         } else
 #endif

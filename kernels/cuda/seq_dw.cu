@@ -60,13 +60,75 @@ __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b
           "+f"(d[98]), "+f"(d[99])
         : "l"(a), "l"(b));
 }
+// d += A B, m64 nN k16 (N = 128, 64, 8), fp16, A from registers, B K-major in shared memory.
+#define RNND_WG_F16_RS(N, ...)                                                                    \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" __VA_ARGS__ "}, "
+__device__ __forceinline__ void mma_f16_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        RNND_WG_F16_RS(128, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
+                            "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+                            "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "
+                            "%58, %59, %60, %61, %62, %63")
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+__device__ __forceinline__ void mma_f16_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        RNND_WG_F16_RS(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                           "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
+                           "%30, %31")
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+__device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(RNND_WG_F16_RS(8, "%0, %1, %2, %3") "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+#undef RNND_WG_F16_RS
+
+// The fp16 factor 2^k for k <= 0 (0 below fp16's smallest subnormal, 2^-24), in both halves.
+__device__ __forceinline__ uint32_t pow2_h2(int k) {
+    const __half h = k < -24 ? __float2half_rn(0.0f) : __float2half_rn(__uint_as_float((uint32_t)(127 + k) << 23));
+    const __half2 v = __halves2half2(h, h);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
+    __half2 r = __hmul2(*reinterpret_cast<const __half2 *>(&a), *reinterpret_cast<const __half2 *>(&f));
+    return *reinterpret_cast<uint32_t *>(&r);
+}
 #endif
 
+// bf16 chunks: A and B from shared memory (m64n200k16). F16 (TF32 mode): each warp's A (its 16
+// D columns, one exponent group w) from registers by ldmatrix, every K row scaled by
+// 2^(eD + eh - Ch) for z's h part and constant and by 2^(eD + ex - Cx) for its x part, Ch and Cx
+// being the largest of those over the CTA's K range (the records' chunk maxima); both factors
+// are at most 1, so the fp16 products cannot overflow, and each partial is multiplied back by
+// 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (NOTES v26).
+template <bool F16>
 __global__ void __launch_bounds__(DW_THREADS, 1)
-    dw16_kernel(const uint8_t *__restrict__ chunks, int pitch, int ks, float *__restrict__ part) {
+    dw16_kernel(const uint8_t *__restrict__ chunks, const int16_t *__restrict__ exp, int pitch,
+                int ks, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr long STAGE = DW_STAGE + (F16 ? RNND_DW16_CH * RNND_DW16_E : 0);
     extern __shared__ __align__(1024) uint8_t sm[];
-    uint64_t *full = reinterpret_cast<uint64_t *>(sm + DW_NST * DW_STAGE), *empty = full + DW_NST;
+    uint64_t *full = reinterpret_cast<uint64_t *>(sm + DW_NST * STAGE), *empty = full + DW_NST;
     const int p = blockIdx.x % 4, s = blockIdx.x / 4, warp = threadIdx.x / 32;
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
     const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
@@ -85,22 +147,98 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 const int st = i % DW_NST;
                 if (i >= DW_NST)
                     mbar_wait(empty + st, (i / DW_NST - 1) & 1);
-                mbar_expect_tx(full + st, (uint32_t)DW_STAGE);
+                mbar_expect_tx(full + st, (uint32_t)STAGE);
                 mbar_arrive(full + st);
-                uint8_t *dst = sm + st * DW_STAGE;
+                uint8_t *dst = sm + st * STAGE;
                 bulk_g2s(dst, A + (size_t)i * RNND_DW16_CH * RNND_DW16_D,
                          RNND_DW16_CH * RNND_DW16_D, full + st);
                 bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D,
                          B + (size_t)i * RNND_DW16_CH * RNND_DW16_Z, RNND_DW16_CH * RNND_DW16_Z,
                          full + st);
+                if constexpr (F16)
+                    bulk_g2s(dst + DW_STAGE,
+                             reinterpret_cast<const uint8_t *>(exp) +
+                                 (size_t)(c0 + i * RNND_DW16_CH) * RNND_DW16_E,
+                             RNND_DW16_CH * RNND_DW16_E, full + st);
             }
         return;
     }
-    const int wg = warp / 4;
+    const int wg = warp / 4, lane = threadIdx.x % 32;
     float d[100];
 #pragma unroll
     for (int i = 0; i < 100; i++)
         d[i] = 0.0f;
+    if constexpr (F16) {
+        const int w = wg * 4 + warp % 4; // this warp's exponent group (D columns 16w..)
+        int ch = RNND_DW16_EZERO - 256, cx = ch;
+        for (int c = lane; c < per; c += 32) {
+            const int16_t *rec = exp + (size_t)(c0 + c) * (RNND_DW16_E / 2);
+            ch = max(ch, (int)__ldg(rec + 160 + w));
+            cx = max(cx, (int)__ldg(rec + 168 + w));
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            ch = max(ch, __shfl_xor_sync(0xffffffffu, ch, o));
+            cx = max(cx, __shfl_xor_sync(0xffffffffu, cx, o));
+        }
+        // The n200 order of the accumulators (n8 group j at d[4j..]): h, x, the constant.
+        float(&dh)[64] = *reinterpret_cast<float(*)[64]>(d);
+        float(&dx)[32] = *reinterpret_cast<float(*)[32]>(d + 64);
+        float(&dc)[4] = *reinterpret_cast<float(*)[4]>(d + 96);
+        const int q = lane >> 3, tg = lane % 4;
+        for (int i = 0; i < nst; i++) {
+            const int st = i % DW_NST;
+            mbar_wait(full + st, (i / DW_NST) & 1);
+            const uint8_t *a = sm + st * STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
+            const int16_t *recs = reinterpret_cast<const int16_t *>(a + DW_STAGE);
+            uint32_t ah[RNND_DW16_CH][4], ax[RNND_DW16_CH][4];
+#pragma unroll
+            for (int c = 0; c < RNND_DW16_CH; c++) {
+                // Matrix q: D columns 16w + 8 (q & 1).., K rows 8 (q >> 1)..; lane (g, tg)
+                // gets column g (+8) and rows 2tg, 2tg+1 (+8): m16k16's A fragment.
+                uint32_t r[4];
+                const uint8_t *src = a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
+                                     (q >> 1) * 128 + (lane & 7) * 16;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                             : "r"(smem_u32(src)));
+                const int16_t *rec = recs + c * (RNND_DW16_E / 2);
+                uint32_t fh[2], fx[2];
+#pragma unroll
+                for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
+                    const int r0 = 2 * tg + 8 * k, e0 = rec[r0 * 8 + w], e1 = rec[r0 * 8 + 8 + w];
+                    const uint32_t h0 = pow2_h2(e0 + rec[128 + r0] - ch);
+                    const uint32_t h1 = pow2_h2(e1 + rec[129 + r0] - ch);
+                    const uint32_t x0 = pow2_h2(e0 + rec[144 + r0] - cx);
+                    const uint32_t x1 = pow2_h2(e1 + rec[145 + r0] - cx);
+                    fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    ah[c][j] = hmul2(r[j], fh[j >> 1]);
+                    ax[c][j] = hmul2(r[j], fx[j >> 1]);
+                }
+            }
+            wg_fence();
+#pragma unroll
+            for (int c = 0; c < RNND_DW16_CH; c++) {
+                const uint8_t *z = b + c * RNND_DW16_Z;
+                mma_f16_n128(dh, ah[c], wg_desc(z, 256));
+                mma_f16_n8(dc, ah[c], wg_desc(z + 24 * 256, 256));
+                mma_f16_n64(dx, ax[c], wg_desc(z + 16 * 256, 256));
+            }
+            wg_commit();
+            // Drained at once: the next stage's A registers are written next, and the stage's
+            // bytes take far longer to arrive than its MMAs take.
+            wg_wait<0>();
+            if (lane == 0)
+                mbar_arrive(empty + st);
+        }
+        // Back to true values: h's columns and the constant's by 2^ch, x's by 2^cx.
+#pragma unroll
+        for (int k = 0; k < 100; k++)
+            d[k] = ldexpf(d[k], k < 64 || k >= 96 ? ch : cx);
+    } else {
     // Whole stages only: ptxas serialises an MMA under a run-time condition (the caller pads
     // the chunks with zeros to a multiple of ks stages).
     for (int i = 0; i < nst; i++) {
@@ -118,9 +256,10 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             mbar_arrive(empty + (i - 1) % DW_NST);
     }
     wg_wait<0>();
+    }
     // m64nN accumulators: warp (of 4) 16 rows, lane / 4 the row within 8, lane % 4 the column
     // pair within each n8 group.
-    const int lane = threadIdx.x % 32, row = p * DW_MP + wg * 64 + (warp % 4) * 16 + lane / 4;
+    const int row = p * DW_MP + wg * 64 + (warp % 4) * 16 + lane / 4;
     float *o = part + (size_t)s * 4 * DW_MP * RNND_DW16_NZ;
 #pragma unroll
     for (int c = 0; c < RNND_DW16_NZ / 8; c++) {
@@ -131,7 +270,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             make_float2(d[4 * c + 2], d[4 * c + 3]);
     }
 #else
-    (void)chunks, (void)pitch, (void)ks, (void)part;
+    (void)chunks, (void)exp, (void)pitch, (void)ks, (void)part;
 #endif
 }
 
@@ -200,23 +339,50 @@ __device__ __forceinline__ void mma_n64_rs(float (&d)[32], const uint32_t (&a)[4
 
 // CTA: groups of 4 chunks [g0, g1). planes: the chunk planes of K's 128-column slots (GRU r, z
 // and the input side of n: 0, 1, 3; LSTM 0-3), npl of them.
+// F16 (TF32 mode): W_ih^T in fp16, scaled by the power of two that puts its largest |value| in
+// [2^13, 2^14); each row's A (this warp's chunk row) scaled by 2^(eD - E) in k-step group w, E
+// being the row's largest eD, so the factors are at most 1; the row's sums times 2^E / scale.
+template <bool F16>
 __global__ void __launch_bounds__(DX_THREADS, 1)
-    dx16_kernel(const uint8_t *__restrict__ chunks, int pitch, int nch, int npl, int plane2,
-                const float *__restrict__ w_ih, int H, int Il, int B, int T,
-                float *__restrict__ dx) {
+    dx16_kernel(const uint8_t *__restrict__ chunks, const int16_t *__restrict__ exp, int pitch,
+                int nch, int npl, int plane2, const float *__restrict__ w_ih, int H, int Il, int B,
+                int T, float *__restrict__ dx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr long STAGE = DX_STAGE + (F16 ? 4 * RNND_DW16_E : 0);
     extern __shared__ __align__(1024) uint8_t sm[];
     uint8_t *wt = sm, *stages = sm + DX_WT;
-    uint64_t *full = reinterpret_cast<uint64_t *>(stages + DX_NST * DX_STAGE), *empty = full + DX_NST;
+    uint64_t *full = reinterpret_cast<uint64_t *>(stages + DX_NST * STAGE), *empty = full + DX_NST;
     const int K = npl * DW_MP, kg = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
     const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
+    float wsc = 1.0f;
+    if constexpr (F16) {
+        __shared__ float red[DX_THREADS / 32];
+        float m = 0.0f;
+        for (int e = threadIdx.x; e < npl * H * Il; e += blockDim.x)
+            m = fmaxf(m, fabsf(__ldg(w_ih + e)));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0)
+            red[warp] = m;
+        __syncthreads();
+        for (int k = 0; k < DX_THREADS / 32; k++)
+            m = fmaxf(m, red[k]);
+        if (m > 0.0f) {
+            const int e = max((int)((__float_as_uint(m) >> 23) & 255) - 126, -100);
+            wsc = __uint_as_float((uint32_t)(141 - e) << 23);
+        }
+    }
     // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
     // order), zero past I_l; K-major core matrices (km_off).
     for (int e = threadIdx.x; e < 64 * K; e += blockDim.x) {
         const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
         const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
-        *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
+        if constexpr (F16)
+            *reinterpret_cast<__half *>(wt + km_off(i, k, kg)) = __float2half_rn(v * wsc);
+        else
+            *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
     if (threadIdx.x == 0) {
@@ -233,14 +399,19 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
                 const int i = g - g0, st = i % DX_NST;
                 if (i >= DX_NST)
                     mbar_wait(empty + st, (i / DX_NST - 1) & 1);
-                mbar_expect_tx(full + st, (uint32_t)(npl * 4 * RNND_DW16_D));
+                mbar_expect_tx(full + st,
+                               (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
                 mbar_arrive(full + st);
                 for (int s = 0; s < npl; s++) {
                     const int p = s < 2 ? s : s == 2 ? plane2 : 3;
-                    bulk_g2s(stages + st * DX_STAGE + s * 4 * RNND_DW16_D,
+                    bulk_g2s(stages + st * STAGE + s * 4 * RNND_DW16_D,
                              chunks + ((size_t)p * pitch + 4 * (size_t)g) * RNND_DW16_D,
                              4 * RNND_DW16_D, full + st);
                 }
+                if constexpr (F16)
+                    bulk_g2s(stages + st * STAGE + DX_STAGE,
+                             reinterpret_cast<const uint8_t *>(exp) + 4 * (size_t)g * RNND_DW16_E,
+                             4 * RNND_DW16_E, full + st);
             }
         return;
     }
@@ -249,7 +420,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
         const int i = g - g0, st = i % DX_NST;
         mbar_wait(full + st, (i / DX_NST) & 1);
         // This warp's chunk; matrix q of a k-step: rows 8 (q & 1).., columns 8 (q >> 1)..
-        const uint8_t *ch = stages + st * DX_STAGE + warp * RNND_DW16_D + (q & 1) * 128 +
+        const uint8_t *ch = stages + st * STAGE + warp * RNND_DW16_D + (q & 1) * 128 +
                             (q >> 1) * 256 + (lane & 7) * 16;
         // k-step ks: slot ks / 8 (4 chunks a slot), columns 16 (ks % 8).. of the chunk.
         auto frag = [&](uint32_t (&a)[4], int ks) {
@@ -257,15 +428,48 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                          : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                          : "r"(smem_u32(src)));
-            wg_fence(); // the MMA reads registers just written
         };
         float d[32];
         uint32_t a[4];
-        frag(a, 0);
-        mma_n64_rs<false>(d, a, wg_desc(wt, kg * 128));
-        for (int ks = 1; ks < K / 16; ks++) {
-            frag(a, ks);
-            mma_n64_rs<true>(d, a, wg_desc(wt + ks * 256, kg * 128));
+        int erow[2] = {0, 0}; // F16: rows lane / 4 and + 8's largest eD
+        if constexpr (F16) {
+            const int16_t *rec = reinterpret_cast<const int16_t *>(stages + st * STAGE + DX_STAGE +
+                                                                   warp * RNND_DW16_E);
+            uint32_t f[2][8];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int16_t *e = rec + ((lane >> 2) + 8 * h) * 8;
+                erow[h] = RNND_DW16_EZERO;
+#pragma unroll
+                for (int w = 0; w < 8; w++)
+                    erow[h] = max(erow[h], (int)e[w]);
+#pragma unroll
+                for (int w = 0; w < 8; w++)
+                    f[h][w] = pow2_h2(e[w] - erow[h]);
+            }
+#pragma unroll
+            for (int k = 0; k < 32; k++)
+                d[k] = 0.0f;
+            for (int slot = 0; slot < npl; slot++)
+#pragma unroll
+                for (int w = 0; w < 8; w++) {
+                    const int ks = slot * 8 + w;
+                    frag(a, ks);
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        a[j] = hmul2(a[j], f[j & 1][w]);
+                    wg_fence(); // the MMA reads registers just written
+                    mma_f16_n64(d, a, wg_desc(wt + ks * 256, kg * 128));
+                }
+        } else {
+            frag(a, 0);
+            wg_fence(); // the MMA reads registers just written
+            mma_n64_rs<false>(d, a, wg_desc(wt, kg * 128));
+            for (int ks = 1; ks < K / 16; ks++) {
+                frag(a, ks);
+                wg_fence();
+                mma_n64_rs<true>(d, a, wg_desc(wt + ks * 256, kg * 128));
+            }
         }
         wg_commit();
         wg_wait<0>();
@@ -279,18 +483,20 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             if (c >= nch || b >= B)
                 continue;
             float *row = dx + ((size_t)b * T + t) * Il;
+            const float winv = 1.0f / wsc;
 #pragma unroll
             for (int n = 0; n < 8; n++) {
                 const int col = 8 * n + 2 * (lane & 3);
                 if (col < Il)
-                    row[col] = d[4 * n + 2 * h];
+                    row[col] = ldexpf(d[4 * n + 2 * h], erow[h]) * winv;
                 if (col + 1 < Il)
-                    row[col + 1] = d[4 * n + 2 * h + 1];
+                    row[col + 1] = ldexpf(d[4 * n + 2 * h + 1], erow[h]) * winv;
             }
         }
     }
 #else
-    (void)chunks, (void)pitch, (void)nch, (void)npl, (void)plane2, (void)w_ih, (void)H, (void)Il;
+    (void)chunks, (void)exp, (void)pitch, (void)nch, (void)npl, (void)plane2, (void)w_ih;
+    (void)H, (void)Il;
     (void)B, (void)T, (void)dx;
 #endif
 }
@@ -301,10 +507,12 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
     if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || a->ks < 1 ||
         a->pitch % (a->ks * RNND_DW16_CH) != 0)
         return RNND_EINVAL;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(dw16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)DW_SMEM));
-    dw16_kernel<<<4 * a->ks, DW_THREADS, DW_SMEM, stream>>>(static_cast<const uint8_t *>(a->chunks),
-                                                            a->pitch, a->ks, a->part);
+    auto kernel = a->exp ? dw16_kernel<true> : dw16_kernel<false>;
+    const long smem = DW_SMEM + (a->exp ? DW_NST * RNND_DW16_CH * RNND_DW16_E : 0);
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<4 * a->ks, DW_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks), a->exp,
+                                                    a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
     const int n = 4 * DW_MP * RNND_DW16_NZ;
     dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->xoff,
@@ -317,11 +525,13 @@ int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream) {
     if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || (a->npl != 3 && a->npl != 4) ||
         a->pitch < a->nch || a->sms < 1)
         return RNND_EINVAL;
-    RNND_CUDA_TRY(cudaFuncSetAttribute(dx16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)DX_SMEM));
-    dx16_kernel<<<a->sms, DX_THREADS, DX_SMEM, stream>>>(
-        static_cast<const uint8_t *>(a->chunks), a->pitch, a->nch, a->npl, a->npl == 3 ? 3 : 2,
-        a->w_ih, a->H, a->Il, a->B, a->T, a->dx);
+    auto kernel = a->exp ? dx16_kernel<true> : dx16_kernel<false>;
+    const long smem = DX_SMEM + (a->exp ? DX_NST * 4 * RNND_DW16_E : 0);
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<a->sms, DX_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks), a->exp,
+                                                 a->pitch, a->nch, a->npl, a->npl == 3 ? 3 : 2,
+                                                 a->w_ih, a->H, a->Il, a->B, a->T, a->dx);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -1286,42 +1286,67 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 // Backward kernel
 
 // dw16 chunks (seq_persist.h): the warp's 8 x 16 block of one row half (lane: row g, its units
-// 4tg..4tg+3 as bf16 pairs lo, hi) into the two K-major core matrices at cm and cm + 256.
-// movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows 2(l%4) and
-// 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The columns come
-// out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2, 4tg+3 in the
-// second).
+// 4tg..4tg+3 as 16-bit pairs lo, hi: bf16, or F16 fp16) into the two K-major core matrices at cm
+// and cm + 256. movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows
+// 2(l%4) and 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The
+// columns come out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2,
+// 4tg+3 in the second).
+template <bool F16 = false>
 static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v[4], int lane) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint32_t a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
+    uint32_t a, b;
+    if constexpr (F16) {
+        __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+        a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
+    } else {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
+        __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+        a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
+    }
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
     *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
 }
 // A backward loop's row half i of chunk c into the dw16 chunks: D's 4 planes (plane(p): this
-// thread's 4 units of plane p) and z's h part (h), warp w's 16 units being core-matrix groups
-// 2w and 2w + 1; zeros where live is false (rows past B). Returns chunk c's z part at row half i.
-template <class P>
+// thread's 4 units of plane p) times ds and z's h part (h) times hs, warp w's 16 units being
+// core-matrix groups 2w and 2w + 1; zeros where live is false (rows past B). Returns chunk c's z
+// part at row half i.
+template <bool F16 = false, class P>
 static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t pitch, size_t c,
                                                              int w, int i, int lane, bool live,
-                                                             P plane, const float h[4]) {
+                                                             P plane, const float h[4],
+                                                             float ds = 1.0f, float hs = 1.0f) {
     unsigned char *base = static_cast<unsigned char *>(dw16) + i * 128;
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         const float *d = plane(p);
-        const float v[4] = {live ? d[0] : 0.0f, live ? d[1] : 0.0f, live ? d[2] : 0.0f,
-                            live ? d[3] : 0.0f};
-        dw16_put(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
+        const float v[4] = {live ? d[0] * ds : 0.0f, live ? d[1] * ds : 0.0f,
+                            live ? d[2] * ds : 0.0f, live ? d[3] * ds : 0.0f};
+        dw16_put<F16>(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
     }
     unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
-    dw16_put(zc + 2 * w * 256, h, lane);
+    const float hv[4] = {h[0] * hs, h[1] * hs, h[2] * hs, h[3] * hs};
+    dw16_put<F16>(zc + 2 * w * 256, hv, lane);
     return zc;
 }
-// The core matrix of z's columns 192..199 at cm: the constant 1 (bf16 1.0 in both rows a lane
-// holds, column 0: lanes 0-3) and zeros.
-static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane) {
-    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = lane < 4 ? 0x3F803F80u : 0u;
+// The core matrix of z's columns 192..199 at cm: the constant (one, a pair of 16-bit ones: bf16
+// 1.0, or TF32 mode's fp16 h scale) in both rows a lane holds, column 0 (lanes 0-3), and zeros.
+static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane,
+                                                    uint32_t one = 0x3F803F80u) {
+    *reinterpret_cast<uint32_t *>(cm + 4 * lane) = lane < 4 ? one : 0u;
+}
+// TF32 mode: the power of two sc = 2^(14 - e) for a group's largest |value| m = f 2^e (f in
+// [0.5, 1), e taken as at least -112, so that sc stays a normal float), and the group's exponent
+// eD = e - 14 (D = D' 2^eD for D' = D sc), or RNND_DW16_EZERO for m = 0.
+static __device__ __forceinline__ float dw16_scale(float m, int &ed) {
+    int e = (int)((__float_as_uint(m) >> 23) & 255) - 126;
+    e = e < -112 ? -112 : e;
+    ed = m > 0.0f ? e - 14 : RNND_DW16_EZERO;
+    return __uint_as_float((uint32_t)(141 - e) << 23);
+}
+// log2 of a power of two p (a normal float).
+static __device__ __forceinline__ int pow2_log(float p) {
+    return (int)((__float_as_uint(p) >> 23) & 255) - 127;
 }
 
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
@@ -1678,7 +1703,8 @@ struct persist_rc_geom {
 // Phase clocks (V bit 8, v12): gate gradients and D stores; tile puts, loads and the first
 // barrier; row scales, 16-bit tile and the second barrier; both MMAs and the pair exchange;
 // routing; the recompute's cell.
-// DW (bf16 mode): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32.
+// DW: D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32: bf16, or (TF32 mode)
+// fp16 with exponent records.
 template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
@@ -1905,6 +1931,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         // Gate gradients of step t, the row maxima of the tile part.
         float ddir[2][4], tv[G][2][4];
         float rm[2] = {0.0f, 0.0f};
+        int ed[2]; // DW, TF32 mode: the exponents of this warp's groups of the two row halves
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float dv[4][4];
@@ -1927,9 +1954,25 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 }
             }
             if constexpr (DW) {
-                // D's 4 planes and z's h part of this row half (rows past B: zeros).
-                dw16_put_dh(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
-                            [&](int p) -> const float * { return dv[p]; }, hp[i]);
+                // D's 4 planes and z's h part of this row half (rows past B: zeros); in TF32
+                // mode D scaled by its (row, warp) group's power of two (shuffles over the 4
+                // lanes of the row: no barrier), h by the block's.
+                float ds = 1.0f;
+                if constexpr (XH) {
+                    float m = 0.0f;
+#pragma unroll
+                    for (int p = 0; p < 4; p++)
+#pragma unroll
+                        for (int j = 0; j < 4; j++)
+                            m = fmaxf(m, fabsf(dv[p][j]));
+                    m = rv[i] ? m : 0.0f;
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                    ds = dw16_scale(m, ed[i]);
+                }
+                dw16_put_dh<XH>(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane,
+                                rv[i], [&](int p) -> const float * { return dv[p]; }, hp[i], ds,
+                                XH ? hscale : 1.0f);
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
@@ -1955,8 +1998,40 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 +
                                                   (q >> 1) * 128 + 4 * lane) = m4[q];
             } else if (w == 4) {
-                dw16_put_one(zc + 24 * 256, lane);
-                dw16_put_one(zc + 24 * 256 + 128, lane);
+                uint32_t one = 0x3F803F80u;
+                if constexpr (XH) {
+                    __half2 v = __float2half2_rn(hscale);
+                    one = *reinterpret_cast<uint32_t *>(&v);
+                }
+                dw16_put_one(zc + 24 * 256, lane, one);
+                dw16_put_one(zc + 24 * 256 + 128, lane, one);
+            }
+            if constexpr (XH) {
+                // The chunk's exponent record (seq_persist.h): eD by each row's lane tg = 0,
+                // the chunk's maxima by lane 0, eh and ex by warp 4.
+                int16_t *rec = a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2);
+                const float *xi = xinv + (t & 1) * 16;
+                const int eh = -pow2_log(hscale);
+                int mh = RNND_DW16_EZERO - 256, mx = RNND_DW16_EZERO - 256;
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int row = g + 8 * i;
+                    if (tg == 0)
+                        rec[row * 8 + w] = (int16_t)ed[i];
+                    mh = max(mh, ed[i] + eh);
+                    mx = max(mx, ed[i] + pow2_log(xi[row]));
+                }
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) {
+                    mh = max(mh, __shfl_xor_sync(0xffffffffu, mh, o));
+                    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                }
+                if (lane == 0) {
+                    rec[160 + w] = (int16_t)mh;
+                    rec[168 + w] = (int16_t)mx;
+                }
+                if (w == 4)
+                    rec[128 + lane] = (int16_t)(lane < 16 ? eh : pow2_log(xi[lane - 16]));
             }
         }
         if constexpr (HM::SCALED) {
@@ -2115,10 +2190,10 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         return RNND_EINVAL;
     auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, XH>
                         : seq_backward_rc_kernel<Mode, HP, false, XH>;
-    if (a.dw16) { // bf16 mode, vector access (seq.cu asks for nothing else)
-        if constexpr (XH || HP != 128)
+    if (a.dw16) { // vector access (seq.cu asks for nothing else); TF32 mode with the records
+        if constexpr (HP != 128)
             return RNND_EINVAL;
-        else if (!a.vec || a.H != HP)
+        else if (!a.vec || a.H != HP || (a.dw16_exp != nullptr) != XH)
             return RNND_EINVAL;
         else
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>;
@@ -2184,7 +2259,7 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     if (a.dw16) { // the LSTM in bf16 mode, vector access (seq.cu asks for nothing else)
         if constexpr (Gm::G != 4 || sizeof(typename Mode::elem) != 2 || HP != 128 || V != 0)
             return RNND_EINVAL;
-        else if (!a.vec || a.H != HP)
+        else if (!a.vec || a.H != HP || a.dw16_exp)
             return RNND_EINVAL;
         else
             kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>;

@@ -53,8 +53,10 @@ struct persist_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
-    void *dw16;                  // or, instead of d (bf16 mode): D and z in dw16 chunks
+    void *dw16;                  // or, instead of d: D and z in dw16 chunks (bf16 mode; TF32
+                                 // mode in the GRU's rc loop, with dw16_exp)
     int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
+    int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)
@@ -131,13 +133,26 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 #define RNND_DW16_NZ 200
 #define RNND_DW16_Z (RNND_DW16_NZ * 32L)
 #define RNND_DW16_CH 4
+// TF32 mode (the GRU's recomputing loop) writes the chunks in fp16, every value scaled by a power
+// of two, and chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
+//   [0, 128)   eD[r][w]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
+//              whose largest |D'| is in [2^13, 2^14); RNND_DW16_EZERO where the group is zero;
+//   [128, 144) eh[r]: z's h part and its constant = z' 2^eh (the loop block's h scale);
+//   [144, 160) ex[r]: z's x part = z' 2^ex (its row's largest |x'| in [2^13, 2^14));
+//   [160, 168) mh[w], [168, 176) mx[w]: the largest eD + eh and eD + ex over the chunk's rows.
+// So each value keeps TF32's 10 mantissa bits, and the product sums each of its K ranges relative
+// to the range's largest exponents (NOTES v26). Records past the loop's last are 0x80 bytes
+// (RNND_DW16_EZERO and less everywhere).
+#define RNND_DW16_E 352L
+#define RNND_DW16_EZERO (-32640)
 struct dw16_args {
-    const void *chunks; // as above, bf16
+    const void *chunks; // as above, bf16, or fp16 with exp
     int pitch;          // chunks a plane
     int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
     int H, Il, xoff;    // the layer: H = 128, I_l <= 64, x's first column in z
     float *part;        // ks x 4H x RNND_DW16_NZ floats of scratch
     float *tmp;         // out: (ldz, 4H) z^T D, as cuBLAS's product in seq.cu (h, 1, x rows)
+    const int16_t *exp; // TF32 mode: the chunks' exponent records, or NULL (bf16)
 };
 // Built when the architectures include 90 (RNND_HAVE_WG); RNND_EINVAL for other shapes.
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream);
@@ -151,6 +166,7 @@ struct dx16_args {
     int H, Il, B, T;
     const float *w_ih;     // (npl H, Il)
     float *dx;             // out: (B T, Il)
+    const int16_t *exp;    // as dw16_args
 };
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 

@@ -540,7 +540,8 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
 // lost or misplaced chunk, row or column fails, and so does a fall-back to cuBLAS for the weight
 // gradients. With a second layer, layer 0's gradients carry the error of layer 1's dL/dx
 // (cuBLAS, bf16: 1.4e-3 to 2.6e-3), and other devices run cuBLAS's products: there the mode's
-// tolerance.
+// tolerance. TF32 mode (the GRU: fp16 chunks with exponent records, NOTES v26) runs the same
+// checks at its own tolerance, which dw16_tol equals; test_dw16_scales adds its ranges.
 static const double dw16_tol = 1e-3;
 static bool sm90; // the device is compute 9.0
 static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc) {
@@ -550,8 +551,9 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     char tag[80];
-    snprintf(tag, sizeof(tag), "%s bf16 I%d L%d B%d T%d dw16",
-             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->I, sc->L, sc->B, sc->T);
+    snprintf(tag, sizeof(tag), "%s %s I%d L%d B%d T%d dw16",
+             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->L,
+             sc->B, sc->T);
     struct seq_out og, oc;
     if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
         struct rnnd_param_tensor first, last; // layer 0's tensors are the first four
@@ -561,6 +563,57 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
         const double tol = sm90 && sc->L == 1 ? dw16_tol : tolerance(sc->compute);
         compare("grad layer 0", tag, og.gp + at, oc.gp + at, h.gbase + at, n, tol);
         compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
+// TF32 mode's products (seq_dw.cu on fp16 chunks, NOTES v26) on values far from 1, where one
+// fp16 scale for all rows would overflow or lose every bit. Each value is kept to 10 bits by its
+// (row, group) exponent; a K range is summed relative to its largest, so a row's share of dW goes
+// only where it is 2^24 or more below the largest row's, and dL/dx is each row's own.
+//   0: x's column 0 times 16, column 1 times 1e-5;
+//   1: every output gradient times 1e-30 (all of dW near 1e-30);
+//   2: batch rows 3 and 17's output gradients times 2^20 (the rest 2^-20 of them);
+//   3: batch rows 3 and 17's output gradients times 2^-30: their dW shares go, their dL/dx, on
+//      their own scale, must not.
+static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu, int kind) {
+    const struct seq_case sc = {RNND_CELL_GRU, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1,
+                                STATE_HIDDEN, RNND_CUDA_PATH_AUTO};
+    const struct seq_sizes z = seq_sizes_of(&sc);
+    static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
+                                       "two rows x2^20", "two rows x2^-30"};
+    char tag[64];
+    snprintf(tag, sizeof(tag), "gru fp32 dw16 %s", what[kind]);
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    memset(h.gbase, 0, z.P * sizeof(float)); // gradients near 1e-30 would vanish in 1 + g
+    const size_t rows[2] = {3, 17}, TH = (size_t)sc.T * sc.H;
+    if (kind == 0)
+        for (size_t r = 0; r < (size_t)sc.B * sc.T; r++) {
+            h.x[r * sc.I] *= 16.0f;
+            h.x[r * sc.I + 1] *= 1e-5f;
+        }
+    if (kind == 1) {
+        for (size_t i = 0; i < z.nout; i++)
+            h.gout[i] *= 1e-30f;
+        for (size_t i = 0; i < z.blh; i++)
+            h.ghn[i] *= 1e-30f;
+    }
+    if (kind >= 2)
+        for (int k = 0; k < 2; k++)
+            for (size_t i = 0; i < TH; i++)
+                h.gout[rows[k] * TH + i] *= kind == 2 ? 0x1p20f : 0x1p-30f;
+    struct seq_out og, oc;
+    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
+        const double tol = tolerance(sc.compute);
+        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+        for (int k = 0; kind == 3 && k < 2; k++) {
+            const size_t at = rows[k] * sc.T * sc.I;
+            compare("grad x, row", tag, og.gx + at, oc.gx + at, NULL, (size_t)sc.T * sc.I, tol);
+        }
     }
     seq_out_free(&og);
     seq_out_free(&oc);
@@ -1016,10 +1069,11 @@ int main(int argc, char **argv) {
             test_weight_outliers(&gpu, &cpu, &outliers[i]);
     }
 
-    // The bf16 weight-gradient product (seq_dw.cu), last so that the random draws of the cases
-    // above stay as they were: I_l = 64, 40, 8 and (LSTM) 6 (x's zero columns in the chunks), a
-    // partial last block (B = 300, 2049), stored states, a second layer (which gives dL/dx to
-    // layer 0, so only layer 0 takes the product), B = T = 1. --quick: the first.
+    // The weight-gradient products (seq_dw.cu; bf16, then the GRU in TF32 mode), last so that the
+    // random draws of the cases above stay as they were: I_l = 64, 40, 8 and (LSTM) 6 (x's zero
+    // columns in the chunks), a partial last block (B = 300, 2049), stored states, a second layer
+    // (which gives dL/dx to layer 0, so only layer 0 takes the product), B = T = 1. --quick: the
+    // first.
     const struct seq_case dw16_cases[] = {
         {GRU, BF16, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
         {GRU, BF16, 40, 128, 1, 300, 20, 0.1, STATE_HIDDEN, AUTO},
@@ -1030,9 +1084,16 @@ int main(int argc, char **argv) {
         {LSTM, BF16, 40, 128, 1, 300, 20, 0.1, STATE_HIDDEN, AUTO},
         {LSTM, BF16, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
         {LSTM, BF16, 6, 128, 1, 2049, 3, 0.1, STATE_H0, AUTO},
+        {GRU, F32, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {GRU, F32, 40, 128, 1, 300, 20, 0.1, STATE_HIDDEN, AUTO},
+        {GRU, F32, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
+        {GRU, F32, 8, 128, 1, 2049, 3, 0.1, STATE_NONE, AUTO},
+        {GRU, F32, 64, 128, 1, 1, 1, 0.0, STATE_H0, AUTO},
     };
     for (int i = 0; i < (quick ? 1 : (int)(sizeof(dw16_cases) / sizeof(dw16_cases[0]))); i++)
         test_dw16(&gpu, &cpu, &dw16_cases[i]);
+    for (int kind = 0; !quick && kind < 4; kind++)
+        test_dw16_scales(&gpu, &cpu, kind);
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 uint32_t fh[2], fx[2];
 #pragma unroll
                 for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
-                    const int r0 = 2 * tg + 8 * k, e0 = rec[r0 * 8 + w], e1 = rec[r0 * 8 + 8 + w];
+                    const int r0 = 2 * tg + 8 * k, e0 = rec[w * 16 + r0], e1 = rec[w * 16 + r0 + 1];
                     const uint32_t h0 = pow2_h2(e0 + rec[128 + r0] - ch);
                     const uint32_t h1 = pow2_h2(e1 + rec[129 + r0] - ch);
                     const uint32_t x0 = pow2_h2(e0 + rec[144 + r0] - cx);
@@ -438,29 +438,34 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             uint32_t f[2][8];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int16_t *e = rec + ((lane >> 2) + 8 * h) * 8;
+                const int16_t *e = rec + (lane >> 2) + 8 * h; // eD[w][row] at e[16 w]
                 erow[h] = RNND_DW16_EZERO;
 #pragma unroll
                 for (int w = 0; w < 8; w++)
-                    erow[h] = max(erow[h], (int)e[w]);
+                    erow[h] = max(erow[h], (int)e[16 * w]);
 #pragma unroll
                 for (int w = 0; w < 8; w++)
-                    f[h][w] = pow2_h2(e[w] - erow[h]);
+                    f[h][w] = pow2_h2(e[16 * w] - erow[h]);
             }
+            // A slot's 8 fragments loaded and scaled before its MMAs: the loads in flight
+            // together, one fence for the registers the MMAs read.
 #pragma unroll
             for (int k = 0; k < 32; k++)
                 d[k] = 0.0f;
-            for (int slot = 0; slot < npl; slot++)
+            for (int slot = 0; slot < npl; slot++) {
+                uint32_t as[8][4];
 #pragma unroll
                 for (int w = 0; w < 8; w++) {
-                    const int ks = slot * 8 + w;
-                    frag(a, ks);
+                    frag(as[w], slot * 8 + w);
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        a[j] = hmul2(a[j], f[j & 1][w]);
-                    wg_fence(); // the MMA reads registers just written
-                    mma_f16_n64(d, a, wg_desc(wt + ks * 256, kg * 128));
+                        as[w][j] = hmul2(as[w][j], f[j & 1][w]);
                 }
+                wg_fence();
+#pragma unroll
+                for (int w = 0; w < 8; w++)
+                    mma_f16_n64(d, as[w], wg_desc(wt + (slot * 8 + w) * 256, kg * 128));
+            }
         } else {
             frag(a, 0);
             wg_fence(); // the MMA reads registers just written
@@ -483,14 +488,16 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             if (c >= nch || b >= B)
                 continue;
             float *row = dx + ((size_t)b * T + t) * Il;
-            const float winv = 1.0f / wsc;
+            // 2^E is a normal float (E >= -126), or 0 for a zero row; both factors are 1 in
+            // bf16 mode.
+            const float e2 = ldexpf(1.0f, erow[h]), winv = 1.0f / wsc;
 #pragma unroll
             for (int n = 0; n < 8; n++) {
                 const int col = 8 * n + 2 * (lane & 3);
                 if (col < Il)
-                    row[col] = ldexpf(d[4 * n + 2 * h], erow[h]) * winv;
+                    row[col] = d[4 * n + 2 * h] * e2 * winv;
                 if (col + 1 < Il)
-                    row[col + 1] = ldexpf(d[4 * n + 2 * h + 1], erow[h]) * winv;
+                    row[col + 1] = d[4 * n + 2 * h + 1] * e2 * winv;
             }
         }
     }

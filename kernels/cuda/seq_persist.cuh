@@ -2007,25 +2007,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 dw16_put_one(zc + 24 * 256 + 128, lane, one);
             }
             if constexpr (XH) {
-                // The chunk's exponent record (seq_persist.h): eD by each row's lane tg = 0,
-                // the chunk's maxima by lane 0, eh and ex by warp 4.
+                // The chunk's exponent record (seq_persist.h): warp w's eD (lanes tg = 0, one
+                // 32-byte run) and its maxima (one redux each, lane 0), eh and ex by warp 4.
                 int16_t *rec = a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2);
                 const float *xi = xinv + (t & 1) * 16;
                 const int eh = -pow2_log(hscale);
-                int mh = RNND_DW16_EZERO - 256, mx = RNND_DW16_EZERO - 256;
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int row = g + 8 * i;
-                    if (tg == 0)
-                        rec[row * 8 + w] = (int16_t)ed[i];
-                    mh = max(mh, ed[i] + eh);
-                    mx = max(mx, ed[i] + pow2_log(xi[row]));
+                if (tg == 0) {
+                    rec[w * 16 + g] = (int16_t)ed[0];
+                    rec[w * 16 + g + 8] = (int16_t)ed[1];
                 }
-#pragma unroll
-                for (int o = 4; o < 32; o <<= 1) {
-                    mh = max(mh, __shfl_xor_sync(0xffffffffu, mh, o));
-                    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-                }
+                const int mh = __reduce_max_sync(0xffffffffu, max(ed[0], ed[1])) + eh;
+                const int mx = __reduce_max_sync(
+                    0xffffffffu, max(ed[0] + pow2_log(xi[g]), ed[1] + pow2_log(xi[g + 8])));
                 if (lane == 0) {
                     rec[160 + w] = (int16_t)mh;
                     rec[168 + w] = (int16_t)mx;

@@ -135,7 +135,7 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 #define RNND_DW16_CH 4
 // TF32 mode (the GRU's recomputing loop) writes the chunks in fp16, every value scaled by a power
 // of two, and chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
-//   [0, 128)   eD[r][w]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
+//   [0, 128)   eD[w][r]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
 //              whose largest |D'| is in [2^13, 2^14); RNND_DW16_EZERO where the group is zero;
 //   [128, 144) eh[r]: z's h part and its constant = z' 2^eh (the loop block's h scale);
 //   [144, 160) ex[r]: z's x part = z' 2^ex (its row's largest |x'| in [2^13, 2^14));

@@ -430,7 +430,6 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
                          : "r"(smem_u32(src)));
         };
         float d[32];
-        uint32_t a[4];
         int erow[2] = {0, 0}; // F16: rows lane / 4 and + 8's largest eD
         if constexpr (F16) {
             const int16_t *rec = reinterpret_cast<const int16_t *>(stages + st * STAGE + DX_STAGE +
@@ -467,6 +466,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
                     mma_f16_n64(d, as[w], wg_desc(wt + (slot * 8 + w) * 256, kg * 128));
             }
         } else {
+            uint32_t a[4];
             frag(a, 0);
             wg_fence(); // the MMA reads registers just written
             mma_n64_rs<false>(d, a, wg_desc(wt, kg * 128));

@@ -99,9 +99,9 @@ static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, 
 }
 
 // Layer l's weight gradients and dL/dx come from seq_dw.cu's products on dw16 chunks (NOTES
-// v25d-f, v26) instead of cuBLAS on D in fp32: compute 9.0, vector access, the persistent loops
-// at H = 128 with I_l <= 64: the GRU's recomputing one in bf16 and TF32 mode (fp16 chunks with
-// exponent records), the LSTM's in bf16 mode. Bench variant bit 16384 turns it off.
+// v25d-f, v26) instead of cuBLAS on D in fp32: compute 9.0, bf16 or TF32 mode (fp16 chunks with
+// exponent records), vector access, the persistent loops at H = 128 with I_l <= 64 (the GRU's
+// recomputing one, the LSTM's). Bench variant bit 16384 turns it off.
 #define RNND_SEQ_VARIANT_NO_DW16 16384
 static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l, bool vec) {
     if (!cuda_has_wg(c) || (c->variant & RNND_SEQ_VARIANT_NO_DW16) ||
@@ -109,7 +109,7 @@ static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l
         return false;
     if (m->cell == RNND_CELL_GRU)
         return seq_recompute(c, m, l);
-    return m->compute == RNND_COMPUTE_BF16 && rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
+    return rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
            rnnd__persist_hp(m, c->smem_optin) == 128 && rnnd_model_layer_input(m, l) <= 64;
 }
 

@@ -1348,12 +1348,48 @@ static __device__ __forceinline__ float dw16_scale(float m, int &ed) {
 static __device__ __forceinline__ int pow2_log(float p) {
     return (int)((__float_as_uint(p) >> 23) & 255) - 127;
 }
+// TF32 mode: a step's exponent record (seq_persist.h) at rec, from warp w's group exponents ed
+// of its rows g and g + 8 and their x exponents ex, and the block's eh: eD by the rows' lanes
+// tg = 0 (one 32-byte run a warp), the warp's maxima by lane 0 (one redux each), eh and every
+// row's ex (exr: row lane - 16's) by warp 4. The maxima are kept within int16 (zero groups).
+static __device__ __forceinline__ void dw16_record(int16_t *rec, int w, int lane, const int ed[2],
+                                                   const int ex[2], int eh, int exr) {
+    const int g = lane >> 2, lo = RNND_DW16_EZERO - 128;
+    if ((lane & 3) == 0) {
+        rec[w * 16 + g] = (int16_t)ed[0];
+        rec[w * 16 + g + 8] = (int16_t)ed[1];
+    }
+    const int mh = __reduce_max_sync(0xffffffffu, max(ed[0], ed[1])) + eh;
+    const int mx = __reduce_max_sync(0xffffffffu, max(ed[0] + ex[0], ed[1] + ex[1]));
+    if (lane == 0) {
+        rec[160 + w] = (int16_t)max(mh, lo);
+        rec[168 + w] = (int16_t)max(mx, lo);
+    }
+    if (w == 4)
+        rec[128 + lane] = (int16_t)(lane < 16 ? eh : exr);
+}
+// TF32 mode: D's group scale of one row half (this thread's 4 units of the 4 planes, the row's
+// 4 lanes together; zero for a row past B) and its exponent ed.
+static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bool live, int &ed) {
+    float m = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            m = fmaxf(m, fabsf(dv[p][j]));
+    m = live ? m : 0.0f;
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    return dw16_scale(m, ed);
+}
 
 // TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
 // the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
 // stored by the threads.
-// DW (bf16 mode, LSTM): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32; the
-// loop then loads each row's hprev and (warps 0-3) x, which z holds.
+// DW (LSTM): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32; the loop then
+// loads each row's hprev and (warps 0-3) x, which z holds. bf16 mode: bf16. TF32 mode: fp16 with
+// exponent records, D scaled by (row, warp) group, h by the block's bound (persist_hscale) and
+// x by its row's largest |x|, which warps 0-3 leave in shared memory (xm) a step ahead.
 template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
@@ -1382,6 +1418,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     if constexpr (Mode::SCALED)
         wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
+    constexpr bool DWF = DW && Mode::SCALED;
+    float hscale = 1.0f;
+    if constexpr (DWF)
+        hscale = persist_hscale(a, reinterpret_cast<float *>(tile));
+    float *xm = reinterpret_cast<float *>(xch + Gm::B_XCH_BYTES / 16); // DWF: [4][16]
 #pragma unroll 4
     for (int ks = 0; ks < KSW; ks++) {
         uint32_t o[Gm::B_WPL];
@@ -1453,7 +1494,27 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
+    // DWF: warps 0-3's x groups' row maxima of the step load_step last loaded, into xm.
+    auto put_xmax = [&]() {
+        if constexpr (DWF) {
+            if (w < 4)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float m = fmaxf(fmaxf(fabsf(xv[i][0]), fabsf(xv[i][1])),
+                                    fmaxf(fabsf(xv[i][2]), fabsf(xv[i][3])));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                    if (tg == 0)
+                        xm[w * 16 + g + 8 * i] = m;
+                }
+        }
+    };
+    // DWF: the scale of row r's x (its largest |x| into [2^13, 2^14)) and its exponent ex.
+    auto x_scale = [&](int r, int &ex) {
+        return dw16_scale(fmaxf(fmaxf(xm[r], xm[16 + r]), fmaxf(xm[32 + r], xm[48 + r])), ex);
+    };
     load_step(T - 1);
+    put_xmax();
     // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
     // and 32 LSTM k-steps at HP = 128 in TF32 mode); not in the scalar-access loops, which
     // would spill.
@@ -1474,6 +1535,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 TR::unpack4(sv[p][i], svh[p][i]);
         // Gate gradients of step t.
         float ddir[2][4], dcp[2][4], tv[G][2][4], dv[4][2][4];
+        int ed[2], ex[2]; // DWF: the row halves' D group and x exponents
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -1507,20 +1569,38 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
             if constexpr (DW) {
                 // D's 4 planes and z's h part of this row half (rows past B: zeros), x's by
-                // warps 0-3, the constant 1 (z's column 192) by warp 4.
-                unsigned char *zc = dw16_put_dh(
+                // warps 0-3, the constant 1 (z's column 192) by warp 4; in TF32 mode scaled.
+                float ds = 1.0f, xs = 1.0f;
+                uint32_t one = 0x3F803F80u;
+                if constexpr (DWF) {
+                    const float *const pl[4] = {dv[0][i], dv[1][i], dv[2][i], dv[3][i]};
+                    ds = dw16_dscale(pl, rv[i], ed[i]);
+                    xs = x_scale(g + 8 * i, ex[i]);
+                    __half2 v = __float2half2_rn(hscale);
+                    one = *reinterpret_cast<uint32_t *>(&v);
+                }
+                unsigned char *zc = dw16_put_dh<DWF>(
                     a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
-                    [&](int p) -> const float * { return dv[p][i]; }, hp[i]);
-                if (w < 4)
-                    dw16_put(zc + (16 + 2 * w) * 256, xv[i], lane);
-                else if (w == 4)
-                    dw16_put_one(zc + 24 * 256, lane);
+                    [&](int p) -> const float * { return dv[p][i]; }, hp[i], ds, hscale);
+                if (w < 4) {
+                    const float xsv[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs,
+                                          xv[i][3] * xs};
+                    dw16_put<DWF>(zc + (16 + 2 * w) * 256, xsv, lane);
+                } else if (w == 4) {
+                    dw16_put_one(zc + 24 * 256, lane, one);
+                }
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
                 for (int p = TMA ? G : 0; p < 4; p++)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
             }
+        }
+        if constexpr (DWF) {
+            int exr;
+            x_scale(lane & 15, exr);
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
+                        ed, ex, -pow2_log(hscale), exr);
         }
         if constexpr (TMA)
             fence_proxy_async();
@@ -1619,6 +1699,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dc[i]);
         }
         clk.mark(4);
+        if (t > 0)
+            put_xmax(); // step t-1's, read after the barrier
         if constexpr (TMA) {
             if (threadIdx.x < 16)
                 bulk_wait_read(); // the tile is rewritten after the barrier
@@ -1959,16 +2041,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 // lanes of the row: no barrier), h by the block's.
                 float ds = 1.0f;
                 if constexpr (XH) {
-                    float m = 0.0f;
-#pragma unroll
-                    for (int p = 0; p < 4; p++)
-#pragma unroll
-                        for (int j = 0; j < 4; j++)
-                            m = fmaxf(m, fabsf(dv[p][j]));
-                    m = rv[i] ? m : 0.0f;
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                    ds = dw16_scale(m, ed[i]);
+                    const float *const pl[4] = {dv[0], dv[1], dv[2], dv[3]};
+                    ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
                 dw16_put_dh<XH>(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane,
                                 rv[i], [&](int p) -> const float * { return dv[p]; }, hp[i], ds,
@@ -2006,25 +2080,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 dw16_put_one(zc + 24 * 256, lane, one);
                 dw16_put_one(zc + 24 * 256 + 128, lane, one);
             }
-            if constexpr (XH) {
-                // The chunk's exponent record (seq_persist.h): warp w's eD (lanes tg = 0, one
-                // 32-byte run) and its maxima (one redux each, lane 0), eh and ex by warp 4.
-                int16_t *rec = a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2);
+            if constexpr (XH) { // x = x' xinv: ex is log2 of step t's xinv
                 const float *xi = xinv + (t & 1) * 16;
-                const int eh = -pow2_log(hscale);
-                if (tg == 0) {
-                    rec[w * 16 + g] = (int16_t)ed[0];
-                    rec[w * 16 + g + 8] = (int16_t)ed[1];
-                }
-                const int mh = __reduce_max_sync(0xffffffffu, max(ed[0], ed[1])) + eh;
-                const int mx = __reduce_max_sync(
-                    0xffffffffu, max(ed[0] + pow2_log(xi[g]), ed[1] + pow2_log(xi[g + 8])));
-                if (lane == 0) {
-                    rec[160 + w] = (int16_t)mh;
-                    rec[168 + w] = (int16_t)mx;
-                }
-                if (w == 4)
-                    rec[128 + lane] = (int16_t)(lane < 16 ? eh : pow2_log(xi[lane - 16]));
+                const int ex[2] = {pow2_log(xi[g]), pow2_log(xi[g + 8])};
+                dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w,
+                            lane, ed, ex, -pow2_log(hscale), pow2_log(xi[lane & 15]));
             }
         }
         if constexpr (HM::SCALED) {
@@ -2249,17 +2309,19 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
-    if (a.dw16) { // the LSTM in bf16 mode, vector access (seq.cu asks for nothing else)
-        if constexpr (Gm::G != 4 || sizeof(typename Mode::elem) != 2 || HP != 128 || V != 0)
+    long smem = Gm::B_SMEM;
+    if (a.dw16) { // the LSTM, vector access (seq.cu asks for nothing else); TF32 with records
+        if constexpr (Gm::G != 4 || HP != 128 || V != 0)
             return RNND_EINVAL;
-        else if (!a.vec || a.H != HP || a.dw16_exp)
+        else if (!a.vec || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED)
             return RNND_EINVAL;
         else
             kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>;
+        smem += Mode::SCALED ? 4 * 16 * sizeof(float) : 0; // xm
     }
-    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)Gm::B_SMEM));
-    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, Gm::B_SMEM, stream>>>(a);
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, smem, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -540,7 +540,7 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
 // lost or misplaced chunk, row or column fails, and so does a fall-back to cuBLAS for the weight
 // gradients. With a second layer, layer 0's gradients carry the error of layer 1's dL/dx
 // (cuBLAS, bf16: 1.4e-3 to 2.6e-3), and other devices run cuBLAS's products: there the mode's
-// tolerance. TF32 mode (the GRU: fp16 chunks with exponent records, NOTES v26) runs the same
+// tolerance. TF32 mode (fp16 chunks with exponent records, NOTES v26) runs the same
 // checks at its own tolerance, which dw16_tol equals; test_dw16_scales adds its ranges.
 static const double dw16_tol = 1e-3;
 static bool sm90; // the device is compute 9.0
@@ -578,14 +578,16 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 //   2: batch rows 3 and 17's output gradients times 2^20 (the rest 2^-20 of them);
 //   3: batch rows 3 and 17's output gradients times 2^-30: their dW shares go, their dL/dx, on
 //      their own scale, must not.
-static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu, int kind) {
-    const struct seq_case sc = {RNND_CELL_GRU, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1,
-                                STATE_HIDDEN, RNND_CUDA_PATH_AUTO};
+static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                             enum rnnd_cell cell, int kind) {
+    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1, STATE_HIDDEN,
+                                RNND_CUDA_PATH_AUTO};
     const struct seq_sizes z = seq_sizes_of(&sc);
     static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
                                        "two rows x2^20", "two rows x2^-30"};
     char tag[64];
-    snprintf(tag, sizeof(tag), "gru fp32 dw16 %s", what[kind]);
+    snprintf(tag, sizeof(tag), "%s fp32 dw16 %s", cell == RNND_CELL_LSTM ? "lstm" : "gru",
+             what[kind]);
     struct seq_host h;
     seq_host_init(&h, &sc, 0.0f, 0.8f);
     memset(h.gbase, 0, z.P * sizeof(float)); // gradients near 1e-30 would vanish in 1 + g
@@ -598,8 +600,10 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     if (kind == 1) {
         for (size_t i = 0; i < z.nout; i++)
             h.gout[i] *= 1e-30f;
-        for (size_t i = 0; i < z.blh; i++)
+        for (size_t i = 0; i < z.blh; i++) {
             h.ghn[i] *= 1e-30f;
+            h.gcn[i] *= 1e-30f;
+        }
     }
     if (kind >= 2)
         for (int k = 0; k < 2; k++)
@@ -1069,7 +1073,7 @@ int main(int argc, char **argv) {
             test_weight_outliers(&gpu, &cpu, &outliers[i]);
     }
 
-    // The weight-gradient products (seq_dw.cu; bf16, then the GRU in TF32 mode), last so that the
+    // The weight-gradient products (seq_dw.cu; bf16, then TF32 mode), last so that the
     // random draws of the cases above stay as they were: I_l = 64, 40, 8 and (LSTM) 6 (x's zero
     // columns in the chunks), a partial last block (B = 300, 2049), stored states, a second layer
     // (which gives dL/dx to layer 0, so only layer 0 takes the product), B = T = 1. --quick: the
@@ -1089,11 +1093,15 @@ int main(int argc, char **argv) {
         {GRU, F32, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
         {GRU, F32, 8, 128, 1, 2049, 3, 0.1, STATE_NONE, AUTO},
         {GRU, F32, 64, 128, 1, 1, 1, 0.0, STATE_H0, AUTO},
+        {LSTM, F32, 64, 128, 1, 64, 33, 0.1, STATE_NONE, AUTO},
+        {LSTM, F32, 40, 128, 1, 300, 20, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 64, 128, 2, 37, 9, 0.2, STATE_H0, AUTO},
+        {LSTM, F32, 6, 128, 1, 2049, 3, 0.1, STATE_H0, AUTO},
     };
     for (int i = 0; i < (quick ? 1 : (int)(sizeof(dw16_cases) / sizeof(dw16_cases[0]))); i++)
         test_dw16(&gpu, &cpu, &dw16_cases[i]);
-    for (int kind = 0; !quick && kind < 4; kind++)
-        test_dw16_scales(&gpu, &cpu, kind);
+    for (int kind = 0; !quick && kind < 8; kind++)
+        test_dw16_scales(&gpu, &cpu, kind < 4 ? GRU : LSTM, kind % 4);
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

@@ -1389,7 +1389,8 @@ static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bo
 // DW (LSTM): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32; the loop then
 // loads each row's hprev and (warps 0-3) x, which z holds. bf16 mode: bf16. TF32 mode: fp16 with
 // exponent records, D scaled by (row, warp) group, h by the block's bound (persist_hscale) and
-// x by its row's largest |x|, which warps 0-3 leave in shared memory (xm) a step ahead.
+// x by its row's largest |x| (warps 0-3's group maxima exchanged in shared memory, xm, across
+// the step's first barrier).
 template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
@@ -1494,27 +1495,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             reset[i] = ld_flag(a.is_init + r, rv[i]);
         }
     };
-    // DWF: warps 0-3's x groups' row maxima of the step load_step last loaded, into xm.
-    auto put_xmax = [&]() {
-        if constexpr (DWF) {
-            if (w < 4)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    float m = fmaxf(fmaxf(fabsf(xv[i][0]), fabsf(xv[i][1])),
-                                    fmaxf(fabsf(xv[i][2]), fabsf(xv[i][3])));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                    if (tg == 0)
-                        xm[w * 16 + g + 8 * i] = m;
-                }
-        }
-    };
     // DWF: the scale of row r's x (its largest |x| into [2^13, 2^14)) and its exponent ex.
     auto x_scale = [&](int r, int &ex) {
         return dw16_scale(fmaxf(fmaxf(xm[r], xm[16 + r]), fmaxf(xm[32 + r], xm[48 + r])), ex);
     };
     load_step(T - 1);
-    put_xmax();
     // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
     // and 32 LSTM k-steps at HP = 128 in TF32 mode); not in the scalar-access loops, which
     // would spill.
@@ -1568,26 +1553,31 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int q = 0; q < G; q++)
                 Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
             if constexpr (DW) {
-                // D's 4 planes and z's h part of this row half (rows past B: zeros), x's by
-                // warps 0-3, the constant 1 (z's column 192) by warp 4; in TF32 mode scaled.
-                float ds = 1.0f, xs = 1.0f;
-                uint32_t one = 0x3F803F80u;
+                // D's 4 planes and z's h part of this row half (rows past B: zeros); bf16
+                // mode: x's by warps 0-3, the constant 1 (z's column 192) by warp 4. TF32 mode
+                // (DWF): D scaled by group, h by the block's bound; x's group maxima into xm,
+                // x and the constant after the barrier (below).
+                float ds = 1.0f;
                 if constexpr (DWF) {
                     const float *const pl[4] = {dv[0][i], dv[1][i], dv[2][i], dv[3][i]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
-                    xs = x_scale(g + 8 * i, ex[i]);
-                    __half2 v = __float2half2_rn(hscale);
-                    one = *reinterpret_cast<uint32_t *>(&v);
                 }
                 unsigned char *zc = dw16_put_dh<DWF>(
                     a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
                     [&](int p) -> const float * { return dv[p][i]; }, hp[i], ds, hscale);
-                if (w < 4) {
-                    const float xsv[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs,
-                                          xv[i][3] * xs};
-                    dw16_put<DWF>(zc + (16 + 2 * w) * 256, xsv, lane);
+                if constexpr (DWF) {
+                    if (w < 4) {
+                        float m = fmaxf(fmaxf(fabsf(xv[i][0]), fabsf(xv[i][1])),
+                                        fmaxf(fabsf(xv[i][2]), fabsf(xv[i][3])));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                        if (tg == 0)
+                            xm[w * 16 + g + 8 * i] = m;
+                    }
+                } else if (w < 4) {
+                    dw16_put(zc + (16 + 2 * w) * 256, xv[i], lane);
                 } else if (w == 4) {
-                    dw16_put_one(zc + 24 * 256, lane, one);
+                    dw16_put_one(zc + 24 * 256, lane);
                 }
             } else {
                 size_t r = rbase[i] + t;
@@ -1596,18 +1586,38 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
             }
         }
-        if constexpr (DWF) {
-            int exr;
-            x_scale(lane & 15, exr);
-            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
-                        ed, ex, -pow2_log(hscale), exr);
-        }
         if constexpr (TMA)
             fence_proxy_async();
-        if (t > 0)
+        if (t > 0 && !DWF)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
         __syncthreads();
+        if constexpr (DWF) {
+            // x's rows scaled by their largest |x| (xm: every group's, before the barrier), the
+            // constant (the h scale) and the record; then the next step's loads.
+            unsigned char *zc = static_cast<unsigned char *>(a.dw16) +
+                                4 * (size_t)a.dw16_pitch * RNND_DW16_D +
+                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+            int exr;
+            x_scale(lane & 15, exr);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const float xs = x_scale(g + 8 * i, ex[i]);
+                if (w < 4) {
+                    const float v[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs,
+                                        xv[i][3] * xs};
+                    dw16_put<true>(zc + i * 128 + (16 + 2 * w) * 256, v, lane);
+                } else if (w == 4) {
+                    __half2 one = __float2half2_rn(hscale);
+                    dw16_put_one(zc + i * 128 + 24 * 256, lane,
+                                 *reinterpret_cast<uint32_t *>(&one));
+                }
+            }
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
+                        ed, ex, -pow2_log(hscale), exr);
+            if (t > 0)
+                load_step(t - 1); // in flight during the MMA
+        }
         clk.mark(2);
         if constexpr (TMA) {
             // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
@@ -1699,8 +1709,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dc[i]);
         }
         clk.mark(4);
-        if (t > 0)
-            put_xmax(); // step t-1's, read after the barrier
         if constexpr (TMA) {
             if (threadIdx.x < 16)
                 bulk_wait_read(); // the tile is rewritten after the barrier

@@ -105,12 +105,13 @@ __device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4]
 
 // The fp16 factor 2^k for k <= 0 (0 below fp16's smallest subnormal, 2^-24), in both halves.
 __device__ __forceinline__ uint32_t pow2_h2(int k) {
-    const __half h = k < -24 ? __float2half_rn(0.0f) : __float2half_rn(__uint_as_float((uint32_t)(127 + k) << 23));
+    const __half h = __float2half_rn(k < -24 ? 0.0f : __uint_as_float((uint32_t)(127 + k) << 23));
     const __half2 v = __halves2half2(h, h);
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
-    __half2 r = __hmul2(*reinterpret_cast<const __half2 *>(&a), *reinterpret_cast<const __half2 *>(&f));
+    __half2 r = __hmul2(*reinterpret_cast<const __half2 *>(&a),
+                        *reinterpret_cast<const __half2 *>(&f));
     return *reinterpret_cast<uint32_t *>(&r);
 }
 #endif
@@ -355,36 +356,6 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     const int K = npl * DW_MP, kg = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
     const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
-    float wsc = 1.0f;
-    if constexpr (F16) {
-        __shared__ float red[DX_THREADS / 32];
-        float m = 0.0f;
-        for (int e = threadIdx.x; e < npl * H * Il; e += blockDim.x)
-            m = fmaxf(m, fabsf(__ldg(w_ih + e)));
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0)
-            red[warp] = m;
-        __syncthreads();
-        for (int k = 0; k < DX_THREADS / 32; k++)
-            m = fmaxf(m, red[k]);
-        if (m > 0.0f) {
-            const int e = max((int)((__float_as_uint(m) >> 23) & 255) - 126, -100);
-            wsc = __uint_as_float((uint32_t)(141 - e) << 23);
-        }
-    }
-    // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
-    // order), zero past I_l; K-major core matrices (km_off).
-    for (int e = threadIdx.x; e < 64 * K; e += blockDim.x) {
-        const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
-        const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
-        if constexpr (F16)
-            *reinterpret_cast<__half *>(wt + km_off(i, k, kg)) = __float2half_rn(v * wsc);
-        else
-            *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
     if (threadIdx.x == 0) {
         for (int i = 0; i < DX_NST; i++) {
             mbar_init(full + i, 1);
@@ -415,6 +386,39 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             }
         return;
     }
+    // The consumers (warps 0-3) build W_ih^T while the producer's first copies are in flight.
+    auto consumers_sync = [] { asm volatile("bar.sync 1, 128;" ::: "memory"); };
+    float wsc = 1.0f;
+    if constexpr (F16) {
+        __shared__ float red[4];
+        float m = 0.0f;
+        for (int e = threadIdx.x; e < npl * H * Il; e += 128)
+            m = fmaxf(m, fabsf(__ldg(w_ih + e)));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0)
+            red[warp] = m;
+        consumers_sync();
+        for (int k = 0; k < 4; k++)
+            m = fmaxf(m, red[k]);
+        if (m > 0.0f) {
+            const int e = max((int)((__float_as_uint(m) >> 23) & 255) - 126, -100);
+            wsc = __uint_as_float((uint32_t)(141 - e) << 23);
+        }
+    }
+    // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
+    // order), zero past I_l; K-major core matrices (km_off).
+    for (int e = threadIdx.x; e < 64 * K; e += 128) {
+        const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
+        const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
+        if constexpr (F16)
+            *reinterpret_cast<__half *>(wt + km_off(i, k, kg)) = __float2half_rn(v * wsc);
+        else
+            *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
+    consumers_sync();
     const int q = lane >> 3; // the matrix whose row address this lane gives (ldmatrix.x4)
     for (int g = g0; g < g1; g++) {
         const int i = g - g0, st = i % DX_NST;

@@ -674,8 +674,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         // product on them (NOTES v25).
 #ifdef RNND_HAVE_WG
         if (a.dw16) {
-            struct dw16_args dw = {d,       dw_pitch, dw_ks, H, ly->Il, ly->xoff,
-                                   dw_part, tmp,      a.dw16_exp};
+            struct dw16_args dw = {d,       dw_pitch, dw_ks, H, ly->Il, ly->xoff, dw_part, tmp,
+                                   a.dw16_exp};
             RNND_TRY(rnnd__dw16_product(&dw, c->stream));
         } else
 #endif
@@ -695,8 +695,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         float *dx = l > 0 ? gyb : grads->x;
 #ifdef RNND_HAVE_WG
         if (dx && a.dw16) { // from the loop's dw16 chunks (NOTES v25f)
-            struct dx16_args dxa = {d,  dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3, c->num_sms,
-                                    H,  ly->Il,   B,    T,     lp.w_ih,    dx, a.dw16_exp};
+            struct dx16_args dxa = {d,      dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3,
+                                    c->num_sms, H,  ly->Il, B, T, lp.w_ih, dx, a.dw16_exp};
             RNND_TRY(rnnd__dx16_product(&dxa, c->stream));
         } else
 #endif

@@ -1,8 +1,8 @@
 /*
  * seq_dw.cu: the weight gradients' product out = z^T D over every row and step, on warpgroup
  * MMAs (wgmma, sm_90a only: built for that target alone, asked for only on compute 9.0), from
- * the bf16 chunks that the GRU's recomputing backward and the LSTM's backward write in bf16
- * mode (seq_persist.h, dw16).
+ * the chunks that the GRU's recomputing backward and the LSTM's backward write (seq_persist.h,
+ * dw16): bf16 in bf16 mode, fp16 with exponent records in TF32 mode (NOTES v26).
  *
  * Why: at B = 2048, T = 256, H = 128 cuBLAS takes 0.58 ms on the fp32 D and z (1.49 GB, at DRAM
  * speed), and 0.50 on the same values in 16 bits, row-major. Chunks laid out for the MMA and
@@ -11,9 +11,10 @@
  * Shape: CTA (plane p, K range s): D's plane p (M = 128 columns) against all of z's N = 200
  * columns over its chunks (K = 16 rows each, one k-step). Two consumer warpgroups, m64 each,
  * hold 100 fp32 accumulators a thread (m64n200k16); one producer lane brings RNND_DW16_CH chunks
- * a stage by two bulk copies into DW_NST stages (mbarriers full / empty). Each CTA writes its
- * partial product; a second kernel sums the ks partials in a fixed order (runs repeat bitwise)
- * and puts each sum where cuBLAS's product put it, undoing the chunks' column order.
+ * a stage by two bulk copies (three with the records) into DW_NST stages (mbarriers full /
+ * empty). Each CTA writes its partial product; a second kernel sums the ks partials in a fixed
+ * order (runs repeat bitwise) and puts each sum where cuBLAS's product put it, undoing the
+ * chunks' column order.
  */
 #include "common.cuh"
 #include "seq_persist.h"

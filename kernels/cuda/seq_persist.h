@@ -53,8 +53,8 @@ struct persist_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL
     float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
-    void *dw16;                  // or, instead of d: D and z in dw16 chunks (bf16 mode; TF32
-                                 // mode in the GRU's rc loop, with dw16_exp)
+    void *dw16;                  // or, instead of d: D and z in dw16 chunks (bf16, or TF32
+                                 // mode's fp16 with dw16_exp)
     int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
     int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
@@ -133,8 +133,8 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 #define RNND_DW16_NZ 200
 #define RNND_DW16_Z (RNND_DW16_NZ * 32L)
 #define RNND_DW16_CH 4
-// TF32 mode (the GRU's recomputing loop) writes the chunks in fp16, every value scaled by a power
-// of two, and chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
+// In TF32 mode the loops write the chunks in fp16, every value scaled by a power of two, and
+// chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
 //   [0, 128)   eD[w][r]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
 //              whose largest |D'| is in [2^13, 2^14); RNND_DW16_EZERO where the group is zero;
 //   [128, 144) eh[r]: z's h part and its constant = z' 2^eh (the loop block's h scale);

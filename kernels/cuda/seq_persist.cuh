@@ -1934,14 +1934,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     // XH: step s's x stage into its fp16 tile, each row scaled (largest |x| in [2^13, 2^14));
-    // a half-warp a row, between the step's barriers.
+    // a half-warp a row, between the step's barriers. A row of zeros gets xinv 0 (its products
+    // are 0 either way), so that the dw16 records can tell it (x_exp).
     auto convert_x = [&](int s) {
         if constexpr (XH) {
             const int row = threadIdx.x >> 4, c = 4 * (threadIdx.x & 15);
             float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + c);
             const float inv = persist_row16<HM>(v, xtile + (s & 1) * (16 * XLD) + row * XLD + c);
+            const unsigned nz = __ballot_sync(0xffffffffu, v.x != 0.0f || v.y != 0.0f ||
+                                                                v.z != 0.0f || v.w != 0.0f);
             if ((threadIdx.x & 15) == 0)
-                xinv[(s & 1) * 16 + row] = inv;
+                xinv[(s & 1) * 16 + row] = (nz >> (threadIdx.x & 16)) & 0xffffu ? inv : 0.0f;
         } else {
             (void)s;
         }
@@ -2088,11 +2091,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 dw16_put_one(zc + 24 * 256, lane, one);
                 dw16_put_one(zc + 24 * 256 + 128, lane, one);
             }
-            if constexpr (XH) { // x = x' xinv: ex is log2 of step t's xinv
+            if constexpr (XH) { // x = x' xinv: ex is log2 of step t's xinv (0: a zero row)
                 const float *xi = xinv + (t & 1) * 16;
-                const int ex[2] = {pow2_log(xi[g]), pow2_log(xi[g + 8])};
+                auto x_exp = [](float v) { return v > 0.0f ? pow2_log(v) : RNND_DW16_EZERO; };
+                const int ex[2] = {x_exp(xi[g]), x_exp(xi[g + 8])};
                 dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w,
-                            lane, ed, ex, -pow2_log(hscale), pow2_log(xi[lane & 15]));
+                            lane, ed, ex, -pow2_log(hscale), x_exp(xi[lane & 15]));
             }
         }
         if constexpr (HM::SCALED) {

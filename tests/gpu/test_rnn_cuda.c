@@ -577,14 +577,17 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 //   1: every output gradient times 1e-30 (all of dW near 1e-30);
 //   2: batch rows 3 and 17's output gradients times 2^20 (the rest 2^-20 of them);
 //   3: batch rows 3 and 17's output gradients times 2^-30: their dW shares go, their dL/dx, on
-//      their own scale, must not.
+//      their own scale, must not;
+//   4: batch rows 3 and 17's x all zero and their output gradients times 2^14: a zero x row must
+//      not set its range's x exponent (taken as 0, it put every other row's x share 2^-27 down,
+//      below fp16, and dW_ih near 0).
 static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                              enum rnnd_cell cell, int kind) {
     const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1, STATE_HIDDEN,
                                 RNND_CUDA_PATH_AUTO};
     const struct seq_sizes z = seq_sizes_of(&sc);
     static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
-                                       "two rows x2^20", "two rows x2^-30"};
+                                       "two rows x2^20", "two rows x2^-30", "zero x rows x2^14"};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 dw16 %s", cell == RNND_CELL_LSTM ? "lstm" : "gru",
              what[kind]);
@@ -608,7 +611,10 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     if (kind >= 2)
         for (int k = 0; k < 2; k++)
             for (size_t i = 0; i < TH; i++)
-                h.gout[rows[k] * TH + i] *= kind == 2 ? 0x1p20f : 0x1p-30f;
+                h.gout[rows[k] * TH + i] *= kind == 2 ? 0x1p20f : kind == 3 ? 0x1p-30f : 0x1p14f;
+    if (kind == 4)
+        for (int k = 0; k < 2; k++)
+            memset(h.x + rows[k] * sc.T * sc.I, 0, (size_t)sc.T * sc.I * sizeof(float));
     struct seq_out og, oc;
     if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
         const double tol = tolerance(sc.compute);
@@ -617,6 +623,12 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         for (int k = 0; kind == 3 && k < 2; k++) {
             const size_t at = rows[k] * sc.T * sc.I;
             compare("grad x, row", tag, og.gx + at, oc.gx + at, NULL, (size_t)sc.T * sc.I, tol);
+        }
+        if (kind == 4) { // dW_ih alone: the big rows' gradients swamp it in the whole
+            const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+            struct rnnd_param_tensor pt;
+            rnnd_model_param_tensor(&m, RNND_PARAM_WEIGHT_IH, &pt);
+            compare("grad W_ih", tag, og.gp + pt.offset, oc.gp + pt.offset, NULL, pt.count, tol);
         }
     }
     seq_out_free(&og);
@@ -1100,8 +1112,8 @@ int main(int argc, char **argv) {
     };
     for (int i = 0; i < (quick ? 1 : (int)(sizeof(dw16_cases) / sizeof(dw16_cases[0]))); i++)
         test_dw16(&gpu, &cpu, &dw16_cases[i]);
-    for (int kind = 0; !quick && kind < 8; kind++)
-        test_dw16_scales(&gpu, &cpu, kind < 4 ? GRU : LSTM, kind % 4);
+    for (int kind = 0; !quick && kind < 10; kind++)
+        test_dw16_scales(&gpu, &cpu, kind < 5 ? GRU : LSTM, kind % 5);
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

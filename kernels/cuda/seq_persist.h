@@ -138,7 +138,8 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 //   [0, 128)   eD[w][r]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
 //              whose largest |D'| is in [2^13, 2^14); RNND_DW16_EZERO where the group is zero;
 //   [128, 144) eh[r]: z's h part and its constant = z' 2^eh (the loop block's h scale);
-//   [144, 160) ex[r]: z's x part = z' 2^ex (its row's largest |x'| in [2^13, 2^14));
+//   [144, 160) ex[r]: z's x part = z' 2^ex (its row's largest |x'| in [2^13, 2^14);
+//              RNND_DW16_EZERO for a row of zeros);
 //   [160, 168) mh[w], [168, 176) mx[w]: the largest eD + eh and eD + ex over the chunk's rows.
 // So each value keeps TF32's 10 mantissa bits, and the product sums each of its K ranges relative
 // to the range's largest exponents (NOTES v26). Records past the loop's last are 0x80 bytes

@@ -101,6 +101,18 @@ static inline bool cuda_wg(const struct cuda_ctx *c) {
     return cuda_has_wg(c) && !(c->variant & RNND_VARIANT_NO_WG);
 }
 
+// The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in
+// [2^(top-1), 2^top) (1 for m zero or not finite). e is taken as at least -100, so that the
+// power stays finite: a maximum below 2^-100 is scaled by 2^(top+100), less than the others.
+static __device__ float persist_pow2_for(float m, int top) {
+    if (!(m > 0.0f) || !(m <= 3.0e38f))
+        return 1.0f;
+    int e;
+    frexpf(m, &e);
+    e = e < -100 ? -100 : e;
+    return ldexpf(1.0f, top - e);
+}
+
 // Makes ctx->d_scratch at least bytes long.
 int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes);
 

@@ -31,78 +31,58 @@ constexpr long DW_SMEM = DW_NST * DW_STAGE + 2 * DW_NST * 8;
 constexpr int DW_THREADS = 288; // 8 consumer warps, 1 producer warp
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The accumulators d[o..o+4) and d[o..o+32) as asm operands.
+#define RNND_D4(o) "+f"(d[(o)]), "+f"(d[(o) + 1]), "+f"(d[(o) + 2]), "+f"(d[(o) + 3])
+#define RNND_D32(o)                                                                                \
+    RNND_D4(o), RNND_D4((o) + 4), RNND_D4((o) + 8), RNND_D4((o) + 12), RNND_D4((o) + 16),          \
+        RNND_D4((o) + 20), RNND_D4((o) + 24), RNND_D4((o) + 28)
+#define RNND_P32                                                                                   \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "   \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define RNND_P64                                                                                   \
+    RNND_P32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
 // d += A B, m64 n200 k16, bf16 A and B K-major in shared memory (descriptors).
 __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b) {
-    asm volatile(
-        "{\n"
-        "wgmma.mma_async.sync.aligned.m64n200k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99"
-        "}, %100, %101, 1, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-          "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-          "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-          "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-          "+f"(d[98]), "+f"(d[99])
-        : "l"(a), "l"(b));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n200k16.f32.bf16.bf16 {" RNND_P64
+                 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
+                 "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, "
+                 "%95, %96, %97, %98, %99}, %100, %101, 1, 1, 1, 0, 0;\n"
+                 : RNND_D32(0), RNND_D32(32), RNND_D32(64), RNND_D4(96)
+                 : "l"(a), "l"(b));
 }
-// d += A B, m64 nN k16 (N = 128, 64, 8), fp16, A from registers, B K-major in shared memory.
-#define RNND_WG_F16_RS(N, ...)                                                                    \
-    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" __VA_ARGS__ "}, "
+// d += A B, m64 nN k16, fp16, A from registers (this warp's 16 rows), B K-major in shared memory.
 __device__ __forceinline__ void mma_f16_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        RNND_WG_F16_RS(128, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-                            "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
-                            "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "
-                            "%58, %59, %60, %61, %62, %63")
-        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-__device__ __forceinline__ void mma_f16_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        RNND_WG_F16_RS(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                           "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-                           "%30, %31")
-        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-__device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(RNND_WG_F16_RS(8, "%0, %1, %2, %3") "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RNND_P64
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+                 : RNND_D32(0), RNND_D32(32)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
-#undef RNND_WG_F16_RS
+__device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+                 : RNND_D4(0)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// m64 n64 k16 with A from registers: fp16 (F16) or bf16; ACC false writes d without reading it.
+template <bool F16, bool ACC = true>
+__device__ __forceinline__ void mma_n64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (F16)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RNND_P32
+                     "}, {%32, %33, %34, %35}, %36, %37, 1, 1, 0;\n"
+                     : RNND_D32(0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RNND_P32
+                     "}, {%32, %33, %34, %35}, %36, %37, 1, 1, 0;\n"
+                     : RNND_D32(0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0));
+}
+#undef RNND_P64
+#undef RNND_P32
+#undef RNND_D32
+#undef RNND_D4
 
 // The fp16 factor 2^k for k <= 0 (0 below fp16's smallest subnormal, 2^-24), in both halves.
 __device__ __forceinline__ uint32_t pow2_h2(int k) {
@@ -227,7 +207,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 const uint8_t *z = b + c * RNND_DW16_Z;
                 mma_f16_n128(dh, ah[c], wg_desc(z, 256));
                 mma_f16_n8(dc, ah[c], wg_desc(z + 24 * 256, 256));
-                mma_f16_n64(dx, ax[c], wg_desc(z + 16 * 256, 256));
+                mma_n64_rs<true>(dx, ax[c], wg_desc(z + 16 * 256, 256));
             }
             wg_commit();
             // Drained at once: the next stage's A registers are written next, and the stage's
@@ -320,24 +300,6 @@ constexpr long DX_STAGE = 4L * 4 * RNND_DW16_D;             // 4 chunks x up to 
 constexpr long DX_SMEM = DX_WT + DX_NST * DX_STAGE + 2 * DX_NST * 8;
 constexpr int DX_THREADS = 160;                             // 4 consumer warps, 1 producer warp
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d (ACC: +)= A B, m64 n64 k16, bf16; A from registers (this warp's 16 rows), B K-major in shared
-// memory (descriptor). The first k-step writes d without reading it.
-template <bool ACC>
-__device__ __forceinline__ void mma_n64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0));
-}
-#endif
 
 // CTA: groups of 4 chunks [g0, g1). planes: the chunk planes of K's 128-column slots (GRU r, z
 // and the input side of n: 0, 1, 3; LSTM 0-3), npl of them.
@@ -403,10 +365,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
         consumers_sync();
         for (int k = 0; k < 4; k++)
             m = fmaxf(m, red[k]);
-        if (m > 0.0f) {
-            const int e = max((int)((__float_as_uint(m) >> 23) & 255) - 126, -100);
-            wsc = __uint_as_float((uint32_t)(141 - e) << 23);
-        }
+        wsc = persist_pow2_for(m, 14);
     }
     // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
     // order), zero past I_l; K-major core matrices (km_off).
@@ -468,17 +427,17 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
                 wg_fence();
 #pragma unroll
                 for (int w = 0; w < 8; w++)
-                    mma_f16_n64(d, as[w], wg_desc(wt + (slot * 8 + w) * 256, kg * 128));
+                    mma_n64_rs<true>(d, as[w], wg_desc(wt + (slot * 8 + w) * 256, kg * 128));
             }
         } else {
             uint32_t a[4];
             frag(a, 0);
             wg_fence(); // the MMA reads registers just written
-            mma_n64_rs<false>(d, a, wg_desc(wt, kg * 128));
+            mma_n64_rs<false, false>(d, a, wg_desc(wt, kg * 128));
             for (int ks = 1; ks < K / 16; ks++) {
                 frag(a, ks);
                 wg_fence();
-                mma_n64_rs<true>(d, a, wg_desc(wt + ks * 256, kg * 128));
+                mma_n64_rs<false>(d, a, wg_desc(wt + ks * 256, kg * 128));
             }
         }
         wg_commit();

@@ -465,18 +465,6 @@ static __device__ float persist_block_max(float v, float *red) {
     return v;
 }
 
-// The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in
-// [2^(top-1), 2^top) (1 for m zero or not finite). e is taken as at least -100, so that the
-// power stays finite: a maximum below 2^-100 is scaled by 2^(top+100), less than the others.
-static __device__ float persist_pow2_for(float m, int top) {
-    if (!(m > 0.0f) || !(m <= 3.0e38f))
-        return 1.0f;
-    int e;
-    frexpf(m, &e);
-    e = e < -100 ? -100 : e;
-    return ldexpf(1.0f, top - e);
-}
-
 // persist_pow2_for of the block-wide maximum of the threads' values. red: 32 floats of shared
 // scratch, free again on return.
 static __device__ float persist_pow2_scale(float m, int top, float *red) {
@@ -485,7 +473,8 @@ static __device__ float persist_pow2_scale(float m, int top, float *red) {
 
 // A row of 64 fp32 values held by a half-warp (4 consecutive values a lane) into 16-bit HM
 // values at dst (this lane's 4), the row scaled by the power of two that puts its largest |value|
-// in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale.
+// in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale,
+// or 0 for a row of zeros (whose products are 0 either way; the dw16 records tell it by that).
 template <class HM>
 static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -495,7 +484,7 @@ static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
     const float sc = persist_pow2_for(m, 14);
     *reinterpret_cast<uint2 *>(dst) =
         make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
-    return 1.0f / sc;
+    return m != 0.0f ? 1.0f / sc : 0.0f;
 }
 
 // max |p[i]| over this thread's share of p[0..n) (the block's threads stride it; 0 for n = 0):
@@ -1335,18 +1324,16 @@ static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane,
                                                     uint32_t one = 0x3F803F80u) {
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = lane < 4 ? one : 0u;
 }
-// TF32 mode: the power of two sc = 2^(14 - e) for a group's largest |value| m = f 2^e (f in
-// [0.5, 1), e taken as at least -112, so that sc stays a normal float), and the group's exponent
-// eD = e - 14 (D = D' 2^eD for D' = D sc), or RNND_DW16_EZERO for m = 0.
-static __device__ __forceinline__ float dw16_scale(float m, int &ed) {
-    int e = (int)((__float_as_uint(m) >> 23) & 255) - 126;
-    e = e < -112 ? -112 : e;
-    ed = m > 0.0f ? e - 14 : RNND_DW16_EZERO;
-    return __uint_as_float((uint32_t)(141 - e) << 23);
-}
 // log2 of a power of two p (a normal float).
 static __device__ __forceinline__ int pow2_log(float p) {
     return (int)((__float_as_uint(p) >> 23) & 255) - 127;
+}
+// TF32 mode: a group's scale sc = persist_pow2_for(m, 14) for its largest |value| m (into
+// [2^13, 2^14)), and its exponent ed (D = D' 2^ed for D' = D sc), or RNND_DW16_EZERO for m = 0.
+static __device__ __forceinline__ float dw16_scale(float m, int &ed) {
+    const float sc = persist_pow2_for(m, 14);
+    ed = m > 0.0f ? -pow2_log(sc) : RNND_DW16_EZERO;
+    return sc;
 }
 // TF32 mode: a step's exponent record (seq_persist.h) at rec, from warp w's group exponents ed
 // of its rows g and g + 8 and their x exponents ex, and the block's eh: eD by the rows' lanes
@@ -1934,17 +1921,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
     };
     // XH: step s's x stage into its fp16 tile, each row scaled (largest |x| in [2^13, 2^14));
-    // a half-warp a row, between the step's barriers. A row of zeros gets xinv 0 (its products
-    // are 0 either way), so that the dw16 records can tell it (x_exp).
+    // a half-warp a row, between the step's barriers.
     auto convert_x = [&](int s) {
         if constexpr (XH) {
             const int row = threadIdx.x >> 4, c = 4 * (threadIdx.x & 15);
             float4 v = *reinterpret_cast<const float4 *>(xstage + row * (HP / 2) + c);
             const float inv = persist_row16<HM>(v, xtile + (s & 1) * (16 * XLD) + row * XLD + c);
-            const unsigned nz = __ballot_sync(0xffffffffu, v.x != 0.0f || v.y != 0.0f ||
-                                                                v.z != 0.0f || v.w != 0.0f);
             if ((threadIdx.x & 15) == 0)
-                xinv[(s & 1) * 16 + row] = (nz >> (threadIdx.x & 16)) & 0xffffu ? inv : 0.0f;
+                xinv[(s & 1) * 16 + row] = inv;
         } else {
             (void)s;
         }

@@ -105,7 +105,7 @@ static inline bool cuda_wg(const struct cuda_ctx *c) {
 // [2^(top-1), 2^top) (1 for m zero or not finite). e is taken as at least -100, so that the
 // power stays finite: a maximum below 2^-100 is scaled by 2^(top+100), less than the others.
 // From the bits (a subnormal m reads as e = -126): the TF32 dw16 loops call it every step, where
-// frexpf and ldexpf cost the LSTM's 0.13 ms (NOTES v26g).
+// frexpf and ldexpf cost the LSTM's 0.13 ms (NOTES, "Review of v25–v26").
 static __device__ __forceinline__ float persist_pow2_for(float m, int top) {
     if (!(m > 0.0f) || !(m <= 3.0e38f))
         return 1.0f;

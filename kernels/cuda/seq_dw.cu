@@ -115,13 +115,8 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
     const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
     const uint8_t *B = chunks + 4 * (size_t)pitch * RNND_DW16_D + (size_t)c0 * RNND_DW16_Z;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < DW_NST; i++) {
-            mbar_init(full + i, 1);
-            mbar_init(empty + i, 8); // lane 0 of each consumer warp
-        }
-        fence_mbar_init();
-    }
+    if (threadIdx.x == 0)
+        mbar_ring_init(full, empty, DW_NST, 1, 8); // empty: lane 0 of each consumer warp
     __syncthreads();
     if (warp == 8) {
         if (threadIdx.x % 32 == 0)
@@ -319,13 +314,8 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     const int K = npl * DW_MP, kg = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
     const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < DX_NST; i++) {
-            mbar_init(full + i, 1);
-            mbar_init(empty + i, 4); // lane 0 of each consumer warp
-        }
-        fence_mbar_init();
-    }
+    if (threadIdx.x == 0)
+        mbar_ring_init(full, empty, DX_NST, 1, 4); // empty: lane 0 of each consumer warp
     __syncthreads();
     if (warp == 4) {
         if (lane == 0)

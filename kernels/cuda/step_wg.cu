@@ -166,11 +166,9 @@ __global__ void __launch_bounds__(SW_NT, 2)
             tma_prefetch_desc(&tw_hh);
             if (xt)
                 tma_prefetch_desc(&tx);
-            for (int i = 0; i < NS; i++) {
-                mbar_init(s_full + i, SW_NT);  // every thread's copies, the boxes' bytes
-                mbar_init(s_empty + i, SW_NT); // every thread done with it (MMAs, read_h)
-            }
-            fence_mbar_init();
+            // full: every thread's copies and the boxes' bytes; empty: every thread done with
+            // the stage (MMAs, read_h).
+            mbar_ring_init(s_full, s_empty, NS, SW_NT, SW_NT);
             for (int c = 0; c < NS - 2 && c < nc; c++)
                 load_w(c);
         }

@@ -75,6 +75,16 @@ static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t byte
 static __device__ __forceinline__ void fence_mbar_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
+// A ring of n stages: full[i] completes on nf arrivals (and the copies' bytes), empty[i] on ne;
+// made visible to the copy engine. One thread calls it before the block's barrier.
+static __device__ __forceinline__ void mbar_ring_init(uint64_t *full, uint64_t *empty, int n,
+                                                      int nf, int ne) {
+    for (int i = 0; i < n; i++) {
+        mbar_init(full + i, nf);
+        mbar_init(empty + i, ne);
+    }
+    fence_mbar_init();
+}
 static __device__ __forceinline__ void tma_prefetch_desc(const void *tmap) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
 }

@@ -102,13 +102,8 @@ __global__ void __launch_bounds__(288, 1)
     // Whole stages only (an MMA under a condition is serialised by ptxas): npad, a multiple of
     // ks CH, counts the zero chunks after the data's.
     const int per = npad / ks, c0 = s * per, nst = per / CH;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < NST; i++) {
-            mbar_init(full + i, 1);
-            mbar_init(empty + i, 8);
-        }
-        fence_mbar_init();
-    }
+    if (threadIdx.x == 0)
+        mbar_ring_init(full, empty, NST, 1, 8);
     __syncthreads();
     if (warp == 8) {
         if (threadIdx.x % 32 == 0) {

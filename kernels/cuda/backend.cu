@@ -165,8 +165,7 @@ static int cuda_supports(void *ctx, const struct rnnd_model *m) {
 }
 
 static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {
-    (void)ctx;
-    return rnnd__cuda_tape_bytes(m, B, T);
+    return rnnd__cuda_tape_bytes((const struct cuda_ctx *)ctx, m, B, T);
 }
 
 static int cuda_rnn_forward(void *ctx, float *out, float *h_n, float *c_n, void *tape,

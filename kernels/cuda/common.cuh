@@ -156,7 +156,9 @@ struct seq_layout {
     size_t tape_floats;
 };
 
-void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_layout *lay);
+// c: the device, whose LSTM may keep layer 0's z as dw16 chunk parts (seq.cu, seq_zfwd).
+void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
+                           struct seq_layout *lay);
 
 // Pointers into the flat parameter array (or its gradient) for layer l.
 struct layer_params {

@@ -32,9 +32,14 @@
 // ---------------------------------------------------------------------------------------------
 // Layout
 
+static bool seq_zfwd_model(const struct cuda_ctx *c, const struct rnnd_model *m);
+static int seq_dw16_pitch(const struct cuda_ctx *c, int B, int T);
+
 // The layout holds s rows of fp32 planes; a tape whose gate planes are fp16 (tape_half) packs
-// its shorter rows into the same space.
-void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_layout *lay) {
+// its shorter rows into the same space. Layer 0's z space also holds the z chunk parts and x
+// exponents (seq_zfwd) where the device and model may write them.
+void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
+                           struct seq_layout *lay) {
     size_t BT = (size_t)B * T, at = 0;
     int H = m->H, sw = (m->cell == RNND_CELL_LSTM ? 5 : 4) * H;
     memset(lay, 0, sizeof(*lay));
@@ -45,7 +50,13 @@ void rnnd__cuda_seq_layout(const struct rnnd_model *m, int B, int T, struct seq_
         y->ldz = ROUND_UP(y->xoff + y->Il, 4);
         y->sw = sw;
         y->z_off = at;
-        at += ROUND_UP(BT * y->ldz, (size_t)64);
+        size_t zf = BT * y->ldz;
+        if (l == 0 && seq_zfwd_model(c, m)) {
+            size_t zc = (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
+                        (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t);
+            zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
+        }
+        at += ROUND_UP(zf, (size_t)64);
         y->s_off = at;
         at += ROUND_UP(BT * sw, (size_t)64);
     }
@@ -60,11 +71,11 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
                                  p + t[3].offset};
 }
 
-size_t rnnd__cuda_tape_bytes(const struct rnnd_model *m, int B, int T) {
+size_t rnnd__cuda_tape_bytes(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T) {
     if (rnnd_model_check(m) != 0 || B < 1 || T < 1)
         return 0;
     struct seq_layout lay;
-    rnnd__cuda_seq_layout(m, B, T, &lay);
+    rnnd__cuda_seq_layout(c, m, B, T, &lay);
     return lay.tape_floats * sizeof(float);
 }
 
@@ -111,6 +122,30 @@ static bool seq_dw16(const struct cuda_ctx *c, const struct rnnd_model *m, int l
         return seq_recompute(c, m, l);
     return rnnd__cuda_seq_persistent(c, m) && m->H == 128 &&
            rnnd__persist_hp(m, c->smem_optin) == 128 && rnnd_model_layer_input(m, l) <= 64;
+}
+
+// The product's chunks a plane: the loop's (blocks x T), whole stages for each of its CTAs.
+static int seq_dw16_pitch(const struct cuda_ctx *c, int B, int T) {
+    const int step = c->num_sms / 4 * RNND_DW16_CH;
+    return CEIL_DIV(CEIL_DIV(B, 16) * T, step) * step;
+}
+
+// The LSTM's layer 0 keeps no z rows in its tape where its wgmma forward writes z's dw16 chunk
+// parts instead (NOTES v27): TF32 mode, fused x with I % 4 == 0, and the chunks' backward.
+// The model and the device set the tape's size (seq_zfwd_model); the inputs both passes see
+// decide the format (seq_zfwd: the forward stages misaligned outputs, the backward's loop takes
+// any gradients). Bench variant bit 32768 turns it off.
+#define RNND_SEQ_VARIANT_NO_ZFWD 32768
+static bool seq_zfwd_model(const struct cuda_ctx *c, const struct rnnd_model *m) {
+    return m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && cuda_wg(c) &&
+           !(c->variant & (32 | RNND_SEQ_VARIANT_NO_ZFWD)) && m->I % 4 == 0 &&
+           seq_dw16(c, m, 0, true) &&
+           rnnd__persist_xks(m, 0, c->smem_optin) > 0;
+}
+static bool seq_zfwd(const struct cuda_ctx *c, const struct rnnd_model *m,
+                     const struct rnnd_seq *seq) {
+    return seq_zfwd_model(c, m) && aligned16(seq->x) && aligned16(seq->h0) &&
+           aligned16(seq->c0) && aligned16(seq->hidden) && aligned16(seq->cell);
 }
 
 // The LSTM H = 256 loops may run in thread-block clusters (seq_cluster.cu, v11 and v11b in
@@ -429,13 +464,19 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     const bool shalf = tape_half(c, m, B); // the tape's gate planes in fp16
 
     struct seq_layout lay;
-    rnnd__cuda_seq_layout(m, B, T, &lay);
+    rnnd__cuda_seq_layout(c, m, B, T, &lay);
     // Per layer: the x k-steps the persistent loop fuses (0: x W_ih^T from a GEMM into xg).
     // Bench variant bit 32 turns the fusion off (kernels/bench/NOTES.md v6).
     int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0, xks[RNND_MAX_LAYERS];
-    bool need_xg = false, vec = H % 4 == 0 && aligned16(out) && aligned16(h_n) && aligned16(c_n) &&
-                                aligned16(seq->h0) && aligned16(seq->c0) &&
-                                aligned16(seq->hidden) && aligned16(seq->cell);
+    auto vec_of = [&](const float *o, const float *hn, const float *cn) {
+        return H % 4 == 0 && aligned16(o) && aligned16(hn) && aligned16(cn) &&
+               aligned16(seq->h0) && aligned16(seq->c0) && aligned16(seq->hidden) &&
+               aligned16(seq->cell);
+    };
+    bool need_xg = false, vec = vec_of(out, h_n, c_n);
+    // Layer 0's z as chunk parts (seq_zfwd): the backward cannot see out, h_n and c_n, so where
+    // they are not aligned they go through aligned scratch, copied out at the end.
+    const bool zc0 = tape && seq_zfwd(c, m, seq), stage = zc0 && !vec;
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
     int crows = seq_cluster(c, m, 0) && vec && aligned16(seq->x) ? seq_cluster_rows(c, B, false) : 0;
     bool clus0 = crows > 0;
@@ -443,18 +484,28 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         xks[l] = persistent && !(c->variant & 32) ? rnnd__persist_xks(m, l, c->smem_optin) : 0;
         need_xg = need_xg || (xks[l] == 0 && !(l == 0 && clus0));
     }
-    float *xg, *hg, *own;
+    float *xg, *hg, *own, *ys, *hs, *cs;
     struct cuda_carve cv = {0};
+    const size_t blh = (size_t)B * L * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
         xg = (float *)cuda_carve(&cv, need_xg ? BT * GH * sizeof(float) : 0);
         hg = (float *)cuda_carve(&cv, persistent ? 0 : (size_t)B * GH * sizeof(float));
         own = (float *)cuda_carve(&cv, tape ? 0 : lay.tape_floats * sizeof(float));
+        ys = (float *)cuda_carve(&cv, stage ? BT * H * sizeof(float) : 0);
+        hs = (float *)cuda_carve(&cv, stage && h_n ? blh : 0);
+        cs = (float *)cuda_carve(&cv, stage && c_n ? blh : 0);
         if (pass == 0) {
             RNND_TRY(rnnd__cuda_reserve(c, cv.used));
             cv = (struct cuda_carve){(char *)c->d_scratch, 0};
         }
     }
     float *tp = tape ? (float *)tape : own;
+    float *const out_to = out, *const h_n_to = h_n, *const c_n_to = c_n;
+    if (stage) {
+        out = ys, h_n = h_n ? hs : nullptr, c_n = c_n ? cs : nullptr;
+        vec = vec_of(out, h_n, c_n);
+    }
+    const int dw_pitch = zc0 ? seq_dw16_pitch(c, B, T) : 0;
 
     for (int l = 0; l < L; l++) {
         const struct seq_layer_layout *ly = &lay.layer[l];
@@ -467,8 +518,9 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         // tape (layer 0); otherwise a 2D copy and a GEMM do it here.
         bool clus = l == 0 && clus0;
         bool xloop = (persistent && ly->Il <= hp / 2) || clus;
-        bool xcopy = xloop && tape && l == 0;
-        if (tape && l == 0 && !xcopy)
+        const bool zc = l == 0 && zc0;
+        bool xcopy = xloop && tape && l == 0 && !zc;
+        if (tape && l == 0 && !xcopy && !zc)
             RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
                                             m->I * sizeof(float), m->I * sizeof(float), BT,
                                             cudaMemcpyDeviceToDevice, c->stream));
@@ -507,6 +559,13 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.xcopy = xcopy;
             a.variant = c->variant, a.dbg = c->d_dbg;
             a.wg = cuda_wg(c);
+            if (zc) { // the chunks past the loop's (whole stages for the product) hold zeros
+                const size_t nch = (size_t)CEIL_DIV(B, 16) * T;
+                RNND_CUDA_TRY(cudaMemsetAsync((char *)z + nch * RNND_DW16_Z, 0,
+                                              (dw_pitch - nch) * RNND_DW16_Z, c->stream));
+                a.z = nullptr, a.zc = z;
+                a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+            }
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
             stepwise_args a = {};
@@ -517,6 +576,16 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             RNND_TRY(stepwise_forward(c, m, a, shalf, lp, xg, hg, y, ldy, h_n, c_n));
         }
+    }
+    if (stage) {
+        RNND_CUDA_TRY(cudaMemcpyAsync(out_to, out, BT * H * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, c->stream));
+        if (h_n)
+            RNND_CUDA_TRY(
+                cudaMemcpyAsync(h_n_to, h_n, blh, cudaMemcpyDeviceToDevice, c->stream));
+        if (c_n)
+            RNND_CUDA_TRY(
+                cudaMemcpyAsync(c_n_to, c_n, blh, cudaMemcpyDeviceToDevice, c->stream));
     }
     return 0;
 }
@@ -563,7 +632,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     bool persistent = rnnd__cuda_seq_persistent(c, m);
 
     struct seq_layout lay;
-    rnnd__cuda_seq_layout(m, B, T, &lay);
+    rnnd__cuda_seq_layout(c, m, B, T, &lay);
     int max_ldz = 0;
     for (int l = 0; l < L; l++)
         max_ldz = lay.layer[l].ldz > max_ldz ? lay.layer[l].ldz : max_ldz;
@@ -571,13 +640,15 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                aligned16(grad_c_n) && aligned16(grads->h0) && aligned16(grads->c0) &&
                aligned16(grads->hidden) && aligned16(grads->cell);
     // Layer 0 alone: the layers above have I_l = H, more than the chunks hold.
-    const bool dw16 = seq_dw16(c, m, 0, vec);
+    // With layer 0's z in the tape as chunk parts (seq_zfwd), whatever the gradients' alignment.
+    const bool zc = seq_zfwd(c, m, seq);
+    const bool dw16 = zc || seq_dw16(c, m, 0, vec);
     const bool dw_exp = dw16 && m->compute == RNND_COMPUTE_FP32; // fp16 chunks, their records
-    const int dw_ks = c->num_sms / 4, dw_step = dw_ks * RNND_DW16_CH;
-    const int dw_pitch = CEIL_DIV(CEIL_DIV(B, 16) * T, dw_step) * dw_step;
+    const int dw_ks = c->num_sms / 4, dw_pitch = seq_dw16_pitch(c, B, T);
+    const size_t dw_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + (zc ? 0 : RNND_DW16_Z));
     size_t d_bytes = BT * 4 * H * sizeof(float);
-    if (dw16 && (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z) > d_bytes)
-        d_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + RNND_DW16_Z);
+    if (dw16 && dw_bytes > d_bytes)
+        d_bytes = dw_bytes;
     float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part;
     int16_t *dw_rec;
     struct cuda_carve cv = {0};
@@ -643,9 +714,12 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                 for (int p = 0; p < 4; p++)
                     RNND_CUDA_TRY(cudaMemsetAsync(base + (p * dw_pitch + nch) * RNND_DW16_D, 0,
                                                   pad * RNND_DW16_D, c->stream));
-                RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
-                                                  nch * RNND_DW16_Z,
-                                              0, pad * RNND_DW16_Z, c->stream));
+                if (zc) // the forward's, and its padding
+                    a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+                else
+                    RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
+                                                      nch * RNND_DW16_Z,
+                                                  0, pad * RNND_DW16_Z, c->stream));
                 if (dw_exp) // RNND_DW16_EZERO and less in every field
                     RNND_CUDA_TRY(cudaMemsetAsync((char *)dw_rec + nch * RNND_DW16_E, 0x80,
                                                   pad * RNND_DW16_E, c->stream));
@@ -674,8 +748,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         // product on them (NOTES v25).
 #ifdef RNND_HAVE_WG
         if (a.dw16) {
-            struct dw16_args dw = {d,       dw_pitch, dw_ks, H, ly->Il, ly->xoff, dw_part, tmp,
-                                   a.dw16_exp};
+            const void *dz = zc ? (const void *)z
+                                : (const void *)((const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D);
+            struct dw16_args dw = {d,       dz,      dw_pitch, dw_ks, H, ly->Il,
+                                   ly->xoff, dw_part, tmp,     a.dw16_exp};
             RNND_TRY(rnnd__dw16_product(&dw, c->stream));
         } else
 #endif
@@ -758,13 +834,16 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
         return RNND_EINVAL;
 #ifdef RNND_HAVE_WG
     if (a->wg && m->compute != RNND_COMPUTE_BF16 && m->H > 96) {
-        // The wgmma loops (seq_wg.cu) where their arguments allow it, else the persistent ones.
+        // The wgmma loops (seq_wg.cu) where their arguments allow it, else the persistent ones
+        // (which write no z chunk parts).
         int err = m->cell == RNND_CELL_LSTM ? rnnd__wg_lstm_forward(a, stream)
                                             : rnnd__wg_gru_forward(a, stream);
-        if (err != RNND_ENOTSUP)
+        if (err != RNND_ENOTSUP || a->zc)
             return err;
     }
 #endif
+    if (a->zc)
+        return RNND_EINVAL;
     return persist_dispatch(m, false, a, stream);
 }
 

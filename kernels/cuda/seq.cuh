@@ -10,7 +10,7 @@
 
 #include "common.cuh"
 
-size_t rnnd__cuda_tape_bytes(const struct rnnd_model *m, int B, int T);
+size_t rnnd__cuda_tape_bytes(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T);
 int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_n, void *tape,
                            const struct rnnd_seq *seq, const float *params,
                            const struct rnnd_model *m);

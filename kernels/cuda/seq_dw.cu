@@ -105,8 +105,8 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
 // 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (NOTES v26).
 template <bool F16>
 __global__ void __launch_bounds__(DW_THREADS, 1)
-    dw16_kernel(const uint8_t *__restrict__ chunks, const int16_t *__restrict__ exp, int pitch,
-                int ks, float *__restrict__ part) {
+    dw16_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
+                const int16_t *__restrict__ exp, int pitch, int ks, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr long STAGE = DW_STAGE + (F16 ? RNND_DW16_CH * RNND_DW16_E : 0);
     extern __shared__ __align__(1024) uint8_t sm[];
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
     const int p = blockIdx.x % 4, s = blockIdx.x / 4, warp = threadIdx.x / 32;
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
     const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
-    const uint8_t *B = chunks + 4 * (size_t)pitch * RNND_DW16_D + (size_t)c0 * RNND_DW16_Z;
+    const uint8_t *B = zch + (size_t)c0 * RNND_DW16_Z;
     if (threadIdx.x == 0)
         mbar_ring_init(full, empty, DW_NST, 1, 8); // empty: lane 0 of each consumer warp
     __syncthreads();
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             make_float2(d[4 * c + 2], d[4 * c + 3]);
     }
 #else
-    (void)chunks, (void)exp, (void)pitch, (void)ks, (void)part;
+    (void)chunks, (void)zch, (void)exp, (void)pitch, (void)ks, (void)part;
 #endif
 }
 
@@ -465,14 +465,15 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
 } // namespace
 
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
-    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || a->ks < 1 ||
+    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z ||
         a->pitch % (a->ks * RNND_DW16_CH) != 0)
         return RNND_EINVAL;
     auto kernel = a->exp ? dw16_kernel<true> : dw16_kernel<false>;
     const long smem = DW_SMEM + (a->exp ? DW_NST * RNND_DW16_CH * RNND_DW16_E : 0);
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<4 * a->ks, DW_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks), a->exp,
+    kernel<<<4 * a->ks, DW_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks),
+                                                    static_cast<const uint8_t *>(a->z), a->exp,
                                                     a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
     const int n = 4 * DW_MP * RNND_DW16_NZ;

@@ -1297,10 +1297,10 @@ static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v
     *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
 }
 // A backward loop's row half i of chunk c into the dw16 chunks: D's 4 planes (plane(p): this
-// thread's 4 units of plane p) times ds and z's h part (h) times hs, warp w's 16 units being
+// thread's 4 units of plane p) times ds and (ZH) z's h part (h) times hs, warp w's 16 units being
 // core-matrix groups 2w and 2w + 1; zeros where live is false (rows past B). Returns chunk c's z
 // part at row half i.
-template <bool F16 = false, class P>
+template <bool F16 = false, bool ZH = true, class P>
 static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t pitch, size_t c,
                                                              int w, int i, int lane, bool live,
                                                              P plane, const float h[4],
@@ -1314,8 +1314,10 @@ static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t 
         dw16_put<F16>(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
     }
     unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
-    const float hv[4] = {h[0] * hs, h[1] * hs, h[2] * hs, h[3] * hs};
-    dw16_put<F16>(zc + 2 * w * 256, hv, lane);
+    if constexpr (ZH) {
+        const float hv[4] = {h[0] * hs, h[1] * hs, h[2] * hs, h[3] * hs};
+        dw16_put<F16>(zc + 2 * w * 256, hv, lane);
+    }
     return zc;
 }
 // The core matrix of z's columns 192..199 at cm: the constant (one, a pair of 16-bit ones: bf16
@@ -1378,7 +1380,10 @@ static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bo
 // exponent records, D scaled by (row, warp) group, h by the block's bound (persist_hscale) and
 // x by its row's largest |x| (warps 0-3's group maxima exchanged in shared memory, xm, across
 // the step's first barrier).
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false>
+// ZF (TF32 mode, with DW): the forward wrote z's chunk parts and x's exponents (a.zc_ex); the
+// loop writes D's parts and the records alone, and reads no z rows (NOTES v27).
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false,
+          bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -1407,6 +1412,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
     constexpr bool DWF = DW && Mode::SCALED;
+    static_assert(!ZF || DWF, "z from the forward: TF32 mode's chunks");
+    constexpr bool XF = DWF && !ZF; // x's scales from the loop's own x, across the barrier
     float hscale = 1.0f;
     if constexpr (DWF)
         hscale = persist_hscale(a, reinterpret_cast<float *>(tile));
@@ -1453,6 +1460,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float sv[SW][2][4], gy[2][4], hp[2][4], xv[2][4];
     uint2 svh[SHP > 0 ? SHP : 1][2];
     int reset[2];
+    int zex[2], zexr; // ZF: x's exponents of rows g, g + 8 and (warp 4's record) of row lane % 16
     // DW: x columns 16w + 2tg, +1, +8, +9 (warps 0-3), so that dw16_put leaves them in order.
     const int xc = 16 * w + 2 * tg;
     auto load_step = [&](int t) {
@@ -1467,11 +1475,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
             }
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
-            if (LSTM && !DW)
+            if constexpr (ZF) {
+                zex[i] = rv[i] ? a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + g + 8 * i]
+                               : RNND_DW16_EZERO;
+                if (i == 0)
+                    zexr = a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + (lane & 15)];
+            } else if (LSTM && !DW) {
                 zero4(hp[i]);
-            else
+            } else {
                 ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
-            if constexpr (DW) {
+            }
+            if constexpr (DW && !ZF) {
                 const float *x = a.z + r * a.ldz + a.xoff;
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
@@ -1549,10 +1563,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     const float *const pl[4] = {dv[0][i], dv[1][i], dv[2][i], dv[3][i]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
-                unsigned char *zc = dw16_put_dh<DWF>(
+                unsigned char *zc = dw16_put_dh<DWF, !ZF>(
                     a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
                     [&](int p) -> const float * { return dv[p][i]; }, hp[i], ds, hscale);
-                if constexpr (DWF) {
+                if constexpr (ZF) {
+                    (void)zc;
+                } else if constexpr (DWF) {
                     if (w < 4) {
                         float m = fmaxf(fmaxf(fabsf(xv[i][0]), fabsf(xv[i][1])),
                                         fmaxf(fabsf(xv[i][2]), fabsf(xv[i][3])));
@@ -1575,11 +1591,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         if constexpr (TMA)
             fence_proxy_async();
-        if (t > 0 && !DWF)
+        if constexpr (ZF)
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
+                        ed, zex, -pow2_log(hscale), zexr);
+        if (t > 0 && !XF)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
         __syncthreads();
-        if constexpr (DWF) {
+        if constexpr (XF) {
             // x's rows scaled by their largest |x| (xm: every group's, before the barrier), the
             // constant (the h scale) and the record; then the next step's loads.
             unsigned char *zc = static_cast<unsigned char *>(a.dw16) +
@@ -2309,11 +2328,16 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
     if (a.dw16) { // the LSTM, vector access (seq.cu asks for nothing else); TF32 with records
         if constexpr (Gm::G != 4 || HP != 128 || V != 0)
             return RNND_EINVAL;
-        else if (!a.vec || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED)
+        else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||
+                 (a.zc_ex && !Mode::SCALED))
             return RNND_EINVAL;
+        else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment
+            kernel = !a.zc_ex ? seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>
+                     : a.vec  ? seq_backward_kernel<Cell, Mode, HP, true, 0, false, true, true>
+                              : seq_backward_kernel<Cell, Mode, HP, false, 0, false, true, true>;
         else
             kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>;
-        smem += Mode::SCALED ? 4 * 16 * sizeof(float) : 0; // xm
+        smem += Mode::SCALED && !a.zc_ex ? 4 * 16 * sizeof(float) : 0; // xm
     }
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));

@@ -33,6 +33,11 @@ struct persist_fwd_args {
     int ldx;                     // or xcopy (then Il <= HP/2), else NULL
     bool xvec;                   // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;                  // copy x into z at xoff
+    // Or, instead of z (the LSTM's wgmma forward, layer 0, TF32 mode; NOTES v27): z's parts of
+    // the dw16 chunks (seq_persist.h's layout, chunk c at zc + c RNND_DW16_Z) and each chunk's
+    // 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would have written them.
+    void *zc;
+    int16_t *zc_ex;
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
     bool wg;                     // the device runs seq_wg.cu's sm_90a code (compute 9.0)
@@ -57,6 +62,8 @@ struct persist_bwd_args {
                                  // mode's fp16 with dw16_exp)
     int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
     int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
+    const int16_t *zc_ex;        // or NULL: the forward wrote z's chunk parts (persist_fwd_args
+                                 // zc), the loop writes D's alone and takes x's exponents here
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)
@@ -148,6 +155,7 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 #define RNND_DW16_EZERO (-32640)
 struct dw16_args {
     const void *chunks; // as above, bf16, or fp16 with exp
+    const void *z;      // z's parts: chunks + 4 pitch RNND_DW16_D, or the forward's (zc)
     int pitch;          // chunks a plane
     int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
     int H, Il, xoff;    // the layer: H = 128, I_l <= 64, x's first column in z

@@ -137,6 +137,46 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
 }
 
+// z's parts of a dw16 chunk (seq_persist.h) from the forward (persist_fwd_args zc): what the
+// LSTM's backward loop would write from the z rows, bitwise, without the z rows' 784 bytes a row
+// and step in fp32 going to memory and back (NOTES v27).
+// h: the state entering the step, rows 8j + 2tg (h0) and + 1 (h1) of units u0, u0 + 1, scaled by
+// the h scale; a unit's column in its group of 16 is the loop's movmatrix order (the inverse of
+// dw16_unit in seq_dw.cu); rows past B are zeros, as the backward's.
+__device__ __forceinline__ void zc_put_h(unsigned char *zc, int u0, int g, int tg, int j,
+                                         const float h0[2], const float h1[2], bool ok0, bool ok1,
+                                         float hs) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int n = (u0 & ~15) + 8 * (g & 1) + 2 * (g >> 1) + i;
+        *reinterpret_cast<uint32_t *>(zc + (n >> 3) * 256 + j * 128 + (n & 7) * 16 + 4 * tg) =
+            mode_f16::pack2(ok0 ? h0[i] * hs : 0.0f, ok1 ? h1[i] * hs : 0.0f);
+    }
+}
+// x: the producer's fp16 x tile (K-major, row-scaled; zeros past I_l and B) transposed by
+// ldmatrix, warp w (0-3) its column groups 2w, 2w + 1; warp 0 the constant (the h scale, as z's
+// h part) and its zeros; warp 1 the rows' exponents from their inverse scales xinv (0: a row of
+// zeros).
+__device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char *xt,
+                                         const float *xinv, int16_t *ex, int w, int lane,
+                                         float hs) {
+    const int mi = lane >> 3, cg = 2 * w + (mi & 1), rh = mi >> 1;
+    uint32_t m4[4];
+    ldmatrix_x4_at<true>(m4, xt + km_off(8 * rh + (lane & 7), 8 * cg, WG_XK / 8));
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 + (q >> 1) * 128 +
+                                      4 * lane) = m4[q];
+    if (w == 0) {
+        const __half2 one = __float2half2_rn(hs);
+        dw16_put_one(zc + 24 * 256, lane, *reinterpret_cast<const uint32_t *>(&one));
+        dw16_put_one(zc + 24 * 256 + 128, lane, *reinterpret_cast<const uint32_t *>(&one));
+    } else if (w == 1 && lane < 16) {
+        const float v = xinv[lane];
+        ex[lane] = (int16_t)(v > 0.0f ? pow2_log(v) : RNND_DW16_EZERO);
+    }
+}
+
 // Gates whose W_hh a consumer holds in registers (the others' come from shared memory): all
 // three of the GRU's; three of the LSTM's four (128 registers of weights would leave too few for
 // the rest), two where it writes a tape (its deferred stores need the registers; NOTES v23).
@@ -280,7 +320,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 // The tape's z row of (row, t): x at xoff (a copy of the layer input), and the
                 // 1 and its padding at H (xoff = H + 4: the launcher checks).
                 const int b = blockIdx.x * 16 + row;
-                if (Z && b < a.B) {
+                if (Z && a.z && b < a.B) {
                     float *zr = a.z + ((size_t)b * T + t) * a.ldz;
                     if (a.xcopy && cx < Il)
                         *reinterpret_cast<float4 *>(zr + a.xoff + cx) = v;
@@ -312,6 +352,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                         wg_mma_ss<true>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                 }
             wg_commit();
+            if (Z && a.zc) { // x tile t (complete since the last barrier) into chunk (block, t)
+                unsigned char *zc =
+                    static_cast<unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+                zc_put_x(zc, xtile + (t & 1) * WG_XTILE, xinv + (t & 1) * 16,
+                         a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane, hscale);
+            }
             if (t + 1 < T)
                 convert_x(t + 1);
             float xs[4];
@@ -463,7 +509,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         if constexpr (Z) // the tape's hprev (and the LSTM's cprev): the state entering step t
 #pragma unroll
             for (int r = 0; r < 4; r++) {
-                st2(a.z + (rb(r) + t) * a.ldz + u0, h[r][0], h[r][1], rvalid(r) && uok);
+                if (a.zc) { // rows 2tg + 8j, +1 (r = 2j, 2j + 1) of units u0 + i, 4 bytes a pair
+                    if ((r & 1) == 0)
+                        zc_put_h(static_cast<unsigned char *>(a.zc) +
+                                     ((size_t)blockIdx.x * T + t) * RNND_DW16_Z,
+                                 u0, g, tg, r >> 1, h[r], h[r + 1], rvalid(r), rvalid(r + 1),
+                                 hscale);
+                } else {
+                    st2(a.z + (rb(r) + t) * a.ldz + u0, h[r][0], h[r][1], rvalid(r) && uok);
+                }
                 if constexpr (LSTM)
                     if (rvalid(r) && uok)
                         TR::put2(a.s + (rb(r) + t) * TR::floats(H), SW - 1, H, u0,
@@ -558,14 +612,16 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
     // I_l % 4 == 0; the GRU without a gate tape (its backward recomputes the gates), the LSTM
     // with its fp16 one exactly when z rows are written.
+    const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (LSTM ? !a->z != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
+        (a->zc && (a->z || !a->zc_ex || a->H != WG_HP || !LSTM)) ||
+        (LSTM ? !tape != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
         return RNND_ENOTSUP;
     auto kernel = a->variant & 8
-                      ? (a->z ? seq_wg_forward<Cell, 8, true> : seq_wg_forward<Cell, 8, false>)
-                      : (a->z ? seq_wg_forward<Cell, 0, true> : seq_wg_forward<Cell, 0, false>);
-    const int smem = (int)(a->z ? wg_geom<Cell::G, wg_gr<Cell, true>()>::SMEM
+                      ? (tape ? seq_wg_forward<Cell, 8, true> : seq_wg_forward<Cell, 8, false>)
+                      : (tape ? seq_wg_forward<Cell, 0, true> : seq_wg_forward<Cell, 0, false>);
+    const int smem = (int)(tape ? wg_geom<Cell::G, wg_gr<Cell, true>()>::SMEM
                                 : wg_geom<Cell::G, wg_gr<Cell, false>()>::SMEM);
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<CEIL_DIV(a->B, 16), WG_THREADS, smem, stream>>>(*a);

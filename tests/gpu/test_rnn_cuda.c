@@ -127,14 +127,28 @@ static void *dev(struct bufs *b, const void *host, size_t bytes) {
     return d;
 }
 
-// A buffer filled with NaN (the CUDA side) or zero (the CPU side).
+// Set by test_zfwd: run_seq passes out, h_n, c_n and every gradient one float past 16-byte
+// alignment.
+static bool misalign;
+
+// A buffer filled with NaN (the CUDA side) or zero (the CPU side); one float in where misalign
+// is set.
 static float *dev_poison(struct bufs *b, size_t n, bool nan_fill) {
-    float *h = xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++)
+    const size_t off = misalign ? 1 : 0;
+    float *h = xmalloc((n + off) * sizeof(float));
+    for (size_t i = 0; i < n + off; i++)
         h[i] = nan_fill ? NAN : 0.0f;
-    float *d = dev(b, h, n * sizeof(float));
+    float *d = dev(b, h, (n + off) * sizeof(float));
     free(h);
-    return d;
+    return d + off;
+}
+// A copy of n floats on the device, one float in where misalign is set.
+static float *dev_in(struct bufs *b, const float *host, size_t n) {
+    if (!misalign)
+        return dev(b, host, n * sizeof(float));
+    float *d = dev(b, NULL, (n + 1) * sizeof(float));
+    b->be->ops->copy_in(b->be->ctx, d + 1, host, n * sizeof(float));
+    return d + 1;
 }
 
 static void bufs_free(struct bufs *b) {
@@ -278,8 +292,8 @@ static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const str
         if (lstm)
             g.cell = dev_poison(&b, btlh, poison);
     }
-    float *gout = dev(&b, h->gout, nout * 4), *ghn = dev(&b, h->ghn, blh * 4);
-    float *gcn = lstm ? dev(&b, h->gcn, blh * 4) : NULL;
+    float *gout = dev_in(&b, h->gout, nout), *ghn = dev_in(&b, h->ghn, blh);
+    float *gcn = lstm ? dev_in(&b, h->gcn, blh) : NULL;
     err = ops->rnn_backward(be->ctx, &g, gout, ghn, gcn, tape, &seq, params, &m);
     if (err) {
         bufs_free(&b);
@@ -567,6 +581,45 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     seq_out_free(&og);
     seq_out_free(&oc);
     seq_host_free(&h);
+}
+
+// The TF32 LSTM's layer 0 at H = 128 on sm_90: its wgmma forward writes z's dw16 chunk parts
+// into the tape in place of the z rows, and the backward loop reads no z rows (NOTES v27). The
+// chunks hold the same bits either way, so forwards and gradients are bitwise equal to the loop
+// that writes them itself (variant bit 32768). Then with outputs and gradients off 16-byte
+// alignment, which the backward cannot see from the forward's side: the forward stages its
+// outputs, the backward's loop reads the gradients a float at a time (test_dw16's checks).
+static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                      const struct seq_case *sc) {
+    const struct seq_sizes z = seq_sizes_of(sc);
+    struct seq_host h;
+    seq_host_init(&h, sc, 0.0f, 0.8f);
+    struct seq_out of, ol;
+    seq_out_alloc(&of, &z);
+    seq_out_alloc(&ol, &z);
+    int err = run_seq(gpu, sc, &h, &of, true);
+    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 32768);
+    if (!err2)
+        err2 = run_seq(gpu, sc, &h, &ol, true);
+    rnnd_cuda_set_variant(gpu, base_variant);
+    const char *tag = "lstm fp32 z chunks from the forward against the loop's";
+    checks++;
+    if (err || err2) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        compare("out", tag, of.out, ol.out, NULL, z.nout, 1e-7);
+        compare("h_n", tag, of.hn, ol.hn, NULL, z.blh, 1e-7);
+        compare("c_n", tag, of.cn, ol.cn, NULL, z.blh, 1e-7);
+        compare("grad params", tag, of.gp, ol.gp, h.gbase, z.P, 1e-7);
+        compare("grad x", tag, of.gx, ol.gx, NULL, z.nx, 1e-7);
+    }
+    seq_out_free(&of);
+    seq_out_free(&ol);
+    seq_host_free(&h);
+    misalign = true;
+    test_dw16(gpu, cpu, sc);
+    misalign = false;
 }
 
 // TF32 mode's products (seq_dw.cu on fp16 chunks, NOTES v26) on values far from 1, where one
@@ -1114,6 +1167,12 @@ int main(int argc, char **argv) {
         test_dw16(&gpu, &cpu, &dw16_cases[i]);
     for (int kind = 0; !quick && kind < 10; kind++)
         test_dw16_scales(&gpu, &cpu, kind < 5 ? GRU : LSTM, kind % 5);
+    const struct seq_case zfwd_cases[] = {
+        {LSTM, F32, 64, 128, 1, 300, 20, 0.1, STATE_H0, AUTO},
+        {LSTM, F32, 40, 128, 2, 37, 9, 0.2, STATE_HIDDEN, AUTO},
+    };
+    for (int i = 0; !quick && i < (int)(sizeof(zfwd_cases) / sizeof(zfwd_cases[0])); i++)
+        test_zfwd(&gpu, &cpu, &zfwd_cases[i]);
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

@@ -475,8 +475,9 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     };
     bool need_xg = false, vec = vec_of(out, h_n, c_n);
     // Layer 0's z as chunk parts (seq_zfwd): the backward cannot see out, h_n and c_n, so where
-    // they are not aligned they go through aligned scratch, copied out at the end.
-    const bool zc0 = tape && seq_zfwd(c, m, seq), stage = zc0 && !vec;
+    // they are not aligned they go through aligned scratch, copied out at the end (with a tape
+    // or without: the same loop, the same outputs).
+    const bool zfwd = seq_zfwd(c, m, seq), zc0 = tape && zfwd, stage = zfwd && !vec;
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
     int crows = seq_cluster(c, m, 0) && vec && aligned16(seq->x) ? seq_cluster_rows(c, B, false) : 0;
     bool clus0 = crows > 0;

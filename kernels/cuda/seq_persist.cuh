@@ -1502,9 +1502,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     };
     load_step(T - 1);
     // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
-    // and 32 LSTM k-steps at HP = 128 in TF32 mode); not in the scalar-access loops, which
-    // would spill.
-    constexpr int BREG = !VEC ? 0 : KSW < 48 / Gm::B_WPL ? KSW : 48 / Gm::B_WPL;
+    // and 32 LSTM k-steps at HP = 128 in TF32 mode); 64 (16 k-steps) where the loop reads no z
+    // rows (ZF), in the registers hprev and x took (backward loop 1.01 -> 0.98 ms; 72 spill;
+    // NOTES v27); not in the scalar-access loops, which would spill.
+    constexpr int BW = ZF ? 64 : 48;
+    constexpr int BREG = !VEC ? 0 : KSW < BW / Gm::B_WPL ? KSW : BW / Gm::B_WPL;
     uint32_t wreg[BREG > 0 ? BREG : 1][Gm::B_WPL];
 #pragma unroll
     for (int ks = 0; ks < BREG; ks++)

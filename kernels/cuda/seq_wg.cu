@@ -179,22 +179,24 @@ __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char 
 
 // Gates whose W_hh a consumer holds in registers (the others' come from shared memory): all
 // three of the GRU's; three of the LSTM's four (128 registers of weights would leave too few for
-// the rest), two where it writes a tape (its deferred stores need the registers; NOTES v23).
-template <class Cell, bool Z> constexpr int wg_gr() {
-    return Cell::G == 4 && Z ? 2 : 3;
+// the rest), two where it writes a tape with stored states (HID: its deferred stores and the
+// next step's stored values need the registers; NOTES v23, v27).
+template <class Cell, bool Z, bool HID> constexpr int wg_gr() {
+    return Cell::G == 4 && Z && HID ? 2 : 3;
 }
 
 // Cell: cell_gru or cell_lstm. V: bench variant bit 8, phase clocks of warp 0 (8 phases,
 // persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) and, for
 // the LSTM, the s rows (the gates' pre-activations in fp16 and cprev; the GRU's backward
 // recomputes its gates from the z rows).
-template <class Cell, int V, bool Z>
+// HID: a.hidden may be set (stored states); else a reset's state is zero.
+template <class Cell, int V, bool Z, bool HID>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using HM = mode_f16;
-    using Gm = wg_geom<Cell::G, wg_gr<Cell, Z>()>;
+    using Gm = wg_geom<Cell::G, wg_gr<Cell, Z, HID>()>;
     using TR = tape_rec<Cell, true>;
-    constexpr int G = Cell::G, GR = wg_gr<Cell, Z>(), GS = Gm::GS, SW = Cell::SW;
+    constexpr int G = Cell::G, GR = wg_gr<Cell, Z, HID>(), GS = Gm::GS, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp >> 2, w = warp & 3;
     const int g = lane >> 2, tg = lane & 3, x = threadIdx.x & 127;
@@ -443,7 +445,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             const bool ok = rvalid(r) && t < T;
             nreset[r] = ld_flag(a.is_init + rb(r) + t, ok);
             float2 v = make_float2(0.0f, 0.0f), vc = v;
-            if (a.hidden) {
+            if (HID && a.hidden) {
                 const size_t at = (rb(r) + t) * hid_step + (size_t)l * H + u0;
                 v = ld2(a.hidden + at, ok && uok);
                 if (LSTM && a.cell)
@@ -607,6 +609,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 #endif
 }
 
+// The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
+// take either.
+template <class Cell, int V, bool Z> auto wg_kernel(bool hid) {
+    if constexpr (Cell::G == 4 && Z)
+        if (!hid)
+            return seq_wg_forward<Cell, V, Z, false>;
+    return seq_wg_forward<Cell, V, Z, true>;
+}
+
 template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
@@ -618,11 +629,13 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
         (a->zc && (a->z || !a->zc_ex || a->H != WG_HP || !LSTM)) ||
         (LSTM ? !tape != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
         return RNND_ENOTSUP;
+    const bool hid = a->hidden != nullptr;
     auto kernel = a->variant & 8
-                      ? (tape ? seq_wg_forward<Cell, 8, true> : seq_wg_forward<Cell, 8, false>)
-                      : (tape ? seq_wg_forward<Cell, 0, true> : seq_wg_forward<Cell, 0, false>);
-    const int smem = (int)(tape ? wg_geom<Cell::G, wg_gr<Cell, true>()>::SMEM
-                                : wg_geom<Cell::G, wg_gr<Cell, false>()>::SMEM);
+                      ? (tape ? wg_kernel<Cell, 8, true>(hid) : wg_kernel<Cell, 8, false>(hid))
+                      : (tape ? wg_kernel<Cell, 0, true>(hid) : wg_kernel<Cell, 0, false>(hid));
+    const int smem = (int)(tape ? (hid ? wg_geom<Cell::G, wg_gr<Cell, true, true>()>::SMEM
+                                       : wg_geom<Cell::G, wg_gr<Cell, true, false>()>::SMEM)
+                                : wg_geom<Cell::G, wg_gr<Cell, false, true>()>::SMEM);
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<CEIL_DIV(a->B, 16), WG_THREADS, smem, stream>>>(*a);
     CUDA_LAUNCH_CHECK();

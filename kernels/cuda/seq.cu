@@ -712,9 +712,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                 // The chunks past the loop's (whole stages for the product) hold zeros.
                 size_t nch = (size_t)CEIL_DIV(B, 16) * T, pad = dw_pitch - nch;
                 char *base = (char *)d;
-                for (int p = 0; p < 4; p++)
-                    RNND_CUDA_TRY(cudaMemsetAsync(base + (p * dw_pitch + nch) * RNND_DW16_D, 0,
-                                                  pad * RNND_DW16_D, c->stream));
+                if (pad > 0) // D's four planes at once
+                    RNND_CUDA_TRY(cudaMemset2DAsync(base + nch * RNND_DW16_D,
+                                                    dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D,
+                                                    4, c->stream));
                 if (zc) // the forward's, and its padding
                     a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
                 else
@@ -743,29 +744,32 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));
         }
 
-        // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step. With D's 4H
-        // columns as cuBLAS's M, fwd+bwd is 0.6 ms faster at H = 256 (0.02-0.03 ms at H = 128)
-        // than with z's ldz columns as M (NOTES v20). Where the loop wrote dw16 chunks, our
-        // product on them (NOTES v25).
+        // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step, added into
+        // the gradients. With D's 4H columns as cuBLAS's M, fwd+bwd is 0.6 ms faster at H = 256
+        // (0.02-0.03 ms at H = 128) than with z's ldz columns as M (NOTES v20). Where the loop
+        // wrote dw16 chunks, our product on them, which adds its sums in place (NOTES v25, v27).
+        struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);
+        float *gw_ih = (float *)gp.w_ih, *gw_hh = (float *)gp.w_hh;
+        float *gb_ih = (float *)gp.b_ih, *gb_hh = (float *)gp.b_hh;
 #ifdef RNND_HAVE_WG
         if (a.dw16) {
             const void *dz = zc ? (const void *)z
                                 : (const void *)((const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D);
-            struct dw16_args dw = {d,       dz,      dw_pitch, dw_ks, H, ly->Il,
-                                   ly->xoff, dw_part, tmp,     a.dw16_exp};
+            struct dw16_args dw = {d,      dz,    dw_pitch, dw_ks, H,     ly->Il, !lstm,
+                                   dw_part, a.dw16_exp, gw_ih, gw_hh, gb_ih, gb_hh};
             RNND_TRY(rnnd__dw16_product(&dw, c->stream));
         } else
 #endif
+        {
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_T, 4 * H, ly->ldz, (int)BT, d,
                           4 * H, z, ly->ldz, 0.0f, tmp, 4 * H));
-        struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);
-        size_t n = (size_t)GH * (ly->Il + H + 1);
-        int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
-                                                                : 4096);
-        dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(
-            (float *)gp.w_ih, (float *)gp.w_hh, (float *)gp.b_ih, (float *)gp.b_hh, tmp, G, H,
-            ly->Il, ly->xoff, !lstm);
-        CUDA_LAUNCH_CHECK();
+            size_t n = (size_t)GH * (ly->Il + H + 1);
+            int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
+                                                                    : 4096);
+            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(gw_ih, gw_hh, gb_ih, gb_hh, tmp,
+                                                                 G, H, ly->Il, ly->xoff, !lstm);
+            CUDA_LAUNCH_CHECK();
+        }
 
         // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x. The GRU's
         // input-side planes are r, z (D's first two) and n (D's fourth).

@@ -13,8 +13,8 @@
  * hold 100 fp32 accumulators a thread (m64n200k16); one producer lane brings RNND_DW16_CH chunks
  * a stage by two bulk copies (three with the records) into DW_NST stages (mbarriers full /
  * empty). Each CTA writes its partial product; a second kernel sums the ks partials in a fixed
- * order (runs repeat bitwise) and puts each sum where cuBLAS's product put it, undoing the
- * chunks' column order.
+ * order (runs repeat bitwise) and adds each sum into the parameter gradient it belongs to,
+ * undoing the chunks' column order.
  */
 #include "common.cuh"
 #include "seq_persist.h"
@@ -257,27 +257,35 @@ __device__ __forceinline__ int dw16_unit(int n) {
     return (n & ~15) + 4 * ((v & 7) >> 1) + 2 * (v >> 3) + (v & 1);
 }
 
-// tmp[zc][dc] (cuBLAS's column-major (4H, ldz) product) = the sum of the ks partials of chunk
-// column (m, n): dc = D's column of m, zc = z's column of n (h units, the 1 at H, x at xoff).
-__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, int Il, int xoff,
-                                float *__restrict__ tmp) {
+// The ks partials of chunk column (m, n) summed in a fixed order (runs repeat bitwise) and added
+// into the gradient they belong to: D's column m is unit dw16_unit(m % 128) of plane m / 128;
+// z's h columns go to W_hh, its x columns to W_ih, the constant to both biases. The GRU's planes
+// 2 and 3 are n's hidden and input sides: W_hh and b_hh take plane 2, W_ih and b_ih plane 3.
+__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, bool gru,
+                                float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh) {
+    constexpr int H = DW_MP;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= 4 * DW_MP * RNND_DW16_NZ)
         return;
-    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ;
-    int zc;
+    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ, p = m / DW_MP;
+    const bool hs = !gru || p != 3, xs = !gru || p != 2; // the plane feeds h's, x's side
+    const int row = (gru && p == 3 ? 2 : p) * H + dw16_unit(m % DW_MP);
+    float *to = nullptr, *to2 = nullptr;
     if (n < H)
-        zc = dw16_unit(n);
+        to = hs ? gw_hh + (size_t)row * H + dw16_unit(n) : nullptr;
     else if (n < H + 64)
-        zc = n - H < Il ? xoff + n - H : -1;
-    else
-        zc = n == H + 64 ? H : -1;
-    if (zc < 0)
+        to = xs && n - H < Il ? gw_ih + (size_t)row * Il + n - H : nullptr;
+    else if (n == H + 64)
+        to = xs ? gb_ih + row : nullptr, to2 = hs ? gb_hh + row : nullptr;
+    if (!to && !to2)
         return;
     float acc = 0.0f;
     for (int s = 0; s < ks; s++)
         acc += part[(size_t)s * 4 * DW_MP * RNND_DW16_NZ + i];
-    tmp[(size_t)zc * 4 * H + (m / DW_MP) * H + dw16_unit(m % DW_MP)] = acc;
+    if (to)
+        *to += acc;
+    if (to2)
+        *to2 += acc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -477,8 +485,8 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
                                                     a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
     const int n = 4 * DW_MP * RNND_DW16_NZ;
-    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->xoff,
-                                                          a->tmp);
+    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru,
+                                                          a->gw_ih, a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -158,10 +158,11 @@ struct dw16_args {
     const void *z;      // z's parts: chunks + 4 pitch RNND_DW16_D, or the forward's (zc)
     int pitch;          // chunks a plane
     int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
-    int H, Il, xoff;    // the layer: H = 128, I_l <= 64, x's first column in z
+    int H, Il;          // the layer: H = 128, I_l <= 64
+    bool gru;           // D's planes are the GRU's (r, z, n's hidden side, n's input side)
     float *part;        // ks x 4H x RNND_DW16_NZ floats of scratch
-    float *tmp;         // out: (ldz, 4H) z^T D, as cuBLAS's product in seq.cu (h, 1, x rows)
     const int16_t *exp; // TF32 mode: the chunks' exponent records, or NULL (bf16)
+    float *gw_ih, *gw_hh, *gb_ih, *gb_hh; // out, +=: the layer's parameter gradients
 };
 // Built when the architectures include 90 (RNND_HAVE_WG); RNND_EINVAL for other shapes.
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream);

@@ -753,8 +753,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         float *gb_ih = (float *)gp.b_ih, *gb_hh = (float *)gp.b_hh;
 #ifdef RNND_HAVE_WG
         if (a.dw16) {
-            const void *dz = zc ? (const void *)z
-                                : (const void *)((const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D);
+            const char *dloop = (const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D;
+            const void *dz = zc ? (const void *)z : (const void *)dloop; // z's parts
             struct dw16_args dw = {d,      dz,    dw_pitch, dw_ks, H,     ly->Il, !lstm,
                                    dw_part, a.dw16_exp, gw_ih, gw_hh, gb_ih, gb_hh};
             RNND_TRY(rnnd__dw16_product(&dw, c->stream));

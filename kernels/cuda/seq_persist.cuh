@@ -2327,7 +2327,7 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
     long smem = Gm::B_SMEM;
-    if (a.dw16) { // the LSTM, vector access (seq.cu asks for nothing else); TF32 with records
+    if (a.dw16) { // the LSTM; vector access or (ZF) any; TF32 with records
         if constexpr (Gm::G != 4 || HP != 128 || V != 0)
             return RNND_EINVAL;
         else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||

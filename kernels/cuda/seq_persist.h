@@ -122,8 +122,8 @@ int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t
 // The GRU and LSTM forwards with warpgroup MMAs (seq_wg.cu; built when the architectures
 // include 90, as RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with
 // 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the GRU without a gate tape, the
-// LSTM with its fp16 one (a.shalf) exactly when z rows are written; RNND_ENOTSUP for other
-// arguments.
+// LSTM with its fp16 one (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are
+// written; RNND_ENOTSUP for other arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 
@@ -132,7 +132,8 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 // block's 16 rows of step t, K-major in 8 x 8 core matrices (element (column n, row r) at
 // (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes). D: 4 planes of H = 128 columns,
 // plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z: RNND_DW16_NZ columns (h's 128, x's
-// 64 padded with zeros, the constant 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z.
+// 64 padded with zeros, the constant 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z
+// (or, written by the LSTM's forward, in its tape: dw16_args.z).
 // Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
 // 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
 // (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.

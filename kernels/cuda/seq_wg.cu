@@ -3,7 +3,8 @@
  * (wgmma, sm_90a only: this file is built for that target alone and the host asks for it only on
  * a compute-capability 9.0 device). Same arguments and outputs as the persistent forwards they
  * replace there (seq_persist.cuh's loops), fused input projection only; with a tape the GRU
- * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape.
+ * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape,
+ * and at H = 128 z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, NOTES v27).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -19,7 +20,8 @@
  * to two steps ahead, and hands it over in shared memory in the consumers' accumulator layout
  * (NOTES v17: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
  * gives the consumers 200 registers (W_hh alone takes 96) and the producer 104. The LSTM's
- * fourth gate (o), and with a tape its third (g) too, take W_hh from shared memory (wg_gr).
+ * fourth gate (o), and with a tape and stored states its third (g) too, take W_hh from shared
+ * memory (wg_gr).
  *
  * Operands in shared memory (B: h and x tiles; A: W_ih, the W_hh of gates not in registers) are
  * K-major fp16 in 8 x 8 core matrices (8 rows of 16 bytes, 128 contiguous bytes), no swizzle:
@@ -29,11 +31,12 @@
  * two (persist_wscale, persist_hscale), each x row by its own (persist_row16).
  *
  * Per step t, consumers: the h part (G gates x 8 k-steps) is issued asynchronously; while it
- * runs they store step t-1's outputs (and, with a tape, the z rows' hprev of step t and the
- * LSTM's cprev); then the x part of step t from its slot (t % 2), the cell, h into the other
- * h tile, one barrier of the consumers. Producer: x(t+1) (cp.async three steps ahead, three fp32
- * stages) into the other fp16 x tile (with a tape, also into the z rows with their 1) while step
- * t's x-part MMAs run (A = W_ih from shared memory), then their sums, scaled and biased, into
+ * runs they store step t-1's outputs (and, with a tape, the z rows' hprev of step t, or its
+ * chunk's h part, and the LSTM's cprev); then the x part of step t from its slot (t % 2), the
+ * cell, h into the other h tile, one barrier of the consumers. Producer: x(t+1) (cp.async three
+ * steps ahead, three fp32 stages) into the other fp16 x tile (with a tape, also into the z rows
+ * with their 1; or x tile t into its chunk's x part) while step t's x-part MMAs run (A = W_ih
+ * from shared memory), then their sums, scaled and biased, into
  * slot t % 2 once the consumers have read step t-2's. mbarriers hand the slots back and forth
  * (full: producer arrives, consumers wait; empty: the reverse).
  */
@@ -622,7 +625,7 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
     // I_l % 4 == 0; the GRU without a gate tape (its backward recomputes the gates), the LSTM
-    // with its fp16 one exactly when z rows are written.
+    // with its fp16 one exactly when z rows or (H = 128) z chunk parts are written.
     const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||

@@ -9,9 +9,9 @@
 #       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
 #       test      test_rnn_cuda: every op against the CPU reference;
 #       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
-#       race      compute-sanitizer racecheck and synccheck over one small bench run (GRU and
-#                 LSTM, TF32, B=40 T=9: every loop of a forward, a forward with tape and a
-#                 backward); with RNND_CUDA_VARIANT=4096 the GRU runs the KP loop, whose
+#       race      compute-sanitizer memcheck, racecheck and synccheck over one small bench run
+#                 (GRU and LSTM, TF32, B=40 T=9: every loop of a forward, a forward with tape and
+#                 a backward); with RNND_CUDA_VARIANT=4096 the GRU runs the KP loop, whose
 #                 bar.arrive hand-over racecheck misreports (NOTES v17) (not in all);
 #       bench     rnnd-kernel-bench --backend cuda at the shapes (ours and cuDNN; LSTM
 #                 also at H=256);
@@ -102,7 +102,7 @@ fi
 
 if [[ " $STEPS " == *" race "* ]]; then
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    for tool in racecheck synccheck; do
+    for tool in memcheck racecheck synccheck; do
         for cell in gru lstm; do
             echo "== compute-sanitizer $tool ($cell bench, B=40 T=9)"
             RNND_BENCH_NO_CUDNN=1 timeout 200 "$CS" --tool $tool "$BIN/rnnd-kernel-bench" \

@@ -514,35 +514,44 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
     seq_host_free(&h);
 }
 
-// The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
-// (variant bit 4096) sum the same products in the same order, so forwards (with and without a
-// tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
-static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
+// Case sc run as it is and with variant bit `bit` set: forwards (with and without a tape), final
+// states and gradients bitwise equal (tag names the two).
+static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case *sc, int bit,
+                                 const char *tag) {
     const struct seq_sizes z = seq_sizes_of(sc);
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
-    struct seq_out ow, ok;
-    seq_out_alloc(&ow, &z);
-    seq_out_alloc(&ok, &z);
-    int err = run_seq(gpu, sc, &h, &ow, true);
-    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 4096);
+    struct seq_out oa, ob;
+    seq_out_alloc(&oa, &z);
+    seq_out_alloc(&ob, &z);
+    int err = run_seq(gpu, sc, &h, &oa, true);
+    int err2 = rnnd_cuda_set_variant(gpu, base_variant | bit);
     if (!err2)
-        err2 = run_seq(gpu, sc, &h, &ok, true);
+        err2 = run_seq(gpu, sc, &h, &ob, true);
     rnnd_cuda_set_variant(gpu, base_variant);
-    const char *tag = "gru fp32 wgmma loop against KP";
     checks++;
     if (err || err2) {
         printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
         failures++;
     } else {
-        compare("out", tag, ow.out, ok.out, NULL, z.nout, 1e-7);
-        compare("out(no tape)", tag, ow.out_notape, ok.out_notape, NULL, z.nout, 1e-7);
-        compare("grad params", tag, ow.gp, ok.gp, h.gbase, z.P, 1e-7);
-        compare("grad x", tag, ow.gx, ok.gx, NULL, z.nx, 1e-7);
+        compare("out", tag, oa.out, ob.out, NULL, z.nout, 1e-7);
+        compare("out(no tape)", tag, oa.out_notape, ob.out_notape, NULL, z.nout, 1e-7);
+        compare("h_n", tag, oa.hn, ob.hn, NULL, z.blh, 1e-7);
+        if (sc->cell == RNND_CELL_LSTM)
+            compare("c_n", tag, oa.cn, ob.cn, NULL, z.blh, 1e-7);
+        compare("grad params", tag, oa.gp, ob.gp, h.gbase, z.P, 1e-7);
+        compare("grad x", tag, oa.gx, ob.gx, NULL, z.nx, 1e-7);
     }
-    seq_out_free(&ow);
-    seq_out_free(&ok);
+    seq_out_free(&oa);
+    seq_out_free(&ob);
     seq_host_free(&h);
+}
+
+// The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
+// (variant bit 4096) sum the same products in the same order, so forwards (with and without a
+// tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
+static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
+    test_bitwise_variant(gpu, sc, 4096, "gru fp32 wgmma loop against KP");
 }
 
 // The bf16 GRU's and LSTM's layer-0 gradients from seq_dw.cu's products on the loops' dw16
@@ -591,32 +600,7 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 // outputs, the backward's loop reads the gradients a float at a time (test_dw16's checks).
 static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                       const struct seq_case *sc) {
-    const struct seq_sizes z = seq_sizes_of(sc);
-    struct seq_host h;
-    seq_host_init(&h, sc, 0.0f, 0.8f);
-    struct seq_out of, ol;
-    seq_out_alloc(&of, &z);
-    seq_out_alloc(&ol, &z);
-    int err = run_seq(gpu, sc, &h, &of, true);
-    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 32768);
-    if (!err2)
-        err2 = run_seq(gpu, sc, &h, &ol, true);
-    rnnd_cuda_set_variant(gpu, base_variant);
-    const char *tag = "lstm fp32 z chunks from the forward against the loop's";
-    checks++;
-    if (err || err2) {
-        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
-        failures++;
-    } else {
-        compare("out", tag, of.out, ol.out, NULL, z.nout, 1e-7);
-        compare("h_n", tag, of.hn, ol.hn, NULL, z.blh, 1e-7);
-        compare("c_n", tag, of.cn, ol.cn, NULL, z.blh, 1e-7);
-        compare("grad params", tag, of.gp, ol.gp, h.gbase, z.P, 1e-7);
-        compare("grad x", tag, of.gx, ol.gx, NULL, z.nx, 1e-7);
-    }
-    seq_out_free(&of);
-    seq_out_free(&ol);
-    seq_host_free(&h);
+    test_bitwise_variant(gpu, sc, 32768, "lstm fp32 z chunks from the forward against the loop's");
     misalign = true;
     test_dw16(gpu, cpu, sc);
     misalign = false;

@@ -130,14 +130,15 @@ static int seq_dw16_pitch(const struct cuda_ctx *c, int B, int T) {
     return CEIL_DIV(CEIL_DIV(B, 16) * T, step) * step;
 }
 
-// The LSTM's layer 0 keeps no z rows in its tape where its wgmma forward writes z's dw16 chunk
-// parts instead (NOTES v27): TF32 mode, fused x with I % 4 == 0, and the chunks' backward.
+// Layer 0 keeps no z rows in its tape where the wgmma forward writes z's dw16 chunk parts
+// instead (NOTES v27, the LSTM; v28, the GRU): TF32 mode, H = 128, fused x with I % 4 == 0, and
+// the chunks' backward.
 // The model and the device set the tape's size (seq_zfwd_model); the inputs both passes see
 // decide the format (seq_zfwd: the forward stages misaligned outputs, the backward's loop takes
 // any gradients). Bench variant bit 32768 turns it off.
 #define RNND_SEQ_VARIANT_NO_ZFWD 32768
 static bool seq_zfwd_model(const struct cuda_ctx *c, const struct rnnd_model *m) {
-    return m->cell == RNND_CELL_LSTM && m->compute == RNND_COMPUTE_FP32 && cuda_wg(c) &&
+    return m->compute == RNND_COMPUTE_FP32 && m->H == 128 && cuda_wg(c) &&
            !(c->variant & (32 | RNND_SEQ_VARIANT_NO_ZFWD)) && m->I % 4 == 0 &&
            seq_dw16(c, m, 0, true) &&
            rnnd__persist_xks(m, 0, c->smem_optin) > 0;
@@ -716,8 +717,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                     RNND_CUDA_TRY(cudaMemset2DAsync(base + nch * RNND_DW16_D,
                                                     dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D,
                                                     4, c->stream));
-                if (zc) // the forward's, and its padding
+                if (zc) { // the forward's, and its padding
+                    a.zc = z;
                     a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+                }
                 else
                     RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
                                                       nch * RNND_DW16_Z,

@@ -52,6 +52,7 @@
 
 #include "common.cuh"
 #include "seq_persist.h"
+#include "wg.cuh"
 
 #include <cuda_fp16.h>
 
@@ -686,22 +687,31 @@ static __device__ __forceinline__ int persist_unit(int w, int half, int n) {
 // The x part of a step: acc[nt] += the x tile's rows (M's A fragments, pitch ld) times the
 // W_ih fragments at wsmx (layout WL), over k-steps [0, nks), nks <= KS. The forward, its KP x-warps
 // and the recomputing backward run it in their own modes.
-template <class M, class WL, int KS, int NT>
-static __device__ __forceinline__ void persist_xmma(float (&acc)[NT][4],
-                                                    const typename M::elem *tile, int ld,
-                                                    const unsigned char *wsmx, int nks, int nw,
-                                                    int w, int lane) {
+// afrag(a, ks) gives k-step ks's A fragments (persist_xmma: from the tile).
+template <class M, class WL, int KS, int NT, class AF>
+static __device__ __forceinline__ void persist_xmma_af(float (&acc)[NT][4], AF afrag,
+                                                       const unsigned char *wsmx, int nks, int nw,
+                                                       int w, int lane) {
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
         if (ks >= nks)
             break;
         uint32_t af[4], wv[NT * M::WPF];
-        M::afrag(af, tile, ld, ks, lane);
+        afrag(af, ks);
         WL::load(wv, wsmx, ks, nw, w, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
             M::mma(acc[nt], af, M::wunpack(wv + nt * M::WPF));
     }
+}
+template <class M, class WL, int KS, int NT>
+static __device__ __forceinline__ void persist_xmma(float (&acc)[NT][4],
+                                                    const typename M::elem *tile, int ld,
+                                                    const unsigned char *wsmx, int nks, int nw,
+                                                    int w, int lane) {
+    persist_xmma_af<M, WL, KS>(
+        acc, [&](uint32_t af[4], int ks) { M::afrag(af, tile, ld, ks, lane); }, wsmx, nks, nw, w,
+        lane);
 }
 
 // Rows g and g + 8 of the block (the backward loops' two rows a thread): whether each exists, its
@@ -1756,6 +1766,15 @@ static __device__ __forceinline__ int persist_rc_unit(int pos) {
     return (pos & ~15) + 4 * (n >> 1) + 2 * half + (n & 1);
 }
 
+// The m16k16 A fragments of a dw16 chunk's columns [c0, c0 + 16), its 16 rows: a core matrix
+// holds one column's 8 rows, so ldmatrix.trans gives the row-major fragments (matrix m: column
+// group c0 / 8 + m / 2, row half m % 2).
+static __device__ __forceinline__ void zc_afrag(uint32_t a[4], const unsigned char *chunk, int c0,
+                                                int lane) {
+    const int m = lane >> 3;
+    ldmatrix_x4_at<true>(a, chunk + (c0 / 8 + (m >> 1)) * 256 + (m & 1) * 128 + (lane & 7) * 16);
+}
+
 // One copy of W_hh serves both directions: stored row-major as 16-bit values (fp16 scaled as in
 // the forward, or bf16), rows (gate rows) and columns (units) both in storage order
 // (persist_rc_unit), pitch HP + 8 elements (16 bytes mod 128: conflict-free ldmatrix). The
@@ -1803,7 +1822,12 @@ struct persist_rc_geom {
 // routing; the recompute's cell.
 // DW: D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32: bf16, or (TF32 mode)
 // fp16 with exponent records.
-template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false>
+// ZF (TF32 mode, with DW): the forward wrote z's chunk parts and x's exponents (a.zc_ex). The
+// loop reads no z rows: each step's chunk comes by one bulk copy, a step ahead, and gives the
+// recompute's A fragments and each thread's hprev by ldmatrix.trans (the chunks' column order is
+// the loop's storage order); it writes D's parts and the records alone (NOTES v28). hprev is
+// then the fp16 value the recompute uses: the cell's (hprev - n) carries its 2^-12.
+template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
     using HM = typename Mode::hmode;
@@ -1829,6 +1853,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float *xinv = xstage + 16 * (HP / 2); // two steps' 16 row inverse scales
     float4 *xch = reinterpret_cast<float4 *>(at += Gm::XS_BYTES);
     float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
+    // ZF: step s's chunk (z's h and x parts) in slot s & 1, over the tiles it replaces.
+    static_assert(!ZF || (DW && XH), "z from the forward: TF32 mode's chunks");
+    constexpr int ZCB = 24 * 256; // the h and x parts: core-matrix groups 0..23
+    static_assert(!ZF || 2 * ZCB + 16 <= Gm::H_BYTES + Gm::X_BYTES + Gm::XS_BYTES, "slots");
+    unsigned char *zslot = reinterpret_cast<unsigned char *>(htile);
+    uint64_t *zbar = reinterpret_cast<uint64_t *>(zslot + 2 * ZCB);
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il, xks = CEIL_DIV(Il, XM::KSTEP);
@@ -1878,11 +1908,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         ld4<false>(bi[q], a.b_ih + q * H + u0, u0, H, true);
         ld4<false>(bh[q], a.b_hh + q * H + u0, u0, H, true);
     }
-    for (int e = threadIdx.x; e < 2 * 16 * XLD; e += blockDim.x)
-        XM::put(xtile + e, 0.0f); // the padding past I_l stays zero
-    if constexpr (XH)
-        for (int e = threadIdx.x; e < 16 * (HP / 2) + 32; e += blockDim.x)
-            xstage[e] = e < 16 * (HP / 2) ? 0.0f : 1.0f;
+    if constexpr (!ZF) {
+        for (int e = threadIdx.x; e < 2 * 16 * XLD; e += blockDim.x)
+            XM::put(xtile + e, 0.0f); // the padding past I_l stays zero
+        if constexpr (XH)
+            for (int e = threadIdx.x; e < 16 * (HP / 2) + 32; e += blockDim.x)
+                xstage[e] = e < 16 * (HP / 2) ? 0.0f : 1.0f;
+    }
 
     bool rv[2];
     size_t rbase[2], bidx[2];
@@ -1954,12 +1986,55 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             (void)s;
         }
     };
+    // ZF: step s's chunk into its slot (one thread issues the bulk copy; it is the slot's
+    // ((T - 1 - s) / 2)-th), the wait for it, and hprev from it (this thread's units of rows g,
+    // g + 8: the A fragments of the warp's 16 columns). zex, zexr: step t's x exponents (rows g,
+    // g + 8; warp 4's record: row lane % 16), nzex, nzexr step t - 1's.
+    int zex[2] = {0, 0}, zexr = 0, nzex[2] = {0, 0}, nzexr = 0;
+    auto zc_fetch = [&](int s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (threadIdx.x == 0) {
+            mbar_expect_tx(zbar + (s & 1), ZCB);
+            mbar_arrive(zbar + (s & 1));
+            bulk_g2s(zslot + (s & 1) * ZCB,
+                     static_cast<const unsigned char *>(a.zc) +
+                         ((size_t)blockIdx.x * T + s) * RNND_DW16_Z,
+                     ZCB, zbar + (s & 1));
+        }
+#else
+        (void)s;
+        __trap(); // never launched: ZF needs sm_90 (the launcher's cuda_has_wg)
+#endif
+    };
+    auto zc_wait = [&](int s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        mbar_wait(zbar + (s & 1), ((T - 1 - s) >> 1) & 1);
+#else
+        (void)s;
+#endif
+    };
+    auto zc_load_ex = [&](int s) {
+        const int16_t *e = a.zc_ex + ((size_t)blockIdx.x * T + s) * 16;
+        nzex[0] = e[g], nzex[1] = e[g + 8], nzexr = e[lane & 15];
+    };
+    auto zc_hprev = [&](int s) {
+        uint32_t f[4];
+        zc_afrag(f, zslot + (s & 1) * ZCB, 16 * w, lane);
+        const float hi = 1.0f / hscale;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&f[i]));
+            const float2 up = __half22float2(*reinterpret_cast<const __half2 *>(&f[2 + i]));
+            hp[i][0] = lo.x * hi, hp[i][1] = lo.y * hi, hp[i][2] = up.x * hi, hp[i][3] = up.y * hi;
+        }
+    };
     float acc[FNT][4], accx[FNT][4];
-    // h W_hh^T and x W_ih^T of the tiles' step, as the forward's (warp w: its 16 units of each
-    // gate; n-tile 2q + half).
+    // h W_hh^T and x W_ih^T of the tiles' step (ZF: of its chunk), as the forward's (warp w: its
+    // 16 units of each gate; n-tile 2q + half).
     auto gates_mma = [&](int s) {
         const HE *ht = htile + (s & 1) * (16 * HLD);
         const E *xt = xtile + (s & 1) * (16 * XLD);
+        const unsigned char *zs = zslot + (s & 1) * ZCB;
 #pragma unroll
         for (int nt = 0; nt < FNT; nt++) {
             zero4(acc[nt]);
@@ -1969,7 +2044,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < FKS; ks++) {
             uint32_t af[4];
-            ldmatrix_x4(af, ht, HLD, ks * 16, 8, lane);
+            if constexpr (ZF)
+                zc_afrag(af, zs, 16 * ks, lane);
+            else
+                ldmatrix_x4(af, ht, HLD, ks * 16, 8, lane);
 #pragma unroll
             for (int q = 0; q < G; q++) {
                 uint32_t b[4];
@@ -1979,13 +2057,23 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 HM::mma(acc[2 * q + 1], af, make_uint2(b[2], b[3]));
             }
         }
-        persist_xmma<XM, WLX, XKS>(accx, xt, XLD, wsmx, xks, NW, w, lane);
+        if constexpr (ZF)
+            persist_xmma_af<XM, WLX, XKS>(
+                accx, [&](uint32_t af[4], int ks) { zc_afrag(af, zs, HP + 16 * ks, lane); }, wsmx,
+                xks, NW, w, lane);
+        else
+            persist_xmma<XM, WLX, XKS>(accx, xt, XLD, wsmx, xks, NW, w, lane);
     };
     // The forward's cell on those sums: the step's gates r, z, n, hn.
     auto gates_cell = [&](int st) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const float xw = XH ? winv * xinv[(st & 1) * 16 + g + 8 * i] : winv;
+            // ZF: x = x' 2^ex (0 for a row of zeros, whose x' are zeros).
+            const float xw = ZF   ? winv * (nzex[i] <= RNND_DW16_EZERO
+                                                ? 0.0f
+                                                : __uint_as_float((uint32_t)(127 + nzex[i]) << 23))
+                             : XH ? winv * xinv[(st & 1) * 16 + g + 8 * i]
+                                  : winv;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float xq[G], hq[G], s[SW], hn, cn;
@@ -2006,22 +2094,39 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // Step T-1's gates before the loop.
     __syncthreads(); // the x tiles' zeros before their first values
     load_gy(T - 1);
-    load_z(T - 1);
-    put_z(T - 1);
+    if constexpr (ZF) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (threadIdx.x == 0) {
+            mbar_init(zbar, 1), mbar_init(zbar + 1, 1);
+            fence_mbar_init();
+        }
+#endif
+        __syncthreads(); // weights in place, the slots' mbarriers ready
+        zc_fetch(T - 1);
+        if (T > 1)
+            zc_fetch(T - 2);
+        zc_load_ex(T - 1);
+        zc_wait(T - 1);
+        zc_hprev(T - 1);
+    } else {
+        load_z(T - 1);
+        put_z(T - 1);
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            hp[i][j] = zh[i][j];
-    if (T > 1)
-        load_z(T - 2);
-    __syncthreads(); // weights and tiles in place
-    if constexpr (XH) {
-        convert_x(T - 1);
-        __syncthreads();
+            for (int j = 0; j < 4; j++)
+                hp[i][j] = zh[i][j];
+        if (T > 1)
+            load_z(T - 2);
+        __syncthreads(); // weights and tiles in place
+        if constexpr (XH) {
+            convert_x(T - 1);
+            __syncthreads();
+        }
     }
     gates_mma(T - 1);
     gates_cell(T - 1);
+    zex[0] = nzex[0], zex[1] = nzex[1], zexr = nzexr;
     persist_clock<V> clk;
 
     for (int t = T - 1; t >= 0; t--) {
@@ -2060,9 +2165,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     const float *const pl[4] = {dv[0], dv[1], dv[2], dv[3]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
-                dw16_put_dh<XH>(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane,
-                                rv[i], [&](int p) -> const float * { return dv[p]; }, hp[i], ds,
-                                XH ? hscale : 1.0f);
+                dw16_put_dh<XH, !ZF>(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i,
+                                     lane, rv[i], [&](int p) -> const float * { return dv[p]; },
+                                     hp[i], ds, XH ? hscale : 1.0f);
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
@@ -2070,7 +2175,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p], u0, H, rv[i]);
             }
         }
-        if constexpr (DW) {
+        if constexpr (ZF)
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
+                        ed, zex, -pow2_log(hscale), zexr);
+        if constexpr (DW && !ZF) {
             // z's x part (columns 128..191: the x tile of step t, zero past I_l and B) by warps
             // 0-3, two 8-column groups each, with ldmatrix.trans: lane l gets rows 2(l%4),
             // 2(l%4)+1 of column l/4 of each 8 x 8 matrix, as dw16_put stores them; warp 4 the
@@ -2115,7 +2223,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         clk.mark(0);
         int rst[2] = {reset[0], reset[1]};
-        if (t > 0) {
+        if (t > 0 && ZF) {
+            load_gy(t - 1);
+            zc_load_ex(t - 1);
+        } else if (t > 0) {
             put_z(t - 1); // step t-1's hprev and x
 #pragma unroll
             for (int i = 0; i < 2; i++)
@@ -2129,8 +2240,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         __syncthreads();
         clk.mark(1);
 
-        if (t > 0)
+        if constexpr (ZF) {
+            if (t > 1) // into step t's slot, whose reads (the iteration before) are done
+                zc_fetch(t - 2);
+        } else if (t > 0) {
             convert_x(t - 1);
+        }
         // Row scales, then the 16-bit tile (units in storage order).
         float rsc[2] = {1.0f, 1.0f};
         if constexpr (HM::SCALED) {
@@ -2156,8 +2271,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(2);
 
         // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap).
-        if (t > 0)
+        if (t > 0) {
+            if constexpr (ZF)
+                zc_wait(t - 1);
             gates_mma(t - 1);
+            if constexpr (ZF)
+                zc_hprev(t - 1); // the cell of step t - 1 (hp of step t is used)
+        }
         // dL/dh of the state entering step t: this warp's K half for the pair's 4 n-tiles
         // (n-tile 2j + half: units of warp 2 pair + j), the partner's half of its 2 added.
         float bacc[2][4][4];
@@ -2237,6 +2357,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(4);
         if (t > 0)
             gates_cell(t - 1);
+        zex[0] = nzex[0], zex[1] = nzex[1], zexr = nzexr;
         if constexpr ((V & 8) != 0) {
             persist_wait_for(sv[0][0][0] + sv[SW - 1][1][3], a.dbg);
             clk.mark(5);
@@ -2260,16 +2381,21 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         return RNND_EINVAL;
     auto kernel = a.vec ? seq_backward_rc_kernel<Mode, HP, true, XH>
                         : seq_backward_rc_kernel<Mode, HP, false, XH>;
-    if (a.dw16) { // vector access (seq.cu asks for nothing else); TF32 mode with the records
+    if (a.dw16) { // vector access or (ZF) any; TF32 mode with the records
         if constexpr (HP != 128)
             return RNND_EINVAL;
-        else if (!a.vec || a.H != HP || (a.dw16_exp != nullptr) != XH)
+        else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != XH ||
+                 (a.zc_ex && (!XH || !a.zc)))
             return RNND_EINVAL;
+        else if constexpr (XH) // z from the forward: any gradients' alignment
+            kernel = !a.zc_ex ? seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>
+                     : a.vec  ? seq_backward_rc_kernel<Mode, HP, true, XH, 0, true, true>
+                              : seq_backward_rc_kernel<Mode, HP, false, XH, 0, true, true>;
         else
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>;
     }
-    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
-        if (a.vec && (a.variant & 8))
+    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access, z rows)
+        if (a.vec && (a.variant & 8) && !a.zc_ex)
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
     long smem = persist_rc_smem<Mode, HP>();
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -64,6 +64,7 @@ struct persist_bwd_args {
     int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
     const int16_t *zc_ex;        // or NULL: the forward wrote z's chunk parts (persist_fwd_args
                                  // zc), the loop writes D's alone and takes x's exponents here
+    const void *zc;              // those chunk parts (the GRU's recompute takes h and x there)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)

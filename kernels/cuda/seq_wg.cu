@@ -629,7 +629,7 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
     const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (a->zc && (a->z || !a->zc_ex || a->H != WG_HP || !LSTM)) ||
+        (a->zc && (a->z || !a->zc_ex || a->H != WG_HP)) ||
         (LSTM ? !tape != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
         return RNND_ENOTSUP;
     const bool hid = a->hidden != nullptr;

@@ -64,7 +64,7 @@ static __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *b) {
                  : "memory");
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Raises the bytes b's current phase waits for (asynchronous copies complete them).
 static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)),
@@ -113,7 +113,10 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tma
                  "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(bar)
                  : "memory");
 }
+#endif
 
+// The warpgroup MMAs' fence, commit and wait (sm_90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 static __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }

@@ -514,18 +514,20 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
     seq_host_free(&h);
 }
 
-// Case sc run as it is and with variant bit `bit` set: forwards (with and without a tape), final
-// states and gradients bitwise equal (tag names the two).
-static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case *sc, int bit,
-                                 const char *tag) {
+// Case sc run with variant bits va and with vb (both added to the base variant): forwards (with
+// and without a tape), final states and gradients bitwise equal (tag names the two).
+static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case *sc, int va,
+                                 int vb, const char *tag) {
     const struct seq_sizes z = seq_sizes_of(sc);
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     struct seq_out oa, ob;
     seq_out_alloc(&oa, &z);
     seq_out_alloc(&ob, &z);
-    int err = run_seq(gpu, sc, &h, &oa, true);
-    int err2 = rnnd_cuda_set_variant(gpu, base_variant | bit);
+    int err = rnnd_cuda_set_variant(gpu, base_variant | va);
+    if (!err)
+        err = run_seq(gpu, sc, &h, &oa, true);
+    int err2 = rnnd_cuda_set_variant(gpu, base_variant | vb);
     if (!err2)
         err2 = run_seq(gpu, sc, &h, &ob, true);
     rnnd_cuda_set_variant(gpu, base_variant);
@@ -549,9 +551,11 @@ static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case
 
 // The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop
 // (variant bit 4096) sum the same products in the same order, so forwards (with and without a
-// tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP.
+// tape) and gradients are bitwise equal. Where seq_wg.cu does not run, both are KP. Both keep z
+// rows in the tape (bit 32768): from the wgmma loop's chunk parts the backward takes an fp16
+// hprev (test_zfwd).
 static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
-    test_bitwise_variant(gpu, sc, 4096, "gru fp32 wgmma loop against KP");
+    test_bitwise_variant(gpu, sc, 32768, 32768 | 4096, "gru fp32 wgmma loop against KP");
 }
 
 // The bf16 GRU's and LSTM's layer-0 gradients from seq_dw.cu's products on the loops' dw16
@@ -592,15 +596,21 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     seq_host_free(&h);
 }
 
-// The TF32 LSTM's layer 0 at H = 128 on sm_90: its wgmma forward writes z's dw16 chunk parts
-// into the tape in place of the z rows, and the backward loop reads no z rows (NOTES v27). The
-// chunks hold the same bits either way, so forwards and gradients are bitwise equal to the loop
-// that writes them itself (variant bit 32768). Then with outputs and gradients off 16-byte
-// alignment, which the backward cannot see from the forward's side: the forward stages its
-// outputs, the backward's loop reads the gradients a float at a time (test_dw16's checks).
+// Layer 0 at H = 128 in TF32 mode on sm_90: the wgmma forward writes z's dw16 chunk parts into
+// the tape in place of the z rows, and the backward loop reads no z rows (NOTES v27, v28). The
+// LSTM's chunks hold the same bits either way, so its forwards and gradients are bitwise equal to
+// the loop that writes them itself (variant bit 32768). The GRU's recompute takes its h and x
+// from the chunks too, and its cell the fp16 hprev there: test_dw16's checks against the CPU
+// reference. Then with outputs and gradients off 16-byte alignment, which the backward cannot
+// see from the forward's side: the forward stages its outputs, the backward's loop reads the
+// gradients a float at a time (test_dw16's checks).
 static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                       const struct seq_case *sc) {
-    test_bitwise_variant(gpu, sc, 32768, "lstm fp32 z chunks from the forward against the loop's");
+    if (sc->cell == RNND_CELL_LSTM)
+        test_bitwise_variant(gpu, sc, 0, 32768,
+                             "lstm fp32 z chunks from the forward against the loop's");
+    else
+        test_dw16(gpu, cpu, sc);
     misalign = true;
     test_dw16(gpu, cpu, sc);
     misalign = false;
@@ -1155,6 +1165,9 @@ int main(int argc, char **argv) {
         {LSTM, F32, 64, 128, 1, 300, 20, 0.1, STATE_H0, AUTO},
         {LSTM, F32, 40, 128, 2, 37, 9, 0.2, STATE_HIDDEN, AUTO},
         {LSTM, F32, 64, 128, 1, 1, 1, 0.0, STATE_NONE, AUTO}, // the tape's z space is the chunks'
+        {GRU, F32, 64, 128, 1, 300, 20, 0.1, STATE_H0, AUTO},
+        {GRU, F32, 40, 128, 2, 37, 9, 0.2, STATE_HIDDEN, AUTO},
+        {GRU, F32, 64, 128, 1, 1, 1, 0.0, STATE_NONE, AUTO},
     };
     for (int i = 0; !quick && i < (int)(sizeof(zfwd_cases) / sizeof(zfwd_cases[0])); i++)
         test_zfwd(&gpu, &cpu, &zfwd_cases[i]);

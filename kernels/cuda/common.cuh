@@ -135,8 +135,8 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //   z (ldz floats a row): [ hprev (H) | 1 | pad | x_l (I_l) | pad ]
 //        hprev is the state entering the step (after the reset rule), x_l the layer's input.
 //        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
-//        Layer 0 of the TF32 LSTM at H = 128 on compute 9.0 (seq.cu's seq_zfwd) holds z's dw16
-//        chunk parts and x exponents in that space instead (seq_persist.h, NOTES v27).
+//        Layer 0 in TF32 mode at H = 128 on compute 9.0 (seq.cu's seq_zfwd) holds z's dw16 chunk
+//        parts and x exponents in that space instead (seq_persist.h, NOTES v27, v28).
 //   s (tape_rec::floats a row): GRU [r, z, n, hn] (4H fp32), hn = W_hn h + b_hn;
 //        LSTM [a_i, a_f, a_g, a_o | cprev]: the gates' pre-activations (4H; fp16 where the
 //        backward runs in the persistent or cluster loops, else fp32: seq.cu's tape_half) and

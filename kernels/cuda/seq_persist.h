@@ -33,9 +33,10 @@ struct persist_fwd_args {
     int ldx;                     // or xcopy (then Il <= HP/2), else NULL
     bool xvec;                   // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;                  // copy x into z at xoff
-    // Or, instead of z (the LSTM's wgmma forward, layer 0, TF32 mode; NOTES v27): z's parts of
-    // the dw16 chunks (seq_persist.h's layout, chunk c at zc + c RNND_DW16_Z) and each chunk's
-    // 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would have written them.
+    // Or, instead of z (the wgmma forwards, layer 0, TF32 mode, H = 128; NOTES v27, v28): z's
+    // parts of the dw16 chunks (seq_persist.h's layout, chunk c at zc + c RNND_DW16_Z) and each
+    // chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would have
+    // written them.
     void *zc;
     int16_t *zc_ex;
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)

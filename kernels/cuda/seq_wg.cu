@@ -3,8 +3,9 @@
  * (wgmma, sm_90a only: this file is built for that target alone and the host asks for it only on
  * a compute-capability 9.0 device). Same arguments and outputs as the persistent forwards they
  * replace there (seq_persist.cuh's loops), fused input projection only; with a tape the GRU
- * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape,
- * and at H = 128 z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, NOTES v27).
+ * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape;
+ * at H = 128 both write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc,
+ * NOTES v27, v28).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -141,8 +142,8 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
 }
 
 // z's parts of a dw16 chunk (seq_persist.h) from the forward (persist_fwd_args zc): what the
-// LSTM's backward loop would write from the z rows, bitwise, without the z rows' 784 bytes a row
-// and step in fp32 going to memory and back (NOTES v27).
+// backward loops would write from the z rows, bitwise, without the z rows' 784 bytes a row and
+// step in fp32 going to memory and back (NOTES v27, v28).
 // h: the state entering the step, rows 8j + 2tg (h0) and + 1 (h1) of units u0, u0 + 1, scaled by
 // the h scale; a unit's column in its group of 16 is the loop's movmatrix order (the inverse of
 // dw16_unit in seq_dw.cu); rows past B are zeros, as the backward's.

@@ -1859,6 +1859,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     static_assert(!ZF || 2 * ZCB + 16 <= Gm::H_BYTES + Gm::X_BYTES + Gm::XS_BYTES, "slots");
     unsigned char *zslot = reinterpret_cast<unsigned char *>(htile);
     uint64_t *zbar = reinterpret_cast<uint64_t *>(zslot + 2 * ZCB);
+    (void)zbar; // sm_90 code only
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il, xks = CEIL_DIV(Il, XM::KSTEP);

@@ -158,7 +158,7 @@ struct seq_layout {
     size_t tape_floats;
 };
 
-// c: the device, whose LSTM may keep layer 0's z as dw16 chunk parts (seq.cu, seq_zfwd).
+// c: the device, whose layer 0 may keep z as dw16 chunk parts (seq.cu, seq_zfwd).
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
                            struct seq_layout *lay);
 

@@ -186,6 +186,8 @@ struct seq_host {
 
 struct seq_out {
     float *out, *hn, *cn, *gp, *gx, *gh0, *gc0, *ghid, *gcell, *out_notape;
+    unsigned char tape0[8192]; // the tape's first bytes (layer 0's z space) after the forward
+    size_t ntape0;
 };
 
 // Element counts of case sc: parameters, x and out (B, T, I or H), a state (B, L, H), a
@@ -271,10 +273,16 @@ static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const str
     float *out = dev_poison(&b, nout, poison), *out2 = dev_poison(&b, nout, poison);
     float *hn = dev_poison(&b, blh, poison);
     float *cn = lstm ? dev_poison(&b, blh, poison) : NULL;
-    void *tape = dev(&b, NULL, ops->tape_bytes(be->ctx, &m, sc->B, sc->T));
-    int err = ops->rnn_forward(be->ctx, out2, NULL, NULL, NULL, &seq, params, &m);
+    const size_t ntape = ops->tape_bytes(be->ctx, &m, sc->B, sc->T);
+    void *tape = dev(&b, NULL, ntape);
+    int err = ops->zero(be->ctx, tape, ntape); // bytes the forward leaves compare equal
+    if (!err)
+        err = ops->rnn_forward(be->ctx, out2, NULL, NULL, NULL, &seq, params, &m);
     if (!err)
         err = ops->rnn_forward(be->ctx, out, hn, cn, tape, &seq, params, &m);
+    o->ntape0 = ntape < sizeof(o->tape0) ? ntape : sizeof(o->tape0);
+    if (!err)
+        err = ops->copy_out(be->ctx, o->tape0, tape, o->ntape0);
     if (err) {
         bufs_free(&b);
         return err;
@@ -606,6 +614,35 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 // gradients a float at a time (test_dw16's checks).
 static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                       const struct seq_case *sc) {
+    // The format itself: on sm_90 layer 0's z space holds other bytes than with bit 32768 (a
+    // test of the two paths that ran one would pass vacuously), elsewhere, or with a bit that
+    // turns the chunk parts off (wgmma, fused x, products), the same ones.
+    const struct seq_sizes z = seq_sizes_of(sc);
+    struct seq_host h;
+    seq_host_init(&h, sc, 0.0f, 0.8f);
+    struct seq_out oa, ob;
+    seq_out_alloc(&oa, &z);
+    seq_out_alloc(&ob, &z);
+    int err = run_seq(gpu, sc, &h, &oa, true);
+    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 32768);
+    if (!err2)
+        err2 = run_seq(gpu, sc, &h, &ob, true);
+    rnnd_cuda_set_variant(gpu, base_variant);
+    const bool differ = oa.ntape0 != ob.ntape0 || memcmp(oa.tape0, ob.tape0, oa.ntape0) != 0;
+    checks++;
+    const bool expect = sm90 && !(base_variant & (4096 | 32 | 16384 | 32768));
+    if (err || err2 || differ != expect) {
+        printf("  FAIL %s %s: tape formats %s (%s, %s)\n",
+               sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", "fp32 z chunks from the forward",
+               differ ? "differ" : "equal", rnnd_err_name(err), rnnd_err_name(err2));
+        failures++;
+    } else {
+        printf("  ok   %s fp32 z chunks from the forward: tape formats %s\n",
+               sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", differ ? "differ" : "equal");
+    }
+    seq_out_free(&oa);
+    seq_out_free(&ob);
+    seq_host_free(&h);
     if (sc->cell == RNND_CELL_LSTM)
         test_bitwise_variant(gpu, sc, 0, 32768,
                              "lstm fp32 z chunks from the forward against the loop's");

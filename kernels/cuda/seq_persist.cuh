@@ -1367,14 +1367,6 @@ static __device__ __forceinline__ void dw16_record(int16_t *rec, int w, int lane
     if (w == 4)
         rec[128 + lane] = (int16_t)(lane < 16 ? eh : exr);
 }
-// The ZF loops (z's chunk parts from the forward): chunk c's x exponents of rows g, g + 8 (ex)
-// and of row lane % 16 (exr, warp 4's record) from the forward's zc_ex (rows past B: a row of
-// zeros' RNND_DW16_EZERO).
-static __device__ __forceinline__ void dw16_zc_ex(const int16_t *zc_ex, size_t c, int g, int lane,
-                                                  int ex[2], int &exr) {
-    const int16_t *e = zc_ex + c * 16;
-    ex[0] = e[g], ex[1] = e[g + 8], exr = e[lane & 15];
-}
 // TF32 mode: D's group scale of one row half (this thread's 4 units of the 4 planes, the row's
 // 4 lanes together; zero for a row past B) and its exponent ed.
 static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bool live, int &ed) {
@@ -1482,8 +1474,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // DW: x columns 16w + 2tg, +1, +8, +9 (warps 0-3), so that dw16_put leaves them in order.
     const int xc = 16 * w + 2 * tg;
     auto load_step = [&](int t) {
-        if constexpr (ZF)
-            dw16_zc_ex(a.zc_ex, (size_t)blockIdx.x * T + t, g, lane, zex, zexr);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             size_t r = rbase[i] + t;
@@ -1495,10 +1485,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     TR::template ld4<VEC>(sv[p][i], a.s + r * TR::floats(H), p, u0, H, rv[i]);
             }
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
-            if (LSTM && !DW)
+            if constexpr (ZF) {
+                zex[i] = rv[i] ? a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + g + 8 * i]
+                               : RNND_DW16_EZERO;
+                if (i == 0)
+                    zexr = a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + (lane & 15)];
+            } else if (LSTM && !DW) {
                 zero4(hp[i]);
-            else if (!ZF)
+            } else {
                 ld4<VEC>(hp[i], a.z + r * a.ldz + u0, u0, H, rv[i]);
+            }
             if constexpr (DW && !ZF) {
                 const float *x = a.z + r * a.ldz + a.xoff;
 #pragma unroll
@@ -2018,6 +2014,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         (void)s;
 #endif
     };
+    auto zc_load_ex = [&](int s) {
+        const int16_t *e = a.zc_ex + ((size_t)blockIdx.x * T + s) * 16;
+        nzex[0] = e[g], nzex[1] = e[g + 8], nzexr = e[lane & 15];
+    };
     auto zc_hprev = [&](int s) {
         uint32_t f[4];
         zc_afrag(f, zslot + (s & 1) * ZCB, 16 * w, lane);
@@ -2106,7 +2106,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         zc_fetch(T - 1);
         if (T > 1)
             zc_fetch(T - 2);
-        dw16_zc_ex(a.zc_ex, (size_t)blockIdx.x * T + T - 1, g, lane, nzex, nzexr);
+        zc_load_ex(T - 1);
         zc_wait(T - 1);
         zc_hprev(T - 1);
     } else {
@@ -2226,7 +2226,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         int rst[2] = {reset[0], reset[1]};
         if (t > 0 && ZF) {
             load_gy(t - 1);
-            dw16_zc_ex(a.zc_ex, (size_t)blockIdx.x * T + t - 1, g, lane, nzex, nzexr);
+            zc_load_ex(t - 1);
         } else if (t > 0) {
             put_z(t - 1); // step t-1's hprev and x
 #pragma unroll

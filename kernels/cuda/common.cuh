@@ -137,10 +137,11 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
 //        Layer 0 in TF32 mode at H = 128 on compute 9.0 (seq.cu's seq_zfwd) holds z's dw16 chunk
 //        parts and x exponents in that space instead (seq_persist.h, NOTES v27, v28).
-//   s (tape_rec::floats a row): GRU [r, z, n, hn] (4H fp32), hn = W_hn h + b_hn;
-//        LSTM [a_i, a_f, a_g, a_o | cprev]: the gates' pre-activations (4H; fp16 where the
-//        backward runs in the persistent or cluster loops, else fp32: seq.cu's tape_half) and
-//        the cell state entering the step (H fp32). The layout holds fp32 rows.
+//   s (tape_rec::floats a row): GRU [a_r, a_z, a_n, hn], the gates' pre-activations and
+//        hn = W_hn h + b_hn; LSTM [a_i, a_f, a_g, a_o | cprev], the gates' pre-activations and
+//        the cell state entering the step (H fp32). The 4H pre-activation planes (and hn) are
+//        fp16 where the backward runs in the persistent or cluster loops, else fp32 (seq.cu's
+//        tape_half). The layout holds fp32 rows.
 // The top layer's output goes to `out`; layer l < L-1 writes its output straight into z of
 // layer l+1 (the x_l part), which is what that layer reads as input.
 

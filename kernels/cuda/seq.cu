@@ -194,15 +194,16 @@ static int seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m,
     return rows > 0 && CEIL_DIV(B, rows) <= active ? rows : 0;
 }
 
-// An LSTM tape of B rows holds its gate planes in fp16 (common.cuh, tape_rec; cell_lstm says why
-// pre-activations) where its backward runs in the persistent or the cluster loops, which take
-// nothing else: 12 bytes an element instead of 20 each way (NOTES v20). Per step, fp32: that
-// path's TF32 GEMMs leave no room under the 1e-3 bound for one more rounding (an H = 256, B = 33
-// case measured 9.6e-4 with fp32 and 1.0e-3 with fp16 planes). Forward and backward of one tape
-// agree: this depends on the context, the model and B only.
+// A tape of B rows holds its gate planes in fp16 (common.cuh, tape_rec; cell_lstm says why
+// pre-activations) where its backward runs in the persistent loops or (LSTM) the cluster loops,
+// which take nothing else: the LSTM's 12 bytes an element instead of 20 each way (NOTES v20),
+// the GRU's 8 instead of 16 (v29). Per step, fp32: that path's TF32 GEMMs leave no room under
+// the 1e-3 bound for one more rounding (an LSTM H = 256, B = 33 case measured 9.6e-4 with fp32
+// and 1.0e-3 with fp16 planes). Forward and backward of one tape agree: this depends on the
+// context, the model and B only.
 static bool tape_half(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
-    return m->cell == RNND_CELL_LSTM &&
-           (rnnd__cuda_seq_persistent(c, m) || seq_cluster_bwd(c, m, B) > 0);
+    return rnnd__cuda_seq_persistent(c, m) ||
+           (m->cell == RNND_CELL_LSTM && seq_cluster_bwd(c, m, B) > 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -554,7 +555,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.y = y, a.ldy = ldy;
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
-            a.s = tape && !seq_recompute(c, m, l) ? s : nullptr, a.shalf = shalf;
+            // The GRU's gates come from the tape where z's chunk parts do (NOTES v29).
+            a.s = tape && (!seq_recompute(c, m, l) || zc) ? s : nullptr, a.shalf = shalf;
             a.h_n = h_n, a.c_n = c_n;
             a.x = xks[l] || xcopy ? x : nullptr, a.ldx = ldx;
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
@@ -838,7 +840,7 @@ static int persist_dispatch(const struct rnnd_model *m, bool backward, const voi
 
 int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_args *a,
                           cudaStream_t stream) {
-    if (m->cell == RNND_CELL_LSTM && a->s && !a->shalf)
+    if (a->s && !a->shalf)
         return RNND_EINVAL;
 #ifdef RNND_HAVE_WG
     if (a->wg && m->compute != RNND_COMPUTE_BF16 && m->H > 96) {
@@ -857,7 +859,7 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
 
 int rnnd__persist_backward(const struct rnnd_model *m, const struct persist_bwd_args *a,
                            cudaStream_t stream) {
-    if (m->cell == RNND_CELL_LSTM && !a->shalf)
+    if (!a->shalf)
         return RNND_EINVAL;
     return persist_dispatch(m, true, a, stream);
 }

@@ -268,29 +268,35 @@ struct mode_bf16 {
 
 struct cell_gru {
     static constexpr int G = 3;
-    static constexpr int SW = 4; // r, z, n, hn
-    static constexpr int SH = 0; // planes held in fp16 (tape_rec)
-    // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q.
-    template <bool FAST>
+    static constexpr int SW = 4; // a_r, a_z, a_n (pre-activations), hn = W_hn h + b_hn
+    static constexpr int SH = 4; // planes held in fp16 (tape_rec)
+    // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q. The record holds
+    // pre-activations for cell_lstm's reason (a rounded z near 1 loses 1 - z, and dL/dh's product
+    // over steps with it); ACT: s holds the gates r, z, n and hn instead, for a loop that uses
+    // them at once (the recomputing backward).
+    template <bool FAST, bool ACT = false>
     static __device__ __forceinline__ void forward(const float xq[3], const float hq[3], float h,
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
         (void)c;
-        float r = act_sigmoid<FAST>(xq[0] + hq[0]), z = act_sigmoid<FAST>(xq[1] + hq[1]);
-        float n = act_tanh<FAST>(xq[2] + r * hq[2]);
+        const float ar = xq[0] + hq[0], az = xq[1] + hq[1];
+        const float r = act_sigmoid<FAST>(ar), z = act_sigmoid<FAST>(az);
+        const float an = xq[2] + r * hq[2], n = act_tanh<FAST>(an);
         h_new = (1.0f - z) * n + z * h;
         c_new = 0.0f;
-        s[0] = r, s[1] = z, s[2] = n, s[3] = hq[2];
+        s[0] = ACT ? r : ar, s[1] = ACT ? z : az, s[2] = ACT ? n : an, s[3] = hq[2];
     }
     // dh' = dy + dh_carry. Out: d[4] (D row planes: da_r, da_z, da_n r, da_n: the hidden side's
     // three first, so they equal the tile and are contiguous), tile[3] (the gradient of
     // W_hh h + b_hh: da_r, da_z, da_n r), the direct dL/dh term and dL/dc (unused).
-    template <bool FAST>
+    template <bool FAST, bool ACT = false>
     static __device__ __forceinline__ void backward(const float s[SW], float hprev, float dhj,
                                                     float dc_in, float d[4], float tile[3],
                                                     float &dh_direct, float &dc_prev) {
         (void)dc_in;
-        float r = s[0], z = s[1], n = s[2], hn = s[3];
+        const float r = ACT ? s[0] : act_sigmoid<FAST>(s[0]);
+        const float z = ACT ? s[1] : act_sigmoid<FAST>(s[1]);
+        const float n = ACT ? s[2] : act_tanh<FAST>(s[2]), hn = s[3];
         float da_n = dhj * (1.0f - z) * (1.0f - n * n);
         float da_z = dhj * (hprev - n) * z * (1.0f - z);
         float da_r = da_n * hn * r * (1.0f - r);
@@ -1822,11 +1828,13 @@ struct persist_rc_geom {
 // routing; the recompute's cell.
 // DW: D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32: bf16, or (TF32 mode)
 // fp16 with exponent records.
-// ZF (TF32 mode, with DW): the forward wrote z's chunk parts and x's exponents (a.zc_ex). The
-// loop reads no z rows: each step's chunk comes by one bulk copy, a step ahead, and gives the
-// recompute's A fragments and each thread's hprev by ldmatrix.trans (the chunks' column order is
-// the loop's storage order); it writes D's parts and the records alone (NOTES v28). hprev is
-// then the fp16 value the recompute uses: the cell's (hprev - n) carries its 2^-12.
+// ZF (TF32 mode, with DW): the forward wrote z's chunk parts, x's exponents (a.zc_ex) and the
+// tape's fp16 planes (a.s: the gates' pre-activations and hn), so the loop recomputes nothing
+// (NOTES v29): each step's chunk h part and its rows' planes come by bulk copies into one of two
+// slots (over W_ih's space), a step ahead; ldmatrix.trans of the h part gives each thread's
+// hprev (the chunks' column order is the loop's storage order: NOTES v28), in fp16, so the
+// cell's (hprev - n) carries its 2^-12. Without the recompute's MMAs the registers hold the
+// warp's W_hh fragments for dh. It writes D's parts and the records alone.
 template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {
@@ -1853,12 +1861,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float *xinv = xstage + 16 * (HP / 2); // two steps' 16 row inverse scales
     float4 *xch = reinterpret_cast<float4 *>(at += Gm::XS_BYTES);
     float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
-    // ZF: step s's chunk (z's h and x parts) in slot s & 1, over the tiles it replaces.
+    // ZF: step s's chunk h part (core-matrix groups 0..15) and its 16 rows' planes (a row
+    // ZPL bytes apart: conflict-free 8-byte reads of 8 rows) in slot s & 1, over W_ih's space.
     static_assert(!ZF || (DW && XH), "z from the forward: TF32 mode's chunks");
-    constexpr int ZCB = 24 * 256; // the h and x parts: core-matrix groups 0..23
-    static_assert(!ZF || 2 * ZCB + 16 <= Gm::H_BYTES + Gm::X_BYTES + Gm::XS_BYTES, "slots");
-    unsigned char *zslot = reinterpret_cast<unsigned char *>(htile);
-    uint64_t *zbar = reinterpret_cast<uint64_t *>(zslot + 2 * ZCB);
+    using TR = tape_rec<Cell, true>;
+    constexpr int ZCB = 16 * 256, ZPR = Cell::SW * HP * 2, ZPL = ZPR + 32, ZSL = ZCB + 16 * ZPL;
+    static_assert(!ZF || 2 * ZSL + 16 <= Gm::WX_BYTES, "slots");
+    unsigned char *zslot = wsmx;
+    uint64_t *zbar = reinterpret_cast<uint64_t *>(zslot + 2 * ZSL);
     (void)zbar; // sm_90 code only
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
@@ -1889,7 +1899,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         *reinterpret_cast<uint32_t *>(wsm + (size_t)pr * WLD + pc) = HM::pack2(lo, hi);
     }
-    for (int ks = 0; ks < xks; ks++) {
+    for (int ks = 0; ks < (ZF ? 0 : xks); ks++) {
         uint32_t o[Gm::F_XWPL];
 #pragma unroll
         for (int nt = 0; nt < FNT; nt++) {
@@ -1909,7 +1919,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         ld4<false>(bi[q], a.b_ih + q * H + u0, u0, H, true);
         ld4<false>(bh[q], a.b_hh + q * H + u0, u0, H, true);
     }
-    if constexpr (!ZF) {
+    const int nrows = a.B - (int)blockIdx.x * 16 < 16 ? a.B - (int)blockIdx.x * 16 : 16;
+    if constexpr (ZF) { // the planes of rows past B (never copied) stay zero
+        for (int e = threadIdx.x; e < 2 * 16 * ZPL / 4; e += blockDim.x) {
+            const int sl = e / (16 * ZPL / 4), row = e / (ZPL / 4) % 16;
+            if (row >= nrows)
+                reinterpret_cast<uint32_t *>(zslot + sl * ZSL + ZCB)[e - sl * (16 * ZPL / 4)] = 0u;
+        }
+    } else {
         for (int e = threadIdx.x; e < 2 * 16 * XLD; e += blockDim.x)
             XM::put(xtile + e, 0.0f); // the padding past I_l stays zero
         if constexpr (XH)
@@ -1994,14 +2011,22 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     int zex[2] = {0, 0}, zexr = 0, nzex[2] = {0, 0}, nzexr = 0;
     auto zc_fetch = [&](int s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        unsigned char *sl = zslot + (s & 1) * ZSL;
         if (threadIdx.x == 0) {
-            mbar_expect_tx(zbar + (s & 1), ZCB);
+            mbar_expect_tx(zbar + (s & 1), ZCB + nrows * ZPR);
             mbar_arrive(zbar + (s & 1));
-            bulk_g2s(zslot + (s & 1) * ZCB,
+            bulk_g2s(sl,
                      static_cast<const unsigned char *>(a.zc) +
                          ((size_t)blockIdx.x * T + s) * RNND_DW16_Z,
                      ZCB, zbar + (s & 1));
         }
+        // Row 2w + lane's planes: two copies a warp (the 16 from warp 0 held it ~900 cycles,
+        // and every warp with it at the next barrier).
+        const int row = 2 * w + lane;
+        if (lane < 2 && row < nrows)
+            bulk_g2s(sl + ZCB + row * ZPL,
+                     a.s + ((size_t)(blockIdx.x * 16 + row) * T + s) * TR::floats(HP), ZPR,
+                     zbar + (s & 1));
 #else
         (void)s;
         __trap(); // never launched: ZF needs sm_90 (the launcher's cuda_has_wg)
@@ -2020,7 +2045,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     };
     auto zc_hprev = [&](int s) {
         uint32_t f[4];
-        zc_afrag(f, zslot + (s & 1) * ZCB, 16 * w, lane);
+        zc_afrag(f, zslot + (s & 1) * ZSL, 16 * w, lane);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&f[i]));
@@ -2029,13 +2054,30 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             hp[i][2] = up.x * hsinv, hp[i][3] = up.y * hsinv;
         }
     };
+    // ZF: step s's gates from its planes in the slot (rows g, g + 8, units u0..u0+3).
+    auto zc_cell = [&](int s) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const unsigned char *row = zslot + (s & 1) * ZSL + ZCB + (g + 8 * i) * ZPL;
+            float v[SW][4];
+#pragma unroll
+            for (int p = 0; p < SW; p++)
+                TR::unpack4(v[p], *reinterpret_cast<const uint2 *>(row + (p * HP + u0) * 2));
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                sv[0][i][j] = act_sigmoid<true>(v[0][j]);
+                sv[1][i][j] = act_sigmoid<true>(v[1][j]);
+                sv[2][i][j] = act_tanh<true>(v[2][j]);
+                sv[3][i][j] = v[3][j];
+            }
+        }
+    };
     float acc[FNT][4], accx[FNT][4];
-    // h W_hh^T and x W_ih^T of the tiles' step (ZF: of its chunk), as the forward's (warp w: its
-    // 16 units of each gate; n-tile 2q + half).
+    // h W_hh^T and x W_ih^T of the tiles' step, as the forward's (warp w: its 16 units of each
+    // gate; n-tile 2q + half).
     auto gates_mma = [&](int s) {
         const HE *ht = htile + (s & 1) * (16 * HLD);
         const E *xt = xtile + (s & 1) * (16 * XLD);
-        const unsigned char *zs = zslot + (s & 1) * ZCB;
 #pragma unroll
         for (int nt = 0; nt < FNT; nt++) {
             zero4(acc[nt]);
@@ -2045,10 +2087,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < FKS; ks++) {
             uint32_t af[4];
-            if constexpr (ZF)
-                zc_afrag(af, zs, 16 * ks, lane);
-            else
-                ldmatrix_x4(af, ht, HLD, ks * 16, 8, lane);
+            ldmatrix_x4(af, ht, HLD, ks * 16, 8, lane);
 #pragma unroll
             for (int q = 0; q < G; q++) {
                 uint32_t b[4];
@@ -2058,23 +2097,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 HM::mma(acc[2 * q + 1], af, make_uint2(b[2], b[3]));
             }
         }
-        if constexpr (ZF)
-            persist_xmma_af<XM, WLX, XKS>(
-                accx, [&](uint32_t af[4], int ks) { zc_afrag(af, zs, HP + 16 * ks, lane); }, wsmx,
-                xks, NW, w, lane);
-        else
-            persist_xmma<XM, WLX, XKS>(accx, xt, XLD, wsmx, xks, NW, w, lane);
+        persist_xmma<XM, WLX, XKS>(accx, xt, XLD, wsmx, xks, NW, w, lane);
     };
     // The forward's cell on those sums: the step's gates r, z, n, hn.
     auto gates_cell = [&](int st) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            // ZF: x = x' 2^ex (0 for a row of zeros, whose x' are zeros).
-            const float xw = ZF   ? winv * (nzex[i] <= RNND_DW16_EZERO
-                                                ? 0.0f
-                                                : __uint_as_float((uint32_t)(127 + nzex[i]) << 23))
-                             : XH ? winv * xinv[(st & 1) * 16 + g + 8 * i]
-                                  : winv;
+            const float xw = XH ? winv * xinv[(st & 1) * 16 + g + 8 * i] : winv;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float xq[G], hq[G], s[SW], hn, cn;
@@ -2084,7 +2113,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     xq[q] = accx[nt][e] * xw + bi[q][j];
                     hq[q] = acc[nt][e] * hinv + bh[q][j];
                 }
-                Cell::template forward<true>(xq, hq, 0.0f, 0.0f, hn, cn, s);
+                Cell::template forward<true, true>(xq, hq, 0.0f, 0.0f, hn, cn, s);
 #pragma unroll
                 for (int p = 0; p < SW; p++)
                     sv[p][i][j] = s[p];
@@ -2109,6 +2138,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         zc_load_ex(T - 1);
         zc_wait(T - 1);
         zc_hprev(T - 1);
+        zc_cell(T - 1);
     } else {
         load_z(T - 1);
         put_z(T - 1);
@@ -2124,10 +2154,25 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             convert_x(T - 1);
             __syncthreads();
         }
+        gates_mma(T - 1);
+        gates_cell(T - 1);
     }
-    gates_mma(T - 1);
-    gates_cell(T - 1);
     zex[0] = nzex[0], zex[1] = nzex[1], zexr = nzexr;
+    // dh's B fragments (W_hh rows kk 16.., the pair's columns) of the warp's first KR k-steps
+    // stay in registers where nothing is recomputed (ZF): all KSW of them.
+    constexpr int KR = ZF ? KSW : 0;
+    const int bm = lane >> 3, br = lane & 7;
+    auto dh_b = [&](uint32_t b[4], int ks, int j) {
+        const int kk = kh * KSW + ks;
+        ldmatrix_x4_at<true>(b, wsm + (size_t)(kk * 16 + 8 * (bm & 1) + br) * WLD +
+                                    16 * (2 * pair + j) + 8 * (bm >> 1));
+    };
+    uint32_t wreg[KR > 0 ? KR : 1][2][4];
+#pragma unroll
+    for (int ks = 0; ks < KR; ks++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            dh_b(wreg[ks][j], ks, j);
     persist_clock<V> clk;
 
     for (int t = T - 1; t >= 0; t--) {
@@ -2145,7 +2190,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                 for (int p = 0; p < SW; p++)
                     s[p] = sv[p][i][j];
-                Cell::template backward<true>(s, hp[i][j], gy[i][j] + dh[i][j], 0.0f, d, tl,
+                Cell::template backward<true, true>(s, hp[i][j], gy[i][j] + dh[i][j], 0.0f, d, tl,
                                               ddir[i][j], dcp);
                 bool live = rv[i] && u0 + j < H;
 #pragma unroll
@@ -2271,13 +2316,16 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         __syncthreads();
         clk.mark(2);
 
-        // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap).
+        // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap);
+        // ZF: its gates and hprev (sv and hp of step t are used).
         if (t > 0) {
-            if constexpr (ZF)
+            if constexpr (ZF) {
                 zc_wait(t - 1);
-            gates_mma(t - 1);
-            if constexpr (ZF)
-                zc_hprev(t - 1); // the cell of step t - 1 (hp of step t is used)
+                zc_hprev(t - 1);
+                zc_cell(t - 1);
+            } else {
+                gates_mma(t - 1);
+            }
         }
         // dL/dh of the state entering step t: this warp's K half for the pair's 4 n-tiles
         // (n-tile 2j + half: units of warp 2 pair + j), the partner's half of its 2 added.
@@ -2287,21 +2335,18 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
                 zero4(bacc[sp][nt]);
-        {
-            const int m = lane >> 3, r = lane & 7;
 #pragma unroll
-            for (int ks = 0; ks < KSW; ks++) {
-                const int kk = kh * KSW + ks;
-                uint32_t af[4];
-                ldmatrix_x4(af, atile, ALD, kk * 16, 8, lane);
+        for (int ks = 0; ks < KSW; ks++) {
+            uint32_t af[4];
+            ldmatrix_x4(af, atile, ALD, (kh * KSW + ks) * 16, 8, lane);
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    uint32_t b[4];
-                    ldmatrix_x4_at<true>(b, wsm + (size_t)(kk * 16 + 8 * (m & 1) + r) * WLD +
-                                                16 * (2 * pair + j) + 8 * (m >> 1));
-                    HM::mma(bacc[ks & 1][2 * j], af, make_uint2(b[0], b[1]));
-                    HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
-                }
+            for (int j = 0; j < 2; j++) {
+                uint32_t bl[4];
+                if (ks >= KR)
+                    dh_b(bl, ks, j);
+                const uint32_t *b = ks < KR ? wreg[ks < KR ? ks : 0][j] : bl;
+                HM::mma(bacc[ks & 1][2 * j], af, make_uint2(b[0], b[1]));
+                HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
             }
         }
         float mine[2][4], theirs[2][4];
@@ -2356,7 +2401,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dh[i]);
         }
         clk.mark(4);
-        if (t > 0)
+        if (!ZF && t > 0)
             gates_cell(t - 1);
         zex[0] = nzex[0], zex[1] = nzex[1], zexr = nzexr;
         if constexpr ((V & 8) != 0) {
@@ -2386,7 +2431,7 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         if constexpr (HP != 128)
             return RNND_EINVAL;
         else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != XH ||
-                 (a.zc_ex && (!XH || !a.zc)))
+                 (a.zc_ex && (!XH || !a.zc || !a.s)))
             return RNND_EINVAL;
         else if constexpr (XH) // z from the forward: any gradients' alignment
             kernel = !a.zc_ex ? seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>
@@ -2395,9 +2440,10 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         else
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>;
     }
-    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access, z rows)
-        if (a.vec && (a.variant & 8) && !a.zc_ex)
-            kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
+    if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
+        if (a.vec && (a.variant & 8))
+            kernel = a.zc_ex ? seq_backward_rc_kernel<Mode, HP, true, XH, 8, true, true>
+                             : seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
     long smem = persist_rc_smem<Mode, HP>();
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem));

@@ -465,19 +465,21 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
     // Step t's outputs, stored while the MMAs of step t+1 run (right after the cell, every
     // block's stores meet at once and wait for memory; NOTES v14).
-    // The LSTM's tape: its gates' pre-activations, fp16 pairs (planes 0 to G-1), likewise.
+    // The tape's fp16 planes (the gates' pre-activations; the GRU's hn), fp16 pairs, likewise.
+    constexpr int SH = TR::SH;
+    const bool sp = Z && (LSTM || a.s); // the LSTM's tape always has them
     float yv[4][2];
-    uint32_t sv[G][4];
+    uint32_t sv[SH][4];
     auto out_put = [&](int t) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             st2(a.y + (rb(r) + t) * a.ldy + u0, yv[r][0], yv[r][1], rvalid(r) && uok);
-            if constexpr (Z && LSTM) {
+            if (sp) {
                 const float *row = a.s + (rb(r) + t) * TR::floats(H);
 #pragma unroll
-                for (int qq = 0; qq < G; qq++)
+                for (int p = 0; p < SH; p++)
                     if (rvalid(r) && uok)
-                        *reinterpret_cast<uint32_t *>(TR::hp(row, qq, H) + u0) = sv[qq][r];
+                        *reinterpret_cast<uint32_t *>(TR::hp(row, p, H) + u0) = sv[p][r];
             }
         }
     };
@@ -562,10 +564,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 }
                 Cell::template forward<true>(xc, hq, h[r][i], c[r][i], hn[r][i], cn[r][i], s[i]);
             }
-            if constexpr (Z && LSTM)
+            if (sp)
 #pragma unroll
-                for (int qq = 0; qq < G; qq++)
-                    sv[qq][r] = HM::pack2(s[0][qq], s[1][qq]);
+                for (int p = 0; p < SH; p++)
+                    sv[p][r] = HM::pack2(s[0][p], s[1][p]);
         }
         if constexpr ((V & 8) != 0)
             persist_wait_for(hn[0][0] + hn[3][1], a.dbg);
@@ -631,7 +633,8 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
         (a->zc && (a->z || !a->zc_ex || a->H != WG_HP)) ||
-        (LSTM ? !tape != !a->s || (a->s && !a->shalf) : a->s || a->c0 || a->cell))
+        (a->s && !a->shalf) ||
+        (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
         return RNND_ENOTSUP;
     const bool hid = a->hidden != nullptr;
     auto kernel = a->variant & 8

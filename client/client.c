@@ -894,7 +894,6 @@ struct rnnd_client_stream {
     grpc_status_code status;
     grpc_slice details;
     const char *error_string;
-    bool got_init_md;
     bool half_closed;
     bool status_done;
     size_t pending; // requests sent whose replies were not received
@@ -938,18 +937,25 @@ int rnnd_client_stream_init(struct rnnd_client *c, struct rnnd_client_stream **o
         rnnd_client_stream_free(s);
         return local_err(RNND_EIO, "cannot create a call");
     }
-    grpc_op op;
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    op.data.recv_status_on_client.trailing_metadata = &s->trail_md;
-    op.data.recv_status_on_client.status = &s->status;
-    op.data.recv_status_on_client.status_details = &s->details;
-    op.data.recv_status_on_client.error_string = &s->error_string;
-    if (grpc_call_start_batch(s->call, &op, 1, &s->tag_status, NULL) != GRPC_CALL_OK) {
+    // The initial metadata is asked for up front, with the status: gRPC (1.51) holds a received
+    // status back until the initial metadata has been asked for. A server that refuses the stream
+    // at once answers trailers-only; when that arrives before our first message, SEND_MESSAGE
+    // fails on the closed stream and stream_status would wait for the status until the timeout.
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[0].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    ops[1].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[1].data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    ops[1].data.recv_status_on_client.status = &s->status;
+    ops[1].data.recv_status_on_client.status_details = &s->details;
+    ops[1].data.recv_status_on_client.error_string = &s->error_string;
+    if (grpc_call_start_batch(s->call, ops, 2, &s->tag_status, NULL) != GRPC_CALL_OK) {
         s->status_done = true;
         rnnd_client_stream_free(s);
         return local_err(RNND_EIO, "cannot start the stream");
     }
+    grpc_op op;
     memset(&op, 0, sizeof op);
     op.op = GRPC_OP_SEND_INITIAL_METADATA;
     op.data.send_initial_metadata.count = c->n_md;
@@ -993,17 +999,11 @@ int rnnd_client_stream_recv(struct rnnd_client_stream *s, struct rnnd_step_reply
     clear_err();
     memset(out, 0, sizeof *out);
     grpc_byte_buffer *recv = NULL;
-    grpc_op ops[2];
-    memset(ops, 0, sizeof ops);
-    size_t n = 0;
-    if (!s->got_init_md) {
-        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
-        ops[n++].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
-        s->got_init_md = true;
-    }
-    ops[n].op = GRPC_OP_RECV_MESSAGE;
-    ops[n++].data.recv_message.recv_message = &recv;
-    if (grpc_call_start_batch(s->call, ops, n, &s->tag_recv, NULL) != GRPC_CALL_OK)
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &recv;
+    if (grpc_call_start_batch(s->call, &op, 1, &s->tag_recv, NULL) != GRPC_CALL_OK)
         return local_err(RNND_EIO, "cannot receive on the stream");
     stream_wait(s, &s->tag_recv);
     if (!recv) {

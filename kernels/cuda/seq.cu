@@ -455,7 +455,8 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
 int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_n, void *tape,
                            const struct rnnd_seq *seq, const float *params,
                            const struct rnnd_model *m) {
-    if (c == NULL || rnnd_seq_check(seq, m) != 0 || out == NULL || params == NULL)
+    if (c == NULL || rnnd_seq_check(seq, m) != 0 || out == NULL || params == NULL ||
+        !aligned16(tape)) // the loops copy it in bulk
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM;
     if ((c_n && !lstm) || !dims_fit(m, seq->B, seq->T))
@@ -622,7 +623,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                             const void *tape, const struct rnnd_seq *seq, const float *params,
                             const struct rnnd_model *m) {
     if (c == NULL || rnnd_seq_check(seq, m) != 0 || grads == NULL || grads->params == NULL ||
-        grad_out == NULL || tape == NULL || params == NULL)
+        grad_out == NULL || tape == NULL || !aligned16(tape) || params == NULL)
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM;
     if (!lstm && (grad_c_n || grads->c0 || grads->cell))

@@ -272,8 +272,8 @@ struct cell_gru {
     static constexpr int SH = 4; // planes held in fp16 (tape_rec)
     // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q. The record holds
     // pre-activations for cell_lstm's reason (a rounded z near 1 loses 1 - z, and dL/dh's product
-    // over steps with it); ACT: s holds the gates r, z, n and hn instead, for a loop that uses
-    // them at once (the recomputing backward).
+    // over steps with it); ACT: s holds the gates r, z, n (as gate computes them) and hn instead,
+    // for a backward that uses them at once (the recomputing loop).
     template <bool FAST, bool ACT = false>
     static __device__ __forceinline__ void forward(const float xq[3], const float hq[3], float h,
                                                    float c, float &h_new, float &c_new,
@@ -284,7 +284,23 @@ struct cell_gru {
         const float an = xq[2] + r * hq[2], n = act_tanh<FAST>(an);
         h_new = (1.0f - z) * n + z * h;
         c_new = 0.0f;
-        s[0] = ACT ? r : ar, s[1] = ACT ? z : az, s[2] = ACT ? n : an, s[3] = hq[2];
+        s[0] = ACT ? gate<FAST>(0, ar) : ar, s[1] = ACT ? gate<FAST>(1, az) : az;
+        s[2] = ACT ? gate<FAST>(2, an) : an, s[3] = hq[2];
+    }
+    // Record plane p's value as the backward uses it: r, z, n from a_r, a_z, a_n; hn as it is.
+    // FAST: to a few fp32 ulps near saturation, where the backward's factors 1 - z and 1 - n^2
+    // live: through tanh.approx, 1 - z for z = sigma(9) came out ~1e-3 off relative, and a GRU
+    // whose update gates stay near 1 had its parameter gradients 1.6e-3 off (NOTES v29). Two SFU
+    // operations a gate (ex2, reciprocal) instead of one.
+    template <bool FAST>
+    static __device__ __forceinline__ float gate(int p, float v) {
+        if (p == 3)
+            return v;
+        if (!FAST)
+            return p == 2 ? act_tanh<false>(v) : act_sigmoid<false>(v);
+        if (p == 2) // +-1 for large |v|, NaN stays NaN
+            return copysignf(1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * fabsf(v))), v);
+        return __fdividef(1.0f, 1.0f + __expf(-v));
     }
     // dh' = dy + dh_carry. Out: d[4] (D row planes: da_r, da_z, da_n r, da_n: the hidden side's
     // three first, so they equal the tile and are contiguous), tile[3] (the gradient of
@@ -294,9 +310,8 @@ struct cell_gru {
                                                     float dc_in, float d[4], float tile[3],
                                                     float &dh_direct, float &dc_prev) {
         (void)dc_in;
-        const float r = ACT ? s[0] : act_sigmoid<FAST>(s[0]);
-        const float z = ACT ? s[1] : act_sigmoid<FAST>(s[1]);
-        const float n = ACT ? s[2] : act_tanh<FAST>(s[2]), hn = s[3];
+        const float r = ACT ? s[0] : gate<FAST>(0, s[0]), z = ACT ? s[1] : gate<FAST>(1, s[1]);
+        const float n = ACT ? s[2] : gate<FAST>(2, s[2]), hn = s[3];
         float da_n = dhj * (1.0f - z) * (1.0f - n * n);
         float da_z = dhj * (hprev - n) * z * (1.0f - z);
         float da_r = da_n * hn * r * (1.0f - r);
@@ -2064,12 +2079,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int p = 0; p < SW; p++)
                 TR::unpack4(v[p], *reinterpret_cast<const uint2 *>(row + (p * HP + u0) * 2));
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                sv[0][i][j] = act_sigmoid<true>(v[0][j]);
-                sv[1][i][j] = act_sigmoid<true>(v[1][j]);
-                sv[2][i][j] = act_tanh<true>(v[2][j]);
-                sv[3][i][j] = v[3][j];
-            }
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int p = 0; p < SW; p++)
+                    sv[p][i][j] = Cell::template gate<true>(p, v[p][j]);
         }
     };
     float acc[FNT][4], accx[FNT][4];
@@ -2317,12 +2330,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         clk.mark(2);
 
         // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap);
-        // ZF: its gates and hprev (sv and hp of step t are used).
+        // ZF: its hprev (hp of step t is used), its gates after dh's MMAs.
         if (t > 0) {
             if constexpr (ZF) {
                 zc_wait(t - 1);
                 zc_hprev(t - 1);
-                zc_cell(t - 1);
             } else {
                 gates_mma(t - 1);
             }
@@ -2349,6 +2361,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
             }
         }
+        // ZF: step t-1's gates while the MMAs run (its 48 SFU operations a thread, issued before
+        // them, held them back: NOTES v29).
+        if (ZF && t > 0)
+            zc_cell(t - 1);
         float mine[2][4], theirs[2][4];
 #pragma unroll
         for (int hf = 0; hf < 2; hf++)

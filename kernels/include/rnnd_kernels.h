@@ -213,8 +213,8 @@ struct rnnd_backend_ops {
     size_t (*tape_bytes)(void *ctx, const struct rnnd_model *m, int B, int T);
 
     // Sequence forward. out (B, T, H) is the last layer's h at every step; h_n, c_n (B, L, H) the
-    // final states (c_n LSTM only; either may be NULL). tape (tape_bytes) is filled for backward
-    // when not NULL.
+    // final states (c_n LSTM only; either may be NULL). tape (tape_bytes, 16-byte aligned as
+    // any allocation of the backend) is filled for backward when not NULL.
     int (*rnn_forward)(void *ctx, float *out, float *h_n, float *c_n, void *tape,
                        const struct rnnd_seq *seq, const float *params,
                        const struct rnnd_model *m);

@@ -489,24 +489,28 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
     seq_host_free(&h);
 }
 
-// Forget gates just below 1 over 256 steps (the saturated cases in main test the far tails over
-// 12): forget gates at 1 - 1.2e-4 (bias +9), input gates at 1.2e-4 (bias -9, so c stays near c0
-// and TF32's own errors small), and dL/dc0 a sum of products of up to 256 forget gates (0.97 at
-// the far end). The LSTM tape holds the gates' pre-activations (fp16 where the persistent loops
-// run, as here); the gates themselves rounded to fp16 would each be 1 and those products off by
-// up to 3% (NOTES v20: 1.9e-2 in dL/dc0 in a float64 model).
-static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu) {
-    const struct seq_case sc = {RNND_CELL_LSTM, RNND_COMPUTE_FP32, 64, 128, 1, 24, 256, 0.0,
-                                STATE_H0, RNND_CUDA_PATH_AUTO};
+// Gates just below 1 over 256 steps (the saturated cases in main test the far tails over 12),
+// so that dL/dc0 (LSTM) or dL/dh0 (GRU) is a sum of products of up to 256 of them (0.97 at the
+// far end). LSTM: forget gates at 1 - 1.2e-4 (bias +9), input gates at 1.2e-4 (bias -9, so c
+// stays near c0 and TF32's own errors small). GRU: update gates z at 1 - 1.2e-4, so h stays
+// near h0. The tapes hold the gates' pre-activations (fp16 where the persistent loops run, as
+// here; the GRU's from its wgmma forward, NOTES v29); the gates themselves rounded to fp16 would
+// each be 1 and those products off by up to 3% (NOTES v20: 1.9e-2 in dL/dc0 in a float64 model).
+static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                              enum rnnd_cell cell) {
+    const bool lstm = cell == RNND_CELL_LSTM;
+    const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 24, 256, 0.0, STATE_H0,
+                                RNND_CUDA_PATH_AUTO};
     const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
     const struct seq_sizes z = seq_sizes_of(&sc);
-    const char *tag = "lstm fp32 forget gates ~1";
+    const char *tag = lstm ? "lstm fp32 forget gates ~1" : "gru fp32 update gates ~1";
     struct seq_host h;
     seq_host_init(&h, &sc, 0.0f, 0.8f);
     struct rnnd_param_tensor b;
     rnnd_model_param_tensor(&m, RNND_PARAM_BIAS_IH, &b);
-    for (int u = 0; u < sc.H; u++) { // gate order i, f, g, o
-        h.params[b.offset + u] -= 9.0f;
+    for (int u = 0; u < sc.H; u++) { // gate order i, f, g, o; r, z, n
+        if (lstm)
+            h.params[b.offset + u] -= 9.0f;
         h.params[b.offset + (size_t)sc.H + u] += 9.0f;
     }
     struct seq_out og, oc;
@@ -515,10 +519,47 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
         compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
         compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
         compare("grad h0", tag, og.gh0, oc.gh0, NULL, z.blh, tol);
-        compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
+        if (lstm)
+            compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
     }
     seq_out_free(&og);
     seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
+// A tape one float past 16-byte alignment: the forward and the backward refuse it (the loops
+// copy it in bulk) and write nothing.
+static void test_tape_align(struct rnnd_backend *gpu) {
+    const struct seq_case sc = {RNND_CELL_GRU, RNND_COMPUTE_FP32, 64, 128, 1, 5, 3, 0.0,
+                                STATE_NONE, RNND_CUDA_PATH_AUTO};
+    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    const struct seq_sizes z = seq_sizes_of(&sc);
+    const struct rnnd_backend_ops *ops = gpu->ops;
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    struct bufs b = {.be = gpu};
+    struct rnnd_seq seq = {.B = sc.B, .T = sc.T};
+    seq.x = dev(&b, h.x, z.nx * 4);
+    seq.is_init = dev(&b, h.is_init, (size_t)sc.B * sc.T);
+    float *params = dev(&b, h.params, z.P * 4), *out = dev_poison(&b, z.nout, true);
+    float *tape = (float *)dev(&b, NULL, ops->tape_bytes(gpu->ctx, &m, sc.B, sc.T) + 16) + 1;
+    const int ef = ops->rnn_forward(gpu->ctx, out, NULL, NULL, tape, &seq, params, &m);
+    struct rnnd_seq_grads g = {.params = dev(&b, h.gbase, z.P * 4)};
+    const int eb = ops->rnn_backward(gpu->ctx, &g, out, NULL, NULL, tape, &seq, params, &m);
+    float *gp = xmalloc(z.P * sizeof(float)), *o = xmalloc(z.nout * sizeof(float));
+    to_host(gpu, gp, g.params, z.P);
+    to_host(gpu, o, out, z.nout);
+    bool unchanged = memcmp(gp, h.gbase, z.P * sizeof(float)) == 0;
+    for (size_t i = 0; i < z.nout; i++)
+        unchanged = unchanged && isnan(o[i]);
+    checks++;
+    const bool ok = ef == RNND_EINVAL && eb == RNND_EINVAL && unchanged;
+    failures += !ok;
+    printf("  %s %-34s forward %s, backward %s, outputs %s\n", ok ? "ok  " : "FAIL",
+           "misaligned tape", rnnd_err_name(ef), rnnd_err_name(eb),
+           unchanged ? "untouched" : "written");
+    free(gp), free(o);
+    bufs_free(&b);
     seq_host_free(&h);
 }
 
@@ -1127,7 +1168,7 @@ int main(int argc, char **argv) {
         test_nan(&gpu, &cpu, LSTM);
         test_tiny(&gpu, &cpu, GRU);
         test_tiny(&gpu, &cpu, LSTM);
-        test_forget_chain(&gpu, &cpu);
+        test_forget_chain(&gpu, &cpu, LSTM);
         // The wgmma forward's producer and consumers with two steps (each x-part slot used
         // once, no slot waited for) and with three (the first slot reused).
         const struct seq_case wg_short[] = {
@@ -1208,6 +1249,9 @@ int main(int argc, char **argv) {
     };
     for (int i = 0; !quick && i < (int)(sizeof(zfwd_cases) / sizeof(zfwd_cases[0])); i++)
         test_zfwd(&gpu, &cpu, &zfwd_cases[i]);
+    if (!quick)
+        test_forget_chain(&gpu, &cpu, GRU);
+    test_tape_align(&gpu);
 
     printf("%d checks, %d failed\n", checks, failures);
     rnnd_backend_free(&gpu);

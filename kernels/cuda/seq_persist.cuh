@@ -273,8 +273,8 @@ struct cell_gru {
     // xq[q] = x W_ih^T + b_ih, hq[q] = h W_hh^T + b_hh for gate q. The record holds
     // pre-activations for cell_lstm's reason (a rounded z near 1 loses 1 - z, and dL/dh's product
     // over steps with it); ACT: s holds the gates r, z, n (as gate computes them) and hn instead,
-    // for a backward that uses them at once (the recomputing loop).
-    template <bool FAST, bool ACT = false>
+    // for a backward that uses them at once (the recomputing loop). ACC: as gate says.
+    template <bool FAST, bool ACT = false, bool ACC = FAST>
     static __device__ __forceinline__ void forward(const float xq[3], const float hq[3], float h,
                                                    float c, float &h_new, float &c_new,
                                                    float s[SW]) {
@@ -284,14 +284,19 @@ struct cell_gru {
         const float an = xq[2] + r * hq[2], n = act_tanh<FAST>(an);
         h_new = (1.0f - z) * n + z * h;
         c_new = 0.0f;
-        s[0] = ACT ? gate<FAST>(0, ar) : ar, s[1] = ACT ? gate<FAST>(1, az) : az;
-        s[2] = ACT ? gate<FAST>(2, an) : an, s[3] = hq[2];
+        if constexpr (ACT && !ACC)
+            s[0] = r, s[1] = z, s[2] = n;
+        else
+            s[0] = ACT ? gate<FAST>(0, ar) : ar, s[1] = ACT ? gate<FAST>(1, az) : az,
+            s[2] = ACT ? gate<FAST>(2, an) : an;
+        s[3] = hq[2];
     }
     // Record plane p's value as the backward uses it: r, z, n from a_r, a_z, a_n; hn as it is.
     // FAST: to a few fp32 ulps near saturation, where the backward's factors 1 - z and 1 - n^2
     // live: through tanh.approx, 1 - z for z = sigma(9) came out ~1e-3 off relative, and a GRU
     // whose update gates stay near 1 had its parameter gradients 1.6e-3 off (NOTES v29). Two SFU
-    // operations a gate (ex2, reciprocal) instead of one.
+    // operations a gate (ex2, reciprocal) instead of one. The recomputing loop in bf16 mode, whose
+    // operands carry 2^-9, keeps the forward's (ACC false).
     template <bool FAST>
     static __device__ __forceinline__ float gate(int p, float v) {
         if (p == 3)
@@ -2126,7 +2131,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     xq[q] = accx[nt][e] * xw + bi[q][j];
                     hq[q] = acc[nt][e] * hinv + bh[q][j];
                 }
-                Cell::template forward<true, true>(xq, hq, 0.0f, 0.0f, hn, cn, s);
+                Cell::template forward<true, true, XH>(xq, hq, 0.0f, 0.0f, hn, cn, s);
 #pragma unroll
                 for (int p = 0; p < SW; p++)
                     sv[p][i][j] = s[p];

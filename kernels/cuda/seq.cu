@@ -9,8 +9,8 @@
  *      thread-block clusters (seq_cluster.cu, sm_90; layer input <= 64 wide), or per step one GEMM
  *      gh = h W_hh^T over the B rows plus one fused cell kernel (the per-step path);
  *      both write y (to `out`, or into the next layer's tape), the tape (z: hprev | 1 | x_l;
- *      s: GRU gates, LSTM pre-activations and cprev; no s where the backward recomputes the gates,
- *      seq_recompute) and h_n, c_n.
+ *      s: the gates' pre-activations, GRU hn, LSTM cprev; no s where the backward recomputes
+ *      the gates, seq_recompute) and h_n, c_n.
  * Backward, layer l from the top:
  *   1. the reverse time loop (persistent or per step) writes D (B*T, 4H), the gradient of the
  *      gate pre-activations (GRU: r, z, n on the input side, n on the hidden side;
@@ -97,7 +97,8 @@ bool rnnd__cuda_seq_persistent(const struct cuda_ctx *c, const struct rnnd_model
 
 // Layer l's backward recomputes its gates instead of reading them from the tape (v10,
 // kernels/bench/NOTES.md): GRU at HP = 128 with H = 128 and a layer input the loop can read
-// (I_l <= 64, I_l % 4 == 0); the forward then writes no s rows. The forward and the backward of
+// (I_l <= 64, I_l % 4 == 0); the forward then writes no s rows, except where it writes z's chunk
+// parts (seq_zfwd: then the loop reads the gates, NOTES v29). The forward and the backward of
 // one tape must agree, so this depends on the model, the context and l only. Bench variant bit
 // 64 turns it off.
 static bool seq_recompute(const struct cuda_ctx *c, const struct rnnd_model *m, int l) {

@@ -41,9 +41,10 @@
  * fragments come from the shared tile with ldmatrix; on sm_90 in TF32 mode the backward's D
  * planes are written from the dh-gate tile by the bulk-copy engine.
  *
- * The GRU at HP = 128 has a second backward (seq_backward_rc_kernel, v10) that reads no gate
- * tape: it recomputes each step's gates from hprev and x (the z rows) with one 16-bit copy of
- * W_hh that serves both directions (ldmatrix and ldmatrix.trans); see its comment.
+ * The GRU at HP = 128 has a second backward (seq_backward_rc_kernel, v10) with one 16-bit copy
+ * of W_hh that serves both directions (ldmatrix and ldmatrix.trans): it recomputes each step's
+ * gates from hprev and x (the z rows), or (v29) reads them from the fp16 gate tape the wgmma
+ * forward writes with z's chunk parts; see its comment.
  *
  * Versions v1..v13: kernels/bench/NOTES.md has each one's prediction and measured result.
  */

@@ -69,8 +69,9 @@ struct persist_bwd_args {
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     bool tma;                    // the device has the bulk-copy engine (sm_90+)
-    // rc (GRU, v10): no gate tape; the loop recomputes the gates of each step from hprev and
-    // x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih, W_hh and the biases.
+    // rc (GRU, v10): one 16-bit W_hh for both directions; the loop recomputes the gates of
+    // each step from hprev and x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih,
+    // W_hh and the biases, or (zc_ex) reads them from s (NOTES v29).
     bool rc;
     const float *w_ih;           // (G*H, Il)
     const float *b_ih, *b_hh;    // (G*H)
@@ -123,9 +124,9 @@ int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t
 
 // The GRU and LSTM forwards with warpgroup MMAs (seq_wg.cu; built when the architectures
 // include 90, as RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with
-// 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the GRU without a gate tape, the
-// LSTM with its fp16 one (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are
-// written; RNND_ENOTSUP for other arguments.
+// 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the LSTM with its fp16 gate tape
+// (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are written, the GRU with it
+// only with the chunk parts; RNND_ENOTSUP for other arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 

@@ -5,7 +5,7 @@
  * replace there (seq_persist.cuh's loops), fused input projection only; with a tape the GRU
  * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape;
  * at H = 128 both write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc,
- * NOTES v27, v28).
+ * NOTES v27, v28), and the GRU then its fp16 gate tape too (v29: its backward reads it).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -190,9 +190,10 @@ template <class Cell, bool Z, bool HID> constexpr int wg_gr() {
 }
 
 // Cell: cell_gru or cell_lstm. V: bench variant bit 8, phase clocks of warp 0 (8 phases,
-// persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) and, for
-// the LSTM, the s rows (the gates' pre-activations in fp16 and cprev; the GRU's backward
-// recomputes its gates from the z rows).
+// persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) or z's
+// chunk parts, and the s rows (the gates' pre-activations in fp16; the LSTM's cprev; the GRU's
+// hn) for the LSTM, and for the GRU with the chunk parts (else its backward recomputes its
+// gates from the z rows).
 // HID: a.hidden may be set (stored states); else a reset's state is zero.
 template <class Cell, int V, bool Z, bool HID>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
@@ -627,8 +628,9 @@ template <class Cell, int V, bool Z> auto wg_kernel(bool hid) {
 template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
-    // I_l % 4 == 0; the GRU without a gate tape (its backward recomputes the gates), the LSTM
-    // with its fp16 one exactly when z rows or (H = 128) z chunk parts are written.
+    // I_l % 4 == 0; the LSTM with its fp16 gate tape exactly when z rows or (H = 128) z chunk
+    // parts are written, the GRU with it only with the chunk parts (else its backward
+    // recomputes the gates).
     const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||

@@ -563,6 +563,23 @@ static void test_tape_align(struct rnnd_backend *gpu) {
     seq_host_free(&h);
 }
 
+// Case sc on h run with variant bits va (into oa) and with vb (into ob), both added to the base
+// variant, which is restored; err[2], the runs' errors.
+static void run_variants(struct rnnd_backend *gpu, const struct seq_case *sc,
+                         const struct seq_host *h, int va, int vb, struct seq_out *oa,
+                         struct seq_out *ob, int err[2]) {
+    const struct seq_sizes z = seq_sizes_of(sc);
+    seq_out_alloc(oa, &z);
+    seq_out_alloc(ob, &z);
+    err[0] = rnnd_cuda_set_variant(gpu, base_variant | va);
+    if (!err[0])
+        err[0] = run_seq(gpu, sc, h, oa, true);
+    err[1] = rnnd_cuda_set_variant(gpu, base_variant | vb);
+    if (!err[1])
+        err[1] = run_seq(gpu, sc, h, ob, true);
+    rnnd_cuda_set_variant(gpu, base_variant);
+}
+
 // Case sc run with variant bits va and with vb (both added to the base variant): forwards (with
 // and without a tape), final states and gradients bitwise equal (tag names the two).
 static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case *sc, int va,
@@ -571,18 +588,11 @@ static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     struct seq_out oa, ob;
-    seq_out_alloc(&oa, &z);
-    seq_out_alloc(&ob, &z);
-    int err = rnnd_cuda_set_variant(gpu, base_variant | va);
-    if (!err)
-        err = run_seq(gpu, sc, &h, &oa, true);
-    int err2 = rnnd_cuda_set_variant(gpu, base_variant | vb);
-    if (!err2)
-        err2 = run_seq(gpu, sc, &h, &ob, true);
-    rnnd_cuda_set_variant(gpu, base_variant);
+    int err[2];
+    run_variants(gpu, sc, &h, va, vb, &oa, &ob, err);
     checks++;
-    if (err || err2) {
-        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err), rnnd_err_name(err2));
+    if (err[0] || err[1]) {
+        printf("  FAIL %s: %s, %s\n", tag, rnnd_err_name(err[0]), rnnd_err_name(err[1]));
         failures++;
     } else {
         compare("out", tag, oa.out, ob.out, NULL, z.nout, 1e-7);
@@ -648,9 +658,9 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 // Layer 0 at H = 128 in TF32 mode on sm_90: the wgmma forward writes z's dw16 chunk parts into
 // the tape in place of the z rows, and the backward loop reads no z rows (NOTES v27, v28). The
 // LSTM's chunks hold the same bits either way, so its forwards and gradients are bitwise equal to
-// the loop that writes them itself (variant bit 32768). The GRU's recompute takes its h and x
-// from the chunks too, and its cell the fp16 hprev there: test_dw16's checks against the CPU
-// reference. Then with outputs and gradients off 16-byte alignment, which the backward cannot
+// the loop that writes them itself (variant bit 32768). The GRU's backward takes hprev (fp16)
+// from the chunks and its gates from the fp16 planes the forward writes beside them instead of
+// recomputing them (NOTES v29): test_dw16's checks against the CPU reference. Then with outputs and gradients off 16-byte alignment, which the backward cannot
 // see from the forward's side: the forward stages its outputs, the backward's loop reads the
 // gradients a float at a time (test_dw16's checks).
 static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
@@ -658,24 +668,18 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     // The format itself: on sm_90 layer 0's z space holds other bytes than with bit 32768 (a
     // test of the two paths that ran one would pass vacuously), elsewhere, or with a bit that
     // turns the chunk parts off (wgmma, fused x, products), the same ones.
-    const struct seq_sizes z = seq_sizes_of(sc);
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
     struct seq_out oa, ob;
-    seq_out_alloc(&oa, &z);
-    seq_out_alloc(&ob, &z);
-    int err = run_seq(gpu, sc, &h, &oa, true);
-    int err2 = rnnd_cuda_set_variant(gpu, base_variant | 32768);
-    if (!err2)
-        err2 = run_seq(gpu, sc, &h, &ob, true);
-    rnnd_cuda_set_variant(gpu, base_variant);
+    int err[2];
+    run_variants(gpu, sc, &h, 0, 32768, &oa, &ob, err);
     const bool differ = oa.ntape0 != ob.ntape0 || memcmp(oa.tape0, ob.tape0, oa.ntape0) != 0;
     checks++;
     const bool expect = sm90 && !(base_variant & (4096 | 32 | 16384 | 32768));
-    if (err || err2 || differ != expect) {
+    if (err[0] || err[1] || differ != expect) {
         printf("  FAIL %s %s: tape formats %s (%s, %s)\n",
                sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", "fp32 z chunks from the forward",
-               differ ? "differ" : "equal", rnnd_err_name(err), rnnd_err_name(err2));
+               differ ? "differ" : "equal", rnnd_err_name(err[0]), rnnd_err_name(err[1]));
         failures++;
     } else {
         printf("  ok   %s fp32 z chunks from the forward: tape formats %s\n",

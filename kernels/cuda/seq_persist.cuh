@@ -1312,12 +1312,14 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 // Backward kernel
 
 // dw16 chunks (seq_persist.h): the warp's 8 x 16 block of one row half (lane: row g, its units
-// 4tg..4tg+3 as 16-bit pairs lo, hi: bf16, or F16 fp16) into the two K-major core matrices at cm
-// and cm + 256. movmatrix transposes each 8 x 8 matrix of pairs, after which lane l holds rows
-// 2(l%4) and 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core matrix. The
-// columns come out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix, 4tg+2,
-// 4tg+3 in the second).
-template <bool F16 = false>
+// 4tg..4tg+3 as 16-bit pairs lo, hi: bf16, or F16 fp16) into the two core matrices at cm and
+// cm + 256. KM (K-major): movmatrix transposes each 8 x 8 matrix of pairs, after which lane l
+// holds rows 2(l%4) and 2(l%4)+1 of column l/4: one 4-byte store a lane writes a whole core
+// matrix. Without KM (TF32 mode's D) lane l's pair is already row l/4's columns 2(l%4), +1 of a
+// row-major core matrix: no movmatrix (its readers load it with ldmatrix transposed the other
+// way). The columns come out in the order seq_persist.h gives (4tg, 4tg+1 in the first matrix,
+// 4tg+2, 4tg+3 in the second).
+template <bool F16 = false, bool KM = true>
 static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v[4], int lane) {
     uint32_t a, b;
     if constexpr (F16) {
@@ -1328,8 +1330,10 @@ static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v
         __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
         a = *reinterpret_cast<uint32_t *>(&lo), b = *reinterpret_cast<uint32_t *>(&hi);
     }
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
+    if constexpr (KM) {
+        asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(a));
+        asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;" : "+r"(b));
+    }
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = a;
     *reinterpret_cast<uint32_t *>(cm + 256 + 4 * lane) = b;
 }
@@ -1348,7 +1352,7 @@ static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t 
         const float *d = plane(p);
         const float v[4] = {live ? d[0] * ds : 0.0f, live ? d[1] * ds : 0.0f,
                             live ? d[2] * ds : 0.0f, live ? d[3] * ds : 0.0f};
-        dw16_put<F16>(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
+        dw16_put<F16, !F16>(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
     }
     unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
     if constexpr (ZH) {

@@ -133,7 +133,9 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 // The weight gradients' product z^T D on warpgroup MMAs (seq_dw.cu, sm_90a, NOTES v25) from
 // 16-bit chunks a backward loop writes instead of D in fp32: chunk c = block x T + t holds the
 // block's 16 rows of step t, K-major in 8 x 8 core matrices (element (column n, row r) at
-// (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes). D: 4 planes of H = 128 columns,
+// (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes; TF32 mode's D row-major within
+// its core matrices: (r % 8) 16 + (n % 8) 2, which the loops store without a transpose). D: 4
+// planes of H = 128 columns,
 // plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z: RNND_DW16_NZ columns (h's 128, x's
 // 64 padded with zeros, the constant 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z
 // (or, written by the LSTM's forward, in its tape: dw16_args.z).

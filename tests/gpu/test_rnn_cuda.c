@@ -710,13 +710,19 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 //   4: batch rows 3 and 17's x all zero and their output gradients times 2^14: a zero x row must
 //      not set its range's x exponent (taken as 0, it put every other row's x share 2^-27 down,
 //      below fp16, and dW_ih near 0).
+//   5: row 3's output gradients times 2^-30 before its reset at step 10, row 17's times 2^20 at
+//      step 5 alone: a step whose gate gradients are 2^30 below, or 2^20 above, the step's after.
+//      The GRU's ZF loop writes its dh tile at the scales of the step after (NOTES v30): taken
+//      as they are, the first would fall below fp16 (row 3's early dL/dx, compared on its own,
+//      off by ~10%) and the second overflow it (non-finite values).
 static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                              enum rnnd_cell cell, int kind) {
     const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1, STATE_HIDDEN,
                                 RNND_CUDA_PATH_AUTO};
     const struct seq_sizes z = seq_sizes_of(&sc);
     static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
-                                       "two rows x2^20", "two rows x2^-30", "zero x rows x2^14"};
+                                       "two rows x2^20", "two rows x2^-30", "zero x rows x2^14",
+                                       "a drop, a spike"};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 dw16 %s", cell == RNND_CELL_LSTM ? "lstm" : "gru",
              what[kind]);
@@ -737,13 +743,20 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
             h.gcn[i] *= 1e-30f;
         }
     }
-    if (kind >= 2)
+    if (kind >= 2 && kind <= 4)
         for (int k = 0; k < 2; k++)
             for (size_t i = 0; i < TH; i++)
                 h.gout[rows[k] * TH + i] *= kind == 2 ? 0x1p20f : kind == 3 ? 0x1p-30f : 0x1p14f;
     if (kind == 4)
         for (int k = 0; k < 2; k++)
             memset(h.x + rows[k] * sc.T * sc.I, 0, (size_t)sc.T * sc.I * sizeof(float));
+    if (kind == 5) {
+        h.is_init[rows[0] * sc.T + 10] = 1;
+        for (size_t i = 0; i < 10 * (size_t)sc.H; i++)
+            h.gout[rows[0] * TH + i] *= 0x1p-30f;
+        for (size_t i = 0; i < (size_t)sc.H; i++)
+            h.gout[rows[1] * TH + 5 * sc.H + i] *= 0x1p20f;
+    }
     struct seq_out og, oc;
     if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
         const double tol = tolerance(sc.compute);
@@ -752,6 +765,10 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         for (int k = 0; kind == 3 && k < 2; k++) {
             const size_t at = rows[k] * sc.T * sc.I;
             compare("grad x, row", tag, og.gx + at, oc.gx + at, NULL, (size_t)sc.T * sc.I, tol);
+        }
+        if (kind == 5) { // row 3's steps 0-9
+            const size_t at = rows[0] * sc.T * sc.I;
+            compare("grad x, 0-9", tag, og.gx + at, oc.gx + at, NULL, 10 * (size_t)sc.I, tol);
         }
         if (kind == 4) { // dW_ih alone: the big rows' gradients swamp it in the whole
             const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
@@ -1241,8 +1258,8 @@ int main(int argc, char **argv) {
     };
     for (int i = 0; i < (quick ? 1 : (int)(sizeof(dw16_cases) / sizeof(dw16_cases[0]))); i++)
         test_dw16(&gpu, &cpu, &dw16_cases[i]);
-    for (int kind = 0; !quick && kind < 10; kind++)
-        test_dw16_scales(&gpu, &cpu, kind < 5 ? GRU : LSTM, kind % 5);
+    for (int kind = 0; !quick && kind < 12; kind++)
+        test_dw16_scales(&gpu, &cpu, kind < 6 ? GRU : LSTM, kind % 6);
     const struct seq_case zfwd_cases[] = {
         {LSTM, F32, 64, 128, 1, 300, 20, 0.1, STATE_H0, AUTO},
         {LSTM, F32, 40, 128, 2, 37, 9, 0.2, STATE_HIDDEN, AUTO},

@@ -712,9 +712,9 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 //      below fp16, and dW_ih near 0).
 //   5: row 3's output gradients times 2^-30 before its reset at step 10, row 17's times 2^20 at
 //      step 5 alone: a step whose gate gradients are 2^30 below, or 2^20 above, the step's after.
-//      The GRU's ZF loop writes its dh tile at the scales of the step after (NOTES v30): taken
-//      as they are, the first would fall below fp16 (row 3's early dL/dx, compared on its own,
-//      off by ~10%) and the second overflow it (non-finite values).
+//      A loop that scales its dh tile by the step after's row maxima (v30a, NOTES v30, not kept)
+//      fails it without a fall-back: row 3's early dL/dx, compared on its own, 4.8e-3 off (below
+//      fp16), and non-finite gradients from row 17 (over it).
 static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                              enum rnnd_cell cell, int kind) {
     const struct seq_case sc = {cell, RNND_COMPUTE_FP32, 64, 128, 1, 300, 20, 0.1, STATE_HIDDEN,

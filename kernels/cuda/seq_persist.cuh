@@ -1892,6 +1892,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     using TR = tape_rec<Cell, true>;
     constexpr int ZCB = 16 * 256, ZPR = Cell::SW * HP * 2, ZPL = ZPR + 32, ZSL = ZCB + 16 * ZPL;
     static_assert(!ZF || 2 * ZSL + 16 <= Gm::WX_BYTES, "slots");
+    static_assert(!ZF || (16L * G * HP * 2 <= Gm::A_BYTES &&
+                          NW * 16L * 24 * 4 <= Gm::H_BYTES + Gm::X_BYTES + Gm::XS_BYTES),
+                  "ZF: the MMAs' tile, the transposes");
     unsigned char *zslot = wsmx;
     uint64_t *zbar = reinterpret_cast<uint64_t *>(zslot + 2 * ZSL);
     (void)zbar; // sm_90 code only
@@ -2181,21 +2184,26 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         gates_cell(T - 1);
     }
     zex[0] = nzex[0], zex[1] = nzex[1], zexr = nzexr;
-    // dh's B fragments (W_hh rows kk 16.., the pair's columns) of the warp's first KR k-steps
-    // stay in registers where nothing is recomputed (ZF): all KSW of them.
-    constexpr int KR = ZF ? KSW : 0;
+    // dh's B fragments (W_hh rows kk 16.., the pair's columns), from shared memory.
     const int bm = lane >> 3, br = lane & 7;
     auto dh_b = [&](uint32_t b[4], int ks, int j) {
         const int kk = kh * KSW + ks;
         ldmatrix_x4_at<true>(b, wsm + (size_t)(kk * 16 + 8 * (bm & 1) + br) * WLD +
                                     16 * (2 * pair + j) + 8 * (bm >> 1));
     };
-    uint32_t wreg[KR > 0 ? KR : 1][2][4];
+    // ZF: dh^T = W_hh^T tile^T on warpgroup MMAs (m64n16k16; sm_90a, NOTES v31). Warpgroup
+    // w / 4 takes output positions [64 (w / 4), +64) as its M rows, warp w its 16 (rows g, g + 8:
+    // positions 16 w + g, + 8); its A fragments, W_hh^T over all 2 KSW k-steps, stay in
+    // registers (ldmatrix.trans of W_hh's rows k: a0 = positions 16 w + g at k = 16 ks + 2 tg,
+    // + 1; a1 the positions + 8; a2, a3 the same at k + 8). The tile is the B operand, K-major in
+    // core matrices (km_off), rows the batch rows.
+    uint32_t wa[ZF ? 2 * KSW : 1][4];
+    if constexpr (ZF) {
 #pragma unroll
-    for (int ks = 0; ks < KR; ks++)
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-            dh_b(wreg[ks][j], ks, j);
+        for (int ks = 0; ks < 2 * KSW; ks++)
+            ldmatrix_x4_at<true>(wa[ks], wsm + (size_t)(16 * ks + br + 8 * (bm >> 1)) * WLD +
+                                             16 * w + 8 * (bm & 1));
+    }
     persist_clock<V> clk;
 
     for (int t = T - 1; t >= 0; t--) {
@@ -2331,72 +2339,118 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int q = 0; q < G; q++) {
-                uint32_t *p = reinterpret_cast<uint32_t *>(atile + (g + 8 * i) * ALD + q * HP +
-                                                           16 * w + 2 * tg);
-                p[0] = HM::pack2(tv[q][i][0] * rsc[i], tv[q][i][1] * rsc[i]);
-                p[4] = HM::pack2(tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]);
+                const uint32_t lo = HM::pack2(tv[q][i][0] * rsc[i], tv[q][i][1] * rsc[i]);
+                const uint32_t hi = HM::pack2(tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]);
+                const int row = g + 8 * i, k = q * HP + 16 * w + 2 * tg;
+                if constexpr (ZF) {
+                    unsigned char *tb = reinterpret_cast<unsigned char *>(atile);
+                    *reinterpret_cast<uint32_t *>(tb + km_off(row, k, G * HP / 8)) = lo;
+                    *reinterpret_cast<uint32_t *>(tb + km_off(row, k + 8, G * HP / 8)) = hi;
+                } else {
+                    uint32_t *p = reinterpret_cast<uint32_t *>(atile + row * ALD + k);
+                    p[0] = lo, p[4] = hi;
+                }
             }
+        if constexpr (ZF)
+            fence_proxy_async(); // the MMAs read the tile through the async proxy
         __syncthreads();
         clk.mark(2);
 
-        // Step t-1's gate sums (independent of dh: more work for the tensor pipe to overlap);
-        // ZF: its hprev (hp of step t is used), its gates after dh's MMAs.
-        if (t > 0) {
-            if constexpr (ZF) {
+        // dL/dh of the state entering step t (tile . W_hh), this thread's rows g, g + 8 and units
+        // u0..u0+3 (positions 16 w + 2 tg + (j & 1) + 8 (j >> 1)): dsum[i][j].
+        float dsum[2][4];
+        if constexpr (ZF) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            // Four accumulator chains (one chain waits ~65 cycles a k-step: NOTES v19); step
+            // t-1's hprev and gates (hp of step t is used) while the MMAs run.
+            float dacc[4][8];
+            const uint64_t bd = wg_desc(atile, G * HP / 8 * 128);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 2 * KSW; ks++) {
+                if (ks < 4)
+                    wg_mma_rs<false>(dacc[ks & 3], wa[ks], bd + 16 * ks);
+                else
+                    wg_mma_rs<true>(dacc[ks & 3], wa[ks], bd + 16 * ks);
+            }
+            wg_commit();
+            if (t > 0) {
                 zc_wait(t - 1);
                 zc_hprev(t - 1);
-            } else {
-                gates_mma(t - 1);
+                zc_cell(t - 1);
             }
-        }
-        // dL/dh of the state entering step t: this warp's K half for the pair's 4 n-tiles
-        // (n-tile 2j + half: units of warp 2 pair + j), the partner's half of its 2 added.
-        float bacc[2][4][4];
+            wg_wait<0>();
 #pragma unroll
-        for (int sp = 0; sp < 2; sp++)
+            for (int c = 0; c < 4; c++)
+                wg_pin(dacc[c]);
+            // To the cell's layout through this warp's [position][row] block (pitch 24 floats:
+            // conflict-free pairs), over the h and x tiles, which ZF does not use.
+            float *tb = reinterpret_cast<float *>(htile) + w * (16 * 24);
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-                zero4(bacc[sp][nt]);
-#pragma unroll
-        for (int ks = 0; ks < KSW; ks++) {
-            uint32_t af[4];
-            ldmatrix_x4(af, atile, ALD, (kh * KSW + ks) * 16, 8, lane);
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                uint32_t bl[4];
-                if (ks >= KR)
-                    dh_b(bl, ks, j);
-                const uint32_t *b = ks < KR ? wreg[ks < KR ? ks : 0][j] : bl;
-                HM::mma(bacc[ks & 1][2 * j], af, make_uint2(b[0], b[1]));
-                HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
+            for (int e = 0; e < 8; e += 2) {
+                const int pos = g + 8 * ((e >> 1) & 1), row = 2 * tg + 8 * (e >> 2);
+                *reinterpret_cast<float2 *>(tb + pos * 24 + row) =
+                    make_float2((dacc[0][e] + dacc[1][e]) + (dacc[2][e] + dacc[3][e]),
+                                (dacc[0][e + 1] + dacc[1][e + 1]) + (dacc[2][e + 1] + dacc[3][e + 1]));
             }
-        }
-        // ZF: step t-1's gates while the MMAs run (its 48 SFU operations a thread, issued before
-        // them, held them back: NOTES v29).
-        if (ZF && t > 0)
-            zc_cell(t - 1);
-        float mine[2][4], theirs[2][4];
+            __syncwarp();
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float lo = bacc[0][hf][e] + bacc[1][hf][e];
-                float hi = bacc[0][2 + hf][e] + bacc[1][2 + hf][e];
-                mine[hf][e] = kh ? hi : lo;
-                theirs[hf][e] = kh ? lo : hi;
+                for (int j = 0; j < 4; j++)
+                    dsum[i][j] = tb[(2 * tg + (j & 1) + 8 * (j >> 1)) * 24 + g + 8 * i];
+#endif
+        } else {
+            if (t > 0)
+                gates_mma(t - 1); // independent of dh: more work for the tensor pipe to overlap
+            // This warp's K half for the pair's 4 n-tiles (n-tile 2j + half: units of warp
+            // 2 pair + j), the partner's half of its 2 added.
+            float bacc[2][4][4];
+#pragma unroll
+            for (int sp = 0; sp < 2; sp++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    zero4(bacc[sp][nt]);
+#pragma unroll
+            for (int ks = 0; ks < KSW; ks++) {
+                uint32_t af[4];
+                ldmatrix_x4(af, atile, ALD, (kh * KSW + ks) * 16, 8, lane);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    uint32_t b[4];
+                    dh_b(b, ks, j);
+                    HM::mma(bacc[ks & 1][2 * j], af, make_uint2(b[0], b[1]));
+                    HM::mma(bacc[ks & 1][2 * j + 1], af, make_uint2(b[2], b[3]));
+                }
+            }
+            float mine[2][4], theirs[2][4];
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float lo = bacc[0][hf][e] + bacc[1][hf][e];
+                    float hi = bacc[0][2 + hf][e] + bacc[1][2 + hf][e];
+                    mine[hf][e] = kh ? hi : lo;
+                    theirs[hf][e] = kh ? lo : hi;
+                }
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+                xch[(w * 2 + hf) * 32 + lane] =
+                    make_float4(theirs[hf][0], theirs[hf][1], theirs[hf][2], theirs[hf][3]);
+            asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory"); // the pair only
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
+                mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
             }
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++)
-            xch[(w * 2 + hf) * 32 + lane] =
-                make_float4(theirs[hf][0], theirs[hf][1], theirs[hf][2], theirs[hf][3]);
-        asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory"); // the pair only
+            for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float4 v = xch[((w ^ 1) * 2 + hf) * 32 + lane];
-            mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
+                for (int j = 0; j < 4; j++)
+                    dsum[i][j] = mine[j >> 1][2 * i + (j & 1)];
         }
         if constexpr ((V & 8) != 0) {
-            persist_wait_for(mine[0][0] + mine[1][3] + acc[0][0] + accx[FNT - 1][3], a.dbg);
+            persist_wait_for(dsum[0][0] + dsum[1][3] + acc[0][0] + accx[FNT - 1][3], a.dbg);
             clk.mark(3);
         }
 
@@ -2407,7 +2461,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * inv;
+                dhp[j] = ddir[i][j] + dsum[i][j] * inv;
             bool carry = t > 0 && !rst[i];
             if (carry) {
 #pragma unroll
@@ -2459,17 +2513,18 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
         else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != XH ||
                  (a.zc_ex && (!XH || !a.zc || !a.s)))
             return RNND_EINVAL;
-        else if constexpr (XH) // z from the forward: any gradients' alignment
-            kernel = !a.zc_ex ? seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>
-                     : a.vec  ? seq_backward_rc_kernel<Mode, HP, true, XH, 0, true, true>
-                              : seq_backward_rc_kernel<Mode, HP, false, XH, 0, true, true>;
+        else if (a.zc_ex) // z from the forward (any gradients' alignment): sm_90a code
+#ifdef RNND_HAVE_WG
+            return rnnd__wg_gru_backward_zf(&a, stream);
+#else
+            return RNND_EINVAL;
+#endif
         else
             kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 0, true>;
     }
     if constexpr (XH) // bench variant bit 8: phase clocks (TF32, vector access)
         if (a.vec && (a.variant & 8))
-            kernel = a.zc_ex ? seq_backward_rc_kernel<Mode, HP, true, XH, 8, true, true>
-                             : seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
+            kernel = seq_backward_rc_kernel<Mode, HP, true, XH, 8>;
     long smem = persist_rc_smem<Mode, HP>();
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem));

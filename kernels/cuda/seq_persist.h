@@ -128,6 +128,9 @@ int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t
 // (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are written, the GRU with it
 // only with the chunk parts; RNND_ENOTSUP for other arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
+// The GRU's TF32 backward loop on the forward's gate planes and chunk parts (seq_persist.cuh,
+// ZF; seq_gru_zf.cu), same build: dh on warpgroup MMAs.
+int rnnd__wg_gru_backward_zf(const struct persist_bwd_args *a, cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 
 // The weight gradients' product z^T D on warpgroup MMAs (seq_dw.cu, sm_90a, NOTES v25) from

@@ -2,8 +2,8 @@
  * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu and step_wg.cu share: shared-memory
  * matrix descriptors and the K-major operand offset, mbarriers, bulk and tensor-map copies (TMA)
  * and the fence / commit / wait of the
- * asynchronous warpgroup MMAs (wgmma, sm_90a). The MMAs themselves stay with their kernels
- * (shapes and operand types differ).
+ * asynchronous warpgroup MMAs (wgmma, sm_90a), and the m64n16k16 fp16 MMAs that the GRU's loops
+ * share (the wgmma forward's, the ZF backward's dh); the other shapes stay with their kernels.
  *
  * Operands in shared memory are K-major in core matrices of 8 rows x 16 bytes (128 contiguous
  * bytes), no swizzle: core matrices adjacent in K 128 bytes apart (the descriptor's leading byte
@@ -127,6 +127,47 @@ static __device__ __forceinline__ void wg_commit() {
 template <int N> static __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
+static __device__ __forceinline__ void wg_pin(float (&d)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d = A B (ACC: d += A B), m64 n16 k16, fp16 in, fp32 accumulate; A from registers, B K-major
+// (descriptor). The first k-step writes d without reading it, so that the compiler does not
+// keep the accumulators live across the whole loop.
+#define WG_RS                                                                                      \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                   \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+#define WG_SS                                                                                      \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                   \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+#define WG_D(c) c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7])
+template <bool ACC>
+static __device__ __forceinline__ void wg_mma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (ACC)
+        asm volatile(WG_RS
+                     : WG_D("+f")
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    else
+        asm volatile(WG_RS
+                     : WG_D("=f")
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0));
+}
+// The same with A from shared memory (K-major, descriptor).
+template <bool ACC>
+static __device__ __forceinline__ void wg_mma_ss(float (&d)[8], uint64_t a, uint64_t b) {
+    if constexpr (ACC)
+        asm volatile(WG_SS : WG_D("+f") : "l"(a), "l"(b), "n"(1));
+    else
+        asm volatile(WG_SS : WG_D("=f") : "l"(a), "l"(b), "n"(0));
+}
+#undef WG_RS
+#undef WG_SS
+#undef WG_D
 #endif
 
 #endif // RNND_CUDA_WG_CUH

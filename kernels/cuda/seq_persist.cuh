@@ -1859,7 +1859,9 @@ struct persist_rc_geom {
 // slots (over W_ih's space), a step ahead; ldmatrix.trans of the h part gives each thread's
 // hprev (the chunks' column order is the loop's storage order: NOTES v28), in fp16, so the
 // cell's (hprev - n) carries its 2^-12. Without the recompute's MMAs the registers hold the
-// warp's W_hh fragments for dh. It writes D's parts and the records alone.
+// warp's W_hh fragments for dh. It writes D's parts and the records alone. Its dh runs on
+// warpgroup MMAs with the gates beside them (NOTES v31), so it is sm_90a code: seq_gru_zf.cu
+// builds it.
 template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {

@@ -13,8 +13,8 @@ int rnnd__wg_gru_backward_zf(const struct persist_bwd_args *a, cudaStream_t stre
     if (a->vec && (a->variant & 8)) // bench variant bit 8: phase clocks
         kernel = seq_backward_rc_kernel<Mode, HP, true, true, 8, true, true>;
     const long smem = persist_rc_smem<Mode, HP>();
-    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem));
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<CEIL_DIV(a->B, 16), persist_rc_geom<Mode, HP>::THREADS, smem, stream>>>(*a);
     CUDA_LAUNCH_CHECK();
     return 0;

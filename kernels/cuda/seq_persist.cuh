@@ -2388,12 +2388,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             // To the cell's layout through this warp's [position][row] block (pitch 24 floats:
             // conflict-free pairs), over the h and x tiles, which ZF does not use.
             float *tb = reinterpret_cast<float *>(htile) + w * (16 * 24);
+            auto chains = [&](int e) {
+                return (dacc[0][e] + dacc[1][e]) + (dacc[2][e] + dacc[3][e]);
+            };
 #pragma unroll
-            for (int e = 0; e < 8; e += 2) {
+            for (int e = 0; e < 8; e += 2) { // (position g or g + 8, rows 2 tg, + 1 or + 8, + 9)
                 const int pos = g + 8 * ((e >> 1) & 1), row = 2 * tg + 8 * (e >> 2);
                 *reinterpret_cast<float2 *>(tb + pos * 24 + row) =
-                    make_float2((dacc[0][e] + dacc[1][e]) + (dacc[2][e] + dacc[3][e]),
-                                (dacc[0][e + 1] + dacc[1][e + 1]) + (dacc[2][e + 1] + dacc[3][e + 1]));
+                    make_float2(chains(e), chains(e + 1));
             }
             __syncwarp();
 #pragma unroll
@@ -2401,6 +2403,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     dsum[i][j] = tb[(2 * tg + (j & 1) + 8 * (j >> 1)) * 24 + g + 8 * i];
+#else
+            __trap(); // never built: seq_gru_zf.cu builds the ZF loop for sm_90a alone
 #endif
         } else {
             if (t > 0)

@@ -147,7 +147,8 @@ static __device__ __forceinline__ void wg_pin(float (&d)[8]) {
     "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
 #define WG_D(c) c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7])
 template <bool ACC>
-static __device__ __forceinline__ void wg_mma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
+static __device__ __forceinline__ void wg_mma_rs(float (&d)[8], const uint32_t (&a)[4],
+                                                 uint64_t b) {
     if constexpr (ACC)
         asm volatile(WG_RS
                      : WG_D("+f")

@@ -711,7 +711,6 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             RNND_TRY(brows == 80 ? rnnd__cluster80_lstm_backward(&a, c->stream)
                                  : rnnd__cluster_lstm_backward(&a, c->stream));
         } else if (persistent) {
-            a.tma = c->cc_major >= 9;
             a.rc = seq_recompute(c, m, l);
             if (dw16 && l == 0) {
                 // The chunks past the loop's (whole stages for the product) hold zeros.

@@ -79,35 +79,6 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const T *tile,
                  : "r"(addr));
 }
 
-// Hopper bulk copies (the TMA engine) from shared to global memory: issue, commit, wait until
-// the engine has read the source (so it may be overwritten), wait for completion. Shared memory
-// written by ordinary stores needs fence_proxy_async() in the writing threads before the
-// barrier that precedes the copy. sm_80 builds never take these paths (checked at launch).
-static __device__ __forceinline__ void bulk_s2g(void *gdst, const void *ssrc, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t s = (uint32_t)__cvta_generic_to_shared(ssrc);
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst),
-                 "r"(s), "r"(bytes)
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-static __device__ __forceinline__ void bulk_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-static __device__ __forceinline__ void bulk_wait_read() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-}
-static __device__ __forceinline__ void bulk_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-#endif
-}
 // 16 bytes global -> shared, asynchronous; ok false writes zeros instead (src is not read).
 static __device__ __forceinline__ void cp_async16(uint32_t sa, const float *g, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
@@ -427,15 +398,17 @@ struct persist_geom {
     // (units [32p, 32p+32): both warps' units), warp 2p+kh takes K half kh, and each hands the
     // partner the partial sums of the partner's units through an exchange buffer (8 floats a
     // lane). Halves the A-tile reads of a warp against N = 2 n-tiles over the whole of K.
+    // The dh MMAs run in HM, 16-bit: TF32 mode's tile is fp16 with a scale a row (NOTES v32).
     static constexpr int B_NT = 4;
-    static constexpr int B_KS = G * HP / Mode::KSTEP;
+    static constexpr int B_KS = G * HP / HM::KSTEP;
     static constexpr int B_KSW = B_KS / 2; // k-steps a warp takes
-    static constexpr int B_WPL = B_NT * Mode::WPF;
+    static constexpr int B_WPL = B_NT * HM::WPF;
     static constexpr long B_KS_BYTES = (long)B_WPL * 4 * 32 * NW;
-    static constexpr int B_LDA = G * HP + Mode::APAD;
-    static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(elem);
+    static constexpr int B_LDA = G * HP + HM::APAD;
+    static constexpr long B_TILE_BYTES = 16L * B_LDA * (long)sizeof(helem);
     static constexpr long B_XCH_BYTES = NW * 2L * 32 * 16;
-    static constexpr long B_SMEM = B_KSW * B_KS_BYTES + B_TILE_BYTES + B_XCH_BYTES;
+    static constexpr long B_RMAX_BYTES = NW * 16L * 4; // the warps' row maxima (TF32 mode)
+    static constexpr long B_SMEM = B_KSW * B_KS_BYTES + B_TILE_BYTES + B_XCH_BYTES + B_RMAX_BYTES;
     static constexpr int B_SPLIT = 2; // independent accumulator chains over k in backward
     static_assert(B_KS % 2 == 0 && NW % 2 == 0, "backward K split needs warp pairs");
     static_assert(f_smem(0) <= RNND_PERSIST_SMEM_BUDGET, "forward does not fit");
@@ -1413,9 +1386,11 @@ static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bo
     return dw16_scale(m, ed);
 }
 
-// TMA (TF32 mode, H == HP, sm_90): D's hidden-side planes are the shared-memory tile itself, so
-// the copy engine writes them to D while the warps run the MMA; only the GRU's fourth plane is
-// stored by the threads.
+// dh = tile . W_hh runs on 16-bit MMAs (HM: m16n8k16, half the k-steps of TF32's m16n8k8): TF32
+// mode's tile is fp16, each row scaled by the power of two that puts its largest |value| in
+// [2^13, 2^14) (v8's scales: as exact as TF32 for values within 2^27 of it); the warps' row
+// maxima meet in shared memory across the step's first barrier, the tile is written after it,
+// and a second barrier precedes the MMAs (NOTES v32).
 // DW (LSTM): D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32; the loop then
 // loads each row's hprev and (warps 0-3) x, which z holds. bf16 mode: bf16. TF32 mode: fp16 with
 // exponent records, D scaled by (row, warp) group, h by the block's bound (persist_hscale) and
@@ -1423,14 +1398,14 @@ static __device__ __forceinline__ float dw16_dscale(const float *const dv[4], bo
 // the step's first barrier).
 // ZF (TF32 mode, with DW): the forward wrote z's chunk parts and x's exponents (a.zc_ex); the
 // loop writes D's parts and the records alone, and reads no z rows (NOTES v27).
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool TMA = false, bool DW = false,
-          bool ZF = false>
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool DW = false, bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
-    using E = typename Mode::elem;
+    using HM = typename Gm::HM; // the dh MMAs' mode
+    using E = typename Gm::helem;
     using WL = persist_wlayout<Gm::B_WPL>;
-    constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = Mode::WPF;
+    constexpr int G = Gm::G, NT = Gm::B_NT, KSW = Gm::B_KSW, NW = Gm::NW, WPF = HM::WPF;
     constexpr int LDA = Gm::B_LDA, SW = Cell::SW, SPLIT = Gm::B_SPLIT;
     using TR = tape_rec<Cell, true>; // as the forward
     constexpr bool LSTM = G == 4;
@@ -1439,6 +1414,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     unsigned char *wsm = smem;
     E *tile = reinterpret_cast<E *>(smem + KSW * Gm::B_KS_BYTES);
     float4 *xch = reinterpret_cast<float4 *>(smem + KSW * Gm::B_KS_BYTES + Gm::B_TILE_BYTES);
+    float *rmax = reinterpret_cast<float *>(xch + Gm::B_XCH_BYTES / 16); // [warp][row]
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
@@ -1458,7 +1434,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float hscale = 1.0f;
     if constexpr (DWF)
         hscale = persist_hscale(a, reinterpret_cast<float *>(tile));
-    float *xm = reinterpret_cast<float *>(xch + Gm::B_XCH_BYTES / 16); // DWF: [4][16]
+    float *xm = rmax + NW * 16; // DWF: [4][16]
 #pragma unroll 4
     for (int ks = 0; ks < KSW; ks++) {
         uint32_t o[Gm::B_WPL];
@@ -1470,7 +1446,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit)
                                           : 0.0f;
             };
-            Mode::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
+            HM::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
         }
         WL::store(wsm, ks, NW, w, lane, o);
     }
@@ -1593,9 +1569,22 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
 #pragma unroll
         for (int i = 0; i < 2; i++) {
+            if constexpr (HM::SCALED) { // the warp's largest |value| of row g + 8 i
+                float m = 0.0f;
 #pragma unroll
-            for (int q = 0; q < G; q++)
-                Mode::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
+                for (int q = 0; q < G; q++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        m = fmaxf(m, fabsf(tv[q][i][j]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                if (tg == 0)
+                    rmax[w * 16 + g + 8 * i] = m;
+            } else {
+#pragma unroll
+                for (int q = 0; q < G; q++)
+                    HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
+            }
             if constexpr (DW) {
                 // D's 4 planes and z's h part of this row half (rows past B: zeros); bf16
                 // mode: x's by warps 0-3, the constant 1 (z's column 192) by warp 4. TF32 mode
@@ -1628,12 +1617,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
-                for (int p = TMA ? G : 0; p < 4; p++)
+                for (int p = 0; p < 4; p++)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
             }
         }
-        if constexpr (TMA)
-            fence_proxy_async();
         if constexpr (ZF)
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
                         ed, zex, -pow2_log(hscale), zexr);
@@ -1667,15 +1654,26 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             if (t > 0)
                 load_step(t - 1); // in flight during the MMA
         }
-        clk.mark(2);
-        if constexpr (TMA) {
-            // Row threadIdx.x of the tile -> D row (b, t), planes 0..G-1.
-            if (threadIdx.x < 16 && blockIdx.x * 16 + threadIdx.x < a.B) {
-                size_t r = (size_t)(blockIdx.x * 16 + threadIdx.x) * T + t;
-                bulk_s2g(a.d + r * (4 * H), tile + threadIdx.x * LDA, G * H * sizeof(float));
-                bulk_commit();
+        // The rows' scales (1 for bf16) and the 16-bit tile.
+        float rsc[2] = {1.0f, 1.0f};
+        if constexpr (HM::SCALED) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float m = 0.0f;
+#pragma unroll
+                for (int k = 0; k < NW; k++)
+                    m = fmaxf(m, rmax[k * 16 + g + 8 * i]);
+                rsc[i] = persist_pow2_for(m, 14);
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    const float v[4] = {tv[q][i][0] * rsc[i], tv[q][i][1] * rsc[i],
+                                        tv[q][i][2] * rsc[i], tv[q][i][3] * rsc[i]};
+                    HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, v);
+                }
             }
+            __syncthreads();
         }
+        clk.mark(2);
 
         // dL/dh of the state entering step t: tile . W_hh (+ the direct term), this warp's
         // K half for the pair's 4 n-tiles, then the partner's half of this warp's 2 added.
@@ -1688,13 +1686,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < KSW; ks++) {
             uint32_t af[4], wv[Gm::B_WPL];
-            Mode::afrag(af, tile, LDA, k0 + ks, lane);
+            HM::afrag(af, tile, LDA, k0 + ks, lane);
             if (ks >= BREG)
                 WL::load(wv, wsm, ks, NW, w, lane);
             const uint32_t *wp = ks < BREG ? wreg[ks < BREG ? ks : 0] : wv;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
-                Mode::mma(acc[ks % SPLIT][nt], af, Mode::wunpack(wp + nt * WPF));
+                HM::mma(acc[ks % SPLIT][nt], af, HM::wunpack(wp + nt * WPF));
         }
         // mine: the n-tiles of this warp's units (selected, not indexed: kh is not constant).
         float mine[2][4], theirs[2][4];
@@ -1728,10 +1726,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         // state was reset to (stored states, or h0 at t = 0), or dropped (a zero reset).
 #pragma unroll
         for (int i = 0; i < 2; i++) {
+            const float inv = winv * (1.0f / rsc[i]);
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * winv;
+                dhp[j] = ddir[i][j] + mine[j >> 1][2 * i + (j & 1)] * inv;
             bool carry = t > 0 && !rst[i];
             if (carry) {
 #pragma unroll
@@ -1758,16 +1757,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             zero4(dc[i]);
         }
         clk.mark(4);
-        if constexpr (TMA) {
-            if (threadIdx.x < 16)
-                bulk_wait_read(); // the tile is rewritten after the barrier
-        }
         __syncthreads();
         clk.mark(5);
-    }
-    if constexpr (TMA) {
-        if (threadIdx.x < 16)
-            bulk_wait_all();
     }
     clk.flush(a.dbg);
 }
@@ -2580,25 +2571,23 @@ template <class Cell, class Mode, int HP, int V = 0>
 static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_t stream) {
     using Gm = persist_geom<Cell, Mode, HP>;
     auto kernel = seq_backward_kernel<Cell, Mode, HP, true, V>;
-    if constexpr (sizeof(typename Mode::elem) == 4)
-        if (a.tma && a.H == HP)
-            kernel = seq_backward_kernel<Cell, Mode, HP, true, V, true>;
     if constexpr (V == 0)
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
     long smem = Gm::B_SMEM;
     if (a.dw16) { // the LSTM; vector access or (ZF) any; TF32 with records
-        if constexpr (Gm::G != 4 || HP != 128 || V != 0)
+        // Phase clocks (V) in the loop on the forward's z alone.
+        if constexpr (Gm::G != 4 || HP != 128)
             return RNND_EINVAL;
         else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||
-                 (a.zc_ex && !Mode::SCALED))
+                 (a.zc_ex && !Mode::SCALED) || (V != 0 && !(a.vec && a.zc_ex)))
             return RNND_EINVAL;
         else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment
-            kernel = !a.zc_ex ? seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>
-                     : a.vec  ? seq_backward_kernel<Cell, Mode, HP, true, 0, false, true, true>
-                              : seq_backward_kernel<Cell, Mode, HP, false, 0, false, true, true>;
+            kernel = !a.zc_ex ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
+                     : a.vec  ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
+                              : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
         else
-            kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, false, true>;
+            kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, true>;
         smem += Mode::SCALED && !a.zc_ex ? 4 * 16 * sizeof(float) : 0; // xm
     }
     RNND_CUDA_TRY(

@@ -68,7 +68,6 @@ struct persist_bwd_args {
     const void *zc;              // those chunk parts (the GRU's recompute takes h and x there)
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
-    bool tma;                    // the device has the bulk-copy engine (sm_90+)
     // rc (GRU, v10): one 16-bit W_hh for both directions; the loop recomputes the gates of
     // each step from hprev and x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih,
     // W_hh and the biases, or (zc_ex) reads them from s (NOTES v29).

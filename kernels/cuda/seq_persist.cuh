@@ -1624,7 +1624,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         if constexpr (ZF)
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
                         ed, zex, -pow2_log(hscale), zexr);
-        if (t > 0 && !XF)
+        if (t > 0 && !XF && !HM::SCALED)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
         __syncthreads();
@@ -1671,6 +1671,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, v);
                 }
             }
+            if (t > 0 && !XF)
+                load_step(t - 1); // in flight during the MMA
             __syncthreads();
         }
         clk.mark(2);
@@ -1726,7 +1728,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         // state was reset to (stored states, or h0 at t = 0), or dropped (a zero reset).
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const float inv = winv * (1.0f / rsc[i]);
+            const float inv = winv * pow2_inv(rsc[i]);
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)
@@ -2454,7 +2456,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         // Route it (DESIGN.md §2), as seq_backward_kernel does.
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const float inv = winv * (1.0f / rsc[i]);
+            const float inv = winv * pow2_inv(rsc[i]);
             float dhp[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)

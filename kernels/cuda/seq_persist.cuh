@@ -472,6 +472,25 @@ static __device__ float persist_pow2_scale(float m, int top, float *red) {
     return persist_pow2_for(persist_block_max(m, red), top);
 }
 
+// The backward loops' 16-row dh tiles in fp16, a scale a row (v8, NOTES v32): each warp puts its
+// largest |value| m of row g + 8 i (its lanes tg = 0..3 together) into rmax[w][row] before a
+// barrier; after it, a row's scale puts the largest of the NW warps' into [2^13, 2^14).
+static __device__ __forceinline__ void tile_rowmax_put(float *rmax, float m, int w, int lane,
+                                                       int i) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    if ((lane & 3) == 0)
+        rmax[w * 16 + (lane >> 2) + 8 * i] = m;
+}
+template <int NW>
+static __device__ __forceinline__ float tile_row_scale(const float *rmax, int row) {
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NW; k++)
+        m = fmaxf(m, rmax[k * 16 + row]);
+    return persist_pow2_for(m, 14);
+}
+
 // A row of 64 fp32 values held by a half-warp (4 consecutive values a lane) into 16-bit HM
 // values at dst (this lane's 4), the row scaled by the power of two that puts its largest |value|
 // in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale,
@@ -1569,17 +1588,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            if constexpr (HM::SCALED) { // the warp's largest |value| of row g + 8 i
+            if constexpr (HM::SCALED) {
                 float m = 0.0f;
 #pragma unroll
                 for (int q = 0; q < G; q++)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
                         m = fmaxf(m, fabsf(tv[q][i][j]));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                if (tg == 0)
-                    rmax[w * 16 + g + 8 * i] = m;
+                tile_rowmax_put(rmax, m, w, lane, i);
             } else {
 #pragma unroll
                 for (int q = 0; q < G; q++)
@@ -1659,11 +1675,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         if constexpr (HM::SCALED) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                float m = 0.0f;
-#pragma unroll
-                for (int k = 0; k < NW; k++)
-                    m = fmaxf(m, rmax[k * 16 + g + 8 * i]);
-                rsc[i] = persist_pow2_for(m, 14);
+                rsc[i] = tile_row_scale<NW>(rmax, g + 8 * i);
 #pragma unroll
                 for (int q = 0; q < G; q++) {
                     const float v[4] = {tv[q][i][0] * rsc[i], tv[q][i][1] * rsc[i],
@@ -2286,12 +2298,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         }
         if constexpr (HM::SCALED) {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                rm[i] = fmaxf(rm[i], __shfl_xor_sync(0xffffffffu, rm[i], 1));
-                rm[i] = fmaxf(rm[i], __shfl_xor_sync(0xffffffffu, rm[i], 2));
-                if (tg == 0)
-                    rmax[w * 16 + g + 8 * i] = rm[i];
-            }
+            for (int i = 0; i < 2; i++)
+                tile_rowmax_put(rmax, rm[i], w, lane, i);
         }
         clk.mark(0);
         int rst[2] = {reset[0], reset[1]};
@@ -2322,13 +2330,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         float rsc[2] = {1.0f, 1.0f};
         if constexpr (HM::SCALED) {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                float m = 0.0f;
-#pragma unroll
-                for (int k = 0; k < NW; k++)
-                    m = fmaxf(m, rmax[k * 16 + g + 8 * i]);
-                rsc[i] = persist_pow2_for(m, 14);
-            }
+            for (int i = 0; i < 2; i++)
+                rsc[i] = tile_row_scale<NW>(rmax, g + 8 * i);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++)

@@ -175,11 +175,8 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 // gets column g (+8) and rows 2tg, 2tg+1 (+8): m16k16's A fragment (the
                 // core matrices are row-major in TF32 mode: transposed).
                 uint32_t r[4];
-                const uint8_t *src = a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
-                                     (q >> 1) * 128 + (lane & 7) * 16;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                             : "r"(smem_u32(src)));
+                ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
+                                            (q >> 1) * 128 + (lane & 7) * 16);
                 const int16_t *rec = recs + c * (RNND_DW16_E / 2);
                 uint32_t fh[2], fx[2];
 #pragma unroll
@@ -388,15 +385,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
         // k-step ks: slot ks / 8 (4 chunks a slot), columns 16 (ks % 8).. of the chunk. Core
         // matrices K-major (bf16): transposed; row-major (TF32 mode's fp16): as they are.
         auto frag = [&](uint32_t (&a)[4], int ks) {
-            const uint8_t *src = ch + (ks / 8) * 4 * RNND_DW16_D + (ks % 8) * 512;
-            if constexpr (F16)
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                             : "r"(smem_u32(src)));
-            else
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                             : "r"(smem_u32(src)));
+            ldmatrix_x4_at<!F16>(a, ch + (ks / 8) * 4 * RNND_DW16_D + (ks % 8) * 512);
         };
         float d[32];
         int erow[2] = {0, 0}; // F16: rows lane / 4 and + 8's largest eD

@@ -1780,21 +1780,6 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 // ---------------------------------------------------------------------------------------------
 // Backward kernel without the gate tape (GRU, v10)
 
-// ldmatrix of four 8x8 matrices of 16-bit elements, lane L giving the row address of row L%8 of
-// matrix L/8; TRANS hands each lane a column pair instead of a row pair.
-template <bool TRANS>
-static __device__ __forceinline__ void ldmatrix_x4_at(uint32_t r[4], const void *row) {
-    uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
-    if constexpr (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-}
-
 // The unit a storage position of a 16-unit group holds: position 8 half + n holds the unit of
 // column n of n-tile `half` (persist_unit), so that 8 consecutive positions are one n-tile.
 static __device__ __forceinline__ int persist_rc_unit(int pos) {

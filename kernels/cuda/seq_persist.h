@@ -137,10 +137,9 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream)
 // block's 16 rows of step t, K-major in 8 x 8 core matrices (element (column n, row r) at
 // (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes; TF32 mode's D row-major within
 // its core matrices: (r % 8) 16 + (n % 8) 2, which the loops store without a transpose). D: 4
-// planes of H = 128 columns,
-// plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z: RNND_DW16_NZ columns (h's 128, x's
-// 64 padded with zeros, the constant 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z
-// (or, written by the LSTM's forward, in its tape: dw16_args.z).
+// planes of H = 128 columns, plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z:
+// RNND_DW16_NZ columns (h's 128, x's 64 padded with zeros, the constant 1, zeros), chunk c at
+// 4 pitch RNND_DW16_D + c RNND_DW16_Z (or, written by the forward, in its tape: dw16_args.z).
 // Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
 // 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
 // (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.

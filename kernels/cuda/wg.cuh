@@ -1,9 +1,9 @@
 /*
- * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu and step_wg.cu share: shared-memory
- * matrix descriptors and the K-major operand offset, mbarriers, bulk and tensor-map copies (TMA)
- * and the fence / commit / wait of the
- * asynchronous warpgroup MMAs (wgmma, sm_90a), and the m64n16k16 fp16 MMAs that the GRU's loops
- * share (the wgmma forward's, the ZF backward's dh); the other shapes stay with their kernels.
+ * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu, step_wg.cu and seq_persist.cuh share:
+ * shared-memory matrix descriptors and the K-major operand offset, ldmatrix, mbarriers, bulk and
+ * tensor-map copies (TMA), the fence / commit / wait of the asynchronous warpgroup MMAs (wgmma,
+ * sm_90a), and the m64n16k16 fp16 MMAs that the GRU's loops share (the wgmma forward's, the ZF
+ * backward's dh); the other shapes stay with their kernels.
  *
  * Operands in shared memory are K-major in core matrices of 8 rows x 16 bytes (128 contiguous
  * bytes), no swizzle: core matrices adjacent in K 128 bytes apart (the descriptor's leading byte
@@ -18,6 +18,21 @@
 
 static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// ldmatrix of four 8x8 matrices of 16-bit elements, lane L giving the row address of row L%8 of
+// matrix L/8; TRANS hands each lane a column pair instead of a row pair.
+template <bool TRANS>
+static __device__ __forceinline__ void ldmatrix_x4_at(uint32_t r[4], const void *row) {
+    const uint32_t addr = smem_u32(row);
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
 }
 
 // Shared-memory matrix descriptor: start address, leading byte offset 128, stride byte offset

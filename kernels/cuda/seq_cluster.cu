@@ -10,9 +10,13 @@
  * Two cluster shapes, one template each loop (cshape below): ROWS = 64 (v11, the default) and
  * ROWS = 80 (v11b: B = 2048 in 26 clusters, one wave on an H100; seq.cu's seq_cluster_rows picks
  * it where it saves a wave). 64 rows: W_ih's 256 x I_l slice in registers, h and x tiles
- * double-buffered, one cluster barrier a step (arrive after the writes, wait before the reads),
- * which orders the reads of step t before the writes of step t+2 and the writes of step t+1
- * before its reads. 80 rows (the `WIDE` branches): see the forward and backward kernels.
+ * double-buffered; 80 rows (the `WIDE` branches): see the forward and backward kernels.
+ *
+ * The values another CTA waits for (h in the forward, dh's partials in the backward) travel by
+ * st.async and complete on an mbarrier of the receiving CTA (one phase a step), not by stores
+ * and a barrier.cluster.arrive.release: its fence waited for every tape store the thread had
+ * issued (NOTES v33). Cluster barriers remain where a buffer is rewritten only after every CTA has
+ * read it; they order reads alone, so they arrive relaxed.
  *
  * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all rows: MT = ROWS / 16
  * m-tiles x 4 n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each
@@ -86,6 +90,14 @@ __device__ __forceinline__ void cluster_arrive() {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #endif
 }
+// For a barrier that only orders this thread's shared-memory reads before other CTAs' writes
+// (write after read): the reads have returned (their values were used) before it, so no release,
+// whose fence would also wait for every global store (the tape's) and st.async issued before.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -110,12 +122,89 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
-__device__ __forceinline__ void cluster_st2(uint32_t addr, float x, float y) {
+// st.async: an 8- or 16-byte store into shared memory at cluster address addr (any CTA of the
+// cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in the
+// CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
+// barrier.cluster.arrive.release, which would first wait for every global store it issued before
+// (the tape's; NOTES v33).
+__device__ __forceinline__ void cluster_st_async(uint32_t addr, uint2 v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y)
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+            addr),
+        "r"(v.x), "r"(v.y), "r"(bar)
+        : "memory");
+#else
+    (void)addr, (void)v, (void)bar;
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
+                 "%4}, [%5];" ::"r"(addr),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
                  : "memory");
 #else
-    (void)addr, (void)x, (void)y;
+    (void)addr, (void)v, (void)bar;
+    __trap();
+#endif
+}
+// Lanes l and l ^ m (m = 1 or 2: lanes of one quad) each hold a value of two rows, r0 and r1,
+// side by side in those rows (the lane with bit m clear on the left). After the swap the lane with
+// bit m clear (up false) holds both lanes' r0, the other both lanes' r1, left value first: one
+// store of twice the width where there were two (a st.async phase counts one mbarrier
+// transaction a store).
+template <class T> struct pair2 {
+    T lo, hi;
+};
+__device__ __forceinline__ uint32_t shfl_xor_u(uint32_t v, int m) {
+    return __shfl_xor_sync(0xffffffffu, v, m);
+}
+__device__ __forceinline__ uint2 shfl_xor_u(uint2 v, int m) {
+    return make_uint2(shfl_xor_u(v.x, m), shfl_xor_u(v.y, m));
+}
+template <class T> __device__ __forceinline__ pair2<T> quad_swap(T r0, T r1, int m, bool up) {
+    const T got = shfl_xor_u(up ? r0 : r1, m);
+    return up ? pair2<T>{got, r1} : pair2<T>{r0, got};
+}
+__device__ __forceinline__ uint2 cat(pair2<uint32_t> p) { return make_uint2(p.lo, p.hi); }
+__device__ __forceinline__ uint4 cat(pair2<uint2> p) {
+    return make_uint4(p.lo.x, p.lo.y, p.hi.x, p.hi.y);
+}
+
+// The mbarriers of the st.async exchanges: each phase has one arrival, its CTA's own (arm: with
+// the bytes the phase waits for), and completes when those bytes have landed; st.async's bytes
+// may land before the arrival (the phase cannot complete without it).
+// n of them at b, made visible to the cluster (one thread, before a cluster barrier).
+__device__ __forceinline__ void cluster_mbar_init(uint64_t *b, int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    for (int k = 0; k < n; k++)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b + k)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+    (void)b, (void)n;
+#endif
+}
+__device__ __forceinline__ void cluster_mbar_arm(uint64_t *b, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     smem_u32(b)),
+                 "r"(bytes)
+                 : "memory");
+#else
+    (void)b, (void)bytes;
+#endif
+}
+__device__ __forceinline__ void cluster_mbar_wait(uint64_t *b, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+#else
+    (void)b, (void)parity;
     __trap();
 #endif
 }
@@ -189,15 +278,16 @@ __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned c
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. 64 rows: one cluster barrier a step (see the top). 80 rows (WIDE): 128 KB W_hh + 2 x
+// Forward. Step t's h (from every CTA) and x (this CTA's own, by st.async to itself) complete
+// A_t: phase t / NB of the mbarrier hfull[t % NB], which thread 0 arms again for step t + NB
+// once it has waited for step t. 64 rows: nothing else; every CTA writes h_{t+1} into tile
+// (t + 1) & 1 after A_t, which needs each CTA's h_t, written after that CTA's MMAs of step t - 1
+// read the same tile. 80 rows (WIDE): 128 KB W_hh + 2 x
 // 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile are single-buffered
 // and W_ih moves from registers (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32
-// = 220 KB. Two cluster barriers a step instead of one: A_t (arrive after the h stores of step
-// t, wait before the MMAs of t: the tile holds h_t) and B_t (arrive right after the MMAs of t,
-// wait before the h stores of t + 1: every CTA has read h_t and this CTA x_t), so the cell runs
-// while B_t completes. A thread's barrier sequence: start, hmax, A_0, then per step wait A_t,
-// [arrive B_t, wait B_t, arrive A_{t+1}] (t + 1 < T): the same in every CTA; after the last wait
-// (A_{T-1}) no CTA writes to another's shared memory.
+// = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait before the h stores
+// of t + 1: every CTA has read h_t and x_t) lets the cell run while it completes. After A_{T-1}
+// no CTA writes to another's shared memory.
 template <int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
@@ -208,6 +298,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
+    __shared__ uint64_t hfull[S::NB]; // step t's h and x tiles landed: hfull[t % NB]
     unsigned char *wsm = smem;
     unsigned char *wism = smem + S::WIHBASE; // WIDE: W_ih's fragments
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
@@ -222,7 +313,19 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     using WL = persist_wlayout<8>;
     using WLX = persist_wlayout<4>;
 
-    // Every CTA of the cluster has started before any distributed shared memory access.
+    // A phase of hfull: the h tile from all CL CTAs (every row) and this CTA's x rows within B
+    // (computed where used: registers are short).
+    auto arm = [&](uint64_t *b) {
+        const int nrows = min(ROWS, max(0, a.B - (int)(blockIdx.x / CL) * ROWS));
+        cluster_mbar_arm(b, (uint32_t)(S::HTILE + (long)nrows * a.Il * 4));
+    };
+    if (threadIdx.x == 0) {
+        cluster_mbar_init(hfull, S::NB);
+        for (int k = 0; k < S::NB && k < T; k++)
+            arm(&hfull[k]);
+    }
+    // Every CTA of the cluster has started (and its mbarriers are initialized) before any
+    // distributed shared memory access.
     cluster_arrive();
     cluster_wait();
 
@@ -381,17 +484,20 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     xv[k] = __ldg(reinterpret_cast<const float4 *>(xsrc[k] + (size_t)t * a.ldx));
             }
     };
+    // The x tile goes by st.async to this CTA itself: its bytes complete on hfull as h's do.
+    // (Cluster addresses are mapped where used: registers are short.)
     auto put_x = [&](int t) {
-        unsigned char *tile = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
+        const int nb = WIDE ? 0 : t & 1;
+        const uint32_t tile = cluster_map(sbase + (uint32_t)(S::XBASE + nb * S::XTILE), rank),
+                       bar = cluster_map(smem_u32(hfull + nb), rank);
 #pragma unroll
         for (int k = 0; k < MT; k++)
             if (x_ok(k)) {
                 float4 v = xv[k];
-                *reinterpret_cast<float4 *>(tile + xto[k]) =
-                    make_float4(__uint_as_float(f32_to_tf32(v.x * hscale)),
-                                __uint_as_float(f32_to_tf32(v.y * hscale)),
-                                __uint_as_float(f32_to_tf32(v.z * hscale)),
-                                __uint_as_float(f32_to_tf32(v.w * hscale)));
+                cluster_st_async(tile + xto[k],
+                                 make_uint4(f32_to_tf32(v.x * hscale), f32_to_tf32(v.y * hscale),
+                                            f32_to_tf32(v.z * hscale), f32_to_tf32(v.w * hscale)),
+                                 bar);
                 if constexpr (WIDE) {
                     if (xd[k])
                         *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
@@ -417,17 +523,34 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // h entering step t (this lane's elements) into tile t & 1 (64 rows) or the tile (WIDE) of
     // every CTA, and the tape.
     auto put_h = [&](const float hv[MT][2][2], int t) {
-        const uint32_t bo = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE);
+        const int nb = WIDE ? 0 : t & 1;
+        const uint32_t bo = (uint32_t)(nb * S::HTILE), bar = smem_u32(hfull + nb);
+        auto send = [&](int row, int unit, auto v) {
+            const uint32_t o = bo + hoff(row, unit);
+#pragma unroll
+            for (int r = 0; r < CL; r++)
+                cluster_st_async(hrem[r] + o, v, cluster_map(bar, r));
+        };
+        // A lane quad holds 8 units (16 bytes) of each of its rows: two swaps (quad_swap) give
+        // each lane all 8 of one row, one store a row and CTA.
+        const int i1 = tg & 1, hi = tg >> 1, u8 = rank * UPC + 8 * w;
+        uint2 q[MT]; // row (mt, i1), units u8 + 4 hi + [0, 4)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            __half2 p0 = __floats2half2_rn(hv[mt][0][0] * hscale, hv[mt][0][1] * hscale);
+            __half2 p1 = __floats2half2_rn(hv[mt][1][0] * hscale, hv[mt][1][1] * hscale);
+            q[mt] = cat(quad_swap(*reinterpret_cast<uint32_t *>(&p0),
+                                  *reinterpret_cast<uint32_t *>(&p1), 1, i1));
+        }
+#pragma unroll
+        for (int mt = 0; mt + 1 < MT; mt += 2) // row (mt + hi, i1)
+            send(16 * (mt + hi) + g + 8 * i1, u8, cat(quad_swap(q[mt], q[mt + 1], 2, hi)));
+        if constexpr (MT % 2 == 1) // 80 rows: the last m-tile 8 bytes a store
+            send(16 * (MT - 1) + g + 8 * i1, u8 + 4 * hi, q[MT - 1]);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-                __half2 p = __floats2half2_rn(hv[mt][i][0] * hscale, hv[mt][i][1] * hscale);
-                const uint32_t v = *reinterpret_cast<uint32_t *>(&p), o = bo + hoff(row, ub);
-#pragma unroll
-                for (int r = 0; r < CL; r++)
-                    cluster_st(hrem[r] + o, v);
                 if (a.z && rv[mt][i]) {
                     float *zr = a.z + (rowT(mt, i) + t) * a.ldz;
                     *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
@@ -472,7 +595,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
         for (int i = 0; i < 2; i++)
             nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
-    cluster_arrive(); // WIDE: A_0
 
     // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
     // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
@@ -486,7 +608,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
 
     for (int t = 0; t < T; t++) {
-        cluster_wait(); // h of step t complete in every CTA's tile (t & 1); WIDE: A_t, x_t too
+        // A_t: h of step t complete in every CTA's tile, x_t in this CTA's; then the phase of
+        // step t + NB is armed.
+        cluster_mbar_wait(&hfull[t % S::NB], (t / S::NB) & 1);
+        if (threadIdx.x == 0 && t + S::NB < T)
+            arm(&hfull[t % S::NB]);
         const bool more = t + 1 < T;
         if constexpr (!WIDE)
             if (more)
@@ -512,7 +638,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         mma_whh(acc, wsm, hb, ho, w, lane);
         if constexpr (WIDE)
             if (more) {
-                cluster_arrive(); // B_t: this CTA has read the h and x tiles of step t
+                cluster_arrive_relaxed(); // B_t: this CTA has read the h and x tiles of step t
                 load_x(t + 1);    // in flight during the cell
             }
 
@@ -568,9 +694,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
             if constexpr (WIDE)
                 cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
-            put_h(h, t + 1);
+            put_h(h, t + 1); // A_{t+1}
             put_x(t + 1);
-            cluster_arrive(); // WIDE: A_{t+1}
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -606,21 +731,21 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // distributed shared memory, slot r of its receive buffer; CTA r' sums its four slots in a fixed
 // order (deterministic).
 //
-// 64 rows: two cluster barriers a step, "partials in" before the sums, and "sums read" (arrive
-// right after them, wait just before the next step's partials go out); dL/dh is carried in
-// registers and the next step's tape record prefetched into registers.
+// The partials of step t complete P_t ("partials in": a phase of the mbarrier pfull, armed again
+// for step t - 1 once waited for). 64 rows: a cluster barrier "sums read" (arrive right after
+// the sums, wait just before the next step's partials go out); dL/dh is carried in registers and
+// the next step's tape record prefetched into registers.
 //
 // 80 rows (WIDE): the 64-row layout (128 KB W_hh, A tile 80 x 256 fp16 = 40 KB, receive slots 4 x
 // 80 x 64 fp32 = 80 KB) would need 248 KB, so the receive slots share their memory with the A
 // tile: 128 + 80 = 208 KB. A CTA's partials may then land only after every CTA of the cluster has
-// finished its MMAs (which read its A tile), so the barriers of a step are M_t (arrive and wait
-// right after the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came
-// before its MMAs of t) and P_t (after the sends: every partial in). The A tile of step t - 1 is
-// written after this CTA's own sums of step t (the __syncthreads after the row maxima orders
-// them). A thread's barrier sequence: start, then per step M_t, P_t; the last wait (P_0) comes
-// after every write to this CTA's shared memory. Registers (255 with 16 bytes spilled, as the
-// 64-row backward): dL/dh stays in the receive slots between steps (see below) and a step's tape
-// record is loaded at its start, with the next one's prefetched into L2.
+// finished its MMAs (which read its A tile): a cluster barrier M_t (arrive and wait right after
+// the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came before its
+// MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this CTA's own
+// sums of step t (the __syncthreads after the row maxima orders them). P_0 comes after every
+// write to this CTA's shared memory. Registers: dL/dh stays in the receive slots between steps
+// (see below) and a step's tape record is loaded at its start, with the next one's prefetched
+// into L2.
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -633,6 +758,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     __shared__ float red[NWC];
     __shared__ float rowmax[NWC][ROWS];
     __shared__ float rowinv[ROWS];
+    __shared__ uint64_t pfull; // step t's partials (every CTA's) landed: P_t
     unsigned char *wsm = smem;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t abase = sbase + (uint32_t)C_WBYTES;
@@ -647,6 +773,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0; // this lane's first unit
     using WL = persist_wlayout<8>;
 
+    if (threadIdx.x == 0) { // its first phase: step T - 1's partials, all of them
+        cluster_mbar_init(&pfull, 1);
+        cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
+    }
     cluster_arrive();
     cluster_wait();
 
@@ -787,7 +917,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
     __syncthreads(); // the weights are in place
     if constexpr (!WIDE)
-        cluster_arrive(); // "sums read" of a step before the first
+        cluster_arrive_relaxed(); // "sums read" of a step before the first
 
     for (int t = T - 1; t >= 0; t--) {
         if constexpr (WIDE)
@@ -863,7 +993,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         zero_acc(acc);
         mma_whh(acc, wsm, ab, 0u, w, lane);
         if constexpr (WIDE)
-            cluster_arrive(); // M_t: this CTA's A tile is read
+            cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -874,20 +1004,25 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
         // read, the receive slots may be written.
         cluster_wait();
+        // Lane tg's two units of rows (mt, 0) and (mt, 1) regrouped in its quad (quad_swap): four
+        // units of row (mt, tg & 1) from unit 4 (tg / 2) of the n-tile, 16 bytes a store.
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int row = 16 * mt + g + 8 * i;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    const int lu = 32 * (w & 1) + 8 * nt + 2 * tg;
-                    cluster_st2(dst + (uint32_t)roff(row, lu) * 4, acc[mt][nt][2 * i] * ri[mt][i],
-                                acc[mt][nt][2 * i + 1] * ri[mt][i]);
-                }
+            for (int nt = 0; nt < 4; nt++) {
+                const int i1 = tg & 1, row = 16 * mt + g + 8 * i1,
+                          lu = 32 * (w & 1) + 8 * nt + 4 * (tg >> 1);
+                auto part = [&](int i) {
+                    return make_uint2(__float_as_uint(acc[mt][nt][2 * i] * ri[mt][i]),
+                                      __float_as_uint(acc[mt][nt][2 * i + 1] * ri[mt][i]));
+                };
+                cluster_st_async(dst + (uint32_t)roff(row, lu) * 4,
+                                 cat(quad_swap(part(0), part(1), 1, i1)),
+                                 cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1)));
             }
-        cluster_arrive();
-        cluster_wait(); // every partial is in (WIDE: P_t)
+        cluster_mbar_wait(&pfull, (T - 1 - t) & 1); // P_t: every partial is in
+        if (threadIdx.x == 0 && t > 0)
+            cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
 
         // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
         // (DESIGN.md §2): carried into step t - 1, or out where it ends here. 64 rows: the sums
@@ -902,7 +1037,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     const float2 s = slot_sum(16 * mt + g + 8 * i);
                     dh[mt][i][0] = s.x, dh[mt][i][1] = s.y;
                 }
-            cluster_arrive(); // this CTA's sums are read
+            cluster_arrive_relaxed(); // this CTA's sums are read
         } else {
             carried = 0;
         }
@@ -948,7 +1083,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             }
     }
     // 64 rows: the last "sums read": no CTA leaves while another may still write to it. WIDE: P_0
-    // was the last barrier: every write to this CTA's shared memory is done.
+    // was the last wait: every write to this CTA's shared memory is done.
     if constexpr (!WIDE)
         cluster_wait();
 }

@@ -173,36 +173,30 @@ __device__ __forceinline__ uint4 cat(pair2<uint2> p) {
     return make_uint4(p.lo.x, p.lo.y, p.hi.x, p.hi.y);
 }
 
-// The mbarriers of the st.async exchanges: each phase has one arrival, its CTA's own (arm: with
-// the bytes the phase waits for), and completes when those bytes have landed; st.async's bytes
-// may land before the arrival (the phase cannot complete without it).
-// n of them at b, made visible to the cluster (one thread, before a cluster barrier).
+// The mbarriers of the st.async exchanges (wg.cuh's, behind this file's sm_80 guards): each phase
+// has one arrival, its CTA's own (arm: with the bytes the phase waits for), and completes when
+// those bytes have landed; st.async's bytes may land before the arrival (the phase cannot
+// complete without it). init: n of them at b, made visible to the cluster (one thread, before a
+// cluster barrier).
 __device__ __forceinline__ void cluster_mbar_init(uint64_t *b, int n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     for (int k = 0; k < n; k++)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b + k)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init(b + k, 1);
+    fence_mbar_init();
 #else
     (void)b, (void)n;
 #endif
 }
 __device__ __forceinline__ void cluster_mbar_arm(uint64_t *b, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
-                     smem_u32(b)),
-                 "r"(bytes)
-                 : "memory");
+    mbar_arrive_expect_tx(b, bytes);
 #else
     (void)b, (void)bytes;
 #endif
 }
 __device__ __forceinline__ void cluster_mbar_wait(uint64_t *b, int parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-                 "r"(parity)
-                 : "memory");
+    mbar_wait<true>(b, parity);
 #else
     (void)b, (void)parity;
     __trap();
@@ -1005,7 +999,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // read, the receive slots may be written.
         cluster_wait();
         // Lane tg's two units of rows (mt, 0) and (mt, 1) regrouped in its quad (quad_swap): four
-        // units of row (mt, tg & 1) from unit 4 (tg / 2) of the n-tile, 16 bytes a store.
+        // units of row (mt, tg & 1) from unit 4 (tg / 2) of the n-tile, 16 bytes a store. The
+        // receiver's pfull is mapped at each store: a register held across the loop would spill.
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll

@@ -65,12 +65,21 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b))
                  : "memory");
 }
+// CLUSTER: the phase's data came from other CTAs of the cluster (st.async): acquire at that scope.
+template <bool CLUSTER = false>
 static __device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-                 "r"(parity)
-                 : "memory");
+    if constexpr (CLUSTER)
+        asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+                     "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                     "r"(parity)
+                     : "memory");
+    else
+        asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                     "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+                     "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                     "r"(parity)
+                     : "memory");
 }
 // An arrival on b once every cp.async this thread issued before has landed (.noinc: it counts
 // toward b's arrivals like mbar_arrive).
@@ -86,7 +95,16 @@ static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t byte
                  "r"(bytes)
                  : "memory");
 }
-// Makes the mbarriers this thread initialized visible to the copy engine (the tensor-map copies).
+// An arrival on b that also raises the bytes its current phase waits for, in one operation;
+// relaxed: it orders none of this thread's earlier accesses.
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *b, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     smem_u32(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+// Makes the mbarriers this thread initialized visible to the copy engine (the tensor-map copies)
+// and to the other CTAs of the cluster.
 static __device__ __forceinline__ void fence_mbar_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }

@@ -147,7 +147,8 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //        hn = W_hn h + b_hn; LSTM [a_i, a_f, a_g, a_o | cprev], the gates' pre-activations and
 //        the cell state entering the step (H fp32). The 4H pre-activation planes (and hn) are
 //        fp16 where the backward runs in the persistent or cluster loops, else fp32 (seq.cu's
-//        tape_half). The layout holds fp32 rows.
+//        tape_half); for the cluster loops in blocks of 8 rows instead of rows (tape_b8 in
+//        seq_persist.cuh). The layout holds fp32 rows.
 // The top layer's output goes to `out`; layer l < L-1 writes its output straight into z of
 // layer l+1 (the x_l part), which is what that layer reads as input.
 

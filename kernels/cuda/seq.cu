@@ -202,10 +202,17 @@ static int seq_cluster_bwd(const struct cuda_ctx *c, const struct rnnd_model *m,
 // the 1e-3 bound for one more rounding (an LSTM H = 256, B = 33 case measured 9.6e-4 with fp32
 // and 1.0e-3 with fp16 planes). Forward and backward of one tape agree: this depends on the
 // context, the model and B only.
+static bool tape_blocked(const struct cuda_ctx *c, const struct rnnd_model *m, int B);
 static bool tape_half(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
-    return rnnd__cuda_seq_persistent(c, m) ||
-           (m->cell == RNND_CELL_LSTM && seq_cluster_bwd(c, m, B) > 0);
+    return rnnd__cuda_seq_persistent(c, m) || tape_blocked(c, m, B);
 }
+// The LSTM's tape for the cluster backward holds its record in tape_b8's blocks of 8 rows, one
+// 16-byte and one 8-byte access a row for the cluster loops (NOTES v34). The layout's fp32 rows
+// hold them: B rounded up to 8 rows of 3H floats is less than B rows of 5H (B >= 320).
+static bool tape_blocked(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
+    return m->cell == RNND_CELL_LSTM && seq_cluster_bwd(c, m, B) > 0;
+}
+static_assert(RNND_CLUSTER_BWD_MIN_ROWS >= 11, "B + 7 rows of 3H floats within B rows of 5H");
 
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
@@ -240,19 +247,37 @@ struct stepwise_args {
     const float *h0, *c0, *hidden, *cell;
     float *z; // tape z (hprev at 0)
     int ldz, xoff, Il;
-    float *s; // tape s
+    float *s;  // tape s
+    bool sblk; // s in tape_b8's blocks (tape_blocked; HALF)
     const float *b_ih, *b_hh;
 };
 
-// z row r: hprev = h, the constant 1 and zero pads; the LSTM's cprev.
-template <class Cell, bool HALF>
-static __device__ void stepwise_put_state(const stepwise_args &a, size_t r, int u, float h,
-                                          float c) {
+// Plane p of unit u at row b, step t of a layer's s: in rows of tape_rec or (sblk) in tape_b8's
+// blocks.
+template <class Cell, bool HALF, class A>
+static __device__ float tape_get(const A &a, size_t b, int t, int p, int u) {
     using TR = tape_rec<Cell, HALF>;
-    float *zr = a.z + r * a.ldz;
+    if (HALF && a.sblk)
+        return tape_b8::get(a.s, b, t, p, u, a.T, a.H);
+    return TR::get(a.s + (b * a.T + t) * TR::floats(a.H), p, a.H, u);
+}
+template <class Cell, bool HALF>
+static __device__ void tape_put(const stepwise_args &a, size_t b, int t, int p, int u, float v) {
+    using TR = tape_rec<Cell, HALF>;
+    if (HALF && a.sblk)
+        tape_b8::put(a.s, b, t, p, u, a.T, a.H, v);
+    else
+        TR::put(a.s + (b * a.T + t) * TR::floats(a.H), p, a.H, u, v);
+}
+
+// z row (b, t): hprev = h, the constant 1 and zero pads; the LSTM's cprev.
+template <class Cell, bool HALF>
+static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int t, int u, float h,
+                                          float c) {
+    float *zr = a.z + (b * a.T + t) * a.ldz;
     zr[u] = h;
     if (Cell::G == 4)
-        TR::put(a.s + r * TR::floats(a.H), 4, a.H, u, c);
+        tape_put<Cell, HALF>(a, b, t, 4, u, c);
     if (u == 0) {
         zr[a.H] = 1.0f;
         for (int k = a.H + 1; k < a.xoff; k++)
@@ -280,14 +305,13 @@ static __global__ void stepwise_init_kernel(const stepwise_args a) {
         if (a.c0)
             c = a.c0[(b * a.L + a.l) * H + u];
     }
-    stepwise_put_state<Cell, HALF>(a, r, u, h, c);
+    stepwise_put_state<Cell, HALF>(a, b, 0, u, h, c);
 }
 
 template <class Cell, bool HALF>
 static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const float *xg,
                                             const float *hg, float *y, int ldy, float *h_n,
                                             float *c_n) {
-    using TR = tape_rec<Cell, HALF>;
     constexpr int G = Cell::G, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -302,21 +326,20 @@ static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const 
         xq[q] = xg[r * (G * H) + q * H + u] + a.b_ih[q * H + u];
         hq[q] = hg[b * (G * H) + q * H + u] + a.b_hh[q * H + u];
     }
-    float *srow = a.s + r * TR::floats(H);
     float h = a.z[r * a.ldz + u];
-    float c = LSTM ? TR::get(srow, 4, H, u) : 0.0f;
+    float c = LSTM ? tape_get<Cell, HALF>(a, b, t, 4, u) : 0.0f;
     float hn, cn;
     Cell::template forward<false>(xq, hq, h, c, hn, cn, s);
     y[r * ldy + u] = hn;
     for (int p = 0; p < 4; p++)
-        TR::put(srow, p, H, u, s[p]);
+        tape_put<Cell, HALF>(a, b, t, p, u, s[p]);
     if (t + 1 < T) {
         size_t r1 = r + 1;
         if (a.is_init[r1]) {
             hn = a.hidden ? a.hidden[(r1 * a.L + a.l) * H + u] : 0.0f;
             cn = a.cell ? a.cell[(r1 * a.L + a.l) * H + u] : 0.0f;
         }
-        stepwise_put_state<Cell, HALF>(a, r1, u, hn, cn);
+        stepwise_put_state<Cell, HALF>(a, b, t + 1, u, hn, cn);
     } else {
         if (h_n)
             h_n[(b * a.L + a.l) * H + u] = hn;
@@ -332,6 +355,7 @@ struct stepwise_bwd_args {
     const float *z;
     int ldz;
     const float *s;
+    bool sblk; // as stepwise_args
     const float *gy;
     int ldgy;
     const float *gh_n, *gc_n;
@@ -343,7 +367,6 @@ struct stepwise_bwd_args {
 
 template <class Cell, bool HALF>
 static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
-    using TR = tape_rec<Cell, HALF>;
     constexpr int G = Cell::G, SW = Cell::SW;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
@@ -362,7 +385,7 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
     }
     float s[SW], d[4], tile[G], ddir, dcp;
     for (int p = 0; p < SW; p++)
-        s[p] = TR::get(a.s + r * TR::floats(H), p, H, u);
+        s[p] = tape_get<Cell, HALF>(a, b, t, p, u);
     float hprev = a.z[r * a.ldz + u];
     Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
                                      dcp);
@@ -579,6 +602,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
             a.hidden = seq->hidden, a.cell = seq->cell;
             a.z = z, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il, a.s = s;
+            a.sblk = tape_blocked(c, m, B);
             a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
             RNND_TRY(stepwise_forward(c, m, a, shalf, lp, xg, hg, y, ldy, h_n, c_n));
         }
@@ -742,7 +766,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             stepwise_bwd_args sw = {};
             sw.B = B, sw.T = T, sw.H = H, sw.L = L, sw.l = l;
             sw.stored = a.stored, sw.is_init = a.is_init;
-            sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.gy = gy, sw.ldgy = H;
+            sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = tape_blocked(c, m, B);
+            sw.gy = gy, sw.ldgy = H;
             sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
             sw.dh = dh, sw.dc = dc, sw.dhp = dhp, sw.dcp = dcp;
             sw.g_h0 = grads->h0, sw.g_c0 = grads->c0;

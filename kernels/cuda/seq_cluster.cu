@@ -27,9 +27,10 @@
  * unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding (the padding would
  * not fit): 64 rows 128 + 64 + 32 KB = 224 KB.
  *
- * The tape written is the one of the per-step path and of seq_persist.cuh (z = [hprev | 1 | x],
- * s = i, f, g, o, cprev in fp32), so any backward reads it. The backward loop in the same
- * clusters (below) runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
+ * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev),
+ * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
+ * planes in tape_b8's blocks (seq_persist.cuh) for the backward loop in the same clusters
+ * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
  * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11).
  */
 #include "seq_persist.cuh"
@@ -659,7 +660,17 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     size_t r = rowT(mt, i) + t;
                     *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
                         make_float2(hn[mt][i][0], hn[mt][i][1]);
-                    if (a.s) {
+                    if (a.s && HALF) { // tape_b8: this lane's 16 + 8 bytes of the block
+                        float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
+                        uint32_t q[4];
+#pragma unroll
+                        for (int p = 0; p < 4; p++) {
+                            __half2 v = __floats2half2_rn(sv[p][0], sv[p][1]);
+                            q[p] = *reinterpret_cast<uint32_t *>(&v);
+                        }
+                        *reinterpret_cast<uint4 *>(k + 4 * lane) = make_uint4(q[0], q[1], q[2], q[3]);
+                        *reinterpret_cast<float2 *>(k + 128 + 2 * lane) = make_float2(sv[4][0], sv[4][1]);
+                    } else if (a.s) {
 #pragma unroll
                         for (int p = 0; p < 5; p++)
                             TR::put2(a.s + r * TR::floats(H), p, H, ub,
@@ -746,8 +757,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     using S = cshape<ROWS>;
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
-    using TR = tape_rec<cell_lstm, true>; // the only tape it runs on (cluster_backward)
-    static_assert(TR::SH == 4, "four fp16 planes and cprev");
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float rowmax[NWC][ROWS];
@@ -873,28 +882,30 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             for (int i = 0; i < 2; i++) {
                 size_t r = rowb(mt, i) * T + t;
                 bool ok = rv[mt][i];
-#pragma unroll
-                for (int p = 0; p < 4; p++)
-                    svh[p][mt][i] = ok ? TR::ld2_packed(a.s + r * TR::floats(H), p, H, ub) : 0u;
-                sv[mt][i] =
-                    ok ? TR::get2(a.s + r * TR::floats(H), 4, H, ub) : make_float2(0.0f, 0.0f);
+                const float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
+                const uint4 q = ok ? __ldg(reinterpret_cast<const uint4 *>(k + 4 * lane))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+                svh[0][mt][i] = q.x, svh[1][mt][i] = q.y, svh[2][mt][i] = q.z, svh[3][mt][i] = q.w;
+                sv[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(k + 128 + 2 * lane))
+                               : make_float2(0.0f, 0.0f);
                 gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(a.is_init + r, ok);
             }
         if constexpr (WIDE) {
+            // Step t - 1's blocks (six lines each, lanes 0-5, where the group has a row) and gy
+            // (one lane in four: a 32-byte sector).
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
-                    if (rv[mt][i] && tg == 0 && t > 0) {
-                        size_t r = rowb(mt, i) * T + t - 1;
-                        const float *row = a.s + r * TR::floats(H);
-#pragma unroll
-                        for (int p = 0; p < 5; p++)
-                            prefetch_l2(p < TR::SH ? (const void *)(TR::hp(row, p, H) + ub)
-                                                   : (const void *)(TR::fp(row, p, H) + ub));
-                        prefetch_l2(a.gy + r * a.ldgy + ub);
+                    if (t > 0) {
+                        const int b8 = row0 + 16 * mt + 8 * i;
+                        if (b8 < a.B && lane < 6)
+                            prefetch_l2(a.s + tape_b8::block8(b8 / 8, t - 1, ub, T, HC) +
+                                        32 * lane);
+                        if (rv[mt][i] && tg == 0)
+                            prefetch_l2(a.gy + (rowb(mt, i) * T + t - 1) * a.ldgy + ub);
                     }
         }
     };
@@ -929,7 +940,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     float s[5], d[4], tl[4], ddir;
 #pragma unroll
                     for (int p = 0; p < 4; p++) {
-                        const float2 v = TR::unpack2(svh[p][mt][i]);
+                        const float2 v = tape_rec<cell_lstm, true>::unpack2(svh[p][mt][i]);
                         s[p] = j ? v.y : v.x;
                     }
                     s[4] = j ? sv[mt][i].y : sv[mt][i].x;

@@ -692,6 +692,45 @@ struct tape_rec {
     }
 };
 
+// The LSTM's fp16 tape where its backward runs in clusters (seq.cu's tape_blocked; H = 256,
+// seq_cluster.cu): blocks of 8 rows x 8 units, [b / 8][t][u / 8], 768 bytes each. Lane
+// l = 4 (b % 8) + (u % 8) / 2 holds units u, u + 1 (u even) of row b: the four fp16 planes in
+// 16 bytes at 16 l (plane p's pair at 4 p), cprev in 8 bytes at 512 + 8 l. A cluster warp's
+// lane (g, tg) owns exactly that lane's elements (rows 8 i + g of 8-aligned groups, units 8 w +
+// 2 tg + j), so a step's record takes it one 16-byte and one 8-byte access a row, each warp
+// access 768 contiguous bytes; in rows of tape_rec each of five accesses touched 8 rows' lines
+// (NOTES v34). The blocks of a partial last group run to a multiple of 8 rows.
+struct tape_b8 {
+    static constexpr int FLOATS = 192; // a block
+    // The block of row group b8 (rows [8 b8, 8 b8 + 8)), step t, unit u; of row b.
+    static __device__ __forceinline__ size_t block8(size_t b8, int t, int u, int T, int H) {
+        return ((b8 * T + t) * (size_t)(H / 8) + u / 8) * FLOATS;
+    }
+    static __device__ __forceinline__ size_t block(size_t b, int t, int u, int T, int H) {
+        return block8(b / 8, t, u, T, H);
+    }
+    static __device__ __forceinline__ int lane(size_t b, int u) {
+        return 4 * (int)(b % 8) + (u % 8) / 2;
+    }
+    // Plane p (< 4: fp16; 4: cprev) of unit u at row b, step t.
+    static __device__ __forceinline__ float get(const float *s, size_t b, int t, int p, int u,
+                                                int T, int H) {
+        const float *k = s + block(b, t, u, T, H);
+        const int l = lane(b, u);
+        return p < 4 ? __half2float(reinterpret_cast<const __half *>(k)[8 * l + 2 * p + (u & 1)])
+                     : k[128 + 2 * l + (u & 1)];
+    }
+    static __device__ __forceinline__ void put(float *s, size_t b, int t, int p, int u, int T,
+                                               int H, float v) {
+        float *k = s + block(b, t, u, T, H);
+        const int l = lane(b, u);
+        if (p < 4)
+            reinterpret_cast<__half *>(k)[8 * l + 2 * p + (u & 1)] = __float2half_rn(v);
+        else
+            k[128 + 2 * l + (u & 1)] = v;
+    }
+};
+
 // A reset flag, kept as a plain int until it is used: a bool would be normalised (compared)
 // right after the load, and the warp would wait for the load there.
 static __device__ __forceinline__ int ld_flag(const uint8_t *p, bool ok) {

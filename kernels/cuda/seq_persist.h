@@ -26,8 +26,9 @@ struct persist_fwd_args {
     float *z;                    // tape z rows (ldz) or NULL: hprev at 0, 1 at H, x_l at xoff
     int ldz, xoff, Il;
     float *s;                    // tape s rows or NULL
-    bool shalf;                  // s's gate planes are fp16 (tape_rec); only the cluster loop
-                                 // writes either, the persistent ones take fp16 only
+    bool shalf;                  // s's gate planes are fp16 (tape_rec; the cluster loops:
+                                 // tape_b8's blocks); only the cluster loop writes either, the
+                                 // persistent ones take fp16 only
     float *h_n, *c_n;            // (B, L, H) or NULL
     const float *x;              // (B*T rows, ldx) the layer input, read by the loop when xks > 0
     int ldx;                     // or xcopy (then Il <= HP/2), else NULL
@@ -54,7 +55,8 @@ struct persist_bwd_args {
     const float *z;              // tape z rows (ldz): hprev
     int ldz;
     const float *s;              // tape s rows
-    bool shalf;                  // s's gate planes are fp16 (the only tape these loops read)
+    bool shalf;                  // s's gate planes are fp16 (the only tape these loops read;
+                                 // the cluster loop's in tape_b8's blocks)
     const float *gy;             // (B*T rows, ldgy): dL/d(layer output)
     int ldgy;
     const float *gh_n, *gc_n;    // (B, L, H) or NULL

@@ -1122,6 +1122,14 @@ int main(int argc, char **argv) {
     };
     for (int i = 0; !quick && i < (int)(sizeof(wide_states) / sizeof(wide_states[0])); i++)
         test_seq(&gpu, &cpu, &wide_states[i], false, 0.0f, 12.0f);
+    // An LSTM H=256 tape in tape_b8's blocks (B >= 320) written and read by the per-step loops:
+    // outputs and gradients one float past 16-byte alignment keep both cluster loops out.
+    if (!quick) {
+        const struct seq_case blocked = {LSTM, F32, 64, 256, 2, 330, 5, 0.1, STATE_H0, AUTO};
+        misalign = true;
+        test_seq(&gpu, &cpu, &blocked, false, 0.0f, 0.8f);
+        misalign = false;
+    }
 
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
     // from ~1000 rows at H=256; TF32 on Hopper: the 64 x 32 tiles on warpgroup MMAs from 9 rows

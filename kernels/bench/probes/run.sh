@@ -13,6 +13,6 @@ LIBDIR=$(dirname "$CUB")
 export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 for p in "${@:-dw16}"; do
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "/tmp/$p" "$p.cu" \
-        -L"$LIBDIR" -l:"$(basename "$CUB")"
+        -L"$LIBDIR" -l:"$(basename "$CUB")" -l:"$(basename "$CUB" | sed 's/cublas/cublasLt/')"
     "/tmp/$p" | tee ${OUT:+"$OUT/$p.jsonl"}
 done

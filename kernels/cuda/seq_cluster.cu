@@ -749,8 +749,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this CTA's own
 // sums of step t (the __syncthreads after the row maxima orders them). P_0 comes after every
 // write to this CTA's shared memory. Registers: dL/dh stays in the receive slots between steps
-// (see below) and a step's tape record is loaded at its start, with the next one's prefetched
-// into L2.
+// (see below); the step before's tape record is also prefetched into L2.
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -759,7 +758,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     constexpr bool WIDE = S::WIDE;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
-    __shared__ float rowmax[NWC][ROWS];
+    static_assert(NWC == 8, "rowmax: a row's maxima in two float4");
+    __shared__ __align__(16) float rowmax[ROWS][NWC]; // [row][warp]
     __shared__ float rowinv[ROWS];
     __shared__ uint64_t pfull; // step t's partials (every CTA's) landed: P_t
     unsigned char *wsm = smem;
@@ -786,7 +786,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, H, H, rank), 15, red),
                 winv = 1.0f / wscale;
 
-    // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 nt + n] for tile column k = 64 q + uu.
+    // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 (n / 2) + 2 nt + n % 2] for tile column
+    // k = 64 q + uu: lane tg's accumulators of a row (n-tiles nt, columns 2 tg + j) are units
+    // 32 w + 8 tg + [0, 8), which leave in two 16-byte stores with no exchange in the quad.
 #pragma unroll 2
     for (int ks = 0; ks < CKSH; ks++) {
         uint32_t o[8];
@@ -794,7 +796,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int nt = 0; nt < 4; nt++) {
             auto Bf = [&](int k, int n) -> float {
                 int q = k >> 6, uu = k & 63;
-                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + uu) * H + 32 * w + 8 * nt + n);
+                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + uu) * H + 32 * w +
+                             8 * (n >> 1) + 2 * nt + (n & 1));
             };
             mode_f16::wpack(o + 2 * nt, Bf, ks, g, tg, wscale);
         }
@@ -867,10 +870,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             return make_float2(dh[mt][i][0], dh[mt][i][1]);
     };
 
-    // Step t's tape record, output gradient and reset flag. 64 rows: loaded a step ahead into
-    // registers. WIDE: loaded at the start of the step (no registers to spare for a prefetch
-    // across the barriers); step t - 1's are prefetched into L2 right after (one lane in four: a
-    // 32-byte sector).
+    // Step t's tape record, output gradient and reset flag, loaded into registers during step
+    // t + 1 once its partials are sent (the accumulators are free then). WIDE: step t - 1's are
+    // prefetched into L2 right after.
     // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev
@@ -909,8 +911,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     }
         }
     };
-    if constexpr (!WIDE)
-        load_step(T - 1);
+    load_step(T - 1);
 
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
     uint32_t ab[4];
@@ -925,8 +926,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         cluster_arrive_relaxed(); // "sums read" of a step before the first
 
     for (int t = T - 1; t >= 0; t--) {
-        if constexpr (WIDE)
-            load_step(t);
         // Gate gradients; D; the row maxima of the tile values.
         float dv[4][MT][2][2], dcp[MT][2][2];
 #pragma unroll
@@ -963,7 +962,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 if (tg == 0)
-                    rowmax[w][16 * mt + g + 8 * i] = mx;
+                    rowmax[16 * mt + g + 8 * i][w] = mx;
             }
         int rst[MT][2];
 #pragma unroll
@@ -978,10 +977,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int row = 16 * mt + g + 8 * i;
-                float mx = 0.0f;
-#pragma unroll
-                for (int k = 0; k < NWC; k++)
-                    mx = fmaxf(mx, rowmax[k][row]);
+                const float4 m0 = *reinterpret_cast<const float4 *>(&rowmax[row][0]),
+                             m1 = *reinterpret_cast<const float4 *>(&rowmax[row][4]);
+                const float mx = fmaxf(fmaxf(fmaxf(m0.x, m0.y), fmaxf(m0.z, m0.w)),
+                                       fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
                 const float sc = persist_pow2_for(mx, 14);
                 if (w == 0 && tg == 0)
                     rowinv[row] = winv / sc;
@@ -1009,23 +1008,26 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
         // read, the receive slots may be written.
         cluster_wait();
-        // Lane tg's two units of rows (mt, 0) and (mt, 1) regrouped in its quad (quad_swap): four
-        // units of row (mt, tg & 1) from unit 4 (tg / 2) of the n-tile, 16 bytes a store. The
-        // receiver's pfull is mapped at each store: a register held across the loop would spill.
+        // Row (mt, i), units 32 (w % 2) + 8 tg + 4 h + [0, 4) (n-tiles 2 h, 2 h + 1): 16 bytes
+        // a store. The receiver's pfull is mapped at each store: a register held across the loop
+        // would spill.
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const int i1 = tg & 1, row = 16 * mt + g + 8 * i1,
-                          lu = 32 * (w & 1) + 8 * nt + 4 * (tg >> 1);
-                auto part = [&](int i) {
-                    return make_uint2(__float_as_uint(acc[mt][nt][2 * i] * ri[mt][i]),
-                                      __float_as_uint(acc[mt][nt][2 * i + 1] * ri[mt][i]));
-                };
-                cluster_st_async(dst + (uint32_t)roff(row, lu) * 4,
-                                 cat(quad_swap(part(0), part(1), 1, i1)),
-                                 cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1)));
-            }
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = 16 * mt + g + 8 * i, lu = 32 * (w & 1) + 8 * tg + 4 * h;
+                    auto v = [&](int nt, int j) {
+                        return __float_as_uint(acc[mt][nt][2 * i + j] * ri[mt][i]);
+                    };
+                    cluster_st_async(dst + (uint32_t)roff(row, lu) * 4,
+                                     make_uint4(v(2 * h, 0), v(2 * h, 1), v(2 * h + 1, 0),
+                                                v(2 * h + 1, 1)),
+                                     cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1)));
+                }
+        if (t > 0)
+            load_step(t - 1); // in flight while the partials land, the sums and the routing
         cluster_mbar_wait(&pfull, (T - 1 - t) & 1); // P_t: every partial is in
         if (threadIdx.x == 0 && t > 0)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
@@ -1034,8 +1036,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // (DESIGN.md §2): carried into step t - 1, or out where it ends here. 64 rows: the sums
         // into registers first, then "sums read"; WIDE: the sums are read again where needed.
         if constexpr (!WIDE) {
-            if (t > 0)
-                load_step(t - 1); // in flight during the sums and the routing
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll

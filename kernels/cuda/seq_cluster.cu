@@ -5,7 +5,7 @@
  * gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
  * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
  * units, runs the cell for them and writes its slice of h' (fp16, scaled as in seq_persist.cuh's
- * forward) into the h tile of every CTA of the cluster through distributed shared memory.
+ * forward) into its h tile, from which one bulk copy a CTA takes it into the others' tiles.
  *
  * Two cluster shapes, one template each loop (cshape below): ROWS = 64 (v11, the default) and
  * ROWS = 80 (v11b: B = 2048 in 26 clusters, one wave on an H100; seq.cu's seq_cluster_rows picks
@@ -13,9 +13,9 @@
  * double-buffered; 80 rows (the `WIDE` branches): see the forward and backward kernels.
  *
  * The values another CTA waits for (h in the forward, dh's partials in the backward) travel by
- * st.async and complete on an mbarrier of the receiving CTA (one phase a step), not by stores
- * and a barrier.cluster.arrive.release: its fence waited for every tape store the thread had
- * issued (NOTES v33). Cluster barriers remain where a buffer is rewritten only after every CTA has
+ * bulk copies (h) or st.async (the partials) and complete on an mbarrier of the receiving CTA (one
+ * phase a step), not by stores and a barrier.cluster.arrive.release: its fence waited for every
+ * tape store the thread had issued (NOTES v33, v34). Cluster barriers remain where a buffer is rewritten only after every CTA has
  * read it; they order reads alone, so they arrive relaxed.
  *
  * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all rows: MT = ROWS / 16
@@ -57,6 +57,7 @@ template <int ROWS> struct cshape {
     static constexpr bool WIDE = ROWS == 80;
     static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h and x tiles
     static constexpr long HTILE = (long)ROWS * HC * 2;
+    static constexpr long SLAB = (long)ROWS * UPC * 2; // the forward's h tile: a CTA's units
     static constexpr long XTILE = (long)ROWS * CXLD * 4;
     static constexpr long XBASE = C_WBYTES + NB * HTILE; // forward: the x tiles in smem
     static constexpr long WIHBASE = XBASE + NB * XTILE;  // forward, WIDE: W_ih's fragments
@@ -123,23 +124,11 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
-// st.async: an 8- or 16-byte store into shared memory at cluster address addr (any CTA of the
-// cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in the
-// CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
+// st.async: a 16-byte store into shared memory at cluster address addr (any CTA of the cluster,
+// this one included) whose bytes complete on the mbarrier at cluster address bar, in the CTA of
+// addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
 // barrier.cluster.arrive.release, which would first wait for every global store it issued before
 // (the tape's; NOTES v33).
-__device__ __forceinline__ void cluster_st_async(uint32_t addr, uint2 v, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
-            addr),
-        "r"(v.x), "r"(v.y), "r"(bar)
-        : "memory");
-#else
-    (void)addr, (void)v, (void)bar;
-    __trap();
-#endif
-}
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
@@ -151,11 +140,39 @@ __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_
     __trap();
 #endif
 }
+// A bulk copy (the TMA engine) of `bytes` from this CTA's shared memory at src to cluster address
+// dst, complete on the mbarrier at cluster address bar (in dst's CTA); commit and wait for every
+// such copy of this thread to have read its source; the fence that orders this thread's earlier
+// shared-memory writes before the async proxy's reads (each writer, before the barrier behind
+// which one thread issues the copy).
+__device__ __forceinline__ void cluster_bulk_s2s(uint32_t dst, uint32_t src, uint32_t bytes,
+                                                 uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], "
+                 "[%1], %2, [%3];" ::"r"(dst),
+                 "r"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#else
+    (void)dst, (void)src, (void)bytes, (void)bar;
+    __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Lanes l and l ^ m (m = 1 or 2: lanes of one quad) each hold a value of two rows, r0 and r1,
 // side by side in those rows (the lane with bit m clear on the left). After the swap the lane with
 // bit m clear (up false) holds both lanes' r0, the other both lanes' r1, left value first: one
-// store of twice the width where there were two (a st.async phase counts one mbarrier
-// transaction a store).
+// store of twice the width where there were two.
 template <class T> struct pair2 {
     T lo, hi;
 };
@@ -213,6 +230,12 @@ __device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
 __device__ __forceinline__ uint32_t hoff(int row, int unit) { // fp16 h tile, 512-byte rows
     return (uint32_t)(row * (HC * 2) + ((((unit >> 3) ^ (row & 7))) << 4) + (unit & 7) * 2);
 }
+// The forward's h tile in four slabs of 64 units (rank r's units in slab r, ROWS x 128 bytes,
+// contiguous: one bulk copy a CTA), 128-byte rows, chunk c at c ^ (row & 7).
+template <int ROWS> __device__ __forceinline__ uint32_t hsoff(int row, int unit) {
+    return (uint32_t)((unit >> 6) * (ROWS * 128) + row * 128 +
+                      ((((unit & 63) >> 3) ^ (row & 7)) << 4) + (unit & 7) * 2);
+}
 __device__ __forceinline__ uint32_t xoff(int row, int col) { // fp32 x tile, 256-byte rows
     return (uint32_t)(row * (CXLD * 4) + ((((col >> 2) ^ (row & 7))) << 4) + (col & 3) * 4);
 }
@@ -241,9 +264,9 @@ template <int MT> __device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4
 
 // acc += A . B over KS k-steps (MMA Mode: m16n8k16 fp16 or m16n8k8 TF32, 16 or 8 k a step): A
 // the warp's MT m-tiles of a swizzled tile of PITCH-byte rows (ab: the lane's ldmatrix addresses
-// per ks % 4, ks / 4 adds 128 bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
+// per ks % 4, ks / 4 adds SLAB bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
 // ks and n-tile nt, after fetch(ks) (once a k-step, before the ldmatrix).
-template <class Mode, int KS, int PITCH, int MT, class Fetch, class Bfrag>
+template <class Mode, int KS, int PITCH, int SLAB, int MT, class Fetch, class Bfrag>
 __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t (&ab)[4],
                                          uint32_t off, Fetch fetch, Bfrag B) {
 #pragma unroll
@@ -252,7 +275,7 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
         fetch(ks);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
-            ldsm_x4(af[mt], ab[ks & 3] + off + (ks >> 2) * 128 + mt * 16 * PITCH);
+            ldsm_x4(af[mt], ab[ks & 3] + off + (ks >> 2) * SLAB + mt * 16 * PITCH);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -261,23 +284,23 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
     }
 }
 
-// acc += A . W_hh over K = 256 (fp16): A a 512-byte-row tile as in mma_tile, B the W_hh
-// fragments in shared memory (wsm, 8 words a lane and k-step).
-template <int MT>
+// acc += A . W_hh over K = 256 (fp16): A a tile as in mma_tile (512-byte rows, or the forward's
+// slabs), B the W_hh fragments in shared memory (wsm, 8 words a lane and k-step).
+template <int PITCH, int SLAB, int MT>
 __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned char *wsm,
                                         const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
     uint32_t wv[8];
-    mma_tile<mode_f16, CKSH, HC * 2>(
+    mma_tile<mode_f16, CKSH, PITCH, SLAB>(
         acc, ab, off, [&](int ks) { persist_wlayout<8>::load(wv, wsm, ks, NWC, w, lane); },
         [&](int, int nt) { return make_uint2(wv[2 * nt], wv[2 * nt + 1]); });
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. Step t's h (from every CTA) and x (this CTA's own, by st.async to itself) complete
-// A_t: phase t / NB of the mbarrier hfull[t % NB], which thread 0 arms again for step t + NB
-// once it has waited for step t. 64 rows: nothing else; every CTA writes h_{t+1} into tile
-// (t + 1) & 1 after A_t, which needs each CTA's h_t, written after that CTA's MMAs of step t - 1
-// read the same tile. 80 rows (WIDE): 128 KB W_hh + 2 x
+// Forward. Step t's h (this CTA's slab by its own stores before a __syncthreads, the others'
+// by their bulk copies) and x (this CTA's own, by st.async to itself) complete A_t: phase t / NB
+// of the mbarrier hfull[t % NB], which thread 0 arms again for step t + NB once it has waited for
+// step t. 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which
+// needs each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows (WIDE): 128 KB W_hh + 2 x
 // 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile are single-buffered
 // and W_ih moves from registers (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32
 // = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait before the h stores
@@ -312,7 +335,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // (computed where used: registers are short).
     auto arm = [&](uint64_t *b) {
         const int nrows = min(ROWS, max(0, a.B - (int)(blockIdx.x / CL) * ROWS));
-        cluster_mbar_arm(b, (uint32_t)(S::HTILE + (long)nrows * a.Il * 4));
+        cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::SLAB + (long)nrows * a.Il * 4));
     };
     if (threadIdx.x == 0) {
         cluster_mbar_init(hfull, S::NB);
@@ -509,25 +532,15 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         reinterpret_cast<float4 *>(smem + S::XBASE)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     __syncthreads();
 
-    // The remote bases of the h tiles (shared::cluster addresses of every CTA's tile 0).
-    uint32_t hrem[CL];
-#pragma unroll
-    for (int r = 0; r < CL; r++)
-        hrem[r] = cluster_map(hbase, (uint32_t)r);
-
-    // h entering step t (this lane's elements) into tile t & 1 (64 rows) or the tile (WIDE) of
-    // every CTA, and the tape.
+    // h entering step t (this lane's elements) into this CTA's slab of tile t & 1 (64 rows) or
+    // of the tile (WIDE), and the tape; then (send_h) the slab goes to the other CTAs' tiles.
     auto put_h = [&](const float hv[MT][2][2], int t) {
-        const int nb = WIDE ? 0 : t & 1;
-        const uint32_t bo = (uint32_t)(nb * S::HTILE), bar = smem_u32(hfull + nb);
+        unsigned char *tile = smem + C_WBYTES + (WIDE ? 0 : (t & 1) * S::HTILE);
         auto send = [&](int row, int unit, auto v) {
-            const uint32_t o = bo + hoff(row, unit);
-#pragma unroll
-            for (int r = 0; r < CL; r++)
-                cluster_st_async(hrem[r] + o, v, cluster_map(bar, r));
+            *reinterpret_cast<decltype(v) *>(tile + hsoff<ROWS>(row, unit)) = v;
         };
         // A lane quad holds 8 units (16 bytes) of each of its rows: two swaps (quad_swap) give
-        // each lane all 8 of one row, one store a row and CTA.
+        // each lane all 8 of one row, one store a row.
         const int i1 = tg & 1, hi = tg >> 1, u8 = rank * UPC + 8 * w;
         uint2 q[MT]; // row (mt, i1), units u8 + 4 hi + [0, 4)
 #pragma unroll
@@ -558,6 +571,22 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     }
                 }
             }
+        fence_proxy_async_smem(); // the slab is read by send_h's bulk copies
+    };
+    // After put_h and a __syncthreads: thread 0 copies this CTA's slab of h_t into the other
+    // CTAs' tiles by bulk copies (the TMA engine), each completing on the receiver's hfull (NOTES
+    // v34: per-lane st.async to every CTA took a third of the step).
+    auto send_h = [&](int t) {
+        if (threadIdx.x == 0) {
+            const int nb = WIDE ? 0 : t & 1;
+            const uint32_t src = hbase + (uint32_t)(nb * S::HTILE + rank * S::SLAB),
+                           bar = smem_u32(hfull + nb);
+#pragma unroll
+            for (int k = 1; k < CL; k++) {
+                const uint32_t r = (uint32_t)((rank + k) % CL);
+                cluster_bulk_s2s(cluster_map(src, r), src, (uint32_t)S::SLAB, cluster_map(bar, r));
+            }
+        }
     };
 
     // The state entering step 0 (reset rule as in seq_persist.cuh).
@@ -584,6 +613,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     put_h(h, 0);
     load_x(0);
     put_x(0);
+    __syncthreads();
+    send_h(0);
     int nreset[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -594,11 +625,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
     // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
-    uint32_t hb[4], xb[4]; // per ks % 4 (ks / 4 adds 128 bytes, m-tile mt adds 16 rows)
+    uint32_t hb[4], xb[4]; // per ks % 4 (ks / 4: the next slab of h, 128 bytes of x; m-tile mt
+                           // adds 16 rows)
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         int ch = (2 * k + (mi >> 1)) ^ key;
-        hb[k] = hbase + (uint32_t)(lrow * HC * 2 + ch * 16);
+        hb[k] = hbase + (uint32_t)(lrow * 128 + ch * 16);
         xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
     }
 
@@ -618,7 +650,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         float acc[MT][4][4];
         zero_acc(acc);
         uint32_t wi[4]; // WIDE: W_ih's fragments of the k-step
-        mma_tile<mode_tf32, CXKS, CXLD * 4>(
+        mma_tile<mode_tf32, CXKS, CXLD * 4, 128>(
             acc, xb, xo,
             [&](int ks) {
                 if constexpr (WIDE)
@@ -630,7 +662,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 else
                     return mode_tf32::wunpack(wih[ks] + q);
             });
-        mma_whh(acc, wsm, hb, ho, w, lane);
+        mma_whh<128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
         if constexpr (WIDE)
             if (more) {
                 cluster_arrive_relaxed(); // B_t: this CTA has read the h and x tiles of step t
@@ -701,6 +733,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
             put_h(h, t + 1); // A_{t+1}
             put_x(t + 1);
+            __syncthreads();
+            send_h(t + 1);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -724,6 +758,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
         }
     }
+    if (threadIdx.x == 0)
+        bulk_wait_read(); // its copies have read this CTA's slabs before the CTA leaves
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -995,7 +1031,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // This CTA's partial of dh: ROWS rows x the warp's 32 units.
         float acc[MT][4][4];
         zero_acc(acc);
-        mma_whh(acc, wsm, ab, 0u, w, lane);
+        mma_whh<HC * 2, 128>(acc, wsm, ab, 0u, w, lane);
         if constexpr (WIDE)
             cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];

@@ -26,23 +26,8 @@
 #include <vector>
 
 #include "../../cuda/wg.cuh"
+#include "probe.cuh"
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));             \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CB(x)                                                                                      \
-    do {                                                                                           \
-        cublasStatus_t s_ = (x);                                                                   \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                         \
-            fprintf(stderr, "%s:%d cublas %d\n", __FILE__, __LINE__, (int)s_);                     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 constexpr int M = 512, NP = 4, MP = 128; // D's columns, planes, columns a plane
 constexpr int NZ = 200, LDZ = 196;       // z's columns (padded for the MMA), as stored today
@@ -219,25 +204,6 @@ __global__ void gen_kernel(size_t K, int npad, float *d32, float *z32, uint16_t 
     }
 }
 
-template <class F> static float median_ms(F f, int reps = 15) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; i++)
-        f();
-    std::vector<float> t;
-    for (int i = 0; i < reps; i++) {
-        CK(cudaEventRecord(e0));
-        f();
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
 
 // max |a - ref| / max |ref|, a and ref as out[j][k] (ld NZ) or cuBLAS's C[k][j] (ld M).
 static double rel_err(const std::vector<float> &a, bool a_ours, const std::vector<float> &ref) {

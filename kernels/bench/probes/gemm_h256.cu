@@ -17,22 +17,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));             \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CB(x)                                                                                      \
-    do {                                                                                           \
-        int s_ = (int)(x);                                                                         \
-        if (s_ != 0) {                                                                             \
-            fprintf(stderr, "%s:%d cublas %d\n", __FILE__, __LINE__, s_);                          \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "probe.cuh"
 
 constexpr int B = 2048, T = 256, H = 256, I = 64, M = 4 * H, LDZ = 324;
 constexpr long K = (long)B * T;
@@ -59,24 +44,6 @@ __global__ void transpose(const float *in, float *out, long rows, int cols) {
             out[(long)(c0 + k) * rows + r0 + threadIdx.x] = t[threadIdx.x][k];
 }
 
-template <class F> static float median_ms(F f, int reps = 11) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> v;
-    for (int i = 0; i < reps + 2; i++) {
-        CK(cudaEventRecord(e0));
-        f();
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 2) // warm-up
-            v.push_back(ms);
-    }
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
 
 static double max_rel(const float *a, const float *b, long n) {
     std::vector<float> x(n), y(n);

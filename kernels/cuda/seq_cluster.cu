@@ -64,9 +64,11 @@ template <int ROWS> struct cshape {
     // 4 TF32 fragment words a lane and k-step
     static constexpr long WIH = WIDE ? (long)CXKS * NWC * 32 * 16 : 0;
     static constexpr long FSMEM = WIHBASE + WIH;
-    // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp32.
+    // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp16
+    // partials, then their factors (a float a slot, row and 32 units).
     static constexpr long ATILE = (long)ROWS * HC * 2;
-    static constexpr long RECV = (long)CL * ROWS * UPC * 4;
+    static constexpr long SLOT = (long)ROWS * UPC * 2;
+    static constexpr long RECV = CL * SLOT + (long)CL * ROWS * 2 * 4;
     static constexpr long RECVBASE = WIDE ? C_WBYTES : C_WBYTES + ATILE;
     static constexpr long BSMEM =
         WIDE ? C_WBYTES + (RECV > ATILE ? RECV : ATILE) : C_WBYTES + ATILE + RECV;
@@ -124,11 +126,22 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
-// st.async: a 16-byte store into shared memory at cluster address addr (any CTA of the cluster,
+// st.async: a 4- or 16-byte store into shared memory at cluster address addr (any CTA of the cluster,
 // this one included) whose bytes complete on the mbarrier at cluster address bar, in the CTA of
 // addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
 // barrier.cluster.arrive.release, which would first wait for every global store it issued before
 // (the tape's; NOTES v33).
+__device__ __forceinline__ void cluster_st_async(uint32_t addr, uint32_t v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     addr),
+                 "r"(v), "r"(bar)
+                 : "memory");
+#else
+    (void)addr, (void)v, (void)bar;
+    __trap();
+#endif
+}
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
@@ -239,10 +252,10 @@ template <int ROWS> __device__ __forceinline__ uint32_t hsoff(int row, int unit)
 __device__ __forceinline__ uint32_t xoff(int row, int col) { // fp32 x tile, 256-byte rows
     return (uint32_t)(row * (CXLD * 4) + ((((col >> 2) ^ (row & 7))) << 4) + (col & 3) * 4);
 }
-// Float offset of (row, local unit) in a backward receive slot: units XOR 8 (row % 8),
-// conflict-free float2 accesses of a warp's 8 rows x 4 unit pairs.
-__device__ __forceinline__ int roff(int row, int lu) {
-    return row * UPC + (lu ^ ((row & 7) << 3));
+// Byte offset of (row, local unit) in a backward receive slot (fp16, 128-byte rows): units XOR
+// 8 (row % 8), conflict-free 4-byte reads of a warp's 8 rows x 4 unit pairs.
+__device__ __forceinline__ uint32_t roff(int row, int lu) {
+    return (uint32_t)(row * (UPC * 2) + ((lu ^ ((row & 7) << 3)) << 1));
 }
 
 // max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
@@ -769,17 +782,17 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // in [2^13, 2^14), as v8's: as exact as TF32), and the CTA computes its partial of dh for all 256
 // units, P_r = tile . W_hh[its gate rows] (M = ROWS, N = 256, K = 256; warp w the units [32w,
 // 32w+32)). The partials of units [64r', 64r'+64) go to CTA r' (warps 2r', 2r'+1) through
-// distributed shared memory, slot r of its receive buffer; CTA r' sums its four slots in a fixed
-// order (deterministic).
+// distributed shared memory, slot r of its receive buffer, in fp16 with a power-of-two factor a
+// row and 32 units (v34); CTA r' sums its four slots in a fixed order (deterministic).
 //
 // The partials of step t complete P_t ("partials in": a phase of the mbarrier pfull, armed again
 // for step t - 1 once waited for). 64 rows: a cluster barrier "sums read" (arrive right after
 // the sums, wait just before the next step's partials go out); dL/dh is carried in registers and
 // the next step's tape record prefetched into registers.
 //
-// 80 rows (WIDE): the 64-row layout (128 KB W_hh, A tile 80 x 256 fp16 = 40 KB, receive slots 4 x
-// 80 x 64 fp32 = 80 KB) would need 248 KB, so the receive slots share their memory with the A
-// tile: 128 + 80 = 208 KB. A CTA's partials may then land only after every CTA of the cluster has
+// 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
+// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit; the fp16 slots, 42.5 KB with their
+// factors, now would, NOTES v34). A CTA's partials may then land only after every CTA of the cluster has
 // finished its MMAs (which read its A tile): a cluster barrier M_t (arrive and wait right after
 // the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came before its
 // MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this CTA's own
@@ -803,7 +816,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const uint32_t abase = sbase + (uint32_t)C_WBYTES;
     // The receive slots (WIDE: the same memory as the A tile).
     const uint32_t rbase_s = WIDE ? abase : abase + (uint32_t)S::ATILE;
-    const float *recv = reinterpret_cast<const float *>(smem + S::RECVBASE);
+    const unsigned char *recv = smem + S::RECVBASE;
+    const float *rfac = reinterpret_cast<const float *>(recv + CL * S::SLOT); // [slot][row][32 units]
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
@@ -858,10 +872,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // the four receive slots (row, this lane's units), read again by the cell of the next step
     // (the slots are overwritten only after the __syncthreads behind that cell, and by the other
     // CTAs only after the next M barrier). `carried` bit 2 mt + i: 1 where the sum of row
-    // (mt, i) carries into the next step (else dL/dh there is 0). The step T-1 gets dL/dh_n the
-    // same way: slot 0 = grad_h_n, slots 1..3 = 0 (this lane's own elements, before any remote
-    // write: those come after M_{T-1}, which waits for this CTA).
-    float *recvw = reinterpret_cast<float *>(smem + S::RECVBASE);
+    // (mt, i) carries into the next step (else dL/dh there is 0). The step T-1 reads dL/dh_n.
     float dh[WIDE ? 1 : MT][2][2], dc[MT][2][2];
     uint32_t carried = 0;
 #pragma unroll
@@ -870,40 +881,40 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int i = 0; i < 2; i++) {
             float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
             size_t at = (rowb(mt, i) * L + l) * H + ub;
-            if (rv[mt][i] && a.gh_n)
+            if (!WIDE && rv[mt][i] && a.gh_n)
                 x = *reinterpret_cast<const float2 *>(a.gh_n + at);
             if (rv[mt][i] && a.gc_n)
                 y = *reinterpret_cast<const float2 *>(a.gc_n + at);
-            if constexpr (WIDE) {
-                const int row = 16 * mt + g + 8 * i;
-#pragma unroll
-                for (int sl = 0; sl < CL; sl++)
-                    *reinterpret_cast<float2 *>(recvw + sl * ROWS * UPC + roff(row, lu0)) =
-                        sl == 0 ? x : make_float2(0.0f, 0.0f);
-                carried |= 1u << (2 * mt + i);
-            } else {
+            if constexpr (!WIDE)
                 dh[mt][i][0] = x.x, dh[mt][i][1] = x.y;
-            }
             dc[mt][i][0] = y.x, dc[mt][i][1] = y.y;
         }
-    // The sum of the four slots at (row, this lane's two units).
+    // The sum of the four slots at (row, this lane's two units), each times its factor.
     auto slot_sum = [&](int row) -> float2 {
         float2 s = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int sl = 0; sl < CL; sl++) {
-            float2 v = *reinterpret_cast<const float2 *>(recv + sl * ROWS * UPC + roff(row, lu0));
-            s.x += v.x, s.y += v.y;
+            const float2 v = tape_rec<cell_lstm, true>::unpack2(
+                *reinterpret_cast<const uint32_t *>(recv + sl * S::SLOT + roff(row, lu0)));
+            const float f = rfac[(sl * ROWS + row) * 2 + (lu0 >> 5)];
+            s.x = fmaf(v.x, f, s.x), s.y = fmaf(v.y, f, s.y);
         }
         return s;
     };
 
-    // dL/dh of the state leaving a step at (mt, i), this lane's two units.
-    auto dh_in = [&](int mt, int i) -> float2 {
-        if constexpr (WIDE)
+    // dL/dh of the state leaving step t at (mt, i), this lane's two units.
+    auto dh_in = [&](int mt, int i, int t) -> float2 {
+        if constexpr (WIDE) {
+            if (t == T - 1) { // dL/dh_n
+                const size_t at = (rowb(mt, i) * L + l) * H + ub;
+                return rv[mt][i] && a.gh_n ? *reinterpret_cast<const float2 *>(a.gh_n + at)
+                                           : make_float2(0.0f, 0.0f);
+            }
             return (carried >> (2 * mt + i)) & 1u ? slot_sum(16 * mt + g + 8 * i)
                                                   : make_float2(0.0f, 0.0f);
-        else
+        } else {
             return make_float2(dh[mt][i][0], dh[mt][i][1]);
+        }
     };
 
     // Step t's tape record, output gradient and reset flag, loaded into registers during step
@@ -955,8 +966,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int k = 0; k < 4; k++)
         ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
     // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
-    const uint32_t dst =
-        cluster_map(rbase_s + (uint32_t)(rank * ROWS * UPC * 4), (uint32_t)(w >> 1));
+    const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * S::SLOT), (uint32_t)(w >> 1));
     __syncthreads(); // the weights are in place
     if constexpr (!WIDE)
         cluster_arrive_relaxed(); // "sums read" of a step before the first
@@ -968,7 +978,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const float2 dhv = dh_in(mt, i);
+                const float2 dhv = dh_in(mt, i, t);
                 float mx = 0.0f;
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
@@ -1044,24 +1054,36 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
         // read, the receive slots may be written.
         cluster_wait();
-        // Row (mt, i), units 32 (w % 2) + 8 tg + 4 h + [0, 4) (n-tiles 2 h, 2 h + 1): 16 bytes
-        // a store. The receiver's pfull is mapped at each store: a register held across the loop
-        // would spill.
+        // Row (mt, i), units 32 (w % 2) + 8 tg + [0, 8) (n-tiles 0-3) in fp16, 16 bytes a store:
+        // scaled by sc, a power of two that puts the largest of the row's 32 units (the quad's)
+        // in [2^13, 2^14), so each value keeps TF32's 10 bits; the factor back, ri / sc, goes to
+        // the slot's factors (lane tg those of rows 2 mt + i = tg mod 4). Half the bytes of fp32
+        // partials through st.async, which bound this phase (NOTES v34). The receiver's pfull is
+        // mapped at each store: a register held across the loop would spill.
+        const uint32_t dfac = dst + (uint32_t)((CL - rank) * S::SLOT + (rank * ROWS * 2 + (w & 1)) * 4);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < 2; i++) {
+                float m = 0.0f;
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = 16 * mt + g + 8 * i, lu = 32 * (w & 1) + 8 * tg + 4 * h;
-                    auto v = [&](int nt, int j) {
-                        return __float_as_uint(acc[mt][nt][2 * i + j] * ri[mt][i]);
-                    };
-                    cluster_st_async(dst + (uint32_t)roff(row, lu) * 4,
-                                     make_uint4(v(2 * h, 0), v(2 * h, 1), v(2 * h + 1, 0),
-                                                v(2 * h + 1, 1)),
-                                     cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1)));
-                }
+                for (int nt = 0; nt < 4; nt++)
+                    m = fmaxf(m, fmaxf(fabsf(acc[mt][nt][2 * i]), fabsf(acc[mt][nt][2 * i + 1])));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                const float sc = persist_pow2_for(m, 14);
+                auto v = [&](int nt) {
+                    __half2 p = __floats2half2_rn(acc[mt][nt][2 * i] * sc, acc[mt][nt][2 * i + 1] * sc);
+                    return *reinterpret_cast<uint32_t *>(&p);
+                };
+                const int row = 16 * mt + g + 8 * i;
+                const uint32_t bar = cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1));
+                cluster_st_async(dst + roff(row, 32 * (w & 1) + 8 * tg),
+                                 make_uint4(v(0), v(1), v(2), v(3)), bar);
+                if ((2 * mt + i) % 4 == tg)
+                    cluster_st_async(dfac + (uint32_t)(row * 8),
+                                     __float_as_uint(ri[mt][i] * pow2_inv(sc)), bar);
+            }
         if (t > 0)
             load_step(t - 1); // in flight while the partials land, the sums and the routing
         cluster_mbar_wait(&pfull, (T - 1 - t) & 1); // P_t: every partial is in

@@ -1,8 +1,8 @@
 /*
- * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters (sm_90, v11 in
- * kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit one SM, so a
- * cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster holds the
- * gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
+ * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters
+ * (sm_90, v11 in kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
+ * one SM, so a cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster
+ * holds the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
  * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
  * units, runs the cell for them and writes its slice of h' (fp16, scaled as in seq_persist.cuh's
  * forward) into its h tile, from which one bulk copy a CTA takes it into the others' tiles.
@@ -15,8 +15,8 @@
  * The values another CTA waits for (h in the forward, dh's partials in the backward) travel by
  * bulk copies (h) or st.async (the partials) and complete on an mbarrier of the receiving CTA (one
  * phase a step), not by stores and a barrier.cluster.arrive.release: its fence waited for every
- * tape store the thread had issued (NOTES v33, v34). Cluster barriers remain where a buffer is rewritten only after every CTA has
- * read it; they order reads alone, so they arrive relaxed.
+ * tape store the thread had issued (NOTES v33, v34). Cluster barriers remain where a buffer is
+ * rewritten only after every CTA has read it; they order reads alone, so they arrive relaxed.
  *
  * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all rows: MT = ROWS / 16
  * m-tiles x 4 n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each
@@ -57,7 +57,8 @@ template <int ROWS> struct cshape {
     static constexpr bool WIDE = ROWS == 80;
     static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h and x tiles
     static constexpr long HTILE = (long)ROWS * HC * 2;
-    static constexpr long SLAB = (long)ROWS * UPC * 2; // the forward's h tile: a CTA's units
+    // ROWS rows of a CTA's 64 units in fp16: the forward's h slab, a backward receive slot.
+    static constexpr long PART = (long)ROWS * UPC * 2;
     static constexpr long XTILE = (long)ROWS * CXLD * 4;
     static constexpr long XBASE = C_WBYTES + NB * HTILE; // forward: the x tiles in smem
     static constexpr long WIHBASE = XBASE + NB * XTILE;  // forward, WIDE: W_ih's fragments
@@ -67,8 +68,7 @@ template <int ROWS> struct cshape {
     // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp16
     // partials, then their factors (a float a slot, row and 32 units).
     static constexpr long ATILE = (long)ROWS * HC * 2;
-    static constexpr long SLOT = (long)ROWS * UPC * 2;
-    static constexpr long RECV = CL * SLOT + (long)CL * ROWS * 2 * 4;
+    static constexpr long RECV = CL * PART + (long)CL * ROWS * 2 * 4;
     static constexpr long RECVBASE = WIDE ? C_WBYTES : C_WBYTES + ATILE;
     static constexpr long BSMEM =
         WIDE ? C_WBYTES + (RECV > ATILE ? RECV : ATILE) : C_WBYTES + ATILE + RECV;
@@ -126,17 +126,17 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
-// st.async: a 4- or 16-byte store into shared memory at cluster address addr (any CTA of the cluster,
-// this one included) whose bytes complete on the mbarrier at cluster address bar, in the CTA of
-// addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
+// st.async: a 4- or 16-byte store into shared memory at cluster address addr (any CTA of the
+// cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in the
+// CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
 // barrier.cluster.arrive.release, which would first wait for every global store it issued before
 // (the tape's; NOTES v33).
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint32_t v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-                     addr),
-                 "r"(v), "r"(bar)
-                 : "memory");
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr),
+        "r"(v), "r"(bar)
+        : "memory");
 #else
     (void)addr, (void)v, (void)bar;
     __trap();
@@ -186,9 +186,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // side by side in those rows (the lane with bit m clear on the left). After the swap the lane with
 // bit m clear (up false) holds both lanes' r0, the other both lanes' r1, left value first: one
 // store of twice the width where there were two.
-template <class T> struct pair2 {
-    T lo, hi;
-};
+template <class T> struct pair2 { T lo, hi; };
 __device__ __forceinline__ uint32_t shfl_xor_u(uint32_t v, int m) {
     return __shfl_xor_sync(0xffffffffu, v, m);
 }
@@ -199,7 +197,9 @@ template <class T> __device__ __forceinline__ pair2<T> quad_swap(T r0, T r1, int
     const T got = shfl_xor_u(up ? r0 : r1, m);
     return up ? pair2<T>{got, r1} : pair2<T>{r0, got};
 }
-__device__ __forceinline__ uint2 cat(pair2<uint32_t> p) { return make_uint2(p.lo, p.hi); }
+__device__ __forceinline__ uint2 cat(pair2<uint32_t> p) {
+    return make_uint2(p.lo, p.hi);
+}
 __device__ __forceinline__ uint4 cat(pair2<uint2> p) {
     return make_uint4(p.lo.x, p.lo.y, p.hi.x, p.hi.y);
 }
@@ -277,9 +277,9 @@ template <int MT> __device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4
 
 // acc += A . B over KS k-steps (MMA Mode: m16n8k16 fp16 or m16n8k8 TF32, 16 or 8 k a step): A
 // the warp's MT m-tiles of a swizzled tile of PITCH-byte rows (ab: the lane's ldmatrix addresses
-// per ks % 4, ks / 4 adds SLAB bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
+// per ks % 4, ks / 4 adds K4 bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
 // ks and n-tile nt, after fetch(ks) (once a k-step, before the ldmatrix).
-template <class Mode, int KS, int PITCH, int SLAB, int MT, class Fetch, class Bfrag>
+template <class Mode, int KS, int PITCH, int K4, int MT, class Fetch, class Bfrag>
 __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t (&ab)[4],
                                          uint32_t off, Fetch fetch, Bfrag B) {
 #pragma unroll
@@ -288,7 +288,7 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
         fetch(ks);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
-            ldsm_x4(af[mt], ab[ks & 3] + off + (ks >> 2) * SLAB + mt * 16 * PITCH);
+            ldsm_x4(af[mt], ab[ks & 3] + off + (ks >> 2) * K4 + mt * 16 * PITCH);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -299,11 +299,11 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
 
 // acc += A . W_hh over K = 256 (fp16): A a tile as in mma_tile (512-byte rows, or the forward's
 // slabs), B the W_hh fragments in shared memory (wsm, 8 words a lane and k-step).
-template <int PITCH, int SLAB, int MT>
+template <int PITCH, int K4, int MT>
 __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned char *wsm,
                                         const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
     uint32_t wv[8];
-    mma_tile<mode_f16, CKSH, PITCH, SLAB>(
+    mma_tile<mode_f16, CKSH, PITCH, K4>(
         acc, ab, off, [&](int ks) { persist_wlayout<8>::load(wv, wsm, ks, NWC, w, lane); },
         [&](int, int nt) { return make_uint2(wv[2 * nt], wv[2 * nt + 1]); });
 }
@@ -313,12 +313,12 @@ __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned c
 // by their bulk copies) and x (this CTA's own, by st.async to itself) complete A_t: phase t / NB
 // of the mbarrier hfull[t % NB], which thread 0 arms again for step t + NB once it has waited for
 // step t. 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which
-// needs each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows (WIDE): 128 KB W_hh + 2 x
-// 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile are single-buffered
-// and W_ih moves from registers (32 words a lane) into shared memory (32 KB): 128 + 40 + 20 + 32
-// = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait before the h stores
-// of t + 1: every CTA has read h_t and x_t) lets the cell run while it completes. After A_{T-1}
-// no CTA writes to another's shared memory.
+// needs each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows
+// (WIDE): 128 KB W_hh + 2 x 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x
+// tile are single-buffered and W_ih moves from registers (32 words a lane) into shared memory (32
+// KB): 128 + 40 + 20 + 32 = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait
+// before the h stores of t + 1: every CTA has read h_t and x_t) lets the cell run while it
+// completes. After A_{T-1} no CTA writes to another's shared memory.
 template <int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // (computed where used: registers are short).
     auto arm = [&](uint64_t *b) {
         const int nrows = min(ROWS, max(0, a.B - (int)(blockIdx.x / CL) * ROWS));
-        cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::SLAB + (long)nrows * a.Il * 4));
+        cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::PART + (long)nrows * a.Il * 4));
     };
     if (threadIdx.x == 0) {
         cluster_mbar_init(hfull, S::NB);
@@ -592,12 +592,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     auto send_h = [&](int t) {
         if (threadIdx.x == 0) {
             const int nb = WIDE ? 0 : t & 1;
-            const uint32_t src = hbase + (uint32_t)(nb * S::HTILE + rank * S::SLAB),
+            const uint32_t src = hbase + (uint32_t)(nb * S::HTILE + rank * S::PART),
                            bar = smem_u32(hfull + nb);
 #pragma unroll
             for (int k = 1; k < CL; k++) {
                 const uint32_t r = (uint32_t)((rank + k) % CL);
-                cluster_bulk_s2s(cluster_map(src, r), src, (uint32_t)S::SLAB, cluster_map(bar, r));
+                cluster_bulk_s2s(cluster_map(src, r), src, (uint32_t)S::PART, cluster_map(bar, r));
             }
         }
     };
@@ -679,7 +679,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         if constexpr (WIDE)
             if (more) {
                 cluster_arrive_relaxed(); // B_t: this CTA has read the h and x tiles of step t
-                load_x(t + 1);    // in flight during the cell
+                load_x(t + 1);            // in flight during the cell
             }
 
         // The cell; outputs and tape.
@@ -713,8 +713,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                             __half2 v = __floats2half2_rn(sv[p][0], sv[p][1]);
                             q[p] = *reinterpret_cast<uint32_t *>(&v);
                         }
-                        *reinterpret_cast<uint4 *>(k + 4 * lane) = make_uint4(q[0], q[1], q[2], q[3]);
-                        *reinterpret_cast<float2 *>(k + 128 + 2 * lane) = make_float2(sv[4][0], sv[4][1]);
+                        *reinterpret_cast<uint4 *>(k + 4 * lane) =
+                            make_uint4(q[0], q[1], q[2], q[3]);
+                        *reinterpret_cast<float2 *>(k + 128 + 2 * lane) =
+                            make_float2(sv[4][0], sv[4][1]);
                     } else if (a.s) {
 #pragma unroll
                         for (int p = 0; p < 5; p++)
@@ -744,7 +746,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
             if constexpr (WIDE)
                 cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
-            put_h(h, t + 1); // A_{t+1}
+            put_h(h, t + 1);    // A_{t+1}
             put_x(t + 1);
             __syncthreads();
             send_h(t + 1);
@@ -792,13 +794,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 //
 // 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
 // held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit; the fp16 slots, 42.5 KB with their
-// factors, now would, NOTES v34). A CTA's partials may then land only after every CTA of the cluster has
-// finished its MMAs (which read its A tile): a cluster barrier M_t (arrive and wait right after
-// the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came before its
-// MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this CTA's own
-// sums of step t (the __syncthreads after the row maxima orders them). P_0 comes after every
-// write to this CTA's shared memory. Registers: dL/dh stays in the receive slots between steps
-// (see below); the step before's tape record is also prefetched into L2.
+// factors, now would, NOTES v34). A CTA's partials may then land only after every CTA of the
+// cluster has finished its MMAs (which read its A tile): a cluster barrier M_t (arrive and wait
+// right after the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came
+// before its MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this
+// CTA's own sums of step t (the __syncthreads after the row maxima orders them). P_0 comes after
+// every write to this CTA's shared memory. Registers: dL/dh stays in the receive slots between
+// steps (see below); the step before's tape record is also prefetched into L2.
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -817,7 +819,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // The receive slots (WIDE: the same memory as the A tile).
     const uint32_t rbase_s = WIDE ? abase : abase + (uint32_t)S::ATILE;
     const unsigned char *recv = smem + S::RECVBASE;
-    const float *rfac = reinterpret_cast<const float *>(recv + CL * S::SLOT); // [slot][row][32 units]
+    const float *rfac =
+        reinterpret_cast<const float *>(recv + CL * S::PART); // [slot][row][32 units]
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l;
@@ -895,7 +898,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
         for (int sl = 0; sl < CL; sl++) {
             const float2 v = tape_rec<cell_lstm, true>::unpack2(
-                *reinterpret_cast<const uint32_t *>(recv + sl * S::SLOT + roff(row, lu0)));
+                *reinterpret_cast<const uint32_t *>(recv + sl * S::PART + roff(row, lu0)));
             const float f = rfac[(sl * ROWS + row) * 2 + (lu0 >> 5)];
             s.x = fmaf(v.x, f, s.x), s.y = fmaf(v.y, f, s.y);
         }
@@ -966,7 +969,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int k = 0; k < 4; k++)
         ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
     // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
-    const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * S::SLOT), (uint32_t)(w >> 1));
+    const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * S::PART), (uint32_t)(w >> 1));
     __syncthreads(); // the weights are in place
     if constexpr (!WIDE)
         cluster_arrive_relaxed(); // "sums read" of a step before the first
@@ -1060,7 +1063,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // the slot's factors (lane tg those of rows 2 mt + i = tg mod 4). Half the bytes of fp32
         // partials through st.async, which bound this phase (NOTES v34). The receiver's pfull is
         // mapped at each store: a register held across the loop would spill.
-        const uint32_t dfac = dst + (uint32_t)((CL - rank) * S::SLOT + (rank * ROWS * 2 + (w & 1)) * 4);
+        const uint32_t dfac =
+            dst + (uint32_t)((CL - rank) * S::PART + (rank * ROWS * 2 + (w & 1)) * 4);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1073,7 +1077,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
                 const float sc = persist_pow2_for(m, 14);
                 auto v = [&](int nt) {
-                    __half2 p = __floats2half2_rn(acc[mt][nt][2 * i] * sc, acc[mt][nt][2 * i + 1] * sc);
+                    __half2 p =
+                        __floats2half2_rn(acc[mt][nt][2 * i] * sc, acc[mt][nt][2 * i + 1] * sc);
                     return *reinterpret_cast<uint32_t *>(&p);
                 };
                 const int row = 16 * mt + g + 8 * i;

@@ -24,7 +24,8 @@ constexpr long K = (long)B * T;
 
 // Deterministic values in [-1, 1): element e of a matrix seeded s.
 __global__ void fill(float *p, long n, uint32_t s) {
-    for (long e = blockIdx.x * (long)blockDim.x + threadIdx.x; e < n; e += (long)gridDim.x * blockDim.x) {
+    for (long e = blockIdx.x * (long)blockDim.x + threadIdx.x; e < n;
+         e += (long)gridDim.x * blockDim.x) {
         uint32_t h = (uint32_t)e * 2654435761u ^ s * 40503u;
         h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
         p[e] = (float)(h & 0xffffff) / 8388608.0f - 1.0f;
@@ -80,7 +81,7 @@ int main() {
                 CK(cudaMemcpy2D(tmp + (long)t * B * cols, cols * 4, src + (long)t * cols,
                                 (size_t)T * cols * 4, cols * 4, B, cudaMemcpyDeviceToDevice));
             transpose<<<dim3((unsigned)(K / 32), (cols + 31) / 32), dim3(32, 8)>>>(tmp, dst, K,
-                                                                                  cols);
+                                                                                   cols);
         };
         tm(d, dt, M);
         tm(z, zt, LDZ);
@@ -101,8 +102,7 @@ int main() {
     // Transposed: D^T (M rows of K) as op T with lda K, z^T (LDZ rows of K) op N with ldb K.
     auto tn = [&] {
         CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, M, LDZ, (int)K, &one, dt, CUDA_R_32F, (int)K,
-                        zt, CUDA_R_32F, (int)K, &zero, c1, CUDA_R_32F, M, ct,
-                        CUBLAS_GEMM_DEFAULT));
+                        zt, CUDA_R_32F, (int)K, &zero, c1, CUDA_R_32F, M, ct, CUBLAS_GEMM_DEFAULT));
     };
     float ms = median_ms(nt);
     printf("{\"probe\":\"gemm_h256\",\"what\":\"dw nt (today)\",\"ms\":%.4f,\"GBps\":%.0f}\n", ms,
@@ -155,9 +155,9 @@ int main() {
     // From D^T: step t's B rows (columns [t B, t B + B) of D^T) into dx rows b T + t: T
     // products, C_t (I x B, ldc T I, offset t I) = W_ih (I x M) D_t (op T of D^T's block).
     ms = median_ms([&] {
-        CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, I, B, M, &one, w, CUDA_R_32F,
-                                      I, 0, dt, CUDA_R_32F, (int)K, B, &zero, x1, CUDA_R_32F,
-                                      T * I, I, T, ct, CUBLAS_GEMM_DEFAULT));
+        CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, I, B, M, &one, w, CUDA_R_32F, I,
+                                      0, dt, CUDA_R_32F, (int)K, B, &zero, x1, CUDA_R_32F, T * I, I,
+                                      T, ct, CUBLAS_GEMM_DEFAULT));
     });
     printf("{\"probe\":\"gemm_h256\",\"what\":\"dx from D^T (strided batched over t)\","
            "\"ms\":%.4f,\"rel_diff\":%.3g}\n",

@@ -155,9 +155,8 @@ __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_
 }
 // A bulk copy (the TMA engine) of `bytes` from this CTA's shared memory at src to cluster address
 // dst, complete on the mbarrier at cluster address bar (in dst's CTA); commit and wait for every
-// such copy of this thread to have read its source; the fence that orders this thread's earlier
-// shared-memory writes before the async proxy's reads (each writer, before the barrier behind
-// which one thread issues the copy).
+// such copy of this thread to have read its source. Each writer of the source runs
+// fence_proxy_async (seq_persist.cuh) before the barrier behind which one thread issues the copy.
 __device__ __forceinline__ void cluster_bulk_s2s(uint32_t dst, uint32_t src, uint32_t bytes,
                                                  uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -174,11 +173,6 @@ __device__ __forceinline__ void cluster_bulk_s2s(uint32_t dst, uint32_t src, uin
 __device__ __forceinline__ void bulk_wait_read() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fence_proxy_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 
@@ -584,7 +578,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     }
                 }
             }
-        fence_proxy_async_smem(); // the slab is read by send_h's bulk copies
+        fence_proxy_async(); // the slab is read by send_h's bulk copies
     };
     // After put_h and a __syncthreads: thread 0 copies this CTA's slab of h_t into the other
     // CTAs' tiles by bulk copies (the TMA engine), each completing on the receiver's hfull (NOTES

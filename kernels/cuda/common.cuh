@@ -166,7 +166,8 @@ struct seq_layout {
     size_t tape_floats;
 };
 
-// c: the device, whose layer 0 may keep z as dw16 chunk parts (seq.cu, seq_zfwd).
+// c: the device, whose layer 0 may keep z as dw16 or dw256 chunk parts (seq.cu, seq_zfwd,
+// seq_cz).
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
                            struct seq_layout *lay);
 

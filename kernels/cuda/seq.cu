@@ -34,10 +34,13 @@
 
 static bool seq_zfwd_model(const struct cuda_ctx *c, const struct rnnd_model *m);
 static int seq_dw16_pitch(const struct cuda_ctx *c, int B, int T);
+static bool seq_cz_model(const struct cuda_ctx *c, const struct rnnd_model *m, int B);
+static int seq_dw256_pitch(const struct cuda_ctx *c, int B, int T);
 
 // The layout holds s rows of fp32 planes; a tape whose gate planes are fp16 (tape_half) packs
 // its shorter rows into the same space. Layer 0's z space also holds the z chunk parts and x
-// exponents (seq_zfwd) where the device and model may write them.
+// exponents (seq_zfwd) or the dw256 chunk parts (seq_cz) where the device and model may write
+// them.
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
                            struct seq_layout *lay) {
     size_t BT = (size_t)B * T, at = 0;
@@ -51,9 +54,11 @@ void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m,
         y->sw = sw;
         y->z_off = at;
         size_t zf = BT * y->ldz;
-        if (l == 0 && seq_zfwd_model(c, m)) {
-            size_t zc = (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
-                        (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t);
+        if (l == 0 && (seq_zfwd_model(c, m) || seq_cz_model(c, m, B))) {
+            size_t zc = seq_zfwd_model(c, m)
+                            ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
+                                  (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
+                            : (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
             zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
         }
         at += ROUND_UP(zf, (size_t)64);
@@ -213,6 +218,28 @@ static bool tape_blocked(const struct cuda_ctx *c, const struct rnnd_model *m, i
     return m->cell == RNND_CELL_LSTM && seq_cluster_bwd(c, m, B) > 0;
 }
 static_assert(RNND_CLUSTER_BWD_MIN_ROWS >= 11, "B + 7 rows of 3H floats within B rows of 5H");
+
+// Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts in its
+// tape instead of z rows, and its backward writes D's (besides D in fp32 where dL/dx needs it),
+// for seq_dw.cu's product instead of cuBLAS's (NOTES v35): compute 9.0 (the product's wgmma).
+// The model, the device and B set the tape's size (seq_cz_model); the inputs both passes see add
+// the alignments the cluster forward needs (seq_cz). Misaligned outputs of the forward and
+// gradients of the backward go through aligned scratch (as for seq_zfwd), so that both loops
+// run in clusters. Bench variant bit 16384 (RNND_SEQ_VARIANT_NO_DW16) turns it off.
+static bool seq_cz_model(const struct cuda_ctx *c, const struct rnnd_model *m, int B) {
+    return cuda_has_wg(c) && !(c->variant & RNND_SEQ_VARIANT_NO_DW16) && seq_cluster(c, m, 0) &&
+           tape_blocked(c, m, B) && seq_cluster_rows(c, B, false) > 0;
+}
+static bool seq_cz(const struct cuda_ctx *c, const struct rnnd_model *m,
+                   const struct rnnd_seq *seq) {
+    return seq_cz_model(c, m, seq->B) && aligned16(seq->x) && aligned16(seq->h0) &&
+           aligned16(seq->c0) && aligned16(seq->hidden) && aligned16(seq->cell);
+}
+// The dw256 product's chunks a plane: whole stages for each of its CTAs (num_sms / 8 a plane).
+static int seq_dw256_pitch(const struct cuda_ctx *c, int B, int T) {
+    const int step = c->num_sms / 8 * RNND_DW256_CH;
+    return CEIL_DIV(CEIL_DIV(B, 16) * T, step) * step;
+}
 
 // ---------------------------------------------------------------------------------------------
 // GEMM (column-major cuBLAS view of our row-major arrays)
@@ -501,12 +528,16 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
                aligned16(seq->cell);
     };
     bool need_xg = false, vec = vec_of(out, h_n, c_n);
-    // Layer 0's z as chunk parts (seq_zfwd): the backward cannot see out, h_n and c_n, so where
-    // they are not aligned they go through aligned scratch, copied out at the end (with a tape
-    // or without: the same loop, the same outputs).
-    const bool zfwd = seq_zfwd(c, m, seq), zc0 = tape && zfwd, stage = zfwd && !vec;
+    // Layer 0's z as chunk parts (seq_zfwd, seq_cz): the backward cannot see out, h_n and c_n,
+    // so where they are not aligned they go through aligned scratch, copied out at the end (with
+    // a tape or without: the same loop, the same outputs).
+    const bool zfwd = seq_zfwd(c, m, seq), zc0 = tape && zfwd;
+    const bool cz = tape && seq_cz(c, m, seq), stage = (zfwd || seq_cz(c, m, seq)) && !vec;
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
-    int crows = seq_cluster(c, m, 0) && vec && aligned16(seq->x) ? seq_cluster_rows(c, B, false) : 0;
+    // (Staged outputs are aligned.)
+    int crows = seq_cluster(c, m, 0) && (vec || stage) && aligned16(seq->x)
+                    ? seq_cluster_rows(c, B, false)
+                    : 0;
     bool clus0 = crows > 0;
     for (int l = 0; l < L; l++) {
         xks[l] = persistent && !(c->variant & 32) ? rnnd__persist_xks(m, l, c->smem_optin) : 0;
@@ -547,8 +578,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         bool clus = l == 0 && clus0;
         bool xloop = (persistent && ly->Il <= hp / 2) || clus;
         const bool zc = l == 0 && zc0;
-        bool xcopy = xloop && tape && l == 0 && !zc;
-        if (tape && l == 0 && !xcopy && !zc)
+        bool xcopy = xloop && tape && l == 0 && !zc && !cz;
+        if (tape && l == 0 && !xcopy && !zc && !cz)
             RNND_CUDA_TRY(cudaMemcpy2DAsync(z + ly->xoff, ly->ldz * sizeof(float), seq->x,
                                             m->I * sizeof(float), m->I * sizeof(float), BT,
                                             cudaMemcpyDeviceToDevice, c->stream));
@@ -569,6 +600,16 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.s = tape ? s : nullptr, a.shalf = shalf;
             a.h_n = h_n, a.c_n = c_n;
             a.x = x, a.ldx = ldx, a.xvec = ldx % 4 == 0, a.xcopy = xcopy;
+            if (cz) { // the chunks past the loop's (whole stages for the product) hold zeros
+                const int pitch = seq_dw256_pitch(c, B, T);
+                const size_t nch = (size_t)CEIL_DIV(B, 16) * T;
+                char *zc = (char *)z, *aux = zc + (size_t)pitch * RNND_DW256_Z;
+                RNND_CUDA_TRY(cudaMemsetAsync(zc + nch * RNND_DW256_Z, 0,
+                                              (pitch - nch) * RNND_DW256_Z, c->stream));
+                RNND_CUDA_TRY(cudaMemsetAsync(aux + nch * RNND_DW256_A, 0,
+                                              (pitch - nch) * RNND_DW256_A, c->stream));
+                a.z = nullptr, a.zc = zc, a.zc_aux = aux;
+            }
             RNND_TRY(crows == 80 ? rnnd__cluster80_lstm_forward(&a, c->stream)
                                  : rnnd__cluster_lstm_forward(&a, c->stream));
         } else if (persistent) {
@@ -679,15 +720,37 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     size_t d_bytes = BT * 4 * H * sizeof(float);
     if (dw16 && dw_bytes > d_bytes)
         d_bytes = dw_bytes;
-    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part;
-    int16_t *dw_rec;
+    // Layer 0's dw256 chunks (seq_cz) are read by the cluster loop alone: misaligned gradients go
+    // through aligned scratch (gs: the gradients the loops write; copied out at the end).
+    const bool cz = seq_cz(c, m, seq), gstage = cz && !vec;
+    const int cz_ks = c->num_sms / 8, cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
+    const size_t blh = (size_t)B * L * H * sizeof(float);
+    struct rnnd_seq_grads gs = *grads;
+    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part, *cz_part, *sgo, *shn, *scn;
+    int16_t *dw_rec, *cz_rec;
+    char *cz_d;
     struct cuda_carve cv = {0};
     size_t bh = persistent ? 0 : (size_t)B * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
+        auto staged = [&](const void *p, size_t n) { // a scratch copy of p where staged
+            float *q = (float *)cuda_carve(&cv, gstage && p ? n : 0);
+            return gstage && p ? q : nullptr;
+        };
+        sgo = staged(grad_out, BT * H * sizeof(float));
+        shn = staged(grad_h_n, blh);
+        scn = staged(grad_c_n, blh);
+        gs.h0 = staged(grads->h0, blh);
+        gs.c0 = staged(grads->c0, blh);
+        gs.hidden = staged(grads->hidden, blh * T);
+        gs.cell = staged(grads->cell, blh * T);
         d = (float *)cuda_carve(&cv, d_bytes);
         dw_part = (float *)cuda_carve(
             &cv, dw16 ? (size_t)dw_ks * 4 * H * RNND_DW16_NZ * sizeof(float) : 0);
         dw_rec = (int16_t *)cuda_carve(&cv, dw_exp ? (size_t)dw_pitch * RNND_DW16_E : 0);
+        cz_d = (char *)cuda_carve(&cv, (size_t)cz_pitch * 8 * RNND_DW16_D);
+        cz_rec = (int16_t *)cuda_carve(&cv, (size_t)cz_pitch * 4 * 16 * sizeof(int16_t));
+        cz_part = (float *)cuda_carve(
+            &cv, cz ? (size_t)cz_ks * 4 * H * RNND_DW256_NZ * sizeof(float) : 0);
         gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dh = (float *)cuda_carve(&cv, bh);
@@ -699,20 +762,32 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             cv = (struct cuda_carve){(char *)c->d_scratch, 0};
         }
     }
+    if (gstage) {
+        const float **in[3] = {&grad_out, &grad_h_n, &grad_c_n};
+        float *to[3] = {sgo, shn, scn};
+        for (int k = 0; k < 3; k++)
+            if (*in[k]) {
+                RNND_CUDA_TRY(cudaMemcpyAsync(to[k], *in[k], k ? blh : BT * H * sizeof(float),
+                                              cudaMemcpyDeviceToDevice, c->stream));
+                *in[k] = to[k];
+            }
+        vec = H % 4 == 0;
+    } else {
+        gs = *grads;
+    }
+    const int brows = vec ? seq_cluster_bwd(c, m, B) : 0; // rows a cluster of the backward, or 0
 
     // Outputs written only where a value was used start at zero.
-    size_t blh = (size_t)B * L * H * sizeof(float);
-    if (grads->h0)
-        RNND_CUDA_TRY(cudaMemsetAsync(grads->h0, 0, blh, c->stream));
-    if (grads->c0)
-        RNND_CUDA_TRY(cudaMemsetAsync(grads->c0, 0, blh, c->stream));
-    if (grads->hidden)
-        RNND_CUDA_TRY(cudaMemsetAsync(grads->hidden, 0, blh * T, c->stream));
-    if (grads->cell)
-        RNND_CUDA_TRY(cudaMemsetAsync(grads->cell, 0, blh * T, c->stream));
+    if (gs.h0)
+        RNND_CUDA_TRY(cudaMemsetAsync(gs.h0, 0, blh, c->stream));
+    if (gs.c0)
+        RNND_CUDA_TRY(cudaMemsetAsync(gs.c0, 0, blh, c->stream));
+    if (gs.hidden)
+        RNND_CUDA_TRY(cudaMemsetAsync(gs.hidden, 0, blh * T, c->stream));
+    if (gs.cell)
+        RNND_CUDA_TRY(cudaMemsetAsync(gs.cell, 0, blh * T, c->stream));
 
     const float *tp = (const float *)tape;
-    const int brows = vec ? seq_cluster_bwd(c, m, B) : 0; // rows a cluster of the backward, or 0
     const bool shalf = tape_half(c, m, B); // as the forward
 
     for (int l = L - 1; l >= 0; l--) {
@@ -729,8 +804,21 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         a.z = z, a.ldz = ly->ldz, a.s = s, a.shalf = shalf;
         a.gy = gy, a.ldgy = H;
         a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
-        a.g_h0 = grads->h0, a.g_c0 = grads->c0;
-        a.g_hidden = grads->hidden, a.g_cell = grads->cell;
+        a.g_h0 = gs.h0, a.g_c0 = gs.c0;
+        a.g_hidden = gs.hidden, a.g_cell = gs.cell;
+        float *dx = l > 0 ? gyb : grads->x; // dL/dx_l: the layer below's gy, or grads->x
+        const bool c256 = cz && l == 0; // (the loop runs in clusters: brows > 0)
+        if (c256) {
+            // The chunks past the loop's (whole stages for the product): zeros, records
+            // RNND_DW16_EZERO; D in fp32 only for dL/dx.
+            size_t nch = (size_t)CEIL_DIV(B, 16) * T, pad = cz_pitch - nch;
+            RNND_CUDA_TRY(cudaMemset2DAsync(cz_d + nch * RNND_DW16_D, cz_pitch * RNND_DW16_D, 0,
+                                            pad * RNND_DW16_D, 8, c->stream));
+            RNND_CUDA_TRY(cudaMemset2DAsync(cz_rec + nch * 16, cz_pitch * 32, 0x80, pad * 32, 4,
+                                            c->stream));
+            a.dw16 = cz_d, a.dw16_pitch = cz_pitch, a.dw16_exp = cz_rec;
+            a.d = dx ? d : nullptr;
+        }
         if (brows > 0) {
             RNND_TRY(brows == 80 ? rnnd__cluster80_lstm_backward(&a, c->stream)
                                  : rnnd__cluster_lstm_backward(&a, c->stream));
@@ -770,8 +858,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.gy = gy, sw.ldgy = H;
             sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
             sw.dh = dh, sw.dc = dc, sw.dhp = dhp, sw.dcp = dcp;
-            sw.g_h0 = grads->h0, sw.g_c0 = grads->c0;
-            sw.g_hidden = grads->hidden, sw.g_cell = grads->cell;
+            sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
+            sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));
         }
 
@@ -783,7 +871,12 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         float *gw_ih = (float *)gp.w_ih, *gw_hh = (float *)gp.w_hh;
         float *gb_ih = (float *)gp.b_ih, *gb_hh = (float *)gp.b_hh;
 #ifdef RNND_HAVE_WG
-        if (a.dw16) {
+        if (c256) {
+            const char *zc = (const char *)z;
+            struct dw16_args dw = {cz_d,   zc,    cz_pitch, cz_ks, H,     ly->Il, false,
+                                   cz_part, cz_rec, gw_ih, gw_hh, gb_ih, gb_hh};
+            RNND_TRY(rnnd__dw256_product(&dw, zc + (size_t)cz_pitch * RNND_DW256_Z, c->stream));
+        } else if (a.dw16) {
             const char *dloop = (const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D;
             const void *dz = zc ? (const void *)z : (const void *)dloop; // z's parts
             struct dw16_args dw = {d,      dz,    dw_pitch, dw_ks, H,     ly->Il, !lstm,
@@ -804,9 +897,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 
         // dx_l (B*T, I_l) = D_x W_ih: the layer below's output gradient, or grads->x. The GRU's
         // input-side planes are r, z (D's first two) and n (D's fourth).
-        float *dx = l > 0 ? gyb : grads->x;
 #ifdef RNND_HAVE_WG
-        if (dx && a.dw16) { // from the loop's dw16 chunks (NOTES v25f)
+        if (dx && a.dw16 && !c256) { // from the loop's dw16 chunks (NOTES v25f)
             struct dx16_args dxa = {d,      dw_pitch, CEIL_DIV(B, 16) * T, lstm ? 4 : 3,
                                     c->num_sms, H,  ly->Il, B, T, lp.w_ih, dx, a.dw16_exp};
             RNND_TRY(rnnd__dx16_product(&dxa, c->stream));
@@ -822,6 +914,14 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                           lp.w_ih + (size_t)2 * H * ly->Il, ly->Il, d + 3 * H, 4 * H, 1.0f, dx,
                           ly->Il));
         }
+    }
+    if (gstage) {
+        float *out[4] = {grads->h0, grads->c0, grads->hidden, grads->cell};
+        const float *from[4] = {gs.h0, gs.c0, gs.hidden, gs.cell};
+        for (int k = 0; k < 4; k++)
+            if (out[k])
+                RNND_CUDA_TRY(cudaMemcpyAsync(out[k], from[k], k < 2 ? blh : blh * T,
+                                              cudaMemcpyDeviceToDevice, c->stream));
     }
     return 0;
 }

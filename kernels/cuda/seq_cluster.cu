@@ -175,6 +175,23 @@ __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #endif
 }
+// A bulk copy of `bytes` from this CTA's shared memory at src to global dst, committed as above
+// (bulk_wait_read waits for its read too).
+__device__ __forceinline__ void bulk_s2g(void *dst, uint32_t src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#else
+    (void)dst, (void)src, (void)bytes;
+    __trap();
+#endif
+}
+// The dw256 chunk (seq_persist.h) of 16-row block blk (of the batch) at step t.
+__device__ __forceinline__ size_t dw256_chunk(int blk, int t, int T) {
+    return (size_t)blk * T + t;
+}
 
 // Lanes l and l ^ m (m = 1 or 2: lanes of one quad) each hold a value of two rows, r0 and r1,
 // side by side in those rows (the lane with bit m clear on the left). After the swap the lane with
@@ -234,11 +251,9 @@ __device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
 }
 
 // Byte offsets in the swizzled tiles: row pitch P bytes, 16-byte chunk c stored at c ^ (row & 7).
-__device__ __forceinline__ uint32_t hoff(int row, int unit) { // fp16 h tile, 512-byte rows
-    return (uint32_t)(row * (HC * 2) + ((((unit >> 3) ^ (row & 7))) << 4) + (unit & 7) * 2);
-}
 // The forward's h tile in four slabs of 64 units (rank r's units in slab r, ROWS x 128 bytes,
-// contiguous: one bulk copy a CTA), 128-byte rows, chunk c at c ^ (row & 7).
+// contiguous: one bulk copy a CTA), 128-byte rows, chunk c at c ^ (row & 7); the backward's
+// tile likewise (gate q in slab q). A slab's 16-row block is a dw256 chunk piece as it stands.
 template <int ROWS> __device__ __forceinline__ uint32_t hsoff(int row, int unit) {
     return (uint32_t)((unit >> 6) * (ROWS * 128) + row * 128 +
                       ((((unit & 63) >> 3) ^ (row & 7)) << 4) + (unit & 7) * 2);
@@ -387,6 +402,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
     const float hscale = persist_pow2_for(m, 14);
     const float hinv = (1.0f / wscale) * (1.0f / hscale);
+    // dw256 chunks (a.zc): the cluster's blocks of 16 rows below B.
+    const int nblk = min(MT, (a.B - row0 + 15) / 16);
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
     // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers (64 rows) or in
@@ -582,17 +599,74 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     };
     // After put_h and a __syncthreads: thread 0 copies this CTA's slab of h_t into the other
     // CTAs' tiles by bulk copies (the TMA engine), each completing on the receiver's hfull (NOTES
-    // v34: per-lane st.async to every CTA took a third of the step).
+    // v34: per-lane st.async to every CTA took a third of the step). With a.zc, lane m + 1 of
+    // warp 0 copies the slab's block m (2 KB, already the chunk's layout) into z's piece `rank`
+    // of its chunk, and waits for the copy's read after the next MMAs (zc_wait), before the slab
+    // is written again.
     auto send_h = [&](int t) {
-        if (threadIdx.x == 0) {
+        if (w == 0) {
             const int nb = WIDE ? 0 : t & 1;
             const uint32_t src = hbase + (uint32_t)(nb * S::HTILE + rank * S::PART),
                            bar = smem_u32(hfull + nb);
+            if (lane == 0)
 #pragma unroll
-            for (int k = 1; k < CL; k++) {
-                const uint32_t r = (uint32_t)((rank + k) % CL);
-                cluster_bulk_s2s(cluster_map(src, r), src, (uint32_t)S::PART, cluster_map(bar, r));
+                for (int k = 1; k < CL; k++) {
+                    const uint32_t r = (uint32_t)((rank + k) % CL);
+                    cluster_bulk_s2s(cluster_map(src, r), src, (uint32_t)S::PART,
+                                     cluster_map(bar, r));
+                }
+            if (a.zc && lane >= 1 && lane <= nblk)
+                bulk_s2g(static_cast<unsigned char *>(a.zc) +
+                             dw256_chunk(row0 / 16 + lane - 1, t, T) * RNND_DW256_Z + rank * 2048,
+                         src + (uint32_t)((lane - 1) * 2048), 2048u);
+        }
+    };
+    auto zc_wait = [&] { // lane 0's copies to the other CTAs complete on their barriers
+        if (a.zc && w == 0 && lane >= 1)
+            bulk_wait_read();
+    };
+    // The chunk's x piece, constant column and exponents (a.zc): rank r's rows [r ROWS / CL,
+    // (r + 1) ROWS / CL) of step t's x tile (x times the h scale, TF32: exact in fp16 once scaled
+    // by a power of two), 8 columns a thread (whole warps; a warp's 4 rows share a block).
+    const int zr = rank * (ROWS / CL) + (threadIdx.x >> 3), zj = threadIdx.x & 7;
+    const bool zon = a.zc && threadIdx.x < (ROWS / CL) * 8 && row0 + (zr & ~15) < a.B;
+    const int eh = -pow2_log(hscale);
+    auto put_zx = [&](int t) {
+        if (!zon)
+            return;
+        const unsigned char *xt = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
+        const float4 v0 = *reinterpret_cast<const float4 *>(xt + xoff(zr, 8 * zj)),
+                     v1 = *reinterpret_cast<const float4 *>(xt + xoff(zr, 8 * zj + 4));
+        float mx = fmaxf(fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v0.z), fabsf(v0.w))),
+                         fmaxf(fmaxf(fabsf(v1.x), fabsf(v1.y)), fmaxf(fabsf(v1.z), fabsf(v1.w))));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        const float sc = persist_pow2_for(mx, 14);
+        auto h2 = [&](float x, float y) {
+            __half2 p = __floats2half2_rn(x * sc, y * sc);
+            return *reinterpret_cast<uint32_t *>(&p);
+        };
+        const size_t c = dw256_chunk((row0 + zr) >> 4, t, T);
+        const int rr = zr & 15;
+        unsigned char *zc = static_cast<unsigned char *>(a.zc) + c * RNND_DW256_Z;
+        *reinterpret_cast<uint4 *>(zc + 4 * 2048 + rr * 128 + ((zj ^ (rr & 7)) << 4)) =
+            make_uint4(h2(v0.x, v0.y), h2(v0.z, v0.w), h2(v1.x, v1.y), h2(v1.z, v1.w));
+        unsigned char *aux = static_cast<unsigned char *>(a.zc_aux) + c * RNND_DW256_A;
+        if (zj == 0) { // x = x' 2^ex: x' = x hscale sc
+            int16_t *e = reinterpret_cast<int16_t *>(aux + 256);
+            e[rr] = (int16_t)eh;
+            e[16 + rr] = (int16_t)(mx > 0.0f ? eh - pow2_log(sc) : RNND_DW16_EZERO);
+        } else if (zj == 1) { // 16-byte unit rr of the constant: column 0 of K rows 8 (rr / 8)..
+            uint32_t v[4] = {0u, 0u, 0u, 0u};
+            if ((rr & 7) == 0) {
+                const uint32_t one = __half_as_ushort(__float2half_rn(hscale));
+                const int b0 = row0 + (zr & ~15) + rr;
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    v[k] = (b0 + 2 * k < a.B ? one : 0u) | (b0 + 2 * k + 1 < a.B ? one << 16 : 0u);
             }
+            *reinterpret_cast<uint4 *>(aux + 16 * rr) = make_uint4(v[0], v[1], v[2], v[3]);
         }
     };
 
@@ -654,6 +728,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE),
                        xo = WIDE ? 0u : (uint32_t)((t & 1) * S::XTILE);
 
+        put_zx(t); // before B_t: the x tile is single-buffered at 80 rows
         float acc[MT][4][4];
         zero_acc(acc);
         uint32_t wi[4]; // WIDE: W_ih's fragments of the k-step
@@ -670,6 +745,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     return mode_tf32::wunpack(wih[ks] + q);
             });
         mma_whh<128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
+        zc_wait(); // the chunk copies of h_t, issued at the end of step t - 1
         if constexpr (WIDE)
             if (more) {
                 cluster_arrive_relaxed(); // B_t: this CTA has read the h and x tiles of step t
@@ -767,7 +843,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
         }
     }
-    if (threadIdx.x == 0)
+    if (w == 0)
         bulk_wait_read(); // its copies have read this CTA's slabs before the CTA leaves
 }
 
@@ -821,6 +897,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int rank = (int)cluster_rank();
     const int row0 = (int)(blockIdx.x / CL) * ROWS;
     const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0; // this lane's first unit
+    const int nblk = min(MT, (a.B - row0 + 15) / 16); // dw256 chunks: blocks below B
     using WL = persist_wlayout<8>;
 
     if (threadIdx.x == 0) { // its first phase: step T - 1's partials, all of them
@@ -960,8 +1037,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
     uint32_t ab[4];
 #pragma unroll
-    for (int k = 0; k < 4; k++)
-        ab[k] = abase + (uint32_t)(lrow * HC * 2 + (((2 * k + (mi >> 1)) ^ key) << 4));
+    for (int k = 0; k < 4; k++) // the tile in the forward's slab layout (hsoff), gate q in slab q
+        ab[k] = abase + (uint32_t)(lrow * 128 + (((2 * k + (mi >> 1)) ^ key) << 4));
     // Destination of this warp's partials: CTA w / 2, slot `rank`, local units 32 (w % 2) + ...
     const uint32_t dst = cluster_map(rbase_s + (uint32_t)(rank * S::PART), (uint32_t)(w >> 1));
     __syncthreads(); // the weights are in place
@@ -995,7 +1072,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         mx = fmaxf(mx, fabsf(d[q]));
                     }
                 }
-                if (rv[mt][i]) {
+                if (rv[mt][i] && a.d) {
                     size_t r = rowb(mt, i) * T + t;
 #pragma unroll
                     for (int q = 0; q < 4; q++)
@@ -1025,20 +1102,39 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 const float mx = fmaxf(fmaxf(fmaxf(m0.x, m0.y), fmaxf(m0.z, m0.w)),
                                        fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
                 const float sc = persist_pow2_for(mx, 14);
-                if (w == 0 && tg == 0)
+                if (w == 0 && tg == 0) {
                     rowinv[row] = winv / sc;
+                    if (a.dw16 && mt < nblk) // D = D' 2^eD in this CTA's columns of the row
+                        a.dw16_exp[(rank * (size_t)a.dw16_pitch +
+                                    dw256_chunk(row0 / 16 + mt, t, T)) * 16 + g + 8 * i] =
+                            (int16_t)(mx > 0.0f ? -pow2_log(sc) : RNND_DW16_EZERO);
+                }
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     __half2 p = __floats2half2_rn(dv[q][mt][i][0] * sc, dv[q][mt][i][1] * sc);
-                    *reinterpret_cast<__half2 *>(smem + C_WBYTES + hoff(row, q * UPC + lu0)) = p;
+                    *reinterpret_cast<__half2 *>(smem + C_WBYTES +
+                                                 hsoff<ROWS>(row, q * UPC + lu0)) = p;
                 }
             }
+        if (a.dw16)
+            fence_proxy_async(); // the tile is read by the chunk copies below
         __syncthreads();
+        // a.dw16: lane 4 m + q of warp 0 copies the tile's block m of gate q (2 KB, already the
+        // chunk's layout) into D's plane 2 rank + q / 2; its read is waited for after the MMAs,
+        // before the tile (WIDE: the receive slots) is written again.
+        if (a.dw16 && w == 0 && lane < 4 * nblk)
+            bulk_s2g(static_cast<unsigned char *>(a.dw16) +
+                         ((2 * rank + (lane & 3) / 2) * (size_t)a.dw16_pitch +
+                          dw256_chunk(row0 / 16 + lane / 4, t, T)) * RNND_DW16_D +
+                         (lane & 1) * 2048,
+                     abase + (uint32_t)((lane & 3) * ROWS * 128 + (lane / 4) * 2048), 2048u);
 
         // This CTA's partial of dh: ROWS rows x the warp's 32 units.
         float acc[MT][4][4];
         zero_acc(acc);
-        mma_whh<HC * 2, 128>(acc, wsm, ab, 0u, w, lane);
+        mma_whh<128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
+        if (a.dw16 && w == 0)
+            bulk_wait_read(); // the chunk copies have read the tile
         if constexpr (WIDE)
             cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];

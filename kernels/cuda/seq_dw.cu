@@ -52,12 +52,14 @@ __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b
                  : RNND_D32(0), RNND_D32(32), RNND_D32(64), RNND_D4(96)
                  : "l"(a), "l"(b));
 }
-// d += A B, m64 nN k16, fp16, A from registers (this warp's 16 rows), B K-major in shared memory.
+// d += A B, m64 nN k16, fp16, A from registers (this warp's 16 rows), B in shared memory:
+// K-major, or N-major where TB (dw256's z pieces).
+template <bool TB = false>
 __device__ __forceinline__ void mma_f16_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RNND_P64
-                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;\n"
                  : RNND_D32(0), RNND_D32(32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB ? 1 : 0));
 }
 __device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
@@ -65,14 +67,16 @@ __device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4]
                  : RNND_D4(0)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
-// m64 n64 k16 with A from registers: fp16 (F16) or bf16; ACC false writes d without reading it.
-template <bool F16, bool ACC = true>
+// m64 n64 k16 with A from registers: fp16 (F16) or bf16; ACC false writes d without reading it;
+// TB (fp16): B N-major.
+template <bool F16, bool ACC = true, bool TB = false>
 __device__ __forceinline__ void mma_n64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
     if constexpr (F16)
         asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RNND_P32
-                     "}, {%32, %33, %34, %35}, %36, %37, 1, 1, 0;\n"
+                     "}, {%32, %33, %34, %35}, %36, %37, 1, 1, %38;\n"
                      : RNND_D32(0)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACC ? 1 : 0),
+                       "n"(TB ? 1 : 0));
     else
         asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" RNND_P32
                      "}, {%32, %33, %34, %35}, %36, %37, 1, 1, 0;\n"
@@ -287,6 +291,207 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The LSTM's product at H = 256 from the cluster loops' dw256 chunks (seq_persist.h; NOTES v35).
+// CTA (plane p, K range s): D's plane p (128 columns: gates 2 (p % 2) and 2 (p % 2) + 1 of
+// units 64 (p / 2)..) against all of z's RNND_DW256_NZ columns. Consumer warpgroup q takes the
+// plane's gate q (m64): A from registers by ldmatrix.trans of its piece, each K row scaled by
+// 2^(eD + eh - Ch) for h and the constant and 2^(eD + ex - Cx) for x (one eD a row for the whole
+// plane: the cluster CTA's row scale), Ch and Cx the CTA's largest over its K range; B, z's
+// pieces, N-major in shared memory (the forward's slabs as they stood). 164 accumulators a
+// thread (h 2 x n128, x n64, the constant n8). Stages of RNND_DW256_CH chunks, 1024-byte aligned
+// for the swizzle.
+
+constexpr int D2_NST = 6;
+constexpr long D2_OFFZ = RNND_DW256_CH * RNND_DW16_D;
+constexpr long D2_OFFA = D2_OFFZ + RNND_DW256_CH * RNND_DW256_Z;
+constexpr long D2_OFFE = D2_OFFA + RNND_DW256_CH * RNND_DW256_A;
+constexpr long D2_BYTES = D2_OFFE + RNND_DW256_CH * 32; // what a stage's copies bring
+constexpr long D2_STAGE = (D2_BYTES + 1023) / 1024 * 1024;
+constexpr long D2_SMEM = 1024 + D2_NST * D2_STAGE + 2 * D2_NST * 8;
+constexpr int D2_NACC = RNND_DW256_NZ / 2; // 41 n8 groups x 4
+constexpr int D2_THREADS = 256;            // 2 consumer warpgroups
+static_assert(D2_OFFZ % 1024 == 0 && RNND_DW256_Z % 1024 == 0, "z pieces on swizzle atoms");
+
+__global__ void __launch_bounds__(D2_THREADS, 1)
+    dw256_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
+                 const uint8_t *__restrict__ aux, const int16_t *__restrict__ exp, int pitch,
+                 int ks, float *__restrict__ part) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t sm_raw[];
+    uint8_t *sm = sm_raw + ((1024 - (smem_u32(sm_raw) & 1023)) & 1023);
+    uint64_t *full = reinterpret_cast<uint64_t *>(sm + D2_NST * D2_STAGE), *empty = full + D2_NST;
+    const int p = blockIdx.x % 8, s = blockIdx.x / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW256_CH;
+    const int16_t *E = exp + ((size_t)(p / 2) * pitch + c0) * 16; // eD of CTA p / 2's columns
+    const uint8_t *X = aux + (size_t)c0 * RNND_DW256_A;
+    // Thread 0 also brings the stages (a producer warp would leave the consumers 168 registers):
+    // stage i into buffer i % D2_NST once every warp is done with stage i - D2_NST.
+    auto produce = [&](int i) {
+        constexpr int CH = RNND_DW256_CH;
+        const int st = i % D2_NST;
+        if (i >= D2_NST)
+            mbar_wait(empty + st, (i / D2_NST - 1) & 1);
+        mbar_expect_tx(full + st, (uint32_t)D2_BYTES);
+        mbar_arrive(full + st);
+        uint8_t *dst = sm + st * D2_STAGE;
+        const size_t c = (size_t)c0 + (size_t)i * CH;
+        bulk_g2s(dst, chunks + ((size_t)p * pitch + c) * RNND_DW16_D, CH * RNND_DW16_D, full + st);
+        bulk_g2s(dst + D2_OFFZ, zch + c * RNND_DW256_Z, CH * RNND_DW256_Z, full + st);
+        bulk_g2s(dst + D2_OFFA, aux + c * RNND_DW256_A, CH * RNND_DW256_A, full + st);
+        bulk_g2s(dst + D2_OFFE, E + (size_t)i * CH * 16, CH * 32, full + st);
+    };
+    if (threadIdx.x == 0) {
+        mbar_ring_init(full, empty, D2_NST, 1, 8); // empty: lane 0 of each warp
+        for (int i = 0; i < D2_NST && i < nst; i++)
+            produce(i);
+    }
+    __syncthreads();
+    // The CTA's largest eD + eh and eD + ex over its K range (rows of zeros: far below).
+    __shared__ int red[2][8];
+    int ch = 4 * RNND_DW16_EZERO, cx = ch;
+#pragma unroll 4
+    for (int k = threadIdx.x; k < per * 16; k += 256) {
+        const int ed = __ldg(E + k);
+        const int16_t *e = reinterpret_cast<const int16_t *>(X + (size_t)(k / 16) * RNND_DW256_A +
+                                                             256) + k % 16;
+        ch = max(ch, ed + __ldg(e));
+        cx = max(cx, ed + __ldg(e + 16));
+    }
+    ch = __reduce_max_sync(0xffffffffu, ch);
+    cx = __reduce_max_sync(0xffffffffu, cx);
+    if (lane == 0)
+        red[0][warp] = ch, red[1][warp] = cx;
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        ch = max(ch, red[0][k]), cx = max(cx, red[1][k]);
+
+    const int wg = warp / 4, q = lane >> 3, tg = lane % 4;
+    float d[D2_NACC];
+#pragma unroll
+    for (int i = 0; i < D2_NACC; i++)
+        d[i] = 0.0f;
+    // The n8 groups: h's units 0-127 and 128-255, x, the constant.
+    float(&dh0)[64] = *reinterpret_cast<float(*)[64]>(d);
+    float(&dh1)[64] = *reinterpret_cast<float(*)[64]>(d + 64);
+    float(&dx)[32] = *reinterpret_cast<float(*)[32]>(d + 128);
+    float(&dc)[4] = *reinterpret_cast<float(*)[4]>(d + 160);
+    // ldmatrix.trans, matrix q: K rows 8 (q >> 1) + lane % 8, this warp's units 16 (warp % 4) +
+    // 8 (q & 1).. of the piece: lane (g, tg) gets unit g (+8), rows 2tg, 2tg+1 (+8).
+    const int krow = 8 * (q >> 1) + (lane & 7), unit16 = 2 * (warp % 4) + (q & 1);
+    const int aoff = wg * 2048 + krow * 128 + ((unit16 ^ (lane & 7)) << 4);
+    constexpr int CH = RNND_DW256_CH;
+    using Afrag = uint32_t[CH][4];
+    // Stage i's A fragments, h's and x's scaling, once its bytes are in.
+    auto prep = [&](int i, Afrag &ah, Afrag &ax) {
+        mbar_wait(full + i % D2_NST, (i / D2_NST) & 1);
+        const uint8_t *a = sm + (i % D2_NST) * D2_STAGE;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            uint32_t r[4];
+            ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + aoff);
+            const int16_t *ed = reinterpret_cast<const int16_t *>(a + D2_OFFE + c * 32);
+            const int16_t *eh = reinterpret_cast<const int16_t *>(a + D2_OFFA +
+                                                                  c * RNND_DW256_A + 256);
+            uint32_t fh[2], fx[2];
+#pragma unroll
+            for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
+                const int r0 = 2 * tg + 8 * k, e0 = ed[r0], e1 = ed[r0 + 1];
+                const uint32_t h0 = pow2_h2(e0 + eh[r0] - ch), h1 = pow2_h2(e1 + eh[r0 + 1] - ch);
+                const uint32_t x0 = pow2_h2(e0 + eh[16 + r0] - cx);
+                const uint32_t x1 = pow2_h2(e1 + eh[17 + r0] - cx);
+                fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                ah[c][j] = hmul2(r[j], fh[j >> 1]);
+                ax[c][j] = hmul2(r[j], fx[j >> 1]);
+            }
+        }
+    };
+    // Stage i's MMAs on A (prepared); once stage i - 1's are done (one group left in flight),
+    // its buffer is released (and refilled with stage i - 1 + D2_NST) and stage i + 1's A is
+    // prepared in the registers it used, while stage i's run.
+    auto release = [&](int i) {
+        if (lane == 0)
+            mbar_arrive(empty + i % D2_NST);
+        if (threadIdx.x == 0 && i + D2_NST < nst)
+            produce(i + D2_NST);
+    };
+    auto step = [&](int i, const Afrag &ah, const Afrag &ax, Afrag &nh, Afrag &nx) {
+        const uint8_t *a = sm + (i % D2_NST) * D2_STAGE;
+        wg_fence();
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const uint8_t *z = a + D2_OFFZ + c * RNND_DW256_Z;
+            mma_f16_n128<true>(dh0, ah[c], wg_desc_mn_sw128(z, 2048));
+            mma_f16_n128<true>(dh1, ah[c], wg_desc_mn_sw128(z + 2 * 2048, 2048));
+            mma_n64_rs<true, true, true>(dx, ax[c], wg_desc_mn_sw128(z + 4 * 2048, 2048));
+            mma_f16_n8(dc, ah[c], wg_desc(a + D2_OFFA + c * RNND_DW256_A, 256));
+        }
+        wg_commit();
+        wg_wait<1>();
+        if (i > 0)
+            release(i - 1);
+        if (i + 1 < nst)
+            prep(i + 1, nh, nx);
+    };
+    Afrag ah0, ax0, ah1, ax1;
+    if (nst > 0)
+        prep(0, ah0, ax0);
+    for (int i = 0; i < nst; i += 2) {
+        step(i, ah0, ax0, ah1, ax1);
+        if (i + 1 < nst)
+            step(i + 1, ah1, ax1, ah0, ax0);
+    }
+    wg_wait<0>();
+    if (nst > 0)
+        release(nst - 1);
+#pragma unroll
+    for (int k = 0; k < D2_NACC; k++)
+        d[k] = ldexpf(d[k], k >= 128 && k < 160 ? cx : ch);
+    // Accumulator group j (d[4j..]) is z column 8j + 2 (lane % 4) (+1), rows lane / 4 (+8).
+    const int row = p * 128 + wg * 64 + (warp % 4) * 16 + lane / 4;
+    float *o = part + (size_t)s * 1024 * RNND_DW256_NZ;
+#pragma unroll
+    for (int j = 0; j < D2_NACC / 4; j++) {
+        const int col = 8 * j + 2 * (lane % 4);
+        *reinterpret_cast<float2 *>(o + (size_t)row * RNND_DW256_NZ + col) =
+            make_float2(d[4 * j], d[4 * j + 1]);
+        *reinterpret_cast<float2 *>(o + (size_t)(row + 8) * RNND_DW256_NZ + col) =
+            make_float2(d[4 * j + 2], d[4 * j + 3]);
+    }
+#else
+    (void)chunks, (void)zch, (void)aux, (void)exp, (void)pitch, (void)ks, (void)part;
+#endif
+}
+
+// The ks partials of (m, n) summed in a fixed order and added into their gradient: D's column m
+// is gate 2 (p % 2) + (m % 128) / 64 of unit 64 (p / 2) + m % 64 (p = m / 128); z's column n is
+// unit n of W_hh, input n - 256 of W_ih, or (n = 320) the constant of both biases.
+__global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il, float *gw_ih,
+                                 float *gw_hh, float *gb_ih, float *gb_hh) {
+    constexpr int H = 256;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 4 * H * RNND_DW256_NZ)
+        return;
+    const int m = i / RNND_DW256_NZ, n = i % RNND_DW256_NZ, p = m / 128;
+    const int row = (2 * (p % 2) + (m % 128) / 64) * H + 64 * (p / 2) + m % 64;
+    float *to = n < H ? gw_hh + (size_t)row * H + n
+                : n < H + Il ? gw_ih + (size_t)row * Il + n - H
+                : n == H + 64 ? gb_ih + row
+                             : nullptr;
+    if (!to)
+        return;
+    float acc = 0.0f;
+    for (int s = 0; s < ks; s++)
+        acc += part[(size_t)s * 4 * H * RNND_DW256_NZ + i];
+    *to += acc;
+    if (n == H + 64)
+        gb_hh[row] += acc;
+}
+
+// ---------------------------------------------------------------------------------------------
 // dL/dx from the same chunks (the layer's input gradient, which the daemon's Backward always
 // returns): dx[row][i] = sum over the input-side gate columns j of D[row][j] W_ih[j][i]. A warp
 // group takes 4 chunks at a time, one a warp: its 16 rows are the MMA's M rows of that warp, A
@@ -483,6 +688,23 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
     const int n = 4 * DW_MP * RNND_DW16_NZ;
     dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru,
                                                           a->gw_ih, a->gw_hh, a->gb_ih, a->gb_hh);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+int rnnd__dw256_product(const struct dw16_args *a, const void *aux, cudaStream_t stream) {
+    if (a->H != 256 || a->gru || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp ||
+        !aux || a->pitch % (a->ks * RNND_DW256_CH) != 0)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaFuncSetAttribute(dw256_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)D2_SMEM));
+    dw256_kernel<<<8 * a->ks, D2_THREADS, D2_SMEM, stream>>>(
+        static_cast<const uint8_t *>(a->chunks), static_cast<const uint8_t *>(a->z),
+        static_cast<const uint8_t *>(aux), a->exp, a->pitch, a->ks, a->part);
+    CUDA_LAUNCH_CHECK();
+    const int n = 4 * 256 * RNND_DW256_NZ;
+    dw256_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gw_ih,
+                                                           a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

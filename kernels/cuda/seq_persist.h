@@ -40,6 +40,9 @@ struct persist_fwd_args {
     // written them.
     void *zc;
     int16_t *zc_ex;
+    // Or, the H = 256 cluster forward (layer 0; NOTES v35), besides z: z's parts of the dw256
+    // chunks at zc (RNND_DW256_Z a chunk) and their aux records at zc_aux (RNND_DW256_A).
+    void *zc_aux;
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
     bool wg;                     // the device runs seq_wg.cu's sm_90a code (compute 9.0)
@@ -68,6 +71,8 @@ struct persist_bwd_args {
     const int16_t *zc_ex;        // or NULL: the forward wrote z's chunk parts (persist_fwd_args
                                  // zc), the loop writes D's alone and takes x's exponents here
     const void *zc;              // those chunk parts (the GRU's recompute takes h and x there)
+                                 // The H = 256 cluster backward: D's dw256 planes at dw16 and
+                                 // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too.
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     // rc (GRU, v10): one 16-bit W_hh for both directions; the loop recomputes the gates of
@@ -188,5 +193,26 @@ struct dx16_args {
     const int16_t *exp;    // as dw16_args
 };
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
+
+// The same product for the LSTM at H = 256 (TF32 mode, layer 0, I_l <= 64; NOTES v35), from
+// chunks the cluster loops write: 16-bit pieces of 16 rows x 64 columns in 128-byte rows, unit
+// (16 bytes) j of row r at j ^ (r % 8) (wgmma's 128-byte swizzle, N-major for z; D's read by
+// ldmatrix.trans). Chunk c = block x T + t as above.
+//   z (the forward's): chunk c at z + c RNND_DW256_Z: 4 pieces of h (units 64 s + [0, 64), h
+//     times the loop's h scale, a power of two), then x's piece (x' = x 2^-ex, zeros past I_l).
+//   aux (the forward's): chunk c at aux + c RNND_DW256_A: the constant column (256 bytes,
+//     K-major core matrices: column 0 the h scale in rows below B, else zeros), then eh[16]
+//     (h = h' 2^eh) and ex[16] (RNND_DW16_EZERO for a row of zeros) as int16.
+//   D (the backward's): plane p = 2 r + hp of chunk c at chunks + (p pitch + c) RNND_DW16_D:
+//     the pieces of gates 2 hp and 2 hp + 1 of units 64 r + [0, 64) (cluster CTA r's), each
+//     row scaled as CTA r's tile (its 256 columns' largest in [2^13, 2^14));
+//     exp + 16 (r pitch + c): that row exponent eD per row (RNND_DW16_EZERO for a zero row).
+// Chunks from the loops' last to pitch (a multiple of RNND_DW256_CH times the CTAs a plane) must
+// be zeros, their records RNND_DW16_EZERO.
+#define RNND_DW256_Z 10240L
+#define RNND_DW256_A 320L
+#define RNND_DW256_CH 2
+#define RNND_DW256_NZ 328 // h 256, x 64, the constant, 7 zero columns
+int rnnd__dw256_product(const struct dw16_args *a, const void *aux, cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

@@ -50,6 +50,14 @@ static __device__ __forceinline__ uint64_t wg_desc_sw128(const void *p) {
            ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+// An N-major operand (the MMA's trans-b) in the same swizzled atoms, a row holding 64 consecutive
+// N (16-bit) of one K: the next 8 K rows 1024 bytes further (stride byte offset), the next 64 N
+// lbo bytes (leading byte offset; CUTLASS's canonical MN-major 128-byte swizzle layout).
+static __device__ __forceinline__ uint64_t wg_desc_mn_sw128(const void *p, uint32_t lbo) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
 // Byte offset of element (r, k) in a K-major 16-bit operand of kg groups of 8 columns.
 static __device__ __forceinline__ uint32_t km_off(int r, int k, int kg) {
     return (uint32_t)((r >> 3) * (kg * 128) + (k >> 3) * 128 + (r & 7) * 16 + (k & 7) * 2);

@@ -413,6 +413,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     // its buffer is released (and refilled with stage i - 1 + D2_NST) and stage i + 1's A is
     // prepared in the registers it used, while stage i's run.
     auto release = [&](int i) {
+        __syncwarp(); // the warp's reads of the buffer (prep's) before its lane 0's arrival
         if (lane == 0)
             mbar_arrive(empty + i % D2_NST);
         if (threadIdx.x == 0 && i + D2_NST < nst)

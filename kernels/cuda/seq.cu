@@ -17,7 +17,9 @@
  *      LSTM: i, f, g, o), and routes the state gradient at resets and at t = 0;
  *   2. [dW_ih | dW_hh | db] from one GEMM D^T z over all B*T rows (z carries x_l, hprev and a
  *      constant 1 column), scattered into the gradient array with += (deterministic: cuBLAS
- *      without atomics, then one thread per element);
+ *      without atomics, then one thread per element); or, for layer 0 where the loops write D
+ *      and z as 16-bit chunks (seq_dw16 and seq_zfwd at H = 128, seq_cz at H = 256), seq_dw.cu's
+ *      products on them;
  *   3. dx_l = D W_ih: the layer below's output gradient, or grads->x.
  */
 #include "seq.cuh"

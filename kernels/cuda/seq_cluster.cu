@@ -31,7 +31,10 @@
  * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
  * planes in tape_b8's blocks (seq_persist.cuh) for the backward loop in the same clusters
  * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
- * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11).
+ * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11). Where both
+ * loops run here (seq.cu's seq_cz, layer 0), z is instead written as the dw256 chunks of
+ * seq_persist.h (a.zc), and the backward writes D's chunks besides (or instead of) D, for
+ * seq_dw.cu's weight-gradient product (v35).
  */
 #include "seq_persist.cuh"
 

@@ -99,6 +99,26 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
                         *reinterpret_cast<const __half2 *>(&f));
     return *reinterpret_cast<uint32_t *>(&r);
 }
+// TF32 mode: a chunk's A fragment r (ldmatrix.trans: lane (g, tg) holds K rows 2tg, 2tg + 1 and
+// the same + 8) scaled row by row, for z's h part and constant (ah: 2^(eD + eh - ch)) and for its
+// x part (ax: 2^(eD + ex - cx)); ed, eh and ex hold the chunk's 16 rows' exponents.
+__device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int16_t *ed,
+                                              const int16_t *eh, const int16_t *ex, int tg, int ch,
+                                              int cx, uint32_t (&ah)[4], uint32_t (&ax)[4]) {
+    uint32_t fh[2], fx[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
+        const int r0 = 2 * tg + 8 * k, e0 = ed[r0], e1 = ed[r0 + 1];
+        const uint32_t h0 = pow2_h2(e0 + eh[r0] - ch), h1 = pow2_h2(e1 + eh[r0 + 1] - ch);
+        const uint32_t x0 = pow2_h2(e0 + ex[r0] - cx), x1 = pow2_h2(e1 + ex[r0 + 1] - cx);
+        fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        ah[j] = hmul2(r[j], fh[j >> 1]);
+        ax[j] = hmul2(r[j], fx[j >> 1]);
+    }
+}
 #endif
 
 // bf16 chunks: A and B from shared memory (m64n200k16). F16 (TF32 mode): each warp's A (its 16
@@ -182,21 +202,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
                                             (q >> 1) * 128 + (lane & 7) * 16);
                 const int16_t *rec = recs + c * (RNND_DW16_E / 2);
-                uint32_t fh[2], fx[2];
-#pragma unroll
-                for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
-                    const int r0 = 2 * tg + 8 * k, e0 = rec[w * 16 + r0], e1 = rec[w * 16 + r0 + 1];
-                    const uint32_t h0 = pow2_h2(e0 + rec[128 + r0] - ch);
-                    const uint32_t h1 = pow2_h2(e1 + rec[129 + r0] - ch);
-                    const uint32_t x0 = pow2_h2(e0 + rec[144 + r0] - cx);
-                    const uint32_t x1 = pow2_h2(e1 + rec[145 + r0] - cx);
-                    fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    ah[c][j] = hmul2(r[j], fh[j >> 1]);
-                    ax[c][j] = hmul2(r[j], fx[j >> 1]);
-                }
+                dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, tg, ch, cx, ah[c], ax[c]);
             }
             wg_fence();
 #pragma unroll
@@ -393,20 +399,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
             const int16_t *ed = reinterpret_cast<const int16_t *>(a + D2_OFFE + c * 32);
             const int16_t *eh = reinterpret_cast<const int16_t *>(a + D2_OFFA +
                                                                   c * RNND_DW256_A + 256);
-            uint32_t fh[2], fx[2];
-#pragma unroll
-            for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
-                const int r0 = 2 * tg + 8 * k, e0 = ed[r0], e1 = ed[r0 + 1];
-                const uint32_t h0 = pow2_h2(e0 + eh[r0] - ch), h1 = pow2_h2(e1 + eh[r0 + 1] - ch);
-                const uint32_t x0 = pow2_h2(e0 + eh[16 + r0] - cx);
-                const uint32_t x1 = pow2_h2(e1 + eh[17 + r0] - cx);
-                fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                ah[c][j] = hmul2(r[j], fh[j >> 1]);
-                ax[c][j] = hmul2(r[j], fx[j >> 1]);
-            }
+            dw_scale_rows(r, ed, eh, eh + 16, tg, ch, cx, ah[c], ax[c]);
         }
     };
     // Stage i's MMAs on A (prepared); once stage i - 1's are done (one group left in flight),

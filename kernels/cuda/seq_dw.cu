@@ -145,11 +145,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
     if (warp == 8) {
         if (threadIdx.x % 32 == 0)
             for (int i = 0; i < nst; i++) {
-                const int st = i % DW_NST;
-                if (i >= DW_NST)
-                    mbar_wait(empty + st, (i / DW_NST - 1) & 1);
-                mbar_expect_tx(full + st, (uint32_t)STAGE);
-                mbar_arrive(full + st);
+                const int st = mbar_ring_fill(full, empty, i, DW_NST, (uint32_t)STAGE);
                 uint8_t *dst = sm + st * STAGE;
                 bulk_g2s(dst, A + (size_t)i * RNND_DW16_CH * RNND_DW16_D,
                          RNND_DW16_CH * RNND_DW16_D, full + st);
@@ -334,11 +330,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     // stage i into buffer i % D2_NST once every warp is done with stage i - D2_NST.
     auto produce = [&](int i) {
         constexpr int CH = RNND_DW256_CH;
-        const int st = i % D2_NST;
-        if (i >= D2_NST)
-            mbar_wait(empty + st, (i / D2_NST - 1) & 1);
-        mbar_expect_tx(full + st, (uint32_t)D2_BYTES);
-        mbar_arrive(full + st);
+        const int st = mbar_ring_fill(full, empty, i, D2_NST, (uint32_t)D2_BYTES);
         uint8_t *dst = sm + st * D2_STAGE;
         const size_t c = (size_t)c0 + (size_t)i * CH;
         bulk_g2s(dst, chunks + ((size_t)p * pitch + c) * RNND_DW16_D, CH * RNND_DW16_D, full + st);
@@ -525,12 +517,9 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     if (warp == 4) {
         if (lane == 0)
             for (int g = g0; g < g1; g++) {
-                const int i = g - g0, st = i % DX_NST;
-                if (i >= DX_NST)
-                    mbar_wait(empty + st, (i / DX_NST - 1) & 1);
-                mbar_expect_tx(full + st,
-                               (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
-                mbar_arrive(full + st);
+                const int st = mbar_ring_fill(
+                    full, empty, g - g0, DX_NST,
+                    (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
                 for (int s = 0; s < npl; s++) {
                     const int p = s < 2 ? s : s == 2 ? plane2 : 3;
                     bulk_g2s(stages + st * STAGE + s * 4 * RNND_DW16_D,

@@ -137,6 +137,17 @@ static __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint
                  "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
 }
+// The producer of a ring made by mbar_ring_init, before filling stage i: waits until buffer
+// i % n is free (stage i - n consumed), arms full[i % n] for `bytes` and returns i % n.
+static __device__ __forceinline__ int mbar_ring_fill(uint64_t *full, uint64_t *empty, int i,
+                                                     int n, uint32_t bytes) {
+    const int st = i % n;
+    if (i >= n)
+        mbar_wait(empty + st, (i / n - 1) & 1);
+    mbar_expect_tx(full + st, bytes);
+    mbar_arrive(full + st);
+    return st;
+}
 // The box at coordinates (x, y) of a 2-D tensor map into shared address dst, completing its bytes
 // on the mbarrier at shared address bar.
 static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void *tmap, int x, int y,

@@ -101,18 +101,22 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
 }
 // TF32 mode: a chunk's A fragment r (ldmatrix.trans: lane (g, tg) holds K rows 2tg, 2tg + 1 and
 // the same + 8) scaled row by row, for z's h part and constant (ah: 2^(eD + eh - ch)) and for its
-// x part (ax: 2^(eD + ex - cx)); ed, eh and ex hold the chunk's 16 rows' exponents.
+// x part (ax: 2^(eD + ex - cx)); ed, eh and ex hold the chunk's 16 rows' exponents. Lane l
+// computes one pair of factors (rows 2 (l % 8) and + 1, h's for l % 16 < 8, else x's) and the
+// others take theirs by shuffles: each pair is needed by 8 lanes (NOTES v35).
 __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int16_t *ed,
-                                              const int16_t *eh, const int16_t *ex, int tg, int ch,
-                                              int cx, uint32_t (&ah)[4], uint32_t (&ax)[4]) {
-    uint32_t fh[2], fx[2];
-#pragma unroll
-    for (int k = 0; k < 2; k++) { // rows 2tg + 8k, 2tg + 8k + 1
-        const int r0 = 2 * tg + 8 * k, e0 = ed[r0], e1 = ed[r0 + 1];
-        const uint32_t h0 = pow2_h2(e0 + eh[r0] - ch), h1 = pow2_h2(e1 + eh[r0 + 1] - ch);
-        const uint32_t x0 = pow2_h2(e0 + ex[r0] - cx), x1 = pow2_h2(e1 + ex[r0 + 1] - cx);
-        fh[k] = __byte_perm(h0, h1, 0x5410), fx[k] = __byte_perm(x0, x1, 0x5410);
-    }
+                                              const int16_t *eh, const int16_t *ex, int lane,
+                                              int ch, int cx, uint32_t (&ah)[4],
+                                              uint32_t (&ax)[4]) {
+    const int r0 = 2 * (lane & 7), tg = lane & 3;
+    const bool xs = lane & 8;
+    const int16_t *es = xs ? ex : eh;
+    const int c = xs ? cx : ch;
+    const uint32_t f = __byte_perm(pow2_h2(ed[r0] + es[r0] - c),
+                                   pow2_h2(ed[r0 + 1] + es[r0 + 1] - c), 0x5410);
+    const uint32_t fh[2] = {__shfl_sync(0xffffffffu, f, tg), __shfl_sync(0xffffffffu, f, tg + 4)};
+    const uint32_t fx[2] = {__shfl_sync(0xffffffffu, f, tg + 8),
+                            __shfl_sync(0xffffffffu, f, tg + 12)};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         ah[j] = hmul2(r[j], fh[j >> 1]);
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
         float(&dh)[64] = *reinterpret_cast<float(*)[64]>(d);
         float(&dx)[32] = *reinterpret_cast<float(*)[32]>(d + 64);
         float(&dc)[4] = *reinterpret_cast<float(*)[4]>(d + 96);
-        const int q = lane >> 3, tg = lane % 4;
+        const int q = lane >> 3;
         for (int i = 0; i < nst; i++) {
             const int st = i % DW_NST;
             mbar_wait(full + st, (i / DW_NST) & 1);
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
                                             (q >> 1) * 128 + (lane & 7) * 16);
                 const int16_t *rec = recs + c * (RNND_DW16_E / 2);
-                dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, tg, ch, cx, ah[c], ax[c]);
+                dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, lane, ch, cx, ah[c], ax[c]);
             }
             wg_fence();
 #pragma unroll
@@ -364,7 +368,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     for (int k = 0; k < 8; k++)
         ch = max(ch, red[0][k]), cx = max(cx, red[1][k]);
 
-    const int wg = warp / 4, q = lane >> 3, tg = lane % 4;
+    const int wg = warp / 4, q = lane >> 3;
     float d[D2_NACC];
 #pragma unroll
     for (int i = 0; i < D2_NACC; i++)
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
             const int16_t *ed = reinterpret_cast<const int16_t *>(a + D2_OFFE + c * 32);
             const int16_t *eh = reinterpret_cast<const int16_t *>(a + D2_OFFA +
                                                                   c * RNND_DW256_A + 256);
-            dw_scale_rows(r, ed, eh, eh + 16, tg, ch, cx, ah[c], ax[c]);
+            dw_scale_rows(r, ed, eh, eh + 16, lane, ch, cx, ah[c], ax[c]);
         }
     };
     // Stage i's MMAs on A (prepared); once stage i - 1's are done (one group left in flight),

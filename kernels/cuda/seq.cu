@@ -237,9 +237,15 @@ static bool seq_cz(const struct cuda_ctx *c, const struct rnnd_model *m,
     return seq_cz_model(c, m, seq->B) && aligned16(seq->x) && aligned16(seq->h0) &&
            aligned16(seq->c0) && aligned16(seq->hidden) && aligned16(seq->cell);
 }
-// The dw256 product's chunks a plane: whole stages for each of its CTAs (num_sms / 8 a plane).
+// The dw256 product's K ranges a plane: four for each of its CTA slots (num_sms / 8 a plane),
+// so that most start beside the backward loop as their steps are written, and the last ones
+// take a quarter of the product's time (NOTES v35l).
+static int seq_dw256_ks(const struct cuda_ctx *c) {
+    return c->num_sms / 8 * 4;
+}
+// Its chunks a plane: whole stages for each K range.
 static int seq_dw256_pitch(const struct cuda_ctx *c, int B, int T) {
-    const int step = c->num_sms / 8 * RNND_DW256_CH;
+    const int step = seq_dw256_ks(c) * RNND_DW256_CH;
     return CEIL_DIV(CEIL_DIV(B, 16) * T, step) * step;
 }
 
@@ -725,12 +731,13 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     // Layer 0's dw256 chunks (seq_cz) are read by the cluster loop alone: misaligned gradients go
     // through aligned scratch (gs: the gradients the loops write; copied out at the end).
     const bool cz = seq_cz(c, m, seq), gstage = cz && !vec;
-    const int cz_ks = c->num_sms / 8, cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
+    const int cz_ks = seq_dw256_ks(c), cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
     float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part, *cz_part, *sgo, *shn, *scn;
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
+    unsigned *cz_ready;
     struct cuda_carve cv = {0};
     size_t bh = persistent ? 0 : (size_t)B * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
@@ -753,6 +760,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         cz_rec = (int16_t *)cuda_carve(&cv, (size_t)cz_pitch * 4 * 16 * sizeof(int16_t));
         cz_part = (float *)cuda_carve(
             &cv, cz ? (size_t)cz_ks * 4 * H * RNND_DW256_NZ * sizeof(float) : 0);
+        cz_ready = (unsigned *)cuda_carve(&cv, cz ? (size_t)T * sizeof(unsigned) : 0);
         gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dh = (float *)cuda_carve(&cv, bh);
@@ -818,7 +826,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                                             pad * RNND_DW16_D, 8, c->stream));
             RNND_CUDA_TRY(cudaMemset2DAsync(cz_rec + nch * 16, cz_pitch * 32, 0x80, pad * 32, 4,
                                             c->stream));
-            a.dw16 = cz_d, a.dw16_pitch = cz_pitch, a.dw16_exp = cz_rec;
+            RNND_CUDA_TRY(cudaMemsetAsync(cz_ready, 0, (size_t)T * sizeof(unsigned), c->stream));
+            a.dw16 = cz_d, a.dw16_pitch = cz_pitch, a.dw16_exp = cz_rec, a.dw16_ready = cz_ready;
             a.d = dx ? d : nullptr;
         }
         if (brows > 0) {
@@ -877,7 +886,11 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             const char *zc = (const char *)z;
             struct dw16_args dw = {cz_d,   zc,    cz_pitch, cz_ks, H,     ly->Il, false,
                                    cz_part, cz_rec, gw_ih, gw_hh, gb_ih, gb_hh};
-            RNND_TRY(rnnd__dw256_product(&dw, zc + (size_t)cz_pitch * RNND_DW256_Z, c->stream));
+            // Right after the loop, beside it (seq_persist.h, dw256_sync).
+            const struct dw256_sync sy = {cz_ready, CEIL_DIV(B, 16), T,
+                                          (unsigned)(CEIL_DIV(B, brows) * 4)};
+            RNND_TRY(
+                rnnd__dw256_product(&dw, zc + (size_t)cz_pitch * RNND_DW256_Z, &sy, c->stream));
         } else if (a.dw16) {
             const char *dloop = (const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D;
             const void *dz = zc ? (const void *)z : (const void *)dloop; // z's parts

@@ -191,9 +191,24 @@ __device__ __forceinline__ void bulk_s2g(void *dst, uint32_t src, uint32_t bytes
     __trap();
 #endif
 }
-// The dw256 chunk (seq_persist.h) of 16-row block blk (of the batch) at step t.
-__device__ __forceinline__ size_t dw256_chunk(int blk, int t, int T) {
-    return (size_t)blk * T + t;
+// The dw256 chunk (seq_persist.h) of 16-row block blk (of the batch's nb) at step t: in the
+// backward's order (steps from T - 1 down), so the product can take them as they are written.
+__device__ __forceinline__ size_t dw256_chunk(int blk, int t, int T, int nb) {
+    return (size_t)(T - 1 - t) * nb + blk;
+}
+// The backward's chunks of its k-th step (t = T - 1 - k) are written: after the bulk copies
+// complete (wait_group N: all but the last N of this thread's groups), warp 0 (whose lanes made
+// the copies and the records) tells the product (seq_dw.cu) by adding 1 to ready[k].
+template <int N> __device__ __forceinline__ void dw256_signal(unsigned *ready, int k, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    __syncwarp();
+    if (lane == 0)
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready + k) : "memory");
+#else
+    (void)ready, (void)k, (void)lane;
+#endif
 }
 
 // Lanes l and l ^ m (m = 1 or 2: lanes of one quad) each hold a value of two rows, r0 and r1,
@@ -405,8 +420,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     }
     const float hscale = persist_pow2_for(m, 14);
     const float hinv = (1.0f / wscale) * (1.0f / hscale);
-    // dw256 chunks (a.zc): the cluster's blocks of 16 rows below B.
-    const int nblk = min(MT, (a.B - row0 + 15) / 16);
+    // dw256 chunks (a.zc): the cluster's blocks of 16 rows below B, the batch's.
+    const int nblk = min(MT, (a.B - row0 + 15) / 16), nbB = (a.B + 15) / 16;
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
     // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers (64 rows) or in
@@ -620,7 +635,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
             if (a.zc && lane >= 1 && lane <= nblk)
                 bulk_s2g(static_cast<unsigned char *>(a.zc) +
-                             dw256_chunk(row0 / 16 + lane - 1, t, T) * RNND_DW256_Z + rank * 2048,
+                             dw256_chunk(row0 / 16 + lane - 1, t, T, nbB) * RNND_DW256_Z +
+                             rank * 2048,
                          src + (uint32_t)((lane - 1) * 2048), 2048u);
         }
     };
@@ -650,7 +666,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             __half2 p = __floats2half2_rn(x * sc, y * sc);
             return *reinterpret_cast<uint32_t *>(&p);
         };
-        const size_t c = dw256_chunk((row0 + zr) >> 4, t, T);
+        const size_t c = dw256_chunk((row0 + zr) >> 4, t, T, nbB);
         const int rr = zr & 15;
         unsigned char *zc = static_cast<unsigned char *>(a.zc) + c * RNND_DW256_Z;
         *reinterpret_cast<uint4 *>(zc + 4 * 2048 + rr * 128 + ((zj ^ (rr & 7)) << 4)) =
@@ -900,9 +916,14 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int rank = (int)cluster_rank();
     const int row0 = (int)(blockIdx.x / CL) * ROWS;
     const int lu0 = 8 * w + 2 * tg, ub = rank * UPC + lu0; // this lane's first unit
-    const int nblk = min(MT, (a.B - row0 + 15) / 16); // dw256 chunks: blocks below B
+    // dw256 chunks: the cluster's blocks below B, the batch's.
+    const int nblk = min(MT, (a.B - row0 + 15) / 16), nbB = (a.B + 15) / 16;
     using WL = persist_wlayout<8>;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (a.dw16) // the product (launched after this loop) may take the SMs it leaves (seq_dw.cu)
+        asm volatile("griddepcontrol.launch_dependents;");
+#endif
     if (threadIdx.x == 0) { // its first phase: step T - 1's partials, all of them
         cluster_mbar_init(&pfull, 1);
         cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
@@ -1109,7 +1130,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     rowinv[row] = winv / sc;
                     if (a.dw16 && mt < nblk) // D = D' 2^eD in this CTA's columns of the row
                         a.dw16_exp[(rank * (size_t)a.dw16_pitch +
-                                    dw256_chunk(row0 / 16 + mt, t, T)) * 16 + g + 8 * i] =
+                                    dw256_chunk(row0 / 16 + mt, t, T, nbB)) * 16 + g + 8 * i] =
                             (int16_t)(mx > 0.0f ? -pow2_log(sc) : RNND_DW16_EZERO);
                 }
 #pragma unroll
@@ -1128,7 +1149,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         if (a.dw16 && w == 0 && lane < 4 * nblk)
             bulk_s2g(static_cast<unsigned char *>(a.dw16) +
                          ((2 * rank + (lane & 3) / 2) * (size_t)a.dw16_pitch +
-                          dw256_chunk(row0 / 16 + lane / 4, t, T)) * RNND_DW16_D +
+                          dw256_chunk(row0 / 16 + lane / 4, t, T, nbB)) * RNND_DW16_D +
                          (lane & 1) * 2048,
                      abase + (uint32_t)((lane & 3) * ROWS * 128 + (lane / 4) * 2048), 2048u);
 
@@ -1136,8 +1157,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         float acc[MT][4][4];
         zero_acc(acc);
         mma_whh<128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
-        if (a.dw16 && w == 0)
+        if (a.dw16 && w == 0) {
             bulk_wait_read(); // the chunk copies have read the tile
+            if (t < T - 1)    // step t + 1's copies are complete
+                dw256_signal<1>(a.dw16_ready, T - 2 - t, lane);
+        }
         if constexpr (WIDE)
             cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];
@@ -1244,6 +1268,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 dc[mt][i][0] = dc[mt][i][1] = 0.0f;
             }
     }
+    if (a.dw16 && w == 0)
+        dw256_signal<0>(a.dw16_ready, T - 1, lane);
     // 64 rows: the last "sums read": no CTA leaves while another may still write to it. WIDE: P_0
     // was the last wait: every write to this CTA's shared memory is done.
     if constexpr (!WIDE)

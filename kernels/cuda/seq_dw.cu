@@ -321,7 +321,7 @@ static_assert(D2_OFFZ % 1024 == 0 && RNND_DW256_Z % 1024 == 0, "z pieces on swiz
 __global__ void __launch_bounds__(D2_THREADS, 1)
     dw256_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
                  const uint8_t *__restrict__ aux, const int16_t *__restrict__ exp, int pitch,
-                 int ks, float *__restrict__ part) {
+                 int ks, float *__restrict__ part, const dw256_sync sy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t sm_raw[];
     uint8_t *sm = sm_raw + ((1024 - (smem_u32(sm_raw) & 1023)) & 1023);
@@ -343,6 +343,23 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
         bulk_g2s(dst + D2_OFFE, E + (size_t)i * CH * 16, CH * 32, full + st);
     };
     if (threadIdx.x == 0) {
+        // The K range's chunks are written once the loop has done its last step k (the loop
+        // runs beside: seq_persist.h, dw256_sync). Nothing of theirs is read before (through
+        // L1 neither: the records by ld.global.cg). A wait past 30 s is a fault, not a hang.
+        const int k = min((c0 + per - 1) / sy.nblk, sy.T - 1);
+        uint64_t t0, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        for (unsigned v = 0;;) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(sy.ready + k)
+                         : "memory");
+            if (v >= sy.ctas)
+                break;
+            __nanosleep(256);
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - t0 > 30000000000ull)
+                __trap();
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory"); // for the bulk copies' reads
         mbar_ring_init(full, empty, D2_NST, 1, 8); // empty: lane 0 of each warp
         for (int i = 0; i < D2_NST && i < nst; i++)
             produce(i);
@@ -353,11 +370,11 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     int ch = 4 * RNND_DW16_EZERO, cx = ch;
 #pragma unroll 4
     for (int k = threadIdx.x; k < per * 16; k += 256) {
-        const int ed = __ldg(E + k);
+        const int ed = __ldcg(E + k);
         const int16_t *e = reinterpret_cast<const int16_t *>(X + (size_t)(k / 16) * RNND_DW256_A +
                                                              256) + k % 16;
-        ch = max(ch, ed + __ldg(e));
-        cx = max(cx, ed + __ldg(e + 16));
+        ch = max(ch, ed + __ldcg(e));
+        cx = max(cx, ed + __ldcg(e + 16));
     }
     ch = __reduce_max_sync(0xffffffffu, ch);
     cx = __reduce_max_sync(0xffffffffu, cx);
@@ -679,16 +696,30 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
     return 0;
 }
 
-int rnnd__dw256_product(const struct dw16_args *a, const void *aux, cudaStream_t stream) {
+int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct dw256_sync *sy,
+                        cudaStream_t stream) {
     if (a->H != 256 || a->gru || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp ||
-        !aux || a->pitch % (a->ks * RNND_DW256_CH) != 0)
+        !aux || !sy || !sy->ready || sy->nblk < 1 || sy->T < 1 ||
+        a->pitch % (a->ks * RNND_DW256_CH) != 0)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaFuncSetAttribute(dw256_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)D2_SMEM));
-    dw256_kernel<<<8 * a->ks, D2_THREADS, D2_SMEM, stream>>>(
-        static_cast<const uint8_t *>(a->chunks), static_cast<const uint8_t *>(a->z),
-        static_cast<const uint8_t *>(aux), a->exp, a->pitch, a->ks, a->part);
-    CUDA_LAUNCH_CHECK();
+    // A programmatic dependent of the backward loop before it on the stream (which lets it
+    // start at once): the CTAs wait for their chunks themselves.
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(8 * a->ks), 1, 1);
+    cfg.blockDim = dim3(D2_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)D2_SMEM;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, dw256_kernel, static_cast<const uint8_t *>(a->chunks),
+                                     static_cast<const uint8_t *>(a->z),
+                                     static_cast<const uint8_t *>(aux), a->exp, a->pitch, a->ks,
+                                     a->part, *sy));
     const int n = 4 * 256 * RNND_DW256_NZ;
     dw256_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gw_ih,
                                                            a->gw_hh, a->gb_ih, a->gb_hh);

@@ -72,7 +72,10 @@ struct persist_bwd_args {
                                  // zc), the loop writes D's alone and takes x's exponents here
     const void *zc;              // those chunk parts (the GRU's recompute takes h and x there)
                                  // The H = 256 cluster backward: D's dw256 planes at dw16 and
-                                 // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too.
+                                 // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too;
+                                 // each CTA adds 1 to dw16_ready[k] once its chunks of its k-th
+                                 // step are written (T counters, zero before).
+    unsigned *dw16_ready;
     float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     // rc (GRU, v10): one 16-bit W_hh for both directions; the loop recomputes the gates of
@@ -197,7 +200,7 @@ int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 // The same product for the LSTM at H = 256 (TF32 mode, layer 0, I_l <= 64; NOTES v35), from
 // chunks the cluster loops write: 16-bit pieces of 16 rows x 64 columns in 128-byte rows, unit
 // (16 bytes) j of row r at j ^ (r % 8) (wgmma's 128-byte swizzle, N-major for z; D's read by
-// ldmatrix.trans). Chunk c = block x T + t as above.
+// ldmatrix.trans). Chunk c = (T - 1 - t) x blocks + block: the backward loop's order.
 //   z (the forward's): chunk c at z + c RNND_DW256_Z: 4 pieces of h (units 64 s + [0, 64), h
 //     times the loop's h scale, a power of two), then x's piece (x' = x 2^-ex, zeros past I_l).
 //   aux (the forward's): chunk c at aux + c RNND_DW256_A: the constant column (256 bytes,
@@ -213,6 +216,15 @@ int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 #define RNND_DW256_A 320L
 #define RNND_DW256_CH 2
 #define RNND_DW256_NZ 328 // h 256, x 64, the constant, 7 zero columns
-int rnnd__dw256_product(const struct dw16_args *a, const void *aux, cudaStream_t stream);
+// The product is launched right after the backward loop on its stream, as a programmatic
+// dependent: its CTAs take the SMs the loop leaves, and each starts on its K range once the loop
+// has written it (ready[k] == ctas for the range's last step k < T; persist_bwd_args).
+struct dw256_sync {
+    const unsigned *ready; // T counters
+    int nblk, T;           // blocks of 16 rows, steps
+    unsigned ctas;         // the loop's CTAs
+};
+int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct dw256_sync *sy,
+                        cudaStream_t stream);
 
 #endif // RNND_CUDA_SEQ_PERSIST_H

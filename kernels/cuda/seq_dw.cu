@@ -305,7 +305,8 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, 
 // plane: the cluster CTA's row scale), Ch and Cx the CTA's largest over its K range; B, z's
 // pieces, N-major in shared memory (the forward's slabs as they stood). 164 accumulators a
 // thread (h 2 x n128, x n64, the constant n8). Stages of RNND_DW256_CH chunks, 1024-byte aligned
-// for the swizzle.
+// for the swizzle. The kernel runs beside the backward loop that writes D's chunks, each CTA
+// from when its K range is written (seq_persist.h, dw256_sync; NOTES v35l).
 
 constexpr int D2_NST = 6;
 constexpr long D2_OFFZ = RNND_DW256_CH * RNND_DW16_D;

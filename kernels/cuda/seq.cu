@@ -56,9 +56,9 @@ void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m,
         y->sw = sw;
         y->z_off = at;
         size_t zf = BT * y->ldz;
-        if (l == 0 && (seq_zfwd_model(c, m) || seq_cz_model(c, m, B))) {
-            size_t zc = seq_zfwd_model(c, m)
-                            ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
+        const bool zfwd = l == 0 && seq_zfwd_model(c, m);
+        if (zfwd || (l == 0 && seq_cz_model(c, m, B))) {
+            size_t zc = zfwd ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
                                   (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
                             : (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
             zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
@@ -540,7 +540,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     // so where they are not aligned they go through aligned scratch, copied out at the end (with
     // a tape or without: the same loop, the same outputs).
     const bool zfwd = seq_zfwd(c, m, seq), zc0 = tape && zfwd;
-    const bool cz = tape && seq_cz(c, m, seq), stage = (zfwd || seq_cz(c, m, seq)) && !vec;
+    const bool czm = seq_cz(c, m, seq), cz = tape && czm, stage = (zfwd || czm) && !vec;
     // Clusters read layer 0's input only (a deeper layer's is H = 256 wide).
     // (Staged outputs are aligned.)
     int crows = seq_cluster(c, m, 0) && (vec || stage) && aligned16(seq->x)

@@ -400,6 +400,15 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     seq_host_free(&h);
 }
 
+// The n cases with run_seq's flag (no_gx, misalign) set.
+static void test_seq_flagged(struct rnnd_backend *gpu, struct rnnd_backend *cpu, bool *flag,
+                             const struct seq_case *cases, int n) {
+    *flag = true;
+    for (int i = 0; i < n; i++)
+        test_seq(gpu, cpu, &cases[i], false, 0.0f, 0.8f);
+    *flag = false;
+}
+
 // The model of the NaN and tiny-value checks: fp32, I=64, H (128 unless said), B=20 T=12,
 // resets 0.1, h0.
 static struct seq_case edge_case(enum rnnd_cell cell, int H) {
@@ -1129,29 +1138,21 @@ int main(int argc, char **argv) {
         test_seq(&gpu, &cpu, &wide_states[i], false, 0.0f, 12.0f);
     // LSTM H=256 with no dL/dx asked for: the cluster backward writes D only as the weight
     // product's chunks (64 rows a cluster with a partial last one; 80 rows).
-    if (!quick) {
-        const struct seq_case nogx[] = {
-            {LSTM, F32, 64, 256, 1, 385, 6, 0.1, STATE_HIDDEN, AUTO},
-            {LSTM, F32, 48, 256, 1, 2000, 3, 0.1, STATE_H0, AUTO},
-        };
-        no_gx = true;
-        for (int i = 0; i < 2; i++)
-            test_seq(&gpu, &cpu, &nogx[i], false, 0.0f, 0.8f);
-        no_gx = false;
-    }
+    const struct seq_case nogx[] = {
+        {LSTM, F32, 64, 256, 1, 385, 6, 0.1, STATE_HIDDEN, AUTO},
+        {LSTM, F32, 48, 256, 1, 2000, 3, 0.1, STATE_H0, AUTO},
+    };
     // Outputs and gradients one float past 16-byte alignment at B >= 320 (LSTM H=256, two
     // layers). I=64: layer 0's dw256 chunks (seq.cu, seq_cz) keep both loops in clusters, through
     // aligned scratch. I=72 (too wide for the cluster forward): the tape in tape_b8's blocks is
     // written and read by the per-step loops.
+    const struct seq_case blocked[] = {
+        {LSTM, F32, 64, 256, 2, 330, 5, 0.1, STATE_H0, AUTO},
+        {LSTM, F32, 72, 256, 2, 330, 5, 0.1, STATE_HIDDEN, AUTO},
+    };
     if (!quick) {
-        const struct seq_case blocked[] = {
-            {LSTM, F32, 64, 256, 2, 330, 5, 0.1, STATE_H0, AUTO},
-            {LSTM, F32, 72, 256, 2, 330, 5, 0.1, STATE_HIDDEN, AUTO},
-        };
-        misalign = true;
-        for (int i = 0; i < 2; i++)
-            test_seq(&gpu, &cpu, &blocked[i], false, 0.0f, 0.8f);
-        misalign = false;
+        test_seq_flagged(&gpu, &cpu, &no_gx, nogx, 2);
+        test_seq_flagged(&gpu, &cpu, &misalign, blocked, 2);
     }
 
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32

@@ -1008,8 +1008,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 return rv[mt][i] && a.gh_n ? *reinterpret_cast<const float2 *>(a.gh_n + at)
                                            : make_float2(0.0f, 0.0f);
             }
-            return (carried >> (2 * mt + i)) & 1u ? slot_sum(16 * mt + g + 8 * i)
-                                                  : make_float2(0.0f, 0.0f);
+            // Read either way, so that no branch separates the rows (the slots hold finite
+            // partials of every row from step T - 2 on).
+            const float2 s = slot_sum(16 * mt + g + 8 * i);
+            const bool c = (carried >> (2 * mt + i)) & 1u;
+            return make_float2(c ? s.x : 0.0f, c ? s.y : 0.0f);
         } else {
             return make_float2(dh[mt][i][0], dh[mt][i][1]);
         }
@@ -1070,14 +1073,21 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         cluster_arrive_relaxed(); // "sums read" of a step before the first
 
     for (int t = T - 1; t >= 0; t--) {
-        // Gate gradients; D; the row maxima of the tile values.
-        float dv[4][MT][2][2], dcp[MT][2][2];
+        // Gate gradients; D; the row maxima of the tile values. Each phase runs over all the
+        // lane's rows before the next (the cells, the maxima's shuffles, the stores), with no
+        // branch between rows, so the rows' latencies overlap (NOTES v36).
+        float dv[4][MT][2][2], dcp[MT][2][2], mx[MT][2];
+        float2 dhv[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                dhv[mt][i] = dh_in(mt, i, t);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const float2 dhv = dh_in(mt, i, t);
-                float mx = 0.0f;
+                mx[mt][i] = 0.0f;
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     float s[5], d[4], tl[4], ddir;
@@ -1087,27 +1097,41 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         s[p] = j ? v.y : v.x;
                     }
                     s[4] = j ? sv[mt][i].y : sv[mt][i].x;
-                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dhv.y : dhv.x);
+                    float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dhv[mt][i].y : dhv[mt][i].x);
                     cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
                                               dcp[mt][i][j]);
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         dv[q][mt][i][j] = d[q];
-                        mx = fmaxf(mx, fabsf(d[q]));
+                        mx[mt][i] = fmaxf(mx[mt][i], fabsf(d[q]));
                     }
                 }
-                if (rv[mt][i] && a.d) {
-                    size_t r = rowb(mt, i) * T + t;
-#pragma unroll
-                    for (int q = 0; q < 4; q++)
-                        *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
-                            make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                if (tg == 0)
-                    rowmax[16 * mt + g + 8 * i][w] = mx;
             }
+#pragma unroll
+        for (int k = 1; k <= 2; k <<= 1)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    mx[mt][i] = fmaxf(mx[mt][i], __shfl_xor_sync(0xffffffffu, mx[mt][i], k));
+        if (tg == 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    rowmax[16 * mt + g + 8 * i][w] = mx[mt][i];
+        if (a.d)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    if (rv[mt][i]) {
+                        size_t r = rowb(mt, i) * T + t;
+#pragma unroll
+                        for (int q = 0; q < 4; q++)
+                            *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
+                                make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
+                    }
         int rst[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -1115,7 +1139,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             for (int i = 0; i < 2; i++)
                 rst[mt][i] = reset[mt][i];
         __syncthreads(); // the row maxima; WIDE: this CTA's reads of the receive slots are done
-                         // The tile, each row scaled.
+        // The tile, each row scaled; warp 0's lanes tg = 0 keep the rows' factors and records.
+        float sc[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1123,23 +1148,31 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 const int row = 16 * mt + g + 8 * i;
                 const float4 m0 = *reinterpret_cast<const float4 *>(&rowmax[row][0]),
                              m1 = *reinterpret_cast<const float4 *>(&rowmax[row][4]);
-                const float mx = fmaxf(fmaxf(fmaxf(m0.x, m0.y), fmaxf(m0.z, m0.w)),
-                                       fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
-                const float sc = persist_pow2_for(mx, 14);
-                if (w == 0 && tg == 0) {
-                    rowinv[row] = winv / sc;
-                    if (a.dw16 && mt < nblk) // D = D' 2^eD in this CTA's columns of the row
-                        a.dw16_exp[(rank * (size_t)a.dw16_pitch +
-                                    dw256_chunk(row0 / 16 + mt, t, T, nbB)) * 16 + g + 8 * i] =
-                            (int16_t)(mx > 0.0f ? -pow2_log(sc) : RNND_DW16_EZERO);
-                }
+                mx[mt][i] = fmaxf(fmaxf(fmaxf(m0.x, m0.y), fmaxf(m0.z, m0.w)),
+                                  fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
+                sc[mt][i] = persist_pow2_for(mx[mt][i], 14);
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    __half2 p = __floats2half2_rn(dv[q][mt][i][0] * sc, dv[q][mt][i][1] * sc);
+                    __half2 p =
+                        __floats2half2_rn(dv[q][mt][i][0] * sc[mt][i], dv[q][mt][i][1] * sc[mt][i]);
                     *reinterpret_cast<__half2 *>(smem + C_WBYTES +
                                                  hsoff<ROWS>(row, q * UPC + lu0)) = p;
                 }
             }
+        if (w == 0 && tg == 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int row = 16 * mt + g + 8 * i;
+                    rowinv[row] = winv / sc[mt][i];
+                    if (a.dw16 && mt < nblk) // D = D' 2^eD in this CTA's columns of the row
+                        a.dw16_exp[(rank * (size_t)a.dw16_pitch +
+                                    dw256_chunk(row0 / 16 + mt, t, T, nbB)) *
+                                       16 +
+                                   row % 16] =
+                            (int16_t)(mx[mt][i] > 0.0f ? -pow2_log(sc[mt][i]) : RNND_DW16_EZERO);
+                }
         if (a.dw16)
             fence_proxy_async(); // the tile is read by the chunk copies below
         __syncthreads();
@@ -1149,7 +1182,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         if (a.dw16 && w == 0 && lane < 4 * nblk)
             bulk_s2g(static_cast<unsigned char *>(a.dw16) +
                          ((2 * rank + (lane & 3) / 2) * (size_t)a.dw16_pitch +
-                          dw256_chunk(row0 / 16 + lane / 4, t, T, nbB)) * RNND_DW16_D +
+                          dw256_chunk(row0 / 16 + lane / 4, t, T, nbB)) *
+                             RNND_DW16_D +
                          (lane & 1) * 2048,
                      abase + (uint32_t)((lane & 3) * ROWS * 128 + (lane / 4) * 2048), 2048u);
 

@@ -790,28 +790,35 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     for (int p = 0; p < 5; p++)
                         sv[p][j] = s[p];
                 }
-                if (rv[mt][i]) {
-                    size_t r = rowT(mt, i) + t;
+                if constexpr (HALF) {
+                    // tape_b8: this lane's 16 + 8 bytes of the block. The addresses and values
+                    // outside the row's branch, which holds the stores alone (v36).
+                    float2 *yp = reinterpret_cast<float2 *>(a.y + (rowT(mt, i) + t) * a.ldy + ub);
+                    float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
+                    uint32_t q[4];
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+                        __half2 v = __floats2half2_rn(sv[p][0], sv[p][1]);
+                        q[p] = *reinterpret_cast<uint32_t *>(&v);
+                    }
+                    if (rv[mt][i]) {
+                        *yp = make_float2(hn[mt][i][0], hn[mt][i][1]);
+                        if (a.s) {
+                            *reinterpret_cast<uint4 *>(k + 4 * lane) =
+                                make_uint4(q[0], q[1], q[2], q[3]);
+                            *reinterpret_cast<float2 *>(k + 128 + 2 * lane) =
+                                make_float2(sv[4][0], sv[4][1]);
+                        }
+                    }
+                } else if (rv[mt][i]) {
+                    const size_t r = rowT(mt, i) + t;
                     *reinterpret_cast<float2 *>(a.y + r * a.ldy + ub) =
                         make_float2(hn[mt][i][0], hn[mt][i][1]);
-                    if (a.s && HALF) { // tape_b8: this lane's 16 + 8 bytes of the block
-                        float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
-                        uint32_t q[4];
-#pragma unroll
-                        for (int p = 0; p < 4; p++) {
-                            __half2 v = __floats2half2_rn(sv[p][0], sv[p][1]);
-                            q[p] = *reinterpret_cast<uint32_t *>(&v);
-                        }
-                        *reinterpret_cast<uint4 *>(k + 4 * lane) =
-                            make_uint4(q[0], q[1], q[2], q[3]);
-                        *reinterpret_cast<float2 *>(k + 128 + 2 * lane) =
-                            make_float2(sv[4][0], sv[4][1]);
-                    } else if (a.s) {
+                    if (a.s)
 #pragma unroll
                         for (int p = 0; p < 5; p++)
                             TR::put2(a.s + r * TR::floats(H), p, H, ub,
                                      make_float2(sv[p][0], sv[p][1]));
-                    }
                 }
             }
 

@@ -793,8 +793,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 if constexpr (HALF) {
                     // tape_b8: this lane's 16 + 8 bytes of the block. The addresses and values
                     // outside the row's branch, which holds the stores alone (v36).
-                    float2 *yp = reinterpret_cast<float2 *>(a.y + (rowT(mt, i) + t) * a.ldy + ub);
-                    float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
+                    // Row k = 2 mt + i is batch row row0 + g + 8 k, row group row0 / 8 + k.
+                    const int rk = 2 * mt + i;
+                    float2 *yp = reinterpret_cast<float2 *>(
+                        a.y + ((size_t)(row0 + g) * T + t + (size_t)rk * 8 * T) * a.ldy + ub);
+                    float *k = a.s + tape_b8::block8(row0 / 8, t, ub, T, HC) +
+                               rk * ((size_t)T * (HC / 8) * tape_b8::FLOATS);
                     uint32_t q[4];
 #pragma unroll
                     for (int p = 0; p < 4; p++) {
@@ -1032,22 +1036,31 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev
     int reset[MT][2];
+    // Lane row (mt, i) is batch row row0 + g + 8 k, k = 2 mt + i, and row group row0 / 8 + k: its
+    // addresses are a base a step plus k strides (a few adds a row where 64-bit products were;
+    // NOTES v36). Rows past B load nothing.
+    const size_t sk = (size_t)T * (HC / 8) * tape_b8::FLOATS, gk = (size_t)8 * T * a.ldgy,
+                 fk = (size_t)8 * T;
     auto load_step = [&](int t) {
+        const float *sb = a.s + tape_b8::block8(row0 / 8, t, ub, T, HC);
+        const size_t r0 = (size_t)(row0 + g) * T + t;
+        const float *gb = a.gy + r0 * a.ldgy + ub;
+        const uint8_t *fb = a.is_init + r0;
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                size_t r = rowb(mt, i) * T + t;
-                bool ok = rv[mt][i];
-                const float *k = a.s + tape_b8::block8(row0 / 8 + 2 * mt + i, t, ub, T, HC);
-                const uint4 q = ok ? __ldg(reinterpret_cast<const uint4 *>(k + 4 * lane))
+                const int k = 2 * mt + i;
+                const bool ok = rv[mt][i];
+                const float *blk = sb + k * sk;
+                const uint4 q = ok ? __ldg(reinterpret_cast<const uint4 *>(blk + 4 * lane))
                                    : make_uint4(0u, 0u, 0u, 0u);
                 svh[0][mt][i] = q.x, svh[1][mt][i] = q.y, svh[2][mt][i] = q.z, svh[3][mt][i] = q.w;
-                sv[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(k + 128 + 2 * lane))
+                sv[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(blk + 128 + 2 * lane))
                                : make_float2(0.0f, 0.0f);
-                gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(a.gy + r * a.ldgy + ub))
+                gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(gb + k * gk))
                                : make_float2(0.0f, 0.0f);
-                reset[mt][i] = ld_flag(a.is_init + r, ok);
+                reset[mt][i] = ld_flag(fb + k * fk, ok);
             }
         if constexpr (WIDE) {
             // Step t - 1's blocks (six lines each, lanes 0-5, where the group has a row) and gy
@@ -1057,12 +1070,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
                     if (t > 0) {
-                        const int b8 = row0 + 16 * mt + 8 * i;
-                        if (b8 < a.B && lane < 6)
-                            prefetch_l2(a.s + tape_b8::block8(b8 / 8, t - 1, ub, T, HC) +
-                                        32 * lane);
+                        const int k = 2 * mt + i;
+                        if (row0 + 8 * k < a.B && lane < 6)
+                            prefetch_l2(sb + k * sk - (HC / 8) * tape_b8::FLOATS + 32 * lane);
                         if (rv[mt][i] && tg == 0)
-                            prefetch_l2(a.gy + (rowb(mt, i) * T + t - 1) * a.ldgy + ub);
+                            prefetch_l2(gb + k * gk - a.ldgy);
                     }
         }
     };
@@ -1127,18 +1139,18 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
                     rowmax[16 * mt + g + 8 * i][w] = mx[mt][i];
-        if (a.d)
+        if (a.d) {
+            float *db = a.d + ((size_t)(row0 + g) * T + t) * (4 * H) + ub; // row k: 8 k T rows on
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
-                    if (rv[mt][i]) {
-                        size_t r = rowb(mt, i) * T + t;
+                    if (rv[mt][i])
 #pragma unroll
                         for (int q = 0; q < 4; q++)
-                            *reinterpret_cast<float2 *>(a.d + r * (4 * H) + q * H + ub) =
+                            *reinterpret_cast<float2 *>(db + (2 * mt + i) * fk * (4 * H) + q * H) =
                                 make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
-                    }
+        }
         int rst[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)

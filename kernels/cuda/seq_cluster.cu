@@ -256,7 +256,7 @@ __device__ __forceinline__ void cluster_mbar_arm(uint64_t *b, uint32_t bytes) {
 }
 __device__ __forceinline__ void cluster_mbar_wait(uint64_t *b, int parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    mbar_wait<true>(b, parity);
+    mbar_wait(b, parity);
 #else
     (void)b, (void)parity;
     __trap();
@@ -597,11 +597,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             send(16 * (mt + hi) + g + 8 * i1, u8, cat(quad_swap(q[mt], q[mt + 1], 2, hi)));
         if constexpr (MT % 2 == 1) // 80 rows: the last m-tile 8 bytes a store
             send(16 * (MT - 1) + g + 8 * i1, u8 + 4 * hi, q[MT - 1]);
+        if (a.z) // one branch around the rows (none where z is the dw256 chunks: v36)
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                if (a.z && rv[mt][i]) {
+                for (int i = 0; i < 2; i++) {
+                    if (!rv[mt][i])
+                        continue;
                     float *zr = a.z + (rowT(mt, i) + t) * a.ldz;
                     *reinterpret_cast<float2 *>(zr + ub) = make_float2(hv[mt][i][0], hv[mt][i][1]);
                     if (rank == 0 && w == 0 && tg == 0) {
@@ -612,7 +614,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                             zr[k] = 0.0f;
                     }
                 }
-            }
         fence_proxy_async(); // the slab is read by send_h's bulk copies
     };
     // After put_h and a __syncthreads: thread 0 copies this CTA's slab of h_t into the other

@@ -73,21 +73,17 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b))
                  : "memory");
 }
-// CLUSTER: the phase's data came from other CTAs of the cluster (st.async): acquire at that scope.
-template <bool CLUSTER = false>
+// Waits for the phase of parity `parity` of b to complete. Acquire at CTA scope also where the
+// phase's bytes came from other CTAs of the cluster (bulk copies, st.async): they are written by
+// the async proxy and counted on this CTA's mbarrier, so they have landed when the phase completes
+// (as in CUTLASS's multicast pipelines). Cluster scope compiles to an L1 invalidation (CCTL.IVALL)
+// that waits for the loads in flight (NOTES v36).
 static __device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
-    if constexpr (CLUSTER)
-        asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-                     "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-                     "r"(parity)
-                     : "memory");
-    else
-        asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                     "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-                     "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
-                     "r"(parity)
-                     : "memory");
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
 }
 // An arrival on b once every cp.async this thread issued before has landed (.noinc: it counts
 // toward b's arrivals like mbar_arrive).
@@ -106,10 +102,10 @@ static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t byte
 // An arrival on b that also raises the bytes its current phase waits for, in one operation;
 // relaxed: it orders none of this thread's earlier accesses.
 static __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *b, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
-                     smem_u32(b)),
-                 "r"(bytes)
-                 : "memory");
+    asm volatile(
+        "mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
+        "r"(bytes)
+        : "memory");
 }
 // Makes the mbarriers this thread initialized visible to the copy engine (the tensor-map copies)
 // and to the other CTAs of the cluster.
@@ -139,8 +135,8 @@ static __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint
 }
 // The producer of a ring made by mbar_ring_init, before filling stage i: waits until buffer
 // i % n is free (stage i - n consumed), arms full[i % n] for `bytes` and returns i % n.
-static __device__ __forceinline__ int mbar_ring_fill(uint64_t *full, uint64_t *empty, int i,
-                                                     int n, uint32_t bytes) {
+static __device__ __forceinline__ int mbar_ring_fill(uint64_t *full, uint64_t *empty, int i, int n,
+                                                     uint32_t bytes) {
     const int st = i % n;
     if (i >= n)
         mbar_wait(empty + st, (i / n - 1) & 1);

@@ -828,14 +828,16 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             }
 
         if (more) {
-            // The state entering step t+1: the reset value where is_init[b, t+1], else h'.
+            // The state entering step t+1: the reset value where is_init[b, t+1], else h'. Row
+            // k = 2 mt + i is batch row row0 + g + 8 k: a base plus k strides (v36).
+            const size_t at0 = ((size_t)(row0 + g) * T + t + 1) * hid_step + (size_t)l * H + ub;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
                     if (nreset[mt][i] && a.hidden) {
-                        size_t at = (rowT(mt, i) + t + 1) * hid_step + (size_t)l * H + ub;
+                        const size_t at = at0 + (size_t)(2 * mt + i) * 8 * T * hid_step;
                         nh = *reinterpret_cast<const float2 *>(a.hidden + at);
                         if (a.cell)
                             nc = *reinterpret_cast<const float2 *>(a.cell + at);
@@ -851,12 +853,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             put_x(t + 1);
             __syncthreads();
             send_h(t + 1);
+            const uint8_t *fb = a.is_init + (size_t)(row0 + g) * T + t + 2;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++)
                     nreset[mt][i] =
-                        ld_flag(a.is_init + rowT(mt, i) + t + 2, rv[mt][i] && t + 2 < T);
+                        ld_flag(fb + (size_t)(2 * mt + i) * 8 * T, rv[mt][i] && t + 2 < T);
         } else {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)

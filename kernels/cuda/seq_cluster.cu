@@ -1270,7 +1270,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
 
         // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
-        // (DESIGN.md §2): carried into step t - 1, or out where it ends here. 64 rows: the sums
+        // (DESIGN.md §2): out where it ends here, else carried into step t - 1. 64 rows: the sums
         // into registers first, then "sums read"; WIDE: the sums are read again where needed.
         if constexpr (!WIDE) {
 #pragma unroll
@@ -1284,45 +1284,56 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         } else {
             carried = 0;
         }
+        // dL/dh and dL/dc out where the state is not carried: where stored, else (t == 0 and no
+        // reset) into g_h0, g_c0. Only step 0 or stored states write: one branch around the rows
+        // (v36).
+        if (t == 0 || a.stored)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    if (t > 0 && !rst[mt][i])
+                        continue;
+                    auto out = [&](const float2 dho, bool initial) {
+                        if (a.stored) {
+                            size_t at = ((rowb(mt, i) * T + t) * L + l) * H + ub;
+                            if (a.g_hidden)
+                                *reinterpret_cast<float2 *>(a.g_hidden + at) = dho;
+                            if (a.g_cell)
+                                *reinterpret_cast<float2 *>(a.g_cell + at) =
+                                    make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                        } else if (initial) {
+                            size_t at = (rowb(mt, i) * L + l) * H + ub;
+                            if (a.g_h0)
+                                *reinterpret_cast<float2 *>(a.g_h0 + at) = dho;
+                            if (a.g_c0)
+                                *reinterpret_cast<float2 *>(a.g_c0 + at) =
+                                    make_float2(dcp[mt][i][0], dcp[mt][i][1]);
+                        }
+                    };
+                    if constexpr (WIDE) {
+                        if (rv[mt][i] && (a.stored || !rst[mt][i]))
+                            out(slot_sum(16 * mt + g + 8 * i), true);
+                    } else {
+                        if (rv[mt][i])
+                            out(make_float2(dh[mt][i][0], dh[mt][i][1]), !rst[mt][i]);
+                    }
+                }
+                // Carried into step t - 1, or zero where the state ends here.
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                bool carry = t > 0 && !rst[mt][i];
-                if (carry) {
-                    if constexpr (WIDE)
-                        carried |= 1u << (2 * mt + i);
-                    dc[mt][i][0] = dcp[mt][i][0], dc[mt][i][1] = dcp[mt][i][1];
-                    continue;
-                }
-                // dL/dh and dL/dc out where stored, else (t == 0 and no reset) into g_h0, g_c0.
-                auto out = [&](const float2 dho, bool initial) {
-                    if (a.stored) {
-                        size_t at = ((rowb(mt, i) * T + t) * L + l) * H + ub;
-                        if (a.g_hidden)
-                            *reinterpret_cast<float2 *>(a.g_hidden + at) = dho;
-                        if (a.g_cell)
-                            *reinterpret_cast<float2 *>(a.g_cell + at) =
-                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
-                    } else if (initial) {
-                        size_t at = (rowb(mt, i) * L + l) * H + ub;
-                        if (a.g_h0)
-                            *reinterpret_cast<float2 *>(a.g_h0 + at) = dho;
-                        if (a.g_c0)
-                            *reinterpret_cast<float2 *>(a.g_c0 + at) =
-                                make_float2(dcp[mt][i][0], dcp[mt][i][1]);
-                    }
-                };
-                if constexpr (WIDE) {
-                    if (rv[mt][i] && (a.stored || !rst[mt][i]))
-                        out(slot_sum(16 * mt + g + 8 * i), true);
-                } else {
-                    if (rv[mt][i])
-                        out(make_float2(dh[mt][i][0], dh[mt][i][1]), !rst[mt][i]);
-                }
-                if constexpr (!WIDE)
-                    dh[mt][i][0] = dh[mt][i][1] = 0.0f;
-                dc[mt][i][0] = dc[mt][i][1] = 0.0f;
+                const bool carry = t > 0 && !rst[mt][i];
+                if constexpr (WIDE)
+                    carried |= (uint32_t)carry << (2 * mt + i);
+                else
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        dh[mt][i][j] = carry ? dh[mt][i][j] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+                    dc[mt][i][j] = carry ? dcp[mt][i][j] : 0.0f;
             }
     }
     if (a.dw16 && w == 0)

@@ -1189,12 +1189,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int i = 0; i < 2; i++) {
                     const int row = 16 * mt + g + 8 * i;
                     rowinv[row] = winv / sc[mt][i];
-                    if (a.dw16 && mt < nblk) // D = D' 2^eD in this CTA's columns of the row
-                        a.dw16_exp[(rank * (size_t)a.dw16_pitch +
-                                    dw256_chunk(row0 / 16 + mt, t, T, nbB)) *
-                                       16 +
-                                   row % 16] =
+                    if (a.dw16 && mt < nblk) { // D = D' 2^eD in this CTA's columns of the row
+                        const size_t c =
+                            rank * (size_t)a.dw16_pitch + dw256_chunk(row0 / 16 + mt, t, T, nbB);
+                        a.dw16_exp[c * 16 + g + 8 * i] =
                             (int16_t)(mx[mt][i] > 0.0f ? -pow2_log(sc[mt][i]) : RNND_DW16_EZERO);
+                    }
                 }
         if (a.dw16)
             fence_proxy_async(); // the tile is read by the chunk copies below

@@ -1228,17 +1228,15 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             for (int i = 0; i < 2; i++)
                 ri[mt][i] = rowinv[16 * mt + g + 8 * i];
 
-        // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
-        // read, the receive slots may be written.
-        cluster_wait();
         // Row (mt, i), units 32 (w % 2) + 8 tg + [0, 8) (n-tiles 0-3) in fp16, 16 bytes a store:
         // scaled by sc, a power of two that puts the largest of the row's 32 units (the quad's)
         // in [2^13, 2^14), so each value keeps TF32's 10 bits; the factor back, ri / sc, goes to
         // the slot's factors (lane tg those of rows 2 mt + i = tg mod 4). Half the bytes of fp32
-        // partials through st.async, which bound this phase (NOTES v34). The receiver's pfull is
-        // mapped at each store: a register held across the loop would spill.
-        const uint32_t dfac =
-            dst + (uint32_t)((CL - rank) * S::PART + (rank * ROWS * 2 + (w & 1)) * 4);
+        // partials through st.async, which bound this phase (NOTES v34). All rows are packed
+        // before the first store: packed row by row, each store's data took the registers of the
+        // one before and waited for it to leave (NOTES v36).
+        uint4 pk[MT][2];
+        float fv[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1255,14 +1253,27 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         __floats2half2_rn(acc[mt][nt][2 * i] * sc, acc[mt][nt][2 * i + 1] * sc);
                     return *reinterpret_cast<uint32_t *>(&p);
                 };
-                const int row = 16 * mt + g + 8 * i;
-                const uint32_t bar = cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1));
-                cluster_st_async(dst + roff(row, 32 * (w & 1) + 8 * tg),
-                                 make_uint4(v(0), v(1), v(2), v(3)), bar);
-                if ((2 * mt + i) % 4 == tg)
-                    cluster_st_async(dfac + (uint32_t)(row * 8),
-                                     __float_as_uint(ri[mt][i] * pow2_inv(sc)), bar);
+                pk[mt][i] = make_uint4(v(0), v(1), v(2), v(3));
+                fv[mt][i] = ri[mt][i] * pow2_inv(sc);
             }
+        // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
+        // read, the receive slots may be written.
+        cluster_wait();
+        {
+            const uint32_t dfac =
+                dst + (uint32_t)((CL - rank) * S::PART + (rank * ROWS * 2 + (w & 1)) * 4);
+            const uint32_t bar = cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int row = 16 * mt + g + 8 * i;
+                    cluster_st_async(dst + roff(row, 32 * (w & 1) + 8 * tg), pk[mt][i], bar);
+                    if ((2 * mt + i) % 4 == tg)
+                        cluster_st_async(dfac + (uint32_t)(row * 8), __float_as_uint(fv[mt][i]),
+                                         bar);
+                }
+        }
         if (t > 0)
             load_step(t - 1); // in flight while the partials land, the sums and the routing
         cluster_mbar_wait(&pfull, (T - 1 - t) & 1); // P_t: every partial is in

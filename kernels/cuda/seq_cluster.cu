@@ -337,12 +337,13 @@ __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned c
 
 // ---------------------------------------------------------------------------------------------
 // Forward. Step t's h (this CTA's slab by its own stores before a __syncthreads, the others'
-// by their bulk copies) and x (this CTA's own, by st.async to itself) complete A_t: phase t / NB
-// of the mbarrier hfull[t % NB], which thread 0 arms again for step t + NB once it has waited for
-// step t. 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which
-// needs each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows
-// (WIDE): 128 KB W_hh + 2 x 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x
-// tile are single-buffered and W_ih moves from registers (32 words a lane) into shared memory (32
+// by their bulk copies) completes A_t: phase t / NB of the mbarrier hfull[t % NB], which thread 0
+// arms again for step t + NB once it has waited for step t. x_t (this CTA's own rows, stored
+// before the same __syncthreads) needs no h: its product with W_ih runs before the wait (v37).
+// 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which needs
+// each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows (WIDE):
+// 128 KB W_hh + 2 x 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile
+// are single-buffered and W_ih moves from registers (32 words a lane) into shared memory (32
 // KB): 128 + 40 + 20 + 32 = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait
 // before the h stores of t + 1: every CTA has read h_t and x_t) lets the cell run while it
 // completes. After A_{T-1} no CTA writes to another's shared memory.
@@ -371,12 +372,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     using WL = persist_wlayout<8>;
     using WLX = persist_wlayout<4>;
 
-    // A phase of hfull: the h tile from all CL CTAs (every row) and this CTA's x rows within B
-    // (computed where used: registers are short).
-    auto arm = [&](uint64_t *b) {
-        const int nrows = min(ROWS, max(0, a.B - (int)(blockIdx.x / CL) * ROWS));
-        cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::PART + (long)nrows * a.Il * 4));
-    };
+    // A phase of hfull: the other CL - 1 CTAs' slabs of the h tile.
+    auto arm = [&](uint64_t *b) { cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::PART)); };
     if (threadIdx.x == 0) {
         cluster_mbar_init(hfull, S::NB);
         for (int k = 0; k < S::NB && k < T; k++)
@@ -471,42 +468,26 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int j = 0; j < 2; j++)
             bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
 
-    // Rows: lane row (mt, i) = 16 mt + g + 8 i. rs: b T (64 rows) or b (WIDE), 0 where past B;
-    // rowT is b T and rowb b either way.
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rs its batch row, 0 where past B (int: registers
+    // are short), rowT b T and rowb b.
     bool rv[MT][2];
-    typename S::RowT rs[MT][2];
+    int rs[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int b = row0 + 16 * mt + g + 8 * i;
             rv[mt][i] = b < a.B;
-            if constexpr (WIDE)
-                rs[mt][i] = rv[mt][i] ? b : 0;
-            else
-                rs[mt][i] = (size_t)(rv[mt][i] ? b : 0) * T;
+            rs[mt][i] = rv[mt][i] ? b : 0;
         }
-    auto rowT = [&](int mt, int i) -> size_t {
-        if constexpr (WIDE)
-            return (size_t)rs[mt][i] * T;
-        else
-            return rs[mt][i];
-    };
-    auto rowb = [&](int mt, int i) -> size_t {
-        if constexpr (WIDE)
-            return (size_t)rs[mt][i];
-        else
-            return rs[mt][i] / T;
-    };
+    auto rowT = [&](int mt, int i) -> size_t { return (size_t)rs[mt][i] * T; };
+    auto rowb = [&](int mt, int i) -> size_t { return (size_t)rs[mt][i]; };
     const size_t hid_step = (size_t)L * H;
 
     // x of a step: ROWS rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread
-    // (k < MT). 64 rows: its source and tape pointers (null: none); WIDE (fewer registers): its
-    // batch row (-1: none), column and whether it copies to the tape. Both: its swizzled tile
-    // offset. The tape's copy of x: rank r writes rows [r ROWS / CL, (r + 1) ROWS / CL).
+    // (k < MT): its batch row (-1: none), column, whether it copies to the tape (rank r writes
+    // rows [r ROWS / CL, (r + 1) ROWS / CL)) and swizzled tile offset.
     const int x4r = Il / 4; // float4 a row
-    const float *xsrc[MT];
-    float *xdst[MT];
     int xr[MT], xc[MT];
     bool xd[MT];
     uint32_t xto[MT];
@@ -514,58 +495,32 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int k = 0; k < MT; k++) {
         int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS, c4 = e - row * x4r;
         bool ok = x4r > 0 && row < ROWS && row0 + row < a.B;
-        if constexpr (WIDE) {
-            xr[k] = ok ? row0 + row : -1;
-            xc[k] = ok ? 4 * c4 : 0;
-            xd[k] = ok && a.xcopy && row / (ROWS / CL) == rank;
-        } else {
-            size_t b = (size_t)row0 + row;
-            xsrc[k] = ok ? a.x + b * T * a.ldx + 4 * c4 : nullptr;
-            xdst[k] = ok && a.xcopy && (row >> 4) == rank ? a.z + b * T * a.ldz + a.xoff + 4 * c4
-                                                          : nullptr;
-        }
+        xr[k] = ok ? row0 + row : -1;
+        xc[k] = ok ? 4 * c4 : 0;
+        xd[k] = ok && a.xcopy && row / (ROWS / CL) == rank;
         xto[k] = ok ? xoff(row, 4 * c4) : 0;
     }
-    auto x_ok = [&](int k) -> bool {
-        if constexpr (WIDE)
-            return xr[k] >= 0;
-        else
-            return xsrc[k] != nullptr;
-    };
     float4 xv[MT];
     auto load_x = [&](int t) {
 #pragma unroll
         for (int k = 0; k < MT; k++)
-            if (x_ok(k)) {
-                if constexpr (WIDE)
-                    xv[k] = __ldg(reinterpret_cast<const float4 *>(
-                        a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
-                else
-                    xv[k] = __ldg(reinterpret_cast<const float4 *>(xsrc[k] + (size_t)t * a.ldx));
-            }
+            if (xr[k] >= 0)
+                xv[k] = __ldg(reinterpret_cast<const float4 *>(
+                    a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
     };
-    // The x tile goes by st.async to this CTA itself: its bytes complete on hfull as h's do.
-    // (Cluster addresses are mapped where used: registers are short.)
+    // The x tile of step t (this CTA's own rows; read after a __syncthreads).
     auto put_x = [&](int t) {
-        const int nb = WIDE ? 0 : t & 1;
-        const uint32_t tile = cluster_map(sbase + (uint32_t)(S::XBASE + nb * S::XTILE), rank),
-                       bar = cluster_map(smem_u32(hfull + nb), rank);
+        unsigned char *tile = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
 #pragma unroll
         for (int k = 0; k < MT; k++)
-            if (x_ok(k)) {
+            if (xr[k] >= 0) {
                 float4 v = xv[k];
-                cluster_st_async(tile + xto[k],
-                                 make_uint4(f32_to_tf32(v.x * hscale), f32_to_tf32(v.y * hscale),
-                                            f32_to_tf32(v.z * hscale), f32_to_tf32(v.w * hscale)),
-                                 bar);
-                if constexpr (WIDE) {
-                    if (xd[k])
-                        *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
-                                                    xc[k]) = v;
-                } else {
-                    if (xdst[k])
-                        *reinterpret_cast<float4 *>(xdst[k] + (size_t)t * a.ldz) = v;
-                }
+                *reinterpret_cast<uint4 *>(tile + xto[k]) =
+                    make_uint4(f32_to_tf32(v.x * hscale), f32_to_tf32(v.y * hscale),
+                               f32_to_tf32(v.z * hscale), f32_to_tf32(v.w * hscale));
+                if (xd[k])
+                    *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
+                                                xc[k]) = v;
             }
     };
 
@@ -711,18 +666,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             }
             h[mt][i][0] = hv.x, h[mt][i][1] = hv.y, c[mt][i][0] = cv.x, c[mt][i][1] = cv.y;
         }
-    put_h(h, 0);
-    load_x(0);
-    put_x(0);
-    __syncthreads();
-    send_h(0);
-    int nreset[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
-
     // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
     // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
@@ -735,25 +678,15 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
     }
 
-    for (int t = 0; t < T; t++) {
-        // A_t: h of step t complete in every CTA's tile, x_t in this CTA's; then the phase of
-        // step t + NB is armed.
-        cluster_mbar_wait(&hfull[t % S::NB], (t / S::NB) & 1);
-        if (threadIdx.x == 0 && t + S::NB < T)
-            arm(&hfull[t % S::NB]);
-        const bool more = t + 1 < T;
-        if constexpr (!WIDE)
-            if (more)
-                load_x(t + 1); // in flight during the MMAs
-        const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE),
-                       xo = WIDE ? 0u : (uint32_t)((t & 1) * S::XTILE);
-
-        put_zx(t); // before B_t: the x tile is single-buffered at 80 rows
-        float acc[MT][4][4];
+    // acc = x_t . W_ih. It needs no h: WIDE runs it at the end of step t - 1, while the other
+    // CTAs' h_t is on its way (v37). 64 rows run it after the wait: their W_ih fragments take 32
+    // registers a lane, and with acc live over the wait the loop spilled (and ran slower).
+    float acc[MT][4][4];
+    auto x_part = [&](int t) {
         zero_acc(acc);
         uint32_t wi[4]; // WIDE: W_ih's fragments of the k-step
         mma_tile<mode_tf32, CXKS, CXLD * 4, 128>(
-            acc, xb, xo,
+            acc, xb, WIDE ? 0u : (uint32_t)((t & 1) * S::XTILE),
             [&](int ks) {
                 if constexpr (WIDE)
                     WLX::load(wi, wism, ks, NWC, w, lane);
@@ -764,6 +697,36 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 else
                     return mode_tf32::wunpack(wih[ks] + q);
             });
+    };
+
+    put_h(h, 0);
+    load_x(0);
+    put_x(0);
+    __syncthreads();
+    send_h(0);
+    int nreset[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
+    if constexpr (WIDE)
+        x_part(0);
+
+    for (int t = 0; t < T; t++) {
+        // A_t: h of step t complete in every CTA's tile; then the phase of step t + NB is armed.
+        cluster_mbar_wait(&hfull[t % S::NB], (t / S::NB) & 1);
+        if (threadIdx.x == 0 && t + S::NB < T)
+            arm(&hfull[t % S::NB]);
+        const bool more = t + 1 < T;
+        const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE);
+        if constexpr (!WIDE) {
+            if (more)
+                load_x(t + 1); // in flight during the MMAs
+            x_part(t);
+        }
+
+        put_zx(t); // before B_t: the x tile is single-buffered at 80 rows
         mma_whh<128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
         zc_wait(); // the chunk copies of h_t, issued at the end of step t - 1
         if constexpr (WIDE)
@@ -860,6 +823,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int i = 0; i < 2; i++)
                     nreset[mt][i] =
                         ld_flag(fb + (size_t)(2 * mt + i) * 8 * T, rv[mt][i] && t + 2 < T);
+            if constexpr (WIDE)
+                x_part(t + 1);
         } else {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -897,14 +862,16 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // the next step's tape record prefetched into registers.
 //
 // 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
-// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit; the fp16 slots, 42.5 KB with their
-// factors, now would, NOTES v34). A CTA's partials may then land only after every CTA of the
-// cluster has finished its MMAs (which read its A tile): a cluster barrier M_t (arrive and wait
-// right after the MMAs: every A tile read; also every CTA's sums of step t + 1 read, which came
-// before its MMAs of t) before the sends, then P_t. The A tile of step t - 1 is written after this
-// CTA's own sums of step t (the __syncthreads after the row maxima orders them). P_0 comes after
-// every write to this CTA's shared memory. Registers: dL/dh stays in the receive slots between
-// steps (see below); the step before's tape record is also prefetched into L2.
+// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16 slots (v34) would fit
+// beside the tile, but the loop ran 15% slower so (v37: 3.25 -> 3.73 ms; its shared memory, 214
+// KB against 174, leaves the L1 cache a 28 KB carve-out instead of 60). A CTA's partials may land
+// only after every CTA of the cluster has finished its MMAs (which read its A tile): a cluster
+// barrier M_t (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of
+// step t + 1 read, which came before its MMAs of t) before the sends, then P_t. The A tile of
+// step t - 1 is written after this CTA's own sums of step t (the __syncthreads after the row
+// maxima orders them). P_0 comes after every write to this CTA's shared memory. Registers: dL/dh
+// stays in the receive slots between steps (see below); the step before's tape record is also
+// prefetched into L2.
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -1072,14 +1039,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int i = 0; i < 2; i++)
-                    if (t > 0) {
-                        const int k = 2 * mt + i;
-                        if (row0 + 8 * k < a.B && lane < 6)
-                            prefetch_l2(sb + k * sk - (HC / 8) * tape_b8::FLOATS + 32 * lane);
-                        if (rv[mt][i] && tg == 0)
-                            prefetch_l2(gb + k * gk - a.ldgy);
-                    }
+                for (int i = 0; i < 2; i++) {
+                    const int k = 2 * mt + i;
+                    prefetch_l2(sb + k * sk - (HC / 8) * tape_b8::FLOATS + 32 * lane,
+                                t > 0 && row0 + 8 * k < a.B && lane < 6);
+                    prefetch_l2(gb + k * gk - a.ldgy, t > 0 && rv[mt][i] && tg == 0);
+                }
         }
     };
     load_step(T - 1);
@@ -1214,13 +1179,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         float acc[MT][4][4];
         zero_acc(acc);
         mma_whh<128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
+        if constexpr (WIDE)
+            cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         if (a.dw16 && w == 0) {
             bulk_wait_read(); // the chunk copies have read the tile
             if (t < T - 1)    // step t + 1's copies are complete
                 dw256_signal<1>(a.dw16_ready, T - 2 - t, lane);
         }
-        if constexpr (WIDE)
-            cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -1256,6 +1221,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 pk[mt][i] = make_uint4(v(0), v(1), v(2), v(3));
                 fv[mt][i] = ri[mt][i] * pow2_inv(sc);
             }
+        // Step t - 1's record, in flight while the partials land, the sums and the routing. WIDE:
+        // before the sends, whose data registers the loads took otherwise (they waited for the
+        // stores to read them); at 64 rows, where they did not, the sends go first (v37).
+        if (WIDE && t > 0)
+            load_step(t - 1);
         // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
         // read, the receive slots may be written.
         cluster_wait();
@@ -1274,8 +1244,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                          bar);
                 }
         }
-        if (t > 0)
-            load_step(t - 1); // in flight while the partials land, the sums and the routing
+        if (!WIDE && t > 0)
+            load_step(t - 1);
         cluster_mbar_wait(&pfull, (T - 1 - t) & 1); // P_t: every partial is in
         if (threadIdx.x == 0 && t > 0)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);

@@ -129,27 +129,31 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
     __trap();
 #endif
 }
-// st.async: a 4- or 16-byte store into shared memory at cluster address addr (any CTA of the
-// cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in the
-// CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
+// st.async: a 4- or 16-byte store into shared memory at cluster address addr + OFF (any CTA of
+// the cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in
+// the CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
 // barrier.cluster.arrive.release, which would first wait for every global store it issued before
-// (the tape's; NOTES v33).
+// (the tape's; NOTES v33). OFF is an immediate: stores a few rows apart share one address
+// register, where each address of its own took registers that the store before still had to
+// read (NOTES v38).
+template <int OFF>
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint32_t v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr),
-        "r"(v), "r"(bar)
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0+%3], %1, [%2];" ::"r"(addr),
+        "r"(v), "r"(bar), "n"(OFF)
         : "memory");
 #else
     (void)addr, (void)v, (void)bar;
     __trap();
 #endif
 }
+template <int OFF>
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
-                 "%4}, [%5];" ::"r"(addr),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0+%6], {%1, %2, "
+                 "%3, %4}, [%5];" ::"r"(addr),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar), "n"(OFF)
                  : "memory");
 #else
     (void)addr, (void)v, (void)bar;
@@ -209,6 +213,15 @@ template <int N> __device__ __forceinline__ void dw256_signal(unsigned *ready, i
 #else
     (void)ready, (void)k, (void)lane;
 #endif
+}
+
+// f(std::integral_constant<int, k>) for k = K .. N - 1: k is a constant expression in f (an
+// immediate operand, an index).
+template <int K, int N, class F> __device__ __forceinline__ void static_for(F &&f) {
+    if constexpr (K < N) {
+        f(std::integral_constant<int, K>());
+        static_for<K + 1, N>(f);
+    }
 }
 
 // Lanes l and l ^ m (m = 1 or 2: lanes of one quad) each hold a value of two rows, r0 and r1,
@@ -1230,19 +1243,27 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // read, the receive slots may be written.
         cluster_wait();
         {
-            const uint32_t dfac =
-                dst + (uint32_t)((CL - rank) * S::PART + (rank * ROWS * 2 + (w & 1)) * 4);
+            // Lane row k = 2 mt + i is row 8 k + g: its partials are 1024 k bytes (8 rows of
+            // 128) past row g's, its factor 64 k bytes past row g's. Lane tg sends the factors of
+            // rows k = tg + 4 j (the quad's lanes hold the same).
+            const uint32_t d0 = dst + roff(g, 32 * (w & 1) + 8 * tg),
+                           f0 =
+                               dst + (uint32_t)((CL - rank) * S::PART +
+                                                (rank * ROWS * 2 + (w & 1)) * 4 + (8 * tg + g) * 8);
             const uint32_t bar = cluster_map(smem_u32(&pfull), (uint32_t)(w >> 1));
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int row = 16 * mt + g + 8 * i;
-                    cluster_st_async(dst + roff(row, 32 * (w & 1) + 8 * tg), pk[mt][i], bar);
-                    if ((2 * mt + i) % 4 == tg)
-                        cluster_st_async(dfac + (uint32_t)(row * 8), __float_as_uint(fv[mt][i]),
-                                         bar);
-                }
+            static_for<0, 2 * MT>(
+                [&](auto k) { cluster_st_async<1024 * k>(d0, pk[k / 2][k % 2], bar); });
+            static_for<0, (2 * MT + 3) / 4>([&](auto j) {
+                float f = fv[2 * j][0]; // row k = 4 j + tg
+                if constexpr (4 * j + 1 < 2 * MT)
+                    f = tg == 1 ? fv[2 * j][1] : f;
+                if constexpr (4 * j + 2 < 2 * MT)
+                    f = tg == 2 ? fv[2 * j + 1][0] : f;
+                if constexpr (4 * j + 3 < 2 * MT)
+                    f = tg == 3 ? fv[2 * j + 1][1] : f;
+                if (4 * j + tg < 2 * MT)
+                    cluster_st_async<256 * j>(f0, __float_as_uint(f), bar);
+            });
         }
         if (!WIDE && t > 0)
             load_step(t - 1);

@@ -342,10 +342,16 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
 template <int PITCH, int K4, int MT>
 __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned char *wsm,
                                         const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
-    uint32_t wv[8];
+    // The fragments a k-step ahead (k-step ks in wv[ks & 1]): the MMAs do not wait for their load.
+    uint32_t wv[2][8];
+    persist_wlayout<8>::load(wv[0], wsm, 0, NWC, w, lane);
     mma_tile<mode_f16, CKSH, PITCH, K4>(
-        acc, ab, off, [&](int ks) { persist_wlayout<8>::load(wv, wsm, ks, NWC, w, lane); },
-        [&](int, int nt) { return make_uint2(wv[2 * nt], wv[2 * nt + 1]); });
+        acc, ab, off,
+        [&](int ks) {
+            if (ks + 1 < CKSH)
+                persist_wlayout<8>::load(wv[(ks + 1) & 1], wsm, ks + 1, NWC, w, lane);
+        },
+        [&](int ks, int nt) { return make_uint2(wv[ks & 1][2 * nt], wv[ks & 1][2 * nt + 1]); });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -882,8 +882,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 //
 // 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
 // held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16 slots (v34) would fit
-// beside the tile, but the loop ran 15% slower so (v37: 3.25 -> 3.73 ms; its shared memory, 214
-// KB against 174, leaves the L1 cache a 28 KB carve-out instead of 60). A CTA's partials may land
+// beside the tile, but the loop ran 15% slower so (v37: 3.25 -> 3.73 ms; likely as its shared
+// memory, 214 KB against 174, leaves the L1 cache 28 KB instead of 60). A CTA's partials may land
 // only after every CTA of the cluster has finished its MMAs (which read its A tile): a cluster
 // barrier M_t (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of
 // step t + 1 read, which came before its MMAs of t) before the sends, then P_t. The A tile of
@@ -1198,13 +1198,13 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         float acc[MT][4][4];
         zero_acc(acc);
         mma_whh<128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
-        if constexpr (WIDE)
-            cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         if (a.dw16 && w == 0) {
             bulk_wait_read(); // the chunk copies have read the tile
             if (t < T - 1)    // step t + 1's copies are complete
                 dw256_signal<1>(a.dw16_ready, T - 2 - t, lane);
         }
+        if constexpr (WIDE) // after the chunk copies' reads too: the slots are the tile's memory
+            cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)

@@ -80,9 +80,6 @@ template <int ROWS> struct cshape {
                   "cluster backward does not fit");
     static_assert(ROWS * (CXLD / 4) == MT * CTHREADS, "x: MT float4 a thread");
     static_assert(ROWS % CL == 0, "x tape copy: ROWS / CL rows a CTA");
-    // A lane row's batch index as the loops keep it (64 rows: size_t, 80 rows: int, fewer
-    // registers); 0 where past B.
-    using RowT = std::conditional_t<WIDE, int, size_t>;
 };
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -953,16 +950,17 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         WL::store(wsm, ks, NWC, w, lane, o);
     }
 
-    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rb its batch row (0 where past B), rowb as size_t.
+    // Rows: lane row (mt, i) = 16 mt + g + 8 i; rb its batch row, 0 where past B (int, as in the
+    // forward: registers are short), rowb as size_t.
     bool rv[MT][2];
-    typename S::RowT rb[MT][2];
+    int rb[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int b = row0 + 16 * mt + g + 8 * i;
             rv[mt][i] = b < a.B;
-            rb[mt][i] = (typename S::RowT)(rv[mt][i] ? b : 0);
+            rb[mt][i] = rv[mt][i] ? b : 0;
         }
     auto rowb = [&](int mt, int i) -> size_t { return (size_t)rb[mt][i]; };
 

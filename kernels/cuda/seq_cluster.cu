@@ -22,10 +22,12 @@
  * m-tiles x 4 n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each
  * B fragment MT. Lane (g, tg) owns rows 16 mt + g + 8 i and units 8w + 2tg + j (mt < MT, i,
  * j < 2): 4 MT (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is
- * read by the loop, scaled by the h scale and rounded to TF32 into its own tile, so the x part
- * (m16n8k8 TF32 MMAs) and the h part (m16n8k16 fp16 MMAs) share one accumulator and one
- * unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding (the padding would
- * not fit): 64 rows 128 + 64 + 32 KB = 224 KB.
+ * read by the loop into its own fp16 tile, each row scaled by the power of two that puts its
+ * largest |x| in [2^13, 2^14) (as exact as TF32; v39). The x part (m16n8k16 MMAs, as the h part)
+ * runs first, then each row of the accumulator is brought to the h tile's scale (hscale over the
+ * row's), so both parts share one accumulator and one unscaling. Shared tiles use a
+ * 16-byte-chunk XOR swizzle instead of padding (the padding would not fit): 64 rows 128 + 64 +
+ * 16 KB = 208 KB.
  *
  * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev),
  * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
@@ -46,27 +48,28 @@ constexpr int UPC = HC / CL; // units a CTA
 constexpr int NWC = 8;       // warps a CTA
 constexpr int CTHREADS = NWC * 32;
 constexpr int CKSH = HC / 16;                            // h k-steps (fp16 m16n8k16)
-constexpr int CXKS = 8;                                  // x k-steps (TF32 m16n8k8): I_l <= 64
-constexpr int CXLD = CXKS * 8;                           // x tile row (floats)
+constexpr int CXK = 64;                                  // x columns in the tile: I_l <= 64
+constexpr int CXKS = CXK / 16;                           // x k-steps (fp16 m16n8k16)
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
 
 // A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows,
 // v11b) does not fit the 64-row layouts (kernels/bench/NOTES.md v11b): the forward's h and x
-// tiles are single-buffered and W_ih's TF32 fragments live in shared memory (after the x tile)
+// tiles are single-buffered and W_ih's fp16 fragments live in shared memory (after the x tile)
 // instead of registers; the backward's receive slots share their memory with the A tile.
 template <int ROWS> struct cshape {
     static_assert(ROWS == 64 || ROWS == 80, "64 or 80 rows a cluster");
     static constexpr int MT = ROWS / 16;
     static constexpr bool WIDE = ROWS == 80;
-    static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h and x tiles
+    static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h tile (x: two)
     static constexpr long HTILE = (long)ROWS * HC * 2;
-    // ROWS rows of a CTA's 64 units in fp16: the forward's h slab, a backward receive slot.
+    // ROWS rows of a CTA's 64 units in fp16: the forward's h slab, a backward receive slot; the
+    // forward's x tile (64 fp16 columns a row) has the same layout.
     static constexpr long PART = (long)ROWS * UPC * 2;
-    static constexpr long XTILE = (long)ROWS * CXLD * 4;
+    static constexpr long XTILE = (long)ROWS * CXK * 2;
     static constexpr long XBASE = C_WBYTES + NB * HTILE; // forward: the x tiles in smem
-    static constexpr long WIHBASE = XBASE + NB * XTILE;  // forward, WIDE: W_ih's fragments
-    // 4 TF32 fragment words a lane and k-step
-    static constexpr long WIH = WIDE ? (long)CXKS * NWC * 32 * 16 : 0;
+    static constexpr long WIHBASE = XBASE + 2 * XTILE;   // forward, WIDE: W_ih's fragments
+    // 8 fp16 fragment words a lane and k-step
+    static constexpr long WIH = WIDE ? (long)CXKS * NWC * 32 * 32 : 0;
     static constexpr long FSMEM = WIHBASE + WIH;
     // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp16
     // partials, then their factors (a float a slot, row and 32 units).
@@ -75,10 +78,11 @@ template <int ROWS> struct cshape {
     static constexpr long RECVBASE = WIDE ? C_WBYTES : C_WBYTES + ATILE;
     static constexpr long BSMEM =
         WIDE ? C_WBYTES + (RECV > ATILE ? RECV : ATILE) : C_WBYTES + ATILE + RECV;
-    static_assert(FSMEM + 256 <= RNND_PERSIST_SMEM_BUDGET, "cluster forward does not fit");
+    static_assert(FSMEM + 2 * ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+                  "cluster forward does not fit");
     static_assert(BSMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
                   "cluster backward does not fit");
-    static_assert(ROWS * (CXLD / 4) == MT * CTHREADS, "x: MT float4 a thread");
+    static_assert(ROWS * (CXK / 4) == MT * CTHREADS, "x: MT float4 a thread, a row a half-warp");
     static_assert(ROWS % CL == 0, "x tape copy: ROWS / CL rows a CTA");
 };
 
@@ -286,9 +290,6 @@ template <int ROWS> __device__ __forceinline__ uint32_t hsoff(int row, int unit)
     return (uint32_t)((unit >> 6) * (ROWS * 128) + row * 128 +
                       ((((unit & 63) >> 3) ^ (row & 7)) << 4) + (unit & 7) * 2);
 }
-__device__ __forceinline__ uint32_t xoff(int row, int col) { // fp32 x tile, 256-byte rows
-    return (uint32_t)(row * (CXLD * 4) + ((((col >> 2) ^ (row & 7))) << 4) + (col & 3) * 4);
-}
 // Byte offset of (row, local unit) in a backward receive slot (fp16, 128-byte rows): units XOR
 // 8 (row % 8), conflict-free 4-byte reads of a warp's 8 rows x 4 unit pairs.
 __device__ __forceinline__ uint32_t roff(int row, int lu) {
@@ -334,18 +335,18 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
     }
 }
 
-// acc += A . W_hh over K = 256 (fp16): A a tile as in mma_tile (512-byte rows, or the forward's
-// slabs), B the W_hh fragments in shared memory (wsm, 8 words a lane and k-step).
-template <int PITCH, int K4, int MT>
-__device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned char *wsm,
-                                        const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
+// acc += A . W over KS k-steps (fp16): A a tile as in mma_tile (the slabs of h or dh, or the x
+// tile), B W's fragments in shared memory (wsm, 8 words a lane and k-step: W_hh, or WIDE's W_ih).
+template <int KS, int PITCH, int K4, int MT>
+__device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned char *wsm,
+                                      const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
     // The fragments a k-step ahead (k-step ks in wv[ks & 1]): the MMAs do not wait for their load.
     uint32_t wv[2][8];
     persist_wlayout<8>::load(wv[0], wsm, 0, NWC, w, lane);
-    mma_tile<mode_f16, CKSH, PITCH, K4>(
+    mma_tile<mode_f16, KS, PITCH, K4>(
         acc, ab, off,
         [&](int ks) {
-            if (ks + 1 < CKSH)
+            if (ks + 1 < KS)
                 persist_wlayout<8>::load(wv[(ks + 1) & 1], wsm, ks + 1, NWC, w, lane);
         },
         [&](int ks, int nt) { return make_uint2(wv[ks & 1][2 * nt], wv[ks & 1][2 * nt + 1]); });
@@ -354,15 +355,17 @@ __device__ __forceinline__ void mma_whh(float (&acc)[MT][4][4], const unsigned c
 // ---------------------------------------------------------------------------------------------
 // Forward. Step t's h (this CTA's slab by its own stores before a __syncthreads, the others'
 // by their bulk copies) completes A_t: phase t / NB of the mbarrier hfull[t % NB], which thread 0
-// arms again for step t + NB once it has waited for step t. x_t (this CTA's own rows, stored
-// before the same __syncthreads) needs no h: its product with W_ih runs before the wait (v37).
+// arms again for step t + NB once it has waited for step t. x_t (this CTA's own rows, in x tile
+// t & 1) needs no h: its product with W_ih runs before the wait (v37), and the tile is written
+// at the end of step t - 2, after that step's __syncthreads (every warp has read the tile's
+// x_{t-2}), while h_{t-1} travels: off the path from the cell to the sends (v39).
 // 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which needs
 // each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows (WIDE):
-// 128 KB W_hh + 2 x 40 KB h + 2 x 20 KB x = 248 KB would not fit, so the h tile and the x tile
-// are single-buffered and W_ih moves from registers (32 words a lane) into shared memory (32
-// KB): 128 + 40 + 20 + 32 = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait
-// before the h stores of t + 1: every CTA has read h_t and x_t) lets the cell run while it
-// completes. After A_{T-1} no CTA writes to another's shared memory.
+// 128 KB W_hh + 2 x 40 KB h + 2 x 10 KB x = 228 KB would not fit, so the h tile is
+// single-buffered and W_ih moves from registers (32 words a lane) into shared memory (32 KB):
+// 128 + 40 + 20 + 32 = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait
+// before the h stores of t + 1: every CTA has read h_t) lets the cell run while it completes.
+// After A_{T-1} no CTA writes to another's shared memory.
 template <int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
@@ -374,6 +377,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
     __shared__ uint64_t hfull[S::NB]; // step t's h and x tiles landed: hfull[t % NB]
+    // 1 / (x scale) of the x tile's rows (0: a row of zeros), row 16 m + 8 i + r at 16 m + 2 r + i
+    // so that a lane reads its rows g and g + 8 of an m-tile as one float2.
+    __shared__ __align__(8) float xinv[2][ROWS];
     unsigned char *wsm = smem;
     unsigned char *wism = smem + S::WIHBASE; // WIDE: W_ih's fragments
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
@@ -386,7 +392,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int row0 = (int)(blockIdx.x / CL) * ROWS;
     const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
     using WL = persist_wlayout<8>;
-    using WLX = persist_wlayout<4>;
 
     // A phase of hfull: the other CL - 1 CTAs' slabs of the h tile.
     auto arm = [&](uint64_t *b) { cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::PART)); };
@@ -437,8 +442,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int nblk = min(MT, (a.B - row0 + 15) / 16), nbB = (a.B + 15) / 16;
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
-    // unit(n) = rank*64 + 8w + n; W_ih's (TF32 k-steps, fp16 pairs) in registers (64 rows) or in
-    // shared memory (WIDE).
+    // unit(n) = rank*64 + 8w + n; W_ih's likewise (k < I_l, zeros past it) in registers (64 rows)
+    // or in shared memory (WIDE).
 #pragma unroll 2
     for (int ks = 0; ks < CKSH; ks++) {
         uint32_t o[8];
@@ -451,29 +456,24 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
         WL::store(wsm, ks, NWC, w, lane, o);
     }
-    uint32_t wih[WIDE ? 1 : CXKS][4];
-    auto wih_pack = [&](uint32_t *o, int ks, int q) {
-        auto Bf = [&](int k, int n) -> float {
-            return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
-                          : 0.0f;
-        };
-        mode_tf32::wpack(o, Bf, ks, g, tg, wscale);
-    };
-    if constexpr (WIDE) {
-#pragma unroll 2
-        for (int ks = 0; ks < CXKS; ks++) {
-            uint32_t o[4];
+    uint32_t wih[WIDE ? 1 : CXKS][8];
 #pragma unroll
-            for (int q = 0; q < 4; q++)
-                wih_pack(&o[q], ks, q);
-            WLX::store(wism, ks, NWC, w, lane, o);
+    for (int ks = 0; ks < CXKS; ks++) {
+        uint32_t o[8];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            auto Bf = [&](int k, int n) -> float {
+                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
+                              : 0.0f;
+            };
+            mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
         }
-    } else {
+        if constexpr (WIDE)
+            WL::store(wism, ks, NWC, w, lane, o);
+        else
 #pragma unroll
-        for (int ks = 0; ks < CXKS; ks++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                wih_pack(&wih[ks][q], ks, q);
+            for (int j = 0; j < 8; j++)
+                wih[ks][j] = o[j];
     }
 
     // Biases (b_ih + b_hh) of this lane's units.
@@ -500,50 +500,78 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     auto rowb = [&](int mt, int i) -> size_t { return (size_t)rs[mt][i]; };
     const size_t hid_step = (size_t)L * H;
 
-    // x of a step: ROWS rows x I_l floats, float4 e = threadIdx.x + 256 k of them a thread
-    // (k < MT): its batch row (-1: none), column, whether it copies to the tape (rank r writes
-    // rows [r ROWS / CL, (r + 1) ROWS / CL)) and swizzled tile offset.
-    const int x4r = Il / 4; // float4 a row
-    int xr[MT], xc[MT];
+    // x of a step: a half-warp a row (its 16 float4 columns, zeros past I_l and B). Thread
+    // (xrow, xc4) holds rows xrow + 16 k (k < MT): the batch row (-1: none), whether it copies x
+    // to the tape (rank r writes rows [r ROWS / CL, (r + 1) ROWS / CL)); the swizzled tile offset
+    // of row xrow (row xrow + 16 k: 2 KB further) and the row's place in xinv (16 k further).
+    const int xrow = threadIdx.x >> 4, xc4 = threadIdx.x & 15;
+    const uint32_t xto = (uint32_t)(xrow * 128 + (((xc4 >> 1) ^ (xrow & 7)) << 4) + (xc4 & 1) * 8);
+    const int xri = 2 * (xrow & 7) + (xrow >> 3);
+    int xr[MT];
     bool xd[MT];
-    uint32_t xto[MT];
 #pragma unroll
     for (int k = 0; k < MT; k++) {
-        int e = threadIdx.x + CTHREADS * k, row = x4r > 0 ? e / x4r : ROWS, c4 = e - row * x4r;
-        bool ok = x4r > 0 && row < ROWS && row0 + row < a.B;
+        const int row = xrow + 16 * k;
+        const bool ok = 4 * xc4 < Il && row0 + row < a.B;
         xr[k] = ok ? row0 + row : -1;
-        xc[k] = ok ? 4 * c4 : 0;
         xd[k] = ok && a.xcopy && row / (ROWS / CL) == rank;
-        xto[k] = ok ? xoff(row, 4 * c4) : 0;
     }
     float4 xv[MT];
     auto load_x = [&](int t) {
 #pragma unroll
         for (int k = 0; k < MT; k++)
-            if (xr[k] >= 0)
-                xv[k] = __ldg(reinterpret_cast<const float4 *>(
-                    a.x + ((size_t)xr[k] * T + t) * a.ldx + xc[k]));
+            xv[k] = xr[k] >= 0 ? __ldg(reinterpret_cast<const float4 *>(
+                                     a.x + ((size_t)xr[k] * T + t) * a.ldx + 4 * xc4))
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     };
-    // The x tile of step t (this CTA's own rows; read after a __syncthreads).
+    // The x tile of step t and its rows' 1 / scale (this CTA's own rows; read after a
+    // __syncthreads). A row keeps the h scale where each of its 16 lanes' largest |x| is below
+    // 2^14 / hscale (fp16's range) and either 0 or at least 2^3 / hscale (the row keeps 2^17 of
+    // range below its largest): one ballot a row, no reduction. Else (a warp-uniform branch) the
+    // row takes the power of two that puts its largest |x| in [2^13, 2^14), from the rows'
+    // maxima, reduced side by side. xneed says whether any of the thread's rows took its own, and
+    // __syncthreads_or whether the x part must bring acc's rows to the h scale. (v39: the
+    // reduction for every row, one row's shuffles after the other's, took 4% of the forward.)
+    // Every thread takes part.
+    bool xneed = false;
+    const float xhi = 16384.0f / hscale, xlo = 8.0f / hscale; // powers of two: exact
     auto put_x = [&](int t) {
-        unsigned char *tile = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
+        unsigned char *tile = smem + S::XBASE + (t & 1) * S::XTILE;
+        const int sh = lane & 16; // the row's half of the warp
+        float m[MT];
+        bool fit[MT], nz[MT];
+        uint32_t all = ~0u;
 #pragma unroll
-        for (int k = 0; k < MT; k++)
-            if (xr[k] >= 0) {
-                float4 v = xv[k];
-                *reinterpret_cast<uint4 *>(tile + xto[k]) =
-                    make_uint4(f32_to_tf32(v.x * hscale), f32_to_tf32(v.y * hscale),
-                               f32_to_tf32(v.z * hscale), f32_to_tf32(v.w * hscale));
-                if (xd[k])
-                    *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
-                                                xc[k]) = v;
-            }
+        for (int k = 0; k < MT; k++) {
+            m[k] =
+                fmaxf(fmaxf(fabsf(xv[k].x), fabsf(xv[k].y)), fmaxf(fabsf(xv[k].z), fabsf(xv[k].w)));
+            const uint32_t f =
+                __ballot_sync(0xffffffffu, m[k] < xhi && (m[k] >= xlo || m[k] == 0.0f));
+            fit[k] = ((f >> sh) & 0xffffu) == 0xffffu;
+            nz[k] = ((__ballot_sync(0xffffffffu, m[k] > 0.0f) >> sh) & 0xffffu) != 0;
+            all &= f;
+        }
+        if (all != ~0u)
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1)
+#pragma unroll
+                for (int k = 0; k < MT; k++)
+                    m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
+        xneed = false;
+#pragma unroll
+        for (int k = 0; k < MT; k++) {
+            const float sc = fit[k] ? hscale : persist_pow2_for(m[k], 14);
+            xneed |= !fit[k];
+            const float4 v = xv[k];
+            *reinterpret_cast<uint2 *>(tile + xto + k * 2048) = make_uint2(
+                mode_f16::pack2(v.x * sc, v.y * sc), mode_f16::pack2(v.z * sc, v.w * sc));
+            if (xc4 == 0)
+                xinv[t & 1][xri + 16 * k] = nz[k] ? pow2_inv(sc) : 0.0f;
+            if (xd[k])
+                *reinterpret_cast<float4 *>(a.z + ((size_t)xr[k] * T + t) * a.ldz + a.xoff +
+                                            4 * xc4) = v;
+        }
     };
-
-    // The x tiles start at zero (columns past I_l and rows past B stay so).
-    for (int e = threadIdx.x; e < (int)(S::NB * S::XTILE / 16); e += CTHREADS)
-        reinterpret_cast<float4 *>(smem + S::XBASE)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    __syncthreads();
 
     // h entering step t (this lane's elements) into this CTA's slab of tile t & 1 (64 rows) or
     // of the tile (WIDE), and the tape; then (send_h) the slab goes to the other CTAs' tiles.
@@ -617,37 +645,28 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             bulk_wait_read();
     };
     // The chunk's x piece, constant column and exponents (a.zc): rank r's rows [r ROWS / CL,
-    // (r + 1) ROWS / CL) of step t's x tile (x times the h scale, TF32: exact in fp16 once scaled
-    // by a power of two), 8 columns a thread (whole warps; a warp's 4 rows share a block).
+    // (r + 1) ROWS / CL) of step t's x tile, 16 bytes a thread (whole warps; a warp's 4 rows
+    // share a block). The tile's rows are the chunk's as they stand (fp16, a scale a row, the same
+    // swizzle), so the thread moves its 16 bytes to the same place in the chunk's row.
     const int zr = rank * (ROWS / CL) + (threadIdx.x >> 3), zj = threadIdx.x & 7;
     const bool zon = a.zc && threadIdx.x < (ROWS / CL) * 8 && row0 + (zr & ~15) < a.B;
     const int eh = -pow2_log(hscale);
     auto put_zx = [&](int t) {
         if (!zon)
             return;
-        const unsigned char *xt = smem + S::XBASE + (WIDE ? 0 : (t & 1) * S::XTILE);
-        const float4 v0 = *reinterpret_cast<const float4 *>(xt + xoff(zr, 8 * zj)),
-                     v1 = *reinterpret_cast<const float4 *>(xt + xoff(zr, 8 * zj + 4));
-        float mx = fmaxf(fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v0.z), fabsf(v0.w))),
-                         fmaxf(fmaxf(fabsf(v1.x), fabsf(v1.y)), fmaxf(fabsf(v1.z), fabsf(v1.w))));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        const float sc = persist_pow2_for(mx, 14);
-        auto h2 = [&](float x, float y) {
-            __half2 p = __floats2half2_rn(x * sc, y * sc);
-            return *reinterpret_cast<uint32_t *>(&p);
-        };
-        const size_t c = dw256_chunk((row0 + zr) >> 4, t, T, nbB);
         const int rr = zr & 15;
+        const uint32_t o = (uint32_t)(rr * 128 + ((zj ^ (rr & 7)) << 4));
+        const unsigned char *xt = smem + S::XBASE + (t & 1) * S::XTILE;
+        const size_t c = dw256_chunk((row0 + zr) >> 4, t, T, nbB);
         unsigned char *zc = static_cast<unsigned char *>(a.zc) + c * RNND_DW256_Z;
-        *reinterpret_cast<uint4 *>(zc + 4 * 2048 + rr * 128 + ((zj ^ (rr & 7)) << 4)) =
-            make_uint4(h2(v0.x, v0.y), h2(v0.z, v0.w), h2(v1.x, v1.y), h2(v1.z, v1.w));
+        *reinterpret_cast<uint4 *>(zc + 4 * 2048 + o) =
+            *reinterpret_cast<const uint4 *>(xt + (zr & ~15) * 128 + o);
         unsigned char *aux = static_cast<unsigned char *>(a.zc_aux) + c * RNND_DW256_A;
-        if (zj == 0) { // x = x' 2^ex: x' = x hscale sc
+        if (zj == 0) { // x = x' 2^ex: x' = x sc, ex = log2(1 / sc)
             int16_t *e = reinterpret_cast<int16_t *>(aux + 256);
+            const float r = xinv[t & 1][(zr & ~15) + 2 * (zr & 7) + ((zr >> 3) & 1)];
             e[rr] = (int16_t)eh;
-            e[16 + rr] = (int16_t)(mx > 0.0f ? eh - pow2_log(sc) : RNND_DW16_EZERO);
+            e[16 + rr] = (int16_t)(r > 0.0f ? pow2_log(r) : RNND_DW16_EZERO);
         } else if (zj == 1) { // 16-byte unit rr of the constant: column 0 of K rows 8 (rr / 8)..
             uint32_t v[4] = {0u, 0u, 0u, 0u};
             if ((rr & 7) == 0) {
@@ -685,40 +704,47 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // ldmatrix lane addresses: matrix mi = lane / 8 is rows 8 (mi & 1) + lane % 8 of an m-tile at
     // chunk 2 ks + mi / 2; the swizzle key is lane % 8 (the row's low bits).
     const int mi = lane >> 3, lrow = (lane & 7) + 8 * (mi & 1), key = lane & 7;
-    uint32_t hb[4], xb[4]; // per ks % 4 (ks / 4: the next slab of h, 128 bytes of x; m-tile mt
-                           // adds 16 rows)
+    uint32_t hb[4], xb[4]; // per ks % 4 (ks / 4: the next slab of h; m-tile mt adds 16 rows)
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         int ch = (2 * k + (mi >> 1)) ^ key;
         hb[k] = hbase + (uint32_t)(lrow * 128 + ch * 16);
-        xb[k] = xbase + (uint32_t)(lrow * CXLD * 4 + ch * 16);
+        xb[k] = xbase + (uint32_t)(lrow * 128 + ch * 16);
     }
 
-    // acc = x_t . W_ih. It needs no h: WIDE runs it at the end of step t - 1, while the other
-    // CTAs' h_t is on its way (v37). 64 rows run it after the wait: their W_ih fragments take 32
-    // registers a lane, and with acc live over the wait the loop spilled (and ran slower).
+    // acc = x_t . W_ih at the h part's scale, so that the h part adds to it: where a row took its
+    // own scale (scaled: x_t's __syncthreads_or), each row times hscale / its scale (80 multiplies
+    // a lane). It needs no
+    // h: WIDE runs it at the end of step t - 1, while the other CTAs' h_t is on its way (v37). 64
+    // rows run it after the wait: their W_ih fragments take 32 registers a lane, and with acc live
+    // over the wait the loop spilled (and ran slower).
     float acc[MT][4][4];
-    auto x_part = [&](int t) {
+    auto x_part = [&](int t, bool scaled) {
         zero_acc(acc);
-        uint32_t wi[4]; // WIDE: W_ih's fragments of the k-step
-        mma_tile<mode_tf32, CXKS, CXLD * 4, 128>(
-            acc, xb, WIDE ? 0u : (uint32_t)((t & 1) * S::XTILE),
-            [&](int ks) {
-                if constexpr (WIDE)
-                    WLX::load(wi, wism, ks, NWC, w, lane);
-            },
-            [&](int ks, int q) {
-                if constexpr (WIDE)
-                    return mode_tf32::wunpack(wi + q);
-                else
-                    return mode_tf32::wunpack(wih[ks] + q);
-            });
+        const int nb = t & 1;
+        if constexpr (WIDE)
+            mma_w<CXKS, 128, 0>(acc, wism, xb, (uint32_t)(nb * S::XTILE), w, lane);
+        else
+            mma_tile<mode_f16, CXKS, 128, 0>(
+                acc, xb, (uint32_t)(nb * S::XTILE), [](int) {},
+                [&](int ks, int nt) { return make_uint2(wih[ks][2 * nt], wih[ks][2 * nt + 1]); });
+        if (scaled)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const float2 r = *reinterpret_cast<const float2 *>(&xinv[nb][16 * mt + 2 * g]);
+                const float f0 = r.x * hscale, f1 = r.y * hscale;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    acc[mt][nt][0] *= f0, acc[mt][nt][1] *= f0;
+                    acc[mt][nt][2] *= f1, acc[mt][nt][3] *= f1;
+                }
+            }
     };
 
     put_h(h, 0);
     load_x(0);
     put_x(0);
-    __syncthreads();
+    bool xs = __syncthreads_or(xneed); // x_t's rows took scales of their own
     send_h(0);
     int nreset[MT][2];
 #pragma unroll
@@ -727,7 +753,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int i = 0; i < 2; i++)
             nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
     if constexpr (WIDE)
-        x_part(0);
+        x_part(0, xs);
+    if (T > 1) {
+        load_x(1);
+        put_x(1);
+    }
 
     for (int t = 0; t < T; t++) {
         // A_t: h of step t complete in every CTA's tile; then the phase of step t + NB is armed.
@@ -737,19 +767,20 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         const bool more = t + 1 < T;
         const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE);
         if constexpr (!WIDE) {
-            if (more)
-                load_x(t + 1); // in flight during the MMAs
-            x_part(t);
+            if (t + 2 < T)
+                load_x(t + 2); // in flight during the MMAs
+            x_part(t, xs);
         }
 
-        put_zx(t); // before B_t: the x tile is single-buffered at 80 rows
-        mma_whh<128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
+        put_zx(t);
+        mma_w<CKSH, 128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
         zc_wait(); // the chunk copies of h_t, issued at the end of step t - 1
-        if constexpr (WIDE)
-            if (more) {
-                cluster_arrive_relaxed(); // B_t: this CTA has read the h and x tiles of step t
-                load_x(t + 1);            // in flight during the cell
-            }
+        if constexpr (WIDE) {
+            if (more)
+                cluster_arrive_relaxed(); // B_t: this CTA has read the h tile of step t
+            if (t + 2 < T)
+                load_x(t + 2); // in flight during the cell
+        }
 
         // The cell; outputs and tape.
         float hn[MT][2][2], cn[MT][2][2];
@@ -827,10 +858,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
                 }
             if constexpr (WIDE)
-                cluster_wait(); // B_t: every CTA has read h_t; this CTA x_t
-            put_h(h, t + 1);    // A_{t+1}
-            put_x(t + 1);
-            __syncthreads();
+                cluster_wait();           // B_t: every CTA has read h_t
+            put_h(h, t + 1);              // A_{t+1}
+            xs = __syncthreads_or(xneed); // x_{t+1}'s (put_x at the end of step t - 1)
             send_h(t + 1);
             const uint8_t *fb = a.is_init + (size_t)(row0 + g) * T + t + 2;
 #pragma unroll
@@ -840,7 +870,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     nreset[mt][i] =
                         ld_flag(fb + (size_t)(2 * mt + i) * 8 * T, rv[mt][i] && t + 2 < T);
             if constexpr (WIDE)
-                x_part(t + 1);
+                x_part(t + 1, xs);
+            if (t + 2 < T)
+                put_x(t + 2); // tile t & 1: every warp has read x_t before the __syncthreads
         } else {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -1195,7 +1227,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // This CTA's partial of dh: ROWS rows x the warp's 32 units.
         float acc[MT][4][4];
         zero_acc(acc);
-        mma_whh<128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
+        mma_w<CKSH, 128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
         if (a.dw16 && w == 0) {
             bulk_wait_read(); // the chunk copies have read the tile
             if (t < T - 1)    // step t + 1's copies are complete
@@ -1408,7 +1440,7 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
 // Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
 // z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
 template <int ROWS> int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || a->Il > CXKS * 8 || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
+    if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
         return RNND_EINVAL;
     return cluster_run(a->shalf ? seq_cluster_lstm_forward_kernel<ROWS, true>
                                 : seq_cluster_lstm_forward_kernel<ROWS, false>,

@@ -811,10 +811,26 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 // Cases: the wgmma forwards and the recomputing and tape backwards (H = 128), H = 7 (its
 // weight_hh not 16-byte aligned, its weight_ih a single-float tail), and the cluster loops
 // (H = 256, whose CTAs each take the maximum of their own gate rows).
+// Case sc on gpu against cpu on inputs h (freed): outputs with and without tape, gradients.
+static void check_inputs(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                         const struct seq_case *sc, struct seq_host *h, const char *tag) {
+    const struct seq_sizes z = seq_sizes_of(sc);
+    struct seq_out og, oc;
+    if (run_pair(gpu, cpu, sc, h, &og, &oc, tag)) {
+        const double tol = tolerance(sc->compute);
+        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
+        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, z.nout, tol);
+        compare("grad params", tag, og.gp, oc.gp, h->gbase, z.P, tol);
+        compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(h);
+}
+
 static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                                  const struct seq_case *sc) {
     const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
-    const struct seq_sizes z = seq_sizes_of(sc);
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 H%d L%d weight outliers",
              sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->H, sc->L);
@@ -826,17 +842,30 @@ static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *
         if (k % 4 == RNND_PARAM_WEIGHT_IH || k % 4 == RNND_PARAM_WEIGHT_HH)
             h.params[pt.offset + pt.count - 1] = (float)(8.0 / sqrt((double)sc->H));
     }
-    struct seq_out og, oc;
-    if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
-        const double tol = tolerance(sc->compute);
-        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
-        compare("out(no tape)", tag, og.out_notape, oc.out, NULL, z.nout, tol);
-        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
-        compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+    check_inputs(gpu, cpu, sc, &h, tag);
+}
+
+// x's rows (b, t) of every third step each times 2^k, k drawn from [-10, 4]: the loops that put x
+// into fp16 scale such rows by powers of two of their own (H = 256's clusters, NOTES v39, where
+// the steps between keep the h scale and skip the rows' factors; H = 128's split forward), and
+// the dw16 products read x's exponents from their records. One scale for all rows would overflow
+// fp16 (above 8 with the h scale's 2^13) or lose the small rows; a row's or a step's factor
+// applied to another's would miss the tolerance by orders of magnitude.
+static void test_x_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                          const struct seq_case *sc) {
+    char tag[64];
+    snprintf(tag, sizeof(tag), "%s fp32 I%d H%d B%d x rows 2^-10..2^4",
+             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->I, sc->H, sc->B);
+    struct seq_host h;
+    seq_host_init(&h, sc, 0.0f, 0.8f);
+    for (size_t r = 0; r < (size_t)sc->B * sc->T; r++) {
+        if (r % sc->T % 3 != 0)
+            continue;
+        const float f = ldexpf(1.0f, (int)(rng_uniform() * 15.0) - 10);
+        for (int i = 0; i < sc->I; i++)
+            h.x[r * sc->I + i] *= f;
     }
-    seq_out_free(&og);
-    seq_out_free(&oc);
-    seq_host_free(&h);
+    check_inputs(gpu, cpu, sc, &h, tag);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1270,6 +1299,16 @@ int main(int argc, char **argv) {
         };
         for (int i = 0; i < (int)(sizeof(outliers) / sizeof(outliers[0])); i++)
             test_weight_outliers(&gpu, &cpu, &outliers[i]);
+        // Both cluster loops with layer 0's dw16 product (B >= 320), I_l below 64 (idle columns
+        // of the x tile) with stored states, H = 128's loops.
+        const struct seq_case x_scales[] = {
+            {LSTM, F32, 64, 256, 1, 330, 6, 0.1, STATE_H0, AUTO},
+            {LSTM, F32, 40, 256, 1, 70, 5, 0.1, STATE_HIDDEN, AUTO},
+            {LSTM, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+            {GRU, F32, 64, 128, 1, 33, 12, 0.1, STATE_H0, AUTO},
+        };
+        for (int i = 0; i < (int)(sizeof(x_scales) / sizeof(x_scales[0])); i++)
+            test_x_scales(&gpu, &cpu, &x_scales[i]);
     }
 
     // The weight-gradient products (seq_dw.cu; bf16, then TF32 mode), last so that the

@@ -862,6 +862,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             put_h(h, t + 1);              // A_{t+1}
             xs = __syncthreads_or(xneed); // x_{t+1}'s (put_x at the end of step t - 1)
             send_h(t + 1);
+            // WIDE: the x part before the flags' loads, which queued ahead of its first loads
+            // (v39e).
+            if constexpr (WIDE)
+                x_part(t + 1, xs);
             const uint8_t *fb = a.is_init + (size_t)(row0 + g) * T + t + 2;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -869,8 +873,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int i = 0; i < 2; i++)
                     nreset[mt][i] =
                         ld_flag(fb + (size_t)(2 * mt + i) * 8 * T, rv[mt][i] && t + 2 < T);
-            if constexpr (WIDE)
-                x_part(t + 1, xs);
             if (t + 2 < T)
                 put_x(t + 2); // tile t & 1: every warp has read x_t before the __syncthreads
         } else {
@@ -918,8 +920,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // step t + 1 read, which came before its MMAs of t) before the sends, then P_t. The A tile of
 // step t - 1 is written after this CTA's own sums of step t (the __syncthreads after the row
 // maxima orders them). P_0 comes after every write to this CTA's shared memory. Registers: dL/dh
-// stays in the receive slots between steps (see below); the step before's tape record is also
-// prefetched into L2.
+// stays in the receive slots between steps (see below). (An L2 prefetch of the step before's
+// record, 20 instructions a warp, cost 0.1 ms in the memory pipe that the sends share: v39f.)
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -1050,8 +1052,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     };
 
     // Step t's tape record, output gradient and reset flag, loaded into registers during step
-    // t + 1 once its partials are sent (the accumulators are free then). WIDE: step t - 1's are
-    // prefetched into L2 right after.
+    // t + 1 once its partials are sent (the accumulators are free then).
     // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev
@@ -1082,19 +1083,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                : make_float2(0.0f, 0.0f);
                 reset[mt][i] = ld_flag(fb + k * fk, ok);
             }
-        if constexpr (WIDE) {
-            // Step t - 1's blocks (six lines each, lanes 0-5, where the group has a row) and gy
-            // (one lane in four: a 32-byte sector).
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const int k = 2 * mt + i;
-                    prefetch_l2(sb + k * sk - (HC / 8) * tape_b8::FLOATS + 32 * lane,
-                                t > 0 && row0 + 8 * k < a.B && lane < 6);
-                    prefetch_l2(gb + k * gk - a.ldgy, t > 0 && rv[mt][i] && tg == 0);
-                }
-        }
     };
     load_step(T - 1);
 

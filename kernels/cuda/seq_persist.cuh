@@ -93,11 +93,6 @@ static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool
 static __device__ __forceinline__ void prefetch_l2(const void *p) {
     asm volatile("prefetch.L2 [%0];" ::"l"(p)); // generic address
 }
-// The same where `on` (a predicated instruction: no branch around it, whose lanes diverge).
-static __device__ __forceinline__ void prefetch_l2(const void *p, bool on) {
-    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %1, 0;\n\t@q prefetch.L2 [%0];\n\t}"
-                 ::"l"(p), "r"((uint32_t)on));
-}
 
 static __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

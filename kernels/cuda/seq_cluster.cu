@@ -296,6 +296,34 @@ __device__ __forceinline__ uint32_t roff(int row, int lu) {
     return (uint32_t)(row * (UPC * 2) + ((lu ^ ((row & 7) << 3)) << 1));
 }
 
+// The reset flags of a cluster's ROWS rows at a step: lane l loads those of rows l + 32 j (a byte
+// each; rows past n read as 0), and at their use flag_bits gathers them by ballots. A lane's own
+// 2 MT rows took a load each, as many as the tape record's, in the memory pipe that every load and
+// store of a step shares (NOTES v39h).
+template <int ROWS> struct row_flags {
+    static constexpr int NW = (ROWS + 31) / 32;
+    int v[NW];
+    // p: row 0's flag at the step; row r's is r * stride further.
+    __device__ __forceinline__ void load(const uint8_t *p, size_t stride, int n, int lane,
+                                         bool on) {
+#pragma unroll
+        for (int j = 0; j < NW; j++)
+            v[j] = ld_flag(p + (size_t)(lane + 32 * j) * stride, on && lane + 32 * j < n);
+    }
+};
+// Lane (g, tg)'s view of a row_flags: whether its row k (row g + 8 k, k = 2 mt + i) is set.
+template <int ROWS> struct flag_bits {
+    uint32_t m[row_flags<ROWS>::NW]; // word j: rows 32 j + g + 8 [0, 4) at bits 0, 8, 16, 24
+    __device__ __forceinline__ flag_bits(const row_flags<ROWS> &f, int g) {
+#pragma unroll
+        for (int j = 0; j < row_flags<ROWS>::NW; j++)
+            m[j] = __ballot_sync(0xffffffffu, f.v[j] != 0) >> g;
+    }
+    __device__ __forceinline__ bool operator()(int k) const {
+        return (m[k >> 2] >> (8 * (k & 3))) & 1u;
+    }
+};
+
 // max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
 // columns.
 __device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H, int K, int rank) {
@@ -746,12 +774,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     put_x(0);
     bool xs = __syncthreads_or(xneed); // x_t's rows took scales of their own
     send_h(0);
-    int nreset[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            nreset[mt][i] = ld_flag(a.is_init + rowT(mt, i) + 1, rv[mt][i] && T > 1);
+    const int nrows = min(ROWS, a.B - row0);
+    row_flags<ROWS> nrf; // the flags of step t + 1
+    nrf.load(a.is_init + (size_t)row0 * T + 1, T, nrows, lane, T > 1);
     if constexpr (WIDE)
         x_part(0, xs);
     if (T > 1) {
@@ -841,21 +866,23 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'. Row
             // k = 2 mt + i is batch row row0 + g + 8 k: a base plus k strides (v36).
             const size_t at0 = ((size_t)(row0 + g) * T + t + 1) * hid_step + (size_t)l * H + ub;
+            const flag_bits<ROWS> nreset(nrf, g);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
+                    const bool nr = nreset(2 * mt + i);
                     float2 nh = make_float2(0.0f, 0.0f), nc = make_float2(0.0f, 0.0f);
-                    if (nreset[mt][i] && a.hidden) {
+                    if (nr && a.hidden) {
                         const size_t at = at0 + (size_t)(2 * mt + i) * 8 * T * hid_step;
                         nh = *reinterpret_cast<const float2 *>(a.hidden + at);
                         if (a.cell)
                             nc = *reinterpret_cast<const float2 *>(a.cell + at);
                     }
-                    h[mt][i][0] = nreset[mt][i] ? nh.x : hn[mt][i][0];
-                    h[mt][i][1] = nreset[mt][i] ? nh.y : hn[mt][i][1];
-                    c[mt][i][0] = nreset[mt][i] ? nc.x : cn[mt][i][0];
-                    c[mt][i][1] = nreset[mt][i] ? nc.y : cn[mt][i][1];
+                    h[mt][i][0] = nr ? nh.x : hn[mt][i][0];
+                    h[mt][i][1] = nr ? nh.y : hn[mt][i][1];
+                    c[mt][i][0] = nr ? nc.x : cn[mt][i][0];
+                    c[mt][i][1] = nr ? nc.y : cn[mt][i][1];
                 }
             if constexpr (WIDE)
                 cluster_wait();           // B_t: every CTA has read h_t
@@ -866,13 +893,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             // (v39e).
             if constexpr (WIDE)
                 x_part(t + 1, xs);
-            const uint8_t *fb = a.is_init + (size_t)(row0 + g) * T + t + 2;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-                    nreset[mt][i] =
-                        ld_flag(fb + (size_t)(2 * mt + i) * 8 * T, rv[mt][i] && t + 2 < T);
+            nrf.load(a.is_init + (size_t)row0 * T + t + 2, T, nrows, lane, t + 2 < T);
             if (t + 2 < T)
                 put_x(t + 2); // tile t & 1: every warp has read x_t before the __syncthreads
         } else {
@@ -1056,7 +1077,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev
-    int reset[MT][2];
+    row_flags<ROWS> reset;
+    const int nrows = min(ROWS, a.B - row0);
     // Lane row (mt, i) is batch row row0 + g + 8 k, k = 2 mt + i, and row group row0 / 8 + k: its
     // addresses are a base a step plus k strides (a few adds a row where 64-bit products were;
     // NOTES v36). Rows past B load nothing.
@@ -1066,7 +1088,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         const float *sb = a.s + tape_b8::block8(row0 / 8, t, ub, T, HC);
         const size_t r0 = (size_t)(row0 + g) * T + t;
         const float *gb = a.gy + r0 * a.ldgy + ub;
-        const uint8_t *fb = a.is_init + r0;
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1081,8 +1102,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                : make_float2(0.0f, 0.0f);
                 gy[mt][i] = ok ? __ldg(reinterpret_cast<const float2 *>(gb + k * gk))
                                : make_float2(0.0f, 0.0f);
-                reset[mt][i] = ld_flag(fb + k * fk, ok);
             }
+        reset.load(a.is_init + (size_t)row0 * T + t, T, nrows, lane, true);
     };
     load_step(T - 1);
 
@@ -1157,12 +1178,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                             *reinterpret_cast<float2 *>(db + (2 * mt + i) * fk * (4 * H) + q * H) =
                                 make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
         }
-        int rst[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                rst[mt][i] = reset[mt][i];
+        const flag_bits<ROWS> rst(reset, g);
         __syncthreads(); // the row maxima; WIDE: this CTA's reads of the receive slots are done
         // The tile, each row scaled; warp 0's lanes tg = 0 keep the rows' factors and records.
         float sc[MT][2];
@@ -1318,7 +1334,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
-                    if (t > 0 && !rst[mt][i])
+                    if (t > 0 && !rst(2 * mt + i))
                         continue;
                     auto out = [&](const float2 dho, bool initial) {
                         if (a.stored) {
@@ -1338,11 +1354,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         }
                     };
                     if constexpr (WIDE) {
-                        if (rv[mt][i] && (a.stored || !rst[mt][i]))
+                        if (rv[mt][i] && (a.stored || !rst(2 * mt + i)))
                             out(slot_sum(16 * mt + g + 8 * i), true);
                     } else {
                         if (rv[mt][i])
-                            out(make_float2(dh[mt][i][0], dh[mt][i][1]), !rst[mt][i]);
+                            out(make_float2(dh[mt][i][0], dh[mt][i][1]), !rst(2 * mt + i));
                     }
                 }
                 // Carried into step t - 1, or zero where the state ends here.
@@ -1350,7 +1366,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const bool carry = t > 0 && !rst[mt][i];
+                const bool carry = t > 0 && !rst(2 * mt + i);
                 if constexpr (WIDE)
                     carried |= (uint32_t)carry << (2 * mt + i);
                 else

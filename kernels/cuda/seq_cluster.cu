@@ -22,12 +22,12 @@
  * m-tiles x 4 n-tiles (n-tile q = gate q), so each A fragment (ldmatrix) serves 4 MMAs and each
  * B fragment MT. Lane (g, tg) owns rows 16 mt + g + 8 i and units 8w + 2tg + j (mt < MT, i,
  * j < 2): 4 MT (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is
- * read by the loop into its own fp16 tile, each row scaled by the power of two that puts its
- * largest |x| in [2^13, 2^14) (as exact as TF32; v39). The x part (m16n8k16 MMAs, as the h part)
- * runs first, then each row of the accumulator is brought to the h tile's scale (hscale over the
- * row's), so both parts share one accumulator and one unscaling. Shared tiles use a
- * 16-byte-chunk XOR swizzle instead of padding (the padding would not fit): 64 rows 128 + 64 +
- * 16 KB = 208 KB.
+ * read by the loop into its own fp16 tile, each row scaled by the h scale where it fits fp16
+ * with it, else by the power of two that puts its largest |x| in [2^13, 2^14) (either as exact
+ * as TF32; v39). The x part (m16n8k16 MMAs, as the h part) runs first, then (where a row took its
+ * own scale) each row of the accumulator is brought to the h scale, so both parts share one
+ * accumulator and one unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding
+ * (the padding would not fit): 64 rows 128 + 64 + 16 KB = 208 KB.
  *
  * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev),
  * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
@@ -53,9 +53,9 @@ constexpr int CXKS = CXK / 16;                           // x k-steps (fp16 m16n
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
 
 // A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows,
-// v11b) does not fit the 64-row layouts (kernels/bench/NOTES.md v11b): the forward's h and x
-// tiles are single-buffered and W_ih's fp16 fragments live in shared memory (after the x tile)
-// instead of registers; the backward's receive slots share their memory with the A tile.
+// v11b) does not fit the 64-row layouts (kernels/bench/NOTES.md v11b): the forward's h tile is
+// single-buffered and W_ih's fp16 fragments live in shared memory (after the x tiles) instead of
+// registers; the backward's receive slots share their memory with the A tile.
 template <int ROWS> struct cshape {
     static_assert(ROWS == 64 || ROWS == 80, "64 or 80 rows a cluster");
     static constexpr int MT = ROWS / 16;
@@ -404,9 +404,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
-    __shared__ uint64_t hfull[S::NB]; // step t's h and x tiles landed: hfull[t % NB]
-    // 1 / (x scale) of the x tile's rows (0: a row of zeros), row 16 m + 8 i + r at 16 m + 2 r + i
-    // so that a lane reads its rows g and g + 8 of an m-tile as one float2.
+    __shared__ uint64_t hfull[S::NB]; // step t's h tile landed: hfull[t % NB]
+    // 1 / (x scale) of x tile t & 1's rows (0: a row of zeros), row 16 m + 8 i + r at 16 m + 2 r
+    // + i so that a lane reads its rows g and g + 8 of an m-tile as one float2.
     __shared__ __align__(8) float xinv[2][ROWS];
     unsigned char *wsm = smem;
     unsigned char *wism = smem + S::WIHBASE; // WIDE: W_ih's fragments
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // The x tile of step t and its rows' 1 / scale (this CTA's own rows; read after a
     // __syncthreads). A row keeps the h scale where each of its 16 lanes' largest |x| is below
     // 2^14 / hscale (fp16's range) and either 0 or at least 2^3 / hscale (the row keeps 2^17 of
-    // range below its largest): one ballot a row, no reduction. Else (a warp-uniform branch) the
+    // range below its largest): ballots, no reduction. Else (a warp-uniform branch) the
     // row takes the power of two that puts its largest |x| in [2^13, 2^14), from the rows'
     // maxima, reduced side by side. xneed says whether any of the thread's rows took its own, and
     // __syncthreads_or whether the x part must bring acc's rows to the h scale. (v39: the
@@ -742,10 +742,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 
     // acc = x_t . W_ih at the h part's scale, so that the h part adds to it: where a row took its
     // own scale (scaled: x_t's __syncthreads_or), each row times hscale / its scale (80 multiplies
-    // a lane). It needs no
-    // h: WIDE runs it at the end of step t - 1, while the other CTAs' h_t is on its way (v37). 64
-    // rows run it after the wait: their W_ih fragments take 32 registers a lane, and with acc live
-    // over the wait the loop spilled (and ran slower).
+    // a lane). It needs no h: WIDE runs it at the end of step t - 1, while the other CTAs' h_t is
+    // on its way (v37). 64 rows run it after the wait: their W_ih fragments take 32 registers a
+    // lane, and with acc live over the wait the loop spilled (and ran slower).
     float acc[MT][4][4];
     auto x_part = [&](int t, bool scaled) {
         zero_acc(acc);
@@ -1072,8 +1071,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
     };
 
-    // Step t's tape record, output gradient and reset flag, loaded into registers during step
-    // t + 1 once its partials are sent (the accumulators are free then).
+    // Step t's tape record, output gradient and reset flags, loaded into registers during step
+    // t + 1 once its partials are packed (the accumulators are free then).
     // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev

@@ -40,9 +40,9 @@ static bool seq_cz_model(const struct cuda_ctx *c, const struct rnnd_model *m, i
 static int seq_dw256_pitch(const struct cuda_ctx *c, int B, int T);
 
 // The layout holds s rows of fp32 planes; a tape whose gate planes are fp16 (tape_half) packs
-// its shorter rows into the same space. Layer 0's z space also holds the z chunk parts and x
-// exponents (seq_zfwd) or the dw256 chunk parts (seq_cz) where the device and model may write
-// them.
+// its shorter rows into the same space. Layer 0's z space also holds the z chunk parts and (TF32
+// mode) x exponents (seq_zfwd) or the dw256 chunk parts (seq_cz) where the device and model may
+// write them.
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
                            struct seq_layout *lay) {
     size_t BT = (size_t)B * T, at = 0;
@@ -58,8 +58,10 @@ void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m,
         size_t zf = BT * y->ldz;
         const bool zfwd = l == 0 && seq_zfwd_model(c, m);
         if (zfwd || (l == 0 && seq_cz_model(c, m, B))) {
-            size_t zc = zfwd ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z +
-                                  (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
+            const size_t ex = m->compute == RNND_COMPUTE_FP32
+                                  ? (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
+                                  : 0;
+            size_t zc = zfwd ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z + ex
                             : (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
             zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
         }
@@ -139,14 +141,17 @@ static int seq_dw16_pitch(const struct cuda_ctx *c, int B, int T) {
 }
 
 // Layer 0 keeps no z rows in its tape where the wgmma forward writes z's dw16 chunk parts
-// instead (NOTES v27, the LSTM; v28, the GRU): TF32 mode, H = 128, fused x with I % 4 == 0, and
-// the chunks' backward.
+// instead (NOTES v27, the LSTM; v28, the GRU; v40, the GRU in bf16 mode): TF32 mode (or the
+// GRU's bf16), H = 128, fused x with I % 4 == 0, and the chunks' backward. The LSTM's bf16
+// backward reads z rows.
 // The model and the device set the tape's size (seq_zfwd_model); the inputs both passes see
 // decide the format (seq_zfwd: the forward stages misaligned outputs, the backward's loop takes
 // any gradients). Bench variant bit 32768 turns it off.
 #define RNND_SEQ_VARIANT_NO_ZFWD 32768
 static bool seq_zfwd_model(const struct cuda_ctx *c, const struct rnnd_model *m) {
-    return m->compute == RNND_COMPUTE_FP32 && m->H == 128 && cuda_wg(c) &&
+    const bool mode = m->compute == RNND_COMPUTE_FP32 ||
+                      (m->compute == RNND_COMPUTE_BF16 && m->cell == RNND_CELL_GRU);
+    return mode && m->H == 128 && cuda_wg(c) &&
            !(c->variant & (32 | RNND_SEQ_VARIANT_NO_ZFWD)) && m->I % 4 == 0 &&
            seq_dw16(c, m, 0, true) &&
            rnnd__persist_xks(m, 0, c->smem_optin) > 0;
@@ -636,13 +641,17 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
             a.xcopy = xcopy;
             a.variant = c->variant, a.dbg = c->d_dbg;
-            a.wg = cuda_wg(c);
+            // bf16: the wgmma forward only where it writes the chunks and planes the GRU's
+            // backward reads; elsewhere the mma.sync loops are 2-6% faster (NOTES v40). Taped or
+            // not, the same loop (zfwd does not depend on the tape).
+            a.wg = cuda_wg(c) && (m->compute != RNND_COMPUTE_BF16 || (l == 0 && zfwd));
             if (zc) { // the chunks past the loop's (whole stages for the product) hold zeros
                 const size_t nch = (size_t)CEIL_DIV(B, 16) * T;
                 RNND_CUDA_TRY(cudaMemsetAsync((char *)z + nch * RNND_DW16_Z, 0,
                                               (dw_pitch - nch) * RNND_DW16_Z, c->stream));
                 a.z = nullptr, a.zc = z;
-                a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+                if (m->compute == RNND_COMPUTE_FP32) // x's exponents
+                    a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z);
             }
             RNND_TRY(rnnd__persist_forward(m, &a, c->stream));
         } else {
@@ -845,9 +854,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                                                     4, c->stream));
                 if (zc) { // the forward's, and its padding
                     a.zc = z;
-                    a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
-                }
-                else
+                    if (dw_exp) // x's exponents
+                        a.zc_ex = (const int16_t *)((const char *)z +
+                                                    (size_t)dw_pitch * RNND_DW16_Z);
+                } else
                     RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
                                                       nch * RNND_DW16_Z,
                                                   0, pad * RNND_DW16_Z, c->stream));
@@ -984,11 +994,12 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
     if (a->s && !a->shalf)
         return RNND_EINVAL;
 #ifdef RNND_HAVE_WG
-    if (a->wg && m->compute != RNND_COMPUTE_BF16 && m->H > 96) {
+    if (a->wg && m->H > 96) {
         // The wgmma loops (seq_wg.cu) where their arguments allow it, else the persistent ones
         // (which write no z chunk parts).
-        int err = m->cell == RNND_CELL_LSTM ? rnnd__wg_lstm_forward(a, stream)
-                                            : rnnd__wg_gru_forward(a, stream);
+        const bool bf16 = m->compute == RNND_COMPUTE_BF16;
+        int err = m->cell == RNND_CELL_LSTM ? rnnd__wg_lstm_forward(a, bf16, stream)
+                                            : rnnd__wg_gru_forward(a, bf16, stream);
         if (err != RNND_ENOTSUP || a->zc)
             return err;
     }

@@ -121,6 +121,9 @@ struct mode_f16 {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t *>(&v);
     }
+    static __device__ __forceinline__ float2 unpack2(uint32_t v) {
+        return __half22float2(*reinterpret_cast<const __half2 *>(&v));
+    }
     static __device__ __forceinline__ void put4(elem *p, const float v[4]) {
         __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
         *reinterpret_cast<uint2 *>(p) =
@@ -205,6 +208,9 @@ struct mode_bf16 {
     }
     static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
         return pack_bf16(lo, hi);
+    }
+    static __device__ __forceinline__ float2 unpack2(uint32_t v) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
     }
     static __device__ __forceinline__ void put4(elem *p, const float v[4]) {
         *reinterpret_cast<uint2 *>(p) = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
@@ -495,8 +501,13 @@ static __device__ __forceinline__ float tile_row_scale(const float *rmax, int ro
 // values at dst (this lane's 4), the row scaled by the power of two that puts its largest |value|
 // in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale,
 // or 0 for a row of zeros (whose products are 0 either way; the dw16 records tell it by that).
+// In bf16 (HM unscaled, fp32's range) the row goes as it is and 1 comes back.
 template <class HM>
 static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
+    if constexpr (!HM::SCALED) {
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(HM::pack2(v.x, v.y), HM::pack2(v.z, v.w));
+        return 1.0f;
+    }
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1)
@@ -1882,7 +1893,7 @@ struct persist_rc_geom {
 // routing; the recompute's cell.
 // DW: D and z leave as dw16 chunks (seq_persist.h) instead of D in fp32: bf16, or (TF32 mode)
 // fp16 with exponent records.
-// ZF (TF32 mode, with DW): the forward wrote z's chunk parts, x's exponents (a.zc_ex) and the
+// ZF (with DW): the forward wrote z's chunk parts, in TF32 mode x's exponents (a.zc_ex), and the
 // tape's fp16 planes (a.s: the gates' pre-activations and hn), so the loop recomputes nothing
 // (NOTES v29): each step's chunk h part and its rows' planes come by bulk copies into one of two
 // slots (over W_ih's space), a step ahead; ldmatrix.trans of the h part gives each thread's
@@ -1919,7 +1930,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
     // ZF: step s's chunk h part (core-matrix groups 0..15) and its 16 rows' planes (a row
     // ZPL bytes apart: conflict-free 8-byte reads of 8 rows) in slot s & 1, over W_ih's space.
-    static_assert(!ZF || (DW && XH), "z from the forward: TF32 mode's chunks");
+    static_assert(!ZF || DW, "z from the forward: the chunks' loop");
     using TR = tape_rec<Cell, true>;
     constexpr int ZCB = 16 * 256, ZPR = Cell::SW * HP * 2, ZPL = ZPR + 32, ZSL = ZCB + 16 * ZPL;
     static_assert(!ZF || 2 * ZSL + 16 <= Gm::WX_BYTES, "slots");
@@ -2099,16 +2110,17 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #endif
     };
     auto zc_load_ex = [&](int s) {
-        const int16_t *e = a.zc_ex + ((size_t)blockIdx.x * T + s) * 16;
-        nzex[0] = e[g], nzex[1] = e[g + 8], nzexr = e[lane & 15];
+        if constexpr (XH) {
+            const int16_t *e = a.zc_ex + ((size_t)blockIdx.x * T + s) * 16;
+            nzex[0] = e[g], nzex[1] = e[g + 8], nzexr = e[lane & 15];
+        }
     };
     auto zc_hprev = [&](int s) {
         uint32_t f[4];
         zc_afrag(f, zslot + (s & 1) * ZSL, 16 * w, lane);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&f[i]));
-            const float2 up = __half22float2(*reinterpret_cast<const __half2 *>(&f[2 + i]));
+            const float2 lo = HM::unpack2(f[i]), up = HM::unpack2(f[2 + i]);
             hp[i][0] = lo.x * hsinv, hp[i][1] = lo.y * hsinv;
             hp[i][2] = up.x * hsinv, hp[i][3] = up.y * hsinv;
         }
@@ -2283,7 +2295,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p], u0, H, rv[i]);
             }
         }
-        if constexpr (ZF)
+        if constexpr (ZF && XH)
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
                         ed, zex, -pow2_log(hscale), zexr);
         if constexpr (DW && !ZF) {
@@ -2391,9 +2403,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int ks = 0; ks < 2 * KSW; ks++) {
                 if (ks < 4)
-                    wg_mma_rs<false>(dacc[ks & 3], wa[ks], bd + 16 * ks);
+                    wg_mma_rs<false, !HM::SCALED>(dacc[ks & 3], wa[ks], bd + 16 * ks);
                 else
-                    wg_mma_rs<true>(dacc[ks & 3], wa[ks], bd + 16 * ks);
+                    wg_mma_rs<true, !HM::SCALED>(dacc[ks & 3], wa[ks], bd + 16 * ks);
             }
             wg_commit();
             if (t > 0) {
@@ -2536,12 +2548,12 @@ static int persist_launch_backward_rc(const struct persist_bwd_args &a, cudaStre
     if (a.dw16) { // vector access or (ZF) any; TF32 mode with the records
         if constexpr (HP != 128)
             return RNND_EINVAL;
-        else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != XH ||
-                 (a.zc_ex && (!XH || !a.zc || !a.s)))
+        else if ((!a.vec && !a.zc) || a.H != HP || (a.dw16_exp != nullptr) != XH ||
+                 (a.zc && (!a.s || (a.zc_ex != nullptr) != XH)))
             return RNND_EINVAL;
-        else if (a.zc_ex) // z from the forward (any gradients' alignment): sm_90a code
+        else if (a.zc) // z from the forward (any gradients' alignment): sm_90a code
 #ifdef RNND_HAVE_WG
-            return rnnd__wg_gru_backward_zf(&a, stream);
+            return rnnd__wg_gru_backward_zf(&a, !XH, stream);
 #else
             return RNND_EINVAL;
 #endif
@@ -2608,16 +2620,16 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
         // Phase clocks (V) in the loop on the forward's z alone.
         if constexpr (Gm::G != 4 || HP != 128)
             return RNND_EINVAL;
-        else if ((!a.vec && !a.zc_ex) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||
-                 (a.zc_ex && !Mode::SCALED) || (V != 0 && !(a.vec && a.zc_ex)))
+        else if ((!a.vec && !a.zc) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||
+                 (a.zc && (!Mode::SCALED || !a.zc_ex)) || (V != 0 && !(a.vec && a.zc)))
             return RNND_EINVAL;
         else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment
-            kernel = !a.zc_ex ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
+            kernel = !a.zc  ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
                      : a.vec  ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
                               : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
         else
             kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, true>;
-        smem += Mode::SCALED && !a.zc_ex ? 4 * 16 * sizeof(float) : 0; // xm
+        smem += Mode::SCALED && !a.zc ? 4 * 16 * sizeof(float) : 0; // xm
     }
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));

@@ -34,10 +34,10 @@ struct persist_fwd_args {
     int ldx;                     // or xcopy (then Il <= HP/2), else NULL
     bool xvec;                   // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;                  // copy x into z at xoff
-    // Or, instead of z (the wgmma forwards, layer 0, TF32 mode, H = 128; NOTES v27, v28): z's
-    // parts of the dw16 chunks (seq_persist.h's layout, chunk c at zc + c RNND_DW16_Z) and each
-    // chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would have
-    // written them.
+    // Or, instead of z (the wgmma forwards, layer 0, H = 128; NOTES v27, v28, v40): z's parts
+    // of the dw16 chunks (seq_persist.h's layout, chunk c at zc + c RNND_DW16_Z) and, in TF32
+    // mode, each chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would
+    // have written them.
     void *zc;
     int16_t *zc_ex;
     // Or, the H = 256 cluster forward (layer 0; NOTES v35), besides z: z's parts of the dw256
@@ -45,7 +45,7 @@ struct persist_fwd_args {
     void *zc_aux;
     int variant;                 // bench variant of the TF32 H=128 loops (0: the default)
     long long *dbg;              // variant bit 8: per-block phase clocks, 8 per block
-    bool wg;                     // the device runs seq_wg.cu's sm_90a code (compute 9.0)
+    bool wg;                     // seq_wg.cu's sm_90a loops may run (compute 9.0; seq.cu)
 };
 
 // One layer's backward time loop.
@@ -68,9 +68,9 @@ struct persist_bwd_args {
                                  // mode's fp16 with dw16_exp)
     int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_* below)
     int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
-    const int16_t *zc_ex;        // or NULL: the forward wrote z's chunk parts (persist_fwd_args
-                                 // zc), the loop writes D's alone and takes x's exponents here
-    const void *zc;              // those chunk parts (the GRU's recompute takes h and x there)
+    const void *zc;              // or NULL: the forward wrote z's chunk parts (persist_fwd_args
+                                 // zc), the loop writes D's alone and reads them
+    const int16_t *zc_ex;        // with them in TF32 mode: x's exponents
                                  // The H = 256 cluster backward: D's dw256 planes at dw16 and
                                  // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too;
                                  // each CTA adds 1 to dw16_ready[k] once its chunks of its k-th
@@ -80,7 +80,7 @@ struct persist_bwd_args {
     float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
     // rc (GRU, v10): one 16-bit W_hh for both directions; the loop recomputes the gates of
     // each step from hprev and x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih,
-    // W_hh and the biases, or (zc_ex) reads them from s (NOTES v29).
+    // W_hh and the biases, or (zc) reads them from s (NOTES v29).
     bool rc;
     const float *w_ih;           // (G*H, Il)
     const float *b_ih, *b_hh;    // (G*H)
@@ -132,15 +132,16 @@ int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t 
 int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
 
 // The GRU and LSTM forwards with warpgroup MMAs (seq_wg.cu; built when the architectures
-// include 90, as RNND_HAVE_WG says): TF32 mode, H <= 128 with H % 4 == 0, fused x with
+// include 90, as RNND_HAVE_WG says): TF32 or bf16 mode, H <= 128 with H % 4 == 0, fused x with
 // 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the LSTM with its fp16 gate tape
 // (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are written, the GRU with it
-// only with the chunk parts; RNND_ENOTSUP for other arguments.
-int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream);
-// The GRU's TF32 backward loop on the forward's gate planes and chunk parts (seq_persist.cuh,
-// ZF; seq_gru_zf.cu), same build: dh on warpgroup MMAs.
-int rnnd__wg_gru_backward_zf(const struct persist_bwd_args *a, cudaStream_t stream);
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
+// only with the chunk parts; x's exponents (a.zc_ex) with the chunk parts in TF32 mode alone;
+// RNND_ENOTSUP for other arguments.
+int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream);
+// The GRU's backward loop on the forward's gate planes and chunk parts (seq_persist.cuh, ZF;
+// seq_gru_zf.cu), same build: dh on warpgroup MMAs.
+int rnnd__wg_gru_backward_zf(const struct persist_bwd_args *a, bool bf16, cudaStream_t stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream);
 
 // The weight gradients' product z^T D on warpgroup MMAs (seq_dw.cu, sm_90a, NOTES v25) from
 // 16-bit chunks a backward loop writes instead of D in fp32: chunk c = block x T + t holds the

@@ -1,11 +1,12 @@
 /*
- * seq_wg.cu: the GRU and LSTM forward time loops at H <= 128 in TF32 mode with warpgroup MMAs
- * (wgmma, sm_90a only: this file is built for that target alone and the host asks for it only on
- * a compute-capability 9.0 device). Same arguments and outputs as the persistent forwards they
- * replace there (seq_persist.cuh's loops), fused input projection only; with a tape the GRU
- * writes the z rows alone (its backward recomputes its gates), the LSTM also its fp16 gate tape;
- * at H = 128 both write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc,
- * NOTES v27, v28), and the GRU then its fp16 gate tape too (v29: its backward reads it).
+ * seq_wg.cu: the GRU and LSTM forward time loops at H <= 128 in TF32 mode (and, where it writes
+ * z's chunk parts, the GRU's in bf16 mode: NOTES v40) with warpgroup MMAs (wgmma, sm_90a only: this
+ * file is built for that target alone and the host asks for it only on a compute-capability 9.0
+ * device). Same arguments and outputs as the persistent forwards they replace there
+ * (seq_persist.cuh's loops), fused input projection only; with a tape the GRU writes the z rows
+ * alone (its backward recomputes its gates), the LSTM also its fp16 gate tape; at H = 128 both
+ * write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, NOTES v27, v28), and
+ * the GRU then its fp16 gate tape too (v29: its backward reads it).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -100,9 +101,11 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
 // z's parts of a dw16 chunk (seq_persist.h) from the forward (persist_fwd_args zc): what the
 // backward loops would write from the z rows, bitwise, without the z rows' 784 bytes a row and
 // step in fp32 going to memory and back (NOTES v27, v28).
+// HM: the h part's mode, fp16 (TF32 mode: values scaled, x's exponents recorded) or bf16.
 // h: the state entering the step, rows 8j + 2tg (h0) and + 1 (h1) of units u0, u0 + 1, scaled by
 // the h scale; a unit's column in its group of 16 is the loop's movmatrix order (the inverse of
 // dw16_unit in seq_dw.cu); rows past B are zeros, as the backward's.
+template <class HM>
 __device__ __forceinline__ void zc_put_h(unsigned char *zc, int u0, int g, int tg, int j,
                                          const float h0[2], const float h1[2], bool ok0, bool ok1,
                                          float hs) {
@@ -110,13 +113,14 @@ __device__ __forceinline__ void zc_put_h(unsigned char *zc, int u0, int g, int t
     for (int i = 0; i < 2; i++) {
         const int n = (u0 & ~15) + 8 * (g & 1) + 2 * (g >> 1) + i;
         *reinterpret_cast<uint32_t *>(zc + (n >> 3) * 256 + j * 128 + (n & 7) * 16 + 4 * tg) =
-            mode_f16::pack2(ok0 ? h0[i] * hs : 0.0f, ok1 ? h1[i] * hs : 0.0f);
+            HM::pack2(ok0 ? h0[i] * hs : 0.0f, ok1 ? h1[i] * hs : 0.0f);
     }
 }
-// x: the producer's fp16 x tile (K-major, row-scaled; zeros past I_l and B) transposed by
+// x: the producer's 16-bit x tile (K-major, fp16 row-scaled; zeros past I_l and B) transposed by
 // ldmatrix, warp w (0-3) its column groups 2w, 2w + 1; warp 0 the constant (the h scale, as z's
-// h part) and its zeros; warp 1 the rows' exponents from their inverse scales xinv (0: a row of
-// zeros).
+// h part) and its zeros; in fp16, warp 1 the rows' exponents from their inverse scales xinv (0: a
+// row of zeros).
+template <class HM>
 __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char *xt,
                                          const float *xinv, int16_t *ex, int w, int lane,
                                          float hs) {
@@ -128,10 +132,9 @@ __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char 
         *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 + (q >> 1) * 128 +
                                       4 * lane) = m4[q];
     if (w == 0) {
-        const __half2 one = __float2half2_rn(hs);
-        dw16_put_one(zc + 24 * 256, lane, *reinterpret_cast<const uint32_t *>(&one));
-        dw16_put_one(zc + 24 * 256 + 128, lane, *reinterpret_cast<const uint32_t *>(&one));
-    } else if (w == 1 && lane < 16) {
+        dw16_put_one(zc + 24 * 256, lane, HM::pack2(hs, hs));
+        dw16_put_one(zc + 24 * 256 + 128, lane, HM::pack2(hs, hs));
+    } else if (HM::SCALED && w == 1 && lane < 16) {
         const float v = xinv[lane];
         ex[lane] = (int16_t)(v > 0.0f ? pow2_log(v) : RNND_DW16_EZERO);
     }
@@ -151,10 +154,11 @@ template <class Cell, bool Z, bool HID> constexpr int wg_gr() {
 // hn) for the LSTM, and for the GRU with the chunk parts (else its backward recomputes its
 // gates from the z rows).
 // HID: a.hidden may be set (stored states); else a reset's state is zero.
-template <class Cell, int V, bool Z, bool HID>
+// HM: the MMAs' mode, mode_f16 (TF32 mode: weights, h and x rows scaled) or mode_bf16.
+template <class Cell, class HM, int V, bool Z, bool HID>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using HM = mode_f16;
+    constexpr bool BF = !HM::SCALED;
     using Gm = wg_geom<Cell::G, wg_gr<Cell, Z, HID>()>;
     using TR = tape_rec<Cell, true>;
     constexpr int G = Cell::G, GR = wg_gr<Cell, Z, HID>(), GS = Gm::GS, SW = Cell::SW;
@@ -172,8 +176,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     float *red = reinterpret_cast<float *>(smem + Gm::OFF_RED);
     float4 *xpart = reinterpret_cast<float4 *>(smem + Gm::OFF_XP);
 
-    const float wscale = persist_wscale(a.w_hh, GH * H, a.w_ih, GH * Il, red);
-    const float hscale = persist_hscale(a, red);
+    const float wscale = BF ? 1.0f : persist_wscale(a.w_hh, GH * H, a.w_ih, GH * Il, red);
+    const float hscale = BF ? 1.0f : persist_hscale(a, red);
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
 
     // Row m of an m64 A tile of unit half hf (W_ih's, W_hh's in shared memory and in registers)
@@ -195,8 +199,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         for (int e = threadIdx.x; e < 2 * nq * 64 * KP; e += WG_THREADS) {
             const int tile = e / (64 * KP), m = (e / KP) % 64, k = e % KP;
             const int qq = q0 + tile % nq, u = tile_unit(tile / nq, m);
-            *reinterpret_cast<__half *>(dst + tile * (64L * KP * 2) + km_off(m, k, KP / 8)) =
-                __float2half_rn(wval(wt, kw, qq, u, k));
+            HM::put(reinterpret_cast<typename HM::elem *>(dst + tile * (64L * KP * 2) +
+                                                          km_off(m, k, KP / 8)),
+                    wval(wt, kw, qq, u, k));
         }
     };
     fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, WG_XK>());
@@ -250,9 +255,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     };
 
     if (q == 2) {
-        // The producer: for every step, x(t) (cp.async three steps ahead) into fp16 x tile t % 2,
-        // row-scaled (persist_row16); x(t) W_ih^T for all 2G tiles, scaled and with b_ih, into
-        // slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
+        // The producer: for every step, x(t) (cp.async three steps ahead) into 16-bit x tile
+        // t % 2, row-scaled in fp16 (persist_row16); x(t) W_ih^T for all 2G tiles, scaled and with
+        // b_ih, into slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
         // A thread moves columns [cx, cx + 4) of rows 8j + x / 16 (j = 0, 1) of x: it fetches
         // and converts the same values, so no barrier comes between (NOTES v23m).
@@ -310,16 +315,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 for (int tile = 0; tile < 2 * G; tile++) {
                     const uint64_t ad = wd + (tile * WG_WIH_TILE >> 4) + 16 * ks;
                     if (ks == 0)
-                        wg_mma_ss<false>(dx[tile / G][tile % G], ad, xd + 16 * ks);
+                        wg_mma_ss<false, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                     else
-                        wg_mma_ss<true>(dx[tile / G][tile % G], ad, xd + 16 * ks);
+                        wg_mma_ss<true, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                 }
             wg_commit();
             if (Z && a.zc) { // x tile t (complete since the last barrier) into chunk (block, t)
                 unsigned char *zc =
                     static_cast<unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
-                zc_put_x(zc, xtile + (t & 1) * WG_XTILE, xinv + (t & 1) * 16,
-                         a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane, hscale);
+                zc_put_x<HM>(zc, xtile + (t & 1) * WG_XTILE, xinv + (t & 1) * 16,
+                             BF ? nullptr : a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane,
+                             hscale);
             }
             if (t + 1 < T)
                 convert_x(t + 1);
@@ -422,7 +428,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
     // Step t's outputs, stored while the MMAs of step t+1 run (right after the cell, every
     // block's stores meet at once and wait for memory; NOTES v14).
-    // The tape's fp16 planes (the gates' pre-activations; the GRU's hn), fp16 pairs, likewise.
+    // The tape's planes (the gates' pre-activations; the GRU's hn), fp16 pairs in both modes,
+    // likewise.
     constexpr int SH = TR::SH;
     const bool sp = Z && (LSTM || a.s); // the LSTM's tape always has them
     float yv[4][2];
@@ -455,17 +462,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 #pragma unroll
             for (int qq = 0; qq < GR; qq++) {
                 if (ks == 0)
-                    wg_mma_rs<false>(dh[qq], wa[qq][ks], hd + 16 * ks);
+                    wg_mma_rs<false, BF>(dh[qq], wa[qq][ks], hd + 16 * ks);
                 else
-                    wg_mma_rs<true>(dh[qq], wa[qq][ks], hd + 16 * ks);
+                    wg_mma_rs<true, BF>(dh[qq], wa[qq][ks], hd + 16 * ks);
             }
 #pragma unroll
             for (int qq = GR; qq < G; qq++) {
                 const uint64_t ad = whd + ((qq - GR) * WG_WHS_TILE >> 4) + 16 * ks;
                 if (ks == 0)
-                    wg_mma_ss<false>(dh[qq], ad, hd + 16 * ks);
+                    wg_mma_ss<false, BF>(dh[qq], ad, hd + 16 * ks);
                 else
-                    wg_mma_ss<true>(dh[qq], ad, hd + 16 * ks);
+                    wg_mma_ss<true, BF>(dh[qq], ad, hd + 16 * ks);
             }
         }
         wg_commit();
@@ -476,10 +483,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             for (int r = 0; r < 4; r++) {
                 if (a.zc) { // rows 2tg + 8j, +1 (r = 2j, 2j + 1) of units u0 + i, 4 bytes a pair
                     if ((r & 1) == 0)
-                        zc_put_h(static_cast<unsigned char *>(a.zc) +
-                                     ((size_t)blockIdx.x * T + t) * RNND_DW16_Z,
-                                 u0, g, tg, r >> 1, h[r], h[r + 1], rvalid(r), rvalid(r + 1),
-                                 hscale);
+                        zc_put_h<HM>(static_cast<unsigned char *>(a.zc) +
+                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z,
+                                     u0, g, tg, r >> 1, h[r], h[r + 1], rvalid(r), rvalid(r + 1),
+                                     hscale);
                 } else {
                     st2(a.z + (rb(r) + t) * a.ldz + u0, h[r][0], h[r][1], rvalid(r) && uok);
                 }
@@ -524,7 +531,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             if (sp)
 #pragma unroll
                 for (int p = 0; p < SH; p++)
-                    sv[p][r] = HM::pack2(s[0][p], s[1][p]);
+                    sv[p][r] = mode_f16::pack2(s[0][p], s[1][p]);
         }
         if constexpr ((V & 8) != 0)
             persist_wait_for(hn[0][0] + hn[3][1], a.dbg);
@@ -574,14 +581,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
 // The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
 // take either.
-template <class Cell, int V, bool Z> auto wg_kernel(bool hid) {
+template <class Cell, class HM, int V, bool Z> auto wg_kernel(bool hid) {
     if constexpr (Cell::G == 4 && Z)
         if (!hid)
-            return seq_wg_forward<Cell, V, Z, false>;
-    return seq_wg_forward<Cell, V, Z, true>;
+            return seq_wg_forward<Cell, HM, V, Z, false>;
+    return seq_wg_forward<Cell, HM, V, Z, true>;
 }
 
-template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
+template <class Cell, class HM>
+int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
     // I_l % 4 == 0; the LSTM with its fp16 gate tape exactly when z rows or (H = 128) z chunk
@@ -590,14 +598,14 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
     const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (a->zc && (a->z || !a->zc_ex || a->H != WG_HP)) ||
-        (a->s && !a->shalf) ||
+        (a->zc && (a->z || !a->zc_ex != !HM::SCALED || a->H != WG_HP)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
         return RNND_ENOTSUP;
     const bool hid = a->hidden != nullptr;
-    auto kernel = a->variant & 8
-                      ? (tape ? wg_kernel<Cell, 8, true>(hid) : wg_kernel<Cell, 8, false>(hid))
-                      : (tape ? wg_kernel<Cell, 0, true>(hid) : wg_kernel<Cell, 0, false>(hid));
+    auto kernel =
+        a->variant & 8
+            ? (tape ? wg_kernel<Cell, HM, 8, true>(hid) : wg_kernel<Cell, HM, 8, false>(hid))
+            : (tape ? wg_kernel<Cell, HM, 0, true>(hid) : wg_kernel<Cell, HM, 0, false>(hid));
     const int smem = (int)(tape ? (hid ? wg_geom<Cell::G, wg_gr<Cell, true, true>()>::SMEM
                                        : wg_geom<Cell::G, wg_gr<Cell, true, false>()>::SMEM)
                                 : wg_geom<Cell::G, wg_gr<Cell, false, true>()>::SMEM);
@@ -609,10 +617,12 @@ template <class Cell> int wg_launch(const struct persist_fwd_args *a, cudaStream
 
 } // namespace
 
-int rnnd__wg_gru_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    return wg_launch<cell_gru>(a, stream);
+int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream) {
+    return bf16 ? wg_launch<cell_gru, mode_bf16>(a, stream)
+                : wg_launch<cell_gru, mode_f16>(a, stream);
 }
 
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    return wg_launch<cell_lstm>(a, stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream) {
+    return bf16 ? wg_launch<cell_lstm, mode_bf16>(a, stream)
+                : wg_launch<cell_lstm, mode_f16>(a, stream);
 }

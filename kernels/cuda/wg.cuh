@@ -182,41 +182,47 @@ static __device__ __forceinline__ void wg_pin(float (&d)[8]) {
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d = A B (ACC: d += A B), m64 n16 k16, fp16 in, fp32 accumulate; A from registers, B K-major
-// (descriptor). The first k-step writes d without reading it, so that the compiler does not
-// keep the accumulators live across the whole loop.
-#define WG_RS                                                                                      \
+// d = A B (ACC: d += A B), m64 n16 k16, fp16 (BF: bf16) in, fp32 accumulate; A from registers,
+// B K-major (descriptor). The first k-step writes d without reading it, so that the compiler does
+// not keep the accumulators live across the whole loop.
+#define WG_RS(ty)                                                                                  \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                   \
-    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32." ty "." ty " "                                    \
     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-#define WG_SS                                                                                      \
+#define WG_SS(ty)                                                                                  \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                   \
-    "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "                                          \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32." ty "." ty " "                                    \
     "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
 #define WG_D(c) c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7])
-template <bool ACC>
+#define WG_A    "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+template <bool ACC, bool BF = false>
 static __device__ __forceinline__ void wg_mma_rs(float (&d)[8], const uint32_t (&a)[4],
                                                  uint64_t b) {
-    if constexpr (ACC)
-        asm volatile(WG_RS
-                     : WG_D("+f")
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    if constexpr (BF && ACC)
+        asm volatile(WG_RS("bf16") : WG_D("+f") : WG_A, "n"(1));
+    else if constexpr (BF)
+        asm volatile(WG_RS("bf16") : WG_D("=f") : WG_A, "n"(0));
+    else if constexpr (ACC)
+        asm volatile(WG_RS("f16") : WG_D("+f") : WG_A, "n"(1));
     else
-        asm volatile(WG_RS
-                     : WG_D("=f")
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0));
+        asm volatile(WG_RS("f16") : WG_D("=f") : WG_A, "n"(0));
 }
 // The same with A from shared memory (K-major, descriptor).
-template <bool ACC>
+template <bool ACC, bool BF = false>
 static __device__ __forceinline__ void wg_mma_ss(float (&d)[8], uint64_t a, uint64_t b) {
-    if constexpr (ACC)
-        asm volatile(WG_SS : WG_D("+f") : "l"(a), "l"(b), "n"(1));
+    if constexpr (BF && ACC)
+        asm volatile(WG_SS("bf16") : WG_D("+f") : "l"(a), "l"(b), "n"(1));
+    else if constexpr (BF)
+        asm volatile(WG_SS("bf16") : WG_D("=f") : "l"(a), "l"(b), "n"(0));
+    else if constexpr (ACC)
+        asm volatile(WG_SS("f16") : WG_D("+f") : "l"(a), "l"(b), "n"(1));
     else
-        asm volatile(WG_SS : WG_D("=f") : "l"(a), "l"(b), "n"(0));
+        asm volatile(WG_SS("f16") : WG_D("=f") : "l"(a), "l"(b), "n"(0));
 }
 #undef WG_RS
 #undef WG_SS
 #undef WG_D
+#undef WG_A
 #endif
 
 #endif // RNND_CUDA_WG_CUH

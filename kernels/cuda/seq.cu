@@ -998,8 +998,9 @@ int rnnd__persist_forward(const struct rnnd_model *m, const struct persist_fwd_a
         // The wgmma loops (seq_wg.cu) where their arguments allow it, else the persistent ones
         // (which write no z chunk parts).
         const bool bf16 = m->compute == RNND_COMPUTE_BF16;
-        int err = m->cell == RNND_CELL_LSTM ? rnnd__wg_lstm_forward(a, bf16, stream)
-                                            : rnnd__wg_gru_forward(a, bf16, stream);
+        int err = m->cell == RNND_CELL_GRU ? rnnd__wg_gru_forward(a, bf16, stream)
+                  : bf16                   ? RNND_ENOTSUP // no bf16 LSTM loop there (NOTES v40)
+                                           : rnnd__wg_lstm_forward(a, stream);
         if (err != RNND_ENOTSUP || a->zc)
             return err;
     }

@@ -132,16 +132,16 @@ int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t 
 int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream);
 
 // The GRU and LSTM forwards with warpgroup MMAs (seq_wg.cu; built when the architectures
-// include 90, as RNND_HAVE_WG says): TF32 or bf16 mode, H <= 128 with H % 4 == 0, fused x with
-// 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the LSTM with its fp16 gate tape
-// (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are written, the GRU with it
-// only with the chunk parts; x's exponents (a.zc_ex) with the chunk parts in TF32 mode alone;
-// RNND_ENOTSUP for other arguments.
+// include 90, as RNND_HAVE_WG says): TF32 mode (the GRU's also bf16), H <= 128 with H % 4 == 0,
+// fused x with 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's layout; the LSTM with its fp16
+// gate tape (a.shalf) exactly when z rows or (H = 128) z chunk parts (a.zc) are written, the GRU
+// with it only with the chunk parts; x's exponents (a.zc_ex) with the chunk parts in TF32 mode
+// alone; RNND_ENOTSUP for other arguments.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream);
 // The GRU's backward loop on the forward's gate planes and chunk parts (seq_persist.cuh, ZF;
 // seq_gru_zf.cu), same build: dh on warpgroup MMAs.
 int rnnd__wg_gru_backward_zf(const struct persist_bwd_args *a, bool bf16, cudaStream_t stream);
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream);
 
 // The weight gradients' product z^T D on warpgroup MMAs (seq_dw.cu, sm_90a, NOTES v25) from
 // 16-bit chunks a backward loop writes instead of D in fp32: chunk c = block x T + t holds the

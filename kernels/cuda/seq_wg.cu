@@ -622,7 +622,6 @@ int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, cudaStream
                 : wg_launch<cell_gru, mode_f16>(a, stream);
 }
 
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream) {
-    return bf16 ? wg_launch<cell_lstm, mode_bf16>(a, stream)
-                : wg_launch<cell_lstm, mode_f16>(a, stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+    return wg_launch<cell_lstm, mode_f16>(a, stream);
 }

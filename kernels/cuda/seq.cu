@@ -641,9 +641,9 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
             a.xcopy = xcopy;
             a.variant = c->variant, a.dbg = c->d_dbg;
-            // bf16: the wgmma forward only where it writes the chunks and planes the GRU's
-            // backward reads; elsewhere the mma.sync loops are 2-6% faster (NOTES v40). Taped or
-            // not, the same loop (zfwd does not depend on the tape).
+            // bf16: the wgmma forward for the GRU's layer 0 where it writes the chunks and planes
+            // its backward reads, taped or not (zfwd does not depend on the tape: the same loop);
+            // the LSTM's was slower than its mma.sync loop (NOTES v40).
             a.wg = cuda_wg(c) && (m->compute != RNND_COMPUTE_BF16 || (l == 0 && zfwd));
             if (zc) { // the chunks past the loop's (whole stages for the product) hold zeros
                 const size_t nch = (size_t)CEIL_DIV(B, 16) * T;

@@ -1898,10 +1898,10 @@ struct persist_rc_geom {
 // (NOTES v29): each step's chunk h part and its rows' planes come by bulk copies into one of two
 // slots (over W_ih's space), a step ahead; ldmatrix.trans of the h part gives each thread's
 // hprev (the chunks' column order is the loop's storage order: NOTES v28), in 16 bits, so the
-// cell's (hprev - n) carries fp16's 2^-12 (bf16's 2^-9: NOTES v40). Without the recompute's MMAs the registers hold the
-// warp's W_hh fragments for dh. It writes D's parts and the records alone. Its dh runs on
-// warpgroup MMAs with the gates beside them (NOTES v31), so it is sm_90a code: seq_gru_zf.cu
-// builds it.
+// cell's (hprev - n) carries fp16's 2^-12 (bf16's 2^-9: NOTES v40). Without the recompute's MMAs
+// the registers hold the warp's W_hh fragments for dh. It writes D's parts and the records alone.
+// Its dh runs on warpgroup MMAs with the gates beside them (NOTES v31), so it is sm_90a code:
+// seq_gru_zf.cu builds it.
 template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_rc_kernel(const struct persist_bwd_args a) {

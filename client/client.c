@@ -26,6 +26,10 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "rnnd/v1/rnnd.pb-c.h"
 
+// How long rnnd_client_free waits for a connection attempt in flight (see there): a live daemon
+// answers within milliseconds; an unreachable one is not worth blocking on longer.
+#define FREE_CONNECT_WAIT_MS 1000
+
 // ---------------------------------------------------------------------------------------------
 // Errors.
 
@@ -405,36 +409,50 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
     return 0;
 }
 
-void rnnd_client_free(struct rnnd_client *c) {
-    if (!c)
-        return;
-    if (c->n_md)
-        grpc_slice_unref(c->md[0].value);
-    if (c->ch)
-        grpc_channel_destroy(c->ch);
-    free(c);
-    grpc_shutdown();
-}
-
-int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
-    clear_err();
+// Waits at most timeout_ms until the channel is READY (want_ready) or else no longer CONNECTING,
+// and returns its state then; with connect, an idle channel starts connecting.
+static grpc_connectivity_state await_state(grpc_channel *ch, bool connect, bool want_ready,
+                                           int64_t timeout_ms) {
     gpr_timespec deadline =
         gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
     grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-    grpc_connectivity_state st = grpc_channel_check_connectivity_state(c->ch, 1);
-    while (st != GRPC_CHANNEL_READY) {
-        grpc_channel_watch_connectivity_state(c->ch, st, deadline, cq, NULL);
+    grpc_connectivity_state st = grpc_channel_check_connectivity_state(ch, connect);
+    while (want_ready ? st != GRPC_CHANNEL_READY : st == GRPC_CHANNEL_CONNECTING) {
+        grpc_channel_watch_connectivity_state(ch, st, deadline, cq, NULL);
         grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (!ev.success)
             break; // deadline
-        st = grpc_channel_check_connectivity_state(c->ch, 1);
+        st = grpc_channel_check_connectivity_state(ch, connect);
     }
     grpc_completion_queue_shutdown(cq);
     while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
            GRPC_QUEUE_SHUTDOWN)
         ;
     grpc_completion_queue_destroy(cq);
-    if (st != GRPC_CHANNEL_READY)
+    return st;
+}
+
+void rnnd_client_free(struct rnnd_client *c) {
+    if (!c)
+        return;
+    if (c->n_md)
+        grpc_slice_unref(c->md[0].value);
+    if (c->ch) {
+        // gRPC 1.51 (Debian 12's) leaks the transport of a connection that completes after its
+        // channel was destroyed (fixed upstream in grpc/grpc#32071, January 2023): the socket
+        // stays open, ESTABLISHED, here and in the daemon, for the life of the process. A call
+        // that gave up on its deadline while connecting leaves such a connect in flight, so let
+        // it finish first.
+        await_state(c->ch, false, false, FREE_CONNECT_WAIT_MS);
+        grpc_channel_destroy(c->ch);
+    }
+    free(c);
+    grpc_shutdown();
+}
+
+int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
+    clear_err();
+    if (await_state(c->ch, true, true, timeout_ms) != GRPC_CHANNEL_READY)
         return local_err(RNND_EUNAVAIL, "not connected after %lld ms", (long long)timeout_ms);
     return 0;
 }

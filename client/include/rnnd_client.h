@@ -125,7 +125,8 @@ struct rnnd_client;
 // with rnnd_client_free. Copies what it keeps from opts. RNND_EINVAL for a missing target,
 // RNND_ENOMEM. Initialises gRPC (reference-counted).
 int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **out);
-// Closes the channel. NULL does nothing. No call may be in flight.
+// Closes the channel, first letting a connection attempt in flight finish (up to 1 s: gRPC 1.51
+// would otherwise leak its socket). NULL does nothing. No call may be in flight.
 void rnnd_client_free(struct rnnd_client *c);
 // Waits up to timeout_ms for the channel to be connected: 0, or RNND_EUNAVAIL.
 int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms);

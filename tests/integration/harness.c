@@ -4,6 +4,7 @@
  */
 #include "harness.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -123,6 +124,57 @@ void daemon_dump_log(const struct daemon *d, size_t n) {
     fprintf(stderr, "---- %s (last %zu bytes) ----\n%s\n---- end of log ----\n", d->log_path,
             (size_t)(log + len - p), p);
     free(log);
+}
+
+// A socket's line in the daemon's /proc/PID/net/tcp{,6}: local and remote address:port in hex and
+// the state (01 established, 08 close-wait, 0a listen), to name which connection a leaked
+// descriptor is and whether its peer has gone.
+static void tcp_show(pid_t pid, const char *target) {
+    unsigned long ino;
+    if (sscanf(target, "socket:[%lu]", &ino) != 1)
+        return;
+    for (int v6 = 0; v6 < 2; v6++) {
+        char path[64], line[512];
+        snprintf(path, sizeof path, "/proc/%d/net/tcp%s", (int)pid, v6 ? "6" : "");
+        FILE *f = fopen(path, "r");
+        while (f && fgets(line, sizeof line, f)) {
+            char local[64], remote[64];
+            unsigned st;
+            unsigned long i;
+            if (sscanf(line, " %*d: %63s %63s %x %*s %*s %*s %*s %*s %lu", local, remote, &st,
+                       &i) == 4 &&
+                i == ino)
+                fprintf(stderr, "    tcp%s %s -> %s state %02x\n", v6 ? "6" : "", local, remote,
+                        st);
+        }
+        if (f)
+            fclose(f);
+    }
+}
+
+int daemon_fd_count(const struct daemon *d, bool show) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)d->pid);
+    DIR *dp = opendir(path);
+    if (!dp)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dp))) {
+        if (e->d_name[0] == '.')
+            continue;
+        n++;
+        if (show) {
+            char link[320], target[256];
+            snprintf(link, sizeof link, "%s/%s", path, e->d_name);
+            ssize_t k = readlink(link, target, sizeof target - 1);
+            target[k > 0 ? k : 0] = '\0';
+            fprintf(stderr, "  fd %s -> %s\n", e->d_name, target);
+            tcp_show(d->pid, target);
+        }
+    }
+    closedir(dp);
+    return n;
 }
 
 static bool word_after(const char *line, const char *key, char *out, size_t n) {

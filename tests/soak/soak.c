@@ -31,7 +31,6 @@
  */
 #include "harness.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <grpc/status.h>
 #include <math.h>
@@ -515,31 +514,6 @@ static long rss_kib(pid_t pid) {
     return v;
 }
 
-// The daemon's open descriptors; with show, each one's target on stderr (to name a leak).
-static int fd_count(pid_t pid, bool show) {
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
-    DIR *dp = opendir(path);
-    if (!dp)
-        return -1;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(dp))) {
-        if (e->d_name[0] == '.')
-            continue;
-        n++;
-        if (show) {
-            char link[320], target[256];
-            snprintf(link, sizeof link, "%s/%s", path, e->d_name);
-            ssize_t k = readlink(link, target, sizeof target - 1);
-            target[k > 0 ? k : 0] = '\0';
-            fprintf(stderr, "  fd %s -> %s\n", e->d_name, target);
-        }
-    }
-    closedir(dp);
-    return n;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Chaos: operators, garbage, a slow HTTP client.
 
@@ -657,7 +631,7 @@ static void test_soak(void **state) {
     struct rnnd_client *main_c = daemon_client(&d, NULL);
     struct rnnd_model_info info;
     EXPECT_OK(rnnd_client_info(main_c, &info));
-    int fd_before = fd_count(d.pid, false);
+    int fd_before = daemon_fd_count(&d, false);
     long rss_start = rss_kib(d.pid);
 
     workers = calloc((size_t)opt.workers, sizeof *workers);
@@ -746,13 +720,13 @@ static void test_soak(void **state) {
         rnnd_client_free(workers[i].impatient);
         ref_free(&workers[i].r);
     }
-    int fd_after = fd_count(d.pid, false);
+    int fd_after = daemon_fd_count(&d, false);
     for (double t1 = now_seconds(); fd_after > fd_before && now_seconds() - t1 < 5;) {
         sleep_ms(100);
-        fd_after = fd_count(d.pid, false);
+        fd_after = daemon_fd_count(&d, false);
     }
     if (fd_after > fd_before)
-        fd_count(d.pid, true);
+        daemon_fd_count(&d, true);
 
     // Figures.
     uint64_t calls[N_CODES + 1] = {0}, steps = 0, resent = 0, mism = 0, unexp = 0, unans = 0,

@@ -63,8 +63,8 @@ void daemon_free(struct daemon *d);
 bool daemon_log_contains(const struct daemon *d, const char *needle);
 // Prints the last n bytes of the daemon's log to stderr.
 void daemon_dump_log(const struct daemon *d, size_t n);
-// The daemon's open descriptors (-1 when it has none to read); with show, each one's target on
-// stderr, a socket's TCP line with it (to name a leak).
+// The daemon's open descriptors (-1 when /proc/PID/fd cannot be read); with show, each one's
+// target on stderr, and a socket's TCP line with it (to name a leak).
 int daemon_fd_count(const struct daemon *d, bool show);
 // A new client of d (asserts on failure). opts_token may be NULL.
 struct rnnd_client *daemon_client(const struct daemon *d, const char *token);

@@ -409,15 +409,21 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
     return 0;
 }
 
+static bool awaiting(grpc_connectivity_state st, bool want_ready) {
+    return want_ready ? st != GRPC_CHANNEL_READY : st == GRPC_CHANNEL_CONNECTING;
+}
+
 // Waits at most timeout_ms until the channel is READY (want_ready) or else no longer CONNECTING,
 // and returns its state then; with connect, an idle channel starts connecting.
 static grpc_connectivity_state await_state(grpc_channel *ch, bool connect, bool want_ready,
                                            int64_t timeout_ms) {
+    grpc_connectivity_state st = grpc_channel_check_connectivity_state(ch, connect);
+    if (!awaiting(st, want_ready)) // the common case in rnnd_client_free: no queue to make
+        return st;
     gpr_timespec deadline =
         gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
     grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-    grpc_connectivity_state st = grpc_channel_check_connectivity_state(ch, connect);
-    while (want_ready ? st != GRPC_CHANNEL_READY : st == GRPC_CHANNEL_CONNECTING) {
+    while (awaiting(st, want_ready)) {
         grpc_channel_watch_connectivity_state(ch, st, deadline, cq, NULL);
         grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (!ev.success)

@@ -177,6 +177,17 @@ int daemon_fd_count(const struct daemon *d, bool show) {
     return n;
 }
 
+int daemon_fds_settle(const struct daemon *d, int before) {
+    int n = daemon_fd_count(d, false);
+    for (double t0 = now_seconds(); n > before && now_seconds() - t0 < 5;) {
+        sleep_ms(100);
+        n = daemon_fd_count(d, false);
+    }
+    if (n > before)
+        daemon_fd_count(d, true);
+    return n;
+}
+
 static bool word_after(const char *line, const char *key, char *out, size_t n) {
     const char *p = strstr(line, key);
     if (!p)

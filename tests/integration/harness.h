@@ -66,6 +66,10 @@ void daemon_dump_log(const struct daemon *d, size_t n);
 // The daemon's open descriptors (-1 when /proc/PID/fd cannot be read); with show, each one's
 // target on stderr, and a socket's TCP line with it (to name a leak).
 int daemon_fd_count(const struct daemon *d, bool show);
+// The daemon's descriptors once they are back to at most before, or after 5 s (connections
+// closed by a client take a moment to close on the daemon's side); above before, each one is
+// shown (daemon_fd_count's show) before returning.
+int daemon_fds_settle(const struct daemon *d, int before);
 // A new client of d (asserts on failure). opts_token may be NULL.
 struct rnnd_client *daemon_client(const struct daemon *d, const char *token);
 // Runs an argv-style command line with stdout+stderr captured into *out (new, free()); returns

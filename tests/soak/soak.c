@@ -720,13 +720,7 @@ static void test_soak(void **state) {
         rnnd_client_free(workers[i].impatient);
         ref_free(&workers[i].r);
     }
-    int fd_after = daemon_fd_count(&d, false);
-    for (double t1 = now_seconds(); fd_after > fd_before && now_seconds() - t1 < 5;) {
-        sleep_ms(100);
-        fd_after = daemon_fd_count(&d, false);
-    }
-    if (fd_after > fd_before)
-        daemon_fd_count(&d, true);
+    int fd_after = daemon_fds_settle(&d, fd_before);
 
     // Figures.
     uint64_t calls[N_CODES + 1] = {0}, steps = 0, resent = 0, mism = 0, unexp = 0, unans = 0,

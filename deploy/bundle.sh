@@ -5,8 +5,10 @@
 #
 #   deploy/bundle.sh [-b BUILD_DIR] [-o OUT_DIR] [--tests]
 #
-# Produces OUT_DIR/rnnd-bundle/ and OUT_DIR/rnnd-bundle.tar.gz (default OUT_DIR: bundle/). On the
-# target:  tar xzf rnnd-bundle.tar.gz && rnnd-bundle/run rnnd --backend cuda ...
+# Produces OUT_DIR/rnnd-bundle/ and OUT_DIR/rnnd-bundle.tar.xz (default OUT_DIR: bundle/). On the
+# target:  tar xf rnnd-bundle.tar.xz && rnnd-bundle/run rnnd --backend cuda ...
+# xz, not gzip: with --tests the gzip tarball passed 64 MiB (65 MB at 11d0586), the most our GPU
+# sessions may carry to the host; xz makes it 51 MB.
 # --tests adds the test binaries a GPU host runs (tests/gpu, tests/integration: the unit tests
 # need no GPU, and each would add the linked kernels, ~24 MB, to the tarball).
 # Left out on purpose: glibc, libstdc++ and libgcc (the target's own, which must be as new as this
@@ -63,6 +65,6 @@ exec "$here/bin/$prog" "$@"
 EOF
 chmod +x "$dir/run"
 
-tar -C "$out" -czf "$out/rnnd-bundle.tar.gz" rnnd-bundle
+XZ_OPT=-T0 tar -C "$out" -cJf "$out/rnnd-bundle.tar.xz" rnnd-bundle
 echo "bundle.sh: $(ls "$dir/bin" | wc -l) programs, $(ls "$dir/lib" | wc -l) libraries," \
-     "$(du -sh "$out/rnnd-bundle.tar.gz" | cut -f1) in $out/rnnd-bundle.tar.gz"
+     "$(du -sh "$out/rnnd-bundle.tar.xz" | cut -f1) in $out/rnnd-bundle.tar.xz"

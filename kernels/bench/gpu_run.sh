@@ -3,7 +3,7 @@
 #
 #   kernels/bench/gpu_run.sh bundle     (on the build machine, from the repository root)
 #       Builds everything for sm_90 into build-dev/ and packs it with deploy/bundle.sh --tests into
-#       .device/rnnd-bundle.tar.gz (git-ignored; name it in the device tool's carry list). The
+#       .device/rnnd-bundle.tar.xz (git-ignored; name it in the device tool's carry list). The
 #       same bundle serves tests/gpu/daemon_check.sh.
 #   kernels/bench/gpu_run.sh run [test|sanitize|bench|all]...   (on the GPU host, repository root)
 #       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
@@ -31,7 +31,7 @@
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
 #       per-step path), NO_H256=1 the H=256 ones; REPEAT sets the bench's repeats; TEST_VARIANTS
 #       runs test_rnn_cuda again with each of these variant bits (RNND_CUDA_VARIANT);
-#       BUNDLE names another bundle (default .device/rnnd-bundle.tar.gz; any tar that tar -xf reads).
+#       BUNDLE names another bundle (default .device/rnnd-bundle.tar.xz; any tar that tar -xf reads).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd) # torch_step_bench.py lies beside this script
 cd "$(dirname "$0")/../.."
@@ -56,7 +56,7 @@ mkdir -p "$OUT"
 W=/tmp/rnnd-bundle
 rm -rf "$W"
 mkdir -p "$W"
-BUNDLE=${BUNDLE:-.device/rnnd-bundle.tar.gz}
+BUNDLE=${BUNDLE:-.device/rnnd-bundle.tar.xz}
 tar -C "$W" -xf "$BUNDLE" || { echo "no bundle: run gpu_run.sh bundle first"; exit 1; }
 BIN=$W/rnnd-bundle/bin
 cat "$(dirname "$BUNDLE")/bundle.commit" 2>/dev/null | head -1 | sed 's/^/bundle built from /'

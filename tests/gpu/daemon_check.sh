@@ -9,16 +9,16 @@
 #   3. rnndctl bench against rnnd --backend cuda (fp32/TF32): 1 env x 1 connection (latency) and
 #      64 envs x 16 connections (throughput), each next to the GetModelInfo floor, plus larger
 #      requests for peak throughput.
-# Usage (repository root on the GPU host): tests/gpu/daemon_check.sh [BUNDLE.tar.gz] [bench]
+# Usage (repository root on the GPU host): tests/gpu/daemon_check.sh [BUNDLE.tar.xz] [bench]
 # (bench: only part 3, when parts 1 and 2 ran in the same session, e.g. from gpu_run.sh)
 # Logs go to $OUT (default /tmp/rnnd-out); a summary is printed last.
 set -u
-bundle=${1:-.device/rnnd-bundle.tar.gz}
+bundle=${1:-.device/rnnd-bundle.tar.xz}
 only=${2:-}
 OUT=${OUT:-/tmp/rnnd-out}
 mkdir -p "$OUT"
 work=$(mktemp -d)
-tar -C "$work" -xzf "$bundle" || { echo "daemon_check: cannot unpack $bundle"; exit 1; }
+tar -C "$work" -xf "$bundle" || { echo "daemon_check: cannot unpack $bundle"; exit 1; }
 R=$work/rnnd-bundle
 
 # cuBLAS: the CUDA toolkit's, else PyTorch's pip wheel (nvidia-cublas).

@@ -18,7 +18,7 @@
 #   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256);
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
-# Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.gz]
+# Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.xz]
 # The console log goes to $OUT/multi_gpu.log, every other log into $OUT/logs.tar.gz (the device
 # tool brings back few files); default OUT /tmp/rnnd-out. A table is printed last. BUDGET_S
 # (default 330) stops starting new sections when the time is nearly up. BACKEND=cpu dry-runs the script anywhere
@@ -31,14 +31,14 @@ export NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 t_start=$(date +%s)
 budget=${BUDGET_S:-330}
 left() { echo $((budget - ($(date +%s) - t_start))); }
-bundle=${1:-.device/rnnd-bundle.tar.gz}
+bundle=${1:-.device/rnnd-bundle.tar.xz}
 OUT=${OUT:-/tmp/rnnd-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/multi_gpu.log") 2>&1
 LOGS=$(mktemp -d)
 trap 'tar -C "$LOGS" -czf "$OUT/logs.tar.gz" .' EXIT
 work=$(mktemp -d)
-tar -C "$work" -xzf "$bundle" || { echo "multi_gpu_check: cannot unpack $bundle"; exit 1; }
+tar -C "$work" -xf "$bundle" || { echo "multi_gpu_check: cannot unpack $bundle"; exit 1; }
 R=$work/rnnd-bundle
 cat .device/bundle.commit 2>/dev/null | head -1 | sed 's/^/bundle built from /'
 

@@ -632,6 +632,7 @@ static void test_soak(void **state) {
     struct rnnd_model_info info;
     EXPECT_OK(rnnd_client_info(main_c, &info));
     int fd_before = daemon_fd_count(&d, false);
+    assert_true(fd_before > 0); // /proc/PID/fd readable: else the leak check below could not fail
     long rss_start = rss_kib(d.pid);
 
     workers = calloc((size_t)opt.workers, sizeof *workers);

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# check_bundle.sh RNNDCTL: deploy/bundle.sh on a build tree holding only rnndctl (a small program
+# with the same gRPC, protobuf-c and TLS libraries as rnnd, so the check takes seconds), then the
+# tarball unpacked elsewhere as a GPU host would: its libraries must be the ones the loader picks
+# through the launcher's path, the base system's must stay out, and the launcher must run the
+# program. Bad arguments and an empty build tree must fail with a message.
+set -euo pipefail
+rnndctl=$1
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+t=$(mktemp -d)
+trap 'rm -rf "$t"' EXIT
+fail() { echo "check_bundle: $*" >&2; exit 1; }
+
+mkdir -p "$t/build/client" "$t/empty" "$t/host"
+cp "$rnndctl" "$t/build/client/rnndctl"
+"$repo/deploy/bundle.sh" -b "$t/build" -o "$t/out"
+tar -C "$t/host" -xf "$t/out/rnnd-bundle.tar.xz"
+b=$t/host/rnnd-bundle
+
+for lib in libgrpc.so libprotobuf-c.so libssl.so; do
+  LD_LIBRARY_PATH=$b/lib ldd "$b/bin/rnndctl" | grep -q "$lib.* => $b/lib/" ||
+    fail "$lib is not loaded from the bundle"
+done
+LD_LIBRARY_PATH=$b/lib ldd "$b/bin/rnndctl" | grep -q "not found" && fail "a library is missing"
+ls "$b/lib" | grep -qE '^(libc|libm|libstdc\+\+|libgcc_s)\.' && fail "base system libraries bundled"
+"$b/run" rnndctl --help >/dev/null || fail "the launcher cannot run rnndctl"
+
+set +e
+msg=$("$repo/deploy/bundle.sh" --bogus 2>&1); rc=$?
+[ $rc -eq 2 ] && [[ $msg == *"unknown argument"* ]] || fail "unknown argument: rc $rc, '$msg'"
+msg=$("$repo/deploy/bundle.sh" -b "$t/empty" -o "$t/out2" 2>&1); rc=$?
+[ $rc -eq 1 ] && [[ $msg == *"no binaries"* ]] || fail "empty build tree: rc $rc, '$msg'"
+[ -e "$t/out2" ] && fail "an empty build tree left an output directory"
+echo "check_bundle: ok ($(ls "$b/lib" | wc -l) libraries, $(du -h "$t/out/rnnd-bundle.tar.xz" | cut -f1))"

@@ -8,6 +8,7 @@ pkgs=(
   build-essential cmake pkg-config
   libgrpc-dev protobuf-compiler protobuf-compiler-grpc protobuf-c-compiler libprotobuf-c-dev
   grpc-proto libuv1-dev libcmocka-dev libopenblas-dev
+  zlib1g-dev # crc32 checksums of checkpoint files
   xz-utils # deploy/bundle.sh packs with xz
   # Python client, fixtures and reference tests run on Debian's /usr/bin/python3.
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-matplotlib python3-yaml

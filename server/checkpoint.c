@@ -1,12 +1,16 @@
 /*
- * checkpoint.c: writing checkpoint directories (see checkpoint.h).
+ * checkpoint.c: writing, reading, listing and rotating checkpoint directories (see
+ * checkpoint.h). Checksums are zlib's crc32 over each file's bytes, computed from the buffer
+ * that is written and checked against the buffer that is read.
  */
 #include "checkpoint.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <stdbool.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +18,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "config.h"
 #include "rnnd_safetensors.h"
@@ -28,6 +33,21 @@ static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
     return rc;
 }
 
+// The names rnnd gives automatic checkpoints: ckpt-YYYYMMDDTHHMMSS.mmmZ-v<version>.
+static bool auto_name(const char *name) {
+    const char *form = "ckpt-########T######.###Z-v";
+    for (; *form; form++, name++) {
+        if (*form == '#' ? *name < '0' || *name > '9' : *name != *form)
+            return false;
+    }
+    if (*name == '\0')
+        return false;
+    for (; *name; name++)
+        if (*name < '0' || *name > '9')
+            return false;
+    return true;
+}
+
 int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64_t version,
                             char *out, size_t cap, char *err, size_t errlen) {
     if (state_dir == NULL || state_dir[0] == '\0')
@@ -35,6 +55,7 @@ int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64
                     "no --state-dir configured; start rnnd with --state-dir DIR to save "
                     "checkpoints");
     char name[512];
+    const char *ns = "";
     if (requested == NULL || requested[0] == '\0') {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
@@ -44,6 +65,7 @@ int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64
                  tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
                  ts.tv_nsec / 1000000, (unsigned long long)version);
         requested = name;
+        ns = RNND_CHECKPOINT_AUTO_DIR "/";
     } else if (requested[0] == '/') {
         size_t n = strlen(state_dir);
         while (n > 1 && state_dir[n - 1] == '/')
@@ -85,24 +107,65 @@ int rnnd_checkpoint_resolve(const char *state_dir, const char *requested, uint64
         return fail(err, errlen, RNND_EINVAL,
                     "path '%s' has a '/': checkpoints are directories directly inside --state-dir",
                     requested);
-    int n = snprintf(out, cap, "%s/%s", state_dir, requested);
+    // Named checkpoints stay out of the rotation's namespace, so that none is ever rotated away
+    // and none is mistaken for an automatic one at start.
+    if (ns[0] == '\0' && (strcmp(requested, RNND_CHECKPOINT_AUTO_DIR) == 0 || auto_name(requested)))
+        return fail(err, errlen, RNND_EINVAL,
+                    "path '%s' is reserved for automatic checkpoints; send another name, or none "
+                    "for an automatic checkpoint",
+                    requested);
+    int n = snprintf(out, cap, "%s/%s%s", state_dir, ns, requested);
     if (n < 0 || (size_t)n >= cap)
         return fail(err, errlen, RNND_EINVAL, "path too long");
     return 0;
 }
 
-static int write_file(int dirfd, const char *name, const void *data, size_t len, char *err,
-                      size_t errlen) {
-    int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+// What the checksums file lists: every file written so far.
+struct sums {
+    int n;
+    struct {
+        const char *name;
+        uint32_t crc;
+        size_t bytes;
+    } e[8];
+};
+
+static uint32_t crc_of(const void *data, size_t len) {
+    uLong crc = crc32(0L, Z_NULL, 0);
+    const Bytef *p = data;
+    while (len > 0) { // crc32 takes a uInt length
+        uInt chunk = len > (1u << 30) ? (1u << 30) : (uInt)len;
+        crc = crc32(crc, p, chunk);
+        p += chunk;
+        len -= chunk;
+    }
+    return (uint32_t)crc;
+}
+
+// Writes name inside dirfd, mode 0600 whatever the umask, fsynced; adds it to sums.
+static int write_file(int dirfd, const char *name, const void *data, size_t len,
+                      struct sums *sums, char *err, size_t errlen) {
+    int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0)
         return fail(err, errlen, RNND_EIO, "create %s: %s", name, strerror(errno));
+    if (fchmod(fd, 0600) != 0) {
+        int e = errno;
+        close(fd);
+        return fail(err, errlen, RNND_EIO, "chmod %s: %s", name, strerror(e));
+    }
+    if (sums) {
+        sums->e[sums->n].name = name;
+        sums->e[sums->n].crc = crc_of(data, len);
+        sums->e[sums->n].bytes = len;
+        sums->n++;
+    }
     const char *p = data;
     while (len > 0) {
         ssize_t w = write(fd, p, len);
         if (w < 0 && errno == EINTR)
             continue;
         if (w <= 0) {
-            int e = errno;
+            int e = w < 0 ? errno : ENOSPC;
             close(fd);
             return fail(err, errlen, RNND_EIO, "write %s: %s", name, strerror(e));
         }
@@ -135,6 +198,39 @@ static void remove_tree(const char *dir) {
     rmdir(dir);
 }
 
+int rnnd__mkdirs(const char *dir) {
+    char path[RNND_CONFIG_PATH_MAX + 64];
+    int n = snprintf(path, sizeof(path), "%s", dir);
+    if (n <= 0 || (size_t)n >= sizeof(path)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    // Each missing component, top down; one that exists is left as it is.
+    for (char *p = path + 1;; p++) {
+        if (*p != '/' && *p != '\0')
+            continue;
+        char c = *p;
+        *p = '\0';
+        if (mkdir(path, 0700) == 0) {
+            if (chmod(path, 0700) != 0)
+                return -1;
+        } else if (errno != EEXIST) {
+            return -1;
+        }
+        *p = c;
+        if (c == '\0')
+            break;
+    }
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return -1;
+    if (!S_ISDIR(st.st_mode)) {
+        errno = ENOTDIR;
+        return -1;
+    }
+    return 0;
+}
+
 static int fsync_path(const char *path) {
     int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
@@ -145,6 +241,7 @@ static int fsync_path(const char *path) {
 }
 
 static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, size_t errlen) {
+    struct sums sums = {0};
     char ver[32], step[32], lr[32], clip[32], seed[32];
     snprintf(ver, sizeof(ver), "%llu", (unsigned long long)ck->model_version);
     snprintf(step, sizeof(step), "%lld", (long long)ck->optim_step);
@@ -161,7 +258,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     rc = rnnd_st_encode_params(&ck->model, ck->params, model_meta, 2, &buf, &len);
     if (rc != 0)
         return fail(err, errlen, rc, "encode model.safetensors: %s", rnnd_strerror(rc));
-    rc = write_file(dirfd, "model.safetensors", buf, len, err, errlen);
+    rc = write_file(dirfd, "model.safetensors", buf, len, &sums, err, errlen);
     free(buf);
     if (rc != 0)
         return rc;
@@ -192,7 +289,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     rc = rnnd_st_encode(ot, no, opt_meta, 4, &buf, &len);
     if (rc != 0)
         return fail(err, errlen, rc, "encode optimizer.safetensors: %s", rnnd_strerror(rc));
-    rc = write_file(dirfd, "optimizer.safetensors", buf, len, err, errlen);
+    rc = write_file(dirfd, "optimizer.safetensors", buf, len, &sums, err, errlen);
     free(buf);
     if (rc != 0)
         return rc;
@@ -244,7 +341,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     rc = rnnd_st_encode(et, ne, env_meta, 1, &buf, &len);
     if (rc != 0)
         return fail(err, errlen, rc, "encode envs.safetensors: %s", rnnd_strerror(rc));
-    rc = write_file(dirfd, "envs.safetensors", buf, len, err, errlen);
+    rc = write_file(dirfd, "envs.safetensors", buf, len, &sums, err, errlen);
     free(buf);
     if (rc != 0)
         return rc;
@@ -304,7 +401,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
         rc = rnnd_st_encode(tt, nt, traj_meta, 1, &buf, &len);
         if (rc != 0)
             return fail(err, errlen, rc, "encode trajectories.safetensors: %s", rnnd_strerror(rc));
-        rc = write_file(dirfd, "trajectories.safetensors", buf, len, err, errlen);
+        rc = write_file(dirfd, "trajectories.safetensors", buf, len, &sums, err, errlen);
         free(buf);
         if (rc != 0)
             return rc;
@@ -330,7 +427,17 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                      rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip, step,
                      ck->n_envs, ck->extras_size, seed, created,
                      (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
-    return write_file(dirfd, "metadata.json", json, (size_t)n, err, errlen);
+    rc = write_file(dirfd, "metadata.json", json, (size_t)n, &sums, err, errlen);
+    if (rc != 0)
+        return rc;
+
+    // checksums, last: a reader checks every file above against it.
+    char list[8 * 96];
+    size_t at = 0;
+    for (int i = 0; i < sums.n; i++)
+        at += (size_t)snprintf(list + at, sizeof(list) - at, "%08" PRIx32 " %zu %s\n",
+                               sums.e[i].crc, sums.e[i].bytes, sums.e[i].name);
+    return write_file(dirfd, "checksums", list, at, NULL, err, errlen);
 }
 
 int rnnd_checkpoint_write(const char *dir, const struct rnnd_checkpoint *ck, char *err,
@@ -346,14 +453,16 @@ int rnnd_checkpoint_write(const char *dir, const struct rnnd_checkpoint *ck, cha
     else
         snprintf(parent, sizeof(parent), "%.*s", (int)(slash - dir), dir);
     snprintf(tmp, sizeof(tmp), "%s/.%s.tmp-%d", parent, base, (int)getpid());
-    if (mkdir(parent, 0755) != 0 && errno != EEXIST)
+    if (rnnd__mkdirs(parent) != 0)
         return fail(err, errlen, RNND_EIO, "mkdir %s: %s", parent, strerror(errno));
     remove_tree(tmp);
-    if (mkdir(tmp, 0755) != 0)
+    if (mkdir(tmp, 0700) != 0)
         return fail(err, errlen, RNND_EIO, "mkdir %s: %s", tmp, strerror(errno));
     int dirfd = open(tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dirfd < 0) {
+    if (dirfd < 0 || fchmod(dirfd, 0700) != 0) {
         int e = errno;
+        if (dirfd >= 0)
+            close(dirfd);
         remove_tree(tmp);
         return fail(err, errlen, RNND_EIO, "open %s: %s", tmp, strerror(e));
     }
@@ -381,49 +490,6 @@ int rnnd_checkpoint_write(const char *dir, const struct rnnd_checkpoint *ck, cha
     }
     fsync_path(parent);
     return 0;
-}
-
-static int name_cmp(const void *a, const void *b) {
-    return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-int rnnd_checkpoint_prune(const char *state_dir, int keep) {
-    DIR *d = opendir(state_dir);
-    if (d == NULL)
-        return 0;
-    char **names = NULL;
-    int n = 0, cap = 0;
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        if (strncmp(de->d_name, "ckpt-", 5) != 0)
-            continue;
-        if (n == cap) {
-            cap = cap ? cap * 2 : 16;
-            char **p = realloc(names, (size_t)cap * sizeof(*p));
-            if (p == NULL)
-                break;
-            names = p;
-        }
-        names[n] = strdup(de->d_name);
-        if (names[n])
-            n++;
-    }
-    closedir(d);
-    // Automatic names embed the UTC time, so they sort oldest first.
-    if (n > 1)
-        qsort(names, (size_t)n, sizeof(*names), name_cmp);
-    int removed = 0;
-    for (int i = 0; i < n; i++) {
-        if (i < n - keep) {
-            char p[2 * RNND_CONFIG_PATH_MAX];
-            snprintf(p, sizeof(p), "%s/%s", state_dir, names[i]);
-            remove_tree(p);
-            removed++;
-        }
-        free(names[i]);
-    }
-    free(names);
-    return removed;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -465,25 +531,179 @@ static int slurp(const char *path, void **out, size_t *len, char *err, size_t er
     return 0;
 }
 
-// Decodes dir/name: 0, RNND_ENOTFOUND (missing) or an error naming the file.
-// dir NULL: name is the file's path.
-static int read_st(const char *dir, const char *name, void **buf, struct rnnd_st_file *f, char *err,
-                   size_t errlen) {
+// The files a checkpoint holds, and what a checkpoint missing one has lost.
+static const struct part {
+    const char *name, *holds;
+} parts[] = {
+    {"model.safetensors", "the weights"},
+    {"optimizer.safetensors", "optimizer moments and step"},
+    {"envs.safetensors", "env states"},
+    {"trajectories.safetensors", "recorded steps"},
+    {"metadata.json", "creation time"},
+};
+#define NPARTS (sizeof(parts) / sizeof(parts[0]))
+
+// A checkpoint's checksums file, parsed.
+struct manifest {
+    bool present;
+    int n;
+    struct {
+        const char *name; // one of parts[]
+        uint32_t crc;
+        size_t bytes;
+    } e[NPARTS];
+};
+
+// Reads dir/checksums into *mf (mf->present false when there is none). Lines are
+// "CRC32 BYTES NAME": 8 hex digits, a decimal size and one of parts[], each at most once.
+static int manifest_read(const char *dir, struct manifest *mf, char *err, size_t errlen) {
+    memset(mf, 0, sizeof(*mf));
+    char path[2 * RNND_CONFIG_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/checksums", dir);
+    void *buf;
+    size_t len;
+    int rc = slurp(path, &buf, &len, err, errlen);
+    if (rc == RNND_ENOTFOUND)
+        return 0;
+    if (rc != 0)
+        return rc;
+    mf->present = true;
+    const char *p = buf, *end = p + len;
+    for (int line = 1; rc == 0 && p < end; line++) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        char l[128], name[64];
+        size_t ll = nl ? (size_t)(nl - p) : 0;
+        unsigned crc;
+        size_t bytes;
+        int used = -1;
+        bool ok = nl && ll < sizeof(l);
+        if (ok) {
+            memcpy(l, p, ll);
+            l[ll] = '\0';
+            for (int i = 0; i < 8; i++)
+                ok = ok && isxdigit((unsigned char)l[i]);
+            ok = ok && l[8] == ' ' && l[9] >= '0' && l[9] <= '9' &&
+                 sscanf(l, "%8x %zu %63s%n", &crc, &bytes, name, &used) == 3 &&
+                 used == (int)ll;
+        }
+        if (!ok) {
+            rc = fail(err, errlen, RNND_ECORRUPT,
+                      "checksums: line %d is not \"CRC32 BYTES NAME\": the file is damaged", line);
+            break;
+        }
+        size_t k = 0;
+        while (k < NPARTS && strcmp(parts[k].name, name) != 0)
+            k++;
+        for (int i = 0; i < mf->n && k < NPARTS; i++)
+            if (mf->e[i].name == parts[k].name)
+                k = NPARTS;
+        if (k == NPARTS) {
+            rc = fail(err, errlen, RNND_ECORRUPT,
+                      "checksums: line %d names '%s', not a checkpoint file or one listed twice: "
+                      "the file is damaged",
+                      line, name);
+            break;
+        }
+        mf->e[mf->n].name = parts[k].name;
+        mf->e[mf->n].crc = (uint32_t)crc;
+        mf->e[mf->n].bytes = bytes;
+        mf->n++;
+        p = nl + 1;
+    }
+    free(buf);
+    return rc;
+}
+
+static bool manifest_lists(const struct manifest *mf, const char *name) {
+    for (int i = 0; i < mf->n; i++)
+        if (strcmp(mf->e[i].name, name) == 0)
+            return true;
+    return false;
+}
+
+// Checks the len bytes read from file name against the checksums file, when there is one.
+static int manifest_check(const struct manifest *mf, const char *name, const void *buf,
+                          size_t len, char *err, size_t errlen) {
+    if (mf == NULL || !mf->present)
+        return 0;
+    for (int i = 0; i < mf->n; i++) {
+        if (strcmp(mf->e[i].name, name) != 0)
+            continue;
+        uint32_t crc = crc_of(buf, len);
+        if (len != mf->e[i].bytes || crc != mf->e[i].crc)
+            return fail(err, errlen, RNND_ECORRUPT,
+                        "%s: %zu bytes with crc32 %08" PRIx32 ", but checksums says %zu bytes "
+                        "with crc32 %08" PRIx32 ": the file is damaged",
+                        name, len, crc, mf->e[i].bytes, mf->e[i].crc);
+        return 0;
+    }
+    return fail(err, errlen, RNND_ECORRUPT,
+                "%s is not listed in checksums: the checkpoint is damaged", name);
+}
+
+// Refuses NaN and Inf in the float tensors of f (read from file name), naming the first one:
+// restored, one would turn every output it reaches into NaN.
+static int finite_check(const struct rnnd_st_file *f, const char *name, char *err,
+                        size_t errlen) {
+    for (int t = 0; t < f->n; t++) {
+        const struct rnnd_st_tensor *x = &f->tensors[t];
+        if (x->dtype != RNND_ST_F32)
+            continue;
+        const uint8_t *p = x->data;
+        for (size_t i = 0; i < x->bytes / 4; i++) {
+            uint32_t bits;
+            memcpy(&bits, p + 4 * i, 4);
+            if ((bits & 0x7f800000u) != 0x7f800000u)
+                continue;
+            return fail(err, errlen, RNND_ECORRUPT,
+                        "%s: %s holds %s at flat index %zu; only finite values can be loaded",
+                        name, x->name,
+                        (bits & 0x007fffffu) ? "NaN"
+                        : (bits >> 31)       ? "-Inf"
+                                             : "Inf",
+                        i);
+        }
+    }
+    return 0;
+}
+
+// Reads dir/name, checked against mf (may be NULL). 0, RNND_ENOTFOUND (missing) or an error
+// naming the file. dir NULL: name is the file's path.
+static int read_checked(const char *dir, const char *name, const struct manifest *mf,
+                        void **buf, size_t *len, char *err, size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];
     snprintf(path, sizeof(path), "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
+    int rc = slurp(path, buf, len, err, errlen);
+    if (rc != 0)
+        return rc;
+    rc = manifest_check(mf, name, *buf, *len, err, errlen);
+    if (rc != 0) {
+        free(*buf);
+        *buf = NULL;
+    }
+    return rc;
+}
+
+// Reads and decodes dir/name as read_checked does; every float in it must be finite.
+static int read_st(const char *dir, const char *name, const struct manifest *mf, void **buf,
+                   struct rnnd_st_file *f, char *err, size_t errlen) {
     size_t len;
-    int rc = slurp(path, buf, &len, err, errlen);
+    int rc = read_checked(dir, name, mf, buf, &len, err, errlen);
     if (rc != 0)
         return rc;
     char why[256];
     rc = rnnd_st_decode(*buf, len, f, why, sizeof(why));
+    if (rc != 0)
+        rc = fail(err, errlen, rc == RNND_ENOMEM ? rc : RNND_ECORRUPT, "%s: %s", name,
+                  rc == RNND_ENOMEM ? "out of memory" : why);
+    else
+        rc = finite_check(f, name, err, errlen);
     if (rc != 0) {
+        rnnd_st_file_free(f);
         free(*buf);
         *buf = NULL;
-        return fail(err, errlen, rc == RNND_ENOMEM ? rc : RNND_ECORRUPT, "%s: %s", name,
-                    rc == RNND_ENOMEM ? "out of memory" : why);
     }
-    return 0;
+    return rc;
 }
 
 static const struct rnnd_st_tensor *want_tensor(const struct rnnd_st_file *f, const char *name,
@@ -516,7 +736,21 @@ static void *keep(struct rnnd_checkpoint_data *d, size_t bytes) {
     return NULL;
 }
 
-static long long created_ms(const char *dir);
+// Adds name (with what it holds) to d->lost when it is missing from a checkpoint that should
+// have it: one whose checksums file lists it or, without checksums, expected (every checkpoint
+// rnnd writes holds it).
+static void lost_note(struct rnnd_checkpoint_data *d, const struct manifest *mf, const char *name,
+                      bool expected) {
+    if (mf->present ? !manifest_lists(mf, name) : !expected)
+        return;
+    for (size_t k = 0; k < NPARTS; k++) {
+        if (strcmp(parts[k].name, name) != 0)
+            continue;
+        size_t at = strlen(d->lost);
+        snprintf(d->lost + at, sizeof(d->lost) - at, "%s%s (%s)", at ? ", " : "", name,
+                 parts[k].holds);
+    }
+}
 
 // Checks trajectories.safetensors (f) against the envs already read into d and copies it.
 static int read_trajectories(struct rnnd_checkpoint_data *d, const struct rnnd_st_file *f,
@@ -593,9 +827,15 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     struct rnnd_checkpoint *ck = &out->ck;
     ck->model = *m;
     ck->P = rnnd_model_param_count(m);
+    struct manifest mf;
+    int rc = manifest_read(dir, &mf, err, errlen);
+    if (rc != 0)
+        return rc;
+    out->verified = mf.present;
     void *buf = NULL;
+    size_t len;
     struct rnnd_st_file f = {0};
-    int rc = read_st(dir, "model.safetensors", &buf, &f, err, errlen);
+    rc = read_st(dir, "model.safetensors", &mf, &buf, &f, err, errlen);
     if (rc == RNND_ENOTFOUND)
         return fail(err, errlen, RNND_ECORRUPT, "model.safetensors is missing");
     if (rc != 0)
@@ -620,8 +860,17 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     free(buf);
     buf = NULL;
 
+    // metadata.json: only checked here (its creation time is read by rnnd_checkpoint_created_ms)
+    rc = read_checked(dir, "metadata.json", &mf, &buf, &len, err, errlen);
+    if (rc == RNND_ENOTFOUND)
+        lost_note(out, &mf, "metadata.json", false);
+    else if (rc != 0)
+        goto done;
+    free(buf);
+    buf = NULL;
+
     // optimizer.safetensors (optional)
-    rc = read_st(dir, "optimizer.safetensors", &buf, &f, err, errlen);
+    rc = read_st(dir, "optimizer.safetensors", &mf, &buf, &f, err, errlen);
     if (rc == 0) {
         out->has_optimizer = true;
         const char *opt = rnnd_st_meta(&f, "optimizer");
@@ -655,12 +904,15 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         rnnd_st_file_free(&f);
         free(buf);
         buf = NULL;
-    } else if (rc != RNND_ENOTFOUND) {
+    } else if (rc == RNND_ENOTFOUND) {
+        lost_note(out, &mf, "optimizer.safetensors", true);
+    } else {
         goto done;
     }
 
     // envs.safetensors (optional)
-    rc = read_st(dir, "envs.safetensors", &buf, &f, err, errlen);
+    rc = read_st(dir, "envs.safetensors", &mf, &buf, &f, err, errlen);
+    bool envs = rc == 0;
     if (rc == 0) {
         const struct rnnd_st_tensor *ids = rnnd_st_find(&f, "env_ids");
         if (ids == NULL || ids->dtype != RNND_ST_I64 || ids->ndim != 1) {
@@ -712,12 +964,18 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         rnnd_st_file_free(&f);
         free(buf);
         buf = NULL;
-    } else if (rc != RNND_ENOTFOUND) {
+    } else if (rc == RNND_ENOTFOUND) {
+        lost_note(out, &mf, "envs.safetensors", true);
+    } else {
         goto done;
     }
 
-    // trajectories.safetensors (optional; needs the envs it belongs to)
-    rc = read_st(dir, "trajectories.safetensors", &buf, &f, err, errlen);
+    // trajectories.safetensors (optional; without the envs it belongs to, lost with them)
+    char path[2 * RNND_CONFIG_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/trajectories.safetensors", dir);
+    rc = envs ? read_st(dir, "trajectories.safetensors", &mf, &buf, &f, err, errlen)
+              : access(path, F_OK) == 0 ? RNND_ENOTSUP
+                                        : RNND_ENOTFOUND;
     if (rc == 0) {
         rc = read_trajectories(out, &f, err, errlen);
         if (rc != 0)
@@ -725,10 +983,14 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         rnnd_st_file_free(&f);
         free(buf);
         buf = NULL;
-    } else if (rc != RNND_ENOTFOUND) {
+    } else if (rc == RNND_ENOTFOUND) {
+        lost_note(out, &mf, "trajectories.safetensors", false);
+    } else if (rc == RNND_ENOTSUP) {
+        lost_note(out, &mf, "trajectories.safetensors", true);
+    } else {
         goto done;
     }
-    ck->created_unix_ms = created_ms(dir);
+    ck->created_unix_ms = rnnd_checkpoint_created_ms(dir);
     rc = 0;
 done:
     rnnd_st_file_free(&f);
@@ -742,7 +1004,7 @@ int rnnd_checkpoint_read_weights(const char *file, const struct rnnd_model *m, f
                                  char *err, size_t errlen) {
     void *buf = NULL;
     struct rnnd_st_file f = {0};
-    int rc = read_st(NULL, file, &buf, &f, err, errlen);
+    int rc = read_st(NULL, file, NULL, &buf, &f, err, errlen);
     if (rc == RNND_ENOTFOUND)
         return fail(err, errlen, RNND_EIO, "%s: no such file", file);
     if (rc != 0)
@@ -757,6 +1019,69 @@ int rnnd_checkpoint_read_weights(const char *file, const struct rnnd_model *m, f
     return rc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Listing, rotation, clean-up
+
+// The value after "key": in a JSON text, or NULL (metadata.json is written by us, flat).
+static const char *json_value(const char *text, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *v = strstr(text, pat);
+    if (v == NULL)
+        return NULL;
+    v += strlen(pat);
+    while (*v == ' ')
+        v++;
+    return v;
+}
+
+// dir/metadata.json as a new NUL-terminated string, or NULL.
+static char *metadata(const char *dir) {
+    char path[3 * RNND_CONFIG_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/metadata.json", dir);
+    void *buf;
+    size_t len;
+    char err[64];
+    if (slurp(path, &buf, &len, err, sizeof(err)) != 0)
+        return NULL;
+    char *text = realloc(buf, len + 1);
+    if (text == NULL) {
+        free(buf);
+        return NULL;
+    }
+    text[len] = '\0';
+    return text;
+}
+
+long long rnnd_checkpoint_created_ms(const char *dir) {
+    char *text = metadata(dir);
+    const char *v = text ? json_value(text, "created_unix_ms") : NULL;
+    long long t = v ? strtoll(v, NULL, 10) : -1;
+    free(text);
+    if (t < 0) {
+        struct stat st;
+        if (stat(dir, &st) == 0)
+            t = (long long)st.st_mtim.tv_sec * 1000 + st.st_mtim.tv_nsec / 1000000;
+    }
+    return t;
+}
+
+// True when dir's metadata.json says it holds model m (cell and sizes).
+static bool holds_model(const char *dir, const struct rnnd_model *m) {
+    char *text = metadata(dir);
+    if (text == NULL)
+        return false;
+    char cell[32];
+    snprintf(cell, sizeof(cell), "\"%s\"", rnnd_config_cell_name(m->cell));
+    const char *c = json_value(text, "cell"), *i = json_value(text, "input_size");
+    const char *h = json_value(text, "hidden_size"), *l = json_value(text, "num_layers");
+    bool same = c && i && h && l && strncmp(c, cell, strlen(cell)) == 0 &&
+                strtol(i, NULL, 10) == m->I && strtol(h, NULL, 10) == m->H &&
+                strtol(l, NULL, 10) == m->L;
+    free(text);
+    return same;
+}
+
 struct listed {
     char *path;
     long long t;
@@ -769,47 +1094,26 @@ static int listed_cmp(const void *a, const void *b) {
     return -strcmp(x->path, y->path);
 }
 
-// Creation time in ms: metadata.json's created_unix_ms, else the directory's mtime.
-static long long created_ms(const char *dir) {
-    char path[3 * RNND_CONFIG_PATH_MAX];
-    snprintf(path, sizeof(path), "%s/metadata.json", dir);
-    void *buf;
-    size_t len;
-    char err[64];
-    long long t = -1;
-    if (slurp(path, &buf, &len, err, sizeof(err)) == 0) {
-        char *text = realloc(buf, len + 1);
-        if (text) {
-            text[len] = '\0';
-            const char *k = strstr(text, "\"created_unix_ms\":");
-            if (k)
-                t = strtoll(k + 18, NULL, 10);
-            buf = text;
-        }
-        free(buf);
-    }
-    if (t < 0) {
-        struct stat st;
-        if (stat(dir, &st) == 0)
-            t = (long long)st.st_mtim.tv_sec * 1000 + st.st_mtim.tv_nsec / 1000000;
-    }
-    return t;
-}
+enum scan_kind {
+    SCAN_ALL,       // every checkpoint directory (state_dir/auto)
+    SCAN_AUTO_NAME, // those of the automatic form (the top of state_dir, earlier layout)
+    SCAN_NAMED,     // the others at the top of state_dir
+};
 
-int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n) {
-    *paths = NULL;
-    *n = 0;
-    DIR *d = opendir(state_dir);
+// Appends the checkpoint directories of dir that kind selects to *v (k of cap).
+static int scan(const char *dir, enum scan_kind kind, struct listed **v, int *k, int *cap) {
+    DIR *d = opendir(dir);
     if (d == NULL)
         return 0;
-    struct listed *v = NULL;
-    int k = 0, cap = 0, rc = 0;
+    int rc = 0;
     struct dirent *de;
     while ((de = readdir(d)) != NULL) {
-        if (de->d_name[0] == '.')
+        const char *name = de->d_name;
+        if (name[0] == '.' || (kind == SCAN_AUTO_NAME && !auto_name(name)) ||
+            (kind == SCAN_NAMED && (auto_name(name) || strcmp(name, RNND_CHECKPOINT_AUTO_DIR) == 0)))
             continue;
         char path[2 * RNND_CONFIG_PATH_MAX], probe[2 * RNND_CONFIG_PATH_MAX + 32];
-        snprintf(path, sizeof(path), "%s/%s", state_dir, de->d_name);
+        snprintf(path, sizeof(path), "%s/%s", dir, name);
         struct stat st;
         snprintf(probe, sizeof(probe), "%s/model.safetensors", path);
         bool is_ck = stat(probe, &st) == 0;
@@ -817,24 +1121,44 @@ int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n) {
         is_ck = is_ck || stat(probe, &st) == 0;
         if (!is_ck)
             continue;
-        if (k == cap) {
-            cap = cap ? 2 * cap : 16;
-            struct listed *nv = realloc(v, (size_t)cap * sizeof(*nv));
+        if (*k == *cap) {
+            int ncap = *cap ? 2 * *cap : 16;
+            struct listed *nv = realloc(*v, (size_t)ncap * sizeof(*nv));
             if (nv == NULL) {
                 rc = RNND_ENOMEM;
                 break;
             }
-            v = nv;
+            *v = nv;
+            *cap = ncap;
         }
-        v[k].path = strdup(path);
-        if (v[k].path == NULL) {
+        (*v)[*k].path = strdup(path);
+        if ((*v)[*k].path == NULL) {
             rc = RNND_ENOMEM;
             break;
         }
-        v[k].t = created_ms(path);
-        k++;
+        (*v)[*k].t = rnnd_checkpoint_created_ms(path);
+        (*k)++;
     }
     closedir(d);
+    return rc;
+}
+
+// The checkpoints of state_dir that kinds select (SCAN_ALL applies to state_dir/auto), newest
+// first.
+static int list(const char *state_dir, bool named, bool legacy, char ***paths, int *n) {
+    *paths = NULL;
+    *n = 0;
+    struct listed *v = NULL;
+    int k = 0, cap = 0, rc;
+    if (named) {
+        rc = scan(state_dir, SCAN_NAMED, &v, &k, &cap);
+    } else {
+        char dir[RNND_CONFIG_PATH_MAX + 16];
+        snprintf(dir, sizeof(dir), "%s/" RNND_CHECKPOINT_AUTO_DIR, state_dir);
+        rc = scan(dir, SCAN_ALL, &v, &k, &cap);
+        if (rc == 0 && legacy)
+            rc = scan(state_dir, SCAN_AUTO_NAME, &v, &k, &cap);
+    }
     if (k > 1)
         qsort(v, (size_t)k, sizeof(*v), listed_cmp);
     char **out = rc == 0 ? malloc(((size_t)k + 1) * sizeof(char *)) : NULL;
@@ -852,8 +1176,70 @@ int rnnd_checkpoint_list(const char *state_dir, char ***paths, int *n) {
     return 0;
 }
 
+int rnnd_checkpoint_list(const char *state_dir, bool named, char ***paths, int *n) {
+    return list(state_dir, named, true, paths, n);
+}
+
 void rnnd_checkpoint_list_free(char **paths, int n) {
     for (int i = 0; i < n; i++)
         free(paths[i]);
     free(paths);
+}
+
+int rnnd_checkpoint_prune(const char *state_dir, int keep, const struct rnnd_model *m,
+                          char *const *spare, int n_spare) {
+    char **paths;
+    int n;
+    if (list(state_dir, false, false, &paths, &n) != 0)
+        return 0;
+    int kept = 0, removed = 0;
+    for (int i = 0; i < n; i++) {
+        bool spared = !holds_model(paths[i], m);
+        for (int s = 0; s < n_spare && !spared; s++)
+            spared = strcmp(paths[i], spare[s]) == 0;
+        if (spared)
+            continue;
+        if (kept < keep) {
+            kept++;
+            continue;
+        }
+        remove_tree(paths[i]);
+        removed++;
+    }
+    rnnd_checkpoint_list_free(paths, n);
+    return removed;
+}
+
+// True for ".NAME.tmp-PID", the temporary rnnd_checkpoint_write writes into.
+static bool temp_name(const char *name) {
+    const char *t = strstr(name, ".tmp-");
+    if (name[0] != '.' || t == NULL || t == name || t[5] == '\0')
+        return false;
+    for (t += 5; *t; t++)
+        if (*t < '0' || *t > '9')
+            return false;
+    return true;
+}
+
+int rnnd_checkpoint_clean(const char *dir) {
+    int removed = 0;
+    for (int k = 0; k < 2; k++) {
+        char d[RNND_CONFIG_PATH_MAX + 16];
+        snprintf(d, sizeof(d), k ? "%s/" RNND_CHECKPOINT_AUTO_DIR : "%s", dir);
+        DIR *dp = opendir(d);
+        if (dp == NULL)
+            continue;
+        struct dirent *de;
+        while ((de = readdir(dp)) != NULL) {
+            char path[2 * RNND_CONFIG_PATH_MAX];
+            struct stat st;
+            snprintf(path, sizeof(path), "%s/%s", d, de->d_name);
+            if (!temp_name(de->d_name) || lstat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+                continue;
+            remove_tree(path);
+            removed++;
+        }
+        closedir(dp);
+    }
+    return removed;
 }

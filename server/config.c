@@ -83,6 +83,9 @@ static const struct opt opts[] = {
      "checkpoint in --state-dir is newer state"},
     {"checkpoint-interval-s", INT(checkpoint_interval_s, 0, INT_MAX), "N",
      "seconds between periodic checkpoints into --state-dir (0: only on SIGTERM)"},
+    {"fresh-start", INT(fresh_start, 0, 1), "0|1",
+     "1: start from --seed (or --weights) even when no automatic checkpoint in --state-dir "
+     "loads, which otherwise stops the start (they are kept; 0 protects against a config slip)"},
     {"max-batch", INT(max_batch, 1, 1 << 20), "N", "most Step rows in one backend call"},
     {"max-delay-us", INT(max_delay_us, 0, 10000000), "N",
      "longest a Step waits for others to join its batch"},

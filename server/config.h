@@ -32,6 +32,7 @@ struct rnnd_config {
     char restore[RNND_CONFIG_PATH_MAX];
     char weights[RNND_CONFIG_PATH_MAX]; // safetensors file of starting weights (PyTorch names)
     int checkpoint_interval_s;          // 0: only on SIGTERM and SaveCheckpoint
+    int fresh_start; // start from --seed/--weights when no automatic checkpoint loads
     int max_batch;
     int max_delay_us;
     int max_envs;

@@ -43,7 +43,7 @@
 #include "trajectory.h"
 
 #define CARVE_ALIGN 256
-// Automatic checkpoints kept in --state-dir (named ones are never removed).
+// Automatic checkpoints kept in --state-dir/auto (named ones are never removed).
 #define AUTO_CHECKPOINTS_KEPT 3
 
 struct weights {
@@ -129,7 +129,12 @@ struct rnnd_engine {
     struct rnnd_traj_dims tdims;
     _Atomic bool traj_warned;
     struct rnnd_tapes *tapes;
-    uint64_t last_checkpoint_ns;
+    uint64_t last_checkpoint_ns; // the last automatic checkpoint tried (written or not)
+    // Automatic checkpoints the rotation leaves alone: found at start, newer than the state
+    // restored or refused (spare_newer).
+    char **spared;
+    int n_spared;
+    bool final_failed; // the checkpoint on stop was not written
 
     // Reply threads: finished Step jobs of a batch are handed to them so that packing and
     // sending replies runs in parallel and off the engine thread (0 threads: the engine does it).
@@ -1932,25 +1937,35 @@ static void run_checkpoint(struct rnnd_engine *e, struct rnnd_job *job) {
     }
     // An automatically named one joins the rotation; named ones are the caller's to remove.
     if (automatic)
-        rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
+        rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT, &e->model, e->spared,
+                              e->n_spared);
     snprintf(job->ckpt.path, sizeof(job->ckpt.path), "%s", dir);
     job->model_version = e->cur->version;
     job->err = 0;
 }
 
-// A periodic or shutdown checkpoint under a new automatic name; 0 or -1 (logged).
+// A periodic or shutdown checkpoint under a new automatic name; 0 or -1 (logged). A periodic
+// one that fails is tried again one interval later, not at every housekeeping tick: each try
+// snapshots the whole state.
 static int checkpoint_auto(struct rnnd_engine *e, const char *why) {
     if (e->cfg.state_dir[0] == '\0')
         return 0;
     char dir[RNND_CONFIG_PATH_MAX], msg[512];
-    if (rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir), msg,
-                                sizeof(msg)) != 0 ||
-        checkpoint_save(e, dir, msg, sizeof(msg)) != 0) {
-        rnnd_log(RNND_LOG_WARN, "%s checkpoint failed: %s", why, msg);
+    int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir),
+                                     msg, sizeof(msg));
+    if (rc == 0)
+        rc = checkpoint_save(e, dir, msg, sizeof(msg));
+    e->last_checkpoint_ns = rnnd_now_ns();
+    if (rc != 0) {
+        if (e->cfg.checkpoint_interval_s > 0 && strcmp(why, "periodic") == 0)
+            rnnd_log(RNND_LOG_WARN, "periodic checkpoint failed: %s; next try in %d s", msg,
+                     e->cfg.checkpoint_interval_s);
+        else
+            rnnd_log(RNND_LOG_WARN, "%s checkpoint failed: %s", why, msg);
         return -1;
     }
-    rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT);
-    e->last_checkpoint_ns = rnnd_now_ns();
+    rnnd_checkpoint_prune(e->cfg.state_dir, AUTO_CHECKPOINTS_KEPT, &e->model, e->spared,
+                          e->n_spared);
     return 0;
 }
 
@@ -2087,9 +2102,11 @@ static void running_marker(const struct rnnd_engine *e, char *path, size_t cap) 
 }
 
 // Logs what was restored and how old it is: after a crash or kill -9 whatever happened after
-// that checkpoint is gone, and the operator needs to know how much.
+// that checkpoint is gone, and the operator needs to know how much. Then what it could not
+// vouch for: files without checksums, parts that are missing.
 static void restore_log(const struct rnnd_engine *e, const char *path,
-                        const struct rnnd_checkpoint *ck, bool unclean) {
+                        const struct rnnd_checkpoint_data *d, bool unclean) {
+    const struct rnnd_checkpoint *ck = &d->ck;
     char age[64] = "of unknown age";
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -2116,18 +2133,103 @@ static void restore_log(const struct rnnd_engine *e, const char *path,
         rnnd_log(RNND_LOG_INFO,
                  "restored %s, %s (version %" PRIu64 ", %d envs, %" PRId64 " recorded steps)", path,
                  age, ck->model_version, ck->n_envs, steps);
+    if (!d->verified)
+        rnnd_log(RNND_LOG_WARN,
+                 "checkpoint %s has no checksums file (written by an older rnnd, or by hand): "
+                 "its files could not be verified",
+                 path);
+    if (d->lost[0])
+        rnnd_log(RNND_LOG_WARN, "checkpoint %s lacks %s: restored without it", path, d->lost);
 }
 
-// --restore DIR, else the newest checkpoint of --state-dir that loads, else --weights; 0 also
-// when there is none. A corrupt or mismatched checkpoint in --state-dir is refused with a
-// warning and the next older one tried; a bad --restore or --weights stops the start.
-static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
+// Reads and applies the checkpoint in dir; 0, or an error with the reason in why.
+static int restore_one(struct rnnd_engine *e, const char *dir, bool unclean, long long *created,
+                       char *why, size_t whylen) {
     struct rnnd_checkpoint_data d;
+    why[0] = '\0';
+    int rc = rnnd_checkpoint_read(dir, &e->model, &d, why, whylen);
+    if (rc != 0)
+        return rc;
+    why[0] = '\0';
+    rc = restore_apply(e, &d, why, whylen);
+    if (rc == 0) {
+        restore_log(e, dir, &d, unclean);
+        *created = d.ck.created_unix_ms;
+    }
+    rnnd_checkpoint_data_free(&d);
+    return rc;
+}
+
+// Keeps out of the rotation the automatic checkpoints found at start that are newer than the
+// state restored (restored_ms; -1 when none was), those refused among them: they may hold what
+// this run lacks, and only the operator may drop them.
+static int spare_newer(struct rnnd_engine *e, const char *restored, long long restored_ms) {
+    char **paths;
+    int n;
+    if (rnnd_checkpoint_list(e->cfg.state_dir, false, &paths, &n) != 0)
+        return RNND_ENOMEM;
+    e->spared = paths;
+    for (int i = 0; i < n; i++) {
+        if ((restored && strcmp(paths[i], restored) == 0) ||
+            rnnd_checkpoint_created_ms(paths[i]) < restored_ms) {
+            free(paths[i]);
+            continue;
+        }
+        paths[e->n_spared++] = paths[i];
+    }
+    if (e->n_spared)
+        rnnd_log(RNND_LOG_INFO,
+                 "%d automatic checkpoints in %s are newer than the state restored or were "
+                 "refused: kept out of the rotation (remove them yourself when not needed)",
+                 e->n_spared, e->cfg.state_dir);
+    return 0;
+}
+
+// Creates --state-dir and its auto/ (0700) and the running marker (0600). 0, or RNND_EIO with
+// the reason in msg: a state directory that cannot be written would lose every checkpoint.
+static int state_dir_open(struct rnnd_engine *e, const char *marker, char *msg, size_t msglen) {
+    char dir[RNND_CONFIG_PATH_MAX + 16];
+    snprintf(dir, sizeof(dir), "%s/" RNND_CHECKPOINT_AUTO_DIR, e->cfg.state_dir);
+    const char *failed = dir;
+    int fd = -1, err = 0;
+    if (rnnd__mkdirs(dir) != 0) {
+        err = errno;
+    } else {
+        failed = marker;
+        fd = open(marker, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0 || fchmod(fd, 0600) != 0)
+            err = errno;
+    }
+    if (fd >= 0)
+        close(fd);
+    if (err == 0)
+        return 0;
+    snprintf(msg, msglen,
+             "--state-dir %.150s: cannot create %.200s: %s; make it a directory this user can "
+             "write, or choose another --state-dir",
+             e->top_dir, failed, strerror(err));
+    return RNND_EIO;
+}
+
+// --restore DIR, else the newest automatic checkpoint of --state-dir that loads, else --weights,
+// else --seed. An automatic checkpoint that does not load is refused with a line saying why and
+// the next older one tried; when there were some and none loads the start stops (unless
+// --fresh-start): a configuration that changed by mistake must not start over and rotate the
+// trained checkpoints away. A bad --restore or --weights stops the start.
+static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
     char why[512], marker[RNND_CONFIG_PATH_MAX + 32];
     bool unclean = false;
     if (e->cfg.state_dir[0]) {
         running_marker(e, marker, sizeof(marker));
         unclean = access(marker, F_OK) == 0;
+        int n = rnnd_checkpoint_clean(e->cfg.state_dir);
+        if (e->count > 1 && e->index == 0)
+            n += rnnd_checkpoint_clean(e->top_dir);
+        if (n)
+            rnnd_log(RNND_LOG_WARN,
+                     "removed %d unfinished checkpoint writes from %s (temporaries left by a "
+                     "kill -9 or crash during a write)",
+                     n, e->top_dir);
     }
     // Starting weights from a file are checked first, so that a bad --weights fails the start
     // even when a checkpoint wins.
@@ -2143,93 +2245,104 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
             return rc;
         }
     }
-    const char *restored = NULL;
-    char **paths = NULL;
-    int n = 0;
+    char restored[RNND_CONFIG_PATH_MAX + 300] = "";
+    long long restored_ms = -1;
+    int rc = 0, refused = 0;
     if (e->cfg.restore[0]) {
-        why[0] = '\0';
-        int rc = rnnd_checkpoint_read(e->cfg.restore, &e->model, &d, why, sizeof(why));
-        if (rc == 0) {
-            why[0] = '\0';
-            rc = restore_apply(e, &d, why, sizeof(why));
-            if (rc != 0)
-                rnnd_checkpoint_data_free(&d);
-        }
+        rc = restore_one(e, e->cfg.restore, unclean, &restored_ms, why, sizeof(why));
         if (rc != 0) {
-            snprintf(msg, msglen, "--restore %.300s: %s", e->cfg.restore, why);
+            snprintf(msg, msglen, "--restore %.200s: %.280s", e->cfg.restore, why);
             free(weights);
             return rc;
         }
-        restore_log(e, e->cfg.restore, &d.ck, unclean);
-        rnnd_checkpoint_data_free(&d);
-        restored = e->cfg.restore;
+        snprintf(restored, sizeof(restored), "%s", e->cfg.restore);
     } else if (e->cfg.state_dir[0]) {
         // Several devices: this device's own directory first, then --state-dir itself, whose
         // checkpoints (written with one device) hold every env.
         const char *dirs[2] = {e->cfg.state_dir, e->count > 1 ? e->top_dir : NULL};
-        for (int k = 0; k < 2 && dirs[k] && !restored; k++) {
-        rnnd_checkpoint_list_free(paths, n);
-        if (rnnd_checkpoint_list(dirs[k], &paths, &n) != 0) {
+        for (int k = 0; k < 2 && dirs[k] && !restored[0] && rc == 0; k++) {
+            char **paths;
+            int n;
+            rc = rnnd_checkpoint_list(dirs[k], false, &paths, &n);
+            for (int i = 0; i < n && !restored[0]; i++) {
+                if (restore_one(e, paths[i], unclean, &restored_ms, why, sizeof(why)) == 0) {
+                    snprintf(restored, sizeof(restored), "%s", paths[i]);
+                } else {
+                    rnnd_log(RNND_LOG_WARN, "checkpoint %s refused: %s", paths[i], why);
+                    refused++;
+                }
+            }
+            rnnd_checkpoint_list_free(paths, n);
+        }
+        if (rc != 0) {
             snprintf(msg, msglen, "out of memory listing --state-dir");
             free(weights);
-            return RNND_ENOMEM;
-        }
-        for (int i = 0; i < n && !restored; i++) {
-            why[0] = '\0';
-            int rc = rnnd_checkpoint_read(paths[i], &e->model, &d, why, sizeof(why));
-            if (rc == 0) {
-                why[0] = '\0';
-                rc = restore_apply(e, &d, why, sizeof(why));
-                if (rc == 0)
-                    restore_log(e, paths[i], &d.ck, unclean);
-                rnnd_checkpoint_data_free(&d);
-            }
-            if (rc != 0)
-                rnnd_log(RNND_LOG_WARN, "checkpoint %s refused: %s; trying the next older one",
-                         paths[i], why);
-            else
-                restored = paths[i];
-        }
+            return rc;
         }
     }
-    if (weights && restored) {
+    char start[64];
+    snprintf(start, sizeof(start), weights ? "--weights" : "--seed %" PRIu64, e->cfg.seed);
+    if (refused && !restored[0]) {
+        if (!e->cfg.fresh_start) {
+            snprintf(msg, msglen,
+                     "none of the %d automatic checkpoints in %.150s loads (each is refused "
+                     "above, and left as it is): fix the setting that changed (metadata.json "
+                     "in each names the model it holds), or start with --fresh-start 1 to "
+                     "start from %s and keep them",
+                     refused, e->cfg.state_dir, start);
+            free(weights);
+            return RNND_EPRECOND;
+        }
+        rnnd_log(RNND_LOG_WARN,
+                 "--fresh-start: starting from %s although %d automatic checkpoints in %s are "
+                 "there; they do not load and are kept",
+                 start, refused, e->cfg.state_dir);
+    }
+    if (e->cfg.state_dir[0] && !e->cfg.restore[0]) {
+        // A named checkpoint is restored only when asked for; say so when it is the newest.
+        char **named;
+        int n;
+        if (rnnd_checkpoint_list(e->cfg.state_dir, true, &named, &n) == 0 && n > 0 &&
+            rnnd_checkpoint_created_ms(named[0]) > restored_ms)
+            rnnd_log(RNND_LOG_WARN,
+                     "named checkpoint %s is newer than %s: named checkpoints are restored only "
+                     "with --restore (start with --restore %s to use it)",
+                     named[0], restored[0] ? restored : "any automatic one", named[0]);
+        if (n > 0)
+            rnnd_checkpoint_list_free(named, n);
+    }
+    if (weights && restored[0]) {
         rnnd_log(RNND_LOG_WARN,
                  "--weights %s not loaded: checkpoint %s holds this daemon's newer state; "
                  "replace the weights of the running daemon with rnndctl weights import",
                  e->cfg.weights, restored);
     } else if (weights) {
-        int rc = be_in(e, e->cur->params, weights, e->P * sizeof(float));
+        rc = be_in(e, e->cur->params, weights, e->P * sizeof(float));
         if (rc != 0) {
             snprintf(msg, msglen, "--weights %.300s: cannot load them: %s", e->cfg.weights,
                      rnnd_strerror(rc));
             free(weights);
-            rnnd_checkpoint_list_free(paths, n);
             return rc;
         }
         rnnd_log(RNND_LOG_INFO, "weights from %s (version 0)", e->cfg.weights);
-    } else if (!restored && e->cfg.state_dir[0]) {
-        rnnd_log(RNND_LOG_INFO, "no usable checkpoint in %s: starting from --seed %" PRIu64,
-                 e->cfg.state_dir, e->cfg.seed);
+    } else if (!restored[0] && e->cfg.state_dir[0] && !refused) {
+        rnnd_log(RNND_LOG_INFO, "no automatic checkpoint in %s: starting from %s",
+                 e->cfg.state_dir, start);
     }
-    if (unclean && !restored)
+    free(weights);
+    if (unclean && !restored[0])
         rnnd_log(RNND_LOG_WARN,
                  "the last run on %s did not stop cleanly and left no usable "
                  "checkpoint",
                  e->cfg.state_dir);
-    free(weights);
-    rnnd_checkpoint_list_free(paths, n);
     if (e->cfg.state_dir[0]) {
-        // Best effort: without the marker the next start cannot tell a crash from a clean stop.
-        if (e->count > 1)
-            mkdir(e->top_dir, 0755);
-        mkdir(e->cfg.state_dir, 0755);
-        int fd = open(marker, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd >= 0)
-            close(fd);
-        else
-            rnnd_log(RNND_LOG_WARN, "cannot create %s: %s", marker, strerror(errno));
+        rc = spare_newer(e, restored[0] ? restored : NULL, restored[0] ? restored_ms : -1);
+        if (rc == 0)
+            rc = state_dir_open(e, marker, msg, msglen);
+        if (rc == RNND_ENOMEM)
+            snprintf(msg, msglen, "out of memory listing --state-dir");
     }
-    return 0;
+    return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2399,7 +2512,8 @@ static void *engine_main(void *arg) {
         row_workers_stop(e);
         // The marker goes only once the final state is on disk: a failed shutdown checkpoint
         // leaves it, so the next start warns that the restored checkpoint is older.
-        if (checkpoint_auto(e, "shutdown") == 0 && e->cfg.state_dir[0]) {
+        e->final_failed = checkpoint_auto(e, "shutdown") != 0;
+        if (!e->final_failed && e->cfg.state_dir[0]) {
             char marker[RNND_CONFIG_PATH_MAX + 32];
             running_marker(e, marker, sizeof(marker));
             unlink(marker);
@@ -2579,7 +2693,12 @@ void rnnd_engine_free(struct rnnd_engine *e) {
     pthread_cond_destroy(&e->rcond);
     pthread_mutex_destroy(&e->wlock);
     pthread_cond_destroy(&e->wcond);
+    rnnd_checkpoint_list_free(e->spared, e->n_spared);
     free(e);
+}
+
+bool rnnd_engine_final_checkpoint_failed(const struct rnnd_engine *e) {
+    return e->final_failed;
 }
 
 uint64_t rnnd_engine_model_version(const struct rnnd_engine *e) {

@@ -242,6 +242,9 @@ void rnnd_engine_stop(struct rnnd_engine *e);
 // Waits for the engine thread to end (after stop or a failed start).
 void rnnd_engine_join(struct rnnd_engine *e);
 void rnnd_engine_free(struct rnnd_engine *e);
+// After rnnd_engine_join: true when the checkpoint written on stop failed (what changed since
+// the last checkpoint is lost), false when it was written or none was due.
+bool rnnd_engine_final_checkpoint_failed(const struct rnnd_engine *e);
 
 // Thread-safe readings.
 uint64_t rnnd_engine_model_version(const struct rnnd_engine *e);

@@ -1082,6 +1082,13 @@ void rnnd_group_free(struct rnnd_group *g) {
     free(g);
 }
 
+bool rnnd_group_final_checkpoint_failed(const struct rnnd_group *g) {
+    for (int k = 0; k < g->n; k++)
+        if (rnnd_engine_final_checkpoint_failed(g->e[k]))
+            return true;
+    return false;
+}
+
 uint64_t rnnd_group_model_version(const struct rnnd_group *g) {
     return rnnd_engine_model_version(g->e[0]);
 }

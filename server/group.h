@@ -69,6 +69,8 @@ void rnnd_group_housekeeping(struct rnnd_group *g);
 void rnnd_group_stop(struct rnnd_group *g);
 void rnnd_group_join(struct rnnd_group *g);
 void rnnd_group_free(struct rnnd_group *g);
+// After rnnd_group_join: true when a device's checkpoint on stop failed.
+bool rnnd_group_final_checkpoint_failed(const struct rnnd_group *g);
 
 // Thread-safe readings, as the engine's (sums over the devices where that is what they count).
 uint64_t rnnd_group_model_version(const struct rnnd_group *g);

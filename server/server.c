@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <uv.h>
 
 #include "group.h"
@@ -136,6 +137,12 @@ static void shutdown_finish(struct rnnd_server *s) {
     // Every gRPC call is done: the engine may stop once it has finished its queue.
     rnnd_group_stop(s->group);
     rnnd_group_join(s->group);
+    // A supervisor restarts on a non-zero status: a stop that lost state must not look clean.
+    if (rnnd_group_final_checkpoint_failed(s->group) && s->exit_code == 0) {
+        rnnd_log(RNND_LOG_ERROR, "the final checkpoint failed (see above): what changed since "
+                                 "the last checkpoint is lost; exiting with status 1");
+        s->exit_code = 1;
+    }
     rnnd_http_close(s->http, NULL, NULL);
     s->http = NULL;
     close_handle((uv_handle_t *)&s->sigterm);
@@ -215,6 +222,16 @@ static char *read_secret(const char *path, const char *flag, char *err) {
     return buf;
 }
 
+// Warns when the secret in path (a key or token) can be read by users other than rnnd's.
+static void secret_mode_check(const char *path, const char *flag) {
+    struct stat st;
+    if (path[0] && stat(path, &st) == 0 && (st.st_mode & (S_IRGRP | S_IROTH)))
+        rnnd_log(RNND_LOG_WARN,
+                 "%s %s can be read by its group or by others (mode %03o): chmod 600 it so that "
+                 "only rnnd's user can read the secret",
+                 flag, path, (unsigned)(st.st_mode & 0777));
+}
+
 int rnnd_server_run(const struct rnnd_config *cfg) {
     rnnd_metrics_init();
     rnnd_log_set_level((enum rnnd_log_level)cfg->log_level);
@@ -249,6 +266,9 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
             return 1;
         }
     }
+
+    secret_mode_check(cfg->tls_key, "--tls-key");
+    secret_mode_check(cfg->auth_token_file, "--auth-token-file");
 
     const char *exposure = rnnd_config_exposure(cfg);
     if (exposure)

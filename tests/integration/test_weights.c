@@ -6,7 +6,8 @@
  * (Forward over recorded steps continues as if the daemon never stopped); after kill -9 the
  * daemon comes back from the last checkpoint and logs how old it is; a corrupt newest checkpoint
  * is skipped for the next older one; --restore loads the one named; automatic checkpoints
- * rotate (three kept); --weights starts from a safetensors file unless a checkpoint is newer.
+ * (in auto/) rotate (three kept); --weights starts from a safetensors file unless a checkpoint
+ * is newer.
  */
 #include "harness.h"
 
@@ -577,8 +578,10 @@ static void test_kill9_and_corrupt(void **state) {
     free(path_b);
 }
 
-// Automatic checkpoints ("ckpt-*") in dir; the newest name (they sort by time) into newest.
-static int count_auto(const char *dir, char *newest, size_t cap) {
+// Automatic checkpoints ("ckpt-*" in dir/auto); the newest name (they sort by time) into newest.
+static int count_auto(const char *state_dir, char *newest, size_t cap) {
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/auto", state_dir);
     DIR *dp = opendir(dir);
     assert_non_null(dp);
     int n = 0;
@@ -598,6 +601,10 @@ static int count_auto(const char *dir, char *newest, size_t cap) {
 
 static void test_rotation(void **state) {
     struct fixture *f = *state;
+    // A clean restart first: the daemon before came from --restore of an older checkpoint, which
+    // keeps the automatic checkpoints newer than that out of the rotation (test_checkpoints.c).
+    assert_int_equal(daemon_signal_wait(&f->d, SIGTERM, 15000), 0);
+    restart(f, NULL);
     // SaveCheckpoint without a name joins the rotation: three automatic ones stay, the named
     // one is the caller's and stays too.
     for (int k = 0; k < 5; k++) {

@@ -3,6 +3,7 @@
  * (the test skips when there is no openssl). The daemon with --tls-cert/--tls-key serves clients
  * that trust the CA, and refuses plaintext clients and clients trusting another CA; with
  * --tls-client-ca it also wants a client certificate signed by that CA. rnndctl --tls-ca works.
+ * A key file that its group or others can read is warned about at start.
  */
 #include "harness.h"
 
@@ -107,7 +108,12 @@ static void test_tls(void **state) {
     struct daemon d;
     const char *args[] = {
         "--input-size", "4", "--hidden-size", "8", "--tls-cert", cert, "--tls-key", key, NULL};
+    assert_int_equal(chmod(key, 0640), 0);
     assert_int_equal(daemon_start(&d, args), 0);
+    if (!daemon_log_contains(&d, "--tls-key") || !daemon_log_contains(&d, "chmod 600")) {
+        daemon_dump_log(&d, 2000);
+        fail_msg("a key file its group can read should be warned about");
+    }
     char *ca = slurp_file("ca.pem"), *other = slurp_file("other.pem");
     EXPECT_OK(connect_info(&d, ca, NULL, NULL));
     assert_int_equal(connect_info(&d, NULL, NULL, NULL), RNND_EUNAVAIL);  // plaintext
@@ -138,7 +144,9 @@ static void test_mutual_tls(void **state) {
     struct daemon d;
     const char *args[] = {"--input-size", "4", "--hidden-size",   "8", "--tls-cert", cert,
                           "--tls-key",    key, "--tls-client-ca", ca,  NULL};
+    assert_int_equal(chmod(key, 0600), 0);
     assert_int_equal(daemon_start(&d, args), 0);
+    assert_false(daemon_log_contains(&d, "chmod 600")); // a private key is not warned about
     char *root = slurp_file("ca.pem"), *ccert = slurp_file("client.pem");
     char *ckey = slurp_file("client.key"), *okey = slurp_file("other.key");
     char *ocert = slurp_file("other.pem");

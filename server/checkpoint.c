@@ -143,8 +143,8 @@ static uint32_t crc_of(const void *data, size_t len) {
 }
 
 // Writes name inside dirfd, mode 0600 whatever the umask, fsynced; adds it to sums.
-static int write_file(int dirfd, const char *name, const void *data, size_t len,
-                      struct sums *sums, char *err, size_t errlen) {
+static int write_file(int dirfd, const char *name, const void *data, size_t len, struct sums *sums,
+                      char *err, size_t errlen) {
     int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0)
         return fail(err, errlen, RNND_EIO, "create %s: %s", name, strerror(errno));
@@ -535,10 +535,8 @@ static int slurp(const char *path, void **out, size_t *len, char *err, size_t er
 static const struct part {
     const char *name, *holds;
 } parts[] = {
-    {"model.safetensors", "the weights"},
-    {"optimizer.safetensors", "optimizer moments and step"},
-    {"envs.safetensors", "env states"},
-    {"trajectories.safetensors", "recorded steps"},
+    {"model.safetensors", "the weights"}, {"optimizer.safetensors", "optimizer moments and step"},
+    {"envs.safetensors", "env states"},   {"trajectories.safetensors", "recorded steps"},
     {"metadata.json", "creation time"},
 };
 #define NPARTS (sizeof(parts) / sizeof(parts[0]))
@@ -583,8 +581,7 @@ static int manifest_read(const char *dir, struct manifest *mf, char *err, size_t
             for (int i = 0; i < 8; i++)
                 ok = ok && isxdigit((unsigned char)l[i]);
             ok = ok && l[8] == ' ' && l[9] >= '0' && l[9] <= '9' &&
-                 sscanf(l, "%8x %zu %63s%n", &crc, &bytes, name, &used) == 3 &&
-                 used == (int)ll;
+                 sscanf(l, "%8x %zu %63s%n", &crc, &bytes, name, &used) == 3 && used == (int)ll;
         }
         if (!ok) {
             rc = fail(err, errlen, RNND_ECORRUPT,
@@ -622,8 +619,8 @@ static bool manifest_lists(const struct manifest *mf, const char *name) {
 }
 
 // Checks the len bytes read from file name against the checksums file, when there is one.
-static int manifest_check(const struct manifest *mf, const char *name, const void *buf,
-                          size_t len, char *err, size_t errlen) {
+static int manifest_check(const struct manifest *mf, const char *name, const void *buf, size_t len,
+                          char *err, size_t errlen) {
     if (mf == NULL || !mf->present)
         return 0;
     for (int i = 0; i < mf->n; i++) {
@@ -643,8 +640,7 @@ static int manifest_check(const struct manifest *mf, const char *name, const voi
 
 // Refuses NaN and Inf in the float tensors of f (read from file name), naming the first one:
 // restored, one would turn every output it reaches into NaN.
-static int finite_check(const struct rnnd_st_file *f, const char *name, char *err,
-                        size_t errlen) {
+static int finite_check(const struct rnnd_st_file *f, const char *name, char *err, size_t errlen) {
     for (int t = 0; t < f->n; t++) {
         const struct rnnd_st_tensor *x = &f->tensors[t];
         if (x->dtype != RNND_ST_F32)
@@ -656,8 +652,8 @@ static int finite_check(const struct rnnd_st_file *f, const char *name, char *er
             if ((bits & 0x7f800000u) != 0x7f800000u)
                 continue;
             return fail(err, errlen, RNND_ECORRUPT,
-                        "%s: %s holds %s at flat index %zu; only finite values can be loaded",
-                        name, x->name,
+                        "%s: %s holds %s at flat index %zu; only finite values can be loaded", name,
+                        x->name,
                         (bits & 0x007fffffu) ? "NaN"
                         : (bits >> 31)       ? "-Inf"
                                              : "Inf",
@@ -669,8 +665,8 @@ static int finite_check(const struct rnnd_st_file *f, const char *name, char *er
 
 // Reads dir/name, checked against mf (may be NULL). 0, RNND_ENOTFOUND (missing) or an error
 // naming the file. dir NULL: name is the file's path.
-static int read_checked(const char *dir, const char *name, const struct manifest *mf,
-                        void **buf, size_t *len, char *err, size_t errlen) {
+static int read_checked(const char *dir, const char *name, const struct manifest *mf, void **buf,
+                        size_t *len, char *err, size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];
     snprintf(path, sizeof(path), "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
     int rc = slurp(path, buf, len, err, errlen);
@@ -974,8 +970,8 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     char path[2 * RNND_CONFIG_PATH_MAX];
     snprintf(path, sizeof(path), "%s/trajectories.safetensors", dir);
     rc = envs ? read_st(dir, "trajectories.safetensors", &mf, &buf, &f, err, errlen)
-              : access(path, F_OK) == 0 ? RNND_ENOTSUP
-                                        : RNND_ENOTFOUND;
+         : access(path, F_OK) == 0 ? RNND_ENOTSUP
+                                   : RNND_ENOTFOUND;
     if (rc == 0) {
         rc = read_trajectories(out, &f, err, errlen);
         if (rc != 0)
@@ -1110,7 +1106,8 @@ static int scan(const char *dir, enum scan_kind kind, struct listed **v, int *k,
     while ((de = readdir(d)) != NULL) {
         const char *name = de->d_name;
         if (name[0] == '.' || (kind == SCAN_AUTO_NAME && !auto_name(name)) ||
-            (kind == SCAN_NAMED && (auto_name(name) || strcmp(name, RNND_CHECKPOINT_AUTO_DIR) == 0)))
+            (kind == SCAN_NAMED &&
+             (auto_name(name) || strcmp(name, RNND_CHECKPOINT_AUTO_DIR) == 0)))
             continue;
         char path[2 * RNND_CONFIG_PATH_MAX], probe[2 * RNND_CONFIG_PATH_MAX + 32];
         snprintf(path, sizeof(path), "%s/%s", dir, name);
@@ -1143,8 +1140,8 @@ static int scan(const char *dir, enum scan_kind kind, struct listed **v, int *k,
     return rc;
 }
 
-// The checkpoints of state_dir that kinds select (SCAN_ALL applies to state_dir/auto), newest
-// first.
+// The named checkpoints of state_dir, or its automatic ones (those of the earlier layout too
+// when legacy), newest first.
 static int list(const char *state_dir, bool named, bool legacy, char ***paths, int *n) {
     *paths = NULL;
     *n = 0;

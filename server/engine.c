@@ -1951,8 +1951,8 @@ static int checkpoint_auto(struct rnnd_engine *e, const char *why) {
     if (e->cfg.state_dir[0] == '\0')
         return 0;
     char dir[RNND_CONFIG_PATH_MAX], msg[512];
-    int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir),
-                                     msg, sizeof(msg));
+    int rc = rnnd_checkpoint_resolve(e->cfg.state_dir, "", e->cur->version, dir, sizeof(dir), msg,
+                                     sizeof(msg));
     if (rc == 0)
         rc = checkpoint_save(e, dir, msg, sizeof(msg));
     e->last_checkpoint_ns = rnnd_now_ns();
@@ -2326,8 +2326,8 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
         }
         rnnd_log(RNND_LOG_INFO, "weights from %s (version 0)", e->cfg.weights);
     } else if (!restored[0] && e->cfg.state_dir[0] && !refused) {
-        rnnd_log(RNND_LOG_INFO, "no automatic checkpoint in %s: starting from %s",
-                 e->cfg.state_dir, start);
+        rnnd_log(RNND_LOG_INFO, "no automatic checkpoint in %s: starting from %s", e->cfg.state_dir,
+                 start);
     }
     free(weights);
     if (unclean && !restored[0])

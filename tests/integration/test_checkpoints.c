@@ -37,8 +37,8 @@ static const struct rnnd_model model16 = {.cell = RNND_CELL_GRU, .I = 8, .H = 16
 // The model flags with hidden size H, then extra (NULL-terminated, may be NULL).
 static const char *const *args_with(const char *H, const char *const *extra) {
     static const char *args[32];
-    const char *base[] = {"--cell", "gru", "--input-size", "8",  "--hidden-size",
-                          H,        "--layers", "2",         "--seed", "9"};
+    const char *base[] = {"--cell",   "gru", "--input-size", "8", "--hidden-size", H,
+                          "--layers", "2",   "--seed",       "9"};
     int n = 0;
     for (size_t k = 0; k < sizeof base / sizeof base[0]; k++)
         args[n++] = base[k];
@@ -69,8 +69,8 @@ static int log_count(const struct daemon *d, const char *needle) {
     size_t len;
     char *log = read_text(d->log_path, &len);
     int n = 0;
-    for (const char *p = log && len >= d->log_start ? log + d->log_start : ""; (p = strstr(p, needle));
-         p++)
+    for (const char *p = log && len >= d->log_start ? log + d->log_start : "";
+         (p = strstr(p, needle)); p++)
         n++;
     free(log);
     return n;
@@ -353,9 +353,9 @@ static void test_failures_exit_nonzero(void **state) {
     snprintf(file, sizeof file, "%s/a-file", tmp);
     fclose(fopen(file, "w"));
     snprintf(below, sizeof below, "%s/state", file);
-    const char *argv[] = {rnnd_bin(), "--backend", "cpu", "--listen", "127.0.0.1:0", "--http",
-                          "off", "--input-size", "8", "--hidden-size", "16", "--state-dir",
-                          below, NULL};
+    const char *argv[] = {rnnd_bin(), "--backend",   "cpu",          "--listen", "127.0.0.1:0",
+                          "--http",   "off",         "--input-size", "8",        "--hidden-size",
+                          "16",       "--state-dir", below,          NULL};
     char *out = NULL;
     int rc = run_capture(argv, 20000, &out);
     if (rc == 0 || !out || !strstr(out, "--state-dir") || !strstr(out, below))
@@ -459,7 +459,8 @@ static void test_integrity(void **state) {
     c = daemon_client(&d, NULL);
     assert_params(c, wa, "A, the newest checkpoint that is intact");
     if (log_count(&d, "refused: model.safetensors:") != 2 || !daemon_log_contains(&d, "damaged") ||
-        !daemon_log_contains(&d, "NaN") || !daemon_log_contains(&d, "lacks optimizer.safetensors") ||
+        !daemon_log_contains(&d, "NaN") ||
+        !daemon_log_contains(&d, "lacks optimizer.safetensors") ||
         !daemon_log_contains(&d, "removed 2 unfinished checkpoint writes")) {
         daemon_dump_log(&d, 3000);
         fail_msg("C and B should be refused (damaged, NaN), A's lost optimizer state named and "
@@ -477,8 +478,7 @@ static void test_integrity(void **state) {
     int rc = start_refused(&d, dir, args_with("16", NULL));
     fprintf(stderr, "  every checkpoint corrupt: exit %d, %d refusal lines\n", rc,
             log_count(&d, "refused:"));
-    if (rc == 0 || log_count(&d, "refused:") != 3 ||
-        !daemon_log_contains(&d, "envs.safetensors")) {
+    if (rc == 0 || log_count(&d, "refused:") != 3 || !daemon_log_contains(&d, "envs.safetensors")) {
         daemon_dump_log(&d, 3000);
         fail_msg("three corrupt checkpoints should each be refused and the start stopped");
     }

@@ -59,9 +59,9 @@ static void test_resolve(void **state) {
     assert_int_equal(
         rnnd_checkpoint_resolve("/s/", "/s/abs", 7, out, sizeof(out), err, sizeof(err)), 0);
     assert_string_equal(out, "/s//abs");
-    const char *bad[] = {"../x",   "a/../b", ".hidden",
-                         "a/b",    "/etc/x", "/s",
-                         "/sx/y",  "auto",   "ckpt-20260101T000000.000Z-v3",
+    const char *bad[] = {"../x",    "a/../b", ".hidden",
+                         "a/b",     "/etc/x", "/s",
+                         "/sx/y",   "auto",   "ckpt-20260101T000000.000Z-v3",
                          "/s/auto", NULL};
     for (int i = 0; bad[i]; i++)
         if (rnnd_checkpoint_resolve("/s", bad[i], 7, out, sizeof(out), err, sizeof(err)) !=
@@ -321,8 +321,8 @@ static void flip_byte(const char *dir, const char *name, long off) {
 
 static void test_checksums(void **state) {
     (void)state;
-    const char *files[] = {"model.safetensors", "optimizer.safetensors", "envs.safetensors",
-                           "trajectories.safetensors", "metadata.json", "checksums"};
+    const char *files[] = {"model.safetensors",        "optimizer.safetensors", "envs.safetensors",
+                           "trajectories.safetensors", "metadata.json",         "checksums"};
     struct fake f;
     fake_init(&f, 6.0f);
     char dir[256], err[512] = "";
@@ -483,8 +483,8 @@ static void test_modes(void **state) {
     (void)state;
     struct fake f;
     fake_init(&f, 9.0f);
-    const char *files[] = {"model.safetensors", "optimizer.safetensors", "envs.safetensors",
-                           "trajectories.safetensors", "metadata.json", "checksums"};
+    const char *files[] = {"model.safetensors",        "optimizer.safetensors", "envs.safetensors",
+                           "trajectories.safetensors", "metadata.json",         "checksums"};
     // 0700 and 0600 whether the umask would open them up or shut the owner out.
     mode_t masks[2] = {0, 0277};
     for (int k = 0; k < 2; k++) {
@@ -575,9 +575,12 @@ static void test_list_and_prune(void **state) {
     char *spare[1] = {dir};
     assert_int_equal(rnnd_checkpoint_prune(sd, 2, &f.m, spare, 1), 1);
     assert_false(exists(sd, "auto/ckpt-20260101T000001.000Z-v2"));
-    const char *stay[] = {"auto/ckpt-20260101T000000.000Z-v1", "auto/ckpt-20260101T000002.000Z-v3",
-                          "auto/ckpt-20260101T000003.000Z-v4", "auto/ckpt-20260101T000004.000Z-v5",
-                          "ckpt-20250101T000000.000Z-v0",      "mine",
+    const char *stay[] = {"auto/ckpt-20260101T000000.000Z-v1",
+                          "auto/ckpt-20260101T000002.000Z-v3",
+                          "auto/ckpt-20260101T000003.000Z-v4",
+                          "auto/ckpt-20260101T000004.000Z-v5",
+                          "ckpt-20250101T000000.000Z-v0",
+                          "mine",
                           "ckpt-zz-1"};
     for (int i = 0; i < 7; i++)
         if (!exists(sd, stay[i]))
@@ -597,8 +600,9 @@ static void test_clean(void **state) {
     (void)state;
     char sd[128], p[300];
     snprintf(sd, sizeof(sd), "%s/clean", root);
-    const char *dirs[] = {"", "/auto", "/.ckpt-x.tmp-123", "/auto/.ckpt-y.tmp-4567",
-                          "/.hidden", "/.a.tmp-12x", "/named"};
+    const char *dirs[] = {
+        "",      "/auto", "/.ckpt-x.tmp-123", "/auto/.ckpt-y.tmp-4567", "/.hidden", "/.a.tmp-12x",
+        "/named"};
     for (int i = 0; i < 7; i++) {
         snprintf(p, sizeof(p), "%s%s", sd, dirs[i]);
         assert_int_equal(mkdir(p, 0700), 0);

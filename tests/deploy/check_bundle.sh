@@ -17,12 +17,14 @@ cp "$rnndctl" "$t/build/client/rnndctl"
 tar -C "$t/host" -xf "$t/out/rnnd-bundle.tar.xz"
 b=$t/host/rnnd-bundle
 
+# ldd's output is read whole: grep -q would stop reading early, and ldd's SIGPIPE would fail
+# the pipe under pipefail.
+libs=$(LD_LIBRARY_PATH=$b/lib ldd "$b/bin/rnndctl")
 for lib in libgrpc.so libprotobuf-c.so libssl.so; do
-  LD_LIBRARY_PATH=$b/lib ldd "$b/bin/rnndctl" | grep -q "$lib.* => $b/lib/" ||
-    fail "$lib is not loaded from the bundle"
+  grep -q "$lib.* => $b/lib/" <<<"$libs" || fail "$lib is not loaded from the bundle"
 done
-LD_LIBRARY_PATH=$b/lib ldd "$b/bin/rnndctl" | grep -q "not found" && fail "a library is missing"
-ls "$b/lib" | grep -qE '^(libc|libm|libstdc\+\+|libgcc_s)\.' && fail "base system libraries bundled"
+grep -q "not found" <<<"$libs" && fail "a library is missing"
+grep -qE '^(libc|libm|libstdc\+\+|libgcc_s)\.' <<<"$(ls "$b/lib")" && fail "base system libraries bundled"
 "$b/run" rnndctl --help >/dev/null || fail "the launcher cannot run rnndctl"
 
 set +e

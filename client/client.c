@@ -2,7 +2,7 @@
  * client.c: the blocking rnnd client (rnnd_client.h) on gRPC C core and protobuf-c.
  *
  * Every unary call is one grpc_call with its own pluck completion queue and a single batch of all
- * six ops (GRPC_NOTES.md), so any number of threads can share a channel without sharing a queue.
+ * six ops (docs/grpc_notes.md), so any number of threads may share a channel, none a queue.
  * Requests are translated into protobuf-c structs that point at the caller's memory (nothing is
  * copied before packing); replies are unpacked and copied into library-owned structs, so no
  * protobuf-c type leaks out of this file.

@@ -1,5 +1,5 @@
 /*
- * batcher.h: the engine's inbox, with dynamic batching of Step rows (DESIGN.md §4).
+ * batcher.h: the engine's inbox, with dynamic batching of Step rows (docs/architecture.md).
  *
  * Any thread pushes items; the engine thread polls (or waits) and gets back the control jobs
  * (Forward, SetWeights, ...: never batched, run first) and, when one is due, a batch of Step

@@ -1,5 +1,5 @@
 /*
- * checkpoint.h: checkpoints as directories inside --state-dir (DESIGN.md §4 Persistence):
+ * checkpoint.h: checkpoints as directories inside --state-dir (docs/design.md "Persistence"):
  *   model.safetensors     the weights with PyTorch names (loadable into nn.GRU / nn.LSTM)
  *   optimizer.safetensors exp_avg, exp_avg_sq (flat, P floats, the layout of rnnd_kernels.h), step
  *   envs.safetensors      env_ids, h (and c), last_index, has_index of every env holding state

@@ -1,5 +1,5 @@
 /*
- * config.h: rnnd's configuration: every flag of DESIGN.md §5, also readable from a redis.conf-style
+ * config.h: rnnd's configuration: every flag (docs/design.md), also read from a redis.conf-style
  * file ("key value" per line, '#' comments, the key being the flag without its dashes:
  * "hidden-size 128"). Flags on the command line win over the file. Parsing is pure: it touches
  * nothing but the struct, so unit tests drive it directly.
@@ -51,7 +51,7 @@ struct rnnd_config {
     char auth_token_file[RNND_CONFIG_PATH_MAX];
     int max_message_mb;
     int log_level; // enum rnnd_log_level
-    // Beyond DESIGN.md §5:
+    // Tuning (docs/design.md "Limits", docs/architecture.md "Threads"):
     int hz;              // cron frequency: idle eviction, tape expiry, periodic checkpoints
     int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto
     int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
@@ -69,7 +69,7 @@ struct rnnd_config {
     int comm_timeout_s;                    // a collective not finished by then fails
 };
 
-// Fills c with the defaults of DESIGN.md §5.
+// Fills c with the defaults (docs/design.md "Configuration").
 void rnnd_config_defaults(struct rnnd_config *c);
 
 // What rnnd_config_parse decided.

@@ -1,7 +1,7 @@
 /*
  * engine.h: the engine thread, which owns the backend and everything that lives in its memory:
  * the weights (double-buffered versions), the gradient buffer and optimizer state, the env state
- * table, the trajectory rings and the tapes. One engine per device (DESIGN.md §4).
+ * table, the trajectory rings and the tapes. One per device (docs/architecture.md "Threads").
  *
  * Work arrives as jobs through the batcher (batcher.h): Step jobs are merged into batches, every
  * other kind runs alone, between batches (so a weight swap never lands inside a batch). Whoever

@@ -21,7 +21,7 @@
  *                      error (it would be a bug), so tests and operators see it.
  *
  * A job split over several devices runs on all of them or on none: a request refused on one
- * device changes nothing on the others either (DESIGN.md §3).
+ * device changes nothing on the others either (docs/design.md "Several devices and hosts").
  *   Step               every device admits its part first (checks its envs, reserves slots for
  *                      the new ones, holds the envs); the parts run once all are admitted, and
  *                      give their reservations back when one is refused (unknown env without

@@ -4,7 +4,7 @@
  * rnnd_log(level, fmt, ...) filters by level before it formats anything (redis serverLog), so a
  * debug line costs one comparison when debug is off. Lines go to stderr as
  * "2026-11-21T10:07:00.123Z I message". Any thread may log; each line is one write(2).
- * RNND_ASSERT / rnnd_panic are for broken invariants only (STYLE.md §3 tier 3): they log file:line
+ * RNND_ASSERT / rnnd_panic are for broken invariants (docs/style.md "Errors"): they log file:line
  * and abort, and the supervisor restarts the daemon.
  */
 #ifndef RNND_LOG_H

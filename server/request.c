@@ -1,6 +1,6 @@
 /*
  * request.c: decoding and checking requests (see request.h). The tensor checks come first, then
- * one function per method, in the order of DESIGN.md §3.
+ * one function per method, in the order of docs/design.md "Wire".
  */
 #include "request.h"
 

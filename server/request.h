@@ -6,7 +6,7 @@
  * target (tests/fuzz) drives exactly these functions.
  *
  * Checks return 0 or an RNND_E* code with a message in err (RNND_REQUEST_ERRLEN bytes) saying
- * what was wrong and what to send instead (DESIGN.md §3). Any thread.
+ * what was wrong and what to send instead (docs/design.md "Status codes"). Any thread.
  */
 #ifndef RNND_REQUEST_H
 #define RNND_REQUEST_H

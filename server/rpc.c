@@ -10,7 +10,7 @@
  * structs embedded in the call that say which batch finished. The per-call mutex guards the
  * stream state (what is being sent, what is queued, whether a status went out).
  *
- * Shutdown (GRPC_NOTES.md): draining answers new calls UNAVAILABLE and ends idle streams; once
+ * Shutdown (docs/grpc_notes.md): draining answers new calls UNAVAILABLE and ends idle streams; once
  * no call of ours is unfinished (or the grace period is over), grpc_server_shutdown_and_notify
  * and grpc_server_cancel_all_calls together (see maybe_shutdown for why not earlier). Starting a
  * batch after grpc_completion_queue_shutdown aborts, so every batch start and request post holds

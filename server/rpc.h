@@ -1,5 +1,5 @@
 /*
- * rpc.h: the gRPC layer. rpc.c is the only file that calls grpc_* (STYLE.md §7): it owns the
+ * rpc.h: the gRPC layer. rpc.c alone calls grpc_* (docs/style.md "Threads"): it owns the
  * server, the completion-queue thread, every call's lifetime, the method table, the
  * grpc.health.v1.Health service and the one mapping of rnnd error codes to gRPC status codes.
  *

@@ -1,5 +1,5 @@
 /*
- * tape.h: Forward tapes kept for Backward (DESIGN.md §3), under a time-to-live (--tape-ttl-s)
+ * tape.h: Forward tapes kept for Backward (docs/design.md), under a time-to-live (--tape-ttl-s)
  * and a memory budget (--tape-memory-mb).
  *
  * The store keeps opaque tape objects with their byte counts; the engine owns what they point

@@ -1,5 +1,5 @@
 /*
- * trajectory.h: the per-env ring of recorded steps (DESIGN.md §3 Forward over `recorded`).
+ * trajectory.h: the per-env ring of recorded steps (docs/design.md "Learners").
  *
  * Each step keeps what a learner needs to replay it exactly: the observation, is_init, the
  * extras vector, the state the step started from (after any reset: rnnd_step.h_before) and the

@@ -347,7 +347,7 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
                 rnnd_strerror(err));
         return err;
     }
-    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (kernels/bench/NOTES.md).
+    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (docs/journal).
     const char *variant = getenv("RNND_CUDA_VARIANT");
     if (variant && *variant)
         rnnd_cuda_set_variant(&be, atoi(variant));

@@ -22,7 +22,7 @@
  *      synchronises), median over `launches` calls.
  * Figures go to res->step_us, graph_us, call_us; res->extra gets the launch count, slots,
  * host_us and the SM clock. RNND_CUDA_VARIANT (bench only) sets the backend's variant bits
- * (kernels/bench/NOTES.md).
+ * (docs/journal).
  */
 #include "bench.h"
 #include "cuda_backend.h"

@@ -12,7 +12,7 @@
 #       race      compute-sanitizer memcheck, racecheck and synccheck over one small bench run
 #                 (GRU and LSTM, TF32, B=40 T=9: every loop of a forward, a forward with tape and
 #                 a backward); with RNND_CUDA_VARIANT=4096 the GRU runs the KP loop, whose
-#                 bar.arrive hand-over racecheck misreports (NOTES v17) (not in all);
+#                 bar.arrive hand-over racecheck misreports (journal v17) (not in all);
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN; LSTM
 #                 also at H=256);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
@@ -162,7 +162,7 @@ if [[ " $STEPS " == *" profile "* ]]; then
 fi
 
 if [[ " $STEPS " == *" variants "* ]]; then
-    # Variants of the TF32 H=128 loops (RNND_CUDA_VARIANT; kernels/bench/NOTES.md).
+    # Variants of the TF32 H=128 loops (RNND_CUDA_VARIANT; docs/journal).
     : >"$OUT/variants.log"
     VB="$BIN/rnnd-kernel-bench --backend cuda --batch 2048 --steps 256 --input 64 --hidden 128 \
 --compute fp32 --reset-prob 0.1 --warmup 3 --repeat 10"
@@ -176,7 +176,7 @@ if [[ " $STEPS " == *" variants "* ]]; then
 fi
 
 if [[ " $STEPS " == *" h256 "* ]]; then
-    # Where the cluster loops of LSTM H=256 win: batches in one wave and not (kernels/bench/NOTES.md v11).
+    # Where the cluster loops of LSTM H=256 win: batches in one wave and not (docs/journal v11).
     : >"$OUT/h256.log"
     for v in ${VARIANTS_H256:-0 256}; do
         for b in 384 1920 2048; do

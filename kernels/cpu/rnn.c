@@ -33,7 +33,7 @@
  * and TLB miss each). x is transposed into that order on entry; out, grad_out and grads->x are
  * read and written batch-first in place.
  *
- * The reset rule (DESIGN.md §2). The state row b enters step t with is, for every layer:
+ * The reset rule (docs/design.md). The state row b enters step t with is, for every layer:
  *   is_init[b, t] set:       hidden[b, t] if stored states are given, else zero;
  *   t = 0 (no reset):        hidden[b, 0] if stored states are given, else h0, else zero;
  *   otherwise:               the state that row b left step t-1 with.

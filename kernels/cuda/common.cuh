@@ -6,7 +6,7 @@
  *
  * Conventions: device pointers that sit next to host pointers carry a d_ prefix; every launch is
  * followed by CUDA_LAUNCH_CHECK(); fallible host functions return 0 or a negative RNND_E*.
- * Kernels never log (STYLE.md §3): a failed CUDA call becomes RNND_EDEVICE for the caller.
+ * Kernels never log (docs/style.md "Errors"): a failed CUDA call is RNND_EDEVICE for the caller.
  */
 #ifndef RNND_CUDA_COMMON_CUH
 #define RNND_CUDA_COMMON_CUH
@@ -183,7 +183,7 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
 // Activations. FAST (the tensor-core modes): the SFU's tanh, one instruction (tanh.approx.f32),
 // and sigmoid(x) = (1 + tanh(x / 2)) / 2 built on it. An SM's 16 SFU lanes a clock bound the
 // time loops' cells: this is 3 SFU operations a GRU element and 5 an LSTM one, where an ex2 and a
-// reciprocal a gate were 5 and 7 with shared reciprocals (kernels/bench/NOTES.md v15, v16). PTX
+// reciprocal a gate were 5 and 7 with shared reciprocals (docs/journal v15, v16). PTX
 // promises a relative error of 2^-11; an H100 measured 2^-16.6 at most over [-12, 12] (NOTES
 // v16), far below TF32's rounding, and test_rnn_cuda holds every FAST path to the CPU reference
 // on the device it runs on. NaN stays NaN, +-inf gives +-1. Otherwise (ieee, the per-step path):

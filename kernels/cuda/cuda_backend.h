@@ -20,7 +20,7 @@ extern "C" {
 // STEPWISE (PERSISTENT behaves as AUTO: it cannot run models that do not fit). RNND_EINVAL for
 // another backend. Both paths write and read the same tape layout.
 int rnnd_cuda_set_path(struct rnnd_backend *b, int path);
-// Selects a kernel variant for benchmarking (kernels/bench/NOTES.md); 0 is the default.
+// Selects a kernel variant for benchmarking (docs/journal); 0 is the default.
 // Variants that do not exist for a model run the default.
 int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant);
 // Variant bit 8: average clock cycles per step of each phase of the last persistent forward and

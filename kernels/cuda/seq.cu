@@ -105,7 +105,7 @@ bool rnnd__cuda_seq_persistent(const struct cuda_ctx *c, const struct rnnd_model
 }
 
 // Layer l's backward recomputes its gates instead of reading them from the tape (v10,
-// kernels/bench/NOTES.md): GRU at HP = 128 with H = 128 and a layer input the loop can read
+// docs/journal): GRU at HP = 128 with H = 128 and a layer input the loop can read
 // (I_l <= 64, I_l % 4 == 0); the forward then writes no s rows, except where it writes z's chunk
 // parts (seq_zfwd: then the loop reads the gates, NOTES v29). The forward and the backward of
 // one tape must agree, so this depends on the model, the context and l only. Bench variant bit
@@ -163,7 +163,7 @@ static bool seq_zfwd(const struct cuda_ctx *c, const struct rnnd_model *m,
 }
 
 // The LSTM H = 256 loops may run in thread-block clusters (seq_cluster.cu, v11 and v11b in
-// kernels/bench/NOTES.md): TF32 mode, sm_90. Bench variant bit 128 turns them off (the per-step
+// docs/journal): TF32 mode, sm_90. Bench variant bit 128 turns them off (the per-step
 // path).
 static bool seq_cluster_model(const struct cuda_ctx *c, const struct rnnd_model *m) {
     return c->path != CUDA_PATH_STEPWISE && !(c->variant & 128) && c->cc_major >= 9 &&
@@ -533,7 +533,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     struct seq_layout lay;
     rnnd__cuda_seq_layout(c, m, B, T, &lay);
     // Per layer: the x k-steps the persistent loop fuses (0: x W_ih^T from a GEMM into xg).
-    // Bench variant bit 32 turns the fusion off (kernels/bench/NOTES.md v6).
+    // Bench variant bit 32 turns the fusion off (docs/journal v6).
     int hp = persistent ? rnnd__persist_hp(m, c->smem_optin) : 0, xks[RNND_MAX_LAYERS];
     auto vec_of = [&](const float *o, const float *hn, const float *cn) {
         return H % 4 == 0 && aligned16(o) && aligned16(hn) && aligned16(cn) &&

@@ -1,6 +1,6 @@
 /*
  * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters
- * (sm_90, v11 in kernels/bench/NOTES.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
+ * (sm_90, v11 in docs/journal). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
  * one SM, so a cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster
  * holds the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
  * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
@@ -33,7 +33,7 @@
  * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
  * planes in tape_b8's blocks (seq_persist.cuh) for the backward loop in the same clusters
  * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
- * batch's clusters at once, and not too few of them; kernels/bench/NOTES.md v11). Where both
+ * batch's clusters at once, and not too few of them; docs/journal v11). Where both
  * loops run here (seq.cu's seq_cz, layer 0), z is instead written as the dw256 chunks of
  * seq_persist.h (a.zc), and the backward writes D's chunks besides (or instead of) D, for
  * seq_dw.cu's weight-gradient product (v35).
@@ -53,7 +53,7 @@ constexpr int CXKS = CXK / 16;                           // x k-steps (fp16 m16n
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
 
 // A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows,
-// v11b) does not fit the 64-row layouts (kernels/bench/NOTES.md v11b): the forward's h tile is
+// v11b) does not fit the 64-row layouts (docs/journal v11b): the forward's h tile is
 // single-buffered and W_ih's fp16 fragments live in shared memory (after the x tiles) instead of
 // registers; the backward's receive slots share their memory with the A tile.
 template <int ROWS> struct cshape {
@@ -1313,7 +1313,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
 
         // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
-        // (DESIGN.md §2): out where it ends here, else carried into step t - 1. 64 rows: the sums
+        // (docs/design.md): out where it ends here, else carried into step t - 1. 64 rows: the sums
         // into registers first, then "sums read"; WIDE: the sums are read again where needed.
         if constexpr (!WIDE) {
 #pragma unroll

@@ -31,7 +31,7 @@
  *   gate gradients from the tape (the GRU's gates, the LSTM's pre-activations) and dL/dh' -> D
  *   (global, for the weight and input GEMMs) and the dh-gate tile (16 x G*HP) in shared memory;
  *   dh = tile . W_hh + the direct term, K split over warp pairs (persist_geom); routing of
- *   the gradient at resets (DESIGN.md §2) and at t = 0.
+ *   the gradient at resets (docs/design.md "The math") and at t = 0.
  * Weights are loaded once per launch into shared memory, pre-arranged as per-lane MMA B
  * fragments. In TF32 mode they are stored as fp16 scaled by a power of two (the largest |w| of
  * the launch lands in [2^14, 2^15)) and widened to fp32 when a fragment is read: fp16 keeps the
@@ -46,7 +46,7 @@
  * gates from hprev and x (the z rows), or (v29) reads them from the fp16 gate tape the wgmma
  * forward writes with z's chunk parts; see its comment.
  *
- * Versions v1..v13: kernels/bench/NOTES.md has each one's prediction and measured result.
+ * Versions v1..v13: docs/journal has each one's prediction and measured result.
  */
 #ifndef RNND_CUDA_SEQ_PERSIST_CUH
 #define RNND_CUDA_SEQ_PERSIST_CUH
@@ -798,7 +798,7 @@ static __device__ __forceinline__ void persist_rows2(bool rv[2], size_t bidx[2],
 
 // ---------------------------------------------------------------------------------------------
 // Phase clocks (bench variant bit 8, TF32 H=128 only): warp 0's clock cycles per phase of each
-// step, summed into a.dbg (kernels/bench/NOTES.md v4 has the phases).
+// step, summed into a.dbg (docs/journal v4 has the phases).
 template <int V>
 struct persist_clock {
     long long t = 0, sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -1786,7 +1786,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             mine[hf][0] += v.x, mine[hf][1] += v.y, mine[hf][2] += v.z, mine[hf][3] += v.w;
         }
 
-        // Route it (DESIGN.md §2): carried to step t-1, or into the gradient of the value the
+        // Route it (docs/design.md): carried to step t-1, or into the gradient of the value the
         // state was reset to (stored states, or h0 at t = 0), or dropped (a zero reset).
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -2492,7 +2492,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             clk.mark(3);
         }
 
-        // Route it (DESIGN.md §2), as seq_backward_kernel does.
+        // Route it (docs/design.md "The math"), as seq_backward_kernel does.
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const float inv = winv * pow2_inv(rsc[i]);
@@ -2640,7 +2640,7 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
 
 // The TF32 H=128 loops with vector access: the fused GRU forward with K split over warp pairs
 // and the x part a step ahead (v12, v13), and bench variant bit 8 (phase clocks)
-// (kernels/bench/NOTES.md); RNND_ENOTSUP where neither applies.
+// (docs/journal); RNND_ENOTSUP where neither applies.
 template <class Cell>
 static int persist_launch_variant(bool backward, const void *args, cudaStream_t stream) {
     if (backward) {

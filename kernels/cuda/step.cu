@@ -5,7 +5,7 @@
  *   the sequence kernels (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)),
  *   LSTM c' = f c + i g).
  *
- * One launch per layer (bench/NOTES.md, "single step"), in one of two kernels:
+ * One launch per layer (docs/journal, "single step"), in one of two kernels:
  * - step_kernel, for more than a few rows: block (s, t) owns a tile of MT rows (t) and UT hidden
  *   units (s) with all their gates, a GEMM tile of MT x G*UT over K = I_l + H, fed by a cp.async
  *   pipeline of NS stages of KC columns (x chunks, then h chunks; rows gathered through the slot
@@ -100,7 +100,7 @@ static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&
 // TF32: fragments straight from the stage with ldmatrix (A: one x4 per m-tile; W: one x4 per
 // two planes), fp32 bit patterns as they are: the tensor cores read their tf32 part, i.e. the
 // operands are rounded toward zero to 10 mantissa bits (a cvt.rna per element would double the
-// k-step's instructions; the error stays within DESIGN.md's tf32 bound, bench/NOTES.md).
+// k-step's instructions; the error stays within docs/design.md's tf32 bound; docs/journal/).
 struct step_tf32 {
     static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free ldmatrix rows
     static constexpr bool FAST = true;
@@ -628,7 +628,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
 // columns 4t..4t+3 of each chunk; a pass issues all its loads before its first product, every
 // lane reads the row's slot itself (no barrier between the slot and the h loads) and nothing goes
 // through shared memory, so the step is the chain slot -> h row, products, warp reductions,
-// cell, stores (bench/NOTES.md, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
+// cell, stores (docs/journal, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
 // every mode (bf16 rounds both operands to bf16 first), like the few-rows kernel. (The same
 // scheme with 4 rows a block measured 1.5-2 us slower than the few-rows kernel at B = 4 and 8,
 // so that one keeps B = 2..8.)
@@ -876,7 +876,7 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
 // and weights fit). More: in TF32 mode where cuda_wg allows, the 64 x 32 tiles on warpgroup MMAs
 // wherever they make 16 blocks or each block streams at most 128 KB of weights (below that the
-// smaller tiles, which spread the weights over more SMs, win: bench/NOTES.md "single step" v12);
+// smaller tiles, which spread the weights over more SMs, win: docs/journal "single step" v12);
 // else the tile shape that still gives half the SMs a block, largest first.
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,

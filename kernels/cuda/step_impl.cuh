@@ -7,11 +7,11 @@
 
 #include "common.cuh"
 
-// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (bench/NOTES.md
+// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (docs/journal
 // "single step" v6).
 #define RNND_STEP_VARIANT_NO_PDL 512
 // Bench variant: layer 0 never reads its inputs before the wait (step_kargs.early_x), as in a
-// step that starts cold (bench/NOTES.md "single step" v20).
+// step that starts cold (docs/journal "single step" v20).
 #define RNND_STEP_VARIANT_NO_EARLY_X 16
 
 static __device__ __forceinline__ void cp_commit() {
@@ -36,7 +36,7 @@ static __device__ __forceinline__ void grid_wait_then_release() {
 
 // One layer of a step. Row b reads its old state from table row slots[b] and writes its new one
 // to row slots_new[b]; no row is both (struct rnnd_step), so blocks never wait for each other:
-// each writes its new states as soon as its cell has them (bench/NOTES.md "single step" v19).
+// each writes its new states as soon as its cell has them (docs/journal "single step" v19).
 struct step_kargs {
     int B, I, H, L, l;      // B: rows of this launch
     const float *x;         // (B, I) layer 0's input; layers above read layer l-1's new state

@@ -1,7 +1,7 @@
 /*
  * rnnd_kernels.h: the backend-neutral op API of rnnd's recurrent cores.
  *
- * The math of shared/DESIGN.md §2 (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets) behind a
+ * The math of docs/design.md (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets) behind a
  * small vtable, so the server runs the same calls on the CPU reference and on CUDA. Kernels do no
  * I/O, never log and keep no global state; each backend context belongs to one thread at a time.
  *
@@ -119,7 +119,7 @@ void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *pa
 // ---------------------------------------------------------------------------------------------
 // Op arguments.
 
-// A batch of trajectories for rnn_forward / rnn_backward. Reset rule (DESIGN.md §2): before step
+// A batch of trajectories for rnn_forward / rnn_backward. Reset rule (docs/design.md): before step
 // t of row b, where is_init[b, t] is set, every layer's state is replaced by the reset value:
 // hidden[b, t] (and cell[b, t]) when stored states are given, zero otherwise. The state at t = 0
 // is h0 when given, else hidden[b, 0] when given, else zero. h0 and hidden are exclusive.
@@ -151,7 +151,7 @@ struct rnnd_seq_grads {
 // indices are distinct (the CPU backend refuses others with RNND_EINVAL; the CUDA backend, whose
 // indices are in device memory, leaves the result undefined). So a call never reads a state it
 // has already replaced, and the CUDA kernels need no barrier between the blocks that read a row's
-// old state and those that write its new one (kernels/bench/NOTES.md "single step" v19). A
+// old state and those that write its new one (docs/journal "single step" v19). A
 // caller keeps two rows per env and alternates them (the daemon: rows slot and slot + S). The
 // inputs (x, is_init, slots, slots_new) never lie in the state tables, nor overlap this call's
 // out, h_before or c_before; they may be what the call before wrote there (x = the last out):

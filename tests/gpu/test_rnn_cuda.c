@@ -1,9 +1,9 @@
 /*
  * test_rnn_cuda.c: the CUDA backend against the CPU reference, op by op, through the same vtable
- * (STYLE.md §8). Fresh random inputs for every case (weights as rnnd_model_init_params, x, resets,
+ * (docs/style.md "Tests"). New random inputs a case (weights as rnnd_model_init_params, x, resets,
  * stored states or h0, output gradients, a non-zero gradient buffer to check +=); every CUDA
  * output is poisoned with NaN before the op, so an element the op forgot to write fails. Each
- * output is compared norm-wise, ||gpu - cpu|| / ||cpu||, against DESIGN.md §2's bound for the
+ * output is compared norm-wise, ||gpu - cpu|| / ||cpu||, against docs/design.md's bound for the
  * compute mode (ieee 1e-5, fp32/TF32 1e-3, bf16 2e-2); on failure the first mismatching indices
  * are printed. Exits 77 (CTest: skipped) when no CUDA device is usable.
  *
@@ -474,7 +474,7 @@ static bool run_pair(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
 // once overflowed to inf for a row maximum below 2^-114: NaN outputs and gradients). Both rows'
 // results match the CPU reference, the tiny gradients of the second row on their own scale too.
 // H = 128 runs the loops on dw16 chunks, H = 64 the others (their dh tile is fp16 with a scale a
-// row since NOTES v32: unscaled, the tiny row's tile would be zeros and its dL/dx far off).
+// row since journal v32: unscaled, the tiny row's tile would be zeros and its dL/dx far off).
 static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum rnnd_cell cell,
                       int H) {
     const struct seq_case sc = edge_case(cell, H);
@@ -514,9 +514,9 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
 // far end). LSTM: forget gates at 1 - 1.2e-4 (bias +9), input gates at 1.2e-4 (bias -9, so c
 // stays near c0 and TF32's own errors small). GRU: update gates z at 1 - 1.2e-4, so h stays
 // near h0. The tapes hold the gates' pre-activations (fp16 where the persistent loops run, as
-// here; the GRU's from its wgmma forward, NOTES v29); the gates themselves rounded to fp16 would
-// each be 1 and those products off by up to 3% (NOTES v20: 1.9e-2 in dL/dc0 in a float64 model).
-// The GRU also in bf16 mode, whose backward reads the same planes (NOTES v40), at its tolerance.
+// here; the GRU's from its wgmma forward, journal v29); the gates themselves rounded to fp16 would
+// each be 1 and those products off by up to 3% (journal v20: 1.9e-2 in dL/dc0 in a float64 model).
+// The GRU also in bf16 mode, whose backward reads the same planes (journal v40), at its tolerance.
 static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                               enum rnnd_cell cell, enum rnnd_compute compute) {
     const bool lstm = cell == RNND_CELL_LSTM;
@@ -645,13 +645,13 @@ static void test_wg_kp(struct rnnd_backend *gpu, const struct seq_case *sc) {
 // identical), then layer 0's parameter gradients and dL/dx against the CPU reference at
 // dw16_tol. The products round D, z and W_ih to bf16 to nearest: 3e-4 to 8.1e-4 on the
 // parameters of these cases and 8e-5 to 6.6e-4 on dL/dx, where cuBLAS's bf16 product on the
-// fp32 D and z (variant bit 16384) gives 1.3e-3 to 2.2e-3 on the parameters (NOTES v25d-f). So a
+// fp32 D and z (variant bit 16384) gives 1.3e-3 to 2.2e-3 on the parameters (journal v25d-f). So a
 // lost or misplaced chunk, row or column fails, and so does a fall-back to cuBLAS for the weight
 // gradients. With a second layer, layer 0's gradients carry the error of layer 1's dL/dx
 // (cuBLAS, bf16: 1.4e-3 to 2.6e-3), and other devices run cuBLAS's products: there the mode's
-// tolerance. TF32 mode (fp16 chunks with exponent records, NOTES v26) runs the same
+// tolerance. TF32 mode (fp16 chunks with exponent records, journal v26) runs the same
 // checks at its own tolerance, which dw16_tol equals; test_dw16_scales adds its ranges.
-// The bf16 GRU's backward on the forward's chunks (NOTES v40) takes hprev from them in bf16, which
+// The bf16 GRU backward on the forward's chunks (journal v40) takes hprev from them in bf16, which
 // adds the product's own rounding of h to D: up to 1.03e-3 on these cases (B = T = 1 from h0;
 // the loop's own chunks, hprev in fp32: 3.6e-4 to 4.8e-4). There dw16_zf_tol: no cuBLAS product
 // can run on that tape (it holds no z rows), and a lost or misplaced part is off by 0.2 and more.
@@ -699,10 +699,10 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 
 // Layer 0 at H = 128 in TF32 mode (the GRU also in bf16) on sm_90: the wgmma forward writes z's
 // dw16 chunk parts into the tape in place of the z rows, and the backward loop reads no z rows
-// (NOTES v27, v28, v40). The LSTM's chunks hold the same bits either way, so its forwards and
+// (journal v27, v28, v40). The LSTM's chunks hold the same bits either way, so its forwards and
 // gradients are bitwise equal to the loop that writes them itself (variant bit 32768). The GRU's
 // backward takes hprev (16-bit) from the chunks and its gates from the fp16 planes the forward
-// writes beside them instead of recomputing them (NOTES v29): test_dw16's checks against the CPU
+// writes beside them instead of recomputing them (journal v29): test_dw16's checks against the CPU
 // reference, and the same for the recomputing loop that writes its own chunks (bit 32768; the
 // path of inputs off 16-byte alignment). Then with outputs and gradients off 16-byte alignment,
 // which the backward cannot see from the forward's side: the forward stages its outputs, the
@@ -746,7 +746,7 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     misalign = false;
 }
 
-// TF32 mode's products (seq_dw.cu on fp16 chunks, NOTES v26) on values far from 1, where one
+// TF32 mode's products (seq_dw.cu on fp16 chunks, journal v26) on values far from 1, where one
 // fp16 scale for all rows would overflow or lose every bit. Each value is kept to 10 bits by its
 // (row, group) exponent; a K range is summed relative to its largest, so a row's share of dW goes
 // only where it is 2^24 or more below the largest row's, and dL/dx is each row's own.
@@ -760,7 +760,7 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 //      below fp16, and dW_ih near 0).
 //   5: row 3's output gradients times 2^-30 before its reset at step 10, row 17's times 2^20 at
 //      step 5 alone: a step whose gate gradients are 2^30 below, or 2^20 above, the step's after.
-//      A loop that scales its dh tile by the step after's row maxima (v30a, NOTES v30, not kept)
+//      A loop that scales its dh tile by the step after's row maxima (v30a, journal v30, not kept)
 //      fails it without a fall-back: row 3's early dL/dx, compared on its own, 4.8e-3 off (below
 //      fp16), and non-finite gradients from row 17 (over it).
 static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
@@ -873,7 +873,7 @@ static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *
 }
 
 // x's rows (b, t) of every third step each times 2^k, k drawn from [-10, 4]: the loops that put x
-// into fp16 scale such rows by powers of two of their own (H = 256's clusters, NOTES v39, where
+// into fp16 scale such rows by powers of two of their own (H = 256's clusters, journal v39, where
 // the steps between keep the h scale and skip the rows' factors; H = 128's split forward), and
 // the dw16 products read x's exponents from their records. One scale for all rows would overflow
 // fp16 (above 8 with the h scale's 2^13) or lose the small rows; a row's or a step's factor
@@ -1099,7 +1099,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     // RNND_CUDA_VARIANT: run every case with a kernel variant under trial (as the bench does;
-    // kernels/bench/NOTES.md), e.g. 1024 for the 80-row LSTM H=256 clusters.
+    // docs/journal), e.g. 1024 for the 80-row LSTM H=256 clusters.
     const char *variant = getenv("RNND_CUDA_VARIANT");
     if (variant && *variant) {
         if (rnnd_cuda_set_variant(&gpu, atoi(variant)) != 0) {
@@ -1307,7 +1307,7 @@ int main(int argc, char **argv) {
         };
         for (int i = 0; i < (int)(sizeof(feed) / sizeof(feed[0])); i++)
             test_step(&gpu, &cpu, &feed[i], true);
-        // The wgmma LSTM forward (sm_90, NOTES v23) as wg_cases and wg_short above: padded H
+        // The wgmma LSTM forward (sm_90, journal v23) as wg_cases and wg_short above: padded H
         // and I_l with stored states (c included) under a second layer it does not take, h0 and
         // c0, two and three steps. Last, as wg_cases.
         const struct seq_case wg_lstm[] = {

@@ -1,5 +1,5 @@
 /*
- * test_errors.c: every error case of DESIGN.md §3, each followed by a check that the rejected
+ * test_errors.c: every error case of docs/design.md, each followed by a check that the rejected
  * request changed nothing: the probe envs (which most bad requests also name) continue exactly as
  * the reference says, the weights and model version are the same and no env appeared or vanished.
  *
@@ -456,7 +456,7 @@ static void refused_mix(struct fixture *f, uint64_t fresh, uint64_t bad, bool ba
     EXPECT_STATUS(step(f, &again), GRPC_STATUS_FAILED_PRECONDITION);
 }
 
-// A Step that one device refuses runs on no device (DESIGN.md §3), as a unary call and on a
+// A Step that one device refuses runs on no device (docs/design.md), as a unary call and on a
 // stream: an unknown env without is_init, and a step_index that skips ahead.
 static void test_refused_on_one_device(void **state) {
     struct fixture *f = *state;

@@ -1,5 +1,5 @@
 /*
- * test_step.c: Step and StepStream semantics against the CPU reference (DESIGN.md §2–§3): many
+ * test_step.c: Step and StepStream semantics against the CPU reference (docs/design.md): many
  * steps over random subsets of envs in random order with random resets, for GRU and LSTM with
  * two layers; returned states; retry-safe step_index; EndEpisodes; determinism; GetModelInfo.
  *

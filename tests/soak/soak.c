@@ -7,7 +7,7 @@
  * step in flight; Steps on an impatient connection (1 ms deadline) that may or may not reach
  * the engine; EndEpisodes; Forward over the last recorded step; reconnects; and bad requests
  * (wrong shape, duplicate ids, NaN, unknown env, skipped step_index, unknown tape, undecodable
- * bytes, unknown method) that must be refused with their DESIGN.md §3 code and change nothing.
+ * bytes, unknown method) that must be refused with their docs/design.md code and change nothing.
  * Every step carries a step_index, so a step whose reply was lost is resent with the same index
  * and applied exactly once; only then does the reference take it. Every output the daemon
  * returns is compared with the reference's.

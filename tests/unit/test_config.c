@@ -1,5 +1,5 @@
 /*
- * test_config.c: rnnd's configuration (server/config.c): the defaults of DESIGN.md §5, flags in
+ * test_config.c: rnnd's configuration (server/config.c): the defaults of docs/design.md, flags in
  * both spellings, config files (comments, quotes, line numbers in errors), flags winning over
  * the file, refusals that name the offending flag, and the warning for a listen address that
  * other hosts reach without TLS or a token.
@@ -132,7 +132,7 @@ static void test_help_and_version(void **state) {
     assert_int_equal(parse(&c, err, (const char *[]){"--hidden-size", "bad", "--help", NULL}),
                      RNND_CONFIG_EXIT);
     assert_int_equal(parse(&c, err, (const char *[]){"--version", NULL}), RNND_CONFIG_EXIT);
-    // Every flag of DESIGN.md §5 is in the usage text.
+    // Every flag of docs/design.md "Configuration" is in the usage text.
     char *text = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&text, &len);

@@ -1,6 +1,6 @@
 /*
  * test_status.c: the one mapping from rnnd error codes to gRPC status codes (server/rpc.c,
- * DESIGN.md §3): bad input INVALID_ARGUMENT, missing state FAILED_PRECONDITION, unknown tape
+ * docs/design.md): bad input INVALID_ARGUMENT, missing state FAILED_PRECONDITION, unknown tape
  * NOT_FOUND, full queues and budgets RESOURCE_EXHAUSTED, draining UNAVAILABLE, tokens
  * UNAUTHENTICATED; internal failures never masquerade as a client's mistake.
  */

@@ -1,6 +1,6 @@
 """numpy <-> rnnd.v1.Tensor.
 
-Tensors travel row-major and little-endian (DESIGN.md §3). Encoding a C-contiguous array that
+Tensors travel row-major and little-endian (docs/design.md). Encoding a C-contiguous array that
 already has the wire dtype costs one copy (``tobytes``; protobuf wants ``bytes``). Decoding
 costs none beyond the ``bytes`` object protobuf hands out: the array is a read-only view over
 it (call ``.copy()`` for a writable one). bfloat16 has no numpy dtype: it decodes to float32.

@@ -1,6 +1,6 @@
 """rnnd.Client: a blocking client for the rnnd daemon (rnnd.v1.Rnn and grpc.health.v1.Health).
 
-numpy in, numpy out. Every method maps to one RPC of proto/rnnd/v1/rnnd.proto (DESIGN.md §3);
+numpy in, numpy out. Every method maps to one RPC of proto/rnnd/v1/rnnd.proto (docs/design.md);
 layout is batch-first: obs [B, T, I], is_init [B, T], output [B, T, H], states [B, L, H], stored
 states [B, T, L, H]. Arrays that come back are read-only views over the reply's bytes (no copy
 beyond the one protobuf makes); call ``.copy()`` where you need to write into one.

@@ -1,6 +1,6 @@
 """rnnd.Client against a real daemon (CPU backend): every RPC, the streaming stepper, recorded
 trajectories with extras, retry-safe steps, checkpoints, auth, and that errors carry the gRPC
-status code and the server's message (DESIGN.md §3)."""
+status code and the server's message (docs/design.md "Status codes")."""
 
 import os
 import sys

@@ -4,7 +4,7 @@
  * M = 4H = 1024 columns of D, N = ldz = 324 columns of z, K = B T = 524288 rows) against the
  * same products on D and z stored transposed (K contiguous: TF32 MMAs take K-major operands
  * only), and against cublasLt's other algorithms on today's layout. Today's layout gives cuBLAS
- * an M-major D and an N-major z; its 1.57 ms (NOTES v33) is 1.8 TB/s on the 2.8 GB read.
+ * an M-major D and an N-major z; its 1.57 ms (journal v33) is 1.8 TB/s on the 2.8 GB read.
  *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o gemm_h256 gemm_h256.cu \
  *       -lcublas -lcublasLt

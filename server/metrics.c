@@ -52,6 +52,8 @@ static const char *const code_names[RNND_GRPC_CODES] = {
 static const char *const op_names[RNND_OP_COUNT] = {"step", "forward", "backward", "optim"};
 static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
 static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
+static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "header_timeout",
+                                                                  "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {"envs", "step_queue_rows", "tape_bytes",
                                                           "message_bytes", "streams"};
 
@@ -293,6 +295,17 @@ int rnnd_metrics_render(char **out, size_t *len) {
     put(&b, "# HELP rnnd_request_message_bytes Size of each request message received.\n"
             "# TYPE rnnd_request_message_bytes histogram\n");
     put_hist(&b, "rnnd_request_message_bytes", "", &m->request_size, 1.0);
+    put(&b,
+        "# HELP rnnd_http_connections HTTP connections open (/healthz, /readyz, /metrics).\n"
+        "# TYPE rnnd_http_connections gauge\nrnnd_http_connections %lld\n",
+        (long long)lds(&m->http_connections));
+    put(&b, "# HELP rnnd_http_connections_dropped_total HTTP connections ended before a request "
+            "was answered, by reason: evicted (closed for a new one at the connection cap), "
+            "header_timeout (no complete request in time; answered 408), accept_failed.\n"
+            "# TYPE rnnd_http_connections_dropped_total counter\n");
+    for (int i = 0; i < RNND_HTTP_DROP_COUNT; i++)
+        put(&b, "rnnd_http_connections_dropped_total{reason=\"%s\"} %llu\n", http_drop_names[i],
+            (unsigned long long)ld(&m->http_dropped[i]));
     if (b.err) {
         free(b.p);
         return b.err;

@@ -65,6 +65,14 @@ enum rnnd_limit {
     RNND_LIMIT_COUNT,
 };
 
+// Why an HTTP connection ended before its request was answered (http.h).
+enum rnnd_http_drop {
+    RNND_HTTP_DROP_EVICTED,        // closed to make room for a new one at the connection cap
+    RNND_HTTP_DROP_HEADER_TIMEOUT, // no complete request head within the deadline (answered 408)
+    RNND_HTTP_DROP_ACCEPT_FAILED,  // could not be accepted (descriptors or memory exhausted)
+    RNND_HTTP_DROP_COUNT,
+};
+
 #define RNND_HIST_MAX_BUCKETS 24
 #define RNND_GRPC_CODES       17
 
@@ -98,6 +106,8 @@ struct rnnd_metrics {
     _Atomic int64_t streams_active;     // rnnd.v1 calls in progress
     struct rnnd_histogram request_size; // bytes of each decoded request message
     _Atomic int ready;                  // 1 while serving
+    _Atomic int64_t http_connections;   // HTTP connections open
+    _Atomic uint64_t http_dropped[RNND_HTTP_DROP_COUNT];
 };
 
 extern struct rnnd_metrics rnnd_metrics;

@@ -559,7 +559,7 @@ int rnnd_call_reserve(struct rnnd_call *c, size_t bytes, char *err, size_t errle
     struct rnnd_rpc *rpc = c->rpc;
     size_t held = atomic_load(&rpc->reply_bytes);
     do {
-        if (held + bytes > rpc->max_reply_bytes) {
+        if (held > rpc->max_reply_bytes || bytes > rpc->max_reply_bytes - held) {
             rnnd_metrics_limit_hit(RNND_LIMIT_REPLY_BYTES);
             snprintf(err, errlen,
                      "replies not yet read by their clients hold %.1f MiB and this one needs "
@@ -734,9 +734,7 @@ static void health_watch(struct rnnd_call *c) {
     atomic_fetch_add_explicit(&rnnd_metrics.health_watches, 1, memory_order_relaxed);
     pthread_mutex_lock(&c->lock);
     c->watching = true;
-    pthread_mutex_unlock(&c->lock);
     c->watch_known = rnnd_request_health_known(req->service ? req->service : "");
-    pthread_mutex_lock(&c->lock);
     bool drop = watch_update_locked(c);
     if (!drop && atomic_load(&c->rpc->draining))
         drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
@@ -1198,8 +1196,8 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     rpc->t_shutdown = (struct tag){TAG_SHUTDOWN, NULL};
     rpc->max_streams = o->max_streams > 0 ? o->max_streams : INT32_MAX;
     rpc->max_message_bytes = o->max_message_bytes;
-    rpc->max_reply_bytes = o->max_reply_bytes;
-    rpc->max_watches = o->max_health_watches;
+    rpc->max_reply_bytes = o->max_reply_bytes > 0 ? o->max_reply_bytes : SIZE_MAX;
+    rpc->max_watches = o->max_health_watches > 0 ? o->max_health_watches : INT32_MAX;
     rpc->idle_timeout_s = o->stream_idle_timeout_s;
     pthread_rwlock_init(&rpc->gate, NULL);
     pthread_mutex_init(&rpc->live_lock, NULL);
@@ -1431,7 +1429,8 @@ static bool idle_check(struct rnnd_call *c, void *now) {
     uint64_t limit = (uint64_t)rpc->idle_timeout_s * 1000000000ull;
     // A reply its client does not read holds its slot and its bytes: give them back. The status
     // cannot be sent (the client reads nothing), so the call is cancelled.
-    if (c->send_ns && !c->send_cancelled && idle_now_ns - c->send_ns > limit) {
+    // Times set after `now` was read (by other threads, meanwhile) are not in the past.
+    if (c->send_ns && !c->send_cancelled && idle_now_ns > c->send_ns + limit) {
         c->send_cancelled = true;
         atomic_fetch_add_explicit(&rnnd_metrics.stream_idle_ends, 1, memory_order_relaxed);
         rnnd_log(RNND_LOG_DEBUG, "%s: reply not read for %d s: cancelling the call",
@@ -1442,7 +1441,7 @@ static bool idle_check(struct rnnd_call *c, void *now) {
         return false;
     }
     if (!is_step_stream(c) || c->inflight || c->sending || c->outq || c->status_sent ||
-        c->ending || idle_now_ns - c->last_msg_ns <= limit)
+        c->ending || idle_now_ns <= c->last_msg_ns + limit)
         return false;
     atomic_fetch_add_explicit(&rnnd_metrics.stream_idle_ends, 1, memory_order_relaxed);
     char msg[256];

@@ -625,8 +625,7 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     ops[1].data.send_message.send_message = bb;
     ops[2].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     ops[2].data.send_status_from_server.status = GRPC_STATUS_OK;
-    c->send_buf = bb; // destroyed with the call
-    c->send_bytes = n;
+    c->send_buf = bb; // destroyed with the call; its bytes are given back by call_done
     rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
     c->send_ns = rnnd_now_ns();
     call_start(c, ops, 3, &c->t_status);
@@ -839,14 +838,15 @@ static void on_new(struct rnnd_call *c, bool ok) {
         return;
     }
     char msg[256];
-    if (too_large(rpc, c->payload, msg, sizeof(msg))) {
-        rnnd_call_fail(c, RNND_EFULL, msg);
-        return;
-    }
-    c->request = decode(m->metric, c->payload);
+    bool big = too_large(rpc, c->payload, msg, sizeof(msg));
+    c->request = big ? NULL : decode(m->metric, c->payload);
     if (c->payload) {
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
+    }
+    if (big) {
+        rnnd_call_fail(c, RNND_EFULL, msg);
+        return;
     }
     if (c->request == NULL) {
         snprintf(msg, sizeof(msg),

@@ -109,6 +109,16 @@ static const struct opt opts[] = {
     {"max-message-mb", INT(max_message_mb, 1, 2047), "N", "largest gRPC message either way"},
     {"max-streams", INT(max_streams, 1, 1 << 20), "N",
      "rnnd.v1 calls (unary and StepStream) in progress at once; more get RESOURCE_EXHAUSTED"},
+    {"max-reply-mb", INT(max_reply_mb, 1, 1 << 20), "N",
+     "memory for replies their clients have not read yet (reserved before the work); a call "
+     "whose reply does not fit gets RESOURCE_EXHAUSTED"},
+    {"max-connections", INT(max_connections, 1, 1 << 20), "N",
+     "gRPC connections open at once; more are closed as they arrive"},
+    {"max-health-watches", INT(max_health_watches, 1, 1 << 20), "N",
+     "grpc.health.v1 Watch streams open at once; more get RESOURCE_EXHAUSTED"},
+    {"stream-idle-timeout-s", INT(stream_idle_timeout_s, 0, INT_MAX), "N",
+     "end a StepStream that sent no message for N s (UNAVAILABLE), and cancel a call whose "
+     "reply its client has not read for N s (0: never)"},
     {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
     {"hz", INT(hz, 1, 1000), "N", "housekeeping timer frequency"},
     {"max-queue-rows", INT(max_queue_rows, 0, INT_MAX), "N",
@@ -148,6 +158,10 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->seed = 0;
     c->max_message_mb = 64;
     c->max_streams = 1024;
+    c->max_reply_mb = 1024;
+    c->max_connections = 1024;
+    c->max_health_watches = 256;
+    c->stream_idle_timeout_s = 300;
     c->log_level = RNND_LOG_INFO;
     c->hz = 10;
     c->max_queue_rows = 0;
@@ -413,6 +427,11 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
                     "--max-batch %d rows of this model do not fit into --max-message-mb %d; "
                     "lower the first or raise the second",
                     c->max_batch, c->max_message_mb);
+    if (c->max_reply_mb < c->max_message_mb)
+        return fail(err, errlen,
+                    "--max-reply-mb %d cannot hold one reply of --max-message-mb %d; raise the "
+                    "first or lower the second",
+                    c->max_reply_mb, c->max_message_mb);
     return 0;
 }
 

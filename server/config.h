@@ -60,6 +60,10 @@ struct rnnd_config {
     int reply_threads;   // threads sending Step replies; -1: automatic (0 under 8 CPUs, else 2)
     int inline_steps;    // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
     int max_streams;     // rnnd.v1 calls (unary and StepStream) in progress at once
+    int max_reply_mb;    // memory for replies not yet read by their clients
+    int max_connections; // gRPC connections open at once
+    int max_health_watches;    // grpc.health.v1 Watch streams open at once
+    int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
     // Several devices and hosts (group.c, cluster.c):
     char devices[RNND_CONFIG_ADDR_MAX]; // "0,1,...": one engine per device; "": --device alone
     int rank;                           // this rnnd among --world-size, or RNND_RANK_AUTO

@@ -54,8 +54,9 @@ static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
 static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
 static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "header_timeout",
                                                                   "accept_failed"};
-static const char *const limit_names[RNND_LIMIT_COUNT] = {"envs", "step_queue_rows", "tape_bytes",
-                                                          "message_bytes", "streams"};
+static const char *const limit_names[RNND_LIMIT_COUNT] = {
+    "envs",    "step_queue_rows", "tape_bytes",    "message_bytes",
+    "streams", "reply_bytes",     "connections",   "health_watches"};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -306,6 +307,23 @@ int rnnd_metrics_render(char **out, size_t *len) {
     for (int i = 0; i < RNND_HTTP_DROP_COUNT; i++)
         put(&b, "rnnd_http_connections_dropped_total{reason=\"%s\"} %llu\n", http_drop_names[i],
             (unsigned long long)ld(&m->http_dropped[i]));
+        "# HELP rnnd_reply_bytes Memory held by replies not yet read by their clients (reserved "
+        "before the work, queued or being sent).\n"
+        "# TYPE rnnd_reply_bytes gauge\nrnnd_reply_bytes %lld\n",
+        (long long)lds(&m->reply_bytes));
+    put(&b,
+        "# HELP rnnd_connections gRPC connections open.\n"
+        "# TYPE rnnd_connections gauge\nrnnd_connections %lld\n",
+        (long long)lds(&m->connections));
+    put(&b,
+        "# HELP rnnd_health_watches grpc.health.v1 Watch streams open.\n"
+        "# TYPE rnnd_health_watches gauge\nrnnd_health_watches %lld\n",
+        (long long)lds(&m->health_watches));
+    put(&b,
+        "# HELP rnnd_stream_idle_timeouts_total Calls ended by --stream-idle-timeout-s: idle "
+        "StepStreams, and calls whose reply their client did not read.\n"
+        "# TYPE rnnd_stream_idle_timeouts_total counter\nrnnd_stream_idle_timeouts_total %llu\n",
+        (unsigned long long)ld(&m->stream_idle_ends));
     if (b.err) {
         free(b.p);
         return b.err;

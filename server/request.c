@@ -297,15 +297,46 @@ static int named_params(const struct rnnd_model *m, Rnnd__V1__NamedTensor *const
     return 0;
 }
 
-// True when a reply of `bytes` payload fits into --max-message-mb; else RNND_EFULL in err with
-// the advice `what`.
-static int reply_fits(const struct rnnd_request_limits *l, uint64_t bytes, const char *what,
+// Room for framing and the reply's other fields, on top of its tensors.
+#define REPLY_FRAMING 4096
+
+// True when a reply of `bytes` (framing included) fits into --max-message-mb; else RNND_EFULL in
+// err with the advice `what`.
+static int reply_fits(const struct rnnd_request_limits *l, size_t bytes, const char *what,
                       char *err) {
-    // Leave room for framing and the other fields.
-    if (bytes + 4096 <= (uint64_t)l->max_message_bytes)
+    if (bytes <= l->max_message_bytes)
         return 0;
     return errf(err, RNND_EFULL, "the reply would be %.1f MiB, over --max-message-mb %zu; %s",
                 (double)bytes / 1048576.0, l->max_message_bytes >> 20, what);
+}
+
+size_t rnnd_request_step_reply_bytes(const struct rnnd_request_limits *l,
+                                     const Rnnd__V1__StepRequest *req) {
+    const struct rnnd_model *m = &l->model;
+    size_t B = req->n_env_ids, H = (size_t)m->H, LH = (size_t)m->L * H;
+    size_t state = req->return_state ? (m->cell == RNND_CELL_LSTM ? 2 : 1) * LH : 0;
+    return B * (H + state) * sizeof(float) + REPLY_FRAMING;
+}
+
+size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
+                                        const struct rnnd_forward_job *f) {
+    const struct rnnd_model *m = &l->model;
+    uint64_t B = (uint64_t)f->B, T = (uint64_t)f->T, H = (uint64_t)m->H, LH = (uint64_t)m->L * H;
+    // Recorded sources also return obs, is_init, extras and each step's model version.
+    uint64_t per_step = f->recorded ? H + (uint64_t)m->I + (uint64_t)l->extras_size + 3 : H;
+    return (size_t)((B * T * per_step + 2 * B * LH) * 4) + REPLY_FRAMING;
+}
+
+size_t rnnd_request_backward_reply_bytes(const struct rnnd_request_limits *l,
+                                         const struct rnnd_backward_job *g) {
+    const struct rnnd_model *m = &l->model;
+    uint64_t B = (uint64_t)g->B, T = (uint64_t)g->T, LH = (uint64_t)m->L * (uint64_t)m->H;
+    uint64_t n = B * T * ((uint64_t)m->I + 2 * LH) + 2 * B * LH + (g->accumulate ? 0 : l->P);
+    return (size_t)(n * 4) + REPLY_FRAMING;
+}
+
+size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l) {
+    return l->P * 4 + 64 * 32 + REPLY_FRAMING;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -438,13 +469,12 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
     if (lstm && (!f->hidden != !f->cell))
         return errf(err, RNND_EINVAL,
                     "trajectories: an LSTM needs hidden and cell together; send both or neither");
-    return reply_fits(l, (uint64_t)(B * T * H + 2 * B * L * H) * 4,
+    return reply_fits(l, rnnd_request_forward_reply_bytes(l, f),
                       "send fewer rows or steps per Forward", err);
 }
 
 static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1__Recorded *rec,
                             struct rnnd_forward_job *f, char *err) {
-    int64_t L = l->model.L, H = l->model.H, I = l->model.I, E = l->extras_size;
     int rc;
     if (l->trajectory_steps == 0)
         return errf(err, RNND_EPRECOND,
@@ -465,8 +495,7 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
     f->B = (int)rec->n_env_ids;
     f->T = (int)rec->steps;
     f->env_ids = rec->env_ids;
-    int64_t B = f->B, T = f->T;
-    return reply_fits(l, (uint64_t)(B * T * (H + I + E + 3) + 2 * B * L * H) * 4,
+    return reply_fits(l, rnnd_request_forward_reply_bytes(l, f),
                       "send fewer rows or steps per Forward", err);
 }
 
@@ -488,7 +517,7 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     const struct rnnd_model *m = &l->model;
     char layout[128];
     int rc;
-    int64_t L = m->L, H = m->H, I = m->I;
+    int64_t L = m->L, H = m->H;
     memset(g, 0, sizeof(*g));
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
@@ -521,11 +550,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
         g->grad_c_n = (const float *)req->grad_c_n->data.data;
         g->grad_c_n_B = (int)sgot[0];
     }
-    uint64_t B = (uint64_t)g->B, T = (uint64_t)g->T;
-    uint64_t bytes = (B * T * ((uint64_t)I + 2 * (uint64_t)(L * H)) + 2 * B * (uint64_t)(L * H) +
-                      (req->accumulate ? 0 : l->P)) *
-                     4;
-    return reply_fits(l, bytes, "send fewer rows or steps per Forward/Backward", err);
+    return reply_fits(l, rnnd_request_backward_reply_bytes(l, g),
+                      "send fewer rows or steps per Forward/Backward", err);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -545,7 +571,8 @@ int rnnd_request_apply_gradients(const struct rnnd_request_limits *l,
 }
 
 int rnnd_request_get_weights(const struct rnnd_request_limits *l, char *err) {
-    return reply_fits(l, l->P * 4 + 64 * 32, "raise --max-message-mb to fetch this model", err);
+    return reply_fits(l, rnnd_request_get_weights_reply_bytes(l),
+                      "raise --max-message-mb to fetch this model", err);
 }
 
 int rnnd_request_set_weights(const struct rnnd_request_limits *l,

@@ -74,4 +74,15 @@ int rnnd_request_set_weights(const struct rnnd_request_limits *l,
 int rnnd_request_save_checkpoint(const struct rnnd_request_limits *l,
                                  const Rnnd__V1__SaveCheckpointRequest *req, char *err);
 
+// The largest reply (bytes, framing included) of a request its check accepted: what
+// --max-message-mb is checked against, and what the handler reserves of --max-reply-mb before
+// any work starts (rnnd_call_reserve).
+size_t rnnd_request_step_reply_bytes(const struct rnnd_request_limits *l,
+                                     const Rnnd__V1__StepRequest *req);
+size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
+                                        const struct rnnd_forward_job *f);
+size_t rnnd_request_backward_reply_bytes(const struct rnnd_request_limits *l,
+                                         const struct rnnd_backward_job *g);
+size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l);
+
 #endif // RNND_REQUEST_H

@@ -8,21 +8,38 @@
  * Calls: each struct rnnd_call is reference counted: one reference for the owner (the call's
  * handler side, dropped when the status is sent) and one per batch in flight. Tags are small
  * structs embedded in the call that say which batch finished. The per-call mutex guards the
- * stream state (what is being sent, what is queued, whether a status went out).
+ * stream state (what is being sent, what is queued, whether a status went out). A call holds
+ * what it was given (its place in `active`, its --max-streams slot, its reply bytes, its Watch
+ * slot) until the batch carrying its status has completed, i.e. until its reply has left, not
+ * merely been handed to gRPC: call_done gives them all back.
  *
- * Shutdown (docs/grpc_notes.md): draining answers new calls UNAVAILABLE and ends idle streams; once
- * no call of ours is unfinished (or the grace period is over), grpc_server_shutdown_and_notify
- * and grpc_server_cancel_all_calls together (see maybe_shutdown for why not earlier). Starting a
- * batch after grpc_completion_queue_shutdown aborts, so every batch start and request post holds
- * the read side of `gate`, and the queue is shut down under its write side with cq_open cleared.
+ * Bounds: --max-streams (rnnd.v1 calls), --max-reply-mb (replies reserved by their handler before
+ * any work, then queued or being sent), --max-health-watches, --max-connections (see the accept4
+ * section), --max-message-mb for requests (checked here rather than by gRPC, which would refuse
+ * them unseen and uncounted after buffering them just the same) and --stream-idle-timeout-s
+ * (rnnd_rpc_housekeeping).
+ *
+ * Shutdown (docs/grpc_notes.md): draining answers new calls UNAVAILABLE and ends Watch streams, while
+ * the calls and StepStreams already running go on; rnnd_rpc_drain_end ends those streams with a
+ * clean status. Once no call of ours is unfinished (or the grace period is over),
+ * grpc_server_shutdown_and_notify and grpc_server_cancel_all_calls together (see maybe_shutdown
+ * for why not earlier). Starting a batch after grpc_completion_queue_shutdown aborts, so every
+ * batch start and request post holds the read side of `gate`, and the queue is shut down under
+ * its write side with cq_open cleared.
  */
 #include "rpc.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -88,6 +105,7 @@ struct tag {
 
 struct outmsg {
     grpc_byte_buffer *buf;
+    size_t bytes;
     struct outmsg *next;
 };
 
@@ -109,6 +127,7 @@ struct rnnd_call {
     bool source_set;
     bool counted;         // in rpc->active
     _Atomic bool limited; // holds one of rpc->max_streams slots
+    _Atomic bool done;    // call_done ran
     struct tag t_new, t_close, t_send, t_status, t_recv;
     grpc_slice status_details;
     bool has_details;
@@ -118,18 +137,26 @@ struct rnnd_call {
     bool status_sent; // the status batch started (or the call was abandoned)
     bool sending;     // a SEND_MESSAGE batch is in flight
     grpc_byte_buffer *send_buf;
+    size_t send_bytes; // of send_buf
     struct outmsg *outq, *outq_tail;
+    // --max-reply-mb: what this call holds of rpc->reply_bytes (reserved for the reply being
+    // computed, queued, being sent), and the part of it reserved and not yet replied.
+    size_t reply_held, reserved;
+    // --stream-idle-timeout-s: when the StepStream's last message arrived (or it opened), when
+    // the send in flight (message or status) started (0: none), and whether it was cancelled.
+    uint64_t last_msg_ns, send_ns;
+    bool send_cancelled;
     bool ending; // send this status once the queue is empty
     int end_code;
     char *end_msg;
     bool inflight;    // StepStream: a request is with the handler
     bool half_closed; // StepStream: the client sent its last message
     // Health Watch:
-    bool watching;
+    bool watching; // holds one of rpc->max_watches slots
     bool watch_known;
     int watch_last; // last status queued, -1 none
-    // rpc->streams list (Watch and StepStream calls), under rpc->streams_lock.
-    struct rnnd_call *snext, *sprev;
+    // rpc->live list (every call from its arrival until freed), under rpc->live_lock.
+    struct rnnd_call *lnext, *lprev;
     bool listed;
 };
 
@@ -139,6 +166,7 @@ struct rnnd_rpc {
     void *handles[NMETHODS];
     void *service;
     rnnd_rpc_stopped_cb stopped;
+    rnnd_rpc_drained_cb drained;
     void *stopped_ctx;
     pthread_t threads[RNND_RPC_MAX_THREADS];
     int nthreads;
@@ -151,18 +179,27 @@ struct rnnd_rpc {
 
     _Atomic int serving;
     _Atomic int draining;
-    _Atomic int active; // calls started and not yet finished by us
-    _Atomic int shut;   // shutdown_and_notify and cancel_all_calls were called
+    _Atomic int streams_ending; // the drain's grace is over: StepStreams end
+    _Atomic int drained_sent;   // `drained` was called
+    _Atomic int active;         // calls started and not yet finished by us
+    _Atomic int shut;           // shutdown_and_notify and cancel_all_calls were called
     int max_streams;
     _Atomic int calls; // rnnd.v1 calls holding a slot
+    size_t max_message_bytes;
+    size_t max_reply_bytes;
+    _Atomic size_t reply_bytes; // held by calls (reply_held)
+    int max_watches;
+    _Atomic int watches; // Watch streams holding a slot
+    int idle_timeout_s;
 
-    pthread_mutex_t streams_lock;
-    struct rnnd_call *streams;
+    pthread_mutex_t live_lock;
+    struct rnnd_call *live;
 
     char *auth; // "Bearer <token>", or NULL
 };
 
 static void call_unref(struct rnnd_call *c);
+static void call_done(struct rnnd_call *c);
 static void post_request(struct rnnd_rpc *rpc, int mi);
 
 // ---------------------------------------------------------------------------------------------
@@ -223,6 +260,21 @@ static ProtobufCMessage *decode(enum rnnd_method m, grpc_byte_buffer *bb) {
     return msg;
 }
 
+// True when the received message bb is over --max-message-mb, with the client's message in msg.
+// gRPC's own limit is off: it would refuse such a request before rnnd sees it (uncounted, with
+// no advice), and only after buffering all of it, as here.
+static bool too_large(struct rnnd_rpc *rpc, grpc_byte_buffer *bb, char *msg, size_t len) {
+    size_t n = bb ? grpc_byte_buffer_length(bb) : 0;
+    if (n <= rpc->max_message_bytes)
+        return false;
+    rnnd_metrics_limit_hit(RNND_LIMIT_MESSAGE);
+    snprintf(msg, len,
+             "the request is %.1f MiB, over --max-message-mb %zu; send fewer rows or steps per "
+             "call, or raise --max-message-mb",
+             (double)n / 1048576.0, rpc->max_message_bytes >> 20);
+    return true;
+}
+
 // Starts a batch on c under the gate, taking a reference for it. False when the queue is
 // closing or gRPC refused (then the tag will never complete).
 static bool call_start(struct rnnd_call *c, const grpc_op *ops, size_t n, struct tag *tag) {
@@ -265,15 +317,16 @@ static struct rnnd_call *call_new(struct rnnd_rpc *rpc, int mi) {
 
 static void call_free(struct rnnd_call *c) {
     struct rnnd_rpc *rpc = c->rpc;
+    call_done(c); // a call abandoned without a status batch (the queue was closing)
     if (c->listed) {
-        pthread_mutex_lock(&rpc->streams_lock);
-        if (c->sprev)
-            c->sprev->snext = c->snext;
+        pthread_mutex_lock(&rpc->live_lock);
+        if (c->lprev)
+            c->lprev->lnext = c->lnext;
         else
-            rpc->streams = c->snext;
-        if (c->snext)
-            c->snext->sprev = c->sprev;
-        pthread_mutex_unlock(&rpc->streams_lock);
+            rpc->live = c->lnext;
+        if (c->lnext)
+            c->lnext->lprev = c->lprev;
+        pthread_mutex_unlock(&rpc->live_lock);
     }
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
@@ -304,20 +357,21 @@ static void call_unref(struct rnnd_call *c) {
         call_free(c);
 }
 
-// Shuts the gRPC server down once draining and no call of ours is unfinished: the connections
-// are closed (grpc_server_cancel_all_calls) and the server shut down right after. gRPC cancels
-// (CANCELLED) any call that reaches a server after its shutdown began (grpc/grpc#41785), so the
-// shutdown waits until every call in flight has been answered (new ones get UNAVAILABLE from us
+// Tells the owner once draining and no call of ours is unfinished (every reply and status has
+// left), so that it shuts the gRPC server down (rnnd_rpc_cancel_all): the connections are closed
+// (grpc_server_cancel_all_calls) and the server shut down right after. gRPC cancels (CANCELLED)
+// any call that reaches a server after its shutdown began (grpc/grpc#41785), so the shutdown
+// waits until every call in flight has been answered (new ones get UNAVAILABLE from us
 // meanwhile) and closes the connections before it: a call still on its way then fails as
 // UNAVAILABLE on the client, as a drain should.
 static void maybe_shutdown(struct rnnd_rpc *rpc) {
-    if (!atomic_load(&rpc->draining) || atomic_load(&rpc->active) != 0)
+    if (!atomic_load(&rpc->draining) || atomic_load(&rpc->active) != 0 ||
+        atomic_exchange(&rpc->drained_sent, 1))
         return;
-    rnnd_rpc_cancel_all(rpc);
+    rpc->drained(rpc->stopped_ctx);
 }
 
-// Gives back the call's --max-streams slot (once). Called as the status is about to leave, so
-// that a client which sends its next call as soon as it has this reply finds the slot free.
+// Gives back the call's --max-streams slot (once).
 static void slot_release(struct rnnd_call *c) {
     if (atomic_exchange(&c->limited, false)) {
         atomic_fetch_sub(&c->rpc->calls, 1);
@@ -355,7 +409,7 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
     if (!stream || code != GRPC_STATUS_OK)
         rnnd_metrics_request(mi >= 0 ? methods[mi].metric : RNND_METHOD_UNKNOWN, code,
                              rnnd_now_ns() - (stream && c->msg_ns ? c->msg_ns : c->start_ns));
-    slot_release(c);
+    c->send_ns = rnnd_now_ns();
     call_start(c, ops, n, &c->t_status);
     if (code != GRPC_STATUS_OK)
         rnnd_log(RNND_LOG_DEBUG, "%s -> %d: %s", mi >= 0 ? methods[mi].path : "unknown", code,
@@ -363,13 +417,33 @@ static bool status_start(struct rnnd_call *c, int code, const char *msg) {
     return true;
 }
 
-// The call is finished from our side: it no longer counts as active.
-static void call_done_active(struct rnnd_call *c) {
-    slot_release(c); // for a call abandoned without a status
+// Adds n (negative: gives back) to the bytes held for replies, by c (c->lock held) and in all.
+static void reply_add(struct rnnd_call *c, int64_t n) {
+    c->reply_held += (size_t)n;
+    atomic_fetch_add(&c->rpc->reply_bytes, (size_t)n);
+    atomic_fetch_add_explicit(&rnnd_metrics.reply_bytes, n, memory_order_relaxed);
+}
+
+// The call is over on our side: the batch with its status completed (its reply has left), or it
+// was abandoned. Gives back everything it held, once; the last call out lets a drain finish.
+static void call_done(struct rnnd_call *c) {
+    if (atomic_exchange(&c->done, true))
+        return;
+    struct rnnd_rpc *rpc = c->rpc;
+    slot_release(c);
+    pthread_mutex_lock(&c->lock);
+    reply_add(c, -(int64_t)c->reply_held);
+    c->reserved = 0;
+    bool watching = c->watching;
+    pthread_mutex_unlock(&c->lock);
+    if (watching) {
+        atomic_fetch_sub(&rpc->watches, 1);
+        atomic_fetch_sub_explicit(&rnnd_metrics.health_watches, 1, memory_order_relaxed);
+    }
     if (c->counted) {
         c->counted = false;
-        atomic_fetch_sub(&c->rpc->active, 1);
-        maybe_shutdown(c->rpc);
+        atomic_fetch_sub(&rpc->active, 1);
+        maybe_shutdown(rpc);
     }
 }
 
@@ -389,11 +463,11 @@ static bool end_locked(struct rnnd_call *c, int err, const char *msg) {
     return status_start(c, code, msg);
 }
 
+// Drops the owner reference when the status batch started (drop): the call is then finished
+// by the batch's completion (call_done).
 static void finish_owner(struct rnnd_call *c, bool drop) {
-    if (drop) {
-        call_done_active(c);
+    if (drop)
         call_unref(c);
-    }
 }
 
 // Sends the next queued message if nothing is in flight. Call with c->lock held; returns true
@@ -408,6 +482,7 @@ static bool send_next_locked(struct rnnd_call *c) {
     if (c->outq == NULL)
         c->outq_tail = NULL;
     c->send_buf = o->buf;
+    c->send_bytes = o->bytes;
     free(o);
     grpc_op ops[2];
     memset(ops, 0, sizeof(ops));
@@ -420,6 +495,7 @@ static bool send_next_locked(struct rnnd_call *c) {
     ops[n].op = GRPC_OP_SEND_MESSAGE;
     ops[n].data.send_message.send_message = c->send_buf;
     n++;
+    c->send_ns = rnnd_now_ns();
     c->sending = call_start(c, ops, n, &c->t_send);
     if (!c->sending) {
         grpc_byte_buffer_destroy(c->send_buf);
@@ -433,13 +509,15 @@ static bool send_next_locked(struct rnnd_call *c) {
     return false;
 }
 
-static void enqueue_locked(struct rnnd_call *c, grpc_byte_buffer *bb) {
+// Queues bb, whose `bytes` c already holds of the reply budget (reply_add).
+static void enqueue_locked(struct rnnd_call *c, grpc_byte_buffer *bb, size_t bytes) {
     struct outmsg *o = malloc(sizeof(*o));
     if (o == NULL) {
         grpc_byte_buffer_destroy(bb);
         return;
     }
     o->buf = bb;
+    o->bytes = bytes;
     o->next = NULL;
     if (c->outq_tail)
         c->outq_tail->next = o;
@@ -456,16 +534,16 @@ static void recv_start_locked(struct rnnd_call *c) {
     call_start(c, &op, 1, &c->t_recv);
 }
 
-static void list_stream(struct rnnd_call *c) {
+static void list_call(struct rnnd_call *c) {
     struct rnnd_rpc *rpc = c->rpc;
-    pthread_mutex_lock(&rpc->streams_lock);
-    c->snext = rpc->streams;
-    c->sprev = NULL;
-    if (rpc->streams)
-        rpc->streams->sprev = c;
-    rpc->streams = c;
+    pthread_mutex_lock(&rpc->live_lock);
+    c->lnext = rpc->live;
+    c->lprev = NULL;
+    if (rpc->live)
+        rpc->live->lprev = c;
+    rpc->live = c;
     c->listed = true;
-    pthread_mutex_unlock(&rpc->streams_lock);
+    pthread_mutex_unlock(&rpc->live_lock);
 }
 
 static const char *not_serving_msg(struct rnnd_rpc *rpc) {
@@ -477,39 +555,67 @@ static const char *not_serving_msg(struct rnnd_rpc *rpc) {
 // ---------------------------------------------------------------------------------------------
 // Finishing calls (handlers, any thread)
 
+int rnnd_call_reserve(struct rnnd_call *c, size_t bytes, char *err, size_t errlen) {
+    struct rnnd_rpc *rpc = c->rpc;
+    size_t held = atomic_load(&rpc->reply_bytes);
+    do {
+        if (held > rpc->max_reply_bytes || bytes > rpc->max_reply_bytes - held) {
+            rnnd_metrics_limit_hit(RNND_LIMIT_REPLY_BYTES);
+            snprintf(err, errlen,
+                     "replies not yet read by their clients hold %.1f MiB and this one needs "
+                     "%.1f MiB, over --max-reply-mb %zu; read replies as they arrive, retry "
+                     "after a short backoff, or raise --max-reply-mb",
+                     (double)held / 1048576.0, (double)bytes / 1048576.0,
+                     rpc->max_reply_bytes >> 20);
+            return RNND_EFULL;
+        }
+    } while (!atomic_compare_exchange_weak(&rpc->reply_bytes, &held, held + bytes));
+    atomic_fetch_add_explicit(&rnnd_metrics.reply_bytes, (int64_t)bytes, memory_order_relaxed);
+    pthread_mutex_lock(&c->lock);
+    c->reply_held += bytes;
+    c->reserved += bytes;
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
 void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     grpc_byte_buffer *bb = encode(reply);
+    size_t n = grpc_byte_buffer_length(bb);
     bool drop = false;
     pthread_mutex_lock(&c->lock);
-    if (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM) {
+    // The reply takes the place of what was reserved for it.
+    reply_add(c, (int64_t)n - (int64_t)c->reserved);
+    c->reserved = 0;
+    bool stream = c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM;
+    if (stream) {
         c->inflight = false;
-        rnnd_metrics_request(RNND_METHOD_STEP_STREAM, GRPC_STATUS_OK, rnnd_now_ns() - c->msg_ns);
-        if (c->status_sent) {
-            grpc_byte_buffer_destroy(bb);
-        } else {
-            enqueue_locked(c, bb);
-            drop = send_next_locked(c);
-            if (!drop && !c->status_sent) {
-                if (atomic_load(&c->rpc->draining))
-                    drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
-                else if (c->half_closed)
-                    drop = end_locked(c, 0, "");
-                else if (atomic_load(&c->cancelled))
-                    drop = end_locked(c, RNND_ECANCELED, "cancelled");
-                else
-                    recv_start_locked(c);
-            }
+        c->last_msg_ns = rnnd_now_ns();
+        rnnd_metrics_request(RNND_METHOD_STEP_STREAM, GRPC_STATUS_OK, c->last_msg_ns - c->msg_ns);
+    }
+    if (c->status_sent) {
+        reply_add(c, -(int64_t)n);
+        pthread_mutex_unlock(&c->lock);
+        grpc_byte_buffer_destroy(bb);
+        return;
+    }
+    if (stream) {
+        enqueue_locked(c, bb, n);
+        drop = send_next_locked(c);
+        if (!drop && !c->status_sent) {
+            if (atomic_load(&c->rpc->streams_ending))
+                drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
+            else if (c->half_closed)
+                drop = end_locked(c, 0, "");
+            else if (atomic_load(&c->cancelled))
+                drop = end_locked(c, RNND_ECANCELED, "cancelled");
+            else
+                recv_start_locked(c);
         }
         pthread_mutex_unlock(&c->lock);
         finish_owner(c, drop);
         return;
     }
     // Unary: initial metadata, message and status in one batch.
-    if (c->status_sent) {
-        pthread_mutex_unlock(&c->lock);
-        grpc_byte_buffer_destroy(bb);
-        return;
-    }
     c->status_sent = true;
     c->md_sent = true;
     grpc_op ops[3];
@@ -519,9 +625,9 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     ops[1].data.send_message.send_message = bb;
     ops[2].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     ops[2].data.send_status_from_server.status = GRPC_STATUS_OK;
-    c->send_buf = bb; // destroyed with the call
+    c->send_buf = bb; // destroyed with the call; its bytes are given back by call_done
     rnnd_metrics_request(methods[c->mi].metric, GRPC_STATUS_OK, rnnd_now_ns() - c->start_ns);
-    slot_release(c);
+    c->send_ns = rnnd_now_ns();
     call_start(c, ops, 3, &c->t_status);
     pthread_mutex_unlock(&c->lock);
     finish_owner(c, true);
@@ -530,11 +636,12 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
 void rnnd_call_fail(struct rnnd_call *c, int err, const char *msg) {
     pthread_mutex_lock(&c->lock);
     c->inflight = false;
+    reply_add(c, -(int64_t)c->reserved);
+    c->reserved = 0;
     bool drop = end_locked(c, err, msg);
     pthread_mutex_unlock(&c->lock);
     finish_owner(c, drop);
 }
-
 
 const ProtobufCMessage *rnnd_call_request(const struct rnnd_call *c) {
     return c->request;
@@ -600,17 +707,33 @@ static bool watch_update_locked(struct rnnd_call *c) {
     c->watch_last = st;
     Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
     r.status = st;
-    enqueue_locked(c, encode(&r.base));
+    grpc_byte_buffer *bb = encode(&r.base);
+    size_t n = grpc_byte_buffer_length(bb);
+    reply_add(c, (int64_t)n);
+    enqueue_locked(c, bb, n);
     return send_next_locked(c);
 }
 
 static void health_watch(struct rnnd_call *c) {
+    struct rnnd_rpc *rpc = c->rpc;
     const Grpc__Health__V1__HealthCheckRequest *req =
         (const Grpc__Health__V1__HealthCheckRequest *)c->request;
+    // Watch needs no token (probes), so its streams have a bound of their own.
+    if (atomic_fetch_add(&rpc->watches, 1) >= rpc->max_watches) {
+        atomic_fetch_sub(&rpc->watches, 1);
+        rnnd_metrics_limit_hit(RNND_LIMIT_HEALTH_WATCHES);
+        char msg[256];
+        snprintf(msg, sizeof(msg),
+                 "%d health Watch streams are open, --max-health-watches %d; use Check, close "
+                 "unused Watch streams or raise --max-health-watches",
+                 rpc->max_watches, rpc->max_watches);
+        rnnd_call_fail(c, RNND_EFULL, msg);
+        return;
+    }
+    atomic_fetch_add_explicit(&rnnd_metrics.health_watches, 1, memory_order_relaxed);
+    pthread_mutex_lock(&c->lock);
     c->watching = true;
     c->watch_known = rnnd_request_health_known(req->service ? req->service : "");
-    list_stream(c);
-    pthread_mutex_lock(&c->lock);
     bool drop = watch_update_locked(c);
     if (!drop && atomic_load(&c->rpc->draining))
         drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
@@ -655,8 +778,10 @@ static void on_new(struct rnnd_call *c, bool ok) {
     }
     post_request(rpc, c->mi);
     c->start_ns = rnnd_now_ns();
+    c->last_msg_ns = c->start_ns;
     c->counted = true;
     atomic_fetch_add(&rpc->active, 1);
+    list_call(c);
     {
         grpc_op op;
         memset(&op, 0, sizeof(op));
@@ -707,19 +832,23 @@ static void on_new(struct rnnd_call *c, bool ok) {
             rnnd_call_fail(c, RNND_EUNAVAIL, not_serving_msg(rpc));
             return;
         }
-        list_stream(c);
         pthread_mutex_lock(&c->lock);
         recv_start_locked(c);
         pthread_mutex_unlock(&c->lock);
         return;
     }
-    c->request = decode(m->metric, c->payload);
+    char msg[256];
+    bool big = too_large(rpc, c->payload, msg, sizeof(msg));
+    c->request = big ? NULL : decode(m->metric, c->payload);
     if (c->payload) {
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
     }
+    if (big) {
+        rnnd_call_fail(c, RNND_EFULL, msg);
+        return;
+    }
     if (c->request == NULL) {
-        char msg[256];
         snprintf(msg, sizeof(msg),
                  "the request of %s is missing or does not decode as %s; send a valid message",
                  m->path, rnnd_request_descriptor(m->metric)->name);
@@ -762,18 +891,23 @@ static void on_recv(struct rnnd_call *c, bool ok) {
     }
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
-    c->request = decode(m->metric, c->payload);
+    char msg[256];
+    bool big = too_large(rpc, c->payload, msg, sizeof(msg));
+    c->request = big ? NULL : decode(m->metric, c->payload);
     grpc_byte_buffer_destroy(c->payload);
     c->payload = NULL;
     bool drop = false;
-    if (c->request == NULL) {
+    if (big) {
+        drop = end_locked(c, RNND_EFULL, msg);
+    } else if (c->request == NULL) {
         drop = end_locked(c, RNND_EINVAL,
                           "a StepStream message does not decode as rnnd.v1.StepRequest");
-    } else if (atomic_load(&rpc->draining)) {
+    } else if (atomic_load(&rpc->streams_ending)) {
         drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(rpc));
     } else {
         c->inflight = true;
         c->msg_ns = rnnd_now_ns();
+        c->last_msg_ns = c->msg_ns;
     }
     bool run = c->inflight;
     pthread_mutex_unlock(&c->lock);
@@ -785,9 +919,12 @@ static void on_recv(struct rnnd_call *c, bool ok) {
 static void on_send(struct rnnd_call *c) {
     pthread_mutex_lock(&c->lock);
     c->sending = false;
+    c->send_ns = 0;
     if (c->send_buf) {
         grpc_byte_buffer_destroy(c->send_buf);
         c->send_buf = NULL;
+        reply_add(c, -(int64_t)c->send_bytes);
+        c->send_bytes = 0;
     }
     bool drop = send_next_locked(c);
     pthread_mutex_unlock(&c->lock);
@@ -845,6 +982,7 @@ static void *cq_main(void *arg) {
                 call_unref(c);
                 break;
             case TAG_STATUS:
+                call_done(c);
                 call_unref(c);
                 break;
             case TAG_RECV:
@@ -891,6 +1029,157 @@ static void post_request(struct rnnd_rpc *rpc, int mi) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Connections (--max-connections)
+//
+// gRPC 1.51 has no bound on connections (grpc.max_allowed_incoming_connections came later) and no
+// hook that can refuse one as it arrives: a failing socket mutator stops the whole listener. Its
+// listener accepts through libc's accept4, so rnnd defines accept4 itself (the executable's
+// definition wins over libc's for every library) and passes each call through to the system call.
+// For a socket that gRPC's listener accepted while --max-connections are open, the socket is
+// closed at once (the client sees its connection reset, and retries later) and the next one
+// taken, so gRPC only ever sees the connections it may keep, then EAGAIN.
+//
+// Connections are remembered as (descriptor, inode) pairs; gRPC closes its sockets itself, so an
+// entry whose descriptor no longer names the same socket is gone. The list is checked when it is
+// full and, for the gauge, about once a second (rnnd_rpc_housekeeping).
+
+#define CONN_LISTENERS 8
+
+struct conn {
+    int fd;
+    ino_t ino;
+};
+
+static struct {
+    pthread_mutex_t lock;
+    int listeners[CONN_LISTENERS]; // gRPC's listening sockets
+    int nlisteners;
+    int max;
+    struct conn *v; // (max)
+    int n;
+    uint64_t checked_ns, warned_ns;
+    uint64_t refused; // since the last warning
+} conns = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+// Drops the entries whose socket is closed. conns.lock held.
+static void conns_prune_locked(void) {
+    int k = 0;
+    for (int i = 0; i < conns.n; i++) {
+        struct stat st;
+        if (fstat(conns.v[i].fd, &st) == 0 && st.st_ino == conns.v[i].ino)
+            conns.v[k++] = conns.v[i];
+    }
+    conns.n = k;
+    conns.checked_ns = rnnd_now_ns();
+    atomic_store_explicit(&rnnd_metrics.connections, k, memory_order_relaxed);
+}
+
+// Refreshes the gauge if it was last checked over a second ago (or always when force).
+static void conns_refresh(bool force) {
+    pthread_mutex_lock(&conns.lock);
+    if (conns.v && (force || rnnd_now_ns() - conns.checked_ns > 1000000000ull))
+        conns_prune_locked();
+    pthread_mutex_unlock(&conns.lock);
+}
+
+// True to keep the socket fd that listener accepted.
+static bool conns_admit(int listener, int fd) {
+    pthread_mutex_lock(&conns.lock);
+    bool ours = false;
+    for (int i = 0; i < conns.nlisteners; i++)
+        ours = ours || conns.listeners[i] == listener;
+    if (!ours || conns.v == NULL) {
+        pthread_mutex_unlock(&conns.lock);
+        return true;
+    }
+    if (conns.n == conns.max)
+        conns_prune_locked();
+    struct stat st;
+    bool keep = conns.n < conns.max && fstat(fd, &st) == 0;
+    if (keep) {
+        conns.v[conns.n++] = (struct conn){fd, st.st_ino};
+        atomic_store_explicit(&rnnd_metrics.connections, conns.n, memory_order_relaxed);
+    } else {
+        rnnd_metrics_limit_hit(RNND_LIMIT_CONNECTIONS);
+        conns.refused++;
+        // One warning per 10 s at most: a flood of connections must not flood the log too.
+        uint64_t now = rnnd_now_ns();
+        if (conns.warned_ns == 0 || now - conns.warned_ns > 10000000000ull) {
+            rnnd_log(RNND_LOG_WARN,
+                     "%d gRPC connections are open, --max-connections %d: closed %" PRIu64
+                     " new one(s); clients should share connections, or raise --max-connections",
+                     conns.n, conns.max, conns.refused);
+            conns.warned_ns = now;
+            conns.refused = 0;
+        }
+    }
+    pthread_mutex_unlock(&conns.lock);
+    return keep;
+}
+
+int accept4(int listener, struct sockaddr *addr, socklen_t *addrlen, int flags) {
+    for (;;) {
+        int fd = (int)syscall(SYS_accept4, listener, addr, addrlen, flags);
+        if (fd < 0 || conns_admit(listener, fd))
+            return fd;
+        close(fd);
+    }
+}
+
+// Adds to out (up to cap) the listening sockets of this process; returns how many there are.
+static int listening_sockets(int *out, int cap) {
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        int fd = atoi(e->d_name);
+        int on = 0;
+        socklen_t len = sizeof(on);
+        if (e->d_name[0] == '.' || fd == dirfd(d) ||
+            getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) != 0 || !on)
+            continue;
+        if (n < cap)
+            out[n] = fd;
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
+// Starts counting the connections of the listening sockets gRPC opened since `before` (n of them)
+// were listed. 0 or RNND_ENOMEM.
+static int conns_start(int max, const int *before, int n) {
+    int now[64];
+    int m = listening_sockets(now, 64);
+    pthread_mutex_lock(&conns.lock);
+    conns.v = calloc((size_t)max, sizeof(*conns.v));
+    conns.max = max;
+    conns.n = 0;
+    conns.nlisteners = 0;
+    for (int i = 0; i < m && i < 64; i++) {
+        bool old = false;
+        for (int k = 0; k < n && k < 64; k++)
+            old = old || before[k] == now[i];
+        if (!old && conns.nlisteners < CONN_LISTENERS)
+            conns.listeners[conns.nlisteners++] = now[i];
+    }
+    int rc = conns.v ? 0 : RNND_ENOMEM;
+    pthread_mutex_unlock(&conns.lock);
+    return rc;
+}
+
+static void conns_stop(void) {
+    pthread_mutex_lock(&conns.lock);
+    free(conns.v);
+    conns.v = NULL;
+    conns.n = conns.nlisteners = 0;
+    atomic_store_explicit(&rnnd_metrics.connections, 0, memory_order_relaxed);
+    pthread_mutex_unlock(&conns.lock);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Lifecycle
 
 int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int *port, char *err,
@@ -902,18 +1191,23 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     }
     rpc->service = o->service;
     rpc->stopped = o->stopped;
+    rpc->drained = o->drained;
     rpc->stopped_ctx = o->stopped_ctx;
     rpc->t_shutdown = (struct tag){TAG_SHUTDOWN, NULL};
     rpc->max_streams = o->max_streams > 0 ? o->max_streams : INT32_MAX;
+    rpc->max_message_bytes = o->max_message_bytes;
+    rpc->max_reply_bytes = o->max_reply_bytes > 0 ? o->max_reply_bytes : SIZE_MAX;
+    rpc->max_watches = o->max_health_watches > 0 ? o->max_health_watches : INT32_MAX;
+    rpc->idle_timeout_s = o->stream_idle_timeout_s;
     pthread_rwlock_init(&rpc->gate, NULL);
-    pthread_mutex_init(&rpc->streams_lock, NULL);
+    pthread_mutex_init(&rpc->live_lock, NULL);
 
     int maxmsg = o->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)o->max_message_bytes;
     grpc_arg args[3];
     memset(args, 0, sizeof(args));
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[0].value.integer = maxmsg;
+    args[0].value.integer = -1; // checked by too_large
     args[1].type = GRPC_ARG_INTEGER;
     args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
     args[1].value.integer = maxmsg;
@@ -960,11 +1254,17 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     } else {
         creds = grpc_insecure_server_credentials_create();
     }
+    int before[64];
+    int nbefore = listening_sockets(before, 64);
     int bound = grpc_server_add_http2_port(rpc->server, o->listen, creds);
     grpc_server_credentials_release(creds);
     if (bound == 0) {
         snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?%s)",
                  o->listen, o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
+        goto fail;
+    }
+    if (conns_start(o->max_connections > 0 ? o->max_connections : INT32_MAX, before, nbefore)) {
+        snprintf(err, errlen, "out of memory");
         goto fail;
     }
     grpc_server_start(rpc->server);
@@ -1017,10 +1317,11 @@ fail:
                GRPC_QUEUE_SHUTDOWN)
             ;
     }
+    conns_stop();
     grpc_server_destroy(rpc->server);
     grpc_completion_queue_destroy(rpc->cq);
     pthread_rwlock_destroy(&rpc->gate);
-    pthread_mutex_destroy(&rpc->streams_lock);
+    pthread_mutex_destroy(&rpc->live_lock);
     free(rpc->auth);
     free(rpc);
     return RNND_EIO;
@@ -1035,23 +1336,24 @@ static bool call_tryref(struct rnnd_call *c) {
     return false;
 }
 
-// Runs fn on every listed stream with its lock held, outside the list lock, holding a
+// Runs fn on every call in progress with its lock held, outside the list lock, holding a
 // reference so that nothing frees a call under us. fn returns true to drop the owner reference.
-static void streams_each(struct rnnd_rpc *rpc, bool (*fn)(struct rnnd_call *c)) {
-    pthread_mutex_lock(&rpc->streams_lock);
+static void calls_each(struct rnnd_rpc *rpc, bool (*fn)(struct rnnd_call *c, void *arg),
+                       void *arg) {
+    pthread_mutex_lock(&rpc->live_lock);
     int n = 0;
-    for (struct rnnd_call *c = rpc->streams; c; c = c->snext)
+    for (struct rnnd_call *c = rpc->live; c; c = c->lnext)
         n++;
     struct rnnd_call **v = malloc(((size_t)n + 1) * sizeof(*v));
     int k = 0;
-    for (struct rnnd_call *c = rpc->streams; v && c; c = c->snext)
+    for (struct rnnd_call *c = rpc->live; v && c; c = c->lnext)
         if (call_tryref(c))
             v[k++] = c;
-    pthread_mutex_unlock(&rpc->streams_lock);
+    pthread_mutex_unlock(&rpc->live_lock);
     for (int i = 0; i < k; i++) {
         struct rnnd_call *c = v[i];
         pthread_mutex_lock(&c->lock);
-        bool drop = fn(c);
+        bool drop = fn(c, arg);
         pthread_mutex_unlock(&c->lock);
         finish_owner(c, drop);
         call_unref(c);
@@ -1059,31 +1361,50 @@ static void streams_each(struct rnnd_rpc *rpc, bool (*fn)(struct rnnd_call *c)) 
     free(v);
 }
 
-static bool serving_changed(struct rnnd_call *c) {
+static bool is_step_stream(const struct rnnd_call *c) {
+    return c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM;
+}
+
+static bool serving_changed(struct rnnd_call *c, void *arg) {
+    (void)arg;
     return c->watching ? watch_update_locked(c) : false;
 }
 
-static bool drain_stream(struct rnnd_call *c) {
-    bool drop = false;
-    if (c->watching)
-        drop = watch_update_locked(c);
-    if (!drop && (c->watching || !c->inflight))
-        drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
-    return drop;
+// A watcher hears NOT_SERVING, then its stream ends: it is not work a drain should wait for.
+static bool drain_watch(struct rnnd_call *c, void *arg) {
+    (void)arg;
+    if (!c->watching)
+        return false;
+    return watch_update_locked(c) || end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
+}
+
+// An idle StepStream ends now; one with a message in flight ends after its reply
+// (rnnd_call_reply).
+static bool drain_end_stream(struct rnnd_call *c, void *arg) {
+    (void)arg;
+    if (!is_step_stream(c) || c->inflight)
+        return false;
+    return end_locked(c, RNND_EUNAVAIL, not_serving_msg(c->rpc));
 }
 
 void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving) {
     atomic_store(&rpc->serving, serving ? 1 : 0);
-    streams_each(rpc, serving_changed);
+    calls_each(rpc, serving_changed, NULL);
 }
 
 void rnnd_rpc_drain(struct rnnd_rpc *rpc) {
     if (atomic_exchange(&rpc->draining, 1))
         return;
-    rnnd_log(RNND_LOG_INFO, "draining: new calls get UNAVAILABLE, the ones in flight finish");
-    // Watchers hear NOT_SERVING, then every idle stream ends.
-    streams_each(rpc, drain_stream);
+    rnnd_log(RNND_LOG_INFO, "draining: new calls get UNAVAILABLE; the calls and StepStreams "
+                            "already open go on until they end or the drain's grace is over");
+    calls_each(rpc, drain_watch, NULL);
     maybe_shutdown(rpc);
+}
+
+void rnnd_rpc_drain_end(struct rnnd_rpc *rpc) {
+    if (atomic_exchange(&rpc->streams_ending, 1))
+        return;
+    calls_each(rpc, drain_end_stream, NULL);
 }
 
 void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc) {
@@ -1101,15 +1422,54 @@ void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc) {
     pthread_rwlock_unlock(&rpc->gate);
 }
 
+// --stream-idle-timeout-s for one call; now is the time in ns.
+static bool idle_check(struct rnnd_call *c, void *now) {
+    struct rnnd_rpc *rpc = c->rpc;
+    uint64_t idle_now_ns = *(const uint64_t *)now;
+    uint64_t limit = (uint64_t)rpc->idle_timeout_s * 1000000000ull;
+    // A reply its client does not read holds its slot and its bytes: give them back. The status
+    // cannot be sent (the client reads nothing), so the call is cancelled.
+    // Times set after `now` was read (by other threads, meanwhile) are not in the past.
+    if (c->send_ns && !c->send_cancelled && idle_now_ns > c->send_ns + limit) {
+        c->send_cancelled = true;
+        atomic_fetch_add_explicit(&rnnd_metrics.stream_idle_ends, 1, memory_order_relaxed);
+        rnnd_log(RNND_LOG_DEBUG, "%s: reply not read for %d s: cancelling the call",
+                 c->mi >= 0 ? methods[c->mi].path : "unknown", rpc->idle_timeout_s);
+        grpc_call_cancel_with_status(c->call, GRPC_STATUS_DEADLINE_EXCEEDED,
+                                     "the reply was not read within --stream-idle-timeout-s",
+                                     NULL);
+        return false;
+    }
+    if (!is_step_stream(c) || c->inflight || c->sending || c->outq || c->status_sent ||
+        c->ending || idle_now_ns <= c->last_msg_ns + limit)
+        return false;
+    atomic_fetch_add_explicit(&rnnd_metrics.stream_idle_ends, 1, memory_order_relaxed);
+    char msg[256];
+    snprintf(msg, sizeof(msg),
+             "this StepStream sent no message for %d s (--stream-idle-timeout-s); open a new one "
+             "when there are steps to send",
+             rpc->idle_timeout_s);
+    return end_locked(c, RNND_EUNAVAIL, msg);
+}
+
+void rnnd_rpc_housekeeping(struct rnnd_rpc *rpc) {
+    if (rpc->idle_timeout_s > 0) {
+        uint64_t now = rnnd_now_ns();
+        calls_each(rpc, idle_check, &now);
+    }
+    conns_refresh(false);
+}
+
 void rnnd_rpc_free(struct rnnd_rpc *rpc) {
     if (rpc == NULL)
         return;
     for (int k = 0; k < rpc->nthreads; k++)
         pthread_join(rpc->threads[k], NULL);
+    conns_stop();
     grpc_server_destroy(rpc->server);
     grpc_completion_queue_destroy(rpc->cq);
     pthread_rwlock_destroy(&rpc->gate);
-    pthread_mutex_destroy(&rpc->streams_lock);
+    pthread_mutex_destroy(&rpc->live_lock);
     free(rpc->auth);
     free(rpc);
 }

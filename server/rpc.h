@@ -6,7 +6,10 @@
  * Handlers (service.c) receive a call and its decoded request on a completion-queue thread and
  * must finish it exactly once with rnnd_call_reply or rnnd_call_fail, from any thread, now or
  * later (for StepStream: once per received message; a reply keeps the stream going, a failure
- * ends it). The request stays valid until then.
+ * ends it). The request stays valid until then. A handler whose reply can be large reserves it
+ * first (rnnd_call_reserve), before it changes any state.
+ *
+ * One server per process: --max-connections is counted process-wide (rpc.c defines accept4).
  */
 #ifndef RNND_RPC_H
 #define RNND_RPC_H
@@ -27,6 +30,11 @@ typedef void (*rnnd_rpc_handler_fn)(void *svc, struct rnnd_call *call,
 // Called on the completion-queue thread once the server has shut down and the thread is about
 // to exit (after rnnd_rpc_drain).
 typedef void (*rnnd_rpc_stopped_cb)(void *ctx);
+// Called (any thread, once) when a drain has nothing left: every call finished, its reply and
+// status sent. The owner then calls rnnd_rpc_cancel_all, after giving those statuses a moment
+// to be read (a client still writing on a stream whose connection closes under it sees the
+// broken connection instead of its status).
+typedef void (*rnnd_rpc_drained_cb)(void *ctx);
 
 #define RNND_RPC_MAX_THREADS 16
 
@@ -35,9 +43,14 @@ struct rnnd_rpc_options {
     int threads;              // completion-queue threads (1..RNND_RPC_MAX_THREADS)
     size_t max_message_bytes; // both ways
     int max_streams;          // rnnd.v1 calls in progress at once (health not counted)
+    size_t max_reply_bytes;   // replies reserved, queued or being sent, all calls together
+    int max_connections;      // gRPC connections open at once
+    int max_health_watches;   // grpc.health.v1 Watch streams open at once
+    int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
     void *service;            // handed to handlers
     rnnd_rpc_stopped_cb stopped;
-    void *stopped_ctx;
+    rnnd_rpc_drained_cb drained;
+    void *stopped_ctx; // for both
     // Security (all borrowed, NULL when unused):
     const char *tls_cert_pem;      // server certificate chain; TLS when set
     const char *tls_key_pem;       // its private key
@@ -52,14 +65,20 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, i
                    size_t errlen);
 // Switches between serving and not (health Watch streams hear about it). Any thread.
 void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving);
-// Begins the graceful shutdown: health turns NOT_SERVING, new calls get UNAVAILABLE, open
-// streams are ended after their message in flight, and once every call has been answered the
-// gRPC server shuts down and closes its connections (then `stopped` runs). Any thread;
-// idempotent.
+// Begins the graceful shutdown: health turns NOT_SERVING (Watch streams hear it, then end), new
+// calls and new StepStreams get UNAVAILABLE, while the calls and StepStreams already open go on
+// (their messages are still served). Once every call is finished, its reply and status sent and
+// not merely handed to gRPC, `drained` runs; rnnd_rpc_cancel_all then shuts the gRPC server down
+// and closes its connections (then `stopped` runs). Any thread; idempotent.
 void rnnd_rpc_drain(struct rnnd_rpc *rpc);
-// Shuts the server down now, cancelling every call still running (the drain's grace period is
-// over). Any thread; idempotent.
+// The drain's grace is over: every StepStream still open ends with a clean UNAVAILABLE status
+// (an idle one now, one with a message in flight after its reply). Any thread; idempotent.
+void rnnd_rpc_drain_end(struct rnnd_rpc *rpc);
+// Shuts the server down now, cancelling every call still running. Any thread; idempotent.
 void rnnd_rpc_cancel_all(struct rnnd_rpc *rpc);
+// Periodic work (the cron): ends StepStreams idle for --stream-idle-timeout-s, cancels calls
+// whose client has not read their reply for as long, refreshes the connection gauge. Any thread.
+void rnnd_rpc_housekeeping(struct rnnd_rpc *rpc);
 // Joins the completion-queue thread and destroys the server. Call after `stopped` ran and after
 // every handler has finished its calls (e.g. the engine was joined).
 void rnnd_rpc_free(struct rnnd_rpc *rpc);
@@ -70,6 +89,11 @@ const ProtobufCMessage *rnnd_call_request(const struct rnnd_call *call);
 uint64_t rnnd_call_source(struct rnnd_call *call);
 // Nonzero once the client cancelled the call or its deadline passed.
 const _Atomic int *rnnd_call_cancelled(struct rnnd_call *call);
+// Reserves bytes of --max-reply-mb for the reply the handler will send (it stays reserved until
+// that reply has left, or the call fails). 0, or RNND_EFULL with the reason in err (counted in
+// rnnd_limit_rejections_total{resource="reply_bytes"}); the call is then still the handler's to
+// finish. Any thread, before the call is finished.
+int rnnd_call_reserve(struct rnnd_call *call, size_t bytes, char *err, size_t errlen);
 // Sends reply (packed here; the caller keeps it) with status OK, or as the next message of a
 // StepStream. Any thread.
 void rnnd_call_reply(struct rnnd_call *call, const ProtobufCMessage *reply);

@@ -4,9 +4,13 @@
  *   start:  block signals (gRPC's threads inherit the mask) -> grpc_init -> bind gRPC and HTTP
  *           (health answers NOT_SERVING, rnnd.v1 calls UNAVAILABLE) -> engine thread loads the
  *           model -> ready: serving, the ready line, the cron timer.
- *   drain:  SIGTERM/SIGINT -> not ready -> rpc drain (no new calls, in-flight ones finish, idle
- *           streams end) -> when the gRPC threads have stopped: engine stop (it finishes what is
- *           queued and writes a final checkpoint) -> join -> close handles -> exit 0.
+ *   drain:  SIGTERM/SIGINT -> not ready (/readyz 503, health NOT_SERVING) -> rpc drain (no new
+ *           calls; the calls and StepStreams already open go on, replies delivered) -> at
+ *           --drain-timeout-s the StepStreams still open end with a clean status, and 1 s later
+ *           whatever still runs is cancelled; once no call is left, the connections close 200 ms
+ *           later (time for the last statuses to be read) -> when the gRPC threads have stopped:
+ *           engine stop (it finishes what is queued and writes a final checkpoint) -> join ->
+ *           close HTTP and the other handles -> exit 0.
  * A second signal during the drain cancels the calls still running at once. When the group of
  * rnnd instances breaks (a peer is gone: group.h), the same drain runs and rnnd exits with
  * status 3, so that its supervisor restarts it and the group forms again.
@@ -20,6 +24,7 @@
 #include <pthread.h>
 #include <errno.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <stdbool.h>
 #include <unistd.h>
 #include <stdio.h>
@@ -40,6 +45,7 @@ enum {
     EV_ENGINE_FAILED = 2,
     EV_RPC_STOPPED = 4,
     EV_GROUP_LOST = 8,
+    EV_RPC_DRAINED = 16,
 };
 
 // Exit status after the group of instances broke (see above).
@@ -62,6 +68,7 @@ struct rnnd_server {
     int grpc_port, http_port;
     int exit_code;
     bool draining;
+    bool drained; // every gRPC call finished: the connections close after DRAIN_LINGER_MS
     bool ready;
 };
 
@@ -97,17 +104,41 @@ static void on_rpc_stopped(void *ctx) {
     post_event(ctx, EV_RPC_STOPPED);
 }
 
+// Any thread: the drain has no call left.
+static void on_rpc_drained(void *ctx) {
+    post_event(ctx, EV_RPC_DRAINED);
+}
+
 static void on_cron(uv_timer_t *t) {
     struct rnnd_server *s = t->data;
-    if (s->ready && !s->draining)
+    if (s->ready && !s->draining) {
         rnnd_group_housekeeping(s->group);
+        rnnd_rpc_housekeeping(s->rpc);
+    }
+}
+
+// Time the StepStreams ended at --drain-timeout-s get for their status (and a reply in flight)
+// to reach their clients before the rest is cancelled.
+#define DRAIN_LAST_CALL_MS 1000
+// Time the last statuses get to be read before the connections close: a client still writing on
+// its stream would otherwise see its connection break instead of the status.
+#define DRAIN_LINGER_MS 200
+
+static void on_drain_cancel(uv_timer_t *t) {
+    struct rnnd_server *s = t->data;
+    if (!s->drained)
+        rnnd_log(RNND_LOG_WARN, "calls still running after the drain: cancelling them");
+    rnnd_rpc_cancel_all(s->rpc);
 }
 
 static void on_drain_timeout(uv_timer_t *t) {
     struct rnnd_server *s = t->data;
-    rnnd_log(RNND_LOG_WARN, "calls still running after --drain-timeout-s %d s: cancelling them",
-             s->cfg.drain_timeout_s);
-    rnnd_rpc_cancel_all(s->rpc);
+    rnnd_log(RNND_LOG_INFO,
+             "--drain-timeout-s %d s passed: ending the StepStreams still open; calls still "
+             "running in %d ms are cancelled",
+             s->cfg.drain_timeout_s, DRAIN_LAST_CALL_MS);
+    rnnd_rpc_drain_end(s->rpc);
+    uv_timer_start(&s->drain_timer, on_drain_cancel, DRAIN_LAST_CALL_MS, 0);
 }
 
 static void drain_begin(struct rnnd_server *s, const char *why) {
@@ -194,6 +225,10 @@ static void on_async(uv_async_t *a) {
         uint64_t period = 1000 / (uint64_t)s->cfg.hz;
         uv_timer_start(&s->cron, on_cron, period ? period : 1, period ? period : 1);
     }
+    if ((ev & EV_RPC_DRAINED) && !s->drained) {
+        s->drained = true;
+        uv_timer_start(&s->drain_timer, on_drain_cancel, DRAIN_LINGER_MS, 0);
+    }
     if (ev & EV_RPC_STOPPED) {
         rnnd_log(RNND_LOG_INFO, "gRPC stopped; finishing the engine's queue");
         shutdown_finish(s);
@@ -230,6 +265,23 @@ static void secret_mode_check(const char *path, const char *flag) {
                  "%s %s can be read by its group or by others (mode %03o): chmod 600 it so that "
                  "only rnnd's user can read the secret",
                  flag, path, (unsigned)(st.st_mode & 0777));
+}
+
+// Each gRPC connection is a descriptor: raises the soft limit towards what --max-connections
+// needs, with room for the daemon's own (HTTP, files, devices), and warns when that is not allowed.
+static void fd_limit_raise(int max_connections) {
+    struct rlimit rl;
+    rlim_t need = (rlim_t)max_connections + 256;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= need)
+        return;
+    rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < need)
+        rnnd_log(RNND_LOG_WARN,
+                 "--max-connections %d needs about %llu descriptors but the limit is %llu "
+                 "(ulimit -n, LimitNOFILE): connections will fail before the bound; raise the "
+                 "limit or lower --max-connections",
+                 max_connections, (unsigned long long)need, (unsigned long long)rl.rlim_cur);
 }
 
 int rnnd_server_run(const struct rnnd_config *cfg) {
@@ -317,6 +369,9 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         [RNND_LIMIT_TAPE_BYTES] = (int64_t)cfg->tape_memory_mb << 20,
         [RNND_LIMIT_MESSAGE] = (int64_t)s->svc.limits.max_message_bytes,
         [RNND_LIMIT_STREAMS] = cfg->max_streams,
+        [RNND_LIMIT_REPLY_BYTES] = (int64_t)cfg->max_reply_mb << 20,
+        [RNND_LIMIT_CONNECTIONS] = cfg->max_connections,
+        [RNND_LIMIT_HEALTH_WATCHES] = cfg->max_health_watches,
     };
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], bounds[i]);
@@ -326,6 +381,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
+    fd_limit_raise(cfg->max_connections);
     int threads = cfg->grpc_threads;
     if (threads == 0) {
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -335,8 +391,13 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
                                   .threads = threads,
                                   .max_message_bytes = s->svc.limits.max_message_bytes,
                                   .max_streams = cfg->max_streams,
+                                  .max_reply_bytes = (size_t)cfg->max_reply_mb << 20,
+                                  .max_connections = cfg->max_connections,
+                                  .max_health_watches = cfg->max_health_watches,
+                                  .stream_idle_timeout_s = cfg->stream_idle_timeout_s,
                                   .service = &s->svc,
                                   .stopped = on_rpc_stopped,
+                                  .drained = on_rpc_drained,
                                   .stopped_ctx = s,
                                   .tls_cert_pem = tls_cert,
                                   .tls_key_pem = tls_key,

@@ -120,6 +120,9 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     size_t B = req->n_env_ids;
     bool lstm = m->cell == RNND_CELL_LSTM, extras;
     int rc = rnnd_request_step(&s->limits, req, &extras, err);
+    if (rc == 0)
+        rc = rnnd_call_reserve(call, rnnd_request_step_reply_bytes(&s->limits, req), err,
+                               sizeof(err));
     if (rc != 0)
         goto bad;
     size_t H = (size_t)m->H, LH = (size_t)m->L * H;
@@ -286,6 +289,9 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     char err[ERRLEN];
     struct rnnd_forward_job f;
     int rc = counted(rnnd_request_forward(&s->limits, req, &f, err));
+    if (rc == 0)
+        rc = rnnd_call_reserve(call, rnnd_request_forward_reply_bytes(&s->limits, &f), err,
+                               sizeof(err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);
@@ -371,6 +377,9 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     char err[ERRLEN];
     struct rnnd_backward_job g;
     int rc = counted(rnnd_request_backward(&s->limits, req, &g, err));
+    if (rc == 0)
+        rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(&s->limits, &g), err,
+                               sizeof(err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);
@@ -467,6 +476,9 @@ void rnnd_service_get_weights(void *p, struct rnnd_call *call, const ProtobufCMe
     char err[ERRLEN];
     size_t P = s->limits.P;
     int rc = counted(rnnd_request_get_weights(&s->limits, err));
+    if (rc == 0)
+        rc = rnnd_call_reserve(call, rnnd_request_get_weights_reply_bytes(&s->limits), err,
+                               sizeof(err));
     if (rc != 0) {
         rnnd_call_fail(call, rc, err);
         return;

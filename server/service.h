@@ -3,8 +3,9 @@
  * dtypes, byte counts, duplicates, non-finite values), turn it into an engine job, and turn the
  * finished job into the reply. Checks that need engine state (env table, tapes) happen in the
  * engine; everything else is refused here, before anything is queued, so a rejected request
- * changes no state. No grpc_* calls here (rpc.h is the seam). Jobs go to the group (group.h),
- * which runs them on this daemon's one engine or splits them over several.
+ * changes no state. A reply that can be large is reserved of --max-reply-mb (rnnd_call_reserve)
+ * right after the check, before any work. No grpc_* calls here (rpc.h is the seam). Jobs go to
+ * the group (group.h), which runs them on this daemon's one engine or splits them over several.
  */
 #ifndef RNND_SERVICE_H
 #define RNND_SERVICE_H

@@ -693,7 +693,9 @@ static int count_checkpoints(const char *dir) {
 static void test_sigterm_under_load(void **state) {
     (void)state;
     struct daemon ds;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", NULL};
+    // The StepStream loaders go on stepping through the drain, until its timeout.
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "2",
+                          NULL};
     assert_int_equal(daemon_start(&ds, args), 0);
     enum { N = 6 };
     struct loader l[N];

@@ -123,6 +123,13 @@ static void test_bad_flags_name_themselves(void **state) {
     // A batch that cannot fit into one message.
     expect_error((const char *[]){"--max-batch", "1000000", "--max-message-mb", "1", NULL},
                  "--max-message-mb");
+    // A reply budget that cannot hold one reply.
+    expect_error((const char *[]){"--max-reply-mb", "32", "--max-message-mb", "64", NULL},
+                 "--max-reply-mb");
+    expect_error((const char *[]){"--max-connections", "0", NULL}, "--max-connections");
+    expect_error((const char *[]){"--max-health-watches", "0", NULL}, "--max-health-watches");
+    expect_error((const char *[]){"--stream-idle-timeout-s", "-1", NULL},
+                 "--stream-idle-timeout-s");
 }
 
 static void test_help_and_version(void **state) {
@@ -244,6 +251,10 @@ static void test_weights_streams_and_exposure(void **state) {
     char err[512];
     assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
     assert_int_equal(c.max_streams, 1024);
+    assert_int_equal(c.max_reply_mb, 1024);
+    assert_int_equal(c.max_connections, 1024);
+    assert_int_equal(c.max_health_watches, 256);
+    assert_int_equal(c.stream_idle_timeout_s, 300);
     assert_string_equal(c.weights, "");
     assert_null(rnnd_config_exposure(&c)); // loopback by default
     assert_int_equal(

@@ -307,6 +307,7 @@ int rnnd_metrics_render(char **out, size_t *len) {
     for (int i = 0; i < RNND_HTTP_DROP_COUNT; i++)
         put(&b, "rnnd_http_connections_dropped_total{reason=\"%s\"} %llu\n", http_drop_names[i],
             (unsigned long long)ld(&m->http_dropped[i]));
+    put(&b,
         "# HELP rnnd_reply_bytes Memory held by replies not yet read by their clients (reserved "
         "before the work, queued or being sent).\n"
         "# TYPE rnnd_reply_bytes gauge\nrnnd_reply_bytes %lld\n",

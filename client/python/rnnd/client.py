@@ -157,6 +157,7 @@ class Client:
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=()):
         self.target = target
+        self.closed = False
         self.timeout = timeout
         limit = -1 if max_message_mb is None or max_message_mb < 0 else int(max_message_mb) << 20
         opts = [("grpc.max_send_message_length", limit),
@@ -174,6 +175,7 @@ class Client:
     # -- plumbing ------------------------------------------------------------------------------
 
     def close(self):
+        self.closed = True
         self._channel.close()
 
     def __enter__(self):

@@ -113,8 +113,11 @@ static int status_to_code(grpc_status_code s) {
     }
 }
 
-// Records a call's final status (details may be an empty slice) and returns its code.
-static int status_err(grpc_status_code s, grpc_slice details, const char *error_string) {
+// Records a call's final status (details may be an empty slice) and returns its code. For
+// UNAVAILABLE (no connection, or the daemon draining) the message asks whether rnnd runs at the
+// target, the first thing to check.
+static int status_err(grpc_status_code s, grpc_slice details, const char *error_string,
+                      const char *target) {
     last_err.grpc_status = (int)s;
     last_err.code = status_to_code(s);
     size_t n = GRPC_SLICE_LENGTH(details);
@@ -123,7 +126,10 @@ static int status_err(grpc_status_code s, grpc_slice details, const char *error_
     memcpy(last_err.message, GRPC_SLICE_START_PTR(details), n);
     last_err.message[n] = '\0';
     if (n == 0 && error_string)
-        snprintf(last_err.message, sizeof last_err.message, "%s", error_string);
+        n = (size_t)snprintf(last_err.message, sizeof last_err.message, "%s", error_string);
+    if (s == GRPC_STATUS_UNAVAILABLE && n < sizeof last_err.message)
+        snprintf(last_err.message + n, sizeof last_err.message - n, " (is rnnd running at %s?)",
+                 target);
     return last_err.code;
 }
 
@@ -327,6 +333,7 @@ static const char *const method_paths[M_COUNT] = {
 };
 
 struct rnnd_client {
+    char *target; // HOST:PORT as given, for error messages
     grpc_channel *ch;
     void *reg[M_COUNT]; // registered-call handles: the method path is parsed once
     int64_t timeout_ms;
@@ -353,6 +360,11 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
     struct rnnd_client *c = calloc(1, sizeof *c);
     if (!c)
         return local_err(RNND_ENOMEM, "out of memory");
+    c->target = strdup(opts->target);
+    if (!c->target) {
+        free(c);
+        return local_err(RNND_ENOMEM, "out of memory");
+    }
     grpc_init();
     c->timeout_ms = opts->timeout_ms > 0 ? opts->timeout_ms : 30000;
 
@@ -387,6 +399,7 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
     grpc_channel_credentials_release(creds);
     if (!c->ch) {
         grpc_shutdown();
+        free(c->target);
         free(c);
         return local_err(RNND_EINVAL, "cannot create a channel to %s", opts->target);
     }
@@ -452,6 +465,7 @@ void rnnd_client_free(struct rnnd_client *c) {
         await_state(c->ch, false, false, FREE_CONNECT_WAIT_MS);
         grpc_channel_destroy(c->ch);
     }
+    free(c->target);
     free(c);
     grpc_shutdown();
 }
@@ -459,7 +473,8 @@ void rnnd_client_free(struct rnnd_client *c) {
 int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
     clear_err();
     if (await_state(c->ch, true, true, timeout_ms) != GRPC_CHANNEL_READY)
-        return local_err(RNND_EUNAVAIL, "not connected after %lld ms", (long long)timeout_ms);
+        return local_err(RNND_EUNAVAIL, "not connected to %s after %lld ms (is rnnd running at %s?)",
+                         c->target, (long long)timeout_ms, c->target);
     return 0;
 }
 
@@ -547,7 +562,7 @@ static int unary(struct rnnd_client *c, int m, const char *path, const uint8_t *
         if (ev.type != GRPC_OP_COMPLETE)
             err = local_err(RNND_EIO, "completion queue event %d", (int)ev.type);
         else if (status != GRPC_STATUS_OK)
-            err = status_err(status, details, error_string);
+            err = status_err(status, details, error_string, c->target);
         else if (!recv)
             err = local_err(RNND_ECORRUPT, "OK status without a reply message");
     }
@@ -631,6 +646,7 @@ int rnnd_client_health(struct rnnd_client *c, const char *service, int *status) 
 }
 
 struct rnnd_client_watch {
+    const char *target; // the client's (which outlives its watches)
     grpc_completion_queue *cq;
     grpc_call *call;
     grpc_metadata_array init_md, trail_md;
@@ -657,6 +673,7 @@ int rnnd_client_watch_init(struct rnnd_client *c, const char *service,
     struct rnnd_client_watch *w = calloc(1, sizeof *w);
     if (!w)
         return local_err(RNND_ENOMEM, "out of memory");
+    w->target = c->target;
     w->cq = grpc_completion_queue_create_for_pluck(NULL);
     w->call = call_create(c, M_WATCH, NULL, w->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC));
     grpc_metadata_array_init(&w->init_md);
@@ -707,7 +724,7 @@ int rnnd_client_watch_init(struct rnnd_client *c, const char *service,
 int rnnd_client_watch_next(struct rnnd_client_watch *w, int64_t timeout_ms, int *status) {
     clear_err();
     if (w->status_done) {
-        int err = status_err(w->status, w->details, w->error_string);
+        int err = status_err(w->status, w->details, w->error_string, w->target);
         return err ? err : local_err(RNND_ECANCELED, "Watch ended with OK");
     }
     if (!w->recv_pending) {
@@ -728,7 +745,7 @@ int rnnd_client_watch_next(struct rnnd_client_watch *w, int64_t timeout_ms, int 
         grpc_completion_queue_pluck(w->cq, &w->tag_status, gpr_inf_future(GPR_CLOCK_MONOTONIC),
                                     NULL);
         w->status_done = true;
-        int err = status_err(w->status, w->details, w->error_string);
+        int err = status_err(w->status, w->details, w->error_string, w->target);
         return err ? err : local_err(RNND_ECANCELED, "Watch ended with OK");
     }
     grpc_slice r = buffer_take(w->recv);
@@ -941,7 +958,7 @@ static int stream_status(struct rnnd_client_stream *s) {
         stream_wait(s, &s->tag_status);
         s->status_done = true;
     }
-    return status_err(s->status, s->details, s->error_string);
+    return status_err(s->status, s->details, s->error_string, s->c->target);
 }
 
 int rnnd_client_stream_init(struct rnnd_client *c, struct rnnd_client_stream **out) {

@@ -33,6 +33,7 @@ static const char usage[] =
     "  --token-file FILE        bearer token (first line of FILE); default $RNND_TOKEN\n"
     "  --timeout-ms N           per-call deadline (default 30000)\n"
     "  -h, --help               this text\n"
+    "  --version                the version and the git commit it was built from\n"
     "\n"
     "Commands:\n"
     "  health [--service NAME] [--watch]\n"
@@ -177,7 +178,7 @@ struct args {
     const char *target, *tls_ca, *tls_cert, *tls_key, *tls_name, *token_file, *timeout;
     const char *service, *env, *obs, *seed, *steps, *step_index, *path;
     const char *connections, *envs, *duration, *warmup, *env_base;
-    bool watch, init, state, full, stream, no_floor, help;
+    bool watch, init, state, full, stream, no_floor, help, version;
 };
 
 static int parse_args(int argc, char **argv, struct args *a) {
@@ -217,6 +218,7 @@ static int parse_args(int argc, char **argv, struct args *a) {
         {"--no-floor", NULL, &a->no_floor},
         {"--help", NULL, &a->help},
         {"-h", NULL, &a->help},
+        {"--version", NULL, &a->version},
     };
     for (int i = 1; i < argc; i++) {
         const char *s = argv[i];
@@ -818,6 +820,10 @@ int main(int argc, char **argv) {
     int rc = parse_args(argc, argv, &a);
     if (rc)
         return rc;
+    if (a.version) {
+        printf("rnndctl %s (commit %s)\n", RNND_VERSION, RNND_COMMIT);
+        return 0;
+    }
     if (a.help || a.npos == 0) {
         fputs(usage, a.help ? stdout : stderr);
         return a.help ? 0 : 2;

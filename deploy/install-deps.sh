@@ -12,6 +12,8 @@ pkgs=(
   xz-utils # deploy/bundle.sh packs with xz
   # Python client, fixtures and reference tests run on Debian's /usr/bin/python3.
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch python3-matplotlib python3-yaml
+  # `pip install ./client/python` offline: a venv, pip, and setuptools + wheel to build with.
+  python3-venv python3-pip python3-setuptools python3-wheel
 )
 if [ "${1:-}" = "--ci" ]; then
   pkgs+=(clang libclang-rt-dev)

@@ -227,8 +227,17 @@ static void test_rnndctl(void **state) {
     const char *bad[] = {rnndctl_bin(), "frobnicate", NULL};
     EXPECT_CTL(run_capture(bad, 5000, &out), 2, "frobnicate");
     free(out);
+    const char *version[] = {rnndctl_bin(), "--version", NULL};
+    EXPECT_CTL(run_capture(version, 5000, &out), 0,
+               "rnndctl " RNND_VERSION " (commit " RNND_COMMIT ")\n");
+    free(out);
+    // A daemon that is not there: the error names the address and what to check.
     const char *down[] = {rnndctl_bin(), "-t", "127.0.0.1:1", "--timeout-ms", "2000", "info", NULL};
     EXPECT_CTL(run_capture(down, 10000, &out), 1, "UNAVAILABLE");
+    assert_non_null(strstr(out, "(is rnnd running at 127.0.0.1:1?)"));
+    free(out);
+    const char *down_health[] = {rnndctl_bin(), "-t", "127.0.0.1:1", "health", "--watch", NULL};
+    EXPECT_CTL(run_capture(down_health, 10000, &out), 1, "(is rnnd running at 127.0.0.1:1?)");
     free(out);
 
     EXPECT_CTL(ctl(f, &out, "health", NULL, NULL, NULL, NULL, NULL), 0, "SERVING");

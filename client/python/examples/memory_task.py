@@ -25,8 +25,10 @@ policy guesses: success 1/K.
   more steps, so consecutive windows overlap by one step (the bootstrap step) and every
   transition is learnt from exactly once, at most one update behind the policy that produced it.
 
-    PYTHONPATH=build/client/python /usr/bin/python3 client/python/examples/memory_task.py \
+    ~/rnnd-venv/bin/python client/python/examples/memory_task.py \
         --rnnd build/server/rnnd --png memory_task.png
+
+(~/rnnd-venv: client/python/README.md; or PYTHONPATH=build/client/python /usr/bin/python3.)
 
 Prints progress; writes the learning curve to --png; exits 0 when the success rate reached
 --target (default 0.9) within --minutes.
@@ -333,7 +335,8 @@ def main(argv=None):
     try:
         import rnnd
     except ImportError as e:
-        raise SystemExit("cannot import rnnd (%s): build first and set PYTHONPATH=<build>/client/python" % e)
+        raise SystemExit("cannot import rnnd (%s): pip install ./client/python (see its README), "
+                         "or build and set PYTHONPATH=<build>/client/python" % e)
     d = None
     target = a.target_addr
     if target is None:

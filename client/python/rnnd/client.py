@@ -28,20 +28,26 @@ SERVICE = "rnnd.v1.Rnn"
 
 class RnndError(Exception):
     """A failed RPC: ``code`` (grpc.StatusCode), ``code_name`` ("INVALID_ARGUMENT", ...),
-    ``details`` (the server's message) and ``method`` (the RPC's name)."""
+    ``details`` (the server's message, or gRPC's when the daemon was not reached), ``method``
+    (the RPC's name) and ``target`` (the daemon's address, when known). For UNAVAILABLE the
+    message asks whether rnnd is running at the target."""
 
-    def __init__(self, code, details, method=""):
+    def __init__(self, code, details, method="", target=None):
         self.code = code
         self.code_name = code.name if code is not None else "UNKNOWN"
         self.details = details or ""
         self.method = method
-        super().__init__("%s: %s: %s" % (method or "rnnd", self.code_name, self.details))
+        self.target = target
+        msg = "%s: %s: %s" % (method or "rnnd", self.code_name, self.details)
+        if code == grpc.StatusCode.UNAVAILABLE and target:
+            msg += " (is rnnd running at %s?)" % target
+        super().__init__(msg)
 
     @classmethod
-    def from_rpc_error(cls, err, method):
+    def from_rpc_error(cls, err, method, target=None):
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
-        return cls(code, details, method)
+        return cls(code, details, method, target)
 
 
 ModelInfo = collections.namedtuple(
@@ -151,6 +157,7 @@ class Client:
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=()):
         self.target = target
+        self.closed = False
         self.timeout = timeout
         limit = -1 if max_message_mb is None or max_message_mb < 0 else int(max_message_mb) << 20
         opts = [("grpc.max_send_message_length", limit),
@@ -168,6 +175,7 @@ class Client:
     # -- plumbing ------------------------------------------------------------------------------
 
     def close(self):
+        self.closed = True
         self._channel.close()
 
     def __enter__(self):
@@ -182,7 +190,7 @@ class Client:
             return fn(request, timeout=timeout if timeout is not None else self.timeout,
                       metadata=self._metadata)
         except grpc.RpcError as e:
-            raise RnndError.from_rpc_error(e, name) from None
+            raise RnndError.from_rpc_error(e, name, self.target) from None
 
     def wait_ready(self, timeout=30.0):
         """Blocks until the channel is connected (grpc.FutureTimeoutError after timeout)."""
@@ -321,6 +329,7 @@ class Stepper(_SendRecv):
     """
 
     def __init__(self, client):
+        self._target = client.target
         self._requests = queue.SimpleQueue()
         self._call = client._stub.StepStream(iter(self._requests.get, _END),
                                              metadata=client._metadata)
@@ -341,7 +350,7 @@ class Stepper(_SendRecv):
             reply = next(self._call)
         except grpc.RpcError as e:
             self._closed = True
-            raise RnndError.from_rpc_error(e, "StepStream") from None
+            raise RnndError.from_rpc_error(e, "StepStream", self._target) from None
         except StopIteration:
             self._closed = True
             raise RnndError(grpc.StatusCode.UNKNOWN, "the daemon ended the stream",

@@ -222,7 +222,7 @@ class Pool:
 
 def _target_error(err, target, method):
     e = RnndError.from_rpc_error(err, method)
-    return RnndError(e.code, "target %s: %s" % (target, e.details), method)
+    return RnndError(e.code, "target %s: %s" % (target, e.details), method, target)
 
 
 class PoolStepper(_SendRecv):
@@ -269,8 +269,9 @@ class PoolStepper(_SendRecv):
                 results.append(self._steppers[t].recv())
             except RnndError as e:
                 self._broken = True
-                raise RnndError(e.code, "target %s: %s" % (self._pool.targets[t], e.details),
-                                "StepStream") from None
+                target = self._pool.targets[t]
+                raise RnndError(e.code, "target %s: %s" % (target, e.details), "StepStream",
+                                target) from None
         return Pool._join(B, parts, results)
 
     def close(self):

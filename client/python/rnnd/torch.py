@@ -1,4 +1,4 @@
-"""rnnd.torch: the daemon's recurrent core as a PyTorch module.
+"""rnnd.torch: the daemon's recurrent core as PyTorch operators and as an nn.Module.
 
     import rnnd, rnnd.torch
     core = rnnd.torch.RemoteRecurrent(rnnd.Client("127.0.0.1:50051"))
@@ -13,28 +13,109 @@ to the daemon; ``state_dict()`` pulls first and ``load_state_dict()`` pushes aft
 both round-trip with nn.GRU / nn.LSTM state dicts. forward() always uses the daemon's weights.
 
 Layout is batch-first, as on the wire and in TorchRL: states are [B, L, H] (not nn.GRU's
-[L, B, H]), stored per-step states [B, T, L, H].
+[L, B, H]), stored per-step states [B, T, L, H]. Env ids are int64 tensors holding the uint64
+ids' bits (lists and numpy arrays are converted; under torch.compile pass a tensor).
 
 grads="local" (default): backward fills each Parameter's ``.grad`` with the daemon's gradient;
 use ``apply_gradients()`` (daemon optimizer), or a local torch optimizer followed by ``push()``.
 grads="server": backward accumulates the weight gradients in the daemon's buffer (no weight
-gradients travel) and ``apply_gradients()`` applies that buffer; ``.grad`` stays None.
+gradients travel; the Parameters' ``.grad`` get zeros) and ``apply_gradients()`` applies it.
+
+Operators. The calls an actor and a learner make are the ops in ``rnnd.torch.ops``: step,
+forward (explicit trajectories), forward_recorded and backward. With torch >= 2.4
+(``CUSTOM_OPS``) they are torch.library custom ops, torch.ops.rnnd.*, each with a fake
+implementation (output shapes from the model's sizes, which are arguments) and, for step and the
+forwards, a registered autograd formula (the forwards' is rnnd::backward): torch.compile keeps
+the remote core inside its graph (fullgraph=True works) and torch.export exports a module that
+calls them. Older PyTorch (Debian 12's 1.13) runs the same functions and formulas eagerly through
+an autograd.Function. An op names its daemon by target string and reaches it through the newest
+open Client registered for that target: RemoteRecurrent registers its own, ``register_client()``
+one with a token or TLS for an exported program loaded elsewhere; with none, a plain
+Client(target) is made.
 """
+
+import types
+import weakref
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from .client import Client
+from .client import Client, ForwardResult
 
+CUSTOM_OPS = hasattr(torch.library, "custom_op")  # torch.library.custom_op: torch >= 2.4
+
+
+# ---------------------------------------------------------------------------------------------
+# Daemons, by target.
+
+class _Target:
+    """One daemon as the ops see it: the clients registered for it, of which the newest that is
+    neither closed nor dropped serves (weak references: the ops keep no client alive), else one
+    made here; and the last model_version the daemon reported."""
+
+    def __init__(self, name):
+        self.name = name
+        self.refs = []
+        self.own = None
+        self.model_version = 0
+
+    def add(self, client):
+        self.refs = [r for r in self.refs if r() is not None and not r().closed]
+        self.refs.append(weakref.ref(client))
+
+    @property
+    def client(self):
+        for r in reversed(self.refs):
+            c = r()
+            if c is not None and not c.closed:
+                return c
+        if self.own is None or self.own.closed:
+            self.own = Client(self.name)
+        return self.own
+
+
+_targets = {}
+
+
+def register_client(client):
+    """Makes the ops reach ``client.target`` through ``client`` (its token, TLS and timeout)
+    while it is open. Returns the target's record."""
+    t = _targets.get(client.target)
+    if t is None:
+        t = _targets[client.target] = _Target(client.target)
+    t.add(client)
+    return t
+
+
+def _target(name):
+    t = _targets.get(name)
+    if t is None:
+        t = _targets[name] = _Target(name)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions.
 
 def _np(t):
     return None if t is None else t.detach().cpu().contiguous().numpy()
 
 
-def _t(a, device=None):
-    if a is None:
-        return None
+def _uids(env_ids):
+    """int64 tensor -> the uint64 ids (same bits) the client sends."""
+    return _np(env_ids).astype(np.int64, copy=False).view(np.uint64)
+
+
+def _env_tensor(env_ids):
+    if isinstance(env_ids, Tensor):
+        return env_ids.to(torch.int64)
+    ids = np.asarray(env_ids, dtype=np.uint64).reshape(-1)
+    return torch.from_numpy(ids.view(np.int64).copy())
+
+
+def _t(a, device):
     # Arrays from the client are read-only views over the reply: one copy into torch.
     return torch.from_numpy(np.array(a, copy=True)).to(device)
 
@@ -44,81 +125,259 @@ def _param_names(num_layers):
             for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
 
 
-class _Forward(torch.autograd.Function):
-    """Inputs: module, obs, is_init, h0, c0, hidden, cell, *params.
-    Outputs: output [B, T, H], h_n [B, L, H], c_n [B, L, H] (zeros for GRU)."""
-
-    @staticmethod
-    def forward(ctx, module, obs, is_init, h0, c0, hidden, cell, *params):
-        ctx.set_materialize_grads(False)
-        r = module.client.forward(_np(obs), _np(is_init), _np(h0), _np(c0), _np(hidden),
-                                  _np(cell), keep_tape=module._need_tape)
-        return _finish_forward(ctx, module, r, obs.device)
-
-    @staticmethod
-    def backward(ctx, grad_output, grad_h_n, grad_c_n):
-        g = _run_backward(ctx, grad_output, grad_h_n, grad_c_n)
-        need = ctx.needs_input_grad
-        pick = lambda i, a: _t(a, ctx.device) if need[i] and a is not None else None  # noqa: E731
-        return (None, pick(1, g.grad_obs), None, pick(3, g.grad_h0), pick(4, g.grad_c0),
-                pick(5, g.grad_hidden), pick(6, g.grad_cell), *_param_grads(ctx, g, 7))
+def _is_lstm(params, hidden_size):
+    # weight_ih_l0 is [G*H, I]: G = 4 for LSTM, 3 for GRU.
+    return params[0].shape[0] == 4 * hidden_size
 
 
-class _ForwardRecorded(torch.autograd.Function):
-    """Inputs: module, env_ids, steps, *params. Outputs as _Forward."""
-
-    @staticmethod
-    def forward(ctx, module, env_ids, steps, *params):
-        ctx.set_materialize_grads(False)
-        r = module.client.forward_recorded(env_ids, steps, keep_tape=module._need_tape)
-        module._last_recorded = r
-        return _finish_forward(ctx, module, r, torch.device("cpu"))
-
-    @staticmethod
-    def backward(ctx, grad_output, grad_h_n, grad_c_n):
-        g = _run_backward(ctx, grad_output, grad_h_n, grad_c_n)
-        return (None, None, None, *_param_grads(ctx, g, 3))
+def _check_state(target, h_n, num_layers, hidden_size):
+    if tuple(h_n.shape[1:]) != (num_layers, hidden_size):
+        raise RuntimeError("rnnd: the daemon at %s has %d layers of width %d, the caller expects "
+                           "%d of width %d (the model changed: make a new RemoteRecurrent)"
+                           % (target, h_n.shape[1], h_n.shape[2], num_layers, hidden_size))
 
 
-def _finish_forward(ctx, module, r, device):
-    ctx.module = module
-    ctx.tape_id = r.tape_id
-    ctx.device = device
-    ctx.model_version = r.model_version
-    out = _t(r.output, device)
-    ctx.out_shape = tuple(out.shape)
+# ---------------------------------------------------------------------------------------------
+# The ops: implementation, fake (shapes only) and autograd formula of each. Tapes travel as an
+# int64 tensor [2] on the CPU: (tape_id, model_version); tape_id 0 means none was kept.
+
+def _step(target: str, env_ids: Tensor, obs: Tensor, is_init: Optional[Tensor],
+          extras: Optional[Tensor], hidden_size: int) -> Tensor:
+    t = _target(target)
+    r = t.client.step_result(_uids(env_ids), _np(obs), _np(is_init), extras=_np(extras))
+    t.model_version = r.model_version
+    if r.output.shape[1] != hidden_size:
+        raise RuntimeError("rnnd: the daemon at %s has hidden_size %d, the caller expects %d"
+                           % (target, r.output.shape[1], hidden_size))
+    return _t(r.output, obs.device)
+
+
+def _step_fake(target, env_ids, obs, is_init, extras, hidden_size):
+    return _empty(obs, obs.shape[0], hidden_size)
+
+
+def _step_setup(ctx, inputs, output):
+    # Step keeps no tape on the daemon: its output is a constant for autograd (learn through
+    # forward_recorded, which replays the recorded steps with a tape).
+    ctx.mark_non_differentiable(output)
+
+
+def _step_backward(ctx, grad):
+    return None, None, None, None, None, None
+
+
+def _forward_outputs(target, r, device, num_layers, hidden_size):
+    t = _target(target)
+    t.model_version = r.model_version
+    _check_state(target, r.h_n, num_layers, hidden_size)
     h_n = _t(r.h_n, device)
     c_n = _t(r.c_n, device) if r.c_n is not None else torch.zeros_like(h_n)
-    if module.cell == "gru":
-        ctx.mark_non_differentiable(c_n)
-    module.model_version = r.model_version
-    return out, h_n, c_n
+    tape = torch.tensor([r.tape_id, r.model_version], dtype=torch.int64)
+    return _t(r.output, device), h_n, c_n, tape
 
 
-def _run_backward(ctx, grad_output, grad_h_n, grad_c_n):
-    m = ctx.module
-    if not ctx.tape_id:
+def _forward(target: str, obs: Tensor, is_init: Tensor, h0: Optional[Tensor],
+             c0: Optional[Tensor], hidden: Optional[Tensor], cell: Optional[Tensor],
+             params: List[Tensor], hidden_size: int, keep_tape: bool,
+             accumulate: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> output [B, T, H], h_n, c_n [B, L, H] (zeros for GRU), tape. params: the module's
+    Parameters (their values are not sent: the daemon computes with its own weights)."""
+    r = _target(target).client.forward(_np(obs), _np(is_init), _np(h0), _np(c0), _np(hidden),
+                                       _np(cell), keep_tape=keep_tape)
+    return _forward_outputs(target, r, obs.device, len(params) // 4, hidden_size)
+
+
+def _empty(like, *shape, dtype=torch.float32):
+    return like.new_empty(shape, dtype=dtype)
+
+
+def _forward_fake(target, obs, is_init, h0, c0, hidden, cell, params, hidden_size, keep_tape,
+                  accumulate):
+    B, T, L, H = obs.shape[0], obs.shape[1], len(params) // 4, hidden_size
+    return (_empty(obs, B, T, H), _empty(obs, B, L, H), _empty(obs, B, L, H),
+            torch.empty(2, dtype=torch.int64))
+
+
+def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Tensor],
+                      input_size: int, hidden_size: int, extras_size: int, keep_tape: bool,
+                      accumulate: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor, Tensor]:
+    """-> output, h_n, c_n, tape as _forward, then the recorded obs [B, T, I], is_init [B, T],
+    extras [B, T, E] and step_model_version [B, T], on the Parameters' device."""
+    device = params[0].device
+    r = _target(target).client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape)
+    out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
+    B = env_ids.shape[0]
+    extras = (_t(r.extras, device) if r.extras is not None
+              else torch.zeros((B, steps, extras_size), device=device))
+    return (out, h_n, c_n, tape, _t(r.obs, device), _t(r.is_init, device), extras,
+            _t(r.step_model_version, device))
+
+
+def _forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_size, extras_size,
+                           keep_tape, accumulate):
+    B, T, L, H, p = env_ids.shape[0], steps, len(params) // 4, hidden_size, params[0]
+    return (_empty(p, B, T, H), _empty(p, B, L, H), _empty(p, B, L, H),
+            torch.empty(2, dtype=torch.int64), _empty(p, B, T, input_size),
+            _empty(p, B, T, dtype=torch.bool), _empty(p, B, T, extras_size),
+            _empty(p, B, T, dtype=torch.int64))
+
+
+def _backward_shapes(grad_output, params, input_size, input_grads, stored):
+    """Shapes of backward's outputs before the Parameters' gradients: with input_grads,
+    grad_obs, grad_h0, grad_c0 (LSTM) and, with stored states, grad_hidden and grad_cell (LSTM)."""
+    if not input_grads:
+        return []
+    B, T, H = grad_output.shape
+    L = len(params) // 4
+    lstm = _is_lstm(params, H)
+    shapes = [("grad_obs", (B, T, input_size)), ("grad_h0", (B, L, H))]
+    if lstm:
+        shapes.append(("grad_c0", (B, L, H)))
+    if stored:
+        shapes.append(("grad_hidden", (B, T, L, H)))
+        if lstm:
+            shapes.append(("grad_cell", (B, T, L, H)))
+    return shapes
+
+
+def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional[Tensor],
+              grad_c_n: Optional[Tensor], params: List[Tensor], input_size: int,
+              input_grads: bool, stored: bool, accumulate: bool) -> List[Tensor]:
+    """Backward through a kept tape -> the input and state gradients (_backward_shapes), then
+    one gradient per Parameter: the daemon's, or zeros with accumulate (the daemon keeps the
+    sum; the zeros also keep a compiled graph from dropping this call as unused)."""
+    tape_id = int(tape[0])
+    if tape_id == 0:
         raise RuntimeError("rnnd: no tape was kept for this forward (it ran with grad disabled)")
-    if grad_output is None:  # only h_n / c_n were used
-        go = np.zeros(ctx.out_shape, dtype=np.float32)
-    else:
-        go = _np(grad_output.float())
-    g = m.client.backward(ctx.tape_id, go,
-                          _np(grad_h_n), _np(grad_c_n) if m.cell == "lstm" else None,
-                          accumulate=(m.grads == "server"))
-    return g
-
-
-def _param_grads(ctx, g, first):
-    m = ctx.module
+    g = _target(target).client.backward(tape_id, _np(grad_output), _np(grad_h_n), _np(grad_c_n),
+                                        accumulate=accumulate)
+    dev = grad_output.device
     out = []
-    for i, name in enumerate(m._names):
-        if m.grads == "server" or not ctx.needs_input_grad[first + i] or name not in g.grads:
-            out.append(None)
-        else:
-            out.append(_t(g.grads[name], ctx.device))
+    for name, shape in _backward_shapes(grad_output, params, input_size, input_grads, stored):
+        a = getattr(g, name)
+        out.append(_t(a, dev) if a is not None else torch.zeros(shape, device=dev))
+    for name, p in zip(_param_names(len(params) // 4), params):
+        out.append(_t(g.grads[name], p.device) if name in g.grads else torch.zeros_like(p))
     return out
 
+
+def _backward_fake(target, tape, grad_output, grad_h_n, grad_c_n, params, input_size,
+                   input_grads, stored, accumulate):
+    shapes = _backward_shapes(grad_output, params, input_size, input_grads, stored)
+    return [grad_output.new_empty(s) for _, s in shapes] + [torch.empty_like(p) for p in params]
+
+
+def _save_tape(ctx, target, output, params, input_size, hidden_size, accumulate, constants):
+    """setup_context shared by the forwards: output[3] is the tape; constants are the outputs
+    autograd must not differentiate (with c_n for GRU). Unused outputs get no gradient (None,
+    not zeros): nothing is sent for them."""
+    ctx.target, ctx.input_size, ctx.accumulate = target, input_size, accumulate
+    ctx.lstm = _is_lstm(params, hidden_size)
+    ctx.out_shape, ctx.out_device = output[0].shape, output[0].device
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(output[3], *constants, *(() if ctx.lstm else (output[2],)))
+    ctx.save_for_backward(output[3], *params)
+
+
+def _run_backward(ctx, grad_output, grad_h_n, grad_c_n, input_grads, stored):
+    """-> (input and state gradients, the Parameters' gradients)."""
+    tape, *params = ctx.saved_tensors
+    if grad_output is None:  # only h_n / c_n were used
+        grad_output = torch.zeros(ctx.out_shape, device=ctx.out_device)
+    grads = _backward_op(ctx.target, tape, grad_output, grad_h_n,
+                         grad_c_n if ctx.lstm else None, params, ctx.input_size, input_grads,
+                         stored, ctx.accumulate)
+    n = len(_backward_shapes(grad_output, params, ctx.input_size, input_grads, stored))
+    return grads[:n], list(grads[n:])
+
+
+def _forward_setup(ctx, inputs, output):
+    target, obs, _, h0, c0, hidden, cell, params, hidden_size, _, accumulate = inputs
+    _save_tape(ctx, target, output, params, obs.shape[-1], hidden_size, accumulate, ())
+    ctx.given = (h0 is not None, c0 is not None, hidden is not None, cell is not None)
+
+
+def _forward_backward(ctx, grad_output, grad_h_n, grad_c_n, grad_tape):
+    has_h0, has_c0, has_hidden, has_cell = ctx.given
+    state, pgrads = _run_backward(ctx, grad_output, grad_h_n, grad_c_n, True, has_hidden)
+    state = iter(state)
+    g_obs, g_h0 = next(state), next(state)
+    g_c0 = next(state) if ctx.lstm else None
+    g_hidden = next(state) if has_hidden else None
+    g_cell = next(state) if has_hidden and ctx.lstm else None
+    return (None, g_obs, None, g_h0 if has_h0 else None, g_c0 if has_c0 else None, g_hidden,
+            g_cell if has_cell else None, pgrads, None, None, None)
+
+
+def _forward_recorded_setup(ctx, inputs, output):
+    target, _, _, params, input_size, hidden_size, _, _, accumulate = inputs
+    _save_tape(ctx, target, output, params, input_size, hidden_size, accumulate, output[4:])
+
+
+def _forward_recorded_backward(ctx, grad_output, grad_h_n, grad_c_n, *constants):
+    # The window's initial state and inputs are the recorded ones: only the weights get grads.
+    _, pgrads = _run_backward(ctx, grad_output, grad_h_n, grad_c_n, False, False)
+    return None, None, None, pgrads, None, None, None, None, None
+
+
+class _Eager(torch.autograd.Function):
+    """torch < 2.4: one op through autograd with the same setup_context and backward as its
+    custom op. The List[Tensor] argument at position `at` (n Parameters) is spread into
+    separate arguments, so that autograd sees each."""
+
+    @staticmethod
+    def forward(ctx, fns, at, n, *flat):
+        impl, setup_context, backward = fns
+        args = flat if at < 0 else (*flat[:at], list(flat[at:at + n]), *flat[at + n:])
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        ctx.rnnd_backward, ctx.rnnd_at = backward, at
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g, at = ctx.rnnd_backward(ctx, *grads), ctx.rnnd_at
+        if at >= 0:
+            g = (*g[:at], *g[at], *g[at + 1:])
+        return (None, None, None, *g)
+
+
+def _define(name, impl, fake, setup_context=None, backward=None):
+    if CUSTOM_OPS:
+        op = torch.library.custom_op("rnnd::" + name, impl, mutates_args=())
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        return op
+    if backward is None:
+        return impl
+
+    def eager(*args):
+        at = next((k for k, a in enumerate(args) if isinstance(a, list)), -1)
+        flat = args if at < 0 else (*args[:at], *args[at], *args[at + 1:])
+        if not (torch.is_grad_enabled()
+                and any(isinstance(a, Tensor) and a.requires_grad for a in flat)):
+            return impl(*args)
+        n = len(args[at]) if at >= 0 else 0
+        return _Eager.apply((impl, setup_context, backward), at, n, *flat)
+
+    eager.__name__ = eager.__qualname__ = name
+    eager.__doc__ = impl.__doc__
+    return eager
+
+
+_step_op = _define("step", _step, _step_fake, _step_setup, _step_backward)
+_forward_op = _define("forward", _forward, _forward_fake, _forward_setup, _forward_backward)
+_forward_recorded_op = _define("forward_recorded", _forward_recorded, _forward_recorded_fake,
+                               _forward_recorded_setup, _forward_recorded_backward)
+_backward_op = _define("backward", _backward, _backward_fake)
+ops = types.SimpleNamespace(step=_step_op, forward=_forward_op,
+                            forward_recorded=_forward_recorded_op, backward=_backward_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# The module.
 
 class RemoteRecurrent(nn.Module):
     """The daemon's GRU/LSTM as an nn.Module (see the module docstring).
@@ -132,16 +391,17 @@ class RemoteRecurrent(nn.Module):
         if grads not in ("local", "server"):
             raise ValueError('grads must be "local" or "server"')
         self.client = client if isinstance(client, Client) else Client(client)
+        self.target = self.client.target
+        self._remote = register_client(self.client)
         info = self.client.info()
         self.info = info
         self.cell = info.cell
         self.input_size = int(info.input_size)
         self.hidden_size = int(info.hidden_size)
         self.num_layers = int(info.num_layers)
+        self.extras_size = int(info.extras_size)
         self.grads = grads
         self.model_version = info.model_version
-        self._last_recorded = None
-        self._need_tape = False
         gh = (4 if self.cell == "lstm" else 3) * self.hidden_size
         self._names = _param_names(self.num_layers)
         for l in range(self.num_layers):
@@ -152,9 +412,18 @@ class RemoteRecurrent(nn.Module):
         if pull:
             self.pull()
 
+    @property
+    def model_version(self):
+        """The daemon's model_version as last reported to any call on this target."""
+        return self._remote.model_version
+
+    @model_version.setter
+    def model_version(self, v):
+        self._remote.model_version = v
+
     def extra_repr(self):
         return (f"{self.cell}, input_size={self.input_size}, hidden_size={self.hidden_size}, "
-                f"num_layers={self.num_layers}, target={self.client.target!r}, grads={self.grads!r}")
+                f"num_layers={self.num_layers}, target={self.target!r}, grads={self.grads!r}")
 
     def _params(self):
         return [getattr(self, n) for n in self._names]
@@ -191,18 +460,17 @@ class RemoteRecurrent(nn.Module):
         self.push()
 
     def apply_gradients(self, lr=None, pull=True):
-        """One optimizer step on the daemon: with grads="local" it sends the Parameters' .grad
-        (and clears them), with grads="server" it applies the daemon's accumulated buffer. Then
-        pulls the new weights (pull=False skips that). Returns the new model_version."""
+        """One optimizer step on the daemon: with grads="local" it sends the Parameters' .grad,
+        with grads="server" it applies the daemon's accumulated buffer; either way it clears
+        .grad. Then pulls the new weights (pull=False skips that). Returns the new model_version."""
         grads = {}
-        if self.grads == "local":
-            for n in self._names:
-                p = getattr(self, n)
-                if p.grad is not None:
-                    grads[n] = _np(p.grad)
-                    p.grad = None
-            if not grads:
-                raise RuntimeError("rnnd: apply_gradients with no .grad on any parameter")
+        for n in self._names:
+            p = getattr(self, n)
+            if p.grad is not None and self.grads == "local":
+                grads[n] = _np(p.grad)
+            p.grad = None
+        if self.grads == "local" and not grads:
+            raise RuntimeError("rnnd: apply_gradients with no .grad on any parameter")
         self.model_version = self.client.apply_gradients(grads, lr=lr)
         if pull:
             self.pull()
@@ -218,28 +486,34 @@ class RemoteRecurrent(nn.Module):
         the Parameters. The daemon's tape serves one backward (no retain_graph)."""
         obs = obs.float()
         if is_init is None:
-            is_init = torch.zeros(obs.shape[:2], dtype=torch.bool)
+            is_init = torch.zeros(obs.shape[:2], dtype=torch.bool, device=obs.device)
         h0 = c0 = None
         if hx is not None:
             h0, c0 = (hx if isinstance(hx, (tuple, list)) else (hx, None))
-        self._need_tape = self._tape_wanted(obs, h0, c0, hidden, cell)
-        out, h_n, c_n = _Forward.apply(self, obs, is_init.bool(), h0, c0, hidden, cell,
-                                       *self._params())
+        keep = self._tape_wanted(obs, h0, c0, hidden, cell)
+        out, h_n, c_n, _ = _forward_op(self.target, obs, is_init.bool(), h0, c0, hidden, cell,
+                                        self._params(), self.hidden_size, keep,
+                                        self.grads == "server")
         return (out, (h_n, c_n)) if self.cell == "lstm" else (out, h_n)
 
     def forward_recorded(self, env_ids, steps):
         """Forward over the last ``steps`` steps the daemon recorded for each env in env_ids.
-        Returns (output [B, T, H], recorded) where recorded is the client's ForwardResult with
-        the recorded obs, is_init, extras [B, T, E] and step_model_version as numpy arrays.
-        Gradients flow to the Parameters (the window's initial state is a constant)."""
-        self._need_tape = self._tape_wanted()
-        out, _, _ = _ForwardRecorded.apply(self, list(env_ids), int(steps), *self._params())
-        r, self._last_recorded = self._last_recorded, None
-        return out, r
+        Returns (output [B, T, H], recorded): recorded is a ForwardResult of tensors on the
+        Parameters' device: output, h_n, c_n (LSTM), tape_id and model_version (0-d), the
+        recorded obs, is_init, extras [B, T, E] and step_model_version [B, T]. Gradients flow to
+        the Parameters (the window's initial state is a constant)."""
+        out, h_n, c_n, tape, obs, is_init, extras, smv = _forward_recorded_op(
+            self.target, _env_tensor(env_ids), int(steps), self._params(), self.input_size,
+            self.hidden_size, self.extras_size, self._tape_wanted(), self.grads == "server")
+        rec = ForwardResult(out, h_n, c_n if self.cell == "lstm" else None, tape[0], tape[1],
+                            obs, is_init, extras, smv)
+        return out, rec
 
-    @torch.no_grad()
     def step(self, env_ids, obs, is_init=None, extras=None):
-        """Step for actors: obs [B, I] -> output [B, H] (no gradient)."""
-        return _t(self.client.step(env_ids, _np(torch.as_tensor(obs).float()),
-                                   _np(torch.as_tensor(is_init)) if is_init is not None else None,
-                                   extras=_np(torch.as_tensor(extras)) if extras is not None else None))
+        """Step for actors: obs [B, I] -> output [B, H], a constant for autograd. is_init: B
+        bools or one for all (None: all false); extras [B, E] are recorded with the step."""
+        obs = torch.as_tensor(obs).float()
+        return _step_op(self.target, _env_tensor(env_ids), obs,
+                        None if is_init is None else torch.as_tensor(is_init, dtype=torch.bool),
+                        None if extras is None else torch.as_tensor(extras).float(),
+                        self.hidden_size)

@@ -231,6 +231,30 @@ class ClientTest(unittest.TestCase):
         for k in w:
             np.testing.assert_array_equal(st[k], w[k])
 
+    def test_unreachable_names_the_address(self):
+        import socket
+        with socket.socket() as s:  # a loopback port that nothing listens on
+            s.bind(("127.0.0.1", 0))
+            target = "127.0.0.1:%d" % s.getsockname()[1]
+        hint = "(is rnnd running at %s?)" % target
+        with rnnd.Client(target, timeout=5) as c:
+            e = self.assertStatus(grpc.StatusCode.UNAVAILABLE, c.info)
+            self.assertIn(hint, str(e))
+            self.assertEqual((e.target, e.method), (target, "GetModelInfo"))
+            with c.stepper() as s:
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    s.step([1], np.zeros((1, I), np.float32), True)
+                self.assertIn(hint, str(cm.exception))
+        with rnnd.Pool([self.d.target, target], timeout=5) as p:
+            ids = self.envs(64)
+            with self.assertRaises(rnnd.RnndError) as cm:
+                p.step(ids, np.zeros((64, I), np.float32), True)
+            self.assertIn(hint, str(cm.exception))
+        # an error the daemon sends (not a connection failure) carries no such question
+        e = self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, self.c.step, [1],
+                              np.zeros((1, I + 1), np.float32), True)
+        self.assertNotIn("is rnnd running", str(e))
+
 
 class LimitsTest(unittest.TestCase):
     def test_env_table_full(self):

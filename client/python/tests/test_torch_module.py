@@ -1,6 +1,9 @@
 """rnnd.torch.RemoteRecurrent against a real daemon: state_dict round trip with nn.GRU/nn.LSTM,
 forward/backward through autograd equal to nn.GRU/nn.LSTM (Parameters' .grad, input and state
-gradients), inside a loss with a local head; apply_gradients in both gradient modes."""
+gradients), inside a loss with a local head; apply_gradients in both gradient modes; the ops of
+rnnd.torch.ops called directly (custom ops on torch >= 2.4, the eager autograd.Function path on
+older torch such as Debian's 1.13: whichever this torch has). torch.compile and torch.export are
+checked on a GPU host by gpu_torch_compile_check.py."""
 
 import sys
 import unittest
@@ -146,13 +149,80 @@ class RemoteRecurrentTest(unittest.TestCase):
         out, rec = core.forward_recorded(ids, 4)
         self.assertEqual(tuple(out.shape), (2, 4, H))
         np.testing.assert_array_equal(rec.extras[:, :, 0], [[2, 3, 4, 5]] * 2)
+        self.assertIsInstance(rec.obs, torch.Tensor)
+        self.assertEqual(tuple(rec.obs.shape), (2, 4, I))
+        self.assertEqual(rec.is_init.dtype, torch.bool)
+        self.assertEqual(int(rec.model_version), core.model_version)
+        self.assertEqual(rec.step_model_version.tolist(), [[core.model_version] * 4] * 2)
         (out ** 2).sum().backward()
-        self.assertIsNone(core.weight_hh_l0.grad)
+        # the weights' gradient stays in the daemon's buffer: zeros here
+        self.assertEqual(float(core.weight_hh_l0.grad.abs().sum()), 0.0)
         v = core.model_version
         core.apply_gradients(lr=1e-2)
         self.assertEqual(core.model_version, v + 1)
+        self.assertIsNone(core.weight_hh_l0.grad)
         out2, _ = core.forward_recorded(ids, 4)
         self.assertLess(float((out2 ** 2).sum()), float((out ** 2).sum()))
+
+    def test_ops(self):
+        ops = rnnd.torch.ops
+        self.assertEqual(rnnd.torch.CUSTOM_OPS, hasattr(torch.library, "custom_op"))
+        if rnnd.torch.CUSTOM_OPS:
+            self.assertIs(ops.step._opoverload, torch.ops.rnnd.step.default)
+        d = self.d["lstm"]
+        target = d.target
+        c = d.client()
+        # An op reaches a target nobody registered through a client of its own (an exported
+        # program loaded in another process does that).
+        rnnd.torch._targets.pop(target, None)
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((3, I)).astype(np.float32)
+        ids = torch.tensor([7001, 7002, 7003])
+        obs = torch.from_numpy(x).requires_grad_()
+        out = ops.step(target, ids, obs, torch.ones(3, dtype=torch.bool), None, H)
+        self.assertFalse(out.requires_grad, "Step keeps no tape: its output is a constant")
+        want = c.step([8001, 8002, 8003], x, True)
+        np.testing.assert_array_equal(out.numpy(), want)
+        self.assertIn(target, rnnd.torch._targets)
+        # ids past 2**63 travel as int64 with the same bits
+        big = torch.tensor([-1], dtype=torch.int64)  # uint64 2**64 - 1
+        ops.step(target, big, obs[:1].detach(), torch.ones(1, dtype=torch.bool), None, H)
+        self.assertEqual(c.end_episodes([2 ** 64 - 1]), 1)
+        # a caller whose sizes do not match the daemon's is told so
+        with self.assertRaisesRegex(RuntimeError, "has hidden_size %d, the caller expects %d"
+                                    % (H, H + 1)):
+            ops.step(target, ids, obs, None, None, H + 1)
+        # forward returns (output, h_n, c_n, tape); its formula sends grad_output to Backward
+        core = rnnd.torch.RemoteRecurrent(c)
+        xs = torch.randn(2, 3, I, requires_grad=True)
+        init = torch.zeros(2, 3, dtype=torch.bool)
+        out, h_n, c_n, tape = ops.forward(target, xs, init, None, None, None, None,
+                                          core._params(), H, True, False)
+        self.assertEqual(tape.dtype, torch.int64)
+        self.assertGreater(int(tape[0]), 0)
+        self.assertEqual(int(tape[1]), core.model_version)
+        out.sum().backward()
+        self.assertEqual(tuple(xs.grad.shape), (2, 3, I))
+        self.assertEqual(tuple(core.weight_ih_l0.grad.shape), (4 * H, I))
+        # only h_n used: zeros go for grad_output
+        xs.grad = None
+        _, h_n, _, _ = ops.forward(target, xs, init, None, None, None, None, core._params(), H,
+                                   True, False)
+        h_n.sum().backward()
+        self.assertTrue(torch.all(xs.grad[:, -1] != 0))
+        # a closed client is passed over: the newest open one registered for the target serves
+        other = d.client()
+        rnnd.torch.register_client(other)
+        other.close()
+        out2, _, _, _ = ops.forward(target, xs, init, None, None, None, None, core._params(), H,
+                                    False, False)
+        torch.testing.assert_close(out2, out.detach(), rtol=0, atol=0)
+        # the module's model_version follows the daemon's, also through forward
+        v = c.apply_gradients({n: np.zeros_like(w) for n, w in c.get_weights().items()})
+        self.assertEqual(core.model_version, v - 1)
+        with torch.no_grad():
+            core(xs)
+        self.assertEqual(core.model_version, v)
 
 
 if __name__ == "__main__":

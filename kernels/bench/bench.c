@@ -252,6 +252,8 @@ int rnnd_bench_backend(struct rnnd_backend *be, const struct bench_case *bc,
     snprintf(res->device, sizeof(res->device), "%s", be->device);
     res->out_err = res->grad_err = -1.0;
     int err = be->ops->supports(be->ctx, &bc->model);
+    if (!err)
+        err = be->ops->plan_name(be->ctx, &bc->model, bc->B, res->plan, sizeof(res->plan));
     if (err)
         return err;
     struct bench_data d;
@@ -566,8 +568,9 @@ int main(int argc, char **argv) {
         free(errs);
         return failed;
     }
-    printf("%-7s %-4s %-5s %5s %5s %5s %5s %2s %6s %10s %10s %8s %10s\n", "backend", "cell", "comp",
-           "B", "T", "I", "H", "L", "reset", "fwd_ms", "fwdbwd_ms", "GFLOP/s", "err");
+    printf("%-7s %-4s %-5s %5s %5s %5s %5s %2s %6s %10s %10s %8s %10s  %s\n", "backend", "cell",
+           "comp", "B", "T", "I", "H", "L", "reset", "fwd_ms", "fwdbwd_ms", "GFLOP/s", "err",
+           "plan");
     int failed = 0;
     for (c = 0; c < ncase; c++) {
         struct bench_case *bc = &cases[c];
@@ -585,9 +588,9 @@ int main(int argc, char **argv) {
         char err_s[32] = "-";
         if (r->out_err >= 0.0)
             snprintf(err_s, sizeof(err_s), "%.1e", fmax(r->out_err, r->grad_err));
-        printf("%-7s %-4s %-5s %5d %5d %5d %5d %2d %6.3f %10.3f %10.3f %8.1f %10s\n", backend,
+        printf("%-7s %-4s %-5s %5d %5d %5d %5d %2d %6.3f %10.3f %10.3f %8.1f %10s  %s\n", backend,
                m->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(m->compute), bc->B, bc->T,
-               m->I, m->H, m->L, bc->reset_prob, r->fwd_ms, r->fwdbwd_ms, gflops, err_s);
+               m->I, m->H, m->L, bc->reset_prob, r->fwd_ms, r->fwdbwd_ms, gflops, err_s, r->plan);
     }
     fflush(stdout);
     for (c = 0; c < ncase; c++) {
@@ -609,7 +612,7 @@ int main(int argc, char **argv) {
                (unsigned long long)bc->seed);
         if (r->out_err >= 0.0)
             printf(",\"out_err\":%.3e,\"grad_err\":%.3e", r->out_err, r->grad_err);
-        printf("%s}\n", r->extra);
+        printf(",\"plan\":\"%s\"%s}\n", r->plan, r->extra);
     }
     free(cases);
     free(results);

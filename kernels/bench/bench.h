@@ -33,6 +33,7 @@ struct bench_case {
 
 struct bench_result {
     char device[128]; // the backend's device name
+    char plan[256];   // the kernels the case runs (rnnd_backend_ops.plan_name)
     double fwd_ms;    // median over repeats: forward with tape
     double fwdbwd_ms; // median: forward with tape, then backward
     double fwd_min_ms, fwdbwd_min_ms;

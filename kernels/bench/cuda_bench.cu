@@ -21,7 +21,7 @@
  */
 #include "bench.h"
 #include "cuda_backend.h"
-#include "seq_persist.h"
+#include "tuning.h"
 
 #include <cuda_runtime.h>
 #ifdef RNND_HAVE_CUDNN
@@ -146,7 +146,7 @@ static int bench_ours_extra(struct rnnd_backend *be, const struct bench_case *bc
     int err = time_median(t, bc->warmup, bc->repeat, [&] {
         return ops->rnn_forward(be->ctx, d_out, NULL, NULL, NULL, &seq, d_params, m);
     }, fwd_notape_ms);
-    // Phase clocks (variant bit 8) of the forward without a tape, which may run another loop.
+    // Phase clocks (RNND_TUNE_PHASE_CLOCKS) of the forward without a tape, which may run another loop.
     if (!err && notape_phases && rnnd_cuda_phase_clocks(be, bc->B, bc->T, notape_phases, pb) != 0)
         notape_phases[0] = -1;
     if (!err)
@@ -347,10 +347,14 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
                 rnnd_strerror(err));
         return err;
     }
-    // RNND_CUDA_VARIANT (bench only): a kernel variant under trial (docs/journal).
+    // RNND_CUDA_VARIANT (bench only): variant bits that force kernels the plan would not choose
+    // (kernels/cuda/tuning.h).
     const char *variant = getenv("RNND_CUDA_VARIANT");
-    if (variant && *variant)
-        rnnd_cuda_set_variant(&be, atoi(variant));
+    if (variant && *variant && (err = rnnd_cuda_set_variant(&be, atoi(variant))) != 0) {
+        fprintf(stderr, "cuda_bench: RNND_CUDA_VARIANT=%s: %s\n", variant, rnnd_strerror(err));
+        rnnd_backend_free(&be);
+        return err;
+    }
     struct event_timer t;
     t.stream = (cudaStream_t)rnnd_cuda_stream(&be);
     cudaEventCreate(&t.start);
@@ -363,16 +367,16 @@ extern "C" int rnnd_bench_cuda(const struct bench_case *bc, struct bench_result 
     snprintf(res->extra + at, cap - at, ",\"path\":\"%s\",\"variant\":%d",
              path == RNND_CUDA_PATH_PERSISTENT ? "persistent" : "stepwise",
              variant && *variant ? atoi(variant) : 0);
-    if (bc->model.cell == RNND_CELL_LSTM && bc->model.H == 256) { // v11: clusters at once
+    if (bc->model.cell == RNND_CELL_LSTM && bc->model.H == 256) { // clusters at once
         at = strlen(res->extra);
         snprintf(res->extra + at, cap - at,
                  ",\"clusters\":%d,\"clusters_bwd\":%d,\"clusters80\":%d,\"clusters80_bwd\":%d",
-                 rnnd__cluster_lstm_active(false), rnnd__cluster_lstm_active(true),
-                 rnnd__cluster80_lstm_active(false), rnnd__cluster80_lstm_active(true));
+                 rnnd_cuda_cluster_active(&be, 64, false), rnnd_cuda_cluster_active(&be, 64, true),
+                 rnnd_cuda_cluster_active(&be, 80, false), rnnd_cuda_cluster_active(&be, 80, true));
     }
     if (!err) {
         double f = -1, a = -1, pn[8] = {-1};
-        bool clocks = variant && (atoi(variant) & 8);
+        bool clocks = variant && (atoi(variant) & RNND_TUNE_PHASE_CLOCKS);
         if (bench_ours_extra(&be, bc, &t, &f, &a, clocks ? pn : NULL) == 0) {
             at = strlen(res->extra);
             snprintf(res->extra + at, cap - at, ",\"fwd_notape_ms\":%.4f,\"fwdbwd_gradx_ms\":%.4f",

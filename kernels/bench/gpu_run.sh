@@ -4,15 +4,17 @@
 #   kernels/bench/gpu_run.sh bundle     (on the build machine, from the repository root)
 #       Builds everything for sm_90 into build-dev/ and packs it with deploy/bundle.sh --tests into
 #       .device/rnnd-bundle.tar.xz (git-ignored; name it in the device tool's carry list). The
-#       same bundle serves tests/gpu/daemon_check.sh.
+#       same bundle serves tests/gpu/daemon_check.sh. PHASE_CLOCKS=1 builds the time loops'
+#       phase-clock instances (RNND_CUDA_PHASE_CLOCKS; variant bit 8 asks for them).
 #   kernels/bench/gpu_run.sh run [test|sanitize|bench|all]...   (on the GPU host, repository root)
 #       Unpacks the bundle, finds libcublas/libcudnn (CUDA toolkit or PyTorch's pip wheels), then:
-#       test      test_rnn_cuda: every op against the CPU reference;
-#       sanitize  compute-sanitizer memcheck over test_rnn_cuda --quick;
+#       test      test_seq_cuda, test_step_cuda, test_optim_cuda: every op against the CPU
+#                 reference;
+#       sanitize  compute-sanitizer memcheck over test_seq_cuda --quick and test_step_cuda --quick;
 #       race      compute-sanitizer memcheck, racecheck and synccheck over one small bench run
 #                 (GRU and LSTM, TF32, B=40 T=9: every loop of a forward, a forward with tape and
 #                 a backward); with RNND_CUDA_VARIANT=4096 the GRU runs the KP loop, whose
-#                 bar.arrive hand-over racecheck misreports (journal v17) (not in all);
+#                 bar.arrive hand-over racecheck misreports (docs/kernels.md) (not in all);
 #       bench     rnnd-kernel-bench --backend cuda at the issue's shapes (ours and cuDNN; LSTM
 #                 also at H=256);
 #       profile   ncu metrics of one GRU and one LSTM forward+backward, SASS (not in all);
@@ -30,7 +32,8 @@
 #       Logs and bench JSON lines go to $OUT (default /tmp/rnnd-out); a short table is printed last.
 #       FP32_ONLY=1 leaves out the bf16 and ieee bench cases, NO_IEEE=1 the ieee ones (the slow
 #       per-step path), NO_H256=1 the H=256 ones; REPEAT sets the bench's repeats; TEST_VARIANTS
-#       runs test_rnn_cuda again with each of these variant bits (RNND_CUDA_VARIANT);
+#       runs the GPU tests again with each of these variant bits (RNND_CUDA_VARIANT,
+#       kernels/cuda/tuning.h);
 #       BUNDLE names another bundle (default .device/rnnd-bundle.tar.xz; any tar that tar -xf reads).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd) # torch_step_bench.py lies beside this script
@@ -42,7 +45,8 @@ if [ "$MODE" = bundle ]; then
     # One bundle for every GPU script (this one and tests/gpu/daemon_check.sh): the whole build
     # for sm_90 with its non-system libraries, OpenBLAS included (the GPU host has none).
     set -e
-    cmake --fresh -S . -B build-dev -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --fresh -S . -B build-dev -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+        -DRNND_CUDA_PHASE_CLOCKS="$([ -n "${PHASE_CLOCKS:-}" ] && echo ON || echo OFF)" >/dev/null
     cmake --build build-dev -j"$(nproc)"
     deploy/bundle.sh -b build-dev -o .device --tests
     rm -rf .device/rnnd-bundle
@@ -79,24 +83,32 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 STEPS=${*:-all}
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 
+GPU_TESTS="test_seq_cuda test_step_cuda test_optim_cuda"
 if has test; then
-    echo "== test_rnn_cuda"
-    timeout 150 "$BIN/test_rnn_cuda" >"$OUT/test.log" 2>&1
-    echo "test_rnn_cuda rc=$?" | tee -a "$OUT/test.log"
+    : >"$OUT/test.log"
+    for t in $GPU_TESTS; do
+        echo "== $t"
+        timeout 150 "$BIN/$t" >>"$OUT/test.log" 2>&1
+        echo "$t rc=$?" | tee -a "$OUT/test.log"
+    done
     grep -E 'FAIL|checks' "$OUT/test.log" | head -40
     for v in ${TEST_VARIANTS:-}; do
-        RNND_CUDA_VARIANT=$v timeout 150 "$BIN/test_rnn_cuda" >"$OUT/test_v$v.log" 2>&1
-        echo "test_rnn_cuda variant $v rc=$?" | tee -a "$OUT/test_v$v.log"
+        for t in $GPU_TESTS; do
+            RNND_CUDA_VARIANT=$v timeout 150 "$BIN/$t" >>"$OUT/test_v$v.log" 2>&1
+            echo "$t variant $v rc=$?" | tee -a "$OUT/test_v$v.log"
+        done
         grep -E 'FAIL|checks' "$OUT/test_v$v.log" | head -20
     done
 fi
 
 if has sanitize; then
-    echo "== compute-sanitizer memcheck (test_rnn_cuda --quick)"
+    echo "== compute-sanitizer memcheck (test_seq_cuda --quick, test_step_cuda --quick)"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-    timeout 120 "$CS" --tool memcheck "$BIN/test_rnn_cuda" --quick \
-        >"$OUT/sanitizer.log" 2>&1
-    echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
+    : >"$OUT/sanitizer.log"
+    for t in test_seq_cuda test_step_cuda; do
+        timeout 120 "$CS" --tool memcheck "$BIN/$t" --quick >>"$OUT/sanitizer.log" 2>&1
+        echo "sanitizer $t rc=$?" | tee -a "$OUT/sanitizer.log"
+    done
     grep -E 'ERROR SUMMARY|FAIL|checks|Invalid' "$OUT/sanitizer.log" | head -20
 fi
 
@@ -254,12 +266,12 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 def f(r, k):
     v = r.get(k)
     return f"{v:8.2f}" if isinstance(v, (int, float)) and v >= 0 else "       -"
-print("cell    H comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   path")
+print("cell    H comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   plan")
 for r in rows:
     print(f"{r.get('cell','?'):4} {r.get('H',0):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
           f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
           f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
-          f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('path','')} v{r.get('variant','')}")
+          f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('plan','')} v{r.get('variant','')}")
 for r in rows:
     if "fwd_phase_cycles" in r:
         print(f"{r['cell']} v{r.get('variant')} phase cycles/step fwd", r["fwd_phase_cycles"], "bwd", r["bwd_phase_cycles"],

@@ -214,6 +214,15 @@ static int cpu_optim_step(void *ctx, float *params, float *grads, float *m, floa
     return rnnd__cpu_optim_step(params, grads, m, v, n, o, t, grad_norm);
 }
 
+// One reference implementation for every model.
+static int cpu_plan_name(void *ctx, const struct rnnd_model *m, int B, char *buf, size_t len) {
+    (void)ctx;
+    if (rnnd_model_check(m) != 0 || B < 1 || buf == NULL || len == 0)
+        return RNND_EINVAL;
+    snprintf(buf, len, "cpu_reference");
+    return 0;
+}
+
 static const struct rnnd_backend_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -232,6 +241,7 @@ static const struct rnnd_backend_ops cpu_ops = {
     .rnn_backward = cpu_rnn_backward,
     .rnn_step = cpu_rnn_step,
     .optim_step = cpu_optim_step,
+    .plan_name = cpu_plan_name,
 };
 
 int rnnd_backend_cpu_init(struct rnnd_backend *b) {

@@ -1,15 +1,15 @@
 /*
  * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
- * The ops live in seq.cu (sequence forward/backward: seq_persist.cuh for the persistent time
- * loops), step.cu (single step with slot gather/scatter) and optim.cu (Adam/SGD with clipping).
+ * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu (single step with slot gather/scatter) and optim.cu (Adam/SGD with clipping).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
  */
 #include "common.cuh"
 #include "cuda_backend.h"
 #include "optim.cuh"
 #include "seq.cuh"
-#include "seq_persist.h"
+#include "seq_loops.h"
+#include "seq_plan.h"
 #include "step.cuh"
 
 #include <stdio.h>
@@ -157,8 +157,8 @@ static int cuda_sync(void *ctx) {
     return 0;
 }
 
-// Every valid model runs: the persistent kernels where they fit (rnnd__persist_hp), the per-step
-// path elsewhere; the single-step kernel takes any width.
+// Every valid model runs: the plan (seq_plan.h) has the per-step path for every model no other
+// kernel runs; the single-step kernel takes any width.
 static int cuda_supports(void *ctx, const struct rnnd_model *m) {
     (void)ctx;
     return rnnd_model_check(m);
@@ -166,6 +166,14 @@ static int cuda_supports(void *ctx, const struct rnnd_model *m) {
 
 static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {
     return rnnd__cuda_tape_bytes((const struct cuda_ctx *)ctx, m, B, T);
+}
+
+static int cuda_plan_name(void *ctx, const struct rnnd_model *m, int B, char *buf, size_t len) {
+    const struct cuda_ctx *c = (const struct cuda_ctx *)ctx;
+    if (rnnd_model_check(m) != 0 || B < 1 || buf == NULL || len == 0)
+        return RNND_EINVAL;
+    rnnd__seq_plan_name(&c->dev, &c->tune, m, B, buf, len);
+    return 0;
 }
 
 static int cuda_rnn_forward(void *ctx, float *out, float *h_n, float *c_n, void *tape,
@@ -213,6 +221,7 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .rnn_backward = */ cuda_rnn_backward,
     /* .rnn_step = */ cuda_rnn_step,
     /* .optim_step = */ cuda_optim_step,
+    /* .plan_name = */ cuda_plan_name,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -226,9 +235,16 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     RNND_CUDA_TRY(cudaSetDevice(device));
     cudaDeviceProp prop;
     RNND_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
-    c->num_sms = prop.multiProcessorCount;
-    c->cc_major = prop.major;
-    c->smem_optin = prop.sharedMemPerBlockOptin;
+    c->dev.num_sms = prop.multiProcessorCount;
+    c->dev.cc_major = prop.major;
+    c->dev.smem_optin = prop.sharedMemPerBlockOptin;
+#ifdef RNND_HAVE_WG
+    c->dev.wg = prop.major == 9;
+#endif
+    // The cluster loops' capacity, for the plans (seq_plan.h): run on sm_90 and later only.
+    for (int r = 0; prop.major >= 9 && r < 2; r++)
+        for (int bwd = 0; bwd < 2; bwd++)
+            c->dev.cluster_active[r][bwd] = rnnd__cluster_lstm_active(r ? 80 : 64, bwd);
     snprintf(name, name_len, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);
     RNND_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
@@ -262,9 +278,10 @@ extern "C" int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
 }
 
 extern "C" int rnnd_cuda_set_path(struct rnnd_backend *b, int path) {
-    if (b == NULL || b->ops != &cuda_ops || path < CUDA_PATH_AUTO || path > CUDA_PATH_STEPWISE)
+    if (b == NULL || b->ops != &cuda_ops || path < RNND_CUDA_PATH_AUTO ||
+        path > RNND_CUDA_PATH_STEPWISE)
         return RNND_EINVAL;
-    ((struct cuda_ctx *)b->ctx)->path = (enum cuda_path)path;
+    ((struct cuda_ctx *)b->ctx)->tune.stepwise = path == RNND_CUDA_PATH_STEPWISE;
     return 0;
 }
 
@@ -272,11 +289,18 @@ extern "C" int rnnd_cuda_set_variant(struct rnnd_backend *b, int variant) {
     if (b == NULL || b->ops != &cuda_ops || variant < 0)
         return RNND_EINVAL;
     struct cuda_ctx *c = (struct cuda_ctx *)b->ctx;
-    c->variant = variant;
-    if ((variant & 8) && c->d_dbg == NULL) {
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    if ((variant & RNND_TUNE_PHASE_CLOCKS) && c->d_dbg == NULL) {
         RNND_CUDA_TRY(cudaMalloc(&c->d_dbg, 2 * 1024 * 8 * sizeof(long long)));
         RNND_CUDA_TRY(cudaMemset(c->d_dbg, 0, 2 * 1024 * 8 * sizeof(long long)));
     }
+#else
+    if (variant & RNND_TUNE_PHASE_CLOCKS)
+        return RNND_ENOTSUP; // a build without RNND_CUDA_PHASE_CLOCKS counts no clocks
+#endif
+    const bool stepwise = c->tune.stepwise;
+    c->tune = rnnd__cuda_tuning_of(variant);
+    c->tune.stepwise = stepwise;
     return 0;
 }
 
@@ -306,8 +330,14 @@ extern "C" int rnnd_cuda_phase_clocks(struct rnnd_backend *b, int B, int T, doub
 extern "C" int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd_model *m) {
     if (b == NULL || b->ops != &cuda_ops || rnnd_model_check(m) != 0)
         return RNND_EINVAL;
-    return rnnd__cuda_seq_persistent((const struct cuda_ctx *)b->ctx, m) ? CUDA_PATH_PERSISTENT
-                                                                       : CUDA_PATH_STEPWISE;
+    return rnnd__cuda_seq_persistent((const struct cuda_ctx *)b->ctx, m) ? RNND_CUDA_PATH_PERSISTENT
+                                                                       : RNND_CUDA_PATH_STEPWISE;
+}
+
+extern "C" int rnnd_cuda_cluster_active(const struct rnnd_backend *b, int rows, bool backward) {
+    if (b == NULL || b->ops != &cuda_ops || (rows != 64 && rows != 80))
+        return RNND_EINVAL;
+    return ((const struct cuda_ctx *)b->ctx)->dev.cluster_active[rows == 80][backward];
 }
 
 extern "C" void *rnnd_cuda_stream(const struct rnnd_backend *b) {

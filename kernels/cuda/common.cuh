@@ -6,12 +6,14 @@
  *
  * Conventions: device pointers that sit next to host pointers carry a d_ prefix; every launch is
  * followed by CUDA_LAUNCH_CHECK(); fallible host functions return 0 or a negative RNND_E*.
- * Kernels never log (docs/style.md "Errors"): a failed CUDA call is RNND_EDEVICE for the caller.
+ * Kernels never log (docs/style.md §3): a failed CUDA call becomes RNND_EDEVICE for the caller.
  */
 #ifndef RNND_CUDA_COMMON_CUH
 #define RNND_CUDA_COMMON_CUH
 
 #include "rnnd_kernels.h"
+#include "seq_plan.h"
+#include "tuning.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -51,15 +53,9 @@
 // ---------------------------------------------------------------------------------------------
 // The backend context (one per rnnd_backend; one thread at a time).
 
-// Which sequence path rnn_forward/rnn_backward take. AUTO picks the persistent kernels when the
-// model fits them and the per-step path otherwise; the others force one (tests and the bench).
-enum cuda_path { CUDA_PATH_AUTO, CUDA_PATH_PERSISTENT, CUDA_PATH_STEPWISE };
-
 struct cuda_ctx {
     int device;
-    int num_sms;
-    int cc_major;      // compute capability (9: Hopper, bulk copies available)
-    size_t smem_optin; // largest dynamic shared memory one block may ask for
+    struct seq_device dev; // what the plans read of the device (compute capability, SMs, ...)
     cudaStream_t stream;
     cublasHandle_t blas;
     void *d_blas_ws; // cuBLAS workspace, set explicitly so results do not depend on the stream
@@ -68,9 +64,8 @@ struct cuda_ctx {
     double *d_partials; // optimizer: per-block sums of squares (RNND_OPTIM_BLOCKS)
     float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
     float *h_norm;      // pinned host copy of the norm
-    enum cuda_path path;
-    int variant;       // bench variant of the persistent loops (rnnd_cuda_set_variant)
-    long long *d_dbg;  // variant bit 8: phase clocks, [2][1024][8] (forward, backward)
+    struct cuda_tuning tune; // the bench's and the tests' overrides (tuning.h); zero otherwise
+    long long *d_dbg;        // phase clocks (RNND_CUDA_PHASE_CLOCKS): [2][1024][8] fwd, bwd
     // The last work enqueued on the stream is rnn_step's (which writes no weights), so the next
     // step's kernels may read the weights before their programmatic wait (step_kargs.pre). Every
     // other op that enqueues work clears it (backend.cu).
@@ -83,29 +78,11 @@ struct cuda_ctx {
     } step_wrote[3];
 };
 
-// The kernels on warpgroup MMAs (seq_wg.cu: the GRU forward, NOTES v14; step_wg.cu: the step's
-// tile kernel; seq_dw.cu: the weight-gradient products) can run where the build has their
-// sm_90a code and the device is compute 9.0.
-static inline bool cuda_has_wg(const struct cuda_ctx *c) {
-#ifdef RNND_HAVE_WG
-    return c->cc_major == 9;
-#else
-    (void)c;
-    return false;
-#endif
-}
-// Bench variant bit RNND_VARIANT_NO_WG asks for the mma.sync loops instead of the wgmma forward
-// and step kernels (the products have their own bit, seq.cu's RNND_SEQ_VARIANT_NO_DW16).
-#define RNND_VARIANT_NO_WG 4096
-static inline bool cuda_wg(const struct cuda_ctx *c) {
-    return cuda_has_wg(c) && !(c->variant & RNND_VARIANT_NO_WG);
-}
-
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in
 // [2^(top-1), 2^top) (1 for m zero or not finite). e is taken as at least -100, so that the
 // power stays finite: a maximum below 2^-100 is scaled by 2^(top+100), less than the others.
 // From the bits (a subnormal m reads as e = -126): the TF32 dw16 loops call it every step, where
-// frexpf and ldexpf cost the LSTM's 0.13 ms (NOTES, "Review of v25–v26").
+// frexpf and ldexpf cost the LSTM's 0.13 ms (docs/kernels.md).
 static __device__ __forceinline__ float persist_pow2_for(float m, int top) {
     if (!(m > 0.0f) || !(m <= 3.0e38f))
         return 1.0f;
@@ -141,14 +118,15 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //   z (ldz floats a row): [ hprev (H) | 1 | pad | x_l (I_l) | pad ]
 //        hprev is the state entering the step (after the reset rule), x_l the layer's input.
 //        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
-//        Layer 0 in TF32 mode at H = 128 on compute 9.0 (seq.cu's seq_zfwd) holds z's dw16 chunk
-//        parts and x exponents in that space instead (seq_persist.h, NOTES v27, v28).
+//        Where the plan says so (seq_plan.h, zfwd and cz) layer 0 holds z's dw16 chunk parts and
+//        x exponents, or its dw256 chunk parts and aux records, in that space instead
+//        (seq_chunks.h).
 //   s (tape_rec::floats a row): GRU [a_r, a_z, a_n, hn], the gates' pre-activations and
 //        hn = W_hn h + b_hn; LSTM [a_i, a_f, a_g, a_o | cprev], the gates' pre-activations and
 //        the cell state entering the step (H fp32). The 4H pre-activation planes (and hn) are
-//        fp16 where the backward runs in the persistent or cluster loops, else fp32 (seq.cu's
+//        fp16 where the backward runs in the persistent or cluster loops, else fp32 (the plan's
 //        tape_half); for the cluster loops in blocks of 8 rows instead of rows (tape_b8 in
-//        seq_persist.cuh). The layout holds fp32 rows.
+//        seq_tape.cuh). The layout holds fp32 rows.
 // The top layer's output goes to `out`; layer l < L-1 writes its output straight into z of
 // layer l+1 (the x_l part), which is what that layer reads as input.
 
@@ -166,10 +144,9 @@ struct seq_layout {
     size_t tape_floats;
 };
 
-// c: the device, whose layer 0 may keep z as dw16 or dw256 chunk parts (seq.cu, seq_zfwd,
-// seq_cz).
-void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct rnnd_model *m, int B, int T,
-                           struct seq_layout *lay);
+// p: the plan of a call over B rows of model m, whose tape fields size layer 0's z space.
+void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct seq_plan *p,
+                           const struct rnnd_model *m, int B, int T, struct seq_layout *lay);
 
 // Pointers into the flat parameter array (or its gradient) for layer l.
 struct layer_params {
@@ -183,9 +160,9 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
 // Activations. FAST (the tensor-core modes): the SFU's tanh, one instruction (tanh.approx.f32),
 // and sigmoid(x) = (1 + tanh(x / 2)) / 2 built on it. An SM's 16 SFU lanes a clock bound the
 // time loops' cells: this is 3 SFU operations a GRU element and 5 an LSTM one, where an ex2 and a
-// reciprocal a gate were 5 and 7 with shared reciprocals (docs/journal v15, v16). PTX
-// promises a relative error of 2^-11; an H100 measured 2^-16.6 at most over [-12, 12] (NOTES
-// v16), far below TF32's rounding, and test_rnn_cuda holds every FAST path to the CPU reference
+// reciprocal a gate were 5 and 7 with shared reciprocals (docs/kernels.md). PTX
+// promises a relative error of 2^-11; an H100 measured 2^-16.6 at most over [-12, 12]
+// (docs/kernels.md), far below TF32's rounding, and test_seq_cuda holds every FAST path to the CPU reference
 // on the device it runs on. NaN stays NaN, +-inf gives +-1. Otherwise (ieee, the per-step path):
 // expf and tanhf from libdevice with IEEE division.
 template <bool FAST>

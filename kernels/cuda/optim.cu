@@ -105,7 +105,7 @@ int rnnd__cuda_optim_step(struct cuda_ctx *c, float *params, float *grads, float
     CUDA_LAUNCH_CHECK();
 
     size_t want = CEIL_DIV(n, (size_t)OPTIM_THREADS);
-    int grid = (int)(want < (size_t)c->num_sms * 8 ? want : (size_t)c->num_sms * 8);
+    int grid = (int)(want < (size_t)c->dev.num_sms * 8 ? want : (size_t)c->dev.num_sms * 8);
     if (o->kind == RNND_OPTIM_SGD) {
         sgd_kernel<<<grid, OPTIM_THREADS, 0, c->stream>>>(params, grads, n, c->d_norm, -o->lr,
                                                           o->weight_decay);

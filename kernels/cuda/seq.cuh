@@ -1,9 +1,9 @@
 /*
- * seq.cuh: the sequence forward and backward of the CUDA backend (seq.cu): the layer driver,
- * the cuBLAS GEMMs around the time loops (input projection, weight and input gradients), and
- * the two time-loop paths: the persistent kernels (seq_persist.cuh) and a per-step path (one
- * cuBLAS GEMM plus one fused cell kernel per step) for models the persistent kernels do not
- * run (H > 128, compute ieee). Contracts as in rnnd_kernels.h.
+ * seq.cuh: the sequence forward and backward of the CUDA backend (seq.cu): the layer driver that
+ * executes the plan (seq_plan.h), the cuBLAS GEMMs around the time loops (input projection,
+ * weight and input gradients), and the per-step path (one cuBLAS GEMM plus one fused cell kernel
+ * per step) for models no time loop runs (compute ieee, H > 128 but the LSTM's H = 256 loops).
+ * Contracts as in rnnd_kernels.h.
  */
 #ifndef RNND_CUDA_SEQ_CUH
 #define RNND_CUDA_SEQ_CUH

@@ -1,21 +1,21 @@
 /*
  * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters
- * (sm_90, v11 in docs/journal). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
+ * (sm_90; docs/kernels.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
  * one SM, so a cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster
  * holds the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
  * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
- * units, runs the cell for them and writes its slice of h' (fp16, scaled as in seq_persist.cuh's
+ * units, runs the cell for them and writes its slice of h' (fp16, scaled as in seq_forward.cuh's
  * forward) into its h tile, from which one bulk copy a CTA takes it into the others' tiles.
  *
- * Two cluster shapes, one template each loop (cshape below): ROWS = 64 (v11, the default) and
- * ROWS = 80 (v11b: B = 2048 in 26 clusters, one wave on an H100; seq.cu's seq_cluster_rows picks
- * it where it saves a wave). 64 rows: W_ih's 256 x I_l slice in registers, h and x tiles
+ * Two cluster shapes, one template each loop (cshape below): ROWS = 64 (the default) and
+ * ROWS = 80 (B = 2048 in 26 clusters, one wave on an H100; the plan, seq_plan.cu, picks it where
+ * it saves a wave). 64 rows: W_ih's 256 x I_l slice in registers, h and x tiles
  * double-buffered; 80 rows (the `WIDE` branches): see the forward and backward kernels.
  *
  * The values another CTA waits for (h in the forward, dh's partials in the backward) travel by
  * bulk copies (h) or st.async (the partials) and complete on an mbarrier of the receiving CTA (one
  * phase a step), not by stores and a barrier.cluster.arrive.release: its fence waited for every
- * tape store the thread had issued (NOTES v33, v34). Cluster barriers remain where a buffer is
+ * tape store the thread had issued (docs/kernels.md). Cluster barriers remain where a buffer is
  * rewritten only after every CTA has read it; they order reads alone, so they arrive relaxed.
  *
  * Warp w (8 a CTA) owns the CTA's units [8w, 8w+8) of every gate for all rows: MT = ROWS / 16
@@ -24,21 +24,21 @@
  * j < 2): 4 MT (row, unit) elements whose c stays in registers. x (I_l <= 64, a multiple of 4) is
  * read by the loop into its own fp16 tile, each row scaled by the h scale where it fits fp16
  * with it, else by the power of two that puts its largest |x| in [2^13, 2^14) (either as exact
- * as TF32; v39). The x part (m16n8k16 MMAs, as the h part) runs first, then (where a row took its
+ * as TF32). The x part (m16n8k16 MMAs, as the h part) runs first, then (where a row took its
  * own scale) each row of the accumulator is brought to the h scale, so both parts share one
  * accumulator and one unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding
  * (the padding would not fit): 64 rows 128 + 64 + 16 KB = 208 KB.
  *
  * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev),
  * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
- * planes in tape_b8's blocks (seq_persist.cuh) for the backward loop in the same clusters
+ * planes in tape_b8's blocks (seq_tape.cuh) for the backward loop in the same clusters
  * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
- * batch's clusters at once, and not too few of them; docs/journal v11). Where both
- * loops run here (seq.cu's seq_cz, layer 0), z is instead written as the dw256 chunks of
- * seq_persist.h (a.zc), and the backward writes D's chunks besides (or instead of) D, for
- * seq_dw.cu's weight-gradient product (v35).
+ * batch's clusters at once, and not too few of them; docs/kernels.md). Where both
+ * loops run here (the plan's cz, layer 0), z is instead written as the dw256 chunks of
+ * seq_chunks.h (a.zc), and the backward writes D's chunks besides (or instead of) D, for
+ * seq_dw.cu's weight-gradient product.
  */
-#include "seq_persist.cuh"
+#include "seq_tape.cuh"
 
 namespace {
 
@@ -52,8 +52,8 @@ constexpr int CXK = 64;                                  // x columns in the til
 constexpr int CXKS = CXK / 16;                           // x k-steps (fp16 m16n8k16)
 constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
 
-// A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows,
-// v11b) does not fit the 64-row layouts (docs/journal v11b): the forward's h tile is
+// A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows)
+// does not fit the 64-row layouts (docs/kernels.md): the forward's h tile is
 // single-buffered and W_ih's fp16 fragments live in shared memory (after the x tiles) instead of
 // registers; the backward's receive slots share their memory with the A tile.
 template <int ROWS> struct cshape {
@@ -134,9 +134,9 @@ __device__ __forceinline__ void cluster_st(uint32_t addr, uint32_t v) {
 // the cluster, this one included) whose bytes complete on the mbarrier at cluster address bar, in
 // the CTA of addr. The receiver waits on that mbarrier (cluster_mbar_wait); the sender needs no
 // barrier.cluster.arrive.release, which would first wait for every global store it issued before
-// (the tape's; NOTES v33). OFF is an immediate: stores a few rows apart share one address
+// (the tape's; docs/kernels.md). OFF is an immediate: stores a few rows apart share one address
 // register, where each address of its own took registers that the store before still had to
-// read (NOTES v38).
+// read (docs/kernels.md).
 template <int OFF>
 __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint32_t v, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -164,7 +164,7 @@ __device__ __forceinline__ void cluster_st_async(uint32_t addr, uint4 v, uint32_
 // A bulk copy (the TMA engine) of `bytes` from this CTA's shared memory at src to cluster address
 // dst, complete on the mbarrier at cluster address bar (in dst's CTA); commit and wait for every
 // such copy of this thread to have read its source. Each writer of the source runs
-// fence_proxy_async (seq_persist.cuh) before the barrier behind which one thread issues the copy.
+// fence_proxy_async (seq_prims.cuh) before the barrier behind which one thread issues the copy.
 __device__ __forceinline__ void cluster_bulk_s2s(uint32_t dst, uint32_t src, uint32_t bytes,
                                                  uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -196,7 +196,7 @@ __device__ __forceinline__ void bulk_s2g(void *dst, uint32_t src, uint32_t bytes
     __trap();
 #endif
 }
-// The dw256 chunk (seq_persist.h) of 16-row block blk (of the batch's nb) at step t: in the
+// The dw256 chunk (seq_chunks.h) of 16-row block blk (of the batch's nb) at step t: in the
 // backward's order (steps from T - 1 down), so the product can take them as they are written.
 __device__ __forceinline__ size_t dw256_chunk(int blk, int t, int T, int nb) {
     return (size_t)(T - 1 - t) * nb + blk;
@@ -299,7 +299,7 @@ __device__ __forceinline__ uint32_t roff(int row, int lu) {
 // The reset flags of a cluster's ROWS rows at a step: lane l loads those of rows l + 32 j (a byte
 // each; rows past n read as 0), and at their use flag_bits gathers them by ballots. A lane's own
 // 2 MT rows took a load each, as many as the tape record's, in the memory pipe that every load and
-// store of a step shares (NOTES v39h).
+// store of a step shares (docs/kernels.md).
 template <int ROWS> struct row_flags {
     static constexpr int NW = (ROWS + 31) / 32;
     int v[NW];
@@ -384,9 +384,9 @@ __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned cha
 // Forward. Step t's h (this CTA's slab by its own stores before a __syncthreads, the others'
 // by their bulk copies) completes A_t: phase t / NB of the mbarrier hfull[t % NB], which thread 0
 // arms again for step t + NB once it has waited for step t. x_t (this CTA's own rows, in x tile
-// t & 1) needs no h: its product with W_ih runs before the wait (v37), and the tile is written
+// t & 1) needs no h: its product with W_ih runs before the wait, and the tile is written
 // at the end of step t - 2, after that step's __syncthreads (every warp has read the tile's
-// x_{t-2}), while h_{t-1} travels: off the path from the cell to the sends (v39).
+// x_{t-2}), while h_{t-1} travels: off the path from the cell to the sends.
 // 64 rows: nothing else; every CTA writes h_{t+1} into tile (t + 1) & 1 after A_t, which needs
 // each CTA's h_t, sent after that CTA's MMAs of step t - 1 read the same tile. 80 rows (WIDE):
 // 128 KB W_hh + 2 x 40 KB h + 2 x 10 KB x = 228 KB would not fit, so the h tile is
@@ -558,7 +558,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // range below its largest): ballots, no reduction. Else (a warp-uniform branch) the
     // row takes the power of two that puts its largest |x| in [2^13, 2^14), from the rows'
     // maxima, reduced side by side. xneed says whether any of the thread's rows took its own, and
-    // __syncthreads_or whether the x part must bring acc's rows to the h scale. (v39: the
+    // __syncthreads_or whether the x part must bring acc's rows to the h scale. (The
     // reduction for every row, one row's shuffles after the other's, took 4% of the forward.)
     // Every thread takes part.
     bool xneed = false;
@@ -624,7 +624,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             send(16 * (mt + hi) + g + 8 * i1, u8, cat(quad_swap(q[mt], q[mt + 1], 2, hi)));
         if constexpr (MT % 2 == 1) // 80 rows: the last m-tile 8 bytes a store
             send(16 * (MT - 1) + g + 8 * i1, u8 + 4 * hi, q[MT - 1]);
-        if (a.z) // one branch around the rows (none where z is the dw256 chunks: v36)
+        if (a.z) // one branch around the rows (none where z is the dw256 chunks)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -644,8 +644,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         fence_proxy_async(); // the slab is read by send_h's bulk copies
     };
     // After put_h and a __syncthreads: thread 0 copies this CTA's slab of h_t into the other
-    // CTAs' tiles by bulk copies (the TMA engine), each completing on the receiver's hfull (NOTES
-    // v34: per-lane st.async to every CTA took a third of the step). With a.zc, lane m + 1 of
+    // CTAs' tiles by bulk copies (the TMA engine), each completing on the receiver's hfull
+    // (per-lane st.async to every CTA took a third of the step; docs/kernels.md). With a.zc, lane m + 1 of
     // warp 0 copies the slab's block m (2 KB, already the chunk's layout) into z's piece `rank`
     // of its chunk, and waits for the copy's read after the next MMAs (zc_wait), before the slab
     // is written again.
@@ -708,7 +708,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
     };
 
-    // The state entering step 0 (reset rule as in seq_persist.cuh).
+    // The state entering step 0 (reset rule as in seq_forward.cuh).
     float h[MT][2][2], c[MT][2][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // acc = x_t . W_ih at the h part's scale, so that the h part adds to it: where a row took its
     // own scale (scaled: x_t's __syncthreads_or), each row times hscale / its scale (80 multiplies
     // a lane). It needs no h: WIDE runs it at the end of step t - 1, while the other CTAs' h_t is
-    // on its way (v37). 64 rows run it after the wait: their W_ih fragments take 32 registers a
+    // on its way. 64 rows run it after the wait: their W_ih fragments take 32 registers a
     // lane, and with acc live over the wait the loop spilled (and ran slower).
     float acc[MT][4][4];
     auto x_part = [&](int t, bool scaled) {
@@ -827,7 +827,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 }
                 if constexpr (HALF) {
                     // tape_b8: this lane's 16 + 8 bytes of the block. The addresses and values
-                    // outside the row's branch, which holds the stores alone (v36).
+                    // outside the row's branch, which holds the stores alone.
                     // Row k = 2 mt + i is batch row row0 + g + 8 k, row group row0 / 8 + k.
                     const int rk = 2 * mt + i;
                     float2 *yp = reinterpret_cast<float2 *>(
@@ -863,7 +863,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 
         if (more) {
             // The state entering step t+1: the reset value where is_init[b, t+1], else h'. Row
-            // k = 2 mt + i is batch row row0 + g + 8 k: a base plus k strides (v36).
+            // k = 2 mt + i is batch row row0 + g + 8 k: a base plus k strides.
             const size_t at0 = ((size_t)(row0 + g) * T + t + 1) * hid_step + (size_t)l * H + ub;
             const flag_bits<ROWS> nreset(nrf, g);
 #pragma unroll
@@ -888,8 +888,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             put_h(h, t + 1);              // A_{t+1}
             xs = __syncthreads_or(xneed); // x_{t+1}'s (put_x at the end of step t - 1)
             send_h(t + 1);
-            // WIDE: the x part before the flags' loads, which queued ahead of its first loads
-            // (v39e).
+            // WIDE: the x part before the flags' loads, which queued ahead of its first loads.
             if constexpr (WIDE)
                 x_part(t + 1, xs);
             nrf.load(a.is_init + (size_t)row0 * T + t + 2, T, nrows, lane, t + 2 < T);
@@ -920,11 +919,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // Backward: the same cluster, CTA r the gate rows of units [64r, 64r+64) of the ROWS rows. Per
 // step (reverse) each lane runs the cell backward for its 4 MT elements (D out), the CTA's ROWS x
 // 256 dgate columns go into an fp16 tile, each row scaled by a power of two (its largest |value|
-// in [2^13, 2^14), as v8's: as exact as TF32), and the CTA computes its partial of dh for all 256
+// in [2^13, 2^14), as in the mma.sync backward: as exact as TF32), and the CTA computes its partial of dh for all 256
 // units, P_r = tile . W_hh[its gate rows] (M = ROWS, N = 256, K = 256; warp w the units [32w,
 // 32w+32)). The partials of units [64r', 64r'+64) go to CTA r' (warps 2r', 2r'+1) through
 // distributed shared memory, slot r of its receive buffer, in fp16 with a power-of-two factor a
-// row and 32 units (v34); CTA r' sums its four slots in a fixed order (deterministic).
+// row and 32 units; CTA r' sums its four slots in a fixed order (deterministic).
 //
 // The partials of step t complete P_t ("partials in": a phase of the mbarrier pfull, armed again
 // for step t - 1 once waited for). 64 rows: a cluster barrier "sums read" (arrive right after
@@ -932,8 +931,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // the next step's tape record prefetched into registers.
 //
 // 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
-// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16 slots (v34) would fit
-// beside the tile, but the loop ran 15% slower so (v37: 3.25 -> 3.73 ms; likely as its shared
+// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16 slots would fit
+// beside the tile, but the loop ran 15% slower so (likely as its shared
 // memory, 214 KB against 174, leaves the L1 cache 28 KB instead of 60). A CTA's partials may land
 // only after every CTA of the cluster has finished its MMAs (which read its A tile): a cluster
 // barrier M_t (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of
@@ -941,7 +940,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // step t - 1 is written after this CTA's own sums of step t (the __syncthreads after the row
 // maxima orders them). P_0 comes after every write to this CTA's shared memory. Registers: dL/dh
 // stays in the receive slots between steps (see below). (An L2 prefetch of the step before's
-// record, 20 instructions a warp, cost 0.1 ms in the memory pipe that the sends share: v39f.)
+// record, 20 instructions a warp, cost 0.1 ms in the memory pipe that the sends share.)
 template <int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
@@ -1073,14 +1072,14 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 
     // Step t's tape record, output gradient and reset flags, loaded into registers during step
     // t + 1 once its partials are packed (the accumulators are free then).
-    // The record's four fp16 planes stay packed (svh) until their step uses them (NOTES v23).
+    // The record's four fp16 planes stay packed (svh) until their step uses them (docs/kernels.md).
     uint32_t svh[4][MT][2];
     float2 sv[MT][2], gy[MT][2]; // sv: cprev
     row_flags<ROWS> reset;
     const int nrows = min(ROWS, a.B - row0);
     // Lane row (mt, i) is batch row row0 + g + 8 k, k = 2 mt + i, and row group row0 / 8 + k: its
     // addresses are a base a step plus k strides (a few adds a row where 64-bit products were;
-    // NOTES v36). Rows past B load nothing.
+    // docs/kernels.md). Rows past B load nothing.
     const size_t sk = (size_t)T * (HC / 8) * tape_b8::FLOATS, gk = (size_t)8 * T * a.ldgy,
                  fk = (size_t)8 * T;
     auto load_step = [&](int t) {
@@ -1120,7 +1119,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     for (int t = T - 1; t >= 0; t--) {
         // Gate gradients; D; the row maxima of the tile values. Each phase runs over all the
         // lane's rows before the next (the cells, the maxima's shuffles, the stores), with no
-        // branch between rows, so the rows' latencies overlap (NOTES v36).
+        // branch between rows, so the rows' latencies overlap (docs/kernels.md).
         float dv[4][MT][2][2], dcp[MT][2][2], mx[MT][2];
         float2 dhv[MT][2];
 #pragma unroll
@@ -1181,7 +1180,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         __syncthreads(); // the row maxima; WIDE: this CTA's reads of the receive slots are done
         // The tile, each row scaled; lanes tg = 0 of warp mt keep the factors and records of
         // m-tile mt's rows (warp 0 kept them all, and the other warps waited for it at the
-        // __syncthreads below: 5% of the backward, NOTES v39i).
+        // __syncthreads below: 5% of the backward, docs/kernels.md).
         float sc[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -1251,9 +1250,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // scaled by sc, a power of two that puts the largest of the row's 32 units (the quad's)
         // in [2^13, 2^14), so each value keeps TF32's 10 bits; the factor back, ri / sc, goes to
         // the slot's factors (lane tg those of rows 2 mt + i = tg mod 4). Half the bytes of fp32
-        // partials through st.async, which bound this phase (NOTES v34). All rows are packed
+        // partials through st.async, which bound this phase (docs/kernels.md). All rows are packed
         // before the first store: packed row by row, each store's data took the registers of the
-        // one before and waited for it to leave (NOTES v36).
+        // one before and waited for it to leave (docs/kernels.md).
         uint4 pk[MT][2];
         float fv[MT][2];
 #pragma unroll
@@ -1277,7 +1276,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             }
         // Step t - 1's record, in flight while the partials land, the sums and the routing. WIDE:
         // before the sends, whose data registers the loads took otherwise (they waited for the
-        // stores to read them); at 64 rows, where they did not, the sends go first (v37).
+        // stores to read them); at 64 rows, where they did not, the sends go first.
         if (WIDE && t > 0)
             load_step(t - 1);
         // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
@@ -1313,7 +1312,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
 
         // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
-        // (docs/design.md): out where it ends here, else carried into step t - 1. 64 rows: the sums
+        // (docs/design.md, "Math"): out where it ends here, else carried into step t - 1. 64 rows: the sums
         // into registers first, then "sums read"; WIDE: the sums are read again where needed.
         if constexpr (!WIDE) {
 #pragma unroll
@@ -1328,8 +1327,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             carried = 0;
         }
         // dL/dh and dL/dc out where the state is not carried: where stored, else (t == 0 and no
-        // reset) into g_h0, g_c0. Only step 0 or stored states write: one branch around the rows
-        // (v36).
+        // reset) into g_h0, g_c0. Only step 0 or stored states write: one branch around the rows.
         if (t == 0 || a.stored)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -1461,44 +1459,14 @@ template <int ROWS> int cluster_backward(const struct persist_bwd_args *a, cudaS
 
 } // namespace
 
-// The 64-row clusters (v11, the default).
-long rnnd__cluster_lstm_smem(void) {
-    return cshape<64>::FSMEM;
+int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, int rows, cudaStream_t stream) {
+    return rows == 80 ? cluster_forward<80>(a, stream) : cluster_forward<64>(a, stream);
 }
 
-int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    return cluster_forward<64>(a, stream);
+int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, int rows, cudaStream_t stream) {
+    return rows == 80 ? cluster_backward<80>(a, stream) : cluster_backward<64>(a, stream);
 }
 
-int rnnd__cluster_lstm_active(bool backward) {
-    return cluster_active_rows<64>(backward);
-}
-
-long rnnd__cluster_lstm_bwd_smem(void) {
-    return cshape<64>::BSMEM;
-}
-
-int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    return cluster_backward<64>(a, stream);
-}
-
-// The 80-row clusters (v11b): same conditions and arguments.
-long rnnd__cluster80_lstm_smem(void) {
-    return cshape<80>::FSMEM;
-}
-
-long rnnd__cluster80_lstm_bwd_smem(void) {
-    return cshape<80>::BSMEM;
-}
-
-int rnnd__cluster80_lstm_active(bool backward) {
-    return cluster_active_rows<80>(backward);
-}
-
-int rnnd__cluster80_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    return cluster_forward<80>(a, stream);
-}
-
-int rnnd__cluster80_lstm_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    return cluster_backward<80>(a, stream);
+int rnnd__cluster_lstm_active(int rows, bool backward) {
+    return rows == 80 ? cluster_active_rows<80>(backward) : cluster_active_rows<64>(backward);
 }

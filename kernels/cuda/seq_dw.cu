@@ -1,12 +1,12 @@
 /*
  * seq_dw.cu: the weight gradients' product out = z^T D over every row and step, on warpgroup
  * MMAs (wgmma, sm_90a only: built for that target alone, asked for only on compute 9.0), from
- * the chunks that the GRU's recomputing backward and the LSTM's backward write (seq_persist.h,
- * dw16): bf16 in bf16 mode, fp16 with exponent records in TF32 mode (NOTES v26).
+ * the chunks that the GRU's recomputing backward and the LSTM's backward write (seq_chunks.h,
+ * dw16): bf16 in bf16 mode, fp16 with exponent records in TF32 mode (docs/kernels.md).
  *
  * Why: at B = 2048, T = 256, H = 128 cuBLAS takes 0.58 ms on the fp32 D and z (1.49 GB, at DRAM
  * speed), and 0.50 on the same values in 16 bits, row-major. Chunks laid out for the MMA and
- * fetched by bulk copies take 0.27 ms (0.747 GB at 2.76 TB/s; NOTES v25, probes/dw16.cu).
+ * fetched by bulk copies take 0.27 ms (0.747 GB at 2.76 TB/s; docs/kernels.md, probes/dw16.cu).
  *
  * Shape: CTA (plane p, K range s): D's plane p (M = 128 columns) against all of z's N = 200
  * columns over its chunks (K = 16 rows each, one k-step). Two consumer warpgroups, m64 each,
@@ -17,7 +17,7 @@
  * undoing the chunks' column order.
  */
 #include "common.cuh"
-#include "seq_persist.h"
+#include "seq_chunks.h"
 #include "wg.cuh"
 
 #include <cuda_bf16.h>
@@ -103,7 +103,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
 // the same + 8) scaled row by row, for z's h part and constant (ah: 2^(eD + eh - ch)) and for its
 // x part (ax: 2^(eD + ex - cx)); ed, eh and ex hold the chunk's 16 rows' exponents. Lane l
 // computes one pair of factors (rows 2 (l % 8) and + 1, h's for l % 16 < 8, else x's) and the
-// others take theirs by shuffles: each pair is needed by 8 lanes (NOTES v35).
+// others take theirs by shuffles: each pair is needed by 8 lanes (docs/kernels.md).
 __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int16_t *ed,
                                               const int16_t *eh, const int16_t *ex, int lane,
                                               int ch, int cx, uint32_t (&ah)[4],
@@ -130,7 +130,7 @@ __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int1
 // 2^(eD + eh - Ch) for z's h part and constant and by 2^(eD + ex - Cx) for its x part, Ch and Cx
 // being the largest of those over the CTA's K range (the records' chunk maxima); both factors
 // are at most 1, so the fp16 products cannot overflow, and each partial is multiplied back by
-// 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (NOTES v26).
+// 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (docs/kernels.md).
 template <bool F16>
 __global__ void __launch_bounds__(DW_THREADS, 1)
     dw16_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
@@ -297,7 +297,7 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The LSTM's product at H = 256 from the cluster loops' dw256 chunks (seq_persist.h; NOTES v35).
+// The LSTM's product at H = 256 from the cluster loops' dw256 chunks (seq_chunks.h; docs/kernels.md).
 // CTA (plane p, K range s): D's plane p (128 columns: gates 2 (p % 2) and 2 (p % 2) + 1 of
 // units 64 (p / 2)..) against all of z's RNND_DW256_NZ columns. Consumer warpgroup q takes the
 // plane's gate q (m64): A from registers by ldmatrix.trans of its piece, each K row scaled by
@@ -306,7 +306,7 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, 
 // pieces, N-major in shared memory (the forward's slabs as they stood). 164 accumulators a
 // thread (h 2 x n128, x n64, the constant n8). Stages of RNND_DW256_CH chunks, 1024-byte aligned
 // for the swizzle. The kernel runs beside the backward loop that writes D's chunks, each CTA
-// from when its K range is written (seq_persist.h, dw256_sync; NOTES v35l).
+// from when its K range is written (seq_chunks.h, dw256_sync; docs/kernels.md).
 
 constexpr int D2_NST = 6;
 constexpr long D2_OFFZ = RNND_DW256_CH * RNND_DW16_D;
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     };
     if (threadIdx.x == 0) {
         // The K range's chunks are written once the loop has done its last step k (the loop
-        // runs beside: seq_persist.h, dw256_sync). Nothing of theirs is read before (through
+        // runs beside: seq_chunks.h, dw256_sync). Nothing of theirs is read before (through
         // L1 neither: the records by ld.global.cg). A wait past 30 s is a fault, not a hang.
         const int k = min((c0 + per - 1) / sy.nblk, sy.T - 1);
         uint64_t t0, now;

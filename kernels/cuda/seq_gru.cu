@@ -1,35 +1,59 @@
 /*
- * seq_gru.cu: the persistent GRU time loops (seq_persist.cuh) for every supported padded
- * width and matmul mode. One file per cell so the two compile in parallel.
+ * seq_gru.cu: the GRU's persistent time loops on mma.sync for every padded width and matmul
+ * mode (seq_forward.cuh, seq_backward.cuh), and its H = 128 backward recomputing the gates
+ * (seq_gru_backward.cuh). One file per cell so the two compile in parallel.
  */
-#include "seq_persist.cuh"
+#include "seq_backward.cuh"
+#include "seq_forward.cuh"
+#include "seq_gru_backward.cuh"
 
 #define PERSIST_CASES(X)                                                                           \
     X(mode_tf32, 32) X(mode_tf32, 64) X(mode_tf32, 96) X(mode_tf32, 128)                          \
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
-int rnnd__persist_gru(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
-    if (backward && static_cast<const persist_bwd_args *>(args)->rc) {
-        const persist_bwd_args &a = *static_cast<const persist_bwd_args *>(args);
-        if (HP != 128)
-            return RNND_ENOTSUP;
-        return bf16 ? persist_launch_backward_rc<mode_bf16, 128>(a, stream)
-                    : persist_launch_backward_rc<mode_tf32, 128>(a, stream);
+int rnnd__persist_gru_forward(const struct persist_fwd_args *a, bool bf16, int HP, bool kp,
+                              bool clocks, cudaStream_t stream) {
+    if (a->s && !a->shalf)
+        return RNND_EINVAL;
+    if (kp) { // TF32, HP = 128, fused x, vector access (the launcher checks the last two)
+        if (bf16 || HP != 128)
+            return RNND_EINVAL;
+#ifdef RNND_CUDA_PHASE_CLOCKS
+        if (clocks)
+            return persist_launch_forward<cell_gru, mode_tf32, 128, SEQ_CLOCKS, true>(*a, stream);
+#endif
+        return persist_launch_forward<cell_gru, mode_tf32, 128, 0, true>(*a, stream);
     }
-    if (!bf16 && HP == 128) {
-        int err = persist_launch_variant<cell_gru>(backward, args, stream);
-        if (err != RNND_ENOTSUP)
-            return err;
-    }
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    if (clocks && !bf16 && HP == 128 && a->vec)
+        return persist_launch_forward<cell_gru, mode_tf32, 128, SEQ_CLOCKS>(*a, stream);
+#else
+    (void)clocks;
+#endif
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
-        return backward ? persist_launch_backward<cell_gru, MODE, W>(                            \
-                              *static_cast<const persist_bwd_args *>(args), stream)                \
-                        : persist_launch_forward<cell_gru, MODE, W>(                             \
-                              *static_cast<const persist_fwd_args *>(args), stream);
+        return persist_launch_forward<cell_gru, MODE, W>(*a, stream);
     PERSIST_CASES(X)
 #undef X
-    return RNND_ENOTSUP;
+    return RNND_EINVAL;
+}
+
+int rnnd__persist_gru_backward(const struct persist_bwd_args *a, bool bf16, int HP, bool clocks,
+                               cudaStream_t stream) {
+    if (!a->shalf)
+        return RNND_EINVAL;
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    if (clocks && !bf16 && HP == 128 && a->vec)
+        return persist_launch_backward<cell_gru, mode_tf32, 128, SEQ_CLOCKS>(*a, stream);
+#else
+    (void)clocks;
+#endif
+#define X(MODE, W)                                                                                 \
+    if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
+        return persist_launch_backward<cell_gru, MODE, W>(*a, stream);
+    PERSIST_CASES(X)
+#undef X
+    return RNND_EINVAL;
 }
 
 long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks) {
@@ -41,8 +65,16 @@ long rnnd__persist_gru_smem(bool backward, bool bf16, int HP, int xks) {
     return -1;
 }
 
-long rnnd__persist_gru_rc_smem(bool bf16, int HP) {
+int rnnd__gru_h128_backward(const struct persist_bwd_args *a, bool bf16, bool clocks,
+                            cudaStream_t stream) {
+    if (!a->shalf)
+        return RNND_EINVAL;
+    return bf16 ? gru_h128_recompute_launch<mode_bf16>(*a, clocks, stream)
+                : gru_h128_recompute_launch<mode_tf32>(*a, clocks, stream);
+}
+
+long rnnd__gru_h128_backward_smem(bool bf16, int HP) {
     if (HP != 128)
         return -1;
-    return bf16 ? persist_rc_smem<mode_bf16, 128>() : persist_rc_smem<mode_tf32, 128>();
+    return bf16 ? gru_h128_smem<mode_bf16, 128>() : gru_h128_smem<mode_tf32, 128>();
 }

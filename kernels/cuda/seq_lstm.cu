@@ -1,28 +1,49 @@
 /*
- * seq_lstm.cu: the persistent LSTM time loops (seq_persist.cuh) for every supported padded
- * width and matmul mode. One file per cell so the two compile in parallel.
+ * seq_lstm.cu: the LSTM's persistent time loops on mma.sync for every padded width and matmul
+ * mode (seq_forward.cuh, seq_backward.cuh). One file per cell so the two compile in parallel.
  */
-#include "seq_persist.cuh"
+#include "seq_backward.cuh"
+#include "seq_forward.cuh"
 
 #define PERSIST_CASES(X)                                                                           \
     X(mode_tf32, 32) X(mode_tf32, 64) X(mode_tf32, 96) X(mode_tf32, 128)                          \
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
 
-int rnnd__persist_lstm(bool backward, bool bf16, int HP, const void *args, cudaStream_t stream) {
-    if (!bf16 && HP == 128) {
-        int err = persist_launch_variant<cell_lstm>(backward, args, stream);
-        if (err != RNND_ENOTSUP)
-            return err;
-    }
+int rnnd__persist_lstm_forward(const struct persist_fwd_args *a, bool bf16, int HP, bool clocks,
+                               cudaStream_t stream) {
+    if (a->s && !a->shalf)
+        return RNND_EINVAL;
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    if (clocks && !bf16 && HP == 128 && a->vec)
+        return persist_launch_forward<cell_lstm, mode_tf32, 128, SEQ_CLOCKS>(*a, stream);
+#else
+    (void)clocks;
+#endif
 #define X(MODE, W)                                                                                 \
     if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
-        return backward ? persist_launch_backward<cell_lstm, MODE, W>(                            \
-                              *static_cast<const persist_bwd_args *>(args), stream)                \
-                        : persist_launch_forward<cell_lstm, MODE, W>(                             \
-                              *static_cast<const persist_fwd_args *>(args), stream);
+        return persist_launch_forward<cell_lstm, MODE, W>(*a, stream);
     PERSIST_CASES(X)
 #undef X
-    return RNND_ENOTSUP;
+    return RNND_EINVAL;
+}
+
+int rnnd__persist_lstm_backward(const struct persist_bwd_args *a, bool bf16, int HP, bool clocks,
+                                cudaStream_t stream) {
+    if (!a->shalf)
+        return RNND_EINVAL;
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    // The clock-counting instance writes D's chunks only on the forward's z (a.zc).
+    if (clocks && !bf16 && HP == 128 && a->vec && (!a->dw16 || a->zc))
+        return persist_launch_backward<cell_lstm, mode_tf32, 128, SEQ_CLOCKS>(*a, stream);
+#else
+    (void)clocks;
+#endif
+#define X(MODE, W)                                                                                 \
+    if (bf16 == (sizeof(MODE::elem) == 2) && HP == W)                                              \
+        return persist_launch_backward<cell_lstm, MODE, W>(*a, stream);
+    PERSIST_CASES(X)
+#undef X
+    return RNND_EINVAL;
 }
 
 long rnnd__persist_lstm_smem(bool backward, bool bf16, int HP, int xks) {

@@ -1,12 +1,12 @@
 /*
  * seq_wg.cu: the GRU and LSTM forward time loops at H <= 128 in TF32 mode (and, where it writes
- * z's chunk parts, the GRU's in bf16 mode: NOTES v40) with warpgroup MMAs (wgmma, sm_90a only: this
+ * z's chunk parts, the GRU's in bf16 mode: docs/kernels.md) with warpgroup MMAs (wgmma, sm_90a only: this
  * file is built for that target alone and the host asks for it only on a compute-capability 9.0
  * device). Same arguments and outputs as the persistent forwards they replace there
- * (seq_persist.cuh's loops), fused input projection only; with a tape the GRU writes the z rows
+ * (seq_forward.cuh's loops), fused input projection only; with a tape the GRU writes the z rows
  * alone (its backward recomputes its gates), the LSTM also its fp16 gate tape; at H = 128 both
- * write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, NOTES v27, v28), and
- * the GRU then its fp16 gate tape too (v29: its backward reads it).
+ * write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, docs/kernels.md), and
+ * the GRU then its fp16 gate tape too (its backward reads it).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -20,7 +20,7 @@
  * thread's two units are adjacent (8-byte stores), its rows are 2tg + e + 8j (D's n8 chunks j).
  * Warpgroup 2, the producer, computes the x part x W_ih^T + b_ih, which does not depend on h, up
  * to two steps ahead, and hands it over in shared memory in the consumers' accumulator layout
- * (NOTES v17: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
+ * (docs/kernels.md: it took ~1000 of ~3000 cycles a step in the consumers' own chain). setmaxnreg
  * gives the consumers 200 registers (W_hh alone takes 96) and the producer 104. The LSTM's
  * fourth gate (o), and with a tape and stored states its third (g) too, take W_hh from shared
  * memory (wg_gr).
@@ -42,7 +42,7 @@
  * slot t % 2 once the consumers have read step t-2's. mbarriers hand the slots back and forth
  * (full: producer arrives, consumers wait; empty: the reverse).
  */
-#include "seq_persist.cuh"
+#include "seq_tape.cuh"
 #include "wg.cuh"
 
 namespace {
@@ -98,9 +98,9 @@ __device__ __forceinline__ void st2(float *p, float a, float b, bool ok) {
         *reinterpret_cast<float2 *>(p) = make_float2(a, b);
 }
 
-// z's parts of a dw16 chunk (seq_persist.h) from the forward (persist_fwd_args zc): what the
+// z's parts of a dw16 chunk (seq_chunks.h) from the forward (persist_fwd_args zc): what the
 // backward loops would write from the z rows, bitwise, without the z rows' 784 bytes a row and
-// step in fp32 going to memory and back (NOTES v27, v28).
+// step in fp32 going to memory and back (docs/kernels.md).
 // HM: the h part's mode, fp16 (TF32 mode: values scaled, x's exponents recorded) or bf16.
 // h: the state entering the step, rows 8j + 2tg (h0) and + 1 (h1) of units u0, u0 + 1, scaled by
 // the h scale; a unit's column in its group of 16 is the loop's movmatrix order (the inverse of
@@ -143,12 +143,12 @@ __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char 
 // Gates whose W_hh a consumer holds in registers (the others' come from shared memory): all
 // three of the GRU's; three of the LSTM's four (128 registers of weights would leave too few for
 // the rest), two where it writes a tape with stored states (HID: its deferred stores and the
-// next step's stored values need the registers; NOTES v23, v27).
+// next step's stored values need the registers; docs/kernels.md).
 template <class Cell, bool Z, bool HID> constexpr int wg_gr() {
     return Cell::G == 4 && Z && HID ? 2 : 3;
 }
 
-// Cell: cell_gru or cell_lstm. V: bench variant bit 8, phase clocks of warp 0 (8 phases,
+// Cell: cell_gru or cell_lstm. V: SEQ_CLOCKS in profiling builds, phase clocks of warp 0 (8 phases,
 // persist_clock). Z: the tape is written for the backward: the z rows (hprev, the 1, x) or z's
 // chunk parts, and the s rows (the gates' pre-activations in fp16; the LSTM's cprev; the GRU's
 // hn) for the LSTM, and for the GRU with the chunk parts (else its backward recomputes its
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     // Gates [q0, q0 + nq) of weight wt (G H rows of kw columns) as m64 A tiles of KP columns in
     // shared memory at dst (tile nq half + gate - q0), zero past H and kw: W_ih's, and W_hh's of
     // the gates past GR. Unrolled, for loads in flight: one at a time, these fills took ~5% of a
-    // 0.8 ms loop (NOTES v23).
+    // 0.8 ms loop (docs/kernels.md).
     auto fill_tiles = [&](unsigned char *dst, const float *wt, int kw, int q0, int nq, auto kp) {
         constexpr int KP = decltype(kp)::value;
 #pragma unroll 8
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         // b_ih, into slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
         // A thread moves columns [cx, cx + 4) of rows 8j + x / 16 (j = 0, 1) of x: it fetches
-        // and converts the same values, so no barrier comes between (NOTES v23m).
+        // and converts the same values, so no barrier comes between (docs/kernels.md).
         const int cx = 4 * (x & 15);
         auto fetch_x = [&](int t) {
 #pragma unroll
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     bar_sync(WG_BAR_CONS, WG_CONS);
 
     // Step t's outputs, stored while the MMAs of step t+1 run (right after the cell, every
-    // block's stores meet at once and wait for memory; NOTES v14).
+    // block's stores meet at once and wait for memory; docs/kernels.md).
     // The tape's planes (the gates' pre-activations; the GRU's hn), fp16 pairs in both modes,
     // likewise.
     constexpr int SH = TR::SH;
@@ -589,7 +589,7 @@ template <class Cell, class HM, int V, bool Z> auto wg_kernel(bool hid) {
 }
 
 template <class Cell, class HM>
-int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
+int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
     // I_l % 4 == 0; the LSTM with its fp16 gate tape exactly when z rows or (H = 128) z chunk
@@ -600,12 +600,16 @@ int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
         (a->zc && (a->z || !a->zc_ex != !HM::SCALED || a->H != WG_HP)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
-        return RNND_ENOTSUP;
+        return RNND_EINVAL;
     const bool hid = a->hidden != nullptr;
-    auto kernel =
-        a->variant & 8
-            ? (tape ? wg_kernel<Cell, HM, 8, true>(hid) : wg_kernel<Cell, HM, 8, false>(hid))
-            : (tape ? wg_kernel<Cell, HM, 0, true>(hid) : wg_kernel<Cell, HM, 0, false>(hid));
+    auto kernel = tape ? wg_kernel<Cell, HM, 0, true>(hid) : wg_kernel<Cell, HM, 0, false>(hid);
+#ifdef RNND_CUDA_PHASE_CLOCKS
+    if (clocks)
+        kernel = tape ? wg_kernel<Cell, HM, SEQ_CLOCKS, true>(hid)
+                      : wg_kernel<Cell, HM, SEQ_CLOCKS, false>(hid);
+#else
+    (void)clocks;
+#endif
     const int smem = (int)(tape ? (hid ? wg_geom<Cell::G, wg_gr<Cell, true, true>()>::SMEM
                                        : wg_geom<Cell::G, wg_gr<Cell, true, false>()>::SMEM)
                                 : wg_geom<Cell::G, wg_gr<Cell, false, true>()>::SMEM);
@@ -617,11 +621,12 @@ int wg_launch(const struct persist_fwd_args *a, cudaStream_t stream) {
 
 } // namespace
 
-int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, cudaStream_t stream) {
-    return bf16 ? wg_launch<cell_gru, mode_bf16>(a, stream)
-                : wg_launch<cell_gru, mode_f16>(a, stream);
+int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, bool clocks,
+                         cudaStream_t stream) {
+    return bf16 ? wg_launch<cell_gru, mode_bf16>(a, clocks, stream)
+                : wg_launch<cell_gru, mode_f16>(a, clocks, stream);
 }
 
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    return wg_launch<cell_lstm, mode_f16>(a, stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
+    return wg_launch<cell_lstm, mode_f16>(a, clocks, stream);
 }

@@ -5,7 +5,7 @@
  *   the sequence kernels (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)),
  *   LSTM c' = f c + i g).
  *
- * One launch per layer (docs/journal, "single step"), in one of two kernels:
+ * One launch per layer (docs/kernels.md), in one of two kernels:
  * - step_kernel, for more than a few rows: block (s, t) owns a tile of MT rows (t) and UT hidden
  *   units (s) with all their gates, a GEMM tile of MT x G*UT over K = I_l + H, fed by a cp.async
  *   pipeline of NS stages of KC columns (x chunks, then h chunks; rows gathered through the slot
@@ -34,7 +34,7 @@
  */
 #include "step.cuh"
 
-#include "seq_persist.cuh"
+#include "seq_cells.cuh"
 #include "step_impl.cuh"
 
 #include <type_traits>
@@ -100,7 +100,7 @@ static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&
 // TF32: fragments straight from the stage with ldmatrix (A: one x4 per m-tile; W: one x4 per
 // two planes), fp32 bit patterns as they are: the tensor cores read their tf32 part, i.e. the
 // operands are rounded toward zero to 10 mantissa bits (a cvt.rna per element would double the
-// k-step's instructions; the error stays within docs/design.md's tf32 bound; docs/journal/).
+// k-step's instructions; the error stays within the tf32 bound of docs/design.md, docs/kernels.md).
 struct step_tf32 {
     static constexpr int KSTEP = 8, PAD = 4; // row pitch KC+4: conflict-free ldmatrix rows
     static constexpr bool FAST = true;
@@ -235,7 +235,7 @@ struct step_ieee {
 // ---------------------------------------------------------------------------------------------
 // Device helpers
 
-// Asynchronous global -> shared copies (cp_async16: seq_persist.cuh); ok false writes zeros
+// Asynchronous global -> shared copies (cp_async16: seq_prims.cuh); ok false writes zeros
 // instead (src is not read).
 static __device__ __forceinline__ void cp_async4(float *s, const float *g, bool ok) {
     uint32_t sa = (uint32_t)__cvta_generic_to_shared(s);
@@ -628,7 +628,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
 // columns 4t..4t+3 of each chunk; a pass issues all its loads before its first product, every
 // lane reads the row's slot itself (no barrier between the slot and the h loads) and nothing goes
 // through shared memory, so the step is the chain slot -> h row, products, warp reductions,
-// cell, stores (docs/journal, "single step" v4). Lane 0 runs the cell. FFMA in fp32 for
+// cell, stores (docs/kernels.md). Lane 0 runs the cell. FFMA in fp32 for
 // every mode (bf16 rounds both operands to bf16 first), like the few-rows kernel. (The same
 // scheme with 4 rows a block measured 1.5-2 us slower than the few-rows kernel at B = 4 and 8,
 // so that one keeps B = 2..8.)
@@ -813,7 +813,7 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.h_before = st->h_before, a.c_before = st->c_before;
     a.out = l == L - 1 ? st->out : NULL;
     a.pre = l > 0 || c->step_tail;
-    a.early_x = l == 0 && c->step_tail && !(c->variant & RNND_STEP_VARIANT_NO_EARLY_X) &&
+    a.early_x = l == 0 && c->step_tail && !c->tune.step_no_early_x &&
                 inputs_untouched(c, st, m);
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
@@ -832,15 +832,14 @@ static int step_launch(struct cuda_ctx *c, const struct rnnd_step *st, const flo
     const dim3 grid(CEIL_DIV(m->H, Cfg::UT), CEIL_DIV(st->B, Cfg::MT));
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, l);
-        int err = RNND_ENOTSUP;
 #ifdef RNND_HAVE_WG
-        if (wg)
-            err = rnnd__wg_step_launch(c, a, Cell::G == 4);
+        if (wg && a.vec_x && a.vec_h) {
+            RNND_TRY(rnnd__wg_step_launch(c, a, Cell::G == 4));
+            continue;
+        }
 #endif
-        if (err == RNND_ENOTSUP)
-            err = step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
-                                     a.vec_x && a.vec_h, a);
-        RNND_TRY(err);
+        RNND_TRY(step_kernel_launch(c, step_kernel<Cell, Mode, Cfg>, grid, dim3(Cfg::NT), smem,
+                                    a.vec_x && a.vec_h, a));
     }
     return 0;
 }
@@ -874,9 +873,10 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 }
 
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
-// and weights fit). More: in TF32 mode where cuda_wg allows, the 64 x 32 tiles on warpgroup MMAs
-// wherever they make 16 blocks or each block streams at most 128 KB of weights (below that the
-// smaller tiles, which spread the weights over more SMs, win: docs/journal "single step" v12);
+// and weights fit). More: in TF32 mode on a device with the warpgroup-MMA kernels (unless the
+// bench's RNND_TUNE_NO_WG), the 64 x 32 tiles on warpgroup MMAs for every layer whose copies are
+// all 16 bytes, wherever they make 16 blocks or each block streams at most 128 KB of weights
+// (below that the smaller tiles, which spread the weights over more SMs, win: docs/kernels.md);
 // else the tile shape that still gives half the SMs a block, largest first.
 template <class Cell, class Mode>
 static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
@@ -890,13 +890,13 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     auto blocks = [&](int MT, int UT) {
         return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
     };
-    const bool wg = std::is_same<Mode, step_tf32>::value && cuda_wg(c);
+    const bool wg = std::is_same<Mode, step_tf32>::value && c->dev.wg && !c->tune.no_wg;
     const long wg_wbytes = (long)Cell::G * cfg_big::UT * (in + m->H) * sizeof(float);
     const bool wg_wins = wg && m->I % 4 == 0 && m->H % 4 == 0 &&
                          (blocks(cfg_big::MT, cfg_big::UT) >= 16 || wg_wbytes <= (128 << 10));
-    if (wg_wins || blocks(cfg_big::MT, cfg_big::UT) >= c->num_sms / 2)
+    if (wg_wins || blocks(cfg_big::MT, cfg_big::UT) >= c->dev.num_sms / 2)
         return step_launch<Cell, Mode, cfg_big>(c, st, params, m, wg);
-    if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->num_sms / 2)
+    if (blocks(cfg_mid::MT, cfg_mid::UT) >= c->dev.num_sms / 2)
         return step_launch<Cell, Mode, cfg_mid>(c, st, params, m, false);
     return step_launch<Cell, Mode, cfg_small>(c, st, params, m, false);
 }
@@ -961,7 +961,7 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c) {
     RNND_TRY(step_attr_modes<cell_gru>());
     RNND_TRY(step_attr_modes<cell_lstm>());
 #ifdef RNND_HAVE_WG
-    if (c->cc_major == 9)
+    if (c->dev.cc_major == 9)
         RNND_TRY(rnnd__wg_step_prepare());
 #endif
     return 0;

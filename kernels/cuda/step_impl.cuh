@@ -7,13 +7,6 @@
 
 #include "common.cuh"
 
-// Bench variant (cuda_ctx.variant, RNND_CUDA_VARIANT): every launch without PDL (docs/journal
-// "single step" v6).
-#define RNND_STEP_VARIANT_NO_PDL 512
-// Bench variant: layer 0 never reads its inputs before the wait (step_kargs.early_x), as in a
-// step that starts cold (docs/journal "single step" v20).
-#define RNND_STEP_VARIANT_NO_EARLY_X 16
-
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -36,7 +29,7 @@ static __device__ __forceinline__ void grid_wait_then_release() {
 
 // One layer of a step. Row b reads its old state from table row slots[b] and writes its new one
 // to row slots_new[b]; no row is both (struct rnnd_step), so blocks never wait for each other:
-// each writes its new states as soon as its cell has them (docs/journal "single step" v19).
+// each writes its new states as soon as its cell has them (docs/kernels.md).
 struct step_kargs {
     int B, I, H, L, l;      // B: rows of this launch
     const float *x;         // (B, I) layer 0's input; layers above read layer l-1's new state
@@ -101,8 +94,8 @@ static __device__ __forceinline__ step_row step_row_at(const step_kargs &a, int 
 // griddepcontrol.wait, which hides the launch gap between back-to-back steps and between layers
 // (a captured launch becomes a programmatic graph edge). Only where the kernel reads nothing
 // through L1 before or after that wait (16-byte cp.async.cg copies, __ldcg loads): the 4-byte
-// copies of odd widths (cp.async.ca) launch plainly. Bench variant bit RNND_STEP_VARIANT_NO_PDL
-// turns it off.
+// copies of odd widths (cp.async.ca) launch plainly. The bench turns it off with
+// RNND_TUNE_STEP_NO_PDL (tuning.h).
 template <class Kernel, class... Args>
 static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
                               bool l1_free, const Args &...args) {
@@ -115,15 +108,15 @@ static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3
     cfg.dynamicSmemBytes = smem;
     cfg.stream = c->stream;
     cfg.attrs = attr;
-    cfg.numAttrs = c->cc_major >= 9 && l1_free && !(c->variant & RNND_STEP_VARIANT_NO_PDL) ? 1 : 0;
+    cfg.numAttrs = c->dev.cc_major >= 9 && l1_free && !c->tune.step_no_pdl ? 1 : 0;
     RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
     return 0;
 }
 
 // The tile kernel on warpgroup MMAs (step_wg.cu; built when the architectures include 90, as
 // RNND_HAVE_WG says), for TF32 mode on a compute 9.0 device: tiles of 64 rows x 32 units. The
-// launch takes layers whose copies are all 16 bytes (a.vec_x, a.vec_h) and returns RNND_ENOTSUP
-// for others; prepare raises its shared-memory limits, once per context.
+// launch takes layers whose copies are all 16 bytes (a.vec_x, a.vec_h) and returns RNND_EINVAL
+// for others (step.cu launches its own kernel for them); prepare raises its shared-memory limits, once per context.
 #define RNND_STEP_WG_MT 64
 #define RNND_STEP_WG_UT 32
 int rnnd__wg_step_prepare(void);

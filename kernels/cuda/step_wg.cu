@@ -4,11 +4,11 @@
  * and outputs as step_kernel's 64 x 32 tiles (step.cu's header), which it replaces there for
  * rows and weights that allow 16-byte copies.
  *
- * Why (docs/journal, "single step" v6a, v7): at B = 1024, H = I = 256 the mma.sync kernel is
+ * Why (docs/kernels.md): at B = 1024, H = I = 256 the mma.sync kernel is
  * bound by its instruction chains (5.8M instructions a step: fragments, 3072 MMAs a block, copy
  * arithmetic), not by bytes. Here one warpgroup's MMA instruction does a 64 x N x 8 product
  * straight from shared memory, and the copies are what is left: 40 MB through L2 a step at that
- * shape, which a copy-only loop of the same tiles streams in ~9 us (v7).
+ * shape, which a copy-only loop of the same tiles streams in ~9 us.
  *
  * Block (unit slice s, row tile t): 64 rows x 32 units with all their gates, two warpgroups;
  * warpgroup q computes units [16q, 16q + 16) of every gate plane. The rows [x | h] are the MMA's
@@ -18,7 +18,7 @@
  * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
  * chunks, then h chunks) through a 4-stage pipeline 2 chunks ahead of the MMAs: the h rows (and
  * the x part of layers above 0) by every thread's cp.async, gathered by slot; the weight tile and
- * layer 0's x rows by tensor-map copies (TMA) of thread 0 (docs/journal "single step" v8: 0.5
+ * layer 0's x rows by tensor-map copies (TMA) of thread 0 (docs/kernels.md: 0.5
  * and 1.2 us less than by cp.async for GRU and LSTM), handed over by mbarriers (a chunk's copies
  * and bytes: s_full; every thread done with a stage: s_empty), with no block barrier in the loop.
  * Accumulators: GRU dx (the x part: r, z, n_x) and dh (the h part: r, z, n_h), 24 registers
@@ -29,14 +29,14 @@
  * the loop; biases are read from shared memory in the cell. The new h and c go straight to their
  * table rows (step_kargs).
  *
- * Two blocks an SM (docs/journal "single step" v20): with 4 stages a block takes ~90 KB (GRU)
+ * Two blocks an SM (docs/kernels.md): with 4 stages a block takes ~90 KB (GRU)
  * or ~100 KB (LSTM) of shared memory and at most 128 registers a thread, so the next kernel's
  * blocks are resident while this one runs (its programmatic launch comes after this grid's
  * wait) and grids of up to twice the SMs run in one wave. Fewer chunks in flight (2 instead of
  * 6) cost 0.3-0.6 us where a step starts cold (after a copy); back to back and in graphs the
  * overlap gains 1.6-1.8 us at B = 1024, I = H = 256.
  *
- * The chain before the first MMA (docs/journal "single step" v19): with a.pre, thread 0 sets up
+ * The chain before the first MMA (docs/kernels.md): with a.pre, thread 0 sets up
  * the mbarriers and issues the first chunks' weight boxes, and the block loads its biases, before
  * griddepcontrol.wait, so that on back-to-back steps and between layers the first weights come
  * while the previous kernel completes; at layer 0 the x chunks need no slot, so their MMAs start
@@ -45,7 +45,7 @@
  * and the slot reads all overlap the previous step (the lead "overlap the next step's
  * independent MMA" of issue 8).
  */
-#include "seq_persist.cuh"
+#include "seq_cells.cuh"
 #include "step_impl.cuh"
 #include "wg.cuh"
 
@@ -435,6 +435,6 @@ int rnnd__wg_step_prepare(void) {
 
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm) {
     if (!a.vec_x || !a.vec_h) // 16-byte copies only: step.cu's kernel takes the others
-        return RNND_ENOTSUP;
+        return RNND_EINVAL;
     return lstm ? wg_launch<cell_lstm>(c, a) : wg_launch<cell_gru>(c, a);
 }

@@ -1,5 +1,5 @@
 /*
- * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu, step_wg.cu and seq_persist.cuh share:
+ * wg.cuh: the Hopper primitives that seq_wg.cu, seq_dw.cu, step_wg.cu and seq_gru_backward.cuh share:
  * shared-memory matrix descriptors and the K-major operand offset, ldmatrix, mbarriers, bulk and
  * tensor-map copies (TMA), the fence / commit / wait of the asynchronous warpgroup MMAs (wgmma,
  * sm_90a), and the m64n16k16 fp16 MMAs that the GRU's loops share (the wgmma forward's, the ZF
@@ -77,7 +77,7 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b) {
 // phase's bytes came from other CTAs of the cluster (bulk copies, st.async): they are written by
 // the async proxy and counted on this CTA's mbarrier, so they have landed when the phase completes
 // (as in CUTLASS's multicast pipelines). Cluster scope compiles to an L1 invalidation (CCTL.IVALL)
-// that waits for the loads in flight (NOTES v36).
+// that waits for the loads in flight (docs/kernels.md).
 static __device__ __forceinline__ void mbar_wait(uint64_t *b, int parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
                  "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"

@@ -233,6 +233,15 @@ struct rnnd_backend_ops {
     // updated. *grad_norm (host) receives the total norm before clipping.
     int (*optim_step)(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                       const struct rnnd_optim *o, int64_t t, float *grad_norm);
+
+    // The name of the kernels a training step of model m over B rows runs here (rnn_forward
+    // with a tape, then rnn_backward, on aligned buffers), for logs, metrics and the bench:
+    // "cpu_reference" on the CPU; on CUDA the model and each layer's forward loop, backward loop
+    // and weight-gradient product (docs/kernels.md), e.g.
+    // "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product". Written to buf (len bytes,
+    // NUL-terminated, truncated where it does not fit). 0, or RNND_EINVAL for an invalid model,
+    // B < 1 or no buffer.
+    int (*plan_name)(void *ctx, const struct rnnd_model *m, int B, char *buf, size_t len);
 };
 
 struct rnnd_backend {

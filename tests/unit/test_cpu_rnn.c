@@ -665,6 +665,25 @@ static bool all_equal(const float *p, size_t n, float v) {
     return true;
 }
 
+// The CPU backend names its one implementation for every model and refuses what it would refuse
+// to run, writing nothing past len.
+static void test_plan_name(void **state) {
+    (void)state;
+    const struct rnnd_backend_ops *ops = cpu.ops;
+    const struct rnnd_model m = {RNND_CELL_GRU, RNND_COMPUTE_FP32, 64, 128, 2};
+    char buf[32];
+    assert_int_equal(ops->plan_name(cpu.ctx, &m, 2048, buf, sizeof(buf)), 0);
+    assert_string_equal(buf, "cpu_reference");
+    char small[5] = "xxxx";
+    assert_int_equal(ops->plan_name(cpu.ctx, &m, 1, small, 4), 0);
+    assert_string_equal(small, "cpu");
+    struct rnnd_model bad = m;
+    bad.H = 0;
+    assert_int_equal(ops->plan_name(cpu.ctx, &bad, 1, buf, sizeof(buf)), RNND_EINVAL);
+    assert_int_equal(ops->plan_name(cpu.ctx, &m, 0, buf, sizeof(buf)), RNND_EINVAL);
+    assert_int_equal(ops->plan_name(cpu.ctx, &m, 1, NULL, 8), RNND_EINVAL);
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     struct rand_spec spec = {RNND_CELL_LSTM, 2, 3, 4, 2, 3, 0.3, false, true};
@@ -857,6 +876,7 @@ int main(void) {
         cmocka_unit_test(test_step_matches_forward),
         cmocka_unit_test(test_step_defaults_and_bf16),
         cmocka_unit_test(test_thread_count_invariance),
+        cmocka_unit_test(test_plan_name),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);

@@ -1,0 +1,287 @@
+/*
+ * seq_plan.cu: rnnd__seq_plan, the one chooser of the sequence kernels (seq_plan.h), and the
+ * plan's name. Host code only. Every rule says why it holds; docs/kernels.md has the measurements
+ * behind them and the table of what runs where.
+ */
+#include "seq_plan.h"
+
+#include "common.cuh"
+#include "seq_loops.h"
+
+#include <stdio.h>
+#include <string.h>
+
+// The LSTM H = 256 backward in clusters needs this many rows (below, the per-step path's step is
+// faster: one cluster step ~15.5 us against the per-step path's ~13.6 us at B = 64, whose cost
+// grows ~2.4 times faster with B).
+#define SEQ_CLUSTER_BWD_MIN_ROWS 320
+// The blocked tape (tape_b8) of B rows, rounded up to 8 rows of 3H floats, fits the layout's B
+// rows of 5H (seq.cu, rnnd__cuda_seq_layout) from 11 rows on.
+static_assert(SEQ_CLUSTER_BWD_MIN_ROWS >= 11, "B + 7 rows of 3H floats within B rows of 5H");
+
+static int hp_of(int H) {
+    return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;
+}
+
+static long persist_smem_of(const struct rnnd_model *m, bool backward, int HP, int xks) {
+    bool bf16 = m->compute == RNND_COMPUTE_BF16;
+    return m->cell == RNND_CELL_LSTM ? rnnd__persist_lstm_smem(backward, bf16, HP, xks)
+                                     : rnnd__persist_gru_smem(backward, bf16, HP, xks);
+}
+
+int rnnd__seq_persist_hp(const struct rnnd_model *m, size_t smem_optin) {
+    if (m->compute == RNND_COMPUTE_IEEE || m->H > 128)
+        return 0;
+    int HP = hp_of(m->H);
+    for (int bwd = 0; bwd < 2; bwd++) {
+        long need = persist_smem_of(m, bwd, HP, 0);
+        if (need < 0 || (size_t)need > smem_optin)
+            return 0;
+    }
+    return HP;
+}
+
+// x k-steps the persistent forward of layer l fuses: its input projection runs in the loop where
+// a thread's share of a step's x is at most 4 values (I_l <= HP/2) and the weights fit.
+static int persist_xks(const struct rnnd_model *m, int l, int HP, size_t smem_optin) {
+    int Il = rnnd_model_layer_input(m, l);
+    if (HP == 0 || Il > HP / 2)
+        return 0;
+    int xks = CEIL_DIV(Il, m->compute == RNND_COMPUTE_BF16 ? 16 : 8);
+    long need = persist_smem_of(m, false, HP, xks);
+    return need > 0 && (size_t)need <= smem_optin ? xks : 0;
+}
+
+void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune,
+                    const struct rnnd_model *m, const struct seq_call *call, struct seq_plan *p) {
+    memset(p, 0, sizeof(*p));
+    const bool gru = m->cell == RNND_CELL_GRU, lstm = !gru;
+    const bool fp32 = m->compute == RNND_COMPUTE_FP32, bf16 = m->compute == RNND_COMPUTE_BF16;
+    const int H = m->H, I = m->I, L = m->L, B = call->B;
+
+    // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
+    // device's shared memory. Elsewhere the per-step path (and the clusters, below).
+    p->HP = tune->stepwise ? 0 : rnnd__seq_persist_hp(m, dev->smem_optin);
+    p->persistent = p->HP > 0;
+    const int HP = p->HP;
+
+    // The LSTM H = 256 loops in thread-block clusters (sm_90, TF32). The forward's clusters read
+    // the layer input themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
+    const bool cl_model = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && lstm &&
+                          fp32 && H == 256;
+    const bool cl0 = cl_model && I <= 64 && I % 4 == 0;
+    // Rows a cluster: 64, or 80 where that takes fewer waves (an H100 runs 30 clusters of either:
+    // B = 2048 is two waves of 64-row clusters, one of 80-row ones; a wave costs a whole loop).
+    // At equal waves 64, whose steps are faster (the 80-row loops single-buffer their tiles).
+    auto cluster_rows = [&](bool backward) {
+        const int a64 = dev->cluster_active[0][backward], a80 = dev->cluster_active[1][backward];
+        if (a80 > 0 && tune->cluster80)
+            return 80;
+        if (a64 <= 0 || a80 <= 0)
+            return a64 > 0 ? 64 : a80 > 0 ? 80 : 0;
+        return CEIL_DIV(CEIL_DIV(B, 80), a80) < CEIL_DIV(CEIL_DIV(B, 64), a64) ? 80 : 64;
+    };
+    // The backward in clusters (any layer: it reads the tape) where the batch runs in one wave
+    // and has SEQ_CLUSTER_BWD_MIN_ROWS rows or more; 0: the per-step backward.
+    int brows = 0;
+    if (cl_model && !tune->no_cluster_bwd && B >= SEQ_CLUSTER_BWD_MIN_ROWS) {
+        const int rows = cluster_rows(true);
+        const int active = dev->cluster_active[rows == 80][1];
+        brows = rows > 0 && CEIL_DIV(B, rows) <= active ? rows : 0;
+    }
+
+    // The tape. Its gate planes are fp16 where the backward runs in the persistent or the cluster
+    // loops, which take nothing else: the LSTM's 12 bytes an element instead of 20 each way, the
+    // GRU's 8 instead of 16. The per-step path keeps fp32: its TF32 GEMMs leave no room under the
+    // 1e-3 bound for one more rounding (an LSTM H = 256, B = 33 case measured 9.6e-4 with fp32
+    // planes and 1.0e-3 with fp16 ones). The cluster backward reads the LSTM's record in tape_b8's
+    // blocks of 8 rows (one 16-byte and one 8-byte access a row for the cluster loops).
+    p->tape_blocked = lstm && brows > 0;
+    p->tape_half = p->persistent || p->tape_blocked;
+
+    // The GRU at H = 128 has its own backward loop (one 16-bit W_hh for both directions) that
+    // recomputes each step's gates from hprev and x_l (the z rows, x_l at most 64 wide, I_l % 4
+    // == 0) instead of reading them from the tape; the forward then writes no gate planes.
+    auto recompute = [&](int l) {
+        const int Il = rnnd_model_layer_input(m, l);
+        if (!p->persistent || tune->no_recompute || !gru || H != 128 || HP != 128)
+            return false;
+        long need = rnnd__gru_h128_backward_smem(bf16, 128);
+        return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= dev->smem_optin;
+    };
+    // Layer 0's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks the
+    // backward loop writes instead of D in fp32 (compute 9.0, bf16 or TF32 mode, vector access):
+    // the persistent loops at H = 128 with I <= 64 (the GRU's own backward, the LSTM's).
+    auto dw16 = [&](bool vec) {
+        if (!dev->wg || tune->no_dw16 || m->compute == RNND_COMPUTE_IEEE || !vec)
+            return false;
+        if (gru)
+            return recompute(0);
+        return p->persistent && H == 128 && HP == 128 && I <= 64;
+    };
+    // Layer 0's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
+    // bf16) instead of z rows: the backward then reads them (the GRU: also the gate planes, and
+    // recomputes nothing). Sized by the model and the device; the format also needs aligned
+    // inputs, which both passes see.
+    p->z_dw16 = (fp32 || (bf16 && gru)) && H == 128 && dev->wg && !tune->no_wg &&
+                !tune->no_fused_x && !tune->no_zfwd && I % 4 == 0 && dw16(true) &&
+                persist_xks(m, 0, HP, dev->smem_optin) > 0;
+    // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
+    // for seq_dw.cu's product instead of cuBLAS's (compute 9.0).
+    p->z_dw256 = dev->wg && !tune->no_dw16 && cl0 && p->tape_blocked && cluster_rows(false) > 0;
+    const bool inputs = call->x_aligned && call->states_aligned;
+    p->zfwd = p->z_dw16 && inputs;
+    p->cz = p->z_dw256 && inputs;
+    p->phase_clocks = tune->phase_clocks;
+
+    if (!call->backward) {
+        // Misaligned outputs of a chunk-writing forward go through aligned scratch (the backward
+        // cannot see them), with a tape or without: the same loop, the same outputs.
+        p->vec = H % 4 == 0 && call->outs_aligned && call->states_aligned;
+        p->stage = (p->zfwd || p->cz) && !p->vec;
+        if (p->stage)
+            p->vec = H % 4 == 0 && call->states_aligned;
+        p->rows = cl0 && p->vec && call->x_aligned ? cluster_rows(false) : 0;
+        for (int l = 0; l < L; l++) {
+            struct seq_layer_plan *y = &p->layer[l];
+            const int Il = rnnd_model_layer_input(m, l);
+            // The layer input's rows as 16-byte vectors: x (l = 0), or the tape's z rows.
+            const bool xvec = l == 0 ? I % 4 == 0 && call->x_aligned : Il % 4 == 0;
+            if (l == 0 && p->rows > 0) {
+                y->fwd = SEQ_FWD_CLUSTER;
+                y->xloop = true;
+                y->z_chunks = call->tape && p->cz;
+                continue;
+            }
+            if (!p->persistent) {
+                y->fwd = SEQ_FWD_STEPWISE;
+                continue;
+            }
+            y->xks = tune->no_fused_x ? 0 : persist_xks(m, l, HP, dev->smem_optin);
+            y->xloop = Il <= HP / 2;
+            y->z_chunks = l == 0 && p->zfwd && call->tape;
+            // Where the backward recomputes the gates the forward writes none, unless they go
+            // with z's chunk parts.
+            y->gates = call->tape && (!recompute(l) || y->z_chunks);
+            // The wgmma forward (H > 96, H % 4 == 0, fused x at most 64 wide, vector access)
+            // in TF32 mode; in bf16 the GRU's layer 0 only where it writes the chunks and planes
+            // its backward reads (zfwd does not depend on the tape: the same loop), the LSTM's
+            // bf16 mma.sync loop being the faster. The GRU's writes its gate planes only with
+            // the chunk parts.
+            const bool wg = dev->wg && !tune->no_wg && (!bf16 || (l == 0 && p->zfwd));
+            if (wg && H > 96 && H % 4 == 0 && y->xks > 0 && p->vec && xvec &&
+                (lstm || !y->gates || y->z_chunks)) {
+                y->fwd = SEQ_FWD_WGMMA;
+                continue;
+            }
+            // The GRU's fused TF32 loop at HP = 128 with vector access: K split over warp pairs.
+            y->fwd = gru && fp32 && HP == 128 && p->vec && y->xks > 0 ? SEQ_FWD_MMA_KP
+                                                                     : SEQ_FWD_MMA;
+        }
+        return;
+    }
+
+    // Backward. Misaligned gradients of layer 0's dw256 chunks go through aligned scratch, so
+    // that the loop runs in clusters.
+    const bool vec = H % 4 == 0 && call->outs_aligned;
+    const bool chunks0 = p->zfwd || dw16(vec);
+    p->stage = p->cz && !vec;
+    p->vec = p->stage ? H % 4 == 0 : vec;
+    p->rows = p->vec ? brows : 0;
+    for (int l = 0; l < L; l++) {
+        struct seq_layer_plan *y = &p->layer[l];
+        const bool c256 = p->cz && l == 0;
+        if (p->rows > 0) {
+            y->bwd = SEQ_BWD_CLUSTER;
+            y->d_chunks = c256;
+        } else if (p->persistent) {
+            y->d_chunks = chunks0 && l == 0;
+            if (!recompute(l))
+                y->bwd = SEQ_BWD_MMA;
+            else if (y->d_chunks && p->zfwd)
+                y->bwd = SEQ_BWD_GRU_GATE_TAPE;
+            else
+                y->bwd = SEQ_BWD_GRU_RECOMPUTE;
+        } else {
+            y->bwd = SEQ_BWD_STEPWISE;
+        }
+        y->dw = c256 ? SEQ_DW_DW256 : y->d_chunks ? SEQ_DW_DW16 : SEQ_DW_CUBLAS;
+        y->dx16 = y->d_chunks && !c256;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+static const char *fwd_name(const struct seq_plan *p, const struct seq_layer_plan *y) {
+    switch (y->fwd) {
+        case SEQ_FWD_MMA:
+            return y->xks > 0 ? "mma_fused_fwd" : "mma_fwd";
+        case SEQ_FWD_MMA_KP:
+            return "mma_kp_fwd";
+        case SEQ_FWD_WGMMA:
+            return "wgmma_fwd";
+        case SEQ_FWD_CLUSTER:
+            return p->rows == 80 ? "cluster80_fwd" : "cluster64_fwd";
+        default:
+            return "stepwise_fwd";
+    }
+}
+
+static const char *bwd_name(const struct seq_plan *p, const struct seq_layer_plan *y) {
+    switch (y->bwd) {
+        case SEQ_BWD_MMA:
+            return y->d_chunks ? "mma_dw16_bwd" : "mma_bwd";
+        case SEQ_BWD_GRU_RECOMPUTE:
+            return y->d_chunks ? "gru_recompute_dw16_bwd" : "gru_recompute_bwd";
+        case SEQ_BWD_GRU_GATE_TAPE:
+            return "gru_gate_tape_bwd";
+        case SEQ_BWD_CLUSTER:
+            return p->rows == 80 ? "cluster80_bwd" : "cluster64_bwd";
+        default:
+            return "stepwise_bwd";
+    }
+}
+
+static const char *dw_name(const struct seq_layer_plan *y) {
+    return y->dw == SEQ_DW_DW256 ? "dw256_product" : y->dw == SEQ_DW_DW16 ? "dw16_product"
+                                                                            : "cublas_dw";
+}
+
+static const char *compute_name(enum rnnd_compute c) {
+    return c == RNND_COMPUTE_IEEE ? "ieee" : c == RNND_COMPUTE_BF16 ? "bf16" : "fp32";
+}
+
+void rnnd__seq_plan_name(const struct seq_device *dev, const struct cuda_tuning *tune,
+                         const struct rnnd_model *m, int B, char *buf, size_t len) {
+    struct seq_call call = {B, false, true, true, true, true};
+    struct seq_plan f, b;
+    rnnd__seq_plan(dev, tune, m, &call, &f);
+    call.backward = true;
+    rnnd__seq_plan(dev, tune, m, &call, &b);
+    size_t at = 0;
+    auto put = [&](const char *fmt, auto... v) {
+        if (at < len) {
+            int n = snprintf(buf + at, len - at, fmt, v...);
+            at += n > 0 ? (size_t)n : 0;
+        }
+    };
+    put("%s_h%d_%s", m->cell == RNND_CELL_LSTM ? "lstm" : "gru", m->H, compute_name(m->compute));
+    if (m->L > 1)
+        put("_l%d", m->L);
+    put(":");
+    auto same = [&](int l) {
+        return strcmp(fwd_name(&f, &f.layer[l]), fwd_name(&f, &f.layer[0])) == 0 &&
+               strcmp(bwd_name(&b, &b.layer[l]), bwd_name(&b, &b.layer[0])) == 0 &&
+               b.layer[l].dw == b.layer[0].dw;
+    };
+    bool uniform = true;
+    for (int l = 1; l < m->L; l++)
+        uniform = uniform && same(l);
+    for (int l = 0; l < (uniform ? 1 : m->L); l++) {
+        if (!uniform)
+            put(" [%d]", l);
+        put(" %s %s %s", fwd_name(&f, &f.layer[l]), bwd_name(&b, &b.layer[l]),
+            dw_name(&b.layer[l]));
+    }
+}

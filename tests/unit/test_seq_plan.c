@@ -1,0 +1,148 @@
+/*
+ * test_seq_plan.c: the sequence plan (kernels/cuda/seq_plan.h) on described devices, with no GPU:
+ * which kernels a model runs on an H100-class device, on one without the sm_90a kernels and on
+ * an A100-class one, under the bench's overrides, and what a call's buffers change (staging,
+ * the per-step path). Built with the CUDA backend; runs on any host.
+ */
+#include "seq_plan.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+// Compute 9.0, 132 SMs, 227 KB of shared memory a block, 30 clusters of the LSTM H = 256 loops
+// of either shape at once (an H100's figures).
+static const struct seq_device h100 = {9, 132, 232448, true, {{30, 30}, {30, 30}}};
+// The same device in a build without the sm_90a kernels.
+static const struct seq_device h100_no_wg = {9, 132, 232448, false, {{30, 30}, {30, 30}}};
+// Compute 8.0, 108 SMs, 163 KB (an A100's): no clusters, no sm_90a kernels.
+static const struct seq_device a100 = {8, 108, 166912, false, {{0, 0}, {0, 0}}};
+
+static const char *name_of(const struct seq_device *dev, int tune_bits, enum rnnd_cell cell,
+                           enum rnnd_compute compute, int I, int H, int L, int B) {
+    static char buf[256];
+    const struct rnnd_model m = {cell, compute, I, H, L};
+    const struct cuda_tuning t = rnnd__cuda_tuning_of(tune_bits);
+    rnnd__seq_plan_name(dev, &t, &m, B, buf, sizeof(buf));
+    return buf;
+}
+
+static const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
+static const enum rnnd_compute F32 = RNND_COMPUTE_FP32, IEEE = RNND_COMPUTE_IEEE,
+                               BF16 = RNND_COMPUTE_BF16;
+
+// The headline shapes (the bench's B = 2048, I = 64) on an H100.
+static void test_h100(void **state) {
+    (void)state;
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 128, 1, 2048),
+                        "lstm_h128_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 128, 1, 2048),
+                        "gru_h128_bf16: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 128, 1, 2048),
+                        "lstm_h128_bf16: mma_fused_fwd mma_dw16_bwd dw16_product");
+    // B = 2048 is one wave of 80-row clusters, two of 64-row ones; B = 384 one of 64.
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 2048),
+                        "lstm_h256_fp32: cluster80_fwd cluster80_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 384),
+                        "lstm_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
+    // Below 320 rows the backward runs per step, and the tape keeps z rows.
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 64),
+                        "lstm_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 2, 2048),
+                        "lstm_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
+                        " [1] stepwise_fwd cluster80_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, IEEE, 64, 128, 1, 2048),
+                        "gru_h128_ieee: stepwise_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 1024, 1, 8),
+                        "gru_h1024_fp32: stepwise_fwd stepwise_bwd cublas_dw");
+    // Below H = 128 the GRU's own backward does not run (H = 7 takes HP = 32), so a taped
+    // forward writes the gate planes, which the GRU's wgmma forward writes only beside z's
+    // chunk parts: the mma.sync loops.
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 5, 7, 1, 33),
+                        "gru_h7_fp32: mma_fused_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 36, 124, 1, 17),
+                        "gru_h124_fp32: mma_kp_fwd mma_bwd cublas_dw");
+}
+
+// The bench's overrides (tuning.h) reach the kernels they name, and nothing else.
+static void test_overrides(void **state) {
+    (void)state;
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_WG, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: mma_kp_fwd gru_recompute_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_ZFWD, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: wgmma_fwd gru_recompute_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_RECOMPUTE, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: mma_kp_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_DW16, LSTM, F32, 64, 128, 1, 2048),
+                        "lstm_h128_fp32: wgmma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_CLUSTER80, LSTM, F32, 64, 256, 1, 384),
+                        "lstm_h256_fp32: cluster80_fwd cluster80_bwd dw256_product");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_CLUSTER_BWD, LSTM, F32, 64, 256, 1, 2048),
+                        "lstm_h256_fp32: cluster80_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_CLUSTER, LSTM, F32, 64, 256, 1, 2048),
+                        "lstm_h256_fp32: stepwise_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_STEP_NO_PDL, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
+}
+
+// Devices without the sm_90a kernels run the mma.sync loops and cuBLAS's products.
+static void test_other_devices(void **state) {
+    (void)state;
+    assert_string_equal(name_of(&h100_no_wg, 0, GRU, F32, 64, 128, 1, 2048),
+                        "gru_h128_fp32: mma_kp_fwd gru_recompute_bwd cublas_dw");
+    assert_string_equal(name_of(&h100_no_wg, 0, LSTM, F32, 64, 256, 1, 2048),
+                        "lstm_h256_fp32: cluster80_fwd cluster80_bwd cublas_dw");
+    // 163 KB: the LSTM's loops fit, not with the fused input projection beside them.
+    assert_string_equal(name_of(&a100, 0, LSTM, F32, 64, 128, 1, 2048),
+                        "lstm_h128_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&a100, 0, LSTM, F32, 64, 256, 1, 2048),
+                        "lstm_h256_fp32: stepwise_fwd stepwise_bwd cublas_dw");
+}
+
+// What a call brings: misaligned outputs of a chunk-writing forward are staged (the loop stays);
+// the forced per-step path; the tape's format does not depend on the call's buffers.
+static void test_calls(void **state) {
+    (void)state;
+    const struct rnnd_model m = {GRU, F32, 64, 128, 1};
+    const struct cuda_tuning t = {0};
+    struct seq_call call = {2048, false, true, true, true, false};
+    struct seq_plan p, q;
+    rnnd__seq_plan(&h100, &t, &m, &call, &p);
+    assert_true(p.stage && p.vec && p.zfwd && p.z_dw16);
+    assert_int_equal(p.layer[0].fwd, SEQ_FWD_WGMMA);
+    assert_true(p.layer[0].z_chunks && p.layer[0].gates);
+    call.x_aligned = false; // no chunk parts, z rows: the forward's gates are not written
+    rnnd__seq_plan(&h100, &t, &m, &call, &q);
+    assert_true(!q.zfwd && q.z_dw16 && !q.stage && !q.vec);
+    assert_int_equal(q.layer[0].fwd, SEQ_FWD_MMA);
+    assert_false(q.layer[0].gates);
+    call.backward = true, call.outs_aligned = true;
+    rnnd__seq_plan(&h100, &t, &m, &call, &q);
+    assert_int_equal(q.layer[0].bwd, SEQ_BWD_GRU_RECOMPUTE);
+    assert_int_equal(q.layer[0].dw, SEQ_DW_DW16);
+    assert_true(q.tape_half == p.tape_half && q.z_dw16 == p.z_dw16);
+    const struct cuda_tuning stepwise = {.stepwise = true};
+    rnnd__seq_plan(&h100, &stepwise, &m, &call, &q);
+    assert_true(!q.persistent && !q.tape_half && !q.z_dw16);
+    assert_int_equal(q.layer[0].bwd, SEQ_BWD_STEPWISE);
+    // Truncated names stay NUL-terminated.
+    char small[8];
+    rnnd__seq_plan_name(&h100, &t, &m, 2048, small, sizeof(small));
+    assert_string_equal(small, "gru_h12");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_h100),
+        cmocka_unit_test(test_overrides),
+        cmocka_unit_test(test_other_devices),
+        cmocka_unit_test(test_calls),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

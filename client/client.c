@@ -820,6 +820,7 @@ int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out) {
     out->envs_active = r->envs_active;
     out->max_batch = r->max_batch;
     out->extras_size = r->extras_size;
+    copy_str(out->kernel_plan, sizeof out->kernel_plan, r->kernel_plan);
     protobuf_c_message_free_unpacked(msg, NULL);
     return 0;
 }

@@ -342,9 +342,10 @@ static int cmd_info(struct rnnd_client *c) {
         return call_err("info");
     printf("cell: %s\ninput_size: %" PRId64 "\nhidden_size: %" PRId64 "\nnum_layers: %" PRId64
            "\ncompute: %s\nbackend: %s\ndevice: %s\nmodel_version: %" PRIu64
-           "\nenvs_active: %" PRIu64 "\nmax_batch: %" PRIu64 "\nextras_size: %" PRId64 "\n",
+           "\nenvs_active: %" PRIu64 "\nmax_batch: %" PRIu64 "\nextras_size: %" PRId64
+           "\nkernel_plan: %s\n",
            i.cell, i.input_size, i.hidden_size, i.num_layers, i.compute, i.backend, i.device,
-           i.model_version, i.envs_active, i.max_batch, i.extras_size);
+           i.model_version, i.envs_active, i.max_batch, i.extras_size, i.kernel_plan);
     return 0;
 }
 

@@ -160,6 +160,7 @@ struct rnnd_engine {
     _Atomic int hk_queued;
     struct rnnd_job hk_job, stop_job;
     char backend_name[16];
+    char plan[256]; // the backend's kernel plan for a learner batch of max_batch rows
     char device[128];
 };
 
@@ -332,6 +333,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
                  e->model.L, rnnd_config_compute_name(e->model.compute), rnnd_strerror(rc));
         return rc;
     }
+    e->be.ops->plan_name(e->be.ctx, &e->model, c->max_batch, e->plan, sizeof(e->plan));
 
     size_t P = e->P, LH = e->LH, S = (size_t)c->max_envs, MB = (size_t)c->max_batch;
     size_t I = (size_t)e->model.I, H = (size_t)e->model.H;
@@ -2484,10 +2486,10 @@ static void *engine_main(void *arg) {
     if (rc == 0) {
         rnnd_log(RNND_LOG_INFO,
                  "engine ready: %s backend on %s, %s I=%d H=%d L=%d %s, %zu parameters, "
-                 "%d env slots",
+                 "%d env slots; kernels for %d rows: %s",
                  e->backend_name, e->device, rnnd_config_cell_name(e->model.cell), e->model.I,
                  e->model.H, e->model.L, rnnd_config_compute_name(e->model.compute), e->P,
-                 e->cfg.max_envs);
+                 e->cfg.max_envs, e->cfg.max_batch, e->plan);
         bool spin = false;
         for (;;) {
             struct rnnd_batch b;
@@ -2715,6 +2717,10 @@ const char *rnnd_engine_backend_name(const struct rnnd_engine *e) {
 
 const char *rnnd_engine_device_name(const struct rnnd_engine *e) {
     return e->device;
+}
+
+const char *rnnd_engine_plan_name(const struct rnnd_engine *e) {
+    return e->plan;
 }
 
 const struct rnnd_model *rnnd_engine_model(const struct rnnd_engine *e) {

@@ -252,6 +252,9 @@ uint64_t rnnd_engine_envs_active(const struct rnnd_engine *e);
 // Valid after ready: "cpu" / "cuda" and the device's name.
 const char *rnnd_engine_backend_name(const struct rnnd_engine *e);
 const char *rnnd_engine_device_name(const struct rnnd_engine *e);
+// Valid after ready: the backend's name for the kernels it runs for a learner batch of
+// --max-batch rows (the plan of docs/kernels.md; "cpu_reference" on the CPU).
+const char *rnnd_engine_plan_name(const struct rnnd_engine *e);
 // The model served and its parameter count P.
 const struct rnnd_model *rnnd_engine_model(const struct rnnd_engine *e);
 size_t rnnd_engine_param_count(const struct rnnd_engine *e);

@@ -1108,6 +1108,10 @@ const char *rnnd_group_device_name(const struct rnnd_group *g) {
     return g->n > 1 ? g->device_name : rnnd_engine_device_name(g->e[0]);
 }
 
+const char *rnnd_group_plan_name(const struct rnnd_group *g) {
+    return rnnd_engine_plan_name(g->e[0]); // every engine serves the same model on alike devices
+}
+
 const struct rnnd_model *rnnd_group_model(const struct rnnd_group *g) {
     return rnnd_engine_model(g->e[0]);
 }

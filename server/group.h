@@ -77,6 +77,7 @@ uint64_t rnnd_group_model_version(const struct rnnd_group *g);
 uint64_t rnnd_group_envs_active(const struct rnnd_group *g);
 const char *rnnd_group_backend_name(const struct rnnd_group *g);
 const char *rnnd_group_device_name(const struct rnnd_group *g); // valid after ready
+const char *rnnd_group_plan_name(const struct rnnd_group *g);   // valid after ready
 const struct rnnd_model *rnnd_group_model(const struct rnnd_group *g);
 int rnnd_group_queue_rows(struct rnnd_group *g);
 int rnnd_group_devices(const struct rnnd_group *g);

@@ -80,6 +80,7 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
     info.compute = (char *)rnnd_config_compute_name(m->compute);
     info.backend = (char *)rnnd_group_backend_name(s->group);
     info.device = (char *)rnnd_group_device_name(s->group);
+    info.kernel_plan = (char *)rnnd_group_plan_name(s->group);
     info.model_version = rnnd_group_model_version(s->group);
     info.envs_active = rnnd_group_envs_active(s->group);
     info.max_batch = (uint64_t)s->cfg->max_batch;

@@ -164,6 +164,7 @@ struct rnnd_model_info {
     uint64_t envs_active;
     uint64_t max_batch;
     int64_t extras_size;
+    char kernel_plan[256]; // the kernels a learner batch of max_batch rows runs
 };
 int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out);
 // Fills m from info (cell, I, H, L, compute); RNND_EINVAL when info names something unknown.

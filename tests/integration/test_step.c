@@ -143,6 +143,10 @@ static void test_info(void **state) {
     assert_int_equal(i.max_batch, 64);
     assert_int_equal(i.extras_size, 0);
     assert_true(i.device[0] != '\0');
+    if (strcmp(i.backend, "cpu") == 0)
+        assert_string_equal(i.kernel_plan, "cpu_reference");
+    else
+        assert_true(strlen(i.kernel_plan) > 0);
     assert_string_equal(f->d.backend, harness_backend());
 }
 

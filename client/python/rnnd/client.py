@@ -53,7 +53,7 @@ class RnndError(Exception):
 ModelInfo = collections.namedtuple(
     "ModelInfo",
     "cell input_size hidden_size num_layers compute backend device model_version envs_active "
-    "max_batch extras_size",
+    "max_batch extras_size kernel_plan",
 )
 StepResult = collections.namedtuple("StepResult", "output model_version h c")
 ForwardResult = collections.namedtuple(
@@ -208,7 +208,8 @@ class Client:
         """GetModelInfo as a ModelInfo namedtuple."""
         r = self._call("GetModelInfo", pb.GetModelInfoRequest())
         return ModelInfo(r.cell, r.input_size, r.hidden_size, r.num_layers, r.compute, r.backend,
-                         r.device, r.model_version, r.envs_active, r.max_batch, r.extras_size)
+                         r.device, r.model_version, r.envs_active, r.max_batch, r.extras_size,
+                         r.kernel_plan)
 
     def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
         """One recurrent step for B envs: obs [B, I], is_init B bools (a scalar broadcasts; None:

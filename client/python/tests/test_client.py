@@ -60,6 +60,10 @@ class ClientTest(unittest.TestCase):
                           info.extras_size), ("lstm", I, H, L, E))
         self.assertEqual(info.backend, BACKEND)
         self.assertIn(info.compute, ("fp32", "ieee", "bf16"))
+        if BACKEND == "cpu":
+            self.assertEqual(info.kernel_plan, "cpu_reference")
+        else:
+            self.assertTrue(info.kernel_plan)
         self.assertGreater(info.max_batch, 0)
 
     # -- Step --

@@ -102,8 +102,9 @@ static void test_json(void **state) {
     *second++ = '\0';
     assert_memory_equal(c.err, "{\"ts\":\"", 7);
     // é is kept as UTF-8; 0xff and the encoded surrogate ED A0 80 are not UTF-8.
-    assert_string_equal(after_ts(c.err, 7), "\",\"level\":\"warn\",\"msg\":\"q\\\"b\\\\n\\nt\\tc"
-                                            "\\u0001 \xc3\xa9 \\ufffd \\ufffd\\ufffd\\ufffd end\"}");
+    assert_string_equal(after_ts(c.err, 7),
+                        "\",\"level\":\"warn\",\"msg\":\"q\\\"b\\\\n\\nt\\tc"
+                        "\\u0001 \xc3\xa9 \\ufffd \\ufffd\\ufffd\\ufffd end\"}");
     assert_string_equal(after_ts(second, 7),
                         "\",\"level\":\"error\",\"msg\":\"panic at dir/x\\\"y.c:42: bad 7\","
                         "\"file\":\"dir/x\\\"y.c\",\"line\":42}\n");

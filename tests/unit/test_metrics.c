@@ -62,8 +62,10 @@ static void test_bounds_exact(void **state) {
                                  "le=\"0.4096\"} 2\n"));
     assert_non_null(strstr(text, "rnnd_request_duration_seconds_bucket{method=\"Step\","
                                  "le=\"10\"} 2\n"));
-    assert_non_null(strstr(text, "rnnd_request_duration_seconds_sum{method=\"Step\"} 0.000025001\n"));
-    assert_non_null(strstr(text, "rnnd_backend_kernel_seconds_total{op=\"step\"} 1234.567890123\n"));
+    assert_non_null(
+        strstr(text, "rnnd_request_duration_seconds_sum{method=\"Step\"} 0.000025001\n"));
+    assert_non_null(
+        strstr(text, "rnnd_backend_kernel_seconds_total{op=\"step\"} 1234.567890123\n"));
     assert_non_null(strstr(text, "rnnd_step_queue_delay_seconds_bucket{le=\"0.000001\"} 0\n"));
     // Every bound: digits, at most one point, no trailing zero after it, no exponent.
     int bounds = 0;
@@ -87,9 +89,9 @@ static void test_bounds_exact(void **state) {
 static void test_limit_units(void **state) {
     (void)state;
     rnnd_metrics_init();
-    const char *names[RNND_LIMIT_COUNT] = {"envs",    "step_queue_rows", "tape_bytes",
-                                           "message_bytes", "streams", "reply_bytes",
-                                           "connections", "health_watches"};
+    const char *names[RNND_LIMIT_COUNT] = {"envs",          "step_queue_rows", "tape_bytes",
+                                           "message_bytes", "streams",         "reply_bytes",
+                                           "connections",   "health_watches"};
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], 1000 + i);
     char *text = render();
@@ -121,10 +123,11 @@ static void test_build_info(void **state) {
     const char *p = strstr(text, "\nrnnd_build_info{version=\"");
     assert_non_null(p);
     char version[32], commit[64], backend[16], cuda[16];
-    int got = sscanf(p,
-                     "\nrnnd_build_info{version=\"%31[^\"]\",commit=\"%63[^\"]\",backend=\"%15[^\"]\","
-                     "cuda=\"%15[^\"]\"} 1\n",
-                     version, commit, backend, cuda);
+    int got =
+        sscanf(p,
+               "\nrnnd_build_info{version=\"%31[^\"]\",commit=\"%63[^\"]\",backend=\"%15[^\"]\","
+               "cuda=\"%15[^\"]\"} 1\n",
+               version, commit, backend, cuda);
     assert_int_equal(got, 4);
     assert_true(isdigit((unsigned char)version[0]) && strchr(version, '.'));
     assert_true(strcmp(commit, "unknown") == 0 || strspn(commit, "0123456789abcdef") == 12);

@@ -13,9 +13,10 @@ Starts rnnd (CPU backend, loopback ports, a temporary state dir) with --log-form
   variables defined), cover readiness, error rate, queue delay, limit rejections, checkpoint
   failures and model-version stall, and every metric their expressions name is one the daemon
   exports. Where promtool exists, `promtool check rules` also parses every expression.
-- Logs: every stderr line of that run, and of a failed start whose message holds quotes,
-  backslashes, control characters and bytes that are not UTF-8, is one JSON object (ts, level,
-  msg) in strict UTF-8, the message intact; stdout keeps the plain ready line.
+- Logs: every stderr line of that run, of a failed start whose message holds quotes,
+  backslashes, control characters and bytes that are not UTF-8, and of a bad flag value, is one
+  JSON object (ts, level, msg) in strict UTF-8, the message intact; stdout keeps the plain ready
+  line.
 
 Prints one line per check and closes with "N passed, N failed"; exits 1 on any failure.
 """
@@ -361,6 +362,13 @@ def main():
         check(rc == 1, "rnnd exits 1 when --weights does not exist", rc)
         want = nasty.decode("utf-8", errors="replace")
         check_json_lines("json log of a failed start", d.err, want)
+
+    # A bad flag value after --log-format json: the one error line is JSON as well.
+    with tempfile.TemporaryDirectory(prefix="rnnd-obs-") as state:
+        d = Daemon(os.path.abspath(a.rnnd), state, ["--hidden-size", "0"])
+        d.p.wait(30)
+        check(d.stop() == 2, "rnnd exits 2 on a bad flag value")
+        check_json_lines("json log of a bad flag", d.err, "hidden-size")
 
     print("%d passed, %d failed" % (len(PASSED), len(FAILED)))
     return 1 if FAILED else 0

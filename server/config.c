@@ -35,6 +35,7 @@ static const char *const compute_names[] = {"fp32", "ieee", "bf16", NULL};
 static const char *const backend_names[] = {"auto", "cpu", "cuda", NULL};
 static const char *const optim_names[] = {"adam", "sgd", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
+static const char *const log_format_names[] = {"text", "json", NULL};
 
 #define OFF(f)         offsetof(struct rnnd_config, f)
 #define INT(f, lo, hi) OPT_INT, OFF(f), sizeof(int), lo, hi, 0, 0, NULL
@@ -120,6 +121,8 @@ static const struct opt opts[] = {
      "end a StepStream that sent no message for N s (UNAVAILABLE), and cancel a call whose "
      "reply its client has not read for N s (0: never)"},
     {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
+    {"log-format", ENUM(log_format, log_format_names), "text|json",
+     "stderr lines as text, or one JSON object per line (ts, level, msg) for log collectors"},
     {"hz", INT(hz, 1, 1000), "N", "housekeeping timer frequency"},
     {"max-queue-rows", INT(max_queue_rows, 0, INT_MAX), "N",
      "Step rows queued before RESOURCE_EXHAUSTED (0: 64 * max-batch)"},
@@ -163,6 +166,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->max_health_watches = 256;
     c->stream_idle_timeout_s = 300;
     c->log_level = RNND_LOG_INFO;
+    c->log_format = RNND_LOG_FORMAT_TEXT;
     c->hz = 10;
     c->max_queue_rows = 0;
     c->drain_timeout_s = 10;

@@ -50,7 +50,8 @@ struct rnnd_config {
     char tls_client_ca[RNND_CONFIG_PATH_MAX];
     char auth_token_file[RNND_CONFIG_PATH_MAX];
     int max_message_mb;
-    int log_level; // enum rnnd_log_level
+    int log_level;  // enum rnnd_log_level
+    int log_format; // enum rnnd_log_format
     // Tuning (docs/design.md "Limits", docs/architecture.md "Threads"):
     int hz;              // cron frequency: idle eviction, tape expiry, periodic checkpoints
     int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto

@@ -19,7 +19,13 @@ int main(int argc, char **argv) {
         case RNND_CONFIG_EXIT:
             return 0;
         case RNND_CONFIG_ERROR:
-            fprintf(stderr, "rnnd: %s\n", err);
+            // A log collector reading JSON gets this line as JSON too, once the flag was read.
+            if (cfg.log_format == RNND_LOG_FORMAT_JSON) {
+                rnnd_log_set_format(RNND_LOG_FORMAT_JSON);
+                rnnd_log(RNND_LOG_ERROR, "%s", err);
+            } else {
+                fprintf(stderr, "rnnd: %s\n", err);
+            }
             return 2;
         case RNND_CONFIG_RUN:
             break;

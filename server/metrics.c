@@ -1,13 +1,19 @@
 /*
- * metrics.c: bucket layouts, recording and the Prometheus text renderer (see metrics.h).
+ * metrics.c: bucket layouts, recording and the Prometheus text renderer (see metrics.h). Values
+ * kept as integers (nanoseconds, bytes, rows) are printed exactly, as decimals, never through a
+ * float: bucket bounds read as written (le="0.000025", le="1048576").
  */
 #include "metrics.h"
 
+#include <dirent.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "rnnd_kernels.h"
 
@@ -57,6 +63,9 @@ static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "he
 static const char *const limit_names[RNND_LIMIT_COUNT] = {
     "envs",    "step_queue_rows", "tape_bytes",    "message_bytes",
     "streams", "reply_bytes",     "connections",   "health_watches"};
+// Which bounds are in bytes (rnnd_limit_bytes); the others count items (rnnd_limit_items).
+static const bool limit_in_bytes[RNND_LIMIT_COUNT] = {
+    [RNND_LIMIT_TAPE_BYTES] = true, [RNND_LIMIT_MESSAGE] = true, [RNND_LIMIT_REPLY_BYTES] = true};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -167,26 +176,116 @@ static int64_t lds(_Atomic int64_t *v) {
     return atomic_load_explicit(v, memory_order_relaxed);
 }
 
-// scale: divide base units by this for the printed value (1e9 for ns -> s, 1 for counts).
+// v / 10^decimals as an exact decimal without trailing zeros, into out: 25000 ns with 9 decimals
+// is "0.000025" seconds, 1048576 with none "1048576".
+static const char *fixed(char out[32], uint64_t v, int decimals) {
+    uint64_t p = 1;
+    for (int i = 0; i < decimals; i++)
+        p *= 10;
+    int n = snprintf(out, 32, "%llu", (unsigned long long)(v / p));
+    if (v % p) {
+        n += snprintf(out + n, (size_t)(32 - n), ".%0*llu", decimals, (unsigned long long)(v % p));
+        while (out[n - 1] == '0')
+            out[--n] = '\0';
+    }
+    return out;
+}
+
+// decimals: 9 for histograms kept in ns and printed in seconds, 0 for counts and bytes.
 static void put_hist(struct buf *b, const char *name, const char *labels, struct rnnd_histogram *h,
-                     double scale) {
+                     int decimals) {
     uint64_t cum = 0;
     const char *sep = labels[0] ? "," : "";
+    char num[32];
     for (int i = 0; i <= h->n; i++) {
         cum += ld(&h->counts[i]);
         if (i < h->n)
-            put(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
-                (double)h->bounds[i] / scale, (unsigned long long)cum);
+            put(b, "%s_bucket{%s%sle=\"%s\"} %llu\n", name, labels, sep,
+                fixed(num, h->bounds[i], decimals), (unsigned long long)cum);
         else
             put(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)cum);
     }
+    fixed(num, ld(&h->sum), decimals);
     if (labels[0]) {
-        put(b, "%s_sum{%s} %.9g\n", name, labels, (double)ld(&h->sum) / scale);
+        put(b, "%s_sum{%s} %s\n", name, labels, num);
         put(b, "%s_count{%s} %llu\n", name, labels, (unsigned long long)cum);
     } else {
-        put(b, "%s_sum %.9g\n", name, (double)ld(&h->sum) / scale);
+        put(b, "%s_sum %s\n", name, num);
         put(b, "%s_count %llu\n", name, (unsigned long long)cum);
     }
+}
+
+// Prometheus' standard process metrics (the names its client libraries export, so the usual
+// dashboards and alerts work), read from /proc at scrape time. A family that cannot be read is
+// left out rather than shown as 0.
+static void put_process(struct buf *b) {
+    char num[32];
+    uint64_t tck = (uint64_t)sysconf(_SC_CLK_TCK), page = (uint64_t)sysconf(_SC_PAGESIZE);
+    char stat[1024] = "";
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (f) {
+        stat[fread(stat, 1, sizeof(stat) - 1, f)] = '\0';
+        fclose(f);
+    }
+    // The fields after the command name, which is in parentheses and may itself hold spaces or
+    // parentheses: state (3), then ..., utime (14), stime (15), ..., starttime (22), vsize (23),
+    // rss (24), in clock ticks, bytes and pages (proc(5)).
+    const char *p = strrchr(stat, ')');
+    unsigned long long utime, stime, start, vsize;
+    long long rss;
+    bool have_stat = p && sscanf(p + 2,
+                                 "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d "
+                                 "%*d %*d %*d %*d %llu %llu %lld",
+                                 &utime, &stime, &start, &vsize, &rss) == 5;
+    // Boot time (the "btime" line of /proc/stat), to turn starttime into a Unix time.
+    unsigned long long btime = 0;
+    f = fopen("/proc/stat", "r");
+    if (f) {
+        char line[256];
+        bool at_start = true; // the "intr" line is longer than line: read it in pieces
+        while (fgets(line, sizeof(line), f)) {
+            if (at_start && sscanf(line, "btime %llu", &btime) == 1)
+                break;
+            at_start = strchr(line, '\n') != NULL;
+        }
+        fclose(f);
+    }
+    if (have_stat) {
+        put(b,
+            "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+            "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total %s\n",
+            fixed(num, (utime + stime) * (1000000000ull / tck), 9));
+        put(b,
+            "# HELP process_virtual_memory_bytes Virtual memory size in bytes.\n"
+            "# TYPE process_virtual_memory_bytes gauge\nprocess_virtual_memory_bytes %llu\n",
+            vsize);
+        put(b,
+            "# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+            "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes %llu\n",
+            (unsigned long long)rss * (unsigned long long)page);
+    }
+    if (have_stat && btime)
+        put(b,
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in "
+            "seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
+            fixed(num, btime * 1000000000ull + start * (1000000000ull / tck), 9));
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        long long n = 0;
+        for (struct dirent *e; (e = readdir(d));)
+            n += e->d_name[0] != '.' && atoi(e->d_name) != dirfd(d);
+        closedir(d);
+        put(b,
+            "# HELP process_open_fds Number of open file descriptors.\n"
+            "# TYPE process_open_fds gauge\nprocess_open_fds %lld\n",
+            n);
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
+        put(b,
+            "# HELP process_max_fds Maximum number of open file descriptors.\n"
+            "# TYPE process_max_fds gauge\nprocess_max_fds %llu\n",
+            (unsigned long long)rl.rlim_cur);
 }
 
 int rnnd_metrics_render(char **out, size_t *len) {
@@ -194,8 +293,18 @@ int rnnd_metrics_render(char **out, size_t *len) {
     if (b.p == NULL)
         return RNND_ENOMEM;
     struct rnnd_metrics *m = &rnnd_metrics;
+    char num[32];
 
     put(&b, "# HELP rnnd_up 1 while the process runs.\n# TYPE rnnd_up gauge\nrnnd_up 1\n");
+    const char *backend = atomic_load(&m->backend);
+    if (backend)
+        put(&b,
+            "# HELP rnnd_build_info 1, labelled with the version, the git commit built, the "
+            "backend serving (shown once the engine runs) and the CUDA runtime linked (none: "
+            "built without CUDA).\n# TYPE rnnd_build_info gauge\n"
+            "rnnd_build_info{version=\"%s\",commit=\"%s\",backend=\"%s\",cuda=\"%s\"} 1\n",
+            RNND_VERSION, RNND_GIT_COMMIT, backend, RNND_CUDA_RUNTIME_VERSION);
+    put_process(&b);
     put(&b,
         "# HELP rnnd_ready 1 while the daemon serves (not starting, not draining).\n"
         "# TYPE rnnd_ready gauge\nrnnd_ready %d\n",
@@ -218,16 +327,16 @@ int rnnd_metrics_render(char **out, size_t *len) {
             continue;
         char labels[96];
         snprintf(labels, sizeof(labels), "method=\"%s\"", method_names[i]);
-        put_hist(&b, "rnnd_request_duration_seconds", labels, &m->duration[i], 1e9);
+        put_hist(&b, "rnnd_request_duration_seconds", labels, &m->duration[i], 9);
     }
 
     put(&b, "# HELP rnnd_step_queue_delay_seconds Time a Step waits from arrival to its batch.\n"
             "# TYPE rnnd_step_queue_delay_seconds histogram\n");
-    put_hist(&b, "rnnd_step_queue_delay_seconds", "", &m->queue_delay, 1e9);
+    put_hist(&b, "rnnd_step_queue_delay_seconds", "", &m->queue_delay, 9);
 
     put(&b, "# HELP rnnd_batch_rows Rows (env steps) per backend step call.\n"
             "# TYPE rnnd_batch_rows histogram\n");
-    put_hist(&b, "rnnd_batch_rows", "", &m->batch_rows, 1.0);
+    put_hist(&b, "rnnd_batch_rows", "", &m->batch_rows, 0);
 
     put(&b,
         "# HELP rnnd_env_steps_total Env steps computed.\n# TYPE rnnd_env_steps_total counter\n"
@@ -261,13 +370,13 @@ int rnnd_metrics_render(char **out, size_t *len) {
     put(&b, "# HELP rnnd_backend_kernel_seconds_total Time spent in backend ops, by op.\n"
             "# TYPE rnnd_backend_kernel_seconds_total counter\n");
     for (int i = 0; i < RNND_OP_COUNT; i++)
-        put(&b, "rnnd_backend_kernel_seconds_total{op=\"%s\"} %.9g\n", op_names[i],
-            (double)ld(&m->kernel_ns[i]) / 1e9);
+        put(&b, "rnnd_backend_kernel_seconds_total{op=\"%s\"} %s\n", op_names[i],
+            fixed(num, ld(&m->kernel_ns[i]), 9));
     put(&b, "# HELP rnnd_engine_seconds_total Engine time around Step batches, by phase.\n"
             "# TYPE rnnd_engine_seconds_total counter\n");
     for (int i = 0; i < RNND_PHASE_COUNT; i++)
-        put(&b, "rnnd_engine_seconds_total{phase=\"%s\"} %.9g\n", phase_names[i],
-            (double)ld(&m->engine_ns[i]) / 1e9);
+        put(&b, "rnnd_engine_seconds_total{phase=\"%s\"} %s\n", phase_names[i],
+            fixed(num, ld(&m->engine_ns[i]), 9));
     put(&b, "# HELP rnnd_backend_calls_total Backend op calls, by op.\n"
             "# TYPE rnnd_backend_calls_total counter\n");
     for (int i = 0; i < RNND_OP_COUNT; i++)
@@ -279,10 +388,24 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "rnnd_checkpoints_total{result=\"ok\"} %llu\n"
         "rnnd_checkpoints_total{result=\"failed\"} %llu\n",
         (unsigned long long)ld(&m->checkpoints_ok), (unsigned long long)ld(&m->checkpoints_failed));
-    put(&b, "# HELP rnnd_limit The configured bound of each resource (rows, bytes, envs, calls).\n"
+    put(&b, "# HELP rnnd_limit Deprecated: mixes units; use rnnd_limit_bytes and rnnd_limit_items. "
+            "The configured bound of each resource (rows, bytes, envs, calls).\n"
             "# TYPE rnnd_limit gauge\n");
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         put(&b, "rnnd_limit{resource=\"%s\"} %lld\n", limit_names[i], (long long)lds(&m->limit[i]));
+    put(&b, "# HELP rnnd_limit_bytes The configured bound of each resource measured in bytes.\n"
+            "# TYPE rnnd_limit_bytes gauge\n");
+    for (int i = 0; i < RNND_LIMIT_COUNT; i++)
+        if (limit_in_bytes[i])
+            put(&b, "rnnd_limit_bytes{resource=\"%s\"} %lld\n", limit_names[i],
+                (long long)lds(&m->limit[i]));
+    put(&b, "# HELP rnnd_limit_items The configured bound of each resource counted in items "
+            "(envs, queued rows, calls, connections, watch streams).\n"
+            "# TYPE rnnd_limit_items gauge\n");
+    for (int i = 0; i < RNND_LIMIT_COUNT; i++)
+        if (!limit_in_bytes[i])
+            put(&b, "rnnd_limit_items{resource=\"%s\"} %lld\n", limit_names[i],
+                (long long)lds(&m->limit[i]));
     put(&b, "# HELP rnnd_limit_rejections_total Requests refused with RESOURCE_EXHAUSTED because "
             "a bound was reached, by resource.\n"
             "# TYPE rnnd_limit_rejections_total counter\n");
@@ -295,7 +418,7 @@ int rnnd_metrics_render(char **out, size_t *len) {
         (long long)lds(&m->streams_active));
     put(&b, "# HELP rnnd_request_message_bytes Size of each request message received.\n"
             "# TYPE rnnd_request_message_bytes histogram\n");
-    put_hist(&b, "rnnd_request_message_bytes", "", &m->request_size, 1.0);
+    put_hist(&b, "rnnd_request_message_bytes", "", &m->request_size, 0);
     put(&b,
         "# HELP rnnd_http_connections HTTP connections open (/healthz, /readyz, /metrics).\n"
         "# TYPE rnnd_http_connections gauge\nrnnd_http_connections %lld\n",

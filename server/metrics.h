@@ -54,7 +54,8 @@ enum rnnd_evict_reason {
     RNND_EVICT_COUNT,
 };
 
-// The bounded resources (every one has a flag, a gauge of its bound, and a counter of the
+// The bounded resources (every one has a flag, a gauge of its bound: rnnd_limit_bytes or
+// rnnd_limit_items by its unit, and the deprecated rnnd_limit for all; and a counter of the
 // requests refused with RESOURCE_EXHAUSTED when it was reached).
 enum rnnd_limit {
     RNND_LIMIT_ENVS,       // --max-envs: envs holding state
@@ -115,6 +116,7 @@ struct rnnd_metrics {
     _Atomic int64_t connections;        // gRPC connections open
     _Atomic int64_t health_watches;     // grpc.health.v1 Watch streams open
     _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
+    _Atomic(const char *) backend;      // "cpu" or "cuda" (static) once the engine runs, or NULL
 };
 
 extern struct rnnd_metrics rnnd_metrics;

@@ -205,6 +205,7 @@ static void on_async(uv_async_t *a) {
     if ((ev & EV_ENGINE_READY) && !s->draining) {
         s->ready = true;
         rnnd_rpc_set_serving(s->rpc, true);
+        atomic_store(&rnnd_metrics.backend, rnnd_group_backend_name(s->group));
         atomic_store(&rnnd_metrics.ready, 1);
         char grpc_host[RNND_CONFIG_ADDR_MAX], http_addr[RNND_CONFIG_ADDR_MAX + 16];
         snprintf(grpc_host, sizeof(grpc_host), "%s", s->cfg.listen);
@@ -287,6 +288,7 @@ static void fd_limit_raise(int max_connections) {
 int rnnd_server_run(const struct rnnd_config *cfg) {
     rnnd_metrics_init();
     rnnd_log_set_level((enum rnnd_log_level)cfg->log_level);
+    rnnd_log_set_format((enum rnnd_log_format)cfg->log_format);
 
     // Security material is read now: a flag that cannot be honoured stops the start.
     char err[512];

@@ -2302,16 +2302,15 @@ static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
     }
     if (e->cfg.state_dir[0] && !e->cfg.restore[0]) {
         // A named checkpoint is restored only when asked for; say so when it is the newest.
-        char **named;
-        int n;
+        char **named = NULL;
+        int n = 0;
         if (rnnd_checkpoint_list(e->cfg.state_dir, true, &named, &n) == 0 && n > 0 &&
             rnnd_checkpoint_created_ms(named[0]) > restored_ms)
             rnnd_log(RNND_LOG_WARN,
                      "named checkpoint %s is newer than %s: named checkpoints are restored only "
                      "with --restore (start with --restore %s to use it)",
                      named[0], restored[0] ? restored : "any automatic one", named[0]);
-        if (n > 0)
-            rnnd_checkpoint_list_free(named, n);
+        rnnd_checkpoint_list_free(named, n); // the array is allocated even when n is 0
     }
     if (weights && restored[0]) {
         rnnd_log(RNND_LOG_WARN,

@@ -168,6 +168,23 @@ int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
     return 0;
 }
 
+int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_rows *r,
+                    const struct rnnd_model *m, bool write) {
+    if (st == NULL || r == NULL || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if (r->n < 1 || r->rows == NULL || st->R < 1 || st->E < 0 || (st->E > 0) != (st->extras != NULL))
+        return RNND_EINVAL;
+    if (!st->obs || !st->h || lstm != (st->c != NULL) || !st->is_init || !st->version)
+        return RNND_EINVAL;
+    if ((r->extras && st->E == 0) || (r->c && !lstm))
+        return RNND_EINVAL;
+    if (write && (!r->obs || (st->E && !r->extras) || !r->h || (lstm && !r->c) || !r->is_init ||
+                  !r->version))
+        return RNND_EINVAL;
+    return 0;
+}
+
 int rnnd_optim_check(const struct rnnd_optim *o) {
     if (o == NULL)
         return RNND_EINVAL;

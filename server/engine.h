@@ -112,7 +112,8 @@ struct rnnd_forward_job {
     const float *cell;      // (B, T, L, H) or NULL
     // Recorded:
     const uint64_t *env_ids; // (B) unique
-    // Outputs, allocated by the engine with malloc; the submitter frees them:
+    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
+    // or for a part the submitter's arrays for all B rows:
     float *out;           // (B, T, H)
     float *h_n, *c_n;     // (B, L, H); c_n LSTM
     uint64_t tape_id;     // 0 unless keep_tape
@@ -142,7 +143,8 @@ struct rnnd_backward_job {
     bool accumulate;
     bool part;
     bool has_part; // part only: this engine holds rows of the tape
-    // Outputs, malloc'd by the engine (by the submitter for a part); the submitter frees them:
+    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
+    // or for a part the submitter's arrays for all B rows:
     float *grads;       // (P) unless accumulate
     float *grad_x;      // (B, T, I)
     float *grad_h0;     // (B, L, H) when the Forward started from h0 (or a recorded state)

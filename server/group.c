@@ -98,8 +98,16 @@ struct fan {
     int32_t *rows[RNND_MAX_DEVICES]; // Step: each part's rows in the parent
     float *copy[RNND_MAX_DEVICES];   // GetWeights: each device's weights (part 0: the parent's)
     struct rnnd_step_vote vote;      // Step
+    // Forward, Backward: the parent's outputs, which the parts fill and the fan frees once the
+    // parent's done has returned (outputs are valid until then: engine.h).
+    void *outputs[8];
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
+
+static void outputs_free(void *const *p, int n) {
+    for (int i = 0; i < n; i++)
+        free(p[i]);
+}
 
 // Bump allocation of a fan and its arrays in one calloc: measure with base NULL, then carve.
 struct bump {
@@ -135,6 +143,7 @@ static void part_done(struct rnnd_job *part) {
     if (f->finish)
         f->finish(f);
     p->done(p);
+    outputs_free(f->outputs, 8);
     free(f);
 }
 
@@ -165,6 +174,7 @@ static void fan_submit(struct fan *f) {
         // The engines stop taking jobs one after the other: the job goes to none of them.
         rnnd_job_fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         f->parent->done(f->parent);
+        outputs_free(f->outputs, 8);
         free(f);
     }
 }
@@ -442,11 +452,15 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
         (!rec || (fw->rec_obs && fw->rec_is_init && (!g->E || fw->rec_extras) &&
                   fw->rec_version)))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
+    void *outs[] = {fw->out, fw->h_n, fw->c_n, fw->rec_obs, fw->rec_is_init, fw->rec_extras,
+                    fw->rec_version};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
-        job->done(job); // the service frees the outputs
+        job->done(job);
+        outputs_free(outs, 7);
         return;
     }
+    memcpy(f->outputs, outs, sizeof(outs));
     f->finish = forward_merge;
     f->undo = forward_undo;
     int32_t *rows = take(&b, B * sizeof(int32_t));
@@ -529,11 +543,15 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
         (!h0 || !g->lstm || bw->grad_c0) && (!hidden || bw->grad_hidden) &&
         (!hidden || !g->lstm || bw->grad_cell))
         f = fan_new(g, job, 0, &b);
+    void *outs[] = {bw->grads, bw->grad_x, bw->grad_h0, bw->grad_c0, bw->grad_hidden,
+                    bw->grad_cell};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %zu x %zu steps", B, Tz);
         job->done(job);
+        outputs_free(outs, 6);
         return;
     }
+    memcpy(f->outputs, outs, sizeof(outs));
     f->finish = backward_merge;
     // Every device has its say before any runs its rows (engine.h), and without accumulate
     // every device joins the sum of the gradients.

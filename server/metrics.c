@@ -293,6 +293,11 @@ int rnnd_metrics_render(char **out, size_t *len) {
     put(&b, "# HELP rnnd_request_message_bytes Size of each request message received.\n"
             "# TYPE rnnd_request_message_bytes histogram\n");
     put_hist(&b, "rnnd_request_message_bytes", "", &m->request_size, 1.0);
+    put(&b,
+        "# HELP rnnd_trajectory_store_bytes Backend memory of the trajectory store (every env "
+        "slot's recorded steps: --max-envs x --trajectory-steps rows, on each device).\n"
+        "# TYPE rnnd_trajectory_store_bytes gauge\nrnnd_trajectory_store_bytes %lld\n",
+        (long long)lds(&m->traj_store_bytes));
     if (b.err) {
         free(b.p);
         return b.err;

@@ -98,6 +98,7 @@ struct rnnd_metrics {
     _Atomic int64_t streams_active;     // rnnd.v1 calls in progress
     struct rnnd_histogram request_size; // bytes of each decoded request message
     _Atomic int ready;                  // 1 while serving
+    _Atomic int64_t traj_store_bytes;   // backend memory of the trajectory stores
 };
 
 extern struct rnnd_metrics rnnd_metrics;

@@ -230,18 +230,6 @@ void rnnd_service_end_episodes(void *p, struct rnnd_call *call, const ProtobufCM
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-static void forward_free(struct rnnd_job *job) {
-    struct rnnd_forward_job *f = &job->fwd;
-    free(f->out);
-    free(f->h_n);
-    free(f->c_n);
-    free(f->rec_obs);
-    free(f->rec_is_init);
-    free(f->rec_extras);
-    free(f->rec_version);
-    free(job);
-}
-
 static void forward_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
     struct rnnd_forward_job *f = &job->fwd;
@@ -250,7 +238,7 @@ static void forward_done(struct rnnd_job *job) {
     int E = s->cfg->extras_size;
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
-        forward_free(job);
+        free(job);
         return;
     }
     int64_t B = f->B, T = f->T, H = m->H, L = m->L, I = m->I;
@@ -270,11 +258,12 @@ static void forward_done(struct rnnd_job *job) {
         r.step_model_version = tset(&ver, RNND__V1__DTYPE__INT64, f->rec_version, 2, B, T, 0, 0);
     }
     rnnd_call_reply(call, &r.base);
-    forward_free(job);
+    free(job);
 }
 
-static struct rnnd_job *job_with_model(struct rnnd_service *s) {
-    struct rnnd_job *job = calloc(1, sizeof(*job));
+// A job (with `extra` bytes after it) that knows the service.
+static struct rnnd_job *job_with_model(struct rnnd_service *s, size_t extra) {
+    struct rnnd_job *job = calloc(1, sizeof(*job) + extra);
     if (job)
         job->aux = s;
     return job;
@@ -288,25 +277,15 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     int rc = counted(rnnd_request_forward(&s->limits, req, &f, err));
     if (rc != 0)
         goto bad;
-    struct rnnd_job *job = job_with_model(s);
-    uint8_t *zeros = NULL;
-    if (job && !f.recorded && f.is_init == NULL) {
-        // is_init left out: no resets inside the window.
-        zeros = calloc((size_t)f.B * (size_t)f.T, 1);
-        if (zeros == NULL) {
-            free(job);
-            job = NULL;
-        }
-    }
+    // is_init left out: no resets inside the window (zeros after the job, freed with it).
+    bool zeros = !f.recorded && f.is_init == NULL;
+    struct rnnd_job *job = job_with_model(s, zeros ? (size_t)f.B * (size_t)f.T : 0);
     if (job == NULL) {
         rnnd_call_fail(call, RNND_ENOMEM, "out of memory");
         return;
     }
-    if (zeros) {
-        // Owned by the job through rec_is_init (freed with it), read through f.is_init.
-        f.is_init = zeros;
-        f.rec_is_init = zeros;
-    }
+    if (zeros)
+        f.is_init = (const uint8_t *)(job + 1);
     job->kind = RNND_JOB_FORWARD;
     job->owner = call;
     job->done = forward_done;
@@ -356,12 +335,6 @@ static void backward_done(struct rnnd_job *job) {
             r.grad_cell = tset(&gcell, RNND__V1__DTYPE__FLOAT32, g->grad_cell, 4, B, T, L, H);
         rnnd_call_reply(call, &r.base);
     }
-    free(g->grads);
-    free(g->grad_x);
-    free(g->grad_h0);
-    free(g->grad_c0);
-    free(g->grad_hidden);
-    free(g->grad_cell);
     free(job);
 }
 
@@ -373,7 +346,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     int rc = counted(rnnd_request_backward(&s->limits, req, &g, err));
     if (rc != 0)
         goto bad;
-    struct rnnd_job *job = job_with_model(s);
+    struct rnnd_job *job = job_with_model(s, 0);
     if (job == NULL) {
         rnnd_call_fail(call, RNND_ENOMEM, "out of memory");
         return;

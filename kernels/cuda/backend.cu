@@ -11,6 +11,7 @@
 #include "seq.cuh"
 #include "seq_persist.h"
 #include "step.cuh"
+#include "traj.cuh"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +79,16 @@ static void cuda_free(void *ctx, void *ptr) {
     // The stream may still use ptr: finish it first (cudaFree alone does not wait for it).
     cudaStreamSynchronize(c->stream);
     cudaFree(ptr);
+}
+
+// Device memory has no pages to map lazily: the store is allocated whole.
+static int cuda_alloc_lazy(void *ctx, size_t bytes, void **out) {
+    return cuda_alloc(ctx, bytes, out);
+}
+
+static void cuda_free_lazy(void *ctx, void *ptr, size_t bytes) {
+    (void)bytes;
+    cuda_free(ctx, ptr);
 }
 
 static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
@@ -189,6 +200,16 @@ static int cuda_rnn_step(void *ctx, const struct rnnd_step *step, const float *p
     return rnnd__cuda_rnn_step((struct cuda_ctx *)ctx, step, params, m);
 }
 
+static int cuda_traj_write(void *ctx, const struct rnnd_traj_store *st,
+                           const struct rnnd_traj_rows *r, const struct rnnd_model *m) {
+    return rnnd__cuda_traj_write((struct cuda_ctx *)ctx, st, r, m);
+}
+
+static int cuda_traj_read(void *ctx, const struct rnnd_traj_rows *r,
+                          const struct rnnd_traj_store *st, const struct rnnd_model *m) {
+    return rnnd__cuda_traj_read((struct cuda_ctx *)ctx, r, st, m);
+}
+
 static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                            const struct rnnd_optim *o, int64_t t, float *grad_norm) {
     ((struct cuda_ctx *)ctx)->step_tail = false;
@@ -200,6 +221,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .destroy = */ cuda_destroy,
     /* .alloc = */ cuda_alloc,
     /* .free = */ cuda_free,
+    /* .alloc_lazy = */ cuda_alloc_lazy,
+    /* .free_lazy = */ cuda_free_lazy,
     /* .host_alloc = */ cuda_host_alloc,
     /* .host_free = */ cuda_host_free,
     /* .copy_in = */ cuda_copy_in,
@@ -212,6 +235,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .rnn_forward = */ cuda_rnn_forward,
     /* .rnn_backward = */ cuda_rnn_backward,
     /* .rnn_step = */ cuda_rnn_step,
+    /* .traj_write = */ cuda_traj_write,
+    /* .traj_read = */ cuda_traj_read,
     /* .optim_step = */ cuda_optim_step,
 };
 

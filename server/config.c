@@ -143,7 +143,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->lr = 1e-3f;
     c->max_grad_norm = 0.0f;
     c->seed = 0;
-    c->max_message_mb = 64;
+    c->max_message_mb = 128;
     c->max_streams = 1024;
     c->log_level = RNND_LOG_INFO;
     c->hz = 10;

@@ -1065,42 +1065,163 @@ static char *xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes) {
     return e->xfer;
 }
 
-// A Forward's block: the tape, then its input/output region, which is laid out so that the
-// inputs sent (explicit: h0 .. is_init; recorded: the store rows) and the outputs returned
-// (recorded: obs .. version; then out, h_n, c_n) each cover one range: one copy each way.
-struct fwd_layout {
-    void *tape;
-    char *io; // start of the input/output region
-    float *h0, *c0, *hidden, *cell;
-    float *x;            // (B, T, I)
-    float *rec_extras;   // (B, T, E) recorded only
-    uint8_t *is_init;    // (B, T)
-    uint64_t *rec_ver;   // (B, T) recorded only
-    float *out, *h_n, *c_n;
-    int32_t *idx;        // recorded: (B*T + B) store rows of the window, then of its first steps
-    size_t io_bytes;
+// What a Forward or Backward moves between the client's tensors (host, the wire's dtypes) and its
+// backend block: float parts (fp32 in the block, `ft` on the host) and raw parts (bytes as they
+// are). Each direction is packed into one area of the block and its mirror in the staging, so it
+// costs one copy, and float parts are converted on the backend (cast). With host_mem and fp32
+// there is nothing to convert: inputs are copied into place and outputs are used where they are.
+struct io_part {
+    void *dev;        // the backend array
+    size_t n;         // elements
+    size_t raw;       // bytes per element of a raw part; 0: a float part
+    const void *host; // an input's data
+    void **out;       // an output: receives the host pointer of its data
 };
 
-static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l, int B, int T,
-                        bool h0, bool hidden, bool recorded, size_t tape_bytes) {
-    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
-    size_t LH = e->LH, E = (size_t)e->tdims.E;
+static size_t io_part_bytes(const struct io_part *p, enum rnnd_ftype ft) {
+    return p->n * (p->raw ? p->raw : rnnd_ftype_bytes(ft));
+}
+
+// Bytes of the area that packs k parts (0 when none is needed).
+static size_t io_area_bytes(const struct rnnd_engine *e, const struct io_part *p, int k,
+                            enum rnnd_ftype ft) {
+    if (e->host_mem && ft == RNND_FTYPE_F32)
+        return 0;
+    size_t used = 0;
+    for (int i = 0; i < k; i++)
+        carve_off(&used, io_part_bytes(&p[i], ft));
+    return used;
+}
+
+static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
+                 char *d_area, char *h_area) {
+    int rc = 0;
+    if (e->host_mem && ft == RNND_FTYPE_F32) {
+        for (int i = 0; i < k; i++)
+            memcpy(p[i].dev, p[i].host, io_part_bytes(&p[i], ft));
+        return 0;
+    }
+    size_t used = 0, off[16];
+    for (int i = 0; i < k; i++) {
+        off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
+        memcpy(h_area + off[i], p[i].host, io_part_bytes(&p[i], ft));
+    }
+    rc = be_in(e, d_area, h_area, used);
+    for (int i = 0; rc == 0 && i < k; i++)
+        rc = p[i].raw ? e->be.ops->copy(e->be.ctx, p[i].dev, d_area + off[i], p[i].n * p[i].raw)
+                      : e->be.ops->cast(e->be.ctx, p[i].dev, RNND_FTYPE_F32, d_area + off[i], ft,
+                                        p[i].n);
+    return rc;
+}
+
+// Synchronises (copy_out): the outputs are on the host when it returns 0.
+static int io_out(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
+                  char *d_area, char *h_area) {
+    if (e->host_mem && ft == RNND_FTYPE_F32) {
+        for (int i = 0; i < k; i++)
+            *p[i].out = p[i].dev;
+        return 0;
+    }
+    size_t used = 0, off[16];
+    int rc = 0;
+    for (int i = 0; i < k; i++) {
+        off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
+        if (rc == 0)
+            rc = p[i].raw ? e->be.ops->copy(e->be.ctx, d_area + off[i], p[i].dev, p[i].n * p[i].raw)
+                          : e->be.ops->cast(e->be.ctx, d_area + off[i], ft, p[i].dev,
+                                            RNND_FTYPE_F32, p[i].n);
+        *p[i].out = h_area + off[i];
+    }
+    if (rc == 0)
+        rc = be_out(e, h_area, d_area, used);
+    return rc;
+}
+
+// A Forward's block: the tape, the arrays the op reads and writes (fp32) and the store rows of a
+// recorded window. The areas that pack what travels (io_part: inputs, then outputs) follow it in
+// the work block, or have the work block to themselves when the block is a kept tape's.
+struct fwd_layout {
+    void *tape;
+    float *h0, *c0, *hidden, *cell;
+    float *x;          // (B, T, I)
+    uint8_t *is_init;  // (B, T)
+    float *rec_extras; // (B, T, E) recorded only
+    uint64_t *rec_ver; // (B, T) recorded only
+    float *out, *h_n, *c_n;
+    int32_t *idx;   // recorded: (B*T + B) store rows of the windows, then of their first steps
+    char *area;     // the packed inputs (in_bytes), then the packed outputs; NULL when none
+    size_t in_bytes, area_bytes;
+};
+
+// The parts of a Forward that travel, in l (io_part.dev) and f (host data and outputs).
+static int fwd_parts(struct rnnd_engine *e, struct rnnd_forward_job *f, const struct fwd_layout *l,
+                     struct io_part *in, int *nin, struct io_part *out, int *nout) {
+    size_t B = (size_t)f->B, BT = B * (size_t)f->T, I = (size_t)e->model.I;
+    size_t H = (size_t)e->model.H, LH = e->LH, E = (size_t)e->tdims.E;
+    int k = 0;
+    if (f->recorded) {
+        in[k++] = (struct io_part){.dev = l->idx, .n = BT + B, .raw = 4, .host = NULL};
+    } else {
+        in[k++] = (struct io_part){.dev = l->x, .n = BT * I, .host = f->x};
+        in[k++] = (struct io_part){.dev = l->is_init, .n = BT, .raw = 1, .host = f->is_init};
+        if (l->h0)
+            in[k++] = (struct io_part){.dev = l->h0, .n = B * LH, .host = f->h0};
+        if (l->c0)
+            in[k++] = (struct io_part){.dev = l->c0, .n = B * LH, .host = f->c0};
+        if (l->hidden)
+            in[k++] = (struct io_part){.dev = l->hidden, .n = BT * LH, .host = f->hidden};
+        if (l->cell)
+            in[k++] = (struct io_part){.dev = l->cell, .n = BT * LH, .host = f->cell};
+    }
+    *nin = k;
+    k = 0;
+    out[k++] = (struct io_part){.dev = l->out, .n = BT * H, .out = &f->out};
+    out[k++] = (struct io_part){.dev = l->h_n, .n = B * LH, .out = &f->h_n};
+    if (l->c_n)
+        out[k++] = (struct io_part){.dev = l->c_n, .n = B * LH, .out = &f->c_n};
+    if (f->recorded) {
+        unsigned m = f->rec_fields;
+        if (m & RNND_REC_OBS)
+            out[k++] = (struct io_part){.dev = l->x, .n = BT * I, .out = &f->rec_obs};
+        if ((m & RNND_REC_EXTRAS) && E)
+            out[k++] = (struct io_part){.dev = l->rec_extras, .n = BT * E, .out = &f->rec_extras};
+        if (m & RNND_REC_IS_INIT)
+            out[k++] = (struct io_part){
+                .dev = l->is_init, .n = BT, .raw = 1, .out = (void **)&f->rec_is_init};
+        if (m & RNND_REC_VERSION)
+            out[k++] = (struct io_part){
+                .dev = l->rec_ver, .n = BT, .raw = 8, .out = (void **)&f->rec_version};
+    }
+    *nout = k;
+    return 0;
+}
+
+static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l,
+                        struct rnnd_forward_job *f, bool h0, bool hidden, size_t tape_bytes) {
+    size_t B = (size_t)f->B, BT = B * (size_t)f->T, I = (size_t)e->model.I;
+    size_t H = (size_t)e->model.H, LH = e->LH, E = (size_t)e->tdims.E;
+    bool rec = f->recorded;
     l->tape = tape_bytes ? carve(cv, tape_bytes) : NULL;
-    size_t io = (cv->used + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
-    l->io = cv->base ? cv->base + io : NULL;
-    l->h0 = h0 ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
-    l->c0 = h0 && e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+    l->h0 = h0 ? carve(cv, B * LH * sizeof(float)) : NULL;
+    l->c0 = h0 && e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
     l->hidden = hidden ? carve(cv, BT * LH * sizeof(float)) : NULL;
     l->cell = hidden && e->lstm ? carve(cv, BT * LH * sizeof(float)) : NULL;
     l->x = carve(cv, BT * I * sizeof(float));
-    l->rec_extras = recorded && E ? carve(cv, BT * E * sizeof(float)) : NULL;
     l->is_init = carve(cv, BT);
-    l->rec_ver = recorded ? carve(cv, BT * sizeof(uint64_t)) : NULL;
+    l->rec_extras = rec && E ? carve(cv, BT * E * sizeof(float)) : NULL;
+    l->rec_ver = rec ? carve(cv, BT * sizeof(uint64_t)) : NULL;
     l->out = carve(cv, BT * H * sizeof(float));
-    l->h_n = carve(cv, (size_t)B * LH * sizeof(float));
-    l->c_n = e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
-    l->idx = recorded ? carve(cv, (BT + (size_t)B) * sizeof(int32_t)) : NULL;
-    l->io_bytes = cv->used - io;
+    l->h_n = carve(cv, B * LH * sizeof(float));
+    l->c_n = e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
+    l->idx = rec ? carve(cv, (BT + B) * sizeof(int32_t)) : NULL;
+    struct io_part in[8], out[8];
+    int nin, nout;
+    fwd_parts(e, f, l, in, &nin, out, &nout);
+    l->in_bytes = io_area_bytes(e, in, nin, f->in);
+    if (rec && l->in_bytes == 0) // the rows are built on the host: they need the staging
+        l->in_bytes = (BT + B) * sizeof(int32_t);
+    size_t out_bytes = io_area_bytes(e, out, nout, f->out_dtype);
+    l->area_bytes = (l->in_bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN + out_bytes;
     return cv->used;
 }
 
@@ -1120,9 +1241,10 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
                 f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T, have);
         if (idx == NULL)
             continue;
+        int32_t *row = idx + (size_t)b * (size_t)T;
         for (int t = 0; t < T; t++)
-            idx[(size_t)b * (size_t)T + (size_t)t] = rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
-        idx[(size_t)B * (size_t)T + (size_t)b] = idx[(size_t)b * (size_t)T];
+            row[t] = rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
+        idx[(size_t)B * (size_t)T + (size_t)b] = row[0];
     }
     return 0;
 }
@@ -1134,13 +1256,10 @@ struct fwd_part {
     int B_all;
 };
 
-// Host pointer in the staging of the block region that starts at l->io.
-#define FWD_HOST(l, host, p) ((host) + ((const char *)(p) - (l)->io))
-
 static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struct fwd_part *pt) {
     struct rnnd_forward_job *f = &job->fwd;
     int B = f->B, T = f->T;
-    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, LH = e->LH;
+    size_t BT = (size_t)B * (size_t)T;
     bool rec = f->recorded;
     bool has_h0 = rec || f->h0, has_hidden = !rec && f->hidden;
     void *block = NULL;
@@ -1155,7 +1274,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     }
     struct fwd_layout l;
     struct carve cv = {0};
-    size_t bytes = fwd_carve(e, &cv, &l, B, T, has_h0, has_hidden, rec, tape_bytes);
+    size_t bytes = fwd_carve(e, &cv, &l, f, has_h0, has_hidden, tape_bytes);
     uint64_t now = rnnd_now_ns();
     if (f->keep_tape && rnnd_tapes_fits(e->tapes, bytes, now) != 0) {
         rnnd_metrics_limit_hit(RNND_LIMIT_TAPE_BYTES);
@@ -1169,12 +1288,17 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
             e->cfg.tape_ttl_s);
         return;
     }
-    int rc = f->keep_tape ? be_alloc(e, bytes, &block) : work_reserve(e, bytes, &block);
+    size_t area_at = (bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    void *work = NULL;
+    int rc = f->keep_tape ? be_alloc(e, bytes, &block) : work_reserve(e, area_at + l.area_bytes, &block);
+    if (rc == 0 && f->keep_tape && l.area_bytes)
+        rc = work_reserve(e, l.area_bytes, &work);
     char *host = NULL;
     if (rc == 0) {
         cv = (struct carve){block, 0};
-        fwd_carve(e, &cv, &l, B, T, has_h0, has_hidden, rec, tape_bytes);
-        host = xfer_host(e, l.io, l.io_bytes);
+        fwd_carve(e, &cv, &l, f, has_h0, has_hidden, tape_bytes);
+        l.area = !l.area_bytes ? NULL : f->keep_tape ? work : (char *)block + area_at;
+        host = l.area ? xfer_host(e, l.area, l.area_bytes) : (char *)block;
     }
     if (host == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM,
@@ -1183,10 +1307,15 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
                       B, T, (double)bytes / 1048576.0, e->backend_name);
         goto out;
     }
+    struct io_part in[8], outs[8];
+    int nin, nout;
+    fwd_parts(e, f, &l, in, &nin, outs, &nout);
+    size_t out_at = (l.in_bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
     if (rec) {
         // The windows come straight from the store, on the backend: only their rows travel.
-        recorded_rows(e, job, (int32_t *)FWD_HOST(&l, host, l.idx));
-        rc = be_in(e, l.idx, FWD_HOST(&l, host, l.idx), (BT + (size_t)B) * sizeof(int32_t));
+        int32_t *h_idx = (int32_t *)host;
+        recorded_rows(e, job, h_idx);
+        rc = be_in(e, l.idx, h_idx, (BT + (size_t)B) * sizeof(int32_t));
         struct rnnd_traj_rows win = {.n = (int)BT,
                                      .rows = l.idx,
                                      .obs = l.x,
@@ -1199,21 +1328,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
         if (rc == 0)
             rc = e->be.ops->traj_read(e->be.ctx, &first, &e->store, &e->model);
     } else {
-        // Explicit inputs, packed into the staging in the block's order, then one copy.
-        memcpy(FWD_HOST(&l, host, l.x), f->x, BT * I * sizeof(float));
-        if (f->is_init)
-            memcpy(FWD_HOST(&l, host, l.is_init), f->is_init, BT);
-        else
-            memset(FWD_HOST(&l, host, l.is_init), 0, BT);
-        if (l.h0)
-            memcpy(FWD_HOST(&l, host, l.h0), f->h0, (size_t)B * LH * sizeof(float));
-        if (l.c0)
-            memcpy(FWD_HOST(&l, host, l.c0), f->c0, (size_t)B * LH * sizeof(float));
-        if (l.hidden)
-            memcpy(FWD_HOST(&l, host, l.hidden), f->hidden, BT * LH * sizeof(float));
-        if (l.cell)
-            memcpy(FWD_HOST(&l, host, l.cell), f->cell, BT * LH * sizeof(float));
-        rc = be_in(e, l.io, host, (size_t)((char *)l.is_init + BT - l.io));
+        rc = io_in(e, in, nin, f->in, l.area, host);
     }
     struct rnnd_seq seq = {.B = B,
                            .T = T,
@@ -1227,26 +1342,14 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     if (rc == 0)
         rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq, e->cur->params,
                                     &e->model);
-    // One copy back: the recorded columns (recorded sources), then out, h_n, c_n.
-    char *from = rec ? (char *)l.x : (char *)l.out;
-    char *end = l.c_n ? (char *)(l.c_n + (size_t)B * LH) : (char *)(l.h_n + (size_t)B * LH);
-    if (rc == 0)
-        rc = be_out(e, FWD_HOST(&l, host, from), from, (size_t)(end - from));
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL, host + out_at);
     rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend forward failed: %s", rnnd_strerror(rc));
         rnnd_job_fail(job, rc, "the backend refused the Forward: %s", rnnd_strerror(rc));
         goto out;
-    }
-    f->out = (float *)FWD_HOST(&l, host, l.out);
-    f->h_n = (float *)FWD_HOST(&l, host, l.h_n);
-    f->c_n = l.c_n ? (float *)FWD_HOST(&l, host, l.c_n) : NULL;
-    if (rec) {
-        f->rec_obs = (float *)FWD_HOST(&l, host, l.x);
-        f->rec_is_init = (uint8_t *)FWD_HOST(&l, host, l.is_init);
-        f->rec_extras = l.rec_extras ? (float *)FWD_HOST(&l, host, l.rec_extras) : NULL;
-        f->rec_version = (int64_t *)FWD_HOST(&l, host, l.rec_ver);
     }
     job->model_version = e->cur->version;
     if (f->keep_tape) {
@@ -1317,12 +1420,16 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     int n = f->nrows, T = f->T;
     size_t Tz = (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
     size_t E = (size_t)e->cfg.extras_size;
+    size_t fi = rnnd_ftype_bytes(f->in), fo = rnnd_ftype_bytes(f->out_dtype);
     struct rnnd_job sub = {.kind = RNND_JOB_FORWARD};
     struct rnnd_forward_job *s = &sub.fwd;
     s->recorded = f->recorded;
     s->keep_tape = f->keep_tape;
     s->B = n;
     s->T = T;
+    s->in = f->in;
+    s->out_dtype = f->out_dtype;
+    s->rec_fields = f->rec_fields;
     char *block = NULL;
     uint64_t *ids = NULL;
     if (f->recorded) {
@@ -1336,12 +1443,12 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     } else {
         struct carve cv = {0};
         for (int pass = 0; pass < 2; pass++) {
-            s->x = carve(&cv, (size_t)n * Tz * I * sizeof(float));
+            s->x = carve(&cv, (size_t)n * Tz * I * fi);
             s->is_init = carve(&cv, (size_t)n * Tz);
-            s->h0 = f->h0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
-            s->c0 = f->c0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
-            s->hidden = f->hidden ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
-            s->cell = f->cell ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
+            s->h0 = f->h0 ? carve(&cv, (size_t)n * LH * fi) : NULL;
+            s->c0 = f->c0 ? carve(&cv, (size_t)n * LH * fi) : NULL;
+            s->hidden = f->hidden ? carve(&cv, (size_t)n * Tz * LH * fi) : NULL;
+            s->cell = f->cell ? carve(&cv, (size_t)n * Tz * LH * fi) : NULL;
             if (pass == 0) {
                 block = malloc(cv.used);
                 if (block == NULL) {
@@ -1352,16 +1459,16 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                 cv = (struct carve){block, 0};
             }
         }
-        rows_gather((void *)s->x, f->x, rows, n, Tz * I * sizeof(float));
+        rows_gather((void *)s->x, f->x, rows, n, Tz * I * fi);
         rows_gather((void *)s->is_init, f->is_init, rows, n, Tz);
         if (f->h0)
-            rows_gather((void *)s->h0, f->h0, rows, n, LH * sizeof(float));
+            rows_gather((void *)s->h0, f->h0, rows, n, LH * fi);
         if (f->c0)
-            rows_gather((void *)s->c0, f->c0, rows, n, LH * sizeof(float));
+            rows_gather((void *)s->c0, f->c0, rows, n, LH * fi);
         if (f->hidden)
-            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * sizeof(float));
+            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * fi);
         if (f->cell)
-            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * sizeof(float));
+            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * fi);
     }
     struct fwd_part pt = {.tape_id = f->tape_id, .rows = rows, .B_all = f->B};
     run_forward(e, &sub, &pt);
@@ -1369,17 +1476,18 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     memcpy(job->msg, sub.msg, sizeof(job->msg));
     job->model_version = sub.model_version;
     if (sub.err == 0) {
-        rows_scatter(f->out, s->out, rows, n, Tz * H * sizeof(float));
-        rows_scatter(f->h_n, s->h_n, rows, n, LH * sizeof(float));
+        rows_scatter(f->out, s->out, rows, n, Tz * H * fo);
+        rows_scatter(f->h_n, s->h_n, rows, n, LH * fo);
         if (e->lstm)
-            rows_scatter(f->c_n, s->c_n, rows, n, LH * sizeof(float));
-        if (f->recorded) {
-            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * sizeof(float));
+            rows_scatter(f->c_n, s->c_n, rows, n, LH * fo);
+        if (s->rec_obs)
+            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * fo);
+        if (s->rec_is_init)
             rows_scatter(f->rec_is_init, s->rec_is_init, rows, n, Tz);
-            if (E)
-                rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * sizeof(float));
+        if (s->rec_extras)
+            rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * fo);
+        if (s->rec_version)
             rows_scatter(f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
-        }
     }
     free(block);
     free(ids);
@@ -1423,52 +1531,85 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L, e->model.H);
         return;
     }
+    // Input gradients: those asked for (all the Forward had, unless the request said which),
+    // never one of an input the Forward did not have.
+    unsigned want = g->input_grads_set
+                        ? g->input_grads
+                        : RNND_GRAD_OBS | (t->has_h0 ? RNND_GRAD_H0 : 0) |
+                              (t->has_hidden ? RNND_GRAD_HIDDEN : 0);
+    if (((want & RNND_GRAD_H0) && !t->has_h0) || ((want & RNND_GRAD_HIDDEN) && !t->has_hidden)) {
+        rnnd_job_fail(job, RNND_EINVAL,
+                      "input_grads asks for %s but the Forward of tape %" PRIu64
+                      " had no %s; drop that bit",
+                      (want & RNND_GRAD_H0) && !t->has_h0 ? "grad_h0" : "grad_hidden", g->tape_id,
+                      (want & RNND_GRAD_H0) && !t->has_h0 ? "h0 (nor a recorded state)"
+                                                          : "stored states (hidden)");
+        return;
+    }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
     size_t LH = e->LH, BLH = (size_t)B * LH;
     bool lstm = e->lstm;
-    // One block: the inputs sent (grad_out, grad_h_n, grad_c_n), then the outputs returned
-    // (grad_x .. grad_cell, then the weight gradients' host copy): one copy each way.
-    struct carve cv = {0};
-    float *d_go, *d_ghn, *d_gcn, *d_gx, *d_gh0, *d_gc0, *d_ghid, *d_gcell, *d_grads;
-    void *block = NULL;
-    char *host = NULL;
     bool want_grads = !g->accumulate && !part;
+    float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
+    // The arrays the op reads and writes (fp32), then the areas that pack what travels
+    // (io_part): one copy each way. Gradients not asked for are not computed.
+    struct carve cv = {0};
+    float *d_go, *d_ghn, *d_gcn, *d_gx, *d_gh0, *d_gc0, *d_ghid, *d_gcell;
+    struct io_part in[3], outs[7];
+    int nin, nout;
+    size_t area_at = 0, in_bytes = 0, area_bytes = 0;
+    void *block = NULL;
+    char *area = NULL, *host = NULL;
     for (int pass = 0; pass < 2; pass++) {
         d_go = carve(&cv, BT * H * sizeof(float));
         d_ghn = g->grad_h_n ? carve(&cv, BLH * sizeof(float)) : NULL;
         d_gcn = g->grad_c_n ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_gx = carve(&cv, BT * I * sizeof(float));
-        d_gh0 = t->has_h0 ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_gc0 = t->has_h0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_ghid = t->has_hidden ? carve(&cv, BT * LH * sizeof(float)) : NULL;
-        d_gcell = t->has_hidden && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
-        d_grads = want_grads ? carve(&cv, e->P * sizeof(float)) : NULL;
-        if (pass == 0) {
-            if (work_reserve(e, cv.used, &block) != 0 ||
-                (host = xfer_host(e, block, cv.used)) == NULL) {
-                rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %d x %d steps",
-                              B, T);
-                return;
-            }
-            cv = (struct carve){block, 0};
+        d_gx = want & RNND_GRAD_OBS ? carve(&cv, BT * I * sizeof(float)) : NULL;
+        d_gh0 = want & RNND_GRAD_H0 ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_gc0 = want & RNND_GRAD_H0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_ghid = want & RNND_GRAD_HIDDEN ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        d_gcell = want & RNND_GRAD_HIDDEN && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        nin = nout = 0;
+        in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
+        if (d_ghn)
+            in[nin++] = (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n};
+        if (d_gcn)
+            in[nin++] = (struct io_part){.dev = d_gcn, .n = BLH, .host = g->grad_c_n};
+        if (want_grads)
+            outs[nout++] = (struct io_part){.dev = dparams, .n = e->P, .out = &g->grads};
+        if (d_gx)
+            outs[nout++] = (struct io_part){.dev = d_gx, .n = BT * I, .out = &g->grad_x};
+        if (d_gh0)
+            outs[nout++] = (struct io_part){.dev = d_gh0, .n = BLH, .out = &g->grad_h0};
+        if (d_gc0)
+            outs[nout++] = (struct io_part){.dev = d_gc0, .n = BLH, .out = &g->grad_c0};
+        if (d_ghid)
+            outs[nout++] = (struct io_part){.dev = d_ghid, .n = BT * LH, .out = &g->grad_hidden};
+        if (d_gcell)
+            outs[nout++] = (struct io_part){.dev = d_gcell, .n = BT * LH, .out = &g->grad_cell};
+        if (pass == 1)
+            break;
+        in_bytes = carve_off(&(size_t){io_area_bytes(e, in, nin, g->in)}, 0);
+        area_bytes = in_bytes + io_area_bytes(e, outs, nout, g->out_dtype);
+        area_at = carve_off(&(size_t){cv.used}, 0);
+        if (work_reserve(e, area_at + area_bytes, &block) != 0 ||
+            (area_bytes && (host = xfer_host(e, (char *)block + area_at, area_bytes)) == NULL)) {
+            rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %d x %d steps", B,
+                          T);
+            return;
         }
+        area = area_bytes ? (char *)block + area_at : NULL;
+        cv = (struct carve){block, 0};
     }
-#define BWD_HOST(p) ((float *)(host + ((const char *)(p) - (const char *)block)))
     // Everything this part needs is here; from now on it changes state (the tape, and the
     // accumulated gradients), so only if every other part can run too.
     if (part && !agree(e, ag, true))
         return;
-    float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
     int rc = 0;
     if (!g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
-    memcpy(BWD_HOST(d_go), g->grad_out, BT * H * sizeof(float));
-    if (d_ghn)
-        memcpy(BWD_HOST(d_ghn), g->grad_h_n, BLH * sizeof(float));
-    if (d_gcn)
-        memcpy(BWD_HOST(d_gcn), g->grad_c_n, BLH * sizeof(float));
     if (rc == 0)
-        rc = be_in(e, d_go, BWD_HOST(d_go), (size_t)((char *)d_gx - (char *)d_go));
+        rc = io_in(e, in, nin, g->in, area, host);
     struct rnnd_seq seq = {.B = B,
                            .T = T,
                            .x = t->x,
@@ -1483,10 +1624,9 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     if (rc == 0)
         rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
                                      t->w->params, &e->model);
-    if (rc == 0 && want_grads)
-        rc = e->be.ops->copy(e->be.ctx, d_grads, dparams, e->P * sizeof(float));
-    if (rc == 0)
-        rc = be_out(e, BWD_HOST(d_gx), d_gx, cv.used - (size_t)((char *)d_gx - (char *)block));
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
+                    host ? host + in_bytes : NULL);
     rnnd_metrics_kernel(RNND_OP_BACKWARD, rnnd_now_ns() - t0);
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
@@ -1494,13 +1634,6 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
         rnnd_job_fail(job, rc, "the backend refused the Backward: %s", rnnd_strerror(rc));
         return;
     }
-    g->grads = d_grads ? BWD_HOST(d_grads) : NULL;
-    g->grad_x = BWD_HOST(d_gx);
-    g->grad_h0 = d_gh0 ? BWD_HOST(d_gh0) : NULL;
-    g->grad_c0 = d_gc0 ? BWD_HOST(d_gc0) : NULL;
-    g->grad_hidden = d_ghid ? BWD_HOST(d_ghid) : NULL;
-    g->grad_cell = d_gcell ? BWD_HOST(d_gcell) : NULL;
-#undef BWD_HOST
     job->model_version = t->w->version;
     if (g->accumulate && e->replicas && !e->grad_pending) {
         // The pending flag that the all-reduce of ApplyGradients sums over the replicas.
@@ -1524,7 +1657,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
 static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_backward_job *g = &job->bwd;
     size_t P = e->P, Tz = (size_t)g->T, I = (size_t)e->model.I, H = (size_t)e->model.H;
-    size_t LH = e->LH;
+    size_t LH = e->LH, fi = rnnd_ftype_bytes(g->in), fo = rnnd_ftype_bytes(g->out_dtype);
     struct agreement ag = {.comm = e->local};
     uint64_t now = rnnd_now_ns(); // one instant for every look at the tape: it cannot expire midway
     int rc = 0;
@@ -1554,17 +1687,17 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     } else {
         int n = t->B;
         const int32_t *rows = t->rows;
-        float *go = malloc((size_t)n * Tz * H * sizeof(float));
-        float *ghn = g->grad_h_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
-        float *gcn = g->grad_c_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
+        char *go = malloc((size_t)n * Tz * H * fi);
+        char *ghn = g->grad_h_n ? malloc((size_t)n * LH * fi) : NULL;
+        char *gcn = g->grad_c_n ? malloc((size_t)n * LH * fi) : NULL;
         if (!go || (g->grad_h_n && !ghn) || (g->grad_c_n && !gcn)) {
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
         } else {
-            rows_gather(go, g->grad_out, rows, n, Tz * H * sizeof(float));
+            rows_gather(go, g->grad_out, rows, n, Tz * H * fi);
             if (ghn)
-                rows_gather(ghn, g->grad_h_n, rows, n, LH * sizeof(float));
+                rows_gather(ghn, g->grad_h_n, rows, n, LH * fi);
             if (gcn)
-                rows_gather(gcn, g->grad_c_n, rows, n, LH * sizeof(float));
+                rows_gather(gcn, g->grad_c_n, rows, n, LH * fi);
             // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
@@ -1577,6 +1710,10 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                                                  .grad_c_n = gcn,
                                                  .grad_h_n_B = n,
                                                  .grad_c_n_B = n,
+                                                 .in = g->in,
+                                                 .out_dtype = g->out_dtype,
+                                                 .input_grads_set = g->input_grads_set,
+                                                 .input_grads = g->input_grads,
                                                  .accumulate = g->accumulate};
             run_backward(e, &sub, &ag, now);
             struct rnnd_backward_job *sb = &sub.bwd;
@@ -1587,15 +1724,16 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                 memcpy(job->msg, sub.msg, sizeof(job->msg));
             } else if (!kept) {
                 job->model_version = sub.model_version;
-                rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * sizeof(float));
+                if (g->grad_x && sb->grad_x)
+                    rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * fo);
                 if (g->grad_h0 && sb->grad_h0)
-                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * sizeof(float));
+                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * fo);
                 if (g->grad_c0 && sb->grad_c0)
-                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * sizeof(float));
+                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * fo);
                 if (g->grad_hidden && sb->grad_hidden)
-                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * sizeof(float));
+                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * fo);
                 if (g->grad_cell && sb->grad_cell)
-                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * sizeof(float));
+                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * fo);
             }
             if (kept)
                 ((struct tape_obj *)p)->rows = mine;
@@ -1619,8 +1757,14 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     // Every engine joins, also one whose rows failed after the agreement (the Backward then
     // fails with its error), or a peer would wait.
     int crc = rc == 0 ? rnnd_comm_all_reduce(e->local, e->grad_scratch, P) : rc;
-    if (crc == 0 && e->index == 0)
-        crc = be_out(e, g->grads, e->grad_scratch, P * sizeof(float));
+    if (crc == 0 && e->index == 0) {
+        float *sum = g->out_dtype == RNND_FTYPE_F32 ? g->grads : malloc(P * sizeof(float));
+        crc = sum ? be_out(e, sum, e->grad_scratch, P * sizeof(float)) : RNND_ENOMEM;
+        if (crc == 0 && sum != g->grads)
+            rnnd_cast_host(g->grads, g->out_dtype, sum, RNND_FTYPE_F32, P);
+        if (sum != g->grads)
+            free(sum);
+    }
     if (crc != 0 && job->err == 0)
         rnnd_job_fail(job, crc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
                       "summing the gradients over this daemon's devices failed: %s",

@@ -237,6 +237,18 @@ static int cpu_traj_read(void *ctx, const struct rnnd_traj_rows *r,
     return rnnd__cpu_traj_read(ctx, r, st, m);
 }
 
+static int cpu_cast(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                    enum rnnd_ftype src_dtype, size_t n) {
+    (void)ctx;
+    if (n == 0)
+        return 0;
+    if (dst == NULL || src == NULL ||
+        (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
+        return RNND_EINVAL;
+    rnnd_cast_host(dst, dst_dtype, src, src_dtype, n);
+    return 0;
+}
+
 static int cpu_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                           const struct rnnd_optim *o, int64_t t, float *grad_norm) {
     (void)ctx;
@@ -264,6 +276,7 @@ static const struct rnnd_backend_ops cpu_ops = {
     .rnn_step = cpu_rnn_step,
     .traj_write = cpu_traj_write,
     .traj_read = cpu_traj_read,
+    .cast = cpu_cast,
     .optim_step = cpu_optim_step,
 };
 

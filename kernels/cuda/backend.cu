@@ -2,7 +2,8 @@
  * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
  * The ops live in seq.cu (sequence forward/backward: seq_persist.cuh for the persistent time
- * loops), step.cu (single step with slot gather/scatter) and optim.cu (Adam/SGD with clipping).
+ * loops), step.cu (single step with slot gather/scatter), traj.cu (the trajectory store's row
+ * moves), cast.cu (wire dtypes) and optim.cu (Adam/SGD with clipping).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
  */
 #include "common.cuh"
@@ -11,6 +12,7 @@
 #include "seq.cuh"
 #include "seq_persist.h"
 #include "step.cuh"
+#include "cast.cuh"
 #include "traj.cuh"
 
 #include <stdio.h>
@@ -210,6 +212,11 @@ static int cuda_traj_read(void *ctx, const struct rnnd_traj_rows *r,
     return rnnd__cuda_traj_read((struct cuda_ctx *)ctx, r, st, m);
 }
 
+static int cuda_cast(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                     enum rnnd_ftype src_dtype, size_t n) {
+    return rnnd__cuda_cast((struct cuda_ctx *)ctx, dst, dst_dtype, src, src_dtype, n);
+}
+
 static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                            const struct rnnd_optim *o, int64_t t, float *grad_norm) {
     ((struct cuda_ctx *)ctx)->step_tail = false;
@@ -237,6 +244,7 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .rnn_step = */ cuda_rnn_step,
     /* .traj_write = */ cuda_traj_write,
     /* .traj_read = */ cuda_traj_read,
+    /* .cast = */ cuda_cast,
     /* .optim_step = */ cuda_optim_step,
 };
 

@@ -169,6 +169,15 @@ struct rnnd_step {
     float *c_before;          // (B, L, H) or NULL; LSTM
 };
 
+// Element types of the tensors a client sends and receives. Compute and storage stay fp32; cast
+// converts at the edge (round to nearest even; fp16 keeps subnormals and overflows to Inf).
+enum rnnd_ftype { RNND_FTYPE_F32, RNND_FTYPE_BF16, RNND_FTYPE_F16 };
+
+// Bytes per element: 4, 2, 2.
+static inline size_t rnnd_ftype_bytes(enum rnnd_ftype d) {
+    return d == RNND_FTYPE_F32 ? 4 : 2;
+}
+
 // The trajectory store: every env's recorded steps in the backend's memory (the daemon's
 // Forward over `recorded`), written by the step path and read by Forward, with no copy through
 // the host. It is R rows of one recorded step each; which row a step goes to (an env's slot and
@@ -270,6 +279,11 @@ struct rnnd_backend_ops {
     int (*traj_read)(void *ctx, const struct rnnd_traj_rows *r, const struct rnnd_traj_store *st,
                      const struct rnnd_model *m);
 
+    // dst (n elements of dst_dtype) = src (n elements of src_dtype), converted; one of the two
+    // is RNND_FTYPE_F32 (the other any), and they do not overlap.
+    int (*cast)(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                enum rnnd_ftype src_dtype, size_t n);
+
     // One optimizer update of params (n floats) from grads, t the 1-based step count. grads are
     // clipped in place like clip_grad_norm_; m and v (n floats, Adam only, zero at t = 1) are
     // updated. *grad_norm (host) receives the total norm before clipping.
@@ -311,6 +325,16 @@ int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_row
 // 0 when o holds usable hyperparameters (finite lr > 0, betas in [0, 1), eps > 0,
 // weight_decay >= 0), RNND_EINVAL otherwise.
 int rnnd_optim_check(const struct rnnd_optim *o);
+
+// The conversions of cast, one element (host code; the CPU backend's cast uses them).
+uint16_t rnnd_f32_to_bf16(float f);
+uint16_t rnnd_f32_to_f16(float f);
+float rnnd_bf16_to_f32(uint16_t h);
+float rnnd_f16_to_f32(uint16_t h);
+// Casts n elements on the host (the same conversions as the backends' cast); narrowing fp32 to a
+// 16-bit type may be done in place (dst == src), as it goes in increasing order.
+void rnnd_cast_host(void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                    enum rnnd_ftype src_dtype, size_t n);
 
 // Round-to-nearest-even fp32 -> bf16 -> fp32, as the bf16 compute mode rounds matmul operands.
 static inline float rnnd_round_bf16(float f) {

@@ -24,7 +24,8 @@ def encode(array, dtype=None, out=None):
     """Returns (or fills ``out`` with) a Tensor holding ``array``.
 
     dtype: a wire DType; by default bool arrays go as BOOL, integer arrays as INT64 and
-    everything else as FLOAT32.
+    everything else as FLOAT32. With BFLOAT16 a uint16 array is taken as bfloat16 bit patterns
+    (torch: ``t.bfloat16().view(torch.int16).numpy().view(np.uint16)``).
     """
     a = np.asarray(array)
     if dtype is None:
@@ -34,7 +35,9 @@ def encode(array, dtype=None, out=None):
             dtype = pb.INT64
         else:
             dtype = pb.FLOAT32
-    if dtype == pb.BFLOAT16:
+    if dtype == pb.BFLOAT16 and a.dtype == np.uint16:
+        data = np.ascontiguousarray(a, dtype="<u2").tobytes()  # bfloat16 bit patterns as they are
+    elif dtype == pb.BFLOAT16:
         f = np.ascontiguousarray(a, dtype="<f4")
         u = f.view("<u4")
         # round to nearest even, as torch does

@@ -32,6 +32,16 @@ def _np(t):
     return None if t is None else t.detach().cpu().contiguous().numpy()
 
 
+def _wire(t, wire):
+    """t as a numpy array for the wire dtype `wire` (bfloat16: its bit patterns), or None."""
+    if t is None:
+        return None
+    t = t.detach()
+    if wire == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().view(np.uint16)
+    return _np(t.half() if wire == "float16" else t.float())
+
+
 def _t(a, device=None):
     if a is None:
         return None
@@ -51,8 +61,14 @@ class _Forward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, obs, is_init, h0, c0, hidden, cell, *params):
         ctx.set_materialize_grads(False)
-        r = module.client.forward(_np(obs), _np(is_init), _np(h0), _np(c0), _np(hidden),
-                                  _np(cell), keep_tape=module._need_tape)
+        w = module.wire
+        r = module.client.forward(_wire(obs, w), _np(is_init), _wire(h0, w), _wire(c0, w),
+                                  _wire(hidden, w), _wire(cell, w), keep_tape=module._need_tape,
+                                  dtype=w)
+        # Only the input gradients autograd will use come back (and are computed).
+        need = ctx.needs_input_grad
+        ctx.input_grads = [n for n, i in (("obs", 1), ("h0", 3), ("h0", 4), ("hidden", 5),
+                                          ("hidden", 6)) if need[i]]
         return _finish_forward(ctx, module, r, obs.device)
 
     @staticmethod
@@ -68,16 +84,18 @@ class _ForwardRecorded(torch.autograd.Function):
     """Inputs: module, env_ids, steps, *params. Outputs as _Forward."""
 
     @staticmethod
-    def forward(ctx, module, env_ids, steps, *params):
+    def forward(ctx, module, env_ids, steps, fields, *params):
         ctx.set_materialize_grads(False)
-        r = module.client.forward_recorded(env_ids, steps, keep_tape=module._need_tape)
+        r = module.client.forward_recorded(env_ids, steps, keep_tape=module._need_tape,
+                                           fields=fields, reply_dtype=module.wire)
         module._last_recorded = r
+        ctx.input_grads = ()  # the window's inputs are constants: no input gradient is wanted
         return _finish_forward(ctx, module, r, torch.device("cpu"))
 
     @staticmethod
     def backward(ctx, grad_output, grad_h_n, grad_c_n):
         g = _run_backward(ctx, grad_output, grad_h_n, grad_c_n)
-        return (None, None, None, *_param_grads(ctx, g, 3))
+        return (None, None, None, None, *_param_grads(ctx, g, 4))
 
 
 def _finish_forward(ctx, module, r, device):
@@ -100,12 +118,11 @@ def _run_backward(ctx, grad_output, grad_h_n, grad_c_n):
     if not ctx.tape_id:
         raise RuntimeError("rnnd: no tape was kept for this forward (it ran with grad disabled)")
     if grad_output is None:  # only h_n / c_n were used
-        go = np.zeros(ctx.out_shape, dtype=np.float32)
-    else:
-        go = _np(grad_output.float())
-    g = m.client.backward(ctx.tape_id, go,
-                          _np(grad_h_n), _np(grad_c_n) if m.cell == "lstm" else None,
-                          accumulate=(m.grads == "server"))
+        grad_output = torch.zeros(ctx.out_shape)
+    g = m.client.backward(ctx.tape_id, _wire(grad_output, m.wire), _wire(grad_h_n, m.wire),
+                          _wire(grad_c_n, m.wire) if m.cell == "lstm" else None,
+                          accumulate=(m.grads == "server"), input_grads=ctx.input_grads,
+                          dtype=m.wire)
     return g
 
 
@@ -124,13 +141,17 @@ class RemoteRecurrent(nn.Module):
     """The daemon's GRU/LSTM as an nn.Module (see the module docstring).
 
     client: an rnnd.Client or a "HOST:PORT" target. grads: "local" or "server".
-    pull: copy the daemon's weights into the Parameters now.
+    pull: copy the daemon's weights into the Parameters now. wire: the dtype tensors travel in
+    ("float32", or "bfloat16"/"float16": half the bytes; the daemon computes in fp32).
     """
 
-    def __init__(self, client, grads="local", pull=True):
+    def __init__(self, client, grads="local", pull=True, wire="float32"):
         super().__init__()
         if grads not in ("local", "server"):
             raise ValueError('grads must be "local" or "server"')
+        if wire not in ("float32", "bfloat16", "float16"):
+            raise ValueError('wire must be "float32", "bfloat16" or "float16"')
+        self.wire = wire
         self.client = client if isinstance(client, Client) else Client(client)
         info = self.client.info()
         self.info = info
@@ -227,13 +248,16 @@ class RemoteRecurrent(nn.Module):
                                        *self._params())
         return (out, (h_n, c_n)) if self.cell == "lstm" else (out, h_n)
 
-    def forward_recorded(self, env_ids, steps):
+    def forward_recorded(self, env_ids, steps, fields=None):
         """Forward over the last ``steps`` steps the daemon recorded for each env in env_ids.
         Returns (output [B, T, H], recorded) where recorded is the client's ForwardResult with
-        the recorded obs, is_init, extras [B, T, E] and step_model_version as numpy arrays.
-        Gradients flow to the Parameters (the window's initial state is a constant)."""
+        the recorded obs, is_init, extras [B, T, E] and step_model_version as numpy arrays, or
+        only those named in ``fields`` (e.g. ("is_init", "extras"); None: all). Gradients flow
+        to the Parameters (the window's initial state is a constant)."""
         self._need_tape = self._tape_wanted()
-        out, _, _ = _ForwardRecorded.apply(self, list(env_ids), int(steps), *self._params())
+        fields = None if fields is None else tuple(fields)
+        out, _, _ = _ForwardRecorded.apply(self, list(env_ids), int(steps), fields,
+                                           *self._params())
         r, self._last_recorded = self._last_recorded, None
         return out, r
 

@@ -63,7 +63,8 @@ struct tape_obj {
     int B_all;     // rows of the whole Forward (B, unless this is a part)
     int32_t *rows; // (B) host: a part's rows within the whole Forward, or NULL
     bool has_h0, has_hidden;
-    void *block;          // backend memory
+    void *block;          // backend memory, block_bytes of it
+    size_t block_bytes;
     float *x;             // (B, T, I)
     uint8_t *is_init;     // (B, T)
     float *h0, *c0;       // (B, L, H) or NULL
@@ -137,6 +138,9 @@ struct rnnd_engine {
     // Backend memory of the calls that keep nothing past their reply (work_reserve).
     void *work;
     size_t work_bytes;
+    // The block of the last tape released, for the next tape (tape_block_alloc).
+    void *spare_tape;
+    size_t spare_tape_bytes;
 
     struct rnnd_envtable *envs;
     int envs_reserved;          // slots promised to the new envs of held Step parts
@@ -271,10 +275,36 @@ static void weights_swap(struct rnnd_engine *e, struct weights *w) {
 // ---------------------------------------------------------------------------------------------
 // Tapes
 
+// A learner's Forwards keep tapes of one size, one after the other: the block of a tape that is
+// done is kept for the next one (a fresh block would cost a cudaMalloc and a synchronising
+// cudaFree, or on the CPU a page fault per 4 KB touched).
+static void tape_block_free(struct rnnd_engine *e, void *block, size_t bytes) {
+    if (bytes > e->spare_tape_bytes) {
+        be_free(e, e->spare_tape);
+        e->spare_tape = block;
+        e->spare_tape_bytes = bytes;
+    } else {
+        be_free(e, block);
+    }
+}
+
+// A block of at least bytes for a tape: the spare one when it is not more than twice as big.
+static int tape_block_alloc(struct rnnd_engine *e, size_t bytes, void **out, size_t *got) {
+    if (e->spare_tape && e->spare_tape_bytes >= bytes && e->spare_tape_bytes / 2 <= bytes) {
+        *out = e->spare_tape;
+        *got = e->spare_tape_bytes;
+        e->spare_tape = NULL;
+        e->spare_tape_bytes = 0;
+        return 0;
+    }
+    *got = bytes;
+    return be_alloc(e, bytes, out);
+}
+
 static void tape_release(void *ctx, void *p) {
     struct rnnd_engine *e = ctx;
     struct tape_obj *t = p;
-    be_free(e, t->block);
+    tape_block_free(e, t->block, t->block_bytes);
     weights_unref(e, t->w);
     free(t->rows);
     free(t);
@@ -500,7 +530,7 @@ static void engine_close(struct rnnd_engine *e) {
         free(w);
     }
     void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
-                    e->state_c,    e->d_in,         e->d_outb, e->work};
+                    e->state_c,    e->d_in,         e->d_outb, e->work,  e->spare_tape};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
     if (!e->host_mem) {
@@ -1290,7 +1320,9 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     }
     size_t area_at = (bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
     void *work = NULL;
-    int rc = f->keep_tape ? be_alloc(e, bytes, &block) : work_reserve(e, area_at + l.area_bytes, &block);
+    size_t block_bytes = 0;
+    int rc = f->keep_tape ? tape_block_alloc(e, bytes, &block, &block_bytes)
+                          : work_reserve(e, area_at + l.area_bytes, &block);
     if (rc == 0 && f->keep_tape && l.area_bytes)
         rc = work_reserve(e, l.area_bytes, &work);
     char *host = NULL;
@@ -1365,6 +1397,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
                                   .has_h0 = has_h0,
                                   .has_hidden = has_hidden,
                                   .block = block,
+                                  .block_bytes = block_bytes,
                                   .x = l.x,
                                   .is_init = l.is_init,
                                   .h0 = l.h0,
@@ -1397,8 +1430,8 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     }
     job->err = 0;
 out:
-    if (block != e->work)
-        be_free(e, block);
+    if (block && block != e->work)
+        tape_block_free(e, block, block_bytes);
 }
 
 // Copies n rows of `row` bytes each: dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i].

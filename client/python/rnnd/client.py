@@ -18,7 +18,7 @@ import queue
 import grpc
 import numpy as np
 
-from ._tensor import decode, encode, field
+from ._tensor import decode, encode, encode_field, field
 from .v1 import health_pb2, health_pb2_grpc
 from .v1 import rnnd_pb2 as pb
 from .v1 import rnnd_pb2_grpc
@@ -189,6 +189,10 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=opts)
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         self._stub = rnnd_pb2_grpc.RnnStub(self._channel)
+        # Backward sends the learner's biggest tensor: its request is serialised by hand.
+        self._backward_raw = self._channel.unary_unary(
+            "/rnnd.v1.Rnn/Backward", request_serializer=None,
+            response_deserializer=pb.BackwardReply.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -202,8 +206,8 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, name, request, timeout=None, stub=None):
-        fn = getattr(stub or self._stub, name)
+    def _call(self, name, request, timeout=None, stub=None, fn=None):
+        fn = fn or getattr(stub or self._stub, name)
         try:
             return fn(request, timeout=timeout if timeout is not None else self.timeout,
                       metadata=self._metadata)
@@ -302,12 +306,12 @@ class Client:
                                  reply_dtype=_dtype(reply_dtype))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
-        encode(grad_output, dtype=wire, out=req.grad_output)
         if grad_h_n is not None:
             encode(grad_h_n, dtype=wire, out=req.grad_h_n)
         if grad_c_n is not None:
             encode(grad_c_n, dtype=wire, out=req.grad_c_n)
-        r = self._call("Backward", req)
+        data = b"".join([req.SerializeToString(), *encode_field(2, grad_output, wire)])
+        r = self._call("Backward", data, fn=self._backward_raw)
         return BackwardResult(_unnamed(r.grads), field(r, "grad_obs"), field(r, "grad_h0"),
                               field(r, "grad_c0"), field(r, "grad_hidden"),
                               field(r, "grad_cell"))

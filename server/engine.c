@@ -4,11 +4,13 @@
  * Memory: the backend's memory (host for cpu, device for cuda) holds the weights versions, the
  * gradient buffers, Adam's moments, the env state tables (S, L, H), the trajectory store (every
  * env slot's recorded steps, trajectory.h) and the step buffers sized for --max-batch rows;
- * Forward and Backward allocate one block per call, which a kept tape then owns. Host memory
+ * Forward and Backward work in one block reused from call to call, except a Forward that keeps
+ * its tape, whose block the tape owns (the last released tape's, when it fits). Host memory
  * holds the env table (with each env's ring position in the store) and page-locked staging
  * copies of the step buffers and of the Forward/Backward blocks' inputs and outputs, so that a
  * call costs one copy each way (for the cpu backend the staging buffers are the blocks
- * themselves). Recorded steps never travel through the host, except into a checkpoint.
+ * themselves). Recorded steps come to the host only when a Forward returns them to its client
+ * or a checkpoint is taken.
  *
  * Weights are versioned objects with reference counts: the engine holds the current one, a tape
  * holds the one its Forward used (so Backward differentiates the same weights). ApplyGradients

@@ -1185,7 +1185,9 @@ struct fwd_layout {
     size_t in_bytes, area_bytes;
 };
 
-// The parts of a Forward that travel, in l (io_part.dev) and f (host data and outputs).
+// The parts of a Forward that travel, in l (io_part.dev) and f (host data and outputs). Which
+// parts there are follows from f and the model alone, not from l's pointers: fwd_carve sizes the
+// areas from a layout measured at base NULL.
 static int fwd_parts(struct rnnd_engine *e, struct rnnd_forward_job *f, const struct fwd_layout *l,
                      struct io_part *in, int *nin, struct io_part *out, int *nout) {
     size_t B = (size_t)f->B, BT = B * (size_t)f->T, I = (size_t)e->model.I;
@@ -1196,20 +1198,20 @@ static int fwd_parts(struct rnnd_engine *e, struct rnnd_forward_job *f, const st
     } else {
         in[k++] = (struct io_part){.dev = l->x, .n = BT * I, .host = f->x};
         in[k++] = (struct io_part){.dev = l->is_init, .n = BT, .raw = 1, .host = f->is_init};
-        if (l->h0)
+        if (f->h0)
             in[k++] = (struct io_part){.dev = l->h0, .n = B * LH, .host = f->h0};
-        if (l->c0)
+        if (f->c0)
             in[k++] = (struct io_part){.dev = l->c0, .n = B * LH, .host = f->c0};
-        if (l->hidden)
+        if (f->hidden)
             in[k++] = (struct io_part){.dev = l->hidden, .n = BT * LH, .host = f->hidden};
-        if (l->cell)
+        if (f->cell)
             in[k++] = (struct io_part){.dev = l->cell, .n = BT * LH, .host = f->cell};
     }
     *nin = k;
     k = 0;
     out[k++] = (struct io_part){.dev = l->out, .n = BT * H, .out = &f->out};
     out[k++] = (struct io_part){.dev = l->h_n, .n = B * LH, .out = &f->h_n};
-    if (l->c_n)
+    if (e->lstm)
         out[k++] = (struct io_part){.dev = l->c_n, .n = B * LH, .out = &f->c_n};
     if (f->recorded) {
         unsigned m = f->rec_fields;
@@ -1585,6 +1587,21 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     size_t LH = e->LH, BLH = (size_t)B * LH;
     bool lstm = e->lstm;
     bool want_grads = !g->accumulate && !part;
+    // The reply (of every row of the Backward, also when this is a part) within the limit.
+    uint64_t rows_all = (uint64_t)t->B_all * (uint64_t)T, sl = lstm ? 2 : 1;
+    uint64_t reply = ((want & RNND_GRAD_OBS ? rows_all * I : 0) +
+                      (want & RNND_GRAD_H0 ? (uint64_t)t->B_all * LH * sl : 0) +
+                      (want & RNND_GRAD_HIDDEN ? rows_all * LH * sl : 0) +
+                      (g->accumulate ? 0 : e->P)) *
+                     rnnd_ftype_bytes(g->out_dtype);
+    if (reply + 4096 > (uint64_t)e->cfg.max_message_mb << 20) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_MESSAGE);
+        rnnd_job_fail(job, RNND_EFULL,
+                      "the reply would be %.1f MiB, over --max-message-mb %d; ask for fewer "
+                      "input_grads, a 16-bit reply_dtype, or send fewer rows or steps",
+                      (double)reply / 1048576.0, e->cfg.max_message_mb);
+        return;
+    }
     float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
     // The arrays the op reads and writes (fp32), then the areas that pack what travels
     // (io_part): one copy each way. Gradients not asked for are not computed.
@@ -1604,23 +1621,24 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
         d_gc0 = want & RNND_GRAD_H0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
         d_ghid = want & RNND_GRAD_HIDDEN ? carve(&cv, BT * LH * sizeof(float)) : NULL;
         d_gcell = want & RNND_GRAD_HIDDEN && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        // The parts follow from the request alone (pass 0 measures with NULL pointers).
         nin = nout = 0;
         in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
-        if (d_ghn)
+        if (g->grad_h_n)
             in[nin++] = (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n};
-        if (d_gcn)
+        if (g->grad_c_n)
             in[nin++] = (struct io_part){.dev = d_gcn, .n = BLH, .host = g->grad_c_n};
         if (want_grads)
             outs[nout++] = (struct io_part){.dev = dparams, .n = e->P, .out = &g->grads};
-        if (d_gx)
+        if (want & RNND_GRAD_OBS)
             outs[nout++] = (struct io_part){.dev = d_gx, .n = BT * I, .out = &g->grad_x};
-        if (d_gh0)
+        if (want & RNND_GRAD_H0)
             outs[nout++] = (struct io_part){.dev = d_gh0, .n = BLH, .out = &g->grad_h0};
-        if (d_gc0)
+        if (want & RNND_GRAD_H0 && lstm)
             outs[nout++] = (struct io_part){.dev = d_gc0, .n = BLH, .out = &g->grad_c0};
-        if (d_ghid)
+        if (want & RNND_GRAD_HIDDEN)
             outs[nout++] = (struct io_part){.dev = d_ghid, .n = BT * LH, .out = &g->grad_hidden};
-        if (d_gcell)
+        if (want & RNND_GRAD_HIDDEN && lstm)
             outs[nout++] = (struct io_part){.dev = d_gcell, .n = BT * LH, .out = &g->grad_cell};
         if (pass == 1)
             break;

@@ -638,10 +638,13 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
         g->grad_c_n = (const float *)req->grad_c_n->data.data;
         g->grad_c_n_B = (int)sgot[0];
     }
+    // Gradients of stored states come back only from Forwards that had them, which the engine
+    // knows (it checks the reply against the limit again, with the tape's inputs); here they
+    // count only when asked for by name.
     uint64_t B = (uint64_t)g->B, T = (uint64_t)g->T, LH = (uint64_t)(L * H);
     unsigned w = g->input_grads;
-    uint64_t floats = (w & RNND_GRAD_OBS ? B * T * (uint64_t)I : 0) +
-                      (w & RNND_GRAD_HIDDEN ? 2 * B * T * LH : 0) +
+    bool hidden = g->input_grads_set && (w & RNND_GRAD_HIDDEN);
+    uint64_t floats = (w & RNND_GRAD_OBS ? B * T * (uint64_t)I : 0) + (hidden ? 2 * B * T * LH : 0) +
                       (w & RNND_GRAD_H0 ? 2 * B * LH : 0) + (req->accumulate ? 0 : l->P);
     return reply_fits(l, floats * rnnd_ftype_bytes(g->out_dtype),
                       "send fewer rows or steps per Forward/Backward, ask for fewer input_grads, "

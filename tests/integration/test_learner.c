@@ -980,6 +980,47 @@ static void test_wire_masks_and_refusals(void **state) {
     EXPECT_OK(rnnd_client_end_episodes(f->c, ids, B, NULL));
 }
 
+// A Backward whose reply would pass --max-message-mb (the gradients of stored states, which only
+// the engine knows the Forward had, and fp32 asked for bf16 inputs) is refused with
+// RESOURCE_EXHAUSTED and leaves the tape for a Backward whose reply fits.
+static void test_backward_reply_limit(void **state) {
+    (void)state;
+    struct daemon d;
+    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "16",
+                          "--max-message-mb", "1", "--tape-memory-mb", "64", "--max-batch", "16",
+                          NULL};
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    enum { B = 64, T = 256, H1 = 16 };
+    uint16_t *x = calloc((size_t)B * T * I_, 2), *hid = calloc((size_t)B * T * H1, 2);
+    uint16_t *go = calloc((size_t)B * T * H1, 2);
+    uint8_t *init = calloc((size_t)B * T, 1);
+    struct rnnd_forward_req fq = {
+        .obs = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, x, 3, (int64_t[]){B, T, I_}),
+        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, T}),
+        .hidden = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, hid, 4, (int64_t[]){B, T, 1, H1}),
+        .keep_tape = true};
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+    struct rnnd_backward_req bq = {
+        .tape_id = fr.tape_id,
+        .grad_output = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, go, 3, (int64_t[]){B, T, H1}),
+        .reply_dtype = RNND_DTYPE_FLOAT32}; // grad_obs and grad_hidden: 1.5 MB in fp32
+    struct rnnd_backward_reply br;
+    EXPECT_STATUS(rnnd_client_backward(c, &bq, &br), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    bq.reply_dtype = RNND_DTYPE_UNSPECIFIED; // bf16, as the request: 0.75 MB
+    EXPECT_OK(rnnd_client_backward(c, &bq, &br));
+    assert_true(br.grad_hidden.present && br.grad_hidden.dtype == RNND_DTYPE_BFLOAT16);
+    rnnd_backward_reply_free(&br);
+    rnnd_forward_reply_free(&fr);
+    free(x);
+    free(hid);
+    free(go);
+    free(init);
+    rnnd_client_free(c);
+    daemon_free(&d);
+}
+
 int main(void) {
     const struct CMUnitTest lstm[] = {
         cmocka_unit_test(test_forward_explicit),   cmocka_unit_test(test_backward),
@@ -994,6 +1035,7 @@ int main(void) {
         cmocka_unit_test(test_forward_recorded),
         cmocka_unit_test(test_wire_dtypes),
         cmocka_unit_test(test_wire_masks_and_refusals),
+        cmocka_unit_test(test_backward_reply_limit),
         cmocka_unit_test(test_adam_training),
     };
     int fails = cmocka_run_group_tests_name("learner (lstm, sgd)", lstm, setup_lstm, teardown);

@@ -76,7 +76,8 @@ def row(name, sec, B, T, extra=""):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rnnd", help="the rnnd binary to start (else --target)")
+    ap.add_argument("--rnnd", help="the rnnd binary to start, or a command line that starts it "
+                    "(a bundle's \"BUNDLE/run rnnd\"); else --target")
     ap.add_argument("--target", help="HOST:PORT of a running rnnd (with --http for its metrics)")
     ap.add_argument("--http", help="HOST:PORT of that rnnd's HTTP port")
     ap.add_argument("--backend", default="cpu", help="the daemon's --backend (cpu, cuda, auto)")
@@ -98,7 +99,7 @@ def main():
 
     d = None
     if a.rnnd:
-        d = rnnd.Daemon(binary=a.rnnd, backend=a.backend, input_size=I, hidden_size=H,
+        d = rnnd.Daemon(binary=a.rnnd.split(), backend=a.backend, input_size=I, hidden_size=H,
                         max_envs=max(B, 1024), max_batch=min(B, 4096), trajectory_steps=T,
                         max_message_mb=512, tape_memory_mb=8192).start()
         target, http = d.target, d.http

@@ -883,6 +883,7 @@ static int step_pack(const struct rnnd_step_req *req, uint8_t **buf, size_t *len
     pb.step_index = (uint64_t *)req->step_index;
     pb.extras = pb_tensor(&req->extras, &extras);
     pb.return_state = req->return_state;
+    pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     *len = rnnd__v1__step_request__get_packed_size(&pb);
     *buf = malloc(*len ? *len : 1);
     if (*buf)
@@ -1161,6 +1162,11 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         pb.trajectories = &tr;
     }
     pb.keep_tape = req->keep_tape;
+    pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
+    if (req->has_recorded_fields) {
+        pb._recorded_fields_case = RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
+        pb.recorded_fields = req->recorded_fields;
+    }
     ProtobufCMessage *msg;
     int err = call_pb(c, M_FORWARD, &pb.base, &rnnd__v1__forward_reply__descriptor, &msg);
     if (err)
@@ -1208,6 +1214,11 @@ int rnnd_client_backward(struct rnnd_client *c, const struct rnnd_backward_req *
     pb.grad_h_n = pb_tensor(&req->grad_h_n, &t[1]);
     pb.grad_c_n = pb_tensor(&req->grad_c_n, &t[2]);
     pb.accumulate = req->accumulate;
+    pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
+    if (req->has_input_grads) {
+        pb._input_grads_case = RNND__V1__BACKWARD_REQUEST___INPUT_GRADS_INPUT_GRADS;
+        pb.input_grads = req->input_grads;
+    }
     ProtobufCMessage *msg;
     int err = call_pb(c, M_BACKWARD, &pb.base, &rnnd__v1__backward_reply__descriptor, &msg);
     if (err)

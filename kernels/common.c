@@ -168,6 +168,23 @@ int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
     return 0;
 }
 
+int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_rows *r,
+                    const struct rnnd_model *m, bool write) {
+    if (st == NULL || r == NULL || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    bool lstm = m->cell == RNND_CELL_LSTM;
+    if (r->n < 1 || r->rows == NULL || st->R < 1 || st->E < 0 || (st->E > 0) != (st->extras != NULL))
+        return RNND_EINVAL;
+    if (!st->obs || !st->h || lstm != (st->c != NULL) || !st->is_init || !st->version)
+        return RNND_EINVAL;
+    if ((r->extras && st->E == 0) || (r->c && !lstm))
+        return RNND_EINVAL;
+    if (write && (!r->obs || (st->E && !r->extras) || !r->h || (lstm && !r->c) || !r->is_init ||
+                  !r->version))
+        return RNND_EINVAL;
+    return 0;
+}
+
 int rnnd_optim_check(const struct rnnd_optim *o) {
     if (o == NULL)
         return RNND_EINVAL;
@@ -206,3 +223,106 @@ int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
     return RNND_ENOTSUP;
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Wire dtypes: fp32 <-> bf16 / fp16, round to nearest even.
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof(x));
+    return x;
+}
+
+static inline float bits_f32(uint32_t x) {
+    float f;
+    memcpy(&f, &x, sizeof(f));
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) // NaN stays a (quiet) NaN
+        return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t to_f16(float f) {
+    uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) // Inf, NaN (quiet)
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) // 65520 and above round to Inf
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax >= 0x38800000u) { // a normal half: rebias the exponent, drop 13 mantissa bits
+        uint32_t r = ax - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    if (ax < 0x33000000u) // below half the smallest subnormal (2^-25): zero
+        return (uint16_t)sign;
+    // A subnormal half: the value in units of 2^-24 is m >> shift, rounded to nearest even.
+    uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u)))
+        q++;
+    return (uint16_t)(sign | q);
+}
+
+static inline float from_bf16(uint16_t h) {
+    return bits_f32((uint32_t)h << 16);
+}
+
+static inline float from_f16(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f)
+        return bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e)
+        return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+    if (m == 0)
+        return bits_f32(sign);
+    e = 113; // a subnormal: normalise
+    while (!(m & 0x400u)) {
+        m <<= 1;
+        e--;
+    }
+    return bits_f32(sign | (e << 23) | ((m & 0x3ffu) << 13));
+}
+
+uint16_t rnnd_f32_to_bf16(float f) {
+    return to_bf16(f);
+}
+
+uint16_t rnnd_f32_to_f16(float f) {
+    return to_f16(f);
+}
+
+float rnnd_bf16_to_f32(uint16_t h) {
+    return from_bf16(h);
+}
+
+float rnnd_f16_to_f32(uint16_t h) {
+    return from_f16(h);
+}
+
+void rnnd_cast_host(void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                    enum rnnd_ftype src_dtype, size_t n) {
+    if (dst_dtype == src_dtype) {
+        memmove(dst, src, n * rnnd_ftype_bytes(dst_dtype));
+        return;
+    }
+    float *fd = dst;
+    const float *fs = src;
+    uint16_t *hd = dst;
+    const uint16_t *hs = src;
+    if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_BF16)
+        for (size_t i = 0; i < n; i++)
+            hd[i] = to_bf16(fs[i]);
+    else if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_F16)
+        for (size_t i = 0; i < n; i++)
+            hd[i] = to_f16(fs[i]);
+    else if (src_dtype == RNND_FTYPE_BF16 && dst_dtype == RNND_FTYPE_F32)
+        for (size_t i = 0; i < n; i++)
+            fd[i] = from_bf16(hs[i]);
+    else if (src_dtype == RNND_FTYPE_F16 && dst_dtype == RNND_FTYPE_F32)
+        for (size_t i = 0; i < n; i++)
+            fd[i] = from_f16(hs[i]);
+}

@@ -159,7 +159,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->lr = 1e-3f;
     c->max_grad_norm = 0.0f;
     c->seed = 0;
-    c->max_message_mb = 64;
+    c->max_message_mb = 128;
     c->max_streams = 1024;
     c->max_reply_mb = 1024;
     c->max_connections = 1024;

@@ -2,10 +2,15 @@
  * engine.c: the engine thread and everything it owns (see engine.h).
  *
  * Memory: the backend's memory (host for cpu, device for cuda) holds the weights versions, the
- * gradient buffers, Adam's moments, the env state tables (S, L, H) and the step buffers sized
- * for --max-batch rows; Forward and Backward allocate one block per call, which a kept tape
- * then owns. Host memory holds the env table, the trajectory rings and staging copies of the
- * step buffers (for the cpu backend the staging buffers are the step buffers themselves).
+ * gradient buffers, Adam's moments, the env state tables (S, L, H), the trajectory store (every
+ * env slot's recorded steps, trajectory.h) and the step buffers sized for --max-batch rows;
+ * Forward and Backward work in one block reused from call to call, except a Forward that keeps
+ * its tape, whose block the tape owns (the last released tape's, when it fits). Host memory
+ * holds the env table (with each env's ring position in the store) and page-locked staging
+ * copies of the step buffers and of the Forward/Backward blocks' inputs and outputs, so that a
+ * call costs one copy each way (for the cpu backend the staging buffers are the blocks
+ * themselves). Recorded steps come to the host only when a Forward returns them to its client
+ * or a checkpoint is taken.
  *
  * Weights are versioned objects with reference counts: the engine holds the current one, a tape
  * holds the one its Forward used (so Backward differentiates the same weights). ApplyGradients
@@ -60,7 +65,8 @@ struct tape_obj {
     int B_all;     // rows of the whole Forward (B, unless this is a part)
     int32_t *rows; // (B) host: a part's rows within the whole Forward, or NULL
     bool has_h0, has_hidden;
-    void *block;          // backend memory
+    void *block;          // backend memory, block_bytes of it
+    size_t block_bytes;
     float *x;             // (B, T, I)
     uint8_t *is_init;     // (B, T)
     float *h0, *c0;       // (B, L, H) or NULL
@@ -82,7 +88,7 @@ struct rnnd_engine {
     struct rnnd_comm *local;     // this daemon's engines (Backward parts), or NULL
     struct rnnd_comm *replicas;  // every replica of the weights (may be local), or NULL
     // What this engine last added to the daemon-wide gauges, to which every engine adds its own.
-    int64_t pub_envs, pub_tapes, pub_tape_bytes, pub_queue;
+    int64_t pub_envs, pub_tapes, pub_tape_bytes, pub_queue, pub_store;
     struct rnnd_model model;
     size_t P, LH;
     bool lstm;
@@ -114,20 +120,34 @@ struct rnnd_engine {
     // Two rows per env slot s, s and s + S: a step reads the env's current row (env->half) and
     // writes the other (struct rnnd_step), then flips env->half.
     float *state_h, *state_c; // (2S, L, H)
-    // A batch's inputs (x, slots, slots_new, is_init) and outputs (out, h_before, c_before) each
-    // sit packed in one block, laid out for the batch's row count (step_layout), so that a batch
-    // costs one copy in and one copy out. Sized for --max-batch rows.
+    // A batch's inputs (x, slots, slots_new, is_init; extras, store rows and versions when it is
+    // recorded) and outputs (out; h_before, c_before, which stay on the backend) each sit packed
+    // in one block, laid out for the batch's row count (step_layout), so that a batch costs one
+    // copy in and one copy out. Sized for --max-batch rows.
     char *d_in, *d_outb;
     size_t in_bytes, out_bytes;
     // Host staging (aliases of the above when host_mem).
     char *h_in, *h_outb;
     struct row_ref *rows; // (max_batch)
+    // Every env slot's recorded steps (trajectory.h), when --trajectory-steps > 0.
+    struct rnnd_traj_store store;
+    void *d_store;
+    size_t store_bytes;
+    // Page-locked staging of Forward and Backward inputs and outputs (not with host_mem: those
+    // use their backend block in place), grown on demand.
+    char *xfer;
+    size_t xfer_bytes;
+    // Backend memory of the calls that keep nothing past their reply (work_reserve).
+    void *work;
+    size_t work_bytes;
+    // The block of the last tape released, for the next tape (tape_block_alloc).
+    void *spare_tape;
+    size_t spare_tape_bytes;
 
     struct rnnd_envtable *envs;
     int envs_reserved;          // slots promised to the new envs of held Step parts
     struct rnnd_job *ends_held; // EndEpisodes waiting for held envs (run_end), in arrival order
     struct rnnd_traj_dims tdims;
-    _Atomic bool traj_warned;
     struct rnnd_tapes *tapes;
     uint64_t last_checkpoint_ns; // the last automatic checkpoint tried (written or not)
     // Automatic checkpoints the rotation leaves alone: found at start, newer than the state
@@ -263,10 +283,36 @@ static void weights_swap(struct rnnd_engine *e, struct weights *w) {
 // ---------------------------------------------------------------------------------------------
 // Tapes
 
+// A learner's Forwards keep tapes of one size, one after the other: the block of a tape that is
+// done is kept for the next one (a fresh block would cost a cudaMalloc and a synchronising
+// cudaFree, or on the CPU a page fault per 4 KB touched).
+static void tape_block_free(struct rnnd_engine *e, void *block, size_t bytes) {
+    if (bytes > e->spare_tape_bytes) {
+        be_free(e, e->spare_tape);
+        e->spare_tape = block;
+        e->spare_tape_bytes = bytes;
+    } else {
+        be_free(e, block);
+    }
+}
+
+// A block of at least bytes for a tape: the spare one when it is not more than twice as big.
+static int tape_block_alloc(struct rnnd_engine *e, size_t bytes, void **out, size_t *got) {
+    if (e->spare_tape && e->spare_tape_bytes >= bytes && e->spare_tape_bytes / 2 <= bytes) {
+        *out = e->spare_tape;
+        *got = e->spare_tape_bytes;
+        e->spare_tape = NULL;
+        e->spare_tape_bytes = 0;
+        return 0;
+    }
+    *got = bytes;
+    return be_alloc(e, bytes, out);
+}
+
 static void tape_release(void *ctx, void *p) {
     struct rnnd_engine *e = ctx;
     struct tape_obj *t = p;
-    be_free(e, t->block);
+    tape_block_free(e, t->block, t->block_bytes);
     weights_unref(e, t->w);
     free(t->rows);
     free(t);
@@ -281,8 +327,6 @@ static void tape_gauges(struct rnnd_engine *e) {
 // Envs
 
 static void env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnnd_evict_reason why) {
-    rnnd_traj_free(env->traj);
-    env->traj = NULL;
     rnnd_envtable_remove(e->envs, env);
     atomic_fetch_add_explicit(&rnnd_metrics.evictions[why], 1, memory_order_relaxed);
 }
@@ -298,6 +342,80 @@ static void env_gauges(struct rnnd_engine *e) {
 
 static int engine_restore(struct rnnd_engine *e, char *msg, size_t msglen);
 static void env_gauges(struct rnnd_engine *e);
+
+// Where a batch of n rows keeps its inputs and outputs inside the packed blocks (see
+// struct rnnd_engine): the same offsets on the host and on the device. When steps are recorded
+// the input block also carries each row's extras, store row and model version, and the output
+// block the state each row started from: the backend records the rows from there (traj_write)
+// and only `out` comes back.
+struct step_layout {
+    size_t x, slots, slots_new, init, extras, trows, version, in_used; // in the input block
+    size_t out, out_used; // in the output block: out_used covers what is copied back
+    size_t hb, cb, out_all;
+};
+
+// Offset of a new aligned piece of `bytes` after *used.
+static size_t carve_off(size_t *used, size_t bytes) {
+    size_t at = (*used + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    *used = at + bytes;
+    return at;
+}
+
+static struct step_layout step_layout(const struct rnnd_engine *e, int n) {
+    struct step_layout l = {0};
+    bool record = e->tdims.cap > 0;
+    size_t in = 0, out = 0, rows = (size_t)n, E = (size_t)e->tdims.E;
+    l.x = carve_off(&in, rows * (size_t)e->model.I * sizeof(float));
+    l.slots = carve_off(&in, rows * sizeof(int32_t));
+    l.slots_new = carve_off(&in, rows * sizeof(int32_t));
+    l.init = carve_off(&in, rows);
+    if (record) {
+        l.extras = E ? carve_off(&in, rows * E * sizeof(float)) : 0;
+        l.trows = carve_off(&in, rows * sizeof(int32_t));
+        l.version = carve_off(&in, rows * sizeof(uint64_t));
+    }
+    l.in_used = in;
+    l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
+    l.out_used = out;
+    if (record) {
+        l.hb = carve_off(&out, rows * e->LH * sizeof(float));
+        l.cb = e->lstm ? carve_off(&out, rows * e->LH * sizeof(float)) : 0;
+    }
+    l.out_all = out;
+    return l;
+}
+
+// The trajectory store for every env slot, in the backend's memory (trajectory.h).
+static int store_open(struct rnnd_engine *e, char *msg, size_t msglen) {
+    const struct rnnd_config *c = &e->cfg;
+    if (e->tdims.cap == 0)
+        return 0;
+    size_t row = rnnd_traj_row_bytes(&e->tdims);
+    size_t bytes = rnnd_traj_layout(&e->store, &e->tdims, c->max_envs, NULL);
+    if (bytes == 0) {
+        snprintf(msg, msglen,
+                 "the trajectory store would have %lld rows (--max-envs %d x --trajectory-steps "
+                 "%d), more than %d; lower --max-envs or --trajectory-steps",
+                 (long long)c->max_envs * c->trajectory_steps, c->max_envs, c->trajectory_steps,
+                 INT32_MAX);
+        return RNND_EINVAL;
+    }
+    int rc = e->be.ops->alloc_lazy(e->be.ctx, bytes, &e->d_store);
+    if (rc != 0) {
+        e->d_store = NULL;
+        snprintf(msg, msglen,
+                 "cannot allocate the trajectory store on the %s backend (%s): %.2f GiB = "
+                 "--max-envs %d x --trajectory-steps %d x %zu bytes a step; lower --max-envs or "
+                 "--trajectory-steps (0 records nothing)",
+                 e->backend_name, rnnd_strerror(rc), (double)bytes / (1 << 30), c->max_envs,
+                 c->trajectory_steps, row);
+        return rc;
+    }
+    e->store_bytes = bytes;
+    rnnd_traj_layout(&e->store, &e->tdims, c->max_envs, e->d_store);
+    publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, (int64_t)bytes);
+    return 0;
+}
 
 static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     const struct rnnd_config *c = &e->cfg;
@@ -336,7 +454,6 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     e->be.ops->plan_name(e->be.ctx, &e->model, c->max_batch, e->plan, sizeof(e->plan));
 
     size_t P = e->P, LH = e->LH, S = (size_t)c->max_envs, MB = (size_t)c->max_batch;
-    size_t I = (size_t)e->model.I, H = (size_t)e->model.H;
     const char *what = "weights";
     float *init = malloc(P * sizeof(float));
     e->cur = init ? weights_new(e) : NULL;
@@ -367,10 +484,13 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
         goto oom;
     if (e->lstm && be_alloc(e, 2 * S * LH * sizeof(float), (void **)&e->state_c) != 0)
         goto oom;
+    rc = store_open(e, msg, msglen);
+    if (rc != 0)
+        return rc;
     what = "step buffers (lower --max-batch)";
-    e->in_bytes = MB * I * sizeof(float) + 2 * MB * sizeof(int32_t) + MB + 4 * CARVE_ALIGN;
-    e->out_bytes =
-        MB * H * sizeof(float) + (e->lstm ? 2 : 1) * MB * LH * sizeof(float) + 3 * CARVE_ALIGN;
+    struct step_layout most = step_layout(e, (int)MB);
+    e->in_bytes = most.in_used;
+    e->out_bytes = most.out_all;
     if (be_alloc(e, e->in_bytes, (void **)&e->d_in) != 0 ||
         be_alloc(e, e->out_bytes, (void **)&e->d_outb) != 0)
         goto oom;
@@ -406,13 +526,6 @@ static void engine_close(struct rnnd_engine *e) {
         rnnd_comm_free(e->replicas);
     rnnd_comm_free(e->local);
     e->local = e->replicas = NULL;
-    if (e->envs) {
-        for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
-             env = rnnd_envtable_newer(e->envs, env)) {
-            rnnd_traj_free(env->traj);
-            env->traj = NULL;
-        }
-    }
     rnnd_tapes_free(e->tapes); // releases tapes (and their weights references)
     e->tapes = NULL;
     rnnd_envtable_free(e->envs);
@@ -425,14 +538,17 @@ static void engine_close(struct rnnd_engine *e) {
         be_free(e, w->params);
         free(w);
     }
-    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v,
-                    e->state_h,    e->state_c,      e->d_in,   e->d_outb};
+    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
+                    e->state_c,    e->d_in,         e->d_outb, e->work,  e->spare_tape};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
     if (!e->host_mem) {
         e->be.ops->host_free(e->be.ctx, e->h_in);
         e->be.ops->host_free(e->be.ctx, e->h_outb);
     }
+    e->be.ops->host_free(e->be.ctx, e->xfer);
+    e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
+    publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);
     free(e->rows);
     rnnd_backend_free(&e->be);
 }
@@ -559,19 +675,6 @@ static enum rnnd_batch_admit admit_step(void *ctx, struct rnnd_batch_item *item)
     return RNND_BATCH_ADMIT;
 }
 
-static void record_step(struct rnnd_engine *e, struct rnnd_env *env, const float *obs, bool is_init,
-                        const float *extras, const float *hb, const float *cb, uint64_t version) {
-    if (e->tdims.cap == 0)
-        return;
-    if (env->traj == NULL)
-        env->traj = rnnd_traj_init(&e->tdims);
-    if (env->traj == NULL ||
-        rnnd_traj_push(env->traj, &e->tdims, obs, is_init, extras, hb, cb, version) != 0) {
-        if (!atomic_exchange(&e->traj_warned, true))
-            rnnd_log(RNND_LOG_WARN, "out of memory recording trajectories; steps go unrecorded");
-    }
-}
-
 // The state tables' row that holds env's state, and the one its next step writes.
 static size_t env_row(const struct rnnd_engine *e, const struct rnnd_env *env) {
     return (size_t)env->slot + (env->half ? (size_t)e->cfg.max_envs : 0);
@@ -580,45 +683,12 @@ static size_t env_row_next(const struct rnnd_engine *e, const struct rnnd_env *e
     return (size_t)env->slot + (env->half ? 0 : (size_t)e->cfg.max_envs);
 }
 
-// Where a batch of n rows keeps its inputs and outputs inside the packed blocks (see
-// struct rnnd_engine): the same offsets on the host and on the device.
-struct step_layout {
-    size_t x, slots, slots_new, init, in_used; // in the input block
-    size_t out, hb, cb, out_used; // in the output block; out_used covers what is copied back
-};
-
-// Offset of a new aligned piece of `bytes` after *used.
-static size_t carve_off(size_t *used, size_t bytes) {
-    size_t at = (*used + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
-    *used = at + bytes;
-    return at;
-}
-
-static struct step_layout step_layout(const struct rnnd_engine *e, int n, bool record) {
-    struct step_layout l;
-    size_t in = 0, out = 0, rows = (size_t)n;
-    l.x = carve_off(&in, rows * (size_t)e->model.I * sizeof(float));
-    l.slots = carve_off(&in, rows * sizeof(int32_t));
-    l.slots_new = carve_off(&in, rows * sizeof(int32_t));
-    l.init = carve_off(&in, rows);
-    l.in_used = in;
-    l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
-    size_t out_only = out;
-    l.hb = carve_off(&out, rows * e->LH * sizeof(float));
-    l.cb = e->lstm ? carve_off(&out, rows * e->LH * sizeof(float)) : 0;
-    l.out_used = record ? out : out_only;
-    return l;
-}
-
 // The per-row work after a step that needs no engine-wide state: copy the row's output to its
-// job (and to its env's cache for retries) and record the step in the env's trajectory.
+// job (and to its env's cache for retries).
 struct row_task {
     struct rnnd_engine *e;
     int n;
-    const float *h_x, *h_out, *h_hb, *h_cb;
-    const uint8_t *h_init;
-    bool record;
-    uint64_t version;
+    const float *h_out;
     _Atomic int next; // next chunk's first row
     _Atomic int done; // rows finished
 };
@@ -628,8 +698,7 @@ struct row_task {
 
 static void rows_run(struct row_task *t) {
     struct rnnd_engine *e = t->e;
-    size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
-    size_t E = (size_t)e->cfg.extras_size;
+    size_t H = (size_t)e->model.H;
     for (;;) {
         int first = atomic_fetch_add(&t->next, ROW_CHUNK);
         if (first >= t->n)
@@ -643,11 +712,6 @@ static void rows_run(struct row_task *t) {
             memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
             if (s->step_index)
                 memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
-            if (t->record)
-                record_step(e, env, t->h_x + (size_t)i * I, t->h_init[i] != 0,
-                            s->extras && E ? s->extras + (size_t)r * E : NULL,
-                            t->h_hb + (size_t)i * LH, e->lstm ? t->h_cb + (size_t)i * LH : NULL,
-                            t->version);
         }
         atomic_fetch_add(&t->done, last - first);
     }
@@ -718,17 +782,21 @@ static void row_workers_stop(struct rnnd_engine *e) {
 static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     uint64_t now = rnnd_now_ns();
     size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    size_t E = (size_t)e->tdims.E;
     bool record = e->tdims.cap > 0;
+    uint64_t version = e->cur->version;
     int n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next)
         for (int r = 0; r < job->step.B; r++)
             n += !job->step.repeat[r];
-    struct step_layout lay = step_layout(e, n, record);
+    struct step_layout lay = step_layout(e, n);
     float *h_x = (float *)(e->h_in + lay.x), *h_out = (float *)(e->h_outb + lay.out);
     int32_t *h_slots = (int32_t *)(e->h_in + lay.slots);
     int32_t *h_slots_new = (int32_t *)(e->h_in + lay.slots_new);
     uint8_t *h_init = (uint8_t *)(e->h_in + lay.init);
-    float *h_hb = (float *)(e->h_outb + lay.hb), *h_cb = (float *)(e->h_outb + lay.cb);
+    float *h_extras = (float *)(e->h_in + lay.extras);
+    int32_t *h_trows = (int32_t *)(e->h_in + lay.trows);
+    uint64_t *h_version = (uint64_t *)(e->h_in + lay.version);
     n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
         struct rnnd_step_job *s = &job->step;
@@ -736,15 +804,25 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         for (int r = 0; r < s->B; r++) {
             if (s->repeat[r])
                 continue;
+            struct rnnd_env *env = s->envs[r];
             memcpy(h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
             h_init[n] = s->is_init[r];
-            h_slots[n] = (int32_t)env_row(e, s->envs[r]);
-            h_slots_new[n] = (int32_t)env_row_next(e, s->envs[r]);
+            h_slots[n] = (int32_t)env_row(e, env);
+            h_slots_new[n] = (int32_t)env_row_next(e, env);
+            if (record) {
+                // Where the step is recorded: the env's next ring position (taken only once
+                // the step has run, below). Envs are unique in a batch, so are these rows.
+                h_trows[n] = rnnd_traj_next(&env->traj, &e->tdims, env->slot);
+                h_version[n] = version;
+                if (E && s->extras)
+                    memcpy(h_extras + (size_t)n * E, s->extras + (size_t)r * E, E * sizeof(float));
+                else if (E)
+                    memset(h_extras + (size_t)n * E, 0, E * sizeof(float));
+            }
             e->rows[n] = (struct row_ref){job, r};
             n++;
         }
     }
-    uint64_t version = e->cur->version;
     int rc = 0;
     uint64_t t_kernel = rnnd_now_ns();
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_GATHER], t_kernel - now,
@@ -766,7 +844,21 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         };
         if (rc == 0)
             rc = e->be.ops->rnn_step(e->be.ctx, &st, e->cur->params, &e->model);
-        if (rc == 0) // one copy back: out (and h_before, c_before); copy_out synchronises
+        if (rc == 0 && record) {
+            // The step's rows go into the store where they are, on the backend.
+            struct rnnd_traj_rows tr = {
+                .n = n,
+                .rows = (const int32_t *)(e->d_in + lay.trows),
+                .obs = (float *)st.x,
+                .extras = E ? (float *)(e->d_in + lay.extras) : NULL,
+                .h = st.h_before,
+                .c = st.c_before,
+                .is_init = (uint8_t *)st.is_init,
+                .version = (uint64_t *)(e->d_in + lay.version),
+            };
+            rc = e->be.ops->traj_write(e->be.ctx, &e->store, &tr, &e->model);
+        }
+        if (rc == 0) // one copy back: out; copy_out synchronises
             rc = be_out(e, e->h_outb, e->d_outb, lay.out_used);
         rnnd_metrics_kernel(RNND_OP_STEP, rnnd_now_ns() - t0);
         atomic_fetch_add_explicit(&rnnd_metrics.batches, 1, memory_order_relaxed);
@@ -774,18 +866,23 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         atomic_fetch_add_explicit(&rnnd_metrics.env_steps, (uint64_t)n, memory_order_relaxed);
     }
     if (rc != 0) {
+        // A store row may have been written by now (where a full ring keeps its oldest step):
+        // only a device failure gets that far, and it ends the daemon.
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend step failed: %s", rnnd_strerror(rc));
         rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
     }
-    // Per computed row: the env's bookkeeping (here), then its output row, cached output and
-    // trajectory (rows touch disjoint memory: split across the row workers when there are many).
+    // Per computed row: the env's bookkeeping (here: its state row, its ring of recorded steps),
+    // then its output row and cached output (rows touch disjoint memory: split across the row
+    // workers when there are many).
     uint64_t t_update = rnnd_now_ns();
     for (int i = 0; rc == 0 && i < n; i++) {
         struct rnnd_step_job *s = &e->rows[i].job->step;
         int r = e->rows[i].row;
         struct rnnd_env *env = s->envs[r];
         env->half ^= 1; // its new state is in the other row now
+        if (record)
+            rnnd_traj_push(&env->traj, &e->tdims);
         rnnd_envtable_touch(e->envs, env, now);
         if (s->step_index) {
             env->has_index = true;
@@ -796,15 +893,7 @@ static void run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         }
     }
     if (rc == 0) {
-        struct row_task t = {.e = e,
-                             .n = n,
-                             .h_x = h_x,
-                             .h_out = h_out,
-                             .h_hb = h_hb,
-                             .h_cb = h_cb,
-                             .h_init = h_init,
-                             .record = record,
-                             .version = version};
+        struct row_task t = {.e = e, .n = n, .h_out = h_out};
         rows_parallel(e, &t);
     }
     // Gauges first: a client that reads them after its reply sees its envs.
@@ -980,63 +1069,223 @@ static void run_ends_held(struct rnnd_engine *e) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-struct fwd_layout {
-    float *x;
-    uint8_t *is_init;
-    float *h0, *c0, *hidden, *cell;
-    void *tape;
-    float *out, *h_n, *c_n;
+// Backend memory for the calls that keep nothing past their reply (a Forward without tape, a
+// Backward): one block reused from call to call, grown on demand, so that such calls allocate
+// nothing on the device. 0 or RNND_ENOMEM.
+static int work_reserve(struct rnnd_engine *e, size_t bytes, void **out) {
+    if (bytes > e->work_bytes) {
+        size_t want = bytes > e->work_bytes / 2 * 3 ? bytes : e->work_bytes / 2 * 3;
+        be_free(e, e->work);
+        e->work = NULL;
+        e->work_bytes = 0;
+        if (be_alloc(e, want, &e->work) != 0)
+            return RNND_ENOMEM;
+        e->work_bytes = want;
+    }
+    *out = e->work;
+    return 0;
+}
+
+// Host memory that mirrors `bytes` of a block's input/output region at d_io: the region itself
+// with host_mem (copies between them are then skipped), else the page-locked staging buffer,
+// grown on demand. NULL when out of memory.
+static char *xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes) {
+    if (e->host_mem)
+        return d_io;
+    if (bytes > e->xfer_bytes) {
+        e->be.ops->host_free(e->be.ctx, e->xfer);
+        e->xfer = NULL;
+        size_t want = bytes > e->xfer_bytes / 2 * 3 ? bytes : e->xfer_bytes / 2 * 3;
+        e->xfer_bytes = 0;
+        if (e->be.ops->host_alloc(e->be.ctx, want, (void **)&e->xfer) != 0)
+            return NULL;
+        e->xfer_bytes = want;
+    }
+    return e->xfer;
+}
+
+// What a Forward or Backward moves between the client's tensors (host, the wire's dtypes) and its
+// backend block: float parts (fp32 in the block, `ft` on the host) and raw parts (bytes as they
+// are). Each direction is packed into one area of the block and its mirror in the staging, so it
+// costs one copy, and float parts are converted on the backend (cast). With host_mem and fp32
+// there is nothing to convert: inputs are copied into place and outputs are used where they are.
+struct io_part {
+    void *dev;        // the backend array
+    size_t n;         // elements
+    size_t raw;       // bytes per element of a raw part; 0: a float part
+    const void *host; // an input's data
+    void **out;       // an output: receives the host pointer of its data
 };
 
-static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l, int B, int T,
-                        bool h0, bool hidden, size_t tape_bytes) {
-    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
-    size_t LH = e->LH;
-    l->x = carve(cv, BT * I * sizeof(float));
-    l->is_init = carve(cv, BT);
-    l->h0 = h0 ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
-    l->c0 = h0 && e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+static size_t io_part_bytes(const struct io_part *p, enum rnnd_ftype ft) {
+    return p->n * (p->raw ? p->raw : rnnd_ftype_bytes(ft));
+}
+
+// Bytes of the area that packs k parts (0 when none is needed).
+static size_t io_area_bytes(const struct rnnd_engine *e, const struct io_part *p, int k,
+                            enum rnnd_ftype ft) {
+    if (e->host_mem && ft == RNND_FTYPE_F32)
+        return 0;
+    size_t used = 0;
+    for (int i = 0; i < k; i++)
+        carve_off(&used, io_part_bytes(&p[i], ft));
+    return used;
+}
+
+static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
+                 char *d_area, char *h_area) {
+    int rc = 0;
+    if (e->host_mem && ft == RNND_FTYPE_F32) {
+        for (int i = 0; i < k; i++)
+            memcpy(p[i].dev, p[i].host, io_part_bytes(&p[i], ft));
+        return 0;
+    }
+    size_t used = 0, off[16];
+    for (int i = 0; i < k; i++) {
+        off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
+        memcpy(h_area + off[i], p[i].host, io_part_bytes(&p[i], ft));
+    }
+    rc = be_in(e, d_area, h_area, used);
+    for (int i = 0; rc == 0 && i < k; i++)
+        rc = p[i].raw ? e->be.ops->copy(e->be.ctx, p[i].dev, d_area + off[i], p[i].n * p[i].raw)
+                      : e->be.ops->cast(e->be.ctx, p[i].dev, RNND_FTYPE_F32, d_area + off[i], ft,
+                                        p[i].n);
+    return rc;
+}
+
+// Synchronises (copy_out): the outputs are on the host when it returns 0.
+static int io_out(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
+                  char *d_area, char *h_area) {
+    if (e->host_mem && ft == RNND_FTYPE_F32) {
+        for (int i = 0; i < k; i++)
+            *p[i].out = p[i].dev;
+        return 0;
+    }
+    size_t used = 0, off[16];
+    int rc = 0;
+    for (int i = 0; i < k; i++) {
+        off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
+        if (rc == 0)
+            rc = p[i].raw ? e->be.ops->copy(e->be.ctx, d_area + off[i], p[i].dev, p[i].n * p[i].raw)
+                          : e->be.ops->cast(e->be.ctx, d_area + off[i], ft, p[i].dev,
+                                            RNND_FTYPE_F32, p[i].n);
+        *p[i].out = h_area + off[i];
+    }
+    if (rc == 0)
+        rc = be_out(e, h_area, d_area, used);
+    return rc;
+}
+
+// A Forward's block: the tape, the arrays the op reads and writes (fp32) and the store rows of a
+// recorded window. The areas that pack what travels (io_part: inputs, then outputs) follow it in
+// the work block, or have the work block to themselves when the block is a kept tape's.
+struct fwd_layout {
+    void *tape;
+    float *h0, *c0, *hidden, *cell;
+    float *x;          // (B, T, I)
+    uint8_t *is_init;  // (B, T)
+    float *rec_extras; // (B, T, E) recorded only
+    uint64_t *rec_ver; // (B, T) recorded only
+    float *out, *h_n, *c_n;
+    int32_t *idx;   // recorded: (B*T + B) store rows of the windows, then of their first steps
+    char *area;     // the packed inputs (in_bytes), then the packed outputs; NULL when none
+    size_t in_bytes, area_bytes;
+};
+
+// The parts of a Forward that travel, in l (io_part.dev) and f (host data and outputs). Which
+// parts there are follows from f and the model alone, not from l's pointers: fwd_carve sizes the
+// areas from a layout measured at base NULL.
+static int fwd_parts(struct rnnd_engine *e, struct rnnd_forward_job *f, const struct fwd_layout *l,
+                     struct io_part *in, int *nin, struct io_part *out, int *nout) {
+    size_t B = (size_t)f->B, BT = B * (size_t)f->T, I = (size_t)e->model.I;
+    size_t H = (size_t)e->model.H, LH = e->LH, E = (size_t)e->tdims.E;
+    int k = 0;
+    if (f->recorded) {
+        in[k++] = (struct io_part){.dev = l->idx, .n = BT + B, .raw = 4, .host = NULL};
+    } else {
+        in[k++] = (struct io_part){.dev = l->x, .n = BT * I, .host = f->x};
+        in[k++] = (struct io_part){.dev = l->is_init, .n = BT, .raw = 1, .host = f->is_init};
+        if (f->h0)
+            in[k++] = (struct io_part){.dev = l->h0, .n = B * LH, .host = f->h0};
+        if (f->c0)
+            in[k++] = (struct io_part){.dev = l->c0, .n = B * LH, .host = f->c0};
+        if (f->hidden)
+            in[k++] = (struct io_part){.dev = l->hidden, .n = BT * LH, .host = f->hidden};
+        if (f->cell)
+            in[k++] = (struct io_part){.dev = l->cell, .n = BT * LH, .host = f->cell};
+    }
+    *nin = k;
+    k = 0;
+    out[k++] = (struct io_part){.dev = l->out, .n = BT * H, .out = &f->out};
+    out[k++] = (struct io_part){.dev = l->h_n, .n = B * LH, .out = &f->h_n};
+    if (e->lstm)
+        out[k++] = (struct io_part){.dev = l->c_n, .n = B * LH, .out = &f->c_n};
+    if (f->recorded) {
+        unsigned m = f->rec_fields;
+        if (m & RNND_REC_OBS)
+            out[k++] = (struct io_part){.dev = l->x, .n = BT * I, .out = &f->rec_obs};
+        if ((m & RNND_REC_EXTRAS) && E)
+            out[k++] = (struct io_part){.dev = l->rec_extras, .n = BT * E, .out = &f->rec_extras};
+        if (m & RNND_REC_IS_INIT)
+            out[k++] = (struct io_part){
+                .dev = l->is_init, .n = BT, .raw = 1, .out = (void **)&f->rec_is_init};
+        if (m & RNND_REC_VERSION)
+            out[k++] = (struct io_part){
+                .dev = l->rec_ver, .n = BT, .raw = 8, .out = (void **)&f->rec_version};
+    }
+    *nout = k;
+    return 0;
+}
+
+static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layout *l,
+                        struct rnnd_forward_job *f, bool h0, bool hidden, size_t tape_bytes) {
+    size_t B = (size_t)f->B, BT = B * (size_t)f->T, I = (size_t)e->model.I;
+    size_t H = (size_t)e->model.H, LH = e->LH, E = (size_t)e->tdims.E;
+    bool rec = f->recorded;
+    l->tape = tape_bytes ? carve(cv, tape_bytes) : NULL;
+    l->h0 = h0 ? carve(cv, B * LH * sizeof(float)) : NULL;
+    l->c0 = h0 && e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
     l->hidden = hidden ? carve(cv, BT * LH * sizeof(float)) : NULL;
     l->cell = hidden && e->lstm ? carve(cv, BT * LH * sizeof(float)) : NULL;
-    l->tape = tape_bytes ? carve(cv, tape_bytes) : NULL;
+    l->x = carve(cv, BT * I * sizeof(float));
+    l->is_init = carve(cv, BT);
+    l->rec_extras = rec && E ? carve(cv, BT * E * sizeof(float)) : NULL;
+    l->rec_ver = rec ? carve(cv, BT * sizeof(uint64_t)) : NULL;
     l->out = carve(cv, BT * H * sizeof(float));
-    l->h_n = carve(cv, (size_t)B * LH * sizeof(float));
-    l->c_n = e->lstm ? carve(cv, (size_t)B * LH * sizeof(float)) : NULL;
+    l->h_n = carve(cv, B * LH * sizeof(float));
+    l->c_n = e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
+    l->idx = rec ? carve(cv, (BT + B) * sizeof(int32_t)) : NULL;
+    struct io_part in[8], out[8];
+    int nin, nout;
+    fwd_parts(e, f, l, in, &nin, out, &nout);
+    l->in_bytes = io_area_bytes(e, in, nin, f->in);
+    if (rec && l->in_bytes == 0) // the rows are built on the host: they need the staging
+        l->in_bytes = (BT + B) * sizeof(int32_t);
+    size_t out_bytes = io_area_bytes(e, out, nout, f->out_dtype);
+    l->area_bytes = (l->in_bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN + out_bytes;
     return cv->used;
 }
 
-// Gathers the recorded windows into host arrays owned by the job (rec_*), plus h0/c0.
-static int gather_recorded(struct rnnd_engine *e, struct rnnd_job *job, float **h0, float **c0) {
+// Fills the store rows of a recorded Forward (host: (B*T) rows of the windows, then B rows of
+// their first steps); refuses envs that have recorded fewer than T steps.
+static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *idx) {
     struct rnnd_forward_job *f = &job->fwd;
     int B = f->B, T = f->T;
     for (int b = 0; b < B; b++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
-        int have = env ? rnnd_traj_count(env->traj) : 0;
+        int have = env ? env->traj.count : 0;
         if (have < T)
             return rnnd_job_fail(
                 job, RNND_EPRECOND,
                 "env %" PRIu64 " has %d recorded steps%s, Forward asked for the last %d; "
                 "ask for at most %d steps or step the env more first",
                 f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T, have);
-    }
-    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, LH = e->LH;
-    size_t E = (size_t)e->cfg.extras_size;
-    f->rec_obs = malloc(BT * I * sizeof(float));
-    f->rec_is_init = malloc(BT);
-    f->rec_extras = E ? malloc(BT * E * sizeof(float)) : NULL;
-    f->rec_version = malloc(BT * sizeof(int64_t));
-    *h0 = malloc((size_t)B * LH * sizeof(float));
-    *c0 = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
-    if (!f->rec_obs || !f->rec_is_init || (E && !f->rec_extras) || !f->rec_version || !*h0 ||
-        (e->lstm && !*c0))
-        return rnnd_job_fail(job, RNND_ENOMEM,
-                             "out of host memory gathering %d x %d recorded steps", B, T);
-    for (int b = 0; b < B; b++) {
-        struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
-        size_t bt = (size_t)b * (size_t)T;
-        rnnd_traj_window(env->traj, &e->tdims, T, f->rec_obs + bt * I, f->rec_is_init + bt,
-                         E ? f->rec_extras + bt * E : NULL, f->rec_version + bt,
-                         *h0 + (size_t)b * LH, e->lstm ? *c0 + (size_t)b * LH : NULL);
+        if (idx == NULL)
+            continue;
+        int32_t *row = idx + (size_t)b * (size_t)T;
+        for (int t = 0; t < T; t++)
+            row[t] = rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
+        idx[(size_t)B * (size_t)T + (size_t)b] = row[0];
     }
     return 0;
 }
@@ -1051,22 +1300,13 @@ struct fwd_part {
 static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struct fwd_part *pt) {
     struct rnnd_forward_job *f = &job->fwd;
     int B = f->B, T = f->T;
-    size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
-    size_t LH = e->LH;
-    float *rec_h0 = NULL, *rec_c0 = NULL;
-    const float *x = f->x, *h0 = f->h0, *c0 = f->c0, *hidden = f->hidden, *cell = f->cell;
-    const uint8_t *is_init = f->is_init;
+    size_t BT = (size_t)B * (size_t)T;
+    bool rec = f->recorded;
+    bool has_h0 = rec || f->h0, has_hidden = !rec && f->hidden;
     void *block = NULL;
     struct tape_obj *tobj = NULL;
-    if (f->recorded) {
-        if (gather_recorded(e, job, &rec_h0, &rec_c0) != 0)
-            goto out;
-        x = f->rec_obs;
-        is_init = f->rec_is_init;
-        h0 = rec_h0;
-        c0 = rec_c0;
-        hidden = cell = NULL;
-    }
+    if (rec && recorded_rows(e, job, NULL) != 0)
+        return;
     size_t tape_bytes = 0;
     if (f->keep_tape) {
         tape_bytes = e->be.ops->tape_bytes(e->be.ctx, &e->model, B, T);
@@ -1075,7 +1315,7 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     }
     struct fwd_layout l;
     struct carve cv = {0};
-    size_t bytes = fwd_carve(e, &cv, &l, B, T, h0 != NULL, hidden != NULL, tape_bytes);
+    size_t bytes = fwd_carve(e, &cv, &l, f, has_h0, has_hidden, tape_bytes);
     uint64_t now = rnnd_now_ns();
     if (f->keep_tape && rnnd_tapes_fits(e->tapes, bytes, now) != 0) {
         rnnd_metrics_limit_hit(RNND_LIMIT_TAPE_BYTES);
@@ -1087,31 +1327,52 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
             (double)bytes / 1048576.0, rnnd_tapes_count(e->tapes),
             (double)rnnd_tapes_bytes(e->tapes) / 1048576.0, rnnd_tapes_budget(e->tapes) >> 20,
             e->cfg.tape_ttl_s);
-        goto out;
+        return;
     }
-    f->out = malloc(BT * H * sizeof(float));
-    f->h_n = malloc((size_t)B * LH * sizeof(float));
-    f->c_n = e->lstm ? malloc((size_t)B * LH * sizeof(float)) : NULL;
-    if (!f->out || !f->h_n || (e->lstm && !f->c_n) || be_alloc(e, bytes, (void **)&block) != 0) {
+    size_t area_at = (bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    void *work = NULL;
+    size_t block_bytes = 0;
+    int rc = f->keep_tape ? tape_block_alloc(e, bytes, &block, &block_bytes)
+                          : work_reserve(e, area_at + l.area_bytes, &block);
+    if (rc == 0 && f->keep_tape && l.area_bytes)
+        rc = work_reserve(e, l.area_bytes, &work);
+    char *host = NULL;
+    if (rc == 0) {
+        cv = (struct carve){block, 0};
+        fwd_carve(e, &cv, &l, f, has_h0, has_hidden, tape_bytes);
+        l.area = !l.area_bytes ? NULL : f->keep_tape ? work : (char *)block + area_at;
+        host = l.area ? xfer_host(e, l.area, l.area_bytes) : (char *)block;
+    }
+    if (host == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM,
                       "out of memory for a Forward of %d x %d steps (%.1f MiB on the %s "
                       "backend); send fewer rows or steps",
                       B, T, (double)bytes / 1048576.0, e->backend_name);
         goto out;
     }
-    cv = (struct carve){block, 0};
-    fwd_carve(e, &cv, &l, B, T, h0 != NULL, hidden != NULL, tape_bytes);
-    int rc = be_in(e, l.x, x, BT * I * sizeof(float));
-    if (rc == 0)
-        rc = be_in(e, l.is_init, is_init, BT);
-    if (rc == 0 && h0)
-        rc = be_in(e, l.h0, h0, (size_t)B * LH * sizeof(float));
-    if (rc == 0 && l.c0)
-        rc = be_in(e, l.c0, c0, (size_t)B * LH * sizeof(float));
-    if (rc == 0 && hidden)
-        rc = be_in(e, l.hidden, hidden, BT * LH * sizeof(float));
-    if (rc == 0 && l.cell)
-        rc = be_in(e, l.cell, cell, BT * LH * sizeof(float));
+    struct io_part in[8], outs[8];
+    int nin, nout;
+    fwd_parts(e, f, &l, in, &nin, outs, &nout);
+    size_t out_at = (l.in_bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    if (rec) {
+        // The windows come straight from the store, on the backend: only their rows travel.
+        int32_t *h_idx = (int32_t *)host;
+        recorded_rows(e, job, h_idx);
+        rc = be_in(e, l.idx, h_idx, (BT + (size_t)B) * sizeof(int32_t));
+        struct rnnd_traj_rows win = {.n = (int)BT,
+                                     .rows = l.idx,
+                                     .obs = l.x,
+                                     .extras = l.rec_extras,
+                                     .is_init = l.is_init,
+                                     .version = l.rec_ver};
+        struct rnnd_traj_rows first = {.n = B, .rows = l.idx + BT, .h = l.h0, .c = l.c0};
+        if (rc == 0)
+            rc = e->be.ops->traj_read(e->be.ctx, &win, &e->store, &e->model);
+        if (rc == 0)
+            rc = e->be.ops->traj_read(e->be.ctx, &first, &e->store, &e->model);
+    } else {
+        rc = io_in(e, in, nin, f->in, l.area, host);
+    }
     struct rnnd_seq seq = {.B = B,
                            .T = T,
                            .x = l.x,
@@ -1124,12 +1385,8 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     if (rc == 0)
         rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq, e->cur->params,
                                     &e->model);
-    if (rc == 0)
-        rc = be_out(e, f->out, l.out, BT * H * sizeof(float));
-    if (rc == 0)
-        rc = be_out(e, f->h_n, l.h_n, (size_t)B * LH * sizeof(float));
-    if (rc == 0 && e->lstm)
-        rc = be_out(e, f->c_n, l.c_n, (size_t)B * LH * sizeof(float));
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL, host + out_at);
     rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
@@ -1148,9 +1405,10 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
                                   .B = B,
                                   .T = T,
                                   .B_all = pt ? pt->B_all : B,
-                                  .has_h0 = h0 != NULL,
-                                  .has_hidden = hidden != NULL,
+                                  .has_h0 = has_h0,
+                                  .has_hidden = has_hidden,
                                   .block = block,
+                                  .block_bytes = block_bytes,
                                   .x = l.x,
                                   .is_init = l.is_init,
                                   .h0 = l.h0,
@@ -1183,9 +1441,8 @@ static void run_forward(struct rnnd_engine *e, struct rnnd_job *job, const struc
     }
     job->err = 0;
 out:
-    be_free(e, block);
-    free(rec_h0);
-    free(rec_c0);
+    if (block && block != e->work)
+        tape_block_free(e, block, block_bytes);
 }
 
 // Copies n rows of `row` bytes each: dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i].
@@ -1207,12 +1464,16 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     int n = f->nrows, T = f->T;
     size_t Tz = (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
     size_t E = (size_t)e->cfg.extras_size;
+    size_t fi = rnnd_ftype_bytes(f->in), fo = rnnd_ftype_bytes(f->out_dtype);
     struct rnnd_job sub = {.kind = RNND_JOB_FORWARD};
     struct rnnd_forward_job *s = &sub.fwd;
     s->recorded = f->recorded;
     s->keep_tape = f->keep_tape;
     s->B = n;
     s->T = T;
+    s->in = f->in;
+    s->out_dtype = f->out_dtype;
+    s->rec_fields = f->rec_fields;
     char *block = NULL;
     uint64_t *ids = NULL;
     if (f->recorded) {
@@ -1226,12 +1487,12 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     } else {
         struct carve cv = {0};
         for (int pass = 0; pass < 2; pass++) {
-            s->x = carve(&cv, (size_t)n * Tz * I * sizeof(float));
+            s->x = carve(&cv, (size_t)n * Tz * I * fi);
             s->is_init = carve(&cv, (size_t)n * Tz);
-            s->h0 = f->h0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
-            s->c0 = f->c0 ? carve(&cv, (size_t)n * LH * sizeof(float)) : NULL;
-            s->hidden = f->hidden ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
-            s->cell = f->cell ? carve(&cv, (size_t)n * Tz * LH * sizeof(float)) : NULL;
+            s->h0 = f->h0 ? carve(&cv, (size_t)n * LH * fi) : NULL;
+            s->c0 = f->c0 ? carve(&cv, (size_t)n * LH * fi) : NULL;
+            s->hidden = f->hidden ? carve(&cv, (size_t)n * Tz * LH * fi) : NULL;
+            s->cell = f->cell ? carve(&cv, (size_t)n * Tz * LH * fi) : NULL;
             if (pass == 0) {
                 block = malloc(cv.used);
                 if (block == NULL) {
@@ -1242,16 +1503,16 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                 cv = (struct carve){block, 0};
             }
         }
-        rows_gather((void *)s->x, f->x, rows, n, Tz * I * sizeof(float));
+        rows_gather((void *)s->x, f->x, rows, n, Tz * I * fi);
         rows_gather((void *)s->is_init, f->is_init, rows, n, Tz);
         if (f->h0)
-            rows_gather((void *)s->h0, f->h0, rows, n, LH * sizeof(float));
+            rows_gather((void *)s->h0, f->h0, rows, n, LH * fi);
         if (f->c0)
-            rows_gather((void *)s->c0, f->c0, rows, n, LH * sizeof(float));
+            rows_gather((void *)s->c0, f->c0, rows, n, LH * fi);
         if (f->hidden)
-            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * sizeof(float));
+            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * fi);
         if (f->cell)
-            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * sizeof(float));
+            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * fi);
     }
     struct fwd_part pt = {.tape_id = f->tape_id, .rows = rows, .B_all = f->B};
     run_forward(e, &sub, &pt);
@@ -1259,25 +1520,19 @@ static void run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     memcpy(job->msg, sub.msg, sizeof(job->msg));
     job->model_version = sub.model_version;
     if (sub.err == 0) {
-        rows_scatter(f->out, s->out, rows, n, Tz * H * sizeof(float));
-        rows_scatter(f->h_n, s->h_n, rows, n, LH * sizeof(float));
+        rows_scatter(f->out, s->out, rows, n, Tz * H * fo);
+        rows_scatter(f->h_n, s->h_n, rows, n, LH * fo);
         if (e->lstm)
-            rows_scatter(f->c_n, s->c_n, rows, n, LH * sizeof(float));
-        if (f->recorded) {
-            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * sizeof(float));
+            rows_scatter(f->c_n, s->c_n, rows, n, LH * fo);
+        if (s->rec_obs)
+            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * fo);
+        if (s->rec_is_init)
             rows_scatter(f->rec_is_init, s->rec_is_init, rows, n, Tz);
-            if (E)
-                rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * sizeof(float));
+        if (s->rec_extras)
+            rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * fo);
+        if (s->rec_version)
             rows_scatter(f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
-        }
     }
-    free(s->out);
-    free(s->h_n);
-    free(s->c_n);
-    free(s->rec_obs);
-    free(s->rec_is_init);
-    free(s->rec_extras);
-    free(s->rec_version);
     free(block);
     free(ids);
 }
@@ -1320,58 +1575,101 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
             g->grad_h_n ? g->grad_h_n_B : g->grad_c_n_B, g->tape_id, B, B, e->model.L, e->model.H);
         return;
     }
+    // Input gradients: those asked for (all the Forward had, unless the request said which),
+    // never one of an input the Forward did not have.
+    unsigned want = g->input_grads_set
+                        ? g->input_grads
+                        : RNND_GRAD_OBS | (t->has_h0 ? RNND_GRAD_H0 : 0) |
+                              (t->has_hidden ? RNND_GRAD_HIDDEN : 0);
+    if (((want & RNND_GRAD_H0) && !t->has_h0) || ((want & RNND_GRAD_HIDDEN) && !t->has_hidden)) {
+        rnnd_job_fail(job, RNND_EINVAL,
+                      "input_grads asks for %s but the Forward of tape %" PRIu64
+                      " had no %s; drop that bit",
+                      (want & RNND_GRAD_H0) && !t->has_h0 ? "grad_h0" : "grad_hidden", g->tape_id,
+                      (want & RNND_GRAD_H0) && !t->has_h0 ? "h0 (nor a recorded state)"
+                                                          : "stored states (hidden)");
+        return;
+    }
     size_t BT = (size_t)B * (size_t)T, I = (size_t)e->model.I, H = (size_t)e->model.H;
     size_t LH = e->LH, BLH = (size_t)B * LH;
     bool lstm = e->lstm;
+    bool want_grads = !g->accumulate && !part;
+    // The reply (of every row of the Backward, also when this is a part) within the limit.
+    uint64_t rows_all = (uint64_t)t->B_all * (uint64_t)T, sl = lstm ? 2 : 1;
+    uint64_t reply = ((want & RNND_GRAD_OBS ? rows_all * I : 0) +
+                      (want & RNND_GRAD_H0 ? (uint64_t)t->B_all * LH * sl : 0) +
+                      (want & RNND_GRAD_HIDDEN ? rows_all * LH * sl : 0) +
+                      (g->accumulate ? 0 : e->P)) *
+                     rnnd_ftype_bytes(g->out_dtype);
+    if (reply + 4096 > (uint64_t)e->cfg.max_message_mb << 20) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_MESSAGE);
+        rnnd_job_fail(job, RNND_EFULL,
+                      "the reply would be %.1f MiB, over --max-message-mb %d; ask for fewer "
+                      "input_grads, a 16-bit reply_dtype, or send fewer rows or steps",
+                      (double)reply / 1048576.0, e->cfg.max_message_mb);
+        return;
+    }
+    float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
+    // The arrays the op reads and writes (fp32), then the areas that pack what travels
+    // (io_part): one copy each way. Gradients not asked for are not computed.
     struct carve cv = {0};
     float *d_go, *d_ghn, *d_gcn, *d_gx, *d_gh0, *d_gc0, *d_ghid, *d_gcell;
+    struct io_part in[3], outs[7];
+    int nin, nout;
+    size_t area_at = 0, in_bytes = 0, area_bytes = 0;
     void *block = NULL;
+    char *area = NULL, *host = NULL;
     for (int pass = 0; pass < 2; pass++) {
         d_go = carve(&cv, BT * H * sizeof(float));
         d_ghn = g->grad_h_n ? carve(&cv, BLH * sizeof(float)) : NULL;
         d_gcn = g->grad_c_n ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_gx = carve(&cv, BT * I * sizeof(float));
-        d_gh0 = t->has_h0 ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_gc0 = t->has_h0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
-        d_ghid = t->has_hidden ? carve(&cv, BT * LH * sizeof(float)) : NULL;
-        d_gcell = t->has_hidden && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
-        if (pass == 0) {
-            if (be_alloc(e, cv.used, &block) != 0) {
-                rnnd_job_fail(job, RNND_ENOMEM,
-                              "out of backend memory for a Backward of %d x %d steps", B, T);
-                return;
-            }
-            cv = (struct carve){block, 0};
+        d_gx = want & RNND_GRAD_OBS ? carve(&cv, BT * I * sizeof(float)) : NULL;
+        d_gh0 = want & RNND_GRAD_H0 ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_gc0 = want & RNND_GRAD_H0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
+        d_ghid = want & RNND_GRAD_HIDDEN ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        d_gcell = want & RNND_GRAD_HIDDEN && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        // The parts follow from the request alone (pass 0 measures with NULL pointers).
+        nin = nout = 0;
+        in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
+        if (g->grad_h_n)
+            in[nin++] = (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n};
+        if (g->grad_c_n)
+            in[nin++] = (struct io_part){.dev = d_gcn, .n = BLH, .host = g->grad_c_n};
+        if (want_grads)
+            outs[nout++] = (struct io_part){.dev = dparams, .n = e->P, .out = &g->grads};
+        if (want & RNND_GRAD_OBS)
+            outs[nout++] = (struct io_part){.dev = d_gx, .n = BT * I, .out = &g->grad_x};
+        if (want & RNND_GRAD_H0)
+            outs[nout++] = (struct io_part){.dev = d_gh0, .n = BLH, .out = &g->grad_h0};
+        if (want & RNND_GRAD_H0 && lstm)
+            outs[nout++] = (struct io_part){.dev = d_gc0, .n = BLH, .out = &g->grad_c0};
+        if (want & RNND_GRAD_HIDDEN)
+            outs[nout++] = (struct io_part){.dev = d_ghid, .n = BT * LH, .out = &g->grad_hidden};
+        if (want & RNND_GRAD_HIDDEN && lstm)
+            outs[nout++] = (struct io_part){.dev = d_gcell, .n = BT * LH, .out = &g->grad_cell};
+        if (pass == 1)
+            break;
+        in_bytes = carve_off(&(size_t){io_area_bytes(e, in, nin, g->in)}, 0);
+        area_bytes = in_bytes + io_area_bytes(e, outs, nout, g->out_dtype);
+        area_at = carve_off(&(size_t){cv.used}, 0);
+        if (work_reserve(e, area_at + area_bytes, &block) != 0 ||
+            (area_bytes && (host = xfer_host(e, (char *)block + area_at, area_bytes)) == NULL)) {
+            rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %d x %d steps", B,
+                          T);
+            return;
         }
-    }
-    g->grads = g->accumulate || part ? NULL : malloc(e->P * sizeof(float));
-    g->grad_x = malloc(BT * I * sizeof(float));
-    g->grad_h0 = d_gh0 ? malloc(BLH * sizeof(float)) : NULL;
-    g->grad_c0 = d_gc0 ? malloc(BLH * sizeof(float)) : NULL;
-    g->grad_hidden = d_ghid ? malloc(BT * LH * sizeof(float)) : NULL;
-    g->grad_cell = d_gcell ? malloc(BT * LH * sizeof(float)) : NULL;
-    if ((!g->accumulate && !part && !g->grads) || !g->grad_x || (d_gh0 && !g->grad_h0) ||
-        (d_gc0 && !g->grad_c0) || (d_ghid && !g->grad_hidden) || (d_gcell && !g->grad_cell)) {
-        be_free(e, block);
-        rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward of %d x %d steps", B, T);
-        return;
+        area = area_bytes ? (char *)block + area_at : NULL;
+        cv = (struct carve){block, 0};
     }
     // Everything this part needs is here; from now on it changes state (the tape, and the
     // accumulated gradients), so only if every other part can run too.
-    if (part && !agree(e, ag, true)) {
-        be_free(e, block);
+    if (part && !agree(e, ag, true))
         return;
-    }
-    float *dparams = g->accumulate ? e->grad_accum : e->grad_scratch;
     int rc = 0;
     if (!g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
     if (rc == 0)
-        rc = be_in(e, d_go, g->grad_out, BT * H * sizeof(float));
-    if (rc == 0 && d_ghn)
-        rc = be_in(e, d_ghn, g->grad_h_n, BLH * sizeof(float));
-    if (rc == 0 && d_gcn)
-        rc = be_in(e, d_gcn, g->grad_c_n, BLH * sizeof(float));
+        rc = io_in(e, in, nin, g->in, area, host);
     struct rnnd_seq seq = {.B = B,
                            .T = T,
                            .x = t->x,
@@ -1386,20 +1684,10 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
     if (rc == 0)
         rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
                                      t->w->params, &e->model);
-    if (rc == 0 && !g->accumulate && !part)
-        rc = be_out(e, g->grads, dparams, e->P * sizeof(float));
-    if (rc == 0)
-        rc = be_out(e, g->grad_x, d_gx, BT * I * sizeof(float));
-    if (rc == 0 && d_gh0)
-        rc = be_out(e, g->grad_h0, d_gh0, BLH * sizeof(float));
-    if (rc == 0 && d_gc0)
-        rc = be_out(e, g->grad_c0, d_gc0, BLH * sizeof(float));
-    if (rc == 0 && d_ghid)
-        rc = be_out(e, g->grad_hidden, d_ghid, BT * LH * sizeof(float));
-    if (rc == 0 && d_gcell)
-        rc = be_out(e, g->grad_cell, d_gcell, BT * LH * sizeof(float));
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
+                    host ? host + in_bytes : NULL);
     rnnd_metrics_kernel(RNND_OP_BACKWARD, rnnd_now_ns() - t0);
-    be_free(e, block);
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend backward failed: %s", rnnd_strerror(rc));
@@ -1429,7 +1717,7 @@ static void run_backward(struct rnnd_engine *e, struct rnnd_job *job, struct agr
 static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     struct rnnd_backward_job *g = &job->bwd;
     size_t P = e->P, Tz = (size_t)g->T, I = (size_t)e->model.I, H = (size_t)e->model.H;
-    size_t LH = e->LH;
+    size_t LH = e->LH, fi = rnnd_ftype_bytes(g->in), fo = rnnd_ftype_bytes(g->out_dtype);
     struct agreement ag = {.comm = e->local};
     uint64_t now = rnnd_now_ns(); // one instant for every look at the tape: it cannot expire midway
     int rc = 0;
@@ -1459,17 +1747,17 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     } else {
         int n = t->B;
         const int32_t *rows = t->rows;
-        float *go = malloc((size_t)n * Tz * H * sizeof(float));
-        float *ghn = g->grad_h_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
-        float *gcn = g->grad_c_n ? malloc((size_t)n * LH * sizeof(float)) : NULL;
+        char *go = malloc((size_t)n * Tz * H * fi);
+        char *ghn = g->grad_h_n ? malloc((size_t)n * LH * fi) : NULL;
+        char *gcn = g->grad_c_n ? malloc((size_t)n * LH * fi) : NULL;
         if (!go || (g->grad_h_n && !ghn) || (g->grad_c_n && !gcn)) {
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
         } else {
-            rows_gather(go, g->grad_out, rows, n, Tz * H * sizeof(float));
+            rows_gather(go, g->grad_out, rows, n, Tz * H * fi);
             if (ghn)
-                rows_gather(ghn, g->grad_h_n, rows, n, LH * sizeof(float));
+                rows_gather(ghn, g->grad_h_n, rows, n, LH * fi);
             if (gcn)
-                rows_gather(gcn, g->grad_c_n, rows, n, LH * sizeof(float));
+                rows_gather(gcn, g->grad_c_n, rows, n, LH * fi);
             // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
@@ -1482,6 +1770,10 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                                                  .grad_c_n = gcn,
                                                  .grad_h_n_B = n,
                                                  .grad_c_n_B = n,
+                                                 .in = g->in,
+                                                 .out_dtype = g->out_dtype,
+                                                 .input_grads_set = g->input_grads_set,
+                                                 .input_grads = g->input_grads,
                                                  .accumulate = g->accumulate};
             run_backward(e, &sub, &ag, now);
             struct rnnd_backward_job *sb = &sub.bwd;
@@ -1492,25 +1784,21 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
                 memcpy(job->msg, sub.msg, sizeof(job->msg));
             } else if (!kept) {
                 job->model_version = sub.model_version;
-                rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * sizeof(float));
+                if (g->grad_x && sb->grad_x)
+                    rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * fo);
                 if (g->grad_h0 && sb->grad_h0)
-                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * sizeof(float));
+                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * fo);
                 if (g->grad_c0 && sb->grad_c0)
-                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * sizeof(float));
+                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * fo);
                 if (g->grad_hidden && sb->grad_hidden)
-                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * sizeof(float));
+                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * fo);
                 if (g->grad_cell && sb->grad_cell)
-                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * sizeof(float));
+                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * fo);
             }
             if (kept)
                 ((struct tape_obj *)p)->rows = mine;
             else
                 free(mine);
-            free(sb->grad_x);
-            free(sb->grad_h0);
-            free(sb->grad_c0);
-            free(sb->grad_hidden);
-            free(sb->grad_cell);
         }
         free(go);
         free(ghn);
@@ -1529,8 +1817,14 @@ static void run_backward_part(struct rnnd_engine *e, struct rnnd_job *job) {
     // Every engine joins, also one whose rows failed after the agreement (the Backward then
     // fails with its error), or a peer would wait.
     int crc = rc == 0 ? rnnd_comm_all_reduce(e->local, e->grad_scratch, P) : rc;
-    if (crc == 0 && e->index == 0)
-        crc = be_out(e, g->grads, e->grad_scratch, P * sizeof(float));
+    if (crc == 0 && e->index == 0) {
+        float *sum = g->out_dtype == RNND_FTYPE_F32 ? g->grads : malloc(P * sizeof(float));
+        crc = sum ? be_out(e, sum, e->grad_scratch, P * sizeof(float)) : RNND_ENOMEM;
+        if (crc == 0 && sum != g->grads)
+            rnnd_cast_host(g->grads, g->out_dtype, sum, RNND_FTYPE_F32, P);
+        if (sum != g->grads)
+            free(sum);
+    }
     if (crc != 0 && job->err == 0)
         rnnd_job_fail(job, crc == RNND_EUNAVAIL ? RNND_EUNAVAIL : RNND_EDEVICE,
                       "summing the gradients over this daemon's devices failed: %s",
@@ -1770,6 +2064,74 @@ static void run_sync(struct rnnd_engine *e, struct rnnd_job *job) {
 // ---------------------------------------------------------------------------------------------
 // Checkpoints
 
+// Checkpoints move recorded steps between the store and host arrays in chunks of up to
+// TRAJ_CHUNK rows, through a block laid out as a small store (the work block) and its host
+// mirror: per chunk one copy of the rows' indices in, one traj_read or traj_write, one copy of
+// the columns.
+#define TRAJ_CHUNK 16384
+
+struct traj_chunk {
+    struct rnnd_traj_store d, h; // the chunk's columns on the backend, and on the host
+    int32_t *d_idx, *h_idx;      // (cap) the store rows of the chunk's rows
+    void *block;
+    char *host;
+    size_t bytes;
+    int cap, n;
+};
+
+static int traj_chunk_open(struct rnnd_engine *e, struct traj_chunk *k, int64_t rows) {
+    struct rnnd_traj_dims d = e->tdims;
+    memset(k, 0, sizeof(*k));
+    k->cap = rows < 1 ? 1 : rows < TRAJ_CHUNK ? (int)rows : TRAJ_CHUNK;
+    d.cap = k->cap;
+    size_t idx_at = carve_off(&(size_t){rnnd_traj_layout(&k->d, &d, 1, NULL)}, 0);
+    k->bytes = idx_at + (size_t)k->cap * sizeof(int32_t);
+    if (work_reserve(e, k->bytes, &k->block) != 0 ||
+        (k->host = xfer_host(e, k->block, k->bytes)) == NULL)
+        return RNND_ENOMEM;
+    rnnd_traj_layout(&k->d, &d, 1, k->block);
+    rnnd_traj_layout(&k->h, &d, 1, k->host);
+    k->d_idx = (int32_t *)((char *)k->block + idx_at);
+    k->h_idx = (int32_t *)(k->host + idx_at);
+    return 0;
+}
+
+static struct rnnd_traj_rows traj_chunk_rows(const struct traj_chunk *k) {
+    return (struct rnnd_traj_rows){.n = k->n,
+                                   .rows = k->d_idx,
+                                   .obs = k->d.obs,
+                                   .extras = k->d.extras,
+                                   .h = k->d.h,
+                                   .c = k->d.c,
+                                   .is_init = k->d.is_init,
+                                   .version = k->d.version};
+}
+
+// Copies row i of the chunk's host columns to or from row `at` of checkpoint-shaped arrays.
+static void traj_chunk_row(const struct rnnd_engine *e, const struct traj_chunk *k, int i,
+                           size_t at, float *obs, float *extras, float *h, float *c,
+                           uint8_t *is_init, uint64_t *version, bool to_chunk) {
+    size_t I = (size_t)e->tdims.I, E = (size_t)e->tdims.E, LH = e->LH, r = (size_t)i;
+#define TRAJ_MOVE(dst, src, w) memcpy(dst, src, (w) * sizeof(*(src)))
+#define TRAJ_COL(ck, ar, w)                                                                        \
+    do {                                                                                           \
+        if (to_chunk)                                                                              \
+            TRAJ_MOVE(k->h.ck + r * (w), ar + at * (w), w);                                        \
+        else                                                                                       \
+            TRAJ_MOVE(ar + at * (w), k->h.ck + r * (w), w);                                        \
+    } while (0)
+    TRAJ_COL(obs, obs, I);
+    if (E)
+        TRAJ_COL(extras, extras, E);
+    TRAJ_COL(h, h, LH);
+    if (e->lstm)
+        TRAJ_COL(c, c, LH);
+    TRAJ_COL(is_init, is_init, 1);
+    TRAJ_COL(version, version, 1);
+#undef TRAJ_COL
+#undef TRAJ_MOVE
+}
+
 // Host copies of every env's recorded steps for a checkpoint (env order of the snapshot).
 struct traj_snapshot {
     int64_t *count; // (N)
@@ -1789,6 +2151,25 @@ static void traj_snapshot_free(struct traj_snapshot *t) {
     free(t->version);
 }
 
+// Reads the chunk's rows from the store into t from row `at` on.
+static int traj_snapshot_flush(struct rnnd_engine *e, struct traj_chunk *k, struct traj_snapshot *t,
+                               size_t at) {
+    if (k->n == 0)
+        return 0;
+    struct rnnd_traj_rows r = traj_chunk_rows(k);
+    int rc = be_in(e, k->d_idx, k->h_idx, (size_t)k->n * sizeof(int32_t));
+    if (rc == 0)
+        rc = e->be.ops->traj_read(e->be.ctx, &r, &e->store, &e->model);
+    if (rc == 0)
+        rc = be_out(e, k->host, k->block, k->bytes);
+    for (int i = 0; rc == 0 && i < k->n; i++)
+        traj_chunk_row(e, k, i, at + (size_t)i, t->obs, t->extras, t->h, t->c, t->is_init,
+                       t->version, false);
+    k->n = 0;
+    return rc;
+}
+
+// A consistent copy of the store's recorded steps (the engine thread takes it between jobs).
 static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) {
     const struct rnnd_traj_dims *d = &e->tdims;
     memset(t, 0, sizeof(*t));
@@ -1798,7 +2179,7 @@ static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) 
     int i = 0;
     for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
          env = rnnd_envtable_newer(e->envs, env), i++) {
-        t->count[i] = rnnd_traj_count(env->traj);
+        t->count[i] = env->traj.count;
         t->rows += t->count[i];
     }
     size_t R = (size_t)t->rows + 1, I = (size_t)d->I, E = (size_t)d->E, LH = e->LH;
@@ -1810,15 +2191,22 @@ static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) 
     t->version = malloc(R * sizeof(uint64_t));
     if (!t->obs || (E && !t->extras) || !t->h || (d->lstm && !t->c) || !t->is_init || !t->version)
         return RNND_ENOMEM;
+    struct traj_chunk k;
+    int rc = traj_chunk_open(e, &k, t->rows);
     size_t at = 0;
-    for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
+    for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); rc == 0 && env;
          env = rnnd_envtable_newer(e->envs, env)) {
-        rnnd_traj_export(env->traj, d, t->obs + at * I, t->is_init + at,
-                         E ? t->extras + at * E : NULL, t->version + at, t->h + at * LH,
-                         d->lstm ? t->c + at * LH : NULL);
-        at += (size_t)rnnd_traj_count(env->traj);
+        for (int s = 0; rc == 0 && s < env->traj.count; s++) {
+            k.h_idx[k.n++] = rnnd_traj_row(&env->traj, d, env->slot, env->traj.count, s);
+            if (k.n == k.cap) {
+                rc = traj_snapshot_flush(e, &k, t, at);
+                at += (size_t)k.cap;
+            }
+        }
     }
-    return 0;
+    if (rc == 0)
+        rc = traj_snapshot_flush(e, &k, t, at);
+    return rc;
 }
 
 // Writes a checkpoint into dir (resolved). 0 or an error with the reason in msg.
@@ -1974,32 +2362,41 @@ static int checkpoint_auto(struct rnnd_engine *e, const char *why) {
 // Drops every env (and its recorded steps): undoes a restore that failed half way.
 static void envs_clear(struct rnnd_engine *e) {
     struct rnnd_env *env;
-    while ((env = rnnd_envtable_oldest(e->envs))) {
-        rnnd_traj_free(env->traj);
-        env->traj = NULL;
+    while ((env = rnnd_envtable_oldest(e->envs)))
         rnnd_envtable_remove(e->envs, env);
-    }
 }
 
-// Rebuilds env's ring from rows [at, at + n) of the checkpoint's trajectories.
-static int restore_traj(struct rnnd_engine *e, struct rnnd_env *env,
+// Writes the chunk's rows into the store.
+static int restore_traj_flush(struct rnnd_engine *e, struct traj_chunk *k) {
+    if (k->n == 0)
+        return 0;
+    struct rnnd_traj_rows r = traj_chunk_rows(k);
+    int rc = be_in(e, k->block, k->host, k->bytes);
+    if (rc == 0)
+        rc = e->be.ops->traj_write(e->be.ctx, &e->store, &r, &e->model);
+    if (rc == 0) // the host mirror is refilled next: the copy from it must be done
+        rc = e->be.ops->sync(e->be.ctx);
+    k->n = 0;
+    return rc;
+}
+
+// Rebuilds env's ring from rows [at, at + n) of the checkpoint's trajectories, through k.
+static int restore_traj(struct rnnd_engine *e, struct traj_chunk *k, struct rnnd_env *env,
                         const struct rnnd_checkpoint *ck, size_t at, int64_t n) {
     const struct rnnd_traj_dims *d = &e->tdims;
-    size_t I = (size_t)d->I, E = (size_t)d->E, LH = e->LH;
-    if (n == 0)
-        return 0;
-    env->traj = rnnd_traj_init(d);
-    if (env->traj == NULL)
-        return RNND_ENOMEM;
     // A ring shorter than the checkpoint's (a lower --trajectory-steps) keeps the newest steps.
-    for (size_t k = at; k < at + (size_t)n; k++) {
-        int rc = rnnd_traj_push(env->traj, d, ck->traj_obs + k * I, ck->traj_is_init[k] != 0,
-                                E ? ck->traj_extras + k * E : NULL, ck->traj_h + k * LH,
-                                e->lstm ? ck->traj_c + k * LH : NULL, ck->traj_version[k]);
-        if (rc != 0)
-            return rc;
+    int64_t skip = n > d->cap ? n - d->cap : 0;
+    int rc = 0;
+    for (int64_t s = skip; rc == 0 && s < n; s++) {
+        k->h_idx[k->n] = rnnd_traj_next(&env->traj, d, env->slot);
+        traj_chunk_row(e, k, k->n, at + (size_t)s, (float *)ck->traj_obs,
+                       (float *)ck->traj_extras, (float *)ck->traj_h, (float *)ck->traj_c,
+                       (uint8_t *)ck->traj_is_init, (uint64_t *)ck->traj_version, true);
+        rnnd_traj_push(&env->traj, d);
+        if (++k->n == k->cap)
+            rc = restore_traj_flush(e, k);
     }
-    return 0;
+    return rc;
 }
 
 // Loads a checkpoint read from disk into the (fresh) engine. Nothing changes on failure.
@@ -2031,6 +2428,9 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
     uint64_t now = rnnd_now_ns();
     int rc = 0, elsewhere = 0;
     size_t at = 0;
+    struct traj_chunk k;
+    if (traj)
+        rc = traj_chunk_open(e, &k, ck->traj_rows);
     for (int i = 0; i < ck->n_envs && rc == 0; i++) {
         struct rnnd_env *env;
         if (e->count > 1 && rnnd_place(ck->env_ids[i], e->count) != e->index) {
@@ -2059,10 +2459,12 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         if (rc == 0 && e->lstm)
             rc = be_in(e, e->state_c + off, ck->env_c + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && traj)
-            rc = restore_traj(e, env, ck, at, ck->traj_count[i]);
+            rc = restore_traj(e, &k, env, ck, at, ck->traj_count[i]);
         if (ck->traj_count)
             at += (size_t)ck->traj_count[i];
     }
+    if (rc == 0 && traj)
+        rc = restore_traj_flush(e, &k);
     if (rc == 0 && e->adam_m) {
         bool same = strcmp(d->optimizer, "adam") == 0 && ck->exp_avg;
         if (same) {

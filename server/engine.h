@@ -94,7 +94,21 @@ struct rnnd_end_job {
     uint64_t released;       // out
 };
 
+// What a recorded Forward returns besides out, h_n, c_n (rnnd.v1.RecordedField bits), and which
+// gradients of its inputs a Backward returns (rnnd.v1.InputGrad bits).
+#define RNND_REC_OBS      1u
+#define RNND_REC_IS_INIT  2u
+#define RNND_REC_EXTRAS   4u
+#define RNND_REC_VERSION  8u
+#define RNND_REC_ALL      15u
+#define RNND_GRAD_OBS     1u
+#define RNND_GRAD_H0      2u // and grad_c0
+#define RNND_GRAD_HIDDEN  4u // and grad_cell
+#define RNND_GRAD_ALL     7u
+
 // Forward over explicit trajectories (recorded false) or the last T recorded steps of envs.
+// Float inputs arrive in dtype `in`, float outputs leave in dtype `out` (the wire's; the engine
+// converts on the backend: rnnd_backend_ops.cast).
 //
 // A part (several engines share one Forward, group.c): the inputs hold all B rows and this engine
 // runs rows[0..nrows) of them (env_ids too are all B); the outputs are allocated by the submitter
@@ -104,22 +118,25 @@ struct rnnd_forward_job {
     bool recorded;
     bool keep_tape;
     int B, T;
+    enum rnnd_ftype in, out_dtype;
     // Explicit (host, borrowed):
-    const float *x;         // (B, T, I)
+    const void *x;          // (B, T, I)
     const uint8_t *is_init; // (B, T)
-    const float *h0, *c0;   // (B, L, H) or NULL
-    const float *hidden;    // (B, T, L, H) or NULL
-    const float *cell;      // (B, T, L, H) or NULL
+    const void *h0, *c0;    // (B, L, H) or NULL
+    const void *hidden;     // (B, T, L, H) or NULL
+    const void *cell;       // (B, T, L, H) or NULL
     // Recorded:
     const uint64_t *env_ids; // (B) unique
-    // Outputs, allocated by the engine with malloc; the submitter frees them:
-    float *out;           // (B, T, H)
-    float *h_n, *c_n;     // (B, L, H); c_n LSTM
+    unsigned rec_fields;     // RNND_REC_* bits: the recorded tensors returned
+    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
+    // or for a part the submitter's arrays for all B rows:
+    void *out;            // (B, T, H)
+    void *h_n, *c_n;      // (B, L, H); c_n LSTM
     uint64_t tape_id;     // 0 unless keep_tape
-    float *rec_obs;       // (B, T, I) recorded only
-    uint8_t *rec_is_init; // (B, T)
-    float *rec_extras;    // (B, T, E) when E > 0
-    int64_t *rec_version; // (B, T)
+    void *rec_obs;        // (B, T, I) recorded, RNND_REC_OBS
+    uint8_t *rec_is_init; // (B, T) RNND_REC_IS_INIT
+    void *rec_extras;     // (B, T, E) when E > 0, RNND_REC_EXTRAS
+    int64_t *rec_version; // (B, T) RNND_REC_VERSION
     // Parts only:
     bool part;
     const int32_t *rows; // (nrows) ascending row indices
@@ -135,20 +152,26 @@ struct rnnd_forward_job {
 struct rnnd_backward_job {
     uint64_t tape_id;
     int B, T;                   // dims of grad_output as sent (checked against the tape)
-    const float *grad_out;      // (B, T, H)
-    const float *grad_h_n;      // (B, L, H) or NULL
-    const float *grad_c_n;      // (B, L, H) or NULL
+    enum rnnd_ftype in, out_dtype; // of the float inputs and outputs, as for Forward
+    const void *grad_out;       // (B, T, H)
+    const void *grad_h_n;       // (B, L, H) or NULL
+    const void *grad_c_n;       // (B, L, H) or NULL
     int grad_h_n_B, grad_c_n_B; // their first dims as sent
     bool accumulate;
+    bool input_grads_set;       // false: every input gradient the Forward had, else these:
+    unsigned input_grads;       // RNND_GRAD_* bits (asking for an input the Forward had not is
+                                // refused)
     bool part;
     bool has_part; // part only: this engine holds rows of the tape
-    // Outputs, malloc'd by the engine (by the submitter for a part); the submitter frees them:
-    float *grads;       // (P) unless accumulate
-    float *grad_x;      // (B, T, I)
-    float *grad_h0;     // (B, L, H) when the Forward started from h0 (or a recorded state)
-    float *grad_c0;     // (B, L, H) LSTM, likewise
-    float *grad_hidden; // (B, T, L, H) when the Forward had stored states
-    float *grad_cell;   // (B, T, L, H) LSTM, likewise
+    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
+    // or for a part the submitter's arrays for all B rows:
+    void *grads;       // (P) unless accumulate
+    void *grad_x;      // (B, T, I) RNND_GRAD_OBS
+    void *grad_h0;     // (B, L, H) RNND_GRAD_H0, when the Forward started from h0 (or a
+                       // recorded state)
+    void *grad_c0;     // (B, L, H) LSTM, likewise
+    void *grad_hidden; // (B, T, L, H) RNND_GRAD_HIDDEN, when the Forward had stored states
+    void *grad_cell;   // (B, T, L, H) LSTM, likewise
 };
 
 // With replicas (engines sharing a communicator) the accumulated gradients are summed over every

@@ -2,7 +2,8 @@
  * envtable.h: env id -> state slot. Each env that holds state owns one slot index into the
  * engine's state tables on the backend (state_h (S, L, H) and state_c), plus what the daemon
  * remembers about it: the last step_index and output (for retry-safe steps), when it was last
- * used (idle eviction, oldest first) and its trajectory ring.
+ * used (idle eviction, oldest first) and where its ring of recorded steps stands (its rows of the
+ * trajectory store are its slot's: trajectory.h).
  *
  * The table has a fixed capacity S = --max-envs; entries are preallocated and an entry's index
  * is its slot, so adding and removing never allocate. Engine thread only: no locks.
@@ -14,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct rnnd_traj;
+#include "trajectory.h"
 
 struct rnnd_env {
     uint64_t id;
@@ -24,7 +25,7 @@ struct rnnd_env {
     uint64_t last_index; // step_index of the latest step
     uint64_t last_used_ns;
     uint64_t out_version;   // model version that computed the cached output
-    struct rnnd_traj *traj; // recorded steps, or NULL; owned by the engine
+    struct rnnd_traj_ring traj; // its recorded steps in the trajectory store
     bool held;              // engine: a Step part admitted for it waits for its other devices
     bool half;              // engine: its state is in table row slot + S (else slot)
     // Private to envtable.c:
@@ -45,7 +46,7 @@ struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id);
 int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns, struct rnnd_env **out);
 // Marks e used at now_ns (it becomes the newest for eviction).
 void rnnd_envtable_touch(struct rnnd_envtable *t, struct rnnd_env *e, uint64_t now_ns);
-// Removes e and frees its slot. e->traj must already be released by the caller.
+// Removes e and frees its slot (its recorded steps are gone with it).
 void rnnd_envtable_remove(struct rnnd_envtable *t, struct rnnd_env *e);
 // The least recently used entry, or NULL when empty.
 struct rnnd_env *rnnd_envtable_oldest(const struct rnnd_envtable *t);

@@ -98,8 +98,16 @@ struct fan {
     int32_t *rows[RNND_MAX_DEVICES]; // Step: each part's rows in the parent
     float *copy[RNND_MAX_DEVICES];   // GetWeights: each device's weights (part 0: the parent's)
     struct rnnd_step_vote vote;      // Step
+    // Forward, Backward: the parent's outputs, which the parts fill and the fan frees once the
+    // parent's done has returned (outputs are valid until then: engine.h).
+    void *outputs[8];
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
+
+static void outputs_free(void *const *p, int n) {
+    for (int i = 0; i < n; i++)
+        free(p[i]);
+}
 
 // Bump allocation of a fan and its arrays in one calloc: measure with base NULL, then carve.
 struct bump {
@@ -135,6 +143,7 @@ static void part_done(struct rnnd_job *part) {
     if (f->finish)
         f->finish(f);
     p->done(p);
+    outputs_free(f->outputs, 8);
     free(f);
 }
 
@@ -165,6 +174,7 @@ static void fan_submit(struct fan *f) {
         // The engines stop taking jobs one after the other: the job goes to none of them.
         rnnd_job_fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         f->parent->done(f->parent);
+        outputs_free(f->outputs, 8);
         free(f);
     }
 }
@@ -425,28 +435,32 @@ static bool forward_undo(struct fan *f) {
 
 static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     struct rnnd_forward_job *fw = &job->fwd;
-    size_t B = (size_t)fw->B, Tz = (size_t)fw->T;
-    fw->out = malloc(B * Tz * g->H * sizeof(float));
-    fw->h_n = malloc(B * g->LH * sizeof(float));
-    fw->c_n = g->lstm ? malloc(B * g->LH * sizeof(float)) : NULL;
+    size_t B = (size_t)fw->B, Tz = (size_t)fw->T, fb = rnnd_ftype_bytes(fw->out_dtype);
+    unsigned m = fw->rec_fields;
+    fw->out = malloc(B * Tz * g->H * fb);
+    fw->h_n = malloc(B * g->LH * fb);
+    fw->c_n = g->lstm ? malloc(B * g->LH * fb) : NULL;
     bool rec = fw->recorded;
-    if (rec) {
-        fw->rec_obs = malloc(B * Tz * g->I * sizeof(float));
-        fw->rec_is_init = malloc(B * Tz);
-        fw->rec_extras = g->E ? malloc(B * Tz * g->E * sizeof(float)) : NULL;
-        fw->rec_version = malloc(B * Tz * sizeof(int64_t));
-    }
+    fw->rec_obs = m & RNND_REC_OBS ? malloc(B * Tz * g->I * fb) : NULL;
+    fw->rec_is_init = m & RNND_REC_IS_INIT ? malloc(B * Tz) : NULL;
+    fw->rec_extras = m & RNND_REC_EXTRAS && g->E ? malloc(B * Tz * g->E * fb) : NULL;
+    fw->rec_version = m & RNND_REC_VERSION ? malloc(B * Tz * sizeof(int64_t)) : NULL;
     struct bump b = {0};
     struct fan *f = NULL;
-    if (fw->out && fw->h_n && (!g->lstm || fw->c_n) &&
-        (!rec || (fw->rec_obs && fw->rec_is_init && (!g->E || fw->rec_extras) &&
-                  fw->rec_version)))
+    if (fw->out && fw->h_n && (!g->lstm || fw->c_n) && (!(m & RNND_REC_OBS) || fw->rec_obs) &&
+        (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
+        (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
+        (!(m & RNND_REC_VERSION) || fw->rec_version))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
+    void *outs[] = {fw->out, fw->h_n, fw->c_n, fw->rec_obs, fw->rec_is_init, fw->rec_extras,
+                    fw->rec_version};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
-        job->done(job); // the service frees the outputs
+        job->done(job);
+        outputs_free(outs, 7);
         return;
     }
+    memcpy(f->outputs, outs, sizeof(outs));
     f->finish = forward_merge;
     f->undo = forward_undo;
     int32_t *rows = take(&b, B * sizeof(int32_t));
@@ -516,24 +530,33 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
         return;
     }
     size_t B = (size_t)bw->B, Tz = (size_t)bw->T, BLH = B * g->LH;
-    bool h0 = id & TAPE_H0_BIT, hidden = id & TAPE_HIDDEN_BIT;
-    bw->grads = bw->accumulate ? NULL : malloc(g->P * sizeof(float));
-    bw->grad_x = malloc(B * Tz * g->I * sizeof(float));
-    bw->grad_h0 = h0 ? malloc(BLH * sizeof(float)) : NULL;
-    bw->grad_c0 = h0 && g->lstm ? malloc(BLH * sizeof(float)) : NULL;
-    bw->grad_hidden = hidden ? malloc(Tz * BLH * sizeof(float)) : NULL;
-    bw->grad_cell = hidden && g->lstm ? malloc(Tz * BLH * sizeof(float)) : NULL;
+    size_t fb = rnnd_ftype_bytes(bw->out_dtype);
+    // The input gradients asked for among those the Forward had (the parts refuse any other).
+    unsigned want = bw->input_grads_set ? bw->input_grads : RNND_GRAD_ALL;
+    bool x = want & RNND_GRAD_OBS;
+    bool h0 = (id & TAPE_H0_BIT) && (want & RNND_GRAD_H0);
+    bool hidden = (id & TAPE_HIDDEN_BIT) && (want & RNND_GRAD_HIDDEN);
+    bw->grads = bw->accumulate ? NULL : malloc(g->P * fb);
+    bw->grad_x = x ? malloc(B * Tz * g->I * fb) : NULL;
+    bw->grad_h0 = h0 ? malloc(BLH * fb) : NULL;
+    bw->grad_c0 = h0 && g->lstm ? malloc(BLH * fb) : NULL;
+    bw->grad_hidden = hidden ? malloc(Tz * BLH * fb) : NULL;
+    bw->grad_cell = hidden && g->lstm ? malloc(Tz * BLH * fb) : NULL;
     struct bump b;
     struct fan *f = NULL;
-    if ((bw->accumulate || bw->grads) && bw->grad_x && (!h0 || bw->grad_h0) &&
+    if ((bw->accumulate || bw->grads) && (!x || bw->grad_x) && (!h0 || bw->grad_h0) &&
         (!h0 || !g->lstm || bw->grad_c0) && (!hidden || bw->grad_hidden) &&
         (!hidden || !g->lstm || bw->grad_cell))
         f = fan_new(g, job, 0, &b);
+    void *outs[] = {bw->grads, bw->grad_x, bw->grad_h0, bw->grad_c0, bw->grad_hidden,
+                    bw->grad_cell};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %zu x %zu steps", B, Tz);
         job->done(job);
+        outputs_free(outs, 6);
         return;
     }
+    memcpy(f->outputs, outs, sizeof(outs));
     f->finish = backward_merge;
     // Every device has its say before any runs its rows (engine.h), and without accumulate
     // every device joins the sum of the gradients.

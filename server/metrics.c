@@ -448,6 +448,11 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "StepStreams, and calls whose reply their client did not read.\n"
         "# TYPE rnnd_stream_idle_timeouts_total counter\nrnnd_stream_idle_timeouts_total %llu\n",
         (unsigned long long)ld(&m->stream_idle_ends));
+    put(&b,
+        "# HELP rnnd_trajectory_store_bytes Backend memory of the trajectory store (every env "
+        "slot's recorded steps: --max-envs x --trajectory-steps rows, on each device).\n"
+        "# TYPE rnnd_trajectory_store_bytes gauge\nrnnd_trajectory_store_bytes %lld\n",
+        (long long)lds(&m->traj_store_bytes));
     if (b.err) {
         free(b.p);
         return b.err;

@@ -117,6 +117,7 @@ struct rnnd_metrics {
     _Atomic int64_t health_watches;     // grpc.health.v1 Watch streams open
     _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
     _Atomic(const char *) backend;      // "cpu" or "cuda" (static) once the engine runs, or NULL
+    _Atomic int64_t traj_store_bytes;   // backend memory of the trajectory stores
 };
 
 extern struct rnnd_metrics rnnd_metrics;

@@ -213,6 +213,69 @@ static int f32_check(const Tensor *t, const char *name, int ndim, const int64_t 
     return rc ? rc : finite_check(t, name, err);
 }
 
+// Refuses NaN and Inf in the 16-bit floats of t: exponent bits all set (bf16 0x7f80, fp16
+// 0x7c00).
+static int finite16_check(const Tensor *t, const char *name, uint16_t exp_mask, char *err) {
+    const uint8_t *p = t->data.data;
+    for (size_t i = 0; i < t->data.len / 2; i++) {
+        uint16_t v = (uint16_t)(p[2 * i] | (p[2 * i + 1] << 8));
+        if ((v & exp_mask) == exp_mask)
+            return errf(err, RNND_EINVAL, "%s: element %zu is %s; send finite values", name, i,
+                        (v & (uint16_t)~(exp_mask | 0x8000u)) ? "NaN" : "Inf");
+    }
+    return 0;
+}
+
+static bool float_dtype(int dt) {
+    return dt == RNND__V1__DTYPE__FLOAT32 || dt == RNND__V1__DTYPE__BFLOAT16 ||
+           dt == RNND__V1__DTYPE__FLOAT16;
+}
+
+enum rnnd_ftype rnnd_request_ftype(int dtype) {
+    return dtype == RNND__V1__DTYPE__BFLOAT16  ? RNND_FTYPE_BF16
+           : dtype == RNND__V1__DTYPE__FLOAT16 ? RNND_FTYPE_F16
+                                               : RNND_FTYPE_F32;
+}
+
+int rnnd_request_dtype_of(enum rnnd_ftype ft) {
+    return ft == RNND_FTYPE_BF16  ? RNND__V1__DTYPE__BFLOAT16
+           : ft == RNND_FTYPE_F16 ? RNND__V1__DTYPE__FLOAT16
+                                  : RNND__V1__DTYPE__FLOAT32;
+}
+
+// A float tensor of a request: FLOAT32, BFLOAT16 or FLOAT16, the dtype of the request's other
+// float tensors (*dt: 0 until the first one is checked, then its dtype), finite.
+static int float_check(const Tensor *t, const char *name, int ndim, const int64_t *want,
+                       const char *layout, int64_t *got, int *dt, const char *first, char *err) {
+    if (present(t) && !float_dtype(t->dtype))
+        return errf(err, RNND_EINVAL,
+                    "%s: dtype %s is not accepted; send FLOAT32, BFLOAT16 or FLOAT16 %s", name,
+                    dtype_name(t->dtype), layout);
+    if (present(t) && *dt && (int)t->dtype != *dt)
+        return errf(err, RNND_EINVAL,
+                    "%s is %s but %s is %s; send every float tensor of a request in one dtype",
+                    name, dtype_name(t->dtype), first, dtype_name(*dt));
+    int want_dt = present(t) ? (int)t->dtype : *dt ? *dt : RNND__V1__DTYPE__FLOAT32;
+    int rc = tensor_check(t, name, want_dt, ndim, want, layout, got, err);
+    if (rc)
+        return rc;
+    *dt = want_dt;
+    if (want_dt == RNND__V1__DTYPE__FLOAT32)
+        return finite_check(t, name, err);
+    return finite16_check(t, name, want_dt == RNND__V1__DTYPE__BFLOAT16 ? 0x7f80u : 0x7c00u, err);
+}
+
+// The dtype of a reply's float tensors: reply_dtype when set, else the request's (in).
+static int reply_dtype(int reply, int in, enum rnnd_ftype *out, char *err) {
+    if (reply != RNND__V1__DTYPE__DTYPE_UNSPECIFIED && !float_dtype(reply))
+        return errf(err, RNND_EINVAL,
+                    "reply_dtype %s is not one the daemon sends; send FLOAT32, BFLOAT16 or FLOAT16, "
+                    "or leave it unset for the request's own",
+                    dtype_name(reply));
+    *out = rnnd_request_ftype(reply ? reply : in);
+    return 0;
+}
+
 // Finds a repeated id: 0 when all are unique, else RNND_EINVAL with both rows in err.
 static int unique_check(const uint64_t *ids, size_t n, const char *field, char *err) {
     if (n < 2)
@@ -322,17 +385,28 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
                                         const struct rnnd_forward_job *f) {
     const struct rnnd_model *m = &l->model;
     uint64_t B = (uint64_t)f->B, T = (uint64_t)f->T, H = (uint64_t)m->H, LH = (uint64_t)m->L * H;
-    // Recorded sources also return obs, is_init, extras and each step's model version.
-    uint64_t per_step = f->recorded ? H + (uint64_t)m->I + (uint64_t)l->extras_size + 3 : H;
-    return (size_t)((B * T * per_step + 2 * B * LH) * 4) + REPLY_FRAMING;
+    uint64_t fb = rnnd_ftype_bytes(f->out_dtype), per_step = H * fb;
+    if (f->recorded) { // the recorded tensors asked for (recorded_fields), in the reply dtype
+        unsigned k = f->rec_fields;
+        per_step += (k & RNND_REC_OBS ? (uint64_t)m->I * fb : 0) +
+                    (k & RNND_REC_EXTRAS ? (uint64_t)l->extras_size * fb : 0) +
+                    (k & RNND_REC_IS_INIT ? 1 : 0) + (k & RNND_REC_VERSION ? 8 : 0);
+    }
+    return (size_t)(B * T * per_step + 2 * B * LH * fb) + REPLY_FRAMING;
 }
 
+// Gradients of stored states come back only from Forwards that had them, which the engine knows
+// (it checks the reply against the limit again, with the tape's inputs); here they count only
+// when asked for by name.
 size_t rnnd_request_backward_reply_bytes(const struct rnnd_request_limits *l,
                                          const struct rnnd_backward_job *g) {
     const struct rnnd_model *m = &l->model;
     uint64_t B = (uint64_t)g->B, T = (uint64_t)g->T, LH = (uint64_t)m->L * (uint64_t)m->H;
-    uint64_t n = B * T * ((uint64_t)m->I + 2 * LH) + 2 * B * LH + (g->accumulate ? 0 : l->P);
-    return (size_t)(n * 4) + REPLY_FRAMING;
+    unsigned w = g->input_grads;
+    bool hidden = g->input_grads_set && (w & RNND_GRAD_HIDDEN);
+    uint64_t n = (w & RNND_GRAD_OBS ? B * T * (uint64_t)m->I : 0) + (hidden ? 2 * B * T * LH : 0) +
+                 (w & RNND_GRAD_H0 ? 2 * B * LH : 0) + (g->accumulate ? 0 : l->P);
+    return (size_t)(n * rnnd_ftype_bytes(g->out_dtype)) + REPLY_FRAMING;
 }
 
 size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l) {
@@ -343,11 +417,11 @@ size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l)
 // Step, EndEpisodes
 
 int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepRequest *req,
-                      bool *extras, char *err) {
+                      bool *extras, struct rnnd_request_dtypes *dts, char *err) {
     const struct rnnd_model *m = &l->model;
     size_t B = req->n_env_ids;
     int64_t E = l->extras_size;
-    int rc;
+    int rc, dt = 0;
     *extras = false;
     if (B == 0)
         return errf(err, RNND_EINVAL, "env_ids is empty; send one env id per obs row");
@@ -360,7 +434,10 @@ int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepR
     int64_t want_obs[2] = {(int64_t)B, m->I};
     char layout[128];
     snprintf(layout, sizeof(layout), "[B, I] (B = %zu env_ids, I = --input-size %d)", B, m->I);
-    if ((rc = f32_check(req->obs, "obs", 2, want_obs, layout, NULL, err)) != 0)
+    if ((rc = float_check(req->obs, "obs", 2, want_obs, layout, NULL, &dt, "obs", err)) != 0)
+        return rc;
+    dts->in = rnnd_request_ftype(dt);
+    if ((rc = reply_dtype(req->reply_dtype, dt, &dts->out, err)) != 0)
         return rc;
     if (req->n_is_init != 0 && req->n_is_init != B)
         return errf(err, RNND_EINVAL,
@@ -386,7 +463,7 @@ int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepR
     int64_t want[2] = {(int64_t)B, E};
     snprintf(layout, sizeof(layout), "[B, E] (B = %zu env_ids, E = --extras-size %lld)", B,
              (long long)E);
-    if ((rc = f32_check(req->extras, "extras", 2, want, layout, NULL, err)) != 0)
+    if ((rc = float_check(req->extras, "extras", 2, want, layout, NULL, &dt, "obs", err)) != 0)
         return rc;
     *extras = true;
     return 0;
@@ -402,15 +479,19 @@ int rnnd_request_end_episodes(const struct rnnd_request_limits *l,
 // Forward, Backward
 
 static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1__Trajectories *t,
-                            struct rnnd_forward_job *f, char *err) {
+                            int reply, struct rnnd_forward_job *f, char *err) {
     const struct rnnd_model *m = &l->model;
     bool lstm = m->cell == RNND_CELL_LSTM;
     int64_t L = m->L, H = m->H, I = m->I;
     char layout[128];
-    int rc;
+    int rc, dt = 0;
+    const char *first = "trajectories.obs";
     int64_t got[3], want3[3] = {-1, -1, I};
     snprintf(layout, sizeof(layout), "[B, T, I] (I = --input-size %d)", m->I);
-    if ((rc = f32_check(t->obs, "trajectories.obs", 3, want3, layout, got, err)) != 0)
+    if ((rc = float_check(t->obs, "trajectories.obs", 3, want3, layout, got, &dt, first, err)) != 0)
+        return rc;
+    f->in = rnnd_request_ftype(dt);
+    if ((rc = reply_dtype(reply, dt, &f->out_dtype, err)) != 0)
         return rc;
     if (got[0] > INT32_MAX / 4 || got[1] > INT32_MAX / 4 || got[0] * got[1] > INT32_MAX / 4)
         return errf(err, RNND_EINVAL, "trajectories.obs: B * T is too large");
@@ -432,7 +513,8 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
     snprintf(layout, sizeof(layout), "[B, L, H] = [%lld, %lld, %lld]", (long long)B, (long long)L,
              (long long)H);
     if (present(t->h0)) {
-        if ((rc = f32_check(t->h0, "trajectories.h0", 3, want_state, layout, NULL, err)))
+        if ((rc = float_check(t->h0, "trajectories.h0", 3, want_state, layout, NULL, &dt, first,
+                              err)))
             return rc;
         f->h0 = (const float *)t->h0->data.data;
     }
@@ -440,14 +522,16 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
         if (!lstm)
             return errf(err, RNND_EINVAL,
                         "trajectories.c0 is for LSTM; this model is a GRU: drop c0");
-        if ((rc = f32_check(t->c0, "trajectories.c0", 3, want_state, layout, NULL, err)))
+        if ((rc = float_check(t->c0, "trajectories.c0", 3, want_state, layout, NULL, &dt, first,
+                              err)))
             return rc;
         f->c0 = (const float *)t->c0->data.data;
     }
     snprintf(layout, sizeof(layout), "[B, T, L, H] = [%lld, %lld, %lld, %lld]", (long long)B,
              (long long)T, (long long)L, (long long)H);
     if (present(t->hidden)) {
-        if ((rc = f32_check(t->hidden, "trajectories.hidden", 4, want_stored, layout, NULL, err)))
+        if ((rc = float_check(t->hidden, "trajectories.hidden", 4, want_stored, layout, NULL, &dt,
+                              first, err)))
             return rc;
         f->hidden = (const float *)t->hidden->data.data;
     }
@@ -455,7 +539,8 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
         if (!lstm)
             return errf(err, RNND_EINVAL,
                         "trajectories.cell is for LSTM; this model is a GRU: drop cell");
-        if ((rc = f32_check(t->cell, "trajectories.cell", 4, want_stored, layout, NULL, err)))
+        if ((rc = float_check(t->cell, "trajectories.cell", 4, want_stored, layout, NULL, &dt,
+                              first, err)))
             return rc;
         f->cell = (const float *)t->cell->data.data;
     }
@@ -470,12 +555,18 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
         return errf(err, RNND_EINVAL,
                     "trajectories: an LSTM needs hidden and cell together; send both or neither");
     return reply_fits(l, rnnd_request_forward_reply_bytes(l, f),
-                      "send fewer rows or steps per Forward", err);
+                      "send fewer rows or steps per Forward (or ask for a 16-bit reply_dtype)", err);
 }
 
 static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1__Recorded *rec,
-                            struct rnnd_forward_job *f, char *err) {
+                            int reply, struct rnnd_forward_job *f, char *err) {
     int rc;
+    if ((rc = reply_dtype(reply, RNND__V1__DTYPE__FLOAT32, &f->out_dtype, err)) != 0)
+        return rc;
+    if ((f->rec_fields & RNND_REC_EXTRAS) && l->extras_size == 0)
+        return errf(err, RNND_EINVAL,
+                    "recorded_fields asks for RECORDED_EXTRAS but this daemon records none "
+                    "(--extras-size 0); drop that bit");
     if (l->trajectory_steps == 0)
         return errf(err, RNND_EPRECOND,
                     "this daemon records no steps (--trajectory-steps 0); send explicit "
@@ -496,17 +587,36 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
     f->T = (int)rec->steps;
     f->env_ids = rec->env_ids;
     return reply_fits(l, rnnd_request_forward_reply_bytes(l, f),
-                      "send fewer rows or steps per Forward", err);
+                      "send fewer rows or steps per Forward, ask for fewer recorded_fields, or "
+                      "a 16-bit reply_dtype",
+                      err);
 }
 
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err) {
     memset(f, 0, sizeof(*f));
     f->keep_tape = req->keep_tape;
-    if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES && req->trajectories)
-        return forward_explicit(l, req->trajectories, f, err);
+    bool has_fields =
+        req->_recorded_fields_case == RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
+    // Absent: everything there is (no extras when the daemon records none), as before the mask.
+    f->rec_fields = has_fields ? req->recorded_fields
+                               : RNND_REC_ALL & ~(l->extras_size ? 0u : RNND_REC_EXTRAS);
+    if (f->rec_fields & ~RNND_REC_ALL)
+        return errf(err, RNND_EINVAL,
+                    "recorded_fields 0x%x has bits that name no field; send an OR of "
+                    "RECORDED_OBS (1), RECORDED_IS_INIT (2), RECORDED_EXTRAS (4) and "
+                    "RECORDED_STEP_MODEL_VERSION (8)",
+                    f->rec_fields);
+    if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES && req->trajectories) {
+        if (has_fields && f->rec_fields)
+            return errf(err, RNND_EINVAL,
+                        "recorded_fields asks for recorded tensors, but explicit trajectories have "
+                        "none; leave it unset (or 0) with trajectories");
+        f->rec_fields = 0;
+        return forward_explicit(l, req->trajectories, req->reply_dtype, f, err);
+    }
     if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_RECORDED && req->recorded)
-        return forward_recorded(l, req->recorded, f, err);
+        return forward_recorded(l, req->recorded, req->reply_dtype, f, err);
     return errf(err, RNND_EINVAL,
                 "ForwardRequest has no source; set trajectories (explicit obs/is_init) or "
                 "recorded (env_ids and steps)");
@@ -516,18 +626,30 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
                           struct rnnd_backward_job *g, char *err) {
     const struct rnnd_model *m = &l->model;
     char layout[128];
-    int rc;
+    int rc, dt = 0;
     int64_t L = m->L, H = m->H;
     memset(g, 0, sizeof(*g));
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
+    g->input_grads_set =
+        req->_input_grads_case == RNND__V1__BACKWARD_REQUEST___INPUT_GRADS_INPUT_GRADS;
+    g->input_grads = g->input_grads_set ? req->input_grads : RNND_GRAD_ALL;
+    if (g->input_grads & ~RNND_GRAD_ALL)
+        return errf(err, RNND_EINVAL,
+                    "input_grads 0x%x has bits that name no gradient; send an OR of "
+                    "INPUT_GRAD_OBS (1), INPUT_GRAD_H0 (2) and INPUT_GRAD_HIDDEN (4)",
+                    g->input_grads);
     if (req->tape_id == 0)
         return errf(err, RNND_ENOTFOUND,
                     "tape_id 0 names no tape; run Forward with keep_tape=true and send the "
                     "tape_id it returns");
     int64_t got[3], want[3] = {-1, -1, H};
     snprintf(layout, sizeof(layout), "[B, T, H] (H = --hidden-size %d)", m->H);
-    if ((rc = f32_check(req->grad_output, "grad_output", 3, want, layout, got, err)) != 0)
+    if ((rc = float_check(req->grad_output, "grad_output", 3, want, layout, got, &dt,
+                          "grad_output", err)) != 0)
+        return rc;
+    g->in = rnnd_request_ftype(dt);
+    if ((rc = reply_dtype(req->reply_dtype, dt, &g->out_dtype, err)) != 0)
         return rc;
     if (got[0] > INT32_MAX / 4 || got[1] > INT32_MAX / 4)
         return errf(err, RNND_EINVAL, "grad_output: shape too large");
@@ -537,7 +659,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     int64_t wstate[3] = {-1, L, H}, sgot[3];
     snprintf(layout, sizeof(layout), "[B, L, H] (L = %lld, H = %lld)", (long long)L, (long long)H);
     if (present(req->grad_h_n)) {
-        if ((rc = f32_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, err)) != 0)
+        if ((rc = float_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, &dt,
+                              "grad_output", err)) != 0)
             return rc;
         g->grad_h_n = (const float *)req->grad_h_n->data.data;
         g->grad_h_n_B = (int)sgot[0];
@@ -545,13 +668,16 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     if (present(req->grad_c_n)) {
         if (m->cell != RNND_CELL_LSTM)
             return errf(err, RNND_EINVAL, "grad_c_n is for LSTM; this model is a GRU: drop it");
-        if ((rc = f32_check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, err)) != 0)
+        if ((rc = float_check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, &dt,
+                              "grad_output", err)) != 0)
             return rc;
         g->grad_c_n = (const float *)req->grad_c_n->data.data;
         g->grad_c_n_B = (int)sgot[0];
     }
     return reply_fits(l, rnnd_request_backward_reply_bytes(l, g),
-                      "send fewer rows or steps per Forward/Backward", err);
+                      "send fewer rows or steps per Forward/Backward, ask for fewer input_grads, "
+                      "or a 16-bit reply_dtype",
+                      err);
 }
 
 // ---------------------------------------------------------------------------------------------

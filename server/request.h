@@ -50,13 +50,23 @@ size_t rnnd_request_dtype_size(int dtype);
 // grpc.health.v1: true for the services rnnd reports ("" and "rnnd.v1.Rnn").
 bool rnnd_request_health_known(const char *service);
 
-// Step / StepStream. *extras: whether the request carries a usable extras tensor.
+// The wire dtypes of a request's float tensors (in) and of its reply's (out).
+struct rnnd_request_dtypes {
+    enum rnnd_ftype in, out;
+};
+// The engine's element type for a float rnnd.v1 DType value (FLOAT32 for others), and back.
+enum rnnd_ftype rnnd_request_ftype(int dtype);
+int rnnd_request_dtype_of(enum rnnd_ftype ft);
+
+// Step / StepStream. *extras: whether the request carries a usable extras tensor; *dts the
+// dtypes of obs (and extras) and of the reply.
 int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepRequest *req,
-                      bool *extras, char *err);
+                      bool *extras, struct rnnd_request_dtypes *dts, char *err);
 int rnnd_request_end_episodes(const struct rnnd_request_limits *l,
                               const Rnnd__V1__EndEpisodesRequest *req, char *err);
-// Forward: fills *f (zeroed first) with pointers into req (borrowed: valid while req is). An
-// explicit source without is_init leaves f->is_init NULL (no resets).
+// Forward: fills *f (zeroed first) with pointers into req (borrowed: valid while req is), its
+// dtypes and the recorded fields it returns. An explicit source without is_init leaves
+// f->is_init NULL (no resets).
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err);
 // Backward: fills *g (zeroed first) with pointers into req.

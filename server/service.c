@@ -91,6 +91,19 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
 // ---------------------------------------------------------------------------------------------
 // Step
 
+// A Step's reply dtype, kept after its job (struct alloc).
+struct step_extra {
+    enum rnnd_ftype out;
+};
+
+// Narrows n fp32 values at p to dtype ft in place (element i moves to bytes 2i: in increasing
+// order nothing is overwritten before it is read) and returns ft's wire DType.
+static int narrow(void *p, size_t n, enum rnnd_ftype ft) {
+    if (ft != RNND_FTYPE_F32)
+        rnnd_cast_host(p, ft, p, RNND_FTYPE_F32, n);
+    return rnnd_request_dtype_of(ft);
+}
+
 static void step_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
     struct rnnd_step_job *st = &job->step;
@@ -99,14 +112,17 @@ static void step_done(struct rnnd_job *job) {
     } else {
         const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
         int64_t dims[3] = {m->H, m->L, m->cell == RNND_CELL_LSTM};
+        size_t LH = (size_t)(m->L * m->H), B = (size_t)st->B;
+        enum rnnd_ftype ft = ((struct step_extra *)(job + 1))->out;
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
-        r.output = tset(&out, RNND__V1__DTYPE__FLOAT32, st->out, 2, st->B, dims[0], 0, 0);
+        r.output = tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0],
+                        0, 0);
         r.model_version = job->model_version;
         if (st->return_state) {
-            r.h = tset(&h, RNND__V1__DTYPE__FLOAT32, st->h, 3, st->B, dims[1], dims[0], 0);
+            r.h = tset(&h, narrow(st->h, B * LH, ft), st->h, 3, st->B, dims[1], dims[0], 0);
             if (dims[2])
-                r.c = tset(&c, RNND__V1__DTYPE__FLOAT32, st->c, 3, st->B, dims[1], dims[0], 0);
+                r.c = tset(&c, narrow(st->c, B * LH, ft), st->c, 3, st->B, dims[1], dims[0], 0);
         }
         rnnd_call_reply(call, &r.base);
     }
@@ -120,20 +136,29 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     char err[ERRLEN];
     size_t B = req->n_env_ids;
     bool lstm = m->cell == RNND_CELL_LSTM, extras;
-    int rc = rnnd_request_step(&s->limits, req, &extras, err);
+    struct rnnd_request_dtypes dts;
+    int rc = rnnd_request_step(&s->limits, req, &extras, &dts, err);
     if (rc == 0)
         rc = rnnd_call_reserve(call, rnnd_request_step_reply_bytes(&s->limits, req), err,
                                sizeof(err));
     if (rc != 0)
         goto bad;
-    size_t H = (size_t)m->H, LH = (size_t)m->L * H;
+    size_t H = (size_t)m->H, LH = (size_t)m->L * H, I = (size_t)m->I;
+    size_t E = (size_t)s->cfg->extras_size;
+    bool wide = dts.in != RNND_FTYPE_F32; // 16-bit inputs: widened here, the engine takes fp32
     struct alloc a = {0};
     struct rnnd_job *job;
-    float *out, *h = NULL, *c = NULL;
+    struct step_extra *ex;
+    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL;
     struct rnnd_env **envs;
     uint8_t *repeat, *is_init;
     for (int pass = 0; pass < 2; pass++) {
         job = take(&a, sizeof(*job));
+        ex = take(&a, sizeof(*ex)); // right after the job (step_done)
+        if (wide) {
+            obs32 = take(&a, B * I * sizeof(float));
+            extras32 = extras ? take(&a, B * E * sizeof(float)) : NULL;
+        }
         out = take(&a, B * H * sizeof(float));
         if (req->return_state) {
             h = take(&a, B * LH * sizeof(float));
@@ -152,6 +177,17 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     }
     for (size_t r = 0; r < B; r++)
         is_init[r] = req->n_is_init ? (req->is_init[r] != 0) : 0;
+    ex->out = dts.out;
+    const float *obs = (const float *)req->obs->data.data;
+    const float *xtr = extras ? (const float *)req->extras->data.data : NULL;
+    if (wide) {
+        rnnd_cast_host(obs32, RNND_FTYPE_F32, req->obs->data.data, dts.in, B * I);
+        obs = obs32;
+        if (extras) {
+            rnnd_cast_host(extras32, RNND_FTYPE_F32, req->extras->data.data, dts.in, B * E);
+            xtr = extras32;
+        }
+    }
     job->kind = RNND_JOB_STEP;
     job->owner = call;
     job->aux = s;
@@ -161,10 +197,10 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     job->step = (struct rnnd_step_job){
         .B = (int)B,
         .env_ids = req->env_ids,
-        .obs = (const float *)req->obs->data.data,
+        .obs = obs,
         .is_init = is_init,
         .step_index = req->n_step_index ? req->step_index : NULL,
-        .extras = extras ? (const float *)req->extras->data.data : NULL,
+        .extras = xtr,
         .return_state = req->return_state,
         .out = out,
         .h = h,
@@ -234,18 +270,6 @@ void rnnd_service_end_episodes(void *p, struct rnnd_call *call, const ProtobufCM
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-static void forward_free(struct rnnd_job *job) {
-    struct rnnd_forward_job *f = &job->fwd;
-    free(f->out);
-    free(f->h_n);
-    free(f->c_n);
-    free(f->rec_obs);
-    free(f->rec_is_init);
-    free(f->rec_extras);
-    free(f->rec_version);
-    free(job);
-}
-
 static void forward_done(struct rnnd_job *job) {
     struct rnnd_call *call = job->owner;
     struct rnnd_forward_job *f = &job->fwd;
@@ -254,31 +278,34 @@ static void forward_done(struct rnnd_job *job) {
     int E = s->cfg->extras_size;
     if (job->err) {
         rnnd_call_fail(call, job->err, job->msg);
-        forward_free(job);
+        free(job);
         return;
     }
     int64_t B = f->B, T = f->T, H = m->H, L = m->L, I = m->I;
+    int dt = rnnd_request_dtype_of(f->out_dtype);
     Rnnd__V1__ForwardReply r = RNND__V1__FORWARD_REPLY__INIT;
     struct tout out, hn, cn, obs, ini, ex, ver;
-    r.output = tset(&out, RNND__V1__DTYPE__FLOAT32, f->out, 3, B, T, H, 0);
-    r.h_n = tset(&hn, RNND__V1__DTYPE__FLOAT32, f->h_n, 3, B, L, H, 0);
+    r.output = tset(&out, dt, f->out, 3, B, T, H, 0);
+    r.h_n = tset(&hn, dt, f->h_n, 3, B, L, H, 0);
     if (m->cell == RNND_CELL_LSTM)
-        r.c_n = tset(&cn, RNND__V1__DTYPE__FLOAT32, f->c_n, 3, B, L, H, 0);
+        r.c_n = tset(&cn, dt, f->c_n, 3, B, L, H, 0);
     r.tape_id = f->tape_id;
     r.model_version = job->model_version;
-    if (f->recorded) {
-        r.obs = tset(&obs, RNND__V1__DTYPE__FLOAT32, f->rec_obs, 3, B, T, I, 0);
+    if (f->rec_fields & RNND_REC_OBS)
+        r.obs = tset(&obs, dt, f->rec_obs, 3, B, T, I, 0);
+    if (f->rec_fields & RNND_REC_IS_INIT)
         r.is_init = tset(&ini, RNND__V1__DTYPE__BOOL, f->rec_is_init, 2, B, T, 0, 0);
-        if (E > 0)
-            r.extras = tset(&ex, RNND__V1__DTYPE__FLOAT32, f->rec_extras, 3, B, T, E, 0);
+    if ((f->rec_fields & RNND_REC_EXTRAS) && E > 0)
+        r.extras = tset(&ex, dt, f->rec_extras, 3, B, T, E, 0);
+    if (f->rec_fields & RNND_REC_VERSION)
         r.step_model_version = tset(&ver, RNND__V1__DTYPE__INT64, f->rec_version, 2, B, T, 0, 0);
-    }
     rnnd_call_reply(call, &r.base);
-    forward_free(job);
+    free(job);
 }
 
-static struct rnnd_job *job_with_model(struct rnnd_service *s) {
-    struct rnnd_job *job = calloc(1, sizeof(*job));
+// A job (with `extra` bytes after it) that knows the service.
+static struct rnnd_job *job_with_model(struct rnnd_service *s, size_t extra) {
+    struct rnnd_job *job = calloc(1, sizeof(*job) + extra);
     if (job)
         job->aux = s;
     return job;
@@ -295,25 +322,15 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
                                sizeof(err));
     if (rc != 0)
         goto bad;
-    struct rnnd_job *job = job_with_model(s);
-    uint8_t *zeros = NULL;
-    if (job && !f.recorded && f.is_init == NULL) {
-        // is_init left out: no resets inside the window.
-        zeros = calloc((size_t)f.B * (size_t)f.T, 1);
-        if (zeros == NULL) {
-            free(job);
-            job = NULL;
-        }
-    }
+    // is_init left out: no resets inside the window (zeros after the job, freed with it).
+    bool zeros = !f.recorded && f.is_init == NULL;
+    struct rnnd_job *job = job_with_model(s, zeros ? (size_t)f.B * (size_t)f.T : 0);
     if (job == NULL) {
         rnnd_call_fail(call, RNND_ENOMEM, "out of memory");
         return;
     }
-    if (zeros) {
-        // Owned by the job through rec_is_init (freed with it), read through f.is_init.
-        f.is_init = zeros;
-        f.rec_is_init = zeros;
-    }
+    if (zeros)
+        f.is_init = (const uint8_t *)(job + 1);
     job->kind = RNND_JOB_FORWARD;
     job->owner = call;
     job->done = forward_done;
@@ -335,6 +352,8 @@ static void backward_done(struct rnnd_job *job) {
         rnnd_call_fail(call, job->err, job->msg);
     } else {
         int64_t B = g->B, T = g->T, H = m->H, L = m->L, I = m->I;
+        int dt = rnnd_request_dtype_of(g->out_dtype);
+        size_t fb = rnnd_ftype_bytes(g->out_dtype);
         Rnnd__V1__BackwardReply r = RNND__V1__BACKWARD_REPLY__INIT;
         int K = rnnd_model_param_tensors(m);
         struct rnnd_param_tensor pt[4 * RNND_MAX_LAYERS];
@@ -345,30 +364,25 @@ static void backward_done(struct rnnd_job *job) {
                 rnnd_model_param_tensor(m, k, &pt[k]);
                 rnnd__v1__named_tensor__init(&nt[k]);
                 nt[k].name = pt[k].name;
-                nt[k].tensor = tset(&gt[k], RNND__V1__DTYPE__FLOAT32, g->grads + pt[k].offset,
-                                    pt[k].ndim, pt[k].shape[0], pt[k].shape[1], 0, 0);
+                nt[k].tensor = tset(&gt[k], dt, (char *)g->grads + pt[k].offset * fb, pt[k].ndim,
+                                    pt[k].shape[0], pt[k].shape[1], 0, 0);
                 ntp[k] = &nt[k];
             }
             r.n_grads = (size_t)K;
             r.grads = ntp;
         }
-        r.grad_obs = tset(&gx, RNND__V1__DTYPE__FLOAT32, g->grad_x, 3, B, T, I, 0);
+        if (g->grad_x)
+            r.grad_obs = tset(&gx, dt, g->grad_x, 3, B, T, I, 0);
         if (g->grad_h0)
-            r.grad_h0 = tset(&gh0, RNND__V1__DTYPE__FLOAT32, g->grad_h0, 3, B, L, H, 0);
+            r.grad_h0 = tset(&gh0, dt, g->grad_h0, 3, B, L, H, 0);
         if (g->grad_c0)
-            r.grad_c0 = tset(&gc0, RNND__V1__DTYPE__FLOAT32, g->grad_c0, 3, B, L, H, 0);
+            r.grad_c0 = tset(&gc0, dt, g->grad_c0, 3, B, L, H, 0);
         if (g->grad_hidden)
-            r.grad_hidden = tset(&ghid, RNND__V1__DTYPE__FLOAT32, g->grad_hidden, 4, B, T, L, H);
+            r.grad_hidden = tset(&ghid, dt, g->grad_hidden, 4, B, T, L, H);
         if (g->grad_cell)
-            r.grad_cell = tset(&gcell, RNND__V1__DTYPE__FLOAT32, g->grad_cell, 4, B, T, L, H);
+            r.grad_cell = tset(&gcell, dt, g->grad_cell, 4, B, T, L, H);
         rnnd_call_reply(call, &r.base);
     }
-    free(g->grads);
-    free(g->grad_x);
-    free(g->grad_h0);
-    free(g->grad_c0);
-    free(g->grad_hidden);
-    free(g->grad_cell);
     free(job);
 }
 
@@ -383,7 +397,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
                                sizeof(err));
     if (rc != 0)
         goto bad;
-    struct rnnd_job *job = job_with_model(s);
+    struct rnnd_job *job = job_with_model(s, 0);
     if (job == NULL) {
         rnnd_call_fail(call, RNND_ENOMEM, "out of memory");
         return;

@@ -1,11 +1,14 @@
 /*
- * trajectory.h: the per-env ring of recorded steps (docs/design.md "Learners").
+ * trajectory.h: where recorded steps live (docs/design.md "Learners"). Every env's
+ * steps are rows of one trajectory store in the backend's memory (struct rnnd_traj_store: device
+ * memory on CUDA, host memory on the CPU backend), sized at start for every env slot: slot s owns
+ * rows [s * cap, (s + 1) * cap), a ring of its last `cap` steps (--trajectory-steps). The step
+ * path writes its rows there (traj_write) and Forward reads them (traj_read) on the backend; the
+ * host keeps only each env's ring position (struct rnnd_traj_ring, in its env table entry).
  *
- * Each step keeps what a learner needs to replay it exactly: the observation, is_init, the
+ * Each row keeps what a learner needs to replay the step exactly: the observation, is_init, the
  * extras vector, the state the step started from (after any reset: rnnd_step.h_before) and the
- * model version that computed it. The ring holds the last `cap` steps (--trajectory-steps); its
- * storage grows by doubling up to cap, so an env that took few steps costs little.
- * Engine thread only.
+ * model version that computed it. Engine thread only.
  */
 #ifndef RNND_TRAJECTORY_H
 #define RNND_TRAJECTORY_H
@@ -14,42 +17,38 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "rnnd_kernels.h"
+
 struct rnnd_traj_dims {
     int I;     // obs width
     int E;     // extras width (0: none)
     int L, H;  // state is (L, H)
     bool lstm; // record the cell state too
-    int cap;   // steps kept
+    int cap;   // steps kept per env (0: none recorded)
 };
 
-struct rnnd_traj;
+// One env's ring in its slot's rows: the oldest step is at ring position head.
+struct rnnd_traj_ring {
+    int32_t head;
+    int32_t count; // steps held (at most cap)
+};
 
-// A new empty ring; NULL when out of memory. Free with rnnd_traj_free.
-struct rnnd_traj *rnnd_traj_init(const struct rnnd_traj_dims *d);
-void rnnd_traj_free(struct rnnd_traj *tr);
+// Bytes of one recorded step in the store.
+size_t rnnd_traj_row_bytes(const struct rnnd_traj_dims *d);
 
-// Appends one step, dropping the oldest when full. obs (I), extras (E) or NULL for zeros,
-// h_before and c_before (L, H) (c_before LSTM only). 0 or RNND_ENOMEM (the ring is unchanged).
-int rnnd_traj_push(struct rnnd_traj *tr, const struct rnnd_traj_dims *d, const float *obs,
-                   bool is_init, const float *extras, const float *h_before, const float *c_before,
-                   uint64_t version);
+// Lays out a store of slots * cap rows in the block at base (NULL: only measure) and returns the
+// block's size in bytes, or 0 when the row count does not fit the ops' int32 indices.
+size_t rnnd_traj_layout(struct rnnd_traj_store *st, const struct rnnd_traj_dims *d, int slots,
+                        void *base);
 
-// Steps held (at most cap).
-int rnnd_traj_count(const struct rnnd_traj *tr);
-
-// Copies the last T steps (1 <= T <= count): obs (T, I), is_init (T), extras (T, E) when E > 0
-// and extras is not NULL, version (T), and the state before the first of them: h0 (L, H) and
-// c0 (L, H) for LSTM. Any output may be NULL. RNND_EINVAL when T is out of range.
-int rnnd_traj_window(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, int T, float *obs,
-                     uint8_t *is_init, float *extras, int64_t *version, float *h0, float *c0);
-
-// Copies every step held (count of them, oldest first) with the state before each: obs
-// (count, I), is_init (count), extras (count, E) when E > 0, version (count), h (count, L, H)
-// and c (count, L, H) for LSTM. For checkpoints; pushing the rows back in order rebuilds the ring.
-void rnnd_traj_export(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d, float *obs,
-                      uint8_t *is_init, float *extras, uint64_t *version, float *h, float *c);
-
-// Bytes the ring holds now.
-size_t rnnd_traj_bytes(const struct rnnd_traj *tr, const struct rnnd_traj_dims *d);
+// The store row the env in `slot` writes its next step to. The ring changes only with
+// rnnd_traj_push, once the step was recorded.
+int32_t rnnd_traj_next(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d,
+                       int32_t slot);
+// Takes the step written at rnnd_traj_next into the ring (dropping the oldest when full).
+void rnnd_traj_push(struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d);
+// The store row of step k (0 = oldest) of the last T (1 <= T <= count, 0 <= k < T).
+int32_t rnnd_traj_row(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d, int32_t slot,
+                      int T, int k);
 
 #endif // RNND_TRAJECTORY_H

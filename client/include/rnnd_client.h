@@ -178,8 +178,9 @@ struct rnnd_step_req {
     const bool *is_init;        // (n_is_init)
     size_t n_step_index;        // B, or 0 for none
     const uint64_t *step_index; // (n_step_index)
-    struct rnnd_tensor extras;  // (B, E) FLOAT32, or not present
+    struct rnnd_tensor extras;  // (B, E) in obs's dtype, or not present
     bool return_state;
+    enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32, BFLOAT16, FLOAT16)
 };
 
 struct rnnd_step_reply {
@@ -231,6 +232,12 @@ struct rnnd_forward_req {
     const uint64_t *env_ids;
     uint32_t steps;
     bool keep_tape;
+    enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32 for recorded)
+    // Recorded: the tensors returned besides output, h_n, c_n (RECORDED_* bits of rnnd.proto's
+    // RecordedField: obs 1, is_init 2, extras 4, step_model_version 8) when has_recorded_fields,
+    // else all of them.
+    bool has_recorded_fields;
+    uint32_t recorded_fields;
 };
 
 struct rnnd_forward_reply {
@@ -254,6 +261,11 @@ struct rnnd_backward_req {
     struct rnnd_tensor grad_h_n;    // (B, L, H) optional
     struct rnnd_tensor grad_c_n;    // (B, L, H) optional, LSTM
     bool accumulate;
+    enum rnnd_dtype reply_dtype; // UNSPECIFIED: grad_output's dtype
+    // The input gradients returned (INPUT_GRAD_* bits of rnnd.proto's InputGrad: obs 1, h0 2,
+    // hidden 4) when has_input_grads, else every one the Forward had.
+    bool has_input_grads;
+    uint32_t input_grads;
 };
 
 struct rnnd_backward_reply {

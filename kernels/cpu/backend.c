@@ -1,8 +1,8 @@
 /*
  * backend.c: the CPU reference backend's vtable (struct rnnd_backend_ops), its memory ops (host
- * memory: alloc is aligned_alloc, copies are memcpy, sync does nothing) and its context: the
+ * memory: alloc is aligned_alloc, alloc_lazy an mmap, copies are memcpy, sync does nothing) and its context: the
  * scratch arena that ops grow on demand, and the thread pool their phases run on. The math lives
- * in rnn.c, gru.c, lstm.c, linear.c and optim.c (see cpu.h for the tour).
+ * in rnn.c, gru.c, lstm.c, linear.c, traj.c and optim.c (see cpu.h for the tour).
  *
  * Threads. The backend runs on RNND_CPU_THREADS threads (else OPENBLAS_NUM_THREADS, else the CPUs
  * this process may run on), the calling thread included; the workers sleep on a condition
@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cblas.h>
@@ -150,6 +151,24 @@ static void cpu_free(void *ctx, void *ptr) {
     free(ptr);
 }
 
+// Pages come on first touch and nothing is reserved for them up front (MAP_NORESERVE), as the
+// old per-env rings grew: a store for --max-envs envs costs the memory of the envs that record.
+static int cpu_alloc_lazy(void *ctx, size_t bytes, void **out) {
+    (void)ctx;
+    if (out == NULL)
+        return RNND_EINVAL;
+    void *p = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    *out = p == MAP_FAILED ? NULL : p;
+    return *out ? 0 : RNND_ENOMEM;
+}
+
+static void cpu_free_lazy(void *ctx, void *ptr, size_t bytes) {
+    (void)ctx;
+    if (ptr)
+        munmap(ptr, bytes ? bytes : 1);
+}
+
 // Host and backend memory are one on the CPU: staging buffers are ordinary allocations.
 static int cpu_host_alloc(void *ctx, size_t bytes, void **out) {
     return cpu_alloc(ctx, bytes, out);
@@ -208,6 +227,28 @@ static int cpu_rnn_step(void *ctx, const struct rnnd_step *step, const float *pa
     return rnnd__cpu_rnn_step(ctx, step, params, m);
 }
 
+static int cpu_traj_write(void *ctx, const struct rnnd_traj_store *st,
+                          const struct rnnd_traj_rows *r, const struct rnnd_model *m) {
+    return rnnd__cpu_traj_write(ctx, st, r, m);
+}
+
+static int cpu_traj_read(void *ctx, const struct rnnd_traj_rows *r,
+                         const struct rnnd_traj_store *st, const struct rnnd_model *m) {
+    return rnnd__cpu_traj_read(ctx, r, st, m);
+}
+
+static int cpu_cast(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                    enum rnnd_ftype src_dtype, size_t n) {
+    (void)ctx;
+    if (n == 0)
+        return 0;
+    if (dst == NULL || src == NULL ||
+        (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
+        return RNND_EINVAL;
+    rnnd_cast_host(dst, dst_dtype, src, src_dtype, n);
+    return 0;
+}
+
 static int cpu_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                           const struct rnnd_optim *o, int64_t t, float *grad_norm) {
     (void)ctx;
@@ -228,6 +269,8 @@ static const struct rnnd_backend_ops cpu_ops = {
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .free = cpu_free,
+    .alloc_lazy = cpu_alloc_lazy,
+    .free_lazy = cpu_free_lazy,
     .host_alloc = cpu_host_alloc,
     .host_free = cpu_free,
     .copy_in = cpu_copy,
@@ -240,6 +283,9 @@ static const struct rnnd_backend_ops cpu_ops = {
     .rnn_forward = cpu_rnn_forward,
     .rnn_backward = cpu_rnn_backward,
     .rnn_step = cpu_rnn_step,
+    .traj_write = cpu_traj_write,
+    .traj_read = cpu_traj_read,
+    .cast = cpu_cast,
     .optim_step = cpu_optim_step,
     .plan_name = cpu_plan_name,
 };

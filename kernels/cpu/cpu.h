@@ -8,6 +8,7 @@
  *   gru.c      the GRU cell's pointwise forward and backward for one row;
  *   lstm.c     the LSTM cell's pointwise forward and backward for one row;
  *   linear.c   the sgemm wrapper (bf16 operand rounding);
+ *   traj.c     the trajectory store's row moves (traj_write, traj_read);
  *   optim.c    clip_grad_norm_ + Adam / SGD.
  * Everything is fp32; long reductions (bias gradients, the gradient norm) accumulate in double.
  */
@@ -190,6 +191,10 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
                            const struct rnnd_model *m);
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m);
+int rnnd__cpu_traj_write(struct cpu_ctx *c, const struct rnnd_traj_store *st,
+                         const struct rnnd_traj_rows *r, const struct rnnd_model *m);
+int rnnd__cpu_traj_read(struct cpu_ctx *c, const struct rnnd_traj_rows *r,
+                        const struct rnnd_traj_store *st, const struct rnnd_model *m);
 int rnnd__cpu_optim_step(float *params, float *grads, float *m, float *v, size_t n,
                          const struct rnnd_optim *o, int64_t t, float *grad_norm);
 

@@ -1,7 +1,9 @@
 /*
  * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
- * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu (single step with slot gather/scatter) and optim.cu (Adam/SGD with clipping).
+ * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu
+ * (single step with slot gather/scatter), traj.cu (the trajectory store's row moves), cast.cu
+ * (wire dtypes) and optim.cu (Adam/SGD with clipping).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
  */
 #include "common.cuh"
@@ -11,6 +13,8 @@
 #include "seq_loops.h"
 #include "seq_plan.h"
 #include "step.cuh"
+#include "cast.cuh"
+#include "traj.cuh"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +82,16 @@ static void cuda_free(void *ctx, void *ptr) {
     // The stream may still use ptr: finish it first (cudaFree alone does not wait for it).
     cudaStreamSynchronize(c->stream);
     cudaFree(ptr);
+}
+
+// Device memory has no pages to map lazily: the store is allocated whole.
+static int cuda_alloc_lazy(void *ctx, size_t bytes, void **out) {
+    return cuda_alloc(ctx, bytes, out);
+}
+
+static void cuda_free_lazy(void *ctx, void *ptr, size_t bytes) {
+    (void)bytes;
+    cuda_free(ctx, ptr);
 }
 
 static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
@@ -197,6 +211,21 @@ static int cuda_rnn_step(void *ctx, const struct rnnd_step *step, const float *p
     return rnnd__cuda_rnn_step((struct cuda_ctx *)ctx, step, params, m);
 }
 
+static int cuda_traj_write(void *ctx, const struct rnnd_traj_store *st,
+                           const struct rnnd_traj_rows *r, const struct rnnd_model *m) {
+    return rnnd__cuda_traj_write((struct cuda_ctx *)ctx, st, r, m);
+}
+
+static int cuda_traj_read(void *ctx, const struct rnnd_traj_rows *r,
+                          const struct rnnd_traj_store *st, const struct rnnd_model *m) {
+    return rnnd__cuda_traj_read((struct cuda_ctx *)ctx, r, st, m);
+}
+
+static int cuda_cast(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                     enum rnnd_ftype src_dtype, size_t n) {
+    return rnnd__cuda_cast((struct cuda_ctx *)ctx, dst, dst_dtype, src, src_dtype, n);
+}
+
 static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                            const struct rnnd_optim *o, int64_t t, float *grad_norm) {
     ((struct cuda_ctx *)ctx)->step_tail = false;
@@ -208,6 +237,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .destroy = */ cuda_destroy,
     /* .alloc = */ cuda_alloc,
     /* .free = */ cuda_free,
+    /* .alloc_lazy = */ cuda_alloc_lazy,
+    /* .free_lazy = */ cuda_free_lazy,
     /* .host_alloc = */ cuda_host_alloc,
     /* .host_free = */ cuda_host_free,
     /* .copy_in = */ cuda_copy_in,
@@ -220,6 +251,9 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .rnn_forward = */ cuda_rnn_forward,
     /* .rnn_backward = */ cuda_rnn_backward,
     /* .rnn_step = */ cuda_rnn_step,
+    /* .traj_write = */ cuda_traj_write,
+    /* .traj_read = */ cuda_traj_read,
+    /* .cast = */ cuda_cast,
     /* .optim_step = */ cuda_optim_step,
     /* .plan_name = */ cuda_plan_name,
 };

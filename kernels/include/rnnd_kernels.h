@@ -169,6 +169,44 @@ struct rnnd_step {
     float *c_before;          // (B, L, H) or NULL; LSTM
 };
 
+// Element types of the tensors a client sends and receives. Compute and storage stay fp32; cast
+// converts at the edge (round to nearest even; fp16 keeps subnormals and overflows to Inf).
+enum rnnd_ftype { RNND_FTYPE_F32, RNND_FTYPE_BF16, RNND_FTYPE_F16 };
+
+// Bytes per element: 4, 2, 2.
+static inline size_t rnnd_ftype_bytes(enum rnnd_ftype d) {
+    return d == RNND_FTYPE_F32 ? 4 : 2;
+}
+
+// The trajectory store: every env's recorded steps in the backend's memory (the daemon's
+// Forward over `recorded`), written by the step path and read by Forward, with no copy through
+// the host. It is R rows of one recorded step each; which row a step goes to (an env's slot and
+// its ring position) is the caller's business: the ops only move rows, by index.
+struct rnnd_traj_store {
+    int64_t R;         // rows
+    int E;             // extras width (0: none)
+    float *obs;        // (R, I)
+    float *extras;     // (R, E), NULL when E = 0
+    float *h;          // (R, L, H) the state the step started from (after any reset)
+    float *c;          // (R, L, H) LSTM, else NULL
+    uint8_t *is_init;  // (R) 0 or 1
+    uint64_t *version; // (R) the model version that ran the step
+};
+
+// n rows moved between a store and packed arrays: array row i <-> store row rows[i].
+// traj_write reads every column the store has (extras when E > 0, c for LSTM); the n indices are
+// distinct (the CPU backend refuses others with RNND_EINVAL, the CUDA backend leaves the result
+// undefined). traj_read fills the columns that are not NULL.
+struct rnnd_traj_rows {
+    int n;
+    const int32_t *rows; // (n) store rows, 0 <= rows[i] < R
+    float *obs;          // (n, I)
+    float *extras;       // (n, E)
+    float *h, *c;        // (n, L, H)
+    uint8_t *is_init;    // (n)
+    uint64_t *version;   // (n)
+};
+
 enum rnnd_optim_kind { RNND_OPTIM_ADAM, RNND_OPTIM_SGD };
 
 // torch.optim.Adam (no amsgrad, L2 weight decay added to the gradient) or torch.optim.SGD
@@ -193,6 +231,12 @@ struct rnnd_backend_ops {
     // Memory in the backend's address space. alloc returns RNND_ENOMEM when it cannot.
     int (*alloc)(void *ctx, size_t bytes, void **out);
     void (*free)(void *ctx, void *ptr); // free(NULL) does nothing
+    // Memory for a large table most of which may never be touched (the trajectory store): the
+    // CPU backend maps pages on first touch without reserving them (so its size is bounded by
+    // the address space, not by the memory free now), CUDA allocates as alloc does. RNND_ENOMEM
+    // when it cannot. Release with free_lazy and the same size.
+    int (*alloc_lazy)(void *ctx, size_t bytes, void **out);
+    void (*free_lazy)(void *ctx, void *ptr, size_t bytes); // free_lazy(NULL, ...) does nothing
     // Host memory the backend copies from and to fastest (page-locked on CUDA, plain on CPU), for
     // staging buffers reused on every call.
     int (*host_alloc)(void *ctx, size_t bytes, void **out);
@@ -227,6 +271,18 @@ struct rnnd_backend_ops {
     // Single step with gathered state (struct rnnd_step).
     int (*rnn_step)(void *ctx, const struct rnnd_step *step, const float *params,
                     const struct rnnd_model *m);
+
+    // Trajectory store rows (struct rnnd_traj_rows): traj_write scatters r's rows into st,
+    // traj_read gathers st's rows into r. The arrays of r and the indices are backend memory.
+    int (*traj_write)(void *ctx, const struct rnnd_traj_store *st, const struct rnnd_traj_rows *r,
+                      const struct rnnd_model *m);
+    int (*traj_read)(void *ctx, const struct rnnd_traj_rows *r, const struct rnnd_traj_store *st,
+                     const struct rnnd_model *m);
+
+    // dst (n elements of dst_dtype) = src (n elements of src_dtype), converted; one of the two
+    // is RNND_FTYPE_F32 (the other any), and they do not overlap.
+    int (*cast)(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                enum rnnd_ftype src_dtype, size_t n);
 
     // One optimizer update of params (n floats) from grads, t the 1-based step count. grads are
     // clipped in place like clip_grad_norm_; m and v (n floats, Adam only, zero at t = 1) are
@@ -271,9 +327,23 @@ void rnnd_backend_free(struct rnnd_backend *b);
 int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m);
 // 0 when step is a valid single-step batch for m, RNND_EINVAL otherwise.
 int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m);
+// 0 when r can move rows of st for m (n >= 1, indices given, the columns traj_write needs when
+// write), RNND_EINVAL otherwise. The indices themselves are checked by the CPU backend only.
+int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_rows *r,
+                    const struct rnnd_model *m, bool write);
 // 0 when o holds usable hyperparameters (finite lr > 0, betas in [0, 1), eps > 0,
 // weight_decay >= 0), RNND_EINVAL otherwise.
 int rnnd_optim_check(const struct rnnd_optim *o);
+
+// The conversions of cast, one element (host code; the CPU backend's cast uses them).
+uint16_t rnnd_f32_to_bf16(float f);
+uint16_t rnnd_f32_to_f16(float f);
+float rnnd_bf16_to_f32(uint16_t h);
+float rnnd_f16_to_f32(uint16_t h);
+// Casts n elements on the host (the same conversions as the backends' cast); narrowing fp32 to a
+// 16-bit type may be done in place (dst == src), as it goes in increasing order.
+void rnnd_cast_host(void *dst, enum rnnd_ftype dst_dtype, const void *src,
+                    enum rnnd_ftype src_dtype, size_t n);
 
 // Round-to-nearest-even fp32 -> bf16 -> fp32, as the bf16 compute mode rounds matmul operands.
 static inline float rnnd_round_bf16(float f) {

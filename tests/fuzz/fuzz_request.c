@@ -48,30 +48,29 @@ static void limits_init(void) {
     flat = malloc(P * sizeof(float));
 }
 
-// Reads n floats the way the engine will; the sum keeps the reads from being optimised away.
+// Reads n bytes the way the engine will; the sum keeps the reads from being optimised away.
 static volatile float sink;
-static void touch(const float *p, size_t n) {
-    float s = 0;
-    for (size_t i = 0; i < n; i++)
-        s += p[i];
-    sink = s;
-}
-
-static void touch_bytes(const uint8_t *p, size_t n) {
+static void touch_bytes(const void *v, size_t n) {
+    const uint8_t *p = v;
     uint8_t s = 0;
     for (size_t i = 0; i < n; i++)
         s ^= p[i];
     sink = s;
 }
 
+// n float elements of the wire dtype ft.
+static void touch(const void *p, size_t n, enum rnnd_ftype ft) {
+    touch_bytes(p, n * rnnd_ftype_bytes(ft));
+}
+
 static void accepted_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepRequest *req,
-                          bool extras) {
+                          bool extras, enum rnnd_ftype ft) {
     size_t B = req->n_env_ids;
     if (B == 0 || B > (size_t)l->max_batch)
         abort();
-    touch((const float *)req->obs->data.data, B * (size_t)l->model.I);
+    touch(req->obs->data.data, B * (size_t)l->model.I, ft);
     if (extras)
-        touch((const float *)req->extras->data.data, B * (size_t)l->extras_size);
+        touch(req->extras->data.data, B * (size_t)l->extras_size, ft);
     if (req->n_is_init)
         touch_bytes((const uint8_t *)req->is_init, B);
 }
@@ -86,17 +85,17 @@ static void accepted_forward(const struct rnnd_request_limits *l,
             abort();
         return;
     }
-    touch(f->x, B * T * (size_t)l->model.I);
+    touch(f->x, B * T * (size_t)l->model.I, f->in);
     if (f->is_init)
         touch_bytes(f->is_init, B * T);
     if (f->h0)
-        touch(f->h0, B * LH);
+        touch(f->h0, B * LH, f->in);
     if (f->c0)
-        touch(f->c0, B * LH);
+        touch(f->c0, B * LH, f->in);
     if (f->hidden)
-        touch(f->hidden, B * T * LH);
+        touch(f->hidden, B * T * LH, f->in);
     if (f->cell)
-        touch(f->cell, B * T * LH);
+        touch(f->cell, B * T * LH, f->in);
 }
 
 static void accepted_backward(const struct rnnd_request_limits *l,
@@ -104,11 +103,11 @@ static void accepted_backward(const struct rnnd_request_limits *l,
     size_t LH = (size_t)(l->model.L * l->model.H);
     if (g->tape_id == 0 || g->B < 1 || g->T < 1)
         abort();
-    touch(g->grad_out, (size_t)g->B * (size_t)g->T * (size_t)l->model.H);
+    touch(g->grad_out, (size_t)g->B * (size_t)g->T * (size_t)l->model.H, g->in);
     if (g->grad_h_n)
-        touch(g->grad_h_n, (size_t)g->grad_h_n_B * LH);
+        touch(g->grad_h_n, (size_t)g->grad_h_n_B * LH, g->in);
     if (g->grad_c_n)
-        touch(g->grad_c_n, (size_t)g->grad_c_n_B * LH);
+        touch(g->grad_c_n, (size_t)g->grad_c_n_B * LH, g->in);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -128,10 +127,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case RNND_METHOD_STEP:
         case RNND_METHOD_STEP_STREAM: {
             bool extras;
+            struct rnnd_request_dtypes dts;
             const Rnnd__V1__StepRequest *req = (const Rnnd__V1__StepRequest *)msg;
-            rc = rnnd_request_step(l, req, &extras, err);
+            rc = rnnd_request_step(l, req, &extras, &dts, err);
             if (rc == 0)
-                accepted_step(l, req, extras);
+                accepted_step(l, req, extras, dts.in);
             break;
         }
         case RNND_METHOD_END_EPISODES:
@@ -157,7 +157,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 (const Rnnd__V1__ApplyGradientsRequest *)msg;
             rc = rnnd_request_apply_gradients(l, req, flat, &has_lr, err);
             if (rc == 0 && req->n_grads)
-                touch(flat, l->P);
+                touch(flat, l->P, RNND_FTYPE_F32);
             break;
         }
         case RNND_METHOD_GET_WEIGHTS:
@@ -166,7 +166,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case RNND_METHOD_SET_WEIGHTS:
             rc = rnnd_request_set_weights(l, (const Rnnd__V1__SetWeightsRequest *)msg, flat, err);
             if (rc == 0)
-                touch(flat, l->P);
+                touch(flat, l->P, RNND_FTYPE_F32);
             break;
         case RNND_METHOD_SAVE_CHECKPOINT:
             rc = rnnd_request_save_checkpoint(l, (const Rnnd__V1__SaveCheckpointRequest *)msg, err);

@@ -2,7 +2,8 @@
 # daemon_check.sh: the whole daemon on a GPU host that has none of our Debian packages, from a
 # bundle made here by `deploy/bundle.sh -b BUILD -o .device --tests` (BUILD configured with
 # -DCMAKE_CUDA_ARCHITECTURES=90):
-#   1. test_seq_cuda, test_step_cuda, test_optim_cuda (every CUDA op against the CPU reference);
+#   1. test_seq_cuda, test_step_cuda, test_optim_cuda (every CUDA op against the CPU reference)
+#      and test_traj_cuda (the data plane's ops, bit for bit);
 #   2. the integration suite against rnnd on the CUDA backend in strict fp32 (RNND_BACKEND=cuda
 #      RNND_COMPUTE=ieee: the suite's tolerances are the CPU reference's; the devices suite
 #      needs two GPUs and is skipped on one: tests/gpu/multi_gpu_check.sh runs it);
@@ -44,6 +45,12 @@ for t in test_seq_cuda test_step_cuda test_optim_cuda; do
     tail -3 "$OUT/$t.log"
     summary+=("$t rc=$rc")
 done
+
+echo "== test_traj_cuda"
+timeout 100 "$R/bin/test_traj_cuda" >"$OUT/test_traj_cuda.log" 2>&1
+rc=$?
+tail -3 "$OUT/test_traj_cuda.log"
+summary+=("test_traj_cuda rc=$rc")
 
 echo "== integration suite, RNND_BACKEND=cuda RNND_COMPUTE=ieee"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')

@@ -5,7 +5,9 @@
  * what Step returned and carries obs, is_init, extras and model versions; the trajectory ring
  * keeps --trajectory-steps steps; Backward accumulate + ApplyGradients is exactly SGD's update;
  * explicit gradients with an lr override; a few Adam steps on a synthetic task lower the loss;
- * tapes expire after --tape-ttl-s.
+ * tapes expire after --tape-ttl-s; bf16/fp16 tensors both ways (a 16-bit reply is the fp32 one
+ * rounded, bit for bit), recorded_fields and input_grads leave tensors out, and bad dtypes or
+ * masks are refused without changing anything.
  *
  * Two daemons: LSTM L=2 with extras, SGD lr 0.1, a 16-step ring and a 2 s tape TTL; GRU L=2 Adam
  * lr 0.01.
@@ -785,10 +787,245 @@ static void test_adam_training(void **state) {
     batch_free(&b);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The wire: 16-bit tensors, what a learner asks for, and refusals that change nothing.
+
+// 16-bit values of n floats, as the daemon rounds them (to nearest even).
+static void to16(uint16_t *dst, const float *src, size_t n, bool f16) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = f16 ? rnnd_f32_to_f16(src[i]) : rnnd_f32_to_bf16(src[i]);
+}
+
+// t holds the 16-bit (f16 or bf16) rounding of the n floats at want, bit for bit.
+static void assert_rounded(const struct rnnd_tensor *t, const float *want, size_t n, bool f16) {
+    assert_true(t->present);
+    assert_int_equal(t->dtype, f16 ? RNND_DTYPE_FLOAT16 : RNND_DTYPE_BFLOAT16);
+    assert_int_equal(t->nbytes, n * 2);
+    uint16_t *w = malloc(n * 2);
+    to16(w, want, n, f16);
+    assert_memory_equal(t->data, w, n * 2);
+    free(w);
+}
+
+static void test_wire_dtypes(void **state) {
+    struct fixture *f = *state;
+    enum { B = 3, T = 5, N = B * T * I_ };
+    // Inputs bf16 holds exactly: fp32 and bf16 requests then run the same computation, and a
+    // 16-bit reply is the fp32 reply rounded.
+    float x[N], go[B * T * H_];
+    uint16_t xb[N], gob[B * T * H_];
+    rng_fill(&f->g, x, N);
+    rng_fill(&f->g, go, B * T * H_);
+    for (int i = 0; i < N; i++)
+        x[i] = rnnd_round_bf16(x[i]);
+    for (int i = 0; i < B * T * H_; i++)
+        go[i] = rnnd_round_bf16(go[i]);
+    to16(xb, x, N, false);
+    to16(gob, go, B * T * H_, false);
+    uint8_t init[B * T] = {0};
+    init[7] = 1;
+    struct rnnd_forward_req q = {
+        .obs = rnnd_tensor_f32(x, 3, B, T, I_, 0),
+        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, T}),
+        .keep_tape = true};
+    struct rnnd_forward_reply r32, rb, rh;
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &r32));
+    q.obs = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, xb, 3, (int64_t[]){B, T, I_});
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &rb)); // the reply follows the request: bf16
+    assert_rounded(&rb.output, r32.output.data, B * T * H_, false);
+    assert_rounded(&rb.h_n, r32.h_n.data, B * L_ * H_, false);
+    q.reply_dtype = RNND_DTYPE_FLOAT16;
+    q.keep_tape = false;
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &rh));
+    assert_rounded(&rh.output, r32.output.data, B * T * H_, true);
+    rnnd_forward_reply_free(&rh);
+
+    // Backward: grad_output in bf16, only the weight gradients back (no input gradients), bf16.
+    struct rnnd_backward_req bq = {.tape_id = r32.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, B, T, H_, 0)};
+    struct rnnd_backward_reply b32, bb;
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &b32));
+    assert_true(b32.grad_obs.present); // nothing asked: what the Forward had, as before
+    bq.tape_id = rb.tape_id;
+    bq.grad_output = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, gob, 3, (int64_t[]){B, T, H_});
+    bq.has_input_grads = true;
+    bq.input_grads = 0;
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &bb));
+    assert_false(bb.grad_obs.present || bb.grad_h0.present || bb.grad_c0.present);
+    assert_int_equal(bb.grads.n, b32.grads.n);
+    for (size_t k = 0; k < b32.grads.n; k++)
+        assert_rounded(rnnd_named_tensors_find(&bb.grads, b32.grads.v[k].name),
+                       b32.grads.v[k].tensor.data, (size_t)rnnd_tensor_numel(&b32.grads.v[k].tensor),
+                       false);
+    rnnd_backward_reply_free(&b32);
+    rnnd_backward_reply_free(&bb);
+    rnnd_forward_reply_free(&r32);
+    rnnd_forward_reply_free(&rb);
+
+    // A step in fp16 with an fp32 reply equals the same step sent in fp32 to a twin env.
+    uint64_t ids[2] = {8100, 8101};
+    float sx[I_];
+    uint16_t sh[I_];
+    rng_fill(&f->g, sx, I_);
+    to16(sh, sx, I_, true);
+    for (int i = 0; i < I_; i++)
+        sx[i] = rnnd_f16_to_f32(sh[i]);
+    bool yes = true;
+    struct rnnd_step_req s32 = {.n_env_ids = 1,
+                                .env_ids = &ids[0],
+                                .obs = rnnd_tensor_f32(sx, 2, 1, I_, 0, 0),
+                                .n_is_init = 1,
+                                .is_init = &yes};
+    struct rnnd_step_req s16 = s32;
+    s16.env_ids = &ids[1];
+    s16.obs = rnnd_tensor_view(RNND_DTYPE_FLOAT16, sh, 2, (int64_t[]){1, I_});
+    s16.reply_dtype = RNND_DTYPE_FLOAT32;
+    struct rnnd_step_reply o32, o16;
+    EXPECT_OK(rnnd_client_step(f->c, &s32, &o32));
+    EXPECT_OK(rnnd_client_step(f->c, &s16, &o16));
+    assert_int_equal(o16.output.dtype, RNND_DTYPE_FLOAT32);
+    assert_memory_equal(o16.output.data, o32.output.data, sizeof(float) * H_);
+    rnnd_step_reply_free(&o32);
+    rnnd_step_reply_free(&o16);
+    EXPECT_OK(rnnd_client_end_episodes(f->c, ids, 2, NULL));
+}
+
+static void test_wire_masks_and_refusals(void **state) {
+    struct fixture *f = *state;
+    enum { B = 2, T = 3 };
+    uint64_t ids[B] = {8200, 8201};
+    float x[B * I_];
+    bool init[B] = {true, true};
+    for (int s = 0; s < T + 1; s++) {
+        rng_fill(&f->g, x, B * I_);
+        struct rnnd_step_req sq = {.n_env_ids = B,
+                                   .env_ids = ids,
+                                   .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
+                                   .n_is_init = B,
+                                   .is_init = init};
+        struct rnnd_step_reply sr;
+        EXPECT_OK(rnnd_client_step(f->c, &sq, &sr));
+        rnnd_step_reply_free(&sr);
+        init[0] = init[1] = false;
+    }
+    // Only is_init besides the output: the rest stays out of the reply.
+    struct rnnd_forward_req q = {
+        .recorded = true, .n_env_ids = B, .env_ids = ids, .steps = T, .keep_tape = true};
+    struct rnnd_forward_reply all, some;
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &all));
+    assert_true(all.obs.present && all.is_init.present && all.step_model_version.present);
+    assert_int_equal(all.extras.present, is_lstm(f)); // the LSTM daemon records extras
+    q.has_recorded_fields = true;
+    q.recorded_fields = 2; // RECORDED_IS_INIT
+    q.keep_tape = false;
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &some));
+    assert_false(some.obs.present || some.extras.present || some.step_model_version.present);
+    assert_memory_equal(some.is_init.data, all.is_init.data, B * T);
+    assert_memory_equal(some.output.data, all.output.data, sizeof(float) * B * T * H_);
+    rnnd_forward_reply_free(&some);
+
+    // Refused, nothing changed: recorded fields that name nothing, extras a daemon does not
+    // record, recorded fields of an explicit source, a reply dtype the daemon does not send.
+    q.recorded_fields = 16;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &q, &some), GRPC_STATUS_INVALID_ARGUMENT);
+    if (!is_lstm(f)) {
+        q.recorded_fields = 4; // RECORDED_EXTRAS, with --extras-size 0
+        EXPECT_STATUS(rnnd_client_forward(f->c, &q, &some), GRPC_STATUS_INVALID_ARGUMENT);
+    }
+    q.recorded_fields = 1;
+    q.reply_dtype = RNND_DTYPE_INT64;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &q, &some), GRPC_STATUS_INVALID_ARGUMENT);
+    float tx[B * T * I_] = {0};
+    uint16_t th[B * L_ * H_] = {0};
+    struct rnnd_forward_req e = {.obs = rnnd_tensor_f32(tx, 3, B, T, I_, 0),
+                                 .has_recorded_fields = true,
+                                 .recorded_fields = 1};
+    EXPECT_STATUS(rnnd_client_forward(f->c, &e, &some), GRPC_STATUS_INVALID_ARGUMENT);
+    // Float tensors of two dtypes in one request; a NaN in fp16.
+    e.has_recorded_fields = false;
+    e.h0 = rnnd_tensor_view(RNND_DTYPE_FLOAT16, th, 3, (int64_t[]){B, L_, H_});
+    if (is_lstm(f))
+        e.c0 = e.h0;
+    EXPECT_STATUS(rnnd_client_forward(f->c, &e, &some), GRPC_STATUS_INVALID_ARGUMENT);
+    uint16_t nan16[B * I_] = {0};
+    nan16[3] = 0x7e00;
+    struct rnnd_step_req bad = {.n_env_ids = B,
+                                .env_ids = ids,
+                                .obs = rnnd_tensor_view(RNND_DTYPE_FLOAT16, nan16, 2,
+                                                        (int64_t[]){B, I_})};
+    struct rnnd_step_reply sr;
+    EXPECT_STATUS(rnnd_client_step(f->c, &bad, &sr), GRPC_STATUS_INVALID_ARGUMENT);
+    // Backward: gradients of an input the Forward did not have (stored states), bits that
+    // name nothing. The tape is still there afterwards and serves the Backward.
+    float go[B * T * H_] = {0};
+    struct rnnd_backward_req bq = {.tape_id = all.tape_id,
+                                   .grad_output = rnnd_tensor_f32(go, 3, B, T, H_, 0),
+                                   .has_input_grads = true,
+                                   .input_grads = 4}; // INPUT_GRAD_HIDDEN
+    struct rnnd_backward_reply br;
+    EXPECT_STATUS(rnnd_client_backward(f->c, &bq, &br), GRPC_STATUS_INVALID_ARGUMENT);
+    bq.input_grads = 8;
+    EXPECT_STATUS(rnnd_client_backward(f->c, &bq, &br), GRPC_STATUS_INVALID_ARGUMENT);
+    bq.input_grads = 2; // INPUT_GRAD_H0: a recorded Forward starts from the recorded state
+    EXPECT_OK(rnnd_client_backward(f->c, &bq, &br));
+    assert_true(br.grad_h0.present && !br.grad_obs.present);
+    rnnd_backward_reply_free(&br);
+    // The envs' recorded steps did not move.
+    q.has_recorded_fields = false;
+    q.reply_dtype = RNND_DTYPE_UNSPECIFIED;
+    EXPECT_OK(rnnd_client_forward(f->c, &q, &some));
+    assert_memory_equal(some.obs.data, all.obs.data, sizeof(float) * B * T * I_);
+    rnnd_forward_reply_free(&some);
+    rnnd_forward_reply_free(&all);
+    EXPECT_OK(rnnd_client_end_episodes(f->c, ids, B, NULL));
+}
+
+// A Backward whose reply would pass --max-message-mb (the gradients of stored states, which only
+// the engine knows the Forward had, and fp32 asked for bf16 inputs) is refused with
+// RESOURCE_EXHAUSTED and leaves the tape for a Backward whose reply fits.
+static void test_backward_reply_limit(void **state) {
+    (void)state;
+    struct daemon d;
+    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "16",
+                          "--max-message-mb", "1", "--tape-memory-mb", "64", "--max-batch", "16",
+                          NULL};
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    enum { B = 64, T = 256, H1 = 16 };
+    uint16_t *x = calloc((size_t)B * T * I_, 2), *hid = calloc((size_t)B * T * H1, 2);
+    uint16_t *go = calloc((size_t)B * T * H1, 2);
+    uint8_t *init = calloc((size_t)B * T, 1);
+    struct rnnd_forward_req fq = {
+        .obs = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, x, 3, (int64_t[]){B, T, I_}),
+        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, T}),
+        .hidden = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, hid, 4, (int64_t[]){B, T, 1, H1}),
+        .keep_tape = true};
+    struct rnnd_forward_reply fr;
+    EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+    struct rnnd_backward_req bq = {
+        .tape_id = fr.tape_id,
+        .grad_output = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, go, 3, (int64_t[]){B, T, H1}),
+        .reply_dtype = RNND_DTYPE_FLOAT32}; // grad_obs and grad_hidden: 1.5 MB in fp32
+    struct rnnd_backward_reply br;
+    EXPECT_STATUS(rnnd_client_backward(c, &bq, &br), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    bq.reply_dtype = RNND_DTYPE_UNSPECIFIED; // bf16, as the request: 0.75 MB
+    EXPECT_OK(rnnd_client_backward(c, &bq, &br));
+    assert_true(br.grad_hidden.present && br.grad_hidden.dtype == RNND_DTYPE_BFLOAT16);
+    rnnd_backward_reply_free(&br);
+    rnnd_forward_reply_free(&fr);
+    free(x);
+    free(hid);
+    free(go);
+    free(init);
+    rnnd_client_free(c);
+    daemon_free(&d);
+}
+
 int main(void) {
     const struct CMUnitTest lstm[] = {
         cmocka_unit_test(test_forward_explicit),   cmocka_unit_test(test_backward),
         cmocka_unit_test(test_forward_recorded),   cmocka_unit_test(test_trajectory_ring),
+        cmocka_unit_test(test_wire_dtypes),        cmocka_unit_test(test_wire_masks_and_refusals),
         cmocka_unit_test(test_lstm_extras_errors), cmocka_unit_test(test_sgd_accumulate_apply),
         cmocka_unit_test(test_tape_ttl),
     };
@@ -796,6 +1033,9 @@ int main(void) {
         cmocka_unit_test(test_forward_explicit),
         cmocka_unit_test(test_backward),
         cmocka_unit_test(test_forward_recorded),
+        cmocka_unit_test(test_wire_dtypes),
+        cmocka_unit_test(test_wire_masks_and_refusals),
+        cmocka_unit_test(test_backward_reply_limit),
         cmocka_unit_test(test_adam_training),
     };
     int fails = cmocka_run_group_tests_name("learner (lstm, sgd)", lstm, setup_lstm, teardown);

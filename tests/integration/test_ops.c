@@ -294,6 +294,10 @@ static void test_metrics_content(void **state) {
     assert_true(prom_value(after, "rnnd_model_version", NULL) == (double)info.model_version);
     assert_true(prom_value(after, "rnnd_tapes", NULL) >= 1);
     assert_true(prom_value(after, "rnnd_tape_bytes", NULL) > 0);
+    // The trajectory store: default --max-envs 65536 x --trajectory-steps 256 rows of a GRU
+    // I=8 H=32 step (obs, h, is_init, version), columns aligned to 256 bytes.
+    double store = prom_value(after, "rnnd_trajectory_store_bytes", NULL), rows = 65536.0 * 256;
+    assert_true(store >= rows * ((I_ + H_) * 4 + 9) && store <= rows * ((I_ + H_) * 4 + 9) + 6 * 256);
     assert_true(prom_value(after, "rnnd_backend_kernel_seconds_total", "op=\"step\"") > 0);
     assert_false(isnan(prom_value(after, "rnnd_env_evictions_total", "reason=\"idle\"")));
     free(before);
@@ -821,6 +825,9 @@ static void test_bad_flags(void **state) {
     expect_refused((const char *[]){"--max-batch", "-5", NULL}, "max-batch");
     expect_refused((const char *[]){"--lr", "nan", NULL}, "lr");
     expect_refused((const char *[]){"--backend", "tpu", NULL}, "backend");
+    // A trajectory store (--max-envs x --trajectory-steps rows) past what the ops index.
+    expect_refused((const char *[]){"--max-envs", "65536", "--trajectory-steps", "65536", NULL},
+                   "lower --max-envs or --trajectory-steps");
     expect_refused((const char *[]){"--tls-key", "/nonexistent.pem", NULL}, "tls");
     expect_refused((const char *[]){"--config", "/nonexistent/rnnd.conf", NULL},
                    "/nonexistent/rnnd.conf");

@@ -522,6 +522,46 @@ static void test_clean_restart(void **state) {
     free(w2);
 }
 
+// Rings that wrapped (more steps than --trajectory-steps), with a reset inside: a clean restart
+// brings every recorded row back bit for bit from the trajectory store's snapshot, and a restart
+// with a shorter ring keeps the newest steps.
+static void test_restart_wrapped_rings(void **state) {
+    struct fixture *f = *state;
+    for (int k = 0; k < 300; k++)
+        step_envs(f, k == 150, "stepping past the ring");
+    enum { T = 256, T2 = 100 };
+    struct rnnd_forward_reply before, after;
+    forward_recorded(f, T, &before);
+    assert_int_equal(daemon_signal_wait(&f->d, SIGTERM, 15000), 0);
+    restart(f, NULL);
+    forward_recorded(f, T, &after);
+    assert_memory_equal(after.output.data, before.output.data, sizeof(float) * 4 * T * H_);
+    assert_memory_equal(after.obs.data, before.obs.data, sizeof(float) * 4 * T * I_);
+    assert_memory_equal(after.is_init.data, before.is_init.data, 4 * T);
+    assert_memory_equal(after.step_model_version.data, before.step_model_version.data,
+                        sizeof(int64_t) * 4 * T);
+    rnnd_forward_reply_free(&after);
+    // A shorter ring: the newest T2 steps, from the state recorded before the first of them.
+    assert_int_equal(daemon_signal_wait(&f->d, SIGTERM, 15000), 0);
+    restart(f, (const char *[]){"--trajectory-steps", "100", NULL});
+    forward_recorded(f, T2, &after);
+    for (int b = 0; b < 4; b++) {
+        size_t o = (size_t)b * T + (T - T2);
+        assert_memory_equal((const float *)after.obs.data + (size_t)b * T2 * I_,
+                            (const float *)before.obs.data + o * I_, sizeof(float) * T2 * I_);
+        assert_memory_equal((const uint8_t *)after.is_init.data + (size_t)b * T2,
+                            (const uint8_t *)before.is_init.data + o, T2);
+        assert_true(close_f32("the newest steps of a shorter ring",
+                              (const float *)after.output.data + (size_t)b * T2 * H_,
+                              (const float *)before.output.data + o * H_, T2 * H_, ATOL, RTOL));
+    }
+    rnnd_forward_reply_free(&after);
+    rnnd_forward_reply_free(&before);
+    step_envs(f, false, "after the restarts"); // the env states continue
+    assert_int_equal(daemon_signal_wait(&f->d, SIGTERM, 15000), 0);
+    restart(f, NULL);
+}
+
 static void test_kill9_and_corrupt(void **state) {
     struct fixture *f = *state;
     uint64_t v;
@@ -740,7 +780,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names_and_init), cmocka_unit_test(test_set_get_roundtrip),
         cmocka_unit_test(test_rnndctl),        cmocka_unit_test(test_checkpoint_contents),
-        cmocka_unit_test(test_clean_restart),  cmocka_unit_test(test_kill9_and_corrupt),
+        cmocka_unit_test(test_clean_restart),  cmocka_unit_test(test_restart_wrapped_rings),
+        cmocka_unit_test(test_kill9_and_corrupt),
         cmocka_unit_test(test_rotation),       cmocka_unit_test(test_weights_flag),
     };
     return cmocka_run_group_tests_name("weights", tests, setup, teardown) ? 1 : 0;

@@ -49,7 +49,7 @@ static void test_defaults(void **state) {
     assert_int_equal(c.max_delay_us, 200);
     assert_int_equal(c.env_idle_timeout_s, 3600);
     assert_int_equal(c.trajectory_steps, 256);
-    assert_int_equal(c.max_message_mb, 64);
+    assert_int_equal(c.max_message_mb, 128);
     assert_int_equal(c.extras_size, 0);
     assert_int_equal(rnnd_config_queue_rows(&c), 64 * c.max_batch);
 }

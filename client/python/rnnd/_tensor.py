@@ -24,7 +24,8 @@ def encode(array, dtype=None, out=None):
     """Returns (or fills ``out`` with) a Tensor holding ``array``.
 
     dtype: a wire DType; by default bool arrays go as BOOL, integer arrays as INT64 and
-    everything else as FLOAT32.
+    everything else as FLOAT32. With BFLOAT16 a uint16 array is taken as bfloat16 bit patterns
+    (torch: ``t.bfloat16().view(torch.int16).numpy().view(np.uint16)``).
     """
     a = np.asarray(array)
     if dtype is None:
@@ -34,7 +35,9 @@ def encode(array, dtype=None, out=None):
             dtype = pb.INT64
         else:
             dtype = pb.FLOAT32
-    if dtype == pb.BFLOAT16:
+    if dtype == pb.BFLOAT16 and a.dtype == np.uint16:
+        data = np.ascontiguousarray(a, dtype="<u2").tobytes()  # bfloat16 bit patterns as they are
+    elif dtype == pb.BFLOAT16:
         f = np.ascontiguousarray(a, dtype="<f4")
         u = f.view("<u4")
         # round to nearest even, as torch does
@@ -47,6 +50,35 @@ def encode(array, dtype=None, out=None):
     t.dtype = dtype
     t.data = data
     return t
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_field(number, array, dtype=None):
+    """Tensor field ``number`` of a message, serialised, as a list of byte chunks whose join is
+    the field (protobuf merges fields appended to a serialised message): the data is copied once,
+    by the join, where encode() and SerializeToString() copy it three times."""
+    a = np.asarray(array)
+    if dtype == pb.BFLOAT16 and a.dtype != np.uint16:
+        data = np.frombuffer(encode(a, dtype).data, dtype="<u2")
+    else:
+        if dtype is None:
+            dtype = pb.FLOAT32
+        data = np.ascontiguousarray(a, dtype="<u2" if dtype == pb.BFLOAT16 else _NP[dtype])
+    head = pb.Tensor(shape=a.shape, dtype=dtype).SerializeToString()
+    body = memoryview(data).cast("B")
+    inner = head + b"\x1a" + _varint(body.nbytes)
+    return [_varint(number << 3 | 2), _varint(len(inner) + body.nbytes), inner, body]
 
 
 def decode(t):

@@ -18,7 +18,7 @@ import queue
 import grpc
 import numpy as np
 
-from ._tensor import decode, encode, field
+from ._tensor import decode, encode, encode_field, field
 from .v1 import health_pb2, health_pb2_grpc
 from .v1 import rnnd_pb2 as pb
 from .v1 import rnnd_pb2_grpc
@@ -83,6 +83,32 @@ def _bools(flags, n):
     if a.ndim == 0:
         return [bool(a)] * n
     return a.reshape(-1).tolist()
+
+
+# Wire dtypes by name (reply_dtype=, dtype=): float tensors travel as fp32, bf16 or fp16.
+_DTYPES = {None: 0, "float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16, "float16": pb.FLOAT16}
+# Bits of ForwardRequest.recorded_fields and BackwardRequest.input_grads by name.
+_RECORDED = {"obs": pb.RECORDED_OBS, "is_init": pb.RECORDED_IS_INIT, "extras": pb.RECORDED_EXTRAS,
+             "step_model_version": pb.RECORDED_STEP_MODEL_VERSION}
+_INPUT_GRADS = {"obs": pb.INPUT_GRAD_OBS, "h0": pb.INPUT_GRAD_H0, "hidden": pb.INPUT_GRAD_HIDDEN}
+
+
+def _dtype(name):
+    if name not in _DTYPES:
+        raise ValueError("dtype %r: use 'float32', 'bfloat16' or 'float16'" % (name,))
+    return _DTYPES[name]
+
+
+def _mask(names, table):
+    """An int, or an iterable of names of table, as bits."""
+    if isinstance(names, int):
+        return names
+    bits = 0
+    for n in names:
+        if n not in table:
+            raise ValueError("%r: use %s" % (n, ", ".join(map(repr, table))))
+        bits |= table[n]
+    return bits
 
 
 def _named(tensors):
@@ -170,6 +196,10 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=opts)
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         self._stub = rnnd_pb2_grpc.RnnStub(self._channel)
+        # Backward sends the learner's biggest tensor: its request is serialised by hand.
+        self._backward_raw = self._channel.unary_unary(
+            "/rnnd.v1.Rnn/Backward", request_serializer=None,
+            response_deserializer=pb.BackwardReply.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -184,8 +214,8 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, name, request, timeout=None, stub=None):
-        fn = getattr(stub or self._stub, name)
+    def _call(self, name, request, timeout=None, stub=None, fn=None):
+        fn = fn or getattr(stub or self._stub, name)
         try:
             return fn(request, timeout=timeout if timeout is not None else self.timeout,
                       metadata=self._metadata)
@@ -232,28 +262,37 @@ class Client:
         return self._call("EndEpisodes", pb.EndEpisodesRequest(env_ids=_ids(env_ids))).released
 
     def forward(self, obs, is_init=None, h0=None, c0=None, hidden=None, cell=None,
-                keep_tape=False):
+                keep_tape=False, dtype=None, reply_dtype=None):
         """Sequence forward over explicit trajectories: obs [B, T, I], is_init [B, T] (None: all
         false), h0/c0 [B, L, H], stored states hidden/cell [B, T, L, H] (TorchRL style: the reset
-        value where is_init). keep_tape keeps activations for backward(). Returns ForwardResult."""
+        value where is_init). keep_tape keeps activations for backward(). dtype: the wire dtype
+        of the float tensors sent ('float32' by default, 'bfloat16', 'float16'); reply_dtype:
+        of those returned (default: dtype). Returns ForwardResult (bfloat16 decodes to
+        float32)."""
         obs = np.asarray(obs)
+        wire = _dtype(dtype) or None
         tr = pb.Trajectories()
-        encode(obs, out=tr.obs)
+        encode(obs, dtype=wire, out=tr.obs)
         if is_init is None:
             is_init = np.zeros(obs.shape[:2], dtype=bool)
         encode(np.asarray(is_init, dtype=bool), out=tr.is_init)
         for name, v in (("h0", h0), ("c0", c0), ("hidden", hidden), ("cell", cell)):
             if v is not None:
-                encode(v, out=getattr(tr, name))
-        req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape))
+                encode(v, dtype=wire, out=getattr(tr, name))
+        req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
+                                reply_dtype=_dtype(reply_dtype))
         return self._forward_result(self._call("Forward", req))
 
-    def forward_recorded(self, env_ids, steps, keep_tape=False):
+    def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
         the state recorded before the window). The result also carries the recorded obs,
-        is_init, extras [B, T, E] and step_model_version [B, T]."""
+        is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
+        ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
+        'bfloat16' or 'float16' for the float tensors returned."""
         req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
-                                keep_tape=bool(keep_tape))
+                                keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
+        if fields is not None:
+            req.recorded_fields = _mask(fields, _RECORDED)
         return self._forward_result(self._call("Forward", req))
 
     @staticmethod
@@ -262,18 +301,26 @@ class Client:
                              r.model_version, field(r, "obs"), field(r, "is_init"),
                              field(r, "extras"), field(r, "step_model_version"))
 
-    def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False):
+    def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False,
+                 input_grads=None, dtype=None, reply_dtype=None):
         """Backward through a kept tape: grad_output [B, T, H], optional grad_h_n/grad_c_n
         [B, L, H]. accumulate adds the weight gradients into the daemon's buffer (for
-        apply_gradients()) instead of returning them. Returns BackwardResult(grads: dict name ->
-        array, grad_obs, grad_h0, grad_c0, grad_hidden, grad_cell)."""
-        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
-        encode(grad_output, out=req.grad_output)
+        apply_gradients()) instead of returning them. input_grads names the input gradients
+        wanted among "obs", "h0", "hidden" (None: every one the Forward had; (): none, which
+        also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
+        BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
+        grad_cell)."""
+        wire = _dtype(dtype) or None
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
+                                 reply_dtype=_dtype(reply_dtype))
+        if input_grads is not None:
+            req.input_grads = _mask(input_grads, _INPUT_GRADS)
         if grad_h_n is not None:
-            encode(grad_h_n, out=req.grad_h_n)
+            encode(grad_h_n, dtype=wire, out=req.grad_h_n)
         if grad_c_n is not None:
-            encode(grad_c_n, out=req.grad_c_n)
-        r = self._call("Backward", req)
+            encode(grad_c_n, dtype=wire, out=req.grad_c_n)
+        data = b"".join([req.SerializeToString(), *encode_field(2, grad_output, wire)])
+        r = self._call("Backward", data, fn=self._backward_raw)
         return BackwardResult(_unnamed(r.grads), field(r, "grad_obs"), field(r, "grad_h0"),
                               field(r, "grad_c0"), field(r, "grad_hidden"),
                               field(r, "grad_cell"))

@@ -60,6 +60,7 @@ class _Target:
         self.refs = []
         self.own = None
         self.model_version = 0
+        self.wire = "float32"  # the dtype tensors travel in (RemoteRecurrent's wire)
 
     def add(self, client):
         self.refs = [r for r in self.refs if r() is not None and not r().closed]
@@ -101,6 +102,16 @@ def _target(name):
 
 def _np(t):
     return None if t is None else t.detach().cpu().contiguous().numpy()
+
+
+def _wire(t, wire):
+    """t as a numpy array for the wire dtype `wire` (bfloat16: its bit patterns), or None."""
+    if t is None:
+        return None
+    t = t.detach()
+    if wire == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().view(np.uint16)
+    return _np(t.half() if wire == "float16" else t.float())
 
 
 def _uids(env_ids):
@@ -182,8 +193,10 @@ def _forward(target: str, obs: Tensor, is_init: Tensor, h0: Optional[Tensor],
              accumulate: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> output [B, T, H], h_n, c_n [B, L, H] (zeros for GRU), tape. params: the module's
     Parameters (their values are not sent: the daemon computes with its own weights)."""
-    r = _target(target).client.forward(_np(obs), _np(is_init), _np(h0), _np(c0), _np(hidden),
-                                       _np(cell), keep_tape=keep_tape)
+    t = _target(target)
+    w = t.wire
+    r = t.client.forward(_wire(obs, w), _np(is_init), _wire(h0, w), _wire(c0, w),
+                         _wire(hidden, w), _wire(cell, w), keep_tape=keep_tape, dtype=w)
     return _forward_outputs(target, r, obs.device, len(params) // 4, hidden_size)
 
 
@@ -205,7 +218,8 @@ def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Ten
     """-> output, h_n, c_n, tape as _forward, then the recorded obs [B, T, I], is_init [B, T],
     extras [B, T, E] and step_model_version [B, T], on the Parameters' device."""
     device = params[0].device
-    r = _target(target).client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape)
+    t = _target(target)
+    r = t.client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape, reply_dtype=t.wire)
     out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
     B = env_ids.shape[0]
     extras = (_t(r.extras, device) if r.extras is not None
@@ -250,8 +264,11 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     tape_id = int(tape[0])
     if tape_id == 0:
         raise RuntimeError("rnnd: no tape was kept for this forward (it ran with grad disabled)")
-    g = _target(target).client.backward(tape_id, _np(grad_output), _np(grad_h_n), _np(grad_c_n),
-                                        accumulate=accumulate)
+    t = _target(target)
+    w = t.wire
+    # Input gradients only when the caller takes them (a recorded window's inputs are constants).
+    g = t.client.backward(tape_id, _wire(grad_output, w), _wire(grad_h_n, w), _wire(grad_c_n, w),
+                          accumulate=accumulate, input_grads=None if input_grads else (), dtype=w)
     dev = grad_output.device
     out = []
     for name, shape in _backward_shapes(grad_output, params, input_size, input_grads, stored):
@@ -383,16 +400,21 @@ class RemoteRecurrent(nn.Module):
     """The daemon's GRU/LSTM as an nn.Module (see the module docstring).
 
     client: an rnnd.Client or a "HOST:PORT" target. grads: "local" or "server".
-    pull: copy the daemon's weights into the Parameters now.
+    pull: copy the daemon's weights into the Parameters now. wire: the dtype tensors travel in,
+    "float32", "bfloat16" or "float16" (the daemon computes in its own precision either way; it
+    is set for every RemoteRecurrent of this target).
     """
 
-    def __init__(self, client, grads="local", pull=True):
+    def __init__(self, client, grads="local", pull=True, wire="float32"):
         super().__init__()
         if grads not in ("local", "server"):
             raise ValueError('grads must be "local" or "server"')
+        if wire not in ("float32", "bfloat16", "float16"):
+            raise ValueError('wire must be "float32", "bfloat16" or "float16"')
         self.client = client if isinstance(client, Client) else Client(client)
         self.target = self.client.target
         self._remote = register_client(self.client)
+        self.wire = _target(self.target).wire = wire
         info = self.client.info()
         self.info = info
         self.cell = info.cell

@@ -1,0 +1,190 @@
+#!/usr/bin/python3
+"""Learner benchmark: the rnnd learner loop beside the same learner in plain PyTorch, one process,
+one run, one device.
+
+rnnd (through rnnd.torch.RemoteRecurrent, Python client over TCP loopback):
+    Forward(recorded, keep_tape, only is_init back) -> linear head + MSE loss on the learner's
+    device -> loss.backward() = Backward(accumulate, no input gradients) -> ApplyGradients (the
+    daemon's Adam) and the head's Adam step.
+PyTorch, the same GRU, head, loss and Adam over the same windows:
+    cudnn:    nn.GRU over whole rows (ignores the resets inside the windows: the fastest possible
+              and not the same math);
+    per-step: a loop over the T steps with GRUCell, zeroing the state where is_init (the resets
+              done right, as a PyTorch learner without rnnd does them).
+
+Every row prints the iteration time (median over --iters) and env-steps/s (B*T per iteration).
+The rnnd row adds the daemon's own time per call from its /metrics (rnnd_request_duration_seconds:
+request arrival to status, over the timed iterations) and the backend ops' time in it.
+
+    # CPU, small shape (the daemon started from a path):
+    PYTHONPATH=build/client/python /usr/bin/python3 client/python/examples/learner_bench.py \\
+        --rnnd build/server/rnnd --backend cpu -B 256 -T 64
+    # GPU host, the issue's shape, bf16 on the wire:
+    PYTHONPATH=build/client/python python3 client/python/examples/learner_bench.py \\
+        --rnnd build/server/rnnd --backend cuda --device cuda -B 2048 -T 64 --wire bfloat16
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import torch
+
+import rnnd
+import rnnd.torch
+
+
+def metrics(http):
+    with urllib.request.urlopen("http://%s/metrics" % http, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for m in re.finditer(r'^(rnnd_request_duration_seconds_(?:sum|count))\{method="(\w+)"\} (\S+)$'
+                         r'|^rnnd_backend_kernel_seconds_total\{op="(\w+)"\} (\S+)$', text, re.M):
+        if m.group(1):
+            out[(m.group(1).rsplit("_", 1)[1], m.group(2))] = float(m.group(3))
+        else:
+            out[("kernel", m.group(4))] = float(m.group(5))
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, iters, warmup, device):
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def row(name, sec, B, T, extra=""):
+    print("%-26s %9.2f ms  %12.0f env-steps/s  %s" % (name, sec * 1e3, B * T / sec, extra),
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rnnd", help="the rnnd binary to start, or a command line that starts it "
+                    "(a bundle's \"BUNDLE/run rnnd\"); else --target")
+    ap.add_argument("--target", help="HOST:PORT of a running rnnd (with --http for its metrics)")
+    ap.add_argument("--http", help="HOST:PORT of that rnnd's HTTP port")
+    ap.add_argument("--backend", default="cpu", help="the daemon's --backend (cpu, cuda, auto)")
+    ap.add_argument("--device", default="cpu", help="the learner's torch device (cpu, cuda)")
+    ap.add_argument("-B", type=int, default=256)
+    ap.add_argument("-T", type=int, default=64)
+    ap.add_argument("-I", type=int, default=64)
+    ap.add_argument("-H", type=int, default=128)
+    ap.add_argument("--reset-prob", type=float, default=0.01)
+    ap.add_argument("--wire", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    a = ap.parse_args()
+    B, T, I, H = a.B, a.T, a.I, a.H
+    dev = torch.device(a.device)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+
+    d = None
+    if a.rnnd:
+        d = rnnd.Daemon(binary=a.rnnd.split(), backend=a.backend, input_size=I, hidden_size=H,
+                        max_envs=max(B, 1024), max_batch=min(B, 4096), trajectory_steps=T,
+                        max_message_mb=512, tape_memory_mb=8192).start()
+        target, http = d.target, d.http
+    else:
+        target, http = a.target, a.http
+    try:
+        client = rnnd.Client(target, max_message_mb=-1)
+        info = client.info()
+        print("rnnd %s on %s, GRU I=%d H=%d, B=%d T=%d, reset p=%g, wire %s; learner on %s"
+              % (info.backend, info.device, I, H, B, T, a.reset_prob, a.wire, dev), flush=True)
+        # The windows: T recorded steps of B envs, resets at random.
+        ids = np.arange(B, dtype=np.uint64)
+        obs = rng.standard_normal((T, B, I)).astype(np.float32)
+        init = rng.random((T, B)) < a.reset_prob
+        init[0] = True
+        for t in range(T):
+            for lo in range(0, B, info.max_batch):
+                s = slice(lo, lo + info.max_batch)
+                client.step(ids[s], obs[t, s], is_init=init[t, s])
+        target_y = torch.randn(B, T, 1, device=dev)
+
+        core = rnnd.torch.RemoteRecurrent(client, grads="server", wire=a.wire)
+        head = torch.nn.Linear(H, 1).to(dev)
+        opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+
+        def rnnd_iter():
+            # RemoteRecurrent's op returns every recorded tensor of the window (obs, is_init,
+            # extras, versions) in the wire dtype; Client.forward_recorded(fields=...) can drop them.
+            out, _ = core.forward_recorded(ids, T)
+            loss = torch.nn.functional.mse_loss(head(out.to(dev)), target_y)
+            opt.zero_grad()
+            loss.backward()
+            core.apply_gradients(pull=False)
+            opt.step()
+
+        for _ in range(a.warmup):
+            rnnd_iter()
+        m0 = metrics(http) if http else {}
+        sec = timed(rnnd_iter, a.iters, 0, dev)
+        extra = ""
+        if http:
+            m1 = metrics(http)
+            parts = []
+            for meth, op in (("Forward", "forward"), ("Backward", "backward"),
+                             ("ApplyGradients", "optim")):
+                n = m1.get(("count", meth), 0) - m0.get(("count", meth), 0)
+                if n:
+                    s = (m1[("sum", meth)] - m0.get(("sum", meth), 0)) / n
+                    k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
+                    parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
+            extra = "daemon: " + ", ".join(parts)
+        row("rnnd (%s wire)" % a.wire, sec, B, T, extra)
+
+        if not a.no_torch:
+            x = torch.from_numpy(obs.transpose(1, 0, 2).copy()).to(dev)     # [B, T, I]
+            resets = torch.from_numpy(init.T.copy()).to(dev)                 # [B, T]
+            gru = torch.nn.GRU(I, H, batch_first=True).to(dev)
+            cell = torch.nn.GRUCell(I, H).to(dev)
+            for name, net in (("cudnn", gru), ("per-step", cell)):
+                head2 = torch.nn.Linear(H, 1).to(dev)
+                opt2 = torch.optim.Adam(list(net.parameters()) + list(head2.parameters()),
+                                        lr=1e-3)
+
+                def torch_iter(net=net, head2=head2, opt2=opt2, name=name):
+                    if name == "cudnn":
+                        out, _ = net(x)
+                    else:
+                        h = torch.zeros(B, H, device=dev)
+                        outs = []
+                        for t in range(T):
+                            h = torch.where(resets[:, t, None], torch.zeros_like(h), h)
+                            h = net(x[:, t], h)
+                            outs.append(h)
+                        out = torch.stack(outs, 1)
+                    loss = torch.nn.functional.mse_loss(head2(out), target_y)
+                    opt2.zero_grad()
+                    loss.backward()
+                    opt2.step()
+
+                label = ("PyTorch %s" % name) + (" (no resets)" if name == "cudnn" else "")
+                row(label, timed(torch_iter, a.iters, a.warmup, dev), B, T)
+    finally:
+        if d is not None:
+            d.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,7 +40,7 @@ int rnnd__cuda_cast(struct cuda_ctx *c, void *dst, enum rnnd_ftype dst_dtype, co
         return RNND_EINVAL;
     c->step_tail = false; // not a step: the next step waits before it reads (common.cuh)
     size_t want = CEIL_DIV(n, (size_t)CAST_THREADS);
-    int grid = (int)(want < (size_t)c->num_sms * 16 ? want : (size_t)c->num_sms * 16);
+    int grid = (int)(want < (size_t)c->dev.num_sms * 16 ? want : (size_t)c->dev.num_sms * 16);
     if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_BF16)
         cast_kernel<RNND_FTYPE_BF16, RNND_FTYPE_F32><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     else if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_F16)

@@ -39,19 +39,12 @@ import tempfile
 import threading
 import time
 
+from checks import check, summary
+
 try:
     import yaml
 except ImportError:
     yaml = None
-
-PASSED, FAILED = [], []
-
-
-def check(ok, what, detail=""):
-    (PASSED if ok else FAILED).append(what)
-    print("%s  %s%s" % ("ok  " if ok else "FAIL", what, ("\n      " + detail) if detail and not ok
-                                                          else ""))
-    return ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,8 +573,7 @@ def main():
                         args[k + 1] = path
                 start_rnnd(name, a.rnnd, args)
 
-    print("%d passed, %d failed" % (len(PASSED), len(FAILED)))
-    return 1 if FAILED else 0
+    return summary()
 
 
 if __name__ == "__main__":

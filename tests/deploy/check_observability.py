@@ -34,19 +34,12 @@ import threading
 import time
 import urllib.request
 
+from checks import check, summary
+
 try:
     import yaml
 except ImportError:
     yaml = None
-
-PASSED, FAILED = [], []
-
-
-def check(ok, what, detail=""):
-    (PASSED if ok else FAILED).append(what)
-    print("%s  %s%s" % ("ok  " if ok else "FAIL", what, ("\n      " + str(detail)) if detail and
-                                                          not ok else ""))
-    return ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,8 +363,7 @@ def main():
         check(d.stop() == 2, "rnnd exits 2 on a bad flag value")
         check_json_lines("json log of a bad flag", d.err, "hidden-size")
 
-    print("%d passed, %d failed" % (len(PASSED), len(FAILED)))
-    return 1 if FAILED else 0
+    return summary()
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ static bool is_owned(const char *dir) {
     return false;
 }
 
-static char *slurp(const char *path, size_t *len) {
+char *read_file(const char *path, size_t *len) {
     int fd = open(path, O_RDONLY);
     if (fd < 0)
         return NULL;
@@ -113,9 +113,17 @@ static char *slurp(const char *path, size_t *len) {
     return buf;
 }
 
+void daemon_teardown(struct daemon *d) {
+    if (!daemon_alive(d) && d->exit_status != 0) {
+        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", d->exit_status);
+        daemon_dump_log(d, 4000);
+    }
+    daemon_free(d);
+}
+
 void daemon_dump_log(const struct daemon *d, size_t n) {
     size_t len;
-    char *log = slurp(d->log_path, &len);
+    char *log = read_file(d->log_path, &len);
     if (!log) {
         fprintf(stderr, "(no log at %s)\n", d->log_path);
         return;
@@ -271,7 +279,7 @@ int daemon_wait_ready(struct daemon *d, double timeout_s) {
     // counts, and the ready line may follow other log lines.
     while (now_seconds() - t0 < timeout_s) {
         size_t len;
-        char *log = slurp(d->log_path, &len);
+        char *log = read_file(d->log_path, &len);
         const char *from = log && len >= log_start ? log + log_start : log;
         const char *last = from ? strstr(from, "rnnd ready ") : NULL;
         if (last) {
@@ -326,7 +334,7 @@ int daemon_spawn(struct daemon *d, const char *const *args) {
 
 bool daemon_log_contains(const struct daemon *d, const char *needle) {
     size_t len;
-    char *log = slurp(d->log_path, &len);
+    char *log = read_file(d->log_path, &len);
     bool found = log && len >= d->log_start && strstr(log + d->log_start, needle) != NULL;
     free(log);
     return found;
@@ -480,31 +488,36 @@ static void dechunk(char *body) {
     *dst = '\0';
 }
 
-int http_raw(const char *hostport, const char *request, size_t len, int timeout_ms, int *status,
-             char **headers, char **body) {
-    *status = 0;
-    *body = NULL;
-    if (headers)
-        *headers = NULL;
+int tcp_connect(const char *hostport) {
     char host[64];
     snprintf(host, sizeof host, "%s", hostport);
     char *colon = strrchr(host, ':');
     if (!colon)
         return -1;
     *colon = '\0';
-    int port = atoi(colon + 1);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+        return -1;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+int http_raw(const char *hostport, const char *request, size_t len, int timeout_ms, int *status,
+             char **headers, char **body) {
+    *status = 0;
+    *body = NULL;
+    if (headers)
+        *headers = NULL;
+    int fd = tcp_connect(hostport);
     if (fd < 0)
         return -1;
     struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        close(fd);
-        return -1;
-    }
     // The server may answer (and close) before it has read everything: a short write is fine.
     for (size_t off = 0; off < len;) {
         ssize_t w = write(fd, request + off, len - off);
@@ -566,6 +579,16 @@ int http_get(const char *hostport, const char *path, int *status, char **headers
     return http_raw(hostport, req, (size_t)len, 5000, status, headers, body);
 }
 
+double daemon_metric(const struct daemon *d, const char *name, const char *labels) {
+    int status;
+    char *body = NULL;
+    double v = NAN;
+    if (http_get(d->http, "/metrics", &status, NULL, &body) == 0 && status == 200)
+        v = prom_value(body, name, labels);
+    free(body);
+    return v;
+}
+
 double prom_value(const char *body, const char *name, const char *labels) {
     size_t nl = strlen(name);
     for (const char *line = body; line && *line;) {
@@ -594,6 +617,25 @@ double prom_value(const char *body, const char *name, const char *labels) {
         line = eol ? eol + 1 : NULL;
     }
     return NAN;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests.
+
+struct rnnd_step_req step_request(int B, const uint64_t *ids, float *x, int I, const bool *init) {
+    return (struct rnnd_step_req){.n_env_ids = (size_t)B,
+                                  .env_ids = ids,
+                                  .obs = rnnd_tensor_f32(x, 2, B, I, 0, 0),
+                                  .n_is_init = init ? (size_t)B : 0,
+                                  .is_init = init};
+}
+
+int stream_step1(struct rnnd_client_stream *s, uint64_t id, float *x, int I, bool init) {
+    struct rnnd_step_req req = step_request(1, &id, x, I, &init);
+    struct rnnd_step_reply r;
+    int err = rnnd_client_stream_step(s, &req, &r);
+    rnnd_step_reply_free(&r);
+    return err;
 }
 
 // ---------------------------------------------------------------------------------------------

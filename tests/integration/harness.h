@@ -59,6 +59,10 @@ int daemon_signal_wait(struct daemon *d, int sig, int timeout_ms);
 bool daemon_alive(struct daemon *d);
 // SIGKILLs the daemon if still running, reaps it, removes the state dir (when owned).
 void daemon_free(struct daemon *d);
+// The end of a test group's daemon: when it is gone with a nonzero exit status (it died during
+// the tests, rather than being stopped by one or never started), says so with that status and
+// the tail of its log; then daemon_free. Free its clients and reference first.
+void daemon_teardown(struct daemon *d);
 // True when the log written since this start contains needle.
 bool daemon_log_contains(const struct daemon *d, const char *needle);
 // Prints the last n bytes of the daemon's log to stderr.
@@ -99,6 +103,11 @@ int http_get(const char *hostport, const char *path, int *status, char **headers
 // at most timeout_ms for each read. 0 or -1 (no HTTP response).
 int http_raw(const char *hostport, const char *request, size_t len, int timeout_ms, int *status,
              char **headers, char **body);
+// A connected TCP socket to host:port (an IPv4 address), or -1.
+int tcp_connect(const char *hostport);
+// The value of metric `name` (labels as for prom_value) in d's /metrics now; NAN when absent or
+// when /metrics does not answer 200.
+double daemon_metric(const struct daemon *d, const char *name, const char *labels);
 // The value of the first sample of metric `name` whose label set contains every "k=\"v\""
 // substring in `labels` (may be NULL), from a Prometheus text body; NAN when absent.
 double prom_value(const char *body, const char *name, const char *labels);
@@ -156,6 +165,17 @@ void expect_status_(int err, int status, const char *expr, const char *file, int
 // Asserts err == 0 and prints the last error otherwise.
 void expect_ok_(int err, const char *expr, const char *file, int line);
 #define EXPECT_OK(call) expect_ok_((call), #call, __FILE__, __LINE__)
+
+// A Step request of B envs: ids (B), obs x as a (B, I) FLOAT32 tensor and, when init is not NULL,
+// is_init (B); everything else unset. It points at the caller's arrays.
+struct rnnd_step_req step_request(int B, const uint64_t *ids, float *x, int I, const bool *init);
+// One env's Step on stream s (obs x (1, I), is_init init) for its status alone: the reply is
+// dropped. For tests of what the daemon admits, where the outputs are checked elsewhere.
+int stream_step1(struct rnnd_client_stream *s, uint64_t id, float *x, int I, bool init);
+
+// A whole file as a new NUL-terminated buffer (free()), its size in *len (may be NULL); NULL when
+// it cannot be opened.
+char *read_file(const char *path, size_t *len);
 
 // Seconds on a monotonic clock.
 double now_seconds(void);

@@ -15,7 +15,6 @@
  */
 #include "harness.h"
 
-#include <arpa/inet.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -24,12 +23,10 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,20 +41,10 @@
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-static double metric(const struct daemon *d, const char *name, const char *labels) {
-    int status;
-    char *body = NULL;
-    double v = NAN;
-    if (http_get(d->http, "/metrics", &status, NULL, &body) == 0 && status == 200)
-        v = prom_value(body, name, labels);
-    free(body);
-    return v;
-}
-
 static double limit_of(const struct daemon *d, const char *family, const char *resource) {
     char labels[64];
     snprintf(labels, sizeof labels, "resource=\"%s\"", resource);
-    return metric(d, family, labels);
+    return daemon_metric(d, family, labels);
 }
 
 // Waits up to timeout_ms for metric name{labels} to equal want; true when it did.
@@ -65,25 +52,15 @@ static bool metric_wait(const struct daemon *d, const char *name, const char *la
                         int timeout_ms) {
     double t0 = now_seconds();
     double v;
-    while ((v = metric(d, name, labels)) != want && (now_seconds() - t0) * 1000 < timeout_ms)
+    while ((v = daemon_metric(d, name, labels)) != want && (now_seconds() - t0) * 1000 < timeout_ms)
         sleep_ms(20);
     if (v != want)
         fprintf(stderr, "  %s{%s} is %g, want %g\n", name, labels ? labels : "", v, want);
     return v == want;
 }
 
-static int step1(struct rnnd_client_stream *s, uint64_t id, bool init) {
-    float x[I_] = {0.25f};
-    struct rnnd_step_req req = {.n_env_ids = 1,
-                                .env_ids = &id,
-                                .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                .n_is_init = 1,
-                                .is_init = &init};
-    struct rnnd_step_reply r;
-    int err = rnnd_client_stream_step(s, &req, &r);
-    rnnd_step_reply_free(&r);
-    return err;
-}
+// The obs of every stream step here: these tests check what is admitted, not outputs.
+static float obs1[I_] = {0.25f};
 
 static const char *last_message(void) {
     return rnnd_client_last_error()->message;
@@ -271,7 +248,7 @@ static void test_drain_delivers_replies(void **state) {
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *s;
     EXPECT_OK(rnnd_client_stream_init(c, &s));
-    EXPECT_OK(step1(s, 1, true));
+    EXPECT_OK(stream_step1(s, 1, obs1, I_, true));
 
     grpc_channel *ch = raw_channel(&d);
     size_t len;
@@ -280,17 +257,17 @@ static void test_drain_delivers_replies(void **state) {
     raw_start(&r, ch, "/rnnd.v1.Rnn/Forward", req, len);
     assert_true(metric_wait(&d, "rnnd_requests_total", "method=\"Forward\",code=\"OK\"", 1, 5000));
     // The reply has been handed to gRPC and waits for its client.
-    assert_true(metric(&d, "rnnd_reply_bytes", NULL) > 4e6);
+    assert_true(daemon_metric(&d, "rnnd_reply_bytes", NULL) > 4e6);
 
     double t0 = now_seconds();
     kill(d.pid, SIGTERM);
     sleep_ms(300);
     assert_true(daemon_alive(&d));
-    assert_true(metric(&d, "rnnd_ready", NULL) == 0);
+    assert_true(daemon_metric(&d, "rnnd_ready", NULL) == 0);
     // New calls are refused; the open stream is served.
     int info_err = rnnd_client_info(c, &(struct rnnd_model_info){0});
     EXPECT_STATUS(info_err, GRPC_STATUS_UNAVAILABLE);
-    EXPECT_OK(step1(s, 1, false));
+    EXPECT_OK(stream_step1(s, 1, obs1, I_, false));
 
     double read_at = now_seconds() - t0;
     size_t got;
@@ -320,11 +297,11 @@ static void test_drain_timeout_ends_streams(void **state) {
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *s;
     EXPECT_OK(rnnd_client_stream_init(c, &s));
-    EXPECT_OK(step1(s, 1, true));
+    EXPECT_OK(stream_step1(s, 1, obs1, I_, true));
     double t0 = now_seconds();
     kill(d.pid, SIGTERM);
     int ok = 0, err;
-    while ((err = step1(s, 1, false)) == 0 && now_seconds() - t0 < 10) {
+    while ((err = stream_step1(s, 1, obs1, I_, false)) == 0 && now_seconds() - t0 < 10) {
         ok++;
         sleep_ms(50);
     }
@@ -363,16 +340,16 @@ static void test_reply_budget(void **state) {
         raw_start(&r[k], ch, "/rnnd.v1.Rnn/Forward", req, len);
     assert_true(metric_wait(&d, "rnnd_requests_total", "method=\"Forward\",code=\"OK\"", 2, 5000));
     assert_true(limit_of(&d, "rnnd_limit_rejections_total", "reply_bytes") == 2);
-    double held = metric(&d, "rnnd_reply_bytes", NULL);
+    double held = daemon_metric(&d, "rnnd_reply_bytes", NULL);
     fprintf(stderr, "  two 4 MiB replies unread hold %.1f MiB\n", held / 1048576.0);
     assert_true(held > 8e6 && held <= 10 << 20);
-    assert_true(metric(&d, "rnnd_streams_active", NULL) == 2);
+    assert_true(daemon_metric(&d, "rnnd_streams_active", NULL) == 2);
 
     // Small replies still fit; the third slot goes to a stream, then every slot is taken.
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *s;
     EXPECT_OK(rnnd_client_stream_init(c, &s));
-    EXPECT_OK(step1(s, 1, true));
+    EXPECT_OK(stream_step1(s, 1, obs1, I_, true));
     struct rnnd_model_info info;
     EXPECT_STATUS(rnnd_client_info(c, &info), GRPC_STATUS_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(last_message(), "--max-streams"));
@@ -392,7 +369,7 @@ static void test_reply_budget(void **state) {
     assert_int_equal(full, 2);
     // Read, the replies give back their bytes and slots.
     assert_true(metric_wait(&d, "rnnd_reply_bytes", NULL, 0, 5000) ||
-                metric(&d, "rnnd_reply_bytes", NULL) < 8192);
+                daemon_metric(&d, "rnnd_reply_bytes", NULL) < 8192);
     assert_true(metric_wait(&d, "rnnd_streams_active", NULL, 1, 5000));
     EXPECT_OK(rnnd_client_info(c, &info));
     EXPECT_OK(rnnd_client_stream_close(s));
@@ -401,18 +378,6 @@ static void test_reply_budget(void **state) {
     grpc_channel_destroy(ch);
     free(req);
     daemon_free(&d);
-}
-
-static int tcp_connect(const char *hostport) {
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    a.sin_port = htons((uint16_t)atoi(strrchr(hostport, ':') + 1));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
 }
 
 // --max-connections counts every connection, a silent TCP one too; the one over it is closed at
@@ -435,7 +400,7 @@ static void test_connection_bound(void **state) {
     struct rnnd_client *c3 = daemon_client(&d, NULL);
     assert_int_not_equal(rnnd_client_wait_connected(c3, 1500), 0);
     assert_true(limit_of(&d, "rnnd_limit_rejections_total", "connections") >= 1);
-    assert_true(metric(&d, "rnnd_connections", NULL) == 3);
+    assert_true(daemon_metric(&d, "rnnd_connections", NULL) == 3);
     EXPECT_OK(rnnd_client_info(c1, &info));
     assert_true(daemon_log_contains(&d, "--max-connections 3"));
     rnnd_client_free(c3);
@@ -472,7 +437,7 @@ static void test_health_watch_bound(void **state) {
         EXPECT_OK(rnnd_client_watch_next(w[k], 5000, &st));
         assert_int_equal(st, 1);
     }
-    assert_true(metric(&d, "rnnd_health_watches", NULL) == 2);
+    assert_true(daemon_metric(&d, "rnnd_health_watches", NULL) == 2);
     int err = rnnd_client_watch_init(c, "", &w[2]);
     if (err == 0)
         err = rnnd_client_watch_next(w[2], 5000, &st);
@@ -505,17 +470,17 @@ static void test_stream_idle_timeout(void **state) {
     struct rnnd_client_stream *idle, *busy;
     EXPECT_OK(rnnd_client_stream_init(c, &idle));
     EXPECT_OK(rnnd_client_stream_init(c, &busy));
-    EXPECT_OK(step1(idle, 1, true));
-    EXPECT_OK(step1(busy, 2, true));
+    EXPECT_OK(stream_step1(idle, 1, obs1, I_, true));
+    EXPECT_OK(stream_step1(busy, 2, obs1, I_, true));
     double t0 = now_seconds();
     while (now_seconds() - t0 < 1.8) {
-        EXPECT_OK(step1(busy, 2, false));
+        EXPECT_OK(stream_step1(busy, 2, obs1, I_, false));
         sleep_ms(200);
     }
-    EXPECT_STATUS(step1(idle, 1, false), GRPC_STATUS_UNAVAILABLE);
+    EXPECT_STATUS(stream_step1(idle, 1, obs1, I_, false), GRPC_STATUS_UNAVAILABLE);
     assert_non_null(strstr(last_message(), "--stream-idle-timeout-s"));
-    assert_true(metric(&d, "rnnd_stream_idle_timeouts_total", NULL) == 1);
-    EXPECT_OK(step1(busy, 2, false));
+    assert_true(daemon_metric(&d, "rnnd_stream_idle_timeouts_total", NULL) == 1);
+    EXPECT_OK(stream_step1(busy, 2, obs1, I_, false));
     EXPECT_OK(rnnd_client_stream_close(busy));
     rnnd_client_stream_free(busy);
     rnnd_client_stream_free(idle);
@@ -526,10 +491,10 @@ static void test_stream_idle_timeout(void **state) {
     struct raw r;
     raw_start(&r, ch, "/rnnd.v1.Rnn/Forward", req, len);
     assert_true(metric_wait(&d, "rnnd_requests_total", "method=\"Forward\",code=\"OK\"", 1, 5000));
-    assert_true(metric(&d, "rnnd_streams_active", NULL) == 1);
+    assert_true(daemon_metric(&d, "rnnd_streams_active", NULL) == 1);
     assert_true(metric_wait(&d, "rnnd_streams_active", NULL, 0, 5000));
-    assert_true(metric(&d, "rnnd_reply_bytes", NULL) == 0);
-    assert_true(metric(&d, "rnnd_stream_idle_timeouts_total", NULL) == 2);
+    assert_true(daemon_metric(&d, "rnnd_reply_bytes", NULL) == 0);
+    assert_true(daemon_metric(&d, "rnnd_stream_idle_timeouts_total", NULL) == 2);
     size_t got;
     assert_int_not_equal(raw_finish(&r, &got), GRPC_STATUS_OK);
     raw_free(&r);

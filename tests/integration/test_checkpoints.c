@@ -48,26 +48,10 @@ static const char *const *args_with(const char *H, const char *const *extra) {
     return args;
 }
 
-static char *read_text(const char *path, size_t *len) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return NULL;
-    fseek(fp, 0, SEEK_END);
-    long n = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    size_t got = fread(buf, 1, (size_t)n, fp);
-    fclose(fp);
-    buf[got] = '\0';
-    if (len)
-        *len = got;
-    return buf;
-}
-
 // How often needle occurs in the log of d's latest start.
 static int log_count(const struct daemon *d, const char *needle) {
     size_t len;
-    char *log = read_text(d->log_path, &len);
+    char *log = read_file(d->log_path, &len);
     int n = 0;
     for (const char *p = log && len >= d->log_start ? log + d->log_start : "";
          (p = strstr(p, needle)); p++)
@@ -174,15 +158,6 @@ static char *save(struct rnnd_client *c, const char *name) {
     EXPECT_OK(rnnd_client_save_checkpoint(c, name, &path, NULL));
     sleep_ms(5); // distinct creation times
     return path;
-}
-
-static double metric(const struct daemon *d, const char *name, const char *labels) {
-    int status;
-    char *body = NULL;
-    assert_int_equal(http_get(d->http, "/metrics", &status, NULL, &body), 0);
-    double v = prom_value(body, name, labels);
-    free(body);
-    return v;
 }
 
 // Flips one byte of file at off from its end (inside the data).
@@ -370,9 +345,9 @@ static void test_failures_exit_nonzero(void **state) {
     char cmd[1000];
     snprintf(cmd, sizeof cmd, "rm -rf %s && touch %s", below, below);
     assert_int_equal(system(cmd), 0);
-    double f0 = metric(&d, "rnnd_checkpoints_total", "result=\"failed\"");
+    double f0 = daemon_metric(&d, "rnnd_checkpoints_total", "result=\"failed\"");
     sleep_ms(3500);
-    double f1 = metric(&d, "rnnd_checkpoints_total", "result=\"failed\"");
+    double f1 = daemon_metric(&d, "rnnd_checkpoints_total", "result=\"failed\"");
     int warned = log_count(&d, "periodic checkpoint failed");
     fprintf(stderr, "  failing periodic checkpoints in 3.5 s at 1 s: %.0f tries, %d warnings\n",
             f1 - f0, warned);
@@ -393,7 +368,7 @@ static void test_failures_exit_nonzero(void **state) {
 // Offset from the end of envs.safetensors to its first env id.
 static long env_id_offset(const char *file) {
     size_t len = 0;
-    char *buf = read_text(file, &len);
+    char *buf = read_file(file, &len);
     assert_non_null(buf);
     struct rnnd_st_file st;
     char why[256];

@@ -169,11 +169,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    if (!daemon_alive(&d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", d.exit_status);
-        daemon_dump_log(&d, 4000);
-    }
-    daemon_free(&d);
+    daemon_teardown(&d);
     return 0;
 }
 

@@ -78,19 +78,6 @@ static void build_args(const char **out, const char *list, const char *const *ex
     out[n] = NULL;
 }
 
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    *len = buf ? fread(buf, 1, (size_t)n, f) : 0;
-    fclose(f);
-    return buf;
-}
-
 static float *get_params(struct rnnd_client *c, const struct rnnd_model *m, uint64_t *version) {
     struct rnnd_named_tensors w;
     EXPECT_OK(rnnd_client_get_weights(c, &w, version));

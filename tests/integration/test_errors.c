@@ -53,24 +53,14 @@ static uint64_t id_on(const struct fixture *f, int k, uint64_t from) {
 
 // Forward tapes the daemon holds (every device's), from /metrics.
 static double tapes_held(const struct fixture *f) {
-    int status;
-    char *body = NULL;
-    assert_int_equal(http_get(f->d.http, "/metrics", &status, NULL, &body), 0);
-    assert_int_equal(status, 200);
-    double n = prom_value(body, "rnnd_tapes", NULL);
-    free(body);
-    return n;
+    return daemon_metric(&f->d, "rnnd_tapes", NULL);
 }
 
 static void probe_step(struct fixture *f, bool init, const char *what) {
     float x[NPROBE * I_], ref[NPROBE * H_];
     rng_fill(&f->g, x, NPROBE * I_);
     bool inits[NPROBE] = {init, init, init, init};
-    struct rnnd_step_req req = {.n_env_ids = NPROBE,
-                                .env_ids = probe_ids,
-                                .obs = rnnd_tensor_f32(x, 2, NPROBE, I_, 0, 0),
-                                .n_is_init = NPROBE,
-                                .is_init = inits};
+    struct rnnd_step_req req = step_request(NPROBE, probe_ids, x, I_, inits);
     struct rnnd_step_reply r;
     EXPECT_OK(rnnd_client_step(f->c, &req, &r));
     ref_step(&f->r, NPROBE, probe_slots, x, inits, ref);
@@ -152,13 +142,9 @@ static int teardown(void **state) {
     struct fixture *f = *state;
     if (!f)
         return 0;
-    if (!daemon_alive(&f->d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
-        daemon_dump_log(&f->d, 4000);
-    }
     ref_free(&f->r);
     rnnd_client_free(f->c);
-    daemon_free(&f->d);
+    daemon_teardown(&f->d);
     return 0;
 }
 

@@ -9,10 +9,8 @@
  */
 #include "harness.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -34,41 +32,10 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    if (d.pid && !daemon_alive(&d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", d.exit_status);
-        daemon_dump_log(&d, 4000);
-    }
-    daemon_free(&d);
+    daemon_teardown(&d);
     return 0;
 }
 
-static double metric(const char *name, const char *labels) {
-    int status;
-    char *body = NULL;
-    if (http_get(d.http, "/metrics", &status, NULL, &body) != 0 || status != 200) {
-        free(body);
-        return NAN;
-    }
-    double v = prom_value(body, name, labels);
-    free(body);
-    return v;
-}
-
-// A connected socket to host:port, or -1.
-static int tcp_connect(const char *hostport) {
-    char host[64];
-    snprintf(host, sizeof host, "%s", hostport);
-    char *colon = strrchr(host, ':');
-    *colon = '\0';
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Slowloris: N connections that send the start of a request and then one header byte at a
@@ -145,9 +112,9 @@ static void test_slowloris(void **state) {
     }
     atomic_store(&s.stop, true);
     pthread_join(s.tid, NULL);
-    double evicted = metric("rnnd_http_connections_dropped_total", "reason=\"evicted\"");
-    double timed_out = metric("rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
-    double open = metric("rnnd_http_connections", NULL);
+    double evicted = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"evicted\"");
+    double timed_out = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
+    double open = daemon_metric(&d, "rnnd_http_connections", NULL);
     fprintf(stderr,
             "  %d slow connections (%d reopened): 40 scrapes, %d failed, slowest %.3f s; "
             "%.0f evicted, %.0f header timeouts, %.0f open\n",
@@ -160,15 +127,15 @@ static void test_slowloris(void **state) {
     assert_true(open >= 1 && open <= 256);
     // Once the attacker is gone its connections close: only the scrape's own stays.
     double t0 = now_seconds();
-    while (metric("rnnd_http_connections", NULL) > 1 && now_seconds() - t0 < 5)
+    while (daemon_metric(&d, "rnnd_http_connections", NULL) > 1 && now_seconds() - t0 < 5)
         sleep_ms(50);
-    assert_true(metric("rnnd_http_connections", NULL) == 1);
+    assert_true(daemon_metric(&d, "rnnd_http_connections", NULL) == 1);
 }
 
 // A head that keeps arriving a byte at a time is still cut off at the deadline, with 408.
 static void test_header_deadline(void **state) {
     (void)state;
-    double before = metric("rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
+    double before = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
     int fd = tcp_connect(d.http);
     assert_true(fd >= 0);
     const char *start = "GET /healthz HTTP/1.1\r\n";
@@ -190,7 +157,7 @@ static void test_header_deadline(void **state) {
     fprintf(stderr, "  a trickled head: \"%.24s\" after %.2f s\n", resp, took);
     assert_non_null(strstr(resp, "HTTP/1.1 408"));
     assert_true(took > 1.5 && took < 3.0);
-    assert_true(metric("rnnd_http_connections_dropped_total", "reason=\"header_timeout\"") ==
+    assert_true(daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"") ==
                 before + 1);
 }
 
@@ -267,12 +234,7 @@ static void *forward_main(void *arg) {
 
 // Request messages dd has decoded (rnnd_request_message_bytes_count).
 static double daemon_requests_decoded(const struct daemon *dd) {
-    int status;
-    char *body = NULL;
-    double n = NAN;
-    if (http_get(dd->http, "/metrics", &status, NULL, &body) == 0 && status == 200)
-        n = prom_value(body, "rnnd_request_message_bytes_count", NULL);
-    free(body);
+    double n = daemon_metric(dd, "rnnd_request_message_bytes_count", NULL);
     assert_false(isnan(n));
     return n;
 }

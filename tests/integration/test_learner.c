@@ -88,13 +88,9 @@ static int teardown(void **state) {
     struct fixture *f = *state;
     if (!f)
         return 0;
-    if (!daemon_alive(&f->d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
-        daemon_dump_log(&f->d, 4000);
-    }
     ref_free(&f->r);
     rnnd_client_free(f->c);
-    daemon_free(&f->d);
+    daemon_teardown(&f->d);
     return 0;
 }
 
@@ -462,11 +458,7 @@ static void test_trajectory_ring(void **state) {
     bool init = true;
     for (int s = 0; s < RING + 5; s++) {
         rng_fill(&f->g, x, I_);
-        struct rnnd_step_req req = {.n_env_ids = 1,
-                                    .env_ids = &id,
-                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                    .n_is_init = 1,
-                                    .is_init = &init};
+        struct rnnd_step_req req = step_request(1, &id, x, I_, &init);
         struct rnnd_step_reply r;
         EXPECT_OK(rnnd_client_step(f->c, &req, &r));
         rnnd_step_reply_free(&r);
@@ -645,11 +637,7 @@ static void test_sgd_accumulate_apply(void **state) {
     for (int s = 0; s < 2; s++) {
         float x[I_], ref[H_];
         rng_fill(&f->g, x, I_);
-        struct rnnd_step_req req = {.n_env_ids = 1,
-                                    .env_ids = &id,
-                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                    .n_is_init = 1,
-                                    .is_init = &init};
+        struct rnnd_step_req req = step_request(1, &id, x, I_, &init);
         struct rnnd_step_reply r;
         EXPECT_OK(rnnd_client_step(f->c, &req, &r));
         assert_int_equal(r.model_version, v2);
@@ -898,11 +886,7 @@ static void test_wire_masks_and_refusals(void **state) {
     bool init[B] = {true, true};
     for (int s = 0; s < T + 1; s++) {
         rng_fill(&f->g, x, B * I_);
-        struct rnnd_step_req sq = {.n_env_ids = B,
-                                   .env_ids = ids,
-                                   .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
-                                   .n_is_init = B,
-                                   .is_init = init};
+        struct rnnd_step_req sq = step_request(B, ids, x, I_, init);
         struct rnnd_step_reply sr;
         EXPECT_OK(rnnd_client_step(f->c, &sq, &sr));
         rnnd_step_reply_free(&sr);

@@ -43,12 +43,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    if (d.pid && !daemon_alive(&d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", d.exit_status);
-        daemon_dump_log(&d, 4000);
-    }
     rnnd_client_free(c);
-    daemon_free(&d);
+    daemon_teardown(&d);
     return 0;
 }
 
@@ -59,29 +55,13 @@ static int step_n(struct rnnd_client *cl, const uint64_t *ids, int B, bool init)
         x[k] = 0.01f * (float)k;
     for (int b = 0; b < B; b++)
         inits[b] = init;
-    struct rnnd_step_req req = {.n_env_ids = (size_t)B,
-                                .env_ids = ids,
-                                .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
-                                .n_is_init = (size_t)B,
-                                .is_init = inits};
+    struct rnnd_step_req req = step_request(B, ids, x, I_, inits);
     struct rnnd_step_reply r;
     int err = rnnd_client_step(cl, &req, &r);
     rnnd_step_reply_free(&r);
     return err;
 }
 
-// One sample of /metrics of dd (NAN when absent).
-static double metric_of(const struct daemon *dd, const char *name, const char *labels) {
-    int status;
-    char *body = NULL;
-    if (http_get(dd->http, "/metrics", &status, NULL, &body) != 0 || status != 200) {
-        free(body);
-        return NAN;
-    }
-    double v = prom_value(body, name, labels);
-    free(body);
-    return v;
-}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -478,26 +458,16 @@ static void test_queue_full(void **state) {
         assert_int_equal(info.envs_active, 12);
     }
     assert_true(seen);
-    assert_true(metric_of(&dq, "rnnd_limit_rejections_total", "resource=\"step_queue_rows\"") >= 1);
-    assert_true(metric_of(&dq, "rnnd_limit", "resource=\"step_queue_rows\"") == 16);
+    assert_true(daemon_metric(&dq, "rnnd_limit_rejections_total", "resource=\"step_queue_rows\"") >= 1);
+    assert_true(daemon_metric(&dq, "rnnd_limit", "resource=\"step_queue_rows\"") == 16);
     rnnd_client_free(c1);
     rnnd_client_free(c2);
     rnnd_client_free(c3);
     daemon_free(&dq);
 }
 
-static int stream_step1(struct rnnd_client_stream *s, uint64_t id, bool init) {
-    float x[I_] = {0.5f};
-    struct rnnd_step_req req = {.n_env_ids = 1,
-                                .env_ids = &id,
-                                .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                .n_is_init = 1,
-                                .is_init = &init};
-    struct rnnd_step_reply r;
-    int err = rnnd_client_stream_step(s, &req, &r);
-    rnnd_step_reply_free(&r);
-    return err;
-}
+// The obs of every stream step here: these tests check what is admitted, not outputs.
+static float obs1[I_] = {0.5f};
 
 static int forward_T(struct rnnd_client *cl, int T, bool keep) {
     float *x = calloc((size_t)T * I_, sizeof(float));
@@ -512,7 +482,7 @@ static int forward_T(struct rnnd_client *cl, int T, bool keep) {
 static double rejections(const struct daemon *dd, const char *resource) {
     char labels[64];
     snprintf(labels, sizeof labels, "resource=\"%s\"", resource);
-    return metric_of(dd, "rnnd_limit_rejections_total", labels);
+    return daemon_metric(dd, "rnnd_limit_rejections_total", labels);
 }
 
 static void test_limits(void **state) {
@@ -533,7 +503,7 @@ static void test_limits(void **state) {
     for (int i = 0; i < 5; i++) {
         char labels[64];
         snprintf(labels, sizeof labels, "resource=\"%s\"", bounds[i].resource);
-        assert_true(metric_of(&dl, "rnnd_limit", labels) == bounds[i].bound);
+        assert_true(daemon_metric(&dl, "rnnd_limit", labels) == bounds[i].bound);
         assert_true(rejections(&dl, bounds[i].resource) == 0);
     }
 
@@ -543,25 +513,25 @@ static void test_limits(void **state) {
     struct rnnd_client_stream *s1, *s2, *s3;
     EXPECT_OK(rnnd_client_stream_init(c1, &s1));
     EXPECT_OK(rnnd_client_stream_init(c1, &s2));
-    EXPECT_OK(stream_step1(s1, 1, true));
-    EXPECT_OK(stream_step1(s2, 2, true));
-    assert_true(metric_of(&dl, "rnnd_streams_active", NULL) == 2);
+    EXPECT_OK(stream_step1(s1, 1, obs1, I_, true));
+    EXPECT_OK(stream_step1(s2, 2, obs1, I_, true));
+    assert_true(daemon_metric(&dl, "rnnd_streams_active", NULL) == 2);
     double t0 = now_seconds();
     uint64_t id = 3;
     EXPECT_STATUS(step_n(c3, &id, 1, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(rnnd_client_last_error()->message, "--max-streams"));
     if (rnnd_client_stream_init(c3, &s3) == 0) {
-        EXPECT_STATUS(stream_step1(s3, 3, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
+        EXPECT_STATUS(stream_step1(s3, 3, obs1, I_, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
         rnnd_client_stream_free(s3);
     }
     assert_true(now_seconds() - t0 < 2.0);
     int hs = 0;
     EXPECT_OK(rnnd_client_health(c3, "rnnd.v1.Rnn", &hs));
     assert_int_equal(hs, 1);
-    EXPECT_OK(stream_step1(s1, 1, false));
-    EXPECT_OK(stream_step1(s2, 2, false));
+    EXPECT_OK(stream_step1(s1, 1, obs1, I_, false));
+    EXPECT_OK(stream_step1(s2, 2, obs1, I_, false));
     assert_true(rejections(&dl, "streams") >= 2);
-    assert_true(metric_of(&dl, "rnnd_streams_active", NULL) == 2);
+    assert_true(daemon_metric(&dl, "rnnd_streams_active", NULL) == 2);
     // A closed stream frees its slot.
     EXPECT_OK(rnnd_client_stream_close(s2));
     rnnd_client_stream_free(s2);
@@ -578,7 +548,7 @@ static void test_limits(void **state) {
     uint64_t two[2] = {5, 6};
     EXPECT_STATUS(step_n(c3, two, 2, true), GRPC_STATUS_RESOURCE_EXHAUSTED);
     assert_true(rejections(&dl, "envs") == 1);
-    EXPECT_OK(stream_step1(s1, 1, false));
+    EXPECT_OK(stream_step1(s1, 1, obs1, I_, false));
     uint64_t known[3] = {2, 3, 4};
     EXPECT_OK(step_n(c3, known, 3, false));
 
@@ -598,8 +568,8 @@ static void test_limits(void **state) {
     EXPECT_STATUS(forward_T(c3, 10000, false), GRPC_STATUS_RESOURCE_EXHAUSTED);
     assert_true(rejections(&dl, "message_bytes") == 1);
     EXPECT_STATUS(forward_T(c3, 40000, false), GRPC_STATUS_RESOURCE_EXHAUSTED);
-    EXPECT_OK(stream_step1(s1, 1, false));
-    assert_true(metric_of(&dl, "rnnd_request_message_bytes_count", NULL) > 10);
+    EXPECT_OK(stream_step1(s1, 1, obs1, I_, false));
+    assert_true(daemon_metric(&dl, "rnnd_request_message_bytes_count", NULL) > 10);
 
     rnnd_client_stream_free(s1);
     rnnd_client_free(c1);

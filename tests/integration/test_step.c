@@ -52,13 +52,9 @@ static int teardown(void **state) {
     struct fixture *f = *state;
     if (!f)
         return 0;
-    if (!daemon_alive(&f->d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
-        daemon_dump_log(&f->d, 4000);
-    }
     ref_free(&f->r);
     rnnd_client_free(f->c);
-    daemon_free(&f->d);
+    daemon_teardown(&f->d);
     return 0;
 }
 
@@ -391,11 +387,7 @@ static void test_envs_active_visible(void **state) {
     int stale = 0;
     for (int k = 0; k < 100; k++) {
         uint64_t id = 0xE0000000ull + (uint64_t)k;
-        struct rnnd_step_req req = {.n_env_ids = 1,
-                                    .env_ids = &id,
-                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                    .n_is_init = 1,
-                                    .is_init = &init};
+        struct rnnd_step_req req = step_request(1, &id, x, I_, &init);
         struct rnnd_step_reply r;
         EXPECT_OK(rnnd_client_step(f->c, &req, &r));
         rnnd_step_reply_free(&r);

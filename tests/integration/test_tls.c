@@ -29,14 +29,8 @@ static int sh(const char *cmd) {
 static char *slurp_file(const char *name) {
     char path[256];
     snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = calloc((size_t)n + 1, 1);
-    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
+    char *buf = read_file(path, NULL);
+    assert_non_null(buf);
     return buf;
 }
 

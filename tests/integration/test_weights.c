@@ -56,13 +56,9 @@ static int teardown(void **state) {
     struct fixture *f = *state;
     if (!f)
         return 0;
-    if (f->d.pid && !daemon_alive(&f->d)) {
-        fprintf(stderr, "rnnd died during the tests (status 0x%x)\n", f->d.exit_status);
-        daemon_dump_log(&f->d, 4000);
-    }
     ref_free(&f->r);
     rnnd_client_free(f->c);
-    daemon_free(&f->d);
+    daemon_teardown(&f->d);
     return 0;
 }
 
@@ -161,11 +157,7 @@ static void test_set_get_roundtrip(void **state) {
     for (int s = 0; s < 3; s++) {
         float x[I_], ref[H_];
         rng_fill(&f->g, x, I_);
-        struct rnnd_step_req req = {.n_env_ids = 1,
-                                    .env_ids = &id,
-                                    .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                    .n_is_init = 1,
-                                    .is_init = &init};
+        struct rnnd_step_req req = step_request(1, &id, x, I_, &init);
         struct rnnd_step_reply r;
         EXPECT_OK(rnnd_client_step(f->c, &req, &r));
         ref_step(&f->r, 1, &slot, x, &init, ref);

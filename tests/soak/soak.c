@@ -34,14 +34,11 @@
 #include <errno.h>
 #include <grpc/status.h>
 #include <math.h>
-#include <netinet/in.h>
-#include <arpa/inet.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #define I_        8
@@ -522,23 +519,6 @@ struct chaos {
     int scrapes, scrape_fail, checkpoints, checkpoint_fail, garbage, health_fail;
     int slow_status; // what the slow HTTP request got (408 expected)
 };
-
-static int tcp_connect(const char *hostport) {
-    char host[64];
-    snprintf(host, sizeof host, "%s", hostport);
-    char *colon = strrchr(host, ':');
-    if (!colon)
-        return -1;
-    *colon = '\0';
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
 
 static void *slow_http_main(void *arg) {
     struct chaos *ch = arg;

@@ -24,6 +24,8 @@ static const char *const method_names[RNND_METHOD_COUNT] = {
     "GetWeights",
     "SetWeights",
     "SaveCheckpoint",
+    "RegisterRegion",
+    "ReleaseRegion",
     "grpc.health.v1.Health/Check",
     "grpc.health.v1.Health/Watch",
     "unknown",

@@ -12,6 +12,7 @@
 
 #include "request.h"
 #include "rnnd/v1/rnnd.pb-c.h"
+#include "shm.h"
 
 #define ERRLEN RNND_REQUEST_ERRLEN
 
@@ -565,4 +566,32 @@ void rnnd_service_save_checkpoint(void *p, struct rnnd_call *call, const Protobu
     job->owner = call;
     job->done = checkpoint_done;
     rnnd_group_submit(s->group, job);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RegisterRegion, ReleaseRegion
+
+void rnnd_service_register_region(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {
+    struct rnnd_service *s = svc_of(p);
+    char err[ERRLEN];
+    Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
+    int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
+                               rnnd_call_peer_local(call), &r.region, &r.size, err, sizeof(err));
+    if (rc)
+        rnnd_call_fail(call, rc, err);
+    else
+        rnnd_call_reply(call, &r.base);
+}
+
+void rnnd_service_release_region(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {
+    struct rnnd_service *s = svc_of(p);
+    const Rnnd__V1__ReleaseRegionRequest *req = (const Rnnd__V1__ReleaseRegionRequest *)msg;
+    char err[ERRLEN];
+    int rc = rnnd_shm_release(s->shm, req->region, rnnd_call_peer_local(call), err, sizeof(err));
+    if (rc) {
+        rnnd_call_fail(call, rc, err);
+        return;
+    }
+    Rnnd__V1__ReleaseRegionReply r = RNND__V1__RELEASE_REGION_REPLY__INIT;
+    rnnd_call_reply(call, &r.base);
 }

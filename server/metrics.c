@@ -58,7 +58,7 @@ static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "he
                                                                   "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {
     "envs",    "step_queue_rows", "tape_bytes",    "message_bytes",
-    "streams", "reply_bytes",     "connections",   "health_watches"};
+    "streams", "reply_bytes",     "connections",   "health_watches", "shm_regions"};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -327,6 +327,10 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "StepStreams, and calls whose reply their client did not read.\n"
         "# TYPE rnnd_stream_idle_timeouts_total counter\nrnnd_stream_idle_timeouts_total %llu\n",
         (unsigned long long)ld(&m->stream_idle_ends));
+    put(&b,
+        "# HELP rnnd_shm_regions Shared-memory regions registered by clients on this host.\n"
+        "# TYPE rnnd_shm_regions gauge\nrnnd_shm_regions %lld\n",
+        (long long)lds(&m->shm_regions));
     if (b.err) {
         free(b.p);
         return b.err;

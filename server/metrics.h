@@ -67,6 +67,7 @@ enum rnnd_limit {
     RNND_LIMIT_REPLY_BYTES,    // --max-reply-mb: replies sent or queued, not yet read by clients
     RNND_LIMIT_CONNECTIONS,    // --max-connections: gRPC connections open
     RNND_LIMIT_HEALTH_WATCHES, // --max-health-watches: grpc.health.v1 Watch streams open
+    RNND_LIMIT_SHM_REGIONS,    // --max-shm-regions: shared-memory regions registered
     RNND_LIMIT_COUNT,
 };
 
@@ -117,6 +118,7 @@ struct rnnd_metrics {
     _Atomic int64_t connections;        // gRPC connections open
     _Atomic int64_t health_watches;     // grpc.health.v1 Watch streams open
     _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
+    _Atomic int64_t shm_regions;        // shared-memory regions registered
 };
 
 extern struct rnnd_metrics rnnd_metrics;

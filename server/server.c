@@ -382,6 +382,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         [RNND_LIMIT_REPLY_BYTES] = (int64_t)cfg->max_reply_mb << 20,
         [RNND_LIMIT_CONNECTIONS] = cfg->max_connections,
         [RNND_LIMIT_HEALTH_WATCHES] = cfg->max_health_watches,
+        [RNND_LIMIT_SHM_REGIONS] = cfg->max_shm_regions,
     };
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], bounds[i]);

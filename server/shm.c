@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "metrics.h"
 #include "request.h"
 #include "rnnd_kernels.h"
 
@@ -114,6 +115,7 @@ static void region_unref_locked(struct region *r) {
 static void region_remove_locked(struct rnnd_shm *s, int k) {
     struct region *r = s->v[k];
     s->v[k] = s->v[--s->n];
+    atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
     region_unref_locked(r);
 }
 
@@ -184,11 +186,13 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     pthread_mutex_lock(&s->lock);
     int n = s->n;
     pthread_mutex_unlock(&s->lock);
-    if (n >= s->max)
+    if (n >= s->max) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
         return errf(err, errlen, RNND_EFULL,
                     "%d shared-memory regions are registered (--max-shm-regions %d); release "
                     "unused ones (ReleaseRegion), or raise --max-shm-regions",
                     n, s->max);
+    }
 
     // The kernel lets us open another process's descriptor only when we may trace it: the same
     // user (or a root daemon).
@@ -258,6 +262,7 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     if (s->n >= s->max) {
         pthread_mutex_unlock(&s->lock);
         region_unmap(r);
+        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
         return errf(err, errlen, RNND_EFULL,
                     "%d shared-memory regions are registered (--max-shm-regions %d); release "
                     "unused ones (ReleaseRegion), or raise --max-shm-regions",
@@ -269,6 +274,7 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
             r->id = ((uint64_t)rnnd_now_ns() * 0x9e3779b97f4a7c15ull) ^ (uintptr_t)r;
     } while (r->id == 0 || region_find_locked(s, r->id));
     s->v[s->n++] = r;
+    atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
     *id = r->id;
     *size = r->size;
     pthread_mutex_unlock(&s->lock);

@@ -234,10 +234,10 @@ const struct rnnd_tensor *rnnd_named_tensors_find(const struct rnnd_named_tensor
 // reply_region, and gives the span back once the reply has been copied out; a call that finds
 // no room goes as bytes. A StepStream holds the spans of its requests in flight.
 
-#define SHM_ALIGN 64
-#define SHM_SPANS 64        // calls in flight through the region at once
-#define SHM_KEY   32        // bytes of the key at the region's start
-#define SHM_TENSORS 8       // request tensors per call
+#define SHM_ALIGN   64
+#define SHM_SPANS   64 // calls in flight through the region at once
+#define SHM_KEY     32 // bytes of the key at the region's start
+#define SHM_TENSORS 8  // request tensors per call
 
 struct shm {
     int fd;
@@ -368,9 +368,9 @@ static int copy_tensor(const struct shm *s, const Rnnd__V1__Tensor *pb, struct r
     size_t n = pb->data.len;
     if (pb->region) {
         const Rnnd__V1__RegionSpan *sp = pb->region;
-        if (!s || sp->region != s->id || sp->offset > s->size ||
-            sp->nbytes > s->size - sp->offset)
-            return local_err(RNND_ECORRUPT, "a reply tensor names region %llu [%llu, +%llu), "
+        if (!s || sp->region != s->id || sp->offset > s->size || sp->nbytes > s->size - sp->offset)
+            return local_err(RNND_ECORRUPT,
+                             "a reply tensor names region %llu [%llu, +%llu), "
                              "which is not this client's",
                              (unsigned long long)sp->region, (unsigned long long)sp->offset,
                              (unsigned long long)sp->nbytes);
@@ -459,18 +459,18 @@ enum method {
 };
 
 static const char *const method_paths[M_COUNT] = {
-    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",      [M_STEP] = "/rnnd.v1.Rnn/Step",
-    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream", [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
-    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",        [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
-    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",   [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
-    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",        [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
-    [M_HEALTH] = "/grpc.health.v1.Health/Check", [M_WATCH] = "/grpc.health.v1.Health/Watch",
+    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",       [M_STEP] = "/rnnd.v1.Rnn/Step",
+    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream",  [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
+    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",         [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
+    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",    [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
+    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",         [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
+    [M_HEALTH] = "/grpc.health.v1.Health/Check",  [M_WATCH] = "/grpc.health.v1.Health/Watch",
     [M_REGISTER] = "/rnnd.v1.Rnn/RegisterRegion", [M_RELEASE] = "/rnnd.v1.Rnn/ReleaseRegion",
 };
 
 struct rnnd_client {
     grpc_channel *ch;
-    struct shm *shm; // NULL: tensors travel as bytes
+    struct shm *shm;    // NULL: tensors travel as bytes
     void *reg[M_COUNT]; // registered-call handles: the method path is parsed once
     int64_t timeout_ms;
     size_t n_md;         // 0 or 1
@@ -800,8 +800,7 @@ int rnnd_client_shm_start(struct rnnd_client *c, size_t bytes) {
     if (s->fd < 0 || ftruncate(s->fd, (off_t)bytes) != 0 ||
         fcntl(s->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
         flock(s->fd, LOCK_SH) != 0 ||
-        (s->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0)) ==
-            MAP_FAILED ||
+        (s->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0)) == MAP_FAILED ||
         getrandom(key, sizeof key, 0) != (ssize_t)sizeof key) {
         err = local_err(RNND_EIO, "cannot create a %zu-byte shared memory region: %s", bytes,
                         strerror(errno));

@@ -794,9 +794,9 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
                       .seed = (uint64_t)seed,
                       .stream = a->stream};
     // Room for one request and its reply (with state), twice over.
+    size_t row = (size_t)(info.input_size + 3 * info.num_layers * info.hidden_size) * sizeof(float);
     if (a->shm)
-        b.shm = 2 * b.envs * (size_t)(info.input_size + 3 * info.num_layers * info.hidden_size) *
-                    sizeof(float) + (1 << 16);
+        b.shm = 2 * (size_t)b.envs * row + (1 << 16);
     int rc = connect_opts(a, &b.opts);
     if (rc)
         return rc;

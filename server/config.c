@@ -255,8 +255,9 @@ static bool addr_valid(const char *s) {
 static int listen_entry_check(const char *a, size_t n, char *err, size_t errlen) {
     char one[RNND_CONFIG_ADDR_MAX];
     if (n == 0)
-        return fail(err, errlen, "--listen: an empty address in the list; separate addresses with "
-                                 "single commas");
+        return fail(err, errlen,
+                    "--listen: an empty address in the list; separate addresses with "
+                    "single commas");
     if (n >= sizeof(one))
         return fail(err, errlen, "--listen: address '%.40s...' is longer than %zu bytes", a,
                     sizeof(one) - 1);
@@ -273,7 +274,8 @@ static int listen_entry_check(const char *a, size_t n, char *err, size_t errlen)
     }
     if (!addr_valid(one))
         return fail(err, errlen,
-                    "--listen: '%s' is neither HOST:PORT (e.g. 127.0.0.1:50051) nor unix:PATH", one);
+                    "--listen: '%s' is neither HOST:PORT (e.g. 127.0.0.1:50051) nor unix:PATH",
+                    one);
     return 0;
 }
 

@@ -29,7 +29,7 @@ struct rnnd_config {
     int device;
     // gRPC addresses, comma-separated: HOST:PORT or unix:PATH (rnnd_config_listen splits them)
     char listen[RNND_CONFIG_LISTEN_MAX * RNND_CONFIG_ADDR_MAX];
-    int listen_unix_mode; // file mode of the unix: sockets
+    int listen_unix_mode;              // file mode of the unix: sockets
     char http[RNND_CONFIG_ADDR_MAX];   // HTTP HOST:PORT, or "off"
     char state_dir[RNND_CONFIG_PATH_MAX];
     char restore[RNND_CONFIG_PATH_MAX];

@@ -1249,13 +1249,17 @@ static int unix_bind(grpc_server *server, const char *addr, int mode,
     const char *path = addr + 5;
     struct stat st;
     if (lstat(path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
-        snprintf(err, errlen, "--listen %s: %s exists and is not a socket; remove it or choose "
-                 "another path", addr, path);
+        snprintf(err, errlen,
+                 "--listen %s: %s exists and is not a socket; remove it or choose "
+                 "another path",
+                 addr, path);
         return 0;
     }
     if (lstat(path, &st) == 0 && unix_live(path)) {
-        snprintf(err, errlen, "--listen %s: another process listens there (a second rnnd?); stop "
-                 "it or choose another path", addr);
+        snprintf(err, errlen,
+                 "--listen %s: another process listens there (a second rnnd?); stop "
+                 "it or choose another path",
+                 addr);
         return 0;
     }
     // The socket file is created with the mode the umask leaves, so it never has another one.
@@ -1264,8 +1268,10 @@ static int unix_bind(grpc_server *server, const char *addr, int mode,
     int bound = grpc_server_add_http2_port(server, addr, creds);
     umask(old);
     if (bound == 0)
-        snprintf(err, errlen, "--listen %s: cannot bind (does the directory exist, and may rnnd "
-                 "write to it?)", addr);
+        snprintf(err, errlen,
+                 "--listen %s: cannot bind (does the directory exist, and may rnnd "
+                 "write to it?)",
+                 addr);
     return bound;
 }
 
@@ -1362,8 +1368,7 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, char
         if (bound == 0) {
             if (!unix_socket)
                 snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?%s)",
-                         a,
-                         o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
+                         a, o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
             grpc_server_credentials_release(creds);
             goto fail;
         }

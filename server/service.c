@@ -277,6 +277,18 @@ static void forward_done(struct rnnd_job *job) {
     forward_free(job);
 }
 
+// The limits a Forward or Backward is checked against. What fits into the request's
+// reply_region does not travel in the reply message, so --max-message-mb bounds only the rest.
+static const struct rnnd_request_limits *limits_for(const struct rnnd_service *s,
+                                                    const Rnnd__V1__RegionSpan *reply_region,
+                                                    struct rnnd_request_limits *tmp) {
+    if (reply_region == NULL || reply_region->nbytes == 0)
+        return &s->limits;
+    *tmp = s->limits;
+    tmp->max_message_bytes += (size_t)reply_region->nbytes;
+    return tmp;
+}
+
 static struct rnnd_job *job_with_model(struct rnnd_service *s) {
     struct rnnd_job *job = calloc(1, sizeof(*job));
     if (job)
@@ -289,10 +301,11 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     const Rnnd__V1__ForwardRequest *req = (const Rnnd__V1__ForwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_forward_job f;
-    int rc = counted(rnnd_request_forward(&s->limits, req, &f, err));
+    struct rnnd_request_limits tmp;
+    const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
+    int rc = counted(rnnd_request_forward(lim, req, &f, err));
     if (rc == 0)
-        rc = rnnd_call_reserve(call, rnnd_request_forward_reply_bytes(&s->limits, &f), err,
-                               sizeof(err));
+        rc = rnnd_call_reserve(call, rnnd_request_forward_reply_bytes(lim, &f), err, sizeof(err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);
@@ -377,10 +390,11 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     const Rnnd__V1__BackwardRequest *req = (const Rnnd__V1__BackwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_backward_job g;
-    int rc = counted(rnnd_request_backward(&s->limits, req, &g, err));
+    struct rnnd_request_limits tmp;
+    const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
+    int rc = counted(rnnd_request_backward(lim, req, &g, err));
     if (rc == 0)
-        rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(&s->limits, &g), err,
-                               sizeof(err));
+        rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(lim, &g), err, sizeof(err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s);

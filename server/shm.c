@@ -227,8 +227,9 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
                   "clients of rnnd's own user; send tensors as bytes",
                   (unsigned)st.st_uid, (unsigned)geteuid());
     } else if ((uint64_t)st.st_size != m->size) {
-        rc = errf(err, errlen, RNND_EINVAL, "memfd.size is %" PRIu64 " but the memfd has %lld bytes",
-                  m->size, (long long)st.st_size);
+        rc =
+            errf(err, errlen, RNND_EINVAL, "memfd.size is %" PRIu64 " but the memfd has %lld bytes",
+                 m->size, (long long)st.st_size);
     } else if (!(seals & F_SEAL_SHRINK)) {
         // Unsealed, the client could shrink the file under the daemon's mapping, and the
         // daemon's next access would fault.
@@ -352,8 +353,8 @@ static int walk(ProtobufCMessage *m, const char *prefix, int depth, visit_fn fn,
                 continue;
             char name[192];
             if (f->label == PROTOBUF_C_LABEL_REPEATED)
-                snprintf(name, sizeof(name), "%.90s%s%.40s[%zu]", prefix, *prefix ? "." : "", f->name,
-                         k);
+                snprintf(name, sizeof(name), "%.90s%s%.40s[%zu]", prefix, *prefix ? "." : "",
+                         f->name, k);
             else
                 snprintf(name, sizeof(name), "%.90s%s%.40s", prefix, *prefix ? "." : "", f->name);
             int rc = 0;

@@ -54,9 +54,23 @@ static int setup(void **state) {
     chmod(token_file, 0600);
     char listen[160];
     snprintf(listen, sizeof listen, "unix:%s", sock_path);
-    const char *args[] = {"--listen", listen, "--auth-token-file", token_file, "--cell", "lstm",
-                          "--input-size", "8", "--hidden-size", "16", "--layers", "2",
-                          "--extras-size", "3", "--seed", "5", NULL};
+    const char *args[] = {"--listen",
+                          listen,
+                          "--auth-token-file",
+                          token_file,
+                          "--cell",
+                          "lstm",
+                          "--input-size",
+                          "8",
+                          "--hidden-size",
+                          "16",
+                          "--layers",
+                          "2",
+                          "--extras-size",
+                          "3",
+                          "--seed",
+                          "5",
+                          NULL};
     return daemon_start(&d, args);
 }
 
@@ -80,8 +94,8 @@ static struct rnnd_client *client_to(const char *target, const char *token) {
 static struct rnnd_client *unix_client_small(const char *token, int64_t max_bytes) {
     char target[160];
     snprintf(target, sizeof target, "unix:%s", sock_path);
-    struct rnnd_client_opts o = {.target = target, .token = token, .timeout_ms = 20000,
-                                 .max_message_bytes = max_bytes};
+    struct rnnd_client_opts o = {
+        .target = target, .token = token, .timeout_ms = 20000, .max_message_bytes = max_bytes};
     struct rnnd_client *c = NULL;
     assert_int_equal(rnnd_client_init(&o, &c), 0);
     return c;
@@ -96,8 +110,8 @@ static struct rnnd_client *unix_client(const char *token) {
 static bool bits_equal(const char *what, const struct rnnd_tensor *a, const struct rnnd_tensor *b) {
     if (a->present != b->present || a->nbytes != b->nbytes || a->dtype != b->dtype ||
         a->ndim != b->ndim || (a->nbytes && memcmp(a->data, b->data, a->nbytes) != 0)) {
-        fprintf(stderr, "%s differs (present %d/%d, %zu/%zu bytes)\n", what, a->present,
-                b->present, a->nbytes, b->nbytes);
+        fprintf(stderr, "%s differs (present %d/%d, %zu/%zu bytes)\n", what, a->present, b->present,
+                a->nbytes, b->nbytes);
         return false;
     }
     return true;
@@ -138,8 +152,11 @@ static void test_unix_socket_and_token(void **state) {
     uint64_t id = 77;
     float x[I_] = {0.5f};
     bool init = true;
-    struct rnnd_step_req req = {.n_env_ids = 1, .env_ids = &id, .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
-                                .n_is_init = 1, .is_init = &init};
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &id,
+                                .obs = rnnd_tensor_f32(x, 2, 1, I_, 0, 0),
+                                .n_is_init = 1,
+                                .is_init = &init};
     struct rnnd_step_reply r;
     EXPECT_OK(rnnd_client_step(t, &req, &r));
     rnnd_step_reply_free(&r);
@@ -152,8 +169,8 @@ static void test_unix_socket_and_token(void **state) {
     // A second daemon on the same socket is refused (the first keeps it), as on a TCP port.
     char listen[160];
     snprintf(listen, sizeof listen, "unix:%s", sock_path);
-    const char *argv[] = {rnnd_bin(), "--backend", "cpu", "--listen", listen, "--http", "off",
-                          "--input-size", "8", "--hidden-size", "16", NULL};
+    const char *argv[] = {rnnd_bin(), "--backend",    "cpu", "--listen",      listen, "--http",
+                          "off",      "--input-size", "8",   "--hidden-size", "16",   NULL};
     char *out = NULL;
     int status = run_capture(argv, 20000, &out);
     if (status == 0 || !out || !strstr(out, "another process listens there"))
@@ -176,8 +193,9 @@ static void test_several_addresses(void **state) {
     snprintf(list, sizeof list, "127.0.0.1:0,unix:%s", a);
     char lb[170];
     snprintf(lb, sizeof lb, "unix:%s", b);
-    const char *args[] = {"--listen", list, "--listen", lb, "--listen-unix-mode", "0660",
-                          "--input-size", "8", "--hidden-size", "16", NULL};
+    const char *args[] = {
+        "--listen",      list, "--listen", lb, "--listen-unix-mode", "0660", "--input-size", "8",
+        "--hidden-size", "16", NULL};
     struct daemon d2;
     assert_int_equal(daemon_start(&d2, args), 0);
     // Harness's 127.0.0.1:0 first, then the list, then the repeated flag's address.
@@ -245,8 +263,10 @@ static void test_shm_equals_bytes(void **state) {
         fill(&g, e, B * E_);
         for (int k = 0; k < B; k++)
             init[k] = t == 0 || k == t;
-        struct rnnd_step_req req = {.n_env_ids = B, .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
-                                    .n_is_init = B, .is_init = init,
+        struct rnnd_step_req req = {.n_env_ids = B,
+                                    .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0),
+                                    .n_is_init = B,
+                                    .is_init = init,
                                     .extras = rnnd_tensor_f32(e, 2, B, E_, 0, 0),
                                     .return_state = true};
         struct rnnd_step_reply rs, rb;
@@ -272,7 +292,8 @@ static void test_shm_equals_bytes(void **state) {
         struct rnnd_client_stream *st;
         EXPECT_OK(rnnd_client_stream_init(way ? b : s, &st));
         for (int k = 0; k < 2; k++) {
-            struct rnnd_step_req req = {.n_env_ids = B, .env_ids = way ? ids_b : ids_s,
+            struct rnnd_step_req req = {.n_env_ids = B,
+                                        .env_ids = way ? ids_b : ids_s,
                                         .obs = rnnd_tensor_f32(x2[k], 2, B, I_, 0, 0)};
             EXPECT_OK(rnnd_client_stream_send(st, &req));
         }
@@ -459,9 +480,11 @@ static Rnnd__V1__StepRequest *step_msg(struct step_msg *m, uint64_t env, bool in
 
 // A Step of one env as bytes; its output in out (H floats) unless NULL; 0 or the code.
 static int step_bytes(struct rnnd_client *c, uint64_t env, bool init, const float *x, float *out) {
-    struct rnnd_step_req req = {.n_env_ids = 1, .env_ids = &env,
+    struct rnnd_step_req req = {.n_env_ids = 1,
+                                .env_ids = &env,
                                 .obs = rnnd_tensor_f32((float *)x, 2, 1, I_, 0, 0),
-                                .n_is_init = 1, .is_init = &init};
+                                .n_is_init = 1,
+                                .is_init = &init};
     struct rnnd_step_reply r;
     int err = rnnd_client_step(c, &req, &r);
     if (err == 0 && out)
@@ -559,17 +582,37 @@ static void test_bad_descriptors(void **state) {
             uint64_t id = env == 0 ? 4900 + i : 4001;
             step_msg(&m, id, env == 0, &r, 128, x);
             switch (i) {
-                case 0: m.span.region = r.id ^ 0x5555; break;
-                case 1: m.span.region = gone.id; break;
-                case 2: m.span.offset = RSIZE - 16; break;
-                case 3: m.span.offset = UINT64_MAX - 16; break;
-                case 4: m.span.nbytes = I_ * 4 - 4; break;
-                case 5: m.span.offset = 130; break;
-                case 6: m.obs.data = (ProtobufCBinaryData){sizeof inline_bytes, inline_bytes};
-                        break;
-                case 7: m.reply.offset = RSIZE - 64; m.reply.nbytes = 128; break;
-                case 8: m.reply.region = r.id + 1; break;
-                case 9: m.reply.offset = 4100; break;
+                case 0:
+                    m.span.region = r.id ^ 0x5555;
+                    break;
+                case 1:
+                    m.span.region = gone.id;
+                    break;
+                case 2:
+                    m.span.offset = RSIZE - 16;
+                    break;
+                case 3:
+                    m.span.offset = UINT64_MAX - 16;
+                    break;
+                case 4:
+                    m.span.nbytes = I_ * 4 - 4;
+                    break;
+                case 5:
+                    m.span.offset = 130;
+                    break;
+                case 6:
+                    m.obs.data = (ProtobufCBinaryData){sizeof inline_bytes, inline_bytes};
+                    break;
+                case 7:
+                    m.reply.offset = RSIZE - 64;
+                    m.reply.nbytes = 128;
+                    break;
+                case 8:
+                    m.reply.region = r.id + 1;
+                    break;
+                case 9:
+                    m.reply.offset = 4100;
+                    break;
             }
             Rnnd__V1__StepReply *rep;
             int err = step_raw(c, &m, &rep);
@@ -609,12 +652,12 @@ static void test_bad_descriptors(void **state) {
     bw.tape_id = f.tape_id;
     bw.grad_output = &gt;
     ProtobufCMessage *out;
-    EXPECT_STATUS(raw(c, "/rnnd.v1.Rnn/Backward", &bw.base, &rnnd__v1__backward_reply__descriptor,
-                      &out),
-                  GRPC_STATUS_INVALID_ARGUMENT);
+    EXPECT_STATUS(
+        raw(c, "/rnnd.v1.Rnn/Backward", &bw.base, &rnnd__v1__backward_reply__descriptor, &out),
+        GRPC_STATUS_INVALID_ARGUMENT);
     gs.nbytes = sizeof go;
-    EXPECT_OK(raw(c, "/rnnd.v1.Rnn/Backward", &bw.base, &rnnd__v1__backward_reply__descriptor,
-                  &out));
+    EXPECT_OK(
+        raw(c, "/rnnd.v1.Rnn/Backward", &bw.base, &rnnd__v1__backward_reply__descriptor, &out));
     Rnnd__V1__BackwardReply *brep = (Rnnd__V1__BackwardReply *)out;
     assert_int_equal(brep->n_grads, 4 * L_);
     protobuf_c_message_free_unpacked(out, NULL);
@@ -721,8 +764,8 @@ static void test_remote_peer(void **state) {
     }
     if (!ip[0])
         skip(); // no address but loopback here
-    const char *args[] = {"--listen", "0.0.0.0:0", "--input-size", "8", "--hidden-size", "16",
-                          NULL};
+    const char *args[] = {"--listen", "0.0.0.0:0", "--input-size", "8", "--hidden-size",
+                          "16",       NULL};
     struct daemon d2;
     assert_int_equal(daemon_start(&d2, args), 0);
     const char *p = strstr(d2.ready_line, ",0.0.0.0:");
@@ -753,14 +796,10 @@ static void test_remote_peer(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_unix_socket_and_token),
-        cmocka_unit_test(test_several_addresses),
-        cmocka_unit_test(test_shm_equals_bytes),
-        cmocka_unit_test(test_reply_in_region),
-        cmocka_unit_test(test_bad_descriptors),
-        cmocka_unit_test(test_register_refusals),
-        cmocka_unit_test(test_region_goes_with_client),
-        cmocka_unit_test(test_remote_peer),
+        cmocka_unit_test(test_unix_socket_and_token),   cmocka_unit_test(test_several_addresses),
+        cmocka_unit_test(test_shm_equals_bytes),        cmocka_unit_test(test_reply_in_region),
+        cmocka_unit_test(test_bad_descriptors),         cmocka_unit_test(test_register_refusals),
+        cmocka_unit_test(test_region_goes_with_client), cmocka_unit_test(test_remote_peer),
     };
     return cmocka_run_group_tests_name("shm", tests, setup, teardown);
 }

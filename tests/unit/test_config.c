@@ -316,9 +316,9 @@ static void test_listen_list(void **state) {
 
     // Comma-separated, and a repeated flag adds to the list (the first replaces the default).
     assert_int_equal(parse(&c, err,
-                           (const char *[]){"--listen", "0.0.0.0:1,unix:/run/rnnd.sock",
-                                            "--listen", "unix:/tmp/b.sock", "--listen-unix-mode",
-                                            "0660", "--max-shm-regions", "0", NULL}),
+                           (const char *[]){"--listen", "0.0.0.0:1,unix:/run/rnnd.sock", "--listen",
+                                            "unix:/tmp/b.sock", "--listen-unix-mode", "0660",
+                                            "--max-shm-regions", "0", NULL}),
                      RNND_CONFIG_RUN);
     assert_int_equal(rnnd_config_listen(c.listen, addrs), 3);
     assert_string_equal(addrs[0], "0.0.0.0:1");
@@ -336,8 +336,9 @@ static void test_listen_list(void **state) {
     assert_int_equal(parse(&c, err, (const char *[]){"--config", path, NULL}), RNND_CONFIG_RUN);
     assert_int_equal(rnnd_config_listen(c.listen, addrs), 2);
     assert_string_equal(addrs[0], "unix:/tmp/a.sock");
-    assert_int_equal(parse(&c, err, (const char *[]){"--config", path, "--listen", "[::1]:0", NULL}),
-                     RNND_CONFIG_RUN);
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--config", path, "--listen", "[::1]:0", NULL}),
+        RNND_CONFIG_RUN);
     assert_string_equal(c.listen, "[::1]:0");
     unlink(path);
 

@@ -99,11 +99,20 @@ static void reg_refused(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *req
 
 static void test_peer_local(void **state) {
     (void)state;
-    const char *local[] = {"unix:/run/rnnd.sock", "unix:", "ipv4:127.0.0.1:5000",
-                           "ipv4:127.9.9.9:1", "ipv6:[::1]:5000", "ipv6:[::ffff:127.0.0.1]:80",
+    const char *local[] = {"unix:/run/rnnd.sock",
+                           "unix:",
+                           "ipv4:127.0.0.1:5000",
+                           "ipv4:127.9.9.9:1",
+                           "ipv6:[::1]:5000",
+                           "ipv6:[::ffff:127.0.0.1]:80",
                            NULL};
-    const char *remote[] = {"ipv4:10.0.0.5:5000", "ipv4:192.0.2.2:1", "ipv6:[fd00::2]:5000",
-                            "ipv6:[::ffff:10.1.2.3]:80", "ipv4:1.127.0.0:1", "", "unknown",
+    const char *remote[] = {"ipv4:10.0.0.5:5000",
+                            "ipv4:192.0.2.2:1",
+                            "ipv6:[fd00::2]:5000",
+                            "ipv6:[::ffff:10.1.2.3]:80",
+                            "ipv4:1.127.0.0:1",
+                            "",
+                            "unknown",
                             NULL};
     for (int i = 0; local[i]; i++)
         if (!rnnd_shm_peer_local(local[i]))
@@ -133,8 +142,7 @@ static void test_register_refusals(void **state) {
     reg_refused(s, regreq(&q, me, r.fd, SIZE / 2, r.key), true, RNND_EINVAL, "memfd.size");
     reg_refused(s, regreq(&q, me, unsealed.fd, SIZE, unsealed.key), true, RNND_EPRECOND,
                 "F_SEAL_SHRINK");
-    reg_refused(s, regreq(&q, me, unlocked.fd, SIZE, unlocked.key), true, RNND_EPRECOND,
-                "LOCK_SH");
+    reg_refused(s, regreq(&q, me, unlocked.fd, SIZE, unlocked.key), true, RNND_EPRECOND, "LOCK_SH");
     reg_refused(s, regreq(&q, me, 9999, SIZE, r.key), true, RNND_EPRECOND, "no descriptor");
     int file = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
     reg_refused(s, regreq(&q, me, file, SIZE, r.key), true, RNND_EPRECOND, "");
@@ -412,9 +420,12 @@ static void test_client_gone(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_peer_local),         cmocka_unit_test(test_register_refusals),
-        cmocka_unit_test(test_register_other_uid), cmocka_unit_test(test_resolve),
-        cmocka_unit_test(test_place),              cmocka_unit_test(test_client_gone),
+        cmocka_unit_test(test_peer_local),
+        cmocka_unit_test(test_register_refusals),
+        cmocka_unit_test(test_register_other_uid),
+        cmocka_unit_test(test_resolve),
+        cmocka_unit_test(test_place),
+        cmocka_unit_test(test_client_gone),
     };
     return cmocka_run_group_tests_name("shm", tests, NULL, NULL);
 }

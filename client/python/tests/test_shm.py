@@ -131,7 +131,21 @@ class ShmTest(unittest.TestCase):
         self.assertIn("obs", cm.exception.details)
 
 
-class ShmOffTest(unittest.TestCase):
+class LimitsTest(unittest.TestCase):
+    def test_reply_beyond_message_limit(self):
+        # --max-message-mb 1: a Forward whose 2 MiB output goes into the reply_region is
+        # accepted; as bytes it is refused before any work.
+        with daemon(input_size=I, hidden_size=H, max_message_mb=1) as d:
+            obs = np.zeros((256, 64, I), np.float32)
+            with d.client() as c:
+                self.assertEqual(c.transport, "shm")
+                self.assertEqual(c.forward(obs).output.shape, (256, 64, H))
+            with d.client(transport="grpc") as c:
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    c.forward(obs)
+                self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                self.assertIn("--max-message-mb", cm.exception.details)
+
     def test_off(self):
         with daemon(input_size=I, hidden_size=H, max_shm_regions=0) as d:
             with d.client() as c:

@@ -373,6 +373,23 @@ static void test_shm_equals_bytes(void **state) {
     rnnd_client_free(b);
 }
 
+// rnndctl bench --shm: each connection through its own region.
+static void test_rnndctl_bench_shm(void **state) {
+    (void)state;
+    char target[160];
+    snprintf(target, sizeof target, "unix:%s", sock_path);
+    const char *argv[] = {rnndctl_bin(), "-t",       target,  "--token-file",
+                          token_file,    "bench",    "--shm", "--connections",
+                          "2",           "--envs",   "8",     "--duration",
+                          "0.3",         "--warmup", "0",     "--no-floor",
+                          NULL};
+    char *out = NULL;
+    int status = run_capture(argv, 30000, &out);
+    if (status != 0 || !out || !strstr(out, "through shared memory") || !strstr(out, "errors 0"))
+        fail_msg("rnndctl bench --shm: status %d: %s", status, out ? out : "");
+    free(out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Raw messages: regions made here, requests built by hand.
 
@@ -796,10 +813,15 @@ static void test_remote_peer(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_unix_socket_and_token),   cmocka_unit_test(test_several_addresses),
-        cmocka_unit_test(test_shm_equals_bytes),        cmocka_unit_test(test_reply_in_region),
-        cmocka_unit_test(test_bad_descriptors),         cmocka_unit_test(test_register_refusals),
-        cmocka_unit_test(test_region_goes_with_client), cmocka_unit_test(test_remote_peer),
+        cmocka_unit_test(test_unix_socket_and_token),
+        cmocka_unit_test(test_several_addresses),
+        cmocka_unit_test(test_shm_equals_bytes),
+        cmocka_unit_test(test_rnndctl_bench_shm),
+        cmocka_unit_test(test_reply_in_region),
+        cmocka_unit_test(test_bad_descriptors),
+        cmocka_unit_test(test_register_refusals),
+        cmocka_unit_test(test_region_goes_with_client),
+        cmocka_unit_test(test_remote_peer),
     };
     return cmocka_run_group_tests_name("shm", tests, setup, teardown);
 }

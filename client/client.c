@@ -5,14 +5,22 @@
  * six ops (docs/grpc_notes.md), so any number of threads may share a channel, none a queue.
  * Requests are translated into protobuf-c structs that point at the caller's memory (nothing is
  * copied before packing); replies are unpacked and copied into library-owned structs, so no
- * protobuf-c type leaks out of this file.
+ * protobuf-c type leaks out of this file. With shared memory (see its section), the request's
+ * tensors are copied into the region instead and the reply's tensors copied out of it.
  */
 #include "rnnd_client.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -224,44 +232,175 @@ const struct rnnd_tensor *rnnd_named_tensors_find(const struct rnnd_named_tensor
     return NULL;
 }
 
-// Points pb at t's memory (no copy); returns pb, or NULL when t is not present.
-static Rnnd__V1__Tensor *pb_tensor(const struct rnnd_tensor *t, Rnnd__V1__Tensor *pb) {
+// ---------------------------------------------------------------------------------------------
+// Shared memory.
+//
+// One memfd per client, registered once (RegisterRegion). Each call takes a span of it (first
+// fit; the key's first 64 bytes stay reserved) for its request tensors followed by its
+// reply_region, and gives the span back once the reply has been copied out; a call that finds
+// no room goes as bytes. A StepStream holds the spans of its requests in flight.
+
+#define SHM_ALIGN   64
+#define SHM_SPANS   64 // calls in flight through the region at once
+#define SHM_KEY     32 // bytes of the key at the region's start
+#define SHM_TENSORS 8  // request tensors per call
+
+struct shm {
+    int fd;
+    uint8_t *base;
+    size_t size;
+    uint64_t id;
+    struct rnnd_model m; // for the size of replies
+    size_t P;
+    int64_t E;
+    pthread_mutex_t lock;
+    size_t off[SHM_SPANS], len[SHM_SPANS]; // spans in use, by offset
+    int n;
+};
+
+// One call's share of the region.
+struct shm_call {
+    struct shm *s; // NULL: the call goes as bytes
+    size_t off, len;
+    size_t at; // the next request tensor's offset; after them, the reply_region
+    Rnnd__V1__RegionSpan spans[SHM_TENSORS];
+    int nspans;
+    Rnnd__V1__RegionSpan reply;
+};
+
+static size_t align_up(size_t n) {
+    return (n + SHM_ALIGN - 1) / SHM_ALIGN * SHM_ALIGN;
+}
+
+// Takes `need` bytes of s for a call (sc->s stays NULL when s is NULL or full).
+static void shm_take(struct shm *s, size_t need, struct shm_call *sc) {
+    memset(sc, 0, sizeof *sc);
+    if (!s)
+        return;
+    need = align_up(need);
+    pthread_mutex_lock(&s->lock);
+    size_t at = SHM_ALIGN;
+    int i = 0;
+    for (; i < s->n && s->off[i] - at < need; i++)
+        at = s->off[i] + s->len[i];
+    if (s->n < SHM_SPANS && at <= s->size && s->size - at >= need) {
+        memmove(&s->off[i + 1], &s->off[i], (size_t)(s->n - i) * sizeof s->off[0]);
+        memmove(&s->len[i + 1], &s->len[i], (size_t)(s->n - i) * sizeof s->len[0]);
+        s->off[i] = at;
+        s->len[i] = need;
+        s->n++;
+        *sc = (struct shm_call){.s = s, .off = at, .len = need, .at = at};
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void shm_give(struct shm_call *sc) {
+    struct shm *s = sc->s;
+    if (!s)
+        return;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < s->n; i++) {
+        if (s->off[i] == sc->off) {
+            memmove(&s->off[i], &s->off[i + 1], (size_t)(s->n - i - 1) * sizeof s->off[0]);
+            memmove(&s->len[i], &s->len[i + 1], (size_t)(s->n - i - 1) * sizeof s->len[0]);
+            s->n--;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    sc->s = NULL;
+}
+
+// Bytes a call's span needs: its present request tensors, then its reply.
+static size_t shm_need(const struct rnnd_tensor *const *in, int n, size_t reply) {
+    size_t need = reply;
+    for (int i = 0; i < n; i++)
+        need += in[i]->present ? align_up(in[i]->nbytes) : 0;
+    return need;
+}
+
+// The call's reply_region: what is left of its span after the request tensors.
+static Rnnd__V1__RegionSpan *shm_reply(struct shm_call *sc) {
+    if (!sc->s)
+        return NULL;
+    rnnd__v1__region_span__init(&sc->reply);
+    sc->reply.region = sc->s->id;
+    sc->reply.offset = sc->at;
+    sc->reply.nbytes = sc->off + sc->len - sc->at;
+    return &sc->reply;
+}
+
+// Points pb at t: at t's memory (no copy), or, through shared memory (sc->s), at a copy of it
+// in the call's span. Returns pb, or NULL when t is not present.
+static Rnnd__V1__Tensor *pb_tensor_in(struct shm_call *sc, const struct rnnd_tensor *t,
+                                      Rnnd__V1__Tensor *pb) {
     if (!t->present)
         return NULL;
     rnnd__v1__tensor__init(pb);
     pb->n_shape = (size_t)t->ndim;
     pb->shape = (int64_t *)t->shape;
     pb->dtype = (Rnnd__V1__DType)t->dtype;
+    if (sc && sc->s && sc->nspans < SHM_TENSORS) {
+        Rnnd__V1__RegionSpan *sp = &sc->spans[sc->nspans++];
+        rnnd__v1__region_span__init(sp);
+        sp->region = sc->s->id;
+        sp->offset = sc->at;
+        sp->nbytes = t->nbytes;
+        if (t->nbytes)
+            memcpy(sc->s->base + sc->at, t->data, t->nbytes);
+        sc->at += align_up(t->nbytes);
+        pb->region = sp;
+        return pb;
+    }
     pb->data.len = t->nbytes;
     pb->data.data = t->data;
     return pb;
 }
 
-// Copies pb into a new owned tensor (not present when pb is NULL).
-static int copy_tensor(const Rnnd__V1__Tensor *pb, struct rnnd_tensor *t) {
+static Rnnd__V1__Tensor *pb_tensor(const struct rnnd_tensor *t, Rnnd__V1__Tensor *pb) {
+    return pb_tensor_in(NULL, t, pb);
+}
+
+// Copies pb into a new owned tensor (not present when pb is NULL); its bytes are in pb or, for
+// a reply written into shared memory, in s.
+static int copy_tensor(const struct shm *s, const Rnnd__V1__Tensor *pb, struct rnnd_tensor *t) {
     memset(t, 0, sizeof *t);
     if (!pb)
         return 0;
     if (pb->n_shape > RNND_TENSOR_MAX_DIMS)
         return local_err(RNND_ECORRUPT, "reply tensor has %zu dims (at most %d supported)",
                          pb->n_shape, RNND_TENSOR_MAX_DIMS);
+    const uint8_t *from = pb->data.data;
+    size_t n = pb->data.len;
+    if (pb->region) {
+        const Rnnd__V1__RegionSpan *sp = pb->region;
+        if (!s || sp->region != s->id || sp->offset > s->size || sp->nbytes > s->size - sp->offset)
+            return local_err(RNND_ECORRUPT,
+                             "a reply tensor names region %llu [%llu, +%llu), "
+                             "which is not this client's",
+                             (unsigned long long)sp->region, (unsigned long long)sp->offset,
+                             (unsigned long long)sp->nbytes);
+        from = s->base + sp->offset;
+        n = (size_t)sp->nbytes;
+    }
     t->present = true;
     t->dtype = (enum rnnd_dtype)pb->dtype;
     t->ndim = (int)pb->n_shape;
     for (size_t d = 0; d < pb->n_shape; d++)
         t->shape[d] = pb->shape[d];
-    t->nbytes = pb->data.len;
-    t->data = malloc(pb->data.len ? pb->data.len : 1);
+    t->nbytes = n;
+    t->data = malloc(n ? n : 1);
     if (!t->data) {
         memset(t, 0, sizeof *t);
-        return local_err(RNND_ENOMEM, "out of memory copying a %zu-byte tensor", pb->data.len);
+        return local_err(RNND_ENOMEM, "out of memory copying a %zu-byte tensor", n);
     }
-    if (pb->data.len)
-        memcpy(t->data, pb->data.data, pb->data.len);
+    if (n)
+        memcpy(t->data, from, n);
     return 0;
 }
 
-static int copy_named(Rnnd__V1__NamedTensor *const *v, size_t n, struct rnnd_named_tensors *out) {
+static int copy_named(const struct shm *s, Rnnd__V1__NamedTensor *const *v, size_t n,
+                      struct rnnd_named_tensors *out) {
     out->n = 0;
     out->v = calloc(n ? n : 1, sizeof *out->v);
     if (!out->v)
@@ -269,7 +408,7 @@ static int copy_named(Rnnd__V1__NamedTensor *const *v, size_t n, struct rnnd_nam
     for (size_t i = 0; i < n; i++) {
         out->v[i].name = strdup(v[i]->name ? v[i]->name : "");
         out->n = i + 1;
-        int err = out->v[i].name ? copy_tensor(v[i]->tensor, &out->v[i].tensor)
+        int err = out->v[i].name ? copy_tensor(s, v[i]->tensor, &out->v[i].tensor)
                                  : local_err(RNND_ENOMEM, "out of memory");
         if (err) {
             rnnd_named_tensors_free(out);
@@ -320,21 +459,25 @@ enum method {
     M_SAVE,
     M_HEALTH,
     M_WATCH,
+    M_REGISTER,
+    M_RELEASE,
     M_COUNT
 };
 
 static const char *const method_paths[M_COUNT] = {
-    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",      [M_STEP] = "/rnnd.v1.Rnn/Step",
-    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream", [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
-    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",        [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
-    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",   [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
-    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",        [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
-    [M_HEALTH] = "/grpc.health.v1.Health/Check", [M_WATCH] = "/grpc.health.v1.Health/Watch",
+    [M_INFO] = "/rnnd.v1.Rnn/GetModelInfo",       [M_STEP] = "/rnnd.v1.Rnn/Step",
+    [M_STEP_STREAM] = "/rnnd.v1.Rnn/StepStream",  [M_END] = "/rnnd.v1.Rnn/EndEpisodes",
+    [M_FORWARD] = "/rnnd.v1.Rnn/Forward",         [M_BACKWARD] = "/rnnd.v1.Rnn/Backward",
+    [M_APPLY] = "/rnnd.v1.Rnn/ApplyGradients",    [M_GETW] = "/rnnd.v1.Rnn/GetWeights",
+    [M_SETW] = "/rnnd.v1.Rnn/SetWeights",         [M_SAVE] = "/rnnd.v1.Rnn/SaveCheckpoint",
+    [M_HEALTH] = "/grpc.health.v1.Health/Check",  [M_WATCH] = "/grpc.health.v1.Health/Watch",
+    [M_REGISTER] = "/rnnd.v1.Rnn/RegisterRegion", [M_RELEASE] = "/rnnd.v1.Rnn/ReleaseRegion",
 };
 
 struct rnnd_client {
     char *target; // HOST:PORT as given, for error messages
     grpc_channel *ch;
+    struct shm *shm;    // NULL: tensors travel as bytes
     void *reg[M_COUNT]; // registered-call handles: the method path is parsed once
     int64_t timeout_ms;
     size_t n_md;         // 0 or 1
@@ -451,9 +594,12 @@ static grpc_connectivity_state await_state(grpc_channel *ch, bool connect, bool 
     return st;
 }
 
+static void shm_release(struct rnnd_client *c);
+
 void rnnd_client_free(struct rnnd_client *c) {
     if (!c)
         return;
+    shm_release(c);
     if (c->n_md)
         grpc_slice_unref(c->md[0].value);
     if (c->ch) {
@@ -627,6 +773,99 @@ int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *
     *reply_len = n;
     grpc_slice_unref(r);
     return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory: the region's set-up and release.
+
+static void shm_unmap(struct shm *s) {
+    if (s->base && s->base != MAP_FAILED)
+        munmap(s->base, s->size);
+    if (s->fd >= 0)
+        close(s->fd); // drops our flock: the daemon then releases the region if we could not
+    free(s);
+}
+
+int rnnd_client_shm_start(struct rnnd_client *c, size_t bytes) {
+    clear_err();
+    if (c->shm)
+        return 0;
+    bytes = align_up(bytes ? bytes : (size_t)64 << 20);
+    if (bytes < 2 * SHM_ALIGN)
+        bytes = 2 * SHM_ALIGN;
+    // Reply sizes depend on the model.
+    struct rnnd_model_info info;
+    int err = rnnd_client_info(c, &info);
+    if (err)
+        return err;
+    struct shm *s = calloc(1, sizeof *s);
+    if (!s)
+        return local_err(RNND_ENOMEM, "out of memory");
+    s->fd = -1;
+    if ((err = rnnd_model_info_to_model(&info, &s->m)) != 0) {
+        shm_unmap(s);
+        return err;
+    }
+    s->P = rnnd_model_param_count(&s->m);
+    s->E = info.extras_size;
+    // Sealed so that the daemon's mapping can never lose its pages; flock(LOCK_SH) held for the
+    // life of the fd tells the daemon we are still there.
+    uint8_t key[SHM_KEY];
+    s->fd = memfd_create("rnnd-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (s->fd < 0 || ftruncate(s->fd, (off_t)bytes) != 0 ||
+        fcntl(s->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
+        flock(s->fd, LOCK_SH) != 0 ||
+        (s->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0)) == MAP_FAILED ||
+        getrandom(key, sizeof key, 0) != (ssize_t)sizeof key) {
+        err = local_err(RNND_EIO, "cannot create a %zu-byte shared memory region: %s", bytes,
+                        strerror(errno));
+        shm_unmap(s);
+        return err;
+    }
+    s->size = bytes;
+    memcpy(s->base, key, sizeof key);
+    Rnnd__V1__MemfdRegion mf = RNND__V1__MEMFD_REGION__INIT;
+    mf.pid = (uint32_t)getpid();
+    mf.fd = s->fd;
+    mf.size = bytes;
+    mf.key.len = sizeof key;
+    mf.key.data = key;
+    Rnnd__V1__RegisterRegionRequest req = RNND__V1__REGISTER_REGION_REQUEST__INIT;
+    req.kind_case = RNND__V1__REGISTER_REGION_REQUEST__KIND_MEMFD;
+    req.memfd = &mf;
+    ProtobufCMessage *msg;
+    err = call_pb(c, M_REGISTER, &req.base, &rnnd__v1__register_region_reply__descriptor, &msg);
+    if (err) {
+        shm_unmap(s);
+        return err;
+    }
+    s->id = ((Rnnd__V1__RegisterRegionReply *)msg)->region;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    pthread_mutex_init(&s->lock, NULL);
+    c->shm = s;
+    return 0;
+}
+
+const char *rnnd_client_transport(const struct rnnd_client *c) {
+    return c->shm ? "shm" : "grpc";
+}
+
+// Releases the region on the daemon (which would also notice our exit) and unmaps it; keeps the
+// caller's last error.
+static void shm_release(struct rnnd_client *c) {
+    struct shm *s = c->shm;
+    if (!s)
+        return;
+    struct rnnd_client_error saved = last_err;
+    Rnnd__V1__ReleaseRegionRequest req = RNND__V1__RELEASE_REGION_REQUEST__INIT;
+    req.region = s->id;
+    ProtobufCMessage *msg;
+    if (call_pb(c, M_RELEASE, &req.base, &rnnd__v1__release_region_reply__descriptor, &msg) == 0)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    last_err = saved;
+    c->shm = NULL;
+    pthread_mutex_destroy(&s->lock);
+    shm_unmap(s);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -861,8 +1100,17 @@ void rnnd_step_reply_free(struct rnnd_step_reply *r) {
     r->model_version = 0;
 }
 
-// Packs a StepRequest over req into a new buffer (free with free()).
-static int step_pack(const struct rnnd_step_req *req, uint8_t **buf, size_t *len) {
+// The largest Step reply's tensors of req, as laid out in a reply_region.
+static size_t step_reply_bytes(const struct shm *s, const struct rnnd_step_req *req) {
+    size_t B = req->n_env_ids, H = (size_t)s->m.H, LH = (size_t)s->m.L * H;
+    size_t state = req->return_state ? (s->m.cell == RNND_CELL_LSTM ? 2 : 1) * (B * LH * 4) : 0;
+    return align_up(B * H * 4) + align_up(state) + SHM_ALIGN;
+}
+
+// Packs a StepRequest over req into a new buffer (free with free()); with shared memory its
+// tensors go into a span of the region that *sc then holds.
+static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct shm_call *sc,
+                     uint8_t **buf, size_t *len) {
     Rnnd__V1__StepRequest pb = RNND__V1__STEP_REQUEST__INIT;
     Rnnd__V1__Tensor obs, extras;
     protobuf_c_boolean init_small[256];
@@ -874,36 +1122,44 @@ static int step_pack(const struct rnnd_step_req *req, uint8_t **buf, size_t *len
     }
     for (size_t i = 0; i < req->n_is_init; i++)
         init[i] = req->is_init[i];
+    memset(sc, 0, sizeof *sc);
+    if (shm) {
+        const struct rnnd_tensor *in[] = {&req->obs, &req->extras};
+        shm_take(shm, shm_need(in, 2, step_reply_bytes(shm, req)), sc);
+    }
     pb.n_env_ids = req->n_env_ids;
     pb.env_ids = (uint64_t *)req->env_ids;
-    pb.obs = pb_tensor(&req->obs, &obs);
+    pb.obs = pb_tensor_in(sc, &req->obs, &obs);
     pb.n_is_init = req->n_is_init;
     pb.is_init = init;
     pb.n_step_index = req->n_step_index;
     pb.step_index = (uint64_t *)req->step_index;
-    pb.extras = pb_tensor(&req->extras, &extras);
+    pb.extras = pb_tensor_in(sc, &req->extras, &extras);
     pb.return_state = req->return_state;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
+    pb.reply_region = shm_reply(sc);
     *len = rnnd__v1__step_request__get_packed_size(&pb);
     *buf = malloc(*len ? *len : 1);
     if (*buf)
         rnnd__v1__step_request__pack(&pb, *buf);
     if (init != init_small)
         free(init);
+    if (!*buf)
+        shm_give(sc);
     return *buf ? 0 : local_err(RNND_ENOMEM, "out of memory");
 }
 
-static int step_unpack(grpc_slice s, struct rnnd_step_reply *out) {
+static int step_unpack(const struct shm *shm, grpc_slice s, struct rnnd_step_reply *out) {
     Rnnd__V1__StepReply *r =
         rnnd__v1__step_reply__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
     if (!r)
         return local_err(RNND_ECORRUPT, "cannot decode the StepReply");
     out->model_version = r->model_version;
-    int err = copy_tensor(r->output, &out->output);
+    int err = copy_tensor(shm, r->output, &out->output);
     if (!err)
-        err = copy_tensor(r->h, &out->h);
+        err = copy_tensor(shm, r->h, &out->h);
     if (!err)
-        err = copy_tensor(r->c, &out->c);
+        err = copy_tensor(shm, r->c, &out->c);
     rnnd__v1__step_reply__free_unpacked(r, NULL);
     if (err)
         rnnd_step_reply_free(out);
@@ -916,16 +1172,18 @@ int rnnd_client_step(struct rnnd_client *c, const struct rnnd_step_req *req,
     clear_err();
     uint8_t *buf;
     size_t len;
-    int err = step_pack(req, &buf, &len);
+    struct shm_call sc;
+    int err = step_pack(c->shm, req, &sc, &buf, &len);
     if (err)
         return err;
     grpc_slice reply;
     err = unary(c, M_STEP, NULL, buf, len, &reply);
     free(buf);
-    if (err)
-        return err;
-    err = step_unpack(reply, out);
-    grpc_slice_unref(reply);
+    if (!err) {
+        err = step_unpack(c->shm, reply, out);
+        grpc_slice_unref(reply);
+    }
+    shm_give(&sc);
     return err;
 }
 
@@ -940,6 +1198,9 @@ struct rnnd_client_stream {
     bool half_closed;
     bool status_done;
     size_t pending; // requests sent whose replies were not received
+    // Shared memory: the spans of the requests in flight, oldest first (a ring of cap).
+    struct shm_call *spans;
+    size_t span_head, span_n, span_cap;
     // Distinct addresses used as completion tags.
     char tag_send, tag_recv, tag_status, tag_close;
 };
@@ -1017,11 +1278,26 @@ int rnnd_client_stream_send(struct rnnd_client_stream *s, const struct rnnd_step
     clear_err();
     if (s->half_closed || s->status_done)
         return local_err(RNND_EINVAL, "the stream is closed");
+    if (s->c->shm && s->span_n == s->span_cap) {
+        size_t cap = s->span_cap ? 2 * s->span_cap : 8;
+        struct shm_call *v = malloc(cap * sizeof *v);
+        if (!v)
+            return local_err(RNND_ENOMEM, "out of memory");
+        for (size_t i = 0; i < s->span_n; i++)
+            v[i] = s->spans[(s->span_head + i) % s->span_cap];
+        free(s->spans);
+        s->spans = v;
+        s->span_head = 0;
+        s->span_cap = cap;
+    }
     uint8_t *buf;
     size_t len;
-    int err = step_pack(req, &buf, &len);
+    struct shm_call sc;
+    int err = step_pack(s->c->shm, req, &sc, &buf, &len);
     if (err)
         return err;
+    if (s->c->shm)
+        s->spans[(s->span_head + s->span_n++) % s->span_cap] = sc;
     grpc_slice sl = grpc_slice_new(buf, len, free);
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
     grpc_slice_unref(sl);
@@ -1056,8 +1332,13 @@ int rnnd_client_stream_recv(struct rnnd_client_stream *s, struct rnnd_step_reply
     if (s->pending)
         s->pending--;
     grpc_slice sl = buffer_take(recv);
-    int err = step_unpack(sl, out);
+    int err = step_unpack(s->c->shm, sl, out);
     grpc_slice_unref(sl);
+    if (s->span_n) {
+        shm_give(&s->spans[s->span_head]);
+        s->span_head = (s->span_head + 1) % s->span_cap;
+        s->span_n--;
+    }
     return err;
 }
 
@@ -1104,6 +1385,9 @@ void rnnd_client_stream_free(struct rnnd_client_stream *s) {
     grpc_slice_unref(s->details);
     gpr_free((void *)s->error_string);
     cq_destroy(s->cq);
+    for (size_t i = 0; i < s->span_n; i++)
+        shm_give(&s->spans[(s->span_head + i) % s->span_cap]);
+    free(s->spans);
     free(s);
 }
 
@@ -1138,6 +1422,18 @@ void rnnd_forward_reply_free(struct rnnd_forward_reply *r) {
     r->tape_id = r->model_version = 0;
 }
 
+// The largest Forward reply's tensors of req, as laid out in a reply_region.
+static size_t forward_reply_bytes(const struct shm *s, const struct rnnd_forward_req *req) {
+    size_t B = req->recorded ? req->n_env_ids : (size_t)req->obs.shape[0];
+    size_t T = req->recorded ? req->steps : (size_t)req->obs.shape[1];
+    size_t H = (size_t)s->m.H, LH = (size_t)s->m.L * H;
+    size_t n = align_up(B * T * H * 4) + 2 * align_up(B * LH * 4) + SHM_ALIGN;
+    if (req->recorded) // the recorded obs, is_init, extras, step_model_version
+        n += align_up(B * T * (size_t)s->m.I * 4) + align_up(B * T) +
+             align_up(B * T * (size_t)s->E * 4) + align_up(B * T * 8);
+    return n;
+}
+
 int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *req,
                         struct rnnd_forward_reply *out) {
     memset(out, 0, sizeof *out);
@@ -1145,6 +1441,14 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
     Rnnd__V1__Trajectories tr = RNND__V1__TRAJECTORIES__INIT;
     Rnnd__V1__Recorded rec = RNND__V1__RECORDED__INIT;
     Rnnd__V1__Tensor t[6];
+    struct shm_call sc;
+    memset(&sc, 0, sizeof sc);
+    if (c->shm) {
+        const struct rnnd_tensor *in[] = {&req->obs, &req->is_init, &req->h0,
+                                          &req->c0,  &req->hidden,  &req->cell};
+        shm_take(c->shm, shm_need(in, req->recorded ? 0 : 6, forward_reply_bytes(c->shm, req)),
+                 &sc);
+    }
     if (req->recorded) {
         rec.n_env_ids = req->n_env_ids;
         rec.env_ids = (uint64_t *)req->env_ids;
@@ -1152,12 +1456,12 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         pb.source_case = RNND__V1__FORWARD_REQUEST__SOURCE_RECORDED;
         pb.recorded = &rec;
     } else {
-        tr.obs = pb_tensor(&req->obs, &t[0]);
-        tr.is_init = pb_tensor(&req->is_init, &t[1]);
-        tr.h0 = pb_tensor(&req->h0, &t[2]);
-        tr.c0 = pb_tensor(&req->c0, &t[3]);
-        tr.hidden = pb_tensor(&req->hidden, &t[4]);
-        tr.cell = pb_tensor(&req->cell, &t[5]);
+        tr.obs = pb_tensor_in(&sc, &req->obs, &t[0]);
+        tr.is_init = pb_tensor_in(&sc, &req->is_init, &t[1]);
+        tr.h0 = pb_tensor_in(&sc, &req->h0, &t[2]);
+        tr.c0 = pb_tensor_in(&sc, &req->c0, &t[3]);
+        tr.hidden = pb_tensor_in(&sc, &req->hidden, &t[4]);
+        tr.cell = pb_tensor_in(&sc, &req->cell, &t[5]);
         pb.source_case = RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES;
         pb.trajectories = &tr;
     }
@@ -1167,27 +1471,32 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         pb._recorded_fields_case = RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
         pb.recorded_fields = req->recorded_fields;
     }
+    pb.reply_region = shm_reply(&sc);
     ProtobufCMessage *msg;
     int err = call_pb(c, M_FORWARD, &pb.base, &rnnd__v1__forward_reply__descriptor, &msg);
-    if (err)
+    if (err) {
+        shm_give(&sc);
         return err;
+    }
     Rnnd__V1__ForwardReply *r = (Rnnd__V1__ForwardReply *)msg;
     out->tape_id = r->tape_id;
     out->model_version = r->model_version;
-    err = copy_tensor(r->output, &out->output);
+    const struct shm *sh = c->shm;
+    err = copy_tensor(sh, r->output, &out->output);
     if (!err)
-        err = copy_tensor(r->h_n, &out->h_n);
+        err = copy_tensor(sh, r->h_n, &out->h_n);
     if (!err)
-        err = copy_tensor(r->c_n, &out->c_n);
+        err = copy_tensor(sh, r->c_n, &out->c_n);
     if (!err)
-        err = copy_tensor(r->obs, &out->obs);
+        err = copy_tensor(sh, r->obs, &out->obs);
     if (!err)
-        err = copy_tensor(r->is_init, &out->is_init);
+        err = copy_tensor(sh, r->is_init, &out->is_init);
     if (!err)
-        err = copy_tensor(r->extras, &out->extras);
+        err = copy_tensor(sh, r->extras, &out->extras);
     if (!err)
-        err = copy_tensor(r->step_model_version, &out->step_model_version);
+        err = copy_tensor(sh, r->step_model_version, &out->step_model_version);
     protobuf_c_message_free_unpacked(msg, NULL);
+    shm_give(&sc);
     if (err)
         rnnd_forward_reply_free(out);
     return err;
@@ -1204,38 +1513,61 @@ void rnnd_backward_reply_free(struct rnnd_backward_reply *r) {
     rnnd_tensor_free(&r->grad_cell);
 }
 
+// The largest Backward reply's tensors of req, as laid out in a reply_region: grads (unless
+// accumulated), grad_obs and the initial states' gradients. grad_hidden/grad_cell (a tape with
+// stored states) are left out: when they do not fit they come back as bytes.
+static size_t backward_reply_bytes(const struct shm *s, const struct rnnd_backward_req *req) {
+    size_t B = (size_t)req->grad_output.shape[0], T = (size_t)req->grad_output.shape[1];
+    size_t LH = (size_t)s->m.L * (size_t)s->m.H;
+    size_t n = align_up(B * T * (size_t)s->m.I * 4) + 2 * align_up(B * LH * 4) + SHM_ALIGN;
+    if (!req->accumulate)
+        n += s->P * 4 + (size_t)rnnd_model_param_tensors(&s->m) * SHM_ALIGN;
+    return n;
+}
+
 int rnnd_client_backward(struct rnnd_client *c, const struct rnnd_backward_req *req,
                          struct rnnd_backward_reply *out) {
     memset(out, 0, sizeof *out);
     Rnnd__V1__BackwardRequest pb = RNND__V1__BACKWARD_REQUEST__INIT;
     Rnnd__V1__Tensor t[3];
+    struct shm_call sc;
+    memset(&sc, 0, sizeof sc);
+    if (c->shm) {
+        const struct rnnd_tensor *in[] = {&req->grad_output, &req->grad_h_n, &req->grad_c_n};
+        shm_take(c->shm, shm_need(in, 3, backward_reply_bytes(c->shm, req)), &sc);
+    }
     pb.tape_id = req->tape_id;
-    pb.grad_output = pb_tensor(&req->grad_output, &t[0]);
-    pb.grad_h_n = pb_tensor(&req->grad_h_n, &t[1]);
-    pb.grad_c_n = pb_tensor(&req->grad_c_n, &t[2]);
+    pb.grad_output = pb_tensor_in(&sc, &req->grad_output, &t[0]);
+    pb.grad_h_n = pb_tensor_in(&sc, &req->grad_h_n, &t[1]);
+    pb.grad_c_n = pb_tensor_in(&sc, &req->grad_c_n, &t[2]);
     pb.accumulate = req->accumulate;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     if (req->has_input_grads) {
         pb._input_grads_case = RNND__V1__BACKWARD_REQUEST___INPUT_GRADS_INPUT_GRADS;
         pb.input_grads = req->input_grads;
     }
+    pb.reply_region = shm_reply(&sc);
     ProtobufCMessage *msg;
     int err = call_pb(c, M_BACKWARD, &pb.base, &rnnd__v1__backward_reply__descriptor, &msg);
-    if (err)
+    if (err) {
+        shm_give(&sc);
         return err;
+    }
     Rnnd__V1__BackwardReply *r = (Rnnd__V1__BackwardReply *)msg;
-    err = copy_named(r->grads, r->n_grads, &out->grads);
+    const struct shm *sh = c->shm;
+    err = copy_named(sh, r->grads, r->n_grads, &out->grads);
     if (!err)
-        err = copy_tensor(r->grad_obs, &out->grad_obs);
+        err = copy_tensor(sh, r->grad_obs, &out->grad_obs);
     if (!err)
-        err = copy_tensor(r->grad_h0, &out->grad_h0);
+        err = copy_tensor(sh, r->grad_h0, &out->grad_h0);
     if (!err)
-        err = copy_tensor(r->grad_c0, &out->grad_c0);
+        err = copy_tensor(sh, r->grad_c0, &out->grad_c0);
     if (!err)
-        err = copy_tensor(r->grad_hidden, &out->grad_hidden);
+        err = copy_tensor(sh, r->grad_hidden, &out->grad_hidden);
     if (!err)
-        err = copy_tensor(r->grad_cell, &out->grad_cell);
+        err = copy_tensor(sh, r->grad_cell, &out->grad_cell);
     protobuf_c_message_free_unpacked(msg, NULL);
+    shm_give(&sc);
     if (err)
         rnnd_backward_reply_free(out);
     return err;
@@ -1281,7 +1613,7 @@ int rnnd_client_get_weights(struct rnnd_client *c, struct rnnd_named_tensors *ou
     if (err)
         return err;
     Rnnd__V1__Weights *w = (Rnnd__V1__Weights *)msg;
-    err = copy_named(w->tensors, w->n_tensors, out);
+    err = copy_named(NULL, w->tensors, w->n_tensors, out);
     if (!err && model_version)
         *model_version = w->model_version;
     protobuf_c_message_free_unpacked(msg, NULL);

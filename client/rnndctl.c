@@ -54,14 +54,16 @@ static const char usage[] =
     "        Reads FILE and sends it with SetWeights (every tensor, F32, the model's shapes).\n"
     "  checkpoint [--path DIR]\n"
     "        SaveCheckpoint; prints the directory written and the model version.\n"
-    "  bench [--connections N] [--envs E] [--duration S] [--warmup S] [--stream]\n"
+    "  bench [--connections N] [--envs E] [--duration S] [--warmup S] [--stream] [--shm]\n"
     "        [--env-base ID] [--seed N] [--no-floor]\n"
     "        N connections (default 1), each one thread stepping E envs per request (default 1)\n"
     "        back to back for S seconds (default 5) after a warm-up (default 1 s); prints\n"
     "        env-steps/s, requests/s and latency p50/p90/p99, then the same for GetModelInfo\n"
     "        over the same connections (the transport floor) unless --no-floor. --stream uses\n"
-    "        StepStream (one stream per connection) instead of unary Step. Env ids are\n"
-    "        ID + c*E + j (default ID 1000000000); they are released with EndEpisodes after.\n";
+    "        StepStream (one stream per connection) instead of unary Step. --shm sends the\n"
+    "        tensors through shared memory (one region per connection; a unix: or loopback\n"
+    "        target on the daemon's host, as its user). Env ids are ID + c*E + j (default ID\n"
+    "        1000000000); they are released with EndEpisodes after.\n";
 
 static int usage_err(const char *fmt, const char *arg) {
     fprintf(stderr, "rnndctl: ");
@@ -178,7 +180,7 @@ struct args {
     const char *target, *tls_ca, *tls_cert, *tls_key, *tls_name, *token_file, *timeout;
     const char *service, *env, *obs, *seed, *steps, *step_index, *path;
     const char *connections, *envs, *duration, *warmup, *env_base;
-    bool watch, init, state, full, stream, no_floor, help, version;
+    bool watch, init, state, full, stream, shm, no_floor, help, version;
 };
 
 static int parse_args(int argc, char **argv, struct args *a) {
@@ -215,6 +217,7 @@ static int parse_args(int argc, char **argv, struct args *a) {
         {"--state", NULL, &a->state},
         {"--full", NULL, &a->full},
         {"--stream", NULL, &a->stream},
+        {"--shm", NULL, &a->shm},
         {"--no-floor", NULL, &a->no_floor},
         {"--help", NULL, &a->help},
         {"-h", NULL, &a->help},
@@ -594,6 +597,7 @@ struct bench {
     int conns, envs, I;
     uint64_t env_base, seed;
     bool stream, floor; // floor: GetModelInfo instead of Step
+    size_t shm;         // each connection's tensors through a region of this size; 0: bytes
     double t_measure, t_end;
     pthread_barrier_t start;
 };
@@ -650,6 +654,8 @@ static void *bench_main(void *arg) {
         note_error(t, "connect");
     else if (rnnd_client_wait_connected(c, 5000) != 0)
         note_error(t, "connect");
+    else if (b->shm && !b->floor && rnnd_client_shm_start(c, b->shm) != 0)
+        note_error(t, "RegisterRegion");
     else if (b->stream && !b->floor && rnnd_client_stream_init(c, &s) != 0)
         note_error(t, "StepStream");
     pthread_barrier_wait(&b->start); // connected
@@ -790,6 +796,10 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
                       .env_base = (uint64_t)base,
                       .seed = (uint64_t)seed,
                       .stream = a->stream};
+    // Room for one request and its reply (with state), twice over.
+    size_t row = (size_t)(info.input_size + 3 * info.num_layers * info.hidden_size) * sizeof(float);
+    if (a->shm)
+        b.shm = 2 * (size_t)b.envs * row + (1 << 16);
     int rc = connect_opts(a, &b.opts);
     if (rc)
         return rc;
@@ -797,8 +807,10 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
            " on %s (%s), max_batch %" PRIu64 "\n",
            b.opts.target, info.cell, info.compute, info.hidden_size, info.input_size,
            info.num_layers, info.backend, info.device, info.max_batch);
-    printf("  %d connection(s) x %d env(s) per request, %s, %.1f s measured after %.1f s warm-up\n",
-           b.conns, b.envs, b.stream ? "StepStream" : "unary Step", duration, warmup);
+    printf("  %d connection(s) x %d env(s) per request, %s%s, %.1f s measured after %.1f s "
+           "warm-up\n",
+           b.conns, b.envs, b.stream ? "StepStream" : "unary Step",
+           b.shm ? " through shared memory" : "", duration, warmup);
     struct bench_result step, floor;
     bench_run(&b, warmup, duration, &step);
     printf("Step          %12.0f env-steps/s  %10.0f req/s   ", step.env_steps_per_s,

@@ -16,7 +16,18 @@
 
 #include "log.h"
 
-enum opt_type { OPT_INT, OPT_U64, OPT_FLOAT, OPT_PATH, OPT_ADDR, OPT_ENUM, OPT_DEVICES, OPT_RANK };
+enum opt_type {
+    OPT_INT,
+    OPT_U64,
+    OPT_FLOAT,
+    OPT_PATH,
+    OPT_ADDR,
+    OPT_LISTEN, // a list of addresses: comma-separated, and a flag repeated on the command line adds
+    OPT_MODE,   // a file mode in octal
+    OPT_ENUM,
+    OPT_DEVICES,
+    OPT_RANK
+};
 
 struct opt {
     const char *name; // flag without dashes
@@ -46,6 +57,8 @@ static const char *const log_format_names[] = {"text", "json", NULL};
 #define ENUM(f, n)     OPT_ENUM, OFF(f), sizeof(int), 0, 0, 0, 0, n
 #define DEVICES(f)     OPT_DEVICES, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
 #define RANK(f)        OPT_RANK, OFF(f), sizeof(int), 0, 65535, 0, 0, NULL
+#define LISTEN(f)      OPT_LISTEN, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
+#define MODE(f)        OPT_MODE, OFF(f), sizeof(int), 0, 0777, 0, 0, NULL
 
 static const struct opt opts[] = {
     {"config", PATH(config_file), "FILE",
@@ -75,7 +88,12 @@ static const struct opt opts[] = {
     {"comm-timeout-s", INT(comm_timeout_s, 1, 3600), "N",
      "a collective (gradient sum, weight broadcast) that a device or host has not joined by then "
      "fails with UNAVAILABLE"},
-    {"listen", ADDR(listen), "HOST:PORT", "gRPC address (port 0: any free port)"},
+    {"listen", LISTEN(listen), "HOST:PORT|unix:PATH",
+     "gRPC address (port 0: any free port; unix:PATH a Unix socket for clients on this host); "
+     "several: comma-separated, or the flag repeated"},
+    {"listen-unix-mode", MODE(listen_unix_mode), "MODE",
+     "file mode (octal) of the unix: sockets: who on this host may connect (tokens are still "
+     "checked)"},
     {"http", ADDR(http), "HOST:PORT", "HTTP /healthz /readyz /metrics address, or \"off\""},
     {"state-dir", PATH(state_dir), "DIR", "directory for checkpoints (none: no checkpoints)"},
     {"restore", PATH(restore), "DIR", "start from this checkpoint directory"},
@@ -120,6 +138,9 @@ static const struct opt opts[] = {
     {"stream-idle-timeout-s", INT(stream_idle_timeout_s, 0, INT_MAX), "N",
      "end a StepStream that sent no message for N s (UNAVAILABLE), and cancel a call whose "
      "reply its client has not read for N s (0: never)"},
+    {"max-shm-regions", INT(max_shm_regions, 0, 65536), "N",
+     "shared-memory regions (RegisterRegion) that same-host clients may hold at once; 0 turns "
+     "shared memory off"},
     {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
     {"log-format", ENUM(log_format, log_format_names), "text|json",
      "stderr lines as text, or one JSON object per line (ts, level, msg) for log collectors"},
@@ -145,6 +166,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
         .cell = RNND_CELL_GRU, .compute = RNND_COMPUTE_FP32, .I = 64, .H = 128, .L = 1};
     c->backend = RNND_BACKEND_AUTO;
     snprintf(c->listen, sizeof(c->listen), "127.0.0.1:50051");
+    c->listen_unix_mode = 0600;
     snprintf(c->http, sizeof(c->http), "127.0.0.1:9090");
     c->checkpoint_interval_s = 0;
     c->max_batch = 1024;
@@ -165,6 +187,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->max_connections = 1024;
     c->max_health_watches = 256;
     c->stream_idle_timeout_s = 300;
+    c->max_shm_regions = 64;
     c->log_level = RNND_LOG_INFO;
     c->log_format = RNND_LOG_FORMAT_TEXT;
     c->hz = 10;
@@ -232,6 +255,44 @@ static bool addr_valid(const char *s) {
     return true;
 }
 
+// Checks one --listen entry: HOST:PORT, or unix: and an absolute path that fits a socket address.
+static int listen_entry_check(const char *a, size_t n, char *err, size_t errlen) {
+    char one[RNND_CONFIG_ADDR_MAX];
+    if (n == 0)
+        return fail(err, errlen,
+                    "--listen: an empty address in the list; separate addresses with "
+                    "single commas");
+    if (n >= sizeof(one))
+        return fail(err, errlen, "--listen: address '%.40s...' is longer than %zu bytes", a,
+                    sizeof(one) - 1);
+    memcpy(one, a, n);
+    one[n] = '\0';
+    if (strncmp(one, "unix:", 5) == 0) {
+        // sockaddr_un.sun_path holds 108 bytes with the NUL.
+        if (one[5] != '/' || n - 5 > 107)
+            return fail(err, errlen,
+                        "--listen: '%s' is not unix: followed by an absolute path of at most 107 "
+                        "bytes (e.g. unix:/run/rnnd/rnnd.sock)",
+                        one);
+        return 0;
+    }
+    if (!addr_valid(one))
+        return fail(err, errlen,
+                    "--listen: '%s' is neither HOST:PORT (e.g. 127.0.0.1:50051) nor unix:PATH",
+                    one);
+    return 0;
+}
+
+int rnnd_config_listen(const char *list, char out[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX]) {
+    int n = 0;
+    for (const char *p = list; *p && n < RNND_CONFIG_LISTEN_MAX;) {
+        size_t k = strcspn(p, ",");
+        snprintf(out[n++], RNND_CONFIG_ADDR_MAX, "%.*s", (int)k, p);
+        p += k + (p[k] == ',');
+    }
+    return n;
+}
+
 int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, char *err,
                     size_t errlen) {
     const struct opt *o = opt_find(key);
@@ -285,6 +346,34 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
                             o->name, value);
             snprintf(field, o->size, "%s", value);
             return 0;
+        case OPT_LISTEN: {
+            if (strlen(value) >= o->size)
+                return fail(err, errlen, "--%s: list longer than %zu bytes", o->name, o->size - 1);
+            int n = 0;
+            for (const char *p = value;; n++) {
+                size_t k = strcspn(p, ",");
+                if (n == RNND_CONFIG_LISTEN_MAX)
+                    return fail(err, errlen, "--%s: more than %d addresses", o->name,
+                                RNND_CONFIG_LISTEN_MAX);
+                int rc = listen_entry_check(p, k, err, errlen);
+                if (rc)
+                    return rc;
+                if (p[k] == '\0')
+                    break;
+                p += k + 1;
+            }
+            snprintf(field, o->size, "%s", value);
+            return 0;
+        }
+        case OPT_MODE: {
+            errno = 0;
+            long v = strtol(value, &end, 8);
+            if (errno || end == value || *end || v < o->min || v > o->max)
+                return fail(err, errlen, "--%s: '%s' is not an octal file mode in 0000..0777",
+                            o->name, value);
+            *(int *)field = (int)v;
+            return 0;
+        }
         case OPT_DEVICES: {
             // Checked here, parsed again by rnnd_config_devices.
             if (strlen(value) >= o->size)
@@ -420,8 +509,15 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
     if (c->rank >= c->world_size)
         return fail(err, errlen, "--rank %d is not below --world-size %d", c->rank,
                     c->world_size);
-    if (strcmp(c->listen, c->http) == 0 && strstr(c->listen, ":0") == NULL)
-        return fail(err, errlen, "--listen and --http are both %s", c->listen);
+    char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
+    int n = rnnd_config_listen(c->listen, addrs);
+    for (int i = 0; i < n; i++) {
+        if (strcmp(addrs[i], c->http) == 0 && strstr(addrs[i], ":0") == NULL)
+            return fail(err, errlen, "--listen and --http are both %s", addrs[i]);
+        for (int k = 0; k < i; k++)
+            if (strcmp(addrs[i], addrs[k]) == 0 && strstr(addrs[i], ":0") == NULL)
+                return fail(err, errlen, "--listen names %s twice", addrs[i]);
+    }
     // Each env's reply and request rows must fit into one message with room to spare.
     size_t row = ((size_t)c->model.I + (size_t)c->extras_size +
                   2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H) *
@@ -439,12 +535,12 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
     return 0;
 }
 
-// True for a --listen that only this host can reach.
+// True for a --listen address that only this host can reach.
 static bool listen_local(const char *listen) {
-    if (strncmp(listen, "unix:", 5) == 0 || strncmp(listen, "unix-abstract:", 14) == 0)
+    if (strncmp(listen, "unix:", 5) == 0)
         return true;
     char host[RNND_CONFIG_ADDR_MAX];
-    snprintf(host, sizeof(host), "%s", listen);
+    snprintf(host, sizeof(host), "%.*s", (int)sizeof(host) - 1, listen);
     char *colon = strrchr(host, ':');
     if (colon)
         *colon = '\0';
@@ -459,7 +555,12 @@ static bool listen_local(const char *listen) {
 }
 
 const char *rnnd_config_exposure(const struct rnnd_config *c) {
-    if (listen_local(c->listen))
+    char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
+    int n = rnnd_config_listen(c->listen, addrs);
+    bool local = true;
+    for (int i = 0; i < n; i++)
+        local = local && listen_local(addrs[i]);
+    if (local)
         return NULL;
     bool tls = c->tls_cert[0] != '\0', token = c->auth_token_file[0] != '\0';
     bool client_certs = tls && c->tls_client_ca[0] != '\0';
@@ -499,8 +600,12 @@ void rnnd_config_usage(FILE *f) {
                 break;
             case OPT_PATH:
             case OPT_ADDR:
+            case OPT_LISTEN:
             case OPT_DEVICES:
                 snprintf(def, sizeof(def), "%s", *field ? field : "none");
+                break;
+            case OPT_MODE:
+                snprintf(def, sizeof(def), "%04o", (unsigned)*(const int *)field);
                 break;
             case OPT_RANK:
                 snprintf(def, sizeof(def), "%d", *(const int *)field);
@@ -609,7 +714,9 @@ enum rnnd_config_result rnnd_config_parse(struct rnnd_config *c, int argc, char 
                 return RNND_CONFIG_ERROR;
         }
     }
-    // Pass 2: every flag, in order.
+    // Pass 2: every flag, in order. A list flag given again adds to what the command line
+    // gave before (and the first one replaces the file's list).
+    bool listed[NOPTS] = {false};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
@@ -642,6 +749,19 @@ enum rnnd_config_result rnnd_config_parse(struct rnnd_config *c, int argc, char 
         }
         if (strcmp(key, "config") == 0)
             continue; // read in pass 1
+        size_t at = (size_t)(o - opts);
+        if (o->type == OPT_LISTEN && listed[at]) {
+            const char *have = (const char *)c + o->offset;
+            char joined[sizeof(c->listen) + 1];
+            if ((size_t)snprintf(joined, sizeof(joined), "%s,%s", have, value) >= sizeof(joined)) {
+                fail(err, errlen, "--%s: list longer than %zu bytes", o->name, o->size - 1);
+                return RNND_CONFIG_ERROR;
+            }
+            if (rnnd_config_set(c, key, joined, err, errlen) != 0)
+                return RNND_CONFIG_ERROR;
+            continue;
+        }
+        listed[at] = true;
         if (rnnd_config_set(c, key, value, err, errlen) != 0)
             return RNND_CONFIG_ERROR;
     }

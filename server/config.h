@@ -18,6 +18,7 @@ enum rnnd_backend_kind { RNND_BACKEND_AUTO, RNND_BACKEND_CPU, RNND_BACKEND_CUDA 
 
 #define RNND_CONFIG_PATH_MAX 1024
 #define RNND_CONFIG_ADDR_MAX 256
+#define RNND_CONFIG_LISTEN_MAX 8 // --listen addresses
 #define RNND_MAX_DEVICES     16 // --devices entries (group.c keeps a device mask in tape ids)
 #define RNND_RANK_AUTO       -1 // --rank auto
 
@@ -26,7 +27,9 @@ struct rnnd_config {
     struct rnnd_model model; // cell, compute, I, H, L
     enum rnnd_backend_kind backend;
     int device;
-    char listen[RNND_CONFIG_ADDR_MAX]; // gRPC HOST:PORT
+    // gRPC addresses, comma-separated: HOST:PORT or unix:PATH (rnnd_config_listen splits them)
+    char listen[RNND_CONFIG_LISTEN_MAX * RNND_CONFIG_ADDR_MAX];
+    int listen_unix_mode;              // file mode of the unix: sockets
     char http[RNND_CONFIG_ADDR_MAX];   // HTTP HOST:PORT, or "off"
     char state_dir[RNND_CONFIG_PATH_MAX];
     char restore[RNND_CONFIG_PATH_MAX];
@@ -65,6 +68,7 @@ struct rnnd_config {
     int max_connections; // gRPC connections open at once
     int max_health_watches;    // grpc.health.v1 Watch streams open at once
     int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
+    int max_shm_regions;       // shared-memory regions registered at once; 0: none (off)
     // Several devices and hosts (group.c, cluster.c):
     char devices[RNND_CONFIG_ADDR_MAX]; // "0,1,...": one engine per device; "": --device alone
     int rank;                           // this rnnd among --world-size, or RNND_RANK_AUTO
@@ -100,10 +104,14 @@ int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, si
 // Cross-field checks after everything is set (e.g. --tls-key needs --tls-cert).
 int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen);
 
-// When --listen is reachable from other hosts (not a loopback address or a unix socket) and the
+// When a --listen address is reachable from other hosts (not loopback, not a unix socket) and the
 // security flags leave it open, a warning saying what is exposed and which flag closes it;
 // NULL when there is nothing to warn about. A static string.
 const char *rnnd_config_exposure(const struct rnnd_config *c);
+
+// Splits a --listen list into out (each NUL-terminated); returns how many addresses (at most
+// RNND_CONFIG_LISTEN_MAX, all valid once rnnd_config_set accepted the list).
+int rnnd_config_listen(const char *list, char out[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX]);
 
 // Prints the usage text: every flag with its argument, default and meaning.
 void rnnd_config_usage(FILE *f);

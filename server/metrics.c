@@ -30,6 +30,8 @@ static const char *const method_names[RNND_METHOD_COUNT] = {
     "GetWeights",
     "SetWeights",
     "SaveCheckpoint",
+    "RegisterRegion",
+    "ReleaseRegion",
     "grpc.health.v1.Health/Check",
     "grpc.health.v1.Health/Watch",
     "unknown",
@@ -62,7 +64,7 @@ static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "he
                                                                   "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {
     "envs",    "step_queue_rows", "tape_bytes",    "message_bytes",
-    "streams", "reply_bytes",     "connections",   "health_watches"};
+    "streams", "reply_bytes",     "connections",   "health_watches", "shm_regions"};
 // Which bounds are in bytes (rnnd_limit_bytes); the others count items (rnnd_limit_items).
 static const bool limit_in_bytes[RNND_LIMIT_COUNT] = {
     [RNND_LIMIT_TAPE_BYTES] = true, [RNND_LIMIT_MESSAGE] = true, [RNND_LIMIT_REPLY_BYTES] = true};
@@ -453,6 +455,10 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "slot's recorded steps: --max-envs x --trajectory-steps rows, on each device).\n"
         "# TYPE rnnd_trajectory_store_bytes gauge\nrnnd_trajectory_store_bytes %lld\n",
         (long long)lds(&m->traj_store_bytes));
+    put(&b,
+        "# HELP rnnd_shm_regions Shared-memory regions registered by clients on this host.\n"
+        "# TYPE rnnd_shm_regions gauge\nrnnd_shm_regions %lld\n",
+        (long long)lds(&m->shm_regions));
     if (b.err) {
         free(b.p);
         return b.err;

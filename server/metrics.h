@@ -22,6 +22,8 @@ enum rnnd_method {
     RNND_METHOD_GET_WEIGHTS,
     RNND_METHOD_SET_WEIGHTS,
     RNND_METHOD_SAVE_CHECKPOINT,
+    RNND_METHOD_REGISTER_REGION,
+    RNND_METHOD_RELEASE_REGION,
     RNND_METHOD_HEALTH_CHECK,
     RNND_METHOD_HEALTH_WATCH,
     RNND_METHOD_UNKNOWN,
@@ -66,6 +68,7 @@ enum rnnd_limit {
     RNND_LIMIT_REPLY_BYTES,    // --max-reply-mb: replies sent or queued, not yet read by clients
     RNND_LIMIT_CONNECTIONS,    // --max-connections: gRPC connections open
     RNND_LIMIT_HEALTH_WATCHES, // --max-health-watches: grpc.health.v1 Watch streams open
+    RNND_LIMIT_SHM_REGIONS,    // --max-shm-regions: shared-memory regions registered
     RNND_LIMIT_COUNT,
 };
 
@@ -118,6 +121,7 @@ struct rnnd_metrics {
     _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
     _Atomic(const char *) backend;      // "cpu" or "cuda" (static) once the engine runs, or NULL
     _Atomic int64_t traj_store_bytes;   // backend memory of the trajectory stores
+    _Atomic int64_t shm_regions;        // shared-memory regions registered
 };
 
 extern struct rnnd_metrics rnnd_metrics;

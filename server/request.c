@@ -60,6 +60,10 @@ const ProtobufCMessageDescriptor *rnnd_request_descriptor(enum rnnd_method m) {
             return &rnnd__v1__set_weights_request__descriptor;
         case RNND_METHOD_SAVE_CHECKPOINT:
             return &rnnd__v1__save_checkpoint_request__descriptor;
+        case RNND_METHOD_REGISTER_REGION:
+            return &rnnd__v1__register_region_request__descriptor;
+        case RNND_METHOD_RELEASE_REGION:
+            return &rnnd__v1__release_region_request__descriptor;
         case RNND_METHOD_HEALTH_CHECK:
         case RNND_METHOD_HEALTH_WATCH:
             return &grpc__health__v1__health_check_request__descriptor;

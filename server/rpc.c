@@ -39,6 +39,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <grpc/byte_buffer.h>
@@ -57,6 +58,7 @@
 #include "rnnd/v1/rnnd.pb-c.h"
 #include "rnnd_kernels.h"
 #include "service.h"
+#include "shm.h"
 
 // ---------------------------------------------------------------------------------------------
 // The method table
@@ -86,6 +88,10 @@ static const struct method methods[] = {
     {"/rnnd.v1.Rnn/SetWeights", RNND_METHOD_SET_WEIGHTS, KIND_UNARY, rnnd_service_set_weights, 2},
     {"/rnnd.v1.Rnn/SaveCheckpoint", RNND_METHOD_SAVE_CHECKPOINT, KIND_UNARY,
      rnnd_service_save_checkpoint, 2},
+    {"/rnnd.v1.Rnn/RegisterRegion", RNND_METHOD_REGISTER_REGION, KIND_UNARY,
+     rnnd_service_register_region, 2},
+    {"/rnnd.v1.Rnn/ReleaseRegion", RNND_METHOD_RELEASE_REGION, KIND_UNARY,
+     rnnd_service_release_region, 2},
     {"/grpc.health.v1.Health/Check", RNND_METHOD_HEALTH_CHECK, KIND_HEALTH_CHECK, NULL, 4},
     {"/grpc.health.v1.Health/Watch", RNND_METHOD_HEALTH_WATCH, KIND_HEALTH_WATCH, NULL, 4},
 };
@@ -118,6 +124,7 @@ struct rnnd_call {
     grpc_call_details details; // catch-all only
     grpc_byte_buffer *payload; // received message (initial payload or RECV_MESSAGE)
     ProtobufCMessage *request; // decoded from payload
+    struct rnnd_shm_use *shm;  // the request's resolved region spans, or NULL
     _Atomic int refs;
     _Atomic int cancelled;
     int close_cancelled; // written by RECV_CLOSE_ON_SERVER
@@ -196,6 +203,14 @@ struct rnnd_rpc {
     struct rnnd_call *live;
 
     char *auth; // "Bearer <token>", or NULL
+    struct rnnd_shm *shm;
+    char addresses[RNND_RPC_MAX_LISTEN * 128]; // rnnd_rpc_addresses
+    // The unix: socket files we created, removed at the end if they are still ours.
+    struct {
+        char path[108];
+        ino_t ino;
+    } sockets[RNND_RPC_MAX_LISTEN];
+    int nsockets;
 };
 
 static void call_unref(struct rnnd_call *c);
@@ -328,6 +343,7 @@ static void call_free(struct rnnd_call *c) {
             c->lnext->lprev = c->lprev;
         pthread_mutex_unlock(&rpc->live_lock);
     }
+    rnnd_shm_use_free(c->shm); // before the request, whose tensors it restores
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
     if (c->payload)
@@ -579,7 +595,13 @@ int rnnd_call_reserve(struct rnnd_call *c, size_t bytes, char *err, size_t errle
 }
 
 void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
+    // Tensors bound for the request's reply_region are written there and leave the message while
+    // it is packed; the handler's reply is as it was when this returns.
+    ProtobufCMessage *m = (ProtobufCMessage *)reply;
+    bool placed = c->shm && rnnd_shm_place(c->shm, m);
     grpc_byte_buffer *bb = encode(reply);
+    if (placed)
+        rnnd_shm_unplace(c->shm);
     size_t n = grpc_byte_buffer_length(bb);
     bool drop = false;
     pthread_mutex_lock(&c->lock);
@@ -656,6 +678,20 @@ static uint64_t hash_bytes(const char *s) {
     for (; *s; s++)
         h = (h ^ (unsigned char)*s) * 1099511628211ull;
     return h;
+}
+
+bool rnnd_call_peer_local(struct rnnd_call *c) {
+    char *peer = grpc_call_get_peer(c->call);
+    bool local = rnnd_shm_peer_local(peer);
+    gpr_free(peer);
+    return local;
+}
+
+// Resolves the region spans of c's request (shm.h). 0, or an RNND_E* with the reason in msg.
+static int shm_resolve(struct rnnd_call *c, char *msg, size_t len) {
+    if (!rnnd_shm_wanted(c->request))
+        return 0;
+    return rnnd_shm_resolve(c->rpc->shm, c->request, rnnd_call_peer_local(c), &c->shm, msg, len);
 }
 
 uint64_t rnnd_call_source(struct rnnd_call *c) {
@@ -837,7 +873,7 @@ static void on_new(struct rnnd_call *c, bool ok) {
         pthread_mutex_unlock(&c->lock);
         return;
     }
-    char msg[256];
+    char msg[512];
     bool big = too_large(rpc, c->payload, msg, sizeof(msg));
     c->request = big ? NULL : decode(m->metric, c->payload);
     if (c->payload) {
@@ -869,6 +905,11 @@ static void on_new(struct rnnd_call *c, bool ok) {
         rnnd_call_fail(c, RNND_EUNAVAIL, not_serving_msg(rpc));
         return;
     }
+    int rc = shm_resolve(c, msg, sizeof(msg));
+    if (rc) {
+        rnnd_call_fail(c, rc, msg);
+        return;
+    }
     m->handler(rpc->service, c, c->request);
 }
 
@@ -889,19 +930,24 @@ static void on_recv(struct rnnd_call *c, bool ok) {
         pthread_mutex_unlock(&c->lock);
         return;
     }
+    rnnd_shm_use_free(c->shm);
+    c->shm = NULL;
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
-    char msg[256];
+    char msg[512];
     bool big = too_large(rpc, c->payload, msg, sizeof(msg));
     c->request = big ? NULL : decode(m->metric, c->payload);
     grpc_byte_buffer_destroy(c->payload);
     c->payload = NULL;
     bool drop = false;
+    int rc;
     if (big) {
         drop = end_locked(c, RNND_EFULL, msg);
     } else if (c->request == NULL) {
         drop = end_locked(c, RNND_EINVAL,
                           "a StepStream message does not decode as rnnd.v1.StepRequest");
+    } else if ((rc = shm_resolve(c, msg, sizeof(msg))) != 0) {
+        drop = end_locked(c, rc, msg);
     } else if (atomic_load(&rpc->streams_ending)) {
         drop = end_locked(c, RNND_EUNAVAIL, not_serving_msg(rpc));
     } else {
@@ -1043,7 +1089,7 @@ static void post_request(struct rnnd_rpc *rpc, int mi) {
 // entry whose descriptor no longer names the same socket is gone. The list is checked when it is
 // full and, for the gauge, about once a second (rnnd_rpc_housekeeping).
 
-#define CONN_LISTENERS 8
+#define CONN_LISTENERS (2 * RNND_RPC_MAX_LISTEN) // a host name may bind IPv4 and IPv6
 
 struct conn {
     int fd;
@@ -1182,7 +1228,63 @@ static void conns_stop(void) {
 // ---------------------------------------------------------------------------------------------
 // Lifecycle
 
-int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int *port, char *err,
+// True when a process accepts connections on the Unix socket at path.
+static bool unix_live(const char *path) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return false;
+    bool live = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    close(fd);
+    return live;
+}
+
+// Binds the unix:PATH address addr with the socket file's mode; the bound "port" (nonzero) or 0
+// with the reason in err. gRPC replaces a socket file that is there (one a daemon left behind);
+// a socket that another process still listens on stops the start instead, as a TCP port in use
+// does.
+static int unix_bind(grpc_server *server, const char *addr, int mode,
+                     grpc_server_credentials *creds, char *err, size_t errlen) {
+    const char *path = addr + 5;
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+        snprintf(err, errlen,
+                 "--listen %s: %s exists and is not a socket; remove it or choose "
+                 "another path",
+                 addr, path);
+        return 0;
+    }
+    if (lstat(path, &st) == 0 && unix_live(path)) {
+        snprintf(err, errlen,
+                 "--listen %s: another process listens there (a second rnnd?); stop "
+                 "it or choose another path",
+                 addr);
+        return 0;
+    }
+    // The socket file is created with the mode the umask leaves, so it never has another one.
+    // The umask is process-wide: this runs at start-up, before any thread that creates files.
+    mode_t old = umask((mode_t)(~mode & 0777));
+    int bound = grpc_server_add_http2_port(server, addr, creds);
+    umask(old);
+    if (bound == 0)
+        snprintf(err, errlen,
+                 "--listen %s: cannot bind (does the directory exist, and may rnnd "
+                 "write to it?)",
+                 addr);
+    return bound;
+}
+
+// Removes the socket files we created (not one another daemon has bound there since).
+static void sockets_remove(struct rnnd_rpc *rpc) {
+    for (int i = 0; i < rpc->nsockets; i++) {
+        struct stat st;
+        if (lstat(rpc->sockets[i].path, &st) == 0 && st.st_ino == rpc->sockets[i].ino)
+            unlink(rpc->sockets[i].path);
+    }
+}
+
+int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, char *err,
                    size_t errlen) {
     struct rnnd_rpc *rpc = calloc(1, sizeof(*rpc));
     if (rpc == NULL) {
@@ -1199,6 +1301,7 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     rpc->max_reply_bytes = o->max_reply_bytes > 0 ? o->max_reply_bytes : SIZE_MAX;
     rpc->max_watches = o->max_health_watches > 0 ? o->max_health_watches : INT32_MAX;
     rpc->idle_timeout_s = o->stream_idle_timeout_s;
+    rpc->shm = o->shm;
     pthread_rwlock_init(&rpc->gate, NULL);
     pthread_mutex_init(&rpc->live_lock, NULL);
 
@@ -1256,13 +1359,35 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
     }
     int before[64];
     int nbefore = listening_sockets(before, 64);
-    int bound = grpc_server_add_http2_port(rpc->server, o->listen, creds);
-    grpc_server_credentials_release(creds);
-    if (bound == 0) {
-        snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?%s)",
-                 o->listen, o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
-        goto fail;
+    size_t used = 0;
+    for (int i = 0; i < o->nlisten && i < RNND_RPC_MAX_LISTEN; i++) {
+        const char *a = o->listen[i];
+        bool unix_socket = strncmp(a, "unix:", 5) == 0;
+        int bound = unix_socket ? unix_bind(rpc->server, a, o->unix_mode, creds, err, errlen)
+                                : grpc_server_add_http2_port(rpc->server, a, creds);
+        if (bound == 0) {
+            if (!unix_socket)
+                snprintf(err, errlen, "--listen %s: cannot bind (address in use or not local?%s)",
+                         a, o->tls_cert_pem ? " or a TLS certificate/key gRPC cannot use" : "");
+            grpc_server_credentials_release(creds);
+            goto fail;
+        }
+        struct stat st;
+        if (unix_socket && lstat(a + 5, &st) == 0) {
+            snprintf(rpc->sockets[rpc->nsockets].path, sizeof(rpc->sockets[0].path), "%s", a + 5);
+            rpc->sockets[rpc->nsockets++].ino = st.st_ino;
+        }
+        // The address as clients reach it: port 0 took a free port.
+        char *at = rpc->addresses + used;
+        size_t room = sizeof(rpc->addresses) - used;
+        if (unix_socket)
+            used += (size_t)snprintf(at, room, "%s%s", i ? "," : "", a);
+        else
+            used += (size_t)snprintf(at, room, "%s%.*s:%d", i ? "," : "",
+                                     (int)(strrchr(a, ':') - a), a, bound);
+        used = used < sizeof(rpc->addresses) ? used : sizeof(rpc->addresses) - 1;
     }
+    grpc_server_credentials_release(creds);
     if (conns_start(o->max_connections > 0 ? o->max_connections : INT32_MAX, before, nbefore)) {
         snprintf(err, errlen, "out of memory");
         goto fail;
@@ -1291,7 +1416,6 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, int 
         }
         rpc->nthreads++;
     }
-    *port = bound;
     *out = rpc;
     return 0;
 fail_started:
@@ -1320,6 +1444,7 @@ fail:
     conns_stop();
     grpc_server_destroy(rpc->server);
     grpc_completion_queue_destroy(rpc->cq);
+    sockets_remove(rpc);
     pthread_rwlock_destroy(&rpc->gate);
     pthread_mutex_destroy(&rpc->live_lock);
     free(rpc->auth);
@@ -1460,11 +1585,16 @@ void rnnd_rpc_housekeeping(struct rnnd_rpc *rpc) {
     conns_refresh(false);
 }
 
+const char *rnnd_rpc_addresses(const struct rnnd_rpc *rpc) {
+    return rpc->addresses;
+}
+
 void rnnd_rpc_free(struct rnnd_rpc *rpc) {
     if (rpc == NULL)
         return;
     for (int k = 0; k < rpc->nthreads; k++)
         pthread_join(rpc->threads[k], NULL);
+    sockets_remove(rpc);
     conns_stop();
     grpc_server_destroy(rpc->server);
     grpc_completion_queue_destroy(rpc->cq);

@@ -9,6 +9,10 @@
  * ends it). The request stays valid until then. A handler whose reply can be large reserves it
  * first (rnnd_call_reserve), before it changes any state.
  *
+ * Shared memory (shm.h): a request's region spans are resolved before its handler runs (a span
+ * that does not resolve fails the call, the handler never sees it), and rnnd_call_reply writes
+ * the reply's tensors into the request's reply_region.
+ *
  * One server per process: --max-connections is counted process-wide (rpc.c defines accept4).
  */
 #ifndef RNND_RPC_H
@@ -23,6 +27,7 @@
 
 struct rnnd_rpc;
 struct rnnd_call;
+struct rnnd_shm;
 
 // A handler: svc is rnnd_rpc_options.service.
 typedef void (*rnnd_rpc_handler_fn)(void *svc, struct rnnd_call *call,
@@ -37,9 +42,13 @@ typedef void (*rnnd_rpc_stopped_cb)(void *ctx);
 typedef void (*rnnd_rpc_drained_cb)(void *ctx);
 
 #define RNND_RPC_MAX_THREADS 16
+#define RNND_RPC_MAX_LISTEN  8
 
 struct rnnd_rpc_options {
-    const char *listen;       // HOST:PORT
+    const char *const *listen; // nlisten addresses: HOST:PORT or unix:PATH
+    int nlisten;               // 1..RNND_RPC_MAX_LISTEN
+    int unix_mode;             // file mode of the unix: sockets
+    struct rnnd_shm *shm;      // shared-memory regions (requests' spans resolve here)
     int threads;              // completion-queue threads (1..RNND_RPC_MAX_THREADS)
     size_t max_message_bytes; // both ways
     int max_streams;          // rnnd.v1 calls in progress at once (health not counted)
@@ -58,11 +67,16 @@ struct rnnd_rpc_options {
     const char *auth_token;        // when set, rnnd.v1 calls need "authorization: Bearer <token>"
 };
 
-// Creates the server, binds opts->listen and starts the completion-queue thread; the server
-// answers health NOT_SERVING and the rnnd.v1 methods UNAVAILABLE until set_serving(true).
-// 0, *out and the bound port in *port; or RNND_EIO / RNND_ENOMEM with the reason in err.
-int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, int *port, char *err,
+// Creates the server, binds every opts->listen address and starts the completion-queue threads;
+// the server answers health NOT_SERVING and the rnnd.v1 methods UNAVAILABLE until
+// set_serving(true). A unix: socket is created with mode opts->unix_mode; one left by a daemon
+// that is gone is replaced, one another process listens on is not. 0 and *out; or RNND_EIO /
+// RNND_ENOMEM with the reason in err.
+int rnnd_rpc_start(const struct rnnd_rpc_options *opts, struct rnnd_rpc **out, char *err,
                    size_t errlen);
+// The bound addresses, comma-separated, in --listen order, with the ports port 0 got
+// ("127.0.0.1:41234,unix:/run/rnnd.sock"). Valid until rnnd_rpc_free.
+const char *rnnd_rpc_addresses(const struct rnnd_rpc *rpc);
 // Switches between serving and not (health Watch streams hear about it). Any thread.
 void rnnd_rpc_set_serving(struct rnnd_rpc *rpc, bool serving);
 // Begins the graceful shutdown: health turns NOT_SERVING (Watch streams hear it, then end), new
@@ -87,6 +101,9 @@ void rnnd_rpc_free(struct rnnd_rpc *rpc);
 const ProtobufCMessage *rnnd_call_request(const struct rnnd_call *call);
 // Who sent it: the connection (unary calls) or the stream, as a hash; for dynamic batching.
 uint64_t rnnd_call_source(struct rnnd_call *call);
+// True when the call's peer is on this host (a unix: socket or loopback): shared memory is for
+// such peers only (shm.h).
+bool rnnd_call_peer_local(struct rnnd_call *call);
 // Nonzero once the client cancelled the call or its deadline passed.
 const _Atomic int *rnnd_call_cancelled(struct rnnd_call *call);
 // Reserves bytes of --max-reply-mb for the reply the handler will send (it stays reserved until

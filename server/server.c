@@ -39,6 +39,7 @@
 #include "metrics.h"
 #include "rpc.h"
 #include "service.h"
+#include "shm.h"
 
 enum {
     EV_ENGINE_READY = 1,
@@ -65,7 +66,8 @@ struct rnnd_server {
     struct rnnd_rpc *rpc;
     struct rnnd_http *http;
     struct rnnd_service svc;
-    int grpc_port, http_port;
+    struct rnnd_shm *shm;
+    int http_port;
     int exit_code;
     bool draining;
     bool drained; // every gRPC call finished: the connections close after DRAIN_LINGER_MS
@@ -114,6 +116,7 @@ static void on_cron(uv_timer_t *t) {
     if (s->ready && !s->draining) {
         rnnd_group_housekeeping(s->group);
         rnnd_rpc_housekeeping(s->rpc);
+        rnnd_shm_housekeeping(s->shm);
     }
 }
 
@@ -207,9 +210,10 @@ static void on_async(uv_async_t *a) {
         rnnd_rpc_set_serving(s->rpc, true);
         atomic_store(&rnnd_metrics.backend, rnnd_group_backend_name(s->group));
         atomic_store(&rnnd_metrics.ready, 1);
-        char grpc_host[RNND_CONFIG_ADDR_MAX], http_addr[RNND_CONFIG_ADDR_MAX + 16];
-        snprintf(grpc_host, sizeof(grpc_host), "%s", s->cfg.listen);
-        *strrchr(grpc_host, ':') = '\0';
+        // grpc= is the first address (what clients and scripts have always read), listen=
+        // every one.
+        const char *addrs = rnnd_rpc_addresses(s->rpc);
+        char http_addr[RNND_CONFIG_ADDR_MAX + 16];
         if (s->http) {
             char host[RNND_CONFIG_ADDR_MAX];
             snprintf(host, sizeof(host), "%s", s->cfg.http);
@@ -218,8 +222,9 @@ static void on_async(uv_async_t *a) {
         } else {
             snprintf(http_addr, sizeof(http_addr), "off");
         }
-        rnnd_log_banner("rnnd ready grpc=%s:%d http=%s backend=%s", grpc_host, s->grpc_port,
-                        http_addr, rnnd_group_backend_name(s->group));
+        rnnd_log_banner("rnnd ready grpc=%.*s http=%s backend=%s listen=%s",
+                        (int)strcspn(addrs, ","), addrs, http_addr,
+                        rnnd_group_backend_name(s->group), addrs);
         if (rnnd_group_devices(s->group) > 1 || s->cfg.world_size > 1)
             rnnd_log(RNND_LOG_INFO, "serving on %s%s", rnnd_group_device_name(s->group),
                      s->cfg.world_size > 1 ? ", weights shared with the other instances" : "");
@@ -363,7 +368,12 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
-    s->svc = (struct rnnd_service){.cfg = &s->cfg, .group = s->group};
+    if (rnnd_shm_init(cfg->max_shm_regions, &s->shm) != 0) {
+        rnnd_log(RNND_LOG_ERROR, "out of memory");
+        rc = 1;
+        goto fail_loop;
+    }
+    s->svc = (struct rnnd_service){.cfg = &s->cfg, .group = s->group, .shm = s->shm};
     rnnd_request_limits_init(&s->svc.limits, &s->cfg);
     int64_t bounds[RNND_LIMIT_COUNT] = {
         [RNND_LIMIT_ENVS] = (int64_t)cfg->max_envs * rnnd_group_devices(s->group),
@@ -374,6 +384,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         [RNND_LIMIT_REPLY_BYTES] = (int64_t)cfg->max_reply_mb << 20,
         [RNND_LIMIT_CONNECTIONS] = cfg->max_connections,
         [RNND_LIMIT_HEALTH_WATCHES] = cfg->max_health_watches,
+        [RNND_LIMIT_SHM_REGIONS] = cfg->max_shm_regions,
     };
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], bounds[i]);
@@ -389,7 +400,15 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
         threads = cpus >= 16 ? 4 : cpus >= 4 ? (int)(cpus / 4) : 1;
     }
-    struct rnnd_rpc_options ro = {.listen = cfg->listen,
+    char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
+    const char *listen[RNND_CONFIG_LISTEN_MAX];
+    int nlisten = rnnd_config_listen(cfg->listen, addrs);
+    for (int i = 0; i < nlisten; i++)
+        listen[i] = addrs[i];
+    struct rnnd_rpc_options ro = {.listen = listen,
+                                  .nlisten = nlisten,
+                                  .unix_mode = cfg->listen_unix_mode,
+                                  .shm = s->shm,
                                   .threads = threads,
                                   .max_message_bytes = s->svc.limits.max_message_bytes,
                                   .max_streams = cfg->max_streams,
@@ -405,7 +424,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
                                   .tls_key_pem = tls_key,
                                   .tls_client_ca_pem = tls_ca,
                                   .auth_token = token};
-    if (rnnd_rpc_start(&ro, &s->rpc, &s->grpc_port, err, sizeof(err)) != 0) {
+    if (rnnd_rpc_start(&ro, &s->rpc, err, sizeof(err)) != 0) {
         rnnd_log(RNND_LOG_ERROR, "%s", err);
         rc = 1;
         goto fail_loop;
@@ -418,8 +437,8 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);
-    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc port %d (%d threads), http port %d, pid %d",
-             s->grpc_port, threads, s->http_port, (int)getpid());
+    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc %s (%d threads), http port %d, pid %d",
+             rnnd_rpc_addresses(s->rpc), threads, s->http_port, (int)getpid());
 
     uv_run(&s->loop, UV_RUN_DEFAULT);
 
@@ -446,6 +465,7 @@ out:
         free(token);
     }
     uv_loop_close(&s->loop);
+    rnnd_shm_free(s->shm); // after the gRPC calls, which pin regions
     rnnd_group_free(s->group);
     grpc_shutdown();
     pthread_mutex_destroy(&s->lock);

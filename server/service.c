@@ -12,6 +12,7 @@
 
 #include "request.h"
 #include "rnnd/v1/rnnd.pb-c.h"
+#include "shm.h"
 
 #define ERRLEN RNND_REQUEST_ERRLEN
 
@@ -303,6 +304,18 @@ static void forward_done(struct rnnd_job *job) {
     free(job);
 }
 
+// The limits a Forward or Backward is checked against. What fits into the request's
+// reply_region does not travel in the reply message, so --max-message-mb bounds only the rest.
+static const struct rnnd_request_limits *limits_for(const struct rnnd_service *s,
+                                                    const Rnnd__V1__RegionSpan *reply_region,
+                                                    struct rnnd_request_limits *tmp) {
+    if (reply_region == NULL || reply_region->nbytes == 0)
+        return &s->limits;
+    *tmp = s->limits;
+    tmp->max_message_bytes += (size_t)reply_region->nbytes;
+    return tmp;
+}
+
 // A job (with `extra` bytes after it) that knows the service.
 static struct rnnd_job *job_with_model(struct rnnd_service *s, size_t extra) {
     struct rnnd_job *job = calloc(1, sizeof(*job) + extra);
@@ -316,10 +329,11 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     const Rnnd__V1__ForwardRequest *req = (const Rnnd__V1__ForwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_forward_job f;
-    int rc = counted(rnnd_request_forward(&s->limits, req, &f, err));
+    struct rnnd_request_limits tmp;
+    const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
+    int rc = counted(rnnd_request_forward(lim, req, &f, err));
     if (rc == 0)
-        rc = rnnd_call_reserve(call, rnnd_request_forward_reply_bytes(&s->limits, &f), err,
-                               sizeof(err));
+        rc = rnnd_call_reserve(call, rnnd_request_forward_reply_bytes(lim, &f), err, sizeof(err));
     if (rc != 0)
         goto bad;
     // is_init left out: no resets inside the window (zeros after the job, freed with it).
@@ -391,10 +405,11 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     const Rnnd__V1__BackwardRequest *req = (const Rnnd__V1__BackwardRequest *)msg;
     char err[ERRLEN];
     struct rnnd_backward_job g;
-    int rc = counted(rnnd_request_backward(&s->limits, req, &g, err));
+    struct rnnd_request_limits tmp;
+    const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
+    int rc = counted(rnnd_request_backward(lim, req, &g, err));
     if (rc == 0)
-        rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(&s->limits, &g), err,
-                               sizeof(err));
+        rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(lim, &g), err, sizeof(err));
     if (rc != 0)
         goto bad;
     struct rnnd_job *job = job_with_model(s, 0);
@@ -580,4 +595,32 @@ void rnnd_service_save_checkpoint(void *p, struct rnnd_call *call, const Protobu
     job->owner = call;
     job->done = checkpoint_done;
     rnnd_group_submit(s->group, job);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RegisterRegion, ReleaseRegion
+
+void rnnd_service_register_region(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {
+    struct rnnd_service *s = svc_of(p);
+    char err[ERRLEN];
+    Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
+    int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
+                               rnnd_call_peer_local(call), &r.region, &r.size, err, sizeof(err));
+    if (rc)
+        rnnd_call_fail(call, rc, err);
+    else
+        rnnd_call_reply(call, &r.base);
+}
+
+void rnnd_service_release_region(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {
+    struct rnnd_service *s = svc_of(p);
+    const Rnnd__V1__ReleaseRegionRequest *req = (const Rnnd__V1__ReleaseRegionRequest *)msg;
+    char err[ERRLEN];
+    int rc = rnnd_shm_release(s->shm, req->region, rnnd_call_peer_local(call), err, sizeof(err));
+    if (rc) {
+        rnnd_call_fail(call, rc, err);
+        return;
+    }
+    Rnnd__V1__ReleaseRegionReply r = RNND__V1__RELEASE_REGION_REPLY__INIT;
+    rnnd_call_reply(call, &r.base);
 }

@@ -21,6 +21,7 @@ struct rnnd_service {
     const struct rnnd_config *cfg;
     struct rnnd_group *group;
     struct rnnd_request_limits limits; // what requests are checked against
+    struct rnnd_shm *shm;              // shared-memory regions (RegisterRegion, ReleaseRegion)
 };
 
 // rnnd_rpc_handler_fn for each method; svc is a struct rnnd_service.
@@ -33,5 +34,8 @@ void rnnd_service_apply_gradients(void *svc, struct rnnd_call *call, const Proto
 void rnnd_service_get_weights(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_set_weights(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 void rnnd_service_save_checkpoint(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
+// Answered on the gRPC thread (shm.c: a few system calls).
+void rnnd_service_register_region(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
+void rnnd_service_release_region(void *svc, struct rnnd_call *call, const ProtobufCMessage *req);
 
 #endif // RNND_SERVICE_H

@@ -2,8 +2,9 @@
  * rnnd_client.h: a small blocking C client for the rnnd daemon (rnnd.v1.Rnn and
  * grpc.health.v1.Health), used by rnndctl and the integration tests.
  *
- * One struct rnnd_client is one gRPC channel (its own TCP connection: channels never share
- * one). Every call blocks the calling thread until the reply, the deadline or an error. A client
+ * One struct rnnd_client is one gRPC channel (its own connection: channels never share one),
+ * to HOST:PORT or, on the daemon's host, to a unix:PATH socket. On the daemon's host a client can
+ * also send its tensors through shared memory (rnnd_client_shm_start). Every call blocks the calling thread until the reply, the deadline or an error. A client
  * may be used by several threads at once; a struct rnnd_client_stream belongs to one thread at a
  * time.
  *
@@ -109,7 +110,7 @@ const char *rnnd_grpc_status_name(int grpc_status);
 // Connections.
 
 struct rnnd_client_opts {
-    const char *target;          // "HOST:PORT" (gRPC target syntax); required
+    const char *target;          // "HOST:PORT" or "unix:PATH" (gRPC target syntax); required
     const char *tls_root_pem;    // PEM of the roots to trust; NULL for plaintext
     const char *tls_cert_pem;    // client certificate chain (mutual TLS) or NULL
     const char *tls_key_pem;     // client private key (mutual TLS) or NULL
@@ -302,6 +303,22 @@ int rnnd_client_save_checkpoint(struct rnnd_client *c, const char *path, char **
 // (new, free with free()) and *reply_len: for tests that send what the typed calls cannot.
 int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req, size_t req_len,
                          void **reply, size_t *reply_len);
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory (docs/design.md "Shared memory"): for a client on the daemon's host, reached
+// through a unix: target or loopback and running as the daemon's user.
+
+// Creates a memory region of `bytes` (0: 64 MiB) shared with the daemon (a sealed memfd,
+// registered once with RegisterRegion). From then on Step, StepStream, Forward and Backward copy
+// their tensors into it and the daemon writes the replies' tensors into it: only small
+// descriptors travel over gRPC, and replies still come back as owned tensors. A call whose
+// tensors do not fit into the region's free part goes as bytes. The region is released by
+// rnnd_client_free. 0, or the daemon's refusal (RNND_EPRECOND: another host, another user,
+// shared memory off; RNND_EFULL: --max-shm-regions), or a local RNND_EIO / RNND_ENOMEM; the
+// client then keeps sending bytes. Call it before other threads use the client.
+int rnnd_client_shm_start(struct rnnd_client *c, size_t bytes);
+// How the tensors travel: "shm" after rnnd_client_shm_start succeeded, else "grpc".
+const char *rnnd_client_transport(const struct rnnd_client *c);
 
 // ---------------------------------------------------------------------------------------------
 // Helpers for callers that hold weights as one flat array (rnnd_kernels.h layout).

@@ -1,8 +1,8 @@
 /*
  * test_config.c: rnnd's configuration (server/config.c): the defaults of docs/design.md, flags in
  * both spellings, config files (comments, quotes, line numbers in errors), flags winning over
- * the file, refusals that name the offending flag, and the warning for a listen address that
- * other hosts reach without TLS or a token.
+ * the file, refusals that name the offending flag, the warning for a listen address that
+ * other hosts reach without TLS or a token, and --listen lists (TCP and unix: sockets).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -176,6 +176,8 @@ static void test_help_and_version(void **state) {
                            "--auth-token-file",
                            "--max-message-mb",
                            "--log-level",
+                           "--listen-unix-mode",
+                           "--max-shm-regions",
                            NULL};
     for (int i = 0; flags[i]; i++)
         if (strstr(text, flags[i]) == NULL)
@@ -301,6 +303,79 @@ static void test_weights_streams_and_exposure(void **state) {
     }
 }
 
+static void test_listen_list(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
+    assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
+    assert_int_equal(c.listen_unix_mode, 0600);
+    assert_int_equal(c.max_shm_regions, 64);
+    assert_int_equal(rnnd_config_listen(c.listen, addrs), 1);
+    assert_string_equal(addrs[0], "127.0.0.1:50051");
+
+    // Comma-separated, and a repeated flag adds to the list (the first replaces the default).
+    assert_int_equal(parse(&c, err,
+                           (const char *[]){"--listen", "0.0.0.0:1,unix:/run/rnnd.sock", "--listen",
+                                            "unix:/tmp/b.sock", "--listen-unix-mode", "0660",
+                                            "--max-shm-regions", "0", NULL}),
+                     RNND_CONFIG_RUN);
+    assert_int_equal(rnnd_config_listen(c.listen, addrs), 3);
+    assert_string_equal(addrs[0], "0.0.0.0:1");
+    assert_string_equal(addrs[1], "unix:/run/rnnd.sock");
+    assert_string_equal(addrs[2], "unix:/tmp/b.sock");
+    assert_int_equal(c.listen_unix_mode, 0660);
+    assert_int_equal(c.max_shm_regions, 0);
+
+    // A config file's list is replaced by the flags, as any key.
+    char path[] = "/tmp/rnnd-test-conf-XXXXXX";
+    int fd = mkstemp(path);
+    const char *body = "listen unix:/tmp/a.sock,127.0.0.1:7\nlisten-unix-mode 600\n";
+    assert_true(write(fd, body, strlen(body)) == (ssize_t)strlen(body));
+    close(fd);
+    assert_int_equal(parse(&c, err, (const char *[]){"--config", path, NULL}), RNND_CONFIG_RUN);
+    assert_int_equal(rnnd_config_listen(c.listen, addrs), 2);
+    assert_string_equal(addrs[0], "unix:/tmp/a.sock");
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--config", path, "--listen", "[::1]:0", NULL}),
+        RNND_CONFIG_RUN);
+    assert_string_equal(c.listen, "[::1]:0");
+    unlink(path);
+
+    // Unix sockets alone never warn; one open TCP address among them does.
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "unix:/run/r.sock", NULL}),
+                     RNND_CONFIG_RUN);
+    assert_null(rnnd_config_exposure(&c));
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--listen", "unix:/run/r.sock,0.0.0.0:1", NULL}),
+        RNND_CONFIG_RUN);
+    assert_non_null(rnnd_config_exposure(&c));
+
+    struct {
+        const char *args[6];
+        const char *says;
+    } bad[] = {
+        {{"--listen", "unix:relative.sock"}, "absolute path"},
+        {{"--listen", "127.0.0.1:1,,unix:/a"}, "empty address"},
+        {{"--listen", "127.0.0.1:1,"}, "empty address"},
+        {{"--listen", "unix:/a,localhost"}, "'localhost' is neither"},
+        {{"--listen", "unix:/a", "--listen", "unix:/a"}, "twice"},
+        {{"--listen", "1:1,2:2,3:3,4:4,5:5,6:6,7:7,8:8,9:9"}, "more than 8"},
+        {{"--listen-unix-mode", "0999"}, "octal"},
+        {{"--listen-unix-mode", "1777"}, "octal"},
+        {{"--max-shm-regions", "-1"}, "--max-shm-regions"},
+    };
+    char long_path[200] = "unix:/";
+    memset(long_path + 6, 'p', 110);
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", long_path, NULL}),
+                     RNND_CONFIG_ERROR);
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        assert_int_equal(parse(&c, err, bad[i].args), RNND_CONFIG_ERROR);
+        if (strstr(err, bad[i].says) == NULL)
+            fail_msg("case %zu: \"%s\" lacks \"%s\"", i, err, bad[i].says);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
@@ -310,6 +385,7 @@ int main(void) {
         cmocka_unit_test(test_config_file),
         cmocka_unit_test(test_set_spellings),
         cmocka_unit_test(test_weights_streams_and_exposure),
+        cmocka_unit_test(test_listen_list),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);
 }

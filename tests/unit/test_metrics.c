@@ -91,7 +91,7 @@ static void test_limit_units(void **state) {
     rnnd_metrics_init();
     const char *names[RNND_LIMIT_COUNT] = {"envs",          "step_queue_rows", "tape_bytes",
                                            "message_bytes", "streams",         "reply_bytes",
-                                           "connections",   "health_watches"};
+                                           "connections",   "health_watches",  "shm_regions"};
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], 1000 + i);
     char *text = render();

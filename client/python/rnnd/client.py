@@ -10,14 +10,21 @@ grpc.StatusCode), its name (``.code_name``) and the server's message (``.details
 
 A Client is one gRPC channel and may be shared by threads. It is not fork-safe: create clients
 in each process after fork (or use the "spawn" start method).
+
+On the daemon's host (a "unix:PATH" target or loopback, the daemon running as this user) the
+tensors of step, forward and backward travel through shared memory instead of inside the
+messages (rnnd.shm); ``client.transport`` says which path is in use ("shm" or "grpc"), and
+``transport=`` overrides the choice.
 """
 
 import collections
 import queue
+import threading
 
 import grpc
 import numpy as np
 
+from . import shm as _shm
 from ._tensor import decode, encode, encode_field, field
 from .v1 import health_pb2, health_pb2_grpc
 from .v1 import rnnd_pb2 as pb
@@ -86,6 +93,7 @@ def _bools(flags, n):
 
 
 # Wire dtypes by name (reply_dtype=, dtype=): float tensors travel as fp32, bf16 or fp16.
+_FP32 = (0, pb.FLOAT32)  # dtype codes shared memory carries: unset or FLOAT32
 _DTYPES = {None: 0, "float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16, "float16": pb.FLOAT16}
 # Bits of ForwardRequest.recorded_fields and BackwardRequest.input_grads by name.
 _RECORDED = {"obs": pb.RECORDED_OBS, "is_init": pb.RECORDED_IS_INIT, "extras": pb.RECORDED_EXTRAS,
@@ -122,21 +130,41 @@ def _unnamed(named):
     return w
 
 
-def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+def _put(call, msg, **arrays):
+    """Sets msg's tensor fields from arrays (None skipped): as bytes, or through call's span of
+    shared memory (then the rest of the span is the reply's)."""
+    for name, v in arrays.items():
+        if v is not None:
+            if call is None:
+                encode(v, out=getattr(msg, name))
+            else:
+                call.put(v, getattr(msg, name))
+
+
+def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
+                  call=None):
     ids = _ids(env_ids)
     req = pb.StepRequest(env_ids=ids, return_state=bool(return_state))
-    encode(obs, out=req.obs)
+    _put(call, req, obs=obs, extras=extras)
+    if call is not None:
+        req.reply_region.CopyFrom(call.reply_region())
     req.is_init[:] = _bools(is_init, len(ids))
     if step_index is not None:
         req.step_index[:] = _ids(step_index)
-    if extras is not None:
-        encode(extras, out=req.extras)
     return req
 
 
-def _step_result(reply):
-    return StepResult(decode(reply.output), reply.model_version, field(reply, "h"),
-                      field(reply, "c"))
+def _step_result(reply, call=None):
+    get, fld = (call.get, call.field) if call is not None else (decode, field)
+    return StepResult(get(reply.output), reply.model_version, fld(reply, "h"), fld(reply, "c"))
+
+
+def _local_target(target):
+    """True for a target only this host can be: a unix socket or a loopback address."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("localhost", "::1")
 
 
 def _credentials(tls):
@@ -176,14 +204,26 @@ def _credentials(tls):
 class Client:
     """A connection to one rnnd daemon.
 
-    target: "HOST:PORT". token: bearer token (sent as "authorization: Bearer <token>").
-    tls: see _credentials (None: plaintext). timeout: per-call deadline in seconds (None: none).
-    max_message_mb: send/receive limit (-1: unlimited, the default).
+    target: "HOST:PORT" or "unix:PATH". token: bearer token (sent as "authorization: Bearer
+    <token>"). tls: see _credentials (None: plaintext). timeout: per-call deadline in seconds
+    (None: none). max_message_mb: send/receive limit (-1: unlimited, the default).
+    transport: "auto" (shared memory when the target is on this host and the daemon accepts the
+    region, else gRPC), "shm" (shared memory or an error) or "grpc" (tensors inside the
+    messages). shm_mb: size of the shared region (virtual: pages are used as calls touch them).
     """
 
-    def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=()):
+    def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
+                 transport="auto", shm_mb=1024):
+        if transport not in ("auto", "shm", "grpc"):
+            raise ValueError('transport is "auto", "shm" or "grpc", not %r' % (transport,))
         self.target = target
         self.closed = False
+        self._want = transport
+        self._shm_mb = int(shm_mb)
+        self._transport = None  # decided at first use
+        self._region = None
+        self._info = None
+        self._tlock = threading.Lock()
         self.timeout = timeout
         limit = -1 if max_message_mb is None or max_message_mb < 0 else int(max_message_mb) << 20
         opts = [("grpc.max_send_message_length", limit),
@@ -206,6 +246,10 @@ class Client:
 
     def close(self):
         self.closed = True
+        if self._region is not None:
+            self._region.release(self._call)
+            self._region = None
+            self._transport = "grpc"
         self._channel.close()
 
     def __enter__(self):
@@ -221,6 +265,52 @@ class Client:
                       metadata=self._metadata)
         except grpc.RpcError as e:
             raise RnndError.from_rpc_error(e, name, self.target) from None
+
+    @property
+    def transport(self):
+        """How tensors travel: "shm" (shared memory with a daemon on this host) or "grpc"."""
+        if self._transport is None:
+            self._choose_transport()
+        return self._transport or "grpc"
+
+    def _choose_transport(self):
+        with self._tlock:
+            if self._transport is not None:
+                return
+            if self._want == "grpc" or (self._want == "auto" and not _local_target(self.target)):
+                self._transport = "grpc"
+                return
+            region = None
+            try:
+                self._info = self.info()
+                region = _shm.Region(self._shm_mb << 20)
+                self._region = region.register(self._call)
+                self._transport = "shm"
+            except (RnndError, OSError) as e:
+                if region is not None:
+                    region.release(None)
+                if self._want == "shm":
+                    raise
+                # A daemon not reachable yet: decide at a later call.
+                if not (isinstance(e, RnndError) and e.code in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                    self._transport = "grpc"
+
+    def _span(self, arrays, reply_bytes):
+        """A span of the shared region for a call with these request arrays and reply, or None
+        (the call goes as bytes)."""
+        if self.transport != "shm":
+            return None
+        return self._region.call(_shm.need(arrays, reply_bytes))
+
+    def _shm_call(self, name, req, call, result):
+        """Sends req (built over call's span, or as bytes when call is None) and returns
+        result(reply), giving the span back."""
+        try:
+            return result(self._call(name, req))
+        finally:
+            if call is not None:
+                call.close()
 
     def wait_ready(self, timeout=30.0):
         """Blocks until the channel is connected (grpc.FutureTimeoutError after timeout)."""
@@ -250,8 +340,11 @@ class Client:
                     return_state=False):
         """step() returning StepResult(output, model_version, h, c); h/c [B, L, H] only with
         return_state (c for LSTM)."""
-        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state)
-        return _step_result(self._call("Step", req))
+        call = self._span((obs, extras), _shm.step_reply_bytes(self._info, len(_ids(env_ids)),
+                                                                return_state)
+                          if self.transport == "shm" else 0)
+        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state, call)
+        return self._shm_call("Step", req, call, lambda r: _step_result(r, call))
 
     def stepper(self):
         """A Stepper: Step over one bidirectional StepStream (lower latency for actors)."""
@@ -270,18 +363,33 @@ class Client:
         of those returned (default: dtype). Returns ForwardResult (bfloat16 decodes to
         float32)."""
         obs = np.asarray(obs)
-        wire = _dtype(dtype) or None
-        tr = pb.Trajectories()
-        encode(obs, dtype=wire, out=tr.obs)
-        if is_init is None:
-            is_init = np.zeros(obs.shape[:2], dtype=bool)
-        encode(np.asarray(is_init, dtype=bool), out=tr.is_init)
-        for name, v in (("h0", h0), ("c0", c0), ("hidden", hidden), ("cell", cell)):
-            if v is not None:
-                encode(v, dtype=wire, out=getattr(tr, name))
-        req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
-                                reply_dtype=_dtype(reply_dtype))
-        return self._forward_result(self._call("Forward", req))
+        # Shared memory carries fp32 tensors; 16-bit wire dtypes go through gRPC.
+        if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
+            if is_init is None:
+                is_init = np.zeros(obs.shape[:2], dtype=bool)
+            arrays = dict(obs=obs, is_init=np.asarray(is_init, dtype=bool), h0=h0, c0=c0,
+                          hidden=hidden, cell=cell)
+            call = self._span(arrays.values(), _shm.forward_reply_bytes(
+                self._info, obs.shape[0], obs.shape[1], False) if self.transport == "shm" else 0)
+            tr = pb.Trajectories()
+            _put(call, tr, **arrays)
+            req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape))
+            if call is not None:
+                req.reply_region.CopyFrom(call.reply_region())
+            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
+        else:
+            wire = _dtype(dtype) or None
+            tr = pb.Trajectories()
+            encode(obs, dtype=wire, out=tr.obs)
+            if is_init is None:
+                is_init = np.zeros(obs.shape[:2], dtype=bool)
+            encode(np.asarray(is_init, dtype=bool), out=tr.is_init)
+            for name, v in (("h0", h0), ("c0", c0), ("hidden", hidden), ("cell", cell)):
+                if v is not None:
+                    encode(v, dtype=wire, out=getattr(tr, name))
+            req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
+                                    reply_dtype=_dtype(reply_dtype))
+            return self._forward_result(self._call("Forward", req))
 
     def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
@@ -289,17 +397,28 @@ class Client:
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
         'bfloat16' or 'float16' for the float tensors returned."""
-        req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
-                                keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
-        if fields is not None:
-            req.recorded_fields = _mask(fields, _RECORDED)
-        return self._forward_result(self._call("Forward", req))
+        if self.transport == "shm" and fields is None and _dtype(reply_dtype) in _FP32:
+            ids = _ids(env_ids)
+            call = self._span((), _shm.forward_reply_bytes(self._info, len(ids), int(steps), True)
+                              if self.transport == "shm" else 0)
+            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=ids, steps=int(steps)),
+                                    keep_tape=bool(keep_tape))
+            if call is not None:
+                req.reply_region.CopyFrom(call.reply_region())
+            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
+        else:
+            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
+                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
+            if fields is not None:
+                req.recorded_fields = _mask(fields, _RECORDED)
+            return self._forward_result(self._call("Forward", req))
 
     @staticmethod
-    def _forward_result(r):
-        return ForwardResult(decode(r.output), field(r, "h_n"), field(r, "c_n"), r.tape_id,
-                             r.model_version, field(r, "obs"), field(r, "is_init"),
-                             field(r, "extras"), field(r, "step_model_version"))
+    def _forward_result(r, call=None):
+        get, fld = (call.get, call.field) if call is not None else (decode, field)
+        return ForwardResult(get(r.output), fld(r, "h_n"), fld(r, "c_n"), r.tape_id,
+                             r.model_version, fld(r, "obs"), fld(r, "is_init"),
+                             fld(r, "extras"), fld(r, "step_model_version"))
 
     def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False,
                  input_grads=None, dtype=None, reply_dtype=None):
@@ -310,6 +429,9 @@ class Client:
         also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
         BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
         grad_cell)."""
+        if (self.transport == "shm" and input_grads is None and _dtype(dtype) in _FP32 and
+                _dtype(reply_dtype) in _FP32):
+            return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate)
         wire = _dtype(dtype) or None
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
                                  reply_dtype=_dtype(reply_dtype))
@@ -324,6 +446,26 @@ class Client:
         return BackwardResult(_unnamed(r.grads), field(r, "grad_obs"), field(r, "grad_h0"),
                               field(r, "grad_c0"), field(r, "grad_hidden"),
                               field(r, "grad_cell"))
+
+    def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate):
+        """backward() through the shared-memory region (fp32, every input gradient)."""
+        grad_output = np.asarray(grad_output)
+        call = self._span((grad_output, grad_h_n, grad_c_n), _shm.backward_reply_bytes(
+            self._info, grad_output.shape[0], grad_output.shape[1], accumulate)
+            if self.transport == "shm" and grad_output.ndim == 3 else 0)
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n)
+        if call is not None:
+            req.reply_region.CopyFrom(call.reply_region())
+
+        def result(r):
+            get, fld = (call.get, call.field) if call is not None else (decode, field)
+            grads = Weights()
+            for nt in r.grads:
+                grads[nt.name] = get(nt.tensor)
+            return BackwardResult(grads, fld(r, "grad_obs"), fld(r, "grad_h0"),
+                                  fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
+        return self._shm_call("Backward", req, call, result)
 
     def apply_gradients(self, grads=None, lr=None):
         """One optimizer step on the daemon with grads (dict name -> array; None or empty: the
@@ -378,16 +520,24 @@ class Stepper(_SendRecv):
 
     def __init__(self, client):
         self._target = client.target
+        self._client = client
         self._requests = queue.SimpleQueue()
         self._call = client._stub.StepStream(iter(self._requests.get, _END),
                                              metadata=client._metadata)
         self._pending = 0
+        self._spans = collections.deque()  # shared memory of the requests in flight, or None
         self._closed = False
 
     def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
         if self._closed:
             raise RnndError(grpc.StatusCode.CANCELLED, "stepper is closed", "StepStream")
-        self._requests.put(_step_request(env_ids, obs, is_init, step_index, extras, return_state))
+        c = self._client
+        call = c._span((obs, extras), _shm.step_reply_bytes(c._info, len(_ids(env_ids)),
+                                                             return_state)
+                       if c.transport == "shm" else 0)
+        self._spans.append(call)
+        self._requests.put(_step_request(env_ids, obs, is_init, step_index, extras, return_state,
+                                         call))
         self._pending += 1
 
     def recv(self):
@@ -398,13 +548,26 @@ class Stepper(_SendRecv):
             reply = next(self._call)
         except grpc.RpcError as e:
             self._closed = True
+            self._give_spans()
             raise RnndError.from_rpc_error(e, "StepStream", self._target) from None
         except StopIteration:
             self._closed = True
+            self._give_spans()
             raise RnndError(grpc.StatusCode.UNKNOWN, "the daemon ended the stream",
                             "StepStream") from None
         self._pending -= 1
-        return _step_result(reply)
+        call = self._spans.popleft()
+        try:
+            return _step_result(reply, call)
+        finally:
+            if call is not None:
+                call.close()
+
+    def _give_spans(self):
+        while self._spans:
+            call = self._spans.popleft()
+            if call is not None:
+                call.close()
 
     def close(self):
         """Half-closes the stream and waits for the daemon to finish it."""
@@ -417,6 +580,7 @@ class Stepper(_SendRecv):
                 pass
         except grpc.RpcError:
             pass
+        self._give_spans()
 
     def __enter__(self):
         return self

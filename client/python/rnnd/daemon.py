@@ -3,9 +3,11 @@
     with rnnd.Daemon(cell="lstm", layers=2, input_size=8, hidden_size=32) as d:
         c = d.client()
 
-Keyword arguments become flags (``input_size=8`` -> ``--input-size 8``). The binary is
-``binary``, else $RNND_BIN, else ``rnnd`` on PATH (a list is an argv prefix). The daemon's output is kept in ``log``
-(a list of lines) and echoed to ``echo`` (a file object) when given.
+Keyword arguments become flags (``input_size=8`` -> ``--input-size 8``); ``listen=`` adds
+addresses to the loopback one (``listen="unix:/tmp/rnnd.sock"``), all of them in ``addresses``.
+The binary is ``binary``, else $RNND_BIN, else ``rnnd`` on PATH (a list is an argv prefix). The
+daemon's output is kept in ``log`` (a list of lines) and echoed to ``echo`` (a file object) when
+given.
 """
 
 import os
@@ -36,6 +38,7 @@ class Daemon:
         self.ready_timeout = ready_timeout
         self.proc = None
         self.target = None
+        self.addresses = []  # every --listen address, as bound (target is the first)
         self.http = None
         self.log = []
         self._ready = threading.Event()
@@ -74,6 +77,8 @@ class Daemon:
                         self.target = word[5:]
                     elif word.startswith("http="):
                         self.http = word[5:]
+                    elif word.startswith("listen="):
+                        self.addresses = word[7:].split(",")
                 if self.target:
                     self._ready.set()
 

@@ -1,0 +1,208 @@
+"""Shared memory with a daemon on this host (docs/design.md "Shared memory").
+
+A Region is one memfd registered with the daemon once (RegisterRegion): sealed against
+shrinking, its random key at offset 0, and flock(LOCK_SH)ed for as long as this process keeps it
+(the daemon drops a region once no process holds that lock). Each call takes a span of it
+(``Region.call``): the request's tensors are copied in and travel as RegionSpans, and the rest
+of the span is the call's reply_region, where the daemon writes the reply's tensors. Only small
+descriptors cross gRPC. A call that finds no room goes as bytes.
+
+Client uses this by itself (``Client(transport="auto")``); nothing here is needed directly.
+"""
+
+import fcntl
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from ._tensor import _NP, decode as _decode_bytes
+from .v1 import rnnd_pb2 as pb
+
+ALIGN = 64
+KEY_BYTES = 32
+
+
+def _up(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _wire(array):
+    """(array, wire dtype) as encode() would send it: bool as BOOL, integers as INT64, the rest
+    as FLOAT32."""
+    a = np.asarray(array)
+    if a.dtype == np.bool_:
+        return a, pb.BOOL
+    if np.issubdtype(a.dtype, np.integer):
+        return a, pb.INT64
+    return a, pb.FLOAT32
+
+
+def nbytes(array):
+    """Bytes of ``array`` on the wire (as ``Call.put`` writes it)."""
+    a, dtype = _wire(array)
+    return a.size * _NP[dtype].itemsize
+
+
+def need(arrays, reply_bytes):
+    """Bytes of a span for these request arrays (None skipped) and a reply of reply_bytes."""
+    return sum(_up(nbytes(a)) for a in arrays if a is not None) + reply_bytes
+
+
+def _close(fd, mm, buf):
+    buf.clear()  # drop the numpy view first: an mmap with exported buffers cannot close
+    mm.close()
+    os.close(fd)  # releases the lock: the daemon lets the region go
+
+
+class Region:
+    """A memfd of ``size`` bytes shared with the daemon. ``register(stub_call)`` sends
+    RegisterRegion through ``stub_call(name, request)``; ``id`` is then the daemon's id."""
+
+    def __init__(self, size):
+        self.size = _up(max(int(size), 2 * ALIGN))
+        fd = os.memfd_create("rnnd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.key = os.urandom(KEY_BYTES)
+        self._mm[:KEY_BYTES] = self.key
+        self._buf = [np.frombuffer(self._mm, dtype=np.uint8)]
+        self.id = 0
+        self._lock = threading.Lock()
+        self._used = []  # [offset, length] of the calls in flight, by offset
+        self._finalizer = weakref.finalize(self, _close, fd, self._mm, self._buf)
+
+    @property
+    def bytes(self):
+        return self._buf[0]
+
+    def register(self, call):
+        req = pb.RegisterRegionRequest(memfd=pb.MemfdRegion(
+            pid=os.getpid(), fd=self.fd, size=self.size, key=self.key))
+        self.id = call("RegisterRegion", req).region
+        return self
+
+    def release(self, call):
+        """ReleaseRegion (errors ignored: the daemon also notices the close), then unmaps."""
+        if self.id:
+            try:
+                call("ReleaseRegion", pb.ReleaseRegionRequest(region=self.id))
+            except Exception:  # noqa: BLE001 - the daemon may be gone; the close releases it too
+                pass
+        self._finalizer()
+
+    def idle(self):
+        with self._lock:
+            return not self._used
+
+    def call(self, need):
+        """A Call holding ``need`` bytes of the region, or None when they do not fit now."""
+        need = _up(need)
+        with self._lock:
+            at = ALIGN  # the key's bytes stay as they are
+            i = 0
+            for i, (off, n) in enumerate(self._used):
+                if off - at >= need:
+                    break
+                at = off + n
+            else:
+                i = len(self._used)
+            if self.size - at < need:
+                return None
+            self._used.insert(i, [at, need])
+        return Call(self, at, need)
+
+    def _give(self, off):
+        with self._lock:
+            self._used = [u for u in self._used if u[0] != off]
+
+
+class Call:
+    """One RPC's span: ``put`` copies request tensors in, ``reply_region()`` is what is left,
+    ``get`` reads a reply tensor (from the region or, when it did not fit, from its bytes) as a
+    new array. ``close()`` gives the span back."""
+
+    def __init__(self, region, off, n):
+        self.region, self.off, self.n, self.at = region, off, n, off
+
+    def put(self, array, out):
+        a, dtype = _wire(array)
+        nbytes = a.size * _NP[dtype].itemsize
+        dst = self.region.bytes[self.at:self.at + nbytes].view(_NP[dtype]).reshape(a.shape)
+        np.copyto(dst, a, casting="unsafe")
+        out.shape[:] = a.shape
+        out.dtype = dtype
+        out.region.region = self.region.id
+        out.region.offset = self.at
+        out.region.nbytes = nbytes
+        self.at += _up(nbytes)
+        return out
+
+    def reply_region(self):
+        return pb.RegionSpan(region=self.region.id, offset=self.at, nbytes=self.off + self.n - self.at)
+
+    def get(self, t):
+        if t is None or not t.HasField("region"):
+            return _decode_bytes(t)
+        sp = t.region
+        if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size:
+            raise ValueError("a reply tensor names region %d [%d, +%d), not this client's"
+                             % (sp.region, sp.offset, sp.nbytes))
+        dt = _NP.get(t.dtype)
+        if dt is None or t.dtype == pb.BFLOAT16:
+            raise ValueError("reply tensor in shared memory with dtype %d" % t.dtype)
+        raw = self.region.bytes[sp.offset:sp.offset + sp.nbytes]
+        return raw.view(dt).reshape(tuple(t.shape)).copy()
+
+    def field(self, msg, name):
+        return self.get(getattr(msg, name)) if msg.HasField(name) else None
+
+    def close(self):
+        if self.region is not None:
+            self.region._give(self.off)
+            self.region = None
+
+
+# Reply sizes, as laid out in a reply_region (each tensor at a multiple of ALIGN). What does not
+# fit comes back as bytes, so these only need to be right for the common case.
+
+def step_reply_bytes(info, B, return_state):
+    n = _up(B * info.hidden_size * 4) + ALIGN
+    if return_state:
+        n += (2 if info.cell == "lstm" else 1) * _up(B * info.num_layers * info.hidden_size * 4)
+    return n
+
+
+def forward_reply_bytes(info, B, T, recorded):
+    H, LH = info.hidden_size, info.num_layers * info.hidden_size
+    n = _up(B * T * H * 4) + 2 * _up(B * LH * 4) + ALIGN
+    if recorded:
+        n += (_up(B * T * info.input_size * 4) + _up(B * T) + _up(B * T * info.extras_size * 4)
+              + _up(B * T * 8))
+    return n
+
+
+def param_count(info):
+    G = 4 if info.cell == "lstm" else 3
+    H, n = info.hidden_size, 0
+    for layer in range(info.num_layers):
+        n += G * H * ((info.input_size if layer == 0 else H) + H + 2)
+    return n
+
+
+def backward_reply_bytes(info, B, T, accumulate):
+    LH = info.num_layers * info.hidden_size
+    n = _up(B * T * info.input_size * 4) + 2 * _up(B * LH * 4) + ALIGN
+    if not accumulate:
+        n += param_count(info) * 4 + 4 * info.num_layers * ALIGN
+    return n

@@ -1,0 +1,162 @@
+"""rnnd.Client's same-host paths against a real daemon (CPU backend): a unix: socket target, the
+transport it picks by itself (shared memory on this host, gRPC otherwise or when told), results
+through shared memory equal to the bytes path bit for bit (step, stepper, forward over explicit
+and recorded trajectories, backward), tensors larger than the message limit that only shared
+memory can carry, and a daemon with shared memory off."""
+
+import os
+import sys
+import tempfile
+import unittest
+
+import grpc
+import numpy as np
+
+import rnnd
+from _common import daemon
+
+I, H, L, E = 6, 32, 2, 3
+
+
+class ShmTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="rnnd-sock-")
+        cls.sock = "unix:" + os.path.join(cls.tmp.name, "rnnd.sock")
+        cls.d = daemon(cell="lstm", layers=L, input_size=I, hidden_size=H, extras_size=E,
+                       trajectory_steps=16, seed=3, listen=cls.sock).start()
+        # One client each way: shared memory over the socket, bytes over TCP.
+        cls.s = rnnd.Client(cls.sock)
+        cls.b = cls.d.client(transport="grpc")
+        cls.rng = np.random.default_rng(1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.s.close()
+        cls.b.close()
+        cls.d.stop()
+        cls.tmp.cleanup()
+
+    def x(self, *shape):
+        return self.rng.standard_normal(shape).astype(np.float32)
+
+    def assertBits(self, a, b, what):
+        self.assertIsNotNone(a, what)
+        self.assertEqual(a.dtype, b.dtype, what)
+        self.assertEqual(a.shape, b.shape, what)
+        self.assertTrue(np.array_equal(a.view(np.uint8), b.view(np.uint8)), what + " differs")
+
+    def test_transport_choice(self):
+        self.assertEqual(self.d.addresses, [self.d.target, self.sock])
+        self.assertEqual(self.s.transport, "shm")
+        self.assertEqual(self.b.transport, "grpc")
+        with self.d.client() as loop:  # loopback is this host too
+            self.assertEqual(loop.transport, "shm")
+        with rnnd.Client("192.0.2.1:1") as far:  # another host: not even tried
+            self.assertEqual(far.transport, "grpc")
+        with self.assertRaises(ValueError):
+            rnnd.Client(self.sock, transport="carrier-pigeon")
+
+    def test_step_and_stepper(self):
+        ids_s = np.arange(100, 108, dtype=np.uint64)
+        ids_b = ids_s + 1000
+        for t in range(3):
+            obs, ex = self.x(8, I), self.x(8, E)
+            init = np.arange(8) == t if t else True
+            rs = self.s.step_result(ids_s, obs, init, extras=ex, return_state=True)
+            rb = self.b.step_result(ids_b, obs, init, extras=ex, return_state=True)
+            for name in ("output", "h", "c"):
+                self.assertBits(getattr(rs, name), getattr(rb, name), "step " + name)
+            self.assertEqual(rs.model_version, rb.model_version)
+        # Two requests in flight on each stream, one stream after the other.
+        obs = [self.x(8, I), self.x(8, I)]
+        out = []
+        for client, ids in ((self.s, ids_s), (self.b, ids_b)):
+            with client.stepper() as st:
+                for o in obs:
+                    st.send(ids, o)
+                out.append([st.recv().output for _ in obs])
+        for k in range(2):
+            self.assertBits(out[0][k], out[1][k], "stepper output")
+        # Recorded trajectories, with their obs, is_init, extras and versions.
+        fs = self.s.forward_recorded(ids_s, 4)
+        fb = self.b.forward_recorded(ids_b, 4)
+        for name in fs._fields:
+            if name in ("tape_id",):
+                continue
+            a, b = getattr(fs, name), getattr(fb, name)
+            if isinstance(a, np.ndarray):
+                self.assertBits(a, b, "recorded " + name)
+            else:
+                self.assertEqual(a, b, name)
+
+    def test_forward_backward(self):
+        B, T = 5, 7
+        obs, h0, c0 = self.x(B, T, I), self.x(B, L, H), self.x(B, L, H)
+        init = self.rng.random((B, T)) < 0.2
+        go, gh, gc = self.x(B, T, H), self.x(B, L, H), self.x(B, L, H)
+        res = []
+        for c in (self.s, self.b):
+            f = c.forward(obs, init, h0=h0, c0=c0, keep_tape=True)
+            g = c.backward(f.tape_id, go, grad_h_n=gh, grad_c_n=gc)
+            res.append((f, g))
+        (fs, gs), (fb, gb) = res
+        for name in ("output", "h_n", "c_n"):
+            self.assertBits(getattr(fs, name), getattr(fb, name), "forward " + name)
+        self.assertEqual(sorted(gs.grads), sorted(gb.grads))
+        for name in gs.grads:
+            self.assertBits(gs.grads[name], gb.grads[name], "grad " + name)
+        for name in ("grad_obs", "grad_h0", "grad_c0"):
+            self.assertBits(getattr(gs, name), getattr(gb, name), name)
+        # Accumulated: no weight gradients come back.
+        f = self.s.forward(obs, init, keep_tape=True)
+        self.assertEqual(self.s.backward(f.tape_id, go, accumulate=True).grads, {})
+
+    def test_larger_than_messages(self):
+        # 1 MiB messages: a 2 MiB output fits only through shared memory.
+        B, T = 256, 64
+        obs = self.x(B, T, I)
+        with rnnd.Client(self.sock, max_message_mb=1) as small:
+            f = small.forward(obs)
+            self.assertEqual(f.output.shape, (B, T, H))
+        with rnnd.Client(self.sock, max_message_mb=1, transport="grpc") as small:
+            with self.assertRaises(rnnd.RnndError) as cm:
+                small.forward(obs)
+            self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def test_errors_still_name_the_field(self):
+        with self.assertRaises(rnnd.RnndError) as cm:
+            self.s.step([1, 2], self.x(2, I + 1), True)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("obs", cm.exception.details)
+
+
+class LimitsTest(unittest.TestCase):
+    def test_reply_beyond_message_limit(self):
+        # --max-message-mb 1: a Forward whose 2 MiB output goes into the reply_region is
+        # accepted; as bytes it is refused before any work.
+        with daemon(input_size=I, hidden_size=H, max_message_mb=1) as d:
+            obs = np.zeros((256, 64, I), np.float32)
+            with d.client() as c:
+                self.assertEqual(c.transport, "shm")
+                self.assertEqual(c.forward(obs).output.shape, (256, 64, H))
+            with d.client(transport="grpc") as c:
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    c.forward(obs)
+                self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                self.assertIn("--max-message-mb", cm.exception.details)
+
+    def test_off(self):
+        with daemon(input_size=I, hidden_size=H, max_shm_regions=0) as d:
+            with d.client() as c:
+                self.assertEqual(c.transport, "grpc")  # auto: the daemon said no
+                self.assertEqual(c.step([1], np.zeros((1, I), np.float32), True).shape, (1, H))
+            with d.client(transport="shm") as c:
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    c.transport
+                self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+                self.assertIn("--max-shm-regions 0", cm.exception.details)
+
+
+if __name__ == "__main__":
+    sys.exit(not unittest.main(exit=False, verbosity=2).result.wasSuccessful())

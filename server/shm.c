@@ -1,0 +1,564 @@
+/*
+ * shm.c: shared-memory regions (see shm.h): the registry, RegisterRegion's checks, and the walk
+ * over a message's tensors that resolves request spans and places reply tensors.
+ *
+ * A region is reference counted under the registry lock: one reference for the registry (dropped
+ * by ReleaseRegion or housekeeping) and one per span of a request being served, so memory a call
+ * still reads or writes is never unmapped under it.
+ *
+ * The walk is generic over protobuf-c descriptors: every Tensor field of any request or reply,
+ * nested (Trajectories) or repeated (NamedTensor lists), is found without per-method code, so a
+ * method that gains tensors gains shared memory with them.
+ */
+#include "shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "metrics.h"
+#include "request.h"
+#include "rnnd_kernels.h"
+
+typedef Rnnd__V1__Tensor Tensor;
+typedef Rnnd__V1__RegionSpan Span;
+
+struct region {
+    uint64_t id;
+    uint8_t *base;
+    size_t size;
+    int fd;   // our own open of the memfd: its flock tells whether the client still holds one
+    int refs; // under the registry lock
+    unsigned pid;
+};
+
+struct rnnd_shm {
+    pthread_mutex_t lock;
+    int max;
+    int n;
+    struct region **v; // (max)
+};
+
+// A request tensor pointed into a region, with what it held before.
+struct fix {
+    Tensor *t;
+    ProtobufCBinaryData data;
+    struct region *r;
+};
+
+// A reply tensor moved into the reply_region.
+struct placed {
+    Tensor *t;
+    ProtobufCBinaryData data;
+    Span span;
+};
+
+struct rnnd_shm_use {
+    struct rnnd_shm *shm;
+    struct fix *fixes;
+    int nfixes, capfixes;
+    struct region *reply; // the reply_region's region (pinned), or NULL
+    uint64_t reply_off, reply_len;
+    struct placed *placed;
+    int nplaced;
+};
+
+static int errf(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int errf(char *err, size_t errlen, int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The registry
+
+int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
+    struct rnnd_shm *s = calloc(1, sizeof(*s));
+    if (s == NULL || (s->v = calloc((size_t)max_regions + 1, sizeof(*s->v))) == NULL) {
+        free(s);
+        return RNND_ENOMEM;
+    }
+    pthread_mutex_init(&s->lock, NULL);
+    s->max = max_regions;
+    *out = s;
+    return 0;
+}
+
+static void region_unmap(struct region *r) {
+    munmap(r->base, r->size);
+    close(r->fd);
+    free(r);
+}
+
+// Drops a reference; the last one unmaps. s->lock held.
+static void region_unref_locked(struct region *r) {
+    if (--r->refs == 0)
+        region_unmap(r);
+}
+
+// Takes region k out of the registry (its reference dropped). s->lock held.
+static void region_remove_locked(struct rnnd_shm *s, int k) {
+    struct region *r = s->v[k];
+    s->v[k] = s->v[--s->n];
+    atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
+    region_unref_locked(r);
+}
+
+static struct region *region_find_locked(struct rnnd_shm *s, uint64_t id) {
+    for (int k = 0; k < s->n; k++)
+        if (s->v[k]->id == id)
+            return s->v[k];
+    return NULL;
+}
+
+void rnnd_shm_free(struct rnnd_shm *s) {
+    if (s == NULL)
+        return;
+    while (s->n > 0)
+        region_remove_locked(s, 0);
+    pthread_mutex_destroy(&s->lock);
+    free(s->v);
+    free(s);
+}
+
+bool rnnd_shm_peer_local(const char *peer) {
+    if (peer == NULL)
+        return false;
+    if (strncmp(peer, "unix:", 5) == 0)
+        return true;
+    if (strncmp(peer, "ipv4:127.", 9) == 0)
+        return true;
+    // IPv6 loopback, and IPv4 loopback mapped into IPv6 (a dual-stack listener).
+    return strncmp(peer, "ipv6:[::1]:", 11) == 0 || strncmp(peer, "ipv6:[::ffff:127.", 17) == 0;
+}
+
+static const char *remote_msg =
+    "shared memory needs a client on the daemon's host: connect through a unix: --listen "
+    "address or loopback, or send tensors as bytes";
+
+// Constant-time comparison: how long it takes says nothing about where the key differs.
+static bool key_equal(const uint8_t *a, const uint8_t *b) {
+    unsigned diff = 0;
+    for (int i = 0; i < RNND_SHM_KEY_BYTES; i++)
+        diff |= (unsigned)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
+                      uint64_t *id, uint64_t *size, char *err, size_t errlen) {
+    if (s->max == 0)
+        return errf(err, errlen, RNND_EPRECOND,
+                    "shared memory is off on this daemon (--max-shm-regions 0); send tensors as "
+                    "bytes");
+    if (!local)
+        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
+    if (req->kind_case != RNND__V1__REGISTER_REGION_REQUEST__KIND_MEMFD || req->memfd == NULL)
+        return errf(err, errlen, RNND_EINVAL, "RegisterRegionRequest names no region; set memfd");
+    const Rnnd__V1__MemfdRegion *m = req->memfd;
+    if (m->key.len != RNND_SHM_KEY_BYTES)
+        return errf(err, errlen, RNND_EINVAL,
+                    "memfd.key has %zu bytes; send the %d random bytes written at the region's "
+                    "start",
+                    m->key.len, RNND_SHM_KEY_BYTES);
+    if (m->size < RNND_SHM_ALIGN || m->size > ((uint64_t)1 << 40))
+        return errf(err, errlen, RNND_EINVAL,
+                    "memfd.size %" PRIu64 " is not between %d bytes and 1 TiB", m->size,
+                    RNND_SHM_ALIGN);
+    if (m->pid == 0 || m->fd < 0)
+        return errf(err, errlen, RNND_EINVAL,
+                    "memfd.pid and memfd.fd name no descriptor; send the client's pid and the "
+                    "memfd's descriptor number");
+    pthread_mutex_lock(&s->lock);
+    int n = s->n;
+    pthread_mutex_unlock(&s->lock);
+    if (n >= s->max) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
+        return errf(err, errlen, RNND_EFULL,
+                    "%d shared-memory regions are registered (--max-shm-regions %d); release "
+                    "unused ones (ReleaseRegion), or raise --max-shm-regions",
+                    n, s->max);
+    }
+
+    // The kernel lets us open another process's descriptor only when we may trace it: the same
+    // user (or a root daemon).
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", m->pid, m->fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT)
+            return errf(err, errlen, RNND_EPRECOND,
+                        "process %u has no descriptor %d here: send your pid as the daemon's "
+                        "host sees it (client and daemon in one pid namespace) and the memfd's "
+                        "descriptor",
+                        m->pid, m->fd);
+        return errf(err, errlen, RNND_EPRECOND,
+                    "cannot open descriptor %d of process %u (%s): the client must run as rnnd's "
+                    "user (uid %u) and be traceable (not PR_SET_DUMPABLE 0)",
+                    m->fd, m->pid, strerror(e), (unsigned)geteuid());
+    }
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    int rc = 0;
+    uint8_t *base = MAP_FAILED;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || seals < 0) {
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "descriptor %d of process %u is not a memfd; create the region with "
+                  "memfd_create(MFD_ALLOW_SEALING)",
+                  m->fd, m->pid);
+    } else if (st.st_uid != geteuid()) {
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "the region belongs to uid %u but rnnd runs as uid %u: shared memory is for "
+                  "clients of rnnd's own user; send tensors as bytes",
+                  (unsigned)st.st_uid, (unsigned)geteuid());
+    } else if ((uint64_t)st.st_size != m->size) {
+        rc =
+            errf(err, errlen, RNND_EINVAL, "memfd.size is %" PRIu64 " but the memfd has %lld bytes",
+                 m->size, (long long)st.st_size);
+    } else if (!(seals & F_SEAL_SHRINK)) {
+        // Unsealed, the client could shrink the file under the daemon's mapping, and the
+        // daemon's next access would fault.
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "the memfd is not sealed against shrinking; add F_SEAL_SHRINK (fcntl "
+                  "F_ADD_SEALS) before registering");
+    } else if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "no process holds flock(LOCK_SH) on the memfd; hold it for as long as the "
+                  "region is in use (the daemon releases a region once nobody holds its lock)");
+    } else if ((base = mmap(NULL, m->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) ==
+               MAP_FAILED) {
+        rc = errf(err, errlen, RNND_ENOMEM, "cannot map the region's %" PRIu64 " bytes: %s",
+                  m->size, strerror(errno));
+    } else if (!key_equal(base, m->key.data)) {
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "the region does not start with memfd.key; write the key at offset 0 before "
+                  "registering");
+    }
+    struct region *r = rc ? NULL : calloc(1, sizeof(*r));
+    if (rc == 0 && r == NULL)
+        rc = errf(err, errlen, RNND_ENOMEM, "out of memory");
+    if (rc) {
+        if (base != MAP_FAILED)
+            munmap(base, m->size);
+        close(fd);
+        return rc;
+    }
+    *r = (struct region){.base = base, .size = m->size, .fd = fd, .refs = 1, .pid = m->pid};
+    pthread_mutex_lock(&s->lock);
+    if (s->n >= s->max) {
+        pthread_mutex_unlock(&s->lock);
+        region_unmap(r);
+        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
+        return errf(err, errlen, RNND_EFULL,
+                    "%d shared-memory regions are registered (--max-shm-regions %d); release "
+                    "unused ones (ReleaseRegion), or raise --max-shm-regions",
+                    s->max, s->max);
+    }
+    // Random ids: a region can be named only by the client that registered it.
+    do {
+        if (getrandom(&r->id, sizeof(r->id), 0) != (ssize_t)sizeof(r->id))
+            r->id = ((uint64_t)rnnd_now_ns() * 0x9e3779b97f4a7c15ull) ^ (uintptr_t)r;
+    } while (r->id == 0 || region_find_locked(s, r->id));
+    s->v[s->n++] = r;
+    atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
+    *id = r->id;
+    *size = r->size;
+    pthread_mutex_unlock(&s->lock);
+    rnnd_log(RNND_LOG_DEBUG, "shared memory: region of %" PRIu64 " bytes from pid %u registered",
+             m->size, m->pid);
+    return 0;
+}
+
+int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen) {
+    if (!local)
+        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
+    pthread_mutex_lock(&s->lock);
+    int rc = RNND_EPRECOND;
+    for (int k = 0; k < s->n; k++) {
+        if (s->v[k]->id == id) {
+            region_remove_locked(s, k);
+            rc = 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (rc)
+        errf(err, errlen, rc,
+             "region %" PRIu64 " is not registered (already released, or its client exited)", id);
+    return rc;
+}
+
+int rnnd_shm_housekeeping(struct rnnd_shm *s) {
+    pthread_mutex_lock(&s->lock);
+    for (int k = 0; k < s->n;) {
+        struct region *r = s->v[k];
+        // The lock is ours only once every process of the client has closed the memfd.
+        if (flock(r->fd, LOCK_EX | LOCK_NB) == 0) {
+            rnnd_log(RNND_LOG_DEBUG, "shared memory: the client (pid %u) of a region exited",
+                     r->pid);
+            region_remove_locked(s, k);
+        } else {
+            k++;
+        }
+    }
+    int n = s->n;
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Walking a message's tensors
+
+// Called for each Tensor (span NULL) or RegionSpan field (t NULL) of a message; name is the
+// field's path ("trajectories.obs", "grads[2].tensor").
+typedef int (*visit_fn)(void *ctx, const char *name, Tensor *t, Span *span);
+
+static int walk(ProtobufCMessage *m, const char *prefix, int depth, visit_fn fn, void *ctx) {
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        char *at = (char *)m;
+        // A oneof member's storage holds whichever member is set.
+        if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+            *(const uint32_t *)(at + f->quantifier_offset) != f->id)
+            continue;
+        ProtobufCMessage **v;
+        size_t n = 1;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            n = *(const size_t *)(at + f->quantifier_offset);
+            v = *(ProtobufCMessage ***)(at + f->offset);
+        } else {
+            v = (ProtobufCMessage **)(at + f->offset);
+        }
+        for (size_t k = 0; k < n; k++) {
+            ProtobufCMessage *sub = v[k];
+            if (sub == NULL)
+                continue;
+            char name[192];
+            if (f->label == PROTOBUF_C_LABEL_REPEATED)
+                snprintf(name, sizeof(name), "%.90s%s%.40s[%zu]", prefix, *prefix ? "." : "",
+                         f->name, k);
+            else
+                snprintf(name, sizeof(name), "%.90s%s%.40s", prefix, *prefix ? "." : "", f->name);
+            int rc = 0;
+            if (f->descriptor == &rnnd__v1__tensor__descriptor)
+                rc = fn(ctx, name, (Tensor *)sub, NULL);
+            else if (f->descriptor == &rnnd__v1__region_span__descriptor)
+                rc = fn(ctx, name, NULL, (Span *)sub);
+            else if (depth < 4)
+                rc = walk(sub, name, depth + 1, fn, ctx);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+static int wanted_visit(void *ctx, const char *name, Tensor *t, Span *span) {
+    (void)ctx;
+    (void)name;
+    return span != NULL || t->region != NULL;
+}
+
+bool rnnd_shm_wanted(const ProtobufCMessage *msg) {
+    return walk((ProtobufCMessage *)msg, "", 0, wanted_visit, NULL) != 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resolving a request
+
+struct resolve {
+    struct rnnd_shm_use *u;
+    char *err;
+    size_t errlen;
+};
+
+// The region of span, checked to hold [offset, offset + nbytes) with offset a multiple of align,
+// and pinned. s->lock held.
+static int span_take_locked(struct resolve *rs, const char *name, const Span *span, size_t align,
+                            struct region **out) {
+    struct region *r = region_find_locked(rs->u->shm, span->region);
+    if (r == NULL)
+        return errf(rs->err, rs->errlen, RNND_EPRECOND,
+                    "%s: region %" PRIu64 " is not registered (released, or its client exited); "
+                    "register a region (RegisterRegion) and send spans into it",
+                    name, span->region);
+    if (span->offset > r->size || span->nbytes > r->size - span->offset)
+        return errf(rs->err, rs->errlen, RNND_EINVAL,
+                    "%s: span [%" PRIu64 ", %" PRIu64 ") is outside region %" PRIu64
+                    " of %zu bytes; keep spans inside the region",
+                    name, span->offset, span->offset + span->nbytes, span->region, r->size);
+    if (align > 1 && span->offset % align != 0)
+        return errf(rs->err, rs->errlen, RNND_EINVAL,
+                    "%s: offset %" PRIu64 " is not a multiple of %zu; align it", name, span->offset,
+                    align);
+    r->refs++;
+    *out = r;
+    return 0;
+}
+
+static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
+    struct resolve *rs = ctx;
+    struct rnnd_shm_use *u = rs->u;
+    if (span) {
+        if (u->reply)
+            return errf(rs->err, rs->errlen, RNND_EINVAL, "%s: a second reply_region", name);
+        int rc = span_take_locked(rs, name, span, RNND_SHM_ALIGN, &u->reply);
+        u->reply_off = span->offset;
+        u->reply_len = span->nbytes;
+        return rc;
+    }
+    if (t->region == NULL)
+        return 0;
+    if (t->data.len != 0)
+        return errf(rs->err, rs->errlen, RNND_EINVAL,
+                    "%s: both data and region are set; send the bytes in one of them", name);
+    size_t es = rnnd_request_dtype_size(t->dtype);
+    // The byte count of the shape, when the shape is sane; request.c explains other shapes.
+    uint64_t count = 1;
+    bool sane = es != 0;
+    for (size_t d = 0; d < t->n_shape && sane; d++) {
+        sane = t->shape[d] >= 0 && t->shape[d] <= ((int64_t)1 << 40) &&
+               (t->shape[d] == 0 || count <= ((uint64_t)1 << 40) / (uint64_t)t->shape[d]);
+        count *= sane ? (uint64_t)t->shape[d] : 1;
+    }
+    if (sane && t->region->nbytes != count * es)
+        return errf(rs->err, rs->errlen, RNND_EINVAL,
+                    "%s: region span has %" PRIu64 " bytes but the shape's %" PRIu64
+                    " elements of %zu bytes need %" PRIu64,
+                    name, t->region->nbytes, count, es, count * es);
+    if (u->nfixes == u->capfixes) {
+        int cap = u->capfixes ? 2 * u->capfixes : 8;
+        struct fix *v = realloc(u->fixes, (size_t)cap * sizeof(*v));
+        if (v == NULL)
+            return errf(rs->err, rs->errlen, RNND_ENOMEM, "out of memory");
+        u->fixes = v;
+        u->capfixes = cap;
+    }
+    struct region *r;
+    int rc = span_take_locked(rs, name, t->region, es ? es : 1, &r);
+    if (rc)
+        return rc;
+    u->fixes[u->nfixes++] = (struct fix){t, t->data, r};
+    t->data.data = r->base + t->region->offset;
+    t->data.len = (size_t)t->region->nbytes;
+    return 0;
+}
+
+int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local,
+                     struct rnnd_shm_use **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!local)
+        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
+    struct rnnd_shm_use *u = calloc(1, sizeof(*u));
+    if (u == NULL)
+        return errf(err, errlen, RNND_ENOMEM, "out of memory");
+    u->shm = s;
+    struct resolve rs = {u, err, errlen};
+    pthread_mutex_lock(&s->lock);
+    int rc = walk(msg, "", 0, resolve_visit, &rs);
+    pthread_mutex_unlock(&s->lock);
+    if (rc) {
+        rnnd_shm_use_free(u);
+        return rc;
+    }
+    *out = u;
+    return 0;
+}
+
+void rnnd_shm_use_free(struct rnnd_shm_use *u) {
+    if (u == NULL)
+        return;
+    struct rnnd_shm *s = u->shm;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < u->nfixes; i++) {
+        u->fixes[i].t->data = u->fixes[i].data;
+        region_unref_locked(u->fixes[i].r);
+    }
+    if (u->reply)
+        region_unref_locked(u->reply);
+    pthread_mutex_unlock(&s->lock);
+    free(u->fixes);
+    free(u->placed);
+    free(u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placing a reply
+
+struct place {
+    struct rnnd_shm_use *u;
+    uint64_t at; // next free byte of the reply_region, from the region's start
+    int n;       // tensors seen (counting pass) or placed
+    bool count;
+};
+
+static int place_visit(void *ctx, const char *name, Tensor *t, Span *span) {
+    (void)name;
+    struct place *p = ctx;
+    struct rnnd_shm_use *u = p->u;
+    if (t == NULL || span || t->data.len == 0 || t->region)
+        return 0;
+    if (p->count) {
+        p->n++;
+        return 0;
+    }
+    uint64_t at = (p->at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
+    uint64_t end = u->reply_off + u->reply_len;
+    if (at > end || t->data.len > end - at)
+        return 0; // travels as bytes
+    memcpy(u->reply->base + at, t->data.data, t->data.len);
+    struct placed *pl = &u->placed[u->nplaced++];
+    pl->t = t;
+    pl->data = t->data;
+    rnnd__v1__region_span__init(&pl->span);
+    pl->span.region = u->reply->id;
+    pl->span.offset = at;
+    pl->span.nbytes = t->data.len;
+    t->region = &pl->span;
+    t->data.data = NULL;
+    t->data.len = 0;
+    p->at = at + pl->span.nbytes;
+    return 0;
+}
+
+bool rnnd_shm_place(struct rnnd_shm_use *u, ProtobufCMessage *reply) {
+    if (u->reply == NULL)
+        return false;
+    struct place p = {.u = u, .count = true};
+    walk(reply, "", 0, place_visit, &p);
+    free(u->placed);
+    u->nplaced = 0;
+    u->placed = calloc((size_t)p.n + 1, sizeof(*u->placed));
+    if (u->placed == NULL)
+        return false; // every tensor travels as bytes
+    p.count = false;
+    p.at = u->reply_off;
+    walk(reply, "", 0, place_visit, &p);
+    return true;
+}
+
+void rnnd_shm_unplace(struct rnnd_shm_use *u) {
+    for (int i = 0; i < u->nplaced; i++) {
+        u->placed[i].t->data = u->placed[i].data;
+        u->placed[i].t->region = NULL;
+    }
+    u->nplaced = 0;
+}

@@ -1,0 +1,75 @@
+/*
+ * shm.h: shared-memory regions (docs/design.md "Shared memory"). A client on the daemon's host
+ * hands it a memfd once (RegisterRegion); its requests then carry RegionSpans into that memory
+ * instead of tensor bytes, and a request's reply_region receives the reply's tensors. Only the
+ * small descriptors travel over gRPC.
+ *
+ * Who may use a region: the peer must be on this host (a unix: socket or loopback), the memfd
+ * must belong to rnnd's uid and start with the key the request carries (proof that the peer can
+ * read it), be sealed against shrinking (so no access of the daemon can fault) and be
+ * flock(LOCK_SH)ed by its client, which lets the daemon see when every process of the client
+ * has gone (rnnd_shm_housekeeping). Region ids are random 64-bit numbers known only to the
+ * client that registered them.
+ *
+ * rpc.c resolves a request's spans before its handler runs (rnnd_shm_resolve): each Tensor with
+ * a region gets its data pointed into the mapping, so the checks and the engine read shared
+ * memory in place; the regions stay mapped (pinned) until the call frees the request
+ * (rnnd_shm_use_free). rnnd_call_reply moves the reply's tensors into the reply_region
+ * (rnnd_shm_place) before packing and puts them back after (rnnd_shm_unplace). Thread-safe.
+ */
+#ifndef RNND_SHM_H
+#define RNND_SHM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <protobuf-c/protobuf-c.h>
+
+#include "rnnd/v1/rnnd.pb-c.h"
+
+#define RNND_SHM_KEY_BYTES 32
+#define RNND_SHM_ALIGN     64 // reply tensors start at multiples of this
+
+struct rnnd_shm;
+struct rnnd_shm_use; // what one request holds: pinned regions, tensors pointed into them
+
+// A registry of at most max_regions regions (0: shared memory off). 0, or RNND_ENOMEM.
+int rnnd_shm_init(int max_regions, struct rnnd_shm **out);
+// Unmaps every region. Call after every use was freed.
+void rnnd_shm_free(struct rnnd_shm *s);
+
+// True when a gRPC peer address ("unix:...", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000") is on
+// this host: a Unix socket or a loopback address. Pure.
+bool rnnd_shm_peer_local(const char *peer);
+
+// RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *id and *size of the
+// new region, or RNND_EPRECOND (off, remote, not the daemon's, wrong key, not sealed, not
+// locked), RNND_EINVAL (malformed), RNND_EFULL (--max-shm-regions) with the reason in err.
+int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
+                      uint64_t *id, uint64_t *size, char *err, size_t errlen);
+// ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer). The mapping
+// stays until the calls using it end.
+int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen);
+// Releases the regions whose clients have all exited (no process holds the memfd's lock).
+// Returns how many regions remain.
+int rnnd_shm_housekeeping(struct rnnd_shm *s);
+
+// True when msg (a request) has a Tensor with a region or a reply_region. Pure.
+bool rnnd_shm_wanted(const ProtobufCMessage *msg);
+// Points every Tensor of msg that has a region at the region's memory and takes the
+// reply_region. 0 and *out (free with rnnd_shm_use_free before msg), or RNND_EPRECOND (remote
+// peer, region not registered), RNND_EINVAL (data and region both set, span outside the region,
+// misaligned, or not the shape's byte count) with the field named in err; msg is then as it was.
+int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local,
+                     struct rnnd_shm_use **out, char *err, size_t errlen);
+// Restores msg's tensors (before msg is freed) and unpins the regions. NULL does nothing.
+void rnnd_shm_use_free(struct rnnd_shm_use *u);
+
+// Writes reply's tensors into u's reply_region (those that fit, in order), and makes them carry
+// region spans instead of data. Returns true when rnnd_shm_unplace must put them back (after the
+// reply was packed); false when there is no reply_region.
+bool rnnd_shm_place(struct rnnd_shm_use *u, ProtobufCMessage *reply);
+void rnnd_shm_unplace(struct rnnd_shm_use *u);
+
+#endif // RNND_SHM_H

@@ -443,7 +443,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     }
     snprintf(e->backend_name, sizeof(e->backend_name), "%s", e->be.ops->name);
     snprintf(e->device, sizeof(e->device), "%s", e->be.device);
-    e->host_mem = strcmp(e->be.ops->name, "cpu") == 0;
+    e->host_mem = (e->be.ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
     rc = e->be.ops->supports(e->be.ctx, &e->model);
     if (rc != 0) {
         snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s (%s)",

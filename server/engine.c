@@ -184,15 +184,6 @@ struct rnnd_engine {
     char device[128];
 };
 
-int rnnd_job_fail(struct rnnd_job *job, int err, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(job->msg, sizeof(job->msg), fmt, ap);
-    va_end(ap);
-    job->err = err;
-    return err;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Backend memory helpers
 
@@ -555,13 +546,6 @@ static void engine_close(struct rnnd_engine *e) {
 
 // ---------------------------------------------------------------------------------------------
 // Step batches
-
-void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted) {
-    if (!admitted)
-        atomic_store(&v->refused, true);
-    if (atomic_fetch_sub(&v->left, 1) == 1)
-        v->decided(v);
-}
 
 // A refused Step: its vote, when it is a part.
 static enum rnnd_batch_admit step_refuse(struct rnnd_step_job *s) {

@@ -42,7 +42,7 @@ typedef void (*rnnd_engine_ready_cb)(void *ctx, int err, const char *msg);
 
 // A new engine for cfg (copied; its device, state_dir and restore are this engine's own), device
 // `index` of `count` in this daemon: a restored checkpoint keeps only the envs that rnnd_place
-// puts on index. Nothing runs yet. NULL when out of memory.
+// (group.h) puts on index. Nothing runs yet. NULL when out of memory.
 struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, int count);
 // Starts the engine thread, which opens the backend and loads the model, then calls ready.
 // 0 or RNND_ENOMEM (no thread).
@@ -91,10 +91,5 @@ int rnnd_engine_queue_rows(struct rnnd_engine *e);
 // The backend, valid after ready, for rnnd_comm_supported / rnnd_comm_id_new (which read only its
 // kind); any thread.
 const struct rnnd_backend *rnnd_engine_backend(const struct rnnd_engine *e);
-
-// The device index (0 <= result < n) that holds env id among n devices: jump consistent hashing
-// (Lamping and Veach) of a mix of the id, so envs spread evenly and going from n to n + 1 devices
-// moves only a 1/(n+1) share of them.
-int rnnd_place(uint64_t env_id, int n);
 
 #endif // RNND_ENGINE_H

@@ -1,6 +1,7 @@
 /*
- * comm.c: rnnd_comm.h's entry points, which pick the implementation by the backend's name (the
- * cpu one in cpu/comm.c, NCCL in cuda/comm.cu), and the calls every communicator shares.
+ * comm.c: rnnd_comm.h's entry points, which pick the implementation for the backend (the host one
+ * in cpu/comm.c for host-memory backends, NCCL in cuda/comm.cu for cuda), and the calls every
+ * communicator shares.
  */
 #include "rnnd_comm.h"
 
@@ -8,7 +9,7 @@
 #include <string.h>
 
 static bool is_cpu(const struct rnnd_backend *b) {
-    return b && b->ops && strcmp(b->ops->name, "cpu") == 0;
+    return b && b->ops && (b->ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
 }
 
 #ifdef RNND_HAVE_CUDA

@@ -42,6 +42,7 @@
 
 #include "checkpoint.h"
 #include "envtable.h"
+#include "group.h" // rnnd_place: which envs of a checkpoint this device keeps
 #include "log.h"
 #include "metrics.h"
 #include "tape.h"
@@ -183,15 +184,6 @@ struct rnnd_engine {
     char plan[256]; // the backend's kernel plan for a learner batch of max_batch rows
     char device[128];
 };
-
-int rnnd_job_fail(struct rnnd_job *job, int err, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(job->msg, sizeof(job->msg), fmt, ap);
-    va_end(ap);
-    job->err = err;
-    return err;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Backend memory helpers
@@ -443,7 +435,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     }
     snprintf(e->backend_name, sizeof(e->backend_name), "%s", e->be.ops->name);
     snprintf(e->device, sizeof(e->device), "%s", e->be.device);
-    e->host_mem = strcmp(e->be.ops->name, "cpu") == 0;
+    e->host_mem = (e->be.ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
     rc = e->be.ops->supports(e->be.ctx, &e->model);
     if (rc != 0) {
         snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s (%s)",
@@ -555,13 +547,6 @@ static void engine_close(struct rnnd_engine *e) {
 
 // ---------------------------------------------------------------------------------------------
 // Step batches
-
-void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted) {
-    if (!admitted)
-        atomic_store(&v->refused, true);
-    if (atomic_fetch_sub(&v->left, 1) == 1)
-        v->decided(v);
-}
 
 // A refused Step: its vote, when it is a part.
 static enum rnnd_batch_admit step_refuse(struct rnnd_step_job *s) {
@@ -3138,20 +3123,4 @@ int rnnd_engine_queue_rows(struct rnnd_engine *e) {
 
 const struct rnnd_backend *rnnd_engine_backend(const struct rnnd_engine *e) {
     return &e->be;
-}
-
-int rnnd_place(uint64_t env_id, int n) {
-    // splitmix64's finaliser first: env ids are often small consecutive integers.
-    uint64_t key = env_id + 0x9e3779b97f4a7c15ull;
-    key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
-    key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
-    key ^= key >> 31;
-    // Jump consistent hash (Lamping and Veach, 2014).
-    int64_t b = -1, j = 0;
-    while (j < n) {
-        b = j;
-        key = key * 2862933555777941757ull + 1;
-        j = (int64_t)((double)(b + 1) * ((double)(1ll << 31) / (double)((key >> 33) + 1)));
-    }
-    return (int)b;
 }

@@ -30,204 +30,9 @@
 
 #include "batcher.h"
 #include "config.h"
+#include "job.h"
 #include "rnnd_comm.h"
 #include "rnnd_kernels.h"
-
-enum rnnd_job_kind {
-    RNND_JOB_STEP,
-    RNND_JOB_END_EPISODES,
-    RNND_JOB_FORWARD,
-    RNND_JOB_BACKWARD,
-    RNND_JOB_APPLY,
-    RNND_JOB_GET_WEIGHTS,
-    RNND_JOB_SET_WEIGHTS,
-    RNND_JOB_CHECKPOINT,
-    RNND_JOB_HOUSEKEEPING,
-    RNND_JOB_COMM,      // join a communicator (group.c)
-    RNND_JOB_SYNC,      // take the weights, optimizer state and version of replica 0 (group.c)
-    RNND_JOB_DROP_TAPE, // forget fwd.tape_id, kept by a Forward part whose Forward failed
-};
-
-struct rnnd_env;
-
-// The parts of one Step over several devices (group.c) run on every device or on none. Each
-// engine admits its part as it would a Step of its own (checks its envs, reserves slots for the
-// new ones) and votes; a part admitted before the vote is complete stays queued, its envs held
-// (no other step, EndEpisodes or eviction touches them), until it is. Then every part runs, or,
-// if one was refused, the others give their reservations back and finish with err 0 (the refused
-// part's err and msg are the Step's).
-struct rnnd_step_vote {
-    _Atomic int left;     // parts that have not voted
-    _Atomic bool refused; // some part was refused
-    // Called once by whoever casts the last vote (an engine, or group.c for a part its engine
-    // would not queue), on that thread, before the voter's own part finishes; wakes the engines.
-    void (*decided)(struct rnnd_step_vote *v);
-};
-
-// Casts one part's vote (any thread).
-void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted);
-
-// A Step: B rows, one per env. Inputs are borrowed (host memory).
-struct rnnd_step_job {
-    int B;
-    const uint64_t *env_ids;    // (B) unique
-    const float *obs;           // (B, I)
-    const uint8_t *is_init;     // (B)
-    const uint64_t *step_index; // (B) or NULL
-    const float *extras;        // (B, E) or NULL
-    bool return_state;
-    // Outputs, allocated by the submitter:
-    float *out; // (B, H)
-    float *h;   // (B, L, H) when return_state
-    float *c;   // (B, L, H) when return_state, LSTM
-    // Engine scratch, allocated by the submitter:
-    struct rnnd_env **envs; // (B)
-    uint8_t *repeat;        // (B) 1: the row resends its env's last step_index
-    // A part of a Step over several devices, or NULL:
-    struct rnnd_step_vote *vote;
-    bool held; // engine: admitted and waiting for the vote (envs[r] NULL: a reserved new env)
-};
-
-struct rnnd_end_job {
-    int B;
-    const uint64_t *env_ids; // (B) unique
-    uint64_t released;       // out
-};
-
-// What a recorded Forward returns besides out, h_n, c_n (rnnd.v1.RecordedField bits), and which
-// gradients of its inputs a Backward returns (rnnd.v1.InputGrad bits).
-#define RNND_REC_OBS      1u
-#define RNND_REC_IS_INIT  2u
-#define RNND_REC_EXTRAS   4u
-#define RNND_REC_VERSION  8u
-#define RNND_REC_ALL      15u
-#define RNND_GRAD_OBS     1u
-#define RNND_GRAD_H0      2u // and grad_c0
-#define RNND_GRAD_HIDDEN  4u // and grad_cell
-#define RNND_GRAD_ALL     7u
-
-// Forward over explicit trajectories (recorded false) or the last T recorded steps of envs.
-// Float inputs arrive in dtype `in`, float outputs leave in dtype `out` (the wire's; the engine
-// converts on the backend: rnnd_backend_ops.cast).
-//
-// A part (several engines share one Forward, group.c): the inputs hold all B rows and this engine
-// runs rows[0..nrows) of them (env_ids too are all B); the outputs are allocated by the submitter
-// for all B rows and the engine writes only its rows; a kept tape is stored under tape_id as
-// given (the same id on every engine) and remembers its rows for Backward.
-struct rnnd_forward_job {
-    bool recorded;
-    bool keep_tape;
-    int B, T;
-    enum rnnd_ftype in, out_dtype;
-    // Explicit (host, borrowed):
-    const void *x;          // (B, T, I)
-    const uint8_t *is_init; // (B, T)
-    const void *h0, *c0;    // (B, L, H) or NULL
-    const void *hidden;     // (B, T, L, H) or NULL
-    const void *cell;       // (B, T, L, H) or NULL
-    // Recorded:
-    const uint64_t *env_ids; // (B) unique
-    unsigned rec_fields;     // RNND_REC_* bits: the recorded tensors returned
-    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
-    // or for a part the submitter's arrays for all B rows:
-    void *out;            // (B, T, H)
-    void *h_n, *c_n;      // (B, L, H); c_n LSTM
-    uint64_t tape_id;     // 0 unless keep_tape
-    void *rec_obs;        // (B, T, I) recorded, RNND_REC_OBS
-    uint8_t *rec_is_init; // (B, T) RNND_REC_IS_INIT
-    void *rec_extras;     // (B, T, E) when E > 0, RNND_REC_EXTRAS
-    int64_t *rec_version; // (B, T) RNND_REC_VERSION
-    // Parts only:
-    bool part;
-    const int32_t *rows; // (nrows) ascending row indices
-    int nrows;
-};
-
-// A part (group.c): every engine of the daemon gets the job, with all B rows of grad_out (and
-// grad_h_n, grad_c_n); an engine that holds part of the tape (has_part) runs its rows and writes
-// them into the outputs, which the submitter allocated for all B rows, once every engine has
-// agreed that it can (its tape part found and the memory there). Without accumulate the weight
-// gradients are summed over the engines (all-reduce) and engine 0 writes grads (P), also
-// allocated by the submitter.
-struct rnnd_backward_job {
-    uint64_t tape_id;
-    int B, T;                   // dims of grad_output as sent (checked against the tape)
-    enum rnnd_ftype in, out_dtype; // of the float inputs and outputs, as for Forward
-    const void *grad_out;       // (B, T, H)
-    const void *grad_h_n;       // (B, L, H) or NULL
-    const void *grad_c_n;       // (B, L, H) or NULL
-    int grad_h_n_B, grad_c_n_B; // their first dims as sent
-    bool accumulate;
-    bool input_grads_set;       // false: every input gradient the Forward had, else these:
-    unsigned input_grads;       // RNND_GRAD_* bits (asking for an input the Forward had not is
-                                // refused)
-    bool part;
-    bool has_part; // part only: this engine holds rows of the tape
-    // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
-    // or for a part the submitter's arrays for all B rows:
-    void *grads;       // (P) unless accumulate
-    void *grad_x;      // (B, T, I) RNND_GRAD_OBS
-    void *grad_h0;     // (B, L, H) RNND_GRAD_H0, when the Forward started from h0 (or a
-                       // recorded state)
-    void *grad_c0;     // (B, L, H) LSTM, likewise
-    void *grad_hidden; // (B, T, L, H) RNND_GRAD_HIDDEN, when the Forward had stored states
-    void *grad_cell;   // (B, T, L, H) LSTM, likewise
-};
-
-// With replicas (engines sharing a communicator) the accumulated gradients are summed over every
-// replica first; sent gradients come from the host (root < 0) or are broadcast from replica
-// `root`, the only one whose grads must be set.
-struct rnnd_apply_job {
-    const float *grads; // (P) host, or NULL: use the accumulated buffer (unless sent)
-    bool sent;          // gradients were sent (grads, or a broadcast from root)
-    bool has_lr;
-    float lr;
-    int root;
-};
-
-struct rnnd_weights_job {
-    float *params; // (P) host: GetWeights fills it, SetWeights reads it; submitter allocates
-    int root;      // SetWeights with replicas: -1 (every engine has params) or the replica whose
-                   // params are broadcast (params may be NULL elsewhere)
-};
-
-// Joins a communicator: as the engines of this daemon (local: Backward parts), as the replicas
-// of the weights (ApplyGradients, SetWeights, the start-up sync), or both.
-struct rnnd_comm_job {
-    struct rnnd_comm_id id;
-    int nranks, rank, timeout_ms;
-    bool local, replicas;
-};
-
-struct rnnd_checkpoint_job {
-    char path[RNND_CONFIG_PATH_MAX]; // in: requested directory (may be empty); out: written path
-};
-
-struct rnnd_job {
-    struct rnnd_batch_item item; // first: the batcher's link
-    enum rnnd_job_kind kind;
-    int err;                      // out: 0 or RNND_E*
-    char msg[512];                // out: what was wrong, when err < 0
-    uint64_t model_version;       // out: the version the job saw (or made)
-    const _Atomic int *cancelled; // optional: nonzero when the client gave up (skip if queued)
-    void (*done)(struct rnnd_job *job); // called once on the engine thread
-    void *owner;                        // the submitter's
-    void *aux;                          // the submitter's
-    union {
-        struct rnnd_step_job step;
-        struct rnnd_end_job end;
-        struct rnnd_forward_job fwd;
-        struct rnnd_backward_job bwd;
-        struct rnnd_apply_job apply;
-        struct rnnd_weights_job weights;
-        struct rnnd_checkpoint_job ckpt;
-        struct rnnd_comm_job comm;
-    };
-};
-
-// Marks job failed with err and the message; returns err.
-int rnnd_job_fail(struct rnnd_job *job, int err, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
 
 struct rnnd_engine;
 
@@ -237,7 +42,7 @@ typedef void (*rnnd_engine_ready_cb)(void *ctx, int err, const char *msg);
 
 // A new engine for cfg (copied; its device, state_dir and restore are this engine's own), device
 // `index` of `count` in this daemon: a restored checkpoint keeps only the envs that rnnd_place
-// puts on index. Nothing runs yet. NULL when out of memory.
+// (group.h) puts on index. Nothing runs yet. NULL when out of memory.
 struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, int count);
 // Starts the engine thread, which opens the backend and loads the model, then calls ready.
 // 0 or RNND_ENOMEM (no thread).
@@ -286,10 +91,5 @@ int rnnd_engine_queue_rows(struct rnnd_engine *e);
 // The backend, valid after ready, for rnnd_comm_supported / rnnd_comm_id_new (which read only its
 // kind); any thread.
 const struct rnnd_backend *rnnd_engine_backend(const struct rnnd_engine *e);
-
-// The device index (0 <= result < n) that holds env id among n devices: jump consistent hashing
-// (Lamping and Veach) of a mix of the id, so envs spread evenly and going from n to n + 1 devices
-// moves only a 1/(n+1) share of them.
-int rnnd_place(uint64_t env_id, int n);
 
 #endif // RNND_ENGINE_H

@@ -77,6 +77,25 @@ struct rnnd_group {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Placement
+
+int rnnd_place(uint64_t env_id, int n) {
+    // splitmix64's finaliser first: env ids are often small consecutive integers.
+    uint64_t key = env_id + 0x9e3779b97f4a7c15ull;
+    key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
+    key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+    key ^= key >> 31;
+    // Jump consistent hash (Lamping and Veach, 2014).
+    int64_t b = -1, j = 0;
+    while (j < n) {
+        b = j;
+        key = key * 2862933555777941757ull + 1;
+        j = (int64_t)((double)(b + 1) * ((double)(1ll << 31) / (double)((key >> 33) + 1)));
+    }
+    return (int)b;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Fans
 
 struct fan;
@@ -894,12 +913,13 @@ static int join_all(struct rnnd_group *g, const struct rnnd_comm_id *id, int nra
 // Same model, compute, optimizer, device count and backend: what ranks must agree on (FNV-1a).
 static uint64_t fingerprint(const struct rnnd_group *g) {
     const struct rnnd_model *m = &g->cfg.model;
-    // A cpu rank cannot join a cuda one (their communicator ids differ): the last value marks cpu
-    // ranks only, so that cuda ranks keep the fingerprint of builds before it (rolling upgrades).
-    bool cpu = strcmp(rnnd_engine_backend_name(g->e[0]), "cpu") == 0;
+    // A host-memory rank (host communicator) cannot join a device one (NCCL): their communicator
+    // ids differ. The last value marks host-memory ranks only, so that device ranks keep the
+    // fingerprint of builds before it (rolling upgrades).
+    bool host = (rnnd_engine_backend(g->e[0])->ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
     int64_t v[] = {m->cell, m->compute, m->I, m->H, m->L, g->cfg.optimizer, g->n, 1};
     uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]) - !cpu; i++)
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]) - !host; i++)
         for (int b = 0; b < 8; b++) {
             h ^= (uint64_t)(v[i] >> (8 * b)) & 0xffu;
             h *= 0x100000001b3ull;

@@ -26,7 +26,7 @@
  *                      the new ones, holds the envs); the parts run once all are admitted, and
  *                      give their reservations back when one is refused (unknown env without
  *                      is_init, step_index that skips ahead, env table or queue full, cancelled):
- *                      struct rnnd_step_vote, engine.h. A Step on one device runs as before.
+ *                      struct rnnd_step_vote, job.h. A Step on one device runs as before.
  *   Backward,          every device (every replica, across instances) says whether it can go
  *   ApplyGradients,    on (its tape part is there, memory for the new weights) in an all-reduce
  *   SetWeights         of one flag before anything changes, and none goes on unless all can.
@@ -48,6 +48,11 @@
 #include "engine.h"
 
 struct rnnd_group;
+
+// The device index (0 <= result < n) that holds env id among n devices: jump consistent hashing
+// (Lamping and Veach) of a mix of the id, so envs spread evenly and going from n to n + 1 devices
+// moves only a 1/(n+1) share of them.
+int rnnd_place(uint64_t env_id, int n);
 
 // Called once when the group of instances breaks after start (a peer is gone); any thread.
 typedef void (*rnnd_group_lost_cb)(void *ctx, const char *why);

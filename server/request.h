@@ -18,7 +18,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "config.h"
-#include "engine.h"
+#include "job.h"
 #include "metrics.h"
 #include "rnnd/v1/rnnd.pb-c.h"
 

@@ -266,6 +266,7 @@ static int cpu_plan_name(void *ctx, const struct rnnd_model *m, int B, char *buf
 
 static const struct rnnd_backend_ops cpu_ops = {
     .name = "cpu",
+    .caps = RNND_BACKEND_CAP_HOST_MEMORY,
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .free = cpu_free,

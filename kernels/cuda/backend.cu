@@ -234,6 +234,7 @@ static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, flo
 
 static const struct rnnd_backend_ops cuda_ops = {
     /* .name = */ "cuda",
+    /* .caps = */ 0,
     /* .destroy = */ cuda_destroy,
     /* .alloc = */ cuda_alloc,
     /* .free = */ cuda_free,

@@ -224,8 +224,17 @@ struct rnnd_optim {
 // unspecified and nothing else changed. Ops may run asynchronously on a device: results are
 // valid after sync (copy_out synchronises).
 
+// What a backend can do, as bits of rnnd_backend_ops.caps, so callers ask for what they need
+// rather than for a backend by name.
+enum {
+    // The backend's memory is host memory: the server reads and writes its buffers directly
+    // (no staging copies), and its collectives run on the host communicator (cpu/comm.c).
+    RNND_BACKEND_CAP_HOST_MEMORY = 1u << 0,
+};
+
 struct rnnd_backend_ops {
     const char *name; // "cpu" or "cuda"
+    unsigned caps;    // RNND_BACKEND_CAP_* bits
     void (*destroy)(void *ctx); // releases the context (rnnd_backend_free calls it)
 
     // Memory in the backend's address space. alloc returns RNND_ENOMEM when it cannot.

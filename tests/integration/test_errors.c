@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h" // rnnd_place: the device that holds an env
+#include "group.h" // rnnd_place: the device that holds an env
 
 #define I_     8
 #define H_     16

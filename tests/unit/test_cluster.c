@@ -18,7 +18,7 @@
 
 #include "cluster.h"
 #include "config.h"
-#include "engine.h"
+#include "group.h"
 #include "loopback_port.h"
 
 // ---------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@
 
 #include "checkpoint.h"
 #include "envtable.h"
-#include "group.h" // rnnd_place: which envs of a checkpoint this device keeps
+#include "place.h"
 #include "log.h"
 #include "metrics.h"
 #include "tape.h"

@@ -46,13 +46,10 @@
 
 #include "config.h"
 #include "engine.h"
+#include "place.h"
 
 struct rnnd_group;
 
-// The device index (0 <= result < n) that holds env id among n devices: jump consistent hashing
-// (Lamping and Veach) of a mix of the id, so envs spread evenly and going from n to n + 1 devices
-// moves only a 1/(n+1) share of them.
-int rnnd_place(uint64_t env_id, int n);
 
 // Called once when the group of instances breaks after start (a peer is gone); any thread.
 typedef void (*rnnd_group_lost_cb)(void *ctx, const char *why);

@@ -750,22 +750,31 @@ static bool watch_update_locked(struct rnnd_call *c) {
     return send_next_locked(c);
 }
 
+// Takes one of the max places counted in *n; when none is free, fails c with RESOURCE_EXHAUSTED
+// (the message names what is full, the flag and what to do) and counts the refusal against
+// limit. True when the place was taken (the caller gives it back with atomic_fetch_sub).
+static bool slot_take(struct rnnd_call *c, _Atomic int *n, int max, enum rnnd_limit limit,
+                      const char *what, const char *flag, const char *advice) {
+    if (atomic_fetch_add(n, 1) < max)
+        return true;
+    atomic_fetch_sub(n, 1);
+    rnnd_metrics_limit_hit(limit);
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%d %s, --%s %d; %s or raise --%s", max, what, flag, max, advice,
+             flag);
+    rnnd_call_fail(c, RNND_EFULL, msg);
+    return false;
+}
+
 static void health_watch(struct rnnd_call *c) {
     struct rnnd_rpc *rpc = c->rpc;
     const Grpc__Health__V1__HealthCheckRequest *req =
         (const Grpc__Health__V1__HealthCheckRequest *)c->request;
     // Watch needs no token (probes), so its streams have a bound of their own.
-    if (atomic_fetch_add(&rpc->watches, 1) >= rpc->max_watches) {
-        atomic_fetch_sub(&rpc->watches, 1);
-        rnnd_metrics_limit_hit(RNND_LIMIT_HEALTH_WATCHES);
-        char msg[256];
-        snprintf(msg, sizeof(msg),
-                 "%d health Watch streams are open, --max-health-watches %d; use Check, close "
-                 "unused Watch streams or raise --max-health-watches",
-                 rpc->max_watches, rpc->max_watches);
-        rnnd_call_fail(c, RNND_EFULL, msg);
+    if (!slot_take(c, &rpc->watches, rpc->max_watches, RNND_LIMIT_HEALTH_WATCHES,
+                   "health Watch streams are open", "max-health-watches",
+                   "use Check, close unused Watch streams"))
         return;
-    }
     atomic_fetch_add_explicit(&rnnd_metrics.health_watches, 1, memory_order_relaxed);
     pthread_mutex_lock(&c->lock);
     c->watching = true;
@@ -848,18 +857,10 @@ static void on_new(struct rnnd_call *c, bool ok) {
     if (m->kind == KIND_UNARY || m->kind == KIND_STEP_STREAM) {
         // A slot for as long as the call runs; refused at once when none is free, so that a
         // flood of calls (or of idle streams) cannot grow memory or starve the engine.
-        int n = atomic_fetch_add(&rpc->calls, 1) + 1;
-        if (n > rpc->max_streams) {
-            atomic_fetch_sub(&rpc->calls, 1);
-            rnnd_metrics_limit_hit(RNND_LIMIT_STREAMS);
-            char msg[256];
-            snprintf(msg, sizeof(msg),
-                     "%d rnnd.v1 calls are in progress, --max-streams %d; retry after a short "
-                     "backoff, close idle StepStreams or raise --max-streams",
-                     rpc->max_streams, rpc->max_streams);
-            rnnd_call_fail(c, RNND_EFULL, msg);
+        if (!slot_take(c, &rpc->calls, rpc->max_streams, RNND_LIMIT_STREAMS,
+                       "rnnd.v1 calls are in progress", "max-streams",
+                       "retry after a short backoff, close idle StepStreams"))
             return;
-        }
         atomic_store(&c->limited, true);
         atomic_fetch_add_explicit(&rnnd_metrics.streams_active, 1, memory_order_relaxed);
     }

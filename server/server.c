@@ -9,9 +9,10 @@
  *           --drain-timeout-s the StepStreams still open end with a clean status, and 1 s later
  *           whatever still runs is cancelled; once no call is left, the connections close 200 ms
  *           later (time for the last statuses to be read) -> when the gRPC threads have stopped:
- *           engine stop (it finishes what is queued and writes a final checkpoint) -> join ->
- *           close HTTP and the other handles -> exit 0.
- * A second signal during the drain cancels the calls still running at once. When the group of
+ *           engine stop (it finishes what is queued and writes a final checkpoint; HTTP still
+ *           answers, /readyz 503) -> join -> close HTTP and the other handles -> exit 0.
+ * A second signal during the drain cancels the calls still running at once; during the final
+ * checkpoint it changes nothing. When the group of
  * rnnd instances breaks (a peer is gone: group.h), the same drain runs and rnnd exits with
  * status 3, so that its supervisor restarts it and the group forms again.
  *
@@ -58,6 +59,7 @@ struct rnnd_server {
     uv_signal_t sigterm, sigint;
     uv_timer_t cron, drain_timer;
     uv_async_t async;
+    uv_work_t join; // the engine's join, off the loop (see shutdown_finish)
     pthread_mutex_t lock;
     int events; // EV_* bits, under lock
     char engine_msg[512];
@@ -71,6 +73,7 @@ struct rnnd_server {
     int exit_code;
     bool draining;
     bool drained; // every gRPC call finished: the connections close after DRAIN_LINGER_MS
+    bool stopped; // gRPC has stopped: the engine finishes its queue and the final checkpoint
     bool ready;
 };
 
@@ -145,6 +148,12 @@ static void on_drain_timeout(uv_timer_t *t) {
 }
 
 static void drain_begin(struct rnnd_server *s, const char *why) {
+    if (s->stopped) {
+        // No call is left to cancel; cutting the final checkpoint short would lose state.
+        rnnd_log(RNND_LOG_WARN, "%s during the final checkpoint: waiting for it to be written",
+                 why);
+        return;
+    }
     if (s->draining) {
         rnnd_log(RNND_LOG_WARN, "%s again during the drain: cancelling calls still running", why);
         rnnd_rpc_cancel_all(s->rpc);
@@ -167,10 +176,16 @@ static void close_handle(uv_handle_t *h) {
         uv_close(h, NULL);
 }
 
-static void shutdown_finish(struct rnnd_server *s) {
-    // Every gRPC call is done: the engine may stop once it has finished its queue.
-    rnnd_group_stop(s->group);
+// A libuv threadpool thread: the join waits for the engine's final checkpoint, which can take
+// seconds, while the loop goes on answering HTTP (/readyz 503, /healthz 200).
+static void join_work(uv_work_t *w) {
+    struct rnnd_server *s = w->data;
     rnnd_group_join(s->group);
+}
+
+static void after_join(uv_work_t *w, int status) {
+    struct rnnd_server *s = w->data;
+    (void)status; // the work is never cancelled
     // A supervisor restarts on a non-zero status: a stop that lost state must not look clean.
     if (rnnd_group_final_checkpoint_failed(s->group) && s->exit_code == 0) {
         rnnd_log(RNND_LOG_ERROR, "the final checkpoint failed (see above): what changed since "
@@ -184,6 +199,18 @@ static void shutdown_finish(struct rnnd_server *s) {
     close_handle((uv_handle_t *)&s->cron);
     close_handle((uv_handle_t *)&s->drain_timer);
     close_handle((uv_handle_t *)&s->async);
+}
+
+static void shutdown_finish(struct rnnd_server *s) {
+    // Every gRPC call is done: the engine may stop once it has finished its queue.
+    s->stopped = true;
+    uv_timer_stop(&s->drain_timer);
+    rnnd_group_stop(s->group);
+    s->join.data = s;
+    if (uv_queue_work(&s->loop, &s->join, join_work, after_join) != 0) {
+        join_work(&s->join);
+        after_join(&s->join, 0);
+    }
 }
 
 static void on_async(uv_async_t *a) {

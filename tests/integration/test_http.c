@@ -5,7 +5,8 @@
  * within a second, and the evictions show in rnnd_http_connections_dropped_total. A request head
  * trickled byte by byte is cut off with 408 at the header deadline (not kept open by its
  * progress). Request lines the parser accepts and refuses, end to end. While SIGTERM drains a
- * call in flight, /readyz answers 503 and /healthz 200 on every probe until the call is done.
+ * call in flight, /readyz answers 503 and /healthz 200 on every probe until the call is done; they
+ * keep answering while the final checkpoint is written, after gRPC has stopped.
  */
 #include "harness.h"
 
@@ -315,12 +316,46 @@ static void test_readyz_while_draining(void **state) {
     assert_int_equal(f.err, 0);
 }
 
+static void test_http_during_final_checkpoint(void **state) {
+    (void)state;
+    // ~50 MB of weights: the final checkpoint (written, checksummed, fsynced) takes a while
+    // after gRPC has stopped, and the probes must still be answered meanwhile.
+    struct daemon ds;
+    const char *args[] = {"--backend",     "cpu",  "--input-size", "1024",
+                          "--hidden-size", "1024", "--layers",     "2",
+                          NULL};
+    assert_int_equal(daemon_start(&ds, args), 0);
+    kill(ds.pid, SIGTERM);
+    int answered = 0, bad = 0;
+    double t0 = now_seconds();
+    while (daemon_alive(&ds) && now_seconds() - t0 < 30) {
+        if (!daemon_log_contains(&ds, "gRPC stopped")) {
+            sleep_ms(1);
+            continue;
+        }
+        int ready = probe(&ds, "/readyz");
+        int healthy = probe(&ds, "/healthz");
+        if (ready == 503 && healthy == 200)
+            answered++;
+        else if (ready != -1 && healthy != -1) // -1: HTTP closed as the daemon exits
+            bad++;
+    }
+    assert_false(daemon_alive(&ds));
+    assert_true(WIFEXITED(ds.exit_status) && WEXITSTATUS(ds.exit_status) == 0);
+    fprintf(stderr, "  final checkpoint: %d probe pairs answered (503, 200), %d wrong, %.2f s\n",
+            answered, bad, now_seconds() - t0);
+    daemon_free(&ds);
+    assert_true(answered >= 1);
+    assert_int_equal(bad, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_slowloris),
         cmocka_unit_test(test_header_deadline),
         cmocka_unit_test(test_request_lines),
         cmocka_unit_test(test_readyz_while_draining),
+        cmocka_unit_test(test_http_during_final_checkpoint),
     };
     return cmocka_run_group_tests_name("http", tests, setup, teardown) ? 1 : 0;
 }

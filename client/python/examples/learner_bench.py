@@ -126,9 +126,9 @@ def main():
         opt = torch.optim.Adam(head.parameters(), lr=1e-3)
 
         def rnnd_iter():
-            # RemoteRecurrent's op returns every recorded tensor of the window (obs, is_init,
-            # extras, versions) in the wire dtype; Client.forward_recorded(fields=...) can drop them.
-            out, _ = core.forward_recorded(ids, T)
+            # The learner takes the window's resets (as a loss mask would); the recorded obs,
+            # extras and versions stay on the daemon.
+            out, _ = core.forward_recorded(ids, T, fields=("is_init",))
             loss = torch.nn.functional.mse_loss(head(out.to(dev)), target_y)
             opt.zero_grad()
             loss.backward()

@@ -2,8 +2,10 @@
 
 Tensors travel row-major and little-endian (docs/design.md). Encoding a C-contiguous array that
 already has the wire dtype costs one copy (``tobytes``; protobuf wants ``bytes``). Decoding
-costs none beyond the ``bytes`` object protobuf hands out: the array is a read-only view over
-it (call ``.copy()`` for a writable one). bfloat16 has no numpy dtype: it decodes to float32.
+costs none: replies whose tensors are large are read with ``Lazy``, whose tensors' data are
+views of the reply's bytes as gRPC hands them over (protobuf's parser would copy them), and the
+array is a read-only view over that (call ``.copy()`` for a writable one). bfloat16 has no
+numpy dtype: it decodes to float32.
 """
 
 import numpy as np
@@ -94,7 +96,9 @@ def decode(t):
     if a.size != n:
         raise ValueError("tensor of shape %s holds %d elements, expected %d" % (shape, a.size, n))
     if t.dtype == pb.BFLOAT16:
-        a = (a.astype("<u4") << 16).view("<f4")
+        w = a.astype("<u4")
+        w <<= 16
+        a = w.view("<f4")
     return a.reshape(shape)
 
 
@@ -103,3 +107,100 @@ def field(msg, name):
     if not msg.HasField(name):
         return None
     return decode(getattr(msg, name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading replies without copying their tensors (protobuf's wire format, docs/design.md).
+
+def _varint_at(b, i):
+    n = shift = 0
+    while True:
+        if i >= len(b) or shift > 63:
+            raise ValueError("malformed reply: a varint runs past its end")
+        c = b[i]
+        i += 1
+        n |= (c & 0x7F) << shift
+        if c < 0x80:
+            return n, i
+        shift += 7
+
+
+def _fields(b):
+    """(number, wire type, value, start, end) of each field of the serialised message b (a
+    memoryview); a length-delimited value is a view of b."""
+    i, n = 0, len(b)
+    while i < n:
+        start = i
+        key, i = _varint_at(b, i)
+        number, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _varint_at(b, i)
+        elif wt == 2:
+            ln, i = _varint_at(b, i)
+            v, i = b[i:i + ln], i + ln
+        elif wt in (1, 5):
+            v, i = b[i:i + (8 if wt == 1 else 4)], i + (8 if wt == 1 else 4)
+        else:
+            raise ValueError("malformed reply: wire type %d" % wt)
+        if i > n:
+            raise ValueError("malformed reply: a field runs past the message's end")
+        yield number, wt, v, start, i
+
+
+class View:
+    """A Tensor as pb.Tensor has it (shape, dtype, data, region), read from a serialised message
+    without copying: data is a view of the message's bytes."""
+
+    __slots__ = ("shape", "dtype", "data", "region")
+
+    def __init__(self, b):
+        self.shape, self.dtype, self.data, self.region = [], 0, b"", None
+        for number, wt, v, _, _ in _fields(b):
+            if number == 1 and wt == 2:  # packed
+                j = 0
+                while j < len(v):
+                    x, j = _varint_at(v, j)
+                    self.shape.append(x)
+            elif number == 1:
+                self.shape.append(v)
+            elif number == 2:
+                self.dtype = v
+            elif number == 3:
+                self.data = v
+            elif number == 100:
+                self.region = pb.RegionSpan.FromString(bytes(v))
+
+    def HasField(self, name):
+        return name == "region" and self.region is not None
+
+
+_TENSOR_FIELDS = {}
+
+
+class Lazy:
+    """A serialised reply of message class cls, parsed but for its top-level Tensor fields,
+    which are Views of ``data`` (bytes, kept alive by the views). Reads like the message."""
+
+    def __init__(self, cls, data):
+        fields = _TENSOR_FIELDS.get(cls)
+        if fields is None:
+            fields = _TENSOR_FIELDS[cls] = {
+                f.number: f.name for f in cls.DESCRIPTOR.fields
+                if f.message_type is pb.Tensor.DESCRIPTOR and f.label != f.LABEL_REPEATED}
+        b = memoryview(data)
+        views, rest = {}, []
+        for number, wt, v, start, end in _fields(b):
+            name = fields.get(number)
+            if name is not None and wt == 2:
+                views[name] = View(v)
+            else:
+                rest.append(b[start:end])
+        self._views = views
+        self._msg = cls.FromString(b"".join(rest))
+
+    def __getattr__(self, name):
+        v = self.__dict__["_views"].get(name)
+        return v if v is not None else getattr(self.__dict__["_msg"], name)
+
+    def HasField(self, name):
+        return name in self._views or self._msg.HasField(name)

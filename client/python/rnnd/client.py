@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from . import shm as _shm
-from ._tensor import decode, encode, encode_field, field
+from ._tensor import Lazy, decode, encode, encode_field, field
 from .v1 import health_pb2, health_pb2_grpc
 from .v1 import rnnd_pb2 as pb
 from .v1 import rnnd_pb2_grpc
@@ -105,6 +105,17 @@ def _dtype(name):
     if name not in _DTYPES:
         raise ValueError("dtype %r: use 'float32', 'bfloat16' or 'float16'" % (name,))
     return _DTYPES[name]
+
+
+def _getters(call, decode_fn):
+    """(get, field) reading a reply's tensors: from call's shared-memory span, or with
+    decode_fn (a Tensor -> value; numpy decoding by default)."""
+    if call is not None:
+        return call.get, call.field
+    if decode_fn is None:
+        return decode, field
+    return decode_fn, lambda msg, name: decode_fn(getattr(msg, name)) if msg.HasField(name) \
+        else None
 
 
 def _mask(names, table):
@@ -236,10 +247,13 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=opts)
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         self._stub = rnnd_pb2_grpc.RnnStub(self._channel)
-        # Backward sends the learner's biggest tensor: its request is serialised by hand.
+        # A learner's biggest tensors: Backward's request is serialised by hand, and both replies
+        # come as bytes that Lazy reads without copying their tensors.
+        self._forward_raw = self._channel.unary_unary(
+            "/rnnd.v1.Rnn/Forward", request_serializer=pb.ForwardRequest.SerializeToString,
+            response_deserializer=None)
         self._backward_raw = self._channel.unary_unary(
-            "/rnnd.v1.Rnn/Backward", request_serializer=None,
-            response_deserializer=pb.BackwardReply.FromString)
+            "/rnnd.v1.Rnn/Backward", request_serializer=None, response_deserializer=None)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -355,13 +369,15 @@ class Client:
         return self._call("EndEpisodes", pb.EndEpisodesRequest(env_ids=_ids(env_ids))).released
 
     def forward(self, obs, is_init=None, h0=None, c0=None, hidden=None, cell=None,
-                keep_tape=False, dtype=None, reply_dtype=None):
+                keep_tape=False, dtype=None, reply_dtype=None, decode=None):
         """Sequence forward over explicit trajectories: obs [B, T, I], is_init [B, T] (None: all
         false), h0/c0 [B, L, H], stored states hidden/cell [B, T, L, H] (TorchRL style: the reset
         value where is_init). keep_tape keeps activations for backward(). dtype: the wire dtype
         of the float tensors sent ('float32' by default, 'bfloat16', 'float16'); reply_dtype:
         of those returned (default: dtype). Returns ForwardResult (bfloat16 decodes to
-        float32)."""
+        float32). decode: a function making each returned Tensor (pb.Tensor or _tensor.View)
+        the value returned, instead of a numpy array, for tensors that come through gRPC
+        (rnnd.torch passes one that makes torch tensors on the learner's device)."""
         obs = np.asarray(obs)
         # Shared memory carries fp32 tensors; 16-bit wire dtypes go through gRPC.
         if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
@@ -389,14 +405,15 @@ class Client:
                     encode(v, dtype=wire, out=getattr(tr, name))
             req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
                                     reply_dtype=_dtype(reply_dtype))
-            return self._forward_result(self._call("Forward", req))
+            return self._forward_result(self._forward_lazy(req), decode=decode)
 
-    def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None):
+    def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None,
+                         decode=None):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
         the state recorded before the window). The result also carries the recorded obs,
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
-        'bfloat16' or 'float16' for the float tensors returned."""
+        'bfloat16' or 'float16' for the float tensors returned. decode: as for forward()."""
         if self.transport == "shm" and fields is None and _dtype(reply_dtype) in _FP32:
             ids = _ids(env_ids)
             call = self._span((), _shm.forward_reply_bytes(self._info, len(ids), int(steps), True)
@@ -411,24 +428,27 @@ class Client:
                                     keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
-            return self._forward_result(self._call("Forward", req))
+            return self._forward_result(self._forward_lazy(req), decode=decode)
+
+    def _forward_lazy(self, req):
+        return Lazy(pb.ForwardReply, self._call("Forward", req, fn=self._forward_raw))
 
     @staticmethod
-    def _forward_result(r, call=None):
-        get, fld = (call.get, call.field) if call is not None else (decode, field)
+    def _forward_result(r, call=None, decode=None):
+        get, fld = _getters(call, decode)
         return ForwardResult(get(r.output), fld(r, "h_n"), fld(r, "c_n"), r.tape_id,
                              r.model_version, fld(r, "obs"), fld(r, "is_init"),
                              fld(r, "extras"), fld(r, "step_model_version"))
 
     def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False,
-                 input_grads=None, dtype=None, reply_dtype=None):
+                 input_grads=None, dtype=None, reply_dtype=None, decode=None):
         """Backward through a kept tape: grad_output [B, T, H], optional grad_h_n/grad_c_n
         [B, L, H]. accumulate adds the weight gradients into the daemon's buffer (for
         apply_gradients()) instead of returning them. input_grads names the input gradients
         wanted among "obs", "h0", "hidden" (None: every one the Forward had; (): none, which
         also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
         BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
-        grad_cell)."""
+        grad_cell). decode: as for forward(), for the input gradients."""
         if (self.transport == "shm" and input_grads is None and _dtype(dtype) in _FP32 and
                 _dtype(reply_dtype) in _FP32):
             return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate)
@@ -442,10 +462,10 @@ class Client:
         if grad_c_n is not None:
             encode(grad_c_n, dtype=wire, out=req.grad_c_n)
         data = b"".join([req.SerializeToString(), *encode_field(2, grad_output, wire)])
-        r = self._call("Backward", data, fn=self._backward_raw)
-        return BackwardResult(_unnamed(r.grads), field(r, "grad_obs"), field(r, "grad_h0"),
-                              field(r, "grad_c0"), field(r, "grad_hidden"),
-                              field(r, "grad_cell"))
+        r = Lazy(pb.BackwardReply, self._call("Backward", data, fn=self._backward_raw))
+        _, fld = _getters(None, decode)
+        return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
+                              fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate):
         """backward() through the shared-memory region (fp32, every input gradient)."""

@@ -34,7 +34,9 @@ one with a token or TLS for an exported program loaded elsewhere; with none, a p
 Client(target) is made.
 """
 
+import threading
 import types
+import warnings
 import weakref
 from typing import List, Optional, Tuple
 
@@ -42,7 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .client import Client, ForwardResult
+from .client import _RECORDED, Client, ForwardResult, _mask
+from .v1 import rnnd_pb2 as pb
 
 CUSTOM_OPS = hasattr(torch.library, "custom_op")  # torch.library.custom_op: torch >= 2.4
 
@@ -104,14 +107,86 @@ def _np(t):
     return None if t is None else t.detach().cpu().contiguous().numpy()
 
 
-def _wire(t, wire):
-    """t as a numpy array for the wire dtype `wire` (bfloat16: its bit patterns), or None."""
+# Tensors of a MB or more cross between host and GPU through a page-locked buffer: a pageable
+# copy of tens of MB runs at a few GB/s, a pinned one at the link's speed.
+_STAGE_MIN = 1 << 20
+
+
+class _Staging(threading.local):
+    """This thread's page-locked buffer, and the event after which the copy out of it is done."""
+
+    buf = None
+    done = None
+
+    def get(self, nbytes):
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.buf[:nbytes]
+
+
+_staging = _Staging()
+
+
+def _wire(t, wire, stage=False):
+    """t as a numpy array for the wire dtype `wire` (bfloat16: its bit patterns), or None. The
+    dtype changes on t's device. stage: a large CUDA tensor comes through this thread's pinned
+    buffer, and the array is valid until the thread's next staged copy."""
     if t is None:
         return None
     t = t.detach()
     if wire == "bfloat16":
-        return t.to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().view(np.uint16)
-    return _np(t.half() if wire == "float16" else t.float())
+        x = t.to(torch.bfloat16).view(torch.int16)
+    else:
+        x = t.half() if wire == "float16" else t.float()
+    nbytes = x.numel() * x.element_size()
+    if stage and x.is_cuda and nbytes >= _STAGE_MIN:
+        buf = _staging.get(nbytes).view(x.dtype).view(x.shape)
+        buf.copy_(x)  # into page-locked memory: synchronous
+        a = buf.numpy()
+    else:
+        a = x.cpu().contiguous().numpy()
+    return a.view(np.uint16) if wire == "bfloat16" else a
+
+
+_TORCH = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16,
+          pb.BOOL: torch.bool, pb.INT64: torch.int64}
+
+
+def _decoder(device):
+    """A Client decode function: each reply Tensor as a new torch tensor on device, 16-bit
+    floats widened to float32 there (after the copy, which then moves half the bytes)."""
+    def decode(t):
+        dt = _TORCH.get(t.dtype)
+        if dt is None:
+            raise ValueError("tensor with unknown dtype %d" % t.dtype)
+        shape = tuple(t.shape)
+        nbytes = len(t.data)
+        if nbytes != int(np.prod(shape, dtype=np.int64)) * _EL[dt]:
+            raise ValueError("tensor of shape %s holds %d bytes, expected %d" %
+                             (shape, nbytes, int(np.prod(shape, dtype=np.int64)) * _EL[dt]))
+        if nbytes == 0:
+            x = torch.empty(shape, dtype=dt, device=device)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only bytes: copied below, never written
+                src = torch.frombuffer(t.data, dtype=torch.uint8)
+            if device.type == "cuda" and nbytes >= _STAGE_MIN:
+                buf = _staging.get(nbytes)
+                buf.copy_(src)
+                x = buf.view(dt).view(shape).to(device, non_blocking=True)
+                _staging.done = torch.cuda.Event()
+                _staging.done.record(torch.cuda.current_stream(device))
+            else:
+                x = src.clone().view(dt).view(shape).to(device)
+        return x.float() if dt in (torch.float16, torch.bfloat16) else x
+    return decode
+
+
+_EL = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.bool: 1, torch.int64: 8}
 
 
 def _uids(env_ids):
@@ -127,7 +202,10 @@ def _env_tensor(env_ids):
 
 
 def _t(a, device):
-    # Arrays from the client are read-only views over the reply: one copy into torch.
+    """A reply tensor on device: torch tensors (from _decoder) as they are; numpy arrays (read-only
+    views over a reply, or copies out of shared memory) copied once into torch."""
+    if isinstance(a, Tensor):
+        return a.to(device)
     return torch.from_numpy(np.array(a, copy=True)).to(device)
 
 
@@ -196,7 +274,8 @@ def _forward(target: str, obs: Tensor, is_init: Tensor, h0: Optional[Tensor],
     t = _target(target)
     w = t.wire
     r = t.client.forward(_wire(obs, w), _np(is_init), _wire(h0, w), _wire(c0, w),
-                         _wire(hidden, w), _wire(cell, w), keep_tape=keep_tape, dtype=w)
+                         _wire(hidden, w), _wire(cell, w), keep_tape=keep_tape, dtype=w,
+                         decode=_decoder(obs.device))
     return _forward_outputs(target, r, obs.device, len(params) // 4, hidden_size)
 
 
@@ -211,30 +290,50 @@ def _forward_fake(target, obs, is_init, h0, c0, hidden, cell, params, hidden_siz
             torch.empty(2, dtype=torch.int64))
 
 
+# Bits of the recorded tensors forward_recorded returns (ForwardRequest.recorded_fields).
+_RECORDED_ALL = (pb.RECORDED_OBS | pb.RECORDED_IS_INIT | pb.RECORDED_EXTRAS |
+                 pb.RECORDED_STEP_MODEL_VERSION)
+
+
 def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Tensor],
                       input_size: int, hidden_size: int, extras_size: int, keep_tape: bool,
-                      accumulate: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                 Tensor, Tensor]:
+                      accumulate: bool, fields: int = _RECORDED_ALL
+                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> output, h_n, c_n, tape as _forward, then the recorded obs [B, T, I], is_init [B, T],
-    extras [B, T, E] and step_model_version [B, T], on the Parameters' device."""
+    extras [B, T, E] and step_model_version [B, T], on the Parameters' device; those whose
+    RECORDED_* bit is not in fields are not sent and come back empty ([0])."""
     device = params[0].device
     t = _target(target)
-    r = t.client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape, reply_dtype=t.wire)
+    # fields=None asks for all in the form shared memory also carries.
+    r = t.client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape,
+                                  fields=None if fields == _RECORDED_ALL else fields,
+                                  reply_dtype=t.wire, decode=_decoder(device))
     out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
     B = env_ids.shape[0]
-    extras = (_t(r.extras, device) if r.extras is not None
-              else torch.zeros((B, steps, extras_size), device=device))
-    return (out, h_n, c_n, tape, _t(r.obs, device), _t(r.is_init, device), extras,
-            _t(r.step_model_version, device))
+    none = torch.empty(0, device=device)
+    extras = none
+    if fields & pb.RECORDED_EXTRAS:
+        extras = (_t(r.extras, device) if r.extras is not None
+                  else torch.zeros((B, steps, extras_size), device=device))
+    return (out, h_n, c_n, tape,
+            _t(r.obs, device) if fields & pb.RECORDED_OBS else none,
+            _t(r.is_init, device) if fields & pb.RECORDED_IS_INIT else none.bool(),
+            extras,
+            _t(r.step_model_version, device) if fields & pb.RECORDED_STEP_MODEL_VERSION
+            else none.long())
 
 
 def _forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_size, extras_size,
-                           keep_tape, accumulate):
+                           keep_tape, accumulate, fields=_RECORDED_ALL):
     B, T, L, H, p = env_ids.shape[0], steps, len(params) // 4, hidden_size, params[0]
+
+    def rec(bit, *shape, dtype=torch.float32):
+        return _empty(p, *(shape if fields & bit else (0,)), dtype=dtype)
     return (_empty(p, B, T, H), _empty(p, B, L, H), _empty(p, B, L, H),
-            torch.empty(2, dtype=torch.int64), _empty(p, B, T, input_size),
-            _empty(p, B, T, dtype=torch.bool), _empty(p, B, T, extras_size),
-            _empty(p, B, T, dtype=torch.int64))
+            torch.empty(2, dtype=torch.int64), rec(pb.RECORDED_OBS, B, T, input_size),
+            rec(pb.RECORDED_IS_INIT, B, T, dtype=torch.bool),
+            rec(pb.RECORDED_EXTRAS, B, T, extras_size),
+            rec(pb.RECORDED_STEP_MODEL_VERSION, B, T, dtype=torch.int64))
 
 
 def _backward_shapes(grad_output, params, input_size, input_grads, stored):
@@ -267,9 +366,10 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     t = _target(target)
     w = t.wire
     # Input gradients only when the caller takes them (a recorded window's inputs are constants).
-    g = t.client.backward(tape_id, _wire(grad_output, w), _wire(grad_h_n, w), _wire(grad_c_n, w),
-                          accumulate=accumulate, input_grads=None if input_grads else (), dtype=w)
     dev = grad_output.device
+    g = t.client.backward(tape_id, _wire(grad_output, w, stage=True), _wire(grad_h_n, w),
+                          _wire(grad_c_n, w), accumulate=accumulate,
+                          input_grads=None if input_grads else (), dtype=w, decode=_decoder(dev))
     out = []
     for name, shape in _backward_shapes(grad_output, params, input_size, input_grads, stored):
         a = getattr(g, name)
@@ -328,14 +428,15 @@ def _forward_backward(ctx, grad_output, grad_h_n, grad_c_n, grad_tape):
 
 
 def _forward_recorded_setup(ctx, inputs, output):
-    target, _, _, params, input_size, hidden_size, _, _, accumulate = inputs
+    target, _, _, params, input_size, hidden_size, _, _, accumulate = inputs[:9]
+    ctx.n_inputs = len(inputs)  # fields may be left to its default
     _save_tape(ctx, target, output, params, input_size, hidden_size, accumulate, output[4:])
 
 
 def _forward_recorded_backward(ctx, grad_output, grad_h_n, grad_c_n, *constants):
     # The window's initial state and inputs are the recorded ones: only the weights get grads.
     _, pgrads = _run_backward(ctx, grad_output, grad_h_n, grad_c_n, False, False)
-    return None, None, None, pgrads, None, None, None, None, None
+    return (None, None, None, pgrads) + (None,) * (ctx.n_inputs - 4)
 
 
 class _Eager(torch.autograd.Function):
@@ -518,17 +619,22 @@ class RemoteRecurrent(nn.Module):
                                         self.grads == "server")
         return (out, (h_n, c_n)) if self.cell == "lstm" else (out, h_n)
 
-    def forward_recorded(self, env_ids, steps):
+    def forward_recorded(self, env_ids, steps, fields=None):
         """Forward over the last ``steps`` steps the daemon recorded for each env in env_ids.
         Returns (output [B, T, H], recorded): recorded is a ForwardResult of tensors on the
         Parameters' device: output, h_n, c_n (LSTM), tape_id and model_version (0-d), the
-        recorded obs, is_init, extras [B, T, E] and step_model_version [B, T]. Gradients flow to
-        the Parameters (the window's initial state is a constant)."""
+        recorded obs, is_init, extras [B, T, E] and step_model_version [B, T], or only those
+        named in ``fields`` (e.g. ("is_init",); the others None and not sent; None: all).
+        Gradients flow to the Parameters (the window's initial state is a constant)."""
+        bits = _RECORDED_ALL if fields is None else _mask(fields, _RECORDED)
         out, h_n, c_n, tape, obs, is_init, extras, smv = _forward_recorded_op(
             self.target, _env_tensor(env_ids), int(steps), self._params(), self.input_size,
-            self.hidden_size, self.extras_size, self._tape_wanted(), self.grads == "server")
+            self.hidden_size, self.extras_size, self._tape_wanted(), self.grads == "server", bits)
         rec = ForwardResult(out, h_n, c_n if self.cell == "lstm" else None, tape[0], tape[1],
-                            obs, is_init, extras, smv)
+                            *(x if bits & bit else None for x, bit in (
+                                (obs, pb.RECORDED_OBS), (is_init, pb.RECORDED_IS_INIT),
+                                (extras, pb.RECORDED_EXTRAS),
+                                (smv, pb.RECORDED_STEP_MODEL_VERSION))))
         return out, rec
 
     def step(self, env_ids, obs, is_init=None, extras=None):

@@ -163,6 +163,18 @@ class RemoteRecurrentTest(unittest.TestCase):
         self.assertIsNone(core.weight_hh_l0.grad)
         out2, _ = core.forward_recorded(ids, 4)
         self.assertLess(float((out2 ** 2).sum()), float((out ** 2).sum()))
+        # Only what the learner asks for comes back; the rest is neither sent nor returned.
+        out3, rec3 = core.forward_recorded(ids, 4, fields=("is_init",))
+        torch.testing.assert_close(out3, out2, rtol=0, atol=0)
+        self.assertEqual(rec3.is_init.tolist(), rec.is_init.tolist())
+        self.assertIsNone(rec3.obs)
+        self.assertIsNone(rec3.extras)
+        self.assertIsNone(rec3.step_model_version)
+        (out3 ** 2).sum().backward()
+        core.apply_gradients(lr=1e-2)
+        self.assertEqual(core.model_version, v + 2)
+        with self.assertRaises(ValueError):
+            core.forward_recorded(ids, 4, fields=("actions",))
 
     def test_ops(self):
         ops = rnnd.torch.ops

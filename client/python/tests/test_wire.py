@@ -1,7 +1,9 @@
 """The lean wire from Python: float tensors as bfloat16/float16 both ways (a 16-bit reply is the
 float32 reply rounded), forward_recorded(fields=) and backward(input_grads=) leaving tensors out,
-refusals of what the daemon cannot take, and RemoteRecurrent(wire="bfloat16") training like the
-float32 module within bfloat16's precision."""
+refusals of what the daemon cannot take, replies read in place (Lazy: arrays view the reply's
+bytes; it reads like protobuf's parse and refuses truncated replies), rnnd.torch's decoder, and
+RemoteRecurrent(wire="bfloat16") training like the float32 module within bfloat16's
+precision."""
 
 import unittest
 
@@ -61,6 +63,66 @@ class WireTest(unittest.TestCase):
             self.c.forward_recorded(ids, T, fields=("extras",))
         self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
         self.c.end_episodes(ids)
+
+    def test_replies_read_in_place(self):
+        from rnnd._tensor import Lazy, decode, encode
+        from rnnd.v1 import rnnd_pb2 as pb
+        rng = np.random.default_rng(2)
+        c = self.d.client(transport="grpc")  # on this host fp32 would go through shared memory
+        r = c.forward(rng.standard_normal((B, T, I)).astype(np.float32), keep_tape=True)
+        # The output views the whole reply as gRPC handed it over, not a copy of its own bytes.
+        base = r.output
+        while isinstance(base, np.ndarray):
+            base = base.base
+        self.assertIsInstance(base, memoryview)
+        self.assertGreater(len(base.obj), r.output.nbytes)
+        g = c.backward(r.tape_id, np.ones_like(r.output))
+        self.assertEqual(g.grad_obs.shape, (B, T, I))
+        c.close()
+
+        msg = pb.ForwardReply(tape_id=7, model_version=3)
+        out = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        encode(out, out=msg.output)
+        encode(np.array([[True, False, True]]), out=msg.is_init)
+        encode(np.arange(3, dtype=np.int64).reshape(1, 3), out=msg.step_model_version)
+        data = msg.SerializeToString()
+        lazy = Lazy(pb.ForwardReply, data)
+        self.assertEqual((lazy.tape_id, lazy.model_version), (7, 3))
+        np.testing.assert_array_equal(decode(lazy.output), out)
+        np.testing.assert_array_equal(decode(lazy.is_init), [[True, False, True]])
+        np.testing.assert_array_equal(decode(lazy.step_model_version), [[0, 1, 2]])
+        self.assertTrue(lazy.HasField("is_init"))
+        self.assertFalse(lazy.HasField("c_n"))
+        self.assertIsNone(decode(lazy.c_n))
+        for cut in (1, len(data) // 2, len(data) - 1):
+            with self.assertRaises(ValueError):
+                Lazy(pb.ForwardReply, data[:cut])
+
+    def test_torch_decoder(self):
+        try:
+            import torch
+        except ImportError:
+            skip("PyTorch is not installed (Debian: python3-torch)")
+        import rnnd.torch
+        from rnnd._tensor import View, encode
+        from rnnd.v1 import rnnd_pb2 as pb
+        dec = rnnd.torch._decoder(torch.device("cpu"))
+        a = np.random.default_rng(3).standard_normal((2, 5)).astype(np.float32)
+
+        def view(array, dtype=None):
+            return View(memoryview(encode(array, dtype).SerializeToString()))
+        np.testing.assert_array_equal(dec(view(a, pb.BFLOAT16)).numpy(), bf16(a))
+        np.testing.assert_array_equal(dec(view(a, pb.FLOAT16)).numpy(), a.astype(np.float16))
+        x = dec(view(a))
+        np.testing.assert_array_equal(x.numpy(), a)
+        x += 1  # a copy of its own, writable
+        b = dec(view(np.array([True, False])))
+        self.assertEqual(b.dtype, torch.bool)
+        self.assertEqual(dec(view(np.arange(4).reshape(2, 2))).dtype, torch.int64)
+        t = encode(a)
+        t.shape[:] = [3, 5]
+        with self.assertRaises(ValueError):
+            dec(t)
 
     def test_remote_recurrent_bf16(self):
         try:

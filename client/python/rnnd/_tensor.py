@@ -177,6 +177,11 @@ class View:
 _TENSOR_FIELDS = {}
 
 
+def _repeated(f):
+    # protobuf >= 5 has is_repeated; older ones only label (which protobuf 7 removed)
+    return f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED
+
+
 class Lazy:
     """A serialised reply of message class cls, parsed but for its top-level Tensor fields,
     which are Views of ``data`` (bytes, kept alive by the views). Reads like the message."""
@@ -186,7 +191,7 @@ class Lazy:
         if fields is None:
             fields = _TENSOR_FIELDS[cls] = {
                 f.number: f.name for f in cls.DESCRIPTOR.fields
-                if f.message_type is pb.Tensor.DESCRIPTOR and f.label != f.LABEL_REPEATED}
+                if f.message_type is pb.Tensor.DESCRIPTOR and not _repeated(f)}
         b = memoryview(data)
         views, rest = {}, []
         for number, wt, v, start, end in _fields(b):

@@ -110,12 +110,15 @@ def _dtype(name):
 def _getters(call, decode_fn):
     """(get, field) reading a reply's tensors: from call's shared-memory span, or with
     decode_fn (a Tensor -> value; numpy decoding by default)."""
-    if call is not None:
+    if call is not None and decode_fn is None:
         return call.get, call.field
     if decode_fn is None:
         return decode, field
-    return decode_fn, lambda msg, name: decode_fn(getattr(msg, name)) if msg.HasField(name) \
-        else None
+    if call is not None:
+        get = lambda t: decode_fn(call.view(t))  # noqa: E731 (copies out before the span closes)
+    else:
+        get = decode_fn
+    return get, lambda msg, name: get(getattr(msg, name)) if msg.HasField(name) else None
 
 
 def _mask(names, table):
@@ -392,7 +395,8 @@ class Client:
             req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape))
             if call is not None:
                 req.reply_region.CopyFrom(call.reply_region())
-            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
+            return self._shm_call("Forward", req, call,
+                                  lambda r: self._forward_result(r, call, decode))
         else:
             wire = _dtype(dtype) or None
             tr = pb.Trajectories()
@@ -414,15 +418,19 @@ class Client:
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
         'bfloat16' or 'float16' for the float tensors returned. decode: as for forward()."""
-        if self.transport == "shm" and fields is None and _dtype(reply_dtype) in _FP32:
+        if self.transport == "shm" and _dtype(reply_dtype) in _FP32:
             ids = _ids(env_ids)
-            call = self._span((), _shm.forward_reply_bytes(self._info, len(ids), int(steps), True)
-                              if self.transport == "shm" else 0)
+            call = self._span((), _shm.forward_reply_bytes(
+                self._info, len(ids), int(steps), fields is None or _mask(fields, _RECORDED) != 0)
+                if self.transport == "shm" else 0)
             req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=ids, steps=int(steps)),
                                     keep_tape=bool(keep_tape))
+            if fields is not None:
+                req.recorded_fields = _mask(fields, _RECORDED)
             if call is not None:
                 req.reply_region.CopyFrom(call.reply_region())
-            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
+            return self._shm_call("Forward", req, call,
+                                  lambda r: self._forward_result(r, call, decode))
         else:
             req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
                                     keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
@@ -449,9 +457,9 @@ class Client:
         also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
         BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
         grad_cell). decode: as for forward(), for the input gradients."""
-        if (self.transport == "shm" and input_grads is None and _dtype(dtype) in _FP32 and
-                _dtype(reply_dtype) in _FP32):
-            return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate)
+        if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
+            return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate,
+                                      input_grads, decode)
         wire = _dtype(dtype) or None
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
                                  reply_dtype=_dtype(reply_dtype))
@@ -467,19 +475,23 @@ class Client:
         return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
                               fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
 
-    def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate):
-        """backward() through the shared-memory region (fp32, every input gradient)."""
+    def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
+                      decode):
+        """backward() through the shared-memory region (fp32)."""
         grad_output = np.asarray(grad_output)
         call = self._span((grad_output, grad_h_n, grad_c_n), _shm.backward_reply_bytes(
             self._info, grad_output.shape[0], grad_output.shape[1], accumulate)
             if self.transport == "shm" and grad_output.ndim == 3 else 0)
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        if input_grads is not None:
+            req.input_grads = _mask(input_grads, _INPUT_GRADS)
         _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n)
         if call is not None:
             req.reply_region.CopyFrom(call.reply_region())
 
         def result(r):
-            get, fld = (call.get, call.field) if call is not None else (decode, field)
+            get = _getters(call, None)[0]
+            _, fld = _getters(call, decode)
             grads = Weights()
             for nt in r.grads:
                 grads[nt.name] = get(nt.tensor)

@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from ._tensor import _NP, decode as _decode_bytes
+from ._tensor import _NP, View, decode as _decode_bytes
 from .v1 import rnnd_pb2 as pb
 
 ALIGN = 64
@@ -151,18 +151,29 @@ class Call:
     def reply_region(self):
         return pb.RegionSpan(region=self.region.id, offset=self.at, nbytes=self.off + self.n - self.at)
 
-    def get(self, t):
-        if t is None or not t.HasField("region"):
-            return _decode_bytes(t)
+    def _raw(self, t):
+        """The region's bytes that reply tensor t names (checked)."""
         sp = t.region
         if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size:
             raise ValueError("a reply tensor names region %d [%d, +%d), not this client's"
                              % (sp.region, sp.offset, sp.nbytes))
-        dt = _NP.get(t.dtype)
-        if dt is None or t.dtype == pb.BFLOAT16:
+        if _NP.get(t.dtype) is None or t.dtype == pb.BFLOAT16:
             raise ValueError("reply tensor in shared memory with dtype %d" % t.dtype)
-        raw = self.region.bytes[sp.offset:sp.offset + sp.nbytes]
-        return raw.view(dt).reshape(tuple(t.shape)).copy()
+        return self.region.bytes[sp.offset:sp.offset + sp.nbytes]
+
+    def get(self, t):
+        if t is None or not t.HasField("region"):
+            return _decode_bytes(t)
+        return self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape)).copy()
+
+    def view(self, t):
+        """Reply tensor t with its data in place (a View of the region's bytes, valid until
+        close()), for a decode function; t itself when it came as bytes."""
+        if t is None or not t.HasField("region"):
+            return t
+        v = View(memoryview(b""))
+        v.shape, v.dtype, v.data = list(t.shape), t.dtype, memoryview(self._raw(t))
+        return v
 
     def field(self, msg, name):
         return self.get(getattr(msg, name)) if msg.HasField(name) else None

@@ -310,17 +310,19 @@ def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Ten
                                   reply_dtype=t.wire, decode=_decoder(device))
     out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
     B = env_ids.shape[0]
-    none = torch.empty(0, device=device)
-    extras = none
+
+    def none(dtype=torch.float32):  # a new one each: a custom op's outputs may not alias
+        return torch.empty(0, dtype=dtype, device=device)
+    extras = none()
     if fields & pb.RECORDED_EXTRAS:
         extras = (_t(r.extras, device) if r.extras is not None
                   else torch.zeros((B, steps, extras_size), device=device))
     return (out, h_n, c_n, tape,
-            _t(r.obs, device) if fields & pb.RECORDED_OBS else none,
-            _t(r.is_init, device) if fields & pb.RECORDED_IS_INIT else none.bool(),
+            _t(r.obs, device) if fields & pb.RECORDED_OBS else none(),
+            _t(r.is_init, device) if fields & pb.RECORDED_IS_INIT else none(torch.bool),
             extras,
             _t(r.step_model_version, device) if fields & pb.RECORDED_STEP_MODEL_VERSION
-            else none.long())
+            else none(torch.int64))
 
 
 def _forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_size, extras_size,

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 
 import rnnd
+from rnnd._tensor import _NP
 from _common import daemon
 
 I, H, L, E = 6, 32, 2, 3
@@ -111,6 +112,28 @@ class ShmTest(unittest.TestCase):
         # Accumulated: no weight gradients come back.
         f = self.s.forward(obs, init, keep_tape=True)
         self.assertEqual(self.s.backward(f.tape_id, go, accumulate=True).grads, {})
+        # recorded_fields, input_grads and a decode function go through shared memory too: the
+        # decode function reads the region in place.
+        ids = np.arange(300, 303, dtype=np.uint64)
+        for t in range(T):
+            for c, base in ((self.s, 0), (self.b, 1000)):
+                c.step(ids + base, obs[:3, t], init[:3, t] | (t == 0))
+        seen = []
+
+        def dec(t):
+            seen.append(t.data.obj)
+            return np.frombuffer(t.data, dtype=_NP[t.dtype]).reshape(tuple(t.shape)).copy()
+        fs = self.s.forward_recorded(ids, T, keep_tape=True, fields=("is_init",), decode=dec)
+        fb = self.b.forward_recorded(ids + 1000, T, keep_tape=True, fields=("is_init",))
+        self.assertIsInstance(seen[0], np.ndarray)  # the region, not a reply's bytes
+        self.assertBits(fs.output, fb.output, "recorded output")
+        self.assertIsNone(fs.obs)
+        np.testing.assert_array_equal(fs.is_init, fb.is_init)
+        gs = self.s.backward(fs.tape_id, go[:3], input_grads=())
+        gb = self.b.backward(fb.tape_id, go[:3], input_grads=())
+        self.assertIsNone(gs.grad_obs)
+        for name in gs.grads:
+            self.assertBits(gs.grads[name], gb.grads[name], "recorded grad " + name)
 
     def test_larger_than_messages(self):
         # 1 MiB messages: a 2 MiB output fits only through shared memory.

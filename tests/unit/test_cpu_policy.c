@@ -133,7 +133,9 @@ static void test_policy_layout(void **state) {
     for (int k = 4; k < n; k++) {
         struct rnnd_param_tensor t;
         rnnd_model_param_tensor(&m, k, &t);
-        double fan = strncmp(t.name, "encoder.0", 9) == 0 ? 6 : strncmp(t.name, "encoder.1", 9) == 0 ? 8 : 4;
+        double fan = strncmp(t.name, "encoder.0", 9) == 0   ? 6
+                     : strncmp(t.name, "encoder.1", 9) == 0 ? 8
+                                                            : 4;
         float mx = 0.0f;
         for (size_t i = 0; i < t.count; i++)
             mx = fmaxf(mx, fabsf(p[t.offset + i]));
@@ -381,7 +383,8 @@ static void test_chain_finite_differences(void **state) {
         struct rnnd_param_tensor pt;
         rnnd_model_param_tensor(&m, 4 * m.L, &pt);
         g[pt.offset] += 3e-3f + 0.02f * fabsf(g[pt.offset]);
-        assert_int_equal(fd_compare(&c, c.params + pt.offset, g + pt.offset, 1, "planted", false), 1);
+        assert_int_equal(
+            fd_compare(&c, c.params + pt.offset, g + pt.offset, 1, "planted", false), 1);
         free(g);
         free(gobs);
         chain_free(&c);

@@ -13,9 +13,10 @@
  *             (d log_std = column sums of its per-row gradient); through the encoder,
  *             dz_j = dy_j act'(y_j), dW_j += dz_j^T y_{j-1}, dy_{j-1} = dz_j W_j.
  *   log-probabilities and entropies (double sums):
- *     discrete  logp(a) = l_a - m - ln S, S = sum_k e^(l_k - m); entropy = ln S - sum_k p_k (l_k - m)
- *     Gaussian  logp(a) = sum_j -z_j^2 / 2 - log_std_j - ln(2 pi) / 2, z_j = (a_j - mean_j) / std_j;
- *               entropy = sum_j 1/2 + ln(2 pi) / 2 + log_std_j
+ *     discrete  logp(a) = l_a - m - ln S, S = sum_k e^(l_k - m);
+ *               entropy = ln S - sum_k p_k (l_k - m)
+ *     Gaussian  logp(a) = sum_j -z_j^2 / 2 - log_std_j - ln(2 pi) / 2,
+ *               z_j = (a_j - mean_j) / std_j;  entropy = sum_j 1/2 + ln(2 pi) / 2 + log_std_j
  * Actions come from rnnd_philox.h (shared with CUDA). Matmuls are linear.c's sgemm in fp32 in
  * every compute mode: these layers are small next to the core's recurrence.
  */

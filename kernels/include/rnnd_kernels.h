@@ -3,8 +3,8 @@
  * them.
  *
  * The math of docs/design.md (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets; an MLP
- * encoder and discrete, Gaussian and value heads, as rnnd.torch.Policy) behind a small vtable, so the server runs the same calls on the CPU reference and on CUDA. Kernels do no
- * I/O, never log and keep no global state; each backend context belongs to one thread at a time.
+ * encoder and discrete, Gaussian and value heads, as rnnd.torch.Policy) behind a small vtable,
+ * so the server runs the same calls on the CPU reference and on CUDA. Kernels do no I/O, never log and keep no global state; each backend context belongs to one thread at a time.
  *
  * Dimension letters, used in every shape comment:
  *   B batch rows, T steps, I input width, H hidden width, L layers,

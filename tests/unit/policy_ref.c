@@ -24,6 +24,19 @@
 #include "rnnd_kernels.h"
 #include "rnnd_safetensors.h"
 
+// Every buffer this tool allocates, freed together at the end (so sanitizer builds see no leak).
+static void *owned[64];
+static int nowned;
+
+static void *alloc(size_t bytes) {
+    void *p = calloc(1, bytes ? bytes : 1);
+    if (p == NULL || nowned == (int)(sizeof(owned) / sizeof(owned[0]))) {
+        fprintf(stderr, "policy_ref: out of memory\n");
+        exit(1);
+    }
+    return owned[nowned++] = p;
+}
+
 static void die(const char *what, const char *why) {
     fprintf(stderr, "policy_ref: %s: %s\n", what, why);
     exit(1);
@@ -36,8 +49,8 @@ static void *read_all(const char *path, size_t *len) {
     fseek(f, 0, SEEK_END);
     long n = ftell(f);
     fseek(f, 0, SEEK_SET);
-    void *buf = malloc(n > 0 ? (size_t)n : 1);
-    if (buf == NULL || fread(buf, 1, (size_t)n, f) != (size_t)n)
+    void *buf = alloc(n > 0 ? (size_t)n : 1);
+    if (fread(buf, 1, (size_t)n, f) != (size_t)n)
         die(path, "cannot read");
     fclose(f);
     *len = (size_t)n;
@@ -64,16 +77,13 @@ static float *floats(const struct rnnd_st_file *f, const char *name, size_t coun
         return NULL;
     if (t->dtype != RNND_ST_F32 || t->bytes != count * sizeof(float))
         die(name, "wrong dtype or size");
-    float *p = malloc(t->bytes ? t->bytes : 1);
+    float *p = alloc(t->bytes);
     memcpy(p, t->data, t->bytes);
     return p;
 }
 
 static float *zeros(size_t n) {
-    float *p = calloc(n ? n : 1, sizeof(float));
-    if (p == NULL)
-        die("memory", "out of memory");
-    return p;
+    return alloc(n * sizeof(float));
 }
 
 struct outs {
@@ -170,7 +180,7 @@ int main(int argc, char **argv) {
     seq.x = p->enc_layers ? acts + (size_t)N * (W - core.I) : obs;
     if (p->enc_layers && ops->encoder_forward(be.ctx, acts, obs, N, params, &m) != 0)
         die("encoder_forward", "failed");
-    void *tape = malloc(ops->tape_bytes(be.ctx, &core, B, T));
+    void *tape = alloc(ops->tape_bytes(be.ctx, &core, B, T));
     if (ops->rnn_forward(be.ctx, out, h_n, c_n, tape, &seq, params, &core) != 0)
         die("rnn_forward", "failed");
     struct rnnd_heads hd = {.logits = K ? zeros(N * K) : NULL,
@@ -195,7 +205,7 @@ int main(int argc, char **argv) {
         if (K) {
             if (ix == NULL || ix->bytes != (size_t)N * 8)
                 die("index", "missing or not [B, T] I64");
-            a.index = malloc((size_t)N * 8);
+            a.index = alloc((size_t)N * 8);
             memcpy(a.index, ix->data, (size_t)N * 8);
         } else {
             a.action = floats(&in, "action", N * A);
@@ -204,14 +214,12 @@ int main(int argc, char **argv) {
         }
         if (ops->policy_logp(be.ctx, &a, params, &m) != 0)
             die("policy_logp", "failed");
-        free(a.index);
-        free(a.action);
-        env = malloc((size_t)N * 8), step = malloc((size_t)N * 8);
+        env = alloc((size_t)N * 8), step = alloc((size_t)N * 8);
         for (int r = 0; r < N; r++) {
             memcpy(&env[r], (const char *)ids->data + (size_t)(r / T) * 8, 8);
             step[r] = (uint64_t)(r % T);
         }
-        s_index = K ? malloc((size_t)N * 8) : NULL;
+        s_index = K ? alloc((size_t)N * 8) : NULL;
         s_action = A ? zeros(N * A) : NULL;
         struct rnnd_actions s = {.N = N, .logits = hd.logits, .mean = hd.mean, .index = s_index,
                                  .action = s_action, .logp = s_logp,
@@ -290,7 +298,10 @@ int main(int argc, char **argv) {
     snprintf(path, sizeof(path), "%s/weights_out.safetensors", argv[1]);
     write_all(path, buf, len);
     free(buf);
-    // The process ends here: the OS takes back the rest.
     rnnd_backend_free(&be);
+    rnnd_st_file_free(&wf);
+    rnnd_st_file_free(&in);
+    while (nowned > 0)
+        free(owned[--nowned]);
     return 0;
 }

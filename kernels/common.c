@@ -5,6 +5,7 @@
 #include "rnnd_kernels.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -37,19 +38,77 @@ const char *rnnd_err_name(int err) {
 // ---------------------------------------------------------------------------------------------
 // Model layout
 
-int rnnd_model_check(const struct rnnd_model *m) {
+// A reason into err (errlen bytes, may be 0), then RNND_EINVAL.
+static int invalid(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int invalid(char *err, size_t errlen, const char *fmt, ...) {
+    if (errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return RNND_EINVAL;
+}
+
+int rnnd_model_validate(const struct rnnd_model *m, char *err, size_t errlen) {
+    if (errlen)
+        err[0] = '\0';
     if (m == NULL)
-        return RNND_EINVAL;
+        return invalid(err, errlen, "no model");
     if (m->cell != RNND_CELL_GRU && m->cell != RNND_CELL_LSTM)
-        return RNND_EINVAL;
+        return invalid(err, errlen, "unknown cell %d: gru or lstm", (int)m->cell);
     if (m->compute != RNND_COMPUTE_FP32 && m->compute != RNND_COMPUTE_IEEE &&
         m->compute != RNND_COMPUTE_BF16)
-        return RNND_EINVAL;
-    if (m->I < 1 || m->I > RNND_MAX_WIDTH || m->H < 1 || m->H > RNND_MAX_WIDTH)
-        return RNND_EINVAL;
+        return invalid(err, errlen, "unknown compute %d: fp32, ieee or bf16", (int)m->compute);
+    if (m->I < 1 || m->I > RNND_MAX_WIDTH)
+        return invalid(err, errlen, "input size %d: 1 .. %d", m->I, RNND_MAX_WIDTH);
+    if (m->H < 1 || m->H > RNND_MAX_WIDTH)
+        return invalid(err, errlen, "hidden size %d: 1 .. %d", m->H, RNND_MAX_WIDTH);
     if (m->L < 1 || m->L > RNND_MAX_LAYERS)
-        return RNND_EINVAL;
+        return invalid(err, errlen, "layers %d: 1 .. %d", m->L, RNND_MAX_LAYERS);
+    const struct rnnd_policy *p = &m->policy;
+    if (p->enc_layers < 0 || p->enc_layers > RNND_MAX_ENCODER_LAYERS)
+        return invalid(err, errlen, "encoder layers %d: 0 .. %d", p->enc_layers,
+                       RNND_MAX_ENCODER_LAYERS);
+    for (int j = 0; j < p->enc_layers; j++)
+        if (p->enc_width[j] < 1 || p->enc_width[j] > RNND_MAX_WIDTH)
+            return invalid(err, errlen, "encoder layer %d width %d: 1 .. %d", j, p->enc_width[j],
+                           RNND_MAX_WIDTH);
+    if (p->enc_act != RNND_ACT_ELU && p->enc_act != RNND_ACT_RELU && p->enc_act != RNND_ACT_TANH)
+        return invalid(err, errlen, "unknown encoder activation %d: elu, relu or tanh",
+                       (int)p->enc_act);
+    if (p->K < 0 || p->K == 1 || p->K > RNND_MAX_WIDTH)
+        return invalid(err, errlen, "discrete actions %d: 0 (no discrete head) or 2 .. %d", p->K,
+                       RNND_MAX_WIDTH);
+    if (p->A < 0 || p->A > RNND_MAX_WIDTH)
+        return invalid(err, errlen, "Gaussian action dims %d: 0 (no Gaussian head) .. %d", p->A,
+                       RNND_MAX_WIDTH);
+    if (p->K > 0 && p->A > 0)
+        return invalid(err, errlen,
+                       "discrete actions %d and Gaussian action dims %d: a policy has one action "
+                       "head, set one of them to 0",
+                       p->K, p->A);
     return 0;
+}
+
+int rnnd_model_check(const struct rnnd_model *m) {
+    return rnnd_model_validate(m, NULL, 0);
+}
+
+bool rnnd_model_has_policy(const struct rnnd_model *m) {
+    const struct rnnd_policy *p = &m->policy;
+    return p->enc_layers > 0 || p->K > 0 || p->A > 0 || p->value;
+}
+
+static int core_input(const struct rnnd_model *m) {
+    const struct rnnd_policy *p = &m->policy;
+    return p->enc_layers > 0 ? p->enc_width[p->enc_layers - 1] : m->I;
+}
+
+struct rnnd_model rnnd_model_core(const struct rnnd_model *m) {
+    return (struct rnnd_model){
+        .cell = m->cell, .compute = m->compute, .I = core_input(m), .H = m->H, .L = m->L};
 }
 
 int rnnd_model_gates(const struct rnnd_model *m) {
@@ -57,7 +116,14 @@ int rnnd_model_gates(const struct rnnd_model *m) {
 }
 
 int rnnd_model_layer_input(const struct rnnd_model *m, int l) {
-    return l == 0 ? m->I : m->H;
+    return l == 0 ? core_input(m) : m->H;
+}
+
+int rnnd_model_encoder_acts(const struct rnnd_model *m) {
+    int n = 0;
+    for (int j = 0; j < m->policy.enc_layers; j++)
+        n += m->policy.enc_width[j];
+    return n;
 }
 
 static size_t layer_param_count(const struct rnnd_model *m, int l) {
@@ -65,18 +131,72 @@ static size_t layer_param_count(const struct rnnd_model *m, int l) {
     return gh * (size_t)rnnd_model_layer_input(m, l) + gh * (size_t)m->H + 2 * gh;
 }
 
-size_t rnnd_model_param_count(const struct rnnd_model *m) {
+static size_t core_param_count(const struct rnnd_model *m) {
     size_t n = 0;
     for (int l = 0; l < m->L; l++)
         n += layer_param_count(m, l);
     return n;
 }
 
+// The policy's tensors, in order, with offsets after the core's; returns how many (at most
+// RNND_MAX_PARAM_TENSORS - 4 * RNND_MAX_LAYERS). The order is rnnd.torch.Policy's state_dict:
+// its own Parameters first (the core's, then action_log_std), then its submodules.
+static int policy_layout(const struct rnnd_model *m, struct rnnd_param_tensor *t) {
+    const struct rnnd_policy *p = &m->policy;
+    size_t offset = core_param_count(m);
+    int n = 0;
+#define ADD(rows, cols, ...)                                                                       \
+    do {                                                                                           \
+        struct rnnd_param_tensor *o = &t[n++];                                                     \
+        memset(o, 0, sizeof(*o));                                                                  \
+        snprintf(o->name, sizeof(o->name), __VA_ARGS__);                                           \
+        o->offset = offset;                                                                        \
+        o->ndim = (cols) > 0 ? 2 : 1;                                                              \
+        o->shape[0] = (rows);                                                                      \
+        o->shape[1] = (cols);                                                                      \
+        o->count = (size_t)(rows) * (size_t)((cols) > 0 ? (cols) : 1);                             \
+        offset += o->count;                                                                        \
+    } while (0)
+    if (p->A > 0)
+        ADD(p->A, 0, "action_log_std");
+    for (int j = 0, in = m->I; j < p->enc_layers; in = p->enc_width[j], j++) {
+        ADD(p->enc_width[j], in, "encoder.%d.weight", j);
+        ADD(p->enc_width[j], 0, "encoder.%d.bias", j);
+    }
+    if (p->K > 0) {
+        ADD(p->K, m->H, "policy_logits.weight");
+        ADD(p->K, 0, "policy_logits.bias");
+    }
+    if (p->A > 0) {
+        ADD(p->A, m->H, "action_mean.weight");
+        ADD(p->A, 0, "action_mean.bias");
+    }
+    if (p->value) {
+        ADD(1, m->H, "value.weight");
+        ADD(1, 0, "value.bias");
+    }
+#undef ADD
+    return n;
+}
+
+size_t rnnd_model_param_count(const struct rnnd_model *m) {
+    struct rnnd_param_tensor t[RNND_MAX_PARAM_TENSORS];
+    int n = policy_layout(m, t);
+    return n ? t[n - 1].offset + t[n - 1].count : core_param_count(m);
+}
+
 int rnnd_model_param_tensors(const struct rnnd_model *m) {
-    return 4 * m->L;
+    struct rnnd_param_tensor t[RNND_MAX_PARAM_TENSORS];
+    return 4 * m->L + policy_layout(m, t);
 }
 
 void rnnd_model_param_tensor(const struct rnnd_model *m, int k, struct rnnd_param_tensor *out) {
+    if (k >= 4 * m->L) {
+        struct rnnd_param_tensor t[RNND_MAX_PARAM_TENSORS];
+        policy_layout(m, t);
+        *out = t[k - 4 * m->L];
+        return;
+    }
     static const char *const prefix[4] = {"weight_ih", "weight_hh", "bias_ih", "bias_hh"};
     int l = k / 4;
     enum rnnd_param_kind kind = (enum rnnd_param_kind)(k % 4);
@@ -121,13 +241,29 @@ static uint64_t splitmix64(uint64_t *s) {
     return z ^ (z >> 31);
 }
 
+static float uniform_pm(uint64_t *s, float bound) {
+    double u = (double)(splitmix64(s) >> 11) * 0x1.0p-53; // [0, 1)
+    return (float)((2.0 * u - 1.0) * bound);
+}
+
 void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *params) {
     float bound = 1.0f / sqrtf((float)m->H);
     uint64_t s = seed;
-    size_t n = rnnd_model_param_count(m);
-    for (size_t i = 0; i < n; i++) {
-        double u = (double)(splitmix64(&s) >> 11) * 0x1.0p-53; // [0, 1)
-        params[i] = (float)((2.0 * u - 1.0) * bound);
+    size_t n = core_param_count(m);
+    for (size_t i = 0; i < n; i++)
+        params[i] = uniform_pm(&s, bound);
+    // The policy's Linears continue the same stream; each bias follows its weight (fan_in).
+    struct rnnd_param_tensor t[RNND_MAX_PARAM_TENSORS];
+    int np = policy_layout(m, t);
+    for (int k = 0; k < np; k++) {
+        if (strcmp(t[k].name, "action_log_std") == 0) {
+            memset(params + t[k].offset, 0, t[k].count * sizeof(float));
+            continue;
+        }
+        if (t[k].ndim == 2)
+            bound = 1.0f / sqrtf((float)t[k].shape[1]);
+        for (size_t i = 0; i < t[k].count; i++)
+            params[t[k].offset + i] = uniform_pm(&s, bound);
     }
 }
 
@@ -135,7 +271,7 @@ void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *pa
 // Argument checks
 
 int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m) {
-    if (seq == NULL || rnnd_model_check(m) != 0)
+    if (seq == NULL || rnnd_model_check(m) != 0 || rnnd_model_has_policy(m))
         return RNND_EINVAL;
     if (seq->B < 1 || seq->T < 1 || seq->x == NULL || seq->is_init == NULL)
         return RNND_EINVAL;
@@ -155,7 +291,7 @@ int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m) {
 }
 
 int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
-    if (step == NULL || rnnd_model_check(m) != 0)
+    if (step == NULL || rnnd_model_check(m) != 0 || rnnd_model_has_policy(m))
         return RNND_EINVAL;
     if (step->B < 1 || step->x == NULL || step->slots == NULL || step->slots_new == NULL ||
         step->state_h == NULL || step->out == NULL)
@@ -164,6 +300,41 @@ int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m) {
     if (lstm != (step->state_c != NULL))
         return RNND_EINVAL;
     if (!lstm && step->c_before)
+        return RNND_EINVAL;
+    return 0;
+}
+
+int rnnd_encoder_check(const struct rnnd_model *m, int N, const void *out, const void *in) {
+    if (rnnd_model_check(m) != 0 || m->policy.enc_layers < 1 || N < 1 || !out || !in)
+        return RNND_EINVAL;
+    // Keep N times any width inside what an int row index and a size_t can address.
+    if ((int64_t)N * rnnd_model_encoder_acts(m) > (int64_t)INT32_MAX * 4)
+        return RNND_EINVAL;
+    return 0;
+}
+
+int rnnd_heads_check(const struct rnnd_heads *hd, const float *h, int N,
+                     const struct rnnd_model *m) {
+    if (hd == NULL || h == NULL || N < 1 || rnnd_model_check(m) != 0)
+        return RNND_EINVAL;
+    const struct rnnd_policy *p = &m->policy;
+    if ((hd->logits && p->K == 0) || ((hd->mean || hd->log_std) && p->A == 0) ||
+        (hd->value && !p->value))
+        return RNND_EINVAL;
+    return 0;
+}
+
+int rnnd_actions_check(const struct rnnd_actions *a, const struct rnnd_model *m, bool sample) {
+    if (a == NULL || rnnd_model_check(m) != 0 || a->N < 1)
+        return RNND_EINVAL;
+    const struct rnnd_policy *p = &m->policy;
+    if (p->K > 0 && (!a->logits || !a->index))
+        return RNND_EINVAL;
+    if (p->A > 0 && (!a->mean || !a->action))
+        return RNND_EINVAL;
+    if (p->K == 0 && p->A == 0)
+        return RNND_EINVAL;
+    if (sample && (!a->env_ids || !a->steps))
         return RNND_EINVAL;
     return 0;
 }

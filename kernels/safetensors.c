@@ -533,8 +533,8 @@ int rnnd_st_encode_params(const struct rnnd_model *m, const float *params, const
     if (rnnd_model_check(m) != 0 || params == NULL)
         return RNND_EINVAL;
     int n = rnnd_model_param_tensors(m);
-    struct rnnd_param_tensor p[4 * RNND_MAX_LAYERS];
-    struct rnnd_st_tensor t[4 * RNND_MAX_LAYERS];
+    struct rnnd_param_tensor p[RNND_MAX_PARAM_TENSORS];
+    struct rnnd_st_tensor t[RNND_MAX_PARAM_TENSORS];
     for (int k = 0; k < n; k++) {
         rnnd_model_param_tensor(m, k, &p[k]);
         t[k] = (struct rnnd_st_tensor){.name = p[k].name,
@@ -559,8 +559,9 @@ int rnnd_st_decode_params(const struct rnnd_model *m, const struct rnnd_st_file 
     int n = rnnd_model_param_tensors(m);
     for (int i = 0; i < f->n; i++)
         if (rnnd_model_param_find(m, f->tensors[i].name) < 0) {
-            fail(&ps, RNND_EINVAL, "unexpected tensor \"%s\": this model has %d layer(s)",
-                 f->tensors[i].name, m->L);
+            fail(&ps, RNND_EINVAL,
+                 "unexpected tensor \"%s\": this model (%d layer(s)%s) has none by that name",
+                 f->tensors[i].name, m->L, rnnd_model_has_policy(m) ? ", with a policy" : "");
             return ps.status;
         }
     // Check everything before copying anything, so a refused file changes nothing.

@@ -2,7 +2,7 @@
  * backend.c: the CPU reference backend's vtable (struct rnnd_backend_ops), its memory ops (host
  * memory: alloc is aligned_alloc, alloc_lazy an mmap, copies are memcpy, sync does nothing) and its context: the
  * scratch arena that ops grow on demand, and the thread pool their phases run on. The math lives
- * in rnn.c, gru.c, lstm.c, linear.c, traj.c and optim.c (see cpu.h for the tour).
+ * in rnn.c, gru.c, lstm.c, linear.c, policy.c, traj.c and optim.c (see cpu.h for the tour).
  *
  * Threads. The backend runs on RNND_CPU_THREADS threads (else OPENBLAS_NUM_THREADS, else the CPUs
  * this process may run on), the calling thread included; the workers sleep on a condition
@@ -255,6 +255,39 @@ static int cpu_optim_step(void *ctx, float *params, float *grads, float *m, floa
     return rnnd__cpu_optim_step(params, grads, m, v, n, o, t, grad_norm);
 }
 
+static int cpu_encoder_forward(void *ctx, float *acts, const float *obs, int N,
+                               const float *params, const struct rnnd_model *m) {
+    return rnnd__cpu_encoder_forward(ctx, acts, obs, N, params, m);
+}
+
+static int cpu_encoder_backward(void *ctx, float *grad_params, float *grad_obs,
+                                const float *grad_out, const float *acts, const float *obs, int N,
+                                const float *params, const struct rnnd_model *m) {
+    return rnnd__cpu_encoder_backward(ctx, grad_params, grad_obs, grad_out, acts, obs, N, params,
+                                      m);
+}
+
+static int cpu_heads_forward(void *ctx, const struct rnnd_heads *out, const float *h, int N,
+                             const float *params, const struct rnnd_model *m) {
+    return rnnd__cpu_heads_forward(ctx, out, h, N, params, m);
+}
+
+static int cpu_heads_backward(void *ctx, float *grad_params, float *grad_h,
+                              const struct rnnd_heads *grad, const float *h, int N,
+                              const float *params, const struct rnnd_model *m) {
+    return rnnd__cpu_heads_backward(ctx, grad_params, grad_h, grad, h, N, params, m);
+}
+
+static int cpu_policy_sample(void *ctx, const struct rnnd_actions *a, const float *params,
+                             const struct rnnd_model *m) {
+    return rnnd__cpu_policy_sample(ctx, a, params, m);
+}
+
+static int cpu_policy_logp(void *ctx, const struct rnnd_actions *a, const float *params,
+                           const struct rnnd_model *m) {
+    return rnnd__cpu_policy_logp(ctx, a, params, m);
+}
+
 // One reference implementation for every model.
 static int cpu_plan_name(void *ctx, const struct rnnd_model *m, int B, char *buf, size_t len) {
     (void)ctx;
@@ -289,6 +322,12 @@ static const struct rnnd_backend_ops cpu_ops = {
     .cast = cpu_cast,
     .optim_step = cpu_optim_step,
     .plan_name = cpu_plan_name,
+    .encoder_forward = cpu_encoder_forward,
+    .encoder_backward = cpu_encoder_backward,
+    .heads_forward = cpu_heads_forward,
+    .heads_backward = cpu_heads_backward,
+    .policy_sample = cpu_policy_sample,
+    .policy_logp = cpu_policy_logp,
 };
 
 int rnnd_backend_cpu_init(struct rnnd_backend *b) {

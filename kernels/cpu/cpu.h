@@ -8,6 +8,7 @@
  *   gru.c      the GRU cell's pointwise forward and backward for one row;
  *   lstm.c     the LSTM cell's pointwise forward and backward for one row;
  *   linear.c   the sgemm wrapper (bf16 operand rounding);
+ *   policy.c   the policy around the core: encoder, heads, action sampling and log-probs;
  *   traj.c     the trajectory store's row moves (traj_write, traj_read);
  *   optim.c    clip_grad_norm_ + Adam / SGD.
  * Everything is fp32; long reductions (bias gradients, the gradient norm) accumulate in double.
@@ -179,7 +180,7 @@ void rnnd__lstm_row_backward(int H, float *restrict da, float *restrict dc,
                              const float *restrict c);
 
 // ---------------------------------------------------------------------------------------------
-// rnn.c and optim.c: the vtable's ops (argument order and contracts as in rnnd_kernels.h).
+// rnn.c, policy.c and optim.c: the vtable's ops (argument order and contracts as in rnnd_kernels.h).
 
 size_t rnnd__cpu_tape_bytes(const struct rnnd_model *m, int B, int T);
 int rnnd__cpu_rnn_forward(struct cpu_ctx *c, float *out, float *h_n, float *c_n, void *tape,
@@ -191,6 +192,20 @@ int rnnd__cpu_rnn_backward(struct cpu_ctx *c, const struct rnnd_seq_grads *grads
                            const struct rnnd_model *m);
 int rnnd__cpu_rnn_step(struct cpu_ctx *c, const struct rnnd_step *step, const float *params,
                        const struct rnnd_model *m);
+int rnnd__cpu_encoder_forward(struct cpu_ctx *c, float *acts, const float *obs, int N,
+                              const float *params, const struct rnnd_model *m);
+int rnnd__cpu_encoder_backward(struct cpu_ctx *c, float *grad_params, float *grad_obs,
+                               const float *grad_out, const float *acts, const float *obs, int N,
+                               const float *params, const struct rnnd_model *m);
+int rnnd__cpu_heads_forward(struct cpu_ctx *c, const struct rnnd_heads *out, const float *h, int N,
+                            const float *params, const struct rnnd_model *m);
+int rnnd__cpu_heads_backward(struct cpu_ctx *c, float *grad_params, float *grad_h,
+                             const struct rnnd_heads *g, const float *h, int N, const float *params,
+                             const struct rnnd_model *m);
+int rnnd__cpu_policy_sample(struct cpu_ctx *c, const struct rnnd_actions *a, const float *params,
+                            const struct rnnd_model *m);
+int rnnd__cpu_policy_logp(struct cpu_ctx *c, const struct rnnd_actions *a, const float *params,
+                          const struct rnnd_model *m);
 int rnnd__cpu_traj_write(struct cpu_ctx *c, const struct rnnd_traj_store *st,
                          const struct rnnd_traj_rows *r, const struct rnnd_model *m);
 int rnnd__cpu_traj_read(struct cpu_ctx *c, const struct rnnd_traj_rows *r,

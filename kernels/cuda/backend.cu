@@ -171,11 +171,12 @@ static int cuda_sync(void *ctx) {
     return 0;
 }
 
-// Every valid model runs: the plan (seq_plan.h) has the per-step path for every model no other
-// kernel runs; the single-step kernel takes any width.
+// Every valid core runs: the plan (seq_plan.h) has the per-step path for every model no other
+// kernel runs; the single-step kernel takes any width. The policy ops are the CPU backend's only.
 static int cuda_supports(void *ctx, const struct rnnd_model *m) {
     (void)ctx;
-    return rnnd_model_check(m);
+    int rc = rnnd_model_check(m);
+    return rc == 0 && rnnd_model_has_policy(m) ? RNND_ENOTSUP : rc;
 }
 
 static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {

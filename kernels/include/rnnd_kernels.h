@@ -1,13 +1,15 @@
 /*
- * rnnd_kernels.h: the backend-neutral op API of rnnd's recurrent cores.
+ * rnnd_kernels.h: the backend-neutral op API of rnnd's recurrent cores and the policies around
+ * them.
  *
- * The math of docs/design.md (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets) behind a
- * small vtable, so the server runs the same calls on the CPU reference and on CUDA. Kernels do no
- * I/O, never log and keep no global state; each backend context belongs to one thread at a time.
+ * The math of docs/design.md (PyTorch nn.GRU / nn.LSTM with TorchRL-style resets; an MLP
+ * encoder and discrete, Gaussian and value heads, as rnnd.torch.Policy) behind a small vtable,
+ * so the server runs the same calls on the CPU reference and on CUDA. Kernels do no I/O, never log and keep no global state; each backend context belongs to one thread at a time.
  *
  * Dimension letters, used in every shape comment:
  *   B batch rows, T steps, I input width, H hidden width, L layers,
- *   G gates per layer (3 for GRU: r z n; 4 for LSTM: i f g o), S state slots, P parameter count.
+ *   G gates per layer (3 for GRU: r z n; 4 for LSTM: i f g o), S state slots, P parameter count,
+ *   N rows of a row-wise op (B, or B*T), K discrete actions, A Gaussian action dims.
  * Tensors are fp32, row-major, batch-first. Pointers handed to an op live in the backend's memory
  * (host memory for the CPU backend, device memory for CUDA) unless a comment says "host".
  */
@@ -63,30 +65,72 @@ enum rnnd_compute {
     RNND_COMPUTE_BF16, // bf16 matmul operands, fp32 accumulation and state
 };
 
+// The encoder's activation, after every Linear of the MLP. ELU (alpha 1) is Sample Factory's
+// default; relu is SEED RL's; tanh is CleanRL's and Stable-Baselines3's.
+enum rnnd_act { RNND_ACT_ELU, RNND_ACT_RELU, RNND_ACT_TANH };
+
+// Largest sizes any backend accepts; rnnd_model_check refuses more.
+#define RNND_MAX_LAYERS         8
+#define RNND_MAX_WIDTH          65536
+#define RNND_MAX_ENCODER_LAYERS 4
+
+// The policy around the recurrent core (docs/design.md "Policy"). All zero: no policy, the model
+// is the core alone, exactly as before policies existed (parameters, names, init, files).
+//   obs (I) -> encoder: enc_layers x (Linear, act) -> core (GRU/LSTM over enc_width[last], or
+//   over I without an encoder) -> h (H) -> heads: logits (K) | mean (A) and log-std (A) | value.
+struct rnnd_policy {
+    int enc_layers;                          // 0 .. RNND_MAX_ENCODER_LAYERS
+    int enc_width[RNND_MAX_ENCODER_LAYERS];  // output width of each encoder Linear
+    enum rnnd_act enc_act;
+    int K;      // discrete actions: policy_logits (K, H); 0: no discrete head
+    int A;      // diagonal Gaussian action dims: action_mean (A, H), action_log_std (A); 0: none
+    bool value; // value head (1, H)
+};
+
 struct rnnd_model {
     enum rnnd_cell cell;
     enum rnnd_compute compute;
-    int I; // input width of layer 0
+    int I; // input width of the model: the observation (the core's own input when no encoder)
     int H; // hidden width of every layer
     int L; // layers
+    struct rnnd_policy policy;
 };
 
-// Largest sizes any backend accepts; rnnd_model_check refuses more.
-#define RNND_MAX_LAYERS 8
-#define RNND_MAX_WIDTH  65536
+// Most named parameter tensors a model has: the core's 4 per layer, 2 per encoder layer, and
+// policy_logits (2), action_mean (2), action_log_std, value (2).
+#define RNND_MAX_PARAM_TENSORS (4 * RNND_MAX_LAYERS + 2 * RNND_MAX_ENCODER_LAYERS + 7)
 
 // 0 when m is a valid model (cell and compute known, 1 <= I, H <= RNND_MAX_WIDTH,
-// 1 <= L <= RNND_MAX_LAYERS), RNND_EINVAL otherwise.
+// 1 <= L <= RNND_MAX_LAYERS, and a valid policy: see rnnd_model_validate), RNND_EINVAL otherwise.
 int rnnd_model_check(const struct rnnd_model *m);
+// rnnd_model_check, and on RNND_EINVAL a one-line reason naming the field, its value and what
+// is accepted in err (errlen bytes, may be 0). A policy is refused when an encoder width is out
+// of 1 .. RNND_MAX_WIDTH, the activation is unknown, K is 1 (a one-way choice is no policy) or
+// above RNND_MAX_WIDTH, A is out of 0 .. RNND_MAX_WIDTH, or both K and A are set (one action
+// head: discrete or Gaussian).
+int rnnd_model_validate(const struct rnnd_model *m, char *err, size_t errlen);
+// True when m has any policy part (encoder or head).
+bool rnnd_model_has_policy(const struct rnnd_model *m);
+// The recurrent core of m alone, as the core ops (rnn_forward, rnn_backward, rnn_step) take it:
+// I is the core's input width (the last encoder width, or m->I) and there is no policy. Its
+// parameters are the first rnnd_model_param_count(core) floats of m's flat array.
+struct rnnd_model rnnd_model_core(const struct rnnd_model *m);
 // G: 3 for GRU, 4 for LSTM.
 int rnnd_model_gates(const struct rnnd_model *m);
-// Input width of layer l: I for l = 0, H above.
+// Input width of core layer l: the core's input width for l = 0, H above.
 int rnnd_model_layer_input(const struct rnnd_model *m, int l);
+// Floats per row of the encoder's saved activations: the sum of enc_width (0 without encoder).
+int rnnd_model_encoder_acts(const struct rnnd_model *m);
 
-// Parameters are one flat fp32 array of P floats in PyTorch's order (nn.GRU/nn.LSTM
-// _flat_weights): for each layer l, weight_ih_l{l} (G*H, I_l), weight_hh_l{l} (G*H, H),
-// bias_ih_l{l} (G*H), bias_hh_l{l} (G*H). Gradients, Adam moments and checkpoints use the same
-// layout, so each is one copy and the optimizer is one pass over one array.
+// Parameters are one flat fp32 array of P floats. The core comes first, in PyTorch's order
+// (nn.GRU/nn.LSTM _flat_weights): for each layer l, weight_ih_l{l} (G*H, I_l), weight_hh_l{l}
+// (G*H, H), bias_ih_l{l} (G*H), bias_hh_l{l} (G*H). The policy's tensors follow, in the order of
+// rnnd.torch.Policy's state_dict (whose names they carry): action_log_std (A);
+// encoder.{j}.weight (enc_width[j], in_j), encoder.{j}.bias (enc_width[j]) for each encoder
+// layer j (in_0 = I, then the previous width); policy_logits.weight (K, H), .bias (K);
+// action_mean.weight (A, H), .bias (A); value.weight (1, H), .bias (1); each only when its part
+// is there. Gradients, Adam moments and checkpoints use the same layout, so each is one copy and
+// the optimizer is one pass over one array.
 enum rnnd_param_kind {
     RNND_PARAM_WEIGHT_IH,
     RNND_PARAM_WEIGHT_HH,
@@ -95,7 +139,7 @@ enum rnnd_param_kind {
 };
 
 struct rnnd_param_tensor {
-    char name[32];  // PyTorch's name, e.g. "weight_ih_l0"
+    char name[32];  // PyTorch's name, e.g. "weight_ih_l0", "encoder.0.weight"
     size_t offset;  // in floats from the start of the flat array
     int ndim;       // 2 for weights, 1 for biases
     int64_t shape[2];
@@ -104,16 +148,19 @@ struct rnnd_param_tensor {
 
 // P, the number of floats in the flat parameter array.
 size_t rnnd_model_param_count(const struct rnnd_model *m);
-// 4 * L named tensors.
+// The number of named tensors: 4 * L for the core, then the policy's (at most
+// RNND_MAX_PARAM_TENSORS).
 int rnnd_model_param_tensors(const struct rnnd_model *m);
-// Describes tensor k (0 <= k < 4*L; k = 4*l + kind) into *out.
+// Describes tensor k (0 <= k < rnnd_model_param_tensors; k = 4*l + kind for the core) into *out.
 void rnnd_model_param_tensor(const struct rnnd_model *m, int k, struct rnnd_param_tensor *out);
 // Index k of the tensor called name, or RNND_ENOTFOUND.
 int rnnd_model_param_find(const struct rnnd_model *m, const char *name);
 
-// Fills params (host, P floats) as PyTorch initialises nn.GRU/nn.LSTM: uniform in
-// [-1/sqrt(H), 1/sqrt(H)], drawn from a generator seeded with seed (not PyTorch's generator:
-// the same seed gives the same weights in rnnd, not in torch).
+// Fills params (host, P floats) as PyTorch initialises its modules, from a generator seeded with
+// seed (not PyTorch's generator: the same seed gives the same weights in rnnd, not in torch):
+// the core as nn.GRU/nn.LSTM, uniform in [-1/sqrt(H), 1/sqrt(H)]; then each policy Linear as
+// nn.Linear, weight and bias uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)]; action_log_std 0.
+// The core's values do not depend on the policy.
 void rnnd_model_init_params(const struct rnnd_model *m, uint64_t seed, float *params);
 
 // ---------------------------------------------------------------------------------------------
@@ -205,6 +252,37 @@ struct rnnd_traj_rows {
     float *h, *c;        // (n, L, H)
     uint8_t *is_init;    // (n)
     uint64_t *version;   // (n)
+};
+
+// The policy's outputs over N rows of core output h (N, H), as heads_forward writes them and
+// as heads_backward reads their gradients (dL/d of the same quantities). Each pointer may be
+// NULL (forward: not wanted; backward: a zero gradient); one for a head the model lacks is
+// RNND_EINVAL.
+struct rnnd_heads {
+    float *logits;  // (N, K) discrete head
+    float *mean;    // (N, A) Gaussian head
+    float *log_std; // (N, A) Gaussian head: action_log_std, the same for every row
+    float *value;   // (N) value head
+};
+
+// Actions of N rows from the action head's outputs (docs/design.md "Policy"). policy_sample
+// writes the action (index or action) and policy_logp reads it; both write logp and entropy
+// when they are not NULL. Discrete head: index, from logits. Gaussian head: action, from mean
+// and the parameter action_log_std.
+struct rnnd_actions {
+    int N;
+    const float *logits; // (N, K) discrete head
+    const float *mean;   // (N, A) Gaussian head
+    int64_t *index;      // (N) discrete head: actions in 0 .. K-1
+    float *action;       // (N, A) Gaussian head
+    float *logp;         // (N) or NULL: log-probability of each row's action
+    float *entropy;      // (N) or NULL: entropy of each row's distribution
+    // policy_sample only: row i draws from the counter-based generator of rnnd_philox.h keyed
+    // by (seed, env_ids[i], steps[i]), so the same key always gives the same action.
+    uint64_t seed;
+    const uint64_t *env_ids; // (N)
+    const uint64_t *steps;   // (N)
+    const uint8_t *greedy;   // (N) or NULL: 1 takes the mode (argmax, mean) instead of a draw
 };
 
 enum rnnd_optim_kind { RNND_OPTIM_ADAM, RNND_OPTIM_SGD };
@@ -307,6 +385,39 @@ struct rnnd_backend_ops {
     // NUL-terminated, truncated where it does not fit). 0, or RNND_EINVAL for an invalid model,
     // B < 1 or no buffer.
     int (*plan_name)(void *ctx, const struct rnnd_model *m, int B, char *buf, size_t len);
+
+    // The policy around the core (docs/design.md "Policy"), over N >= 1 independent rows, with
+    // m the whole model and params its whole flat array (the core ops take rnnd_model_core(m)
+    // and the same params). A backend that leaves these NULL refuses policies in supports.
+    // A training step: encoder_forward (B*T rows of obs) -> rnn_forward (x = the last block of
+    // acts) -> heads_forward (h = out); then heads_backward -> rnn_backward (grad_out = grad_h,
+    // grads->x wanted) -> encoder_backward (grad_out = grads->x).
+    //
+    // Encoder forward: acts (N, rnnd_model_encoder_acts(m)) receives every layer's output,
+    // layer-major: layer j's block (N, enc_width[j]) follows layer j-1's, and the last block is
+    // the core's input. RNND_EINVAL without an encoder.
+    int (*encoder_forward)(void *ctx, float *acts, const float *obs, int N, const float *params,
+                           const struct rnnd_model *m);
+    // Encoder backward from grad_out (N, enc_width[last]), the gradient of acts' last block:
+    // grad_params (P) += the encoder's weight and bias gradients; grad_obs (N, I) = dL/d obs,
+    // or NULL when not wanted.
+    int (*encoder_backward)(void *ctx, float *grad_params, float *grad_obs, const float *grad_out,
+                            const float *acts, const float *obs, int N, const float *params,
+                            const struct rnnd_model *m);
+    // Heads forward: fills out's non-NULL members from h (N, H).
+    int (*heads_forward)(void *ctx, const struct rnnd_heads *out, const float *h, int N,
+                         const float *params, const struct rnnd_model *m);
+    // Heads backward from grad's members: grad_params (P) += the heads' gradients; grad_h (N, H)
+    // = dL/dh (zero when every member is NULL), the core's grad_out.
+    int (*heads_backward)(void *ctx, float *grad_params, float *grad_h,
+                          const struct rnnd_heads *grad, const float *h, int N,
+                          const float *params, const struct rnnd_model *m);
+    // Draws each row's action (struct rnnd_actions), with its logp and entropy when asked.
+    int (*policy_sample)(void *ctx, const struct rnnd_actions *a, const float *params,
+                         const struct rnnd_model *m);
+    // logp and entropy of the given actions (a->index or a->action read).
+    int (*policy_logp)(void *ctx, const struct rnnd_actions *a, const float *params,
+                       const struct rnnd_model *m);
 };
 
 struct rnnd_backend {
@@ -331,11 +442,20 @@ void rnnd_backend_free(struct rnnd_backend *b);
 // ---------------------------------------------------------------------------------------------
 // Argument checks shared by the backends (so both refuse the same input with the same code).
 
-// 0 when seq is a valid batch for m (B, T >= 1, x and is_init set, LSTM state pairs consistent,
-// h0 and hidden not both), RNND_EINVAL otherwise.
+// 0 when seq is a valid batch for m (a core-only model: rnnd_model_core; B, T >= 1, x and
+// is_init set, LSTM state pairs consistent, h0 and hidden not both), RNND_EINVAL otherwise.
 int rnnd_seq_check(const struct rnnd_seq *seq, const struct rnnd_model *m);
-// 0 when step is a valid single-step batch for m, RNND_EINVAL otherwise.
+// 0 when step is a valid single-step batch for m (core-only), RNND_EINVAL otherwise.
 int rnnd_step_check(const struct rnnd_step *step, const struct rnnd_model *m);
+// 0 when the encoder ops can run over N rows of m (valid, with an encoder, N >= 1, the arrays
+// they read and write given), RNND_EINVAL otherwise.
+int rnnd_encoder_check(const struct rnnd_model *m, int N, const void *out, const void *in);
+// 0 when hd's members match m's heads (none for a head m lacks), N >= 1 and h given.
+int rnnd_heads_check(const struct rnnd_heads *hd, const float *h, int N,
+                     const struct rnnd_model *m);
+// 0 when a fits m's action head (m has one; N >= 1; logits or mean, and index or action, given;
+// for sample, env_ids and steps too), RNND_EINVAL otherwise.
+int rnnd_actions_check(const struct rnnd_actions *a, const struct rnnd_model *m, bool sample);
 // 0 when r can move rows of st for m (n >= 1, indices given, the columns traj_write needs when
 // write), RNND_EINVAL otherwise. The indices themselves are checked by the CPU backend only.
 int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_rows *r,

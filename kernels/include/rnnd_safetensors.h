@@ -62,8 +62,9 @@ const struct rnnd_st_tensor *rnnd_st_find(const struct rnnd_st_file *f, const ch
 const char *rnnd_st_meta(const struct rnnd_st_file *f, const char *key);
 
 // Encodes the model's parameters (host, P floats, the flat layout of rnnd_kernels.h) as its
-// PyTorch-named tensors (weight_ih_l0, ...), loadable into nn.GRU / nn.LSTM with
-// load_state_dict. Same ownership and errors as rnnd_st_encode.
+// PyTorch-named tensors (weight_ih_l0, ...), loadable into nn.GRU / nn.LSTM (a core-only model)
+// or rnnd.torch.Policy (a model with a policy) with load_state_dict. Same ownership and errors
+// as rnnd_st_encode.
 int rnnd_st_encode_params(const struct rnnd_model *m, const float *params, const char *const *meta,
                           int n_meta, void **out, size_t *out_len);
 

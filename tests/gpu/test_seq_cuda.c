@@ -61,7 +61,8 @@ struct seq_sizes {
     size_t P, nx, nout, blh, btlh;
 };
 static struct seq_sizes seq_sizes_of(const struct seq_case *sc) {
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     size_t BT = (size_t)sc->B * sc->T, LH = (size_t)sc->L * sc->H;
     return (struct seq_sizes){rnnd_model_param_count(&m), BT * sc->I, BT * sc->H,
                               (size_t)sc->B * LH, BT * LH};
@@ -84,7 +85,8 @@ static void seq_out_free(struct seq_out *o) {
 // the biases are redrawn uniform in +-bias_scale.
 static void seq_host_init(struct seq_host *h, const struct seq_case *sc, float bias_scale,
                           float state_scale) {
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
     size_t blh = (size_t)sc->B * sc->L * sc->H, btlh = BT * sc->L * sc->H;
     h->params = xmalloc(P * 4);
@@ -115,7 +117,8 @@ static void seq_host_free(struct seq_host *h) {
 static int run_seq_on(struct rnnd_backend *be, const struct seq_case *sc, const struct seq_host *h,
                       struct seq_out *o, bool poison) {
     const bool no_gx = (sc->how & SEQ_NO_GX) != 0;
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
     size_t P = rnnd_model_param_count(&m), BT = (size_t)sc->B * sc->T;
     size_t nx = BT * sc->I, nout = BT * sc->H, blh = (size_t)sc->B * sc->L * sc->H;
@@ -207,7 +210,8 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     const bool check_determinism = sc->how & SEQ_REPEAT, no_gx = sc->how & SEQ_NO_GX;
     const float bias_scale = sc->how & SEQ_SATURATED ? 40.0f : 0.0f;
     const float state_scale = sc->how & SEQ_WIDE ? 12.0f : 0.8f;
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
     const struct seq_sizes z = seq_sizes_of(sc);
     const size_t P = z.P, nx = z.nx, nout = z.nout, blh = z.blh, btlh = z.btlh;
@@ -385,7 +389,8 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
     const struct seq_case sc = *c;
     const bool lstm = sc.cell == RNND_CELL_LSTM;
     const enum rnnd_compute compute = sc.compute;
-    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    const struct rnnd_model m = {
+        .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
     const struct seq_sizes z = seq_sizes_of(&sc);
     char tag[48];
     snprintf(tag, sizeof(tag), "%s %s %s gates ~1", lstm ? "lstm" : "gru", compute_name(compute),
@@ -421,7 +426,8 @@ static void test_tape_align(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     (void)cpu, (void)arg;
     const struct seq_case sc = *c;
     gpu_seed("misaligned tape");
-    const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+    const struct rnnd_model m = {
+        .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
     const struct seq_sizes z = seq_sizes_of(&sc);
     const struct rnnd_backend_ops *ops = gpu->ops;
     struct seq_host h;
@@ -540,7 +546,8 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     }
     const bool zf = sc->compute == RNND_COMPUTE_BF16 && zfwd_runs(sc, gpu_base_variant | va);
     test_seq(gpu, cpu, sc);
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     const struct seq_sizes z = seq_sizes_of(sc);
     char tag[80];
     snprintf(tag, sizeof(tag), "%s %s I%d L%d B%d T%d dw16%s v%d",
@@ -689,7 +696,8 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
             compare("grad x, 0-9", tag, og.gx + at, oc.gx + at, NULL, 10 * (size_t)sc.I, tol);
         }
         if (kind == 4) { // dW_ih alone: the big rows' gradients swamp it in the whole
-            const struct rnnd_model m = {sc.cell, sc.compute, sc.I, sc.H, sc.L};
+            const struct rnnd_model m = {
+                .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
             struct rnnd_param_tensor pt;
             rnnd_model_param_tensor(&m, RNND_PARAM_WEIGHT_IH, &pt);
             compare("grad W_ih", tag, og.gp + pt.offset, oc.gp + pt.offset, NULL, pt.count, tol);
@@ -728,7 +736,8 @@ static void check_inputs(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 static void test_weight_outliers(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                                  const struct seq_case *sc, int arg) {
     (void)arg;
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 H%d L%d weight outliers",
              sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", sc->H, sc->L);

@@ -32,7 +32,8 @@ struct step_case {
 static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                       const struct step_case *sc) {
     const bool feed = sc->feed;
-    const struct rnnd_model m = {sc->cell, sc->compute, sc->I, sc->H, sc->L};
+    const struct rnnd_model m = {
+        .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     bool lstm = sc->cell == RNND_CELL_LSTM;
     // Two rows per env as the daemon keeps them, s and s + S (struct rnnd_step): row b of the
     // first step reads rows[b] and writes rows[B + b], the next step goes back, and so on.

@@ -670,7 +670,8 @@ static bool all_equal(const float *p, size_t n, float v) {
 static void test_plan_name(void **state) {
     (void)state;
     const struct rnnd_backend_ops *ops = cpu.ops;
-    const struct rnnd_model m = {RNND_CELL_GRU, RNND_COMPUTE_FP32, 64, 128, 2};
+    const struct rnnd_model m = {
+        .cell = RNND_CELL_GRU, .compute = RNND_COMPUTE_FP32, .I = 64, .H = 128, .L = 2};
     char buf[32];
     assert_int_equal(ops->plan_name(cpu.ctx, &m, 2048, buf, sizeof(buf)), 0);
     assert_string_equal(buf, "cpu_reference");

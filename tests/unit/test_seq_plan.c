@@ -25,7 +25,7 @@ static const struct seq_device a100 = {8, 108, 166912, false, {{0, 0}, {0, 0}}};
 static const char *name_of(const struct seq_device *dev, int tune_bits, enum rnnd_cell cell,
                            enum rnnd_compute compute, int I, int H, int L, int B) {
     static char buf[256];
-    const struct rnnd_model m = {cell, compute, I, H, L};
+    const struct rnnd_model m = {.cell = cell, .compute = compute, .I = I, .H = H, .L = L};
     const struct cuda_tuning t = rnnd__cuda_tuning_of(tune_bits);
     rnnd__seq_plan_name(dev, &t, &m, B, buf, sizeof(buf));
     return buf;
@@ -109,7 +109,7 @@ static void test_other_devices(void **state) {
 // the forced per-step path; the tape's format does not depend on the call's buffers.
 static void test_calls(void **state) {
     (void)state;
-    const struct rnnd_model m = {GRU, F32, 64, 128, 1};
+    const struct rnnd_model m = {.cell = GRU, .compute = F32, .I = 64, .H = 128, .L = 1};
     const struct cuda_tuning t = {0};
     struct seq_call call = {2048, false, true, true, true, false};
     struct seq_plan p, q;

@@ -12,6 +12,9 @@ nn.GRU / nn.LSTM: weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0, ...) mirro
 to the daemon; ``state_dict()`` pulls first and ``load_state_dict()`` pushes after loading, so
 both round-trip with nn.GRU / nn.LSTM state dicts. forward() always uses the daemon's weights.
 
+``Policy`` (rnnd/torch_policy.py) is the daemon's policy model (encoder, core, heads) as a plain
+local nn.Module: the reference its kernels are tested against, with the daemon's weight names.
+
 Layout is batch-first, as on the wire and in TorchRL: states are [B, L, H] (not nn.GRU's
 [L, B, H]), stored per-step states [B, T, L, H]. Env ids are int64 tensors holding the uint64
 ids' bits (lists and numpy arrays are converted; under torch.compile pass a tensor).
@@ -45,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .client import _RECORDED, Client, ForwardResult, _mask
+from .torch_policy import Policy, PolicyOutput  # noqa: F401 (the policy model's reference)
 from .v1 import rnnd_pb2 as pb
 
 CUSTOM_OPS = hasattr(torch.library, "custom_op")  # torch.library.custom_op: torch >= 2.4

@@ -14,8 +14,10 @@
 #   2. the Step, learner, concurrency and errors suites with every daemon on --devices 0,1 (the
 #      CPU reference still holds; a request refused on one GPU changes nothing on the other);
 #   3. the time of a learner step (Forward + Backward + ApplyGradients, B=2048 T=64 GRU H=128,
-#      fp32/TF32) on 1 and 2 GPUs;
-#   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256);
+#      fp32/TF32) on 1 and 2 GPUs: the C harness's, and the Python learner benchmark's with bf16
+#      on the wire (client/python/examples/learner_bench.py, the client's wheel from .device/);
+#   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256
+#      and of 1024 envs);
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
 # Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.xz]
@@ -140,6 +142,19 @@ two_daemons "${TWO_DAEMONS_S:-120}"
 run_test learner_timing 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=fp32 RNND_TEST_DEVICES=0,1 \
     RNND_TEST_TIMING=1 'RNND_TEST_FILTER=*timing' -- "$B/test_integration_devices"
 grep '^learner_step' "$LOGS/learner_timing.log"
+# The Python learner, bf16 wire, on 1 and 2 GPUs.
+if [ "$BACKEND" = cuda ] && ls .device/rnnd-*.whl >/dev/null 2>&1 && [ "$(left)" -gt 120 ]; then
+    python3 -m pip install -q --no-deps --target "$work/site" .device/rnnd-*.whl >/dev/null 2>&1
+    for devs in 0 0,1; do
+        echo "-- learner_bench devices=$devs" | tee -a "$LOGS/learner_bench.txt"
+        PYTHONPATH=$work/site timeout 90 python3 client/python/examples/learner_bench.py \
+            --rnnd "$RNND_BIN" --backend cuda --devices $devs --device cuda -B 2048 -T 64 \
+            --wire bfloat16 --iters 7 --warmup 2 --no-torch 2>&1 | grep -E '^rnnd' |
+            tee -a "$LOGS/learner_bench.txt"
+        res[learner_py_$devs]=$(grep -A2 "devices=$devs\$" "$LOGS/learner_bench.txt" |
+            grep -m1 -o '[0-9.]* ms  *[0-9]* env-steps/s')
+    done
+fi
 
 # 4. bench: rnnd on 1 and 2 GPUs
 bench_on() { # devices label args...
@@ -165,6 +180,8 @@ bench_on 0 1gpu_c32e64 --connections 32 --envs 64 --duration 5
 bench_on 0,1 2gpu_c32e64 --connections 32 --envs 64 --duration 5
 bench_on 0 1gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
 bench_on 0,1 2gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
+bench_on 0 1gpu_c32e1024s --connections 32 --envs 1024 --duration 5 --stream
+bench_on 0,1 2gpu_c32e1024s --connections 32 --envs 1024 --duration 5 --stream
 
 # 2. the suites on two devices
 for t in step learner concurrency errors; do
@@ -182,7 +199,9 @@ for k in devices two_daemons learner_timing step_2gpu learner_2gpu concurrency_2
     step_1gpu learner_1gpu errors_1gpu weights_1gpu ops_1gpu concurrency_1gpu tls_1gpu; do
     printf '%-22s %s\n' "$k" "${res[$k]:-?}"
 done
-for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s; do
+for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s 1gpu_c32e1024s 2gpu_c32e1024s; do
     printf '%-22s %s\n' "bench $k" "${res[bench_$k]:-?}"
 done
+printf '%-22s %s\n' "learner py bf16 1 GPU" "${res[learner_py_0]:-?}" \
+    "learner py bf16 2 GPUs" "${res[learner_py_0,1]:-?}"
 grep '^learner_step' "$LOGS/learner_timing.log" 2>/dev/null | sed 's/ (median.*; / (/'

@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--http", help="HOST:PORT of that rnnd's HTTP port")
     ap.add_argument("--backend", default="cpu", help="the daemon's --backend (cpu, cuda, auto)")
     ap.add_argument("--device", default="cpu", help="the learner's torch device (cpu, cuda)")
+    ap.add_argument("--devices", help="the daemon's --devices (e.g. 0,1: the batch split by env "
+                    "over two GPUs)")
     ap.add_argument("-B", type=int, default=256)
     ap.add_argument("-T", type=int, default=64)
     ap.add_argument("-I", type=int, default=64)
@@ -99,9 +101,10 @@ def main():
 
     d = None
     if a.rnnd:
+        extra = {"devices": a.devices} if a.devices else {}
         d = rnnd.Daemon(binary=a.rnnd.split(), backend=a.backend, input_size=I, hidden_size=H,
                         max_envs=max(B, 1024), max_batch=min(B, 4096), trajectory_steps=T,
-                        max_message_mb=512, tape_memory_mb=8192).start()
+                        max_message_mb=512, tape_memory_mb=8192, **extra).start()
         target, http = d.target, d.http
     else:
         target, http = a.target, a.http

@@ -436,8 +436,8 @@ static void *engine_main(void *arg) {
     char msg[512] = "";
     int rc = engine_open(e, msg, sizeof(msg));
     if (rc == 0) {
-        rnnd__engine_reply_threads_start(e, e->cfg.reply_threads);
-        rnnd__engine_row_workers_start(e, e->cfg.reply_threads);
+        e->replies = rnnd_threadpool_init(e->cfg.reply_threads);
+        e->row_workers = rnnd_threadpool_init(e->cfg.reply_threads);
         atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
                               memory_order_release);
     }
@@ -470,8 +470,9 @@ static void *engine_main(void *arg) {
         // (the batcher refuses pushes since rnnd_engine_stop).
         pthread_mutex_lock(&e->emu);
         pthread_mutex_unlock(&e->emu);
-        rnnd__engine_reply_threads_stop(e);
-        rnnd__engine_row_workers_stop(e);
+        rnnd_threadpool_free(e->replies); // sends the replies still queued first
+        rnnd_threadpool_free(e->row_workers);
+        e->replies = e->row_workers = NULL;
         // The marker goes only once the final state is on disk: a failed shutdown checkpoint
         // leaves it, so the next start warns that the restored checkpoint is older.
         e->final_failed = rnnd__engine_checkpoint_auto(e, "shutdown") != 0;
@@ -542,10 +543,6 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, i
     }
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->emu, NULL);
-    pthread_mutex_init(&e->rlock, NULL);
-    pthread_cond_init(&e->rcond, NULL);
-    pthread_mutex_init(&e->wlock, NULL);
-    pthread_cond_init(&e->wcond, NULL);
     e->hk_job.kind = RNND_JOB_HOUSEKEEPING;
     e->stop_job.kind = RNND_JOB_HOUSEKEEPING;
     snprintf(e->backend_name, sizeof(e->backend_name), "none");
@@ -608,10 +605,6 @@ void rnnd_engine_free(struct rnnd_engine *e) {
     rnnd_batcher_free(e->batcher);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->emu);
-    pthread_mutex_destroy(&e->rlock);
-    pthread_cond_destroy(&e->rcond);
-    pthread_mutex_destroy(&e->wlock);
-    pthread_cond_destroy(&e->wcond);
     rnnd_checkpoint_list_free(e->spared, e->n_spared);
     free(e);
 }

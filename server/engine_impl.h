@@ -18,6 +18,7 @@
 #include "engine.h"
 #include "envtable.h"
 #include "metrics.h"
+#include "rnnd_threadpool.h"
 #include "tape.h"
 #include "trajectory.h"
 
@@ -115,22 +116,9 @@ struct rnnd_engine {
 
     // Reply threads: finished Step jobs of a batch are handed to them so that packing and
     // sending replies runs in parallel and off the engine thread (0 threads: the engine does it).
-    pthread_mutex_t rlock;
-    pthread_cond_t rcond;
-    struct rnnd_job *rhead, *rtail;
-    bool rstop;
-    pthread_t rthreads[8];
-    int nrthreads;
-
+    struct rnnd_threadpool *replies;
     // Row workers: help the engine with a big batch's per-row copies and recording.
-    pthread_mutex_t wlock;
-    pthread_cond_t wcond; // new task (wgen), or a worker finished (wbusy)
-    struct row_task *wtask;
-    uint64_t wgen;
-    int wbusy;
-    bool wstop;
-    pthread_t wthreads[8];
-    int nwthreads;
+    struct rnnd_threadpool *row_workers;
 
     _Atomic uint64_t version;
     _Atomic uint64_t envs_active;
@@ -229,10 +217,6 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs);
 bool rnnd__engine_run_end(struct rnnd_engine *e, struct rnnd_job *job);
 void rnnd__engine_run_ends_held(struct rnnd_engine *e);
-void rnnd__engine_reply_threads_start(struct rnnd_engine *e, int n);
-void rnnd__engine_reply_threads_stop(struct rnnd_engine *e);
-void rnnd__engine_row_workers_start(struct rnnd_engine *e, int n);
-void rnnd__engine_row_workers_stop(struct rnnd_engine *e);
 
 // engine_learn.c: tapes, Forward, Backward, the weights and the optimizer, and the replicas.
 struct fwd_part;

@@ -8,7 +8,7 @@
  * submitting thread may run the batch itself (inline steps).
  */
 #include <inttypes.h>
-#include <pthread.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "engine_impl.h"
@@ -154,7 +154,6 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
     return RNND_BATCH_ADMIT;
 }
 
-
 // The per-row work after a step that needs no engine-wide state: copy the row's output to its
 // job (and to its env's cache for retries).
 struct row_task {
@@ -162,13 +161,17 @@ struct row_task {
     int n;
     const float *h_out;
     _Atomic int next; // next chunk's first row
-    _Atomic int done; // rows finished
 };
 
 #define ROW_CHUNK        64
 #define ROW_PARALLEL_MIN 256 // fewer rows: one thread is quicker than waking others
 
-static void rows_run(struct row_task *t) {
+// Takes chunks of rows until none is left: every part of the run (rnnd_threadpool_run) does
+// the same.
+static void rows_run(void *arg, int k, int n) {
+    (void)k;
+    (void)n;
+    struct row_task *t = arg;
     struct rnnd_engine *e = t->e;
     size_t H = (size_t)e->model.H;
     for (;;) {
@@ -185,70 +188,20 @@ static void rows_run(struct row_task *t) {
             if (s->step_index)
                 memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
         }
-        atomic_fetch_add(&t->done, last - first);
     }
-}
-
-static void *row_worker_main(void *arg) {
-    struct rnnd_engine *e = arg;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&e->wlock);
-    for (;;) {
-        // A task counts once (wgen) and only while the engine still publishes it (wtask).
-        while ((e->wgen == seen || e->wtask == NULL) && !e->wstop)
-            pthread_cond_wait(&e->wcond, &e->wlock);
-        if (e->wstop)
-            break;
-        seen = e->wgen;
-        struct row_task *t = e->wtask;
-        e->wbusy++;
-        pthread_mutex_unlock(&e->wlock);
-        rows_run(t);
-        pthread_mutex_lock(&e->wlock);
-        if (--e->wbusy == 0)
-            pthread_cond_broadcast(&e->wcond);
-    }
-    pthread_mutex_unlock(&e->wlock);
-    return NULL;
 }
 
 // Runs t over all its rows, with the row workers when there are many, and returns when every
 // row is done (the task lives on the caller's stack).
 static void rows_parallel(struct rnnd_engine *e, struct row_task *t) {
-    if (e->nwthreads == 0 || t->n < ROW_PARALLEL_MIN) {
-        rows_run(t);
-        return;
-    }
-    pthread_mutex_lock(&e->wlock);
-    e->wtask = t;
-    e->wgen++;
-    pthread_cond_broadcast(&e->wcond);
-    pthread_mutex_unlock(&e->wlock);
-    rows_run(t);
-    // Every row is claimed; wait until the workers have finished theirs and let go of t.
-    pthread_mutex_lock(&e->wlock);
-    while (atomic_load(&t->done) < t->n || e->wbusy > 0)
-        pthread_cond_wait(&e->wcond, &e->wlock);
-    e->wtask = NULL;
-    pthread_mutex_unlock(&e->wlock);
+    int parts = t->n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
+    rnnd_threadpool_run(e->row_workers, parts, rows_run, t);
 }
 
-void rnnd__engine_row_workers_start(struct rnnd_engine *e, int n) {
-    for (int k = 0; k < n && k < (int)(sizeof(e->wthreads) / sizeof(e->wthreads[0])); k++) {
-        if (pthread_create(&e->wthreads[k], NULL, row_worker_main, e) != 0)
-            break;
-        e->nwthreads++;
-    }
-}
-
-void rnnd__engine_row_workers_stop(struct rnnd_engine *e) {
-    pthread_mutex_lock(&e->wlock);
-    e->wstop = true;
-    pthread_cond_broadcast(&e->wcond);
-    pthread_mutex_unlock(&e->wlock);
-    for (int k = 0; k < e->nwthreads; k++)
-        pthread_join(e->wthreads[k], NULL);
-    e->nwthreads = 0;
+// Sends a finished Step's reply, on a reply thread.
+static void reply_send(struct rnnd_threadpool_task *t) {
+    struct rnnd_job *job = (struct rnnd_job *)((char *)t - offsetof(struct rnnd_job, reply));
+    job->done(job);
 }
 
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
@@ -401,18 +354,15 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_UPDATE], t_reply - t_update,
                               memory_order_relaxed);
     // Then the replies: several go to the reply threads, one is quicker sent from here.
-    if (njobs > 1 && e->nrthreads > 0) {
-        pthread_mutex_lock(&e->rlock);
-        if (e->rtail)
-            e->rtail->item.next = &jobs->item;
-        else
-            e->rhead = jobs;
+    if (njobs > 1 && rnnd_threadpool_workers(e->replies) > 0) {
         struct rnnd_job *last = jobs;
-        while (last->item.next)
-            last = (struct rnnd_job *)last->item.next;
-        e->rtail = last;
-        pthread_cond_broadcast(&e->rcond);
-        pthread_mutex_unlock(&e->rlock);
+        for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
+            struct rnnd_job *next = (struct rnnd_job *)job->item.next;
+            job->reply = (struct rnnd_threadpool_task){.fn = reply_send,
+                                                       .next = next ? &next->reply : NULL};
+            last = job;
+        }
+        rnnd_threadpool_post(e->replies, &jobs->reply, &last->reply);
     } else {
         struct rnnd_job *next;
         for (struct rnnd_job *job = jobs; job; job = next) {
@@ -422,47 +372,6 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     }
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_REPLY], rnnd_now_ns() - t_reply,
                               memory_order_relaxed);
-}
-
-static void *reply_main(void *arg) {
-    struct rnnd_engine *e = arg;
-    pthread_mutex_lock(&e->rlock);
-    for (;;) {
-        struct rnnd_job *job = e->rhead;
-        if (job == NULL) {
-            if (e->rstop)
-                break;
-            pthread_cond_wait(&e->rcond, &e->rlock);
-            continue;
-        }
-        e->rhead = (struct rnnd_job *)job->item.next;
-        if (e->rhead == NULL)
-            e->rtail = NULL;
-        pthread_mutex_unlock(&e->rlock);
-        job->done(job);
-        pthread_mutex_lock(&e->rlock);
-    }
-    pthread_mutex_unlock(&e->rlock);
-    return NULL;
-}
-
-void rnnd__engine_reply_threads_start(struct rnnd_engine *e, int n) {
-    for (int k = 0; k < n && k < (int)(sizeof(e->rthreads) / sizeof(e->rthreads[0])); k++) {
-        if (pthread_create(&e->rthreads[k], NULL, reply_main, e) != 0)
-            break;
-        e->nrthreads++;
-    }
-}
-
-// Sends what is queued, then ends the reply threads.
-void rnnd__engine_reply_threads_stop(struct rnnd_engine *e) {
-    pthread_mutex_lock(&e->rlock);
-    e->rstop = true;
-    pthread_cond_broadcast(&e->rcond);
-    pthread_mutex_unlock(&e->rlock);
-    for (int k = 0; k < e->nrthreads; k++)
-        pthread_join(e->rthreads[k], NULL);
-    e->nrthreads = 0;
 }
 
 // ---------------------------------------------------------------------------------------------

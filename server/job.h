@@ -14,6 +14,7 @@
 #include "config.h"
 #include "rnnd_comm.h"
 #include "rnnd_kernels.h"
+#include "rnnd_threadpool.h"
 
 enum rnnd_job_kind {
     RNND_JOB_STEP,
@@ -195,6 +196,7 @@ struct rnnd_job {
     void (*done)(struct rnnd_job *job); // called once on the engine thread
     void *owner;                        // the submitter's
     void *aux;                          // the submitter's
+    struct rnnd_threadpool_task reply;  // the engine's: sends a Step's reply on a reply thread
     union {
         struct rnnd_step_job step;
         struct rnnd_end_job end;

@@ -1,8 +1,9 @@
 /*
  * backend.c: the CPU reference backend's vtable (struct rnnd_backend_ops), its memory ops (host
  * memory: alloc is aligned_alloc, alloc_lazy an mmap, copies are memcpy, sync does nothing) and its context: the
- * scratch arena that ops grow on demand, and the thread pool their phases run on. The math lives
- * in rnn.c, gru.c, lstm.c, linear.c, policy.c, traj.c and optim.c (see cpu.h for the tour).
+ * scratch arena that ops grow on demand, and the thread pool (rnnd_threadpool.h) that runs their
+ * phases. The math lives in rnn.c, gru.c, lstm.c, linear.c, policy.c, traj.c and optim.c (see
+ * cpu.h for the tour).
  *
  * Threads. The backend runs on RNND_CPU_THREADS threads (else OPENBLAS_NUM_THREADS, else the CPUs
  * this process may run on), the calling thread included; the workers sleep on a condition
@@ -55,53 +56,10 @@ void *rnnd__cpu_carve(struct cpu_carve *cv, size_t bytes) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Thread pool
+// Threads
 
-static void *worker_main(void *p) {
-    struct cpu_worker *w = p;
-    struct cpu_ctx *c = w->c;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&c->mu);
-    for (;;) {
-        while (!c->stop && c->generation == seen)
-            pthread_cond_wait(&c->wake, &c->mu);
-        if (c->stop)
-            break;
-        seen = c->generation;
-        rnnd__cpu_task_fn fn = c->fn;
-        void *arg = c->arg;
-        int n = c->n;
-        pthread_mutex_unlock(&c->mu);
-        if (w->k < n)
-            fn(arg, w->k, n);
-        pthread_mutex_lock(&c->mu);
-        if (--c->busy == 0)
-            pthread_cond_signal(&c->done);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return NULL;
-}
-
-void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd__cpu_task_fn fn, void *arg) {
-    if (n <= 1 || c->nthreads <= 1) {
-        fn(arg, 0, 1);
-        return;
-    }
-    if (n > c->nthreads)
-        n = c->nthreads;
-    pthread_mutex_lock(&c->mu);
-    c->fn = fn;
-    c->arg = arg;
-    c->n = n;
-    c->busy = c->nthreads - 1;
-    c->generation++;
-    pthread_cond_broadcast(&c->wake);
-    pthread_mutex_unlock(&c->mu);
-    fn(arg, 0, n);
-    pthread_mutex_lock(&c->mu);
-    while (c->busy > 0)
-        pthread_cond_wait(&c->done, &c->mu);
-    pthread_mutex_unlock(&c->mu);
+void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd_threadpool_fn fn, void *arg) {
+    rnnd_threadpool_run(c->pool, n, fn, arg);
 }
 
 // RNND_CPU_THREADS, else OPENBLAS_NUM_THREADS, else the CPUs this process may run on.
@@ -125,15 +83,7 @@ static void cpu_destroy(void *ctx) {
     struct cpu_ctx *c = ctx;
     if (c == NULL)
         return;
-    pthread_mutex_lock(&c->mu);
-    c->stop = true;
-    pthread_cond_broadcast(&c->wake);
-    pthread_mutex_unlock(&c->mu);
-    for (int k = 0; k < c->nthreads - 1; k++)
-        pthread_join(c->workers[k], NULL);
-    pthread_cond_destroy(&c->done);
-    pthread_cond_destroy(&c->wake);
-    pthread_mutex_destroy(&c->mu);
+    rnnd_threadpool_free(c->pool);
     free(c->work);
     free(c);
 }
@@ -337,34 +287,18 @@ int rnnd_backend_cpu_init(struct rnnd_backend *b) {
     struct cpu_ctx *c = calloc(1, sizeof(*c));
     if (c == NULL)
         return RNND_ENOMEM;
-    if (pthread_mutex_init(&c->mu, NULL) != 0)
-        goto err_mutex;
-    if (pthread_cond_init(&c->wake, NULL) != 0)
-        goto err_wake;
-    if (pthread_cond_init(&c->done, NULL) != 0)
-        goto err_done;
 
     openblas_set_num_threads(1);
-    // Start the workers; if the system refuses some, run with those that started.
-    int want = cpu_thread_count();
-    c->nthreads = 1;
-    for (int k = 1; k < want; k++) {
-        c->wargs[k - 1] = (struct cpu_worker){.c = c, .k = k};
-        if (pthread_create(&c->workers[k - 1], NULL, worker_main, &c->wargs[k - 1]) != 0)
-            break;
-        c->nthreads = k + 1;
+    // The workers; if the system refuses some, the backend runs with those that started.
+    c->pool = rnnd_threadpool_init(cpu_thread_count() - 1);
+    if (c->pool == NULL) {
+        free(c);
+        return RNND_ENOMEM;
     }
+    c->nthreads = 1 + rnnd_threadpool_workers(c->pool);
     b->ops = &cpu_ops;
     b->ctx = c;
     snprintf(b->device, sizeof(b->device), "cpu (OpenBLAS %s, %d threads)", openblas_get_corename(),
              c->nthreads);
     return 0;
-
-err_done:
-    pthread_cond_destroy(&c->wake);
-err_wake:
-    pthread_mutex_destroy(&c->mu);
-err_mutex:
-    free(c);
-    return RNND_ENOMEM;
 }

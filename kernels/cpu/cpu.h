@@ -23,43 +23,29 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include <pthread.h>
+#include "rnnd_threadpool.h"
 
 // Most threads a CPU backend runs (the caller included).
 #define RNND_CPU_MAX_THREADS 64
 
-// A phase of an op: fn(arg, k, n) is called once for each k = 0 .. n-1, concurrently.
-typedef void (*rnnd__cpu_task_fn)(void *arg, int k, int n);
-
 // The backend context: a scratch buffer that grows on demand and is reused by later calls (a
 // steady stream of same-sized requests allocates nothing), and a small pool of worker threads
-// that sleep between phases. One thread at a time calls into it (header rule).
+// that sleep between phases (rnnd_threadpool.h). One thread at a time calls into it (header rule).
 struct cpu_ctx {
     void *work; // per-op buffers (gate pre-activations, gradient rows, ...)
     size_t work_bytes;
 
     int nthreads; // threads an op may use, the caller included (1: no workers)
-    pthread_t workers[RNND_CPU_MAX_THREADS - 1];
-    struct cpu_worker {
-        struct cpu_ctx *c;
-        int k; // this worker's index in a phase (1 .. nthreads-1)
-    } wargs[RNND_CPU_MAX_THREADS - 1];
-    pthread_mutex_t mu;
-    pthread_cond_t wake, done;
-    uint64_t generation; // bumped for each phase handed to the workers
-    int busy;            // workers still in the current phase
-    bool stop;
-    rnnd__cpu_task_fn fn;
-    void *arg;
-    int n; // threads in the current phase
+    struct rnnd_threadpool *pool;
 };
 
 // Makes ctx->work at least work_bytes long. Returns 0 or RNND_ENOMEM (the old buffer stays).
 int rnnd__cpu_reserve(struct cpu_ctx *c, size_t work_bytes);
 
-// Runs fn(arg, k, n) for k = 0 .. n-1 (1 <= n <= c->nthreads): k = 0 on the calling thread, the
-// rest on workers; returns when all have returned (so consecutive calls are ordered phases).
-void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd__cpu_task_fn fn, void *arg);
+// Runs a phase of an op, fn(arg, k, n) for k = 0 .. n-1 (1 <= n <= c->nthreads), on the calling
+// thread and the pool's workers (rnnd_threadpool_run); returns when all have returned (so
+// consecutive calls are ordered phases).
+void rnnd__cpu_parallel(struct cpu_ctx *c, int n, rnnd_threadpool_fn fn, void *arg);
 
 // A bump allocator over ctx->work: rnnd__cpu_carve hands out 64-byte aligned pieces. Ops add up
 // their layout with a NULL base first (to learn the size), then carve the real buffer.

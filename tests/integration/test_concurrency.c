@@ -6,6 +6,8 @@
  * along, so the daemon's index bookkeeping is exercised under load too. At the end the daemon's
  * env count and the merged-batch metrics are checked. Last, clients that give up (a 1 ms deadline,
  * or a connection abandoned at once) and are freed must leave no connection open in the daemon.
+ * The many clients run again against a daemon with reply threads and row workers (thread pools
+ * that split a batch's row copies and send its replies), with batches of up to 1024 rows.
  *
  * Threads never call cmocka (it is not thread-safe): they record failures, the main thread asserts.
  */
@@ -21,7 +23,7 @@
 #define I_      16
 #define H_      32
 #define NTHREAD 8
-#define NENV    12 // per thread
+#define NENV    64 // per thread: together, batches of more than 256 rows (the row workers')
 #define ROUNDS  60
 #define DEPTH   3 // pipelined requests per stream round
 #define ATOL    2e-5f
@@ -331,11 +333,26 @@ static void test_impatient_clients(void **state) {
     rnnd_client_free(keep);
 }
 
+// The same daemon with two reply threads and two row workers, and room for big batches.
+static int setup_pools(void **state) {
+    (void)state;
+    const char *args[] = {"--cell",          "gru",  "--input-size",   "16",  "--hidden-size", "32",
+                          "--max-batch",     "1024", "--max-delay-us", "500", "--seed",        "5",
+                          "--reply-threads", "2",    NULL};
+    return daemon_start(&d, args);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_many_clients),
         cmocka_unit_test(test_batches_merge),
         cmocka_unit_test(test_impatient_clients),
     };
-    return cmocka_run_group_tests_name("concurrency", tests, setup, teardown) ? 1 : 0;
+    const struct CMUnitTest pools[] = {
+        cmocka_unit_test(test_many_clients),
+    };
+    int failed = cmocka_run_group_tests_name("concurrency", tests, setup, teardown);
+    failed += cmocka_run_group_tests_name("concurrency with thread pools", pools, setup_pools,
+                                          teardown);
+    return failed ? 1 : 0;
 }

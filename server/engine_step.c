@@ -1,0 +1,464 @@
+/*
+ * engine_step.c: the engine's Step path (see engine.h): admitting each queued Step against the
+ * env table (and the vote of a Step split over several engines), running a batch of admitted
+ * Steps as one backend step (gathered into one packed block, one copy each way, recorded into
+ * the trajectory store on the backend), the row workers that share a big batch's per-row copies
+ * and the reply threads that send its replies; the EndEpisodes that wait for envs a held Step
+ * part holds; and the public entry points that queue a Step, where with the CPU backend the
+ * submitting thread may run the batch itself (inline steps).
+ */
+#include <inttypes.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "engine_impl.h"
+#include "log.h"
+#include "metrics.h"
+
+// ---------------------------------------------------------------------------------------------
+// Step batches
+
+struct step_layout rnnd__engine_step_layout(const struct rnnd_engine *e, int n) {
+    struct step_layout l = {0};
+    bool record = e->tdims.cap > 0;
+    size_t in = 0, out = 0, rows = (size_t)n, E = (size_t)e->tdims.E;
+    l.x = carve_off(&in, rows * (size_t)e->model.I * sizeof(float));
+    l.slots = carve_off(&in, rows * sizeof(int32_t));
+    l.slots_new = carve_off(&in, rows * sizeof(int32_t));
+    l.init = carve_off(&in, rows);
+    if (record) {
+        l.extras = E ? carve_off(&in, rows * E * sizeof(float)) : 0;
+        l.trows = carve_off(&in, rows * sizeof(int32_t));
+        l.version = carve_off(&in, rows * sizeof(uint64_t));
+    }
+    l.in_used = in;
+    l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
+    l.out_used = out;
+    if (record) {
+        l.hb = carve_off(&out, rows * e->LH * sizeof(float));
+        l.cb = e->lstm ? carve_off(&out, rows * e->LH * sizeof(float)) : 0;
+    }
+    l.out_all = out;
+    return l;
+}
+
+// A refused Step: its vote, when it is a part.
+static enum rnnd_batch_admit step_refuse(struct rnnd_step_job *s) {
+    if (s->vote)
+        rnnd_step_vote_cast(s->vote, false);
+    return RNND_BATCH_REJECT;
+}
+
+// Gives the new envs of an admitted Step (envs[r] NULL) their slots.
+static void step_add_envs(struct rnnd_engine *e, struct rnnd_step_job *s) {
+    uint64_t now = rnnd_now_ns();
+    for (int r = 0; r < s->B; r++) {
+        if (s->envs[r] == NULL) {
+            int rc = rnnd_envtable_add(e->envs, s->env_ids[r], now, &s->envs[r]);
+            RNND_ASSERT(rc == 0);
+        }
+    }
+}
+
+// A held part, offered again: waits while the vote is open, then runs or gives back what it
+// reserved (struct rnnd_step_vote). Nothing it checked can have changed meanwhile: its envs are
+// held and its new envs' slots reserved.
+static enum rnnd_batch_admit step_part_decide(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_step_job *s = &job->step;
+    if (atomic_load(&s->vote->left) > 0)
+        return RNND_BATCH_HOLD;
+    s->held = false;
+    int fresh = 0;
+    for (int r = 0; r < s->B; r++) {
+        if (s->envs[r])
+            s->envs[r]->held = false;
+        else
+            fresh++;
+    }
+    e->envs_reserved -= fresh;
+    if (atomic_load(&s->vote->refused)) {
+        job->err = 0; // another part was refused: that one says why
+        return RNND_BATCH_REJECT;
+    }
+    if (fresh)
+        step_add_envs(e, s);
+    return RNND_BATCH_ADMIT;
+}
+
+enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item *item) {
+    struct rnnd_engine *e = ctx;
+    struct rnnd_job *job = (struct rnnd_job *)item;
+    struct rnnd_step_job *s = &job->step;
+    if (s->held)
+        return step_part_decide(e, job);
+    if (job->cancelled && atomic_load(job->cancelled)) {
+        rnnd_job_fail(job, RNND_ECANCELED, "the client cancelled the call before its step ran");
+        return step_refuse(s);
+    }
+    int fresh = 0;
+    for (int r = 0; r < s->B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
+        s->envs[r] = env;
+        s->repeat[r] = 0;
+        if (env == NULL) {
+            if (!s->is_init[r]) {
+                rnnd_job_fail(
+                    job, RNND_EPRECOND,
+                    "env %" PRIu64 " (row %d) has no state: it is new, was ended by "
+                    "EndEpisodes, or was evicted after --env-idle-timeout-s %d s idle; send "
+                    "is_init=true for its first step",
+                    s->env_ids[r], r, e->cfg.env_idle_timeout_s);
+                return step_refuse(s);
+            }
+            fresh++;
+            continue;
+        }
+        if (s->step_index && env->has_index) {
+            uint64_t si = s->step_index[r];
+            if (si == env->last_index) {
+                s->repeat[r] = 1;
+            } else if (si != env->last_index + 1) {
+                rnnd_job_fail(
+                    job, RNND_EPRECOND,
+                    "env %" PRIu64 " (row %d): step_index %" PRIu64
+                    " but its last step was %" PRIu64 "; send %" PRIu64
+                    " for the next step or %" PRIu64
+                    " to repeat the last one (or is_init with EndEpisodes first to restart)",
+                    s->env_ids[r], r, si, env->last_index, env->last_index + 1, env->last_index);
+                return step_refuse(s);
+            }
+        }
+    }
+    int free_slots =
+        rnnd_envtable_capacity(e->envs) - rnnd_envtable_count(e->envs) - e->envs_reserved;
+    if (fresh > free_slots) {
+        rnnd_metrics_limit_hit(RNND_LIMIT_ENVS);
+        rnnd_job_fail(job, RNND_EFULL,
+                      "env table full: %d new envs but %d of --max-envs %d slots free; send "
+                      "EndEpisodes for finished envs or raise --max-envs",
+                      fresh, free_slots, rnnd_envtable_capacity(e->envs));
+        return step_refuse(s);
+    }
+    if (s->vote) {
+        // A part: hold what it checked until every part has voted.
+        s->held = true;
+        for (int r = 0; r < s->B; r++)
+            if (s->envs[r])
+                s->envs[r]->held = true;
+        e->envs_reserved += fresh;
+        rnnd_step_vote_cast(s->vote, true);
+        return step_part_decide(e, job);
+    }
+    if (fresh)
+        step_add_envs(e, s);
+    return RNND_BATCH_ADMIT;
+}
+
+// The per-row work after a step that needs no engine-wide state: copy the row's output to its
+// job (and to its env's cache for retries).
+struct row_task {
+    struct rnnd_engine *e;
+    int n;
+    const float *h_out;
+    _Atomic int next; // next chunk's first row
+};
+
+#define ROW_CHUNK        64
+#define ROW_PARALLEL_MIN 256 // fewer rows: one thread is quicker than waking others
+
+// Takes chunks of rows until none is left: every part of the run (rnnd_threadpool_run) does
+// the same.
+static void rows_run(void *arg, int k, int n) {
+    (void)k;
+    (void)n;
+    struct row_task *t = arg;
+    struct rnnd_engine *e = t->e;
+    size_t H = (size_t)e->model.H;
+    for (;;) {
+        int first = atomic_fetch_add(&t->next, ROW_CHUNK);
+        if (first >= t->n)
+            return;
+        int last = first + ROW_CHUNK < t->n ? first + ROW_CHUNK : t->n;
+        for (int i = first; i < last; i++) {
+            struct rnnd_step_job *s = &e->rows[i].job->step;
+            int r = e->rows[i].row;
+            struct rnnd_env *env = s->envs[r];
+            const float *out = t->h_out + (size_t)i * H;
+            memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
+            if (s->step_index)
+                memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
+        }
+    }
+}
+
+// Runs t over all its rows, with the row workers when there are many, and returns when every
+// row is done (the task lives on the caller's stack).
+static void rows_parallel(struct rnnd_engine *e, struct row_task *t) {
+    int parts = t->n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
+    rnnd_threadpool_run(e->row_workers, parts, rows_run, t);
+}
+
+// Sends a finished Step's reply, on a reply thread.
+static void reply_send(struct rnnd_threadpool_task *t) {
+    struct rnnd_job *job = (struct rnnd_job *)((char *)t - offsetof(struct rnnd_job, reply));
+    job->done(job);
+}
+
+void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
+    uint64_t now = rnnd_now_ns();
+    size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    size_t E = (size_t)e->tdims.E;
+    bool record = e->tdims.cap > 0;
+    uint64_t version = e->cur->version;
+    int n = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next)
+        for (int r = 0; r < job->step.B; r++)
+            n += !job->step.repeat[r];
+    struct step_layout lay = rnnd__engine_step_layout(e, n);
+    float *h_x = (float *)(e->h_in + lay.x), *h_out = (float *)(e->h_outb + lay.out);
+    int32_t *h_slots = (int32_t *)(e->h_in + lay.slots);
+    int32_t *h_slots_new = (int32_t *)(e->h_in + lay.slots_new);
+    uint8_t *h_init = (uint8_t *)(e->h_in + lay.init);
+    float *h_extras = (float *)(e->h_in + lay.extras);
+    int32_t *h_trows = (int32_t *)(e->h_in + lay.trows);
+    uint64_t *h_version = (uint64_t *)(e->h_in + lay.version);
+    n = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
+        struct rnnd_step_job *s = &job->step;
+        rnnd_histogram_observe(&rnnd_metrics.queue_delay, now - job->item.enqueued_ns);
+        for (int r = 0; r < s->B; r++) {
+            if (s->repeat[r])
+                continue;
+            struct rnnd_env *env = s->envs[r];
+            memcpy(h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
+            h_init[n] = s->is_init[r];
+            h_slots[n] = (int32_t)env_row(e, env);
+            h_slots_new[n] = (int32_t)env_row_next(e, env);
+            if (record) {
+                // Where the step is recorded: the env's next ring position (taken only once
+                // the step has run, below). Envs are unique in a batch, so are these rows.
+                h_trows[n] = rnnd_traj_next(&env->traj, &e->tdims, env->slot);
+                h_version[n] = version;
+                if (E && s->extras)
+                    memcpy(h_extras + (size_t)n * E, s->extras + (size_t)r * E, E * sizeof(float));
+                else if (E)
+                    memset(h_extras + (size_t)n * E, 0, E * sizeof(float));
+            }
+            e->rows[n] = (struct row_ref){job, r};
+            n++;
+        }
+    }
+    int rc = 0;
+    uint64_t t_kernel = rnnd_now_ns();
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_GATHER], t_kernel - now,
+                              memory_order_relaxed);
+    if (n > 0) {
+        uint64_t t0 = t_kernel;
+        rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, slots_new, is_init
+        struct rnnd_step st = {
+            .B = n,
+            .x = (const float *)(e->d_in + lay.x),
+            .is_init = (const uint8_t *)(e->d_in + lay.init),
+            .slots = (const int32_t *)(e->d_in + lay.slots),
+            .slots_new = (const int32_t *)(e->d_in + lay.slots_new),
+            .state_h = e->state_h,
+            .state_c = e->state_c,
+            .out = (float *)(e->d_outb + lay.out),
+            .h_before = record ? (float *)(e->d_outb + lay.hb) : NULL,
+            .c_before = record && e->lstm ? (float *)(e->d_outb + lay.cb) : NULL,
+        };
+        if (rc == 0)
+            rc = e->be.ops->rnn_step(e->be.ctx, &st, e->cur->params, &e->model);
+        if (rc == 0 && record) {
+            // The step's rows go into the store where they are, on the backend.
+            struct rnnd_traj_rows tr = {
+                .n = n,
+                .rows = (const int32_t *)(e->d_in + lay.trows),
+                .obs = (float *)st.x,
+                .extras = E ? (float *)(e->d_in + lay.extras) : NULL,
+                .h = st.h_before,
+                .c = st.c_before,
+                .is_init = (uint8_t *)st.is_init,
+                .version = (uint64_t *)(e->d_in + lay.version),
+            };
+            rc = e->be.ops->traj_write(e->be.ctx, &e->store, &tr, &e->model);
+        }
+        if (rc == 0) // one copy back: out; copy_out synchronises
+            rc = be_out(e, e->h_outb, e->d_outb, lay.out_used);
+        rnnd_metrics_kernel(RNND_OP_STEP, rnnd_now_ns() - t0);
+        atomic_fetch_add_explicit(&rnnd_metrics.batches, 1, memory_order_relaxed);
+        rnnd_histogram_observe(&rnnd_metrics.batch_rows, (uint64_t)n);
+        atomic_fetch_add_explicit(&rnnd_metrics.env_steps, (uint64_t)n, memory_order_relaxed);
+    }
+    if (rc != 0) {
+        // A store row may have been written by now (where a full ring keeps its oldest step):
+        // only a device failure gets that far, and it ends the daemon.
+        if (rc == RNND_EDEVICE)
+            rnnd_panic(__FILE__, __LINE__, "backend step failed: %s", rnnd_strerror(rc));
+        rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
+    }
+    // Per computed row: the env's bookkeeping (here: its state row, its ring of recorded steps),
+    // then its output row and cached output (rows touch disjoint memory: split across the row
+    // workers when there are many).
+    uint64_t t_update = rnnd_now_ns();
+    for (int i = 0; rc == 0 && i < n; i++) {
+        struct rnnd_step_job *s = &e->rows[i].job->step;
+        int r = e->rows[i].row;
+        struct rnnd_env *env = s->envs[r];
+        env->half ^= 1; // its new state is in the other row now
+        if (record)
+            rnnd_traj_push(&env->traj, &e->tdims);
+        rnnd_envtable_touch(e->envs, env, now);
+        if (s->step_index) {
+            env->has_index = true;
+            env->last_index = s->step_index[r];
+            env->out_version = version;
+        } else {
+            env->has_index = false;
+        }
+    }
+    if (rc == 0) {
+        struct row_task t = {.e = e, .n = n, .h_out = h_out};
+        rows_parallel(e, &t);
+    }
+    // Gauges first: a client that reads them after its reply sees its envs.
+    rnnd__engine_env_gauges(e);
+    // Per job: repeated rows from the cache, states when asked (engine state: this thread).
+    int njobs = 0;
+    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
+        struct rnnd_step_job *s = &job->step;
+        job->model_version = version;
+        njobs++;
+        if (rc != 0) {
+            rnnd_job_fail(job, RNND_EDEVICE, "the backend failed to run the step: %s; retry",
+                          rnnd_strerror(rc));
+            continue;
+        }
+        for (int r = 0; r < s->B; r++) {
+            struct rnnd_env *env = s->envs[r];
+            if (s->repeat[r]) {
+                memcpy(s->out + (size_t)r * H, rnnd_envtable_output(e->envs, env),
+                       H * sizeof(float));
+                rnnd_envtable_touch(e->envs, env, now);
+            }
+            if (s->return_state) {
+                size_t off = env_row(e, env) * LH;
+                be_out(e, s->h + (size_t)r * LH, e->state_h + off, LH * sizeof(float));
+                if (e->lstm)
+                    be_out(e, s->c + (size_t)r * LH, e->state_c + off, LH * sizeof(float));
+            }
+        }
+        job->err = 0;
+    }
+    uint64_t t_reply = rnnd_now_ns();
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_UPDATE], t_reply - t_update,
+                              memory_order_relaxed);
+    // Then the replies: several go to the reply threads, one is quicker sent from here.
+    if (njobs > 1 && rnnd_threadpool_workers(e->replies) > 0) {
+        struct rnnd_job *last = jobs;
+        for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
+            struct rnnd_job *next = (struct rnnd_job *)job->item.next;
+            job->reply = (struct rnnd_threadpool_task){.fn = reply_send,
+                                                       .next = next ? &next->reply : NULL};
+            last = job;
+        }
+        rnnd_threadpool_post(e->replies, &jobs->reply, &last->reply);
+    } else {
+        struct rnnd_job *next;
+        for (struct rnnd_job *job = jobs; job; job = next) {
+            next = (struct rnnd_job *)job->item.next;
+            job->done(job);
+        }
+    }
+    atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_REPLY], rnnd_now_ns() - t_reply,
+                              memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// EndEpisodes
+
+// False when an env of the job is held by a Step part that waits for its other devices: that
+// Step was admitted first, so the EndEpisodes waits in e->ends_held and runs after it
+// (rnnd__engine_process).
+bool rnnd__engine_run_end(struct rnnd_engine *e, struct rnnd_job *job) {
+    for (int r = 0; r < job->end.B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, job->end.env_ids[r]);
+        if (env && env->held) {
+            struct rnnd_job **tail = &e->ends_held;
+            while (*tail)
+                tail = (struct rnnd_job **)&(*tail)->item.next;
+            job->item.next = NULL;
+            *tail = job;
+            return false;
+        }
+    }
+    uint64_t released = 0;
+    for (int r = 0; r < job->end.B; r++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, job->end.env_ids[r]);
+        if (env) {
+            rnnd__engine_env_drop(e, env, RNND_EVICT_RELEASED);
+            released++;
+        }
+    }
+    job->end.released = released;
+    rnnd__engine_env_gauges(e);
+    return true;
+}
+
+// The EndEpisodes that waited for held envs, once those Steps ran or gave up.
+void rnnd__engine_run_ends_held(struct rnnd_engine *e) {
+    struct rnnd_job *list = e->ends_held, *next;
+    e->ends_held = NULL;
+    for (struct rnnd_job *job = list; job; job = next) {
+        next = (struct rnnd_job *)job->item.next;
+        if (rnnd__engine_run_end(e, job))
+            job->done(job);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public API: queueing a Step
+
+static struct rnnd_batch_item *step_item(struct rnnd_job *job) {
+    job->kind = RNND_JOB_STEP;
+    job->item.B = job->step.B;
+    job->item.env_ids = job->step.env_ids;
+    return &job->item;
+}
+
+// CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs the
+// batch itself, saving the hand-off to the engine thread and back.
+static void step_run_inline(struct rnnd_engine *e) {
+    if (pthread_mutex_trylock(&e->emu) == 0) {
+        struct rnnd_batch b;
+        uint64_t wait;
+        if (rnnd_batcher_poll_steps(e->batcher, rnnd_now_ns(), rnnd__engine_admit_step, e, &b,
+                                    &wait))
+            rnnd__engine_process(e, &b); // the job may be finished and freed here
+        bool empty = rnnd_batcher_empty(e->batcher);
+        pthread_mutex_unlock(&e->emu);
+        if (empty)
+            return;
+    }
+    rnnd_batcher_wake(e->batcher); // busy, or something left to do (controls, a timer)
+}
+
+int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
+    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+        return rnnd_batcher_push(e->batcher, step_item(job), rnnd_now_ns());
+    int rc = rnnd_batcher_push_quiet(e->batcher, step_item(job), rnnd_now_ns());
+    if (rc == 0)
+        step_run_inline(e);
+    return rc;
+}
+
+int rnnd_engine_queue_step(struct rnnd_engine *e, struct rnnd_job *job) {
+    return rnnd_batcher_push_quiet(e->batcher, step_item(job), rnnd_now_ns());
+}
+
+void rnnd_engine_kick(struct rnnd_engine *e) {
+    if (atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+        step_run_inline(e);
+    else
+        rnnd_batcher_wake(e->batcher);
+}

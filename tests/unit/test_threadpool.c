@@ -1,0 +1,187 @@
+/*
+ * test_threadpool.c: the worker-thread pool (kernels/threadpool.c): a run calls every part once
+ * and only once, part 0 on the calling thread, and returns only when every part has returned;
+ * parts claimed by number or chunks claimed inside a part (the engine's row copies) are all done
+ * exactly once, over many runs back to back; posted tasks each run once, on a worker, and
+ * freeing the pool runs every task still queued. Each check counts per item, so a lost part or
+ * task (0) and a duplicated one (2) both fail.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "rnnd_threadpool.h"
+
+#define MAX_PARTS 16
+
+struct parts {
+    _Atomic int calls[MAX_PARTS]; // per part k
+    _Atomic int finished;         // parts that returned
+    _Atomic int bad_n;            // calls whose n differs from the run's
+    int n;                        // the m the run must use
+    pthread_t caller;
+    _Atomic int part0_elsewhere; // part 0 ran off the calling thread
+};
+
+static void part_fn(void *arg, int k, int n) {
+    struct parts *p = arg;
+    if (n != p->n)
+        atomic_fetch_add(&p->bad_n, 1);
+    if (k == 0 && !pthread_equal(pthread_self(), p->caller))
+        atomic_fetch_add(&p->part0_elsewhere, 1);
+    // A little work, so that workers and the caller overlap.
+    volatile uint64_t x = 0;
+    for (int i = 0; i < 2000 * (k + 1); i++)
+        x += (uint64_t)i;
+    atomic_fetch_add(&p->calls[k], 1);
+    atomic_fetch_add(&p->finished, 1);
+}
+
+// Runs `runs` runs of n parts on a pool of `workers` and checks every one.
+static void check_runs(int workers, int n, int runs) {
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(workers);
+    assert_non_null(pool);
+    assert_int_equal(rnnd_threadpool_workers(pool), workers);
+    int m = n < workers + 1 ? n : workers + 1;
+    if (m < 1)
+        m = 1;
+    for (int r = 0; r < runs; r++) {
+        struct parts p;
+        memset(&p, 0, sizeof(p));
+        p.n = m;
+        p.caller = pthread_self();
+        rnnd_threadpool_run(pool, n, part_fn, &p);
+        // Every part returned before the run did: nothing may still be running.
+        assert_int_equal(atomic_load(&p.finished), m);
+        for (int k = 0; k < MAX_PARTS; k++)
+            assert_int_equal(atomic_load(&p.calls[k]), k < m ? 1 : 0);
+        assert_int_equal(atomic_load(&p.bad_n), 0);
+        assert_int_equal(atomic_load(&p.part0_elsewhere), 0);
+    }
+    rnnd_threadpool_free(pool);
+}
+
+static void test_run_parts(void **state) {
+    (void)state;
+    check_runs(0, 4, 50);   // no workers: one part, on the caller
+    check_runs(1, 2, 500);  // the CPU backend on two threads
+    check_runs(3, 4, 500);  // as many parts as threads
+    check_runs(3, 2, 500);  // fewer parts than threads: idle workers must not run one
+    check_runs(7, 12, 300); // more parts than threads: clamped to workers + 1
+    check_runs(2, 1, 50);   // one part: the caller alone
+}
+
+// The engine's row copies: every part takes chunks of items until none is left.
+struct chunks {
+    int n;
+    _Atomic int next;
+    _Atomic uint8_t *seen; // (n)
+};
+
+static void chunk_fn(void *arg, int k, int n) {
+    (void)k;
+    (void)n;
+    struct chunks *c = arg;
+    for (;;) {
+        int first = atomic_fetch_add(&c->next, 7);
+        if (first >= c->n)
+            return;
+        for (int i = first; i < first + 7 && i < c->n; i++)
+            atomic_fetch_add(&c->seen[i], 1);
+    }
+}
+
+static void test_run_chunks(void **state) {
+    (void)state;
+    enum { N = 4099 };
+    static _Atomic uint8_t seen[N];
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(3);
+    assert_non_null(pool);
+    for (int r = 0; r < 300; r++) {
+        for (int i = 0; i < N; i++)
+            atomic_store(&seen[i], 0);
+        struct chunks c = {.n = N, .seen = seen};
+        rnnd_threadpool_run(pool, rnnd_threadpool_workers(pool) + 1, chunk_fn, &c);
+        for (int i = 0; i < N; i++)
+            if (atomic_load(&seen[i]) != 1)
+                fail_msg("run %d: item %d done %d times", r, i, (int)atomic_load(&seen[i]));
+    }
+    rnnd_threadpool_free(pool);
+}
+
+static void test_null_pool(void **state) {
+    (void)state;
+    struct parts p;
+    memset(&p, 0, sizeof(p));
+    p.n = 1;
+    p.caller = pthread_self();
+    assert_int_equal(rnnd_threadpool_workers(NULL), 0);
+    rnnd_threadpool_run(NULL, 8, part_fn, &p);
+    assert_int_equal(atomic_load(&p.calls[0]), 1);
+    assert_int_equal(atomic_load(&p.finished), 1);
+    rnnd_threadpool_free(NULL);
+}
+
+struct item {
+    struct rnnd_threadpool_task task; // first: the task is the item
+    _Atomic int *runs;
+    pthread_t caller;
+    _Atomic int *on_caller;
+};
+
+static void item_fn(struct rnnd_threadpool_task *t) {
+    struct item *it = (struct item *)t;
+    if (pthread_equal(pthread_self(), it->caller))
+        atomic_fetch_add(it->on_caller, 1);
+    atomic_fetch_add(it->runs, 1);
+}
+
+// Posted in chains of different lengths; freeing the pool right after runs what is queued.
+static void test_post(void **state) {
+    (void)state;
+    enum { N = 3000 };
+    static struct item items[N];
+    static _Atomic int runs[N];
+    _Atomic int on_caller = 0;
+    for (int round = 0; round < 20; round++) {
+        struct rnnd_threadpool *pool = rnnd_threadpool_init(1 + round % 3);
+        assert_non_null(pool);
+        for (int i = 0; i < N; i++) {
+            atomic_store(&runs[i], 0);
+            items[i] = (struct item){.task = {.fn = item_fn},
+                                     .runs = &runs[i],
+                                     .caller = pthread_self(),
+                                     .on_caller = &on_caller};
+        }
+        for (int i = 0; i < N;) {
+            int len = 1 + (i + round) % 9;
+            if (i + len > N)
+                len = N - i;
+            for (int j = i; j < i + len - 1; j++)
+                items[j].task.next = &items[j + 1].task;
+            rnnd_threadpool_post(pool, &items[i].task, &items[i + len - 1].task);
+            i += len;
+        }
+        rnnd_threadpool_free(pool);
+        for (int i = 0; i < N; i++)
+            if (atomic_load(&runs[i]) != 1)
+                fail_msg("round %d: task %d ran %d times", round, i, atomic_load(&runs[i]));
+    }
+    assert_int_equal(atomic_load(&on_caller), 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_run_parts),
+        cmocka_unit_test(test_run_chunks),
+        cmocka_unit_test(test_null_pool),
+        cmocka_unit_test(test_post),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -265,7 +265,8 @@ def _forward_outputs(target, r, device, num_layers, hidden_size):
     _check_state(target, r.h_n, num_layers, hidden_size)
     h_n = _t(r.h_n, device)
     c_n = _t(r.c_n, device) if r.c_n is not None else torch.zeros_like(h_n)
-    tape = torch.tensor([r.tape_id, r.model_version], dtype=torch.int64)
+    # uint64 values in an int64 tensor, bit for bit (a daemon on several devices sets bit 63)
+    tape = torch.from_numpy(np.array([r.tape_id, r.model_version], dtype=np.uint64).view(np.int64))
     return _t(r.output, device), h_n, c_n, tape
 
 
@@ -366,7 +367,7 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     """Backward through a kept tape -> the input and state gradients (_backward_shapes), then
     one gradient per Parameter: the daemon's, or zeros with accumulate (the daemon keeps the
     sum; the zeros also keep a compiled graph from dropping this call as unused)."""
-    tape_id = int(tape[0])
+    tape_id = int(tape[0]) & 0xFFFFFFFFFFFFFFFF  # the uint64 id, from its int64 bits
     if tape_id == 0:
         raise RuntimeError("rnnd: no tape was kept for this forward (it ran with grad disabled)")
     t = _target(target)

@@ -176,6 +176,22 @@ class RemoteRecurrentTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             core.forward_recorded(ids, 4, fields=("actions",))
 
+    def test_two_engines(self):
+        # On several devices a tape id has bit 63 set: it must travel through the op's int64
+        # tensor bit for bit.
+        with daemon(cell="gru", input_size=I, hidden_size=H, devices="0,1").start() as d:
+            core = rnnd.torch.RemoteRecurrent(d.client(), grads="server")
+            ids = [11, 12, 13, 14]
+            rng = np.random.default_rng(5)
+            for t in range(3):
+                core.client.step(ids, rng.standard_normal((4, I)).astype(np.float32), t == 0)
+            out, rec = core.forward_recorded(ids, 3, fields=())
+            self.assertLess(int(rec.tape_id), 0)  # bit 63, as int64
+            v = core.model_version
+            (out ** 2).sum().backward()
+            core.apply_gradients()
+            self.assertEqual(core.model_version, v + 1)
+
     def test_ops(self):
         ops = rnnd.torch.ops
         self.assertEqual(rnnd.torch.CUSTOM_OPS, hasattr(torch.library, "custom_op"))

@@ -22,7 +22,7 @@ BUILD_CMD += | awk '/^\[ *[0-9]+%\] Built target / { if (work) print; work = 0; 
 CTEST_FLAGS = --output-on-failure --progress
 endif
 
-.PHONY: all deps build run test clean
+.PHONY: all deps build run test format format-check clean
 
 all: build
 
@@ -43,6 +43,14 @@ run: build
 
 test: build
 	@cd $(BUILD) && ctest $(CTEST_FLAGS) -j $(JOBS)
+
+# The C and CUDA sources, laid out by .clang-format (clang-format 14); .ci/run checks them.
+FORMAT_FILES = git ls-files '*.c' '*.h' '*.cu' '*.cuh'
+format:
+	@$(FORMAT_FILES) | xargs clang-format -i
+
+format-check:
+	@$(FORMAT_FILES) | xargs clang-format --dry-run --Werror
 
 clean:
 	rm -rf $(BUILD)

@@ -619,8 +619,9 @@ void rnnd_client_free(struct rnnd_client *c) {
 int rnnd_client_wait_connected(struct rnnd_client *c, int64_t timeout_ms) {
     clear_err();
     if (await_state(c->ch, true, true, timeout_ms) != GRPC_CHANNEL_READY)
-        return local_err(RNND_EUNAVAIL, "not connected to %s after %lld ms (is rnnd running at %s?)",
-                         c->target, (long long)timeout_ms, c->target);
+        return local_err(RNND_EUNAVAIL,
+                         "not connected to %s after %lld ms (is rnnd running at %s?)", c->target,
+                         (long long)timeout_ms, c->target);
     return 0;
 }
 

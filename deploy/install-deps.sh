@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, with apt, whatever rnnd needs to build and test that is not there yet. Idempotent and
 # quiet when everything is present; uses sudo when not root. Debian 12 and Ubuntu 22.04+ names.
-# --ci adds what .ci/run needs beyond that: clang and libFuzzer's runtime (tests/fuzz).
+# --ci adds what .ci/run needs beyond that: clang and libFuzzer's runtime (tests/fuzz), and
+# clang-format (make format-check).
 set -euo pipefail
 
 pkgs=(
@@ -16,7 +17,7 @@ pkgs=(
   python3-venv python3-pip python3-setuptools python3-wheel
 )
 if [ "${1:-}" = "--ci" ]; then
-  pkgs+=(clang libclang-rt-dev)
+  pkgs+=(clang clang-format libclang-rt-dev)
 fi
 
 missing=()

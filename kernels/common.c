@@ -344,7 +344,8 @@ int rnnd_traj_check(const struct rnnd_traj_store *st, const struct rnnd_traj_row
     if (st == NULL || r == NULL || rnnd_model_check(m) != 0)
         return RNND_EINVAL;
     bool lstm = m->cell == RNND_CELL_LSTM;
-    if (r->n < 1 || r->rows == NULL || st->R < 1 || st->E < 0 || (st->E > 0) != (st->extras != NULL))
+    if (r->n < 1 || r->rows == NULL || st->R < 1 || st->E < 0 ||
+        (st->E > 0) != (st->extras != NULL))
         return RNND_EINVAL;
     if (!st->obs || !st->h || lstm != (st->c != NULL) || !st->is_init || !st->version)
         return RNND_EINVAL;

@@ -357,8 +357,8 @@ static bool parse_tensor(struct parser *ps, struct rnnd_st_tensor *t, uint64_t o
             int count = 0;
             ok = parse_u64_array(ps, off, 2, &count);
             if (ok && count != 2)
-                ok = fail(ps, RNND_ECORRUPT, "tensor \"%s\": data_offsets needs 2 entries",
-                          t->name);
+                ok =
+                    fail(ps, RNND_ECORRUPT, "tensor \"%s\": data_offsets needs 2 entries", t->name);
             have_offsets = true;
         } else {
             ok = fail(ps, RNND_ECORRUPT, "tensor \"%s\": unexpected or repeated key \"%s\"",
@@ -393,8 +393,7 @@ int rnnd_st_decode(const void *buf, size_t len, struct rnnd_st_file *f, char *er
     const unsigned char *b = buf;
     uint64_t hlen = 0;
     if (buf == NULL || len < 8) {
-        fail(&ps, RNND_ECORRUPT, "not a safetensors file: %zu bytes, shorter than its header",
-             len);
+        fail(&ps, RNND_ECORRUPT, "not a safetensors file: %zu bytes, shorter than its header", len);
         return ps.status;
     }
     for (int i = 0; i < 8; i++)

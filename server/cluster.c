@@ -56,7 +56,7 @@
 #define HEADER      12
 #define MAX_PAYLOAD 512
 // A peer that opened a connection has this long to send its whole HELLO (or a frame it began).
-#define HELLO_MS 5000
+#define HELLO_MS              5000
 #define RNND_CLUSTER_HOST_MAX 256
 
 enum msg_type { MSG_HELLO = 1, MSG_WELCOME, MSG_REFUSE, MSG_PROPOSE, MSG_COMMIT };
@@ -71,11 +71,11 @@ struct rnnd_cluster {
     rnnd_cluster_commit_cb commit;
     rnnd_cluster_lost_cb lost;
     void *ctx;
-    int *fds;     // rank 0: (world) follower connections, fds[0] unused; follower: fds[0]
-    int wake[2];  // rank 0: its own proposals wake the channel thread
+    int *fds;    // rank 0: (world) follower connections, fds[0] unused; follower: fds[0]
+    int wake[2]; // rank 0: its own proposals wake the channel thread
     pthread_t thread;
     bool thread_started;
-    pthread_mutex_t lock; // guards below, and (followers) serialises writes to fds[0]
+    pthread_mutex_t lock;           // guards below, and (followers) serialises writes to fds[0]
     struct pending_op *head, *tail; // rank 0: its own proposals not yet numbered
     uint64_t seq;
     bool broken, stopping;
@@ -263,9 +263,8 @@ static int listen_on(const char *addr, char *err, size_t errlen) {
     if (split_addr(addr, host, sizeof(host), port, sizeof(port)) != 0)
         return fail(err, errlen, RNND_EINVAL, "--rendezvous '%s' is not HOST:PORT", addr);
     for (int attempt = 0; attempt < 2; attempt++) {
-        struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                                 .ai_socktype = SOCK_STREAM,
-                                 .ai_flags = AI_PASSIVE};
+        struct addrinfo hints = {
+            .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
         struct addrinfo *res = NULL;
         int gr = getaddrinfo(attempt == 0 ? host : NULL, port, &hints, &res);
         if (gr != 0)
@@ -603,8 +602,8 @@ static int follower_start(struct rnnd_cluster *cl, const struct rnnd_cluster_con
     } while (rc == -2 && now_ms() < deadline);
     if (rc == 0 && type == MSG_REFUSE) {
         close(fd);
-        return fail(err, errlen, RNND_EUNAVAIL, "rank 0 refused rank %d: %.*s", cfg->rank,
-                    (int)len, (const char *)p);
+        return fail(err, errlen, RNND_EUNAVAIL, "rank 0 refused rank %d: %.*s", cfg->rank, (int)len,
+                    (const char *)p);
     }
     if (rc != 0 || type != MSG_WELCOME || len != sizeof(id->bytes)) {
         close(fd);
@@ -612,8 +611,9 @@ static int follower_start(struct rnnd_cluster *cl, const struct rnnd_cluster_con
             return fail(err, errlen, RNND_EUNAVAIL,
                         "the group did not form within --rendezvous-timeout-s %d",
                         cfg->timeout_ms / 1000);
-        return fail(err, errlen, RNND_EUNAVAIL, "rank 0 closed the connection before the group "
-                                                "formed");
+        return fail(err, errlen, RNND_EUNAVAIL,
+                    "rank 0 closed the connection before the group "
+                    "formed");
     }
     memcpy(id->bytes, p, sizeof(id->bytes));
     cl->fds[0] = fd;
@@ -654,8 +654,8 @@ int rnnd_cluster_start(const struct rnnd_cluster_config *cfg, struct rnnd_comm_i
     } else {
         rc = follower_start(cl, cfg, id, err, errlen);
     }
-    if (rc == 0 && pthread_create(&cl->thread, NULL, cfg->rank == 0 ? leader_main : follower_main,
-                                  cl) != 0)
+    if (rc == 0 &&
+        pthread_create(&cl->thread, NULL, cfg->rank == 0 ? leader_main : follower_main, cl) != 0)
         rc = fail(err, errlen, RNND_ENOMEM, "cannot start the channel thread");
     if (rc != 0) {
         rnnd_cluster_free(cl);

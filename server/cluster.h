@@ -34,11 +34,11 @@ struct rnnd_cluster_op {
 };
 
 struct rnnd_cluster_config {
-    int rank, world;                 // 0 <= rank < world, world >= 2
-    const char *rendezvous;          // HOST:PORT: rank 0 listens there, the others connect
-    int timeout_ms;                  // how long the ranks wait for each other at start
-    uint64_t fingerprint;            // model and devices: the ranks must agree on it
-    const _Atomic bool *abort;       // optional: start gives up once it reads true
+    int rank, world;           // 0 <= rank < world, world >= 2
+    const char *rendezvous;    // HOST:PORT: rank 0 listens there, the others connect
+    int timeout_ms;            // how long the ranks wait for each other at start
+    uint64_t fingerprint;      // model and devices: the ranks must agree on it
+    const _Atomic bool *abort; // optional: start gives up once it reads true
 };
 
 // Called on the channel thread, once per op, in the same order on every rank; never after

@@ -410,8 +410,9 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
             errno = 0;
             long long v = strtoll(value, &end, 10);
             if (errno || end == value || *end || v < o->min || v > o->max)
-                return fail(err, errlen, "--%s: '%s' is neither auto nor an integer in [%lld, %lld]",
-                            o->name, value, o->min, o->max);
+                return fail(err, errlen,
+                            "--%s: '%s' is neither auto nor an integer in [%lld, %lld]", o->name,
+                            value, o->min, o->max);
             *(int *)field = (int)v;
             return 0;
         }
@@ -507,8 +508,7 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
         return fail(err, errlen, "--rank %d needs --world-size of at least %d", c->rank,
                     c->rank + 1);
     if (c->rank >= c->world_size)
-        return fail(err, errlen, "--rank %d is not below --world-size %d", c->rank,
-                    c->world_size);
+        return fail(err, errlen, "--rank %d is not below --world-size %d", c->rank, c->world_size);
     char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
     int n = rnnd_config_listen(c->listen, addrs);
     for (int i = 0; i < n; i++) {

@@ -16,11 +16,11 @@
 
 enum rnnd_backend_kind { RNND_BACKEND_AUTO, RNND_BACKEND_CPU, RNND_BACKEND_CUDA };
 
-#define RNND_CONFIG_PATH_MAX 1024
-#define RNND_CONFIG_ADDR_MAX 256
-#define RNND_CONFIG_LISTEN_MAX 8 // --listen addresses
-#define RNND_MAX_DEVICES     16 // --devices entries (group.c keeps a device mask in tape ids)
-#define RNND_RANK_AUTO       -1 // --rank auto
+#define RNND_CONFIG_PATH_MAX   1024
+#define RNND_CONFIG_ADDR_MAX   256
+#define RNND_CONFIG_LISTEN_MAX 8  // --listen addresses
+#define RNND_MAX_DEVICES       16 // --devices entries (group.c keeps a device mask in tape ids)
+#define RNND_RANK_AUTO         -1 // --rank auto
 
 struct rnnd_config {
     char config_file[RNND_CONFIG_PATH_MAX];
@@ -29,8 +29,8 @@ struct rnnd_config {
     int device;
     // gRPC addresses, comma-separated: HOST:PORT or unix:PATH (rnnd_config_listen splits them)
     char listen[RNND_CONFIG_LISTEN_MAX * RNND_CONFIG_ADDR_MAX];
-    int listen_unix_mode;              // file mode of the unix: sockets
-    char http[RNND_CONFIG_ADDR_MAX];   // HTTP HOST:PORT, or "off"
+    int listen_unix_mode;            // file mode of the unix: sockets
+    char http[RNND_CONFIG_ADDR_MAX]; // HTTP HOST:PORT, or "off"
     char state_dir[RNND_CONFIG_PATH_MAX];
     char restore[RNND_CONFIG_PATH_MAX];
     char weights[RNND_CONFIG_PATH_MAX]; // safetensors file of starting weights (PyTorch names)
@@ -70,9 +70,9 @@ struct rnnd_config {
     int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
     int max_shm_regions;       // shared-memory regions registered at once; 0: none (off)
     // Several devices and hosts (group.c, cluster.c):
-    char devices[RNND_CONFIG_ADDR_MAX]; // "0,1,...": one engine per device; "": --device alone
-    int rank;                           // this rnnd among --world-size, or RNND_RANK_AUTO
-    int world_size;                     // rnnd instances sharing the weights (NCCL, or cpu: TCP)
+    char devices[RNND_CONFIG_ADDR_MAX];    // "0,1,...": one engine per device; "": --device alone
+    int rank;                              // this rnnd among --world-size, or RNND_RANK_AUTO
+    int world_size;                        // rnnd instances sharing the weights (NCCL, or cpu: TCP)
     char rendezvous[RNND_CONFIG_ADDR_MAX]; // HOST:PORT where rank 0 meets the others
     int rendezvous_timeout_s;              // how long ranks wait for each other at start
     int comm_timeout_s;                    // a collective not finished by then fails

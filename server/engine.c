@@ -292,7 +292,7 @@ static void engine_close(struct rnnd_engine *e) {
         free(w);
     }
     void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
-                    e->state_c,    e->d_in,         e->d_outb, e->work,  e->spare_tape};
+                    e->state_c,    e->d_in,         e->d_outb, e->work,   e->spare_tape};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
     if (!e->host_mem) {

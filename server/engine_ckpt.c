@@ -353,9 +353,9 @@ static int restore_traj(struct rnnd_engine *e, struct traj_chunk *k, struct rnnd
     int rc = 0;
     for (int64_t s = skip; rc == 0 && s < n; s++) {
         k->h_idx[k->n] = rnnd_traj_next(&env->traj, d, env->slot);
-        traj_chunk_row(e, k, k->n, at + (size_t)s, (float *)ck->traj_obs,
-                       (float *)ck->traj_extras, (float *)ck->traj_h, (float *)ck->traj_c,
-                       (uint8_t *)ck->traj_is_init, (uint64_t *)ck->traj_version, true);
+        traj_chunk_row(e, k, k->n, at + (size_t)s, (float *)ck->traj_obs, (float *)ck->traj_extras,
+                       (float *)ck->traj_h, (float *)ck->traj_c, (uint8_t *)ck->traj_is_init,
+                       (uint64_t *)ck->traj_version, true);
         rnnd_traj_push(&env->traj, d);
         if (++k->n == k->cap)
             rc = restore_traj_flush(e, k);

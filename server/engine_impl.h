@@ -38,12 +38,12 @@ struct row_ref {
 
 struct rnnd_engine {
     struct rnnd_config cfg;
-    int index, count;            // this engine's device among the daemon's (rnnd_place)
+    int index, count; // this engine's device among the daemon's (rnnd_place)
     // --state-dir as given; cfg.state_dir is this device's own directory inside it (device-N)
     // when there are several devices.
     char top_dir[RNND_CONFIG_PATH_MAX];
-    struct rnnd_comm *local;     // this daemon's engines (Backward parts), or NULL
-    struct rnnd_comm *replicas;  // every replica of the weights (may be local), or NULL
+    struct rnnd_comm *local;    // this daemon's engines (Backward parts), or NULL
+    struct rnnd_comm *replicas; // every replica of the weights (may be local), or NULL
     // What this engine last added to the daemon-wide gauges, to which every engine adds its own.
     int64_t pub_envs, pub_tapes, pub_tape_bytes, pub_queue, pub_store;
     struct rnnd_model model;
@@ -102,7 +102,7 @@ struct rnnd_engine {
     size_t spare_tape_bytes;
 
     struct rnnd_envtable *envs;
-    int envs_reserved;          // slots promised to the new envs of held Step parts
+    int envs_reserved; // slots promised to the new envs of held Step parts
     // EndEpisodes waiting for held envs (rnnd__engine_run_end), in arrival order.
     struct rnnd_job *ends_held;
     struct rnnd_traj_dims tdims;
@@ -204,8 +204,7 @@ static inline size_t env_row_next(const struct rnnd_engine *e, const struct rnnd
 struct weights *rnnd__engine_weights_new(struct rnnd_engine *e);
 void rnnd__engine_weights_unref(struct rnnd_engine *e, struct weights *w);
 void rnnd__engine_weights_swap(struct rnnd_engine *e, struct weights *w);
-void rnnd__engine_env_drop(struct rnnd_engine *e, struct rnnd_env *env,
-                           enum rnnd_evict_reason why);
+void rnnd__engine_env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnnd_evict_reason why);
 void rnnd__engine_env_gauges(struct rnnd_engine *e);
 int rnnd__engine_work_reserve(struct rnnd_engine *e, size_t bytes, void **out);
 char *rnnd__engine_xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes);

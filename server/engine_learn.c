@@ -31,7 +31,7 @@ struct tape_obj {
     int B_all;     // rows of the whole Forward (B, unless this is a part)
     int32_t *rows; // (B) host: a part's rows within the whole Forward, or NULL
     bool has_h0, has_hidden;
-    void *block;          // backend memory, block_bytes of it
+    void *block; // backend memory, block_bytes of it
     size_t block_bytes;
     float *x;             // (B, T, I)
     uint8_t *is_init;     // (B, T)
@@ -198,8 +198,8 @@ struct fwd_layout {
     float *rec_extras; // (B, T, E) recorded only
     uint64_t *rec_ver; // (B, T) recorded only
     float *out, *h_n, *c_n;
-    int32_t *idx;   // recorded: (B*T + B) store rows of the windows, then of their first steps
-    char *area;     // the packed inputs (in_bytes), then the packed outputs; NULL when none
+    int32_t *idx; // recorded: (B*T + B) store rows of the windows, then of their first steps
+    char *area;   // the packed inputs (in_bytes), then the packed outputs; NULL when none
     size_t in_bytes, area_bytes;
 };
 
@@ -590,10 +590,9 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     }
     // Input gradients: those asked for (all the Forward had, unless the request said which),
     // never one of an input the Forward did not have.
-    unsigned want = g->input_grads_set
-                        ? g->input_grads
-                        : RNND_GRAD_OBS | (t->has_h0 ? RNND_GRAD_H0 : 0) |
-                              (t->has_hidden ? RNND_GRAD_HIDDEN : 0);
+    unsigned want = g->input_grads_set ? g->input_grads
+                                       : RNND_GRAD_OBS | (t->has_h0 ? RNND_GRAD_H0 : 0) |
+                                             (t->has_hidden ? RNND_GRAD_HIDDEN : 0);
     if (((want & RNND_GRAD_H0) && !t->has_h0) || ((want & RNND_GRAD_HIDDEN) && !t->has_hidden)) {
         rnnd_job_fail(job, RNND_EINVAL,
                       "input_grads asks for %s but the Forward of tape %" PRIu64
@@ -609,11 +608,11 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     bool want_grads = !g->accumulate && !part;
     // The reply (of every row of the Backward, also when this is a part) within the limit.
     uint64_t rows_all = (uint64_t)t->B_all * (uint64_t)T, sl = lstm ? 2 : 1;
-    uint64_t reply = ((want & RNND_GRAD_OBS ? rows_all * I : 0) +
-                      (want & RNND_GRAD_H0 ? (uint64_t)t->B_all * LH * sl : 0) +
-                      (want & RNND_GRAD_HIDDEN ? rows_all * LH * sl : 0) +
-                      (g->accumulate ? 0 : e->P)) *
-                     rnnd_ftype_bytes(g->out_dtype);
+    uint64_t reply =
+        ((want & RNND_GRAD_OBS ? rows_all * I : 0) +
+         (want & RNND_GRAD_H0 ? (uint64_t)t->B_all * LH * sl : 0) +
+         (want & RNND_GRAD_HIDDEN ? rows_all * LH * sl : 0) + (g->accumulate ? 0 : e->P)) *
+        rnnd_ftype_bytes(g->out_dtype);
     if (reply + 4096 > (uint64_t)e->cfg.max_message_mb << 20) {
         rnnd_metrics_limit_hit(RNND_LIMIT_MESSAGE);
         rnnd_job_fail(job, RNND_EFULL,
@@ -959,7 +958,8 @@ void rnnd__engine_run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
         if (rc == RNND_EDEVICE)
             rnnd_panic(__FILE__, __LINE__, "backend optimizer step failed: %s", rnnd_strerror(rc));
         if (e->replicas)
-            rnnd_log(RNND_LOG_ERROR, "device %d skipped an update (%s): its weights now differ "
+            rnnd_log(RNND_LOG_ERROR,
+                     "device %d skipped an update (%s): its weights now differ "
                      "from the other replicas'; restart rnnd to resynchronise them",
                      e->index, rnnd_strerror(rc));
         rnnd_job_fail(job, rc, "the optimizer step failed: %s", rnnd_strerror(rc));
@@ -1008,7 +1008,8 @@ void rnnd__engine_run_set_weights(struct rnnd_engine *e, struct rnnd_job *job) {
     if (rc != 0) {
         rnnd__engine_weights_unref(e, w);
         if (e->replicas)
-            rnnd_log(RNND_LOG_ERROR, "device %d did not take the new weights (%s): its weights "
+            rnnd_log(RNND_LOG_ERROR,
+                     "device %d did not take the new weights (%s): its weights "
                      "differ from the other replicas'; restart rnnd to resynchronise them",
                      e->index, rnnd_strerror(rc));
         rnnd_job_fail(job, rc, "cannot load the weights: %s", rnnd_strerror(rc));

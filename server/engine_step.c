@@ -358,8 +358,8 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         struct rnnd_job *last = jobs;
         for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
             struct rnnd_job *next = (struct rnnd_job *)job->item.next;
-            job->reply = (struct rnnd_threadpool_task){.fn = reply_send,
-                                                       .next = next ? &next->reply : NULL};
+            job->reply =
+                (struct rnnd_threadpool_task){.fn = reply_send, .next = next ? &next->reply : NULL};
             last = job;
         }
         rnnd_threadpool_post(e->replies, &jobs->reply, &last->reply);

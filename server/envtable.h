@@ -24,10 +24,10 @@ struct rnnd_env {
     bool has_index;      // last_index is valid (the latest step carried a step_index)
     uint64_t last_index; // step_index of the latest step
     uint64_t last_used_ns;
-    uint64_t out_version;   // model version that computed the cached output
+    uint64_t out_version;       // model version that computed the cached output
     struct rnnd_traj_ring traj; // its recorded steps in the trajectory store
-    bool held;              // engine: a Step part admitted for it waits for its other devices
-    bool half;              // engine: its state is in table row slot + S (else slot)
+    bool held;                  // engine: a Step part admitted for it waits for its other devices
+    bool half;                  // engine: its state is in table row slot + S (else slot)
     // Private to envtable.c:
     int32_t next, lru_prev, lru_next;
 };

@@ -28,11 +28,11 @@
 #include "metrics.h"
 
 // Tape ids of a Forward split over several devices (group.h).
-#define TAPE_GROUP_BIT   (1ull << 63)
-#define TAPE_H0_BIT      (1ull << 16)
-#define TAPE_HIDDEN_BIT  (1ull << 17)
-#define TAPE_SEQ_SHIFT   20
-#define TAPE_MASK(id)    ((unsigned)((id)&0xffffu))
+#define TAPE_GROUP_BIT  (1ull << 63)
+#define TAPE_H0_BIT     (1ull << 16)
+#define TAPE_HIDDEN_BIT (1ull << 17)
+#define TAPE_SEQ_SHIFT  20
+#define TAPE_MASK(id)   ((unsigned)((id)&0xffffu))
 
 struct pending {
     uint64_t token;
@@ -452,8 +452,8 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
         (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
         (!(m & RNND_REC_VERSION) || fw->rec_version))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
-    void *outs[] = {fw->out, fw->h_n, fw->c_n, fw->rec_obs, fw->rec_is_init, fw->rec_extras,
-                    fw->rec_version};
+    void *outs[] = {fw->out,         fw->h_n,        fw->c_n,        fw->rec_obs,
+                    fw->rec_is_init, fw->rec_extras, fw->rec_version};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job);
@@ -548,8 +548,8 @@ static void submit_backward(struct rnnd_group *g, struct rnnd_job *job) {
         (!h0 || !g->lstm || bw->grad_c0) && (!hidden || bw->grad_hidden) &&
         (!hidden || !g->lstm || bw->grad_cell))
         f = fan_new(g, job, 0, &b);
-    void *outs[] = {bw->grads, bw->grad_x, bw->grad_h0, bw->grad_c0, bw->grad_hidden,
-                    bw->grad_cell};
+    void *outs[] = {bw->grads,   bw->grad_x,      bw->grad_h0,
+                    bw->grad_c0, bw->grad_hidden, bw->grad_cell};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Backward of %zu x %zu steps", B, Tz);
         job->done(job);

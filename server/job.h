@@ -79,15 +79,15 @@ struct rnnd_end_job {
 
 // What a recorded Forward returns besides out, h_n, c_n (rnnd.v1.RecordedField bits), and which
 // gradients of its inputs a Backward returns (rnnd.v1.InputGrad bits).
-#define RNND_REC_OBS      1u
-#define RNND_REC_IS_INIT  2u
-#define RNND_REC_EXTRAS   4u
-#define RNND_REC_VERSION  8u
-#define RNND_REC_ALL      15u
-#define RNND_GRAD_OBS     1u
-#define RNND_GRAD_H0      2u // and grad_c0
-#define RNND_GRAD_HIDDEN  4u // and grad_cell
-#define RNND_GRAD_ALL     7u
+#define RNND_REC_OBS     1u
+#define RNND_REC_IS_INIT 2u
+#define RNND_REC_EXTRAS  4u
+#define RNND_REC_VERSION 8u
+#define RNND_REC_ALL     15u
+#define RNND_GRAD_OBS    1u
+#define RNND_GRAD_H0     2u // and grad_c0
+#define RNND_GRAD_HIDDEN 4u // and grad_cell
+#define RNND_GRAD_ALL    7u
 
 // Forward over explicit trajectories (recorded false) or the last T recorded steps of envs.
 // Float inputs arrive in dtype `in`, float outputs leave in dtype `out` (the wire's; the engine
@@ -134,16 +134,16 @@ struct rnnd_forward_job {
 // allocated by the submitter.
 struct rnnd_backward_job {
     uint64_t tape_id;
-    int B, T;                   // dims of grad_output as sent (checked against the tape)
+    int B, T;                      // dims of grad_output as sent (checked against the tape)
     enum rnnd_ftype in, out_dtype; // of the float inputs and outputs, as for Forward
-    const void *grad_out;       // (B, T, H)
-    const void *grad_h_n;       // (B, L, H) or NULL
-    const void *grad_c_n;       // (B, L, H) or NULL
-    int grad_h_n_B, grad_c_n_B; // their first dims as sent
+    const void *grad_out;          // (B, T, H)
+    const void *grad_h_n;          // (B, L, H) or NULL
+    const void *grad_c_n;          // (B, L, H) or NULL
+    int grad_h_n_B, grad_c_n_B;    // their first dims as sent
     bool accumulate;
-    bool input_grads_set;       // false: every input gradient the Forward had, else these:
-    unsigned input_grads;       // RNND_GRAD_* bits (asking for an input the Forward had not is
-                                // refused)
+    bool input_grads_set; // false: every input gradient the Forward had, else these:
+    unsigned input_grads; // RNND_GRAD_* bits (asking for an input the Forward had not is
+                          // refused)
     bool part;
     bool has_part; // part only: this engine holds rows of the tape
     // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),

@@ -63,8 +63,8 @@ static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "r
 static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "header_timeout",
                                                                   "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {
-    "envs",    "step_queue_rows", "tape_bytes",    "message_bytes",
-    "streams", "reply_bytes",     "connections",   "health_watches", "shm_regions"};
+    "envs",        "step_queue_rows", "tape_bytes",     "message_bytes", "streams",
+    "reply_bytes", "connections",     "health_watches", "shm_regions"};
 // Which bounds are in bytes (rnnd_limit_bytes); the others count items (rnnd_limit_items).
 static const bool limit_in_bytes[RNND_LIMIT_COUNT] = {
     [RNND_LIMIT_TAPE_BYTES] = true, [RNND_LIMIT_MESSAGE] = true, [RNND_LIMIT_REPLY_BYTES] = true};

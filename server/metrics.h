@@ -60,11 +60,11 @@ enum rnnd_evict_reason {
 // rnnd_limit_items by its unit, and the deprecated rnnd_limit for all; and a counter of the
 // requests refused with RESOURCE_EXHAUSTED when it was reached).
 enum rnnd_limit {
-    RNND_LIMIT_ENVS,       // --max-envs: envs holding state
-    RNND_LIMIT_QUEUE_ROWS, // --max-queue-rows: Step rows waiting for the engine
-    RNND_LIMIT_TAPE_BYTES, // --tape-memory-mb: memory of kept Forward tapes
-    RNND_LIMIT_MESSAGE,    // --max-message-mb: bytes of one message either way
-    RNND_LIMIT_STREAMS,    // --max-streams: rnnd.v1 calls in progress
+    RNND_LIMIT_ENVS,           // --max-envs: envs holding state
+    RNND_LIMIT_QUEUE_ROWS,     // --max-queue-rows: Step rows waiting for the engine
+    RNND_LIMIT_TAPE_BYTES,     // --tape-memory-mb: memory of kept Forward tapes
+    RNND_LIMIT_MESSAGE,        // --max-message-mb: bytes of one message either way
+    RNND_LIMIT_STREAMS,        // --max-streams: rnnd.v1 calls in progress
     RNND_LIMIT_REPLY_BYTES,    // --max-reply-mb: replies sent or queued, not yet read by clients
     RNND_LIMIT_CONNECTIONS,    // --max-connections: gRPC connections open
     RNND_LIMIT_HEALTH_WATCHES, // --max-health-watches: grpc.health.v1 Watch streams open
@@ -115,13 +115,13 @@ struct rnnd_metrics {
     _Atomic int ready;                  // 1 while serving
     _Atomic int64_t http_connections;   // HTTP connections open
     _Atomic uint64_t http_dropped[RNND_HTTP_DROP_COUNT];
-    _Atomic int64_t reply_bytes;        // replies reserved, queued or being sent
-    _Atomic int64_t connections;        // gRPC connections open
-    _Atomic int64_t health_watches;     // grpc.health.v1 Watch streams open
-    _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
-    _Atomic(const char *) backend;      // "cpu" or "cuda" (static) once the engine runs, or NULL
-    _Atomic int64_t traj_store_bytes;   // backend memory of the trajectory stores
-    _Atomic int64_t shm_regions;        // shared-memory regions registered
+    _Atomic int64_t reply_bytes;       // replies reserved, queued or being sent
+    _Atomic int64_t connections;       // gRPC connections open
+    _Atomic int64_t health_watches;    // grpc.health.v1 Watch streams open
+    _Atomic uint64_t stream_idle_ends; // calls ended by --stream-idle-timeout-s
+    _Atomic(const char *) backend;     // "cpu" or "cuda" (static) once the engine runs, or NULL
+    _Atomic int64_t traj_store_bytes;  // backend memory of the trajectory stores
+    _Atomic int64_t shm_regions;       // shared-memory regions registered
 };
 
 extern struct rnnd_metrics rnnd_metrics;

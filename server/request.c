@@ -225,7 +225,7 @@ static int finite16_check(const Tensor *t, const char *name, uint16_t exp_mask, 
         uint16_t v = (uint16_t)(p[2 * i] | (p[2 * i + 1] << 8));
         if ((v & exp_mask) == exp_mask)
             return errf(err, RNND_EINVAL, "%s: element %zu is %s; send finite values", name, i,
-                        (v & (uint16_t)~(exp_mask | 0x8000u)) ? "NaN" : "Inf");
+                        (v & (uint16_t) ~(exp_mask | 0x8000u)) ? "NaN" : "Inf");
     }
     return 0;
 }
@@ -272,10 +272,11 @@ static int float_check(const Tensor *t, const char *name, int ndim, const int64_
 // The dtype of a reply's float tensors: reply_dtype when set, else the request's (in).
 static int reply_dtype(int reply, int in, enum rnnd_ftype *out, char *err) {
     if (reply != RNND__V1__DTYPE__DTYPE_UNSPECIFIED && !float_dtype(reply))
-        return errf(err, RNND_EINVAL,
-                    "reply_dtype %s is not one the daemon sends; send FLOAT32, BFLOAT16 or FLOAT16, "
-                    "or leave it unset for the request's own",
-                    dtype_name(reply));
+        return errf(
+            err, RNND_EINVAL,
+            "reply_dtype %s is not one the daemon sends; send FLOAT32, BFLOAT16 or FLOAT16, "
+            "or leave it unset for the request's own",
+            dtype_name(reply));
     *out = rnnd_request_ftype(reply ? reply : in);
     return 0;
 }
@@ -559,7 +560,8 @@ static int forward_explicit(const struct rnnd_request_limits *l, const Rnnd__V1_
         return errf(err, RNND_EINVAL,
                     "trajectories: an LSTM needs hidden and cell together; send both or neither");
     return reply_fits(l, rnnd_request_forward_reply_bytes(l, f),
-                      "send fewer rows or steps per Forward (or ask for a 16-bit reply_dtype)", err);
+                      "send fewer rows or steps per Forward (or ask for a 16-bit reply_dtype)",
+                      err);
 }
 
 static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1__Recorded *rec,
@@ -603,8 +605,8 @@ int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__Fo
     bool has_fields =
         req->_recorded_fields_case == RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
     // Absent: everything there is (no extras when the daemon records none), as before the mask.
-    f->rec_fields = has_fields ? req->recorded_fields
-                               : RNND_REC_ALL & ~(l->extras_size ? 0u : RNND_REC_EXTRAS);
+    f->rec_fields =
+        has_fields ? req->recorded_fields : RNND_REC_ALL & ~(l->extras_size ? 0u : RNND_REC_EXTRAS);
     if (f->rec_fields & ~RNND_REC_ALL)
         return errf(err, RNND_EINVAL,
                     "recorded_fields 0x%x has bits that name no field; send an OR of "
@@ -649,8 +651,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
                     "tape_id it returns");
     int64_t got[3], want[3] = {-1, -1, H};
     snprintf(layout, sizeof(layout), "[B, T, H] (H = --hidden-size %d)", m->H);
-    if ((rc = float_check(req->grad_output, "grad_output", 3, want, layout, got, &dt,
-                          "grad_output", err)) != 0)
+    if ((rc = float_check(req->grad_output, "grad_output", 3, want, layout, got, &dt, "grad_output",
+                          err)) != 0)
         return rc;
     g->in = rnnd_request_ftype(dt);
     if ((rc = reply_dtype(req->reply_dtype, dt, &g->out_dtype, err)) != 0)

@@ -1562,12 +1562,11 @@ static bool idle_check(struct rnnd_call *c, void *now) {
         rnnd_log(RNND_LOG_DEBUG, "%s: reply not read for %d s: cancelling the call",
                  c->mi >= 0 ? methods[c->mi].path : "unknown", rpc->idle_timeout_s);
         grpc_call_cancel_with_status(c->call, GRPC_STATUS_DEADLINE_EXCEEDED,
-                                     "the reply was not read within --stream-idle-timeout-s",
-                                     NULL);
+                                     "the reply was not read within --stream-idle-timeout-s", NULL);
         return false;
     }
-    if (!is_step_stream(c) || c->inflight || c->sending || c->outq || c->status_sent ||
-        c->ending || idle_now_ns <= c->last_msg_ns + limit)
+    if (!is_step_stream(c) || c->inflight || c->sending || c->outq || c->status_sent || c->ending ||
+        idle_now_ns <= c->last_msg_ns + limit)
         return false;
     atomic_fetch_add_explicit(&rnnd_metrics.stream_idle_ends, 1, memory_order_relaxed);
     char msg[256];

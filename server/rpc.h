@@ -49,14 +49,14 @@ struct rnnd_rpc_options {
     int nlisten;               // 1..RNND_RPC_MAX_LISTEN
     int unix_mode;             // file mode of the unix: sockets
     struct rnnd_shm *shm;      // shared-memory regions (requests' spans resolve here)
-    int threads;              // completion-queue threads (1..RNND_RPC_MAX_THREADS)
-    size_t max_message_bytes; // both ways
-    int max_streams;          // rnnd.v1 calls in progress at once (health not counted)
-    size_t max_reply_bytes;   // replies reserved, queued or being sent, all calls together
-    int max_connections;      // gRPC connections open at once
-    int max_health_watches;   // grpc.health.v1 Watch streams open at once
+    int threads;               // completion-queue threads (1..RNND_RPC_MAX_THREADS)
+    size_t max_message_bytes;  // both ways
+    int max_streams;           // rnnd.v1 calls in progress at once (health not counted)
+    size_t max_reply_bytes;    // replies reserved, queued or being sent, all calls together
+    int max_connections;       // gRPC connections open at once
+    int max_health_watches;    // grpc.health.v1 Watch streams open at once
     int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
-    void *service;            // handed to handlers
+    void *service;             // handed to handlers
     rnnd_rpc_stopped_cb stopped;
     rnnd_rpc_drained_cb drained;
     void *stopped_ctx; // for both

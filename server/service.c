@@ -117,8 +117,8 @@ static void step_done(struct rnnd_job *job) {
         enum rnnd_ftype ft = ((struct step_extra *)(job + 1))->out;
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
-        r.output = tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0],
-                        0, 0);
+        r.output =
+            tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0], 0, 0);
         r.model_version = job->model_version;
         if (st->return_state) {
             r.h = tset(&h, narrow(st->h, B * LH, ft), st->h, 3, st->B, dims[1], dims[0], 0);

@@ -396,8 +396,8 @@ static int run_case(const struct bench_case *bc, struct bench_result *res) {
 // --op step: runs the cases, prints a table, then one JSON line per case.
 static int step_main(const struct bench_case *cases, struct bench_result *results, int *errs,
                      int ncase) {
-    printf("%-7s %-4s %-5s %5s %5s %5s %2s %6s %8s %8s %8s %8s %9s %9s %5s\n", "backend",
-           "cell", "comp", "B", "I", "H", "L", "reset", "step_us", "graph_us", "gpu_us", "call_us",
+    printf("%-7s %-4s %-5s %5s %5s %5s %2s %6s %8s %8s %8s %8s %9s %9s %5s\n", "backend", "cell",
+           "comp", "B", "I", "H", "L", "reset", "step_us", "graph_us", "gpu_us", "call_us",
            "out_err", "state_err", "MHz");
     int failed = 0;
     for (int c = 0; c < ncase; c++) {
@@ -413,8 +413,8 @@ static int step_main(const struct bench_case *cases, struct bench_result *result
             printf(" failed: %s\n", rnnd_strerror(errs[c]));
             continue;
         }
-        printf("%8.2f %8.2f %8.2f %8.2f %9.1e %9.1e %5.0f\n", r->step_us, r->graph_us,
-               r->gpu_us, r->call_us, r->out_err, r->grad_err, r->sm_mhz);
+        printf("%8.2f %8.2f %8.2f %8.2f %9.1e %9.1e %5.0f\n", r->step_us, r->graph_us, r->gpu_us,
+               r->call_us, r->out_err, r->grad_err, r->sm_mhz);
     }
     fflush(stdout);
     for (int c = 0; c < ncase; c++) {
@@ -425,7 +425,8 @@ static int step_main(const struct bench_case *cases, struct bench_result *result
         const struct rnnd_model *m = &bc->model;
         printf("{\"op\":\"step\",\"backend\":\"%s\",\"device\":\"%s\",\"cell\":\"%s\",\"B\":%d,"
                "\"I\":%d,\"H\":%d,\"L\":%d,\"reset_prob\":%g,\"compute\":\"%s\",\"step_us\":%.3f,"
-               "\"graph_us\":%.3f,\"gpu_us\":%.3f,\"call_us\":%.3f,\"out_err\":%.3e,\"state_err\":%.3e,"
+               "\"graph_us\":%.3f,\"gpu_us\":%.3f,\"call_us\":%.3f,\"out_err\":%.3e,\"state_err\":%"
+               ".3e,"
                "\"warmup\":%d,\"repeat\":%d,\"seed\":%llu%s}\n",
                bc->backend, r->device, m->cell == RNND_CELL_LSTM ? "lstm" : "gru", bc->B, m->I,
                m->H, m->L, bc->reset_prob, compute_name(m->compute), r->step_us, r->graph_us,

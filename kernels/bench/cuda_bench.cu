@@ -143,21 +143,26 @@ static int bench_ours_extra(struct rnnd_backend *be, const struct bench_case *bc
     BENCH_CUDA_TRY(cudaMemset(d_gp, 0, P * sizeof(float)));
     struct rnnd_seq seq = {};
     seq.B = bc->B, seq.T = bc->T, seq.x = d_x, seq.is_init = d_init;
-    int err = time_median(t, bc->warmup, bc->repeat, [&] {
-        return ops->rnn_forward(be->ctx, d_out, NULL, NULL, NULL, &seq, d_params, m);
-    }, fwd_notape_ms);
+    int err = time_median(
+        t, bc->warmup, bc->repeat,
+        [&] { return ops->rnn_forward(be->ctx, d_out, NULL, NULL, NULL, &seq, d_params, m); },
+        fwd_notape_ms);
     // Phase clocks (RNND_TUNE_PHASE_CLOCKS) of the forward without a tape, which may run another loop.
     if (!err && notape_phases && rnnd_cuda_phase_clocks(be, bc->B, bc->T, notape_phases, pb) != 0)
         notape_phases[0] = -1;
     if (!err)
-        err = time_median(t, bc->warmup, bc->repeat, [&] {
-            int e = ops->rnn_forward(be->ctx, d_out, NULL, NULL, d_tape, &seq, d_params, m);
-            if (e)
-                return e;
-            struct rnnd_seq_grads g = {};
-            g.params = d_gp, g.x = d_gx;
-            return ops->rnn_backward(be->ctx, &g, d_gout, NULL, NULL, d_tape, &seq, d_params, m);
-        }, fwdbwd_gx_ms);
+        err = time_median(
+            t, bc->warmup, bc->repeat,
+            [&] {
+                int e = ops->rnn_forward(be->ctx, d_out, NULL, NULL, d_tape, &seq, d_params, m);
+                if (e)
+                    return e;
+                struct rnnd_seq_grads g = {};
+                g.params = d_gp, g.x = d_gx;
+                return ops->rnn_backward(be->ctx, &g, d_gout, NULL, NULL, d_tape, &seq, d_params,
+                                         m);
+            },
+            fwdbwd_gx_ms);
     cudaFree(d_params), cudaFree(d_x), cudaFree(d_gout), cudaFree(d_init);
     cudaFree(d_out), cudaFree(d_gp), cudaFree(d_gx), cudaFree(d_tape);
     return err;
@@ -203,8 +208,8 @@ static int bench_cudnn_one(cudnnHandle_t h, const struct bench_case *bc, struct 
     uint64_t s = bc->seed ^ 0xcd11ull;
     float pad = 0.0f;
     int dims[3] = {m->L, nseq, m->H}, strides[3] = {nseq * m->H, m->H, 1};
-    cudnnRNNDataLayout_t layout =
-        packed ? CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_PACKED : CUDNN_RNN_DATA_LAYOUT_BATCH_MAJOR_UNPACKED;
+    cudnnRNNDataLayout_t layout = packed ? CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_PACKED
+                                         : CUDNN_RNN_DATA_LAYOUT_BATCH_MAJOR_UNPACKED;
     cudnnMathType_t math = m->compute == RNND_COMPUTE_IEEE ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH;
 
     CUDNN_TRY(cudnnCreateDropoutDescriptor(&drop));
@@ -235,7 +240,8 @@ static int bench_cudnn_one(cudnnHandle_t h, const struct bench_case *bc, struct 
     {
         std::vector<float> wv = uniform(wbytes / sizeof(float), 1.0f / sqrtf((float)m->H), &s);
         w = to_device(wv);
-        std::vector<float> xv = uniform(xrows * m->I, 1.0f, &s), gv = uniform(xrows * m->H, 1.0f, &s);
+        std::vector<float> xv = uniform(xrows * m->I, 1.0f, &s),
+                           gv = uniform(xrows * m->H, 1.0f, &s);
         x = to_device(xv);
         dy = to_device(gv);
         dlens = to_device(lens);
@@ -249,27 +255,33 @@ static int bench_cudnn_one(cudnnHandle_t h, const struct bench_case *bc, struct 
         goto done;
     }
     cudaMemset(dw, 0, wbytes);
-    err = time_median(t, bc->warmup, bc->repeat, [&] {
-        cudnnStatus_t st = cudnnRNNForward(h, rnn, CUDNN_FWD_MODE_INFERENCE, dlens, xd, x, yd, y,
-                                           hd, NULL, NULL, hd, NULL, NULL, wbytes, w, work_bytes,
-                                           work, 0, NULL);
-        return st == CUDNN_STATUS_SUCCESS ? 0 : RNND_EDEVICE;
-    }, fwd_ms);
-    if (!err)
-        err = time_median(t, bc->warmup, bc->repeat, [&] {
-            cudnnStatus_t st = cudnnRNNForward(h, rnn, CUDNN_FWD_MODE_TRAINING, dlens, xd, x, yd,
-                                               y, hd, NULL, NULL, hd, NULL, NULL, wbytes, w,
-                                               work_bytes, work, reserve_bytes, reserve);
-            if (st == CUDNN_STATUS_SUCCESS)
-                st = cudnnRNNBackwardData_v8(h, rnn, dlens, yd, y, dy, xd, dx, hd, NULL, NULL,
-                                             NULL, hd, NULL, NULL, NULL, wbytes, w, work_bytes,
-                                             work, reserve_bytes, reserve);
-            if (st == CUDNN_STATUS_SUCCESS)
-                st = cudnnRNNBackwardWeights_v8(h, rnn, CUDNN_WGRAD_MODE_ADD, dlens, xd, x, hd,
-                                                NULL, yd, y, wbytes, dw, work_bytes, work,
-                                                reserve_bytes, reserve);
+    err = time_median(
+        t, bc->warmup, bc->repeat,
+        [&] {
+            cudnnStatus_t st =
+                cudnnRNNForward(h, rnn, CUDNN_FWD_MODE_INFERENCE, dlens, xd, x, yd, y, hd, NULL,
+                                NULL, hd, NULL, NULL, wbytes, w, work_bytes, work, 0, NULL);
             return st == CUDNN_STATUS_SUCCESS ? 0 : RNND_EDEVICE;
-        }, all_ms);
+        },
+        fwd_ms);
+    if (!err)
+        err = time_median(
+            t, bc->warmup, bc->repeat,
+            [&] {
+                cudnnStatus_t st = cudnnRNNForward(h, rnn, CUDNN_FWD_MODE_TRAINING, dlens, xd, x,
+                                                   yd, y, hd, NULL, NULL, hd, NULL, NULL, wbytes, w,
+                                                   work_bytes, work, reserve_bytes, reserve);
+                if (st == CUDNN_STATUS_SUCCESS)
+                    st = cudnnRNNBackwardData_v8(h, rnn, dlens, yd, y, dy, xd, dx, hd, NULL, NULL,
+                                                 NULL, hd, NULL, NULL, NULL, wbytes, w, work_bytes,
+                                                 work, reserve_bytes, reserve);
+                if (st == CUDNN_STATUS_SUCCESS)
+                    st = cudnnRNNBackwardWeights_v8(h, rnn, CUDNN_WGRAD_MODE_ADD, dlens, xd, x, hd,
+                                                    NULL, yd, y, wbytes, dw, work_bytes, work,
+                                                    reserve_bytes, reserve);
+                return st == CUDNN_STATUS_SUCCESS ? 0 : RNND_EDEVICE;
+            },
+            all_ms);
     if (err)
         fprintf(stderr, "cuda_bench: a cuDNN RNN call failed\n");
 done:

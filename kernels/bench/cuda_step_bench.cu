@@ -228,7 +228,8 @@ static int step_timings(struct rnnd_backend *be, const struct step_host *h,
         step_spin_kernel<<<1, 32, 0, s>>>(cycles);
         cudaEventRecord(e1, s);
         float ms = 0.0f;
-        if (cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
+        if (cudaEventSynchronize(e1) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
             res->sm_mhz = cycles / (1e3 * ms);
     }
 

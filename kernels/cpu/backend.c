@@ -192,8 +192,7 @@ static int cpu_cast(void *ctx, void *dst, enum rnnd_ftype dst_dtype, const void 
     (void)ctx;
     if (n == 0)
         return 0;
-    if (dst == NULL || src == NULL ||
-        (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
+    if (dst == NULL || src == NULL || (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
         return RNND_EINVAL;
     rnnd_cast_host(dst, dst_dtype, src, src_dtype, n);
     return 0;
@@ -205,8 +204,8 @@ static int cpu_optim_step(void *ctx, float *params, float *grads, float *m, floa
     return rnnd__cpu_optim_step(params, grads, m, v, n, o, t, grad_norm);
 }
 
-static int cpu_encoder_forward(void *ctx, float *acts, const float *obs, int N,
-                               const float *params, const struct rnnd_model *m) {
+static int cpu_encoder_forward(void *ctx, float *acts, const float *obs, int N, const float *params,
+                               const struct rnnd_model *m) {
     return rnnd__cpu_encoder_forward(ctx, acts, obs, N, params, m);
 }
 

@@ -367,7 +367,7 @@ extern "C" int rnnd_cuda_path_of(const struct rnnd_backend *b, const struct rnnd
     if (b == NULL || b->ops != &cuda_ops || rnnd_model_check(m) != 0)
         return RNND_EINVAL;
     return rnnd__cuda_seq_persistent((const struct cuda_ctx *)b->ctx, m) ? RNND_CUDA_PATH_PERSISTENT
-                                                                       : RNND_CUDA_PATH_STEPWISE;
+                                                                         : RNND_CUDA_PATH_STEPWISE;
 }
 
 extern "C" int rnnd_cuda_cluster_active(const struct rnnd_backend *b, int rows, bool backward) {

@@ -35,22 +35,26 @@ int rnnd__cuda_cast(struct cuda_ctx *c, void *dst, enum rnnd_ftype dst_dtype, co
         return RNND_EINVAL;
     if (n == 0)
         return 0;
-    if (dst == NULL || src == NULL ||
-        (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
+    if (dst == NULL || src == NULL || (dst_dtype != RNND_FTYPE_F32 && src_dtype != RNND_FTYPE_F32))
         return RNND_EINVAL;
     c->step_tail = false; // not a step: the next step waits before it reads (common.cuh)
     size_t want = CEIL_DIV(n, (size_t)CAST_THREADS);
     int grid = (int)(want < (size_t)c->dev.num_sms * 16 ? want : (size_t)c->dev.num_sms * 16);
     if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_BF16)
-        cast_kernel<RNND_FTYPE_BF16, RNND_FTYPE_F32><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
+        cast_kernel<RNND_FTYPE_BF16, RNND_FTYPE_F32>
+            <<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     else if (src_dtype == RNND_FTYPE_F32 && dst_dtype == RNND_FTYPE_F16)
-        cast_kernel<RNND_FTYPE_F16, RNND_FTYPE_F32><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
+        cast_kernel<RNND_FTYPE_F16, RNND_FTYPE_F32>
+            <<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     else if (src_dtype == RNND_FTYPE_BF16)
-        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_BF16><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
+        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_BF16>
+            <<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     else if (src_dtype == RNND_FTYPE_F16)
-        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_F16><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
+        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_F16>
+            <<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     else
-        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_F32><<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
+        cast_kernel<RNND_FTYPE_F32, RNND_FTYPE_F32>
+            <<<grid, CAST_THREADS, 0, c->stream>>>(dst, src, n);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

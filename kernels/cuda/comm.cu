@@ -36,8 +36,8 @@ struct nccl_api {
     ncclResult_t (*GetVersion)(int *);
     ncclResult_t (*GetUniqueId)(ncclUniqueId *);
     ncclResult_t (*CommInitRank)(ncclComm_t *, int, ncclUniqueId, int);
-    ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
-                              ncclComm_t, cudaStream_t);
+    ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                              cudaStream_t);
     ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
                               cudaStream_t);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
@@ -243,8 +243,7 @@ static void *init_main(void *arg) {
 }
 
 extern "C" int rnnd__cuda_comm_init(struct rnnd_backend *b, const struct rnnd_comm_id *id,
-                                    int nranks, int rank, int timeout_ms,
-                                    struct rnnd_comm **out) {
+                                    int nranks, int rank, int timeout_ms, struct rnnd_comm **out) {
     if (!nccl_ready())
         return RNND_ENOTSUP;
     if (nranks < 1 || rank < 0 || rank >= nranks || timeout_ms < 1)
@@ -320,8 +319,7 @@ extern "C" int rnnd__cuda_comm_id_new(struct rnnd_comm_id *id) {
 }
 
 extern "C" int rnnd__cuda_comm_init(struct rnnd_backend *b, const struct rnnd_comm_id *id,
-                                    int nranks, int rank, int timeout_ms,
-                                    struct rnnd_comm **out) {
+                                    int nranks, int rank, int timeout_ms, struct rnnd_comm **out) {
     (void)b;
     (void)id;
     (void)nranks;

@@ -91,8 +91,7 @@ static __global__ void adam_kernel(float *p, float *g, float *m, float *v, size_
 
 int rnnd__cuda_optim_step(struct cuda_ctx *c, float *params, float *grads, float *m, float *v,
                           size_t n, const struct rnnd_optim *o, int64_t t, float *grad_norm) {
-    if (c == NULL || params == NULL || grads == NULL || n == 0 || t < 1 ||
-        rnnd_optim_check(o) != 0)
+    if (c == NULL || params == NULL || grads == NULL || n == 0 || t < 1 || rnnd_optim_check(o) != 0)
         return RNND_EINVAL;
     if (o->kind == RNND_OPTIM_ADAM && (m == NULL || v == NULL))
         return RNND_EINVAL;
@@ -119,8 +118,8 @@ int rnnd__cuda_optim_step(struct cuda_ctx *c, float *params, float *grads, float
             (float)(1.0 - beta1), (float)(1.0 - beta2), o->eps, neg_step, bc2_sqrt);
     }
     CUDA_LAUNCH_CHECK();
-    RNND_CUDA_TRY(cudaMemcpyAsync(c->h_norm, c->d_norm, sizeof(float), cudaMemcpyDeviceToHost,
-                                  c->stream));
+    RNND_CUDA_TRY(
+        cudaMemcpyAsync(c->h_norm, c->d_norm, sizeof(float), cudaMemcpyDeviceToHost, c->stream));
     RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
     if (grad_norm)
         *grad_norm = c->h_norm[0];

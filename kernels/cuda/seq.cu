@@ -105,8 +105,8 @@ static struct seq_call seq_call_of(const struct rnnd_seq *seq, bool backward, bo
     struct seq_call call = {};
     call.B = seq->B, call.backward = backward, call.tape = tape;
     call.x_aligned = aligned16(seq->x);
-    call.states_aligned = aligned16(seq->h0) && aligned16(seq->c0) && aligned16(seq->hidden) &&
-                          aligned16(seq->cell);
+    call.states_aligned =
+        aligned16(seq->h0) && aligned16(seq->c0) && aligned16(seq->hidden) && aligned16(seq->cell);
     call.outs_aligned = outs_aligned;
     return call;
 }
@@ -307,7 +307,7 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
         s[p] = tape_get<Cell, HALF>(a, b, t, p, u);
     float hprev = a.z[r * a.ldz + u];
     Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
-                                     dcp);
+                                   dcp);
     for (int p = 0; p < 4; p++)
         a.d[r * (4 * H) + p * H + u] = d[p];
     a.dhp[idx] = ddir;
@@ -377,10 +377,10 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
                             float *y, int ldy, float *h_n, float *c_n) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
-    auto init = !lstm ? &stepwise_init_kernel<cell_gru, false>
+    auto init = !lstm  ? &stepwise_init_kernel<cell_gru, false>
                 : half ? &stepwise_init_kernel<cell_lstm, true>
                        : &stepwise_init_kernel<cell_lstm, false>;
-    auto cell = !lstm ? &stepwise_cell_kernel<cell_gru, false>
+    auto cell = !lstm  ? &stepwise_cell_kernel<cell_gru, false>
                 : half ? &stepwise_cell_kernel<cell_lstm, true>
                        : &stepwise_cell_kernel<cell_lstm, false>;
     init<<<grid, SEQ_BLOCK, 0, c->stream>>>(a);
@@ -404,12 +404,12 @@ static int persist_forward(struct cuda_ctx *c, const struct rnnd_model *m, const
         return lstm ? rnnd__wg_lstm_forward(&a, p.phase_clocks, c->stream)
                     : rnnd__wg_gru_forward(&a, bf16, p.phase_clocks, c->stream);
 #else
-        return RNND_EINVAL; // never planned: the device has no sm_90a kernels here
+        return RNND_EINVAL;     // never planned: the device has no sm_90a kernels here
 #endif
     }
     return lstm ? rnnd__persist_lstm_forward(&a, bf16, p.HP, p.phase_clocks, c->stream)
-                : rnnd__persist_gru_forward(&a, bf16, p.HP, y.fwd == SEQ_FWD_MMA_KP,
-                                            p.phase_clocks, c->stream);
+                : rnnd__persist_gru_forward(&a, bf16, p.HP, y.fwd == SEQ_FWD_MMA_KP, p.phase_clocks,
+                                            c->stream);
 }
 
 int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_n, void *tape,
@@ -538,14 +538,12 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         }
     }
     if (p.stage) {
-        RNND_CUDA_TRY(cudaMemcpyAsync(out_to, out, BT * H * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, c->stream));
+        RNND_CUDA_TRY(cudaMemcpyAsync(out_to, out, BT * H * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      c->stream));
         if (h_n)
-            RNND_CUDA_TRY(
-                cudaMemcpyAsync(h_n_to, h_n, blh, cudaMemcpyDeviceToDevice, c->stream));
+            RNND_CUDA_TRY(cudaMemcpyAsync(h_n_to, h_n, blh, cudaMemcpyDeviceToDevice, c->stream));
         if (c_n)
-            RNND_CUDA_TRY(
-                cudaMemcpyAsync(c_n_to, c_n, blh, cudaMemcpyDeviceToDevice, c->stream));
+            RNND_CUDA_TRY(cudaMemcpyAsync(c_n_to, c_n, blh, cudaMemcpyDeviceToDevice, c->stream));
     }
     return 0;
 }
@@ -612,9 +610,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     size_t BT = (size_t)B * T;
     const struct seq_call call = seq_call_of(
         seq, true, true,
-        aligned16(grad_out) && aligned16(grad_h_n) && aligned16(grad_c_n) &&
-            aligned16(grads->h0) && aligned16(grads->c0) && aligned16(grads->hidden) &&
-            aligned16(grads->cell));
+        aligned16(grad_out) && aligned16(grad_h_n) && aligned16(grad_c_n) && aligned16(grads->h0) &&
+            aligned16(grads->c0) && aligned16(grads->hidden) && aligned16(grads->cell));
     struct seq_plan p;
     rnnd__seq_plan(&c->dev, &c->tune, m, &call, &p);
     struct seq_layout lay;
@@ -720,7 +717,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         a.gh_n = grad_h_n, a.gc_n = grad_c_n, a.d = d;
         a.g_h0 = gs.h0, a.g_c0 = gs.c0;
         a.g_hidden = gs.hidden, a.g_cell = gs.cell;
-        float *dx = l > 0 ? gyb : grads->x; // dL/dx_l: the layer below's gy, or grads->x
+        float *dx = l > 0 ? gyb : grads->x;     // dL/dx_l: the layer below's gy, or grads->x
         const bool c256 = y.dw == SEQ_DW_DW256; // (the loop runs in clusters)
         if (c256) {
             // The chunks past the loop's (whole stages for the product): zeros, records
@@ -728,8 +725,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             size_t nch = (size_t)CEIL_DIV(B, 16) * T, pad = cz_pitch - nch;
             RNND_CUDA_TRY(cudaMemset2DAsync(cz_d + nch * RNND_DW16_D, cz_pitch * RNND_DW16_D, 0,
                                             pad * RNND_DW16_D, 8, c->stream));
-            RNND_CUDA_TRY(cudaMemset2DAsync(cz_rec + nch * 16, cz_pitch * 32, 0x80, pad * 32, 4,
-                                            c->stream));
+            RNND_CUDA_TRY(
+                cudaMemset2DAsync(cz_rec + nch * 16, cz_pitch * 32, 0x80, pad * 32, 4, c->stream));
             RNND_CUDA_TRY(cudaMemsetAsync(cz_ready, 0, (size_t)T * sizeof(unsigned), c->stream));
             a.dw16 = cz_d, a.dw16_pitch = cz_pitch, a.dw16_exp = cz_rec, a.dw16_ready = cz_ready;
             a.d = dx ? d : nullptr;
@@ -743,17 +740,17 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                 char *base = (char *)d;
                 if (pad > 0) // D's four planes at once
                     RNND_CUDA_TRY(cudaMemset2DAsync(base + nch * RNND_DW16_D,
-                                                    dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D,
-                                                    4, c->stream));
+                                                    dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D, 4,
+                                                    c->stream));
                 if (zc) { // the forward's, and its padding
                     a.zc = z;
                     if (dw_exp) // x's exponents
-                        a.zc_ex = (const int16_t *)((const char *)z +
-                                                    (size_t)dw_pitch * RNND_DW16_Z);
+                        a.zc_ex =
+                            (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
                 } else
-                    RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D +
-                                                      nch * RNND_DW16_Z,
-                                                  0, pad * RNND_DW16_Z, c->stream));
+                    RNND_CUDA_TRY(
+                        cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D + nch * RNND_DW16_Z, 0,
+                                        pad * RNND_DW16_Z, c->stream));
                 if (dw_exp) // RNND_DW16_EZERO and less in every field
                     RNND_CUDA_TRY(cudaMemsetAsync((char *)dw_rec + nch * RNND_DW16_E, 0x80,
                                                   pad * RNND_DW16_E, c->stream));
@@ -810,9 +807,9 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                           4 * H, z, ly->ldz, 0.0f, tmp, 4 * H));
             size_t n = (size_t)GH * (ly->Il + H + 1);
             int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
-                                                                    : 4096);
-            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(gw_ih, gw_hh, gb_ih, gb_hh, tmp,
-                                                                 G, H, ly->Il, ly->xoff, !lstm);
+                                                                   : 4096);
+            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(gw_ih, gw_hh, gb_ih, gb_hh, tmp, G,
+                                                                 H, ly->Il, ly->xoff, !lstm);
             CUDA_LAUNCH_CHECK();
         }
 
@@ -820,8 +817,18 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         // input-side planes are r, z (D's first two) and n (D's fourth).
         if (dx && y.dx16) { // from the loop's dw16 chunks
 #ifdef RNND_HAVE_WG
-            struct dx16_args dxa = {d,  dw_pitch,      CEIL_DIV(B, 16) * T, lstm ? 4 : 3,
-                                    c->dev.num_sms, H, ly->Il, B, T, lp.w_ih, dx, a.dw16_exp};
+            struct dx16_args dxa = {d,
+                                    dw_pitch,
+                                    CEIL_DIV(B, 16) * T,
+                                    lstm ? 4 : 3,
+                                    c->dev.num_sms,
+                                    H,
+                                    ly->Il,
+                                    B,
+                                    T,
+                                    lp.w_ih,
+                                    dx,
+                                    a.dw16_exp};
             RNND_TRY(rnnd__dx16_product(&dxa, c->stream));
 #else
             return RNND_EINVAL; // never planned: the build has no sm_90a kernels

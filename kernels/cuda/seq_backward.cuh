@@ -73,8 +73,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             auto Bf = [&](int k, int n) -> float {
                 int unit = persist_unit((w & ~1) + (nt >> 1), nt & 1, n);
                 int q = k / HP, uu = k - q * HP;
-                return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit)
-                                          : 0.0f;
+                return unit < H && uu < H ? __ldg(a.w_hh + (size_t)(q * H + uu) * H + unit) : 0.0f;
             };
             HM::wpack(o + nt * WPF, Bf, k0 + ks, g, tg, wscale);
         }
@@ -249,8 +248,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
         }
         if constexpr (ZF)
-            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
-                        ed, zex, -pow2_log(hscale), zexr);
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
+                        zex, -pow2_log(hscale), zexr);
         if (t > 0 && !XF && !HM::SCALED)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
@@ -267,8 +266,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             for (int i = 0; i < 2; i++) {
                 const float xs = x_scale(g + 8 * i, ex[i]);
                 if (w < 4) {
-                    const float v[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs,
-                                        xv[i][3] * xs};
+                    const float v[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs, xv[i][3] * xs};
                     dw16_put<true>(zc + i * 128 + (16 + 2 * w) * 256, v, lane);
                 } else if (w == 4) {
                     __half2 one = __float2half2_rn(hscale);
@@ -276,8 +274,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                                  *reinterpret_cast<uint32_t *>(&one));
                 }
             }
-            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
-                        ed, ex, -pow2_log(hscale), exr);
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
+                        ex, -pow2_log(hscale), exr);
             if (t > 0)
                 load_step(t - 1); // in flight during the MMA
         }
@@ -404,9 +402,9 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
                  (a.zc && (!Mode::SCALED || !a.zc_ex)) || (V != 0 && !(a.vec && a.zc)))
             return RNND_EINVAL;
         else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment
-            kernel = !a.zc  ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
-                     : a.vec  ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
-                              : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
+            kernel = !a.zc   ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
+                     : a.vec ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
+                             : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
         else
             kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, true>;
         smem += Mode::SCALED && !a.zc ? 4 * 16 * sizeof(float) : 0; // xm

@@ -22,9 +22,9 @@
 // Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
 // 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
 // (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.
-#define RNND_DW16_D 4096L
+#define RNND_DW16_D  4096L
 #define RNND_DW16_NZ 200
-#define RNND_DW16_Z (RNND_DW16_NZ * 32L)
+#define RNND_DW16_Z  (RNND_DW16_NZ * 32L)
 #define RNND_DW16_CH 4
 // In TF32 mode the loops write the chunks in fp16, every value scaled by a power of two, and
 // chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
@@ -37,7 +37,7 @@
 // So each value keeps TF32's 10 mantissa bits, and the product sums each of its K ranges relative
 // to the range's largest exponents (docs/kernels.md). Records past the loop's last are 0x80 bytes
 // (RNND_DW16_EZERO and less everywhere).
-#define RNND_DW16_E 352L
+#define RNND_DW16_E     352L
 #define RNND_DW16_EZERO (-32640)
 struct dw16_args {
     const void *chunks; // as above, bf16, or fp16 with exp
@@ -55,14 +55,14 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream);
 // dL/dx of the layer from the same chunks: dx = D_x W_ih over the input-side planes (GRU: r, z
 // and n's input side, planes 0, 1, 3; LSTM: all 4). Same build and shapes.
 struct dx16_args {
-    const void *chunks;    // as above
-    int pitch, nch;        // chunks a plane; the loop's chunks (blocks x T)
-    int npl;               // input-side planes: 3 (GRU) or 4 (LSTM)
-    int sms;               // CTAs (one an SM)
+    const void *chunks; // as above
+    int pitch, nch;     // chunks a plane; the loop's chunks (blocks x T)
+    int npl;            // input-side planes: 3 (GRU) or 4 (LSTM)
+    int sms;            // CTAs (one an SM)
     int H, Il, B, T;
-    const float *w_ih;     // (npl H, Il)
-    float *dx;             // out: (B T, Il)
-    const int16_t *exp;    // as dw16_args
+    const float *w_ih;  // (npl H, Il)
+    float *dx;          // out: (B T, Il)
+    const int16_t *exp; // as dw16_args
 };
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 
@@ -81,8 +81,8 @@ int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 //     exp + 16 (r pitch + c): that row exponent eD per row (RNND_DW16_EZERO for a zero row).
 // Chunks from the loops' last to pitch (a multiple of RNND_DW256_CH times the CTAs a plane) must
 // be zeros, their records RNND_DW16_EZERO.
-#define RNND_DW256_Z 10240L
-#define RNND_DW256_A 320L
+#define RNND_DW256_Z  10240L
+#define RNND_DW256_A  320L
 #define RNND_DW256_CH 2
 #define RNND_DW256_NZ 328 // h 256, x 64, the constant, 7 zero columns
 // The product is launched right after the backward loop on its stream, as a programmatic

@@ -56,7 +56,8 @@ constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lan
 // does not fit the 64-row layouts (docs/kernels.md): the forward's h tile is
 // single-buffered and W_ih's fp16 fragments live in shared memory (after the x tiles) instead of
 // registers; the backward's receive slots share their memory with the A tile.
-template <int ROWS> struct cshape {
+template <int ROWS>
+struct cshape {
     static_assert(ROWS == 64 || ROWS == 80, "64 or 80 rows a cluster");
     static constexpr int MT = ROWS / 16;
     static constexpr bool WIDE = ROWS == 80;
@@ -204,7 +205,8 @@ __device__ __forceinline__ size_t dw256_chunk(int blk, int t, int T, int nb) {
 // The backward's chunks of its k-th step (t = T - 1 - k) are written: after the bulk copies
 // complete (wait_group N: all but the last N of this thread's groups), warp 0 (whose lanes made
 // the copies and the records) tells the product (seq_dw.cu) by adding 1 to ready[k].
-template <int N> __device__ __forceinline__ void dw256_signal(unsigned *ready, int k, int lane) {
+template <int N>
+__device__ __forceinline__ void dw256_signal(unsigned *ready, int k, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -218,7 +220,8 @@ template <int N> __device__ __forceinline__ void dw256_signal(unsigned *ready, i
 
 // f(std::integral_constant<int, k>) for k = K .. N - 1: k is a constant expression in f (an
 // immediate operand, an index).
-template <int K, int N, class F> __device__ __forceinline__ void static_for(F &&f) {
+template <int K, int N, class F>
+__device__ __forceinline__ void static_for(F &&f) {
     if constexpr (K < N) {
         f(std::integral_constant<int, K>());
         static_for<K + 1, N>(f);
@@ -229,14 +232,18 @@ template <int K, int N, class F> __device__ __forceinline__ void static_for(F &&
 // side by side in those rows (the lane with bit m clear on the left). After the swap the lane with
 // bit m clear (up false) holds both lanes' r0, the other both lanes' r1, left value first: one
 // store of twice the width where there were two.
-template <class T> struct pair2 { T lo, hi; };
+template <class T>
+struct pair2 {
+    T lo, hi;
+};
 __device__ __forceinline__ uint32_t shfl_xor_u(uint32_t v, int m) {
     return __shfl_xor_sync(0xffffffffu, v, m);
 }
 __device__ __forceinline__ uint2 shfl_xor_u(uint2 v, int m) {
     return make_uint2(shfl_xor_u(v.x, m), shfl_xor_u(v.y, m));
 }
-template <class T> __device__ __forceinline__ pair2<T> quad_swap(T r0, T r1, int m, bool up) {
+template <class T>
+__device__ __forceinline__ pair2<T> quad_swap(T r0, T r1, int m, bool up) {
     const T got = shfl_xor_u(up ? r0 : r1, m);
     return up ? pair2<T>{got, r1} : pair2<T>{r0, got};
 }
@@ -286,7 +293,8 @@ __device__ __forceinline__ void ldsm_x4(uint32_t a[4], uint32_t addr) {
 // The forward's h tile in four slabs of 64 units (rank r's units in slab r, ROWS x 128 bytes,
 // contiguous: one bulk copy a CTA), 128-byte rows, chunk c at c ^ (row & 7); the backward's
 // tile likewise (gate q in slab q). A slab's 16-row block is a dw256 chunk piece as it stands.
-template <int ROWS> __device__ __forceinline__ uint32_t hsoff(int row, int unit) {
+template <int ROWS>
+__device__ __forceinline__ uint32_t hsoff(int row, int unit) {
     return (uint32_t)((unit >> 6) * (ROWS * 128) + row * 128 +
                       ((((unit & 63) >> 3) ^ (row & 7)) << 4) + (unit & 7) * 2);
 }
@@ -300,7 +308,8 @@ __device__ __forceinline__ uint32_t roff(int row, int lu) {
 // each; rows past n read as 0), and at their use flag_bits gathers them by ballots. A lane's own
 // 2 MT rows took a load each, as many as the tape record's, in the memory pipe that every load and
 // store of a step shares (docs/kernels.md).
-template <int ROWS> struct row_flags {
+template <int ROWS>
+struct row_flags {
     static constexpr int NW = (ROWS + 31) / 32;
     int v[NW];
     // p: row 0's flag at the step; row r's is r * stride further.
@@ -312,7 +321,8 @@ template <int ROWS> struct row_flags {
     }
 };
 // Lane (g, tg)'s view of a row_flags: whether its row k (row g + 8 k, k = 2 mt + i) is set.
-template <int ROWS> struct flag_bits {
+template <int ROWS>
+struct flag_bits {
     uint32_t m[row_flags<ROWS>::NW]; // word j: rows 32 j + g + 8 [0, 4) at bits 0, 8, 16, 24
     __device__ __forceinline__ flag_bits(const row_flags<ROWS> &f, int g) {
 #pragma unroll
@@ -333,7 +343,8 @@ __device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H
 }
 
 // The accumulators of a warp's MT m-tiles x 4 n-tiles, zeroed.
-template <int MT> __device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4]) {
+template <int MT>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4]) {
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1407,7 +1418,8 @@ struct cluster_launch {
 };
 
 // Clusters of a loop's kernel the device runs at once (0 when it cannot launch it).
-template <class Args> int cluster_active(void (*kernel)(Args), long smem, int rows) {
+template <class Args>
+int cluster_active(void (*kernel)(Args), long smem, int rows) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
         cudaSuccess) {
         (void)cudaGetLastError();
@@ -1422,7 +1434,8 @@ template <class Args> int cluster_active(void (*kernel)(Args), long smem, int ro
     return n;
 }
 
-template <int ROWS> int cluster_active_rows(bool backward) {
+template <int ROWS>
+int cluster_active_rows(bool backward) {
     return backward
                ? cluster_active(seq_cluster_lstm_backward_kernel<ROWS>, cshape<ROWS>::BSMEM, ROWS)
                : cluster_active(seq_cluster_lstm_forward_kernel<ROWS, true>, cshape<ROWS>::FSMEM,
@@ -1442,7 +1455,8 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
 
 // Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
 // z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
-template <int ROWS> int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
+template <int ROWS>
+int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
     if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
         return RNND_EINVAL;
     return cluster_run(a->shalf ? seq_cluster_lstm_forward_kernel<ROWS, true>
@@ -1450,7 +1464,8 @@ template <int ROWS> int cluster_forward(const struct persist_fwd_args *a, cudaSt
                        a, cshape<ROWS>::FSMEM, ROWS, stream);
 }
 
-template <int ROWS> int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
+template <int ROWS>
+int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
     if (a->H != HC || !a->vec || !a->shalf)
         return RNND_EINVAL;
     return cluster_run(seq_cluster_lstm_backward_kernel<ROWS>, a, cshape<ROWS>::BSMEM, ROWS,

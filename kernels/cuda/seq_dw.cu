@@ -95,8 +95,8 @@ __device__ __forceinline__ uint32_t pow2_h2(int k) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t f) {
-    __half2 r = __hmul2(*reinterpret_cast<const __half2 *>(&a),
-                        *reinterpret_cast<const __half2 *>(&f));
+    __half2 r =
+        __hmul2(*reinterpret_cast<const __half2 *>(&a), *reinterpret_cast<const __half2 *>(&f));
     return *reinterpret_cast<uint32_t *>(&r);
 }
 // TF32 mode: a chunk's A fragment r (ldmatrix.trans: lane (g, tg) holds K rows 2tg, 2tg + 1 and
@@ -112,8 +112,8 @@ __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int1
     const bool xs = lane & 8;
     const int16_t *es = xs ? ex : eh;
     const int c = xs ? cx : ch;
-    const uint32_t f = __byte_perm(pow2_h2(ed[r0] + es[r0] - c),
-                                   pow2_h2(ed[r0 + 1] + es[r0 + 1] - c), 0x5410);
+    const uint32_t f =
+        __byte_perm(pow2_h2(ed[r0] + es[r0] - c), pow2_h2(ed[r0 + 1] + es[r0 + 1] - c), 0x5410);
     const uint32_t fh[2] = {__shfl_sync(0xffffffffu, f, tg), __shfl_sync(0xffffffffu, f, tg + 4)};
     const uint32_t fx[2] = {__shfl_sync(0xffffffffu, f, tg + 8),
                             __shfl_sync(0xffffffffu, f, tg + 12)};
@@ -224,23 +224,23 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
         for (int k = 0; k < 100; k++)
             d[k] = ldexpf(d[k], k < 64 || k >= 96 ? ch : cx);
     } else {
-    // Whole stages only: ptxas serialises an MMA under a run-time condition (the caller pads
-    // the chunks with zeros to a multiple of ks stages).
-    for (int i = 0; i < nst; i++) {
-        const int st = i % DW_NST;
-        mbar_wait(full + st, (i / DW_NST) & 1);
-        const uint8_t *a = sm + st * DW_STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
-        wg_fence();
+        // Whole stages only: ptxas serialises an MMA under a run-time condition (the caller pads
+        // the chunks with zeros to a multiple of ks stages).
+        for (int i = 0; i < nst; i++) {
+            const int st = i % DW_NST;
+            mbar_wait(full + st, (i / DW_NST) & 1);
+            const uint8_t *a = sm + st * DW_STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
+            wg_fence();
 #pragma unroll
-        for (int c = 0; c < RNND_DW16_CH; c++)
-            mma_n200(d, wg_desc(a + c * RNND_DW16_D + wg * 2048, 256),
-                     wg_desc(b + c * RNND_DW16_Z, 256));
-        wg_commit();
-        wg_wait<1>(); // the previous stage's MMAs are done with its buffers
-        if (i > 0 && threadIdx.x % 32 == 0)
-            mbar_arrive(empty + (i - 1) % DW_NST);
-    }
-    wg_wait<0>();
+            for (int c = 0; c < RNND_DW16_CH; c++)
+                mma_n200(d, wg_desc(a + c * RNND_DW16_D + wg * 2048, 256),
+                         wg_desc(b + c * RNND_DW16_Z, 256));
+            wg_commit();
+            wg_wait<1>(); // the previous stage's MMAs are done with its buffers
+            if (i > 0 && threadIdx.x % 32 == 0)
+                mbar_arrive(empty + (i - 1) % DW_NST);
+        }
+        wg_wait<0>();
     }
     // m64nN accumulators: warp (of 4) 16 rows, lane / 4 the row within 8, lane % 4 the column
     // pair within each n8 group.
@@ -327,7 +327,8 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
     extern __shared__ uint8_t sm_raw[];
     uint8_t *sm = sm_raw + ((1024 - (smem_u32(sm_raw) & 1023)) & 1023);
     uint64_t *full = reinterpret_cast<uint64_t *>(sm + D2_NST * D2_STAGE), *empty = full + D2_NST;
-    const int p = blockIdx.x % 8, s = blockIdx.x / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int p = blockIdx.x % 8, s = blockIdx.x / 8, warp = threadIdx.x / 32,
+              lane = threadIdx.x % 32;
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW256_CH;
     const int16_t *E = exp + ((size_t)(p / 2) * pitch + c0) * 16; // eD of CTA p / 2's columns
     const uint8_t *X = aux + (size_t)c0 * RNND_DW256_A;
@@ -351,7 +352,9 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
         uint64_t t0, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
         for (unsigned v = 0;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(sy.ready + k)
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
+                         : "=r"(v)
+                         : "l"(sy.ready + k)
                          : "memory");
             if (v >= sy.ctas)
                 break;
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
                 __trap();
         }
         asm volatile("fence.proxy.async.global;" ::: "memory"); // for the bulk copies' reads
-        mbar_ring_init(full, empty, D2_NST, 1, 8); // empty: lane 0 of each warp
+        mbar_ring_init(full, empty, D2_NST, 1, 8);              // empty: lane 0 of each warp
         for (int i = 0; i < D2_NST && i < nst; i++)
             produce(i);
     }
@@ -372,8 +375,8 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
 #pragma unroll 4
     for (int k = threadIdx.x; k < per * 16; k += 256) {
         const int ed = __ldcg(E + k);
-        const int16_t *e = reinterpret_cast<const int16_t *>(X + (size_t)(k / 16) * RNND_DW256_A +
-                                                             256) + k % 16;
+        const int16_t *e =
+            reinterpret_cast<const int16_t *>(X + (size_t)(k / 16) * RNND_DW256_A + 256) + k % 16;
         ch = max(ch, ed + __ldcg(e));
         cx = max(cx, ed + __ldcg(e + 16));
     }
@@ -411,8 +414,8 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
             uint32_t r[4];
             ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + aoff);
             const int16_t *ed = reinterpret_cast<const int16_t *>(a + D2_OFFE + c * 32);
-            const int16_t *eh = reinterpret_cast<const int16_t *>(a + D2_OFFA +
-                                                                  c * RNND_DW256_A + 256);
+            const int16_t *eh =
+                reinterpret_cast<const int16_t *>(a + D2_OFFA + c * RNND_DW256_A + 256);
             dw_scale_rows(r, ed, eh, eh + 16, lane, ch, cx, ah[c], ax[c]);
         }
     };
@@ -485,10 +488,10 @@ __global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il,
         return;
     const int m = i / RNND_DW256_NZ, n = i % RNND_DW256_NZ, p = m / 128;
     const int row = (2 * (p % 2) + (m % 128) / 64) * H + 64 * (p / 2) + m % 64;
-    float *to = n < H ? gw_hh + (size_t)row * H + n
-                : n < H + Il ? gw_ih + (size_t)row * Il + n - H
+    float *to = n < H         ? gw_hh + (size_t)row * H + n
+                : n < H + Il  ? gw_ih + (size_t)row * Il + n - H
                 : n == H + 64 ? gb_ih + row
-                             : nullptr;
+                              : nullptr;
     if (!to)
         return;
     float acc = 0.0f;
@@ -508,11 +511,11 @@ __global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il,
 // thread. One producer lane brings the 4 chunks' planes a stage (one bulk copy a plane).
 
 constexpr int DX_NST = 2;
-constexpr int DX_KMAX = 4 * DW_MP;                          // the LSTM's 4 planes
-constexpr long DX_WT = 64L * DX_KMAX * 2;                   // W_ih^T: 64 inputs x K, bf16
-constexpr long DX_STAGE = 4L * 4 * RNND_DW16_D;             // 4 chunks x up to 4 planes
+constexpr int DX_KMAX = 4 * DW_MP;              // the LSTM's 4 planes
+constexpr long DX_WT = 64L * DX_KMAX * 2;       // W_ih^T: 64 inputs x K, bf16
+constexpr long DX_STAGE = 4L * 4 * RNND_DW16_D; // 4 chunks x up to 4 planes
 constexpr long DX_SMEM = DX_WT + DX_NST * DX_STAGE + 2 * DX_NST * 8;
-constexpr int DX_THREADS = 160;                             // 4 consumer warps, 1 producer warp
+constexpr int DX_THREADS = 160; // 4 consumer warps, 1 producer warp
 
 
 // CTA: groups of 4 chunks [g0, g1). planes: the chunk planes of K's 128-column slots (GRU r, z
@@ -539,9 +542,9 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     if (warp == 4) {
         if (lane == 0)
             for (int g = g0; g < g1; g++) {
-                const int st = mbar_ring_fill(
-                    full, empty, g - g0, DX_NST,
-                    (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
+                const int st =
+                    mbar_ring_fill(full, empty, g - g0, DX_NST,
+                                   (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
                 for (int s = 0; s < npl; s++) {
                     const int p = s < 2 ? s : s == 2 ? plane2 : 3;
                     bulk_g2s(stages + st * STAGE + s * 4 * RNND_DW16_D,
@@ -594,7 +597,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
                             (q >> 1) * 256 + (lane & 7) * 16;
         // k-step ks: slot ks / 8 (4 chunks a slot), columns 16 (ks % 8).. of the chunk. Core
         // matrices K-major (bf16): transposed; row-major (TF32 mode's fp16): as they are.
-        auto frag = [&](uint32_t (&a)[4], int ks) {
+        auto frag = [&](uint32_t(&a)[4], int ks) {
             ldmatrix_x4_at<!F16>(a, ch + (ks / 8) * 4 * RNND_DW16_D + (ks % 8) * 512);
         };
         float d[32];
@@ -691,17 +694,16 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
                                                     a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
     const int n = 4 * DW_MP * RNND_DW16_NZ;
-    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru,
-                                                          a->gw_ih, a->gw_hh, a->gb_ih, a->gb_hh);
+    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru, a->gw_ih,
+                                                          a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
 
 int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct dw256_sync *sy,
                         cudaStream_t stream) {
-    if (a->H != 256 || a->gru || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp ||
-        !aux || !sy || !sy->ready || sy->nblk < 1 || sy->T < 1 ||
-        a->pitch % (a->ks * RNND_DW256_CH) != 0)
+    if (a->H != 256 || a->gru || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp || !aux ||
+        !sy || !sy->ready || sy->nblk < 1 || sy->T < 1 || a->pitch % (a->ks * RNND_DW256_CH) != 0)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaFuncSetAttribute(dw256_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)D2_SMEM));

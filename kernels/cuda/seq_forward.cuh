@@ -515,7 +515,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
             put_h(hnxt);
             if (xin && (!KP || t + 2 < T))
                 put_x(xnxt, t + XAH);
-            // Flags and stored values of step t+2, used at the end of the next step.
+                // Flags and stored values of step t+2, used at the end of the next step.
 #pragma unroll
             for (int i = 0; i < NR; i++) {
                 bool ok = rv[i] && t + 2 < T;

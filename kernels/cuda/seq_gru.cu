@@ -7,9 +7,12 @@
 #include "seq_forward.cuh"
 #include "seq_gru_backward.cuh"
 
+// The cases in rows, as clang-format 14 cannot keep them.
+// clang-format off
 #define PERSIST_CASES(X)                                                                           \
     X(mode_tf32, 32) X(mode_tf32, 64) X(mode_tf32, 96) X(mode_tf32, 128)                          \
     X(mode_bf16, 32) X(mode_bf16, 64) X(mode_bf16, 96) X(mode_bf16, 128)
+// clang-format on
 
 int rnnd__persist_gru_forward(const struct persist_fwd_args *a, bool bf16, int HP, bool kp,
                               bool clocks, cudaStream_t stream) {

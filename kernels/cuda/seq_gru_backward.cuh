@@ -133,8 +133,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // Scales as the forward's: wscale over W_hh and W_ih, hscale for h in its fp16 tile.
     float wscale = 1.0f, hscale = 1.0f;
     if constexpr (Mode::SCALED)
-        wscale = persist_wscale(a.w_hh, G * H * H, a.w_ih, G * H * Il,
-                                reinterpret_cast<float *>(htile));
+        wscale =
+            persist_wscale(a.w_hh, G * H * H, a.w_ih, G * H * Il, reinterpret_cast<float *>(htile));
     if constexpr (HM::SCALED)
         hscale = persist_hscale(a, reinterpret_cast<float *>(htile));
     const float winv = 1.0f / wscale, hsinv = 1.0f / hscale, hinv = winv * hsinv;
@@ -160,8 +160,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             const int q = nt >> 1, half = nt & 1;
             auto Bf = [&](int k, int n) -> float {
                 int unit = persist_unit(w, half, n);
-                return unit < H && k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k)
-                                          : 0.0f;
+                return unit < H && k < Il ? __ldg(a.w_ih + (size_t)(q * H + unit) * Il + k) : 0.0f;
             };
             XM::wpack(o + nt * XM::WPF, Bf, ks, g, tg, wscale);
         }
@@ -194,8 +193,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     // The x values this thread moves each step: one float4 of the block's 16 x I_l.
     const int xe = threadIdx.x * 4, xrow = Il > 0 ? xe / Il : 0, xcol = xe - xrow * Il;
     const bool xok = xe < 16 * Il && blockIdx.x * 16 + xrow < a.B;
-    const float *xsrc = xok ? a.z + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldz + a.xoff + xcol
-                            : nullptr;
+    const float *xsrc =
+        xok ? a.z + (size_t)(blockIdx.x * 16 + xrow) * T * a.ldz + a.xoff + xcol : nullptr;
 
     float dh[2][4];
 #pragma unroll
@@ -344,8 +343,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
             for (int q = 0; q < G; q++) {
                 uint32_t b[4];
-                ldmatrix_x4_at<false>(
-                    b, wsm + (size_t)(q * HP + 16 * w + 8 * (m >> 1) + r) * WLD + ks * 16 + 8 * (m & 1));
+                ldmatrix_x4_at<false>(b, wsm + (size_t)(q * HP + 16 * w + 8 * (m >> 1) + r) * WLD +
+                                             ks * 16 + 8 * (m & 1));
                 HM::mma(acc[2 * q], af, make_uint2(b[0], b[1]));
                 HM::mma(acc[2 * q + 1], af, make_uint2(b[2], b[3]));
             }
@@ -449,7 +448,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 for (int p = 0; p < SW; p++)
                     s[p] = sv[p][i][j];
                 Cell::template backward<true, true>(s, hp[i][j], gy[i][j] + dh[i][j], 0.0f, d, tl,
-                                              ddir[i][j], dcp);
+                                                    ddir[i][j], dcp);
                 bool live = rv[i] && u0 + j < H;
 #pragma unroll
                 for (int p = 0; p < 4; p++)
@@ -469,9 +468,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     const float *const pl[4] = {dv[0], dv[1], dv[2], dv[3]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
-                dw16_put_dh<XH, !ZF>(a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i,
-                                     lane, rv[i], [&](int p) -> const float * { return dv[p]; },
-                                     hp[i], ds, XH ? hscale : 1.0f);
+                dw16_put_dh<XH, !ZF>(
+                    a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
+                    [&](int p) -> const float * { return dv[p]; }, hp[i], ds, XH ? hscale : 1.0f);
             } else {
                 size_t r = rbase[i] + t;
 #pragma unroll
@@ -480,8 +479,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
         }
         if constexpr (ZF && XH)
-            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
-                        ed, zex, -pow2_log(hscale), zexr);
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
+                        zex, -pow2_log(hscale), zexr);
         if constexpr (DW && !ZF) {
             // z's x part (columns 128..191: the x tile of step t, zero past I_l and B) by warps
             // 0-3, two 8-column groups each, with ldmatrix.trans: lane l gets rows 2(l%4),
@@ -512,8 +511,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 const float *xi = xinv + (t & 1) * 16;
                 auto x_exp = [](float v) { return v > 0.0f ? pow2_log(v) : RNND_DW16_EZERO; };
                 const int ex[2] = {x_exp(xi[g]), x_exp(xi[g + 8])};
-                dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w,
-                            lane, ed, ex, -pow2_log(hscale), x_exp(xi[lane & 15]));
+                dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane,
+                            ed, ex, -pow2_log(hscale), x_exp(xi[lane & 15]));
             }
         }
         if constexpr (HM::SCALED) {
@@ -726,8 +725,8 @@ static long gru_h128_smem() {
 template <class Mode, class Kernel>
 static int gru_h128_launch(Kernel kernel, const struct persist_bwd_args &a, cudaStream_t stream) {
     const long smem = gru_h128_smem<Mode, 128>();
-    RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem));
+    RNND_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<CEIL_DIV(a.B, 16), gru_h128_geom<Mode, 128>::THREADS, smem, stream>>>(a);
     CUDA_LAUNCH_CHECK();
     return 0;

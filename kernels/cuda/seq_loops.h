@@ -23,28 +23,28 @@
 // One layer's forward time loop. Pointers are device memory; strides in floats.
 struct persist_fwd_args {
     int B, T, H, L, l;
-    bool vec;                    // 16-byte vector access is safe (H % 4 == 0, aligned strides)
-    int xks;                     // > 0: the loop computes x W_ih^T itself (xks k-steps of x)
-    const float *xg;             // (B*T, G*H) x_l W_ih^T, no bias (xks == 0)
-    const float *w_ih;           // (G*H, Il) (xks > 0)
-    const float *w_hh;           // (G*H, H)
-    const float *b_ih, *b_hh;    // (G*H)
-    const uint8_t *is_init;      // (B, T)
-    const float *h0, *c0;        // (B, L, H) or NULL
-    const float *hidden, *cell;  // (B, T, L, H) or NULL
-    float *y;                    // (B*T rows, ldy): the layer's output h
+    bool vec;                   // 16-byte vector access is safe (H % 4 == 0, aligned strides)
+    int xks;                    // > 0: the loop computes x W_ih^T itself (xks k-steps of x)
+    const float *xg;            // (B*T, G*H) x_l W_ih^T, no bias (xks == 0)
+    const float *w_ih;          // (G*H, Il) (xks > 0)
+    const float *w_hh;          // (G*H, H)
+    const float *b_ih, *b_hh;   // (G*H)
+    const uint8_t *is_init;     // (B, T)
+    const float *h0, *c0;       // (B, L, H) or NULL
+    const float *hidden, *cell; // (B, T, L, H) or NULL
+    float *y;                   // (B*T rows, ldy): the layer's output h
     int ldy;
-    float *z;                    // tape z rows (ldz) or NULL: hprev at 0, 1 at H, x_l at xoff
+    float *z; // tape z rows (ldz) or NULL: hprev at 0, 1 at H, x_l at xoff
     int ldz, xoff, Il;
-    float *s;                    // tape s rows or NULL
-    bool shalf;                  // s's gate planes are fp16 (tape_rec; the cluster loops:
-                                 // tape_b8's blocks); only the cluster loop writes either, the
-                                 // persistent ones take fp16 only
-    float *h_n, *c_n;            // (B, L, H) or NULL
-    const float *x;              // (B*T rows, ldx) the layer input, read by the loop when xks > 0
-    int ldx;                     // or xcopy (then Il <= HP/2), else NULL
-    bool xvec;                   // x rows may be read as float4 (Il % 4 == 0, aligned)
-    bool xcopy;                  // copy x into z at xoff
+    float *s;         // tape s rows or NULL
+    bool shalf;       // s's gate planes are fp16 (tape_rec; the cluster loops:
+                      // tape_b8's blocks); only the cluster loop writes either, the
+                      // persistent ones take fp16 only
+    float *h_n, *c_n; // (B, L, H) or NULL
+    const float *x;   // (B*T rows, ldx) the layer input, read by the loop when xks > 0
+    int ldx;          // or xcopy (then Il <= HP/2), else NULL
+    bool xvec;        // x rows may be read as float4 (Il % 4 == 0, aligned)
+    bool xcopy;       // copy x into z at xoff
     // Or, instead of z (the wgmma forwards, layer 0, H = 128; docs/kernels.md): z's parts
     // of the dw16 chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z) and, in TF32
     // mode, each chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would
@@ -54,47 +54,47 @@ struct persist_fwd_args {
     // Or, the H = 256 cluster forward (layer 0; docs/kernels.md), besides z: z's parts of the dw256
     // chunks at zc (RNND_DW256_Z a chunk) and their aux records at zc_aux (RNND_DW256_A).
     void *zc_aux;
-    long long *dbg;              // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
+    long long *dbg; // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
 };
 
 // One layer's backward time loop.
 struct persist_bwd_args {
     int B, T, H, L, l;
     bool vec;
-    bool stored;                 // the forward had stored states (hidden/cell)
-    const float *w_hh;           // (G*H, H)
-    const uint8_t *is_init;      // (B, T)
-    const float *z;              // tape z rows (ldz): hprev
+    bool stored;            // the forward had stored states (hidden/cell)
+    const float *w_hh;      // (G*H, H)
+    const uint8_t *is_init; // (B, T)
+    const float *z;         // tape z rows (ldz): hprev
     int ldz;
-    const float *s;              // tape s rows
-    bool shalf;                  // s's gate planes are fp16 (the only tape these loops read;
-                                 // the cluster loop's in tape_b8's blocks)
-    const float *gy;             // (B*T rows, ldgy): dL/d(layer output)
+    const float *s;  // tape s rows
+    bool shalf;      // s's gate planes are fp16 (the only tape these loops read;
+                     // the cluster loop's in tape_b8's blocks)
+    const float *gy; // (B*T rows, ldgy): dL/d(layer output)
     int ldgy;
-    const float *gh_n, *gc_n;    // (B, L, H) or NULL
-    float *d;                    // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
-    void *dw16;                  // or, instead of d: D and z in dw16 chunks (bf16, or TF32
-                                 // mode's fp16 with dw16_exp)
-    int dw16_pitch;              // chunks a plane of dw16 (RNND_DW16_*, seq_chunks.h)
-    int16_t *dw16_exp;           // TF32 mode: the chunks' exponent records (RNND_DW16_E)
-    const void *zc;              // or NULL: the forward wrote z's chunk parts (persist_fwd_args
-                                 // zc), the loop writes D's alone and reads them
-    const int16_t *zc_ex;        // with them in TF32 mode: x's exponents
-                                 // The H = 256 cluster backward: D's dw256 planes at dw16 and
-                                 // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too;
-                                 // each CTA adds 1 to dw16_ready[k] once its chunks of its k-th
-                                 // step are written (T counters, zero before).
+    const float *gh_n, *gc_n; // (B, L, H) or NULL
+    float *d;                 // (B*T, 4H) out: gate gradients (GRU r,z,nx,nh; LSTM i,f,g,o)
+    void *dw16;               // or, instead of d: D and z in dw16 chunks (bf16, or TF32
+                              // mode's fp16 with dw16_exp)
+    int dw16_pitch;           // chunks a plane of dw16 (RNND_DW16_*, seq_chunks.h)
+    int16_t *dw16_exp;        // TF32 mode: the chunks' exponent records (RNND_DW16_E)
+    const void *zc;           // or NULL: the forward wrote z's chunk parts (persist_fwd_args
+                              // zc), the loop writes D's alone and reads them
+    const int16_t *zc_ex;     // with them in TF32 mode: x's exponents
+                              // The H = 256 cluster backward: D's dw256 planes at dw16 and
+                              // their exponents at dw16_exp (RNND_DW256_*), d NULL or D too;
+                              // each CTA adds 1 to dw16_ready[k] once its chunks of its k-th
+                              // step are written (T counters, zero before).
     unsigned *dw16_ready;
-    float *g_h0, *g_c0;          // (B, L, H) or NULL: written where the initial state was used
-    float *g_hidden, *g_cell;    // (B, T, L, H) or NULL: written where a stored value was used
+    float *g_h0, *g_c0;       // (B, L, H) or NULL: written where the initial state was used
+    float *g_hidden, *g_cell; // (B, T, L, H) or NULL: written where a stored value was used
     // The GRU H = 128 backward (seq_gru_backward.cuh) recomputes the gates of each step from
     // hprev and x_l (the z rows: x_l at xoff, Il <= HP/2, Il % 4 == 0) with W_ih, W_hh and the
     // biases, or (zc) reads them from s.
-    const float *w_ih;           // (G*H, Il)
-    const float *b_ih, *b_hh;    // (G*H)
-    const float *h0, *hidden;    // the forward's, for the bound of h (or NULL)
+    const float *w_ih;        // (G*H, Il)
+    const float *b_ih, *b_hh; // (G*H)
+    const float *h0, *hidden; // the forward's, for the bound of h (or NULL)
     int xoff, Il;
-    long long *dbg;              // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
+    long long *dbg; // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
 };
 
 // The mma.sync loops of one cell (seq_gru.cu, seq_lstm.cu) at padded width HP (32, 64, 96 or

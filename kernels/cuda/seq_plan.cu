@@ -67,8 +67,8 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
 
     // The LSTM H = 256 loops in thread-block clusters (sm_90, TF32). The forward's clusters read
     // the layer input themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
-    const bool cl_model = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && lstm &&
-                          fp32 && H == 256;
+    const bool cl_model =
+        !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && lstm && fp32 && H == 256;
     const bool cl0 = cl_model && I <= 64 && I % 4 == 0;
     // Rows a cluster: 64, or 80 where that takes fewer waves (an H100 runs 30 clusters of either:
     // B = 2048 is two waves of 64-row clusters, one of 80-row ones; a wave costs a whole loop).
@@ -175,8 +175,8 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 continue;
             }
             // The GRU's fused TF32 loop at HP = 128 with vector access: K split over warp pairs.
-            y->fwd = gru && fp32 && HP == 128 && p->vec && y->xks > 0 ? SEQ_FWD_MMA_KP
-                                                                     : SEQ_FWD_MMA;
+            y->fwd =
+                gru && fp32 && HP == 128 && p->vec && y->xks > 0 ? SEQ_FWD_MMA_KP : SEQ_FWD_MMA;
         }
         return;
     }
@@ -244,8 +244,9 @@ static const char *bwd_name(const struct seq_plan *p, const struct seq_layer_pla
 }
 
 static const char *dw_name(const struct seq_layer_plan *y) {
-    return y->dw == SEQ_DW_DW256 ? "dw256_product" : y->dw == SEQ_DW_DW16 ? "dw16_product"
-                                                                            : "cublas_dw";
+    return y->dw == SEQ_DW_DW256  ? "dw256_product"
+           : y->dw == SEQ_DW_DW16 ? "dw16_product"
+                                  : "cublas_dw";
 }
 
 static const char *compute_name(enum rnnd_compute c) {

@@ -74,15 +74,15 @@ enum seq_dw_kernel {
 
 struct seq_layer_plan {
     enum seq_fwd_kernel fwd;
-    int xks;         // MMA, MMA_KP, WGMMA: x k-steps of the fused input projection (0: x W_ih^T
-                     // from one cuBLAS GEMM over all steps)
-    bool xloop;      // the forward loop reads the layer input itself (it may copy it to the tape)
-    bool gates;      // a taped persistent forward writes the gate planes (s rows)
-    bool z_chunks;   // the forward writes z as chunk parts instead of z rows (layer 0)
+    int xks;       // MMA, MMA_KP, WGMMA: x k-steps of the fused input projection (0: x W_ih^T
+                   // from one cuBLAS GEMM over all steps)
+    bool xloop;    // the forward loop reads the layer input itself (it may copy it to the tape)
+    bool gates;    // a taped persistent forward writes the gate planes (s rows)
+    bool z_chunks; // the forward writes z as chunk parts instead of z rows (layer 0)
     enum seq_bwd_kernel bwd;
-    bool d_chunks;   // the backward loop writes D as the product's chunks (dw16 or dw256)
+    bool d_chunks; // the backward loop writes D as the product's chunks (dw16 or dw256)
     enum seq_dw_kernel dw;
-    bool dx16;       // dL/dx from the dw16 chunks (seq_dw.cu), not a cuBLAS GEMM on D
+    bool dx16; // dL/dx from the dw16 chunks (seq_dw.cu), not a cuBLAS GEMM on D
 };
 
 struct seq_plan {

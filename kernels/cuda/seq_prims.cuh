@@ -58,8 +58,7 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const T *tile,
 
 // 16 bytes global -> shared, asynchronous; ok false writes zeros instead (src is not read).
 static __device__ __forceinline__ void cp_async16(uint32_t sa, const float *g, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g),
-                 "r"(ok ? 16 : 0)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(g), "r"(ok ? 16 : 0)
                  : "memory");
 }
 static __device__ __forceinline__ void cp_async16(float *s, const float *g, bool ok) {
@@ -136,7 +135,7 @@ struct mode_tf32 {
     static constexpr int APAD = 4; // floats of padding per A-tile row: conflict-free fragments
     static constexpr int WPF = 1;  // {B[k][n], B[k+4][n]} as one fp16 pair
     static constexpr bool SCALED = true;
-    using elem = float; // tf32 values kept in fp32 bit patterns
+    using elem = float;     // tf32 values kept in fp32 bit patterns
     using hmode = mode_f16; // the forward's h part (h is bounded: scaled fp16)
     static __device__ __forceinline__ void put(elem *p, float v) {
         *p = __uint_as_float(f32_to_tf32(v));
@@ -235,13 +234,17 @@ struct persist_geom {
     static constexpr int F_NT = 2 * G;
     static constexpr int F_KS = HP / HM::KSTEP;
     static constexpr int F_XKS = HP / 2 / Mode::KSTEP; // most x k-steps a fused loop takes
-    static constexpr int F_HWPL = F_NT * HM::WPF;       // weight words a lane reads per k-step
+    static constexpr int F_HWPL = F_NT * HM::WPF;      // weight words a lane reads per k-step
     static constexpr int F_XWPL = F_NT * Mode::WPF;
     static constexpr long F_HKS_BYTES = (long)F_HWPL * 4 * 32 * NW;
     static constexpr long F_XKS_BYTES = (long)F_XWPL * 4 * 32 * NW;
     static constexpr int F_HLD = HP + HM::APAD;
-    static constexpr int f_xld(int xks) { return xks * Mode::KSTEP + Mode::APAD; }
-    static constexpr long f_wbytes(int xks) { return F_KS * F_HKS_BYTES + xks * F_XKS_BYTES; }
+    static constexpr int f_xld(int xks) {
+        return xks * Mode::KSTEP + Mode::APAD;
+    }
+    static constexpr long f_wbytes(int xks) {
+        return F_KS * F_HKS_BYTES + xks * F_XKS_BYTES;
+    }
     static constexpr long F_HTILES_BYTES = 2L * 16 * F_HLD * (long)sizeof(helem);
     static constexpr long f_smem(int xks) {
         return f_wbytes(xks) + F_HTILES_BYTES +
@@ -422,8 +425,7 @@ static __device__ float persist_absmax(const float *p, int n) {
 
 // The weights' scale: max |w| over a[0..na) and b[0..nb) into [2^14, 2^15), so that the scaled
 // weights fit fp16 with room to spare.
-static __device__ float persist_wscale(const float *a, int na, const float *b, int nb,
-                                       float *red) {
+static __device__ float persist_wscale(const float *a, int na, const float *b, int nb, float *red) {
     return persist_pow2_scale(fmaxf(persist_absmax(a, na), persist_absmax(b, nb)), 15, red);
 }
 
@@ -443,7 +445,8 @@ static __device__ float persist_hscale(const A &a, float *red) {
             break;
         for (int u = lane; u < a.H; u += 32) {
             if (a.hidden)
-                m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * a.T + t) * a.L + a.l) * a.H + u)));
+                m = fmaxf(m,
+                          fabsf(__ldg(a.hidden + (((size_t)b * a.T + t) * a.L + a.l) * a.H + u)));
             if (t == 0 && a.h0)
                 m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * a.L + a.l) * a.H + u)));
         }

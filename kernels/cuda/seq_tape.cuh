@@ -84,8 +84,8 @@ struct tape_rec {
         if (p >= SH)
             return ::st4<VEC>(fp(row, p, H) + u0, v, u0, H, ok);
         if (VEC) {
-            alignas(8) __half2 q[2] = {__floats2half2_rn(v[0], v[1]),
-                                       __floats2half2_rn(v[2], v[3])};
+            alignas(8)
+                __half2 q[2] = {__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3])};
             if (ok && u0 < H)
                 *reinterpret_cast<uint2 *>(hp(row, p, H) + u0) = *reinterpret_cast<uint2 *>(q);
         } else {

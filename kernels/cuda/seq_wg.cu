@@ -65,7 +65,8 @@ constexpr int WG_NSTAGE = 3;                  // x stages (x arrives 3 steps ahe
 // the x part's two slots (fp32), which first hold the consumers' W_hh fragments on their way
 // into registers and, being larger than the slots, set the size: GRU 171 KB, LSTM 220 KB (GR 2
 // or 3).
-template <int G, int GR> struct wg_geom {
+template <int G, int GR>
+struct wg_geom {
     static constexpr int GS = G - GR;
     static constexpr long XP = 2L * G * 8 * 128 * 4; // a step's x part
     static constexpr long OFF_WHS = 2L * G * WG_WIH_TILE;
@@ -144,7 +145,8 @@ __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char 
 // three of the GRU's; three of the LSTM's four (128 registers of weights would leave too few for
 // the rest), two where it writes a tape with stored states (HID: its deferred stores and the
 // next step's stored values need the registers; docs/kernels.md).
-template <class Cell, bool Z, bool HID> constexpr int wg_gr() {
+template <class Cell, bool Z, bool HID>
+constexpr int wg_gr() {
     return Cell::G == 4 && Z && HID ? 2 : 3;
 }
 
@@ -581,7 +583,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
 // The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
 // take either.
-template <class Cell, class HM, int V, bool Z> auto wg_kernel(bool hid) {
+template <class Cell, class HM, int V, bool Z>
+auto wg_kernel(bool hid) {
     if constexpr (Cell::G == 4 && Z)
         if (!hid)
             return seq_wg_forward<Cell, HM, V, Z, false>;

@@ -55,15 +55,15 @@
 
 template <int MTW_, int WM_, int WU_, int WK_, int NS_>
 struct step_cfg {
-    static constexpr int MTW = MTW_; // m-tiles (16 rows) per warp
+    static constexpr int MTW = MTW_;                   // m-tiles (16 rows) per warp
     static constexpr int WM = WM_, WU = WU_, WK = WK_; // warps along rows, units, k-steps
     static constexpr int KC = 64, NS = NS_;            // chunk width, pipeline stages
     static constexpr int MT = 16 * MTW * WM;           // rows per block
     static constexpr int UT = 8 * WU;                  // units per block
     static constexpr int NT = 32 * WM * WU * WK;       // threads
 };
-using cfg_big = step_cfg<2, 2, 4, 2, 3>; // 64 rows x 32 units, K split in 2 (16 warps)
-using cfg_mid = step_cfg<2, 1, 2, 4, 4>; // 32 x 16, K split in 4
+using cfg_big = step_cfg<2, 2, 4, 2, 3>;   // 64 rows x 32 units, K split in 2 (16 warps)
+using cfg_mid = step_cfg<2, 1, 2, 4, 4>;   // 32 x 16, K split in 4
 using cfg_small = step_cfg<1, 1, 1, 8, 8>; // 16 x 8, K split in 8
 static_assert(cfg_big::MT == RNND_STEP_WG_MT && cfg_big::UT == RNND_STEP_WG_UT,
               "step_wg.cu's kernel replaces cfg_big's: same tiles");
@@ -82,8 +82,8 @@ static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t sa) {
                  : "r"(sa));
 }
 
-static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
-                                                uint32_t b0, uint32_t b1) {
+static __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -114,9 +114,8 @@ struct step_tf32 {
     }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, uint32_t sa, uint32_t sw,
-                                                 int ld, int m0, int n0, int UT, int k0,
-                                                 int lane) {
+                                                 const float *W, uint32_t sa, uint32_t sw, int ld,
+                                                 int m0, int n0, int UT, int k0, int lane) {
         (void)A, (void)W, (void)m0, (void)n0, (void)lane;
         uint32_t a[MTW][4];
 #pragma unroll
@@ -159,9 +158,8 @@ struct step_bf16 {
     }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, uint32_t sa, uint32_t sw,
-                                                 int ld, int m0, int n0, int UT, int k0,
-                                                 int lane) {
+                                                 const float *W, uint32_t sa, uint32_t sw, int ld,
+                                                 int m0, int n0, int UT, int k0, int lane) {
         (void)sa, (void)sw;
         const int g = lane >> 2, tg = lane & 3;
         uint32_t a[MTW][4];
@@ -184,8 +182,7 @@ struct step_bf16 {
                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                     : "+f"(acc[mt][ap][0]), "+f"(acc[mt][ap][1]), "+f"(acc[mt][ap][2]),
                       "+f"(acc[mt][ap][3])
-                    : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0),
-                      "r"(b1));
+                    : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0), "r"(b1));
         }
     }
 };
@@ -202,9 +199,8 @@ struct step_ieee {
     }
     template <int MTW, int G, bool NH>
     static __device__ __forceinline__ void kstep(float (&acc)[MTW][4][4], const float *A,
-                                                 const float *W, uint32_t sa, uint32_t sw,
-                                                 int ld, int m0, int n0, int UT, int k0,
-                                                 int lane) {
+                                                 const float *W, uint32_t sa, uint32_t sw, int ld,
+                                                 int m0, int n0, int UT, int k0, int lane) {
         (void)sa, (void)sw;
         const int g = lane >> 2, tg = lane & 3;
 #pragma unroll
@@ -286,8 +282,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 #pragma unroll
                 for (int j = 0; j < NWJ; j++) {
                     const int r = r0t + j * RP, u = u0 + r % UT;
-                    wsrc[j] = r < G * UT && u < H ? W + (size_t)((r / UT) * H + u) * K + kg
-                                                  : nullptr;
+                    wsrc[j] =
+                        r < G * UT && u < H ? W + (size_t)((r / UT) * H + u) * K + kg : nullptr;
                 }
             }
             const uint32_t dst = (uint32_t)__cvta_generic_to_shared(Ws) + 4 * (r0t * LD + kg);
@@ -497,7 +493,8 @@ static __global__ void __launch_bounds__(Cfg::NT) step_kernel(const step_kargs a
 // cores' products or more, and with so few rows the matmul is no cost.
 
 template <class Cell, bool BF16, bool FAST, int R>
-static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel(const step_kargs a) {
+static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS)
+    step_mv_kernel(const step_kargs a) {
     constexpr int G = Cell::G, U = RNND_STEP_MV_UNITS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
@@ -508,8 +505,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
     const int H = a.H, L = a.L, l = a.l, Il = l == 0 ? a.I : H, K = Il + H;
     const int row0 = blockIdx.y * R, nrows = min(R, a.B - row0), u0 = blockIdx.x * U;
     float *Ws = reinterpret_cast<float *>(smem4); // (G*U, K): [W_ih row | W_hh row], plane major
-    float *Xs = Ws + G * U * K;                    // (R, K): [x | h]
-    const bool vec = a.vec_x && a.vec_h;            // Il, H multiples of 4 and aligned
+    float *Xs = Ws + G * U * K;                   // (R, K): [x | h]
+    const bool vec = a.vec_x && a.vec_h;          // Il, H multiples of 4 and aligned
 
     // Weights of the block's units (zero past H): warp w copies rows w, w + U, ...; and warp w's
     // unit's biases for the cell. Before the wait where a.pre allows.
@@ -589,8 +586,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_MV_UNITS) step_mv_kernel
         for (int r = 0; r < R; r++)
             acc[p][r] = warp_sum(acc[p][r]);
 
-    // Lane r: the cell of row r (every lane holds every sum; constant indices through a select)
-    // and its new states to its table row.
+            // Lane r: the cell of row r (every lane holds every sum; constant indices through a select)
+            // and its new states to its table row.
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (lane != r || r >= nrows || u >= H)
@@ -664,7 +661,8 @@ static __device__ __forceinline__ float4 row_load4(const float *xp, const float 
 }
 
 template <class Cell, bool BF16, bool FAST>
-static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS) step_row_kernel(const step_kargs a) {
+static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
+    step_row_kernel(const step_kargs a) {
     constexpr int G = Cell::G, U = RNND_STEP_ROW_UNITS, NCH = RNND_STEP_ROW_CHUNKS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
@@ -813,12 +811,11 @@ static step_kargs step_args(struct cuda_ctx *c, const struct rnnd_step *st, cons
     a.h_before = st->h_before, a.c_before = st->c_before;
     a.out = l == L - 1 ? st->out : NULL;
     a.pre = l > 0 || c->step_tail;
-    a.early_x = l == 0 && c->step_tail && !c->tune.step_no_early_x &&
-                inputs_untouched(c, st, m);
+    a.early_x = l == 0 && c->step_tail && !c->tune.step_no_early_x && inputs_untouched(c, st, m);
     struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
     a.w_ih = lp.w_ih, a.w_hh = lp.w_hh, a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
-    a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) &&
-              aligned16(st->state_h) && aligned16(lp.w_ih);
+    a.vec_x = (l == 0 ? m->I % 4 == 0 && aligned16(a.x) : H % 4 == 0) && aligned16(st->state_h) &&
+              aligned16(lp.w_ih);
     a.vec_h = H % 4 == 0 && aligned16(st->state_h) && aligned16(lp.w_hh) &&
               (st->state_c == NULL || aligned16(st->state_c));
     return a;
@@ -887,9 +884,7 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     if (st->B <= RNND_STEP_MV_MAX_ROWS &&
         step_mv_smem(Cell::G, RNND_STEP_MV_ROWS, in, m->H) <= RNND_STEP_MV_SMEM)
         return step_mv_launch<Cell, Mode, RNND_STEP_MV_ROWS>(c, st, params, m);
-    auto blocks = [&](int MT, int UT) {
-        return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT);
-    };
+    auto blocks = [&](int MT, int UT) { return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT); };
     const bool wg = std::is_same<Mode, step_tf32>::value && c->dev.wg && !c->tune.no_wg;
     const long wg_wbytes = (long)Cell::G * cfg_big::UT * (in + m->H) * sizeof(float);
     const bool wg_wins = wg && m->I % 4 == 0 && m->H % 4 == 0 &&

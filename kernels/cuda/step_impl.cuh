@@ -10,7 +10,8 @@
 static __device__ __forceinline__ void cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-template <int N> static __device__ __forceinline__ void cp_wait() {
+template <int N>
+static __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
@@ -52,7 +53,8 @@ struct step_kargs {
 // The start of every step kernel: load (reads of weights and biases only) before the programmatic
 // wait where a.pre allows, else after it; then the next kernel may start its blocks (after the
 // wait: at most this grid and the next resident).
-template <class Load> static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
+template <class Load>
+static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
     if (a.pre)
         load();
     grid_wait_then_release();

@@ -55,16 +55,17 @@
 namespace {
 
 constexpr int SW_MT = RNND_STEP_WG_MT, SW_UT = RNND_STEP_WG_UT; // rows, units a block
-constexpr int SW_NT = 256;        // two warpgroups: units [0, 16) and [16, 32) of every gate
-constexpr int SW_KC = 32;         // columns a chunk: one 128-byte row, 4 k-steps
-constexpr int NS = 4;             // stages; copies run NS - 2 chunks ahead
+constexpr int SW_NT = 256; // two warpgroups: units [0, 16) and [16, 32) of every gate
+constexpr int SW_KC = 32;  // columns a chunk: one 128-byte row, 4 k-steps
+constexpr int NS = 4;      // stages; copies run NS - 2 chunks ahead
 constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 
 constexpr int SW_CLD = SW_UT + 8; // row pitch (floats) of the old-c tile
 
 // Shared memory (bytes) for G gate planes and NS stages (copies run NS - 2 chunks ahead): stages
 // (row tile, then weight tile), old c (LSTM), biases [b_ih | b_hh] of the block's N gate rows.
-template <int G> struct sw_layout {
+template <int G>
+struct sw_layout {
     static constexpr int N = G * SW_UT;
     static constexpr int STAGE = SW_ATILE + N * SW_KC * 4;
     static constexpr int OFF_C = NS * STAGE;
@@ -90,7 +91,8 @@ template <int G> struct sw_layout {
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
     "%32, %33, p, 1, 1;\n}\n"
-template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[24], uint64_t a, uint64_t b) {
+template <bool ACC>
+__device__ __forceinline__ void sw_mma(float (&d)[24], uint64_t a, uint64_t b) {
     if constexpr (ACC)
         asm volatile(SW_MMA(48, 26) SW_N48
                      : SW_D8("+f", 0), SW_D8("+f", 8), SW_D8("+f", 16)
@@ -100,7 +102,8 @@ template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[24], uint6
                      : SW_D8("=f", 0), SW_D8("=f", 8), SW_D8("=f", 16)
                      : "l"(a), "l"(b), "n"(0));
 }
-template <bool ACC> __device__ __forceinline__ void sw_mma(float (&d)[32], uint64_t a, uint64_t b) {
+template <bool ACC>
+__device__ __forceinline__ void sw_mma(float (&d)[32], uint64_t a, uint64_t b) {
     if constexpr (ACC)
         asm volatile(SW_MMA(64, 34) SW_N64
                      : SW_D8("+f", 0), SW_D8("+f", 8), SW_D8("+f", 16), SW_D8("+f", 24)
@@ -373,8 +376,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
         void *p = nullptr;
         cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                             cudaEnableDefault, &found) != cudaSuccess ||
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &found) != cudaSuccess ||
             found != cudaDriverEntryPointSuccess)
             p = nullptr;
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
@@ -396,7 +399,8 @@ int fp32_map(CUtensorMap *m, int rank, const float *p, const cuuint64_t *dims,
                : RNND_EDEVICE;
 }
 
-template <class Cell> int wg_attr() {
+template <class Cell>
+int wg_attr() {
     RNND_CUDA_TRY(cudaFuncSetAttribute(step_wg_kernel<Cell>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        sw_layout<Cell::G>::SMEM));
@@ -405,7 +409,8 @@ template <class Cell> int wg_attr() {
 
 // The weights (G gate planes of H rows x K) as load_w's boxes: 32 columns x 16 units x G planes;
 // layer 0's x (B rows x I) as row tiles of 32 columns x 64 rows.
-template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
+template <class Cell>
+int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
     constexpr int G = Cell::G;
     const int Il = a.l == 0 ? a.I : a.H;
     const bool xt = a.l == 0;
@@ -420,8 +425,8 @@ template <class Cell> int wg_launch(struct cuda_ctx *c, const step_kargs &a) {
         RNND_TRY(fp32_map(&tx, 2, a.x, dx, bx));
     }
     const dim3 grid(CEIL_DIV(a.H, SW_UT), CEIL_DIV(a.B, SW_MT)), block(SW_NT);
-    return step_kernel_launch(c, step_wg_kernel<Cell>, grid, block, sw_layout<G>::SMEM, true, a,
-                              ih, hh, tx, xt);
+    return step_kernel_launch(c, step_wg_kernel<Cell>, grid, block, sw_layout<G>::SMEM, true, a, ih,
+                              hh, tx, xt);
 }
 
 } // namespace

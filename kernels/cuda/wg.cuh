@@ -172,7 +172,8 @@ static __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 // Waits until at most N of this warp's committed MMA groups are pending.
-template <int N> static __device__ __forceinline__ void wg_wait() {
+template <int N>
+static __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.

@@ -79,8 +79,8 @@ enum rnnd_act { RNND_ACT_ELU, RNND_ACT_RELU, RNND_ACT_TANH };
 //   obs (I) -> encoder: enc_layers x (Linear, act) -> core (GRU/LSTM over enc_width[last], or
 //   over I without an encoder) -> h (H) -> heads: logits (K) | mean (A) and log-std (A) | value.
 struct rnnd_policy {
-    int enc_layers;                          // 0 .. RNND_MAX_ENCODER_LAYERS
-    int enc_width[RNND_MAX_ENCODER_LAYERS];  // output width of each encoder Linear
+    int enc_layers;                         // 0 .. RNND_MAX_ENCODER_LAYERS
+    int enc_width[RNND_MAX_ENCODER_LAYERS]; // output width of each encoder Linear
     enum rnnd_act enc_act;
     int K;      // discrete actions: policy_logits (K, H); 0: no discrete head
     int A;      // diagonal Gaussian action dims: action_mean (A, H), action_log_std (A); 0: none
@@ -139,11 +139,11 @@ enum rnnd_param_kind {
 };
 
 struct rnnd_param_tensor {
-    char name[32];  // PyTorch's name, e.g. "weight_ih_l0", "encoder.0.weight"
-    size_t offset;  // in floats from the start of the flat array
-    int ndim;       // 2 for weights, 1 for biases
+    char name[32]; // PyTorch's name, e.g. "weight_ih_l0", "encoder.0.weight"
+    size_t offset; // in floats from the start of the flat array
+    int ndim;      // 2 for weights, 1 for biases
     int64_t shape[2];
-    size_t count;   // floats
+    size_t count; // floats
 };
 
 // P, the number of floats in the flat parameter array.
@@ -311,8 +311,8 @@ enum {
 };
 
 struct rnnd_backend_ops {
-    const char *name; // "cpu" or "cuda"
-    unsigned caps;    // RNND_BACKEND_CAP_* bits
+    const char *name;           // "cpu" or "cuda"
+    unsigned caps;              // RNND_BACKEND_CAP_* bits
     void (*destroy)(void *ctx); // releases the context (rnnd_backend_free calls it)
 
     // Memory in the backend's address space. alloc returns RNND_ENOMEM when it cannot.
@@ -347,8 +347,7 @@ struct rnnd_backend_ops {
     // final states (c_n LSTM only; either may be NULL). tape (tape_bytes, 16-byte aligned as
     // any allocation of the backend) is filled for backward when not NULL.
     int (*rnn_forward)(void *ctx, float *out, float *h_n, float *c_n, void *tape,
-                       const struct rnnd_seq *seq, const float *params,
-                       const struct rnnd_model *m);
+                       const struct rnnd_seq *seq, const float *params, const struct rnnd_model *m);
     // Sequence backward over the same seq and params as the forward that filled tape.
     // grad_out (B, T, H); grad_h_n, grad_c_n (B, L, H) or NULL for zero.
     int (*rnn_backward)(void *ctx, const struct rnnd_seq_grads *grads, const float *grad_out,
@@ -410,8 +409,8 @@ struct rnnd_backend_ops {
     // Heads backward from grad's members: grad_params (P) += the heads' gradients; grad_h (N, H)
     // = dL/dh (zero when every member is NULL), the core's grad_out.
     int (*heads_backward)(void *ctx, float *grad_params, float *grad_h,
-                          const struct rnnd_heads *grad, const float *h, int N,
-                          const float *params, const struct rnnd_model *m);
+                          const struct rnnd_heads *grad, const float *h, int N, const float *params,
+                          const struct rnnd_model *m);
     // Draws each row's action (struct rnnd_actions), with its logp and entropy when asked.
     int (*policy_sample)(void *ctx, const struct rnnd_actions *a, const float *params,
                          const struct rnnd_model *m);

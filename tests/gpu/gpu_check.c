@@ -102,8 +102,8 @@ double tolerance(enum rnnd_compute c) {
 // ---------------------------------------------------------------------------------------------
 // Checks
 
-void compare(const char *what, const char *tag, const float *a, const float *ref,
-             const float *base, size_t n, double tol) {
+void compare(const char *what, const char *tag, const float *a, const float *ref, const float *base,
+             size_t n, double tol) {
     double num = 0.0, den = 0.0;
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) {

@@ -46,8 +46,8 @@ double tolerance(enum rnnd_compute c);
 
 // One check: a (gpu) against ref (cpu), both minus base where given (+= outputs), norm-wise
 // within tol; non-finite values in a fail.
-void compare(const char *what, const char *tag, const float *a, const float *ref,
-             const float *base, size_t n, double tol);
+void compare(const char *what, const char *tag, const float *a, const float *ref, const float *base,
+             size_t n, double tol);
 // One check with an outcome of the test's own: "ok" or "FAIL", then the line fmt prints.
 void check(bool ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 // A failure that is no check of its own (an op that returned an error): "FAIL", then fmt.

@@ -22,11 +22,16 @@ static void test_optim(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     const enum rnnd_optim_kind kind = oc->kind;
     const float max_norm = oc->max_norm, wd = oc->wd;
     const size_t n = oc->n;
-    struct rnnd_optim o = {.kind = kind, .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f,
-                           .eps = 1e-8f, .weight_decay = wd, .max_grad_norm = max_norm};
+    struct rnnd_optim o = {.kind = kind,
+                           .lr = 1e-2f,
+                           .beta1 = 0.9f,
+                           .beta2 = 0.999f,
+                           .eps = 1e-8f,
+                           .weight_decay = wd,
+                           .max_grad_norm = max_norm};
     char tag[96];
-    snprintf(tag, sizeof(tag), "optim %s clip %g wd %g n %zu", kind == RNND_OPTIM_ADAM ? "adam" : "sgd",
-             max_norm, wd, n);
+    snprintf(tag, sizeof(tag), "optim %s clip %g wd %g n %zu",
+             kind == RNND_OPTIM_ADAM ? "adam" : "sgd", max_norm, wd, n);
     printf("%s\n", tag);
     gpu_seed(tag);
     float *p = host_uniform(n, 1.0f), *g = host_uniform(n, 0.1f);

@@ -206,7 +206,8 @@ static int run_seq(struct rnnd_backend *be, const struct seq_case *sc, const str
 }
 
 // Case sc on gpu against cpu, on seq_host_init's inputs.
-static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc) {
+static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                     const struct seq_case *sc) {
     const bool check_determinism = sc->how & SEQ_REPEAT, no_gx = sc->how & SEQ_NO_GX;
     const float bias_scale = sc->how & SEQ_SATURATED ? 40.0f : 0.0f;
     const float state_scale = sc->how & SEQ_WIDE ? 12.0f : 0.8f;
@@ -219,10 +220,12 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
     snprintf(tag, sizeof(tag), "%s %s I%d H%d L%d B%d T%d p%.2g %s%s%s%s%s%s",
              lstm ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->T,
              sc->reset_prob,
-             sc->state == STATE_H0 ? "h0" : sc->state == STATE_HIDDEN ? "hid" : "-",
-             sc->path == RNND_CUDA_PATH_STEPWISE ? " step" : "",
-             sc->how & SEQ_WIDE ? " wide" : "", sc->how & SEQ_SATURATED ? " sat" : "",
-             sc->how & SEQ_MISALIGN ? " misal" : "", sc->how & SEQ_NO_GX ? " nogx" : "");
+             sc->state == STATE_H0       ? "h0"
+             : sc->state == STATE_HIDDEN ? "hid"
+                                         : "-",
+             sc->path == RNND_CUDA_PATH_STEPWISE ? " step" : "", sc->how & SEQ_WIDE ? " wide" : "",
+             sc->how & SEQ_SATURATED ? " sat" : "", sc->how & SEQ_MISALIGN ? " misal" : "",
+             sc->how & SEQ_NO_GX ? " nogx" : "");
 
     gpu_seed(tag);
     struct seq_host h;
@@ -269,8 +272,7 @@ static void test_seq(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
             struct seq_out o2;
             seq_out_alloc(&o2, &z);
             if (run_seq(gpu, sc, &h, &o2, true) == 0) {
-                bool same = memcmp(o2.gp, og.gp, P * 4) == 0 &&
-                            memcmp(o2.gx, og.gx, nx * 4) == 0 &&
+                bool same = memcmp(o2.gp, og.gp, P * 4) == 0 && memcmp(o2.gx, og.gx, nx * 4) == 0 &&
                             memcmp(o2.out, og.out, nout * 4) == 0;
                 check(same, "%-34s repeat run bitwise identical", tag);
             }
@@ -345,8 +347,8 @@ static void test_tiny(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
     const struct seq_case sc = *c;
     const struct seq_sizes z = seq_sizes_of(&sc);
     char tag[48];
-    snprintf(tag, sizeof(tag), "%s fp32 H%d tiny rows",
-             sc.cell == RNND_CELL_LSTM ? "lstm" : "gru", sc.H);
+    snprintf(tag, sizeof(tag), "%s fp32 H%d tiny rows", sc.cell == RNND_CELL_LSTM ? "lstm" : "gru",
+             sc.H);
     gpu_seed(tag);
     const float tiny = 1e-36f;
     const size_t rx = 3, rg = 5; // the rows: tiny x, tiny output gradients
@@ -483,8 +485,7 @@ static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case
     struct seq_out oa, ob;
     int err[2];
     run_variants(gpu, sc, &h, va, vb, &oa, &ob, err);
-    check(!err[0] && !err[1], "%s: runs %s, %s", tag, rnnd_err_name(err[0]),
-          rnnd_err_name(err[1]));
+    check(!err[0] && !err[1], "%s: runs %s, %s", tag, rnnd_err_name(err[0]), rnnd_err_name(err[1]));
     if (!err[0] && !err[1]) {
         compare("out", tag, oa.out, ob.out, NULL, z.nout, 1e-7);
         compare("out(no tape)", tag, oa.out_notape, ob.out_notape, NULL, z.nout, 1e-7);
@@ -563,8 +564,8 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
         rnnd_model_param_tensor(&m, 3, &last);
         size_t at = first.offset, n = last.offset + last.count - first.offset;
         const double tol = !gpu_sm90 || sc->L > 1 ? tolerance(sc->compute)
-                           : zf                 ? dw16_zf_tol
-                                                : dw16_tol;
+                           : zf                   ? dw16_zf_tol
+                                                  : dw16_tol;
         compare("grad layer 0", tag, og.gp + at, oc.gp + at, h.gbase + at, n, tol);
         compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
     }
@@ -584,8 +585,8 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 // path of inputs off 16-byte alignment). Then with outputs and gradients off 16-byte alignment,
 // which the backward cannot see from the forward's side: the forward stages its outputs, the
 // backward's loop reads the gradients a float at a time (test_dw16's checks).
-static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
-                      const struct seq_case *sc, int arg) {
+static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
+                      int arg) {
     (void)arg;
     // The format itself: on sm_90 layer 0's z space holds other bytes than with NO_ZFWD (a
     // test of the two paths that ran one would pass vacuously), elsewhere, or with a bit that
@@ -645,8 +646,8 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     const enum rnnd_cell cell = sc.cell;
     const struct seq_sizes z = seq_sizes_of(&sc);
     static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
-                                       "two rows x2^20", "two rows x2^-30", "zero x rows x2^14",
-                                       "a drop, a spike"};
+                                       "two rows x2^20",       "two rows x2^-30",
+                                       "zero x rows x2^14",    "a drop, a spike"};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 dw16 %s", cell == RNND_CELL_LSTM ? "lstm" : "gru",
              what[kind]);
@@ -899,10 +900,13 @@ struct edge_test {
 
 // The model of the NaN and tiny-value checks: fp32, I=64, H=128 (64: the loops without dw16
 // chunks), B=20 T=12, resets 0.1, h0.
-#define EDGE(cell, H) {cell, F32, 64, H, 1, 20, 12, 0.1, H0, AUTO, 0}
+#define EDGE(cell, H)                                                                              \
+    { cell, F32, 64, H, 1, 20, 12, 0.1, H0, AUTO, 0 }
 // 256 steps from h0, no resets.
-#define CHAIN(cell, compute) {cell, compute, 64, 128, 1, 24, 256, 0.0, H0, AUTO, 0}
-#define SCALES(cell) {cell, F32, 64, 128, 1, 300, 20, 0.1, HID, AUTO, 0}
+#define CHAIN(cell, compute)                                                                       \
+    { cell, compute, 64, 128, 1, 24, 256, 0.0, H0, AUTO, 0 }
+#define SCALES(cell)                                                                               \
+    { cell, F32, 64, 128, 1, 300, 20, 0.1, HID, AUTO, 0 }
 
 static const struct edge_test edge_tests[] = {
     {test_nan, EDGE(GRU, 128), 0, false},

@@ -148,8 +148,8 @@ static void test_traj(struct rnnd_backend *gpu, struct rnnd_backend *cpu, enum r
     traj_run(cpu, &m, E, R, &in, perm, N, rows_r, M, &a);
     traj_run(gpu, &m, E, R, &in, perm, N, rows_r, M, &b);
     char what[96];
-    snprintf(what, sizeof what, "traj %s E=%d: rows read back", cell == RNND_CELL_LSTM ? "lstm" : "gru",
-             E);
+    snprintf(what, sizeof what, "traj %s E=%d: rows read back",
+             cell == RNND_CELL_LSTM ? "lstm" : "gru", E);
     bool ok = memcmp(a.obs, b.obs, M * I * 4) == 0 && memcmp(a.h, b.h, M * LH * 4) == 0 &&
               memcmp(a.is_init, b.is_init, M) == 0 && memcmp(a.version, b.version, M * 8) == 0 &&
               (!E || memcmp(a.extras, b.extras, M * (size_t)E * 4) == 0) &&
@@ -205,7 +205,8 @@ static void test_cast(struct rnnd_backend *gpu) {
                 fprintf(stderr, "%s(%a = 0x%08x): cpu 0x%04x gpu 0x%04x\n", f16 ? "f16" : "bf16",
                         (double)x[i], *(uint32_t *)&x[i], cpu16[i], gpu16[i]);
         }
-        check(bad == 0, f16 ? "cast f32 -> f16 matches the CPU" : "cast f32 -> bf16 matches the CPU");
+        check(bad == 0,
+              f16 ? "cast f32 -> f16 matches the CPU" : "cast f32 -> bf16 matches the CPU");
         gpu->ops->free(gpu->ctx, dx);
         gpu->ops->free(gpu->ctx, dy);
         // Every 16-bit pattern back to fp32.
@@ -225,7 +226,8 @@ static void test_cast(struct rnnd_backend *gpu) {
                 fprintf(stderr, "%s 0x%04x: cpu %a gpu %a\n", f16 ? "f16" : "bf16", v,
                         (double)back_cpu[v], (double)back_gpu[v]);
         }
-        check(bad == 0, f16 ? "cast f16 -> f32 matches the CPU" : "cast bf16 -> f32 matches the CPU");
+        check(bad == 0,
+              f16 ? "cast f16 -> f32 matches the CPU" : "cast bf16 -> f32 matches the CPU");
         gpu->ops->free(gpu->ctx, dp);
         gpu->ops->free(gpu->ctx, df);
     }

@@ -209,8 +209,9 @@ static void raw_free(struct raw *r) {
     grpc_call_cancel(r->call, NULL);
     grpc_call_unref(r->call);
     grpc_completion_queue_shutdown(r->cq);
-    while (grpc_completion_queue_pluck(r->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
-               .type != GRPC_QUEUE_SHUTDOWN)
+    while (
+        grpc_completion_queue_pluck(r->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+        GRPC_QUEUE_SHUTDOWN)
         ;
     grpc_completion_queue_destroy(r->cq);
     grpc_byte_buffer_destroy(r->send);
@@ -242,8 +243,8 @@ static int teardown(void **state) {
 static void test_drain_delivers_replies(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "30",
-                          NULL};
+    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--drain-timeout-s",
+                          "30",           NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *s;
@@ -291,8 +292,8 @@ static void test_drain_delivers_replies(void **state) {
 static void test_drain_timeout_ends_streams(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "1",
-                          NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "1", NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *s;
@@ -327,8 +328,17 @@ static void test_drain_timeout_ends_streams(void **state) {
 static void test_reply_budget(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size",     "8", "--hidden-size", "32", "--max-reply-mb", "10",
-                          "--max-message-mb", "8", "--max-streams", "3",  NULL};
+    const char *args[] = {"--input-size",
+                          "8",
+                          "--hidden-size",
+                          "32",
+                          "--max-reply-mb",
+                          "10",
+                          "--max-message-mb",
+                          "8",
+                          "--max-streams",
+                          "3",
+                          NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     assert_true(limit_of(&d, "rnnd_limit", "reply_bytes") == 10 << 20);
     grpc_channel *ch = raw_channel(&d);
@@ -392,8 +402,8 @@ static void test_reply_budget(void **state) {
 static void test_connection_bound(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--max-connections", "3",
-                          NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--max-connections", "3", NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     assert_true(limit_of(&d, "rnnd_limit", "connections") == 3);
     struct rnnd_client *c1 = daemon_client(&d, NULL), *c2 = daemon_client(&d, NULL);
@@ -432,8 +442,8 @@ static void test_connection_bound(void **state) {
 static void test_health_watch_bound(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--max-health-watches", "2",
-                          NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--max-health-watches", "2", NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     assert_true(limit_of(&d, "rnnd_limit", "health_watches") == 2);
     struct rnnd_client *c = daemon_client(&d, NULL);
@@ -470,8 +480,9 @@ static void test_health_watch_bound(void **state) {
 static void test_stream_idle_timeout(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--stream-idle-timeout-s",
-                          "1",            "--hz",         "20", NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--stream-idle-timeout-s", "1", "--hz",
+        "20",           NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client *c = daemon_client(&d, NULL);
     struct rnnd_client_stream *idle, *busy;
@@ -516,8 +527,9 @@ static void test_stream_idle_timeout(void **state) {
 static void test_request_size_counted(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--max-message-mb", "1",
-                          "--max-batch",  "64", NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--max-message-mb", "1", "--max-batch",
+        "64",           NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client *c = daemon_client(&d, NULL);
     assert_true(limit_of(&d, "rnnd_limit_rejections_total", "message_bytes") == 0);
@@ -535,8 +547,8 @@ static void test_request_size_counted(void **state) {
     uint64_t *ids = calloc(B, sizeof(uint64_t));
     for (int b = 0; b < B; b++)
         ids[b] = (uint64_t)b + 1;
-    struct rnnd_step_req sr = {.n_env_ids = B, .env_ids = ids,
-                               .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0)};
+    struct rnnd_step_req sr = {
+        .n_env_ids = B, .env_ids = ids, .obs = rnnd_tensor_f32(x, 2, B, I_, 0, 0)};
     struct rnnd_client_stream *s;
     struct rnnd_step_reply so;
     EXPECT_OK(rnnd_client_stream_init(c, &s));

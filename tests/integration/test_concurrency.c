@@ -336,9 +336,21 @@ static void test_impatient_clients(void **state) {
 // The same daemon with two reply threads and two row workers, and room for big batches.
 static int setup_pools(void **state) {
     (void)state;
-    const char *args[] = {"--cell",          "gru",  "--input-size",   "16",  "--hidden-size", "32",
-                          "--max-batch",     "1024", "--max-delay-us", "500", "--seed",        "5",
-                          "--reply-threads", "2",    NULL};
+    const char *args[] = {"--cell",
+                          "gru",
+                          "--input-size",
+                          "16",
+                          "--hidden-size",
+                          "32",
+                          "--max-batch",
+                          "1024",
+                          "--max-delay-us",
+                          "500",
+                          "--seed",
+                          "5",
+                          "--reply-threads",
+                          "2",
+                          NULL};
     return daemon_start(&d, args);
 }
 
@@ -352,7 +364,7 @@ int main(void) {
         cmocka_unit_test(test_many_clients),
     };
     int failed = cmocka_run_group_tests_name("concurrency", tests, setup, teardown);
-    failed += cmocka_run_group_tests_name("concurrency with thread pools", pools, setup_pools,
-                                          teardown);
+    failed +=
+        cmocka_run_group_tests_name("concurrency with thread pools", pools, setup_pools, teardown);
     return failed ? 1 : 0;
 }

@@ -114,7 +114,8 @@ static void test_slowloris(void **state) {
     atomic_store(&s.stop, true);
     pthread_join(s.tid, NULL);
     double evicted = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"evicted\"");
-    double timed_out = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
+    double timed_out =
+        daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
     double open = daemon_metric(&d, "rnnd_http_connections", NULL);
     fprintf(stderr,
             "  %d slow connections (%d reopened): 40 scrapes, %d failed, slowest %.3f s; "
@@ -136,7 +137,8 @@ static void test_slowloris(void **state) {
 // A head that keeps arriving a byte at a time is still cut off at the deadline, with 408.
 static void test_header_deadline(void **state) {
     (void)state;
-    double before = daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
+    double before =
+        daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"");
     int fd = tcp_connect(d.http);
     assert_true(fd >= 0);
     const char *start = "GET /healthz HTTP/1.1\r\n";
@@ -158,8 +160,8 @@ static void test_header_deadline(void **state) {
     fprintf(stderr, "  a trickled head: \"%.24s\" after %.2f s\n", resp, took);
     assert_non_null(strstr(resp, "HTTP/1.1 408"));
     assert_true(took > 1.5 && took < 3.0);
-    assert_true(daemon_metric(&d, "rnnd_http_connections_dropped_total", "reason=\"header_timeout\"") ==
-                before + 1);
+    assert_true(daemon_metric(&d, "rnnd_http_connections_dropped_total",
+                              "reason=\"header_timeout\"") == before + 1);
 }
 
 // What the request-line parser takes and refuses, through the daemon.
@@ -256,9 +258,17 @@ static void test_readyz_while_draining(void **state) {
     // A deep model on the CPU backend, so that one Forward keeps the drain busy for a while
     // (~1 s here) with a reply of 1 MB.
     struct daemon ds;
-    const char *args[] = {
-        "--backend", "cpu", "--input-size",      "8",  "--hidden-size", "256",
-        "--layers",  "8",   "--drain-timeout-s", "10", NULL};
+    const char *args[] = {"--backend",
+                          "cpu",
+                          "--input-size",
+                          "8",
+                          "--hidden-size",
+                          "256",
+                          "--layers",
+                          "8",
+                          "--drain-timeout-s",
+                          "10",
+                          NULL};
     assert_int_equal(daemon_start(&ds, args), 0);
     struct forward_call f = {.cl = daemon_client(&ds, NULL)};
     // The call is in flight once its request has been received and decoded (counted in
@@ -321,9 +331,8 @@ static void test_http_during_final_checkpoint(void **state) {
     // ~50 MB of weights: the final checkpoint (written, checksummed, fsynced) takes a while
     // after gRPC has stopped, and the probes must still be answered meanwhile.
     struct daemon ds;
-    const char *args[] = {"--backend",     "cpu",  "--input-size", "1024",
-                          "--hidden-size", "1024", "--layers",     "2",
-                          NULL};
+    const char *args[] = {
+        "--backend", "cpu", "--input-size", "1024", "--hidden-size", "1024", "--layers", "2", NULL};
     assert_int_equal(daemon_start(&ds, args), 0);
     kill(ds.pid, SIGTERM);
     int answered = 0, bad = 0;

@@ -812,10 +812,10 @@ static void test_wire_dtypes(void **state) {
     to16(gob, go, B * T * H_, false);
     uint8_t init[B * T] = {0};
     init[7] = 1;
-    struct rnnd_forward_req q = {
-        .obs = rnnd_tensor_f32(x, 3, B, T, I_, 0),
-        .is_init = rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, T}),
-        .keep_tape = true};
+    struct rnnd_forward_req q = {.obs = rnnd_tensor_f32(x, 3, B, T, I_, 0),
+                                 .is_init =
+                                     rnnd_tensor_view(RNND_DTYPE_BOOL, init, 2, (int64_t[]){B, T}),
+                                 .keep_tape = true};
     struct rnnd_forward_reply r32, rb, rh;
     EXPECT_OK(rnnd_client_forward(f->c, &q, &r32));
     q.obs = rnnd_tensor_view(RNND_DTYPE_BFLOAT16, xb, 3, (int64_t[]){B, T, I_});
@@ -843,8 +843,8 @@ static void test_wire_dtypes(void **state) {
     assert_int_equal(bb.grads.n, b32.grads.n);
     for (size_t k = 0; k < b32.grads.n; k++)
         assert_rounded(rnnd_named_tensors_find(&bb.grads, b32.grads.v[k].name),
-                       b32.grads.v[k].tensor.data, (size_t)rnnd_tensor_numel(&b32.grads.v[k].tensor),
-                       false);
+                       b32.grads.v[k].tensor.data,
+                       (size_t)rnnd_tensor_numel(&b32.grads.v[k].tensor), false);
     rnnd_backward_reply_free(&b32);
     rnnd_backward_reply_free(&bb);
     rnnd_forward_reply_free(&r32);
@@ -933,10 +933,10 @@ static void test_wire_masks_and_refusals(void **state) {
     EXPECT_STATUS(rnnd_client_forward(f->c, &e, &some), GRPC_STATUS_INVALID_ARGUMENT);
     uint16_t nan16[B * I_] = {0};
     nan16[3] = 0x7e00;
-    struct rnnd_step_req bad = {.n_env_ids = B,
-                                .env_ids = ids,
-                                .obs = rnnd_tensor_view(RNND_DTYPE_FLOAT16, nan16, 2,
-                                                        (int64_t[]){B, I_})};
+    struct rnnd_step_req bad = {
+        .n_env_ids = B,
+        .env_ids = ids,
+        .obs = rnnd_tensor_view(RNND_DTYPE_FLOAT16, nan16, 2, (int64_t[]){B, I_})};
     struct rnnd_step_reply sr;
     EXPECT_STATUS(rnnd_client_step(f->c, &bad, &sr), GRPC_STATUS_INVALID_ARGUMENT);
     // Backward: gradients of an input the Forward did not have (stored states), bits that
@@ -970,8 +970,18 @@ static void test_wire_masks_and_refusals(void **state) {
 static void test_backward_reply_limit(void **state) {
     (void)state;
     struct daemon d;
-    const char *args[] = {"--cell", "gru", "--input-size", "8", "--hidden-size", "16",
-                          "--max-message-mb", "1", "--tape-memory-mb", "64", "--max-batch", "16",
+    const char *args[] = {"--cell",
+                          "gru",
+                          "--input-size",
+                          "8",
+                          "--hidden-size",
+                          "16",
+                          "--max-message-mb",
+                          "1",
+                          "--tape-memory-mb",
+                          "64",
+                          "--max-batch",
+                          "16",
                           NULL};
     assert_int_equal(daemon_start(&d, args), 0);
     struct rnnd_client *c = daemon_client(&d, NULL);
@@ -1014,12 +1024,9 @@ int main(void) {
         cmocka_unit_test(test_tape_ttl),
     };
     const struct CMUnitTest gru[] = {
-        cmocka_unit_test(test_forward_explicit),
-        cmocka_unit_test(test_backward),
-        cmocka_unit_test(test_forward_recorded),
-        cmocka_unit_test(test_wire_dtypes),
-        cmocka_unit_test(test_wire_masks_and_refusals),
-        cmocka_unit_test(test_backward_reply_limit),
+        cmocka_unit_test(test_forward_explicit),        cmocka_unit_test(test_backward),
+        cmocka_unit_test(test_forward_recorded),        cmocka_unit_test(test_wire_dtypes),
+        cmocka_unit_test(test_wire_masks_and_refusals), cmocka_unit_test(test_backward_reply_limit),
         cmocka_unit_test(test_adam_training),
     };
     int fails = cmocka_run_group_tests_name("learner (lstm, sgd)", lstm, setup_lstm, teardown);

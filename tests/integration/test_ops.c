@@ -277,7 +277,8 @@ static void test_metrics_content(void **state) {
     // The trajectory store: default --max-envs 65536 x --trajectory-steps 256 rows of a GRU
     // I=8 H=32 step (obs, h, is_init, version), columns aligned to 256 bytes.
     double store = prom_value(after, "rnnd_trajectory_store_bytes", NULL), rows = 65536.0 * 256;
-    assert_true(store >= rows * ((I_ + H_) * 4 + 9) && store <= rows * ((I_ + H_) * 4 + 9) + 6 * 256);
+    assert_true(store >= rows * ((I_ + H_) * 4 + 9) &&
+                store <= rows * ((I_ + H_) * 4 + 9) + 6 * 256);
     assert_true(prom_value(after, "rnnd_backend_kernel_seconds_total", "op=\"step\"") > 0);
     assert_false(isnan(prom_value(after, "rnnd_env_evictions_total", "reason=\"idle\"")));
     free(before);
@@ -458,7 +459,8 @@ static void test_queue_full(void **state) {
         assert_int_equal(info.envs_active, 12);
     }
     assert_true(seen);
-    assert_true(daemon_metric(&dq, "rnnd_limit_rejections_total", "resource=\"step_queue_rows\"") >= 1);
+    assert_true(daemon_metric(&dq, "rnnd_limit_rejections_total", "resource=\"step_queue_rows\"") >=
+                1);
     assert_true(daemon_metric(&dq, "rnnd_limit", "resource=\"step_queue_rows\"") == 16);
     rnnd_client_free(c1);
     rnnd_client_free(c2);
@@ -668,8 +670,8 @@ static void test_sigterm_under_load(void **state) {
     (void)state;
     struct daemon ds;
     // The StepStream loaders go on stepping through the drain, until its timeout.
-    const char *args[] = {"--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "2",
-                          NULL};
+    const char *args[] = {
+        "--input-size", "8", "--hidden-size", "32", "--drain-timeout-s", "2", NULL};
     assert_int_equal(daemon_start(&ds, args), 0);
     enum { N = 6 };
     struct loader l[N];

@@ -770,11 +770,11 @@ static void test_weights_flag(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_names_and_init), cmocka_unit_test(test_set_get_roundtrip),
-        cmocka_unit_test(test_rnndctl),        cmocka_unit_test(test_checkpoint_contents),
-        cmocka_unit_test(test_clean_restart),  cmocka_unit_test(test_restart_wrapped_rings),
-        cmocka_unit_test(test_kill9_and_corrupt),
-        cmocka_unit_test(test_rotation),       cmocka_unit_test(test_weights_flag),
+        cmocka_unit_test(test_names_and_init),    cmocka_unit_test(test_set_get_roundtrip),
+        cmocka_unit_test(test_rnndctl),           cmocka_unit_test(test_checkpoint_contents),
+        cmocka_unit_test(test_clean_restart),     cmocka_unit_test(test_restart_wrapped_rings),
+        cmocka_unit_test(test_kill9_and_corrupt), cmocka_unit_test(test_rotation),
+        cmocka_unit_test(test_weights_flag),
     };
     return cmocka_run_group_tests_name("weights", tests, setup, teardown) ? 1 : 0;
 }

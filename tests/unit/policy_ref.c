@@ -116,9 +116,8 @@ int main(int argc, char **argv) {
     struct rnnd_st_file in;
     if (rnnd_st_decode(ibuf, len, &in, err, sizeof(err)) != 0)
         die(path, err);
-    struct rnnd_model m = {.cell = strcmp(rnnd_st_meta(&in, "cell"), "lstm") == 0
-                                       ? RNND_CELL_LSTM
-                                       : RNND_CELL_GRU,
+    struct rnnd_model m = {.cell = strcmp(rnnd_st_meta(&in, "cell"), "lstm") == 0 ? RNND_CELL_LSTM
+                                                                                  : RNND_CELL_GRU,
                            .I = meta_int(&in, "I"),
                            .H = meta_int(&in, "H"),
                            .L = meta_int(&in, "L")};
@@ -129,7 +128,7 @@ int main(int argc, char **argv) {
         enc = strchr(enc, ',') ? strchr(enc, ',') + 1 : "";
     }
     const char *act = rnnd_st_meta(&in, "activation");
-    p->enc_act = strcmp(act, "relu") == 0 ? RNND_ACT_RELU
+    p->enc_act = strcmp(act, "relu") == 0   ? RNND_ACT_RELU
                  : strcmp(act, "tanh") == 0 ? RNND_ACT_TANH
                                             : RNND_ACT_ELU;
     p->K = meta_int(&in, "K");
@@ -200,8 +199,8 @@ int main(int argc, char **argv) {
         const struct rnnd_st_tensor *ids = rnnd_st_find(&in, "env_ids");
         if (ids == NULL || ids->bytes != (size_t)B * 8)
             die("env_ids", "missing or not [B] I64");
-        struct rnnd_actions a = {.N = N, .logits = hd.logits, .mean = hd.mean, .logp = logp,
-                                 .entropy = entropy};
+        struct rnnd_actions a = {
+            .N = N, .logits = hd.logits, .mean = hd.mean, .logp = logp, .entropy = entropy};
         if (K) {
             if (ix == NULL || ix->bytes != (size_t)N * 8)
                 die("index", "missing or not [B, T] I64");
@@ -221,9 +220,14 @@ int main(int argc, char **argv) {
         }
         s_index = K ? alloc((size_t)N * 8) : NULL;
         s_action = A ? zeros(N * A) : NULL;
-        struct rnnd_actions s = {.N = N, .logits = hd.logits, .mean = hd.mean, .index = s_index,
-                                 .action = s_action, .logp = s_logp,
-                                 .seed = (uint64_t)meta_int(&in, "seed"), .env_ids = env,
+        struct rnnd_actions s = {.N = N,
+                                 .logits = hd.logits,
+                                 .mean = hd.mean,
+                                 .index = s_index,
+                                 .action = s_action,
+                                 .logp = s_logp,
+                                 .seed = (uint64_t)meta_int(&in, "seed"),
+                                 .env_ids = env,
                                  .steps = step};
         if (ops->policy_sample(be.ctx, &s, params, &m) != 0)
             die("policy_sample", "failed");
@@ -246,8 +250,8 @@ int main(int argc, char **argv) {
                                 .cell = seq.cell ? zeros(BLH * T) : NULL};
     if (ops->rnn_backward(be.ctx, &sg, grad_h, NULL, NULL, tape, &seq, params, &core) != 0)
         die("rnn_backward", "failed");
-    if (p->enc_layers && ops->encoder_backward(be.ctx, grads, grad_obs, grad_x, acts, obs, N,
-                                               params, &m) != 0)
+    if (p->enc_layers &&
+        ops->encoder_backward(be.ctx, grads, grad_obs, grad_x, acts, obs, N, params, &m) != 0)
         die("encoder_backward", "failed");
 
     // Outputs.

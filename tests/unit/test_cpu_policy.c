@@ -100,12 +100,12 @@ static void test_policy_layout(void **state) {
         int ndim;
         int64_t rows, cols;
     } want[] = {
-        {"weight_ih_l0", 2, 12, 5},       {"weight_hh_l0", 2, 12, 4},
-        {"bias_ih_l0", 1, 12, 0},         {"bias_hh_l0", 1, 12, 0},
-        {"action_log_std", 1, 2, 0},      {"encoder.0.weight", 2, 8, 6},
-        {"encoder.0.bias", 1, 8, 0},      {"encoder.1.weight", 2, 5, 8},
-        {"encoder.1.bias", 1, 5, 0},      {"action_mean.weight", 2, 2, 4},
-        {"action_mean.bias", 1, 2, 0},    {"value.weight", 2, 1, 4},
+        {"weight_ih_l0", 2, 12, 5},    {"weight_hh_l0", 2, 12, 4},
+        {"bias_ih_l0", 1, 12, 0},      {"bias_hh_l0", 1, 12, 0},
+        {"action_log_std", 1, 2, 0},   {"encoder.0.weight", 2, 8, 6},
+        {"encoder.0.bias", 1, 8, 0},   {"encoder.1.weight", 2, 5, 8},
+        {"encoder.1.bias", 1, 5, 0},   {"action_mean.weight", 2, 2, 4},
+        {"action_mean.bias", 1, 2, 0}, {"value.weight", 2, 1, 4},
         {"value.bias", 1, 1, 0},
     };
     int n = (int)(sizeof(want) / sizeof(want[0]));
@@ -224,11 +224,10 @@ static void chain_forward(struct chain *c) {
         x = c->acts + (size_t)c->N * (rnnd_model_encoder_acts(&c->m) - c->core.I);
     }
     struct rnnd_seq s = {.B = c->B, .T = c->T, .x = x, .is_init = c->is_init};
-    assert_int_equal(cpu.ops->rnn_forward(cpu.ctx, c->out, NULL, NULL, c->tape, &s, c->params,
-                                          &c->core),
-                     0);
-    struct rnnd_heads hd = {.logits = c->logits, .mean = c->mean, .log_std = c->log_std,
-                            .value = c->value};
+    assert_int_equal(
+        cpu.ops->rnn_forward(cpu.ctx, c->out, NULL, NULL, c->tape, &s, c->params, &c->core), 0);
+    struct rnnd_heads hd = {
+        .logits = c->logits, .mean = c->mean, .log_std = c->log_std, .value = c->value};
     assert_int_equal(cpu.ops->heads_forward(cpu.ctx, &hd, c->out, c->N, c->params, &c->m), 0);
 }
 
@@ -251,8 +250,8 @@ static void chain_backward(struct chain *c) {
     chain_forward(c);
     size_t H = (size_t)c->m.H, W = (size_t)c->core.I;
     float *grad_h = zalloc((size_t)c->N * H), *grad_x = zalloc((size_t)c->N * W);
-    struct rnnd_heads g = {.logits = c->g_logits, .mean = c->g_mean, .log_std = c->g_log_std,
-                           .value = c->g_value};
+    struct rnnd_heads g = {
+        .logits = c->g_logits, .mean = c->g_mean, .log_std = c->g_log_std, .value = c->g_value};
     memset(c->grad_params, 0, c->P * sizeof(float));
     assert_int_equal(cpu.ops->heads_backward(cpu.ctx, c->grad_params, grad_h, &g, c->out, c->N,
                                              c->params, &c->m),
@@ -263,9 +262,9 @@ static void chain_backward(struct chain *c) {
     struct rnnd_seq s = {.B = c->B, .T = c->T, .x = x, .is_init = c->is_init};
     struct rnnd_seq_grads sg = {.params = c->grad_params,
                                 .x = c->m.policy.enc_layers ? grad_x : c->grad_obs};
-    assert_int_equal(cpu.ops->rnn_backward(cpu.ctx, &sg, grad_h, NULL, NULL, c->tape, &s,
-                                           c->params, &c->core),
-                     0);
+    assert_int_equal(
+        cpu.ops->rnn_backward(cpu.ctx, &sg, grad_h, NULL, NULL, c->tape, &s, c->params, &c->core),
+        0);
     if (c->m.policy.enc_layers)
         assert_int_equal(cpu.ops->encoder_backward(cpu.ctx, c->grad_params, c->grad_obs, grad_x,
                                                    c->acts, c->obs, c->N, c->params, &c->m),
@@ -310,9 +309,9 @@ static void chain_init(struct chain *c, const struct rnnd_model *m, int B, int T
 }
 
 static void chain_free(struct chain *c) {
-    void *p[] = {c->params, c->obs,     c->acts,     c->out,      c->grad_params,
-                 c->grad_obs, c->is_init, c->logits, c->mean,     c->log_std,
-                 c->value,  c->g_logits, c->g_mean,  c->g_log_std, c->g_value, c->tape};
+    void *p[] = {c->params,  c->obs,       c->acts,    c->out,     c->grad_params, c->grad_obs,
+                 c->is_init, c->logits,    c->mean,    c->log_std, c->value,       c->g_logits,
+                 c->g_mean,  c->g_log_std, c->g_value, c->tape};
     for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
         free(p[i]);
 }
@@ -356,14 +355,15 @@ static void test_chain_finite_differences(void **state) {
         struct rnnd_policy p;
     } cases[] = {
         {RNND_CELL_GRU, 1, {.enc_layers = 2, .enc_width = {5, 4}, .K = 3, .value = true}},
-        {RNND_CELL_LSTM, 2,
+        {RNND_CELL_LSTM,
+         2,
          {.enc_layers = 1, .enc_width = {4}, .enc_act = RNND_ACT_TANH, .A = 2, .value = true}},
-        {RNND_CELL_GRU, 1, {.A = 3}},                        // no encoder, no value
+        {RNND_CELL_GRU, 1, {.A = 3}}, // no encoder, no value
         {RNND_CELL_LSTM, 1, {.enc_layers = 1, .enc_width = {3}, .K = 4}},
     };
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-        struct rnnd_model m = {.cell = cases[k].cell, .I = 3, .H = 4, .L = cases[k].L,
-                               .policy = cases[k].p};
+        struct rnnd_model m = {
+            .cell = cases[k].cell, .I = 3, .H = 4, .L = cases[k].L, .policy = cases[k].p};
         struct chain c;
         chain_init(&c, &m, 2, 3);
         chain_backward(&c);
@@ -383,8 +383,8 @@ static void test_chain_finite_differences(void **state) {
         struct rnnd_param_tensor pt;
         rnnd_model_param_tensor(&m, 4 * m.L, &pt);
         g[pt.offset] += 3e-3f + 0.02f * fabsf(g[pt.offset]);
-        assert_int_equal(
-            fd_compare(&c, c.params + pt.offset, g + pt.offset, 1, "planted", false), 1);
+        assert_int_equal(fd_compare(&c, c.params + pt.offset, g + pt.offset, 1, "planted", false),
+                         1);
         free(g);
         free(gobs);
         chain_free(&c);
@@ -404,8 +404,8 @@ static void test_logp_entropy(void **state) {
     float logits[4] = {0.0f, logf(3.0f), 5.0f, 5.0f};
     int64_t index[2] = {1, 0};
     float logp[2], ent[2];
-    struct rnnd_actions a = {.N = 2, .logits = logits, .index = index, .logp = logp,
-                             .entropy = ent};
+    struct rnnd_actions a = {
+        .N = 2, .logits = logits, .index = index, .logp = logp, .entropy = ent};
     assert_int_equal(cpu.ops->policy_logp(cpu.ctx, &a, params, &m), 0);
     assert_float_equal(logp[0], log(0.75), 1e-6);
     assert_float_equal(ent[0], -(0.25 * log(0.25) + 0.75 * log(0.75)), 1e-6);
@@ -461,8 +461,13 @@ static void draw_many(const struct rnnd_model *m, const float *params, const flo
         env[r] = 1000003ull * (uint64_t)(r % 1000); // ids far apart, as hashes are
         step[r] = (uint64_t)(r / 1000);
     }
-    struct rnnd_actions a = {.N = DRAWS, .index = index, .action = action, .logp = logp,
-                             .seed = seed, .env_ids = env, .steps = step};
+    struct rnnd_actions a = {.N = DRAWS,
+                             .index = index,
+                             .action = action,
+                             .logp = logp,
+                             .seed = seed,
+                             .env_ids = env,
+                             .steps = step};
     if (m->policy.K)
         a.logits = in;
     else
@@ -553,14 +558,19 @@ static void test_sample_deterministic_and_greedy(void **state) {
     uint64_t env[4] = {7, 7, 8, 7}, step[4] = {3, 3, 3, 4};
     int64_t a1[4], a2[4];
     float lp1[4], lp2[4];
-    struct rnnd_actions a = {.N = 4, .logits = logits, .index = a1, .logp = lp1, .seed = 1,
-                             .env_ids = env, .steps = step};
+    struct rnnd_actions a = {.N = 4,
+                             .logits = logits,
+                             .index = a1,
+                             .logp = lp1,
+                             .seed = 1,
+                             .env_ids = env,
+                             .steps = step};
     assert_int_equal(cpu.ops->policy_sample(cpu.ctx, &a, params, &m), 0);
     a.index = a2, a.logp = lp2;
     assert_int_equal(cpu.ops->policy_sample(cpu.ctx, &a, params, &m), 0);
     assert_memory_equal(a1, a2, sizeof(a1)); // same keys, same actions
     assert_memory_equal(lp1, lp2, sizeof(lp1));
-    assert_true(a1[0] == a1[1]);             // rows 0 and 1 share (seed, env, step)
+    assert_true(a1[0] == a1[1]); // rows 0 and 1 share (seed, env, step)
     // The words behind the draws differ with env, step and seed.
     uint32_t k7[2], k8[2], k7s2[2], w[3][4];
     rnnd_philox_env_key(1, 7, k7);
@@ -582,8 +592,13 @@ static void test_sample_deterministic_and_greedy(void **state) {
     m.policy = (struct rnnd_policy){.A = 2};
     params = zalloc(rnnd_model_param_count(&m));
     float mean[2] = {0.25f, -4.0f}, x[2];
-    a = (struct rnnd_actions){.N = 1, .mean = mean, .action = x, .seed = 1, .env_ids = env,
-                              .steps = step, .greedy = greedy};
+    a = (struct rnnd_actions){.N = 1,
+                              .mean = mean,
+                              .action = x,
+                              .seed = 1,
+                              .env_ids = env,
+                              .steps = step,
+                              .greedy = greedy};
     assert_int_equal(cpu.ops->policy_sample(cpu.ctx, &a, params, &m), 0);
     assert_memory_equal(x, mean, sizeof(x));
     free(params);

@@ -95,8 +95,8 @@ static void test_checks(void **state) {
     s.T = 0;
     assert_int_equal(rnnd_seq_check(&s, &m), RNND_EINVAL);
 
-    struct rnnd_optim o = {.kind = RNND_OPTIM_ADAM, .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f,
-                           .eps = 1e-8f};
+    struct rnnd_optim o = {
+        .kind = RNND_OPTIM_ADAM, .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
     assert_int_equal(rnnd_optim_check(&o), 0);
     o.lr = NAN;
     assert_int_equal(rnnd_optim_check(&o), RNND_EINVAL);

@@ -198,8 +198,12 @@ static void test_decode_params_checks_before_copying(void **state) {
     rnnd_st_file_free(&f);
 
     // A missing tensor.
-    struct rnnd_st_tensor one = {.name = "weight_ih_l0", .dtype = RNND_ST_F32, .ndim = 2,
-                                 .shape = {21, 5}, .data = p2, .bytes = 21 * 5 * 4};
+    struct rnnd_st_tensor one = {.name = "weight_ih_l0",
+                                 .dtype = RNND_ST_F32,
+                                 .ndim = 2,
+                                 .shape = {21, 5},
+                                 .data = p2,
+                                 .bytes = 21 * 5 * 4};
     void *b1;
     size_t l1;
     assert_int_equal(rnnd_st_encode(&one, 1, NULL, 0, &b1, &l1), 0);

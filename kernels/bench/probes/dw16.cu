@@ -99,10 +99,8 @@ __global__ void __launch_bounds__(288, 1)
                 mbar_expect_tx(full + st, STAGE);
                 mbar_arrive(full + st);
                 uint8_t *a = sm + st * STAGE;
-                bulk_g2s(a, At + ((size_t)p * npad + c) * CHUNK_A, CH * CHUNK_A,
-                         full + st);
-                bulk_g2s(a + CH * CHUNK_A, Bt + (size_t)c * CHUNK_B, CH * CHUNK_B,
-                         full + st);
+                bulk_g2s(a, At + ((size_t)p * npad + c) * CHUNK_A, CH * CHUNK_A, full + st);
+                bulk_g2s(a + CH * CHUNK_A, Bt + (size_t)c * CHUNK_B, CH * CHUNK_B, full + st);
             }
         }
         return;
@@ -159,7 +157,8 @@ __device__ __forceinline__ float val(uint32_t r, uint32_t c, uint32_t seed) {
     h ^= h >> 12;
     return (float)(h & 0xFFFFFF) / 8388608.0f - 1.0f;
 }
-template <bool BF> __device__ __forceinline__ uint16_t to16(float v, float &back) {
+template <bool BF>
+__device__ __forceinline__ uint16_t to16(float v, float &back) {
     if constexpr (BF) {
         __nv_bfloat16 b = __float2bfloat16_rn(v);
         back = __bfloat162float(b);
@@ -171,7 +170,9 @@ template <bool BF> __device__ __forceinline__ uint16_t to16(float v, float &back
     }
 }
 // Byte offset of (column col, row r) within its chunk: K-major, 16 rows (wg.cuh's km_off).
-__device__ __forceinline__ size_t kb_off(int col, int r) { return km_off(col, r & 15, 2); }
+__device__ __forceinline__ size_t kb_off(int col, int r) {
+    return km_off(col, r & 15, 2);
+}
 // The same values three ways: fp32 row-major (today's D and z), 16-bit row-major (cuBLAS's
 // 16-bit product) and K-blocked 16-bit (ours).
 template <bool BF>
@@ -227,7 +228,8 @@ struct bufs {
     uint8_t *At, *Bt;
 };
 
-template <bool BF, int CH, int NST> static void ours(const bufs &b) {
+template <bool BF, int CH, int NST>
+static void ours(const bufs &b) {
     constexpr int smem = NST * CH * (CHUNK_A + CHUNK_B) + 2 * NST * 8;
     static bool once = [] {
         CK(cudaFuncSetAttribute(dw_kernel<BF, CH, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -248,7 +250,8 @@ static void blas(cublasHandle_t h, const bufs &b, cudaDataType t, const void *d,
                     b.c, CUDA_R_32F, M, ct, CUBLAS_GEMM_DEFAULT));
 }
 
-template <bool BF> static void run(cublasHandle_t h, const bufs &b) {
+template <bool BF>
+static void run(cublasHandle_t h, const bufs &b) {
     const char *ty = BF ? "bf16" : "fp16";
     gen_kernel<BF><<<132 * 16, 256>>>(b.K, b.npad, b.d32, b.z32, b.d16, b.z16, b.At, b.Bt);
     CK(cudaGetLastError());

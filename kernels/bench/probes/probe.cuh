@@ -28,7 +28,8 @@
         }                                                                                          \
     } while (0)
 
-template <class F> static float median_ms(F f, int reps = 15) {
+template <class F>
+static float median_ms(F f, int reps = 15) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));

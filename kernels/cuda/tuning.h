@@ -12,9 +12,9 @@
 #include <stdbool.h>
 
 // Variant bits (the numbers the bench's RNND_CUDA_VARIANT and gpu_run.sh take).
-#define RNND_TUNE_PHASE_CLOCKS                                                                     \
-    8                                   // per-phase clock counts of the TF32 H = 128 loops and    \
-                                        // the wgmma forwards (builds with RNND_CUDA_PHASE_CLOCKS)
+// per-phase clock counts of the TF32 H = 128 loops and the wgmma forwards (builds with
+// RNND_CUDA_PHASE_CLOCKS)
+#define RNND_TUNE_PHASE_CLOCKS    8
 #define RNND_TUNE_STEP_NO_EARLY_X 16    // step: layer 0 reads its inputs after the wait only
 #define RNND_TUNE_NO_FUSED_X      32    // the persistent loops take x W_ih^T from a cuBLAS GEMM
 #define RNND_TUNE_NO_RECOMPUTE    64    // the GRU H = 128 backward reads its gates from the tape

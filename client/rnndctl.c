@@ -55,14 +55,15 @@ static const char usage[] =
     "  checkpoint [--path DIR]\n"
     "        SaveCheckpoint; prints the directory written and the model version.\n"
     "  bench [--connections N] [--envs E] [--duration S] [--warmup S] [--stream] [--shm]\n"
-    "        [--env-base ID] [--seed N] [--no-floor]\n"
+    "        [--dtype float32|bfloat16] [--env-base ID] [--seed N] [--no-floor]\n"
     "        N connections (default 1), each one thread stepping E envs per request (default 1)\n"
     "        back to back for S seconds (default 5) after a warm-up (default 1 s); prints\n"
     "        env-steps/s, requests/s and latency p50/p90/p99, then the same for GetModelInfo\n"
     "        over the same connections (the transport floor) unless --no-floor. --stream uses\n"
     "        StepStream (one stream per connection) instead of unary Step. --shm sends the\n"
     "        tensors through shared memory (one region per connection; a unix: or loopback\n"
-    "        target on the daemon's host, as its user). Env ids are ID + c*E + j (default ID\n"
+    "        target on the daemon's host, as its user; float32 only). --dtype: of the obs sent\n"
+    "        and the outputs asked for (default float32). Env ids are ID + c*E + j (default ID\n"
     "        1000000000); they are released with EndEpisodes after.\n";
 
 static int usage_err(const char *fmt, const char *arg) {
@@ -117,6 +118,13 @@ static double now_s(void) {
 }
 
 // xorshift64*: obs generation only.
+// float -> bfloat16 bits, rounded to nearest even (as the daemon rounds).
+static uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 static float rand_unit(uint64_t *s) {
     *s ^= *s >> 12;
     *s ^= *s << 25;
@@ -179,7 +187,7 @@ struct args {
     int npos;
     const char *target, *tls_ca, *tls_cert, *tls_key, *tls_name, *token_file, *timeout;
     const char *service, *env, *obs, *seed, *steps, *step_index, *path;
-    const char *connections, *envs, *duration, *warmup, *env_base;
+    const char *connections, *envs, *duration, *warmup, *env_base, *dtype;
     bool watch, init, state, full, stream, shm, no_floor, help, version;
 };
 
@@ -212,6 +220,7 @@ static int parse_args(int argc, char **argv, struct args *a) {
         {"-d", &a->duration, NULL},
         {"--warmup", &a->warmup, NULL},
         {"--env-base", &a->env_base, NULL},
+        {"--dtype", &a->dtype, NULL},
         {"--watch", NULL, &a->watch},
         {"--init", NULL, &a->init},
         {"--state", NULL, &a->state},
@@ -595,6 +604,7 @@ static void lat_push(struct lat_buf *b, float us) {
 struct bench {
     struct rnnd_client_opts opts;
     int conns, envs, I;
+    enum rnnd_dtype dtype; // of the obs sent and the outputs asked for: FLOAT32 or BFLOAT16
     uint64_t env_base, seed;
     bool stream, floor; // floor: GetModelInfo instead of Step
     size_t shm;         // each connection's tensors through a region of this size; 0: bytes
@@ -642,12 +652,16 @@ static void *bench_main(void *arg) {
     }
     for (size_t k = 0; k < (size_t)E * (size_t)b->I; k++)
         obs[k] = rand_unit(&rng);
+    if (b->dtype == RNND_DTYPE_BFLOAT16) // in place: the first half of the buffer
+        for (size_t k = 0; k < (size_t)E * (size_t)b->I; k++)
+            ((uint16_t *)obs)[k] = bf16_bits(obs[k]);
     struct rnnd_step_req req = {
         .n_env_ids = (size_t)E,
         .env_ids = ids,
-        .obs = rnnd_tensor_f32(obs, 2, E, b->I, 0, 0),
+        .obs = rnnd_tensor_view(b->dtype, obs, 2, (int64_t[]){E, b->I}),
         .n_is_init = (size_t)E,
         .is_init = init,
+        .reply_dtype = b->dtype,
     };
     struct rnnd_client_stream *s = NULL;
     if (rnnd_client_init(&b->opts, &c) != 0)
@@ -673,6 +687,13 @@ static void *bench_main(void *arg) {
         } else {
             struct rnnd_step_reply r;
             err = s ? rnnd_client_stream_step(s, &req, &r) : rnnd_client_step(c, &req, &r);
+            if (err == 0 && r.output.dtype != b->dtype) {
+                if (!t->first_error[0])
+                    snprintf(t->first_error, sizeof t->first_error,
+                             "Step: the output came as %s, not the %s asked for",
+                             rnnd_dtype_name(r.output.dtype), rnnd_dtype_name(b->dtype));
+                t->errors++;
+            }
             rnnd_step_reply_free(&r);
         }
         double t1 = now_s();
@@ -790,9 +811,17 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
     struct rnnd_model_info info;
     if (rnnd_client_info(c, &info))
         return call_err("info");
+    enum rnnd_dtype dtype = RNND_DTYPE_FLOAT32;
+    if (a->dtype && strcmp(a->dtype, "bfloat16") == 0)
+        dtype = RNND_DTYPE_BFLOAT16;
+    else if (a->dtype && strcmp(a->dtype, "float32") != 0)
+        return usage_err("bad --dtype \"%s\" (float32 or bfloat16)", a->dtype);
+    if (a->shm && dtype != RNND_DTYPE_FLOAT32)
+        return usage_err("--shm carries float32 tensors: leave out --dtype %s", a->dtype);
     struct bench b = {.conns = (int)conns,
                       .envs = (int)envs,
                       .I = (int)info.input_size,
+                      .dtype = dtype,
                       .env_base = (uint64_t)base,
                       .seed = (uint64_t)seed,
                       .stream = a->stream};
@@ -807,10 +836,10 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
            " on %s (%s), max_batch %" PRIu64 "\n",
            b.opts.target, info.cell, info.compute, info.hidden_size, info.input_size,
            info.num_layers, info.backend, info.device, info.max_batch);
-    printf("  %d connection(s) x %d env(s) per request, %s%s, %.1f s measured after %.1f s "
+    printf("  %d connection(s) x %d env(s) per request, %s%s, %s, %.1f s measured after %.1f s "
            "warm-up\n",
            b.conns, b.envs, b.stream ? "StepStream" : "unary Step",
-           b.shm ? " through shared memory" : "", duration, warmup);
+           b.shm ? " through shared memory" : "", rnnd_dtype_name(b.dtype), duration, warmup);
     struct bench_result step, floor;
     bench_run(&b, warmup, duration, &step);
     printf("Step          %12.0f env-steps/s  %10.0f req/s   ", step.env_steps_per_s,

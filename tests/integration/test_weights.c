@@ -238,6 +238,16 @@ static void test_rnndctl(void **state) {
     free(out);
     EXPECT_CTL(ctl(f, &out, "step", "--env", "700,701", "--init", "--steps", "3"), 0, "env 701:");
     free(out);
+    // bench with bfloat16 on the wire both ways (a reply in another dtype counts as an error).
+    EXPECT_CTL(ctl7(f, &out, "bench", "--dtype", "bfloat16", "--envs", "4", "--duration", "0.2",
+                    "--no-floor"),
+               0, "errors 0");
+    assert_non_null(strstr(out, "bfloat16"));
+    free(out);
+    EXPECT_CTL(ctl(f, &out, "bench", "--dtype", "int8", NULL, NULL, NULL), 2, "bad --dtype");
+    free(out);
+    EXPECT_CTL(ctl(f, &out, "bench", "--dtype", "bfloat16", "--shm", NULL, NULL), 2, "float32");
+    free(out);
     EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1, "FAILED_PRECONDITION");
     free(out);
     EXPECT_CTL(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, "released 2");

@@ -1060,6 +1060,12 @@ int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out) {
     out->max_batch = r->max_batch;
     out->extras_size = r->extras_size;
     copy_str(out->kernel_plan, sizeof out->kernel_plan, r->kernel_plan);
+    for (size_t j = 0; j < r->n_encoder_widths && j < RNND_MAX_ENCODER_LAYERS; j++)
+        out->encoder_widths[out->n_encoder_widths++] = r->encoder_widths[j];
+    copy_str(out->encoder_activation, sizeof out->encoder_activation, r->encoder_activation);
+    out->discrete_actions = r->discrete_actions;
+    out->gaussian_actions = r->gaussian_actions;
+    out->value_head = r->value_head;
     protobuf_c_message_free_unpacked(msg, NULL);
     return 0;
 }
@@ -1083,6 +1089,17 @@ int rnnd_model_info_to_model(const struct rnnd_model_info *info, struct rnnd_mod
     m->I = (int)info->input_size;
     m->H = (int)info->hidden_size;
     m->L = (int)info->num_layers;
+    struct rnnd_policy *p = &m->policy;
+    p->enc_layers = info->n_encoder_widths;
+    for (int j = 0; j < info->n_encoder_widths; j++)
+        p->enc_width[j] = (int)info->encoder_widths[j];
+    const char *act = info->encoder_activation;
+    p->enc_act = strcmp(act, "relu") == 0 ? RNND_ACT_RELU
+                 : strcmp(act, "tanh") == 0 ? RNND_ACT_TANH
+                                            : RNND_ACT_ELU;
+    p->K = (int)info->discrete_actions;
+    p->A = (int)info->gaussian_actions;
+    p->value = info->value_head;
     if (rnnd_model_check(m) != 0)
         return local_err(RNND_EINVAL, "model I=%d H=%d L=%d is not valid", m->I, m->H, m->L);
     return 0;

@@ -184,6 +184,15 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
             }
             rnnd_log(RNND_LOG_INFO, "no usable CUDA device (%s): using the cpu backend",
                      rnnd_strerror(rc));
+        } else if (c->backend == RNND_BACKEND_AUTO && rnnd_model_has_policy(&e->model) &&
+                   e->be.ops->supports(e->be.ctx, &e->model) != 0) {
+            // --backend auto serves what it is configured for rather than refusing to start:
+            // a policy the CUDA backend does not run yet runs on the CPU.
+            rnnd_log(RNND_LOG_WARN,
+                     "the cuda backend does not run policy models (encoder or heads) yet: using "
+                     "the cpu backend");
+            rnnd_backend_free(&e->be);
+            memset(&e->be, 0, sizeof(e->be));
         }
     }
     if (e->be.ops == NULL) {
@@ -198,9 +207,13 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     e->host_mem = (e->be.ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
     rc = e->be.ops->supports(e->be.ctx, &e->model);
     if (rc != 0) {
-        snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s (%s)",
+        snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s%s (%s)",
                  e->backend_name, rnnd_config_cell_name(e->model.cell), e->model.I, e->model.H,
-                 e->model.L, rnnd_config_compute_name(e->model.compute), rnnd_strerror(rc));
+                 e->model.L, rnnd_config_compute_name(e->model.compute),
+                 rnnd_model_has_policy(&e->model)
+                     ? " with a policy (encoder or heads); use --backend cpu or auto"
+                     : "",
+                 rnnd_strerror(rc));
         return rc;
     }
     e->be.ops->plan_name(e->be.ctx, &e->model, c->max_batch, e->plan, sizeof(e->plan));

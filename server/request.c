@@ -320,7 +320,7 @@ static int unique_check(const uint64_t *ids, size_t n, const char *field, char *
 static int named_params(const struct rnnd_model *m, Rnnd__V1__NamedTensor *const *v, size_t n,
                         const char *field, float *flat, char *err) {
     int K = rnnd_model_param_tensors(m);
-    bool seen[4 * RNND_MAX_LAYERS] = {false};
+    bool seen[RNND_MAX_PARAM_TENSORS] = {false};
     char name[96];
     for (size_t i = 0; i < n; i++) {
         const char *nm = v[i] && v[i]->name ? v[i]->name : "";
@@ -414,7 +414,7 @@ size_t rnnd_request_backward_reply_bytes(const struct rnnd_request_limits *l,
 }
 
 size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l) {
-    return l->P * 4 + 64 * 32 + REPLY_FRAMING;
+    return l->P * 4 + 64 * RNND_MAX_PARAM_TENSORS + REPLY_FRAMING;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -596,9 +596,21 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
                       err);
 }
 
+// The learner's calls do not run a policy model's encoder and heads yet: refused rather than
+// run over the core alone, whose input and output are not the model's.
+static int no_policy_learner(char *err, const char *method) {
+    return errf(err, RNND_EPRECOND,
+                "%s does not run policy models (encoder or heads) yet; use a daemon without "
+                "--encoder-widths, --discrete-actions, --gaussian-actions and --value-head for "
+                "the learner's Forward/Backward",
+                method);
+}
+
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err) {
     memset(f, 0, sizeof(*f));
+    if (rnnd_model_has_policy(&l->model))
+        return no_policy_learner(err, "Forward");
     f->keep_tape = req->keep_tape;
     bool has_fields =
         req->_recorded_fields_case == RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
@@ -633,6 +645,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     int rc, dt = 0;
     int64_t L = m->L, H = m->H;
     memset(g, 0, sizeof(*g));
+    if (rnnd_model_has_policy(m))
+        return no_policy_learner(err, "Backward");
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
     g->input_grads_set =

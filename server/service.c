@@ -86,6 +86,16 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
     info.envs_active = rnnd_group_envs_active(s->group);
     info.max_batch = (uint64_t)s->cfg->max_batch;
     info.extras_size = s->cfg->extras_size;
+    const struct rnnd_policy *pol = &m->policy;
+    int64_t widths[RNND_MAX_ENCODER_LAYERS];
+    for (int j = 0; j < pol->enc_layers; j++)
+        widths[j] = pol->enc_width[j];
+    info.n_encoder_widths = (size_t)pol->enc_layers;
+    info.encoder_widths = widths;
+    info.encoder_activation = (char *)(pol->enc_layers ? rnnd_config_act_name(pol->enc_act) : "");
+    info.discrete_actions = pol->K;
+    info.gaussian_actions = pol->A;
+    info.value_head = pol->value;
     rnnd_call_reply(call, &info.base);
 }
 
@@ -370,9 +380,9 @@ static void backward_done(struct rnnd_job *job) {
         size_t fb = rnnd_ftype_bytes(g->out_dtype);
         Rnnd__V1__BackwardReply r = RNND__V1__BACKWARD_REPLY__INIT;
         int K = rnnd_model_param_tensors(m);
-        struct rnnd_param_tensor pt[4 * RNND_MAX_LAYERS];
-        struct tout gt[4 * RNND_MAX_LAYERS], gx, gh0, gc0, ghid, gcell;
-        Rnnd__V1__NamedTensor nt[4 * RNND_MAX_LAYERS], *ntp[4 * RNND_MAX_LAYERS];
+        struct rnnd_param_tensor pt[RNND_MAX_PARAM_TENSORS];
+        struct tout gt[RNND_MAX_PARAM_TENSORS], gx, gh0, gc0, ghid, gcell;
+        Rnnd__V1__NamedTensor nt[RNND_MAX_PARAM_TENSORS], *ntp[RNND_MAX_PARAM_TENSORS];
         if (g->grads) {
             for (int k = 0; k < K; k++) {
                 rnnd_model_param_tensor(m, k, &pt[k]);
@@ -481,9 +491,9 @@ static void get_weights_done(struct rnnd_job *job) {
     } else {
         Rnnd__V1__Weights r = RNND__V1__WEIGHTS__INIT;
         int K = rnnd_model_param_tensors(m);
-        struct rnnd_param_tensor pt[4 * RNND_MAX_LAYERS];
-        struct tout t[4 * RNND_MAX_LAYERS];
-        Rnnd__V1__NamedTensor nt[4 * RNND_MAX_LAYERS], *ntp[4 * RNND_MAX_LAYERS];
+        struct rnnd_param_tensor pt[RNND_MAX_PARAM_TENSORS];
+        struct tout t[RNND_MAX_PARAM_TENSORS];
+        Rnnd__V1__NamedTensor nt[RNND_MAX_PARAM_TENSORS], *ntp[RNND_MAX_PARAM_TENSORS];
         for (int k = 0; k < K; k++) {
             rnnd_model_param_tensor(m, k, &pt[k]);
             rnnd__v1__named_tensor__init(&nt[k]);

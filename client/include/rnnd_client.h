@@ -166,9 +166,16 @@ struct rnnd_model_info {
     uint64_t max_batch;
     int64_t extras_size;
     char kernel_plan[256]; // the kernels a learner batch of max_batch rows runs
+    // The policy (docs/design.md "Policy"); zero and empty for a core-only model.
+    int n_encoder_widths;
+    int64_t encoder_widths[RNND_MAX_ENCODER_LAYERS];
+    char encoder_activation[8]; // "elu", "relu", "tanh"; "" without encoder
+    int64_t discrete_actions, gaussian_actions;
+    bool value_head;
 };
 int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out);
-// Fills m from info (cell, I, H, L, compute); RNND_EINVAL when info names something unknown.
+// Fills m from info (cell, I, H, L, compute, the policy); RNND_EINVAL when info names something
+// unknown.
 int rnnd_model_info_to_model(const struct rnnd_model_info *info, struct rnnd_model *m);
 
 struct rnnd_step_req {

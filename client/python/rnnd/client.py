@@ -60,7 +60,8 @@ class RnndError(Exception):
 ModelInfo = collections.namedtuple(
     "ModelInfo",
     "cell input_size hidden_size num_layers compute backend device model_version envs_active "
-    "max_batch extras_size kernel_plan",
+    "max_batch extras_size kernel_plan encoder_widths encoder_activation discrete_actions "
+    "gaussian_actions value_head",
 )
 StepResult = collections.namedtuple("StepResult", "output model_version h c")
 ForwardResult = collections.namedtuple(
@@ -346,7 +347,8 @@ class Client:
         r = self._call("GetModelInfo", pb.GetModelInfoRequest())
         return ModelInfo(r.cell, r.input_size, r.hidden_size, r.num_layers, r.compute, r.backend,
                          r.device, r.model_version, r.envs_active, r.max_batch, r.extras_size,
-                         r.kernel_plan)
+                         r.kernel_plan, tuple(r.encoder_widths), r.encoder_activation,
+                         r.discrete_actions, r.gaussian_actions, r.value_head)
 
     def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
         """One recurrent step for B envs: obs [B, I], is_init B bools (a scalar broadcasts; None:

@@ -45,7 +45,9 @@ struct rnnd_checkpoint {
     const float *env_c;         // (N, L, H) LSTM
     const uint64_t *last_index; // (N)
     const uint8_t *has_index;   // (N)
-    const float *last_output;   // (N, H) the output of each env's latest step (retries)
+    const float *last_output;   // (N, H + W) the reply of each env's latest step (retries): the
+                                // output, then a policy's row (W of rnnd_policy_row, job.h)
+    const uint64_t *step_count; // (N) or NULL: the steps each env took (a policy's sampling key)
     // Recorded trajectories, or traj_count NULL for none (R rows: the sum of traj_count):
     const int64_t *traj_count;    // (N) steps recorded for each env, oldest first
     int64_t traj_rows;            // R

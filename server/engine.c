@@ -268,7 +268,8 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     }
     e->rows = malloc(MB * sizeof(*e->rows));
     what = "env table (lower --max-envs)";
-    e->envs = rnnd_envtable_init(c->max_envs, e->model.H);
+    // Each env's retry cache holds its last reply row: the core output, then the policy's.
+    e->envs = rnnd_envtable_init(c->max_envs, e->model.H + e->prow.W);
     e->tapes =
         rnnd_tapes_init((size_t)c->tape_memory_mb << 20, (uint64_t)c->tape_ttl_s * 1000000000ull,
                         rnnd__engine_tape_release, e);
@@ -537,6 +538,10 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, i
     e->lstm = cfg->model.cell == RNND_CELL_LSTM;
     e->P = rnnd_model_param_count(&e->model);
     e->LH = (size_t)e->model.L * (size_t)e->model.H;
+    e->core = rnnd_model_core(&e->model);
+    e->policy = rnnd_model_has_policy(&e->model);
+    e->prow = rnnd_policy_row(&e->model);
+    e->enc_acts = rnnd_model_encoder_acts(&e->model);
     e->tdims = (struct rnnd_traj_dims){.I = e->model.I,
                                        .E = cfg->extras_size,
                                        .L = e->model.L,

@@ -197,11 +197,14 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     uint8_t *has = malloc((size_t)N + 1);
     float *h = malloc(((size_t)N * LH + 1) * sizeof(float));
     float *c = e->lstm ? malloc(((size_t)N * LH + 1) * sizeof(float)) : NULL;
-    float *lo = malloc(((size_t)N * (size_t)e->model.H + 1) * sizeof(float));
+    size_t OW = (size_t)e->model.H + (size_t)e->prow.W; // each env's cached reply row
+    float *lo = malloc(((size_t)N * OW + 1) * sizeof(float));
+    uint64_t *steps = e->prow.action >= 0 ? malloc(((size_t)N + 1) * sizeof(uint64_t)) : NULL;
     struct traj_snapshot tr = {0};
     int rc = RNND_ENOMEM;
     if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c) ||
-        !lo || (e->tdims.cap > 0 && traj_snapshot(e, N, &tr) != 0)) {
+        !lo || (e->prow.action >= 0 && !steps) ||
+        (e->tdims.cap > 0 && traj_snapshot(e, N, &tr) != 0)) {
         snprintf(msg, msglen, "out of host memory for a checkpoint snapshot");
         goto out;
     }
@@ -216,8 +219,9 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         ids[i] = env->id;
         last[i] = env->last_index;
         has[i] = env->has_index;
-        memcpy(lo + (size_t)i * (size_t)e->model.H, rnnd_envtable_output(e->envs, env),
-               (size_t)e->model.H * sizeof(float));
+        memcpy(lo + (size_t)i * OW, rnnd_envtable_output(e->envs, env), OW * sizeof(float));
+        if (steps)
+            steps[i] = env->steps;
         size_t off = env_row(e, env) * LH;
         rc = be_out(e, h + (size_t)i * LH, e->state_h + off, LH * sizeof(float));
         if (rc == 0 && e->lstm)
@@ -236,6 +240,7 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     ck.env_h = h;
     ck.env_c = c;
     ck.last_output = lo;
+    ck.step_count = steps;
     if (tr.count) {
         ck.traj_count = tr.count;
         ck.traj_rows = tr.rows;
@@ -266,6 +271,7 @@ out:
     free(h);
     free(c);
     free(lo);
+    free(steps);
     traj_snapshot_free(&tr);
     return rc;
 }
@@ -415,9 +421,12 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
             break;
         env->has_index = ck->has_index[i] != 0;
         env->last_index = ck->last_index[i];
+        size_t OW = H + (size_t)e->prow.W;
         if (ck->last_output)
-            memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * H,
-                   H * sizeof(float));
+            memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * OW,
+                   OW * sizeof(float));
+        if (ck->step_count)
+            env->steps = ck->step_count[i];
         size_t off = env_row(e, env) * LH;
         rc = be_in(e, e->state_h + off, ck->env_h + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && e->lstm)

@@ -52,6 +52,7 @@ struct rnnd_group {
     struct ready_slot slots[RNND_MAX_DEVICES];
     int rank, world; // this instance among --world-size (0 of 1 alone)
     size_t I, H, LH, E, P;
+    size_t W; // floats of a Step's policy reply row (struct rnnd_policy_row)
     bool lstm;
 
     rnnd_engine_ready_cb ready_cb;
@@ -224,6 +225,9 @@ static void step_merge(struct fan *f) {
         for (int r = 0; r < q->B; r++) {
             int at = f->rows[i][r];
             memcpy(s->out + (size_t)at * g->H, q->out + (size_t)r * g->H, g->H * sizeof(float));
+            if (s->pol)
+                memcpy(s->pol + (size_t)at * g->W, q->pol + (size_t)r * g->W,
+                       g->W * sizeof(float));
             if (s->return_state) {
                 memcpy(s->h + (size_t)at * g->LH, q->h + (size_t)r * g->LH, g->LH * sizeof(float));
                 if (g->lstm)
@@ -294,7 +298,9 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
             q->step_index = s->step_index ? take(&b, nk * sizeof(uint64_t)) : NULL;
             q->extras = s->extras && g->E ? take(&b, nk * g->E * sizeof(float)) : NULL;
             q->return_state = s->return_state;
+            q->greedy = s->greedy;
             q->out = take(&b, nk * g->H * sizeof(float));
+            q->pol = s->pol ? take(&b, nk * g->W * sizeof(float)) : NULL;
             q->h = s->return_state ? take(&b, nk * g->LH * sizeof(float)) : NULL;
             q->c = s->return_state && g->lstm ? take(&b, nk * g->LH * sizeof(float)) : NULL;
             q->envs = take(&b, nk * sizeof(struct rnnd_env *));
@@ -1026,6 +1032,7 @@ struct rnnd_group *rnnd_group_init(const struct rnnd_config *cfg) {
     g->lstm = m->cell == RNND_CELL_LSTM;
     g->I = (size_t)m->I;
     g->H = (size_t)m->H;
+    g->W = (size_t)rnnd_policy_row(m).W;
     g->LH = (size_t)m->L * (size_t)m->H;
     g->E = (size_t)cfg->extras_size;
     g->P = rnnd_model_param_count(m);

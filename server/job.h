@@ -51,6 +51,34 @@ struct rnnd_step_vote {
 void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted);
 
 // A Step: B rows, one per env. Inputs are borrowed (host memory).
+// What a Step of a policy model returns per row besides the core output, packed in one row of
+// W floats (in the job, in the env's retry cache and between the parts of a split Step): the
+// action head's logits (K) or mean (A); the action (the index as a float, exact below 2^24, or
+// A floats); its log-prob; the value. Offsets are -1 for what the model lacks; W is 0 for a
+// model without heads.
+struct rnnd_policy_row {
+    int dist, ndist;     // logits or mean
+    int action, naction; // 1 (index) or A
+    int logp, value;
+    int W;
+};
+
+static inline struct rnnd_policy_row rnnd_policy_row(const struct rnnd_model *m) {
+    const struct rnnd_policy *p = &m->policy;
+    struct rnnd_policy_row r = {-1, 0, -1, 0, -1, -1, 0};
+    if (p->K > 0 || p->A > 0) {
+        r.dist = 0;
+        r.ndist = p->K > 0 ? p->K : p->A;
+        r.action = r.ndist;
+        r.naction = p->K > 0 ? 1 : p->A;
+        r.logp = r.action + r.naction;
+        r.W = r.logp + 1;
+    }
+    if (p->value)
+        r.value = r.W++;
+    return r;
+}
+
 struct rnnd_step_job {
     int B;
     const uint64_t *env_ids;    // (B) unique
@@ -59,8 +87,10 @@ struct rnnd_step_job {
     const uint64_t *step_index; // (B) or NULL
     const float *extras;        // (B, E) or NULL
     bool return_state;
+    bool greedy; // policy: the mode (argmax, mean) instead of a draw
     // Outputs, allocated by the submitter:
     float *out; // (B, H)
+    float *pol; // (B, W) of rnnd_policy_row, for a model with heads (else NULL)
     float *h;   // (B, L, H) when return_state
     float *c;   // (B, L, H) when return_state, LSTM
     // Engine scratch, allocated by the submitter:

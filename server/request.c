@@ -382,7 +382,9 @@ size_t rnnd_request_step_reply_bytes(const struct rnnd_request_limits *l,
     const struct rnnd_model *m = &l->model;
     size_t B = req->n_env_ids, H = (size_t)m->H, LH = (size_t)m->L * H;
     size_t state = req->return_state ? (m->cell == RNND_CELL_LSTM ? 2 : 1) * LH : 0;
-    return B * (H + state) * sizeof(float) + REPLY_FRAMING;
+    // A policy's row, with room for an int64 action and the logits or mean when asked for.
+    size_t pol = (size_t)rnnd_policy_row(m).W + 1;
+    return B * (H + state + pol) * sizeof(float) + REPLY_FRAMING;
 }
 
 size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
@@ -452,6 +454,12 @@ int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepR
         return errf(err, RNND_EINVAL,
                     "step_index has %zu values for %zu env_ids; send one per env or none",
                     req->n_step_index, B);
+    if ((req->greedy || req->return_logits) && m->policy.K == 0 && m->policy.A == 0)
+        return errf(err, RNND_EINVAL,
+                    "%s: this model has no action head%s, so Step returns no actions; drop the "
+                    "field, or start rnnd with --discrete-actions K or --gaussian-actions A",
+                    req->greedy ? "greedy" : "return_logits",
+                    rnnd_model_has_policy(m) ? "" : " (no heads: it serves the core output)");
     if (!present(req->extras))
         return 0;
     if (E == 0) {

@@ -102,9 +102,16 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
 // ---------------------------------------------------------------------------------------------
 // Step
 
-// A Step's reply dtype, kept after its job (struct alloc).
+// A Step's reply dtype and what it asked for, kept after its job (struct alloc), with the
+// arrays its policy reply is unpacked into (NULL without heads).
 struct step_extra {
     enum rnnd_ftype out;
+    bool return_logits, return_core;
+    int64_t *index; // (B) discrete action
+    float *action;  // (B, A) Gaussian action
+    float *logp;    // (B)
+    float *value;   // (B)
+    float *dist;    // (B, K or A) logits or mean, when return_logits
 };
 
 // Narrows n fp32 values at p to dtype ft in place (element i moves to bytes 2i: in increasing
@@ -113,6 +120,11 @@ static int narrow(void *p, size_t n, enum rnnd_ftype ft) {
     if (ft != RNND_FTYPE_F32)
         rnnd_cast_host(p, ft, p, RNND_FTYPE_F32, n);
     return rnnd_request_dtype_of(ft);
+}
+
+// Where take() put the step_extra after the job (its 16-byte alignment, not job + 1).
+static struct step_extra *step_extra_of(struct rnnd_job *job) {
+    return (struct step_extra *)((char *)job + (sizeof(*job) + 15) / 16 * 16);
 }
 
 static void step_done(struct rnnd_job *job) {
@@ -124,12 +136,50 @@ static void step_done(struct rnnd_job *job) {
         const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
         int64_t dims[3] = {m->H, m->L, m->cell == RNND_CELL_LSTM};
         size_t LH = (size_t)(m->L * m->H), B = (size_t)st->B;
-        enum rnnd_ftype ft = ((struct step_extra *)(job + 1))->out;
+        struct step_extra *ex = step_extra_of(job);
+        enum rnnd_ftype ft = ex->out;
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
-        r.output = tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0],
-                        0, 0);
+        struct rnnd_policy_row pr = rnnd_policy_row(m);
+        if (pr.W == 0 || ex->return_core)
+            r.output = tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B,
+                            dims[0], 0, 0);
         r.model_version = job->model_version;
+        struct tout act, logp, val, dist;
+        if (pr.W) {
+            // Unpack the rows into one array per tensor.
+            size_t W = (size_t)pr.W, nd = (size_t)pr.ndist, na = (size_t)pr.naction;
+            for (size_t b = 0; b < B; b++) {
+                const float *row = st->pol + b * W;
+                if (ex->index)
+                    ex->index[b] = (int64_t)row[pr.action];
+                if (ex->action)
+                    memcpy(ex->action + b * na, row + pr.action, na * sizeof(float));
+                if (ex->logp)
+                    ex->logp[b] = row[pr.logp];
+                if (ex->value)
+                    ex->value[b] = row[pr.value];
+                if (ex->dist)
+                    memcpy(ex->dist + b * nd, row + pr.dist, nd * sizeof(float));
+            }
+            if (ex->index)
+                r.action = tset(&act, RNND__V1__DTYPE__INT64, ex->index, 1, st->B, 0, 0, 0);
+            if (ex->action)
+                r.action = tset(&act, narrow(ex->action, B * na, ft), ex->action, 2, st->B,
+                                (int64_t)na, 0, 0);
+            if (ex->logp)
+                r.log_prob = tset(&logp, narrow(ex->logp, B, ft), ex->logp, 1, st->B, 0, 0, 0);
+            if (ex->value)
+                r.value = tset(&val, narrow(ex->value, B, ft), ex->value, 1, st->B, 0, 0, 0);
+            if (ex->dist) {
+                Tensor *t = tset(&dist, narrow(ex->dist, B * nd, ft), ex->dist, 2, st->B,
+                                 (int64_t)nd, 0, 0);
+                if (m->policy.K)
+                    r.logits = t;
+                else
+                    r.mean = t;
+            }
+        }
         if (st->return_state) {
             r.h = tset(&h, narrow(st->h, B * LH, ft), st->h, 3, st->B, dims[1], dims[0], 0);
             if (dims[2])
@@ -160,12 +210,15 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     struct alloc a = {0};
     struct rnnd_job *job;
     struct step_extra *ex;
-    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL;
+    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL, *pol = NULL;
+    struct rnnd_policy_row pr = rnnd_policy_row(m);
+    size_t W = (size_t)pr.W;
+    struct step_extra unpacked = {0};
     struct rnnd_env **envs;
     uint8_t *repeat, *is_init;
     for (int pass = 0; pass < 2; pass++) {
         job = take(&a, sizeof(*job));
-        ex = take(&a, sizeof(*ex)); // right after the job (step_done)
+        ex = take(&a, sizeof(*ex)); // right after the job (step_extra_of)
         if (wide) {
             obs32 = take(&a, B * I * sizeof(float));
             extras32 = extras ? take(&a, B * E * sizeof(float)) : NULL;
@@ -174,6 +227,16 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         if (req->return_state) {
             h = take(&a, B * LH * sizeof(float));
             c = lstm ? take(&a, B * LH * sizeof(float)) : NULL;
+        }
+        if (W) {
+            pol = take(&a, B * W * sizeof(float));
+            unpacked.index = m->policy.K ? take(&a, B * sizeof(int64_t)) : NULL;
+            unpacked.action =
+                m->policy.A ? take(&a, B * (size_t)pr.naction * sizeof(float)) : NULL;
+            unpacked.logp = pr.logp >= 0 ? take(&a, B * sizeof(float)) : NULL;
+            unpacked.value = pr.value >= 0 ? take(&a, B * sizeof(float)) : NULL;
+            unpacked.dist =
+                req->return_logits ? take(&a, B * (size_t)pr.ndist * sizeof(float)) : NULL;
         }
         envs = take(&a, B * sizeof(*envs));
         repeat = take(&a, B);
@@ -188,7 +251,10 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     }
     for (size_t r = 0; r < B; r++)
         is_init[r] = req->n_is_init ? (req->is_init[r] != 0) : 0;
+    *ex = unpacked;
     ex->out = dts.out;
+    ex->return_logits = req->return_logits;
+    ex->return_core = req->return_core;
     const float *obs = (const float *)req->obs->data.data;
     const float *xtr = extras ? (const float *)req->extras->data.data : NULL;
     if (wide) {
@@ -213,7 +279,9 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         .step_index = req->n_step_index ? req->step_index : NULL,
         .extras = xtr,
         .return_state = req->return_state,
+        .greedy = req->greedy,
         .out = out,
+        .pol = pol,
         .h = h,
         .c = c,
         .envs = envs,

@@ -63,7 +63,10 @@ ModelInfo = collections.namedtuple(
     "max_batch extras_size kernel_plan encoder_widths encoder_activation discrete_actions "
     "gaussian_actions value_head",
 )
-StepResult = collections.namedtuple("StepResult", "output model_version h c")
+# action, log_prob, value, logits, mean: a policy model's (docs/design.md "Policy"); None else.
+StepResult = collections.namedtuple(
+    "StepResult", "output model_version h c action log_prob value logits mean",
+    defaults=(None,) * 5)
 ForwardResult = collections.namedtuple(
     "ForwardResult",
     "output h_n c_n tape_id model_version obs is_init extras step_model_version",
@@ -157,9 +160,10 @@ def _put(call, msg, **arrays):
 
 
 def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
-                  call=None):
+                  call=None, greedy=False, return_logits=False, return_core=False):
     ids = _ids(env_ids)
-    req = pb.StepRequest(env_ids=ids, return_state=bool(return_state))
+    req = pb.StepRequest(env_ids=ids, return_state=bool(return_state), greedy=bool(greedy),
+                         return_logits=bool(return_logits), return_core=bool(return_core))
     _put(call, req, obs=obs, extras=extras)
     if call is not None:
         req.reply_region.CopyFrom(call.reply_region())
@@ -171,7 +175,8 @@ def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, retu
 
 def _step_result(reply, call=None):
     get, fld = (call.get, call.field) if call is not None else (decode, field)
-    return StepResult(get(reply.output), reply.model_version, fld(reply, "h"), fld(reply, "c"))
+    return StepResult(fld(reply, "output"), reply.model_version, fld(reply, "h"), fld(reply, "c"),
+                      *(fld(reply, n) for n in ("action", "log_prob", "value", "logits", "mean")))
 
 
 def _local_target(target):
@@ -356,13 +361,20 @@ class Client:
         return self.step_result(env_ids, obs, is_init, step_index, extras).output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        """step() returning StepResult(output, model_version, h, c); h/c [B, L, H] only with
-        return_state (c for LSTM)."""
+                    return_state=False, greedy=False, return_logits=False, return_core=False):
+        """step() returning StepResult(output, model_version, h, c, action, log_prob, value,
+        logits, mean); h/c [B, L, H] only with return_state (c for LSTM).
+
+        A policy model (docs/design.md "Policy") returns action ([B] int64 for a discrete head,
+        [B, A] for a Gaussian one), log_prob [B] and value [B] (value head), drawn from a
+        generator keyed by (--seed, env id, step_index or the env's step count); greedy takes
+        the mode instead; return_logits adds logits [B, K] or mean [B, A]; output (the core's
+        [B, H]) comes back only with return_core."""
         call = self._span((obs, extras), _shm.step_reply_bytes(self._info, len(_ids(env_ids)),
                                                                 return_state)
                           if self.transport == "shm" else 0)
-        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state, call)
+        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state, call,
+                            greedy, return_logits, return_core)
         return self._shm_call("Step", req, call, lambda r: _step_result(r, call))
 
     def stepper(self):
@@ -540,8 +552,8 @@ class _SendRecv:
         return self.recv().output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        self.send(env_ids, obs, is_init, step_index, extras, return_state)
+                    return_state=False, **policy):
+        self.send(env_ids, obs, is_init, step_index, extras, return_state, **policy)
         return self.recv()
 
 
@@ -562,7 +574,8 @@ class Stepper(_SendRecv):
         self._spans = collections.deque()  # shared memory of the requests in flight, or None
         self._closed = False
 
-    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
+             greedy=False, return_logits=False, return_core=False):
         if self._closed:
             raise RnndError(grpc.StatusCode.CANCELLED, "stepper is closed", "StepStream")
         c = self._client
@@ -571,7 +584,7 @@ class Stepper(_SendRecv):
                        if c.transport == "shm" else 0)
         self._spans.append(call)
         self._requests.put(_step_request(env_ids, obs, is_init, step_index, extras, return_state,
-                                         call))
+                                         call, greedy, return_logits, return_core))
         self._pending += 1
 
     def recv(self):

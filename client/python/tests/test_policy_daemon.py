@@ -122,5 +122,179 @@ class ConfigAndWeights(unittest.TestCase):
             self.assertIn("does not run policy models", str(e.exception))
 
 
+# -- the sampler of kernels/include/rnnd_philox.h, in Python integers -------------------------
+
+MASK = 0xFFFFFFFF
+
+
+def philox(ctr, key):
+    x0, x1, x2, x3 = ctr
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * x0, 0xCD9E8D57 * x2
+        x0, x2 = (p1 >> 32) ^ x1 ^ k0, (p0 >> 32) ^ x3 ^ k1
+        x1, x3 = p1 & MASK, p0 & MASK
+        k0, k1 = (k0 + 0x9E3779B9) & MASK, (k1 + 0xBB67AE85) & MASK
+    return [x0, x1, x2, x3]
+
+
+def step_words(seed, env, step, block):
+    key = philox([env & MASK, env >> 32, 0, 0], [seed & MASK, seed >> 32])[:2]
+    return philox([step & MASK, step >> 32, block, 0], key)
+
+
+def u01(w):
+    return (w >> 8) * 2.0 ** -24
+
+
+def draw_categorical(seed, env, step, logits):
+    e = np.exp(logits - logits.max())
+    return int(np.argmax(np.cumsum(e) > u01(step_words(seed, env, step, 0)[0]) * e.sum()))
+
+
+def draw_gaussian(seed, env, step, mean, log_std):
+    A, z = len(mean), np.zeros(len(mean))
+    for j in range(0, A, 4):
+        w = step_words(seed, env, step, j // 4)
+        for p in range(2):
+            if j + 2 * p < A:
+                r = np.sqrt(-2.0 * np.log(1.0 - u01(w[2 * p])))
+                t = 2.0 * np.pi * u01(w[2 * p + 1])
+                z[j + 2 * p] = r * np.cos(t)
+                if j + 2 * p + 1 < A:
+                    z[j + 2 * p + 1] = r * np.sin(t)
+    return mean + np.exp(log_std) * z
+
+
+class Steps(unittest.TestCase):
+    B, T, SEED = 4, 6, 11
+
+    def run_steps(self, c, obs, is_init, greedy=False, first_index=100, **kw):
+        """T Steps of B envs 0..B-1 (step_index first_index + t); the replies."""
+        out = []
+        for t in range(obs.shape[1]):
+            out.append(c.step_result(np.arange(self.B), obs[:, t], is_init[:, t],
+                                     step_index=np.full(self.B, first_index + t), greedy=greedy,
+                                     return_logits=True, **kw))
+        return out
+
+    def inputs(self, rng):
+        obs = rng.uniform(-1, 1, (self.B, self.T, I)).astype(np.float32)
+        is_init = np.zeros((self.B, self.T), bool)
+        is_init[:, 0] = True
+        is_init[1, 3] = is_init[2, 4] = True  # resets inside the run
+        return obs, is_init
+
+    def check_against_torch(self, flags, pi):
+        rng = np.random.default_rng(5)
+        obs, is_init = self.inputs(rng)
+        with daemon(**flags) as d:
+            c = d.client()
+            c.set_weights(pi.weights())
+            got = self.run_steps(c, obs, is_init)
+            c.end_episodes(np.arange(self.B))
+            greedy = self.run_steps(c, obs, is_init, greedy=True, first_index=200)
+        ref = pi.double()(torch.from_numpy(obs).double(), torch.from_numpy(is_init))
+        dist = pi.distribution(ref)
+        discrete = ref.logits is not None
+        head = (ref.logits if discrete else ref.mean).detach().numpy()
+        for t, r in enumerate(got):
+            self.assertIsNone(r.output)  # the core output only with return_core
+            self.assertLess(rel_err(r.logits if discrete else r.mean, head[:, t]), 1e-4)
+            if ref.value is not None:
+                self.assertLess(rel_err(r.value, ref.value[:, t].detach().numpy()), 1e-4)
+            act = torch.from_numpy(np.asarray(r.action, np.int64 if discrete else np.float64))
+            lp = dist.log_prob(act.unsqueeze(1).expand(-1, self.T, *act.shape[1:]))[:, t]
+            self.assertLess(rel_err(r.log_prob, lp.detach().numpy()), 1e-4)
+            for b in range(self.B):
+                if discrete:
+                    self.assertEqual(r.action[b], draw_categorical(self.SEED, b, 100 + t,
+                                                                   head[b, t]), (b, t))
+                    self.assertEqual(greedy[t].action[b], int(np.argmax(head[b, t])))
+                else:
+                    want = draw_gaussian(self.SEED, b, 100 + t, head[b, t],
+                                         pi.action_log_std.detach().numpy())
+                    self.assertLess(rel_err(r.action[b], want), 1e-4, (b, t))
+                    self.assertLess(rel_err(greedy[t].action[b], head[b, t]), 1e-4)
+
+    def test_discrete_actions_match_torch(self):
+        self.check_against_torch(FLAGS, policy(4))
+
+    def test_gaussian_actions_match_torch(self):
+        pi = policy(6, cell="gru", num_layers=1, encoder_widths=(), discrete_actions=0,
+                    gaussian_actions=3, value_head=False)
+        with torch.no_grad():
+            pi.action_log_std.uniform_(-0.5, 0.5)
+        self.check_against_torch(dict(FLAGS, cell="gru", layers=1, encoder_widths="",
+                                      discrete_actions=0, gaussian_actions=3, value_head=0), pi)
+
+    def test_same_key_same_action_and_retries(self):
+        rng = np.random.default_rng(7)
+        obs, is_init = self.inputs(rng)
+        flags = dict(FLAGS, discrete_actions=16)
+        runs = []
+        for seed in (3, 3, 4):
+            with daemon(**dict(flags, seed=seed)) as d:
+                c = d.client()
+                replies = self.run_steps(c, obs, is_init, return_core=True)
+                # The last step again (a lost reply): the same reply, and the env did not advance.
+                again = c.step_result(np.arange(self.B), obs[:, -1], is_init[:, -1],
+                                      step_index=np.full(self.B, 100 + self.T - 1),
+                                      return_logits=True, return_core=True)
+                for k in ("action", "log_prob", "value", "logits", "output"):
+                    np.testing.assert_array_equal(getattr(again, k), getattr(replies[-1], k), k)
+                # Without step_index the key is the env's own step count.
+                c.end_episodes(np.arange(self.B))
+                counted = [c.step_result(np.arange(self.B), obs[:, t], is_init[:, t]).action
+                           for t in range(self.T)]
+                runs.append((np.stack([r.action for r in replies]), np.stack(counted)))
+        np.testing.assert_array_equal(runs[0][0], runs[1][0])
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        self.assertFalse(np.array_equal(runs[0][0], runs[2][0]))  # another seed, other draws
+
+    def test_checkpoint_keeps_retry_replies_and_step_counts(self):
+        rng = np.random.default_rng(9)
+        obs, is_init = self.inputs(rng)
+        flags = dict(FLAGS, discrete_actions=16)
+        ids, B = np.arange(self.B), self.B
+
+        def steps(c, ts):  # without step_index: keyed by each env's own step count
+            return [c.step_result(ids, obs[:, t], is_init[:, t]).action for t in ts]
+
+        def indexed(c):
+            return c.step_result(ids + 100, obs[:, 0], True, step_index=np.full(B, 7),
+                                 return_logits=True)
+
+        with daemon(**flags) as d:
+            straight = steps(d.client(), range(self.T))
+        with tempfile.TemporaryDirectory() as state:
+            with daemon(state_dir=state, **flags) as d:
+                first = steps(d.client(), range(3))
+                before = indexed(d.client())
+            with daemon(state_dir=state, **flags) as d:  # restarted from its final checkpoint
+                rest = steps(d.client(), range(3, self.T))
+                again = indexed(d.client())  # a resend of step 7: the cached reply
+        np.testing.assert_array_equal(np.stack(first + rest), np.stack(straight))
+        for k in ("action", "log_prob", "value", "logits"):
+            np.testing.assert_array_equal(getattr(again, k), getattr(before, k), k)
+
+    def test_models_without_action_head_refuse_action_fields(self):
+        for flags, needle in ((dict(input_size=I, hidden_size=H), "no heads"),
+                              (dict(input_size=I, hidden_size=H, value_head=1), "no action head")):
+            with daemon(**flags) as d:
+                c = d.client()
+                r = c.step_result([1], np.zeros((1, I), np.float32), True)
+                self.assertEqual(r.output is None, "value_head" in flags)
+                self.assertIsNone(r.action)
+                self.assertEqual(r.value is None, "value_head" not in flags)
+                for kw in (dict(greedy=True), dict(return_logits=True)):
+                    with self.assertRaises(rnnd.RnndError) as e:
+                        c.step_result([1], np.zeros((1, I), np.float32), **kw)
+                    self.assertIn("INVALID_ARGUMENT", str(e.exception))
+                    self.assertIn(needle, str(e.exception))
+                # Refused requests changed nothing: the env is where the first step left it.
+                self.assertEqual(c.info().envs_active, 1)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -278,6 +278,23 @@ class Steps(unittest.TestCase):
         for k in ("action", "log_prob", "value", "logits"):
             np.testing.assert_array_equal(getattr(again, k), getattr(before, k), k)
 
+    def test_reply_dtype(self):
+        from rnnd._tensor import encode
+        from rnnd.v1 import rnnd_pb2 as pb
+        for flags, fields in ((dict(input_size=I, hidden_size=H), ("output",)),
+                              (FLAGS, ("output", "log_prob", "value", "logits"))):
+            with daemon(**flags) as d:
+                req = pb.StepRequest(env_ids=[1], is_init=[True], reply_dtype=pb.FLOAT16,
+                                     return_core=True, return_logits="log_prob" in fields)
+                encode(np.zeros((1, I), np.float32), out=req.obs)
+                r = d.client()._stub.Step(req)
+                for f in fields:
+                    t = getattr(r, f)
+                    self.assertEqual(t.dtype, pb.FLOAT16, f)
+                    self.assertEqual(len(t.data), 2 * int(np.prod(t.shape)), f)
+                if "log_prob" in fields:
+                    self.assertEqual(r.action.dtype, pb.INT64)
+
     def test_models_without_action_head_refuse_action_fields(self):
         for flags, needle in ((dict(input_size=I, hidden_size=H), "no heads"),
                               (dict(input_size=I, hidden_size=H, value_head=1), "no action head")):

@@ -1114,6 +1114,11 @@ void rnnd_step_reply_free(struct rnnd_step_reply *r) {
     rnnd_tensor_free(&r->output);
     rnnd_tensor_free(&r->h);
     rnnd_tensor_free(&r->c);
+    rnnd_tensor_free(&r->action);
+    rnnd_tensor_free(&r->log_prob);
+    rnnd_tensor_free(&r->value);
+    rnnd_tensor_free(&r->logits);
+    rnnd_tensor_free(&r->mean);
     r->model_version = 0;
 }
 
@@ -1121,7 +1126,12 @@ void rnnd_step_reply_free(struct rnnd_step_reply *r) {
 static size_t step_reply_bytes(const struct shm *s, const struct rnnd_step_req *req) {
     size_t B = req->n_env_ids, H = (size_t)s->m.H, LH = (size_t)s->m.L * H;
     size_t state = req->return_state ? (s->m.cell == RNND_CELL_LSTM ? 2 : 1) * (B * LH * 4) : 0;
-    return align_up(B * H * 4) + align_up(state) + SHM_ALIGN;
+    const struct rnnd_policy *p = &s->m.policy;
+    size_t D = (size_t)(p->K + p->A), heads = 0; // action, log-prob, value, logits or mean
+    if (D || p->value)
+        heads = align_up(B * (p->A ? (size_t)p->A * 4 : 8)) + 2 * align_up(B * 4) +
+                (req->return_logits ? align_up(B * D * 4) : 0) + 4 * SHM_ALIGN;
+    return align_up(B * H * 4) + align_up(state) + heads + SHM_ALIGN;
 }
 
 // Packs a StepRequest over req into a new buffer (free with free()); with shared memory its
@@ -1153,6 +1163,9 @@ static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct sh
     pb.step_index = (uint64_t *)req->step_index;
     pb.extras = pb_tensor_in(sc, &req->extras, &extras);
     pb.return_state = req->return_state;
+    pb.greedy = req->greedy;
+    pb.return_logits = req->return_logits;
+    pb.return_core = req->return_core;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     pb.reply_region = shm_reply(sc);
     *len = rnnd__v1__step_request__get_packed_size(&pb);
@@ -1177,6 +1190,16 @@ static int step_unpack(const struct shm *shm, grpc_slice s, struct rnnd_step_rep
         err = copy_tensor(shm, r->h, &out->h);
     if (!err)
         err = copy_tensor(shm, r->c, &out->c);
+    if (!err)
+        err = copy_tensor(shm, r->action, &out->action);
+    if (!err)
+        err = copy_tensor(shm, r->log_prob, &out->log_prob);
+    if (!err)
+        err = copy_tensor(shm, r->value, &out->value);
+    if (!err)
+        err = copy_tensor(shm, r->logits, &out->logits);
+    if (!err)
+        err = copy_tensor(shm, r->mean, &out->mean);
     rnnd__v1__step_reply__free_unpacked(r, NULL);
     if (err)
         rnnd_step_reply_free(out);

@@ -458,11 +458,23 @@ static int join_step(struct split *sp, struct rnnd_step_reply *out) {
     for (size_t k = 1; k < sp->n_parts; k++)
         if (sp->parts[k].reply.model_version < out->model_version)
             out->model_version = sp->parts[k].reply.model_version;
-    int err = join_tensor(sp, offsetof(struct rnnd_step_reply, output), "output", &out->output);
+#define JOIN(f) join_tensor(sp, offsetof(struct rnnd_step_reply, f), #f, &out->f)
+    int err = JOIN(output);
     if (!err)
-        err = join_tensor(sp, offsetof(struct rnnd_step_reply, h), "h", &out->h);
+        err = JOIN(h);
     if (!err)
-        err = join_tensor(sp, offsetof(struct rnnd_step_reply, c), "c", &out->c);
+        err = JOIN(c);
+    if (!err)
+        err = JOIN(action);
+    if (!err)
+        err = JOIN(log_prob);
+    if (!err)
+        err = JOIN(value);
+    if (!err)
+        err = JOIN(logits);
+    if (!err)
+        err = JOIN(mean);
+#undef JOIN
     if (err)
         rnnd_step_reply_free(out);
     return err;

@@ -189,13 +189,22 @@ struct rnnd_step_req {
     struct rnnd_tensor extras;  // (B, E) in obs's dtype, or not present
     bool return_state;
     enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32, BFLOAT16, FLOAT16)
+    // A policy model (docs/design.md "Policy"): the mode instead of a draw; also the logits or
+    // mean; also the core output (a model with heads returns it only then).
+    bool greedy, return_logits, return_core;
 };
 
 struct rnnd_step_reply {
-    struct rnnd_tensor output; // (B, H)
+    struct rnnd_tensor output; // (B, H); with heads only when return_core
     uint64_t model_version;
     struct rnnd_tensor h; // (B, L, H) when return_state
     struct rnnd_tensor c; // (B, L, H) LSTM, when return_state
+    // A model with heads (not present otherwise):
+    struct rnnd_tensor action;   // (B) INT64 discrete, (B, A) Gaussian
+    struct rnnd_tensor log_prob; // (B)
+    struct rnnd_tensor value;    // (B) value head
+    struct rnnd_tensor logits;   // (B, K) when return_logits, discrete
+    struct rnnd_tensor mean;     // (B, A) when return_logits, Gaussian
 };
 void rnnd_step_reply_free(struct rnnd_step_reply *r);
 

@@ -121,7 +121,8 @@ class Pool:
     # -- calls split by env ------------------------------------------------------------------------
 
     def _parts(self, env_ids, obs, is_init, step_index, extras, return_state):
-        """(B, [(target, rows, step arguments of those rows)])."""
+        """(B, [(target, rows, step arguments of those rows)]). A policy's options (greedy,
+        return_logits, return_core) are the same for every part."""
         ids = np.asarray(_ids(env_ids), dtype=np.uint64)
         B = ids.shape[0]
         obs = np.asarray(obs)
@@ -156,7 +157,9 @@ class Pool:
             return results[0]
         version = min(r.model_version for r in results)
         joined = []
-        for name in ("output", "h", "c"):
+        for name in StepResult._fields:
+            if name == "model_version":
+                continue
             vals = [getattr(r, name) for r in results]
             if vals[0] is None:
                 joined.append(None)
@@ -165,26 +168,26 @@ class Pool:
             for (_, rows, _), v in zip(parts, vals):
                 out[rows] = v
             joined.append(out)
-        return StepResult(joined[0], version, joined[1], joined[2])
+        return StepResult(joined[0], version, *joined[1:])
 
     def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
         """Client.step over the pool: output [B, H] in env_ids' order."""
         return self.step_result(env_ids, obs, is_init, step_index, extras).output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        """Client.step_result over the pool. The parts run concurrently; model_version is the
+                    return_state=False, **policy):
+        """Client.step_result over the pool (policy: greedy, return_logits, return_core). The parts run concurrently; model_version is the
         smallest of theirs. If a part fails, its RnndError (lowest target index first) is raised;
         parts that succeeded have advanced their envs (use step_index for safe retries)."""
         B, parts = self._parts(env_ids, obs, is_init, step_index, extras, return_state)
         if not parts:  # no rows: let the first target answer as a single daemon would
             return self.clients[0].step_result(env_ids, obs, is_init, step_index, extras,
-                                               return_state)
+                                               return_state, **policy)
         futures = []
         for t, _, args in parts:
             c = self.clients[t]
-            futures.append(c._stub.Step.future(_step_request(*args), timeout=c.timeout,
-                                               metadata=c._metadata))
+            futures.append(c._stub.Step.future(_step_request(*args, **policy),
+                                               timeout=c.timeout, metadata=c._metadata))
         results, error = [], None
         for (t, _, _), f in zip(parts, futures):
             try:
@@ -241,7 +244,8 @@ class PoolStepper(_SendRecv):
             raise RnndError(grpc.StatusCode.CANCELLED, "the pool stepper is broken by an earlier "
                             "error", "StepStream")
 
-    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
+             **policy):
         self._check()
         B, parts = self._pool._parts(env_ids, obs, is_init, step_index, extras, return_state)
         if not parts:
@@ -252,7 +256,7 @@ class PoolStepper(_SendRecv):
                 s = self._steppers.get(t)
                 if s is None:
                     s = self._steppers[t] = self._pool.clients[t].stepper()
-                s.send(*args)
+                s.send(*args, **policy)
         except BaseException:
             self._broken = True
             raise

@@ -278,6 +278,24 @@ class Steps(unittest.TestCase):
         for k in ("action", "log_prob", "value", "logits"):
             np.testing.assert_array_equal(getattr(again, k), getattr(before, k), k)
 
+    def test_pool_of_policy_daemons(self):
+        # Two daemons behind a Pool (envs placed by hash) answer as one: the key has no daemon
+        # in it, so every env draws what it draws on a single daemon.
+        rng = np.random.default_rng(3)
+        obs, is_init = self.inputs(rng)
+        ids = np.arange(12)
+        flags = dict(FLAGS, discrete_actions=16)
+        with daemon(**flags) as one, daemon(**flags) as a, daemon(**flags) as b:
+            x = np.repeat(obs[:, 0], 3, 0)
+            want = one.client().step_result(ids, x, True, return_logits=True)
+            with rnnd.Pool([a.target, b.target]) as pool:
+                self.assertGreater(len(pool.split(ids)), 1)
+                got = pool.step_result(ids, x, True, return_logits=True)
+        np.testing.assert_array_equal(got.action, want.action)
+        for k in ("log_prob", "value", "logits"):  # other batch sizes round BLAS sums otherwise
+            self.assertLess(rel_err(getattr(got, k), getattr(want, k)), 1e-5, k)
+        self.assertIsNone(got.output)
+
     def test_reply_dtype(self):
         from rnnd._tensor import encode
         from rnnd.v1 import rnnd_pb2 as pb

@@ -252,6 +252,14 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     rc = store_open(e, msg, msglen);
     if (rc != 0)
         return rc;
+    if (e->prow.W && e->tdims.cap > 0) {
+        what = "policy record of the trajectory store (lower --max-envs or --trajectory-steps)";
+        size_t R = (size_t)e->store.R;
+        e->prec_w = (size_t)(e->prow.W - e->prow.ndist) + 1;
+        if (e->be.ops->alloc_lazy(e->be.ctx, R * e->prec_w * sizeof(float), (void **)&e->prec) ||
+            e->be.ops->alloc_lazy(e->be.ctx, R, (void **)&e->pflags))
+            goto oom;
+    }
     what = "step buffers (lower --max-batch)";
     struct step_layout most = rnnd__engine_step_layout(e, (int)MB);
     e->in_bytes = most.in_used;
@@ -315,6 +323,11 @@ static void engine_close(struct rnnd_engine *e) {
     }
     e->be.ops->host_free(e->be.ctx, e->xfer);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
+    if (e->prec) {
+        e->be.ops->free_lazy(e->be.ctx, e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));
+        e->be.ops->free_lazy(e->be.ctx, e->pflags, (size_t)e->store.R);
+    }
+    free(e->rec_host);
     publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);
     free(e->rows);
     rnnd_backend_free(&e->be);

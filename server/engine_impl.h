@@ -56,6 +56,17 @@ struct rnnd_engine {
     bool policy;
     struct rnnd_policy_row prow;
     int enc_acts;
+    // A policy's record of each trajectory store row, in host memory (only the CPU backend runs
+    // policies), when the model has heads and steps are recorded: prec_w floats per row (the
+    // policy row of rnnd_policy_row without its logits or mean, then the reward the env's next
+    // step reports) and the done (bit 0) and truncated (bit 1) flags.
+    float *prec;     // (R, prec_w)
+    uint8_t *pflags; // (R)
+    size_t prec_w;
+    // Host memory of a recorded Forward's policy outputs (struct rnnd_forward_job), grown on
+    // demand.
+    char *rec_host;
+    size_t rec_host_bytes;
     struct rnnd_backend be;
     bool host_mem; // the backend's memory is host memory: no staging copies
     struct rnnd_batcher *batcher;

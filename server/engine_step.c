@@ -118,6 +118,17 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
         struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
         s->envs[r] = env;
         s->repeat[r] = 0;
+        bool earned = (s->reward && s->reward[r] != 0.0f) || (s->done && s->done[r]) ||
+                      (s->truncated && s->truncated[r]);
+        if (earned && (env == NULL || env->traj.count == 0)) {
+            rnnd_job_fail(job, RNND_EPRECOND,
+                          "env %" PRIu64 " (row %d) has no recorded step to take reward %g, "
+                          "done %d, truncated %d for (it is new, ended or evicted); send 0 and "
+                          "false with an env's first step",
+                          s->env_ids[r], r, s->reward ? (double)s->reward[r] : 0.0,
+                          s->done ? s->done[r] : 0, s->truncated ? s->truncated[r] : 0);
+            return step_refuse(s);
+        }
         if (env == NULL) {
             if (!s->is_init[r]) {
                 rnnd_job_fail(
@@ -228,6 +239,15 @@ static void rows_run(void *arg, int k, int n) {
             size_t W = (size_t)e->prow.W;
             if (W)
                 policy_row_gather(e, t, i, s->pol + (size_t)r * W);
+            if (e->prec) {
+                // The step's record: what the policy chose; its reward comes with the next step.
+                int32_t row = ((const int32_t *)(e->h_in + t->lay.trows))[i];
+                float *rec = e->prec + (size_t)row * e->prec_w;
+                memcpy(rec, s->pol + (size_t)r * W + e->prow.ndist,
+                       (e->prec_w - 1) * sizeof(float));
+                rec[e->prec_w - 1] = 0.0f;
+                e->pflags[row] = 0;
+            }
             if (s->step_index) {
                 float *cache = rnnd_envtable_output(e->envs, env);
                 memcpy(cache, out, H * sizeof(float));
@@ -399,6 +419,13 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         struct rnnd_env *env = s->envs[r];
         env->half ^= 1; // its new state is in the other row now
         env->steps++;
+        if (e->prec && env->traj.count > 0 && (s->reward || s->done || s->truncated)) {
+            // What the env's previous step earned, into that step's record.
+            int32_t prev = rnnd_traj_row(&env->traj, &e->tdims, env->slot, 1, 0);
+            e->prec[(size_t)prev * e->prec_w + e->prec_w - 1] = s->reward ? s->reward[r] : 0.0f;
+            e->pflags[prev] = (uint8_t)((s->done && s->done[r]) |
+                                        ((s->truncated && s->truncated[r]) << 1));
+        }
         if (record)
             rnnd_traj_push(&env->traj, &e->tdims);
         rnnd_envtable_touch(e->envs, env, now);

@@ -84,6 +84,9 @@ struct fan;
 typedef void (*fan_finish_fn)(struct fan *f);
 typedef bool (*fan_undo_fn)(struct fan *f);
 
+// The most outputs of a parent job the fan frees (a recorded Forward of a policy model).
+#define FAN_OUTPUTS 13
+
 struct fan {
     struct rnnd_group *g;
     struct rnnd_job *parent;
@@ -101,7 +104,7 @@ struct fan {
     struct rnnd_step_vote vote;      // Step
     // Forward, Backward: the parent's outputs, which the parts fill and the fan frees once the
     // parent's done has returned (outputs are valid until then: engine.h).
-    void *outputs[8];
+    void *outputs[FAN_OUTPUTS];
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
 
@@ -144,7 +147,7 @@ static void part_done(struct rnnd_job *part) {
     if (f->finish)
         f->finish(f);
     p->done(p);
-    outputs_free(f->outputs, 8);
+    outputs_free(f->outputs, FAN_OUTPUTS);
     free(f);
 }
 
@@ -175,7 +178,7 @@ static void fan_submit(struct fan *f) {
         // The engines stop taking jobs one after the other: the job goes to none of them.
         rnnd_job_fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         f->parent->done(f->parent);
-        outputs_free(f->outputs, 8);
+        outputs_free(f->outputs, FAN_OUTPUTS);
         free(f);
     }
 }
@@ -451,19 +454,34 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     fw->rec_is_init = m & RNND_REC_IS_INIT ? malloc(B * Tz) : NULL;
     fw->rec_extras = m & RNND_REC_EXTRAS && g->E ? malloc(B * Tz * g->E * fb) : NULL;
     fw->rec_version = m & RNND_REC_VERSION ? malloc(B * Tz * sizeof(int64_t)) : NULL;
+    // A policy's record (fp32 and int64, whatever the reply dtype: forward_done narrows).
+    const struct rnnd_model *pm = &g->cfg.model;
+    struct rnnd_policy_row pr = rnnd_policy_row(pm);
+    bool act = (m & RNND_REC_ACTION) && pr.action >= 0, rew = m & RNND_REC_REWARD;
+    fw->rec_action = act ? malloc(B * Tz * (pm->policy.A ? (size_t)pm->policy.A * 4 : 8)) : NULL;
+    fw->rec_logp = act ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_value = (m & RNND_REC_ACTION) && pr.value >= 0 ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_reward = rew ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_done = rew ? malloc(B * Tz) : NULL;
+    fw->rec_truncated = rew ? malloc(B * Tz) : NULL;
     struct bump b = {0};
     struct fan *f = NULL;
     if (fw->out && fw->h_n && (!g->lstm || fw->c_n) && (!(m & RNND_REC_OBS) || fw->rec_obs) &&
         (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
         (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
-        (!(m & RNND_REC_VERSION) || fw->rec_version))
+        (!(m & RNND_REC_VERSION) || fw->rec_version) &&
+        (!act || (fw->rec_action && fw->rec_logp)) &&
+        ((m & RNND_REC_ACTION) == 0 || pr.value < 0 || fw->rec_value) &&
+        (!rew || (fw->rec_reward && fw->rec_done && fw->rec_truncated)))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
-    void *outs[] = {fw->out, fw->h_n, fw->c_n, fw->rec_obs, fw->rec_is_init, fw->rec_extras,
-                    fw->rec_version};
+    void *outs[] = {fw->out,        fw->h_n,         fw->c_n,      fw->rec_obs,
+                    fw->rec_is_init, fw->rec_extras, fw->rec_version, fw->rec_action,
+                    fw->rec_logp,   fw->rec_value,   fw->rec_reward, fw->rec_done,
+                    fw->rec_truncated};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job);
-        outputs_free(outs, 7);
+        outputs_free(outs, 13);
         return;
     }
     memcpy(f->outputs, outs, sizeof(outs));

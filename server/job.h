@@ -88,6 +88,9 @@ struct rnnd_step_job {
     const float *extras;        // (B, E) or NULL
     bool return_state;
     bool greedy; // policy: the mode (argmax, mean) instead of a draw
+    // Policy: what each env's previous step earned (struct rnnd_policy_row's record), or NULL.
+    const float *reward;                    // (B)
+    const uint8_t *done, *truncated;        // (B)
     // Outputs, allocated by the submitter:
     float *out; // (B, H)
     float *pol; // (B, W) of rnnd_policy_row, for a model with heads (else NULL)
@@ -113,7 +116,9 @@ struct rnnd_end_job {
 #define RNND_REC_IS_INIT  2u
 #define RNND_REC_EXTRAS   4u
 #define RNND_REC_VERSION  8u
-#define RNND_REC_ALL      15u
+#define RNND_REC_ACTION   16u // action, log-prob, value (policy models)
+#define RNND_REC_REWARD   32u // reward, done, truncated (policy models)
+#define RNND_REC_ALL      63u
 #define RNND_GRAD_OBS     1u
 #define RNND_GRAD_H0      2u // and grad_c0
 #define RNND_GRAD_HIDDEN  4u // and grad_cell
@@ -150,6 +155,11 @@ struct rnnd_forward_job {
     uint8_t *rec_is_init; // (B, T) RNND_REC_IS_INIT
     void *rec_extras;     // (B, T, E) when E > 0, RNND_REC_EXTRAS
     int64_t *rec_version; // (B, T) RNND_REC_VERSION
+    void *rec_action;     // (B, T) int64 or (B, T, A) fp32 (not the reply dtype), REC_ACTION
+    float *rec_logp;      // (B, T) fp32, RNND_REC_ACTION with an action head
+    float *rec_value;     // (B, T) fp32, RNND_REC_ACTION with a value head
+    float *rec_reward;    // (B, T) fp32, RNND_REC_REWARD
+    uint8_t *rec_done, *rec_truncated; // (B, T), RNND_REC_REWARD
     // Parts only:
     bool part;
     const int32_t *rows; // (nrows) ascending row indices

@@ -215,7 +215,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     size_t W = (size_t)pr.W;
     struct step_extra unpacked = {0};
     struct rnnd_env **envs;
-    uint8_t *repeat, *is_init;
+    uint8_t *repeat, *is_init, *done = NULL, *trunc = NULL;
     for (int pass = 0; pass < 2; pass++) {
         job = take(&a, sizeof(*job));
         ex = take(&a, sizeof(*ex)); // right after the job (step_extra_of)
@@ -241,6 +241,8 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         envs = take(&a, B * sizeof(*envs));
         repeat = take(&a, B);
         is_init = take(&a, B);
+        done = req->n_done ? take(&a, B) : NULL;
+        trunc = req->n_truncated ? take(&a, B) : NULL;
         if (pass == 0 && (a.base = calloc(1, a.used)) == NULL) {
             rc = RNND_ENOMEM;
             snprintf(err, sizeof(err), "out of memory for a Step of %zu rows", B);
@@ -249,8 +251,13 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         if (pass == 0)
             a.used = 0;
     }
-    for (size_t r = 0; r < B; r++)
+    for (size_t r = 0; r < B; r++) {
         is_init[r] = req->n_is_init ? (req->is_init[r] != 0) : 0;
+        if (done)
+            done[r] = req->done[r] != 0;
+        if (trunc)
+            trunc[r] = req->truncated[r] != 0;
+    }
     *ex = unpacked;
     ex->out = dts.out;
     ex->return_logits = req->return_logits;
@@ -280,6 +287,9 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         .extras = xtr,
         .return_state = req->return_state,
         .greedy = req->greedy,
+        .reward = req->n_reward ? req->reward : NULL,
+        .done = done,
+        .truncated = trunc,
         .out = out,
         .pol = pol,
         .h = h,
@@ -363,7 +373,7 @@ static void forward_done(struct rnnd_job *job) {
     int64_t B = f->B, T = f->T, H = m->H, L = m->L, I = m->I;
     int dt = rnnd_request_dtype_of(f->out_dtype);
     Rnnd__V1__ForwardReply r = RNND__V1__FORWARD_REPLY__INIT;
-    struct tout out, hn, cn, obs, ini, ex, ver;
+    struct tout out, hn, cn, obs, ini, ex, ver, act, lp, val, rew, dn, tr;
     r.output = tset(&out, dt, f->out, 3, B, T, H, 0);
     r.h_n = tset(&hn, dt, f->h_n, 3, B, L, H, 0);
     if (m->cell == RNND_CELL_LSTM)
@@ -378,6 +388,24 @@ static void forward_done(struct rnnd_job *job) {
         r.extras = tset(&ex, dt, f->rec_extras, 3, B, T, E, 0);
     if (f->rec_fields & RNND_REC_VERSION)
         r.step_model_version = tset(&ver, RNND__V1__DTYPE__INT64, f->rec_version, 2, B, T, 0, 0);
+    // A policy's record, kept in fp32 by the engine: narrowed here.
+    size_t BT = (size_t)(B * T);
+    int64_t A = m->policy.A;
+    if (f->rec_action && A)
+        r.action = tset(&act, narrow(f->rec_action, BT * (size_t)A, f->out_dtype), f->rec_action,
+                        3, B, T, A, 0);
+    else if (f->rec_action)
+        r.action = tset(&act, RNND__V1__DTYPE__INT64, f->rec_action, 2, B, T, 0, 0);
+    if (f->rec_logp)
+        r.log_prob = tset(&lp, narrow(f->rec_logp, BT, f->out_dtype), f->rec_logp, 2, B, T, 0, 0);
+    if (f->rec_value)
+        r.value = tset(&val, narrow(f->rec_value, BT, f->out_dtype), f->rec_value, 2, B, T, 0, 0);
+    if (f->rec_reward) {
+        r.reward =
+            tset(&rew, narrow(f->rec_reward, BT, f->out_dtype), f->rec_reward, 2, B, T, 0, 0);
+        r.done = tset(&dn, RNND__V1__DTYPE__BOOL, f->rec_done, 2, B, T, 0, 0);
+        r.truncated = tset(&tr, RNND__V1__DTYPE__BOOL, f->rec_truncated, 2, B, T, 0, 0);
+    }
     rnnd_call_reply(call, &r.base);
     free(job);
 }

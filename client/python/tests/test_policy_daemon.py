@@ -114,12 +114,23 @@ class ConfigAndWeights(unittest.TestCase):
                 for k, v in other.weights().items():
                     np.testing.assert_array_equal(got[k], v, k)
 
-    def test_learner_calls_refused_on_policy_models(self):
+    def test_forward_runs_encoder_and_core_but_keeps_no_tape(self):
+        pi = policy(8)
+        rng = np.random.default_rng(1)
+        obs = rng.uniform(-1, 1, (2, 4, I)).astype(np.float32)
+        is_init = np.zeros((2, 4), bool)
+        is_init[1, 2] = True
         with daemon(**FLAGS) as d:
+            c = d.client()
+            c.set_weights(pi.weights())
+            got = c.forward(obs, is_init)
             with self.assertRaises(rnnd.RnndError) as e:
-                d.client().forward(np.zeros((1, 2, I), np.float32))
+                c.forward(obs, is_init, keep_tape=True)
             self.assertIn("FAILED_PRECONDITION", str(e.exception))
-            self.assertIn("does not run policy models", str(e.exception))
+            self.assertIn("Backward does not run policy models", str(e.exception))
+        ref = pi.double()(torch.from_numpy(obs).double(), torch.from_numpy(is_init))
+        self.assertLess(rel_err(got.output, ref.output.detach().numpy()), 1e-4)
+        self.assertLess(rel_err(got.h_n, ref.state[0].detach().numpy()), 1e-4)
 
 
 # -- the sampler of kernels/include/rnnd_philox.h, in Python integers -------------------------
@@ -295,6 +306,51 @@ class Steps(unittest.TestCase):
         for k in ("log_prob", "value", "logits"):  # other batch sizes round BLAS sums otherwise
             self.assertLess(rel_err(getattr(got, k), getattr(want, k)), 1e-5, k)
         self.assertIsNone(got.output)
+
+    def test_recorded_actions_and_rewards(self):
+        rng = np.random.default_rng(11)
+        obs, is_init = self.inputs(rng)
+        B, T, ids = self.B, self.T, np.arange(self.B)
+        rewards = rng.uniform(-1, 1, (B, T)).astype(np.float32)
+        done = np.zeros((B, T), bool)
+        trunc = np.zeros((B, T), bool)
+        done[1, 2] = trunc[2, 3] = True  # the steps before the resets of inputs()
+        with daemon(**FLAGS) as d:
+            c = d.client()
+            # An env's first step reports nothing: a reward there is refused, changing nothing.
+            with self.assertRaises(rnnd.RnndError) as e:
+                c.step_result(ids, obs[:, 0], True, reward=np.ones(B))
+            self.assertIn("FAILED_PRECONDITION", str(e.exception))
+            self.assertIn("has no recorded step to take reward", str(e.exception))
+            self.assertEqual(c.info().envs_active, 0)
+            for bad, needle in ((dict(reward=np.ones(B - 1)), "reward has 3 values"),
+                                (dict(reward=np.full(B, np.nan)), "send finite rewards")):
+                with self.assertRaises(rnnd.RnndError) as e:
+                    c.step_result(ids, obs[:, 0], True, **bad)
+                self.assertIn(needle, str(e.exception))
+            replies = []
+            for t in range(T):
+                prev = (dict(reward=rewards[:, t - 1], done=done[:, t - 1],
+                             truncated=trunc[:, t - 1]) if t else {})
+                replies.append(c.step_result(ids, obs[:, t], is_init[:, t], return_core=True,
+                                             step_index=np.full(B, t), **prev))
+            # The last step's reward is still to come: the window is the first T - 1 steps
+            # plus it, with reward 0 for the last.
+            got = c.forward_recorded(ids, T)
+        for k in ("action", "log_prob", "value"):
+            want = np.stack([getattr(r, k) for r in replies], 1)
+            np.testing.assert_array_equal(getattr(got, k), want, k)
+        np.testing.assert_array_equal(got.reward[:, :-1], rewards[:, :-1])
+        np.testing.assert_array_equal(got.reward[:, -1], 0)
+        np.testing.assert_array_equal(got.done[:, :-1], done[:, :-1])
+        np.testing.assert_array_equal(got.truncated[:, :-1], trunc[:, :-1])
+        # The replay runs the encoder and the core from the recorded states.
+        self.assertLess(rel_err(got.output, np.stack([r.output for r in replies], 1)), 1e-5)
+        with daemon(input_size=I, hidden_size=H) as d:
+            with self.assertRaises(rnnd.RnndError) as e:
+                d.client().step_result([1], np.zeros((1, I), np.float32), True, reward=[0.0])
+            self.assertIn("INVALID_ARGUMENT", str(e.exception))
+            self.assertIn("records no rewards", str(e.exception))
 
     def test_reply_dtype(self):
         from rnnd._tensor import encode

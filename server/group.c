@@ -302,6 +302,9 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
             q->extras = s->extras && g->E ? take(&b, nk * g->E * sizeof(float)) : NULL;
             q->return_state = s->return_state;
             q->greedy = s->greedy;
+            q->reward = s->reward ? take(&b, nk * sizeof(float)) : NULL;
+            q->done = s->done ? take(&b, nk) : NULL;
+            q->truncated = s->truncated ? take(&b, nk) : NULL;
             q->out = take(&b, nk * g->H * sizeof(float));
             q->pol = s->pol ? take(&b, nk * g->W * sizeof(float)) : NULL;
             q->h = s->return_state ? take(&b, nk * g->LH * sizeof(float)) : NULL;
@@ -337,6 +340,12 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
         ((uint8_t *)q->is_init)[at] = s->is_init[r];
         if (q->step_index)
             ((uint64_t *)q->step_index)[at] = s->step_index[r];
+        if (q->reward)
+            ((float *)q->reward)[at] = s->reward[r];
+        if (q->done)
+            ((uint8_t *)q->done)[at] = s->done[r];
+        if (q->truncated)
+            ((uint8_t *)q->truncated)[at] = s->truncated[r];
         if (q->extras)
             memcpy((float *)q->extras + (size_t)at * g->E, s->extras + (size_t)r * g->E,
                    g->E * sizeof(float));

@@ -352,6 +352,29 @@ class Steps(unittest.TestCase):
             self.assertIn("INVALID_ARGUMENT", str(e.exception))
             self.assertIn("records no rewards", str(e.exception))
 
+    def test_two_devices_answer_as_one(self):
+        # --devices 0,1 on the CPU backend: Steps split by env over two engines, the policy rows
+        # merged, and a recorded Forward's policy fields scattered back from both.
+        rng = np.random.default_rng(13)
+        obs, is_init = self.inputs(rng)
+        ids = np.arange(self.B)
+        out = []
+        for flags in (FLAGS, dict(FLAGS, devices="0,1")):
+            with daemon(**flags) as d:
+                c = d.client()
+                steps = [c.step_result(ids, obs[:, t], is_init[:, t], step_index=np.full(self.B, t),
+                                       reward=np.full(self.B, 0.5 * t) if t else None)
+                         for t in range(self.T)]
+                out.append((steps, c.forward_recorded(ids, self.T)))
+        (s1, f1), (s2, f2) = out
+        for a, b in zip(s1, s2):
+            np.testing.assert_array_equal(a.action, b.action)
+            self.assertLess(rel_err(b.value, a.value), 1e-5)
+        for k in ("action", "reward", "done", "truncated"):
+            np.testing.assert_array_equal(getattr(f2, k), getattr(f1, k), k)
+        for k in ("log_prob", "value", "output"):
+            self.assertLess(rel_err(getattr(f2, k), getattr(f1, k)), 1e-5, k)
+
     def test_reply_dtype(self):
         from rnnd._tensor import encode
         from rnnd.v1 import rnnd_pb2 as pb

@@ -358,7 +358,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     // trajectories.safetensors
     if (ck->traj_count) {
         int64_t R = ck->traj_rows, I = ck->model.I, E = ck->extras_size;
-        struct rnnd_st_tensor tt[7];
+        struct rnnd_st_tensor tt[9];
         int nt = 0;
         tt[nt++] = (struct rnnd_st_tensor){.name = "count",
                                            .dtype = RNND_ST_I64,
@@ -404,6 +404,22 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                                                .shape = {R, L, H},
                                                .data = ck->traj_c,
                                                .bytes = (size_t)R * lh * 4};
+        struct rnnd_policy_row pr = rnnd_policy_row(&ck->model);
+        int64_t PW = pr.W - pr.ndist + 1;
+        if (ck->traj_policy) {
+            tt[nt++] = (struct rnnd_st_tensor){.name = "policy_record",
+                                               .dtype = RNND_ST_F32,
+                                               .ndim = 2,
+                                               .shape = {R, PW},
+                                               .data = ck->traj_policy,
+                                               .bytes = (size_t)(R * PW) * 4};
+            tt[nt++] = (struct rnnd_st_tensor){.name = "policy_flags",
+                                               .dtype = RNND_ST_U8,
+                                               .ndim = 1,
+                                               .shape = {R},
+                                               .data = ck->traj_policy_flags,
+                                               .bytes = (size_t)R};
+        }
         const char *traj_meta[] = {"layout",
                                    "rows of every env in envs.safetensors order, count[i] each, "
                                    "oldest first; h/c: the state before the step"};
@@ -814,6 +830,23 @@ static int read_trajectories(struct rnnd_checkpoint_data *d, const struct rnnd_s
         memcpy(ex_v, ex->data, r * (size_t)E * 4);
     memcpy(ini_v, ini->data, r);
     memcpy(ver_v, ver->data, r * 8);
+    // A policy's record (optional: absent, the recorded steps have none).
+    struct rnnd_policy_row pr = rnnd_policy_row(&ck->model);
+    int64_t sp[2] = {R, pr.W - pr.ndist + 1};
+    const struct rnnd_st_tensor *prec = pr.W ? want_tensor(f, "policy_record", RNND_ST_F32, 2, sp)
+                                             : NULL;
+    const struct rnnd_st_tensor *pfl = prec ? want_tensor(f, "policy_flags", RNND_ST_U8, 1, sr)
+                                            : NULL;
+    if (prec && pfl) {
+        float *pv = keep(d, r * (size_t)sp[1] * 4);
+        uint8_t *fv = keep(d, r);
+        if (!pv || !fv)
+            return fail(err, errlen, RNND_ENOMEM, "out of memory");
+        memcpy(pv, prec->data, r * (size_t)sp[1] * 4);
+        memcpy(fv, pfl->data, r);
+        ck->traj_policy = pv;
+        ck->traj_policy_flags = fv;
+    }
     ck->traj_count = count;
     ck->traj_rows = R;
     ck->traj_obs = obs_v;

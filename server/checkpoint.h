@@ -57,6 +57,10 @@ struct rnnd_checkpoint {
     const uint64_t *traj_version; // (R)
     const float *traj_h;          // (R, L, H) the state before each step
     const float *traj_c;          // (R, L, H) LSTM
+    // A policy model's record of each row (engine_impl.h), or NULL: W' = the policy row
+    // without its logits or mean, plus the reward; flags: done (bit 0), truncated (bit 1).
+    const float *traj_policy;         // (R, W')
+    const uint8_t *traj_policy_flags; // (R)
     int extras_size;
     uint64_t seed;
     int64_t created_unix_ms; // read back: when it was written (0 when unknown)

@@ -375,6 +375,24 @@ class Steps(unittest.TestCase):
         for k in ("log_prob", "value", "output"):
             self.assertLess(rel_err(getattr(f2, k), getattr(f1, k)), 1e-5, k)
 
+    def test_recorded_record_survives_restart(self):
+        rng = np.random.default_rng(17)
+        obs, is_init = self.inputs(rng)
+        ids, B = np.arange(self.B), self.B
+        with tempfile.TemporaryDirectory() as state:
+            with daemon(state_dir=state, **FLAGS) as d:
+                c = d.client()
+                for t in range(self.T):
+                    c.step_result(ids, obs[:, t], is_init[:, t],
+                                  reward=rng.uniform(-1, 1, B) if t else None,
+                                  done=(ids == 1) if t == 3 else None)
+                before = c.forward_recorded(ids, self.T)
+            with daemon(state_dir=state, **FLAGS) as d:
+                after = d.client().forward_recorded(ids, self.T)
+        for k in ("action", "log_prob", "value", "reward", "done", "truncated", "output"):
+            np.testing.assert_array_equal(getattr(after, k), getattr(before, k), k)
+        self.assertTrue(before.done[1, 2] and before.reward[:, :-1].all())
+
     def test_reply_dtype(self):
         from rnnd._tensor import encode
         from rnnd.v1 import rnnd_pb2 as pb

@@ -1166,6 +1166,27 @@ static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct sh
     pb.greedy = req->greedy;
     pb.return_logits = req->return_logits;
     pb.return_core = req->return_core;
+    size_t B = req->n_env_ids;
+    protobuf_c_boolean *flags = NULL;
+    if (req->done || req->truncated) {
+        flags = malloc(2 * B * sizeof *flags + 1);
+        if (!flags) {
+            if (init != init_small)
+                free(init);
+            shm_give(sc);
+            return local_err(RNND_ENOMEM, "out of memory");
+        }
+        for (size_t i = 0; i < B; i++) {
+            flags[i] = req->done && req->done[i];
+            flags[B + i] = req->truncated && req->truncated[i];
+        }
+    }
+    pb.n_reward = req->reward ? B : 0;
+    pb.reward = (float *)req->reward;
+    pb.n_done = req->done ? B : 0;
+    pb.done = flags;
+    pb.n_truncated = req->truncated ? B : 0;
+    pb.truncated = flags ? flags + B : NULL;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     pb.reply_region = shm_reply(sc);
     *len = rnnd__v1__step_request__get_packed_size(&pb);
@@ -1174,6 +1195,7 @@ static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct sh
         rnnd__v1__step_request__pack(&pb, *buf);
     if (init != init_small)
         free(init);
+    free(flags);
     if (!*buf)
         shm_give(sc);
     return *buf ? 0 : local_err(RNND_ENOMEM, "out of memory");
@@ -1459,6 +1481,12 @@ void rnnd_forward_reply_free(struct rnnd_forward_reply *r) {
     rnnd_tensor_free(&r->is_init);
     rnnd_tensor_free(&r->extras);
     rnnd_tensor_free(&r->step_model_version);
+    rnnd_tensor_free(&r->action);
+    rnnd_tensor_free(&r->log_prob);
+    rnnd_tensor_free(&r->value);
+    rnnd_tensor_free(&r->reward);
+    rnnd_tensor_free(&r->done);
+    rnnd_tensor_free(&r->truncated);
     r->tape_id = r->model_version = 0;
 }
 
@@ -1535,6 +1563,18 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         err = copy_tensor(sh, r->extras, &out->extras);
     if (!err)
         err = copy_tensor(sh, r->step_model_version, &out->step_model_version);
+    if (!err)
+        err = copy_tensor(sh, r->action, &out->action);
+    if (!err)
+        err = copy_tensor(sh, r->log_prob, &out->log_prob);
+    if (!err)
+        err = copy_tensor(sh, r->value, &out->value);
+    if (!err)
+        err = copy_tensor(sh, r->reward, &out->reward);
+    if (!err)
+        err = copy_tensor(sh, r->done, &out->done);
+    if (!err)
+        err = copy_tensor(sh, r->truncated, &out->truncated);
     protobuf_c_message_free_unpacked(msg, NULL);
     shm_give(&sc);
     if (err)

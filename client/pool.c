@@ -199,6 +199,8 @@ struct part {
     uint64_t *env_ids;
     bool *is_init;
     uint64_t *step_index;
+    float *reward;
+    bool *done, *truncated;
     void *obs, *extras;
     // Results.
     struct rnnd_client *client;
@@ -217,11 +219,16 @@ static void part_free_req(struct part *pt) {
     free(pt->env_ids);
     free(pt->is_init);
     free(pt->step_index);
+    free(pt->reward);
+    free(pt->done);
+    free(pt->truncated);
     free(pt->obs);
     free(pt->extras);
     pt->env_ids = NULL;
     pt->is_init = NULL;
     pt->step_index = NULL;
+    pt->reward = NULL;
+    pt->done = pt->truncated = NULL;
     pt->obs = pt->extras = NULL;
 }
 
@@ -384,6 +391,24 @@ static int split_step(struct rnnd_client_pool *p, const struct rnnd_step_req *re
             pt->req.step_index = pt->step_index;
             pt->req.n_step_index = n;
         }
+        // What the previous steps earned goes with their envs' rows.
+        if ((req->reward && !(pt->reward = malloc(n * sizeof *pt->reward))) ||
+            (req->done && !(pt->done = malloc(n * sizeof *pt->done))) ||
+            (req->truncated && !(pt->truncated = malloc(n * sizeof *pt->truncated)))) {
+            err = pool_err(RNND_ENOMEM, -1, "out of memory");
+            goto done;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (pt->reward)
+                pt->reward[i] = req->reward[pt->rows[i]];
+            if (pt->done)
+                pt->done[i] = req->done[pt->rows[i]];
+            if (pt->truncated)
+                pt->truncated[i] = req->truncated[pt->rows[i]];
+        }
+        pt->req.reward = pt->reward;
+        pt->req.done = pt->done;
+        pt->req.truncated = pt->truncated;
         if (req->obs.present &&
             (err = gather_rows(&req->obs, obs_rb, pt->rows, n, &pt->obs, &pt->req.obs)))
             goto done;

@@ -192,6 +192,9 @@ struct rnnd_step_req {
     // A policy model (docs/design.md "Policy"): the mode instead of a draw; also the logits or
     // mean; also the core output (a model with heads returns it only then).
     bool greedy, return_logits, return_core;
+    // What each env's previous step earned (a policy model recording steps), or NULL: none.
+    const float *reward;             // (n_env_ids)
+    const bool *done, *truncated;    // (n_env_ids)
 };
 
 struct rnnd_step_reply {
@@ -251,8 +254,8 @@ struct rnnd_forward_req {
     bool keep_tape;
     enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32 for recorded)
     // Recorded: the tensors returned besides output, h_n, c_n (RECORDED_* bits of rnnd.proto's
-    // RecordedField: obs 1, is_init 2, extras 4, step_model_version 8) when has_recorded_fields,
-    // else all of them.
+    // RecordedField: obs 1, is_init 2, extras 4, step_model_version 8, a policy's action 16 and
+    // reward 32) when has_recorded_fields, else all of them.
     bool has_recorded_fields;
     uint32_t recorded_fields;
 };
@@ -267,6 +270,11 @@ struct rnnd_forward_reply {
     struct rnnd_tensor is_init;            // (B, T) BOOL, recorded only
     struct rnnd_tensor extras;             // (B, T, E) recorded only
     struct rnnd_tensor step_model_version; // (B, T) INT64, recorded only
+    // Recorded only, a policy model's (docs/design.md "Policy"):
+    struct rnnd_tensor action;             // (B, T) INT64 or (B, T, A)
+    struct rnnd_tensor log_prob, value;    // (B, T)
+    struct rnnd_tensor reward;             // (B, T)
+    struct rnnd_tensor done, truncated;    // (B, T) BOOL
 };
 void rnnd_forward_reply_free(struct rnnd_forward_reply *r);
 int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *req,

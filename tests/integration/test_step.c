@@ -475,11 +475,32 @@ static void test_policy_steps(void **state) {
     rnnd_client_stream_free(st);
     req.greedy = req.return_logits = false;
     req.return_core = true;
+    // What the previous step earned goes with this one.
+    float reward[B] = {0.5f, 1.5f, -2.5f};
+    bool done[B] = {false, true, false};
+    req.reward = reward;
+    req.done = done;
     struct rnnd_step_reply r = {0};
     EXPECT_OK(rnnd_client_step(c, &req, &r));
     assert_tensor_f32(&r.output, 2, B, 6, 0, 0);
     assert_false(r.logits.present);
+    int64_t last[B];
+    memcpy(last, r.action.data, sizeof(last));
     rnnd_step_reply_free(&r);
+    struct rnnd_forward_req fq = {.recorded = true, .n_env_ids = B, .env_ids = ids, .steps = 3};
+    struct rnnd_forward_reply fr = {0};
+    EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+    assert_tensor_f32(&fr.reward, 2, B, 3, 0, 0);
+    assert_true(fr.action.present && fr.action.dtype == RNND_DTYPE_INT64);
+    assert_true(fr.done.present && fr.done.dtype == RNND_DTYPE_BOOL);
+    for (int b = 0; b < B; b++) {
+        const float *rw = (const float *)fr.reward.data + b * 3;
+        const uint8_t *dn = (const uint8_t *)fr.done.data + b * 3;
+        assert_true(rw[0] == 0.0f && rw[1] == reward[b] && rw[2] == 0.0f);
+        assert_int_equal(dn[1], done[b]);
+        assert_int_equal(((const int64_t *)fr.action.data)[b * 3 + 2], last[b]);
+    }
+    rnnd_forward_reply_free(&fr);
     rnnd_client_free(c);
     daemon_teardown(&d);
 }

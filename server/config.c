@@ -565,8 +565,11 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
                 return fail(err, errlen, "--listen names %s twice", addrs[i]);
     }
     // Each env's reply and request rows must fit into one message with room to spare.
+    // A policy adds its logits or mean, action, log-prob, value and the reward sent back.
+    const struct rnnd_policy *p = &c->model.policy;
+    size_t pol = rnnd_model_has_policy(&c->model) ? (size_t)p->K + 2 * (size_t)p->A + 4 : 0;
     size_t row = ((size_t)c->model.I + (size_t)c->extras_size +
-                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H) *
+                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H + pol) *
                  sizeof(float);
     if ((size_t)c->max_batch * row > (size_t)c->max_message_mb << 20)
         return fail(err, errlen,

@@ -1061,6 +1061,12 @@ int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out) {
     out->max_batch = r->max_batch;
     out->extras_size = r->extras_size;
     copy_str(out->kernel_plan, sizeof out->kernel_plan, r->kernel_plan);
+    for (size_t j = 0; j < r->n_encoder_widths && j < RNND_MAX_ENCODER_LAYERS; j++)
+        out->encoder_widths[out->n_encoder_widths++] = r->encoder_widths[j];
+    copy_str(out->encoder_activation, sizeof out->encoder_activation, r->encoder_activation);
+    out->discrete_actions = r->discrete_actions;
+    out->gaussian_actions = r->gaussian_actions;
+    out->value_head = r->value_head;
     protobuf_c_message_free_unpacked(msg, NULL);
     return 0;
 }
@@ -1084,6 +1090,17 @@ int rnnd_model_info_to_model(const struct rnnd_model_info *info, struct rnnd_mod
     m->I = (int)info->input_size;
     m->H = (int)info->hidden_size;
     m->L = (int)info->num_layers;
+    struct rnnd_policy *p = &m->policy;
+    p->enc_layers = info->n_encoder_widths;
+    for (int j = 0; j < info->n_encoder_widths; j++)
+        p->enc_width[j] = (int)info->encoder_widths[j];
+    const char *act = info->encoder_activation;
+    p->enc_act = strcmp(act, "relu") == 0   ? RNND_ACT_RELU
+                 : strcmp(act, "tanh") == 0 ? RNND_ACT_TANH
+                                            : RNND_ACT_ELU;
+    p->K = (int)info->discrete_actions;
+    p->A = (int)info->gaussian_actions;
+    p->value = info->value_head;
     if (rnnd_model_check(m) != 0)
         return local_err(RNND_EINVAL, "model I=%d H=%d L=%d is not valid", m->I, m->H, m->L);
     return 0;
@@ -1098,6 +1115,11 @@ void rnnd_step_reply_free(struct rnnd_step_reply *r) {
     rnnd_tensor_free(&r->output);
     rnnd_tensor_free(&r->h);
     rnnd_tensor_free(&r->c);
+    rnnd_tensor_free(&r->action);
+    rnnd_tensor_free(&r->log_prob);
+    rnnd_tensor_free(&r->value);
+    rnnd_tensor_free(&r->logits);
+    rnnd_tensor_free(&r->mean);
     r->model_version = 0;
 }
 
@@ -1105,7 +1127,12 @@ void rnnd_step_reply_free(struct rnnd_step_reply *r) {
 static size_t step_reply_bytes(const struct shm *s, const struct rnnd_step_req *req) {
     size_t B = req->n_env_ids, H = (size_t)s->m.H, LH = (size_t)s->m.L * H;
     size_t state = req->return_state ? (s->m.cell == RNND_CELL_LSTM ? 2 : 1) * (B * LH * 4) : 0;
-    return align_up(B * H * 4) + align_up(state) + SHM_ALIGN;
+    const struct rnnd_policy *p = &s->m.policy;
+    size_t D = (size_t)(p->K + p->A), heads = 0; // action, log-prob, value, logits or mean
+    if (D || p->value)
+        heads = align_up(B * (p->A ? (size_t)p->A * 4 : 8)) + 2 * align_up(B * 4) +
+                (req->return_logits ? align_up(B * D * 4) : 0) + 4 * SHM_ALIGN;
+    return align_up(B * H * 4) + align_up(state) + heads + SHM_ALIGN;
 }
 
 // Packs a StepRequest over req into a new buffer (free with free()); with shared memory its
@@ -1137,6 +1164,30 @@ static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct sh
     pb.step_index = (uint64_t *)req->step_index;
     pb.extras = pb_tensor_in(sc, &req->extras, &extras);
     pb.return_state = req->return_state;
+    pb.greedy = req->greedy;
+    pb.return_logits = req->return_logits;
+    pb.return_core = req->return_core;
+    size_t B = req->n_env_ids;
+    protobuf_c_boolean *flags = NULL;
+    if (req->done || req->truncated) {
+        flags = malloc(2 * B * sizeof *flags + 1);
+        if (!flags) {
+            if (init != init_small)
+                free(init);
+            shm_give(sc);
+            return local_err(RNND_ENOMEM, "out of memory");
+        }
+        for (size_t i = 0; i < B; i++) {
+            flags[i] = req->done && req->done[i];
+            flags[B + i] = req->truncated && req->truncated[i];
+        }
+    }
+    pb.n_reward = req->reward ? B : 0;
+    pb.reward = (float *)req->reward;
+    pb.n_done = req->done ? B : 0;
+    pb.done = flags;
+    pb.n_truncated = req->truncated ? B : 0;
+    pb.truncated = flags ? flags + B : NULL;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     pb.reply_region = shm_reply(sc);
     *len = rnnd__v1__step_request__get_packed_size(&pb);
@@ -1145,6 +1196,7 @@ static int step_pack(struct shm *shm, const struct rnnd_step_req *req, struct sh
         rnnd__v1__step_request__pack(&pb, *buf);
     if (init != init_small)
         free(init);
+    free(flags);
     if (!*buf)
         shm_give(sc);
     return *buf ? 0 : local_err(RNND_ENOMEM, "out of memory");
@@ -1161,6 +1213,16 @@ static int step_unpack(const struct shm *shm, grpc_slice s, struct rnnd_step_rep
         err = copy_tensor(shm, r->h, &out->h);
     if (!err)
         err = copy_tensor(shm, r->c, &out->c);
+    if (!err)
+        err = copy_tensor(shm, r->action, &out->action);
+    if (!err)
+        err = copy_tensor(shm, r->log_prob, &out->log_prob);
+    if (!err)
+        err = copy_tensor(shm, r->value, &out->value);
+    if (!err)
+        err = copy_tensor(shm, r->logits, &out->logits);
+    if (!err)
+        err = copy_tensor(shm, r->mean, &out->mean);
     rnnd__v1__step_reply__free_unpacked(r, NULL);
     if (err)
         rnnd_step_reply_free(out);
@@ -1420,6 +1482,12 @@ void rnnd_forward_reply_free(struct rnnd_forward_reply *r) {
     rnnd_tensor_free(&r->is_init);
     rnnd_tensor_free(&r->extras);
     rnnd_tensor_free(&r->step_model_version);
+    rnnd_tensor_free(&r->action);
+    rnnd_tensor_free(&r->log_prob);
+    rnnd_tensor_free(&r->value);
+    rnnd_tensor_free(&r->reward);
+    rnnd_tensor_free(&r->done);
+    rnnd_tensor_free(&r->truncated);
     r->tape_id = r->model_version = 0;
 }
 
@@ -1496,6 +1564,18 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         err = copy_tensor(sh, r->extras, &out->extras);
     if (!err)
         err = copy_tensor(sh, r->step_model_version, &out->step_model_version);
+    if (!err)
+        err = copy_tensor(sh, r->action, &out->action);
+    if (!err)
+        err = copy_tensor(sh, r->log_prob, &out->log_prob);
+    if (!err)
+        err = copy_tensor(sh, r->value, &out->value);
+    if (!err)
+        err = copy_tensor(sh, r->reward, &out->reward);
+    if (!err)
+        err = copy_tensor(sh, r->done, &out->done);
+    if (!err)
+        err = copy_tensor(sh, r->truncated, &out->truncated);
     protobuf_c_message_free_unpacked(msg, NULL);
     shm_give(&sc);
     if (err)

@@ -199,6 +199,8 @@ struct part {
     uint64_t *env_ids;
     bool *is_init;
     uint64_t *step_index;
+    float *reward;
+    bool *done, *truncated;
     void *obs, *extras;
     // Results.
     struct rnnd_client *client;
@@ -217,11 +219,16 @@ static void part_free_req(struct part *pt) {
     free(pt->env_ids);
     free(pt->is_init);
     free(pt->step_index);
+    free(pt->reward);
+    free(pt->done);
+    free(pt->truncated);
     free(pt->obs);
     free(pt->extras);
     pt->env_ids = NULL;
     pt->is_init = NULL;
     pt->step_index = NULL;
+    pt->reward = NULL;
+    pt->done = pt->truncated = NULL;
     pt->obs = pt->extras = NULL;
 }
 
@@ -384,6 +391,24 @@ static int split_step(struct rnnd_client_pool *p, const struct rnnd_step_req *re
             pt->req.step_index = pt->step_index;
             pt->req.n_step_index = n;
         }
+        // What the previous steps earned goes with their envs' rows.
+        if ((req->reward && !(pt->reward = malloc(n * sizeof *pt->reward))) ||
+            (req->done && !(pt->done = malloc(n * sizeof *pt->done))) ||
+            (req->truncated && !(pt->truncated = malloc(n * sizeof *pt->truncated)))) {
+            err = pool_err(RNND_ENOMEM, -1, "out of memory");
+            goto done;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (pt->reward)
+                pt->reward[i] = req->reward[pt->rows[i]];
+            if (pt->done)
+                pt->done[i] = req->done[pt->rows[i]];
+            if (pt->truncated)
+                pt->truncated[i] = req->truncated[pt->rows[i]];
+        }
+        pt->req.reward = pt->reward;
+        pt->req.done = pt->done;
+        pt->req.truncated = pt->truncated;
         if (req->obs.present &&
             (err = gather_rows(&req->obs, obs_rb, pt->rows, n, &pt->obs, &pt->req.obs)))
             goto done;
@@ -458,11 +483,23 @@ static int join_step(struct split *sp, struct rnnd_step_reply *out) {
     for (size_t k = 1; k < sp->n_parts; k++)
         if (sp->parts[k].reply.model_version < out->model_version)
             out->model_version = sp->parts[k].reply.model_version;
-    int err = join_tensor(sp, offsetof(struct rnnd_step_reply, output), "output", &out->output);
+#define JOIN(f) join_tensor(sp, offsetof(struct rnnd_step_reply, f), #f, &out->f)
+    int err = JOIN(output);
     if (!err)
-        err = join_tensor(sp, offsetof(struct rnnd_step_reply, h), "h", &out->h);
+        err = JOIN(h);
     if (!err)
-        err = join_tensor(sp, offsetof(struct rnnd_step_reply, c), "c", &out->c);
+        err = JOIN(c);
+    if (!err)
+        err = JOIN(action);
+    if (!err)
+        err = JOIN(log_prob);
+    if (!err)
+        err = JOIN(value);
+    if (!err)
+        err = JOIN(logits);
+    if (!err)
+        err = JOIN(mean);
+#undef JOIN
     if (err)
         rnnd_step_reply_free(out);
     return err;

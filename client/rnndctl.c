@@ -358,6 +358,14 @@ static int cmd_info(struct rnnd_client *c) {
            "\nkernel_plan: %s\n",
            i.cell, i.input_size, i.hidden_size, i.num_layers, i.compute, i.backend, i.device,
            i.model_version, i.envs_active, i.max_batch, i.extras_size, i.kernel_plan);
+    if (i.n_encoder_widths || i.discrete_actions || i.gaussian_actions || i.value_head) {
+        printf("encoder_widths:");
+        for (int j = 0; j < i.n_encoder_widths; j++)
+            printf("%s%" PRId64, j ? "," : " ", i.encoder_widths[j]);
+        printf("\nencoder_activation: %s\ndiscrete_actions: %" PRId64 "\ngaussian_actions: %" PRId64
+               "\nvalue_head: %d\n",
+               i.encoder_activation, i.discrete_actions, i.gaussian_actions, i.value_head);
+    }
     return 0;
 }
 
@@ -442,6 +450,22 @@ static int cmd_step(struct rnnd_client *c, const struct args *a) {
             int64_t n = r.c.shape[1] * r.c.shape[2];
             for (size_t b = 0; b < B; b++)
                 print_row("  c env", ids[b], (const float *)r.c.data + b * (size_t)n, n, a->full);
+        }
+        // A policy's action (an index, or A floats), its log-prob and the value.
+        for (size_t b = 0; b < B && r.action.present; b++) {
+            printf("  action env %" PRIu64 ":", ids[b]);
+            if (r.action.dtype == RNND_DTYPE_INT64) {
+                printf(" %" PRId64, ((const int64_t *)r.action.data)[b]);
+            } else {
+                int64_t A = r.action.ndim == 2 ? r.action.shape[1] : 0;
+                for (int64_t k = 0; k < A; k++)
+                    printf(" %.6g", ((const float *)r.action.data)[b * (size_t)A + (size_t)k]);
+            }
+            if (r.log_prob.present)
+                printf(" log_prob %.6g", ((const float *)r.log_prob.data)[b]);
+            if (r.value.present)
+                printf(" value %.6g", ((const float *)r.value.data)[b]);
+            printf("\n");
         }
         rnnd_step_reply_free(&r);
     }

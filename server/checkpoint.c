@@ -21,6 +21,7 @@
 #include <zlib.h>
 
 #include "config.h"
+#include "job.h"
 #include "rnnd_safetensors.h"
 
 static int fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
@@ -297,7 +298,8 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     // envs.safetensors
     int64_t N = ck->n_envs, L = ck->model.L, H = ck->model.H;
     size_t lh = (size_t)(L * H);
-    struct rnnd_st_tensor et[6];
+    struct rnnd_st_tensor et[7];
+    int64_t OW = H + rnnd_policy_row(&ck->model).W;
     int ne = 0;
     et[ne++] = (struct rnnd_st_tensor){.name = "env_ids",
                                        .dtype = RNND_ST_I64,
@@ -334,9 +336,16 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
         et[ne++] = (struct rnnd_st_tensor){.name = "last_output",
                                            .dtype = RNND_ST_F32,
                                            .ndim = 2,
-                                           .shape = {N, H},
+                                           .shape = {N, OW},
                                            .data = ck->last_output,
-                                           .bytes = (size_t)(N * H) * 4};
+                                           .bytes = (size_t)(N * OW) * 4};
+    if (ck->step_count)
+        et[ne++] = (struct rnnd_st_tensor){.name = "step_count",
+                                           .dtype = RNND_ST_I64,
+                                           .ndim = 1,
+                                           .shape = {N},
+                                           .data = ck->step_count,
+                                           .bytes = (size_t)N * 8};
     const char *env_meta[] = {"env_ids", "uint64 bit patterns stored as I64"};
     rc = rnnd_st_encode(et, ne, env_meta, 1, &buf, &len);
     if (rc != 0)
@@ -349,7 +358,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     // trajectories.safetensors
     if (ck->traj_count) {
         int64_t R = ck->traj_rows, I = ck->model.I, E = ck->extras_size;
-        struct rnnd_st_tensor tt[7];
+        struct rnnd_st_tensor tt[9];
         int nt = 0;
         tt[nt++] = (struct rnnd_st_tensor){.name = "count",
                                            .dtype = RNND_ST_I64,
@@ -395,6 +404,22 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                                                .shape = {R, L, H},
                                                .data = ck->traj_c,
                                                .bytes = (size_t)R * lh * 4};
+        struct rnnd_policy_row pr = rnnd_policy_row(&ck->model);
+        int64_t PW = pr.W - pr.ndist + 1;
+        if (ck->traj_policy) {
+            tt[nt++] = (struct rnnd_st_tensor){.name = "policy_record",
+                                               .dtype = RNND_ST_F32,
+                                               .ndim = 2,
+                                               .shape = {R, PW},
+                                               .data = ck->traj_policy,
+                                               .bytes = (size_t)(R * PW) * 4};
+            tt[nt++] = (struct rnnd_st_tensor){.name = "policy_flags",
+                                               .dtype = RNND_ST_U8,
+                                               .ndim = 1,
+                                               .shape = {R},
+                                               .data = ck->traj_policy_flags,
+                                               .bytes = (size_t)R};
+        }
         const char *traj_meta[] = {"layout",
                                    "rows of every env in envs.safetensors order, count[i] each, "
                                    "oldest first; h/c: the state before the step"};
@@ -805,6 +830,23 @@ static int read_trajectories(struct rnnd_checkpoint_data *d, const struct rnnd_s
         memcpy(ex_v, ex->data, r * (size_t)E * 4);
     memcpy(ini_v, ini->data, r);
     memcpy(ver_v, ver->data, r * 8);
+    // A policy's record (optional: absent, the recorded steps have none).
+    struct rnnd_policy_row pr = rnnd_policy_row(&ck->model);
+    int64_t sp[2] = {R, pr.W - pr.ndist + 1};
+    const struct rnnd_st_tensor *prec =
+        pr.W ? want_tensor(f, "policy_record", RNND_ST_F32, 2, sp) : NULL;
+    const struct rnnd_st_tensor *pfl =
+        prec ? want_tensor(f, "policy_flags", RNND_ST_U8, 1, sr) : NULL;
+    if (prec && pfl) {
+        float *pv = keep(d, r * (size_t)sp[1] * 4);
+        uint8_t *fv = keep(d, r);
+        if (!pv || !fv)
+            return fail(err, errlen, RNND_ENOMEM, "out of memory");
+        memcpy(pv, prec->data, r * (size_t)sp[1] * 4);
+        memcpy(fv, pfl->data, r);
+        ck->traj_policy = pv;
+        ck->traj_policy_flags = fv;
+    }
     ck->traj_count = count;
     ck->traj_rows = R;
     ck->traj_obs = obs_v;
@@ -915,14 +957,15 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
             rc = fail(err, errlen, RNND_ECORRUPT, "envs.safetensors: no I64 [N] 'env_ids'");
             goto done;
         }
-        int64_t N = ids->shape[0], L = m->L, H = m->H;
-        int64_t s3[3] = {N, L, H}, s1[1] = {N}, s2[2] = {N, H};
+        int64_t N = ids->shape[0], L = m->L, H = m->H, OW = H + rnnd_policy_row(m).W;
+        int64_t s3[3] = {N, L, H}, s1[1] = {N}, s2[2] = {N, OW};
         const struct rnnd_st_tensor *h = want_tensor(&f, "h", RNND_ST_F32, 3, s3);
         const struct rnnd_st_tensor *c =
             m->cell == RNND_CELL_LSTM ? want_tensor(&f, "c", RNND_ST_F32, 3, s3) : NULL;
         const struct rnnd_st_tensor *li = want_tensor(&f, "last_index", RNND_ST_I64, 1, s1);
         const struct rnnd_st_tensor *hi = want_tensor(&f, "has_index", RNND_ST_U8, 1, s1);
         const struct rnnd_st_tensor *lo = want_tensor(&f, "last_output", RNND_ST_F32, 2, s2);
+        const struct rnnd_st_tensor *sc = want_tensor(&f, "step_count", RNND_ST_I64, 1, s1);
         if (h == NULL || (m->cell == RNND_CELL_LSTM && c == NULL) || li == NULL || hi == NULL ||
             N > INT32_MAX) {
             rc = fail(err, errlen, RNND_ECORRUPT,
@@ -937,8 +980,9 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         uint8_t *hiv = keep(out, n);
         float *hv = keep(out, n * lh * 4);
         float *cv = c ? keep(out, n * lh * 4) : NULL;
-        float *lov = lo ? keep(out, n * (size_t)H * 4) : NULL;
-        if (!idv || !liv || !hiv || !hv || (c && !cv) || (lo && !lov)) {
+        float *lov = lo ? keep(out, n * (size_t)OW * 4) : NULL;
+        uint64_t *scv = sc ? keep(out, n * 8) : NULL;
+        if (!idv || !liv || !hiv || !hv || (c && !cv) || (lo && !lov) || (sc && !scv)) {
             rc = fail(err, errlen, RNND_ENOMEM, "out of memory");
             goto done;
         }
@@ -949,7 +993,9 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         if (c)
             memcpy(cv, c->data, n * lh * 4);
         if (lo)
-            memcpy(lov, lo->data, n * (size_t)H * 4);
+            memcpy(lov, lo->data, n * (size_t)OW * 4);
+        if (sc)
+            memcpy(scv, sc->data, n * 8);
         ck->n_envs = (int)N;
         ck->env_ids = idv;
         ck->last_index = liv;
@@ -957,6 +1003,7 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         ck->env_h = hv;
         ck->env_c = cv;
         ck->last_output = lov;
+        ck->step_count = scv;
         rnnd_st_file_free(&f);
         free(buf);
         buf = NULL;

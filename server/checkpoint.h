@@ -45,7 +45,9 @@ struct rnnd_checkpoint {
     const float *env_c;         // (N, L, H) LSTM
     const uint64_t *last_index; // (N)
     const uint8_t *has_index;   // (N)
-    const float *last_output;   // (N, H) the output of each env's latest step (retries)
+    const float *last_output;   // (N, H + W) the reply of each env's latest step (retries): the
+                                // output, then a policy's row (W of rnnd_policy_row, job.h)
+    const uint64_t *step_count; // (N) or NULL: the steps each env took (a policy's sampling key)
     // Recorded trajectories, or traj_count NULL for none (R rows: the sum of traj_count):
     const int64_t *traj_count;    // (N) steps recorded for each env, oldest first
     int64_t traj_rows;            // R
@@ -55,6 +57,10 @@ struct rnnd_checkpoint {
     const uint64_t *traj_version; // (R)
     const float *traj_h;          // (R, L, H) the state before each step
     const float *traj_c;          // (R, L, H) LSTM
+    // A policy model's record of each row (engine_impl.h), or NULL: W' = the policy row
+    // without its logits or mean, plus the reward; flags: done (bit 0), truncated (bit 1).
+    const float *traj_policy;         // (R, W')
+    const uint8_t *traj_policy_flags; // (R)
     int extras_size;
     uint64_t seed;
     int64_t created_unix_ms; // read back: when it was written (0 when unknown)

@@ -26,7 +26,9 @@ enum opt_type {
     OPT_MODE,   // a file mode in octal
     OPT_ENUM,
     OPT_DEVICES,
-    OPT_RANK
+    OPT_RANK,
+    OPT_WIDTHS, // the encoder's widths: a comma-separated list into model.policy
+    OPT_BOOL    // 0 or 1 into a bool
 };
 
 struct opt {
@@ -47,6 +49,7 @@ static const char *const backend_names[] = {"auto", "cpu", "cuda", NULL};
 static const char *const optim_names[] = {"adam", "sgd", NULL};
 static const char *const level_names[] = {"debug", "info", "warn", "error", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
+static const char *const act_names[] = {"elu", "relu", "tanh", NULL};
 
 #define OFF(f)         offsetof(struct rnnd_config, f)
 #define INT(f, lo, hi) OPT_INT, OFF(f), sizeof(int), lo, hi, 0, 0, NULL
@@ -59,6 +62,8 @@ static const char *const log_format_names[] = {"text", "json", NULL};
 #define RANK(f)        OPT_RANK, OFF(f), sizeof(int), 0, 65535, 0, 0, NULL
 #define LISTEN(f)      OPT_LISTEN, OFF(f), sizeof(((struct rnnd_config *)0)->f), 0, 0, 0, 0, NULL
 #define MODE(f)        OPT_MODE, OFF(f), sizeof(int), 0, 0777, 0, 0, NULL
+#define WIDTHS(f)      OPT_WIDTHS, OFF(f), sizeof(struct rnnd_policy), 0, 0, 0, 0, NULL
+#define BOOL(f)        OPT_BOOL, OFF(f), sizeof(bool), 0, 1, 0, 0, NULL
 
 static const struct opt opts[] = {
     {"config", PATH(config_file), "FILE",
@@ -69,6 +74,16 @@ static const struct opt opts[] = {
     {"layers", INT(model.L, 1, RNND_MAX_LAYERS), "N", "stacked layers L"},
     {"compute", ENUM(model.compute, compute_names), "fp32|ieee|bf16",
      "matmul precision (fp32 allows TF32 on GPUs)"},
+    {"encoder-widths", WIDTHS(model.policy), "N,N,...",
+     "policy: an MLP encoder before the core, one Linear and activation per width (at most 4; "
+     "empty: none, the core reads the observation)"},
+    {"encoder-activation", ENUM(model.policy.enc_act, act_names), "elu|relu|tanh",
+     "policy: the encoder's activation"},
+    {"discrete-actions", INT(model.policy.K, 0, RNND_MAX_WIDTH), "K",
+     "policy: a discrete action head of K logits (0: none; Step returns actions)"},
+    {"gaussian-actions", INT(model.policy.A, 0, RNND_MAX_WIDTH), "A",
+     "policy: a diagonal Gaussian action head of A dims with a learned log-std (0: none)"},
+    {"value-head", BOOL(model.policy.value), "0|1", "policy: a value head (Step returns values)"},
     {"backend", ENUM(backend, backend_names), "auto|cpu|cuda",
      "auto: cuda when a device is usable, else cpu"},
     {"device", INT(device, 0, 1023), "N", "CUDA device index"},
@@ -416,6 +431,34 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
             *(int *)field = (int)v;
             return 0;
         }
+        case OPT_WIDTHS: {
+            struct rnnd_policy *p = (struct rnnd_policy *)field;
+            int n = 0, w[RNND_MAX_ENCODER_LAYERS];
+            for (const char *q = value; *q;) {
+                errno = 0;
+                long v = strtol(q, &end, 10);
+                if (end == q || errno || v < 1 || v > RNND_MAX_WIDTH ||
+                    (*end != ',' && *end != '\0') || (*end == ',' && end[1] == '\0'))
+                    return fail(err, errlen,
+                                "--%s: '%s' is not a comma-separated list of widths in [1, %d] "
+                                "(e.g. 64,64; empty for no encoder)",
+                                o->name, value, RNND_MAX_WIDTH);
+                if (n == RNND_MAX_ENCODER_LAYERS)
+                    return fail(err, errlen, "--%s: '%s' has more than %d encoder layers", o->name,
+                                value, RNND_MAX_ENCODER_LAYERS);
+                w[n++] = (int)v;
+                q = *end ? end + 1 : end;
+            }
+            p->enc_layers = n;
+            memset(p->enc_width, 0, sizeof(p->enc_width));
+            memcpy(p->enc_width, w, (size_t)n * sizeof(int));
+            return 0;
+        }
+        case OPT_BOOL:
+            if (strcmp(value, "0") != 0 && strcmp(value, "1") != 0)
+                return fail(err, errlen, "--%s: '%s' is not 0 or 1", o->name, value);
+            *(bool *)field = value[0] == '1';
+            return 0;
         case OPT_ENUM:
             for (int i = 0; o->names[i]; i++) {
                 if (strcmp(value, o->names[i]) == 0) {
@@ -489,6 +532,9 @@ int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, si
 }
 
 int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
+    char why[256];
+    if (rnnd_model_validate(&c->model, why, sizeof(why)) != 0)
+        return fail(err, errlen, "the model: %s", why);
     if (c->tls_key[0] && !c->tls_cert[0])
         return fail(err, errlen, "--tls-key needs --tls-cert");
     if (c->tls_cert[0] && !c->tls_key[0])
@@ -519,8 +565,11 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
                 return fail(err, errlen, "--listen names %s twice", addrs[i]);
     }
     // Each env's reply and request rows must fit into one message with room to spare.
+    // A policy adds its logits or mean, action, log-prob, value and the reward sent back.
+    const struct rnnd_policy *p = &c->model.policy;
+    size_t pol = rnnd_model_has_policy(&c->model) ? (size_t)p->K + 2 * (size_t)p->A + 4 : 0;
     size_t row = ((size_t)c->model.I + (size_t)c->extras_size +
-                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H) *
+                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H + pol) *
                  sizeof(float);
     if ((size_t)c->max_batch * row > (size_t)c->max_message_mb << 20)
         return fail(err, errlen,
@@ -613,6 +662,12 @@ void rnnd_config_usage(FILE *f) {
             case OPT_ENUM:
                 snprintf(def, sizeof(def), "%s", o->names[*(const int *)field]);
                 break;
+            case OPT_WIDTHS:
+                snprintf(def, sizeof(def), "none");
+                break;
+            case OPT_BOOL:
+                snprintf(def, sizeof(def), "%d", *(const bool *)field);
+                break;
         }
         char head[96];
         snprintf(head, sizeof(head), "--%s %s", o->name, o->arg);
@@ -676,6 +731,10 @@ const char *rnnd_config_cell_name(enum rnnd_cell cell) {
 
 const char *rnnd_config_compute_name(enum rnnd_compute compute) {
     return (unsigned)compute < 3 ? compute_names[compute] : "?";
+}
+
+const char *rnnd_config_act_name(enum rnnd_act act) {
+    return (unsigned)act < 3 ? act_names[act] : "?";
 }
 
 #ifndef RNND_VERSION

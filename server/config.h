@@ -24,7 +24,7 @@ enum rnnd_backend_kind { RNND_BACKEND_AUTO, RNND_BACKEND_CPU, RNND_BACKEND_CUDA 
 
 struct rnnd_config {
     char config_file[RNND_CONFIG_PATH_MAX];
-    struct rnnd_model model; // cell, compute, I, H, L
+    struct rnnd_model model; // cell, compute, I, H, L and the policy
     enum rnnd_backend_kind backend;
     int device;
     // gRPC addresses, comma-separated: HOST:PORT or unix:PATH (rnnd_config_listen splits them)
@@ -129,5 +129,6 @@ int rnnd_config_rank(const struct rnnd_config *c, int *rank, char *err, size_t e
 
 const char *rnnd_config_cell_name(enum rnnd_cell cell);
 const char *rnnd_config_compute_name(enum rnnd_compute compute);
+const char *rnnd_config_act_name(enum rnnd_act act);
 
 #endif // RNND_CONFIG_H

@@ -184,6 +184,15 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
             }
             rnnd_log(RNND_LOG_INFO, "no usable CUDA device (%s): using the cpu backend",
                      rnnd_strerror(rc));
+        } else if (c->backend == RNND_BACKEND_AUTO && rnnd_model_has_policy(&e->model) &&
+                   e->be.ops->supports(e->be.ctx, &e->model) != 0) {
+            // --backend auto serves what it is configured for rather than refusing to start:
+            // a policy the CUDA backend does not run yet runs on the CPU.
+            rnnd_log(RNND_LOG_WARN,
+                     "the cuda backend does not run policy models (encoder or heads) yet: using "
+                     "the cpu backend");
+            rnnd_backend_free(&e->be);
+            memset(&e->be, 0, sizeof(e->be));
         }
     }
     if (e->be.ops == NULL) {
@@ -198,9 +207,13 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     e->host_mem = (e->be.ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
     rc = e->be.ops->supports(e->be.ctx, &e->model);
     if (rc != 0) {
-        snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s (%s)",
+        snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s%s (%s)",
                  e->backend_name, rnnd_config_cell_name(e->model.cell), e->model.I, e->model.H,
-                 e->model.L, rnnd_config_compute_name(e->model.compute), rnnd_strerror(rc));
+                 e->model.L, rnnd_config_compute_name(e->model.compute),
+                 rnnd_model_has_policy(&e->model)
+                     ? " with a policy (encoder or heads); use --backend cpu or auto"
+                     : "",
+                 rnnd_strerror(rc));
         return rc;
     }
     e->be.ops->plan_name(e->be.ctx, &e->model, c->max_batch, e->plan, sizeof(e->plan));
@@ -239,6 +252,14 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     rc = store_open(e, msg, msglen);
     if (rc != 0)
         return rc;
+    if (e->prow.W && e->tdims.cap > 0) {
+        what = "policy record of the trajectory store (lower --max-envs or --trajectory-steps)";
+        size_t R = (size_t)e->store.R;
+        e->prec_w = (size_t)(e->prow.W - e->prow.ndist) + 1;
+        if (e->be.ops->alloc_lazy(e->be.ctx, R * e->prec_w * sizeof(float), (void **)&e->prec) ||
+            e->be.ops->alloc_lazy(e->be.ctx, R, (void **)&e->pflags))
+            goto oom;
+    }
     what = "step buffers (lower --max-batch)";
     struct step_layout most = rnnd__engine_step_layout(e, (int)MB);
     e->in_bytes = most.in_used;
@@ -255,7 +276,8 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     }
     e->rows = malloc(MB * sizeof(*e->rows));
     what = "env table (lower --max-envs)";
-    e->envs = rnnd_envtable_init(c->max_envs, e->model.H);
+    // Each env's retry cache holds its last reply row: the core output, then the policy's.
+    e->envs = rnnd_envtable_init(c->max_envs, e->model.H + e->prow.W);
     e->tapes =
         rnnd_tapes_init((size_t)c->tape_memory_mb << 20, (uint64_t)c->tape_ttl_s * 1000000000ull,
                         rnnd__engine_tape_release, e);
@@ -301,6 +323,11 @@ static void engine_close(struct rnnd_engine *e) {
     }
     e->be.ops->host_free(e->be.ctx, e->xfer);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
+    if (e->prec) {
+        e->be.ops->free_lazy(e->be.ctx, e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));
+        e->be.ops->free_lazy(e->be.ctx, e->pflags, (size_t)e->store.R);
+    }
+    free(e->rec_host);
     publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);
     free(e->rows);
     rnnd_backend_free(&e->be);
@@ -524,6 +551,10 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, i
     e->lstm = cfg->model.cell == RNND_CELL_LSTM;
     e->P = rnnd_model_param_count(&e->model);
     e->LH = (size_t)e->model.L * (size_t)e->model.H;
+    e->core = rnnd_model_core(&e->model);
+    e->policy = rnnd_model_has_policy(&e->model);
+    e->prow = rnnd_policy_row(&e->model);
+    e->enc_acts = rnnd_model_encoder_acts(&e->model);
     e->tdims = (struct rnnd_traj_dims){.I = e->model.I,
                                        .E = cfg->extras_size,
                                        .L = e->model.L,

@@ -103,6 +103,8 @@ struct traj_snapshot {
     float *obs, *extras, *h, *c;
     uint8_t *is_init;
     uint64_t *version;
+    float *prec;     // (rows, prec_w) a policy's record (host memory: copied directly)
+    uint8_t *pflags; // (rows)
 };
 
 static void traj_snapshot_free(struct traj_snapshot *t) {
@@ -113,6 +115,8 @@ static void traj_snapshot_free(struct traj_snapshot *t) {
     free(t->c);
     free(t->is_init);
     free(t->version);
+    free(t->prec);
+    free(t->pflags);
 }
 
 // Reads the chunk's rows from the store into t from row `at` on.
@@ -153,15 +157,24 @@ static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) 
     t->c = d->lstm ? malloc(R * LH * sizeof(float)) : NULL;
     t->is_init = malloc(R);
     t->version = malloc(R * sizeof(uint64_t));
-    if (!t->obs || (E && !t->extras) || !t->h || (d->lstm && !t->c) || !t->is_init || !t->version)
+    t->prec = e->prec ? malloc(R * e->prec_w * sizeof(float)) : NULL;
+    t->pflags = e->prec ? malloc(R) : NULL;
+    if (!t->obs || (E && !t->extras) || !t->h || (d->lstm && !t->c) || !t->is_init || !t->version ||
+        (e->prec && (!t->prec || !t->pflags)))
         return RNND_ENOMEM;
     struct traj_chunk k;
     int rc = traj_chunk_open(e, &k, t->rows);
-    size_t at = 0;
+    size_t at = 0, j = 0;
     for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); rc == 0 && env;
          env = rnnd_envtable_newer(e->envs, env)) {
-        for (int s = 0; rc == 0 && s < env->traj.count; s++) {
-            k.h_idx[k.n++] = rnnd_traj_row(&env->traj, d, env->slot, env->traj.count, s);
+        for (int s = 0; rc == 0 && s < env->traj.count; s++, j++) {
+            int32_t row = rnnd_traj_row(&env->traj, d, env->slot, env->traj.count, s);
+            k.h_idx[k.n++] = row;
+            if (t->prec) {
+                memcpy(t->prec + j * e->prec_w, e->prec + (size_t)row * e->prec_w,
+                       e->prec_w * sizeof(float));
+                t->pflags[j] = e->pflags[row];
+            }
             if (k.n == k.cap) {
                 rc = traj_snapshot_flush(e, &k, t, at);
                 at += (size_t)k.cap;
@@ -197,11 +210,14 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     uint8_t *has = malloc((size_t)N + 1);
     float *h = malloc(((size_t)N * LH + 1) * sizeof(float));
     float *c = e->lstm ? malloc(((size_t)N * LH + 1) * sizeof(float)) : NULL;
-    float *lo = malloc(((size_t)N * (size_t)e->model.H + 1) * sizeof(float));
+    size_t OW = (size_t)e->model.H + (size_t)e->prow.W; // each env's cached reply row
+    float *lo = malloc(((size_t)N * OW + 1) * sizeof(float));
+    uint64_t *steps = e->prow.action >= 0 ? malloc(((size_t)N + 1) * sizeof(uint64_t)) : NULL;
     struct traj_snapshot tr = {0};
     int rc = RNND_ENOMEM;
     if (!params || (e->adam_m && (!m || !v)) || !ids || !last || !has || !h || (e->lstm && !c) ||
-        !lo || (e->tdims.cap > 0 && traj_snapshot(e, N, &tr) != 0)) {
+        !lo || (e->prow.action >= 0 && !steps) ||
+        (e->tdims.cap > 0 && traj_snapshot(e, N, &tr) != 0)) {
         snprintf(msg, msglen, "out of host memory for a checkpoint snapshot");
         goto out;
     }
@@ -216,8 +232,9 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         ids[i] = env->id;
         last[i] = env->last_index;
         has[i] = env->has_index;
-        memcpy(lo + (size_t)i * (size_t)e->model.H, rnnd_envtable_output(e->envs, env),
-               (size_t)e->model.H * sizeof(float));
+        memcpy(lo + (size_t)i * OW, rnnd_envtable_output(e->envs, env), OW * sizeof(float));
+        if (steps)
+            steps[i] = env->steps;
         size_t off = env_row(e, env) * LH;
         rc = be_out(e, h + (size_t)i * LH, e->state_h + off, LH * sizeof(float));
         if (rc == 0 && e->lstm)
@@ -236,6 +253,7 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
     ck.env_h = h;
     ck.env_c = c;
     ck.last_output = lo;
+    ck.step_count = steps;
     if (tr.count) {
         ck.traj_count = tr.count;
         ck.traj_rows = tr.rows;
@@ -245,6 +263,8 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         ck.traj_version = tr.version;
         ck.traj_h = tr.h;
         ck.traj_c = tr.c;
+        ck.traj_policy = tr.prec;
+        ck.traj_policy_flags = tr.pflags;
     }
     uint64_t t0 = rnnd_now_ns();
     rc = rnnd_checkpoint_write(dir, &ck, msg, msglen);
@@ -266,6 +286,7 @@ out:
     free(h);
     free(c);
     free(lo);
+    free(steps);
     traj_snapshot_free(&tr);
     return rc;
 }
@@ -353,6 +374,12 @@ static int restore_traj(struct rnnd_engine *e, struct traj_chunk *k, struct rnnd
     int rc = 0;
     for (int64_t s = skip; rc == 0 && s < n; s++) {
         k->h_idx[k->n] = rnnd_traj_next(&env->traj, d, env->slot);
+        if (e->prec && ck->traj_policy) {
+            size_t row = (size_t)k->h_idx[k->n], from = at + (size_t)s;
+            memcpy(e->prec + row * e->prec_w, ck->traj_policy + from * e->prec_w,
+                   e->prec_w * sizeof(float));
+            e->pflags[row] = ck->traj_policy_flags[from];
+        }
         traj_chunk_row(e, k, k->n, at + (size_t)s, (float *)ck->traj_obs, (float *)ck->traj_extras,
                        (float *)ck->traj_h, (float *)ck->traj_c, (uint8_t *)ck->traj_is_init,
                        (uint64_t *)ck->traj_version, true);
@@ -415,9 +442,12 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
             break;
         env->has_index = ck->has_index[i] != 0;
         env->last_index = ck->last_index[i];
+        size_t OW = H + (size_t)e->prow.W;
         if (ck->last_output)
-            memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * H,
-                   H * sizeof(float));
+            memcpy(rnnd_envtable_output(e->envs, env), ck->last_output + (size_t)i * OW,
+                   OW * sizeof(float));
+        if (ck->step_count)
+            env->steps = ck->step_count[i];
         size_t off = env_row(e, env) * LH;
         rc = be_in(e, e->state_h + off, ck->env_h + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && e->lstm)

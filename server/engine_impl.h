@@ -49,6 +49,24 @@ struct rnnd_engine {
     struct rnnd_model model;
     size_t P, LH;
     bool lstm;
+    // The policy around the core (docs/design.md "Policy"): the core alone as the core ops take
+    // it, what a Step returns per row besides the core output, and the encoder's activations
+    // per row (0 without encoder).
+    struct rnnd_model core;
+    bool policy;
+    struct rnnd_policy_row prow;
+    int enc_acts;
+    // A policy's record of each trajectory store row, in host memory (only the CPU backend runs
+    // policies), when the model has heads and steps are recorded: prec_w floats per row (the
+    // policy row of rnnd_policy_row without its logits or mean, then the reward the env's next
+    // step reports) and the done (bit 0) and truncated (bit 1) flags.
+    float *prec;     // (R, prec_w)
+    uint8_t *pflags; // (R)
+    size_t prec_w;
+    // Host memory of a recorded Forward's policy outputs (struct rnnd_forward_job), grown on
+    // demand.
+    char *rec_host;
+    size_t rec_host_bytes;
     struct rnnd_backend be;
     bool host_mem; // the backend's memory is host memory: no staging copies
     struct rnnd_batcher *batcher;
@@ -183,10 +201,15 @@ static inline size_t carve_off(size_t *used, size_t bytes) {
 // the input block also carries each row's extras, store row and model version, and the output
 // block the state each row started from: the backend records the rows from there (traj_write)
 // and only `out` comes back.
+// A policy model adds each row's sampling key (env id, step) and greedy flag to the input block,
+// the heads' outputs and the action to the part that comes back, and the encoder's activations
+// to the rest.
 struct step_layout {
-    size_t x, slots, slots_new, init, extras, trows, version, in_used; // in the input block
-    size_t out, out_used; // in the output block: out_used covers what is copied back
-    size_t hb, cb, out_all;
+    size_t x, slots, slots_new, init, extras, trows, version; // in the input block
+    size_t keys, ksteps, greedy, in_used;                     // (policy)
+    size_t out, dist, index, action, logp, value, out_used;   // in the output block: out_used
+                                                              // covers what is copied back
+    size_t hb, cb, acts, out_all;
 };
 
 // The state tables' row that holds env's state, and the one its next step writes.

@@ -198,6 +198,7 @@ struct fwd_layout {
     float *rec_extras; // (B, T, E) recorded only
     uint64_t *rec_ver; // (B, T) recorded only
     float *out, *h_n, *c_n;
+    float *acts;  // (B*T, encoder acts) a policy's encoder activations, or NULL
     int32_t *idx; // recorded: (B*T + B) store rows of the windows, then of their first steps
     char *area;   // the packed inputs (in_bytes), then the packed outputs; NULL when none
     size_t in_bytes, area_bytes;
@@ -266,6 +267,7 @@ static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layo
     l->h_n = carve(cv, B * LH * sizeof(float));
     l->c_n = e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
     l->idx = rec ? carve(cv, (BT + B) * sizeof(int32_t)) : NULL;
+    l->acts = e->enc_acts ? carve(cv, BT * (size_t)e->enc_acts * sizeof(float)) : NULL;
     struct io_part in[8], out[8];
     int nin, nout;
     fwd_parts(e, f, l, in, &nin, out, &nout);
@@ -301,6 +303,57 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
     return 0;
 }
 
+// A recorded Forward's policy fields (struct rnnd_forward_job) from the record of its windows'
+// rows, into the engine's host buffer (valid until the job is done). 0 or RNND_ENOMEM.
+static int policy_record_read(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_forward_job *f = &job->fwd;
+    size_t BT = (size_t)f->B * (size_t)f->T, na = (size_t)e->prow.naction;
+    bool act = e->prow.action >= 0, val = e->prow.value >= 0;
+    bool want_act = f->rec_fields & RNND_REC_ACTION, want_rew = f->rec_fields & RNND_REC_REWARD;
+    struct carve cv = {0};
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t *idx = carve(&cv, (BT + (size_t)f->B) * sizeof(int32_t));
+        f->rec_action = want_act && act ? carve(&cv, BT * (e->model.policy.A ? na * 4 : 8)) : NULL;
+        f->rec_logp = want_act && act ? carve(&cv, BT * sizeof(float)) : NULL;
+        f->rec_value = want_act && val ? carve(&cv, BT * sizeof(float)) : NULL;
+        f->rec_reward = want_rew ? carve(&cv, BT * sizeof(float)) : NULL;
+        f->rec_done = want_rew ? carve(&cv, BT) : NULL;
+        f->rec_truncated = want_rew ? carve(&cv, BT) : NULL;
+        if (pass == 1) {
+            recorded_rows(e, job, idx);
+            break;
+        }
+        if (cv.used > e->rec_host_bytes) {
+            free(e->rec_host);
+            e->rec_host_bytes = 0;
+            if ((e->rec_host = malloc(cv.used)) == NULL)
+                return RNND_ENOMEM;
+            e->rec_host_bytes = cv.used;
+        }
+        cv = (struct carve){e->rec_host, 0};
+    }
+    const int32_t *idx = (const int32_t *)e->rec_host;
+    size_t off_logp = (size_t)(e->prow.logp - e->prow.ndist);
+    size_t off_val = (size_t)(e->prow.value - e->prow.ndist);
+    for (size_t i = 0; i < BT; i++) {
+        const float *rec = e->prec + (size_t)idx[i] * e->prec_w;
+        if (f->rec_action && e->model.policy.K)
+            ((int64_t *)f->rec_action)[i] = (int64_t)rec[0];
+        else if (f->rec_action)
+            memcpy((float *)f->rec_action + i * na, rec, na * sizeof(float));
+        if (f->rec_logp)
+            f->rec_logp[i] = rec[off_logp];
+        if (f->rec_value)
+            f->rec_value[i] = rec[off_val];
+        if (f->rec_reward) {
+            f->rec_reward[i] = rec[e->prec_w - 1];
+            f->rec_done[i] = e->pflags[idx[i]] & 1;
+            f->rec_truncated[i] = (e->pflags[idx[i]] >> 1) & 1;
+        }
+    }
+    return 0;
+}
+
 // What a Forward that is part of a larger one keeps in its tape (rnnd__engine_run_forward_part).
 struct fwd_part {
     uint64_t tape_id;    // the id every engine keeps its part under
@@ -321,7 +374,7 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
         return;
     size_t tape_bytes = 0;
     if (f->keep_tape) {
-        tape_bytes = e->be.ops->tape_bytes(e->be.ctx, &e->model, B, T);
+        tape_bytes = e->be.ops->tape_bytes(e->be.ctx, &e->core, B, T);
         if (tape_bytes == 0)
             tape_bytes = 1;
     }
@@ -394,9 +447,16 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
                            .hidden = l.hidden,
                            .cell = l.cell};
     uint64_t t0 = rnnd_now_ns();
+    if (rc == 0 && l.acts) {
+        // A policy's encoder first: its last block of activations is the core's input.
+        rc = e->be.ops->encoder_forward(e->be.ctx, l.acts, l.x, (int)BT, e->cur->params, &e->model);
+        seq.x = l.acts + BT * (size_t)(e->enc_acts - e->core.I);
+    }
     if (rc == 0)
         rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq, e->cur->params,
-                                    &e->model);
+                                    &e->core);
+    if (rc == 0 && rec && (f->rec_fields & (RNND_REC_ACTION | RNND_REC_REWARD)))
+        rc = policy_record_read(e, job);
     if (rc == 0) // one copy back of everything returned
         rc = io_out(e, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL, host + out_at);
     rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
@@ -544,6 +604,18 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
             rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * fo);
         if (s->rec_version)
             rows_scatter(f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
+        size_t A = (size_t)e->model.policy.A;
+        if (s->rec_action)
+            rows_scatter(f->rec_action, s->rec_action, rows, n, Tz * (A ? A * 4 : 8));
+        if (s->rec_logp)
+            rows_scatter(f->rec_logp, s->rec_logp, rows, n, Tz * sizeof(float));
+        if (s->rec_value)
+            rows_scatter(f->rec_value, s->rec_value, rows, n, Tz * sizeof(float));
+        if (s->rec_reward) {
+            rows_scatter(f->rec_reward, s->rec_reward, rows, n, Tz * sizeof(float));
+            rows_scatter(f->rec_done, s->rec_done, rows, n, Tz);
+            rows_scatter(f->rec_truncated, s->rec_truncated, rows, n, Tz);
+        }
     }
     free(block);
     free(ids);

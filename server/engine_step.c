@@ -31,13 +31,31 @@ struct step_layout rnnd__engine_step_layout(const struct rnnd_engine *e, int n) 
         l.trows = carve_off(&in, rows * sizeof(int32_t));
         l.version = carve_off(&in, rows * sizeof(uint64_t));
     }
+    const struct rnnd_policy_row *pr = &e->prow;
+    if (pr->action >= 0) {
+        l.keys = carve_off(&in, rows * sizeof(uint64_t));
+        l.ksteps = carve_off(&in, rows * sizeof(uint64_t));
+        l.greedy = carve_off(&in, rows);
+    }
     l.in_used = in;
     l.out = carve_off(&out, rows * (size_t)e->model.H * sizeof(float));
+    if (pr->dist >= 0) {
+        l.dist = carve_off(&out, rows * (size_t)pr->ndist * sizeof(float));
+        if (e->model.policy.K > 0)
+            l.index = carve_off(&out, rows * sizeof(int64_t));
+        else
+            l.action = carve_off(&out, rows * (size_t)pr->naction * sizeof(float));
+        l.logp = carve_off(&out, rows * sizeof(float));
+    }
+    if (pr->value >= 0)
+        l.value = carve_off(&out, rows * sizeof(float));
     l.out_used = out;
     if (record) {
         l.hb = carve_off(&out, rows * e->LH * sizeof(float));
         l.cb = e->lstm ? carve_off(&out, rows * e->LH * sizeof(float)) : 0;
     }
+    if (e->enc_acts)
+        l.acts = carve_off(&out, rows * (size_t)e->enc_acts * sizeof(float));
     l.out_all = out;
     return l;
 }
@@ -100,6 +118,17 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
         struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
         s->envs[r] = env;
         s->repeat[r] = 0;
+        bool earned = (s->reward && s->reward[r] != 0.0f) || (s->done && s->done[r]) ||
+                      (s->truncated && s->truncated[r]);
+        if (earned && (env == NULL || env->traj.count == 0)) {
+            rnnd_job_fail(job, RNND_EPRECOND,
+                          "env %" PRIu64 " (row %d) has no recorded step to take reward %g, "
+                          "done %d, truncated %d for (it is new, ended or evicted); send 0 and "
+                          "false with an env's first step",
+                          s->env_ids[r], r, s->reward ? (double)s->reward[r] : 0.0,
+                          s->done ? s->done[r] : 0, s->truncated ? s->truncated[r] : 0);
+            return step_refuse(s);
+        }
         if (env == NULL) {
             if (!s->is_init[r]) {
                 rnnd_job_fail(
@@ -160,8 +189,30 @@ struct row_task {
     struct rnnd_engine *e;
     int n;
     const float *h_out;
+    const char *h_outb; // the output block (policy columns at lay's offsets)
+    struct step_layout lay;
     _Atomic int next; // next chunk's first row
 };
+
+// Row i's policy reply row (W floats, struct rnnd_policy_row) from the output block's columns.
+static void policy_row_gather(const struct rnnd_engine *e, const struct row_task *t, int i,
+                              float *row) {
+    const struct rnnd_policy_row *pr = &e->prow;
+    const struct step_layout *l = &t->lay;
+    if (pr->dist >= 0) {
+        size_t nd = (size_t)pr->ndist, na = (size_t)pr->naction;
+        memcpy(row + pr->dist, (const float *)(t->h_outb + l->dist) + (size_t)i * nd,
+               nd * sizeof(float));
+        if (e->model.policy.K > 0)
+            row[pr->action] = (float)((const int64_t *)(t->h_outb + l->index))[i];
+        else
+            memcpy(row + pr->action, (const float *)(t->h_outb + l->action) + (size_t)i * na,
+                   na * sizeof(float));
+        row[pr->logp] = ((const float *)(t->h_outb + l->logp))[i];
+    }
+    if (pr->value >= 0)
+        row[pr->value] = ((const float *)(t->h_outb + l->value))[i];
+}
 
 #define ROW_CHUNK        64
 #define ROW_PARALLEL_MIN 256 // fewer rows: one thread is quicker than waking others
@@ -185,8 +236,24 @@ static void rows_run(void *arg, int k, int n) {
             struct rnnd_env *env = s->envs[r];
             const float *out = t->h_out + (size_t)i * H;
             memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
-            if (s->step_index)
-                memcpy(rnnd_envtable_output(e->envs, env), out, H * sizeof(float));
+            size_t W = (size_t)e->prow.W;
+            if (W)
+                policy_row_gather(e, t, i, s->pol + (size_t)r * W);
+            if (e->prec) {
+                // The step's record: what the policy chose; its reward comes with the next step.
+                int32_t row = ((const int32_t *)(e->h_in + t->lay.trows))[i];
+                float *rec = e->prec + (size_t)row * e->prec_w;
+                memcpy(rec, s->pol + (size_t)r * W + e->prow.ndist,
+                       (e->prec_w - 1) * sizeof(float));
+                rec[e->prec_w - 1] = 0.0f;
+                e->pflags[row] = 0;
+            }
+            if (s->step_index) {
+                float *cache = rnnd_envtable_output(e->envs, env);
+                memcpy(cache, out, H * sizeof(float));
+                if (W)
+                    memcpy(cache + H, s->pol + (size_t)r * W, W * sizeof(float));
+            }
         }
     }
 }
@@ -222,6 +289,10 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     float *h_extras = (float *)(e->h_in + lay.extras);
     int32_t *h_trows = (int32_t *)(e->h_in + lay.trows);
     uint64_t *h_version = (uint64_t *)(e->h_in + lay.version);
+    uint64_t *h_keys = (uint64_t *)(e->h_in + lay.keys);
+    uint64_t *h_ksteps = (uint64_t *)(e->h_in + lay.ksteps);
+    uint8_t *h_greedy = (uint8_t *)(e->h_in + lay.greedy);
+    bool act = e->prow.action >= 0;
     n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
         struct rnnd_step_job *s = &job->step;
@@ -234,6 +305,14 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             h_init[n] = s->is_init[r];
             h_slots[n] = (int32_t)env_row(e, env);
             h_slots_new[n] = (int32_t)env_row_next(e, env);
+            if (act) {
+                // The action's key: the step's index when the client numbers its steps (a
+                // replay, or a retry after the cache is gone, draws the same), else the env's
+                // own count of steps.
+                h_keys[n] = s->env_ids[r];
+                h_ksteps[n] = s->step_index ? s->step_index[r] : env->steps;
+                h_greedy[n] = s->greedy;
+            }
             if (record) {
                 // Where the step is recorded: the env's next ring position (taken only once
                 // the step has run, below). Envs are unique in a batch, so are these rows.
@@ -255,9 +334,17 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     if (n > 0) {
         uint64_t t0 = t_kernel;
         rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, slots_new, is_init
+        const float *obs = (const float *)(e->d_in + lay.x), *x = obs;
+        const float *params = e->cur->params;
+        if (rc == 0 && e->enc_acts) {
+            // The encoder's last block of activations is the core's input.
+            float *acts = (float *)(e->d_outb + lay.acts);
+            rc = e->be.ops->encoder_forward(e->be.ctx, acts, obs, n, params, &e->model);
+            x = acts + (size_t)n * (size_t)(e->enc_acts - e->core.I);
+        }
         struct rnnd_step st = {
             .B = n,
-            .x = (const float *)(e->d_in + lay.x),
+            .x = x,
             .is_init = (const uint8_t *)(e->d_in + lay.init),
             .slots = (const int32_t *)(e->d_in + lay.slots),
             .slots_new = (const int32_t *)(e->d_in + lay.slots_new),
@@ -268,13 +355,38 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             .c_before = record && e->lstm ? (float *)(e->d_outb + lay.cb) : NULL,
         };
         if (rc == 0)
-            rc = e->be.ops->rnn_step(e->be.ctx, &st, e->cur->params, &e->model);
+            rc = e->be.ops->rnn_step(e->be.ctx, &st, params, &e->core);
+        if (rc == 0 && e->prow.W) {
+            const struct rnnd_policy *p = &e->model.policy;
+            float *dist = (float *)(e->d_outb + lay.dist);
+            struct rnnd_heads hd = {
+                .logits = p->K ? dist : NULL,
+                .mean = p->A ? dist : NULL,
+                .value = p->value ? (float *)(e->d_outb + lay.value) : NULL,
+            };
+            rc = e->be.ops->heads_forward(e->be.ctx, &hd, st.out, n, params, &e->model);
+            if (rc == 0 && act) {
+                struct rnnd_actions a = {
+                    .N = n,
+                    .logits = hd.logits,
+                    .mean = hd.mean,
+                    .index = p->K ? (int64_t *)(e->d_outb + lay.index) : NULL,
+                    .action = p->A ? (float *)(e->d_outb + lay.action) : NULL,
+                    .logp = (float *)(e->d_outb + lay.logp),
+                    .seed = e->cfg.seed,
+                    .env_ids = (const uint64_t *)(e->d_in + lay.keys),
+                    .steps = (const uint64_t *)(e->d_in + lay.ksteps),
+                    .greedy = (const uint8_t *)(e->d_in + lay.greedy),
+                };
+                rc = e->be.ops->policy_sample(e->be.ctx, &a, params, &e->model);
+            }
+        }
         if (rc == 0 && record) {
             // The step's rows go into the store where they are, on the backend.
             struct rnnd_traj_rows tr = {
                 .n = n,
                 .rows = (const int32_t *)(e->d_in + lay.trows),
-                .obs = (float *)st.x,
+                .obs = (float *)obs,
                 .extras = E ? (float *)(e->d_in + lay.extras) : NULL,
                 .h = st.h_before,
                 .c = st.c_before,
@@ -306,6 +418,14 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         int r = e->rows[i].row;
         struct rnnd_env *env = s->envs[r];
         env->half ^= 1; // its new state is in the other row now
+        env->steps++;
+        if (e->prec && env->traj.count > 0 && (s->reward || s->done || s->truncated)) {
+            // What the env's previous step earned, into that step's record.
+            int32_t prev = rnnd_traj_row(&env->traj, &e->tdims, env->slot, 1, 0);
+            e->prec[(size_t)prev * e->prec_w + e->prec_w - 1] = s->reward ? s->reward[r] : 0.0f;
+            e->pflags[prev] =
+                (uint8_t)((s->done && s->done[r]) | ((s->truncated && s->truncated[r]) << 1));
+        }
         if (record)
             rnnd_traj_push(&env->traj, &e->tdims);
         rnnd_envtable_touch(e->envs, env, now);
@@ -318,7 +438,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         }
     }
     if (rc == 0) {
-        struct row_task t = {.e = e, .n = n, .h_out = h_out};
+        struct row_task t = {.e = e, .n = n, .h_out = h_out, .h_outb = e->h_outb, .lay = lay};
         rows_parallel(e, &t);
     }
     // Gauges first: a client that reads them after its reply sees its envs.
@@ -337,8 +457,11 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
         for (int r = 0; r < s->B; r++) {
             struct rnnd_env *env = s->envs[r];
             if (s->repeat[r]) {
-                memcpy(s->out + (size_t)r * H, rnnd_envtable_output(e->envs, env),
-                       H * sizeof(float));
+                const float *cache = rnnd_envtable_output(e->envs, env);
+                memcpy(s->out + (size_t)r * H, cache, H * sizeof(float));
+                if (e->prow.W)
+                    memcpy(s->pol + (size_t)r * (size_t)e->prow.W, cache + H,
+                           (size_t)e->prow.W * sizeof(float));
                 rnnd_envtable_touch(e->envs, env, now);
             }
             if (s->return_state) {

@@ -25,6 +25,7 @@ struct rnnd_env {
     uint64_t last_index; // step_index of the latest step
     uint64_t last_used_ns;
     uint64_t out_version;       // model version that computed the cached output
+    uint64_t steps;             // steps it took since it got its slot (a policy's sampling key)
     struct rnnd_traj_ring traj; // its recorded steps in the trajectory store
     bool held;                  // engine: a Step part admitted for it waits for its other devices
     bool half;                  // engine: its state is in table row slot + S (else slot)
@@ -34,7 +35,8 @@ struct rnnd_env {
 
 struct rnnd_envtable;
 
-// A new table of cap entries with an H-float cached output each; NULL when out of memory.
+// A new table of cap entries with an H-float cached reply row each (the core output, then a
+// policy's outputs); NULL when out of memory.
 // Free with rnnd_envtable_free.
 struct rnnd_envtable *rnnd_envtable_init(int cap, int H);
 void rnnd_envtable_free(struct rnnd_envtable *t);
@@ -55,7 +57,7 @@ struct rnnd_env *rnnd_envtable_newer(const struct rnnd_envtable *t, const struct
 
 int rnnd_envtable_count(const struct rnnd_envtable *t);
 int rnnd_envtable_capacity(const struct rnnd_envtable *t);
-// The env's cached output of its latest step (H floats).
+// The env's cached reply row of its latest step (the H of rnnd_envtable_init floats).
 float *rnnd_envtable_output(struct rnnd_envtable *t, const struct rnnd_env *e);
 
 #endif // RNND_ENVTABLE_H

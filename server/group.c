@@ -52,6 +52,7 @@ struct rnnd_group {
     struct ready_slot slots[RNND_MAX_DEVICES];
     int rank, world; // this instance among --world-size (0 of 1 alone)
     size_t I, H, LH, E, P;
+    size_t W; // floats of a Step's policy reply row (struct rnnd_policy_row)
     bool lstm;
 
     rnnd_engine_ready_cb ready_cb;
@@ -83,6 +84,9 @@ struct fan;
 typedef void (*fan_finish_fn)(struct fan *f);
 typedef bool (*fan_undo_fn)(struct fan *f);
 
+// The most outputs of a parent job the fan frees (a recorded Forward of a policy model).
+#define FAN_OUTPUTS 13
+
 struct fan {
     struct rnnd_group *g;
     struct rnnd_job *parent;
@@ -100,7 +104,7 @@ struct fan {
     struct rnnd_step_vote vote;      // Step
     // Forward, Backward: the parent's outputs, which the parts fill and the fan frees once the
     // parent's done has returned (outputs are valid until then: engine.h).
-    void *outputs[8];
+    void *outputs[FAN_OUTPUTS];
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
 
@@ -143,7 +147,7 @@ static void part_done(struct rnnd_job *part) {
     if (f->finish)
         f->finish(f);
     p->done(p);
-    outputs_free(f->outputs, 8);
+    outputs_free(f->outputs, FAN_OUTPUTS);
     free(f);
 }
 
@@ -174,7 +178,7 @@ static void fan_submit(struct fan *f) {
         // The engines stop taking jobs one after the other: the job goes to none of them.
         rnnd_job_fail(f->parent, RNND_EUNAVAIL, "rnnd is shutting down; retry on another replica");
         f->parent->done(f->parent);
-        outputs_free(f->outputs, 8);
+        outputs_free(f->outputs, FAN_OUTPUTS);
         free(f);
     }
 }
@@ -224,6 +228,8 @@ static void step_merge(struct fan *f) {
         for (int r = 0; r < q->B; r++) {
             int at = f->rows[i][r];
             memcpy(s->out + (size_t)at * g->H, q->out + (size_t)r * g->H, g->H * sizeof(float));
+            if (s->pol)
+                memcpy(s->pol + (size_t)at * g->W, q->pol + (size_t)r * g->W, g->W * sizeof(float));
             if (s->return_state) {
                 memcpy(s->h + (size_t)at * g->LH, q->h + (size_t)r * g->LH, g->LH * sizeof(float));
                 if (g->lstm)
@@ -294,7 +300,12 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
             q->step_index = s->step_index ? take(&b, nk * sizeof(uint64_t)) : NULL;
             q->extras = s->extras && g->E ? take(&b, nk * g->E * sizeof(float)) : NULL;
             q->return_state = s->return_state;
+            q->greedy = s->greedy;
+            q->reward = s->reward ? take(&b, nk * sizeof(float)) : NULL;
+            q->done = s->done ? take(&b, nk) : NULL;
+            q->truncated = s->truncated ? take(&b, nk) : NULL;
             q->out = take(&b, nk * g->H * sizeof(float));
+            q->pol = s->pol ? take(&b, nk * g->W * sizeof(float)) : NULL;
             q->h = s->return_state ? take(&b, nk * g->LH * sizeof(float)) : NULL;
             q->c = s->return_state && g->lstm ? take(&b, nk * g->LH * sizeof(float)) : NULL;
             q->envs = take(&b, nk * sizeof(struct rnnd_env *));
@@ -328,6 +339,12 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
         ((uint8_t *)q->is_init)[at] = s->is_init[r];
         if (q->step_index)
             ((uint64_t *)q->step_index)[at] = s->step_index[r];
+        if (q->reward)
+            ((float *)q->reward)[at] = s->reward[r];
+        if (q->done)
+            ((uint8_t *)q->done)[at] = s->done[r];
+        if (q->truncated)
+            ((uint8_t *)q->truncated)[at] = s->truncated[r];
         if (q->extras)
             memcpy((float *)q->extras + (size_t)at * g->E, s->extras + (size_t)r * g->E,
                    g->E * sizeof(float));
@@ -445,19 +462,34 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     fw->rec_is_init = m & RNND_REC_IS_INIT ? malloc(B * Tz) : NULL;
     fw->rec_extras = m & RNND_REC_EXTRAS && g->E ? malloc(B * Tz * g->E * fb) : NULL;
     fw->rec_version = m & RNND_REC_VERSION ? malloc(B * Tz * sizeof(int64_t)) : NULL;
+    // A policy's record (fp32 and int64, whatever the reply dtype: forward_done narrows).
+    const struct rnnd_model *pm = &g->cfg.model;
+    struct rnnd_policy_row pr = rnnd_policy_row(pm);
+    bool act = (m & RNND_REC_ACTION) && pr.action >= 0, rew = m & RNND_REC_REWARD;
+    fw->rec_action = act ? malloc(B * Tz * (pm->policy.A ? (size_t)pm->policy.A * 4 : 8)) : NULL;
+    fw->rec_logp = act ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_value = (m & RNND_REC_ACTION) && pr.value >= 0 ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_reward = rew ? malloc(B * Tz * sizeof(float)) : NULL;
+    fw->rec_done = rew ? malloc(B * Tz) : NULL;
+    fw->rec_truncated = rew ? malloc(B * Tz) : NULL;
     struct bump b = {0};
     struct fan *f = NULL;
     if (fw->out && fw->h_n && (!g->lstm || fw->c_n) && (!(m & RNND_REC_OBS) || fw->rec_obs) &&
         (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
         (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
-        (!(m & RNND_REC_VERSION) || fw->rec_version))
+        (!(m & RNND_REC_VERSION) || fw->rec_version) &&
+        (!act || (fw->rec_action && fw->rec_logp)) &&
+        ((m & RNND_REC_ACTION) == 0 || pr.value < 0 || fw->rec_value) &&
+        (!rew || (fw->rec_reward && fw->rec_done && fw->rec_truncated)))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
-    void *outs[] = {fw->out,         fw->h_n,        fw->c_n,        fw->rec_obs,
-                    fw->rec_is_init, fw->rec_extras, fw->rec_version};
+    void *outs[] = {fw->out,          fw->h_n,        fw->c_n,         fw->rec_obs,
+                    fw->rec_is_init,  fw->rec_extras, fw->rec_version, fw->rec_action,
+                    fw->rec_logp,     fw->rec_value,  fw->rec_reward,  fw->rec_done,
+                    fw->rec_truncated};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job);
-        outputs_free(outs, 7);
+        outputs_free(outs, 13);
         return;
     }
     memcpy(f->outputs, outs, sizeof(outs));
@@ -1026,6 +1058,7 @@ struct rnnd_group *rnnd_group_init(const struct rnnd_config *cfg) {
     g->lstm = m->cell == RNND_CELL_LSTM;
     g->I = (size_t)m->I;
     g->H = (size_t)m->H;
+    g->W = (size_t)rnnd_policy_row(m).W;
     g->LH = (size_t)m->L * (size_t)m->H;
     g->E = (size_t)cfg->extras_size;
     g->P = rnnd_model_param_count(m);

@@ -51,6 +51,34 @@ struct rnnd_step_vote {
 void rnnd_step_vote_cast(struct rnnd_step_vote *v, bool admitted);
 
 // A Step: B rows, one per env. Inputs are borrowed (host memory).
+// What a Step of a policy model returns per row besides the core output, packed in one row of
+// W floats (in the job, in the env's retry cache and between the parts of a split Step): the
+// action head's logits (K) or mean (A); the action (the index as a float, exact below 2^24, or
+// A floats); its log-prob; the value. Offsets are -1 for what the model lacks; W is 0 for a
+// model without heads.
+struct rnnd_policy_row {
+    int dist, ndist;     // logits or mean
+    int action, naction; // 1 (index) or A
+    int logp, value;
+    int W;
+};
+
+static inline struct rnnd_policy_row rnnd_policy_row(const struct rnnd_model *m) {
+    const struct rnnd_policy *p = &m->policy;
+    struct rnnd_policy_row r = {-1, 0, -1, 0, -1, -1, 0};
+    if (p->K > 0 || p->A > 0) {
+        r.dist = 0;
+        r.ndist = p->K > 0 ? p->K : p->A;
+        r.action = r.ndist;
+        r.naction = p->K > 0 ? 1 : p->A;
+        r.logp = r.action + r.naction;
+        r.W = r.logp + 1;
+    }
+    if (p->value)
+        r.value = r.W++;
+    return r;
+}
+
 struct rnnd_step_job {
     int B;
     const uint64_t *env_ids;    // (B) unique
@@ -59,8 +87,13 @@ struct rnnd_step_job {
     const uint64_t *step_index; // (B) or NULL
     const float *extras;        // (B, E) or NULL
     bool return_state;
+    bool greedy; // policy: the mode (argmax, mean) instead of a draw
+    // Policy: what each env's previous step earned (struct rnnd_policy_row's record), or NULL.
+    const float *reward;             // (B)
+    const uint8_t *done, *truncated; // (B)
     // Outputs, allocated by the submitter:
     float *out; // (B, H)
+    float *pol; // (B, W) of rnnd_policy_row, for a model with heads (else NULL)
     float *h;   // (B, L, H) when return_state
     float *c;   // (B, L, H) when return_state, LSTM
     // Engine scratch, allocated by the submitter:
@@ -83,7 +116,9 @@ struct rnnd_end_job {
 #define RNND_REC_IS_INIT 2u
 #define RNND_REC_EXTRAS  4u
 #define RNND_REC_VERSION 8u
-#define RNND_REC_ALL     15u
+#define RNND_REC_ACTION  16u // action, log-prob, value (policy models)
+#define RNND_REC_REWARD  32u // reward, done, truncated (policy models)
+#define RNND_REC_ALL     63u
 #define RNND_GRAD_OBS    1u
 #define RNND_GRAD_H0     2u // and grad_c0
 #define RNND_GRAD_HIDDEN 4u // and grad_cell
@@ -120,6 +155,11 @@ struct rnnd_forward_job {
     uint8_t *rec_is_init; // (B, T) RNND_REC_IS_INIT
     void *rec_extras;     // (B, T, E) when E > 0, RNND_REC_EXTRAS
     int64_t *rec_version; // (B, T) RNND_REC_VERSION
+    void *rec_action;     // (B, T) int64 or (B, T, A) fp32 (not the reply dtype), REC_ACTION
+    float *rec_logp;      // (B, T) fp32, RNND_REC_ACTION with an action head
+    float *rec_value;     // (B, T) fp32, RNND_REC_ACTION with a value head
+    float *rec_reward;    // (B, T) fp32, RNND_REC_REWARD
+    uint8_t *rec_done, *rec_truncated; // (B, T), RNND_REC_REWARD
     // Parts only:
     bool part;
     const int32_t *rows; // (nrows) ascending row indices

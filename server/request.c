@@ -5,6 +5,7 @@
 #include "request.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -321,7 +322,7 @@ static int unique_check(const uint64_t *ids, size_t n, const char *field, char *
 static int named_params(const struct rnnd_model *m, Rnnd__V1__NamedTensor *const *v, size_t n,
                         const char *field, float *flat, char *err) {
     int K = rnnd_model_param_tensors(m);
-    bool seen[4 * RNND_MAX_LAYERS] = {false};
+    bool seen[RNND_MAX_PARAM_TENSORS] = {false};
     char name[96];
     for (size_t i = 0; i < n; i++) {
         const char *nm = v[i] && v[i]->name ? v[i]->name : "";
@@ -383,7 +384,9 @@ size_t rnnd_request_step_reply_bytes(const struct rnnd_request_limits *l,
     const struct rnnd_model *m = &l->model;
     size_t B = req->n_env_ids, H = (size_t)m->H, LH = (size_t)m->L * H;
     size_t state = req->return_state ? (m->cell == RNND_CELL_LSTM ? 2 : 1) * LH : 0;
-    return B * (H + state) * sizeof(float) + REPLY_FRAMING;
+    // A policy's row, with room for an int64 action and the logits or mean when asked for.
+    size_t pol = (size_t)rnnd_policy_row(m).W + 1;
+    return B * (H + state + pol) * sizeof(float) + REPLY_FRAMING;
 }
 
 size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
@@ -395,7 +398,9 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
         unsigned k = f->rec_fields;
         per_step += (k & RNND_REC_OBS ? (uint64_t)m->I * fb : 0) +
                     (k & RNND_REC_EXTRAS ? (uint64_t)l->extras_size * fb : 0) +
-                    (k & RNND_REC_IS_INIT ? 1 : 0) + (k & RNND_REC_VERSION ? 8 : 0);
+                    (k & RNND_REC_IS_INIT ? 1 : 0) + (k & RNND_REC_VERSION ? 8 : 0) +
+                    (k & RNND_REC_ACTION ? 8 * (uint64_t)(m->policy.A + 1) + 8 : 0) +
+                    (k & RNND_REC_REWARD ? 6 : 0);
     }
     return (size_t)(B * T * per_step + 2 * B * LH * fb) + REPLY_FRAMING;
 }
@@ -415,7 +420,7 @@ size_t rnnd_request_backward_reply_bytes(const struct rnnd_request_limits *l,
 }
 
 size_t rnnd_request_get_weights_reply_bytes(const struct rnnd_request_limits *l) {
-    return l->P * 4 + 64 * 32 + REPLY_FRAMING;
+    return l->P * 4 + 64 * RNND_MAX_PARAM_TENSORS + REPLY_FRAMING;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -453,6 +458,34 @@ int rnnd_request_step(const struct rnnd_request_limits *l, const Rnnd__V1__StepR
         return errf(err, RNND_EINVAL,
                     "step_index has %zu values for %zu env_ids; send one per env or none",
                     req->n_step_index, B);
+    size_t fb[3] = {req->n_reward, req->n_done, req->n_truncated};
+    const char *fname[3] = {"reward", "done", "truncated"};
+    for (int k = 0; k < 3; k++) {
+        if (fb[k] == 0)
+            continue;
+        if (rnnd_policy_row(m).W == 0 || l->trajectory_steps == 0)
+            return errf(err, RNND_EINVAL, "%s: this daemon records no %s (%s); drop the field",
+                        fname[k], rnnd_policy_row(m).W ? "steps" : "rewards",
+                        rnnd_policy_row(m).W
+                            ? "--trajectory-steps 0"
+                            : "the model has no heads: --discrete-actions, --gaussian-actions "
+                              "or --value-head; extras carry other per-step data");
+        if (fb[k] != B)
+            return errf(err, RNND_EINVAL,
+                        "%s has %zu values for %zu env_ids; send one per env (of its previous "
+                        "step) or none",
+                        fname[k], fb[k], B);
+    }
+    for (size_t r = 0; r < req->n_reward; r++)
+        if (!isfinite(req->reward[r]))
+            return errf(err, RNND_EINVAL, "reward[%zu] is %g; send finite rewards", r,
+                        (double)req->reward[r]);
+    if ((req->greedy || req->return_logits) && m->policy.K == 0 && m->policy.A == 0)
+        return errf(err, RNND_EINVAL,
+                    "%s: this model has no action head%s, so Step returns no actions; drop the "
+                    "field, or start rnnd with --discrete-actions K or --gaussian-actions A",
+                    req->greedy ? "greedy" : "return_logits",
+                    rnnd_model_has_policy(m) ? "" : " (no heads: it serves the core output)");
     if (!present(req->extras))
         return 0;
     if (E == 0) {
@@ -598,21 +631,41 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
                       err);
 }
 
+// Backward does not run a policy model's heads and encoder yet: refused (and so are the tapes
+// Forward would keep for it) rather than run over the core alone.
+static int no_policy_learner(char *err, const char *what) {
+    return errf(err, RNND_EPRECOND,
+                "%s: Backward does not run policy models (encoder or heads) yet; send Forward "
+                "with keep_tape=false, or use a daemon without --encoder-widths, "
+                "--discrete-actions, --gaussian-actions and --value-head for training",
+                what);
+}
+
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err) {
     memset(f, 0, sizeof(*f));
+    if (rnnd_model_has_policy(&l->model) && req->keep_tape)
+        return no_policy_learner(err, "Forward keep_tape");
     f->keep_tape = req->keep_tape;
     bool has_fields =
         req->_recorded_fields_case == RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
-    // Absent: everything there is (no extras when the daemon records none), as before the mask.
-    f->rec_fields =
-        has_fields ? req->recorded_fields : RNND_REC_ALL & ~(l->extras_size ? 0u : RNND_REC_EXTRAS);
+    // Absent: everything there is (no extras when the daemon records none, no actions and
+    // rewards without heads), as before the mask.
+    unsigned heads = rnnd_policy_row(&l->model).W ? 0u : RNND_REC_ACTION | RNND_REC_REWARD;
+    f->rec_fields = has_fields ? req->recorded_fields
+                               : RNND_REC_ALL & ~(l->extras_size ? 0u : RNND_REC_EXTRAS) & ~heads;
     if (f->rec_fields & ~RNND_REC_ALL)
         return errf(err, RNND_EINVAL,
                     "recorded_fields 0x%x has bits that name no field; send an OR of "
-                    "RECORDED_OBS (1), RECORDED_IS_INIT (2), RECORDED_EXTRAS (4) and "
-                    "RECORDED_STEP_MODEL_VERSION (8)",
+                    "RECORDED_OBS (1), RECORDED_IS_INIT (2), RECORDED_EXTRAS (4), "
+                    "RECORDED_STEP_MODEL_VERSION (8), RECORDED_ACTION (16) and RECORDED_REWARD "
+                    "(32)",
                     f->rec_fields);
+    if (f->rec_fields & heads)
+        return errf(err, RNND_EINVAL,
+                    "recorded_fields asks for RECORDED_ACTION or RECORDED_REWARD, but this model "
+                    "has no heads (--discrete-actions, --gaussian-actions, --value-head), so "
+                    "no actions or rewards are recorded; drop those bits");
     if (req->source_case == RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES && req->trajectories) {
         if (has_fields && f->rec_fields)
             return errf(err, RNND_EINVAL,
@@ -635,6 +688,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     int rc, dt = 0;
     int64_t L = m->L, H = m->H;
     memset(g, 0, sizeof(*g));
+    if (rnnd_model_has_policy(m))
+        return no_policy_learner(err, "Backward");
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
     g->input_grads_set =

@@ -86,15 +86,32 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
     info.envs_active = rnnd_group_envs_active(s->group);
     info.max_batch = (uint64_t)s->cfg->max_batch;
     info.extras_size = s->cfg->extras_size;
+    const struct rnnd_policy *pol = &m->policy;
+    int64_t widths[RNND_MAX_ENCODER_LAYERS];
+    for (int j = 0; j < pol->enc_layers; j++)
+        widths[j] = pol->enc_width[j];
+    info.n_encoder_widths = (size_t)pol->enc_layers;
+    info.encoder_widths = widths;
+    info.encoder_activation = (char *)(pol->enc_layers ? rnnd_config_act_name(pol->enc_act) : "");
+    info.discrete_actions = pol->K;
+    info.gaussian_actions = pol->A;
+    info.value_head = pol->value;
     rnnd_call_reply(call, &info.base);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Step
 
-// A Step's reply dtype, kept after its job (struct alloc).
+// A Step's reply dtype and what it asked for, kept after its job (struct alloc), with the
+// arrays its policy reply is unpacked into (NULL without heads).
 struct step_extra {
     enum rnnd_ftype out;
+    bool return_logits, return_core;
+    int64_t *index; // (B) discrete action
+    float *action;  // (B, A) Gaussian action
+    float *logp;    // (B)
+    float *value;   // (B)
+    float *dist;    // (B, K or A) logits or mean, when return_logits
 };
 
 // Narrows n fp32 values at p to dtype ft in place (element i moves to bytes 2i: in increasing
@@ -103,6 +120,11 @@ static int narrow(void *p, size_t n, enum rnnd_ftype ft) {
     if (ft != RNND_FTYPE_F32)
         rnnd_cast_host(p, ft, p, RNND_FTYPE_F32, n);
     return rnnd_request_dtype_of(ft);
+}
+
+// Where take() put the step_extra after the job (its 16-byte alignment, not job + 1).
+static struct step_extra *step_extra_of(struct rnnd_job *job) {
+    return (struct step_extra *)((char *)job + (sizeof(*job) + 15) / 16 * 16);
 }
 
 static void step_done(struct rnnd_job *job) {
@@ -114,12 +136,50 @@ static void step_done(struct rnnd_job *job) {
         const struct rnnd_model *m = rnnd_group_model(svc_of(job->aux)->group);
         int64_t dims[3] = {m->H, m->L, m->cell == RNND_CELL_LSTM};
         size_t LH = (size_t)(m->L * m->H), B = (size_t)st->B;
-        enum rnnd_ftype ft = ((struct step_extra *)(job + 1))->out;
+        struct step_extra *ex = step_extra_of(job);
+        enum rnnd_ftype ft = ex->out;
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
-        r.output =
-            tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0], 0, 0);
+        struct rnnd_policy_row pr = rnnd_policy_row(m);
+        if (pr.W == 0 || ex->return_core)
+            r.output =
+                tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0], 0, 0);
         r.model_version = job->model_version;
+        struct tout act, logp, val, dist;
+        if (pr.W) {
+            // Unpack the rows into one array per tensor.
+            size_t W = (size_t)pr.W, nd = (size_t)pr.ndist, na = (size_t)pr.naction;
+            for (size_t b = 0; b < B; b++) {
+                const float *row = st->pol + b * W;
+                if (ex->index)
+                    ex->index[b] = (int64_t)row[pr.action];
+                if (ex->action)
+                    memcpy(ex->action + b * na, row + pr.action, na * sizeof(float));
+                if (ex->logp)
+                    ex->logp[b] = row[pr.logp];
+                if (ex->value)
+                    ex->value[b] = row[pr.value];
+                if (ex->dist)
+                    memcpy(ex->dist + b * nd, row + pr.dist, nd * sizeof(float));
+            }
+            if (ex->index)
+                r.action = tset(&act, RNND__V1__DTYPE__INT64, ex->index, 1, st->B, 0, 0, 0);
+            if (ex->action)
+                r.action = tset(&act, narrow(ex->action, B * na, ft), ex->action, 2, st->B,
+                                (int64_t)na, 0, 0);
+            if (ex->logp)
+                r.log_prob = tset(&logp, narrow(ex->logp, B, ft), ex->logp, 1, st->B, 0, 0, 0);
+            if (ex->value)
+                r.value = tset(&val, narrow(ex->value, B, ft), ex->value, 1, st->B, 0, 0, 0);
+            if (ex->dist) {
+                Tensor *t = tset(&dist, narrow(ex->dist, B * nd, ft), ex->dist, 2, st->B,
+                                 (int64_t)nd, 0, 0);
+                if (m->policy.K)
+                    r.logits = t;
+                else
+                    r.mean = t;
+            }
+        }
         if (st->return_state) {
             r.h = tset(&h, narrow(st->h, B * LH, ft), st->h, 3, st->B, dims[1], dims[0], 0);
             if (dims[2])
@@ -150,12 +210,15 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     struct alloc a = {0};
     struct rnnd_job *job;
     struct step_extra *ex;
-    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL;
+    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL, *pol = NULL;
+    struct rnnd_policy_row pr = rnnd_policy_row(m);
+    size_t W = (size_t)pr.W;
+    struct step_extra unpacked = {0};
     struct rnnd_env **envs;
-    uint8_t *repeat, *is_init;
+    uint8_t *repeat, *is_init, *done = NULL, *trunc = NULL;
     for (int pass = 0; pass < 2; pass++) {
         job = take(&a, sizeof(*job));
-        ex = take(&a, sizeof(*ex)); // right after the job (step_done)
+        ex = take(&a, sizeof(*ex)); // right after the job (step_extra_of)
         if (wide) {
             obs32 = take(&a, B * I * sizeof(float));
             extras32 = extras ? take(&a, B * E * sizeof(float)) : NULL;
@@ -165,9 +228,20 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
             h = take(&a, B * LH * sizeof(float));
             c = lstm ? take(&a, B * LH * sizeof(float)) : NULL;
         }
+        if (W) {
+            pol = take(&a, B * W * sizeof(float));
+            unpacked.index = m->policy.K ? take(&a, B * sizeof(int64_t)) : NULL;
+            unpacked.action = m->policy.A ? take(&a, B * (size_t)pr.naction * sizeof(float)) : NULL;
+            unpacked.logp = pr.logp >= 0 ? take(&a, B * sizeof(float)) : NULL;
+            unpacked.value = pr.value >= 0 ? take(&a, B * sizeof(float)) : NULL;
+            unpacked.dist =
+                req->return_logits ? take(&a, B * (size_t)pr.ndist * sizeof(float)) : NULL;
+        }
         envs = take(&a, B * sizeof(*envs));
         repeat = take(&a, B);
         is_init = take(&a, B);
+        done = req->n_done ? take(&a, B) : NULL;
+        trunc = req->n_truncated ? take(&a, B) : NULL;
         if (pass == 0 && (a.base = calloc(1, a.used)) == NULL) {
             rc = RNND_ENOMEM;
             snprintf(err, sizeof(err), "out of memory for a Step of %zu rows", B);
@@ -176,9 +250,17 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         if (pass == 0)
             a.used = 0;
     }
-    for (size_t r = 0; r < B; r++)
+    for (size_t r = 0; r < B; r++) {
         is_init[r] = req->n_is_init ? (req->is_init[r] != 0) : 0;
+        if (done)
+            done[r] = req->done[r] != 0;
+        if (trunc)
+            trunc[r] = req->truncated[r] != 0;
+    }
+    *ex = unpacked;
     ex->out = dts.out;
+    ex->return_logits = req->return_logits;
+    ex->return_core = req->return_core;
     const float *obs = (const float *)req->obs->data.data;
     const float *xtr = extras ? (const float *)req->extras->data.data : NULL;
     if (wide) {
@@ -203,7 +285,12 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         .step_index = req->n_step_index ? req->step_index : NULL,
         .extras = xtr,
         .return_state = req->return_state,
+        .greedy = req->greedy,
+        .reward = req->n_reward ? req->reward : NULL,
+        .done = done,
+        .truncated = trunc,
         .out = out,
+        .pol = pol,
         .h = h,
         .c = c,
         .envs = envs,
@@ -285,7 +372,7 @@ static void forward_done(struct rnnd_job *job) {
     int64_t B = f->B, T = f->T, H = m->H, L = m->L, I = m->I;
     int dt = rnnd_request_dtype_of(f->out_dtype);
     Rnnd__V1__ForwardReply r = RNND__V1__FORWARD_REPLY__INIT;
-    struct tout out, hn, cn, obs, ini, ex, ver;
+    struct tout out, hn, cn, obs, ini, ex, ver, act, lp, val, rew, dn, tr;
     r.output = tset(&out, dt, f->out, 3, B, T, H, 0);
     r.h_n = tset(&hn, dt, f->h_n, 3, B, L, H, 0);
     if (m->cell == RNND_CELL_LSTM)
@@ -300,6 +387,24 @@ static void forward_done(struct rnnd_job *job) {
         r.extras = tset(&ex, dt, f->rec_extras, 3, B, T, E, 0);
     if (f->rec_fields & RNND_REC_VERSION)
         r.step_model_version = tset(&ver, RNND__V1__DTYPE__INT64, f->rec_version, 2, B, T, 0, 0);
+    // A policy's record, kept in fp32 by the engine: narrowed here.
+    size_t BT = (size_t)(B * T);
+    int64_t A = m->policy.A;
+    if (f->rec_action && A)
+        r.action = tset(&act, narrow(f->rec_action, BT * (size_t)A, f->out_dtype), f->rec_action, 3,
+                        B, T, A, 0);
+    else if (f->rec_action)
+        r.action = tset(&act, RNND__V1__DTYPE__INT64, f->rec_action, 2, B, T, 0, 0);
+    if (f->rec_logp)
+        r.log_prob = tset(&lp, narrow(f->rec_logp, BT, f->out_dtype), f->rec_logp, 2, B, T, 0, 0);
+    if (f->rec_value)
+        r.value = tset(&val, narrow(f->rec_value, BT, f->out_dtype), f->rec_value, 2, B, T, 0, 0);
+    if (f->rec_reward) {
+        r.reward =
+            tset(&rew, narrow(f->rec_reward, BT, f->out_dtype), f->rec_reward, 2, B, T, 0, 0);
+        r.done = tset(&dn, RNND__V1__DTYPE__BOOL, f->rec_done, 2, B, T, 0, 0);
+        r.truncated = tset(&tr, RNND__V1__DTYPE__BOOL, f->rec_truncated, 2, B, T, 0, 0);
+    }
     rnnd_call_reply(call, &r.base);
     free(job);
 }
@@ -370,9 +475,9 @@ static void backward_done(struct rnnd_job *job) {
         size_t fb = rnnd_ftype_bytes(g->out_dtype);
         Rnnd__V1__BackwardReply r = RNND__V1__BACKWARD_REPLY__INIT;
         int K = rnnd_model_param_tensors(m);
-        struct rnnd_param_tensor pt[4 * RNND_MAX_LAYERS];
-        struct tout gt[4 * RNND_MAX_LAYERS], gx, gh0, gc0, ghid, gcell;
-        Rnnd__V1__NamedTensor nt[4 * RNND_MAX_LAYERS], *ntp[4 * RNND_MAX_LAYERS];
+        struct rnnd_param_tensor pt[RNND_MAX_PARAM_TENSORS];
+        struct tout gt[RNND_MAX_PARAM_TENSORS], gx, gh0, gc0, ghid, gcell;
+        Rnnd__V1__NamedTensor nt[RNND_MAX_PARAM_TENSORS], *ntp[RNND_MAX_PARAM_TENSORS];
         if (g->grads) {
             for (int k = 0; k < K; k++) {
                 rnnd_model_param_tensor(m, k, &pt[k]);
@@ -481,9 +586,9 @@ static void get_weights_done(struct rnnd_job *job) {
     } else {
         Rnnd__V1__Weights r = RNND__V1__WEIGHTS__INIT;
         int K = rnnd_model_param_tensors(m);
-        struct rnnd_param_tensor pt[4 * RNND_MAX_LAYERS];
-        struct tout t[4 * RNND_MAX_LAYERS];
-        Rnnd__V1__NamedTensor nt[4 * RNND_MAX_LAYERS], *ntp[4 * RNND_MAX_LAYERS];
+        struct rnnd_param_tensor pt[RNND_MAX_PARAM_TENSORS];
+        struct tout t[RNND_MAX_PARAM_TENSORS];
+        Rnnd__V1__NamedTensor nt[RNND_MAX_PARAM_TENSORS], *ntp[RNND_MAX_PARAM_TENSORS];
         for (int k = 0; k < K; k++) {
             rnnd_model_param_tensor(m, k, &pt[k]);
             rnnd__v1__named_tensor__init(&nt[k]);

@@ -166,9 +166,16 @@ struct rnnd_model_info {
     uint64_t max_batch;
     int64_t extras_size;
     char kernel_plan[256]; // the kernels a learner batch of max_batch rows runs
+    // The policy (docs/design.md "Policy"); zero and empty for a core-only model.
+    int n_encoder_widths;
+    int64_t encoder_widths[RNND_MAX_ENCODER_LAYERS];
+    char encoder_activation[8]; // "elu", "relu", "tanh"; "" without encoder
+    int64_t discrete_actions, gaussian_actions;
+    bool value_head;
 };
 int rnnd_client_info(struct rnnd_client *c, struct rnnd_model_info *out);
-// Fills m from info (cell, I, H, L, compute); RNND_EINVAL when info names something unknown.
+// Fills m from info (cell, I, H, L, compute, the policy); RNND_EINVAL when info names something
+// unknown.
 int rnnd_model_info_to_model(const struct rnnd_model_info *info, struct rnnd_model *m);
 
 struct rnnd_step_req {
@@ -182,13 +189,25 @@ struct rnnd_step_req {
     struct rnnd_tensor extras;  // (B, E) in obs's dtype, or not present
     bool return_state;
     enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32, BFLOAT16, FLOAT16)
+    // A policy model (docs/design.md "Policy"): the mode instead of a draw; also the logits or
+    // mean; also the core output (a model with heads returns it only then).
+    bool greedy, return_logits, return_core;
+    // What each env's previous step earned (a policy model recording steps), or NULL: none.
+    const float *reward;          // (n_env_ids)
+    const bool *done, *truncated; // (n_env_ids)
 };
 
 struct rnnd_step_reply {
-    struct rnnd_tensor output; // (B, H)
+    struct rnnd_tensor output; // (B, H); with heads only when return_core
     uint64_t model_version;
     struct rnnd_tensor h; // (B, L, H) when return_state
     struct rnnd_tensor c; // (B, L, H) LSTM, when return_state
+    // A model with heads (not present otherwise):
+    struct rnnd_tensor action;   // (B) INT64 discrete, (B, A) Gaussian
+    struct rnnd_tensor log_prob; // (B)
+    struct rnnd_tensor value;    // (B) value head
+    struct rnnd_tensor logits;   // (B, K) when return_logits, discrete
+    struct rnnd_tensor mean;     // (B, A) when return_logits, Gaussian
 };
 void rnnd_step_reply_free(struct rnnd_step_reply *r);
 
@@ -235,8 +254,8 @@ struct rnnd_forward_req {
     bool keep_tape;
     enum rnnd_dtype reply_dtype; // UNSPECIFIED: obs's dtype (FLOAT32 for recorded)
     // Recorded: the tensors returned besides output, h_n, c_n (RECORDED_* bits of rnnd.proto's
-    // RecordedField: obs 1, is_init 2, extras 4, step_model_version 8) when has_recorded_fields,
-    // else all of them.
+    // RecordedField: obs 1, is_init 2, extras 4, step_model_version 8, a policy's action 16 and
+    // reward 32) when has_recorded_fields, else all of them.
     bool has_recorded_fields;
     uint32_t recorded_fields;
 };
@@ -251,6 +270,11 @@ struct rnnd_forward_reply {
     struct rnnd_tensor is_init;            // (B, T) BOOL, recorded only
     struct rnnd_tensor extras;             // (B, T, E) recorded only
     struct rnnd_tensor step_model_version; // (B, T) INT64, recorded only
+    // Recorded only, a policy model's (docs/design.md "Policy"):
+    struct rnnd_tensor action;          // (B, T) INT64 or (B, T, A)
+    struct rnnd_tensor log_prob, value; // (B, T)
+    struct rnnd_tensor reward;          // (B, T)
+    struct rnnd_tensor done, truncated; // (B, T) BOOL
 };
 void rnnd_forward_reply_free(struct rnnd_forward_reply *r);
 int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *req,

@@ -1,7 +1,8 @@
 /*
  * test_step.c: Step and StepStream semantics against the CPU reference (docs/design.md): many
  * steps over random subsets of envs in random order with random resets, for GRU and LSTM with
- * two layers; returned states; retry-safe step_index; EndEpisodes; determinism; GetModelInfo.
+ * two layers; returned states; retry-safe step_index; EndEpisodes; determinism; GetModelInfo;
+ * and a policy daemon's info and actions through the C client (unary and StepStream).
  *
  * Each group starts its own daemon; the reference gets the daemon's weights through GetWeights.
  */
@@ -404,6 +405,129 @@ static void test_envs_active_visible(void **state) {
     assert_int_equal(stale, 0);
 }
 
+// ---------------------------------------------------------------------------------------------
+// A policy model through the C client (its math is test_policy_daemon.py's).
+
+static void test_policy_steps(void **state) {
+    (void)state;
+    if (strcmp(harness_backend(), "cuda") == 0)
+        skip(); // the CUDA backend does not run policies yet: --backend cuda refuses them
+    struct daemon d;
+    const char *args[] = {"--input-size",
+                          "5",
+                          "--hidden-size",
+                          "6",
+                          "--encoder-widths",
+                          "7",
+                          "--discrete-actions",
+                          "4",
+                          "--value-head",
+                          "1",
+                          NULL};
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+    assert_int_equal(info.n_encoder_widths, 1);
+    assert_int_equal(info.encoder_widths[0], 7);
+    assert_string_equal(info.encoder_activation, "elu");
+    assert_int_equal(info.discrete_actions, 4);
+    assert_int_equal(info.gaussian_actions, 0);
+    assert_true(info.value_head);
+    struct rnnd_model m;
+    EXPECT_OK(rnnd_model_info_to_model(&info, &m));
+    assert_true(rnnd_model_has_policy(&m));
+    assert_int_equal(m.policy.K, 4);
+
+    enum { B = 3 };
+    uint64_t ids[B] = {5, 6, 7};
+    bool init[B] = {true, true, true};
+    float obs[B * 5];
+    for (int i = 0; i < B * 5; i++)
+        obs[i] = 0.1f * (float)(i % 7) - 0.3f;
+    struct rnnd_step_req req = {
+        .n_env_ids = B,
+        .env_ids = ids,
+        .obs = rnnd_tensor_f32(obs, 2, B, 5, 0, 0),
+        .n_is_init = B,
+        .is_init = init,
+        .greedy = true,
+        .return_logits = true,
+    };
+    struct rnnd_client_stream *st;
+    EXPECT_OK(rnnd_client_stream_init(c, &st));
+    for (int pass = 0; pass < 2; pass++) {
+        struct rnnd_step_reply r = {0};
+        if (pass == 0)
+            EXPECT_OK(rnnd_client_step(c, &req, &r));
+        else
+            EXPECT_OK(rnnd_client_stream_step(st, &req, &r));
+        assert_false(r.output.present); // the core output only with return_core
+        assert_true(r.action.present && r.action.dtype == RNND_DTYPE_INT64);
+        assert_int_equal(r.action.ndim, 1);
+        assert_int_equal(r.action.shape[0], B);
+        assert_tensor_f32(&r.log_prob, 1, B, 0, 0, 0);
+        assert_tensor_f32(&r.value, 1, B, 0, 0, 0);
+        assert_tensor_f32(&r.logits, 2, B, 4, 0, 0);
+        assert_false(r.mean.present);
+        const int64_t *a = r.action.data;
+        const float *lg = r.logits.data;
+        for (int b = 0; b < B; b++) { // greedy: the first argmax
+            int best = 0;
+            for (int k = 1; k < 4; k++)
+                if (lg[b * 4 + k] > lg[b * 4 + best])
+                    best = k;
+            assert_int_equal(a[b], best);
+            assert_true(((const float *)r.log_prob.data)[b] <= 0.0f);
+        }
+        rnnd_step_reply_free(&r);
+    }
+    EXPECT_OK(rnnd_client_stream_close(st));
+    rnnd_client_stream_free(st);
+    req.greedy = req.return_logits = false;
+    req.return_core = true;
+    // What the previous step earned goes with this one.
+    float reward[B] = {0.5f, 1.5f, -2.5f};
+    bool done[B] = {false, true, false};
+    req.reward = reward;
+    req.done = done;
+    struct rnnd_step_reply r = {0};
+    EXPECT_OK(rnnd_client_step(c, &req, &r));
+    assert_tensor_f32(&r.output, 2, B, 6, 0, 0);
+    assert_false(r.logits.present);
+    int64_t last[B];
+    memcpy(last, r.action.data, sizeof(last));
+    rnnd_step_reply_free(&r);
+    struct rnnd_forward_req fq = {.recorded = true, .n_env_ids = B, .env_ids = ids, .steps = 3};
+    struct rnnd_forward_reply fr = {0};
+    EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+    assert_tensor_f32(&fr.reward, 2, B, 3, 0, 0);
+    assert_true(fr.action.present && fr.action.dtype == RNND_DTYPE_INT64);
+    assert_true(fr.done.present && fr.done.dtype == RNND_DTYPE_BOOL);
+    for (int b = 0; b < B; b++) {
+        const float *rw = (const float *)fr.reward.data + b * 3;
+        const uint8_t *dn = (const uint8_t *)fr.done.data + b * 3;
+        assert_true(rw[0] == 0.0f && rw[1] == reward[b] && rw[2] == 0.0f);
+        assert_int_equal(dn[1], done[b]);
+        assert_int_equal(((const int64_t *)fr.action.data)[b * 3 + 2], last[b]);
+    }
+    rnnd_forward_reply_free(&fr);
+    // rnndctl shows the policy and the actions.
+    char *text = NULL;
+    const char *info_argv[] = {rnndctl_bin(), "-t", d.grpc, "info", NULL};
+    assert_int_equal(run_capture(info_argv, 10000, &text), 0);
+    assert_non_null(strstr(text, "encoder_widths: 7\n"));
+    assert_non_null(strstr(text, "discrete_actions: 4\n"));
+    free(text);
+    const char *step_argv[] = {rnndctl_bin(), "-t", d.grpc, "step", "--env", "9", "--init", NULL};
+    assert_int_equal(run_capture(step_argv, 10000, &text), 0);
+    assert_non_null(strstr(text, "action env 9: "));
+    assert_non_null(strstr(text, " log_prob "));
+    free(text);
+    rnnd_client_free(c);
+    daemon_teardown(&d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info),
@@ -417,5 +541,7 @@ int main(void) {
     };
     int fails = cmocka_run_group_tests_name("step (gru)", tests, setup_gru, teardown);
     fails += cmocka_run_group_tests_name("step (lstm)", tests, setup_lstm, teardown);
+    const struct CMUnitTest policy[] = {cmocka_unit_test(test_policy_steps)};
+    fails += cmocka_run_group_tests_name("step (policy)", policy, NULL, NULL);
     return fails ? 1 : 0;
 }

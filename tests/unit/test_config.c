@@ -132,6 +132,38 @@ static void test_bad_flags_name_themselves(void **state) {
                  "--stream-idle-timeout-s");
 }
 
+// The policy flags fill model.policy; the model's own check refuses what no backend runs.
+static void test_policy_flags(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
+    assert_false(rnnd_model_has_policy(&c.model));
+    assert_int_equal(
+        parse(&c, err,
+              (const char *[]){"--encoder-widths", "64,32", "--encoder-activation", "relu",
+                               "--discrete-actions", "6", "--value-head", "1", NULL}),
+        RNND_CONFIG_RUN);
+    assert_int_equal(c.model.policy.enc_layers, 2);
+    assert_int_equal(c.model.policy.enc_width[0], 64);
+    assert_int_equal(c.model.policy.enc_width[1], 32);
+    assert_int_equal(c.model.policy.enc_act, RNND_ACT_RELU);
+    assert_int_equal(c.model.policy.K, 6);
+    assert_true(c.model.policy.value);
+    // An empty list is no encoder, even after a file set one.
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--encoder-widths", "64", "--encoder-widths", "", NULL}),
+        RNND_CONFIG_RUN);
+    assert_int_equal(c.model.policy.enc_layers, 0);
+    expect_error((const char *[]){"--encoder-widths", "64,", NULL}, "--encoder-widths");
+    expect_error((const char *[]){"--encoder-widths", "8,8,8,8,8", NULL}, "more than 4");
+    expect_error((const char *[]){"--encoder-activation", "gelu", NULL}, "--encoder-activation");
+    expect_error((const char *[]){"--value-head", "yes", NULL}, "--value-head");
+    expect_error((const char *[]){"--discrete-actions", "1", NULL}, "discrete actions 1");
+    expect_error((const char *[]){"--discrete-actions", "2", "--gaussian-actions", "2", NULL},
+                 "one action head");
+}
+
 static void test_help_and_version(void **state) {
     (void)state;
     struct rnnd_config c;
@@ -381,6 +413,7 @@ int main(void) {
         cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_flags),
         cmocka_unit_test(test_bad_flags_name_themselves),
+        cmocka_unit_test(test_policy_flags),
         cmocka_unit_test(test_help_and_version),
         cmocka_unit_test(test_config_file),
         cmocka_unit_test(test_set_spellings),

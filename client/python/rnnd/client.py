@@ -60,12 +60,19 @@ class RnndError(Exception):
 ModelInfo = collections.namedtuple(
     "ModelInfo",
     "cell input_size hidden_size num_layers compute backend device model_version envs_active "
-    "max_batch extras_size kernel_plan",
+    "max_batch extras_size kernel_plan encoder_widths encoder_activation discrete_actions "
+    "gaussian_actions value_head",
 )
-StepResult = collections.namedtuple("StepResult", "output model_version h c")
+# action, log_prob, value, logits, mean: a policy model's (docs/design.md "Policy"); None else.
+StepResult = collections.namedtuple(
+    "StepResult", "output model_version h c action log_prob value logits mean",
+    defaults=(None,) * 5)
+# action ... truncated: a policy model's record of recorded steps (docs/design.md "Policy").
 ForwardResult = collections.namedtuple(
     "ForwardResult",
-    "output h_n c_n tape_id model_version obs is_init extras step_model_version",
+    "output h_n c_n tape_id model_version obs is_init extras step_model_version action log_prob "
+    "value reward done truncated",
+    defaults=(None,) * 6,
 )
 BackwardResult = collections.namedtuple(
     "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell"
@@ -97,7 +104,8 @@ _FP32 = (0, pb.FLOAT32)  # dtype codes shared memory carries: unset or FLOAT32
 _DTYPES = {None: 0, "float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16, "float16": pb.FLOAT16}
 # Bits of ForwardRequest.recorded_fields and BackwardRequest.input_grads by name.
 _RECORDED = {"obs": pb.RECORDED_OBS, "is_init": pb.RECORDED_IS_INIT, "extras": pb.RECORDED_EXTRAS,
-             "step_model_version": pb.RECORDED_STEP_MODEL_VERSION}
+             "step_model_version": pb.RECORDED_STEP_MODEL_VERSION, "action": pb.RECORDED_ACTION,
+             "reward": pb.RECORDED_REWARD}
 _INPUT_GRADS = {"obs": pb.INPUT_GRAD_OBS, "h0": pb.INPUT_GRAD_H0, "hidden": pb.INPUT_GRAD_HIDDEN}
 
 
@@ -156,9 +164,16 @@ def _put(call, msg, **arrays):
 
 
 def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
-                  call=None):
+                  call=None, greedy=False, return_logits=False, return_core=False, reward=None,
+                  done=None, truncated=None):
     ids = _ids(env_ids)
-    req = pb.StepRequest(env_ids=ids, return_state=bool(return_state))
+    req = pb.StepRequest(env_ids=ids, return_state=bool(return_state), greedy=bool(greedy),
+                         return_logits=bool(return_logits), return_core=bool(return_core))
+    if reward is not None:
+        r = np.asarray(reward, np.float32)
+        req.reward[:] = (np.full(len(ids), r) if r.ndim == 0 else r.reshape(-1)).tolist()
+    req.done[:] = _bools(done, len(ids))
+    req.truncated[:] = _bools(truncated, len(ids))
     _put(call, req, obs=obs, extras=extras)
     if call is not None:
         req.reply_region.CopyFrom(call.reply_region())
@@ -170,7 +185,8 @@ def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, retu
 
 def _step_result(reply, call=None):
     get, fld = (call.get, call.field) if call is not None else (decode, field)
-    return StepResult(get(reply.output), reply.model_version, fld(reply, "h"), fld(reply, "c"))
+    return StepResult(fld(reply, "output"), reply.model_version, fld(reply, "h"), fld(reply, "c"),
+                      *(fld(reply, n) for n in ("action", "log_prob", "value", "logits", "mean")))
 
 
 def _local_target(target):
@@ -346,7 +362,8 @@ class Client:
         r = self._call("GetModelInfo", pb.GetModelInfoRequest())
         return ModelInfo(r.cell, r.input_size, r.hidden_size, r.num_layers, r.compute, r.backend,
                          r.device, r.model_version, r.envs_active, r.max_batch, r.extras_size,
-                         r.kernel_plan)
+                         r.kernel_plan, tuple(r.encoder_widths), r.encoder_activation,
+                         r.discrete_actions, r.gaussian_actions, r.value_head)
 
     def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
         """One recurrent step for B envs: obs [B, I], is_init B bools (a scalar broadcasts; None:
@@ -354,13 +371,22 @@ class Client:
         return self.step_result(env_ids, obs, is_init, step_index, extras).output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        """step() returning StepResult(output, model_version, h, c); h/c [B, L, H] only with
-        return_state (c for LSTM)."""
+                    return_state=False, greedy=False, return_logits=False, return_core=False,
+                    reward=None, done=None, truncated=None):
+        """step() returning StepResult(output, model_version, h, c, action, log_prob, value,
+        logits, mean); h/c [B, L, H] only with return_state (c for LSTM).
+
+        A policy model (docs/design.md "Policy") returns action ([B] int64 for a discrete head,
+        [B, A] for a Gaussian one), log_prob [B] and value [B] (value head), drawn from a
+        generator keyed by (--seed, env id, step_index or the env's step count); greedy takes
+        the mode instead; return_logits adds logits [B, K] or mean [B, A]; output (the core's
+        [B, H]) comes back only with return_core. reward, done, truncated (B values or a scalar)
+        report what each env's previous step earned; forward_recorded returns them with it."""
         call = self._span((obs, extras), _shm.step_reply_bytes(self._info, len(_ids(env_ids)),
                                                                 return_state)
                           if self.transport == "shm" else 0)
-        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state, call)
+        req = _step_request(env_ids, obs, is_init, step_index, extras, return_state, call,
+                            greedy, return_logits, return_core, reward, done, truncated)
         return self._shm_call("Step", req, call, lambda r: _step_result(r, call))
 
     def stepper(self):
@@ -446,7 +472,9 @@ class Client:
         get, fld = _getters(call, decode)
         return ForwardResult(get(r.output), fld(r, "h_n"), fld(r, "c_n"), r.tape_id,
                              r.model_version, fld(r, "obs"), fld(r, "is_init"),
-                             fld(r, "extras"), fld(r, "step_model_version"))
+                             fld(r, "extras"), fld(r, "step_model_version"),
+                             *(fld(r, n) for n in ("action", "log_prob", "value", "reward",
+                                                   "done", "truncated")))
 
     def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False,
                  input_grads=None, dtype=None, reply_dtype=None, decode=None):
@@ -538,8 +566,8 @@ class _SendRecv:
         return self.recv().output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        self.send(env_ids, obs, is_init, step_index, extras, return_state)
+                    return_state=False, **policy):
+        self.send(env_ids, obs, is_init, step_index, extras, return_state, **policy)
         return self.recv()
 
 
@@ -560,7 +588,8 @@ class Stepper(_SendRecv):
         self._spans = collections.deque()  # shared memory of the requests in flight, or None
         self._closed = False
 
-    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
+             **policy):
         if self._closed:
             raise RnndError(grpc.StatusCode.CANCELLED, "stepper is closed", "StepStream")
         c = self._client
@@ -569,7 +598,7 @@ class Stepper(_SendRecv):
                        if c.transport == "shm" else 0)
         self._spans.append(call)
         self._requests.put(_step_request(env_ids, obs, is_init, step_index, extras, return_state,
-                                         call))
+                                         call, **policy))
         self._pending += 1
 
     def recv(self):

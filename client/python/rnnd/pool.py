@@ -120,8 +120,10 @@ class Pool:
 
     # -- calls split by env ------------------------------------------------------------------------
 
-    def _parts(self, env_ids, obs, is_init, step_index, extras, return_state):
-        """(B, [(target, rows, step arguments of those rows)])."""
+    def _parts(self, env_ids, obs, is_init, step_index, extras, return_state, policy):
+        """(B, [(target, rows, step arguments of those rows, policy options of those rows)]).
+        policy: greedy, return_logits, return_core (the same for every part) and reward, done,
+        truncated (per row)."""
         ids = np.asarray(_ids(env_ids), dtype=np.uint64)
         B = ids.shape[0]
         obs = np.asarray(obs)
@@ -142,12 +144,15 @@ class Pool:
             if extras.shape[:1] != (B,):
                 raise ValueError("extras has shape %s but there are %d env ids"
                                  % (extras.shape, B))
+        per_row = {k: np.broadcast_to(np.asarray(policy[k]), (B,))
+                   for k in ("reward", "done", "truncated") if policy.get(k) is not None}
         parts = []
         for t, rows in self.split(ids):
+            kw = dict(policy, **{k: v[rows] for k, v in per_row.items()})
             parts.append((t, rows, (ids[rows], obs[rows],
                                     None if is_init is None else is_init[rows],
                                     None if step_index is None else step_index[rows],
-                                    None if extras is None else extras[rows], return_state)))
+                                    None if extras is None else extras[rows], return_state), kw))
         return B, parts
 
     @staticmethod
@@ -156,37 +161,40 @@ class Pool:
             return results[0]
         version = min(r.model_version for r in results)
         joined = []
-        for name in ("output", "h", "c"):
+        for name in StepResult._fields:
+            if name == "model_version":
+                continue
             vals = [getattr(r, name) for r in results]
             if vals[0] is None:
                 joined.append(None)
                 continue
             out = np.empty((B,) + vals[0].shape[1:], dtype=vals[0].dtype)
-            for (_, rows, _), v in zip(parts, vals):
+            for (_, rows, _, _), v in zip(parts, vals):
                 out[rows] = v
             joined.append(out)
-        return StepResult(joined[0], version, joined[1], joined[2])
+        return StepResult(joined[0], version, *joined[1:])
 
     def step(self, env_ids, obs, is_init=None, step_index=None, extras=None):
         """Client.step over the pool: output [B, H] in env_ids' order."""
         return self.step_result(env_ids, obs, is_init, step_index, extras).output
 
     def step_result(self, env_ids, obs, is_init=None, step_index=None, extras=None,
-                    return_state=False):
-        """Client.step_result over the pool. The parts run concurrently; model_version is the
-        smallest of theirs. If a part fails, its RnndError (lowest target index first) is raised;
-        parts that succeeded have advanced their envs (use step_index for safe retries)."""
-        B, parts = self._parts(env_ids, obs, is_init, step_index, extras, return_state)
+                    return_state=False, **policy):
+        """Client.step_result over the pool (policy: Client.step_result's options). The parts
+        run concurrently; model_version is the smallest of theirs. If a part fails, its
+        RnndError (lowest target index first) is raised; parts that succeeded have advanced
+        their envs (use step_index for safe retries)."""
+        B, parts = self._parts(env_ids, obs, is_init, step_index, extras, return_state, policy)
         if not parts:  # no rows: let the first target answer as a single daemon would
             return self.clients[0].step_result(env_ids, obs, is_init, step_index, extras,
-                                               return_state)
+                                               return_state, **policy)
         futures = []
-        for t, _, args in parts:
+        for t, _, args, kw in parts:
             c = self.clients[t]
-            futures.append(c._stub.Step.future(_step_request(*args), timeout=c.timeout,
-                                               metadata=c._metadata))
+            futures.append(c._stub.Step.future(_step_request(*args, **kw),
+                                               timeout=c.timeout, metadata=c._metadata))
         results, error = [], None
-        for (t, _, _), f in zip(parts, futures):
+        for (t, _, _, _), f in zip(parts, futures):
             try:
                 results.append(_step_result(f.result()))
             except grpc.RpcError as e:
@@ -241,18 +249,20 @@ class PoolStepper(_SendRecv):
             raise RnndError(grpc.StatusCode.CANCELLED, "the pool stepper is broken by an earlier "
                             "error", "StepStream")
 
-    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False):
+    def send(self, env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
+             **policy):
         self._check()
-        B, parts = self._pool._parts(env_ids, obs, is_init, step_index, extras, return_state)
+        B, parts = self._pool._parts(env_ids, obs, is_init, step_index, extras, return_state,
+                                     policy)
         if not parts:
             parts = [(0, np.zeros(0, dtype=np.int64),
-                      (env_ids, obs, is_init, step_index, extras, return_state))]
+                      (env_ids, obs, is_init, step_index, extras, return_state), policy)]
         try:
-            for t, _, args in parts:
+            for t, _, args, kw in parts:
                 s = self._steppers.get(t)
                 if s is None:
                     s = self._steppers[t] = self._pool.clients[t].stepper()
-                s.send(*args)
+                s.send(*args, **kw)
         except BaseException:
             self._broken = True
             raise
@@ -264,7 +274,7 @@ class PoolStepper(_SendRecv):
             raise RuntimeError("PoolStepper.recv() with no request in flight")
         B, parts = self._inflight.pop(0)
         results = []
-        for t, _, _ in parts:
+        for t, _, _, _ in parts:
             try:
                 results.append(self._steppers[t].recv())
             except RnndError as e:

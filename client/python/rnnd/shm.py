@@ -197,6 +197,8 @@ def step_reply_bytes(info, B, return_state):
 def forward_reply_bytes(info, B, T, recorded):
     H, LH = info.hidden_size, info.num_layers * info.hidden_size
     n = _up(B * T * H * 4) + 2 * _up(B * LH * 4) + ALIGN
+    K, A = info.discrete_actions, info.gaussian_actions
+    n += _up(B * T * K * 4) + _up(B * T * A * 4) + _up(A * 4) + _up(B * T * 4) + 4 * ALIGN
     if recorded:
         n += (_up(B * T * info.input_size * 4) + _up(B * T) + _up(B * T * info.extras_size * 4)
               + _up(B * T * 8))

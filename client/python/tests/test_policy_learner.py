@@ -129,6 +129,26 @@ class Learner(unittest.TestCase):
         self.check_grads(g, pi)
         self.assertIsNone(g.grad_obs)
 
+    def test_encoder_without_heads(self):
+        # No heads: the core's output is the reply, and its gradient flows into the encoder.
+        flags = dict(input_size=I, hidden_size=H, layers=1, cell="gru", encoder_widths="4",
+                     encoder_activation="relu", value_head=0, seed=5)
+        rng = np.random.default_rng(5)
+        obs = rng.uniform(-1, 1, (B, T, I)).astype(np.float32)
+        is_init = resets(rng)
+        g_out = rng.normal(size=(B, T, H)).astype(np.float32)
+        with daemon(**flags) as d:
+            c = d.client()
+            pi = reference(flags, c.get_weights())
+            f = c.forward(obs, is_init, keep_tape=True)
+            self.assertIsNone(f.logits)
+            g = c.backward(f.tape_id, g_out)
+        x = t64(obs).requires_grad_()
+        ref = pi(x, torch.from_numpy(is_init))
+        self.assertLess(rel_err(f.output, ref.output.detach().numpy()), 1e-4)
+        (ref.output * t64(g_out)).sum().backward()
+        self.check_grads(g, pi, (("grad_obs", x.grad.numpy()),))
+
     def test_accumulate_and_apply_lower_the_loss(self):
         # Cross-entropy towards fixed actions plus a value regression, over two accumulated
         # Backwards per update: every tensor moves and the loss goes down.

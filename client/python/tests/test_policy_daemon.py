@@ -369,6 +369,14 @@ class Steps(unittest.TestCase):
                                        reward=np.full(self.B, 0.5 * t) if t else None)
                          for t in range(self.T)]
                 out.append((steps, c.forward_recorded(ids, self.T, return_core=True)))
+                heads = c.forward_recorded(ids, self.T)  # the heads' outputs alone
+                self.assertIsNone(heads.output)
+                np.testing.assert_array_equal(heads.logits, out[-1][1].logits)
+                if "devices" in flags:  # no policy tapes over several devices yet
+                    with self.assertRaises(rnnd.RnndError) as e:
+                        c.forward_recorded(ids, self.T, keep_tape=True)
+                    self.assertIn("FAILED_PRECONDITION", str(e.exception))
+                    self.assertIn("one device only", str(e.exception))
         (s1, f1), (s2, f2) = out
         for a, b in zip(s1, s2):
             np.testing.assert_array_equal(a.action, b.action)

@@ -690,11 +690,15 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     struct tape_obj *t = p;
     int B = t->B, T = t->T;
     if (g->B != B || g->T != T) {
+        const char *name = g->grad_out      ? "grad_output"
+                           : g->grad_logits ? "grad_logits"
+                           : g->grad_mean   ? "grad_mean"
+                                            : "grad_head_value";
         rnnd_job_fail(job, RNND_EINVAL,
-                      "grad_output: shape [%d, %d, %d] does not match tape %" PRIu64
-                      " ([B, T, H] = [%d, "
-                      "%d, %d] from its Forward); send the gradient of that Forward's output",
-                      g->B, g->T, e->model.H, g->tape_id, B, T, e->model.H);
+                      "%s: [B, T] = [%d, %d] does not match tape %" PRIu64
+                      " ([B, T] = [%d, %d] from its Forward); send the gradients of that "
+                      "Forward's outputs",
+                      name, g->B, g->T, g->tape_id, B, T);
         return;
     }
     if ((g->grad_h_n && g->grad_h_n_B != B) || (g->grad_c_n && g->grad_c_n_B != B)) {

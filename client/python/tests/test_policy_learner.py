@@ -199,7 +199,7 @@ class Learner(unittest.TestCase):
                           grad_head_value=np.ones((B, T + 1), np.float32)),
                      "grad_head_value: shape [3, 6] does not match [B, T]"),
                     (dict(grad_logits=np.ones((B + 1, T, 4), np.float32)),
-                     "does not match tape"),
+                     "grad_logits: [B, T] = [4, 5] does not match tape"),
                     ({}, "no gradient of the Forward's outputs")):
                 with self.assertRaises(rnnd.RnndError) as e:
                     c.backward(f.tape_id, **kw)

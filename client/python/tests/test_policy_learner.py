@@ -79,7 +79,11 @@ class Learner(unittest.TestCase):
         g_out = rng.normal(size=(B, T, H)).astype(np.float32)
         with daemon(**DISCRETE) as d:
             c = d.client()
-            pi = reference(DISCRETE, c.get_weights())
+            w = c.get_weights()
+            pi = reference(DISCRETE, w)
+            # The shared-memory reply is sized for every gradient the policy has.
+            self.assertEqual(rnnd.shm.param_tensors(c.info()),
+                             (sum(v.size for v in w.values()), len(w)))
             f = c.forward(obs, is_init, h0=h0, c0=c0, keep_tape=True)
             self.assertIsNone(f.output)
             self.assertEqual(f.logits.shape, (B, T, 4))

@@ -1488,6 +1488,10 @@ void rnnd_forward_reply_free(struct rnnd_forward_reply *r) {
     rnnd_tensor_free(&r->reward);
     rnnd_tensor_free(&r->done);
     rnnd_tensor_free(&r->truncated);
+    rnnd_tensor_free(&r->logits);
+    rnnd_tensor_free(&r->mean);
+    rnnd_tensor_free(&r->log_std);
+    rnnd_tensor_free(&r->head_value);
     r->tape_id = r->model_version = 0;
 }
 
@@ -1497,6 +1501,9 @@ static size_t forward_reply_bytes(const struct shm *s, const struct rnnd_forward
     size_t T = req->recorded ? req->steps : (size_t)req->obs.shape[1];
     size_t H = (size_t)s->m.H, LH = (size_t)s->m.L * H;
     size_t n = align_up(B * T * H * 4) + 2 * align_up(B * LH * 4) + SHM_ALIGN;
+    const struct rnnd_policy *p = &s->m.policy;
+    n += align_up(B * T * (size_t)p->K * 4) + align_up(B * T * (size_t)p->A * 4) +
+         align_up((size_t)p->A * 4) + align_up(B * T * 4) + 4 * SHM_ALIGN; // the heads' outputs
     if (req->recorded) // the recorded obs, is_init, extras, step_model_version
         n += align_up(B * T * (size_t)s->m.I * 4) + align_up(B * T) +
              align_up(B * T * (size_t)s->E * 4) + align_up(B * T * 8);
@@ -1535,6 +1542,7 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         pb.trajectories = &tr;
     }
     pb.keep_tape = req->keep_tape;
+    pb.return_core = req->return_core;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     if (req->has_recorded_fields) {
         pb._recorded_fields_case = RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
@@ -1576,6 +1584,14 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
         err = copy_tensor(sh, r->done, &out->done);
     if (!err)
         err = copy_tensor(sh, r->truncated, &out->truncated);
+    if (!err)
+        err = copy_tensor(sh, r->logits, &out->logits);
+    if (!err)
+        err = copy_tensor(sh, r->mean, &out->mean);
+    if (!err)
+        err = copy_tensor(sh, r->log_std, &out->log_std);
+    if (!err)
+        err = copy_tensor(sh, r->head_value, &out->head_value);
     protobuf_c_message_free_unpacked(msg, NULL);
     shm_give(&sc);
     if (err)
@@ -1598,7 +1614,12 @@ void rnnd_backward_reply_free(struct rnnd_backward_reply *r) {
 // accumulated), grad_obs and the initial states' gradients. grad_hidden/grad_cell (a tape with
 // stored states) are left out: when they do not fit they come back as bytes.
 static size_t backward_reply_bytes(const struct shm *s, const struct rnnd_backward_req *req) {
-    size_t B = (size_t)req->grad_output.shape[0], T = (size_t)req->grad_output.shape[1];
+    // B and T from the first gradient sent that has them.
+    const struct rnnd_tensor *bt = req->grad_output.present   ? &req->grad_output
+                                   : req->grad_logits.present ? &req->grad_logits
+                                   : req->grad_mean.present   ? &req->grad_mean
+                                                              : &req->grad_head_value;
+    size_t B = bt->present ? (size_t)bt->shape[0] : 0, T = bt->present ? (size_t)bt->shape[1] : 0;
     size_t LH = (size_t)s->m.L * (size_t)s->m.H;
     size_t n = align_up(B * T * (size_t)s->m.I * 4) + 2 * align_up(B * LH * 4) + SHM_ALIGN;
     if (!req->accumulate)
@@ -1610,17 +1631,23 @@ int rnnd_client_backward(struct rnnd_client *c, const struct rnnd_backward_req *
                          struct rnnd_backward_reply *out) {
     memset(out, 0, sizeof *out);
     Rnnd__V1__BackwardRequest pb = RNND__V1__BACKWARD_REQUEST__INIT;
-    Rnnd__V1__Tensor t[3];
+    Rnnd__V1__Tensor t[7];
     struct shm_call sc;
     memset(&sc, 0, sizeof sc);
     if (c->shm) {
-        const struct rnnd_tensor *in[] = {&req->grad_output, &req->grad_h_n, &req->grad_c_n};
-        shm_take(c->shm, shm_need(in, 3, backward_reply_bytes(c->shm, req)), &sc);
+        const struct rnnd_tensor *in[] = {&req->grad_output,    &req->grad_h_n,  &req->grad_c_n,
+                                          &req->grad_logits,    &req->grad_mean, &req->grad_log_std,
+                                          &req->grad_head_value};
+        shm_take(c->shm, shm_need(in, 7, backward_reply_bytes(c->shm, req)), &sc);
     }
     pb.tape_id = req->tape_id;
     pb.grad_output = pb_tensor_in(&sc, &req->grad_output, &t[0]);
     pb.grad_h_n = pb_tensor_in(&sc, &req->grad_h_n, &t[1]);
     pb.grad_c_n = pb_tensor_in(&sc, &req->grad_c_n, &t[2]);
+    pb.grad_logits = pb_tensor_in(&sc, &req->grad_logits, &t[3]);
+    pb.grad_mean = pb_tensor_in(&sc, &req->grad_mean, &t[4]);
+    pb.grad_log_std = pb_tensor_in(&sc, &req->grad_log_std, &t[5]);
+    pb.grad_head_value = pb_tensor_in(&sc, &req->grad_head_value, &t[6]);
     pb.accumulate = req->accumulate;
     pb.reply_dtype = (Rnnd__V1__DType)req->reply_dtype;
     if (req->has_input_grads) {

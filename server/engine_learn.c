@@ -38,6 +38,9 @@ struct tape_obj {
     float *h0, *c0;       // (B, L, H) or NULL
     float *hidden, *cell; // (B, T, L, H) or NULL
     void *tape;
+    // A policy's: the encoder's activations (B*T rows, or NULL) and the core's output (the
+    // heads' input), for the backward through heads and encoder.
+    float *acts, *out; // (B*T, encoder acts), (B, T, H)
 };
 
 // A learner's Forwards keep tapes of one size, one after the other: the block of a tape that is
@@ -198,7 +201,9 @@ struct fwd_layout {
     float *rec_extras; // (B, T, E) recorded only
     uint64_t *rec_ver; // (B, T) recorded only
     float *out, *h_n, *c_n;
-    float *acts;  // (B*T, encoder acts) a policy's encoder activations, or NULL
+    float *acts; // (B*T, encoder acts) a policy's encoder activations, or NULL
+    // The heads' outputs (models with heads), each NULL for a head the model lacks.
+    float *logits, *mean, *log_std, *value; // (B, T, K), (B, T, A), (A), (B, T)
     int32_t *idx; // recorded: (B*T + B) store rows of the windows, then of their first steps
     char *area;   // the packed inputs (in_bytes), then the packed outputs; NULL when none
     size_t in_bytes, area_bytes;
@@ -228,7 +233,17 @@ static int fwd_parts(struct rnnd_engine *e, struct rnnd_forward_job *f, const st
     }
     *nin = k;
     k = 0;
-    out[k++] = (struct io_part){.dev = l->out, .n = BT * H, .out = &f->out};
+    const struct rnnd_policy *p = &e->model.policy;
+    if (e->prow.W == 0 || f->return_core)
+        out[k++] = (struct io_part){.dev = l->out, .n = BT * H, .out = &f->out};
+    if (p->K)
+        out[k++] = (struct io_part){.dev = l->logits, .n = BT * p->K, .out = &f->logits};
+    if (p->A) {
+        out[k++] = (struct io_part){.dev = l->mean, .n = BT * p->A, .out = &f->mean};
+        out[k++] = (struct io_part){.dev = l->log_std, .n = p->A, .out = &f->log_std};
+    }
+    if (p->value)
+        out[k++] = (struct io_part){.dev = l->value, .n = BT, .out = &f->value};
     out[k++] = (struct io_part){.dev = l->h_n, .n = B * LH, .out = &f->h_n};
     if (e->lstm)
         out[k++] = (struct io_part){.dev = l->c_n, .n = B * LH, .out = &f->c_n};
@@ -268,7 +283,12 @@ static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layo
     l->c_n = e->lstm ? carve(cv, B * LH * sizeof(float)) : NULL;
     l->idx = rec ? carve(cv, (BT + B) * sizeof(int32_t)) : NULL;
     l->acts = e->enc_acts ? carve(cv, BT * (size_t)e->enc_acts * sizeof(float)) : NULL;
-    struct io_part in[8], out[8];
+    const struct rnnd_policy *p = &e->model.policy;
+    l->logits = p->K ? carve(cv, BT * (size_t)p->K * sizeof(float)) : NULL;
+    l->mean = p->A ? carve(cv, BT * (size_t)p->A * sizeof(float)) : NULL;
+    l->log_std = p->A ? carve(cv, (size_t)p->A * sizeof(float)) : NULL;
+    l->value = p->value ? carve(cv, BT * sizeof(float)) : NULL;
+    struct io_part in[8], out[12];
     int nin, nout;
     fwd_parts(e, f, l, in, &nin, out, &nout);
     l->in_bytes = io_area_bytes(e, in, nin, f->in);
@@ -415,7 +435,7 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
                       B, T, (double)bytes / 1048576.0, e->backend_name);
         goto out;
     }
-    struct io_part in[8], outs[8];
+    struct io_part in[8], outs[12];
     int nin, nout;
     fwd_parts(e, f, &l, in, &nin, outs, &nout);
     size_t out_at = (l.in_bytes + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
@@ -455,6 +475,18 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
     if (rc == 0)
         rc = e->be.ops->rnn_forward(e->be.ctx, l.out, l.h_n, l.c_n, l.tape, &seq, e->cur->params,
                                     &e->core);
+    if (rc == 0 && e->prow.W) {
+        // The heads on every step's core output; the log-std is the parameter itself.
+        struct rnnd_heads hd = {.logits = l.logits, .mean = l.mean, .value = l.value};
+        rc = e->be.ops->heads_forward(e->be.ctx, &hd, l.out, (int)BT, e->cur->params, &e->model);
+        if (rc == 0 && l.log_std) {
+            struct rnnd_param_tensor ls;
+            rnnd_model_param_tensor(&e->model, rnnd_model_param_find(&e->model, "action_log_std"),
+                                    &ls);
+            rc = e->be.ops->copy(e->be.ctx, l.log_std, e->cur->params + ls.offset,
+                                 ls.count * sizeof(float));
+        }
+    }
     if (rc == 0 && rec && (f->rec_fields & (RNND_REC_ACTION | RNND_REC_REWARD)))
         rc = policy_record_read(e, job);
     if (rc == 0) // one copy back of everything returned
@@ -487,7 +519,9 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
                                   .c0 = l.c0,
                                   .hidden = l.hidden,
                                   .cell = l.cell,
-                                  .tape = l.tape};
+                                  .tape = l.tape,
+                                  .acts = l.acts,
+                                  .out = l.out};
         if (pt) {
             tobj->rows = malloc((size_t)B * sizeof(int32_t));
             if (tobj->rows == NULL) {
@@ -546,6 +580,7 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
     s->in = f->in;
     s->out_dtype = f->out_dtype;
     s->rec_fields = f->rec_fields;
+    s->return_core = f->return_core;
     char *block = NULL;
     uint64_t *ids = NULL;
     if (f->recorded) {
@@ -592,7 +627,17 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
     memcpy(job->msg, sub.msg, sizeof(job->msg));
     job->model_version = sub.model_version;
     if (sub.err == 0) {
-        rows_scatter(f->out, s->out, rows, n, Tz * H * fo);
+        const struct rnnd_policy *p = &e->model.policy;
+        if (s->out)
+            rows_scatter(f->out, s->out, rows, n, Tz * H * fo);
+        if (s->logits)
+            rows_scatter(f->logits, s->logits, rows, n, Tz * (size_t)p->K * fo);
+        if (s->mean) {
+            rows_scatter(f->mean, s->mean, rows, n, Tz * (size_t)p->A * fo);
+            memcpy(f->log_std, s->log_std, (size_t)p->A * fo);
+        }
+        if (s->value)
+            rows_scatter(f->value, s->value, rows, n, Tz * fo);
         rows_scatter(f->h_n, s->h_n, rows, n, LH * fo);
         if (e->lstm)
             rows_scatter(f->c_n, s->c_n, rows, n, LH * fo);
@@ -645,11 +690,15 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     struct tape_obj *t = p;
     int B = t->B, T = t->T;
     if (g->B != B || g->T != T) {
+        const char *name = g->grad_out      ? "grad_output"
+                           : g->grad_logits ? "grad_logits"
+                           : g->grad_mean   ? "grad_mean"
+                                            : "grad_head_value";
         rnnd_job_fail(job, RNND_EINVAL,
-                      "grad_output: shape [%d, %d, %d] does not match tape %" PRIu64
-                      " ([B, T, H] = [%d, "
-                      "%d, %d] from its Forward); send the gradient of that Forward's output",
-                      g->B, g->T, e->model.H, g->tape_id, B, T, e->model.H);
+                      "%s: [B, T] = [%d, %d] does not match tape %" PRIu64
+                      " ([B, T] = [%d, %d] from its Forward); send the gradients of that "
+                      "Forward's outputs",
+                      name, g->B, g->T, g->tape_id, B, T);
         return;
     }
     if ((g->grad_h_n && g->grad_h_n_B != B) || (g->grad_c_n && g->grad_c_n_B != B)) {
@@ -698,7 +747,13 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     // (io_part): one copy each way. Gradients not asked for are not computed.
     struct carve cv = {0};
     float *d_go, *d_ghn, *d_gcn, *d_gx, *d_gh0, *d_gc0, *d_ghid, *d_gcell;
-    struct io_part in[3], outs[7];
+    // A policy's: the heads' output gradients, dL/dh from the heads, and dL/d the core's input
+    // (the encoder's output).
+    const struct rnnd_policy *pol = &e->model.policy;
+    bool heads = g->grad_logits || g->grad_mean || g->grad_value;
+    size_t CI = (size_t)e->core.I;
+    float *d_gl, *d_gm, *d_gls, *d_gv, *d_gh, *d_gcx;
+    struct io_part in[7], outs[7];
     int nin, nout;
     size_t area_at = 0, in_bytes = 0, area_bytes = 0;
     void *block = NULL;
@@ -712,9 +767,24 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         d_gc0 = want & RNND_GRAD_H0 && lstm ? carve(&cv, BLH * sizeof(float)) : NULL;
         d_ghid = want & RNND_GRAD_HIDDEN ? carve(&cv, BT * LH * sizeof(float)) : NULL;
         d_gcell = want & RNND_GRAD_HIDDEN && lstm ? carve(&cv, BT * LH * sizeof(float)) : NULL;
+        d_gl = g->grad_logits ? carve(&cv, BT * (size_t)pol->K * sizeof(float)) : NULL;
+        d_gm = g->grad_mean ? carve(&cv, BT * (size_t)pol->A * sizeof(float)) : NULL;
+        d_gls = g->grad_log_std ? carve(&cv, (size_t)pol->A * sizeof(float)) : NULL;
+        d_gv = g->grad_value ? carve(&cv, BT * sizeof(float)) : NULL;
+        d_gh = heads ? carve(&cv, BT * H * sizeof(float)) : NULL;
+        d_gcx = e->enc_acts ? carve(&cv, BT * CI * sizeof(float)) : NULL;
         // The parts follow from the request alone (pass 0 measures with NULL pointers).
         nin = nout = 0;
-        in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
+        if (g->grad_out)
+            in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
+        if (d_gl)
+            in[nin++] = (struct io_part){.dev = d_gl, .n = BT * pol->K, .host = g->grad_logits};
+        if (d_gm)
+            in[nin++] = (struct io_part){.dev = d_gm, .n = BT * pol->A, .host = g->grad_mean};
+        if (d_gls)
+            in[nin++] = (struct io_part){.dev = d_gls, .n = pol->A, .host = g->grad_log_std};
+        if (d_gv)
+            in[nin++] = (struct io_part){.dev = d_gv, .n = BT, .host = g->grad_value};
         if (g->grad_h_n)
             in[nin++] = (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n};
         if (g->grad_c_n)
@@ -754,20 +824,47 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
     if (rc == 0)
         rc = io_in(e, in, nin, g->in, area, host);
+    if (rc == 0 && !g->grad_out)
+        rc = e->be.ops->zero(e->be.ctx, d_go, BT * H * sizeof(float));
+    uint64_t t0 = rnnd_now_ns();
+    if (rc == 0 && (heads || d_gls)) {
+        // The heads first: their weight gradients, and dL/dh added to grad_output's. Only the
+        // CPU backend runs policies, so these sums are host loops over its memory.
+        RNND_ASSERT(e->host_mem);
+        struct rnnd_heads hg = {.logits = d_gl, .mean = d_gm, .value = d_gv};
+        if (heads)
+            rc = e->be.ops->heads_backward(e->be.ctx, dparams, d_gh, &hg, t->out, (int)BT,
+                                           t->w->params, &e->model);
+        for (size_t i = 0; rc == 0 && heads && i < BT * H; i++)
+            d_go[i] += d_gh[i];
+        if (rc == 0 && d_gls) {
+            struct rnnd_param_tensor pt;
+            rnnd_model_param_tensor(&e->model, rnnd_model_param_find(&e->model, "action_log_std"),
+                                    &pt);
+            for (size_t j = 0; j < pt.count; j++)
+                dparams[pt.offset + j] += d_gls[j];
+        }
+    }
     struct rnnd_seq seq = {.B = B,
                            .T = T,
-                           .x = t->x,
+                           .x = t->acts ? t->acts + BT * (size_t)(e->enc_acts - e->core.I) : t->x,
                            .is_init = t->is_init,
                            .h0 = t->h0,
                            .c0 = t->c0,
                            .hidden = t->hidden,
                            .cell = t->cell};
-    struct rnnd_seq_grads grads = {
-        .params = dparams, .x = d_gx, .h0 = d_gh0, .c0 = d_gc0, .hidden = d_ghid, .cell = d_gcell};
-    uint64_t t0 = rnnd_now_ns();
+    struct rnnd_seq_grads grads = {.params = dparams,
+                                   .x = d_gcx ? d_gcx : d_gx,
+                                   .h0 = d_gh0,
+                                   .c0 = d_gc0,
+                                   .hidden = d_ghid,
+                                   .cell = d_gcell};
     if (rc == 0)
         rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
-                                     t->w->params, &e->model);
+                                     t->w->params, &e->core);
+    if (rc == 0 && d_gcx) // the encoder last, from the core input's gradient
+        rc = e->be.ops->encoder_backward(e->be.ctx, dparams, d_gx, d_gcx, t->acts, t->x, (int)BT,
+                                         t->w->params, &e->model);
     if (rc == 0) // one copy back of everything returned
         rc = io_out(e, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
                     host ? host + in_bytes : NULL);

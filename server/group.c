@@ -85,7 +85,7 @@ typedef void (*fan_finish_fn)(struct fan *f);
 typedef bool (*fan_undo_fn)(struct fan *f);
 
 // The most outputs of a parent job the fan frees (a recorded Forward of a policy model).
-#define FAN_OUTPUTS 13
+#define FAN_OUTPUTS 17
 
 struct fan {
     struct rnnd_group *g;
@@ -454,7 +454,22 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     struct rnnd_forward_job *fw = &job->fwd;
     size_t B = (size_t)fw->B, Tz = (size_t)fw->T, fb = rnnd_ftype_bytes(fw->out_dtype);
     unsigned m = fw->rec_fields;
-    fw->out = malloc(B * Tz * g->H * fb);
+    const struct rnnd_model *pm = &g->cfg.model;
+    struct rnnd_policy_row pr = rnnd_policy_row(pm);
+    const struct rnnd_policy *pp = &pm->policy;
+    if (fw->keep_tape && rnnd_model_has_policy(pm)) {
+        rnnd_job_fail(job, RNND_EPRECOND,
+                      "keep_tape: a policy model's Backward runs on one device only for now; "
+                      "send keep_tape=false, or run this learner on a daemon of one device");
+        job->done(job);
+        return;
+    }
+    bool core = pr.W == 0 || fw->return_core;
+    fw->out = core ? malloc(B * Tz * g->H * fb) : NULL;
+    fw->logits = pp->K ? malloc(B * Tz * (size_t)pp->K * fb) : NULL;
+    fw->mean = pp->A ? malloc(B * Tz * (size_t)pp->A * fb) : NULL;
+    fw->log_std = pp->A ? malloc((size_t)pp->A * fb) : NULL;
+    fw->value = pp->value ? malloc(B * Tz * fb) : NULL;
     fw->h_n = malloc(B * g->LH * fb);
     fw->c_n = g->lstm ? malloc(B * g->LH * fb) : NULL;
     bool rec = fw->recorded;
@@ -463,8 +478,6 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     fw->rec_extras = m & RNND_REC_EXTRAS && g->E ? malloc(B * Tz * g->E * fb) : NULL;
     fw->rec_version = m & RNND_REC_VERSION ? malloc(B * Tz * sizeof(int64_t)) : NULL;
     // A policy's record (fp32 and int64, whatever the reply dtype: forward_done narrows).
-    const struct rnnd_model *pm = &g->cfg.model;
-    struct rnnd_policy_row pr = rnnd_policy_row(pm);
     bool act = (m & RNND_REC_ACTION) && pr.action >= 0, rew = m & RNND_REC_REWARD;
     fw->rec_action = act ? malloc(B * Tz * (pm->policy.A ? (size_t)pm->policy.A * 4 : 8)) : NULL;
     fw->rec_logp = act ? malloc(B * Tz * sizeof(float)) : NULL;
@@ -474,22 +487,24 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     fw->rec_truncated = rew ? malloc(B * Tz) : NULL;
     struct bump b = {0};
     struct fan *f = NULL;
-    if (fw->out && fw->h_n && (!g->lstm || fw->c_n) && (!(m & RNND_REC_OBS) || fw->rec_obs) &&
-        (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
+    if ((!core || fw->out) && (!pp->K || fw->logits) && (!pp->A || (fw->mean && fw->log_std)) &&
+        (!pp->value || fw->value) && fw->h_n && (!g->lstm || fw->c_n) &&
+        (!(m & RNND_REC_OBS) || fw->rec_obs) && (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
         (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
         (!(m & RNND_REC_VERSION) || fw->rec_version) &&
         (!act || (fw->rec_action && fw->rec_logp)) &&
         ((m & RNND_REC_ACTION) == 0 || pr.value < 0 || fw->rec_value) &&
         (!rew || (fw->rec_reward && fw->rec_done && fw->rec_truncated)))
         f = fan_new(g, job, B * sizeof(int32_t), &b);
-    void *outs[] = {fw->out,          fw->h_n,        fw->c_n,         fw->rec_obs,
-                    fw->rec_is_init,  fw->rec_extras, fw->rec_version, fw->rec_action,
-                    fw->rec_logp,     fw->rec_value,  fw->rec_reward,  fw->rec_done,
-                    fw->rec_truncated};
+    void *outs[] = {fw->out,           fw->h_n,        fw->c_n,         fw->rec_obs,
+                    fw->rec_is_init,   fw->rec_extras, fw->rec_version, fw->rec_action,
+                    fw->rec_logp,      fw->rec_value,  fw->rec_reward,  fw->rec_done,
+                    fw->rec_truncated, fw->logits,     fw->mean,        fw->log_std,
+                    fw->value};
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job);
-        outputs_free(outs, 13);
+        outputs_free(outs, 17);
         return;
     }
     memcpy(f->outputs, outs, sizeof(outs));

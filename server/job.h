@@ -146,6 +146,8 @@ struct rnnd_forward_job {
     // Recorded:
     const uint64_t *env_ids; // (B) unique
     unsigned rec_fields;     // RNND_REC_* bits: the recorded tensors returned
+    // A model with heads returns out only with return_core (without heads: always).
+    bool return_core;
     // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
     // or for a part the submitter's arrays for all B rows:
     void *out;            // (B, T, H)
@@ -160,6 +162,11 @@ struct rnnd_forward_job {
     float *rec_value;     // (B, T) fp32, RNND_REC_ACTION with a value head
     float *rec_reward;    // (B, T) fp32, RNND_REC_REWARD
     uint8_t *rec_done, *rec_truncated; // (B, T), RNND_REC_REWARD
+    // The heads' outputs at every step (models with heads), in the reply dtype:
+    void *logits;  // (B, T, K) discrete head
+    void *mean;    // (B, T, A) Gaussian head
+    void *log_std; // (A) Gaussian head
+    void *value;   // (B, T) value head
     // Parts only:
     bool part;
     const int32_t *rows; // (nrows) ascending row indices
@@ -176,10 +183,15 @@ struct rnnd_backward_job {
     uint64_t tape_id;
     int B, T;                      // dims of grad_output as sent (checked against the tape)
     enum rnnd_ftype in, out_dtype; // of the float inputs and outputs, as for Forward
-    const void *grad_out;          // (B, T, H)
-    const void *grad_h_n;          // (B, L, H) or NULL
-    const void *grad_c_n;          // (B, L, H) or NULL
-    int grad_h_n_B, grad_c_n_B;    // their first dims as sent
+    const void *grad_out;          // (B, T, H), or NULL (models with heads: heads' grads only)
+    // The gradients of the Forward's head outputs (models with heads), each NULL for zero:
+    const void *grad_logits;    // (B, T, K)
+    const void *grad_mean;      // (B, T, A)
+    const void *grad_log_std;   // (A)
+    const void *grad_value;     // (B, T)
+    const void *grad_h_n;       // (B, L, H) or NULL
+    const void *grad_c_n;       // (B, L, H) or NULL
+    int grad_h_n_B, grad_c_n_B; // their first dims as sent
     bool accumulate;
     bool input_grads_set; // false: every input gradient the Forward had, else these:
     unsigned input_grads; // RNND_GRAD_* bits (asking for an input the Forward had not is

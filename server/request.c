@@ -393,7 +393,12 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
                                         const struct rnnd_forward_job *f) {
     const struct rnnd_model *m = &l->model;
     uint64_t B = (uint64_t)f->B, T = (uint64_t)f->T, H = (uint64_t)m->H, LH = (uint64_t)m->L * H;
-    uint64_t fb = rnnd_ftype_bytes(f->out_dtype), per_step = H * fb;
+    const struct rnnd_policy *p = &m->policy;
+    bool heads = rnnd_policy_row(m).W > 0;
+    uint64_t fb = rnnd_ftype_bytes(f->out_dtype);
+    uint64_t per_step = ((heads && !f->return_core ? 0 : H) + (uint64_t)p->K + (uint64_t)p->A +
+                         (p->value ? 1 : 0)) *
+                        fb;
     if (f->recorded) { // the recorded tensors asked for (recorded_fields), in the reply dtype
         unsigned k = f->rec_fields;
         per_step += (k & RNND_REC_OBS ? (uint64_t)m->I * fb : 0) +
@@ -402,7 +407,7 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
                     (k & RNND_REC_ACTION ? 8 * (uint64_t)(m->policy.A + 1) + 8 : 0) +
                     (k & RNND_REC_REWARD ? 6 : 0);
     }
-    return (size_t)(B * T * per_step + 2 * B * LH * fb) + REPLY_FRAMING;
+    return (size_t)(B * T * per_step + (2 * B * LH + (uint64_t)p->A) * fb) + REPLY_FRAMING;
 }
 
 // Gradients of stored states come back only from Forwards that had them, which the engine knows
@@ -631,22 +636,11 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
                       err);
 }
 
-// Backward does not run a policy model's heads and encoder yet: refused (and so are the tapes
-// Forward would keep for it) rather than run over the core alone.
-static int no_policy_learner(char *err, const char *what) {
-    return errf(err, RNND_EPRECOND,
-                "%s: Backward does not run policy models (encoder or heads) yet; send Forward "
-                "with keep_tape=false, or use a daemon without --encoder-widths, "
-                "--discrete-actions, --gaussian-actions and --value-head for training",
-                what);
-}
-
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err) {
     memset(f, 0, sizeof(*f));
-    if (rnnd_model_has_policy(&l->model) && req->keep_tape)
-        return no_policy_learner(err, "Forward keep_tape");
     f->keep_tape = req->keep_tape;
+    f->return_core = req->return_core;
     bool has_fields =
         req->_recorded_fields_case == RNND__V1__FORWARD_REQUEST___RECORDED_FIELDS_RECORDED_FIELDS;
     // Absent: everything there is (no extras when the daemon records none, no actions and
@@ -684,12 +678,10 @@ int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__Fo
 int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__BackwardRequest *req,
                           struct rnnd_backward_job *g, char *err) {
     const struct rnnd_model *m = &l->model;
-    char layout[128];
+    char layout[160];
     int rc, dt = 0;
     int64_t L = m->L, H = m->H;
     memset(g, 0, sizeof(*g));
-    if (rnnd_model_has_policy(m))
-        return no_policy_learner(err, "Backward");
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
     g->input_grads_set =
@@ -704,24 +696,72 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
         return errf(err, RNND_ENOTFOUND,
                     "tape_id 0 names no tape; run Forward with keep_tape=true and send the "
                     "tape_id it returns");
-    int64_t got[3], want[3] = {-1, -1, H};
-    snprintf(layout, sizeof(layout), "[B, T, H] (H = --hidden-size %d)", m->H);
-    if ((rc = float_check(req->grad_output, "grad_output", 3, want, layout, got, &dt, "grad_output",
-                          err)) != 0)
-        return rc;
+    // What flows into the core's output: grad_output, and (models with heads) the gradients of
+    // the heads' outputs, each optional but at least one of them; all of one B and T.
+    const struct rnnd_policy *p = &m->policy;
+    struct {
+        const Tensor *t;
+        const char *name, *dims, *flag;
+        int has, ndim; // has: the width (0: the model has no such head)
+        const void **dst;
+    } in[] = {
+        {req->grad_output, "grad_output", "[B, T, H]", "--hidden-size", m->H, 3, &g->grad_out},
+        {req->grad_logits, "grad_logits", "[B, T, K]", "--discrete-actions", p->K, 3,
+         &g->grad_logits},
+        {req->grad_mean, "grad_mean", "[B, T, A]", "--gaussian-actions", p->A, 3, &g->grad_mean},
+        {req->grad_head_value, "grad_head_value", "[B, T]", "--value-head", p->value, 2,
+         &g->grad_value},
+        {req->grad_log_std, "grad_log_std", "[A]", "--gaussian-actions", p->A, 1, &g->grad_log_std},
+    };
+    const char *first = NULL;
+    int64_t B = -1, T = -1;
+    for (size_t i = 0; i < sizeof(in) / sizeof(in[0]); i++) {
+        if (!present(in[i].t))
+            continue;
+        if (in[i].has == 0)
+            return errf(err, RNND_EINVAL,
+                        "%s: this model has no such head (%s is not set); send only the "
+                        "gradients of the outputs its Forward returns",
+                        in[i].name, in[i].flag);
+        int64_t got[3], want[3] = {B, T, in[i].has};
+        if (in[i].ndim == 1)
+            want[0] = p->A;
+        snprintf(layout, sizeof(layout), "%s (%s %d; B and T of the Forward)", in[i].dims,
+                 in[i].flag, in[i].has);
+        if ((rc = float_check(in[i].t, in[i].name, in[i].ndim, want, layout, got, &dt,
+                              first ? first : in[i].name, err)) != 0)
+            return rc;
+        first = first ? first : in[i].name;
+        if (in[i].ndim > 1) {
+            B = got[0];
+            T = got[1];
+        }
+        *in[i].dst = in[i].t->data.data;
+    }
+    if (B < 0) {
+        if (rnnd_policy_row(m).W == 0)
+            return errf(err, RNND_EINVAL,
+                        "grad_output: missing; send the gradient of the Forward's output, "
+                        "[B, T, H] (H = --hidden-size %d)",
+                        m->H);
+        return errf(err, RNND_EINVAL,
+                    "no gradient of the Forward's outputs; send grad_logits, grad_mean or "
+                    "grad_head_value [B, T, ...] (and/or grad_output [B, T, H] for the core's "
+                    "output)%s",
+                    present(req->grad_log_std) ? ": grad_log_std [A] alone has no B and T" : "");
+    }
     g->in = rnnd_request_ftype(dt);
     if ((rc = reply_dtype(req->reply_dtype, dt, &g->out_dtype, err)) != 0)
         return rc;
-    if (got[0] > INT32_MAX / 4 || got[1] > INT32_MAX / 4)
-        return errf(err, RNND_EINVAL, "grad_output: shape too large");
-    g->B = (int)got[0];
-    g->T = (int)got[1];
-    g->grad_out = (const float *)req->grad_output->data.data;
+    if (B > INT32_MAX / 4 || T > INT32_MAX / 4)
+        return errf(err, RNND_EINVAL, "%s: shape too large", first);
+    g->B = (int)B;
+    g->T = (int)T;
     int64_t wstate[3] = {-1, L, H}, sgot[3];
     snprintf(layout, sizeof(layout), "[B, L, H] (L = %lld, H = %lld)", (long long)L, (long long)H);
     if (present(req->grad_h_n)) {
-        if ((rc = float_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, &dt,
-                              "grad_output", err)) != 0)
+        if ((rc = float_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, &dt, first,
+                              err)) != 0)
             return rc;
         g->grad_h_n = (const float *)req->grad_h_n->data.data;
         g->grad_h_n_B = (int)sgot[0];
@@ -729,8 +769,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     if (present(req->grad_c_n)) {
         if (m->cell != RNND_CELL_LSTM)
             return errf(err, RNND_EINVAL, "grad_c_n is for LSTM; this model is a GRU: drop it");
-        if ((rc = float_check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, &dt,
-                              "grad_output", err)) != 0)
+        if ((rc = float_check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, &dt, first,
+                              err)) != 0)
             return rc;
         g->grad_c_n = (const float *)req->grad_c_n->data.data;
         g->grad_c_n_B = (int)sgot[0];

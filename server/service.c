@@ -372,8 +372,18 @@ static void forward_done(struct rnnd_job *job) {
     int64_t B = f->B, T = f->T, H = m->H, L = m->L, I = m->I;
     int dt = rnnd_request_dtype_of(f->out_dtype);
     Rnnd__V1__ForwardReply r = RNND__V1__FORWARD_REPLY__INIT;
-    struct tout out, hn, cn, obs, ini, ex, ver, act, lp, val, rew, dn, tr;
-    r.output = tset(&out, dt, f->out, 3, B, T, H, 0);
+    struct tout out, hn, cn, obs, ini, ex, ver, act, lp, val, rew, dn, tr, lg, mu, ls, hv;
+    if (f->out)
+        r.output = tset(&out, dt, f->out, 3, B, T, H, 0);
+    const struct rnnd_policy *p = &m->policy;
+    if (f->logits)
+        r.logits = tset(&lg, dt, f->logits, 3, B, T, p->K, 0);
+    if (f->mean) {
+        r.mean = tset(&mu, dt, f->mean, 3, B, T, p->A, 0);
+        r.log_std = tset(&ls, dt, f->log_std, 1, p->A, 0, 0, 0);
+    }
+    if (f->value)
+        r.head_value = tset(&hv, dt, f->value, 2, B, T, 0, 0);
     r.h_n = tset(&hn, dt, f->h_n, 3, B, L, H, 0);
     if (m->cell == RNND_CELL_LSTM)
         r.c_n = tset(&cn, dt, f->c_n, 3, B, L, H, 0);

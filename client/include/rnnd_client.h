@@ -258,6 +258,9 @@ struct rnnd_forward_req {
     // reward 32) when has_recorded_fields, else all of them.
     bool has_recorded_fields;
     uint32_t recorded_fields;
+    // A model with heads returns the core's output only with return_core (docs/design.md
+    // "Policy").
+    bool return_core;
 };
 
 struct rnnd_forward_reply {
@@ -275,6 +278,11 @@ struct rnnd_forward_reply {
     struct rnnd_tensor log_prob, value; // (B, T)
     struct rnnd_tensor reward;          // (B, T)
     struct rnnd_tensor done, truncated; // (B, T) BOOL
+    // A model with heads: the current policy's outputs at every step.
+    struct rnnd_tensor logits;     // (B, T, K) discrete head
+    struct rnnd_tensor mean;       // (B, T, A) Gaussian head
+    struct rnnd_tensor log_std;    // (A) Gaussian head
+    struct rnnd_tensor head_value; // (B, T) value head
 };
 void rnnd_forward_reply_free(struct rnnd_forward_reply *r);
 int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *req,
@@ -282,7 +290,7 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
 
 struct rnnd_backward_req {
     uint64_t tape_id;
-    struct rnnd_tensor grad_output; // (B, T, H)
+    struct rnnd_tensor grad_output; // (B, T, H); optional when a head's gradient is given
     struct rnnd_tensor grad_h_n;    // (B, L, H) optional
     struct rnnd_tensor grad_c_n;    // (B, L, H) optional, LSTM
     bool accumulate;
@@ -291,6 +299,11 @@ struct rnnd_backward_req {
     // hidden 4) when has_input_grads, else every one the Forward had.
     bool has_input_grads;
     uint32_t input_grads;
+    // A model with heads: the gradients of its Forward's head outputs, each optional.
+    struct rnnd_tensor grad_logits;     // (B, T, K)
+    struct rnnd_tensor grad_mean;       // (B, T, A)
+    struct rnnd_tensor grad_log_std;    // (A)
+    struct rnnd_tensor grad_head_value; // (B, T)
 };
 
 struct rnnd_backward_reply {

@@ -511,7 +511,44 @@ static void test_policy_steps(void **state) {
         assert_int_equal(dn[1], done[b]);
         assert_int_equal(((const int64_t *)fr.action.data)[b * 3 + 2], last[b]);
     }
+    // The learner's reply: the heads' outputs at every step, the core's only with return_core.
+    assert_false(fr.output.present);
+    assert_tensor_f32(&fr.logits, 3, B, 3, 4, 0);
+    assert_tensor_f32(&fr.head_value, 2, B, 3, 0, 0);
+    assert_false(fr.mean.present || fr.log_std.present);
     rnnd_forward_reply_free(&fr);
+    fq.return_core = fq.keep_tape = true;
+    if (harness_devices() && strchr(harness_devices(), ',')) {
+        // No policy tapes over several devices yet.
+        EXPECT_STATUS(rnnd_client_forward(c, &fq, &fr), GRPC_STATUS_FAILED_PRECONDITION);
+    } else {
+        EXPECT_OK(rnnd_client_forward(c, &fq, &fr));
+        assert_tensor_f32(&fr.output, 3, B, 3, 6, 0);
+        // Backward from the heads alone returns every tensor's gradient, the encoder's too.
+        float gl[B * 3 * 4], gv[B * 3];
+        for (int i = 0; i < B * 3 * 4; i++)
+            gl[i] = 0.25f * (float)(i % 5) - 0.5f;
+        for (int i = 0; i < B * 3; i++)
+            gv[i] = 1.0f;
+        struct rnnd_backward_req bq = {.tape_id = fr.tape_id,
+                                       .grad_logits = rnnd_tensor_f32(gl, 3, B, 3, 4, 0),
+                                       .grad_head_value = rnnd_tensor_f32(gv, 2, B, 3, 0, 0)};
+        struct rnnd_backward_reply br = {0};
+        EXPECT_OK(rnnd_client_backward(c, &bq, &br));
+        assert_int_equal(br.grads.n, rnnd_model_param_tensors(&m));
+        bool enc = false, head = false;
+        for (size_t k = 0; k < br.grads.n; k++) {
+            const struct rnnd_tensor *t = &br.grads.v[k].tensor;
+            bool nonzero = false;
+            for (size_t i = 0; i < t->nbytes / 4; i++)
+                nonzero |= ((const float *)t->data)[i] != 0.0f;
+            enc |= strcmp(br.grads.v[k].name, "encoder.0.weight") == 0 && nonzero;
+            head |= strcmp(br.grads.v[k].name, "policy_logits.weight") == 0 && nonzero;
+        }
+        assert_true(enc && head);
+        rnnd_backward_reply_free(&br);
+        rnnd_forward_reply_free(&fr);
+    }
     // rnndctl shows the policy and the actions.
     char *text = NULL;
     const char *info_argv[] = {rnndctl_bin(), "-t", d.grpc, "info", NULL};

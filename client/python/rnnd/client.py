@@ -67,12 +67,14 @@ ModelInfo = collections.namedtuple(
 StepResult = collections.namedtuple(
     "StepResult", "output model_version h c action log_prob value logits mean",
     defaults=(None,) * 5)
-# action ... truncated: a policy model's record of recorded steps (docs/design.md "Policy").
+# action ... truncated: a policy model's record of recorded steps; logits, mean, log_std,
+# head_value: the heads' outputs of a model with heads, whose output (the core's) then comes
+# only with return_core (docs/design.md "Policy").
 ForwardResult = collections.namedtuple(
     "ForwardResult",
     "output h_n c_n tape_id model_version obs is_init extras step_model_version action log_prob "
-    "value reward done truncated",
-    defaults=(None,) * 6,
+    "value reward done truncated logits mean log_std head_value",
+    defaults=(None,) * 10,
 )
 BackwardResult = collections.namedtuple(
     "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell"
@@ -398,7 +400,7 @@ class Client:
         return self._call("EndEpisodes", pb.EndEpisodesRequest(env_ids=_ids(env_ids))).released
 
     def forward(self, obs, is_init=None, h0=None, c0=None, hidden=None, cell=None,
-                keep_tape=False, dtype=None, reply_dtype=None, decode=None):
+                keep_tape=False, dtype=None, reply_dtype=None, decode=None, return_core=False):
         """Sequence forward over explicit trajectories: obs [B, T, I], is_init [B, T] (None: all
         false), h0/c0 [B, L, H], stored states hidden/cell [B, T, L, H] (TorchRL style: the reset
         value where is_init). keep_tape keeps activations for backward(). dtype: the wire dtype
@@ -406,7 +408,9 @@ class Client:
         of those returned (default: dtype). Returns ForwardResult (bfloat16 decodes to
         float32). decode: a function making each returned Tensor (pb.Tensor or _tensor.View)
         the value returned, instead of a numpy array, for tensors that come through gRPC
-        (rnnd.torch passes one that makes torch tensors on the learner's device)."""
+        (rnnd.torch passes one that makes torch tensors on the learner's device). A model with
+        heads returns logits / mean and log_std / head_value, and output only with
+        return_core."""
         obs = np.asarray(obs)
         # Shared memory carries fp32 tensors; 16-bit wire dtypes go through gRPC.
         if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
@@ -418,7 +422,8 @@ class Client:
                 self._info, obs.shape[0], obs.shape[1], False) if self.transport == "shm" else 0)
             tr = pb.Trajectories()
             _put(call, tr, **arrays)
-            req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape))
+            req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
+                                    return_core=bool(return_core))
             if call is not None:
                 req.reply_region.CopyFrom(call.reply_region())
             return self._shm_call("Forward", req, call,
@@ -434,23 +439,24 @@ class Client:
                 if v is not None:
                     encode(v, dtype=wire, out=getattr(tr, name))
             req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
-                                    reply_dtype=_dtype(reply_dtype))
+                                    reply_dtype=_dtype(reply_dtype), return_core=bool(return_core))
             return self._forward_result(self._forward_lazy(req), decode=decode)
 
     def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None,
-                         decode=None):
+                         decode=None, return_core=False):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
         the state recorded before the window). The result also carries the recorded obs,
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
-        'bfloat16' or 'float16' for the float tensors returned. decode: as for forward()."""
+        'bfloat16' or 'float16' for the float tensors returned. decode, return_core: as for
+        forward()."""
         if self.transport == "shm" and _dtype(reply_dtype) in _FP32:
             ids = _ids(env_ids)
             call = self._span((), _shm.forward_reply_bytes(
                 self._info, len(ids), int(steps), fields is None or _mask(fields, _RECORDED) != 0)
                 if self.transport == "shm" else 0)
             req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=ids, steps=int(steps)),
-                                    keep_tape=bool(keep_tape))
+                                    keep_tape=bool(keep_tape), return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
             if call is not None:
@@ -459,7 +465,8 @@ class Client:
                                   lambda r: self._forward_result(r, call, decode))
         else:
             req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
-                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype))
+                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype),
+                                    return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
             return self._forward_result(self._forward_lazy(req), decode=decode)
@@ -470,24 +477,31 @@ class Client:
     @staticmethod
     def _forward_result(r, call=None, decode=None):
         get, fld = _getters(call, decode)
-        return ForwardResult(get(r.output), fld(r, "h_n"), fld(r, "c_n"), r.tape_id,
+        return ForwardResult(fld(r, "output"), fld(r, "h_n"), fld(r, "c_n"), r.tape_id,
                              r.model_version, fld(r, "obs"), fld(r, "is_init"),
                              fld(r, "extras"), fld(r, "step_model_version"),
                              *(fld(r, n) for n in ("action", "log_prob", "value", "reward",
-                                                   "done", "truncated")))
+                                                   "done", "truncated", "logits", "mean",
+                                                   "log_std", "head_value")))
 
-    def backward(self, tape_id, grad_output, grad_h_n=None, grad_c_n=None, accumulate=False,
-                 input_grads=None, dtype=None, reply_dtype=None, decode=None):
+    def backward(self, tape_id, grad_output=None, grad_h_n=None, grad_c_n=None, accumulate=False,
+                 input_grads=None, dtype=None, reply_dtype=None, decode=None, grad_logits=None,
+                 grad_mean=None, grad_log_std=None, grad_head_value=None):
         """Backward through a kept tape: grad_output [B, T, H], optional grad_h_n/grad_c_n
         [B, L, H]. accumulate adds the weight gradients into the daemon's buffer (for
         apply_gradients()) instead of returning them. input_grads names the input gradients
         wanted among "obs", "h0", "hidden" (None: every one the Forward had; (): none, which
         also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
         BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
-        grad_cell). decode: as for forward(), for the input gradients."""
+        grad_cell). decode: as for forward(), for the input gradients. A model with heads takes
+        the gradients of its Forward's head outputs, grad_logits [B, T, K], grad_mean [B, T, A],
+        grad_log_std [A], grad_head_value [B, T] (each optional), with or without grad_output;
+        the weight gradients then cover the heads and the encoder too."""
+        heads = dict(grad_logits=grad_logits, grad_mean=grad_mean, grad_log_std=grad_log_std,
+                     grad_head_value=grad_head_value)
         if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
             return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate,
-                                      input_grads, decode)
+                                      input_grads, decode, heads)
         wire = _dtype(dtype) or None
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
                                  reply_dtype=_dtype(reply_dtype))
@@ -497,23 +511,29 @@ class Client:
             encode(grad_h_n, dtype=wire, out=req.grad_h_n)
         if grad_c_n is not None:
             encode(grad_c_n, dtype=wire, out=req.grad_c_n)
-        data = b"".join([req.SerializeToString(), *encode_field(2, grad_output, wire)])
+        for name, v in heads.items():
+            if v is not None:
+                encode(v, dtype=wire, out=getattr(req, name))
+        data = b"".join([req.SerializeToString(),
+                         *(encode_field(2, grad_output, wire) if grad_output is not None else ())])
         r = Lazy(pb.BackwardReply, self._call("Backward", data, fn=self._backward_raw))
         _, fld = _getters(None, decode)
         return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
                               fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
-                      decode):
+                      decode, heads):
         """backward() through the shared-memory region (fp32)."""
-        grad_output = np.asarray(grad_output)
-        call = self._span((grad_output, grad_h_n, grad_c_n), _shm.backward_reply_bytes(
-            self._info, grad_output.shape[0], grad_output.shape[1], accumulate)
-            if self.transport == "shm" and grad_output.ndim == 3 else 0)
+        bt = [np.asarray(v) for v in (grad_output, heads["grad_logits"], heads["grad_mean"],
+                                      heads["grad_head_value"]) if v is not None]
+        bt = bt[0].shape[:2] if bt and bt[0].ndim >= 2 else None
+        call = self._span((grad_output, grad_h_n, grad_c_n, *heads.values()),
+                          _shm.backward_reply_bytes(self._info, bt[0], bt[1], accumulate)
+                          if self.transport == "shm" and bt else 0)
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
-        _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n)
+        _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
         if call is not None:
             req.reply_region.CopyFrom(call.reply_region())
 

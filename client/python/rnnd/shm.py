@@ -197,23 +197,38 @@ def step_reply_bytes(info, B, return_state):
 def forward_reply_bytes(info, B, T, recorded):
     H, LH = info.hidden_size, info.num_layers * info.hidden_size
     n = _up(B * T * H * 4) + 2 * _up(B * LH * 4) + ALIGN
+    K, A = info.discrete_actions, info.gaussian_actions
+    n += _up(B * T * K * 4) + _up(B * T * A * 4) + _up(A * 4) + _up(B * T * 4) + 4 * ALIGN
     if recorded:
         n += (_up(B * T * info.input_size * 4) + _up(B * T) + _up(B * T * info.extras_size * 4)
               + _up(B * T * 8))
     return n
 
 
-def param_count(info):
+def param_tensors(info):
+    """(count of floats, count of tensors) of the model's parameters: the core's, reading the
+    last encoder width when there is an encoder, then the policy's (docs/design.md "Policy")."""
     G = 4 if info.cell == "lstm" else 3
     H, n = info.hidden_size, 0
+    widths = tuple(info.encoder_widths or ())
+    core_in = widths[-1] if widths else info.input_size
     for layer in range(info.num_layers):
-        n += G * H * ((info.input_size if layer == 0 else H) + H + 2)
-    return n
+        n += G * H * ((core_in if layer == 0 else H) + H + 2)
+    fan = info.input_size
+    for w in widths:
+        n += w * fan + w
+        fan = w
+    K, A, V = info.discrete_actions, info.gaussian_actions, 1 if info.value_head else 0
+    n += (K + A + V) * (H + 1) + A
+    tensors = (4 * info.num_layers + 2 * len(widths) + (2 if K else 0) + (3 if A else 0)
+               + 2 * V)
+    return n, tensors
 
 
 def backward_reply_bytes(info, B, T, accumulate):
     LH = info.num_layers * info.hidden_size
     n = _up(B * T * info.input_size * 4) + 2 * _up(B * LH * 4) + ALIGN
     if not accumulate:
-        n += param_count(info) * 4 + 4 * info.num_layers * ALIGN
+        floats, tensors = param_tensors(info)
+        n += floats * 4 + tensors * ALIGN
     return n

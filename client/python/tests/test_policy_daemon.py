@@ -116,7 +116,7 @@ class ConfigAndWeights(unittest.TestCase):
                 for k, v in other.weights().items():
                     np.testing.assert_array_equal(got[k], v, k)
 
-    def test_forward_runs_encoder_and_core_but_keeps_no_tape(self):
+    def test_forward_returns_heads_and_the_core_on_request(self):
         pi = policy(8)
         rng = np.random.default_rng(1)
         obs = rng.uniform(-1, 1, (2, 4, I)).astype(np.float32)
@@ -125,13 +125,14 @@ class ConfigAndWeights(unittest.TestCase):
         with daemon(**FLAGS) as d:
             c = d.client()
             c.set_weights(pi.weights())
-            got = c.forward(obs, is_init)
-            with self.assertRaises(rnnd.RnndError) as e:
-                c.forward(obs, is_init, keep_tape=True)
-            self.assertIn("FAILED_PRECONDITION", str(e.exception))
-            self.assertIn("Backward does not run policy models", str(e.exception))
+            got = c.forward(obs, is_init, return_core=True)
+            heads = c.forward(obs, is_init)
         ref = pi.double()(torch.from_numpy(obs).double(), torch.from_numpy(is_init))
         self.assertLess(rel_err(got.output, ref.output.detach().numpy()), 1e-4)
+        self.assertIsNone(heads.output)  # a model with heads: the core output on request
+        for r in (got, heads):
+            self.assertLess(rel_err(r.logits, ref.logits.detach().numpy()), 1e-4)
+            self.assertLess(rel_err(r.head_value, ref.value.detach().numpy()), 1e-4)
         self.assertLess(rel_err(got.h_n, ref.state[0].detach().numpy()), 1e-4)
 
 
@@ -338,7 +339,7 @@ class Steps(unittest.TestCase):
                                              step_index=np.full(B, t), **prev))
             # The last step's reward is still to come: the window is the first T - 1 steps
             # plus it, with reward 0 for the last.
-            got = c.forward_recorded(ids, T)
+            got = c.forward_recorded(ids, T, return_core=True)
         for k in ("action", "log_prob", "value"):
             want = np.stack([getattr(r, k) for r in replies], 1)
             np.testing.assert_array_equal(getattr(got, k), want, k)
@@ -367,14 +368,22 @@ class Steps(unittest.TestCase):
                 steps = [c.step_result(ids, obs[:, t], is_init[:, t], step_index=np.full(self.B, t),
                                        reward=np.full(self.B, 0.5 * t) if t else None)
                          for t in range(self.T)]
-                out.append((steps, c.forward_recorded(ids, self.T)))
+                out.append((steps, c.forward_recorded(ids, self.T, return_core=True)))
+                heads = c.forward_recorded(ids, self.T)  # the heads' outputs alone
+                self.assertIsNone(heads.output)
+                np.testing.assert_array_equal(heads.logits, out[-1][1].logits)
+                if "devices" in flags:  # no policy tapes over several devices yet
+                    with self.assertRaises(rnnd.RnndError) as e:
+                        c.forward_recorded(ids, self.T, keep_tape=True)
+                    self.assertIn("FAILED_PRECONDITION", str(e.exception))
+                    self.assertIn("one device only", str(e.exception))
         (s1, f1), (s2, f2) = out
         for a, b in zip(s1, s2):
             np.testing.assert_array_equal(a.action, b.action)
             self.assertLess(rel_err(b.value, a.value), 1e-5)
         for k in ("action", "reward", "done", "truncated"):
             np.testing.assert_array_equal(getattr(f2, k), getattr(f1, k), k)
-        for k in ("log_prob", "value", "output"):
+        for k in ("log_prob", "value", "output", "logits", "head_value"):
             self.assertLess(rel_err(getattr(f2, k), getattr(f1, k)), 1e-5, k)
 
     def test_recorded_record_survives_restart(self):
@@ -388,9 +397,9 @@ class Steps(unittest.TestCase):
                     c.step_result(ids, obs[:, t], is_init[:, t],
                                   reward=rng.uniform(-1, 1, B) if t else None,
                                   done=(ids == 1) if t == 3 else None)
-                before = c.forward_recorded(ids, self.T)
+                before = c.forward_recorded(ids, self.T, return_core=True)
             with daemon(state_dir=state, **FLAGS) as d:
-                after = d.client().forward_recorded(ids, self.T)
+                after = d.client().forward_recorded(ids, self.T, return_core=True)
         for k in ("action", "log_prob", "value", "reward", "done", "truncated", "output"):
             np.testing.assert_array_equal(getattr(after, k), getattr(before, k), k)
         self.assertTrue(before.done[1, 2] and before.reward[:, :-1].all())

@@ -118,13 +118,6 @@ static double now_s(void) {
 }
 
 // xorshift64*: obs generation only.
-// float -> bfloat16 bits, rounded to nearest even (as the daemon rounds).
-static uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 static float rand_unit(uint64_t *s) {
     *s ^= *s >> 12;
     *s ^= *s << 25;
@@ -676,9 +669,8 @@ static void *bench_main(void *arg) {
     }
     for (size_t k = 0; k < (size_t)E * (size_t)b->I; k++)
         obs[k] = rand_unit(&rng);
-    if (b->dtype == RNND_DTYPE_BFLOAT16) // in place: the first half of the buffer
-        for (size_t k = 0; k < (size_t)E * (size_t)b->I; k++)
-            ((uint16_t *)obs)[k] = bf16_bits(obs[k]);
+    if (b->dtype == RNND_DTYPE_BFLOAT16) // in place, into the first half of the buffer
+        rnnd_cast_host(obs, RNND_FTYPE_BF16, obs, RNND_FTYPE_F32, (size_t)E * (size_t)b->I);
     struct rnnd_step_req req = {
         .n_env_ids = (size_t)E,
         .env_ids = ids,

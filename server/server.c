@@ -207,10 +207,9 @@ static void shutdown_finish(struct rnnd_server *s) {
     uv_timer_stop(&s->drain_timer);
     rnnd_group_stop(s->group);
     s->join.data = s;
-    if (uv_queue_work(&s->loop, &s->join, join_work, after_join) != 0) {
-        join_work(&s->join);
-        after_join(&s->join, 0);
-    }
+    int rc = uv_queue_work(&s->loop, &s->join, join_work, after_join);
+    if (rc != 0) // only for a NULL work callback
+        rnnd_panic(__FILE__, __LINE__, "uv_queue_work: %s", uv_strerror(rc));
 }
 
 static void on_async(uv_async_t *a) {

@@ -173,19 +173,24 @@ def _decoder(device):
             raise ValueError("tensor of shape %s holds %d bytes, expected %d" %
                              (shape, nbytes, int(np.prod(shape, dtype=np.int64)) * _EL[dt]))
         if nbytes == 0:
-            x = torch.empty(shape, dtype=dt, device=device)
+            return torch.empty(shape, dtype=torch.float32 if dt.is_floating_point else dt,
+                               device=device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only bytes: copied below, never written
+            src = torch.frombuffer(t.data, dtype=torch.uint8)
+        # The bytes are copied once (through the pinned buffer when large), then typed: the
+        # copy is aligned where the reply's bytes may not be.
+        if device.type == "cpu":
+            x = src.clone()
+        elif device.type == "cuda" and nbytes >= _STAGE_MIN:
+            buf = _staging.get(nbytes)
+            buf.copy_(src)
+            x = buf.to(device, non_blocking=True)
+            _staging.done = torch.cuda.Event()
+            _staging.done.record(torch.cuda.current_stream(device))
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only bytes: copied below, never written
-                src = torch.frombuffer(t.data, dtype=torch.uint8)
-            if device.type == "cuda" and nbytes >= _STAGE_MIN:
-                buf = _staging.get(nbytes)
-                buf.copy_(src)
-                x = buf.view(dt).view(shape).to(device, non_blocking=True)
-                _staging.done = torch.cuda.Event()
-                _staging.done.record(torch.cuda.current_stream(device))
-            else:
-                x = src.clone().view(dt).view(shape).to(device)
+            x = src.to(device)
+        x = x.view(dt).view(shape)
         return x.float() if dt in (torch.float16, torch.bfloat16) else x
     return decode
 

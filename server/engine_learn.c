@@ -123,16 +123,69 @@ static bool agree(struct rnnd_engine *e, struct agreement *ag, bool ok) {
 // are). Each direction is packed into one area of the block and its mirror in the staging, so it
 // costs one copy, and float parts are converted on the backend (cast). With host_mem and fp32
 // there is nothing to convert: inputs are copied into place and outputs are used where they are.
+// A CUDA region (job->dev_in, job->dev_out) skips the host: inputs are converted from the
+// client's device memory, outputs into it.
 struct io_part {
     void *dev;        // the backend array
     size_t n;         // elements
     size_t raw;       // bytes per element of a raw part; 0: a float part
-    const void *host; // an input's data
-    void **out;       // an output: receives the host pointer of its data
+    const void *host; // an input's data (a device pointer with job->dev_in)
+    void **out;       // an output: receives the pointer to its data (host, or job->dev_out)
+    const char *name; // an input's field, for errors
 };
 
 static size_t io_part_bytes(const struct io_part *p, enum rnnd_ftype ft) {
     return p->n * (p->raw ? p->raw : rnnd_ftype_bytes(ft));
+}
+
+// A part moved between backend memory and the client's memory in the wire dtype ft: cast, or a
+// copy of raw bytes.
+static int io_move(struct rnnd_engine *e, void *dst, const void *src, const struct io_part *p,
+                   enum rnnd_ftype ft, bool in) {
+    if (p->raw)
+        return e->be.ops->copy(e->be.ctx, dst, src, p->n * p->raw);
+    return in ? e->be.ops->cast(e->be.ctx, dst, RNND_FTYPE_F32, src, ft, p->n)
+              : e->be.ops->cast(e->be.ctx, dst, ft, src, RNND_FTYPE_F32, p->n);
+}
+
+// Inputs from a CUDA region: converted on the device, then their values checked there (the
+// request's checks could not read them). 0, or the job failed with the first bad value named.
+static int io_in_device(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k,
+                        enum rnnd_ftype ft) {
+    int rc = 0;
+    for (int i = 0; rc == 0 && i < k; i++)
+        rc = io_move(e, p[i].dev, p[i].host, &p[i], ft, true);
+    for (int i = 0; rc == 0 && i < k; i++) {
+        int64_t first = -1;
+        if (!p[i].raw && (rc = e->be.ops->nonfinite(e->be.ctx, p[i].dev, p[i].n, &first)) == 0 &&
+            first >= 0)
+            return rnnd_job_fail(job, RNND_EINVAL,
+                                 "%s: element %" PRId64 " is NaN or infinite; send finite values",
+                                 p[i].name, first);
+    }
+    if (rc)
+        rnnd_job_fail(job, rc, "cannot read the request's CUDA region: %s", rnnd_strerror(rc));
+    return rc;
+}
+
+// Outputs into a CUDA reply_region, each at a multiple of RNND_SHM_ALIGN (64) bytes. Returns 1
+// when they do not all fit (the caller sends them as bytes), else 0 or the backend's error;
+// synchronises.
+static int io_out_device(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p,
+                         int k, enum rnnd_ftype ft) {
+    size_t at = 0, off[16];
+    for (int i = 0; i < k; i++) {
+        off[i] = at;
+        at = (at + io_part_bytes(&p[i], ft) + 63) / 64 * 64;
+    }
+    if (at > job->dev_out_bytes)
+        return 1;
+    int rc = 0;
+    for (int i = 0; rc == 0 && i < k; i++) {
+        rc = io_move(e, job->dev_out + off[i], p[i].dev, &p[i], ft, false);
+        *p[i].out = job->dev_out + off[i];
+    }
+    return rc ? rc : e->be.ops->sync(e->be.ctx);
 }
 
 // Bytes of the area that packs k parts (0 when none is needed).
@@ -161,9 +214,7 @@ static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnn
     }
     rc = be_in(e, d_area, h_area, used);
     for (int i = 0; rc == 0 && i < k; i++)
-        rc = p[i].raw ? e->be.ops->copy(e->be.ctx, p[i].dev, d_area + off[i], p[i].n * p[i].raw)
-                      : e->be.ops->cast(e->be.ctx, p[i].dev, RNND_FTYPE_F32, d_area + off[i], ft,
-                                        p[i].n);
+        rc = io_move(e, p[i].dev, d_area + off[i], &p[i], ft, true);
     return rc;
 }
 
@@ -180,9 +231,7 @@ static int io_out(struct rnnd_engine *e, const struct io_part *p, int k, enum rn
     for (int i = 0; i < k; i++) {
         off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
         if (rc == 0)
-            rc = p[i].raw ? e->be.ops->copy(e->be.ctx, d_area + off[i], p[i].dev, p[i].n * p[i].raw)
-                          : e->be.ops->cast(e->be.ctx, d_area + off[i], ft, p[i].dev,
-                                            RNND_FTYPE_F32, p[i].n);
+            rc = io_move(e, d_area + off[i], p[i].dev, &p[i], ft, false);
         *p[i].out = h_area + off[i];
     }
     if (rc == 0)
@@ -489,7 +538,11 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
     }
     if (rc == 0 && rec && (f->rec_fields & (RNND_REC_ACTION | RNND_REC_REWARD)))
         rc = policy_record_read(e, job);
-    if (rc == 0) // one copy back of everything returned
+    if (rc == 0 && job->dev_out) // straight into the client's GPU memory when it all fits
+        rc = io_out_device(e, job, outs, nout, f->out_dtype);
+    else if (rc == 0)
+        rc = 1;
+    if (rc == 1) // one copy back of everything returned
         rc = io_out(e, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL, host + out_at);
     rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
     if (rc != 0) {
@@ -776,19 +829,26 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         // The parts follow from the request alone (pass 0 measures with NULL pointers).
         nin = nout = 0;
         if (g->grad_out)
-            in[nin++] = (struct io_part){.dev = d_go, .n = BT * H, .host = g->grad_out};
+            in[nin++] = (struct io_part){
+                .dev = d_go, .n = BT * H, .host = g->grad_out, .name = "grad_output"};
         if (d_gl)
-            in[nin++] = (struct io_part){.dev = d_gl, .n = BT * pol->K, .host = g->grad_logits};
+            in[nin++] = (struct io_part){
+                .dev = d_gl, .n = BT * pol->K, .host = g->grad_logits, .name = "grad_logits"};
         if (d_gm)
-            in[nin++] = (struct io_part){.dev = d_gm, .n = BT * pol->A, .host = g->grad_mean};
+            in[nin++] = (struct io_part){
+                .dev = d_gm, .n = BT * pol->A, .host = g->grad_mean, .name = "grad_mean"};
         if (d_gls)
-            in[nin++] = (struct io_part){.dev = d_gls, .n = pol->A, .host = g->grad_log_std};
+            in[nin++] = (struct io_part){
+                .dev = d_gls, .n = pol->A, .host = g->grad_log_std, .name = "grad_log_std"};
         if (d_gv)
-            in[nin++] = (struct io_part){.dev = d_gv, .n = BT, .host = g->grad_value};
+            in[nin++] = (struct io_part){
+                .dev = d_gv, .n = BT, .host = g->grad_value, .name = "grad_head_value"};
         if (g->grad_h_n)
-            in[nin++] = (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n};
+            in[nin++] =
+                (struct io_part){.dev = d_ghn, .n = BLH, .host = g->grad_h_n, .name = "grad_h_n"};
         if (g->grad_c_n)
-            in[nin++] = (struct io_part){.dev = d_gcn, .n = BLH, .host = g->grad_c_n};
+            in[nin++] =
+                (struct io_part){.dev = d_gcn, .n = BLH, .host = g->grad_c_n, .name = "grad_c_n"};
         if (want_grads)
             outs[nout++] = (struct io_part){.dev = dparams, .n = e->P, .out = &g->grads};
         if (want & RNND_GRAD_OBS)
@@ -819,10 +879,12 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     // accumulated gradients), so only if every other part can run too.
     if (part && !agree(e, ag, true))
         return;
+    if (job->dev_in && io_in_device(e, job, in, nin, g->in) != 0)
+        return; // nothing changed yet
     int rc = 0;
     if (!g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
-    if (rc == 0)
+    if (rc == 0 && !job->dev_in)
         rc = io_in(e, in, nin, g->in, area, host);
     if (rc == 0 && !g->grad_out)
         rc = e->be.ops->zero(e->be.ctx, d_go, BT * H * sizeof(float));
@@ -865,7 +927,11 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (rc == 0 && d_gcx) // the encoder last, from the core input's gradient
         rc = e->be.ops->encoder_backward(e->be.ctx, dparams, d_gx, d_gcx, t->acts, t->x, (int)BT,
                                          t->w->params, &e->model);
-    if (rc == 0) // one copy back of everything returned
+    if (rc == 0 && job->dev_out && nout) // straight into the client's GPU memory if it all fits
+        rc = io_out_device(e, job, outs, nout, g->out_dtype);
+    else if (rc == 0)
+        rc = 1;
+    if (rc == 1) // one copy back of everything returned
         rc = io_out(e, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
                     host ? host + in_bytes : NULL);
     rnnd_metrics_kernel(RNND_OP_BACKWARD, rnnd_now_ns() - t0);

@@ -249,6 +249,12 @@ struct rnnd_job {
     void *owner;                        // the submitter's
     void *aux;                          // the submitter's
     struct rnnd_threadpool_task reply;  // the engine's: sends a Step's reply on a reply thread
+    // Forward and Backward with a CUDA region (shm.h): dev_in, the float and raw inputs are
+    // device pointers (checked for NaN on the device); dev_out, the reply_region's device memory
+    // (dev_out_bytes), where the engine writes the outputs it computes.
+    bool dev_in;
+    char *dev_out;
+    size_t dev_out_bytes;
     union {
         struct rnnd_step_job step;
         struct rnnd_end_job end;

@@ -249,9 +249,11 @@ int rnnd_request_dtype_of(enum rnnd_ftype ft) {
 }
 
 // A float tensor of a request: FLOAT32, BFLOAT16 or FLOAT16, the dtype of the request's other
-// float tensors (*dt: 0 until the first one is checked, then its dtype), finite.
-static int float_check(const Tensor *t, const char *name, int ndim, const int64_t *want,
-                       const char *layout, int64_t *got, int *dt, const char *first, char *err) {
+// float tensors (*dt: 0 until the first one is checked, then its dtype). Its data are not read:
+// device pointers (a CUDA region) pass this alone, and the engine checks their values there.
+static int float_shape_check(const Tensor *t, const char *name, int ndim, const int64_t *want,
+                             const char *layout, int64_t *got, int *dt, const char *first,
+                             char *err) {
     if (present(t) && !float_dtype(t->dtype))
         return errf(err, RNND_EINVAL,
                     "%s: dtype %s is not accepted; send FLOAT32, BFLOAT16 or FLOAT16 %s", name,
@@ -262,9 +264,18 @@ static int float_check(const Tensor *t, const char *name, int ndim, const int64_
                     name, dtype_name(t->dtype), first, dtype_name(*dt));
     int want_dt = present(t) ? (int)t->dtype : *dt ? *dt : RNND__V1__DTYPE__FLOAT32;
     int rc = tensor_check(t, name, want_dt, ndim, want, layout, got, err);
+    if (rc == 0)
+        *dt = want_dt;
+    return rc;
+}
+
+// float_shape_check, and the values finite.
+static int float_check(const Tensor *t, const char *name, int ndim, const int64_t *want,
+                       const char *layout, int64_t *got, int *dt, const char *first, char *err) {
+    int rc = float_shape_check(t, name, ndim, want, layout, got, dt, first, err);
     if (rc)
         return rc;
-    *dt = want_dt;
+    int want_dt = *dt;
     if (want_dt == RNND__V1__DTYPE__FLOAT32)
         return finite_check(t, name, err);
     return finite16_check(t, name, want_dt == RNND__V1__DTYPE__BFLOAT16 ? 0x7f80u : 0x7c00u, err);
@@ -676,7 +687,9 @@ int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__Fo
 }
 
 int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__BackwardRequest *req,
-                          struct rnnd_backward_job *g, char *err) {
+                          struct rnnd_backward_job *g, bool on_device, char *err) {
+    int (*check)(const Tensor *, const char *, int, const int64_t *, const char *, int64_t *, int *,
+                 const char *, char *) = on_device ? float_shape_check : float_check;
     const struct rnnd_model *m = &l->model;
     char layout[160];
     int rc, dt = 0;
@@ -728,8 +741,8 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
             want[0] = p->A;
         snprintf(layout, sizeof(layout), "%s (%s %d; B and T of the Forward)", in[i].dims,
                  in[i].flag, in[i].has);
-        if ((rc = float_check(in[i].t, in[i].name, in[i].ndim, want, layout, got, &dt,
-                              first ? first : in[i].name, err)) != 0)
+        if ((rc = check(in[i].t, in[i].name, in[i].ndim, want, layout, got, &dt,
+                        first ? first : in[i].name, err)) != 0)
             return rc;
         first = first ? first : in[i].name;
         if (in[i].ndim > 1) {
@@ -760,8 +773,7 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     int64_t wstate[3] = {-1, L, H}, sgot[3];
     snprintf(layout, sizeof(layout), "[B, L, H] (L = %lld, H = %lld)", (long long)L, (long long)H);
     if (present(req->grad_h_n)) {
-        if ((rc = float_check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, &dt, first,
-                              err)) != 0)
+        if ((rc = check(req->grad_h_n, "grad_h_n", 3, wstate, layout, sgot, &dt, first, err)) != 0)
             return rc;
         g->grad_h_n = (const float *)req->grad_h_n->data.data;
         g->grad_h_n_B = (int)sgot[0];
@@ -769,8 +781,7 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     if (present(req->grad_c_n)) {
         if (m->cell != RNND_CELL_LSTM)
             return errf(err, RNND_EINVAL, "grad_c_n is for LSTM; this model is a GRU: drop it");
-        if ((rc = float_check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, &dt, first,
-                              err)) != 0)
+        if ((rc = check(req->grad_c_n, "grad_c_n", 3, wstate, layout, sgot, &dt, first, err)) != 0)
             return rc;
         g->grad_c_n = (const float *)req->grad_c_n->data.data;
         g->grad_c_n_B = (int)sgot[0];

@@ -69,9 +69,10 @@ int rnnd_request_end_episodes(const struct rnnd_request_limits *l,
 // f->is_init NULL (no resets).
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err);
-// Backward: fills *g (zeroed first) with pointers into req.
+// Backward: fills *g (zeroed first) with pointers into req. on_device: the tensors are device
+// pointers (a CUDA region): their values are not read here (the engine checks them).
 int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__BackwardRequest *req,
-                          struct rnnd_backward_job *g, char *err);
+                          struct rnnd_backward_job *g, bool on_device, char *err);
 // ApplyGradients: *has_lr; when req carries grads they are copied into flat (P floats).
 int rnnd_request_apply_gradients(const struct rnnd_request_limits *l,
                                  const Rnnd__V1__ApplyGradientsRequest *req, float *flat,

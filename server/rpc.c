@@ -599,6 +599,12 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     // it is packed; the handler's reply is as it was when this returns.
     ProtobufCMessage *m = (ProtobufCMessage *)reply;
     bool placed = c->shm && rnnd_shm_place(c->shm, m);
+    size_t dev_len;
+    if (!placed && rnnd_shm_use_device_reply(c->shm, &dev_len)) {
+        // Its tensors are in GPU memory, which the packing below cannot read.
+        rnnd_call_fail(c, RNND_ENOMEM, "out of host memory placing the reply");
+        return;
+    }
     grpc_byte_buffer *bb = encode(reply);
     if (placed)
         rnnd_shm_unplace(c->shm);
@@ -691,7 +697,21 @@ bool rnnd_call_peer_local(struct rnnd_call *c) {
 static int shm_resolve(struct rnnd_call *c, char *msg, size_t len) {
     if (!rnnd_shm_wanted(c->request))
         return 0;
-    return rnnd_shm_resolve(c->rpc->shm, c->request, rnnd_call_peer_local(c), &c->shm, msg, len);
+    // CUDA regions only where the service reads nothing on the host (shm.h).
+    enum rnnd_method mm = methods[c->mi].metric;
+    unsigned dev_ok = mm == RNND_METHOD_BACKWARD  ? RNND_SHM_DEV_TENSORS | RNND_SHM_DEV_REPLY
+                      : mm == RNND_METHOD_FORWARD ? RNND_SHM_DEV_REPLY
+                                                  : 0;
+    return rnnd_shm_resolve(c->rpc->shm, c->request, rnnd_call_peer_local(c), dev_ok, &c->shm, msg,
+                            len);
+}
+
+bool rnnd_call_device_in(const struct rnnd_call *c) {
+    return rnnd_shm_use_device_in(c->shm);
+}
+
+char *rnnd_call_device_reply(const struct rnnd_call *c, size_t *len) {
+    return rnnd_shm_use_device_reply(c->shm, len);
 }
 
 uint64_t rnnd_call_source(struct rnnd_call *c) {

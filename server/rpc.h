@@ -104,6 +104,10 @@ uint64_t rnnd_call_source(struct rnnd_call *call);
 // True when the call's peer is on this host (a unix: socket or loopback): shared memory is for
 // such peers only (shm.h).
 bool rnnd_call_peer_local(struct rnnd_call *call);
+// The request's tensors are in a CUDA region: device pointers, never read on the host (shm.h).
+bool rnnd_call_device_in(const struct rnnd_call *call);
+// The reply_region's device memory when it is in a CUDA region (*len bytes), else NULL.
+char *rnnd_call_device_reply(const struct rnnd_call *call, size_t *len);
 // Nonzero once the client cancelled the call or its deadline passed.
 const _Atomic int *rnnd_call_cancelled(struct rnnd_call *call);
 // Reserves bytes of --max-reply-mb for the reply the handler will send (it stays reserved until

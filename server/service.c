@@ -464,6 +464,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     job->owner = call;
     job->done = forward_done;
     job->fwd = f;
+    job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -522,7 +523,8 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     struct rnnd_backward_job g;
     struct rnnd_request_limits tmp;
     const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
-    int rc = counted(rnnd_request_backward(lim, req, &g, err));
+    bool dev_in = rnnd_call_device_in(call);
+    int rc = counted(rnnd_request_backward(lim, req, &g, dev_in, err));
     if (rc == 0)
         rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(lim, &g), err, sizeof(err));
     if (rc != 0)
@@ -536,6 +538,8 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->owner = call;
     job->done = backward_done;
     job->bwd = g;
+    job->dev_in = dev_in;
+    job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -720,7 +724,8 @@ void rnnd_service_register_region(void *p, struct rnnd_call *call, const Protobu
     char err[ERRLEN];
     Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
     int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
-                               rnnd_call_peer_local(call), &r.region, &r.size, err, sizeof(err));
+                               rnnd_call_peer_local(call), rnnd_group_ipc_backend(s->group),
+                               &r.region, &r.size, err, sizeof(err));
     if (rc)
         rnnd_call_fail(call, rc, err);
     else

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -24,6 +25,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -36,10 +38,12 @@ typedef Rnnd__V1__RegionSpan Span;
 
 struct region {
     uint64_t id;
-    uint8_t *base;
+    uint8_t *base; // the mapping; device memory for a CUDA region
     size_t size;
-    int fd;   // our own open of the memfd: its flock tells whether the client still holds one
-    int refs; // under the registry lock
+    int fd; // our own open of the memfd (its flock tells whether the client still holds one),
+            // or a CUDA region's pidfd of its client (readable once the client exited)
+    const struct rnnd_backend *be; // a CUDA region's backend (ipc_close), else NULL
+    int refs;                      // under the registry lock
     unsigned pid;
 };
 
@@ -68,6 +72,8 @@ struct rnnd_shm_use {
     struct rnnd_shm *shm;
     struct fix *fixes;
     int nfixes, capfixes;
+    int dev_fixes; // of them in CUDA regions
+    unsigned dev_ok;
     struct region *reply; // the reply_region's region (pinned), or NULL
     uint64_t reply_off, reply_len;
     struct placed *placed;
@@ -100,7 +106,10 @@ int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
 }
 
 static void region_unmap(struct region *r) {
-    munmap(r->base, r->size);
+    if (r->be)
+        r->be->ops->ipc_close(r->be->ctx, r->base);
+    else
+        munmap(r->base, r->size);
     close(r->fd);
     free(r);
 }
@@ -159,17 +168,16 @@ static bool key_equal(const uint8_t *a, const uint8_t *b) {
     return diff == 0;
 }
 
-int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      uint64_t *id, uint64_t *size, char *err, size_t errlen) {
-    if (s->max == 0)
-        return errf(err, errlen, RNND_EPRECOND,
-                    "shared memory is off on this daemon (--max-shm-regions 0); send tensors as "
-                    "bytes");
-    if (!local)
-        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
-    if (req->kind_case != RNND__V1__REGISTER_REGION_REQUEST__KIND_MEMFD || req->memfd == NULL)
-        return errf(err, errlen, RNND_EINVAL, "RegisterRegionRequest names no region; set memfd");
-    const Rnnd__V1__MemfdRegion *m = req->memfd;
+static int full_msg(struct rnnd_shm *s, int n, char *err, size_t errlen) {
+    rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
+    return errf(err, errlen, RNND_EFULL,
+                "%d shared-memory regions are registered (--max-shm-regions %d); release "
+                "unused ones (ReleaseRegion), or raise --max-shm-regions",
+                n, s->max);
+}
+
+// Opens a memfd region of req into *r (base, size, fd, pid). 0, or an error with err written.
+static int memfd_open(const Rnnd__V1__MemfdRegion *m, struct region *r, char *err, size_t errlen) {
     if (m->key.len != RNND_SHM_KEY_BYTES)
         return errf(err, errlen, RNND_EINVAL,
                     "memfd.key has %zu bytes; send the %d random bytes written at the region's "
@@ -183,17 +191,6 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         return errf(err, errlen, RNND_EINVAL,
                     "memfd.pid and memfd.fd name no descriptor; send the client's pid and the "
                     "memfd's descriptor number");
-    pthread_mutex_lock(&s->lock);
-    int n = s->n;
-    pthread_mutex_unlock(&s->lock);
-    if (n >= s->max) {
-        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
-        return errf(err, errlen, RNND_EFULL,
-                    "%d shared-memory regions are registered (--max-shm-regions %d); release "
-                    "unused ones (ReleaseRegion), or raise --max-shm-regions",
-                    n, s->max);
-    }
-
     // The kernel lets us open another process's descriptor only when we may trace it: the same
     // user (or a root daemon).
     char path[64];
@@ -249,25 +246,110 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
                   "the region does not start with memfd.key; write the key at offset 0 before "
                   "registering");
     }
-    struct region *r = rc ? NULL : calloc(1, sizeof(*r));
-    if (rc == 0 && r == NULL)
-        rc = errf(err, errlen, RNND_ENOMEM, "out of memory");
     if (rc) {
         if (base != MAP_FAILED)
             munmap(base, m->size);
         close(fd);
         return rc;
     }
-    *r = (struct region){.base = base, .size = m->size, .fd = fd, .refs = 1, .pid = m->pid};
+    *r = (struct region){.base = base, .size = m->size, .fd = fd, .pid = m->pid};
+    return 0;
+}
+
+// Opens a CUDA region of req through be into *r. 0, or an error with err written.
+static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *be, struct region *r,
+                     char *err, size_t errlen) {
+    if (be == NULL || be->ops->ipc_open == NULL)
+        return errf(err, errlen, RNND_EPRECOND,
+                    "CUDA regions need a daemon on one CUDA device (--backend cuda, one entry in "
+                    "--devices); register a memfd region, or send tensors as bytes");
+    if (m->key.len != RNND_SHM_KEY_BYTES)
+        return errf(err, errlen, RNND_EINVAL,
+                    "cuda.key has %zu bytes; send the %d random bytes written at the region's "
+                    "start",
+                    m->key.len, RNND_SHM_KEY_BYTES);
+    if (m->ipc_handle.len != 64)
+        return errf(err, errlen, RNND_EINVAL,
+                    "cuda.ipc_handle has %zu bytes; send the 64 bytes of cudaIpcGetMemHandle's "
+                    "cudaIpcMemHandle_t",
+                    m->ipc_handle.len);
+    if (m->size < RNND_SHM_ALIGN || m->size > ((uint64_t)1 << 40) ||
+        m->offset % RNND_SHM_ALIGN != 0)
+        return errf(err, errlen, RNND_EINVAL,
+                    "cuda.size %" PRIu64
+                    " is not between %d bytes and 1 TiB, or cuda.offset %" PRIu64
+                    " is not a multiple of %d",
+                    m->size, RNND_SHM_ALIGN, m->offset, RNND_SHM_ALIGN);
+    if (m->pid == 0)
+        return errf(err, errlen, RNND_EINVAL, "cuda.pid is 0; send the client's process id");
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)m->pid, 0);
+    if (pidfd < 0)
+        return errf(err, errlen, RNND_EPRECOND,
+                    "process %u is not running here (%s): send your pid as the daemon's host sees "
+                    "it",
+                    m->pid, strerror(errno));
+    uint8_t head[RNND_SHM_KEY_BYTES];
+    void *base = NULL;
+    int rc = be->ops->ipc_open(be->ctx, m->ipc_handle.data, m->ipc_handle.len, m->offset, m->size,
+                               head, sizeof(head), &base);
+    if (rc == RNND_EINVAL)
+        rc = errf(err, errlen, RNND_EINVAL,
+                  "[cuda.offset, + cuda.size) = [%" PRIu64 ", %" PRIu64
+                  ") is not inside the exported allocation",
+                  m->offset, m->offset + m->size);
+    else if (rc)
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "the CUDA driver did not open cuda.ipc_handle: export memory of the daemon's "
+                  "GPU (%s) from a live process of this host",
+                  be->device);
+    else if (!key_equal(head, m->key.data))
+        rc = errf(err, errlen, RNND_EPRECOND,
+                  "the region does not start with cuda.key; write the key at its first byte "
+                  "before registering");
+    if (rc) {
+        if (base)
+            be->ops->ipc_close(be->ctx, base);
+        close(pidfd);
+        return rc;
+    }
+    *r = (struct region){.base = base, .size = m->size, .fd = pidfd, .be = be, .pid = m->pid};
+    return 0;
+}
+
+int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
+                      const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
+                      size_t errlen) {
+    if (s->max == 0)
+        return errf(err, errlen, RNND_EPRECOND,
+                    "shared memory is off on this daemon (--max-shm-regions 0); send tensors as "
+                    "bytes");
+    if (!local)
+        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
+    bool memfd = req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_MEMFD && req->memfd;
+    bool cuda = req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_CUDA && req->cuda;
+    if (!memfd && !cuda)
+        return errf(err, errlen, RNND_EINVAL,
+                    "RegisterRegionRequest names no region; set memfd or cuda");
+    pthread_mutex_lock(&s->lock);
+    int n = s->n;
+    pthread_mutex_unlock(&s->lock);
+    if (n >= s->max)
+        return full_msg(s, n, err, errlen);
+    struct region *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return errf(err, errlen, RNND_ENOMEM, "out of memory");
+    int rc =
+        memfd ? memfd_open(req->memfd, r, err, errlen) : cuda_open(req->cuda, be, r, err, errlen);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    r->refs = 1;
     pthread_mutex_lock(&s->lock);
     if (s->n >= s->max) {
         pthread_mutex_unlock(&s->lock);
         region_unmap(r);
-        rnnd_metrics_limit_hit(RNND_LIMIT_SHM_REGIONS);
-        return errf(err, errlen, RNND_EFULL,
-                    "%d shared-memory regions are registered (--max-shm-regions %d); release "
-                    "unused ones (ReleaseRegion), or raise --max-shm-regions",
-                    s->max, s->max);
+        return full_msg(s, s->max, err, errlen);
     }
     // Random ids: a region can be named only by the client that registered it.
     do {
@@ -279,8 +361,8 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     *id = r->id;
     *size = r->size;
     pthread_mutex_unlock(&s->lock);
-    rnnd_log(RNND_LOG_DEBUG, "shared memory: region of %" PRIu64 " bytes from pid %u registered",
-             m->size, m->pid);
+    rnnd_log(RNND_LOG_DEBUG, "shared memory: %s region of %zu bytes from pid %u registered",
+             r->be ? "CUDA" : "memfd", r->size, r->pid);
     return 0;
 }
 
@@ -307,8 +389,11 @@ int rnnd_shm_housekeeping(struct rnnd_shm *s) {
     pthread_mutex_lock(&s->lock);
     for (int k = 0; k < s->n;) {
         struct region *r = s->v[k];
-        // The lock is ours only once every process of the client has closed the memfd.
-        if (flock(r->fd, LOCK_EX | LOCK_NB) == 0) {
+        // The lock is ours only once every process of the client has closed the memfd; a
+        // pidfd is readable once its process exited.
+        struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
+        bool gone = r->be ? poll(&pfd, 1, 0) > 0 : flock(r->fd, LOCK_EX | LOCK_NB) == 0;
+        if (gone) {
             rnnd_log(RNND_LOG_DEBUG, "shared memory: the client (pid %u) of a region exited",
                      r->pid);
             region_remove_locked(s, k);
@@ -414,6 +499,9 @@ static int span_take_locked(struct resolve *rs, const char *name, const Span *sp
     return 0;
 }
 
+static const char *dev_msg = "%s: a CUDA region carries Backward's gradients and the replies of "
+                             "Forward and Backward; send this as bytes or in a memfd region";
+
 static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
     struct resolve *rs = ctx;
     struct rnnd_shm_use *u = rs->u;
@@ -423,6 +511,8 @@ static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
         int rc = span_take_locked(rs, name, span, RNND_SHM_ALIGN, &u->reply);
         u->reply_off = span->offset;
         u->reply_len = span->nbytes;
+        if (rc == 0 && u->reply->be && !(u->dev_ok & RNND_SHM_DEV_REPLY))
+            return errf(rs->err, rs->errlen, RNND_EINVAL, dev_msg, name);
         return rc;
     }
     if (t->region == NULL)
@@ -457,12 +547,20 @@ static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
     if (rc)
         return rc;
     u->fixes[u->nfixes++] = (struct fix){t, t->data, r};
+    u->dev_fixes += r->be != NULL;
+    if (r->be && !(u->dev_ok & RNND_SHM_DEV_TENSORS))
+        return errf(rs->err, rs->errlen, RNND_EINVAL, dev_msg, name);
+    if (u->dev_fixes && u->dev_fixes < u->nfixes)
+        return errf(rs->err, rs->errlen, RNND_EINVAL,
+                    "%s: the request's tensors are in both a CUDA and a memfd region; send "
+                    "every tensor of one request through one kind",
+                    name);
     t->data.data = r->base + t->region->offset;
     t->data.len = (size_t)t->region->nbytes;
     return 0;
 }
 
-int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local,
+int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsigned dev_ok,
                      struct rnnd_shm_use **out, char *err, size_t errlen) {
     *out = NULL;
     if (!local)
@@ -471,6 +569,7 @@ int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local,
     if (u == NULL)
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
     u->shm = s;
+    u->dev_ok = dev_ok;
     struct resolve rs = {u, err, errlen};
     pthread_mutex_lock(&s->lock);
     int rc = walk(msg, "", 0, resolve_visit, &rs);
@@ -500,6 +599,17 @@ void rnnd_shm_use_free(struct rnnd_shm_use *u) {
     free(u);
 }
 
+bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u) {
+    return u && u->dev_fixes > 0;
+}
+
+char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len) {
+    if (u == NULL || u->reply == NULL || u->reply->be == NULL)
+        return NULL;
+    *len = (size_t)u->reply_len;
+    return (char *)u->reply->base + u->reply_off;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Placing a reply
 
@@ -520,11 +630,17 @@ static int place_visit(void *ctx, const char *name, Tensor *t, Span *span) {
         p->n++;
         return 0;
     }
-    uint64_t at = (p->at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
+    // Already in the reply_region (the engine wrote it there): placed where it is.
     uint64_t end = u->reply_off + u->reply_len;
-    if (at > end || t->data.len > end - at)
+    const uint8_t *lo = u->reply->base + u->reply_off, *hi = u->reply->base + end;
+    bool inside =
+        t->data.data >= lo && t->data.data < hi && t->data.len <= (size_t)(hi - t->data.data);
+    uint64_t at = inside ? (uint64_t)(t->data.data - u->reply->base)
+                         : (p->at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
+    if (!inside && (u->reply->be || at > end || t->data.len > end - at))
         return 0; // travels as bytes
-    memcpy(u->reply->base + at, t->data.data, t->data.len);
+    if (!inside)
+        memcpy(u->reply->base + at, t->data.data, t->data.len);
     struct placed *pl = &u->placed[u->nplaced++];
     pl->t = t;
     pl->data = t->data;
@@ -535,7 +651,8 @@ static int place_visit(void *ctx, const char *name, Tensor *t, Span *span) {
     t->region = &pl->span;
     t->data.data = NULL;
     t->data.len = 0;
-    p->at = at + pl->span.nbytes;
+    if (!inside)
+        p->at = at + pl->span.nbytes;
     return 0;
 }
 

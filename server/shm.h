@@ -16,6 +16,14 @@
  * memory in place; the regions stay mapped (pinned) until the call frees the request
  * (rnnd_shm_use_free). rnnd_call_reply moves the reply's tensors into the reply_region
  * (rnnd_shm_place) before packing and puts them back after (rnnd_shm_unplace). Thread-safe.
+ *
+ * A CUDA region (docs/design.md "CUDA regions") is GPU memory a client exported with CUDA IPC,
+ * opened through the backend (ipc_open) on a one-device CUDA daemon and checked like a memfd's
+ * (local peer, key at its start); it is closed when its client's process exits (a pidfd). Its
+ * tensors are device pointers: the server never reads them on the host. Only Backward's
+ * gradients may be sent in one, and only Forward's and Backward's replies placed in one; the
+ * engine writes its outputs there itself (rnnd_shm_use_device_reply), so rnnd_shm_place takes a
+ * tensor already inside the reply_region as placed and sends any other as bytes.
  */
 #ifndef RNND_SHM_H
 #define RNND_SHM_H
@@ -33,6 +41,13 @@
 
 struct rnnd_shm;
 struct rnnd_shm_use; // what one request holds: pinned regions, tensors pointed into them
+struct rnnd_backend;
+
+// What a request may keep in CUDA regions (rnnd_shm_resolve's dev_ok).
+enum {
+    RNND_SHM_DEV_TENSORS = 1u << 0, // its tensors
+    RNND_SHM_DEV_REPLY = 1u << 1,   // its reply_region
+};
 
 // A registry of at most max_regions regions (0: shared memory off). 0, or RNND_ENOMEM.
 int rnnd_shm_init(int max_regions, struct rnnd_shm **out);
@@ -45,9 +60,12 @@ bool rnnd_shm_peer_local(const char *peer);
 
 // RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *id and *size of the
 // new region, or RNND_EPRECOND (off, remote, not the daemon's, wrong key, not sealed, not
-// locked), RNND_EINVAL (malformed), RNND_EFULL (--max-shm-regions) with the reason in err.
+// locked; a CUDA region on a daemon without one CUDA device), RNND_EINVAL (malformed),
+// RNND_EFULL (--max-shm-regions) with the reason in err. be: the backend that opens CUDA regions
+// (the daemon's only device), or NULL when the daemon has none or several.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      uint64_t *id, uint64_t *size, char *err, size_t errlen);
+                      const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
+                      size_t errlen);
 // ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer). The mapping
 // stays until the calls using it end.
 int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen);
@@ -60,14 +78,22 @@ bool rnnd_shm_wanted(const ProtobufCMessage *msg);
 // Points every Tensor of msg that has a region at the region's memory and takes the
 // reply_region. 0 and *out (free with rnnd_shm_use_free before msg), or RNND_EPRECOND (remote
 // peer, region not registered), RNND_EINVAL (data and region both set, span outside the region,
-// misaligned, or not the shape's byte count) with the field named in err; msg is then as it was.
-int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local,
+// misaligned, or not the shape's byte count; a CUDA region where dev_ok, RNND_SHM_DEV_* bits,
+// does not allow it; tensors in both kinds of region) with the field named in err; msg is then
+// as it was.
+int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsigned dev_ok,
                      struct rnnd_shm_use **out, char *err, size_t errlen);
 // Restores msg's tensors (before msg is freed) and unpins the regions. NULL does nothing.
 void rnnd_shm_use_free(struct rnnd_shm_use *u);
+// True when u's request tensors are in a CUDA region (their data are device pointers). NULL: false.
+bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u);
+// The device memory of u's reply_region when it is in a CUDA region (*len its bytes, from a
+// multiple of RNND_SHM_ALIGN), or NULL. NULL u: NULL.
+char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len);
 
 // Writes reply's tensors into u's reply_region (those that fit, in order), and makes them carry
-// region spans instead of data. Returns true when rnnd_shm_unplace must put them back (after the
+// region spans instead of data. A tensor already inside the reply_region is placed where it is;
+// with a CUDA reply_region, every other one stays bytes. Returns true when rnnd_shm_unplace must put them back (after the
 // reply was packed); false when there is no reply_region.
 bool rnnd_shm_place(struct rnnd_shm_use *u, ProtobufCMessage *reply);
 void rnnd_shm_unplace(struct rnnd_shm_use *u);

@@ -58,8 +58,11 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_partials);
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
+    cudaFree(c->d_first);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
+    if (c->h_first)
+        cudaFreeHost(c->h_first);
     if (c->stream)
         cudaStreamDestroy(c->stream);
     free(c);
@@ -171,6 +174,91 @@ static int cuda_sync(void *ctx) {
     return 0;
 }
 
+// The smallest index of a NaN or infinity, by atomicMin into *first (ULLONG_MAX: none).
+static __global__ void nonfinite_kernel(const float *x, size_t n, unsigned long long *first) {
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        if (!isfinite(x[i])) {
+            atomicMin(first, (unsigned long long)i);
+            return; // later indices of this thread are larger
+        }
+    }
+}
+
+static int cuda_nonfinite(void *ctx, const float *x, size_t n, int64_t *first) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
+    if (x == NULL && n > 0)
+        return RNND_EINVAL;
+    *first = -1;
+    if (n == 0)
+        return 0;
+    RNND_CUDA_TRY(cudaMemsetAsync(c->d_first, 0xff, sizeof(*c->d_first), c->stream));
+    unsigned blocks = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
+    nonfinite_kernel<<<blocks, 256, 0, c->stream>>>(x, n, c->d_first);
+    CUDA_LAUNCH_CHECK();
+    RNND_CUDA_TRY(cudaMemcpyAsync(c->h_first, c->d_first, sizeof(*c->h_first),
+                                  cudaMemcpyDeviceToHost, c->stream));
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    if (*c->h_first != ~0ull)
+        *first = (int64_t)*c->h_first;
+    return 0;
+}
+
+// The driver's cuMemGetAddressRange (the allocation holding a pointer), taken from the runtime
+// so that rnnd does not link libcuda: a build with CUDA still starts on a host without a driver.
+typedef int (*addr_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+
+static int alloc_range(void *p, unsigned long long *base, size_t *size) {
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess || fn == NULL)
+        return RNND_EDEVICE;
+    return ((addr_range_fn)fn)(base, size, (unsigned long long)(uintptr_t)p) == 0 ? 0 : RNND_EINVAL;
+}
+
+// Touches only c->device: it runs on the server's threads, beside the engine's use of c.
+static int cuda_ipc_open(void *ctx, const void *handle, size_t handle_len, uint64_t offset,
+                         uint64_t size, void *head, size_t head_len, void **base) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    cudaIpcMemHandle_t h;
+    if (handle == NULL || handle_len != sizeof(h) || base == NULL || head_len > size)
+        return RNND_EINVAL;
+    memcpy(&h, handle, sizeof(h));
+    RNND_CUDA_TRY(cudaSetDevice(c->device));
+    void *p = NULL;
+    if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+        cudaGetLastError(); // not sticky: clear it
+        return RNND_EDEVICE;
+    }
+    // The allocation must hold the whole range.
+    unsigned long long ab = 0;
+    size_t as = 0;
+    int rc = alloc_range(p, &ab, &as);
+    if (rc == 0 && (offset > as || size > as - offset))
+        rc = RNND_EINVAL;
+    if (rc == 0 && head_len &&
+        cudaMemcpy(head, (char *)p + offset, head_len, cudaMemcpyDeviceToHost) != cudaSuccess)
+        rc = RNND_EDEVICE;
+    if (rc) {
+        cudaIpcCloseMemHandle(p);
+        return rc;
+    }
+    *base = (char *)p + offset;
+    return 0;
+}
+
+static void cuda_ipc_close(void *ctx, void *base) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    unsigned long long ab = 0;
+    size_t as = 0;
+    if (base == NULL || cudaSetDevice(c->device) != cudaSuccess || alloc_range(base, &ab, &as))
+        return;
+    cudaIpcCloseMemHandle((void *)(uintptr_t)ab);
+}
+
 // Every valid core runs: the plan (seq_plan.h) has the per-step path for every model no other
 // kernel runs; the single-step kernel takes any width. The policy ops are the CPU backend's only.
 static int cuda_supports(void *ctx, const struct rnnd_model *m) {
@@ -248,6 +336,9 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .copy = */ cuda_copy,
     /* .zero = */ cuda_zero,
     /* .sync = */ cuda_sync,
+    /* .nonfinite = */ cuda_nonfinite,
+    /* .ipc_open = */ cuda_ipc_open,
+    /* .ipc_close = */ cuda_ipc_close,
     /* .supports = */ cuda_supports,
     /* .tape_bytes = */ cuda_tape_bytes,
     /* .rnn_forward = */ cuda_rnn_forward,
@@ -291,6 +382,8 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     RNND_CUDA_TRY(cudaMalloc(&c->d_partials, RNND_OPTIM_BLOCKS * sizeof(double)));
     RNND_CUDA_TRY(cudaMalloc(&c->d_norm, 2 * sizeof(float)));
     RNND_CUDA_TRY(cudaMallocHost(&c->h_norm, 2 * sizeof(float)));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_first, sizeof(*c->d_first)));
+    RNND_CUDA_TRY(cudaMallocHost(&c->h_first, sizeof(*c->h_first)));
     RNND_TRY(rnnd__cuda_step_prepare(c));
     return 0;
 }

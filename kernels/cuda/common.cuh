@@ -61,9 +61,10 @@ struct cuda_ctx {
     void *d_blas_ws; // cuBLAS workspace, set explicitly so results do not depend on the stream
     void *d_scratch; // per-op buffers, grown on demand (synchronises before it grows)
     size_t scratch_bytes;
-    double *d_partials;      // optimizer: per-block sums of squares (RNND_OPTIM_BLOCKS)
-    float *d_norm;           // optimizer: the gradient norm, then the clip coefficient
-    float *h_norm;           // pinned host copy of the norm
+    double *d_partials; // optimizer: per-block sums of squares (RNND_OPTIM_BLOCKS)
+    float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
+    float *h_norm;      // pinned host copy of the norm
+    unsigned long long *d_first, *h_first; // nonfinite: the first index found, pinned copy
     struct cuda_tuning tune; // the bench's and the tests' overrides (tuning.h); zero otherwise
     long long *d_dbg;        // phase clocks (RNND_CUDA_PHASE_CLOCKS): [2][1024][8] fwd, bwd
     // The last work enqueued on the stream is rnn_step's (which writes no weights), so the next

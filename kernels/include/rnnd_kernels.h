@@ -336,6 +336,18 @@ struct rnnd_backend_ops {
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     int (*zero)(void *ctx, void *dst, size_t bytes);
     int (*sync)(void *ctx);
+    // Synchronous: *first = the index of the first NaN or infinity among n floats at x (backend
+    // memory), or -1 when every one is finite. For inputs the server cannot read on the host.
+    int (*nonfinite)(void *ctx, const float *x, size_t n, int64_t *first);
+    // Memory another process of this host shared (a CUDA IPC handle of handle_len bytes): maps
+    // it, checks that at least offset + size bytes follow, and returns in *base the first byte
+    // of [offset, offset + size), with its first head_len bytes copied into head (host) so the
+    // caller can check what it holds. RNND_ENOTSUP on a backend without such memory (NULL op),
+    // RNND_EINVAL for a malformed handle or range, RNND_EDEVICE when the driver refuses it.
+    // Callable from any thread. ipc_close(base) unmaps it.
+    int (*ipc_open)(void *ctx, const void *handle, size_t handle_len, uint64_t offset,
+                    uint64_t size, void *head, size_t head_len, void **base);
+    void (*ipc_close)(void *ctx, void *base);
 
     // 0 when this backend runs model m, RNND_ENOTSUP (or RNND_EINVAL) otherwise; the server asks
     // once at load time so no request fails on it later.

@@ -146,7 +146,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         case RNND_METHOD_BACKWARD: {
             struct rnnd_backward_job g;
-            rc = rnnd_request_backward(l, (const Rnnd__V1__BackwardRequest *)msg, &g, err);
+            rc = rnnd_request_backward(l, (const Rnnd__V1__BackwardRequest *)msg, &g, false, err);
             if (rc == 0)
                 accepted_backward(l, &g);
             break;

@@ -78,8 +78,8 @@ static uint64_t reg_ok(struct rnnd_shm *s, struct creg *r) {
     struct regreq q;
     uint64_t id = 0, size = 0;
     char err[512] = "";
-    int rc = rnnd_shm_register(s, regreq(&q, (unsigned)getpid(), r->fd, SIZE, r->key), true, &id,
-                               &size, err, sizeof err);
+    int rc = rnnd_shm_register(s, regreq(&q, (unsigned)getpid(), r->fd, SIZE, r->key), true, NULL,
+                               &id, &size, err, sizeof err);
     if (rc)
         fail_msg("register: %s", err);
     assert_int_equal(size, SIZE);
@@ -88,13 +88,18 @@ static uint64_t reg_ok(struct rnnd_shm *s, struct creg *r) {
 }
 
 // Asserts that registering gives code and a message containing says.
-static void reg_refused(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *req, bool local,
-                        int code, const char *says) {
+static void reg_refused_be(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *req, bool local,
+                           const struct rnnd_backend *be, int code, const char *says) {
     uint64_t id = 0, size = 0;
     char err[512] = "";
-    int rc = rnnd_shm_register(s, req, local, &id, &size, err, sizeof err);
+    int rc = rnnd_shm_register(s, req, local, be, &id, &size, err, sizeof err);
     if (rc != code || strstr(err, says) == NULL)
         fail_msg("want %d \"%s\", got %d \"%s\"", code, says, rc, err);
+}
+
+static void reg_refused(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *req, bool local,
+                        int code, const char *says) {
+    reg_refused_be(s, req, local, NULL, code, says);
 }
 
 static void test_peer_local(void **state) {
@@ -239,18 +244,23 @@ static struct stepreq *stepreq(struct stepreq *q, uint64_t id, uint64_t off) {
 }
 
 // Asserts resolving gives code with says in the message, and leaves the request as it was.
-static void resolve_refused(struct rnnd_shm *s, struct stepreq *q, bool local, int code,
-                            const char *says) {
+static void resolve_refused_dev(struct rnnd_shm *s, struct stepreq *q, bool local, unsigned dev_ok,
+                                int code, const char *says) {
     uint8_t *data = q->obs.data.data;
     size_t len = q->obs.data.len;
     struct rnnd_shm_use *u = (void *)1;
     char err[512] = "";
-    int rc = rnnd_shm_resolve(s, &q->req.base, local, &u, err, sizeof err);
+    int rc = rnnd_shm_resolve(s, &q->req.base, local, dev_ok, &u, err, sizeof err);
     if (rc != code || strstr(err, says) == NULL)
         fail_msg("want %d \"%s\", got %d \"%s\"", code, says, rc, err);
     assert_null(u);
     assert_ptr_equal(q->obs.data.data, data);
     assert_int_equal(q->obs.data.len, len);
+}
+
+static void resolve_refused(struct rnnd_shm *s, struct stepreq *q, bool local, int code,
+                            const char *says) {
+    resolve_refused_dev(s, q, local, 0, code, says);
 }
 
 static void test_resolve(void **state) {
@@ -273,7 +283,7 @@ static void test_resolve(void **state) {
     stepreq(&q, id, 128);
     struct rnnd_shm_use *u;
     char err[512];
-    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, &u, err, sizeof err), 0);
+    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, 0, &u, err, sizeof err), 0);
     assert_int_equal(q.obs.data.len, 32);
     r.base[128] = 7;
     assert_int_equal(((const uint8_t *)q.obs.data.data)[0], 7);
@@ -317,7 +327,7 @@ static void test_resolve(void **state) {
     tr.obs = &q.obs;
     fw.source_case = RNND__V1__FORWARD_REQUEST__SOURCE_TRAJECTORIES;
     fw.trajectories = &tr;
-    assert_int_equal(rnnd_shm_resolve(s, &fw.base, true, &u, err, sizeof err), 0);
+    assert_int_equal(rnnd_shm_resolve(s, &fw.base, true, 0, &u, err, sizeof err), 0);
     r.base[256] = 3;
     assert_int_equal(((const uint8_t *)q.obs.data.data)[0], 3);
     rnnd_shm_use_free(u);
@@ -327,13 +337,13 @@ static void test_resolve(void **state) {
     sw.n_tensors = 1;
     sw.tensors = &ntp;
     q.span.region = id ^ 1;
-    assert_int_equal(rnnd_shm_resolve(s, &sw.base, true, &u, err, sizeof err), RNND_EPRECOND);
+    assert_int_equal(rnnd_shm_resolve(s, &sw.base, true, 0, &u, err, sizeof err), RNND_EPRECOND);
     assert_non_null(strstr(err, "tensors[0].tensor"));
 
     // Released while a call still reads it: the mapping stays until the call lets go.
     stepreq(&q, id, 128);
     memset(r.base + 128, 0x5a, 32);
-    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, &u, err, sizeof err), 0);
+    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, 0, &u, err, sizeof err), 0);
     assert_int_equal(rnnd_shm_release(s, id, true, err, sizeof err), 0);
     assert_int_equal(((const uint8_t *)q.obs.data.data)[31], 0x5a);
     rnnd_shm_use_free(u);
@@ -358,7 +368,7 @@ static void test_place(void **state) {
     q.reply.nbytes = 192; // room for 100 bytes at 1024, then 64 more at 1152
     struct rnnd_shm_use *u;
     char err[512];
-    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, &u, err, sizeof err), 0);
+    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, 0, &u, err, sizeof err), 0);
 
     // A reply of three tensors: 100 bytes, 64 bytes, 8 bytes. The third finds no room left.
     uint8_t a[100], b[64], c[8];
@@ -394,7 +404,7 @@ static void test_place(void **state) {
 
     // Without a reply_region nothing moves.
     stepreq(&q, id, 128);
-    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, &u, err, sizeof err), 0);
+    assert_int_equal(rnnd_shm_resolve(s, &q.req.base, true, 0, &u, err, sizeof err), 0);
     assert_false(rnnd_shm_place(u, &rep.base));
     assert_ptr_equal(ta.data.data, a);
     rnnd_shm_use_free(u);
@@ -418,6 +428,196 @@ static void test_client_gone(void **state) {
     rnnd_shm_free(s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// CUDA regions, with a backend whose ipc_open maps host memory in place of the driver's: the
+// "handle" carries the address and size of a buffer of this process. What is tested is the
+// registry's side (checks, what a request may keep there, placing, closing), not CUDA IPC.
+
+struct fake_ipc {
+    int rc;     // what ipc_open answers when not 0
+    int closed; // ipc_close calls
+};
+
+static struct fake_ipc fake;
+
+static int fake_open(void *ctx, const void *handle, size_t handle_len, uint64_t offset,
+                     uint64_t size, void *head, size_t head_len, void **base) {
+    (void)ctx;
+    if (fake.rc)
+        return fake.rc;
+    uint8_t *buf;
+    uint64_t bytes;
+    assert_int_equal(handle_len, 64);
+    memcpy(&buf, handle, sizeof buf);
+    memcpy(&bytes, (const uint8_t *)handle + 8, sizeof bytes);
+    if (offset > bytes || size > bytes - offset)
+        return RNND_EINVAL;
+    memcpy(head, buf + offset, head_len);
+    *base = buf + offset;
+    return 0;
+}
+
+static void fake_close(void *ctx, void *base) {
+    (void)ctx;
+    (void)base;
+    fake.closed++;
+}
+
+static const struct rnnd_backend_ops fake_ops = {
+    .name = "fake", .ipc_open = fake_open, .ipc_close = fake_close};
+static const struct rnnd_backend fake_be = {.ops = &fake_ops, .device = "fake GPU"};
+
+struct cudareq {
+    Rnnd__V1__RegisterRegionRequest req;
+    Rnnd__V1__CudaRegion m;
+    uint8_t handle[64];
+};
+
+static Rnnd__V1__RegisterRegionRequest *cudareq(struct cudareq *q, uint8_t *buf, uint64_t bytes,
+                                                uint64_t offset, uint64_t size, uint8_t *key,
+                                                unsigned pid) {
+    rnnd__v1__register_region_request__init(&q->req);
+    rnnd__v1__cuda_region__init(&q->m);
+    memset(q->handle, 0, sizeof q->handle);
+    memcpy(q->handle, &buf, sizeof buf);
+    memcpy(q->handle + 8, &bytes, sizeof bytes);
+    q->m.ipc_handle = (ProtobufCBinaryData){sizeof q->handle, q->handle};
+    q->m.offset = offset;
+    q->m.size = size;
+    q->m.key = (ProtobufCBinaryData){RNND_SHM_KEY_BYTES, key};
+    q->m.pid = pid;
+    q->req.kind_case = RNND__V1__REGISTER_REGION_REQUEST__KIND_CUDA;
+    q->req.cuda = &q->m;
+    return &q->req;
+}
+
+static void test_cuda_regions(void **state) {
+    (void)state;
+    struct rnnd_shm *s;
+    assert_int_equal(rnnd_shm_init(4, &s), 0);
+    static uint8_t gpu[SIZE]; // the "device memory": the region starts at 4096
+    uint8_t key[RNND_SHM_KEY_BYTES];
+    for (int i = 0; i < RNND_SHM_KEY_BYTES; i++)
+        key[i] = (uint8_t)(i * 13 + 5);
+    memcpy(gpu + 4096, key, sizeof key);
+    unsigned me = (unsigned)getpid();
+    struct cudareq c;
+    fake = (struct fake_ipc){0};
+
+    // Refusals, each with what to do instead; nothing is opened.
+    reg_refused(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, me), true, RNND_EPRECOND,
+                "one CUDA device");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, me), false, &fake_be, RNND_EPRECOND,
+                   "daemon's host");
+    cudareq(&c, gpu, SIZE, 4096, 8192, key, me);
+    c.m.ipc_handle.len = 63;
+    reg_refused_be(s, &c.req, true, &fake_be, RNND_EINVAL, "64 bytes");
+    cudareq(&c, gpu, SIZE, 4096, 8192, key, me);
+    c.m.key.len = 31;
+    reg_refused_be(s, &c.req, true, &fake_be, RNND_EINVAL, "cuda.key has 31 bytes");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4100, 8192, key, me), true, &fake_be, RNND_EINVAL,
+                   "multiple of 64");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, SIZE, key, me), true, &fake_be, RNND_EINVAL,
+                   "inside the exported allocation");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 0, 8192, key, me), true, &fake_be, RNND_EPRECOND,
+                   "start with cuda.key");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, 0), true, &fake_be, RNND_EINVAL,
+                   "cuda.pid");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, 0x3fffffff), true, &fake_be,
+                   RNND_EPRECOND, "not running here");
+    fake.rc = RNND_EDEVICE;
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, me), true, &fake_be, RNND_EPRECOND,
+                   "did not open");
+    fake.rc = 0;
+    assert_int_equal(fake.closed, 1); // the one opened with the wrong key
+
+    // A child plays the client, so that its exit can be watched.
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        pause();
+        _exit(0);
+    }
+    uint64_t cid = 0, size = 0;
+    char err[512] = "";
+    int rc = rnnd_shm_register(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, (unsigned)child), true,
+                               &fake_be, &cid, &size, err, sizeof err);
+    if (rc)
+        fail_msg("register: %s", err);
+    assert_int_equal(size, 8192);
+
+    // Only where dev_ok allows, never mixed with a memfd region.
+    struct stepreq q;
+    resolve_refused(s, stepreq(&q, cid, 128), true, RNND_EINVAL, "CUDA region carries");
+    struct rnnd_shm_use *u;
+    stepreq(&q, cid, 128);
+    assert_int_equal(
+        rnnd_shm_resolve(s, &q.req.base, true, RNND_SHM_DEV_TENSORS, &u, err, sizeof err), 0);
+    assert_true(rnnd_shm_use_device_in(u));
+    assert_ptr_equal(q.obs.data.data, gpu + 4096 + 128);
+    size_t len = 0;
+    assert_null(rnnd_shm_use_device_reply(u, &len));
+    rnnd_shm_use_free(u);
+    struct creg r;
+    creg_make(&r, true, true);
+    uint64_t mid = reg_ok(s, &r);
+    Rnnd__V1__BackwardRequest bw = RNND__V1__BACKWARD_REQUEST__INIT;
+    struct stepreq q2;
+    stepreq(&q, cid, 128);
+    stepreq(&q2, mid, 128);
+    bw.grad_output = &q.obs;
+    bw.grad_h_n = &q2.obs;
+    assert_int_equal(rnnd_shm_resolve(s, &bw.base, true, RNND_SHM_DEV_TENSORS, &u, err, sizeof err),
+                     RNND_EINVAL);
+    assert_non_null(strstr(err, "both a CUDA and a memfd region"));
+    assert_ptr_equal(q.obs.data.data, NULL);
+
+    // A CUDA reply_region: the engine's outputs inside it are placed where they are; anything
+    // else travels as bytes (the daemon does not copy host memory into the GPU's).
+    stepreq(&q, mid, 128);
+    q.req.reply_region = &q.reply;
+    q.reply.region = cid;
+    q.reply.offset = 1024;
+    q.reply.nbytes = 1024;
+    resolve_refused_dev(s, &q, true, RNND_SHM_DEV_TENSORS, RNND_EINVAL, "CUDA region carries");
+    assert_int_equal(
+        rnnd_shm_resolve(s, &q.req.base, true, RNND_SHM_DEV_REPLY, &u, err, sizeof err), 0);
+    assert_false(rnnd_shm_use_device_in(u));
+    char *dev = rnnd_shm_use_device_reply(u, &len);
+    assert_ptr_equal(dev, gpu + 4096 + 1024);
+    assert_int_equal(len, 1024);
+    uint8_t host[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    Rnnd__V1__StepReply rep = RNND__V1__STEP_REPLY__INIT;
+    Rnnd__V1__Tensor ta = RNND__V1__TENSOR__INIT, tb = RNND__V1__TENSOR__INIT;
+    ta.data = (ProtobufCBinaryData){256, (uint8_t *)dev + 192};
+    tb.data = (ProtobufCBinaryData){sizeof host, host};
+    rep.output = &ta;
+    rep.h = &tb;
+    memset(gpu + 4096 + 1024, 0, 1024);
+    assert_true(rnnd_shm_place(u, &rep.base));
+    assert_non_null(ta.region);
+    assert_int_equal(ta.region->region, cid);
+    assert_int_equal(ta.region->offset, 1024 + 192);
+    assert_int_equal(ta.region->nbytes, 256);
+    assert_null(tb.region);
+    assert_ptr_equal(tb.data.data, host);
+    for (int i = 0; i < 1024; i++)
+        assert_int_equal(gpu[4096 + 1024 + i], 0); // nothing was written by placing
+    rnnd_shm_unplace(u);
+    assert_ptr_equal(ta.data.data, dev + 192);
+    rnnd_shm_use_free(u);
+
+    // The client exits: housekeeping closes its region.
+    assert_int_equal(rnnd_shm_housekeeping(s), 2);
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    assert_int_equal(rnnd_shm_housekeeping(s), 1);
+    assert_int_equal(fake.closed, 2);
+    resolve_refused(s, stepreq(&q, cid, 128), true, RNND_EPRECOND, "not registered");
+    rnnd_shm_free(s);
+    creg_free(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_peer_local),
@@ -426,6 +626,7 @@ int main(void) {
         cmocka_unit_test(test_resolve),
         cmocka_unit_test(test_place),
         cmocka_unit_test(test_client_gone),
+        cmocka_unit_test(test_cuda_regions),
     };
     return cmocka_run_group_tests_name("shm", tests, NULL, NULL);
 }

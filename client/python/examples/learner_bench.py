@@ -2,7 +2,8 @@
 """Learner benchmark: the rnnd learner loop beside the same learner in plain PyTorch, one process,
 one run, one device.
 
-rnnd (through rnnd.torch.RemoteRecurrent, Python client over TCP loopback):
+rnnd (through rnnd.torch.RemoteRecurrent, Python client over TCP loopback; one row per
+--transports entry: grpc, shm, cuda or auto, see rnnd.Client's transport):
     Forward(recorded, keep_tape, only is_init back) -> linear head + MSE loss on the learner's
     device -> loss.backward() = Backward(accumulate, no input gradients) -> ApplyGradients (the
     daemon's Adam) and the head's Adam step.
@@ -74,6 +75,42 @@ def row(name, sec, B, T, extra=""):
           flush=True)
 
 
+def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
+    """The rnnd learner loop through client: one row, with the daemon's own time per call."""
+    core = rnnd.torch.RemoteRecurrent(client, grads="server", wire=a.wire).to(dev)
+    head = torch.nn.Linear(H, 1).to(dev)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+
+    def rnnd_iter():
+        # The learner takes the window's resets (as a loss mask would); the recorded obs,
+        # extras and versions stay on the daemon.
+        out, _ = core.forward_recorded(ids, T, fields=("is_init",))
+        loss = torch.nn.functional.mse_loss(head(out.to(dev)), target_y)
+        opt.zero_grad()
+        loss.backward()
+        core.apply_gradients(pull=False)
+        opt.step()
+
+    for _ in range(a.warmup):
+        rnnd_iter()
+    m0 = metrics(http) if http else {}
+    sec = timed(rnnd_iter, a.iters, 0, dev)
+    extra = ""
+    if http:
+        m1 = metrics(http)
+        parts = []
+        for meth, op in (("Forward", "forward"), ("Backward", "backward"),
+                         ("ApplyGradients", "optim")):
+            n = m1.get(("count", meth), 0) - m0.get(("count", meth), 0)
+            if n:
+                s = (m1[("sum", meth)] - m0.get(("sum", meth), 0)) / n
+                k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
+                parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
+        extra = "daemon: " + ", ".join(parts)
+    row("rnnd %s (%s wire)" % (client.transport, a.wire), sec, B, T, extra)
+    client.close()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rnnd", help="the rnnd binary to start, or a command line that starts it "
@@ -93,6 +130,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    ap.add_argument("--transports", default="auto",
+                    help="comma-separated rnnd.Client transports, one rnnd row each "
+                         "(auto, grpc, shm, cuda)")
     a = ap.parse_args()
     B, T, I, H = a.B, a.T, a.I, a.H
     dev = torch.device(a.device)
@@ -124,37 +164,9 @@ def main():
                 client.step(ids[s], obs[t, s], is_init=init[t, s])
         target_y = torch.randn(B, T, 1, device=dev)
 
-        core = rnnd.torch.RemoteRecurrent(client, grads="server", wire=a.wire)
-        head = torch.nn.Linear(H, 1).to(dev)
-        opt = torch.optim.Adam(head.parameters(), lr=1e-3)
-
-        def rnnd_iter():
-            # The learner takes the window's resets (as a loss mask would); the recorded obs,
-            # extras and versions stay on the daemon.
-            out, _ = core.forward_recorded(ids, T, fields=("is_init",))
-            loss = torch.nn.functional.mse_loss(head(out.to(dev)), target_y)
-            opt.zero_grad()
-            loss.backward()
-            core.apply_gradients(pull=False)
-            opt.step()
-
-        for _ in range(a.warmup):
-            rnnd_iter()
-        m0 = metrics(http) if http else {}
-        sec = timed(rnnd_iter, a.iters, 0, dev)
-        extra = ""
-        if http:
-            m1 = metrics(http)
-            parts = []
-            for meth, op in (("Forward", "forward"), ("Backward", "backward"),
-                             ("ApplyGradients", "optim")):
-                n = m1.get(("count", meth), 0) - m0.get(("count", meth), 0)
-                if n:
-                    s = (m1[("sum", meth)] - m0.get(("sum", meth), 0)) / n
-                    k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
-                    parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
-            extra = "daemon: " + ", ".join(parts)
-        row("rnnd (%s wire)" % a.wire, sec, B, T, extra)
+        for transport in a.transports.split(","):
+            rnnd_row(rnnd.Client(target, max_message_mb=-1, transport=transport), ids, T, B, H,
+                     target_y, dev, a, http)
 
         if not a.no_torch:
             x = torch.from_numpy(obs.transpose(1, 0, 2).copy()).to(dev)     # [B, T, I]

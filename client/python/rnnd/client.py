@@ -120,7 +120,7 @@ def _dtype(name):
 def _getters(call, decode_fn):
     """(get, field) reading a reply's tensors: from call's shared-memory span, or with
     decode_fn (a Tensor -> value; numpy decoding by default)."""
-    if call is not None and decode_fn is None:
+    if call is not None and (decode_fn is None or getattr(call, "on_device", False)):
         return call.get, call.field
     if decode_fn is None:
         return decode, field
@@ -240,20 +240,26 @@ class Client:
     <token>"). tls: see _credentials (None: plaintext). timeout: per-call deadline in seconds
     (None: none). max_message_mb: send/receive limit (-1: unlimited, the default).
     transport: "auto" (shared memory when the target is on this host and the daemon accepts the
-    region, else gRPC), "shm" (shared memory or an error) or "grpc" (tensors inside the
-    messages). shm_mb: size of the shared region (virtual: pages are used as calls touch them).
+    region, else gRPC; and for calls on CUDA tensors, a CUDA region when the daemon is on this
+    host's GPU), "cuda" (like auto, but a call on CUDA tensors that cannot use a CUDA region is
+    an error), "shm" (shared memory or an error) or "grpc" (tensors inside the messages).
+    shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
+    of the CUDA region, allocated on the GPU at the first call on CUDA tensors.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
-                 transport="auto", shm_mb=1024):
-        if transport not in ("auto", "shm", "grpc"):
-            raise ValueError('transport is "auto", "shm" or "grpc", not %r' % (transport,))
+                 transport="auto", shm_mb=1024, cuda_mb=1024):
+        if transport not in ("auto", "cuda", "shm", "grpc"):
+            raise ValueError('transport is "auto", "cuda", "shm" or "grpc", not %r'
+                             % (transport,))
         self.target = target
         self.closed = False
         self._want = transport
         self._shm_mb = int(shm_mb)
+        self._cuda_mb = int(cuda_mb)
         self._transport = None  # decided at first use
         self._region = None
+        self._cuda = {}  # CUDA device index -> its cuda.Region, or False (refused)
         self._info = None
         self._tlock = threading.Lock()
         self.timeout = timeout
@@ -285,6 +291,10 @@ class Client:
             self._region.release(self._call)
             self._region = None
             self._transport = "grpc"
+        for region in self._cuda.values():
+            if region:
+                region.release(self._call)
+        self._cuda = {}
         self._channel.close()
 
     def __enter__(self):
@@ -303,10 +313,51 @@ class Client:
 
     @property
     def transport(self):
-        """How tensors travel: "shm" (shared memory with a daemon on this host) or "grpc"."""
+        """How tensors travel: "cuda" (CUDA tensors in place, once a call on them registered a
+        CUDA region; the other calls as below), "shm" (shared memory with a daemon on this
+        host) or "grpc"."""
+        if any(self._cuda.values()):
+            return "cuda"
         if self._transport is None:
             self._choose_transport()
         return self._transport or "grpc"
+
+    def _cuda_for(self, device):
+        """The CUDA region on device (a torch.device) for a call on CUDA tensors, registered at
+        the first such call; None where the path is not open (not CUDA, not local, refused)."""
+        if device is None or getattr(device, "type", None) != "cuda" or self._want in (
+                "shm", "grpc"):
+            return None
+        from . import cuda as _cuda  # torch only for callers with CUDA tensors
+        index = device.index if device.index is not None else _cuda.torch.cuda.current_device()
+        region = self._cuda.get(index)
+        if region is None:
+            with self._tlock:
+                region = self._cuda.get(index)
+                if region is None:
+                    region = self._cuda_register(_cuda, index)
+        return region or None
+
+    def _cuda_register(self, _cuda, index):
+        region = None
+        try:
+            if not _local_target(self.target):
+                raise RnndError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "CUDA regions need a daemon on this host (a unix: or loopback "
+                                "target)", "RegisterRegion", self.target)
+            self._info = self._info or self.info()
+            region = _cuda.Region(self._cuda_mb << 20, "cuda:%d" % index)
+            self._cuda[index] = region.register(self._call)
+        except (RnndError, RuntimeError) as e:
+            if isinstance(e, RnndError) and e.code in (grpc.StatusCode.UNAVAILABLE,
+                                                       grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise  # a daemon not reachable yet: decide at a later call
+            if region is not None:
+                region.release(None)
+            if self._want == "cuda":
+                raise
+            self._cuda[index] = False
+        return self._cuda[index]
 
     def _choose_transport(self):
         with self._tlock:
@@ -443,13 +494,28 @@ class Client:
             return self._forward_result(self._forward_lazy(req), decode=decode)
 
     def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None,
-                         decode=None, return_core=False):
+                         decode=None, return_core=False, device=None):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
         the state recorded before the window). The result also carries the recorded obs,
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
         'bfloat16' or 'float16' for the float tensors returned. decode, return_core: as for
-        forward()."""
+        forward(). device: a torch CUDA device on this host's GPU makes the reply's tensors
+        torch tensors there, written in place by the daemon's GPU (a CUDA region; see
+        transport)."""
+        region = self._cuda_for(device)
+        call = region and region.call(_shm.forward_reply_bytes(
+            self._info, len(_ids(env_ids)), int(steps),
+            fields is None or _mask(fields, _RECORDED) != 0))
+        if call is not None:
+            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
+                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype),
+                                    return_core=bool(return_core))
+            if fields is not None:
+                req.recorded_fields = _mask(fields, _RECORDED)
+            req.reply_region.CopyFrom(call.reply_region())
+            call.ready()
+            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
         if self.transport == "shm" and _dtype(reply_dtype) in _FP32:
             ids = _ids(env_ids)
             call = self._span((), _shm.forward_reply_bytes(
@@ -499,6 +565,19 @@ class Client:
         the weight gradients then cover the heads and the encoder too."""
         heads = dict(grad_logits=grad_logits, grad_mean=grad_mean, grad_log_std=grad_log_std,
                      grad_head_value=grad_head_value)
+        grads = dict(grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
+        first = next((v for v in grads.values() if v is not None), None)
+        if getattr(first, "is_cuda", False):  # torch tensors: in place when the region allows
+            r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first)
+            if r is not None:
+                return r
+            from .torch import _wire as wire_of  # the bytes path, as rnnd.torch sends them
+            grads = {k: None if v is None else wire_of(v, dtype or "float32",
+                                                       stage=k == "grad_output")
+                     for k, v in grads.items()}
+            grad_output, grad_h_n, grad_c_n = (grads.pop(k) for k in
+                                               ("grad_output", "grad_h_n", "grad_c_n"))
+            heads = grads
         if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
             return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate,
                                       input_grads, decode, heads)
@@ -520,6 +599,35 @@ class Client:
         _, fld = _getters(None, decode)
         return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
                               fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
+
+    def _backward_cuda(self, tape_id, grads, accumulate, input_grads, dtype, first):
+        """backward() on CUDA tensors through the CUDA region, or None when it has no room."""
+        region = self._cuda_for(first.device)
+        if region is None:
+            return None
+        wire = dtype if _dtype(dtype) else "float32"
+        el = 4 if wire == "float32" else 2
+        B, T = first.shape[:2] if first.dim() >= 2 else (0, 0)
+        need = sum(_shm._up(v.numel() * el) for v in grads.values() if v is not None)
+        call = region.call(need + _shm.backward_reply_bytes(self._info, B, T, accumulate))
+        if call is None:
+            return None
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        if input_grads is not None:
+            req.input_grads = _mask(input_grads, _INPUT_GRADS)
+        for name, v in grads.items():
+            if v is not None:
+                call.put(v, getattr(req, name), wire)
+        req.reply_region.CopyFrom(call.reply_region())
+        call.ready()
+
+        def result(r):
+            named = Weights()
+            for nt in r.grads:
+                named[nt.name] = call.get(nt.tensor)
+            return BackwardResult(named, *(call.field(r, n) for n in (
+                "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")))
+        return self._shm_call("Backward", req, call, result)
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
                       decode, heads):

@@ -57,49 +57,15 @@ def _close(fd, mm, buf):
     os.close(fd)  # releases the lock: the daemon lets the region go
 
 
-class Region:
-    """A memfd of ``size`` bytes shared with the daemon. ``register(stub_call)`` sends
-    RegisterRegion through ``stub_call(name, request)``; ``id`` is then the daemon's id."""
+class Spans:
+    """First-fit spans of a region of ``size`` bytes, after its first ALIGN bytes (the key's):
+    one per call in flight. Subclasses make the Call (``_call``)."""
 
     def __init__(self, size):
         self.size = _up(max(int(size), 2 * ALIGN))
-        fd = os.memfd_create("rnnd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            self._mm = mmap.mmap(fd, self.size)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
-        self.key = os.urandom(KEY_BYTES)
-        self._mm[:KEY_BYTES] = self.key
-        self._buf = [np.frombuffer(self._mm, dtype=np.uint8)]
         self.id = 0
         self._lock = threading.Lock()
         self._used = []  # [offset, length] of the calls in flight, by offset
-        self._finalizer = weakref.finalize(self, _close, fd, self._mm, self._buf)
-
-    @property
-    def bytes(self):
-        return self._buf[0]
-
-    def register(self, call):
-        req = pb.RegisterRegionRequest(memfd=pb.MemfdRegion(
-            pid=os.getpid(), fd=self.fd, size=self.size, key=self.key))
-        self.id = call("RegisterRegion", req).region
-        return self
-
-    def release(self, call):
-        """ReleaseRegion (errors ignored: the daemon also notices the close), then unmaps."""
-        if self.id:
-            try:
-                call("ReleaseRegion", pb.ReleaseRegionRequest(region=self.id))
-            except Exception:  # noqa: BLE001 - the daemon may be gone; the close releases it too
-                pass
-        self._finalizer()
 
     def idle(self):
         with self._lock:
@@ -120,11 +86,62 @@ class Region:
             if self.size - at < need:
                 return None
             self._used.insert(i, [at, need])
-        return Call(self, at, need)
+        return self._call(at, need)
 
     def _give(self, off):
         with self._lock:
             self._used = [u for u in self._used if u[0] != off]
+
+
+class Region(Spans):
+    """A memfd of ``size`` bytes shared with the daemon. ``register(stub_call)`` sends
+    RegisterRegion through ``stub_call(name, request)``; ``id`` is then the daemon's id."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        fd = os.memfd_create("rnnd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.key = os.urandom(KEY_BYTES)
+        self._mm[:KEY_BYTES] = self.key
+        self._buf = [np.frombuffer(self._mm, dtype=np.uint8)]
+        self._finalizer = weakref.finalize(self, _close, fd, self._mm, self._buf)
+
+    @property
+    def bytes(self):
+        return self._buf[0]
+
+    def register(self, call):
+        req = pb.RegisterRegionRequest(memfd=pb.MemfdRegion(
+            pid=os.getpid(), fd=self.fd, size=self.size, key=self.key))
+        self.id = call("RegisterRegion", req).region
+        return self
+
+    def release(self, call):
+        """ReleaseRegion (errors ignored: the daemon also notices the close), then unmaps."""
+        release(self, call)
+        self._finalizer()
+
+    def _call(self, at, need):
+        return Call(self, at, need)
+
+
+def release(region, call):
+    """ReleaseRegion for region (errors ignored: the daemon also notices its client's exit)."""
+    if region.id and call is not None:
+        try:
+            call("ReleaseRegion", pb.ReleaseRegionRequest(region=region.id))
+        except Exception:  # noqa: BLE001 - the daemon may be gone; the close releases it too
+            pass
+    region.id = 0
 
 
 class Call:

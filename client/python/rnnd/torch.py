@@ -317,7 +317,7 @@ def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Ten
     # fields=None asks for all in the form shared memory also carries.
     r = t.client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape,
                                   fields=None if fields == _RECORDED_ALL else fields,
-                                  reply_dtype=t.wire, decode=_decoder(device))
+                                  reply_dtype=t.wire, decode=_decoder(device), device=device)
     out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
     B = env_ids.shape[0]
 
@@ -379,9 +379,14 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     w = t.wire
     # Input gradients only when the caller takes them (a recorded window's inputs are constants).
     dev = grad_output.device
-    g = t.client.backward(tape_id, _wire(grad_output, w, stage=True), _wire(grad_h_n, w),
-                          _wire(grad_c_n, w), accumulate=accumulate,
-                          input_grads=None if input_grads else (), dtype=w, decode=_decoder(dev))
+    if t.client._cuda_for(dev) is not None:  # CUDA tensors in place (rnnd.cuda)
+        g = t.client.backward(tape_id, grad_output, grad_h_n, grad_c_n, accumulate=accumulate,
+                              input_grads=None if input_grads else (), dtype=w)
+    else:
+        g = t.client.backward(tape_id, _wire(grad_output, w, stage=True), _wire(grad_h_n, w),
+                              _wire(grad_c_n, w), accumulate=accumulate,
+                              input_grads=None if input_grads else (), dtype=w,
+                              decode=_decoder(dev))
     out = []
     for name, shape in _backward_shapes(grad_output, params, input_size, input_grads, stored):
         a = getattr(g, name)

@@ -147,6 +147,27 @@ class ShmTest(unittest.TestCase):
                 small.forward(obs)
             self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
+    def test_cuda_region_refused_on_the_cpu_backend(self):
+        # A CUDA region needs a daemon on one CUDA device: refused with what to do instead,
+        # malformed ones named; the client's CUDA path then stays closed and calls on CUDA
+        # tensors go the other ways (transport "cuda" makes that an error).
+        from rnnd.v1 import rnnd_pb2 as pb, rnnd_pb2_grpc
+        stub = rnnd_pb2_grpc.RnnStub(grpc.insecure_channel(self.sock))
+        good = pb.CudaRegion(ipc_handle=bytes(64), offset=0, size=1 << 20, key=bytes(32),
+                             pid=os.getpid())
+        with self.assertRaises(grpc.RpcError) as cm:
+            stub.RegisterRegion(pb.RegisterRegionRequest(cuda=good))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("one CUDA device", cm.exception.details())
+        self.assertIn("memfd region", cm.exception.details())
+        with self.assertRaises(grpc.RpcError) as cm:
+            stub.RegisterRegion(pb.RegisterRegionRequest())
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("set memfd or cuda", cm.exception.details())
+        with rnnd.Client(self.sock) as c:
+            self.assertIsNone(c._cuda_for(None))
+            self.assertEqual(c.transport, "shm")
+
     def test_errors_still_name_the_field(self):
         with self.assertRaises(rnnd.RnndError) as cm:
             self.s.step([1, 2], self.x(2, I + 1), True)

@@ -1,0 +1,114 @@
+"""CUDA tensors in place with a daemon on this host and GPU (docs/design.md "CUDA regions").
+
+A Region is one CUDA allocation (a uint8 torch tensor) registered with the daemon once
+(RegisterRegion with its CUDA IPC handle, and a random key written at its start). Each
+Forward or Backward takes a span of it (``Region.call``): Backward's gradients are copied in on
+the GPU, the rest of the span is the call's reply_region, where the daemon's GPU writes the
+reply's tensors. Only small descriptors cross gRPC; no tensor touches the host.
+
+Ordering: before each call the client waits for its current stream (``Call.ready``), so the
+daemon never reads a gradient still being computed nor writes over a reply the client is still
+copying out; the daemon has finished writing when its reply arrives.
+
+Client uses this by itself for calls on CUDA tensors (``Client(transport="auto")``).
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from . import shm as _shm
+from ._tensor import decode as _decode_bytes
+from .v1 import rnnd_pb2 as pb
+
+_TORCH = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16,
+          pb.BOOL: torch.bool, pb.INT64: torch.int64}
+_WIRE = {"float32": (torch.float32, pb.FLOAT32), "bfloat16": (torch.bfloat16, pb.BFLOAT16),
+         "float16": (torch.float16, pb.FLOAT16)}
+
+
+class Region(_shm.Spans):
+    """``size`` bytes of GPU memory on ``device`` shared with the daemon."""
+
+    def __init__(self, size, device):
+        super().__init__(size)
+        self.device = torch.device(device)
+        self.mem = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+        self.key = os.urandom(_shm.KEY_BYTES)
+        self.mem[:_shm.KEY_BYTES].copy_(torch.frombuffer(bytearray(self.key), dtype=torch.uint8))
+        torch.cuda.synchronize(self.device)
+
+    def register(self, call):
+        storage = self.mem.untyped_storage()
+        # (device, handle, bytes, offset of the storage in the allocation, ...): torch's own
+        # export, which multiprocessing uses for CUDA tensors.
+        _, handle, _, offset = storage._share_cuda_()[:4]
+        req = pb.RegisterRegionRequest(cuda=pb.CudaRegion(
+            ipc_handle=handle, offset=offset + self.mem.storage_offset(), size=self.size,
+            key=self.key, pid=os.getpid()))
+        self.id = call("RegisterRegion", req).region
+        return self
+
+    def release(self, call):
+        _shm.release(self, call)
+        self.mem = None
+
+    def _call(self, at, need):
+        return Call(self, at, need)
+
+
+class Call:
+    """One RPC's span: ``put`` copies a request tensor in (on the GPU), ``ready()`` waits for the
+    copies, ``reply_region()`` is what is left, ``get`` reads a reply tensor as a new torch
+    tensor on the region's device (16-bit floats widened to float32). ``close()`` gives the
+    span back."""
+
+    on_device = True
+
+    def __init__(self, region, off, n):
+        self.region, self.off, self.n, self.at = region, off, n, off
+
+    def put(self, tensor, out, wire="float32"):
+        dt, code = _WIRE[wire or "float32"]
+        x = tensor.detach()
+        nbytes = x.numel() * torch.empty((), dtype=dt).element_size()
+        dst = self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape)
+        dst.copy_(x)
+        out.shape[:] = list(x.shape)
+        out.dtype = code
+        out.region.region = self.region.id
+        out.region.offset = self.at
+        out.region.nbytes = nbytes
+        self.at += _shm._up(nbytes)
+        return out
+
+    def ready(self):
+        torch.cuda.current_stream(self.region.device).synchronize()
+
+    def reply_region(self):
+        return pb.RegionSpan(region=self.region.id, offset=self.at,
+                             nbytes=self.off + self.n - self.at)
+
+    def get(self, t):
+        if t is None:
+            return None
+        if not t.HasField("region"):
+            a = np.array(_decode_bytes(t))
+            return torch.from_numpy(a).to(self.region.device)
+        sp = t.region
+        dt = _TORCH.get(t.dtype)
+        if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size or dt is None:
+            raise ValueError("a reply tensor names region %d [%d, +%d) with dtype %d, not this "
+                             "client's" % (sp.region, sp.offset, sp.nbytes, t.dtype))
+        x = self.region.mem[sp.offset:sp.offset + sp.nbytes].view(dt).view(tuple(t.shape))
+        return x.float() if dt in (torch.float16, torch.bfloat16) else x.clone()
+
+    def field(self, msg, name):
+        return self.get(getattr(msg, name)) if msg.HasField(name) else None
+
+    def close(self):
+        if self.region is not None:
+            self.ready()  # the copies out of the span are done before it is reused
+            self.region._give(self.off)
+            self.region = None

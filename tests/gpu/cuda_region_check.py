@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""CUDA regions on a GPU host (docs/design.md "CUDA regions"): a learner's CUDA tensors in place
+against rnnd --backend cuda, checked against the same calls through gRPC.
+
+    RNND_BIN=.../rnnd PYTHONPATH=.../site python3 tests/gpu/cuda_region_check.py
+
+1. Forward(recorded) written by the daemon's GPU into the client's region equals the bytes
+   path bit for bit (fp32 and bf16 replies; outputs, h_n, the recorded is_init and versions);
+   Backward's weight gradients from gradients read in place equal those sent as bytes.
+2. Bad input changes nothing: a NaN in a gradient in the region is INVALID_ARGUMENT naming the
+   element, and the same tape then runs; a span outside the region, a released region and a
+   CUDA region where the daemon may not take one (Step) are refused.
+3. A client process that exits has its region closed (rnnd_shm_regions falls back).
+Exits 1 on the first failure.
+"""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import torch
+
+import rnnd
+import rnnd.torch  # noqa: F401 - the ops the fallback path uses
+from rnnd.v1 import rnnd_pb2 as pb
+
+I, H, B, T = 16, 64, 96, 12
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def regions(http):
+    with urllib.request.urlopen("http://%s/metrics" % http, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("rnnd_shm_regions "):
+                return float(line.split()[1])
+    return None
+
+
+def main():
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    d = rnnd.Daemon(backend="cuda", input_size=I, hidden_size=H, layers=2, cell="gru",
+                    trajectory_steps=T, seed=5).start()
+    try:
+        g = d.client(transport="grpc")
+        c = d.client()
+        ids = np.arange(B, dtype=np.uint64)
+        for t in range(T + 3):
+            g.step(ids, rng.standard_normal((B, I)).astype(np.float32),
+                   is_init=rng.random(B) < 0.1)
+        check(g.transport == "grpc", "bytes client on gRPC")
+
+        # 1. Equal bit for bit.
+        for wire in ("float32", "bfloat16"):
+            fb = g.forward_recorded(ids, T, keep_tape=True, reply_dtype=wire,
+                                    fields=("is_init", "step_model_version"))
+            fc = c.forward_recorded(ids, T, keep_tape=True, reply_dtype=wire,
+                                    fields=("is_init", "step_model_version"), device=dev)
+            check(c.transport == "cuda", "client on the CUDA path (%s)" % wire)
+            check(isinstance(fc.output, torch.Tensor) and fc.output.is_cuda,
+                  "output is a CUDA tensor (%s)" % wire)
+            for name in ("output", "h_n"):
+                a = torch.as_tensor(np.asarray(getattr(fb, name), dtype=np.float32))
+                bb = getattr(fc, name).cpu()
+                check(torch.equal(a, bb), "Forward %s equal to the bytes path (%s)" % (name, wire))
+            check(np.array_equal(np.asarray(fb.is_init), fc.is_init.cpu().numpy()),
+                  "recorded is_init equal (%s)" % wire)
+            go = torch.randn(B, T, H, device=dev)
+            gn = torch.randn(B, 2, H, device=dev)
+            wb = g.backward(fb.tape_id, rnnd.torch._wire(go, wire), rnnd.torch._wire(gn, wire),
+                            dtype=wire, input_grads=())
+            wc = c.backward(fc.tape_id, go, gn, dtype=wire, input_grads=())
+            same = all(torch.equal(torch.as_tensor(np.asarray(wb.grads[k], dtype=np.float32)),
+                                   wc.grads[k].float().cpu()) for k in wb.grads)
+            check(same and len(wb.grads) == 8, "Backward weight gradients equal (%s)" % wire)
+
+        # 2. Bad input changes nothing.
+        f = c.forward_recorded(ids, T, keep_tape=True, device=dev)
+        bad = torch.randn(B, T, H, device=dev)
+        bad[3, 4, 5] = float("nan")
+        try:
+            c.backward(f.tape_id, bad, accumulate=True, input_grads=())
+            check(False, "a NaN in the region is refused")
+        except rnnd.RnndError as e:
+            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.details
+                  and str(3 * T * H + 4 * H + 5) in e.details,
+                  "a NaN in the region: INVALID_ARGUMENT naming element (%s)" % e.details)
+        w0 = g.get_weights()
+        r = c.backward(f.tape_id, torch.randn(B, T, H, device=dev), input_grads=())
+        check(len(r.grads) == 8, "the tape runs after the refusal")
+        check(all(np.array_equal(w0[k], v) for k, v in g.get_weights().items()),
+              "weights unchanged")
+        region = c._cuda[torch.cuda.current_device()]
+        call = region.call(1 << 10)
+        req = pb.BackwardRequest(tape_id=f.tape_id)
+        req.grad_output.shape[:] = [B, T, H]
+        req.grad_output.dtype = pb.FLOAT32
+        req.grad_output.region.region = region.id
+        req.grad_output.region.offset = region.size - 64
+        req.grad_output.region.nbytes = B * T * H * 4
+        try:
+            c._call("Backward", req)
+            check(False, "a span outside the region is refused")
+        except rnnd.RnndError as e:
+            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in e.details,
+                  "span outside the region: INVALID_ARGUMENT (%s)" % e.details)
+        sreq = pb.StepRequest(env_ids=[1])
+        sreq.obs.shape[:] = [1, I]
+        sreq.obs.dtype = pb.FLOAT32
+        sreq.obs.region.region = region.id
+        sreq.obs.region.offset = 64
+        sreq.obs.region.nbytes = I * 4
+        try:
+            c._call("Step", sreq)
+            check(False, "Step from a CUDA region is refused")
+        except rnnd.RnndError as e:
+            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "CUDA region" in e.details,
+                  "Step from a CUDA region: INVALID_ARGUMENT (%s)" % e.details)
+        call.close()
+
+        # 3. A client that exits has its region closed.
+        n0 = regions(d.http)
+        child = subprocess.run([sys.executable, "-c", (
+            "import torch, rnnd, rnnd.torch, numpy as np\n"
+            "c = rnnd.Client(%r)\n"
+            "f = c.forward_recorded(np.arange(4, dtype=np.uint64), 2, device=torch.device('cuda'))\n"
+            "assert c.transport == 'cuda'\n"
+            "import os; os._exit(0)\n") % d.target], timeout=120)
+        check(child.returncode == 0, "a child process registered a region")
+        for _ in range(40):
+            if regions(d.http) == n0:
+                break
+            time.sleep(0.5)
+        check(regions(d.http) == n0, "its region closed after it exited (%s -> %s)"
+              % (n0, regions(d.http)))
+        rid = region.id
+        c.close()
+        try:
+            with d.client(transport="grpc") as g2:
+                req.grad_output.region.region = rid
+                req.grad_output.region.offset = 64
+                g2._call("Backward", req)
+            check(False, "a released region is refused")
+        except rnnd.RnndError as e:
+            check(e.code == grpc.StatusCode.FAILED_PRECONDITION and "not registered" in e.details,
+                  "a released region: FAILED_PRECONDITION (%s)" % e.details)
+        g.close()
+    finally:
+        d.stop()
+    print("cuda_region_check: all passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -640,6 +640,10 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
                     "since may come again); send cursor_id 0 to go on from this daemon's "
                     "cursors, or reach the daemon that issued it",
                     rec->cursor_id, l->cursor_id);
+    if (rec->cursor && rec->steps < 2)
+        return errf(err, RNND_EINVAL,
+                    "recorded.steps is 1 with cursor; send 2 or more (consecutive cursor windows "
+                    "share one step, so a window of one would never move)");
     f->recorded = true;
     f->cursor = rec->cursor;
     f->B = (int)rec->n_env_ids;

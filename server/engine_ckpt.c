@@ -103,8 +103,8 @@ struct traj_snapshot {
     float *obs, *extras, *h, *c;
     uint8_t *is_init;
     uint64_t *version;
-    float *prec;     // (rows, prec_w) a policy's record (host memory: copied directly)
-    uint8_t *pflags; // (rows)
+    float *prec;      // (rows, prec_w) a policy's record (host memory: copied directly)
+    uint8_t *pflags;  // (rows)
     uint64_t *cursor; // (N, 2) each env's recorded total and cursor (trajectory.h)
 };
 

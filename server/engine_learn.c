@@ -330,8 +330,7 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
         int have = env ? env->traj.count : 0;
         if (f->cursor && idx == NULL && env) {
-            uint64_t n = cursor_start(e, env, &f->cur_first[b], &f->cur_lagged[b],
-                                      &f->cur_over[b]);
+            uint64_t n = cursor_start(e, env, &f->cur_first[b], &f->cur_lagged[b], &f->cur_over[b]);
             if (n < (uint64_t)T)
                 return rnnd_job_fail(
                     job, RNND_EPRECOND,

@@ -408,8 +408,7 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
                     (k & RNND_REC_REWARD ? 6 : 0);
     }
     uint64_t cursor = f->cursor ? 3 * 10 * B : 0; // cursor_first, _lagged, _overwritten varints
-    return (size_t)(B * T * per_step + (2 * B * LH + (uint64_t)p->A) * fb + cursor) +
-           REPLY_FRAMING;
+    return (size_t)(B * T * per_step + (2 * B * LH + (uint64_t)p->A) * fb + cursor) + REPLY_FRAMING;
 }
 
 // Gradients of stored states come back only from Forwards that had them, which the engine knows

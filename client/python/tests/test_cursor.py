@@ -106,7 +106,7 @@ class Cursor(unittest.TestCase):
 
     def test_foreign_cursor_is_refused_and_changes_nothing(self):
         with daemon(**FLAGS) as d1, daemon(**FLAGS) as d2:
-            c1, c2 = d1.client(), d2.client()
+            c1, c2 = d1.client(), d2.client(transport="grpc")  # both of the client's paths
             for c in (c1, c2):
                 self.step(c, [1], 0, 4)
             c1.forward_recorded([1], 2, cursor=True)

@@ -358,7 +358,7 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     // trajectories.safetensors
     if (ck->traj_count) {
         int64_t R = ck->traj_rows, I = ck->model.I, E = ck->extras_size;
-        struct rnnd_st_tensor tt[9];
+        struct rnnd_st_tensor tt[10];
         int nt = 0;
         tt[nt++] = (struct rnnd_st_tensor){.name = "count",
                                            .dtype = RNND_ST_I64,
@@ -420,6 +420,13 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                                                .data = ck->traj_policy_flags,
                                                .bytes = (size_t)R};
         }
+        if (ck->traj_cursor)
+            tt[nt++] = (struct rnnd_st_tensor){.name = "cursor",
+                                               .dtype = RNND_ST_I64,
+                                               .ndim = 2,
+                                               .shape = {N, 2},
+                                               .data = ck->traj_cursor,
+                                               .bytes = (size_t)N * 16};
         const char *traj_meta[] = {"layout",
                                    "rows of every env in envs.safetensors order, count[i] each, "
                                    "oldest first; h/c: the state before the step"};
@@ -846,6 +853,23 @@ static int read_trajectories(struct rnnd_checkpoint_data *d, const struct rnnd_s
         memcpy(fv, pfl->data, r);
         ck->traj_policy = pv;
         ck->traj_policy_flags = fv;
+    }
+    // Each env's recorded total and cursor (optional: absent, cursors start at the oldest step).
+    int64_t sc[2] = {N, 2};
+    const struct rnnd_st_tensor *cur = want_tensor(f, "cursor", RNND_ST_I64, 2, sc);
+    if (cur) {
+        uint64_t *cv = keep(d, (size_t)N * 16 + 1);
+        if (cv == NULL)
+            return fail(err, errlen, RNND_ENOMEM, "out of memory");
+        memcpy(cv, cur->data, (size_t)N * 16);
+        for (int64_t i = 0; i < N; i++)
+            if (cv[2 * i] < (uint64_t)count[i] || cv[2 * i + 1] > cv[2 * i])
+                return fail(err, errlen, RNND_ECORRUPT,
+                            "trajectories.safetensors: cursor[%lld] = (%llu, %llu) does not fit "
+                            "its %lld recorded steps",
+                            (long long)i, (unsigned long long)cv[2 * i],
+                            (unsigned long long)cv[2 * i + 1], (long long)count[i]);
+        ck->traj_cursor = cv;
     }
     ck->traj_count = count;
     ck->traj_rows = R;

@@ -61,6 +61,9 @@ struct rnnd_checkpoint {
     // without its logits or mean, plus the reward; flags: done (bit 0), truncated (bit 1).
     const float *traj_policy;         // (R, W')
     const uint8_t *traj_policy_flags; // (R)
+    // Each env's recorded total and cursor (struct rnnd_traj_ring), or NULL: restored as
+    // total = count, cursor 0.
+    const uint64_t *traj_cursor; // (N, 2)
     int extras_size;
     uint64_t seed;
     int64_t created_unix_ms; // read back: when it was written (0 when unknown)
@@ -87,7 +90,7 @@ struct rnnd_checkpoint_data {
     char optimizer[16]; // "adam", "sgd" or ""
     bool verified;      // a checksums file was there and every file matched it
     char lost[256];     // the parts missing (each with what it held), "" when none
-    void *mem[20];      // what to free
+    void *mem[24];      // what to free
 };
 
 // Reads the checkpoint in dir for model m (borrowed) into *out; free with

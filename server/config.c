@@ -129,6 +129,9 @@ static const struct opt opts[] = {
     {"trajectory-steps", INT(trajectory_steps, 0, 1 << 20), "N",
      "steps recorded per env for Forward over recorded trajectories (0: none)"},
     {"extras-size", INT(extras_size, 0, 1 << 20), "E", "width of the per-step extras vector"},
+    {"max-policy-lag", INT(max_policy_lag, 0, INT_MAX), "N",
+     "cursor windows (Forward recorded.cursor) skip steps computed by weights more than N "
+     "versions older than the current ones (0: off)"},
     {"tape-ttl-s", INT(tape_ttl_s, 1, INT_MAX), "N", "seconds a Forward tape waits for Backward"},
     {"tape-memory-mb", INT(tape_memory_mb, 1, INT_MAX), "N", "memory all tapes may hold"},
     {"optimizer", ENUM(optimizer, optim_names), "adam|sgd", "ApplyGradients optimizer"},

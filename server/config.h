@@ -42,6 +42,7 @@ struct rnnd_config {
     int env_idle_timeout_s; // 0: never evict
     int trajectory_steps;   // 0: record nothing
     int extras_size;
+    int max_policy_lag; // cursor windows skip steps more versions old than this; 0: off
     int tape_ttl_s;
     int tape_memory_mb;
     enum rnnd_optim_kind optimizer;

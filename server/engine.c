@@ -260,6 +260,11 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
             e->be.ops->alloc_lazy(e->be.ctx, R, (void **)&e->pflags))
             goto oom;
     }
+    if (e->cfg.max_policy_lag > 0 && e->tdims.cap > 0) {
+        what = "model versions of the trajectory store (lower --max-envs or --trajectory-steps)";
+        if ((e->tver = calloc((size_t)e->store.R, sizeof(uint64_t))) == NULL)
+            goto oom;
+    }
     what = "step buffers (lower --max-batch)";
     struct step_layout most = rnnd__engine_step_layout(e, (int)MB);
     e->in_bytes = most.in_used;
@@ -328,6 +333,7 @@ static void engine_close(struct rnnd_engine *e) {
         e->be.ops->free_lazy(e->be.ctx, e->pflags, (size_t)e->store.R);
     }
     free(e->rec_host);
+    free(e->tver);
     publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);
     free(e->rows);
     rnnd_backend_free(&e->be);

@@ -103,8 +103,9 @@ struct traj_snapshot {
     float *obs, *extras, *h, *c;
     uint8_t *is_init;
     uint64_t *version;
-    float *prec;     // (rows, prec_w) a policy's record (host memory: copied directly)
-    uint8_t *pflags; // (rows)
+    float *prec;      // (rows, prec_w) a policy's record (host memory: copied directly)
+    uint8_t *pflags;  // (rows)
+    uint64_t *cursor; // (N, 2) each env's recorded total and cursor (trajectory.h)
 };
 
 static void traj_snapshot_free(struct traj_snapshot *t) {
@@ -117,6 +118,7 @@ static void traj_snapshot_free(struct traj_snapshot *t) {
     free(t->version);
     free(t->prec);
     free(t->pflags);
+    free(t->cursor);
 }
 
 // Reads the chunk's rows from the store into t from row `at` on.
@@ -142,12 +144,15 @@ static int traj_snapshot(struct rnnd_engine *e, int N, struct traj_snapshot *t) 
     const struct rnnd_traj_dims *d = &e->tdims;
     memset(t, 0, sizeof(*t));
     t->count = malloc(((size_t)N + 1) * sizeof(int64_t));
-    if (t->count == NULL)
+    t->cursor = malloc(((size_t)N + 1) * 2 * sizeof(uint64_t));
+    if (t->count == NULL || t->cursor == NULL)
         return RNND_ENOMEM;
     int i = 0;
     for (struct rnnd_env *env = rnnd_envtable_oldest(e->envs); env;
          env = rnnd_envtable_newer(e->envs, env), i++) {
         t->count[i] = env->traj.count;
+        t->cursor[2 * i] = env->traj.total;
+        t->cursor[2 * i + 1] = env->traj.cursor;
         t->rows += t->count[i];
     }
     size_t R = (size_t)t->rows + 1, I = (size_t)d->I, E = (size_t)d->E, LH = e->LH;
@@ -265,6 +270,7 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         ck.traj_c = tr.c;
         ck.traj_policy = tr.prec;
         ck.traj_policy_flags = tr.pflags;
+        ck.traj_cursor = tr.cursor;
     }
     uint64_t t0 = rnnd_now_ns();
     rc = rnnd_checkpoint_write(dir, &ck, msg, msglen);
@@ -380,6 +386,8 @@ static int restore_traj(struct rnnd_engine *e, struct traj_chunk *k, struct rnnd
                    e->prec_w * sizeof(float));
             e->pflags[row] = ck->traj_policy_flags[from];
         }
+        if (e->tver)
+            e->tver[k->h_idx[k->n]] = ck->traj_version[at + (size_t)s];
         traj_chunk_row(e, k, k->n, at + (size_t)s, (float *)ck->traj_obs, (float *)ck->traj_extras,
                        (float *)ck->traj_h, (float *)ck->traj_c, (uint8_t *)ck->traj_is_init,
                        (uint64_t *)ck->traj_version, true);
@@ -454,6 +462,11 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
             rc = be_in(e, e->state_c + off, ck->env_c + (size_t)i * LH, LH * sizeof(float));
         if (rc == 0 && traj)
             rc = restore_traj(e, &k, env, ck, at, ck->traj_count[i]);
+        if (rc == 0 && traj && ck->traj_cursor) {
+            // Cursors go on where they were: no step is handed out twice across a restart.
+            env->traj.total = ck->traj_cursor[2 * i];
+            env->traj.cursor = ck->traj_cursor[2 * i + 1];
+        }
         if (ck->traj_count)
             at += (size_t)ck->traj_count[i];
     }

@@ -63,6 +63,9 @@ struct rnnd_engine {
     float *prec;     // (R, prec_w)
     uint8_t *pflags; // (R)
     size_t prec_w;
+    // The model version of each trajectory store row, in host memory, with --max-policy-lag:
+    // what a cursor window's lag bound reads (the store's own copy may be device memory).
+    uint64_t *tver; // (R)
     // Host memory of a recorded Forward's policy outputs (struct rnnd_forward_job), grown on
     // demand.
     char *rec_host;

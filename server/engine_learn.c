@@ -348,14 +348,47 @@ static size_t fwd_carve(struct rnnd_engine *e, struct carve *cv, struct fwd_layo
     return cv->used;
 }
 
+// Where env's next cursor window starts (docs/design.md "Cursor"): at its cursor, or past the
+// steps that left the ring since (*over) and then past those computed by weights more than
+// --max-policy-lag versions old (*lagged; versions only grow along an env's steps). Returns the
+// steps there are from that start on.
+static uint64_t cursor_start(const struct rnnd_engine *e, const struct rnnd_env *env,
+                             uint64_t *first, uint64_t *lagged, uint64_t *over) {
+    const struct rnnd_traj_ring *r = &env->traj;
+    uint64_t oldest = r->total - (uint64_t)r->count;
+    uint64_t at = r->cursor > oldest ? r->cursor : oldest;
+    *over = at - r->cursor;
+    uint64_t lag = (uint64_t)e->cfg.max_policy_lag, now = e->cur->version;
+    *lagged = 0;
+    while (e->tver && at < r->total &&
+           e->tver[rnnd_traj_row_at(r, &e->tdims, env->slot, at)] + lag < now) {
+        at++;
+        (*lagged)++;
+    }
+    *first = at;
+    return r->total - at;
+}
+
 // Fills the store rows of a recorded Forward (host: (B*T) rows of the windows, then B rows of
-// their first steps); refuses envs that have recorded fewer than T steps.
+// their first steps); refuses envs that have recorded fewer than T steps (cursor windows: fewer
+// than T from where the window starts, which the first call, idx NULL, fixes in f->cur_first).
 static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *idx) {
     struct rnnd_forward_job *f = &job->fwd;
     int B = f->B, T = f->T;
     for (int b = 0; b < B; b++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
         int have = env ? env->traj.count : 0;
+        if (f->cursor && idx == NULL && env) {
+            uint64_t n = cursor_start(e, env, &f->cur_first[b], &f->cur_lagged[b], &f->cur_over[b]);
+            if (n < (uint64_t)T)
+                return rnnd_job_fail(
+                    job, RNND_EPRECOND,
+                    "env %" PRIu64 " has %" PRIu64 " new recorded steps from its cursor (step "
+                    "%" PRIu64 "%s), a cursor window needs %d; step the env more first or ask "
+                    "for fewer steps (nothing was handed out)",
+                    f->env_ids[b], n, f->cur_first[b],
+                    f->cur_lagged[b] ? ", past steps older than --max-policy-lag" : "", T);
+        }
         if (have < T)
             return rnnd_job_fail(
                 job, RNND_EPRECOND,
@@ -366,10 +399,28 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
             continue;
         int32_t *row = idx + (size_t)b * (size_t)T;
         for (int t = 0; t < T; t++)
-            row[t] = rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
+            row[t] = f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot,
+                                                  f->cur_first[b] + (uint64_t)t)
+                               : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
         idx[(size_t)B * (size_t)T + (size_t)b] = row[0];
     }
     return 0;
+}
+
+// A cursor Forward that ran: each env's cursor moves to its window's last step, the bootstrap
+// step of its next window, and what was skipped is counted.
+static void cursor_advance(struct rnnd_engine *e, struct rnnd_forward_job *f) {
+    uint64_t lagged = 0, over = 0;
+    for (int b = 0; b < f->B; b++) {
+        struct rnnd_env *env = rnnd_envtable_find(e->envs, f->env_ids[b]);
+        env->traj.cursor = f->cur_first[b] + (uint64_t)f->T - 1;
+        lagged += f->cur_lagged[b];
+        over += f->cur_over[b];
+    }
+    atomic_fetch_add_explicit(&rnnd_metrics.recorded_dropped[RNND_DROP_POLICY_LAG], lagged,
+                              memory_order_relaxed);
+    atomic_fetch_add_explicit(&rnnd_metrics.recorded_dropped[RNND_DROP_OVERWRITTEN], over,
+                              memory_order_relaxed);
 }
 
 // A recorded Forward's policy fields (struct rnnd_forward_job) from the record of its windows'
@@ -598,6 +649,8 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
         block = NULL; // the tape owns it now
         rnnd__engine_tape_gauges(e);
     }
+    if (f->cursor)
+        cursor_advance(e, f);
     job->err = 0;
 out:
     if (block && block != e->work)

@@ -426,6 +426,8 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             e->pflags[prev] =
                 (uint8_t)((s->done && s->done[r]) | ((s->truncated && s->truncated[r]) << 1));
         }
+        if (record && e->tver)
+            e->tver[rnnd_traj_next(&env->traj, &e->tdims, env->slot)] = version;
         if (record)
             rnnd_traj_push(&env->traj, &e->tdims);
         rnnd_envtable_touch(e->envs, env, now);

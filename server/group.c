@@ -457,6 +457,14 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     const struct rnnd_model *pm = &g->cfg.model;
     struct rnnd_policy_row pr = rnnd_policy_row(pm);
     const struct rnnd_policy *pp = &pm->policy;
+    if (fw->cursor) {
+        rnnd_job_fail(job, RNND_EPRECOND,
+                      "recorded.cursor: cursor windows run on a daemon of one device only for "
+                      "now; take the last steps (cursor false), or run this learner on a daemon "
+                      "of one device");
+        job->done(job);
+        return;
+    }
     if (fw->keep_tape && rnnd_model_has_policy(pm)) {
         rnnd_job_fail(job, RNND_EPRECOND,
                       "keep_tape: a policy model's Backward runs on one device only for now; "

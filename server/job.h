@@ -148,6 +148,12 @@ struct rnnd_forward_job {
     unsigned rec_fields;     // RNND_REC_* bits: the recorded tensors returned
     // A model with heads returns out only with return_core (without heads: always).
     bool return_core;
+    // Recorded cursor windows (docs/design.md "Cursor"): each env's next T steps from its
+    // cursor, which the engine moves once the Forward has run. Per row, the submitter's arrays
+    // the engine fills: the window's first step, and the steps skipped before it as older than
+    // --max-policy-lag or as gone from the ring.
+    bool cursor;
+    uint64_t *cur_first, *cur_lagged, *cur_over; // (B)
     // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
     // or for a part the submitter's arrays for all B rows:
     void *out;            // (B, T, H)

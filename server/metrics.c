@@ -59,6 +59,7 @@ static const char *const code_names[RNND_GRPC_CODES] = {
 
 static const char *const op_names[RNND_OP_COUNT] = {"step", "forward", "backward", "optim"};
 static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
+static const char *const drop_names[RNND_DROP_COUNT] = {"policy_lag", "overwritten"};
 static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
 static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "header_timeout",
                                                                   "accept_failed"};
@@ -357,6 +358,12 @@ int rnnd_metrics_render(char **out, size_t *len) {
     for (int i = 0; i < RNND_EVICT_COUNT; i++)
         put(&b, "rnnd_env_evictions_total{reason=\"%s\"} %llu\n", evict_names[i],
             (unsigned long long)ld(&m->evictions[i]));
+    put(&b, "# HELP rnnd_recorded_steps_dropped_total Recorded steps that cursor windows skipped "
+            "without handing them out, by reason.\n"
+            "# TYPE rnnd_recorded_steps_dropped_total counter\n");
+    for (int i = 0; i < RNND_DROP_COUNT; i++)
+        put(&b, "rnnd_recorded_steps_dropped_total{reason=\"%s\"} %llu\n", drop_names[i],
+            (unsigned long long)ld(&m->recorded_dropped[i]));
     put(&b,
         "# HELP rnnd_model_version Version of the served weights.\n"
         "# TYPE rnnd_model_version gauge\nrnnd_model_version %llu\n",

@@ -56,6 +56,13 @@ enum rnnd_evict_reason {
     RNND_EVICT_COUNT,
 };
 
+// Why recorded steps were never handed out in a cursor window (docs/design.md "Cursor").
+enum rnnd_drop_reason {
+    RNND_DROP_POLICY_LAG,  // computed by weights more than --max-policy-lag versions old
+    RNND_DROP_OVERWRITTEN, // left the env's ring (--trajectory-steps) before being handed out
+    RNND_DROP_COUNT,
+};
+
 // The bounded resources (every one has a flag, a gauge of its bound: rnnd_limit_bytes or
 // rnnd_limit_items by its unit, and the deprecated rnnd_limit for all; and a counter of the
 // requests refused with RESOURCE_EXHAUSTED when it was reached).
@@ -100,6 +107,7 @@ struct rnnd_metrics {
     _Atomic uint64_t batches;
     _Atomic int64_t envs_active;
     _Atomic uint64_t evictions[RNND_EVICT_COUNT];
+    _Atomic uint64_t recorded_dropped[RNND_DROP_COUNT]; // steps cursor windows skipped
     _Atomic uint64_t model_version;
     _Atomic int64_t tapes;
     _Atomic int64_t tape_bytes;

@@ -418,7 +418,8 @@ size_t rnnd_request_forward_reply_bytes(const struct rnnd_request_limits *l,
                     (k & RNND_REC_ACTION ? 8 * (uint64_t)(m->policy.A + 1) + 8 : 0) +
                     (k & RNND_REC_REWARD ? 6 : 0);
     }
-    return (size_t)(B * T * per_step + (2 * B * LH + (uint64_t)p->A) * fb) + REPLY_FRAMING;
+    uint64_t cursor = f->cursor ? 3 * 10 * B : 0; // cursor_first, _lagged, _overwritten varints
+    return (size_t)(B * T * per_step + (2 * B * LH + (uint64_t)p->A) * fb + cursor) + REPLY_FRAMING;
 }
 
 // Gradients of stored states come back only from Forwards that had them, which the engine knows
@@ -637,7 +638,24 @@ static int forward_recorded(const struct rnnd_request_limits *l, const Rnnd__V1_
         return errf(err, RNND_EINVAL, "recorded: too many env_ids x steps");
     if ((rc = unique_check(rec->env_ids, rec->n_env_ids, "recorded.env_ids", err)) != 0)
         return rc;
+    if (rec->cursor_id && !rec->cursor)
+        return errf(err, RNND_EINVAL,
+                    "recorded.cursor_id is set but recorded.cursor is false; set cursor to take "
+                    "cursor windows, or leave cursor_id 0");
+    if (rec->cursor_id && rec->cursor_id != l->cursor_id)
+        return errf(err, RNND_EPRECOND,
+                    "recorded.cursor_id %016" PRIx64 " is not this daemon's (%016" PRIx64
+                    "): it comes from another rnnd, or from this one before a restart (its "
+                    "cursors are those of the checkpoint it restored, so windows handed out "
+                    "since may come again); send cursor_id 0 to go on from this daemon's "
+                    "cursors, or reach the daemon that issued it",
+                    rec->cursor_id, l->cursor_id);
+    if (rec->cursor && rec->steps < 2)
+        return errf(err, RNND_EINVAL,
+                    "recorded.steps is 1 with cursor; send 2 or more (consecutive cursor windows "
+                    "share one step, so a window of one would never move)");
     f->recorded = true;
+    f->cursor = rec->cursor;
     f->B = (int)rec->n_env_ids;
     f->T = (int)rec->steps;
     f->env_ids = rec->env_ids;

@@ -31,6 +31,7 @@ struct rnnd_request_limits {
     int max_batch;
     int extras_size;
     int trajectory_steps;
+    uint64_t cursor_id; // this daemon's cursor windows' id (never 0), drawn at start
     size_t max_message_bytes;
     float lr;
     char state_dir[RNND_CONFIG_PATH_MAX];

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <uv.h>
 
@@ -401,6 +402,11 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     }
     s->svc = (struct rnnd_service){.cfg = &s->cfg, .group = s->group, .shm = s->shm};
     rnnd_request_limits_init(&s->svc.limits, &s->cfg);
+    // A new id at every start: a learner's cursor from another daemon, or from before a restart,
+    // is refused rather than silently continued (docs/design.md "Cursor").
+    while (s->svc.limits.cursor_id == 0)
+        if (getrandom(&s->svc.limits.cursor_id, sizeof(uint64_t), 0) != (ssize_t)sizeof(uint64_t))
+            rnnd_panic(__FILE__, __LINE__, "getrandom failed: %s", strerror(errno));
     int64_t bounds[RNND_LIMIT_COUNT] = {
         [RNND_LIMIT_ENVS] = (int64_t)cfg->max_envs * rnnd_group_devices(s->group),
         [RNND_LIMIT_QUEUE_ROWS] = rnnd_config_queue_rows(cfg),

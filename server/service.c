@@ -415,6 +415,13 @@ static void forward_done(struct rnnd_job *job) {
         r.done = tset(&dn, RNND__V1__DTYPE__BOOL, f->rec_done, 2, B, T, 0, 0);
         r.truncated = tset(&tr, RNND__V1__DTYPE__BOOL, f->rec_truncated, 2, B, T, 0, 0);
     }
+    if (f->cursor) {
+        r.cursor_id = svc_of(job->aux)->limits.cursor_id;
+        r.n_cursor_first = r.n_cursor_lagged = r.n_cursor_overwritten = (size_t)B;
+        r.cursor_first = f->cur_first;
+        r.cursor_lagged = f->cur_lagged;
+        r.cursor_overwritten = f->cur_over;
+    }
     rnnd_call_reply(call, &r.base);
     free(job);
 }
@@ -453,13 +460,20 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
         goto bad;
     // is_init left out: no resets inside the window (zeros after the job, freed with it).
     bool zeros = !f.recorded && f.is_init == NULL;
-    struct rnnd_job *job = job_with_model(s, zeros ? (size_t)f.B * (size_t)f.T : 0);
+    // Cursor windows: where each row's window starts and what was skipped, after the job too.
+    size_t B = (size_t)f.B, extra = zeros ? B * (size_t)f.T : f.cursor ? 3 * B * 8 : 0;
+    struct rnnd_job *job = job_with_model(s, extra);
     if (job == NULL) {
         rnnd_call_fail(call, RNND_ENOMEM, "out of memory");
         return;
     }
     if (zeros)
         f.is_init = (const uint8_t *)(job + 1);
+    if (f.cursor) {
+        f.cur_first = (uint64_t *)(job + 1);
+        f.cur_lagged = f.cur_first + B;
+        f.cur_over = f.cur_lagged + B;
+    }
     job->kind = RNND_JOB_FORWARD;
     job->owner = call;
     job->done = forward_done;

@@ -44,6 +44,7 @@ int32_t rnnd_traj_next(const struct rnnd_traj_ring *r, const struct rnnd_traj_di
 }
 
 void rnnd_traj_push(struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d) {
+    r->total++;
     if (r->count < d->cap)
         r->count++;
     else
@@ -53,4 +54,10 @@ void rnnd_traj_push(struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d) {
 int32_t rnnd_traj_row(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d, int32_t slot,
                       int T, int k) {
     return slot * d->cap + (r->head + r->count - T + k) % d->cap;
+}
+
+int32_t rnnd_traj_row_at(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d,
+                         int32_t slot, uint64_t step) {
+    uint64_t k = step - (r->total - (uint64_t)r->count);
+    return slot * d->cap + (int32_t)(((uint64_t)r->head + k) % (uint64_t)d->cap);
 }

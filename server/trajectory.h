@@ -27,10 +27,14 @@ struct rnnd_traj_dims {
     int cap;   // steps kept per env (0: none recorded)
 };
 
-// One env's ring in its slot's rows: the oldest step is at ring position head.
+// One env's ring in its slot's rows: the oldest step is at ring position head. Steps are
+// numbered from the env's first recorded step since it got its slot: the ring holds steps
+// [total - count, total).
 struct rnnd_traj_ring {
     int32_t head;
-    int32_t count; // steps held (at most cap)
+    int32_t count;   // steps held (at most cap)
+    uint64_t total;  // steps recorded since the env got its slot
+    uint64_t cursor; // the first step of the env's next cursor window (docs/design.md "Cursor")
 };
 
 // Bytes of one recorded step in the store.
@@ -50,5 +54,8 @@ void rnnd_traj_push(struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d);
 // The store row of step k (0 = oldest) of the last T (1 <= T <= count, 0 <= k < T).
 int32_t rnnd_traj_row(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d, int32_t slot,
                       int T, int k);
+// The store row of step `step` (total - count <= step < total).
+int32_t rnnd_traj_row_at(const struct rnnd_traj_ring *r, const struct rnnd_traj_dims *d,
+                         int32_t slot, uint64_t step);
 
 #endif // RNND_TRAJECTORY_H

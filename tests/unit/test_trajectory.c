@@ -1,7 +1,8 @@
 /*
  * test_trajectory.c: the trajectory store (server/trajectory.c, on the CPU backend's traj_write
  * and traj_read): what a window returns (obs, is_init, extras, versions, and the state before its
- * first step), each env slot's ring wrapping at --trajectory-steps, slots that do not disturb
+ * first step), each env slot's ring wrapping at --trajectory-steps (and its steps by number, for
+ * cursor windows), slots that do not disturb
  * each other, the layout's bounds, and the ops refusing bad rows (out of range, written twice,
  * missing columns) without writing anything.
  */
@@ -138,6 +139,12 @@ static void test_wraps_keeping_last_cap(void **state) {
     check_window(&f, &a, 1, 20, 37); // the oldest kept is step 37
     check_window(&f, &a, 1, 3, 54);
     check_window(&f, &b, 0, 1, 5);
+    // Steps by number (cursor windows): the ring holds steps [total - count, total).
+    assert_int_equal(a.total, 57);
+    assert_int_equal(b.total, 1);
+    for (int k = 37; k < 57; k++)
+        assert_int_equal(rnnd_traj_row_at(&a, &f.d, 1, (uint64_t)k),
+                         rnnd_traj_row(&a, &f.d, 1, 57 - k, 0));
     fixture_close(&f);
 }
 

@@ -69,12 +69,14 @@ StepResult = collections.namedtuple(
     defaults=(None,) * 5)
 # action ... truncated: a policy model's record of recorded steps; logits, mean, log_std,
 # head_value: the heads' outputs of a model with heads, whose output (the core's) then comes
-# only with return_core (docs/design.md "Policy").
+# only with return_core (docs/design.md "Policy"). cursor_first, cursor_lagged,
+# cursor_overwritten: [B] uint64 arrays of cursor windows (docs/design.md "Cursor"), else None.
 ForwardResult = collections.namedtuple(
     "ForwardResult",
     "output h_n c_n tape_id model_version obs is_init extras step_model_version action log_prob "
-    "value reward done truncated logits mean log_std head_value",
-    defaults=(None,) * 10,
+    "value reward done truncated logits mean log_std head_value cursor_first cursor_lagged "
+    "cursor_overwritten",
+    defaults=(None,) * 13,
 )
 BackwardResult = collections.namedtuple(
     "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell"
@@ -282,6 +284,10 @@ class Client:
         self._backward_raw = self._channel.unary_unary(
             "/rnnd.v1.Rnn/Backward", request_serializer=None, response_deserializer=None)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # The daemon's id that cursor windows carry (docs/design.md "Cursor"): sent back with
+        # the next ones, so that windows from another daemon, or from one that restarted, are
+        # refused; 0 takes the daemon's cursors as they are (set it after such a refusal).
+        self.cursor_id = 0
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -494,48 +500,61 @@ class Client:
             return self._forward_result(self._forward_lazy(req), decode=decode)
 
     def forward_recorded(self, env_ids, steps, keep_tape=False, fields=None, reply_dtype=None,
-                         decode=None, return_core=False, device=None):
+                         decode=None, return_core=False, cursor=False, device=None):
         """Sequence forward over the last ``steps`` steps the daemon recorded for each env (from
         the state recorded before the window). The result also carries the recorded obs,
         is_init, extras [B, T, E] and step_model_version [B, T], or only those named in
         ``fields`` (e.g. ("is_init",); () for none; None: all). reply_dtype: 'float32' (default),
         'bfloat16' or 'float16' for the float tensors returned. decode, return_core: as for
-        forward(). device: a torch CUDA device on this host's GPU makes the reply's tensors
-        torch tensors there, written in place by the daemon's GPU (a CUDA region; see
-        transport)."""
+        forward(). cursor: each env's next window from its cursor instead of its last steps, so
+        that every recorded step is handed out once (consecutive windows share one step, the
+        bootstrap); the result's cursor_first says where each window starts. Sends
+        ``self.cursor_id`` and keeps the reply's (docs/design.md "Cursor"). device: a torch CUDA
+        device on this host's GPU makes the reply's tensors torch tensors there, written in
+        place by the daemon's GPU (a CUDA region; see transport)."""
+        rec = pb.Recorded(env_ids=_ids(env_ids), steps=int(steps), cursor=bool(cursor),
+                          cursor_id=int(self.cursor_id) if cursor else 0)
         region = self._cuda_for(device)
         call = region and region.call(_shm.forward_reply_bytes(
-            self._info, len(_ids(env_ids)), int(steps),
+            self._info, len(rec.env_ids), int(steps),
             fields is None or _mask(fields, _RECORDED) != 0))
         if call is not None:
-            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
-                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype),
-                                    return_core=bool(return_core))
+            req = pb.ForwardRequest(recorded=rec, keep_tape=bool(keep_tape),
+                                    reply_dtype=_dtype(reply_dtype), return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
             req.reply_region.CopyFrom(call.reply_region())
             call.ready()
-            return self._shm_call("Forward", req, call, lambda r: self._forward_result(r, call))
+            return self._shm_call("Forward", req, call, lambda r: self._cursor_kept(
+                self._forward_result(r, call), r))
         if self.transport == "shm" and _dtype(reply_dtype) in _FP32:
-            ids = _ids(env_ids)
             call = self._span((), _shm.forward_reply_bytes(
-                self._info, len(ids), int(steps), fields is None or _mask(fields, _RECORDED) != 0)
+                self._info, len(rec.env_ids), int(steps),
+                fields is None or _mask(fields, _RECORDED) != 0)
                 if self.transport == "shm" else 0)
-            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=ids, steps=int(steps)),
-                                    keep_tape=bool(keep_tape), return_core=bool(return_core))
+            req = pb.ForwardRequest(recorded=rec, keep_tape=bool(keep_tape),
+                                    return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
             if call is not None:
                 req.reply_region.CopyFrom(call.reply_region())
-            return self._shm_call("Forward", req, call,
-                                  lambda r: self._forward_result(r, call, decode))
+            return self._shm_call("Forward", req, call, lambda r: self._cursor_kept(
+                self._forward_result(r, call, decode), r))
         else:
-            req = pb.ForwardRequest(recorded=pb.Recorded(env_ids=_ids(env_ids), steps=int(steps)),
-                                    keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype),
-                                    return_core=bool(return_core))
+            req = pb.ForwardRequest(recorded=rec, keep_tape=bool(keep_tape),
+                                    reply_dtype=_dtype(reply_dtype), return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
-            return self._forward_result(self._forward_lazy(req), decode=decode)
+            r = self._forward_lazy(req)
+            return self._cursor_kept(self._forward_result(r, decode=decode), r)
+
+    def _cursor_kept(self, res, r):
+        """res with a cursor reply's windows, whose cursor_id the client keeps."""
+        if not r.cursor_id:
+            return res
+        self.cursor_id = r.cursor_id
+        return res._replace(**{n: np.asarray(getattr(r, n), dtype=np.uint64) for n in (
+            "cursor_first", "cursor_lagged", "cursor_overwritten")})
 
     def _forward_lazy(self, req):
         return Lazy(pb.ForwardReply, self._call("Forward", req, fn=self._forward_raw))

@@ -96,7 +96,8 @@ def actor_main(a, actor_id, env_ids, target, go, done):
     env = CueRecall(len(env_ids), a.cues, a.min_len, a.max_len, rng)
     client = rnnd.Client(target, transport="grpc")  # as from another host
     stepper = client.stepper()
-    # What each env's previous step earned, sent with its next Step (nothing before the first).
+    # What each env's previous step earned, sent with its next Step (0 and false before its
+    # first step: the daemon takes only those for an env with no recorded step).
     reward = np.zeros(len(env_ids), np.float32)
     ended = np.zeros(len(env_ids), bool)
     while True:

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""End-to-end recurrent RL through rnnd: actors step environments through the daemon, a PyTorch
-learner trains the daemon's GRU core with an actor-critic loss.
+"""End-to-end recurrent RL through rnnd: actors send observations and get actions from the
+daemon, which holds the whole policy (GRU core, policy and value heads); a PyTorch learner trains
+it with an actor-critic loss on the heads' outputs.
 
 The task ("cue recall") needs memory: an episode shows one of K cues at its first step only,
 then blank observations; at its last step the observation raises a "respond now" flag, and the
@@ -8,22 +9,28 @@ action taken there earns reward 1 if it names the cue (0 otherwise). Episode len
 so episodes end and restart in the middle of rollouts (is_init resets). Without memory the best
 policy guesses: success 1/K.
 
-    actors (processes) ──Step(obs, is_init, extras)──▶ rnnd ◀──Forward(recorded) / Backward /
-         ▲ policy head                                          ApplyGradients── learner (PyTorch)
-         └──────────────────────── head weights ◀───────────────────────────────────┘
+    actors (processes, ──Step(obs, is_init; reward, done of the previous step)──▶ rnnd: GRU core,
+      no weights)     ◀───────────── action (sampled by the daemon) ─────────────  policy and
+                                                                                  value heads
+    learner (PyTorch) ◀── Forward(recorded): logits, values; the recorded actions, ──┤
+                          rewards, dones, behaviour log-probs                        │
+                      ─── Backward(dL/d logits, dL/d value), ApplyGradients ─────────┘
 
-- Each actor owns a few envs and steps them all with one request per tick over a StepStream; the
-  daemon keeps each env's recurrent state. The actor applies the policy head (a linear layer the
-  learner shares with it) to the daemon's output and samples an action. The step's extras carry
-  the previous transition: (action, reward, behaviour log-prob) of that env's previous step.
+- Each actor owns a few envs and steps them all with one request per tick over a StepStream,
+  through gRPC only (it could run on another host). It sends the observations and, for each
+  env's previous step, the reward and done flag; the daemon runs core and heads, draws the
+  actions (keyed by seed, env and step, so a retry gets the same one), records each step's
+  action, behaviour log-prob and value, and returns the actions.
 - The learner asks the daemon for the last T recorded steps of every env (Forward over
-  `recorded`, with a tape), so it needs no replay of its own. Policy and value heads live in the
-  learner; the loss is V-trace actor-critic (IMPALA) in PyTorch on top of the daemon's outputs.
-  loss.backward() sends dL/d output to the daemon's Backward (rnnd.torch.RemoteRecurrent, the
-  weight gradients accumulate on the daemon) and ApplyGradients takes the daemon's Adam step.
+  `recorded`, with a tape): the current policy's logits and values, and the recorded actions,
+  rewards, dones and behaviour log-probs; it keeps no replay and no weights of its own. The loss
+  is V-trace actor-critic (IMPALA) in PyTorch on those small tensors; dL/d logits and
+  dL/d value go to the daemon's Backward (through heads and core, accumulated there) and
+  ApplyGradients takes the daemon's Adam step on every tensor.
 - Actors and learner are pipelined: after each Forward the learner lets every actor take T-1
-  more steps, so consecutive windows overlap by one step (the bootstrap step) and every
-  transition is learnt from exactly once, at most one update behind the policy that produced it.
+  more steps, so consecutive windows overlap by one step (the bootstrap step, whose reward comes
+  with the next Step) and every transition is learnt from exactly once, at most one update
+  behind the policy that produced it.
 
     ~/rnnd-venv/bin/python client/python/examples/memory_task.py \
         --rnnd build/server/rnnd --png memory_task.png
@@ -43,7 +50,6 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-E = 3  # extras: previous action, previous reward, previous behaviour log-prob
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,17 +88,18 @@ class CueRecall:
 
 
 # ---------------------------------------------------------------------------------------------
-# Actor processes (numpy + rnnd only).
+# Actor processes (numpy + rnnd only; no weights).
 
-def actor_main(a, actor_id, env_ids, target, head, head_lock, go, done):
+def actor_main(a, actor_id, env_ids, target, go, done):
     import rnnd
     rng = np.random.default_rng(a.seed * 1000 + actor_id)
     env = CueRecall(len(env_ids), a.cues, a.min_len, a.max_len, rng)
-    client = rnnd.Client(target)
+    client = rnnd.Client(target, transport="grpc")  # as from another host
     stepper = client.stepper()
-    extras = np.zeros((len(env_ids), E), np.float32)
-    K, H = a.cues, a.hidden
-    w = np.frombuffer(head.get_obj(), np.float32)
+    # What each env's previous step earned, sent with its next Step (0 and false before its
+    # first step: the daemon takes only those for an env with no recorded step).
+    reward = np.zeros(len(env_ids), np.float32)
+    ended = np.zeros(len(env_ids), bool)
     while True:
         n = go.get()
         if n is None:
@@ -100,20 +107,8 @@ def actor_main(a, actor_id, env_ids, target, head, head_lock, go, done):
         results = []
         for _ in range(n):
             obs, is_init = env.observe()
-            out = stepper.step(env_ids, obs, is_init, extras=extras)
-            with head_lock:
-                wp = w[:K * H].reshape(K, H).copy()
-                bp = w[K * H:].copy()
-            logits = out @ wp.T + bp
-            logits -= logits.max(1, keepdims=True)
-            p = np.exp(logits)
-            p /= p.sum(1, keepdims=True)
-            action = (rng.random((len(env_ids), 1)) > p.cumsum(1)).sum(1).clip(0, K - 1)
-            logp = np.log(p[np.arange(len(env_ids)), action] + 1e-12)
+            action = stepper.step_result(env_ids, obs, is_init, reward=reward, done=ended).action
             reward, ended = env.act(action)
-            extras[:, 0] = action
-            extras[:, 1] = reward
-            extras[:, 2] = logp
             results.extend(reward[ended].tolist())
         done.put((actor_id, results))
     stepper.close()
@@ -144,46 +139,30 @@ def vtrace(values, rewards, discounts, rhos, bootstrap):
 def learn(a, target, log=print):
     import torch
     import rnnd
-    import rnnd.torch
-    torch.manual_seed(a.seed)
     torch.set_num_threads(1)
     K, H, T = a.cues, a.hidden, a.unroll
     client = rnnd.Client(target)
     info = client.info()
-    want = ("gru", K + 1, H, E)
-    have = (info.cell, info.input_size, info.hidden_size, info.extras_size)
+    want = ("gru", K + 1, H, K, True)
+    have = (info.cell, info.input_size, info.hidden_size, info.discrete_actions, info.value_head)
     if have != want:
-        raise SystemExit("the daemon at %s has (cell, input, hidden, extras) = %s, this example "
-                         "needs %s" % (target, have, want))
+        raise SystemExit("the daemon at %s has (cell, input, hidden, discrete actions, value head) "
+                         "= %s, this example needs %s" % (target, have, want))
     a.backend = info.backend
-    core = rnnd.torch.RemoteRecurrent(client, grads="server")
-    policy = torch.nn.Linear(H, K)
-    value = torch.nn.Linear(H, 1)
-    with torch.no_grad():
-        policy.weight.mul_(0.1)
-        policy.bias.zero_()
-    heads = list(policy.parameters()) + list(value.parameters())
-    opt = torch.optim.Adam(heads, lr=a.lr)
+    # A near-uniform first policy: the logits' layer starts ten times smaller than nn.Linear's.
+    w = client.get_weights()
+    w["policy_logits.weight"] = 0.1 * w["policy_logits.weight"]
+    w["policy_logits.bias"] = np.zeros_like(w["policy_logits.bias"])
+    client.set_weights(w)
 
     ctx = mp.get_context("spawn")
-    head = ctx.Array("f", K * H + K)
-    head_lock = head.get_lock()
-
-    def publish():
-        w = np.frombuffer(head.get_obj(), np.float32)
-        with head_lock:
-            w[:K * H] = policy.weight.detach().numpy().ravel()
-            w[K * H:] = policy.bias.detach().numpy()
-
-    publish()
     done = ctx.Queue()
     actors, gos, all_ids = [], [], []
     for i in range(a.actors):
         ids = np.arange(a.envs_per_actor, dtype=np.uint64) + np.uint64((a.seed + 1) * 1_000_000 + i * 1000)
         all_ids.extend(ids.tolist())
         go = ctx.Queue()
-        p = ctx.Process(target=actor_main, args=(a, i, ids, target, head, head_lock, go, done),
-                        daemon=True)
+        p = ctx.Process(target=actor_main, args=(a, i, ids, target, go, done), daemon=True)
         p.start()
         actors.append(p)
         gos.append(go)
@@ -221,33 +200,33 @@ def learn(a, target, log=print):
             elapsed = time.monotonic() - start
             if elapsed > a.minutes * 60:
                 break
-            out, rec = core.forward_recorded(all_ids, T)
+            # Step t's reward and done come with the env's step t+1: the window's last step is
+            # the bootstrap, and the next window starts there.
+            f = client.forward_recorded(all_ids, T, keep_tape=True, fields=("action", "reward"))
             run_actors(T - 1)  # actors go on while the learner learns
 
-            ex = torch.from_numpy(np.array(rec.extras[:, 1:]))  # transition t lives at t+1
-            actions = ex[..., 0].long()
-            rewards = ex[..., 1]
-            blogp = ex[..., 2]
-            ends = torch.from_numpy(np.array(rec.is_init[:, 1:]))
-            discounts = a.gamma * (~ends).float()
+            logits_all = torch.from_numpy(np.array(f.logits)).requires_grad_()  # [B, T, K]
+            v = torch.from_numpy(np.array(f.head_value)).requires_grad_()  # [B, T]
+            actions = torch.from_numpy(np.array(f.action[:, :-1]))
+            rewards = torch.from_numpy(np.array(f.reward[:, :-1]))
+            blogp = torch.from_numpy(np.array(f.log_prob[:, :-1]))
+            discounts = a.gamma * torch.from_numpy(~np.array(f.done[:, :-1])).float()
 
-            logits = policy(out[:, :-1])
-            logp_all = torch.log_softmax(logits, -1)
+            logp_all = torch.log_softmax(logits_all[:, :-1], -1)
             logp = logp_all.gather(-1, actions[..., None])[..., 0]
-            v = value(out)[..., 0]
             with torch.no_grad():
                 vs, adv = vtrace(v[:, :-1], rewards, discounts, torch.exp(logp - blogp), v[:, -1])
             pg_loss = -(adv * logp).mean()
             v_loss = 0.5 * ((vs - v[:, :-1]) ** 2).mean()
             entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
             loss = pg_loss + a.value_coef * v_loss - a.entropy_coef * entropy
+            loss.backward()  # dL/d logits, dL/d value: K + 1 floats per step
 
-            opt.zero_grad()
-            loss.backward()  # the core's part runs on the daemon (Backward, accumulated there)
-            torch.nn.utils.clip_grad_norm_(heads, a.max_grad_norm)
-            opt.step()
-            core.apply_gradients(pull=False)  # the daemon's Adam step on its accumulated grads
-            publish()
+            # Heads, core: the daemon's Backward accumulates every weight's gradient, its
+            # ApplyGradients clips them (--max-grad-norm) and takes the Adam step.
+            client.backward(f.tape_id, grad_logits=logits_all.grad.numpy(),
+                            grad_head_value=v.grad.numpy(), accumulate=True, input_grads=())
+            client.apply_gradients()
             updates += 1
 
             window += wait_actors()
@@ -306,7 +285,8 @@ def parse(argv=None):
     ap.add_argument("--rnnd", default=os.environ.get("RNND_BIN"),
                     help="rnnd binary to start (default $RNND_BIN)")
     ap.add_argument("--target-addr", help="use a running daemon at HOST:PORT instead (started "
-                    "with --cell gru --input-size K+1 --hidden-size H --extras-size 3)")
+                    "with --cell gru --input-size K+1 --hidden-size H --discrete-actions K "
+                    "--value-head 1 --trajectory-steps 2T or more)")
     ap.add_argument("--minutes", type=float, default=5.0, help="time budget")
     ap.add_argument("--target", type=float, default=0.9, help="success rate to reach")
     ap.add_argument("--stop-at-target", action="store_true", help="stop once --target is reached")
@@ -345,7 +325,8 @@ def main(argv=None):
             binary = [sys.executable, binary]
         d = rnnd.Daemon(binary=binary, backend=a.backend, echo=sys.stderr if a.echo_daemon else None,
                         cell="gru", layers=1, input_size=a.cues + 1, hidden_size=a.hidden,
-                        extras_size=E, trajectory_steps=max(64, 2 * a.unroll), lr=a.lr,
+                        discrete_actions=a.cues, value_head=1,
+                        trajectory_steps=max(64, 2 * a.unroll), lr=a.lr,
                         max_grad_norm=a.max_grad_norm, seed=a.seed,
                         max_envs=max(1024, 2 * a.actors * a.envs_per_actor))
         d.start()

@@ -300,7 +300,9 @@ static int gemm_rm(struct cuda_ctx *c, bool ta, bool tb, int M, int N, int K, co
 }
 
 // The largest tile that still gives every SM a block, else the smallest.
-static int linear(struct cuda_ctx *c, const lin_args &a) {
+static int linear(struct cuda_ctx *c, lin_args a) {
+    if (a.seg[1].W == NULL) // one block of columns: the second is never read, but well defined
+        a.seg[1] = a.seg[0];
     const int64_t sms = c->dev.num_sms > 0 ? c->dev.num_sms : 1;
     dim3 grid;
     if (CEIL_DIV((int64_t)a.N, 64) * CEIL_DIV(a.n, 64) >= sms) {
@@ -440,8 +442,6 @@ int rnnd__cuda_heads_forward(struct cuda_ctx *c, const struct rnnd_heads *out, c
                          out->value, 1};
     if (nseg > 0) {
         a.n = a.seg[0].n + (nseg > 1 ? a.seg[1].n : 0);
-        if (nseg == 1)
-            a.seg[1] = a.seg[0]; // never read: every column is below seg[0].n
         RNND_TRY(linear(c, a));
     }
     if (out->log_std) {

@@ -3,12 +3,14 @@
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
  * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu
  * (single step with slot gather/scatter), traj.cu (the trajectory store's row moves), cast.cu
- * (wire dtypes) and optim.cu (Adam/SGD with clipping).
+ * (wire dtypes), optim.cu (Adam/SGD with clipping) and policy.cu (the encoder, heads and actions
+ * around the core).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
  */
 #include "common.cuh"
 #include "cuda_backend.h"
 #include "optim.cuh"
+#include "policy.cuh"
 #include "seq.cuh"
 #include "seq_loops.h"
 #include "seq_plan.h"
@@ -259,12 +261,12 @@ static void cuda_ipc_close(void *ctx, void *base) {
     cudaIpcCloseMemHandle((void *)(uintptr_t)ab);
 }
 
-// Every valid core runs: the plan (seq_plan.h) has the per-step path for every model no other
-// kernel runs; the single-step kernel takes any width. The policy ops are the CPU backend's only.
+// Every valid model runs: the plan (seq_plan.h) has the per-step path for every core no other
+// kernel runs; the single-step kernel takes any width; the policy's kernels (policy.cu) any
+// encoder and heads.
 static int cuda_supports(void *ctx, const struct rnnd_model *m) {
     (void)ctx;
-    int rc = rnnd_model_check(m);
-    return rc == 0 && rnnd_model_has_policy(m) ? RNND_ENOTSUP : rc;
+    return rnnd_model_check(m);
 }
 
 static size_t cuda_tape_bytes(void *ctx, const struct rnnd_model *m, int B, int T) {
@@ -321,6 +323,40 @@ static int cuda_optim_step(void *ctx, float *params, float *grads, float *m, flo
     return rnnd__cuda_optim_step((struct cuda_ctx *)ctx, params, grads, m, v, n, o, t, grad_norm);
 }
 
+static int cuda_encoder_forward(void *ctx, float *acts, const float *obs, int N,
+                                const float *params, const struct rnnd_model *m) {
+    return rnnd__cuda_encoder_forward((struct cuda_ctx *)ctx, acts, obs, N, params, m);
+}
+
+static int cuda_encoder_backward(void *ctx, float *grad_params, float *grad_obs,
+                                 const float *grad_out, const float *acts, const float *obs, int N,
+                                 const float *params, const struct rnnd_model *m) {
+    return rnnd__cuda_encoder_backward((struct cuda_ctx *)ctx, grad_params, grad_obs, grad_out,
+                                       acts, obs, N, params, m);
+}
+
+static int cuda_heads_forward(void *ctx, const struct rnnd_heads *out, const float *h, int N,
+                              const float *params, const struct rnnd_model *m) {
+    return rnnd__cuda_heads_forward((struct cuda_ctx *)ctx, out, h, N, params, m);
+}
+
+static int cuda_heads_backward(void *ctx, float *grad_params, float *grad_h,
+                               const struct rnnd_heads *grad, const float *h, int N,
+                               const float *params, const struct rnnd_model *m) {
+    return rnnd__cuda_heads_backward((struct cuda_ctx *)ctx, grad_params, grad_h, grad, h, N,
+                                     params, m);
+}
+
+static int cuda_policy_sample(void *ctx, const struct rnnd_actions *a, const float *params,
+                              const struct rnnd_model *m) {
+    return rnnd__cuda_policy_sample((struct cuda_ctx *)ctx, a, params, m);
+}
+
+static int cuda_policy_logp(void *ctx, const struct rnnd_actions *a, const float *params,
+                            const struct rnnd_model *m) {
+    return rnnd__cuda_policy_logp((struct cuda_ctx *)ctx, a, params, m);
+}
+
 static const struct rnnd_backend_ops cuda_ops = {
     /* .name = */ "cuda",
     /* .caps = */ 0,
@@ -349,6 +385,12 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .cast = */ cuda_cast,
     /* .optim_step = */ cuda_optim_step,
     /* .plan_name = */ cuda_plan_name,
+    /* .encoder_forward = */ cuda_encoder_forward,
+    /* .encoder_backward = */ cuda_encoder_backward,
+    /* .heads_forward = */ cuda_heads_forward,
+    /* .heads_backward = */ cuda_heads_backward,
+    /* .policy_sample = */ cuda_policy_sample,
+    /* .policy_logp = */ cuda_policy_logp,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -21,9 +21,13 @@
  *   Gaussian dim j: Box-Muller on the pair p = j / 2: r = sqrt(-2 ln u1), u1 = 1 - u(w_2p) in
  *     (0, 1], t = 2 pi u(w_2p+1); z_j = r cos t for even j, r sin t for odd j (tails reach
  *     sqrt(-2 ln 2^-24) = 5.8 sigma). The action is mean_j + exp(log_std_j) z_j.
- * CPU and CUDA use the same formulas in fp32; their exp/log/cos differ by an ulp or so, which
- * moves a Gaussian action by ulps and changes a categorical one only when u S falls within
- * rounding of a category boundary (about 1e-7 of draws).
+ * CPU and CUDA use the same formulas and the same fp32 operations. Their elementary functions
+ * differ: CUDA's expf, logf, cosf and sinf are off by up to 2 ulps, glibc's stay within about
+ * half an ulp (correctly rounded for nearly every argument). So device code takes each as its
+ * fp64 function rounded once to fp32 (RNND_EXPF and its siblings below): correctly rounded but
+ * where the exact value lies within an fp64 ulp of an fp32 rounding boundary. The backends' draws
+ * then differ only where one of those functions rounds apart on the two (rare): a Gaussian action
+ * by an ulp, a categorical one only if besides u S falls within that ulp of a category boundary.
  */
 #ifndef RNND_PHILOX_H
 #define RNND_PHILOX_H
@@ -35,6 +39,20 @@
 #define RNND_HD __host__ __device__
 #else
 #define RNND_HD
+#endif
+
+// The fp32 elementary functions of the draws (header comment): the C library's on the host,
+// fp64 rounded to fp32 on the device.
+#if defined(__CUDA_ARCH__)
+#define RNND_EXPF(x) ((float)exp((double)(x)))
+#define RNND_LOGF(x) ((float)log((double)(x)))
+#define RNND_COSF(x) ((float)cos((double)(x)))
+#define RNND_SINF(x) ((float)sin((double)(x)))
+#else
+#define RNND_EXPF(x) expf(x)
+#define RNND_LOGF(x) logf(x)
+#define RNND_COSF(x) cosf(x)
+#define RNND_SINF(x) sinf(x)
 #endif
 
 #define RNND_PHILOX_M0 0xD2511F53u
@@ -90,11 +108,11 @@ static inline RNND_HD int rnnd_sample_categorical(const float *logits, int K, fl
         m = fmaxf(m, logits[k]);
     float S = 0.0f;
     for (int k = 0; k < K; k++)
-        S += expf(logits[k] - m);
+        S += RNND_EXPF(logits[k] - m);
     float target = u * S, c = 0.0f;
     int last = 0;
     for (int k = 0; k < K; k++) {
-        float e = expf(logits[k] - m);
+        float e = RNND_EXPF(logits[k] - m);
         c += e;
         if (e > 0.0f)
             last = k;
@@ -111,11 +129,11 @@ static inline RNND_HD void rnnd_sample_normals(const uint32_t key[2], uint64_t s
         uint32_t w[4];
         rnnd_philox_step_words(key, step, (uint32_t)(j / 4), w);
         for (int p = 0; p < 2 && j + 2 * p < n; p++) {
-            float r = sqrtf(-2.0f * logf(1.0f - rnnd_philox_u01(w[2 * p])));
+            float r = sqrtf(-2.0f * RNND_LOGF(1.0f - rnnd_philox_u01(w[2 * p])));
             float t = 6.28318530717958648f * rnnd_philox_u01(w[2 * p + 1]);
-            z[j + 2 * p] = r * cosf(t);
+            z[j + 2 * p] = r * RNND_COSF(t);
             if (j + 2 * p + 1 < n)
-                z[j + 2 * p + 1] = r * sinf(t);
+                z[j + 2 * p + 1] = r * RNND_SINF(t);
         }
     }
 }

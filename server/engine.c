@@ -184,15 +184,6 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
             }
             rnnd_log(RNND_LOG_INFO, "no usable CUDA device (%s): using the cpu backend",
                      rnnd_strerror(rc));
-        } else if (c->backend == RNND_BACKEND_AUTO && rnnd_model_has_policy(&e->model) &&
-                   e->be.ops->supports(e->be.ctx, &e->model) != 0) {
-            // --backend auto serves what it is configured for rather than refusing to start:
-            // a policy the CUDA backend does not run yet runs on the CPU.
-            rnnd_log(RNND_LOG_WARN,
-                     "the cuda backend does not run policy models (encoder or heads) yet: using "
-                     "the cpu backend");
-            rnnd_backend_free(&e->be);
-            memset(&e->be, 0, sizeof(e->be));
         }
     }
     if (e->be.ops == NULL) {

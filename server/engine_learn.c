@@ -858,7 +858,7 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     const struct rnnd_policy *pol = &e->model.policy;
     bool heads = g->grad_logits || g->grad_mean || g->grad_value;
     size_t CI = (size_t)e->core.I;
-    float *d_gl, *d_gm, *d_gls, *d_gv, *d_gh, *d_gcx;
+    float *d_gl, *d_gm, *d_gls, *d_gv, *d_gcx;
     struct io_part in[7], outs[7];
     int nin, nout;
     size_t area_at = 0, in_bytes = 0, area_bytes = 0;
@@ -877,7 +877,6 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         d_gm = g->grad_mean ? carve(&cv, BT * (size_t)pol->A * sizeof(float)) : NULL;
         d_gls = g->grad_log_std ? carve(&cv, (size_t)pol->A * sizeof(float)) : NULL;
         d_gv = g->grad_value ? carve(&cv, BT * sizeof(float)) : NULL;
-        d_gh = heads ? carve(&cv, BT * H * sizeof(float)) : NULL;
         d_gcx = e->enc_acts ? carve(&cv, BT * CI * sizeof(float)) : NULL;
         // The parts follow from the request alone (pass 0 measures with NULL pointers).
         nin = nout = 0;
@@ -942,24 +941,16 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (rc == 0 && !g->grad_out)
         rc = e->be.ops->zero(e->be.ctx, d_go, BT * H * sizeof(float));
     uint64_t t0 = rnnd_now_ns();
-    if (rc == 0 && (heads || d_gls)) {
-        // The heads first: their weight gradients, and dL/dh added to grad_output's. Only the
-        // CPU backend runs policies, so these sums are host loops over its memory.
-        RNND_ASSERT(e->host_mem);
-        struct rnnd_heads hg = {.logits = d_gl, .mean = d_gm, .value = d_gv};
-        if (heads)
-            rc = e->be.ops->heads_backward(e->be.ctx, dparams, d_gh, &hg, t->out, (int)BT,
-                                           t->w->params, &e->model);
-        for (size_t i = 0; rc == 0 && heads && i < BT * H; i++)
-            d_go[i] += d_gh[i];
-        if (rc == 0 && d_gls) {
-            struct rnnd_param_tensor pt;
-            rnnd_model_param_tensor(&e->model, rnnd_model_param_find(&e->model, "action_log_std"),
-                                    &pt);
-            for (size_t j = 0; j < pt.count; j++)
-                dparams[pt.offset + j] += d_gls[j];
-        }
-    }
+    // The heads first: their weight gradients, and dL/dh added to grad_output's in place; the
+    // log-std's gradient [A] as one row of per-row ones.
+    struct rnnd_heads hg = {.logits = d_gl, .mean = d_gm, .value = d_gv};
+    if (rc == 0 && heads)
+        rc = e->be.ops->heads_backward(e->be.ctx, dparams, d_go, &hg, t->out, (int)BT, t->w->params,
+                                       &e->model);
+    if (rc == 0 && d_gls)
+        rc = e->be.ops->heads_backward(e->be.ctx, dparams, d_go,
+                                       &(struct rnnd_heads){.log_std = d_gls}, t->out, 1,
+                                       t->w->params, &e->model);
     struct rnnd_seq seq = {.B = B,
                            .T = T,
                            .x = t->acts ? t->acts + BT * (size_t)(e->enc_acts - e->core.I) : t->x,

@@ -201,7 +201,6 @@ int rnnd__cpu_heads_backward(struct cpu_ctx *c, float *grad_params, float *grad_
     double *acc = rnnd__cpu_carve(&cv, (size_t)widest * sizeof(double));
     float *part = rnnd__cpu_carve(&cv, (size_t)widest * sizeof(float));
 
-    memset(grad_h, 0, (size_t)N * (size_t)H * sizeof(float));
     if (g->logits)
         linear_rows_backward(grad(m, grad_params, "policy_logits.weight"),
                              grad(m, grad_params, "policy_logits.bias"), grad_h, g->logits, h,

@@ -470,8 +470,7 @@ int rnnd__cuda_heads_backward(struct cuda_ctx *c, float *grad_params, float *gra
     } heads[3] = {{g->logits, "policy_logits.weight", "policy_logits.bias", p->K},
                   {g->mean, "action_mean.weight", "action_mean.bias", p->A},
                   {g->value, "value.weight", "value.bias", 1}};
-    // dh = the sum of dy W over the heads: the first one given writes it, the others add.
-    float beta = 0.0f;
+    // dh += dy W, head by head.
     for (int k = 0; k < 3; k++) {
         const struct head *hd = &heads[k];
         if (hd->dy == NULL)
@@ -480,11 +479,8 @@ int rnnd__cuda_heads_backward(struct cuda_ctx *c, float *grad_params, float *gra
                          grad(m, grad_params, hd->w), H));
         RNND_TRY(colsum(c, grad(m, grad_params, hd->b), hd->dy, N, hd->n, partial));
         RNND_TRY(gemm_rm(c, false, false, N, H, hd->n, hd->dy, hd->n, param(m, params, hd->w), H,
-                         beta, grad_h, H));
-        beta = 1.0f;
+                         1.0f, grad_h, H));
     }
-    if (beta == 0.0f)
-        RNND_CUDA_TRY(cudaMemsetAsync(grad_h, 0, (size_t)N * (size_t)H * sizeof(float), c->stream));
     if (g->log_std)
         RNND_TRY(colsum(c, grad(m, grad_params, "action_log_std"), g->log_std, N, p->A, partial));
     return 0;

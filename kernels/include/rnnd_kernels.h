@@ -419,7 +419,7 @@ struct rnnd_backend_ops {
     int (*heads_forward)(void *ctx, const struct rnnd_heads *out, const float *h, int N,
                          const float *params, const struct rnnd_model *m);
     // Heads backward from grad's members: grad_params (P) += the heads' gradients; grad_h (N, H)
-    // = dL/dh (zero when every member is NULL), the core's grad_out.
+    // += dL/dh, so that it adds to the core's grad_out in place.
     int (*heads_backward)(void *ctx, float *grad_params, float *grad_h,
                           const struct rnnd_heads *grad, const float *h, int N, const float *params,
                           const struct rnnd_model *m);

@@ -410,8 +410,6 @@ static void test_envs_active_visible(void **state) {
 
 static void test_policy_steps(void **state) {
     (void)state;
-    if (strcmp(harness_backend(), "cuda") == 0)
-        skip(); // the CUDA backend does not run policies yet: --backend cuda refuses them
     struct daemon d;
     const char *args[] = {"--input-size",
                           "5",

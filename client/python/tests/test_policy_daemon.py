@@ -18,10 +18,8 @@ import unittest
 
 import numpy as np
 
-from _common import BACKEND, daemon, rel_err, rnnd_binary, skip
+from _common import daemon, rel_err, rnnd_binary, skip
 
-if BACKEND == "cuda":
-    skip("the CUDA backend does not run policies yet (--backend cuda refuses them)")
 try:
     import torch
 except ImportError:

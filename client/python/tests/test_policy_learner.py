@@ -13,10 +13,8 @@ import unittest
 
 import numpy as np
 
-from _common import BACKEND, daemon, rel_err, skip
+from _common import daemon, rel_err, skip
 
-if BACKEND == "cuda":
-    skip("the CUDA backend does not run policies yet (--backend cuda refuses them)")
 try:
     import torch
 except ImportError:

@@ -311,7 +311,7 @@ def parse(argv=None):
     ap.add_argument("--max-len", type=int, default=20, help="longest episode")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--unroll", type=int, default=32, help="T: steps per learner window")
-    ap.add_argument("--max-policy-lag", type=int, default=4, help="the daemon's: steps of "
+    ap.add_argument("--max-policy-lag", type=int, default=2, help="the daemon's: steps of "
                     "weights more updates old than this are not learnt from")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--gamma", type=float, default=0.97)

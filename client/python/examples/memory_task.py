@@ -12,7 +12,7 @@ policy guesses: success 1/K.
     actors (processes, ──Step(obs, is_init; reward, done of the previous step)──▶ rnnd: GRU core,
       no weights)     ◀───────────── action (sampled by the daemon) ─────────────  policy and
                                                                                   value heads
-    learner (PyTorch) ◀── Forward(recorded): logits, values; the recorded actions, ──┤
+    learner (PyTorch) ◀── Forward(cursor): logits, values; the recorded actions, ───┤
                           rewards, dones, behaviour log-probs                        │
                       ─── Backward(dL/d logits, dL/d value), ApplyGradients ─────────┘
 
@@ -21,16 +21,17 @@ policy guesses: success 1/K.
   env's previous step, the reward and done flag; the daemon runs core and heads, draws the
   actions (keyed by seed, env and step, so a retry gets the same one), records each step's
   action, behaviour log-prob and value, and returns the actions.
-- The learner asks the daemon for the last T recorded steps of every env (Forward over
-  `recorded`, with a tape): the current policy's logits and values, and the recorded actions,
-  rewards, dones and behaviour log-probs; it keeps no replay and no weights of its own. The loss
-  is V-trace actor-critic (IMPALA) in PyTorch on those small tensors; dL/d logits and
-  dL/d value go to the daemon's Backward (through heads and core, accumulated there) and
-  ApplyGradients takes the daemon's Adam step on every tensor.
-- Actors and learner are pipelined: after each Forward the learner lets every actor take T-1
-  more steps, so consecutive windows overlap by one step (the bootstrap step, whose reward comes
-  with the next Step) and every transition is learnt from exactly once, at most one update
-  behind the policy that produced it.
+- The learner takes every env's next window of T recorded steps through the daemon's cursor
+  (Forward over `recorded` with `cursor`, and a tape): the current policy's logits and values,
+  and the recorded actions, rewards, dones and behaviour log-probs; it keeps no replay and no
+  weights of its own. The loss is V-trace actor-critic (IMPALA) in PyTorch on those small
+  tensors; dL/d logits and dL/d value go to the daemon's Backward (through heads and core,
+  accumulated there) and ApplyGradients takes the daemon's Adam step on every tensor.
+- Actors never wait for the learner. The cursor hands out each recorded step once: consecutive
+  windows share one step (the bootstrap step, whose reward comes with the next Step), so every
+  transition is learnt from at most once; the daemon runs with --max-policy-lag, so steps of
+  weights more than that many updates old are skipped (as are steps that left the ring of
+  --trajectory-steps before the learner got to them); the progress lines count both.
 
     ~/rnnd-venv/bin/python client/python/examples/memory_task.py \
         --rnnd build/server/rnnd --png memory_task.png
@@ -90,7 +91,9 @@ class CueRecall:
 # ---------------------------------------------------------------------------------------------
 # Actor processes (numpy + rnnd only; no weights).
 
-def actor_main(a, actor_id, env_ids, target, go, done):
+def actor_main(a, actor_id, env_ids, target, stop, done):
+    """Steps its envs until stop is set, reporting (actor, env steps, episode results) on done
+    every few ticks; it never waits for the learner."""
     import rnnd
     rng = np.random.default_rng(a.seed * 1000 + actor_id)
     env = CueRecall(len(env_ids), a.cues, a.min_len, a.max_len, rng)
@@ -100,17 +103,16 @@ def actor_main(a, actor_id, env_ids, target, go, done):
     # first step: the daemon takes only those for an env with no recorded step).
     reward = np.zeros(len(env_ids), np.float32)
     ended = np.zeros(len(env_ids), bool)
-    while True:
-        n = go.get()
-        if n is None:
-            break
-        results = []
-        for _ in range(n):
-            obs, is_init = env.observe()
-            action = stepper.step_result(env_ids, obs, is_init, reward=reward, done=ended).action
-            reward, ended = env.act(action)
-            results.extend(reward[ended].tolist())
-        done.put((actor_id, results))
+    results, ticks = [], 0
+    while not stop.is_set():
+        obs, is_init = env.observe()
+        action = stepper.step_result(env_ids, obs, is_init, reward=reward, done=ended).action
+        reward, ended = env.act(action)
+        results.extend(reward[ended].tolist())
+        ticks += 1
+        if ticks % 8 == 0:
+            done.put((actor_id, 8 * len(env_ids), results))
+            results = []
     stepper.close()
     client.end_episodes(env_ids)
     client.close()
@@ -157,53 +159,64 @@ def learn(a, target, log=print):
 
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
-    actors, gos, all_ids = [], [], []
+    stop = ctx.Event()
+    actors, all_ids = [], []
     for i in range(a.actors):
         ids = np.arange(a.envs_per_actor, dtype=np.uint64) + np.uint64((a.seed + 1) * 1_000_000 + i * 1000)
         all_ids.extend(ids.tolist())
-        go = ctx.Queue()
-        p = ctx.Process(target=actor_main, args=(a, i, ids, target, go, done), daemon=True)
+        p = ctx.Process(target=actor_main, args=(a, i, ids, target, stop, done), daemon=True)
         p.start()
         actors.append(p)
-        gos.append(go)
 
-    def run_actors(n):
-        for g in gos:
-            g.put(n)
+    window = []  # episode results since the last report
+    reported = set()  # actors that reported (their envs have recorded steps)
+    steps = 0  # env steps the actors took
 
-    def wait_actors():
-        res = []
-        for _ in range(a.actors):
-            while True:
+    def collect():
+        """Takes what the actors reported."""
+        nonlocal steps
+        while True:
+            try:
+                i, n, r = done.get_nowait()
+            except Exception:
+                return
+            reported.add(i)
+            steps += n
+            window.extend(r)
+
+    def next_windows():
+        """Every env's next cursor window of T steps, waiting until each has them."""
+        while True:
+            if len(reported) == len(actors):
                 try:
-                    _, r = done.get(timeout=1.0)
-                    break
-                except Exception:
-                    dead = [p for p in actors if not p.is_alive()]
-                    if dead:
-                        raise SystemExit("an actor process died (exit code %s)" % dead[0].exitcode)
-            res.extend(r)
-        return res
+                    return client.forward_recorded(all_ids, T, keep_tape=True, cursor=True,
+                                                   fields=("action", "reward"))
+                except rnnd.RnndError as e:
+                    if (e.code_name != "FAILED_PRECONDITION"
+                            or "new recorded steps" not in e.details):
+                        raise
+            dead = [p for p in actors if not p.is_alive()]
+            if dead:
+                raise SystemExit("an actor process died (exit code %s)" % dead[0].exitcode)
+            time.sleep(0.005)
+            collect()
 
     curve = []  # (seconds, env steps, episodes, success over the last report)
     start = time.monotonic()
-    steps = episodes = updates = 0
-    window = []
+    episodes = updates = trained = lagged = overwritten = 0
     last_report = start
     reached = None
-    n_envs = len(all_ids)
     try:
-        run_actors(T)
-        window += wait_actors()
-        steps += T * n_envs
         while True:
             elapsed = time.monotonic() - start
             if elapsed > a.minutes * 60:
                 break
             # Step t's reward and done come with the env's step t+1: the window's last step is
-            # the bootstrap, and the next window starts there.
-            f = client.forward_recorded(all_ids, T, keep_tape=True, fields=("action", "reward"))
-            run_actors(T - 1)  # actors go on while the learner learns
+            # the bootstrap, and the next window starts there (each transition learnt once).
+            f = next_windows()
+            trained += (T - 1) * len(all_ids)
+            lagged += int(f.cursor_lagged.sum())
+            overwritten += int(f.cursor_overwritten.sum())
 
             logits_all = torch.from_numpy(np.array(f.logits)).requires_grad_()  # [B, T, K]
             v = torch.from_numpy(np.array(f.head_value)).requires_grad_()  # [B, T]
@@ -229,17 +242,17 @@ def learn(a, target, log=print):
             client.apply_gradients()
             updates += 1
 
-            window += wait_actors()
-            steps += (T - 1) * n_envs
+            collect()
             now = time.monotonic()
             if now - last_report >= a.report_s and len(window) >= 50:
                 rate = float(np.mean(window))
                 episodes += len(window)
                 curve.append((now - start, steps, episodes, rate))
-                log("%6.1fs  updates %5d  env steps %8d  episodes %7d  success %5.1f%%  "
-                    "entropy %.2f  value loss %.4f" % (now - start, updates, steps, episodes,
-                                                       100 * rate, float(entropy), float(v_loss)))
-                window = []
+                log("%6.1fs  updates %5d  env steps %8d (learnt %8d, skipped: lag %6d, ring "
+                    "%6d)  episodes %7d  success %5.1f%%  entropy %.2f  value loss %.4f"
+                    % (now - start, updates, steps, trained, lagged, overwritten, episodes,
+                       100 * rate, float(entropy), float(v_loss)))
+                window.clear()
                 last_report = now
                 if rate >= a.target and reached is None:
                     reached = now - start
@@ -248,8 +261,7 @@ def learn(a, target, log=print):
                     if a.stop_at_target:
                         break
     finally:
-        for g in gos:
-            g.put(None)
+        stop.set()
         for p in actors:
             p.join(timeout=10)
             if p.is_alive():
@@ -286,7 +298,7 @@ def parse(argv=None):
                     help="rnnd binary to start (default $RNND_BIN)")
     ap.add_argument("--target-addr", help="use a running daemon at HOST:PORT instead (started "
                     "with --cell gru --input-size K+1 --hidden-size H --discrete-actions K "
-                    "--value-head 1 --trajectory-steps 2T or more)")
+                    "--value-head 1 --trajectory-steps 2T or more, best with --max-policy-lag)")
     ap.add_argument("--minutes", type=float, default=5.0, help="time budget")
     ap.add_argument("--target", type=float, default=0.9, help="success rate to reach")
     ap.add_argument("--stop-at-target", action="store_true", help="stop once --target is reached")
@@ -299,6 +311,8 @@ def parse(argv=None):
     ap.add_argument("--max-len", type=int, default=20, help="longest episode")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--unroll", type=int, default=32, help="T: steps per learner window")
+    ap.add_argument("--max-policy-lag", type=int, default=2, help="the daemon's: steps of "
+                    "weights more updates old than this are not learnt from")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--gamma", type=float, default=0.97)
     ap.add_argument("--entropy-coef", type=float, default=0.01)
@@ -326,7 +340,7 @@ def main(argv=None):
         d = rnnd.Daemon(binary=binary, backend=a.backend, echo=sys.stderr if a.echo_daemon else None,
                         cell="gru", layers=1, input_size=a.cues + 1, hidden_size=a.hidden,
                         discrete_actions=a.cues, value_head=1,
-                        trajectory_steps=max(64, 2 * a.unroll), lr=a.lr,
+                        trajectory_steps=4 * a.unroll, max_policy_lag=a.max_policy_lag, lr=a.lr,
                         max_grad_norm=a.max_grad_norm, seed=a.seed,
                         max_envs=max(1024, 2 * a.actors * a.envs_per_actor))
         d.start()

@@ -25,7 +25,8 @@ grads="server": backward accumulates the weight gradients in the daemon's buffer
 gradients travel; the Parameters' ``.grad`` get zeros) and ``apply_gradients()`` applies it.
 
 Operators. The calls an actor and a learner make are the ops in ``rnnd.torch.ops``: step,
-forward (explicit trajectories), forward_recorded and backward. With torch >= 2.4
+forward (explicit trajectories), forward_recorded, forward_cursor (forward_recorded over cursor
+windows, plus their cursor counts) and backward. With torch >= 2.4
 (``CUSTOM_OPS``) they are torch.library custom ops, torch.ops.rnnd.*, each with a fake
 implementation (output shapes from the model's sizes, which are arguments) and, for step and the
 forwards, a registered autograd formula (the forwards' is rnnd::backward): torch.compile keeps
@@ -312,12 +313,34 @@ def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Ten
     """-> output, h_n, c_n, tape as _forward, then the recorded obs [B, T, I], is_init [B, T],
     extras [B, T, E] and step_model_version [B, T], on the Parameters' device; those whose
     RECORDED_* bit is not in fields are not sent and come back empty ([0])."""
+    return _recorded(target, env_ids, steps, params, hidden_size, extras_size, keep_tape,
+                     fields, False)[0]
+
+
+def _forward_cursor(target: str, env_ids: Tensor, steps: int, params: List[Tensor],
+                    input_size: int, hidden_size: int, extras_size: int, keep_tape: bool,
+                    accumulate: bool, fields: int = _RECORDED_ALL
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor]:
+    """forward_recorded over each env's next cursor window instead of its last steps
+    (docs/design.md "Cursor"; the client's cursor_id goes with it): its 8 outputs, then cursor
+    int64 [3, B] on the CPU: cursor_first, cursor_lagged and cursor_overwritten per env."""
+    outs, r = _recorded(target, env_ids, steps, params, hidden_size, extras_size, keep_tape,
+                        fields, True)
+    cursor = np.stack([r.cursor_first, r.cursor_lagged, r.cursor_overwritten])
+    return (*outs, torch.from_numpy(cursor.view(np.int64)))
+
+
+def _recorded(target, env_ids, steps, params, hidden_size, extras_size, keep_tape, fields,
+              cursor):
+    """The forwards over recorded steps -> (their 8 outputs, the client's ForwardResult)."""
     device = params[0].device
     t = _target(target)
     # fields=None asks for all in the form shared memory also carries.
     r = t.client.forward_recorded(_uids(env_ids), steps, keep_tape=keep_tape,
                                   fields=None if fields == _RECORDED_ALL else fields,
-                                  reply_dtype=t.wire, decode=_decoder(device), device=device)
+                                  reply_dtype=t.wire, decode=_decoder(device), device=device,
+                                  cursor=cursor)
     out, h_n, c_n, tape = _forward_outputs(target, r, device, len(params) // 4, hidden_size)
     B = env_ids.shape[0]
 
@@ -332,7 +355,7 @@ def _forward_recorded(target: str, env_ids: Tensor, steps: int, params: List[Ten
             _t(r.is_init, device) if fields & pb.RECORDED_IS_INIT else none(torch.bool),
             extras,
             _t(r.step_model_version, device) if fields & pb.RECORDED_STEP_MODEL_VERSION
-            else none(torch.int64))
+            else none(torch.int64)), r
 
 
 def _forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_size, extras_size,
@@ -346,6 +369,13 @@ def _forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_si
             rec(pb.RECORDED_IS_INIT, B, T, dtype=torch.bool),
             rec(pb.RECORDED_EXTRAS, B, T, extras_size),
             rec(pb.RECORDED_STEP_MODEL_VERSION, B, T, dtype=torch.int64))
+
+
+def _forward_cursor_fake(target, env_ids, steps, params, input_size, hidden_size, extras_size,
+                         keep_tape, accumulate, fields=_RECORDED_ALL):
+    return (*_forward_recorded_fake(target, env_ids, steps, params, input_size, hidden_size,
+                                    extras_size, keep_tape, accumulate, fields),
+            torch.empty(3, env_ids.shape[0], dtype=torch.int64))
 
 
 def _backward_shapes(grad_output, params, input_size, input_grads, stored):
@@ -506,9 +536,12 @@ _step_op = _define("step", _step, _step_fake, _step_setup, _step_backward)
 _forward_op = _define("forward", _forward, _forward_fake, _forward_setup, _forward_backward)
 _forward_recorded_op = _define("forward_recorded", _forward_recorded, _forward_recorded_fake,
                                _forward_recorded_setup, _forward_recorded_backward)
+_forward_cursor_op = _define("forward_cursor", _forward_cursor, _forward_cursor_fake,
+                             _forward_recorded_setup, _forward_recorded_backward)
 _backward_op = _define("backward", _backward, _backward_fake)
 ops = types.SimpleNamespace(step=_step_op, forward=_forward_op,
-                            forward_recorded=_forward_recorded_op, backward=_backward_op)
+                            forward_recorded=_forward_recorded_op,
+                            forward_cursor=_forward_cursor_op, backward=_backward_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,15 +669,21 @@ class RemoteRecurrent(nn.Module):
                                         self.grads == "server")
         return (out, (h_n, c_n)) if self.cell == "lstm" else (out, h_n)
 
-    def forward_recorded(self, env_ids, steps, fields=None):
+    def forward_recorded(self, env_ids, steps, fields=None, cursor=False):
         """Forward over the last ``steps`` steps the daemon recorded for each env in env_ids.
         Returns (output [B, T, H], recorded): recorded is a ForwardResult of tensors on the
         Parameters' device: output, h_n, c_n (LSTM), tape_id and model_version (0-d), the
         recorded obs, is_init, extras [B, T, E] and step_model_version [B, T], or only those
         named in ``fields`` (e.g. ("is_init",); the others None and not sent; None: all).
+        cursor: each env's next window from its cursor instead (docs/design.md "Cursor"), so
+        that every recorded step is handed out once, consecutive windows sharing the bootstrap
+        step; recorded then also holds cursor_first, cursor_lagged and cursor_overwritten
+        (int64 [B] on the CPU: where each window starts, the steps skipped before it for
+        --max-policy-lag and those that left the ring unseen).
         Gradients flow to the Parameters (the window's initial state is a constant)."""
         bits = _RECORDED_ALL if fields is None else _mask(fields, _RECORDED)
-        out, h_n, c_n, tape, obs, is_init, extras, smv = _forward_recorded_op(
+        op = _forward_cursor_op if cursor else _forward_recorded_op
+        out, h_n, c_n, tape, obs, is_init, extras, smv, *cur = op(
             self.target, _env_tensor(env_ids), int(steps), self._params(), self.input_size,
             self.hidden_size, self.extras_size, self._tape_wanted(), self.grads == "server", bits)
         rec = ForwardResult(out, h_n, c_n if self.cell == "lstm" else None, tape[0], tape[1],
@@ -652,6 +691,10 @@ class RemoteRecurrent(nn.Module):
                                 (obs, pb.RECORDED_OBS), (is_init, pb.RECORDED_IS_INIT),
                                 (extras, pb.RECORDED_EXTRAS),
                                 (smv, pb.RECORDED_STEP_MODEL_VERSION))))
+        if cursor:
+            first, lagged, overwritten = cur[0]
+            rec = rec._replace(cursor_first=first, cursor_lagged=lagged,
+                               cursor_overwritten=overwritten)
         return out, rec
 
     def step(self, env_ids, obs, is_init=None, extras=None):

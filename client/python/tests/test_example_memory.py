@@ -1,9 +1,10 @@
-"""The end-to-end example, short: actors that hold no weights step through the daemon, which
-holds the whole policy (GRU core, policy and value heads) and returns actions, and a PyTorch
-learner sending dL/d logits and dL/d value must lift the cue-recall success rate from chance
-(25%) to at least 80% within a minute on the CPU backend (4 cues, episodes of 3-10 steps;
-about 15-25 s on a loaded 2-core machine). The full run (examples/memory_task.py, default flags:
-8 cues, episodes of 4-20 steps) reaches 90% in about a minute there."""
+"""The end-to-end example, short: actors that hold no weights step freely through the daemon,
+which holds the whole policy (GRU core, policy and value heads) and returns actions, and a
+PyTorch learner taking cursor windows and sending dL/d logits and dL/d value must lift the
+cue-recall success rate from chance (25%) to at least 80% within a minute on the CPU backend (4
+cues, episodes of 3-10 steps; about 10-25 s on a loaded 2-core machine). The full run
+(examples/memory_task.py, default flags: 8 cues, episodes of 4-20 steps) reaches 90% in about a
+minute there."""
 
 import os
 import sys

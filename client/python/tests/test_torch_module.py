@@ -176,6 +176,53 @@ class RemoteRecurrentTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             core.forward_recorded(ids, 4, fields=("actions",))
 
+    def test_cursor_windows(self):
+        # Each env's next window, once: consecutive windows share the bootstrap step, and the
+        # counts the learner needs come back as tensors; steps of too old weights are skipped.
+        with daemon(cell="gru", input_size=I, hidden_size=H, trajectory_steps=16,
+                    max_policy_lag=1).start() as d:
+            c = d.client()
+            core = rnnd.torch.RemoteRecurrent(c, grads="server")
+            ids = [21, 22]
+            outs = []
+
+            def step(t0, n):
+                for t in range(t0, t0 + n):
+                    x = np.zeros((2, I), np.float32)
+                    x[:, 0] = t
+                    outs.append(c.step(ids, x, t == 0))
+            step(0, 5)
+            _, last = core.forward_recorded(ids, 3)
+            self.assertIsNone(last.cursor_first)  # the last steps: no cursor, none moved
+            for first in (0, 2):
+                out, rec = core.forward_recorded(ids, 3, cursor=True)
+                self.assertEqual(rec.cursor_first.dtype, torch.int64)
+                self.assertEqual(rec.cursor_first.tolist(), [first] * 2)
+                self.assertEqual(rec.cursor_lagged.tolist(), [0, 0])
+                self.assertEqual(rec.cursor_overwritten.tolist(), [0, 0])
+                self.assertEqual(rec.obs[:, :, 0].tolist(), [list(range(first, first + 3))] * 2)
+                if first == 0:  # the weights that stepped: replayed, what Step returned
+                    for t in range(3):
+                        np.testing.assert_allclose(out[:, t].detach().numpy(), outs[t],
+                                                   rtol=1e-5, atol=1e-6)
+                (out ** 2).sum().backward()
+                core.apply_gradients()
+            self.assertEqual(core.model_version, 2)
+            # Step 4 (version 0) is more than one version behind: skipped and counted.
+            step(5, 3)
+            _, rec = core.forward_recorded(ids, 3, fields=("obs",), cursor=True)
+            self.assertEqual(rec.cursor_first.tolist(), [5, 5])
+            self.assertEqual(rec.cursor_lagged.tolist(), [1, 1])
+            self.assertEqual(rec.obs[:, :, 0].tolist(), [[5, 6, 7]] * 2)
+            self.assertIsNone(rec.is_init)
+            # The ops: forward_recorded keeps its 8 outputs; forward_cursor adds cursor [3, B].
+            step(8, 2)
+            args = (d.target, torch.tensor(ids), 3, core._params(), I, H, 0, False, False)
+            self.assertEqual(len(rnnd.torch.ops.forward_recorded(*args)), 8)
+            *_, obs, _, _, _, cur = rnnd.torch.ops.forward_cursor(*args)
+            self.assertEqual(cur.tolist(), [[7, 7], [0, 0], [0, 0]])
+            self.assertEqual(obs[:, :, 0].tolist(), [[7, 8, 9]] * 2)
+
     def test_two_engines(self):
         # On several devices a tape id has bit 63 set: it must travel through the op's int64
         # tensor bit for bit.

@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
@@ -169,6 +170,18 @@ static int store_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     return 0;
 }
 
+// Zeroed host memory whose pages are mapped as they are first touched (none reserved), or NULL.
+static void *host_lazy(size_t bytes) {
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void host_lazy_free(void *p, size_t bytes) {
+    if (p)
+        munmap(p, bytes);
+}
+
 static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     const struct rnnd_config *c = &e->cfg;
     int rc;
@@ -247,8 +260,9 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
         what = "policy record of the trajectory store (lower --max-envs or --trajectory-steps)";
         size_t R = (size_t)e->store.R;
         e->prec_w = (size_t)(e->prow.W - e->prow.ndist) + 1;
-        if (e->be.ops->alloc_lazy(e->be.ctx, R * e->prec_w * sizeof(float), (void **)&e->prec) ||
-            e->be.ops->alloc_lazy(e->be.ctx, R, (void **)&e->pflags))
+        e->prec = host_lazy(R * e->prec_w * sizeof(float));
+        e->pflags = host_lazy(R);
+        if (e->prec == NULL || e->pflags == NULL)
             goto oom;
     }
     if (e->cfg.max_policy_lag > 0 && e->tdims.cap > 0) {
@@ -319,10 +333,8 @@ static void engine_close(struct rnnd_engine *e) {
     }
     e->be.ops->host_free(e->be.ctx, e->xfer);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
-    if (e->prec) {
-        e->be.ops->free_lazy(e->be.ctx, e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));
-        e->be.ops->free_lazy(e->be.ctx, e->pflags, (size_t)e->store.R);
-    }
+    host_lazy_free(e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));
+    host_lazy_free(e->pflags, (size_t)e->store.R);
     free(e->rec_host);
     free(e->tver);
     publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);

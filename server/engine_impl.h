@@ -56,8 +56,9 @@ struct rnnd_engine {
     bool policy;
     struct rnnd_policy_row prow;
     int enc_acts;
-    // A policy's record of each trajectory store row, in host memory (only the CPU backend runs
-    // policies), when the model has heads and steps are recorded: prec_w floats per row (the
+    // A policy's record of each trajectory store row, in host memory on every backend (the
+    // engine reads and writes it per row; mapped lazily: rows never recorded cost no memory),
+    // when the model has heads and steps are recorded: prec_w floats per row (the
     // policy row of rnnd_policy_row without its logits or mean, then the reward the env's next
     // step reports) and the done (bit 0) and truncated (bit 1) flags.
     float *prec;     // (R, prec_w)

@@ -56,7 +56,7 @@ def main():
         ids = np.arange(B, dtype=np.uint64)
         for t in range(T + 3):
             g.step(ids, rng.standard_normal((B, I)).astype(np.float32),
-                   is_init=rng.random(B) < 0.1)
+                   is_init=(rng.random(B) < 0.1) | (t == 0))
         check(g.transport == "grpc", "bytes client on gRPC")
 
         # 1. Equal bit for bit.

@@ -13,6 +13,7 @@ copying out; the daemon has finished writing when its reply arrives.
 Client uses this by itself for calls on CUDA tensors (``Client(transport="auto")``).
 """
 
+import ctypes
 import os
 
 import numpy as np
@@ -28,6 +29,21 @@ _WIRE = {"float32": (torch.float32, pb.FLOAT32), "bfloat16": (torch.bfloat16, pb
          "float16": (torch.float16, pb.FLOAT16)}
 
 
+def _export(ptr):
+    """(cudaIpcMemHandle_t bytes of the allocation holding device pointer ptr, ptr's offset in
+    it), from the driver (libcuda), in the context current on this thread (PyTorch's)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    handle = ctypes.create_string_buffer(64)
+    rc = cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc == 0:
+        rc = cu.cuIpcGetMemHandle(handle, base)
+    if rc != 0:
+        raise RuntimeError("CUDA IPC cannot export this tensor's memory (driver error %d; "
+                           "expandable segments cannot be exported)" % rc)
+    return handle.raw, ptr - base.value
+
+
 class Region(_shm.Spans):
     """``size`` bytes of GPU memory on ``device`` shared with the daemon."""
 
@@ -40,13 +56,10 @@ class Region(_shm.Spans):
         torch.cuda.synchronize(self.device)
 
     def register(self, call):
-        storage = self.mem.untyped_storage()
-        # (device, handle, bytes, offset of the storage in the allocation, ...): torch's own
-        # export, which multiprocessing uses for CUDA tensors.
-        _, handle, _, offset = storage._share_cuda_()[:4]
+        with torch.cuda.device(self.device):
+            handle, offset = _export(self.mem.data_ptr())
         req = pb.RegisterRegionRequest(cuda=pb.CudaRegion(
-            ipc_handle=handle, offset=offset + self.mem.storage_offset(), size=self.size,
-            key=self.key, pid=os.getpid()))
+            ipc_handle=handle, offset=offset, size=self.size, key=self.key, pid=os.getpid()))
         self.id = call("RegisterRegion", req).region
         return self
 

@@ -217,6 +217,13 @@ static void policy_row_gather(const struct rnnd_engine *e, const struct row_task
         row[pr->value] = ((const float *)(outb + l->value))[i];
 }
 
+// Row r of a job's core output from H fp32 values, in the reply's dtype (narrowed here, where
+// the row is in cache, rather than in a second pass over the reply).
+static void out_row(struct rnnd_step_job *s, int r, const float *src, size_t H) {
+    size_t fb = rnnd_ftype_bytes(s->out_dtype);
+    rnnd_cast_host((char *)s->out + (size_t)r * H * fb, s->out_dtype, src, RNND_FTYPE_F32, H);
+}
+
 // Rows first..last-1 of the input block: obs, is_init, state rows, sampling keys, and where
 // each is recorded.
 static void gather_rows(struct row_task *t, int first, int last) {
@@ -289,7 +296,7 @@ static void finish_rows(struct row_task *t, int first, int last) {
             env->has_index = false;
         }
         const float *out = h_out + (size_t)i * H;
-        memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
+        out_row(s, r, out, H);
         if (W)
             policy_row_gather(e, t, i, s->pol + (size_t)r * W);
         if (e->prec) {
@@ -466,7 +473,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             struct rnnd_env *env = s->envs[r];
             if (s->repeat[r]) {
                 const float *cache = rnnd_envtable_output(e->envs, env);
-                memcpy(s->out + (size_t)r * H, cache, H * sizeof(float));
+                out_row(s, r, cache, H);
                 if (e->prow.W)
                     memcpy(s->pol + (size_t)r * (size_t)e->prow.W, cache + H,
                            (size_t)e->prow.W * sizeof(float));

@@ -565,9 +565,9 @@ static void test_policy_steps(void **state) {
 
 // Big batches on the row workers (--reply-threads 2): requests of NBIG envs in random order, with
 // resets, numbered steps, whole requests resent and requests where some envs resend their last
-// step while the others advance. Every row is checked against the per-env sequential reference
-// (a resent row against its first answer, bit for bit); at the end each env's recorded steps
-// (obs, is_init, outputs) against what was sent.
+// step while the others advance, some with bf16 replies. Every row is checked against the
+// per-env sequential reference (a resent row against its first answer, bit for bit); at the end
+// each env's recorded steps (obs, is_init, outputs) against what was sent.
 #define NBIG 640 // over the row workers' threshold, in one batch
 #define TREC 4   // recorded steps checked per env
 
@@ -637,7 +637,27 @@ static void test_big_batches(void **state) {
                                     .n_step_index = NBIG,
                                     .step_index = b->idx};
         struct rnnd_step_reply rep;
-        EXPECT_OK(rnnd_client_step(c, &req, &rep));
+        if (round % 6 == 3) {
+            // bf16 replies, then the same request with fp32 replies: every row resends, so
+            // its cached fp32 output comes back, and narrowed it is the bf16 reply bit for bit.
+            req.reply_dtype = RNND_DTYPE_BFLOAT16;
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+            assert_int_equal(rep.output.dtype, RNND_DTYPE_BFLOAT16);
+            assert_int_equal(rep.output.nbytes, sizeof(uint16_t) * NBIG * H_);
+            uint16_t *bf = malloc(rep.output.nbytes);
+            memcpy(bf, rep.output.data, rep.output.nbytes);
+            rnnd_step_reply_free(&rep);
+            req.reply_dtype = RNND_DTYPE_FLOAT32;
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+            uint16_t *narrowed = malloc(sizeof(uint16_t) * NBIG * H_);
+            rnnd_cast_host(narrowed, RNND_FTYPE_BF16, rep.output.data, RNND_FTYPE_F32,
+                           (size_t)NBIG * H_);
+            assert_memory_equal(bf, narrowed, sizeof(uint16_t) * NBIG * H_);
+            free(bf);
+            free(narrowed);
+        } else {
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+        }
         assert_tensor_f32(&rep.output, 2, NBIG, H_, 0, 0);
         const float *got = rep.output.data;
         if (resend) {

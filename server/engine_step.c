@@ -183,14 +183,16 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
     return RNND_BATCH_ADMIT;
 }
 
-// The per-row work after a step that needs no engine-wide state: copy the row's output to its
-// job (and to its env's cache for retries).
+// A batch's per-row work that needs no engine-wide state (rows of a batch belong to distinct
+// envs, so they touch disjoint memory): before the step, gathering each row's inputs into the
+// input block; after it, each env's bookkeeping and copying each row's output to its job (and to
+// its env's cache for retries), in chunks of rows that any row worker may take.
 struct row_task {
     struct rnnd_engine *e;
     int n;
-    const float *h_out;
-    const char *h_outb; // the output block (policy columns at lay's offsets)
+    void (*rows)(struct row_task *t, int first, int last);
     struct step_layout lay;
+    uint64_t version;
     _Atomic int next; // next chunk's first row
 };
 
@@ -199,19 +201,119 @@ static void policy_row_gather(const struct rnnd_engine *e, const struct row_task
                               float *row) {
     const struct rnnd_policy_row *pr = &e->prow;
     const struct step_layout *l = &t->lay;
+    const char *outb = e->h_outb;
     if (pr->dist >= 0) {
         size_t nd = (size_t)pr->ndist, na = (size_t)pr->naction;
-        memcpy(row + pr->dist, (const float *)(t->h_outb + l->dist) + (size_t)i * nd,
+        memcpy(row + pr->dist, (const float *)(outb + l->dist) + (size_t)i * nd,
                nd * sizeof(float));
         if (e->model.policy.K > 0)
-            row[pr->action] = (float)((const int64_t *)(t->h_outb + l->index))[i];
+            row[pr->action] = (float)((const int64_t *)(outb + l->index))[i];
         else
-            memcpy(row + pr->action, (const float *)(t->h_outb + l->action) + (size_t)i * na,
+            memcpy(row + pr->action, (const float *)(outb + l->action) + (size_t)i * na,
                    na * sizeof(float));
-        row[pr->logp] = ((const float *)(t->h_outb + l->logp))[i];
+        row[pr->logp] = ((const float *)(outb + l->logp))[i];
     }
     if (pr->value >= 0)
-        row[pr->value] = ((const float *)(t->h_outb + l->value))[i];
+        row[pr->value] = ((const float *)(outb + l->value))[i];
+}
+
+// Row r of a job's core output from H fp32 values, in the reply's dtype (narrowed here, where
+// the row is in cache, rather than in a second pass over the reply).
+static void out_row(struct rnnd_step_job *s, int r, const float *src, size_t H) {
+    size_t fb = rnnd_ftype_bytes(s->out_dtype);
+    rnnd_cast_host((char *)s->out + (size_t)r * H * fb, s->out_dtype, src, RNND_FTYPE_F32, H);
+}
+
+// Rows first..last-1 of the input block: obs, is_init, state rows, sampling keys, and where
+// each is recorded.
+static void gather_rows(struct row_task *t, int first, int last) {
+    struct rnnd_engine *e = t->e;
+    const struct step_layout *l = &t->lay;
+    size_t I = (size_t)e->model.I, E = (size_t)e->tdims.E;
+    bool record = e->tdims.cap > 0, act = e->prow.action >= 0;
+    char *in = e->h_in;
+    for (int i = first; i < last; i++) {
+        const struct rnnd_step_job *s = &e->rows[i].job->step;
+        int r = e->rows[i].row;
+        const struct rnnd_env *env = s->envs[r];
+        memcpy((float *)(in + l->x) + (size_t)i * I, s->obs + (size_t)r * I, I * sizeof(float));
+        ((uint8_t *)(in + l->init))[i] = s->is_init[r];
+        ((int32_t *)(in + l->slots))[i] = (int32_t)env_row(e, env);
+        ((int32_t *)(in + l->slots_new))[i] = (int32_t)env_row_next(e, env);
+        if (act) {
+            // The action's key: the step's index when the client numbers its steps (a replay,
+            // or a retry after the cache is gone, draws the same), else the env's own count
+            // of steps.
+            ((uint64_t *)(in + l->keys))[i] = s->env_ids[r];
+            ((uint64_t *)(in + l->ksteps))[i] = s->step_index ? s->step_index[r] : env->steps;
+            ((uint8_t *)(in + l->greedy))[i] = s->greedy;
+        }
+        if (record) {
+            // Where the step is recorded: the env's next ring position (taken only once the
+            // step has run, finish_rows).
+            ((int32_t *)(in + l->trows))[i] = rnnd_traj_next(&env->traj, &e->tdims, env->slot);
+            ((uint64_t *)(in + l->version))[i] = t->version;
+            float *x = (float *)(in + l->extras) + (size_t)i * E;
+            if (E && s->extras)
+                memcpy(x, s->extras + (size_t)r * E, E * sizeof(float));
+            else if (E)
+                memset(x, 0, E * sizeof(float));
+        }
+    }
+}
+
+// Rows first..last-1 once the step has run: each env's bookkeeping (its state row, its ring of
+// recorded steps, its retry index), then its output row and cached output. Use order (the env
+// table's list) is left to the caller: that list is shared.
+static void finish_rows(struct row_task *t, int first, int last) {
+    struct rnnd_engine *e = t->e;
+    size_t H = (size_t)e->model.H, W = (size_t)e->prow.W;
+    bool record = e->tdims.cap > 0;
+    const float *h_out = (const float *)(e->h_outb + t->lay.out);
+    for (int i = first; i < last; i++) {
+        struct rnnd_step_job *s = &e->rows[i].job->step;
+        int r = e->rows[i].row;
+        struct rnnd_env *env = s->envs[r];
+        env->half ^= 1; // its new state is in the other row now
+        env->steps++;
+        if (e->prec && env->traj.count > 0 && (s->reward || s->done || s->truncated)) {
+            // What the env's previous step earned, into that step's record (before this step's
+            // record is written: with one step per ring they are the same row).
+            int32_t prev = rnnd_traj_row(&env->traj, &e->tdims, env->slot, 1, 0);
+            e->prec[(size_t)prev * e->prec_w + e->prec_w - 1] = s->reward ? s->reward[r] : 0.0f;
+            e->pflags[prev] =
+                (uint8_t)((s->done && s->done[r]) | ((s->truncated && s->truncated[r]) << 1));
+        }
+        if (record && e->tver)
+            e->tver[rnnd_traj_next(&env->traj, &e->tdims, env->slot)] = t->version;
+        if (record)
+            rnnd_traj_push(&env->traj, &e->tdims);
+        if (s->step_index) {
+            env->has_index = true;
+            env->last_index = s->step_index[r];
+            env->out_version = t->version;
+        } else {
+            env->has_index = false;
+        }
+        const float *out = h_out + (size_t)i * H;
+        out_row(s, r, out, H);
+        if (W)
+            policy_row_gather(e, t, i, s->pol + (size_t)r * W);
+        if (e->prec) {
+            // The step's record: what the policy chose; its reward comes with the next step.
+            int32_t row = ((const int32_t *)(e->h_in + t->lay.trows))[i];
+            float *rec = e->prec + (size_t)row * e->prec_w;
+            memcpy(rec, s->pol + (size_t)r * W + e->prow.ndist, (e->prec_w - 1) * sizeof(float));
+            rec[e->prec_w - 1] = 0.0f;
+            e->pflags[row] = 0;
+        }
+        if (s->step_index) {
+            float *cache = rnnd_envtable_output(e->envs, env);
+            memcpy(cache, out, H * sizeof(float));
+            if (W)
+                memcpy(cache + H, s->pol + (size_t)r * W, W * sizeof(float));
+        }
+    }
 }
 
 #define ROW_CHUNK        64
@@ -223,46 +325,21 @@ static void rows_run(void *arg, int k, int n) {
     (void)k;
     (void)n;
     struct row_task *t = arg;
-    struct rnnd_engine *e = t->e;
-    size_t H = (size_t)e->model.H;
     for (;;) {
         int first = atomic_fetch_add(&t->next, ROW_CHUNK);
         if (first >= t->n)
             return;
-        int last = first + ROW_CHUNK < t->n ? first + ROW_CHUNK : t->n;
-        for (int i = first; i < last; i++) {
-            struct rnnd_step_job *s = &e->rows[i].job->step;
-            int r = e->rows[i].row;
-            struct rnnd_env *env = s->envs[r];
-            const float *out = t->h_out + (size_t)i * H;
-            memcpy(s->out + (size_t)r * H, out, H * sizeof(float));
-            size_t W = (size_t)e->prow.W;
-            if (W)
-                policy_row_gather(e, t, i, s->pol + (size_t)r * W);
-            if (e->prec) {
-                // The step's record: what the policy chose; its reward comes with the next step.
-                int32_t row = ((const int32_t *)(e->h_in + t->lay.trows))[i];
-                float *rec = e->prec + (size_t)row * e->prec_w;
-                memcpy(rec, s->pol + (size_t)r * W + e->prow.ndist,
-                       (e->prec_w - 1) * sizeof(float));
-                rec[e->prec_w - 1] = 0.0f;
-                e->pflags[row] = 0;
-            }
-            if (s->step_index) {
-                float *cache = rnnd_envtable_output(e->envs, env);
-                memcpy(cache, out, H * sizeof(float));
-                if (W)
-                    memcpy(cache + H, s->pol + (size_t)r * W, W * sizeof(float));
-            }
-        }
+        t->rows(t, first, first + ROW_CHUNK < t->n ? first + ROW_CHUNK : t->n);
     }
 }
 
-// Runs t over all its rows, with the row workers when there are many, and returns when every
-// row is done (the task lives on the caller's stack).
-static void rows_parallel(struct rnnd_engine *e, struct row_task *t) {
-    int parts = t->n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
-    rnnd_threadpool_run(e->row_workers, parts, rows_run, t);
+// Runs fn over rows 0..n-1, with the row workers when there are many, and returns when every
+// row is done (the task lives on this stack).
+static void rows_parallel(struct rnnd_engine *e, int n, const struct step_layout *lay,
+                          uint64_t version, void (*fn)(struct row_task *, int, int)) {
+    struct row_task t = {.e = e, .n = n, .rows = fn, .lay = *lay, .version = version};
+    int parts = n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
+    rnnd_threadpool_run(e->row_workers, parts, rows_run, &t);
 }
 
 // Sends a finished Step's reply, on a reply thread.
@@ -273,60 +350,25 @@ static void reply_send(struct rnnd_threadpool_task *t) {
 
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     uint64_t now = rnnd_now_ns();
-    size_t I = (size_t)e->model.I, H = (size_t)e->model.H, LH = e->LH;
+    size_t H = (size_t)e->model.H, LH = e->LH;
     size_t E = (size_t)e->tdims.E;
     bool record = e->tdims.cap > 0;
     uint64_t version = e->cur->version;
-    int n = 0;
-    for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next)
-        for (int r = 0; r < job->step.B; r++)
-            n += !job->step.repeat[r];
-    struct step_layout lay = rnnd__engine_step_layout(e, n);
-    float *h_x = (float *)(e->h_in + lay.x), *h_out = (float *)(e->h_outb + lay.out);
-    int32_t *h_slots = (int32_t *)(e->h_in + lay.slots);
-    int32_t *h_slots_new = (int32_t *)(e->h_in + lay.slots_new);
-    uint8_t *h_init = (uint8_t *)(e->h_in + lay.init);
-    float *h_extras = (float *)(e->h_in + lay.extras);
-    int32_t *h_trows = (int32_t *)(e->h_in + lay.trows);
-    uint64_t *h_version = (uint64_t *)(e->h_in + lay.version);
-    uint64_t *h_keys = (uint64_t *)(e->h_in + lay.keys);
-    uint64_t *h_ksteps = (uint64_t *)(e->h_in + lay.ksteps);
-    uint8_t *h_greedy = (uint8_t *)(e->h_in + lay.greedy);
     bool act = e->prow.action >= 0;
-    n = 0;
+    // The rows to compute, in job order (a repeated row is answered from its env's cache).
+    int n = 0;
     for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
         struct rnnd_step_job *s = &job->step;
         rnnd_histogram_observe(&rnnd_metrics.queue_delay, now - job->item.enqueued_ns);
-        for (int r = 0; r < s->B; r++) {
-            if (s->repeat[r])
-                continue;
-            struct rnnd_env *env = s->envs[r];
-            memcpy(h_x + (size_t)n * I, s->obs + (size_t)r * I, I * sizeof(float));
-            h_init[n] = s->is_init[r];
-            h_slots[n] = (int32_t)env_row(e, env);
-            h_slots_new[n] = (int32_t)env_row_next(e, env);
-            if (act) {
-                // The action's key: the step's index when the client numbers its steps (a
-                // replay, or a retry after the cache is gone, draws the same), else the env's
-                // own count of steps.
-                h_keys[n] = s->env_ids[r];
-                h_ksteps[n] = s->step_index ? s->step_index[r] : env->steps;
-                h_greedy[n] = s->greedy;
-            }
-            if (record) {
-                // Where the step is recorded: the env's next ring position (taken only once
-                // the step has run, below). Envs are unique in a batch, so are these rows.
-                h_trows[n] = rnnd_traj_next(&env->traj, &e->tdims, env->slot);
-                h_version[n] = version;
-                if (E && s->extras)
-                    memcpy(h_extras + (size_t)n * E, s->extras + (size_t)r * E, E * sizeof(float));
-                else if (E)
-                    memset(h_extras + (size_t)n * E, 0, E * sizeof(float));
-            }
-            e->rows[n] = (struct row_ref){job, r};
-            n++;
-        }
+        for (int r = 0; r < s->B; r++)
+            if (!s->repeat[r])
+                e->rows[n++] = (struct row_ref){job, r};
     }
+    struct step_layout lay = rnnd__engine_step_layout(e, n);
+    // The gather stays on this thread: at about 12 ns a row, waking the row workers for it cost
+    // more than it saved (1024 rows: 12 -> 60-120 ns a row with 2 workers on 2 busy cores).
+    struct row_task gt = {.e = e, .n = n, .lay = lay, .version = version};
+    gather_rows(&gt, 0, n);
     int rc = 0;
     uint64_t t_kernel = rnnd_now_ns();
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_GATHER], t_kernel - now,
@@ -409,39 +451,13 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             rnnd_panic(__FILE__, __LINE__, "backend step failed: %s", rnnd_strerror(rc));
         rnnd_log(RNND_LOG_ERROR, "backend step of %d rows failed: %s", n, rnnd_strerror(rc));
     }
-    // Per computed row: the env's bookkeeping (here: its state row, its ring of recorded steps),
-    // then its output row and cached output (rows touch disjoint memory: split across the row
-    // workers when there are many).
+    // Per computed row: the env's bookkeeping and the row's outputs (finish_rows), then its
+    // place in the env table's use order (shared by every row: this thread).
     uint64_t t_update = rnnd_now_ns();
-    for (int i = 0; rc == 0 && i < n; i++) {
-        struct rnnd_step_job *s = &e->rows[i].job->step;
-        int r = e->rows[i].row;
-        struct rnnd_env *env = s->envs[r];
-        env->half ^= 1; // its new state is in the other row now
-        env->steps++;
-        if (e->prec && env->traj.count > 0 && (s->reward || s->done || s->truncated)) {
-            // What the env's previous step earned, into that step's record.
-            int32_t prev = rnnd_traj_row(&env->traj, &e->tdims, env->slot, 1, 0);
-            e->prec[(size_t)prev * e->prec_w + e->prec_w - 1] = s->reward ? s->reward[r] : 0.0f;
-            e->pflags[prev] =
-                (uint8_t)((s->done && s->done[r]) | ((s->truncated && s->truncated[r]) << 1));
-        }
-        if (record && e->tver)
-            e->tver[rnnd_traj_next(&env->traj, &e->tdims, env->slot)] = version;
-        if (record)
-            rnnd_traj_push(&env->traj, &e->tdims);
-        rnnd_envtable_touch(e->envs, env, now);
-        if (s->step_index) {
-            env->has_index = true;
-            env->last_index = s->step_index[r];
-            env->out_version = version;
-        } else {
-            env->has_index = false;
-        }
-    }
     if (rc == 0) {
-        struct row_task t = {.e = e, .n = n, .h_out = h_out, .h_outb = e->h_outb, .lay = lay};
-        rows_parallel(e, &t);
+        rows_parallel(e, n, &lay, version, finish_rows);
+        for (int i = 0; i < n; i++)
+            rnnd_envtable_touch(e->envs, e->rows[i].job->step.envs[e->rows[i].row], now);
     }
     // Gauges first: a client that reads them after its reply sees its envs.
     rnnd__engine_env_gauges(e);
@@ -460,7 +476,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             struct rnnd_env *env = s->envs[r];
             if (s->repeat[r]) {
                 const float *cache = rnnd_envtable_output(e->envs, env);
-                memcpy(s->out + (size_t)r * H, cache, H * sizeof(float));
+                out_row(s, r, cache, H);
                 if (e->prow.W)
                     memcpy(s->pol + (size_t)r * (size_t)e->prow.W, cache + H,
                            (size_t)e->prow.W * sizeof(float));

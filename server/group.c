@@ -227,7 +227,8 @@ static void step_merge(struct fan *f) {
             continue;
         for (int r = 0; r < q->B; r++) {
             int at = f->rows[i][r];
-            memcpy(s->out + (size_t)at * g->H, q->out + (size_t)r * g->H, g->H * sizeof(float));
+            size_t ob = g->H * rnnd_ftype_bytes(s->out_dtype);
+            memcpy((char *)s->out + (size_t)at * ob, (const char *)q->out + (size_t)r * ob, ob);
             if (s->pol)
                 memcpy(s->pol + (size_t)at * g->W, q->pol + (size_t)r * g->W, g->W * sizeof(float));
             if (s->return_state) {
@@ -304,7 +305,8 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
             q->reward = s->reward ? take(&b, nk * sizeof(float)) : NULL;
             q->done = s->done ? take(&b, nk) : NULL;
             q->truncated = s->truncated ? take(&b, nk) : NULL;
-            q->out = take(&b, nk * g->H * sizeof(float));
+            q->out = take(&b, nk * g->H * rnnd_ftype_bytes(s->out_dtype));
+            q->out_dtype = s->out_dtype;
             q->pol = s->pol ? take(&b, nk * g->W * sizeof(float)) : NULL;
             q->h = s->return_state ? take(&b, nk * g->LH * sizeof(float)) : NULL;
             q->c = s->return_state && g->lstm ? take(&b, nk * g->LH * sizeof(float)) : NULL;

@@ -92,10 +92,11 @@ struct rnnd_step_job {
     const float *reward;             // (B)
     const uint8_t *done, *truncated; // (B)
     // Outputs, allocated by the submitter:
-    float *out; // (B, H)
-    float *pol; // (B, W) of rnnd_policy_row, for a model with heads (else NULL)
-    float *h;   // (B, L, H) when return_state
-    float *c;   // (B, L, H) when return_state, LSTM
+    void *out;                 // (B, H) of out_dtype: the engine narrows rows as it copies them
+    enum rnnd_ftype out_dtype; // the reply's (the rest stays fp32)
+    float *pol;                // (B, W) of rnnd_policy_row, for a model with heads (else NULL)
+    float *h;                  // (B, L, H) when return_state
+    float *c;                  // (B, L, H) when return_state, LSTM
     // Engine scratch, allocated by the submitter:
     struct rnnd_env **envs; // (B)
     uint8_t *repeat;        // (B) 1: the row resends its env's last step_index

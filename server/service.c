@@ -141,9 +141,8 @@ static void step_done(struct rnnd_job *job) {
         Rnnd__V1__StepReply r = RNND__V1__STEP_REPLY__INIT;
         struct tout out, h, c;
         struct rnnd_policy_row pr = rnnd_policy_row(m);
-        if (pr.W == 0 || ex->return_core)
-            r.output =
-                tset(&out, narrow(st->out, B * (size_t)m->H, ft), st->out, 2, st->B, dims[0], 0, 0);
+        if (pr.W == 0 || ex->return_core) // in the reply's dtype already (struct rnnd_step_job)
+            r.output = tset(&out, rnnd_request_dtype_of(ft), st->out, 2, st->B, dims[0], 0, 0);
         r.model_version = job->model_version;
         struct tout act, logp, val, dist;
         if (pr.W) {
@@ -210,7 +209,8 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     struct alloc a = {0};
     struct rnnd_job *job;
     struct step_extra *ex;
-    float *out, *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL, *pol = NULL;
+    void *out;
+    float *h = NULL, *c = NULL, *obs32 = NULL, *extras32 = NULL, *pol = NULL;
     struct rnnd_policy_row pr = rnnd_policy_row(m);
     size_t W = (size_t)pr.W;
     struct step_extra unpacked = {0};
@@ -223,7 +223,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
             obs32 = take(&a, B * I * sizeof(float));
             extras32 = extras ? take(&a, B * E * sizeof(float)) : NULL;
         }
-        out = take(&a, B * H * sizeof(float));
+        out = take(&a, B * H * rnnd_ftype_bytes(dts.out));
         if (req->return_state) {
             h = take(&a, B * LH * sizeof(float));
             c = lstm ? take(&a, B * LH * sizeof(float)) : NULL;
@@ -242,7 +242,9 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         is_init = take(&a, B);
         done = req->n_done ? take(&a, B) : NULL;
         trunc = req->n_truncated ? take(&a, B) : NULL;
-        if (pass == 0 && (a.base = calloc(1, a.used)) == NULL) {
+        // Not zeroed: every array is written before it is read (by this function, the engine
+        // or step_done), and a big Step's output arrays would cost a pass over memory.
+        if (pass == 0 && (a.base = malloc(a.used)) == NULL) {
             rc = RNND_ENOMEM;
             snprintf(err, sizeof(err), "out of memory for a Step of %zu rows", B);
             goto bad;
@@ -257,6 +259,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         if (trunc)
             trunc[r] = req->truncated[r] != 0;
     }
+    memset(job, 0, sizeof(*job));
     *ex = unpacked;
     ex->out = dts.out;
     ex->return_logits = req->return_logits;
@@ -290,6 +293,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
         .done = done,
         .truncated = trunc,
         .out = out,
+        .out_dtype = dts.out,
         .pol = pol,
         .h = h,
         .c = c,

@@ -563,6 +563,154 @@ static void test_policy_steps(void **state) {
     daemon_teardown(&d);
 }
 
+// Big batches on the row workers (--reply-threads 2): requests of NBIG envs in random order, with
+// resets, numbered steps, whole requests resent and requests where some envs resend their last
+// step while the others advance, some with bf16 replies. Every row is checked against the
+// per-env sequential reference (a resent row against its first answer, bit for bit); at the end
+// each env's recorded steps (obs, is_init, outputs) against what was sent.
+#define NBIG 640 // over the row workers' threshold, in one batch
+#define TREC 4   // recorded steps checked per env
+
+struct big {
+    uint64_t ids[NBIG], idx[NBIG], last[NBIG];
+    int32_t slots[NBIG];
+    bool init[NBIG];
+    float obs[NBIG * I_], out[NBIG * H_];
+    float last_out[NBIG * H_];     // each env's latest answer
+    float rec_obs[NBIG][TREC][I_]; // each env's last TREC computed steps, oldest first
+    float rec_out[NBIG][TREC][H_];
+    bool rec_init[NBIG][TREC];
+};
+
+static void big_record(struct big *b, int k, const float *x, bool init, const float *out) {
+    memmove(b->rec_obs[k][0], b->rec_obs[k][1], sizeof(b->rec_obs[k][0]) * (TREC - 1));
+    memmove(b->rec_out[k][0], b->rec_out[k][1], sizeof(b->rec_out[k][0]) * (TREC - 1));
+    memmove(&b->rec_init[k][0], &b->rec_init[k][1], sizeof(bool) * (TREC - 1));
+    memcpy(b->rec_obs[k][TREC - 1], x, sizeof(b->rec_obs[k][0]));
+    memcpy(b->rec_out[k][TREC - 1], out, sizeof(b->rec_out[k][0]));
+    b->rec_init[k][TREC - 1] = init;
+}
+
+static void test_big_batches(void **state) {
+    (void)state;
+    const char *args[] = {
+        "--cell",      "gru",  "--input-size",    "16", "--hidden-size", "32", "--layers", "2",
+        "--max-batch", "1024", "--reply-threads", "2",  "--seed",        "3",  NULL};
+    struct daemon d;
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    struct ref ref;
+    ref_init(&ref, c, NBIG);
+    struct big *b = calloc(1, sizeof *b);
+    struct rng g = {17};
+    uint64_t base = 3000000000000ull;
+    float *want = malloc(sizeof(float) * NBIG * H_);
+    for (int round = 0; round < 16; round++) {
+        int perm[NBIG];
+        rng_perm(&g, perm, NBIG);
+        // Round 5 resends round 4 as a whole; rounds 6, 9, 12, ... resend some envs' last step.
+        bool resend = round == 5, mixed = round > 5 && round % 3 == 0;
+        int ncomp = 0;
+        int32_t comp_slots[NBIG];
+        float comp_obs[NBIG * I_];
+        bool comp_init[NBIG];
+        for (int r = 0; r < NBIG && !resend; r++) {
+            int k = perm[r];
+            b->slots[r] = k;
+            b->ids[r] = env_id(base, k);
+            bool again = mixed && rng_u(&g, 3) == 0;
+            b->idx[r] = again ? b->last[k] : round == 0 ? 0 : ++b->last[k];
+            b->init[r] = !again && (round == 0 || rng_u(&g, 10) == 0);
+            rng_fill(&g, b->obs + (size_t)r * I_, I_);
+            if (again)
+                continue;
+            comp_slots[ncomp] = k;
+            comp_init[ncomp] = b->init[r];
+            memcpy(comp_obs + (size_t)ncomp * I_, b->obs + (size_t)r * I_, sizeof(float) * I_);
+            ncomp++;
+        }
+        struct rnnd_step_req req = {.n_env_ids = NBIG,
+                                    .env_ids = b->ids,
+                                    .obs = rnnd_tensor_f32(b->obs, 2, NBIG, I_, 0, 0),
+                                    .n_is_init = NBIG,
+                                    .is_init = b->init,
+                                    .n_step_index = NBIG,
+                                    .step_index = b->idx};
+        struct rnnd_step_reply rep;
+        if (round % 6 == 3) {
+            // bf16 replies, then the same request with fp32 replies: every row resends, so
+            // its cached fp32 output comes back, and narrowed it is the bf16 reply bit for bit.
+            req.reply_dtype = RNND_DTYPE_BFLOAT16;
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+            assert_int_equal(rep.output.dtype, RNND_DTYPE_BFLOAT16);
+            assert_int_equal(rep.output.nbytes, sizeof(uint16_t) * NBIG * H_);
+            uint16_t *bf = malloc(rep.output.nbytes);
+            memcpy(bf, rep.output.data, rep.output.nbytes);
+            rnnd_step_reply_free(&rep);
+            req.reply_dtype = RNND_DTYPE_FLOAT32;
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+            uint16_t *narrowed = malloc(sizeof(uint16_t) * NBIG * H_);
+            rnnd_cast_host(narrowed, RNND_FTYPE_BF16, rep.output.data, RNND_FTYPE_F32,
+                           (size_t)NBIG * H_);
+            assert_memory_equal(bf, narrowed, sizeof(uint16_t) * NBIG * H_);
+            free(bf);
+            free(narrowed);
+        } else {
+            EXPECT_OK(rnnd_client_step(c, &req, &rep));
+        }
+        assert_tensor_f32(&rep.output, 2, NBIG, H_, 0, 0);
+        const float *got = rep.output.data;
+        if (resend) {
+            assert_memory_equal(got, b->out, sizeof(float) * NBIG * H_);
+            rnnd_step_reply_free(&rep);
+            continue;
+        }
+        ref_step(&ref, ncomp, comp_slots, comp_obs, comp_init, want);
+        for (int r = 0, m = 0; r < NBIG; r++) {
+            int k = b->slots[r];
+            const float *row = got + (size_t)r * H_;
+            char what[64];
+            snprintf(what, sizeof what, "round %d row %d env %d", round, r, k);
+            if (m < ncomp && comp_slots[m] == k) {
+                assert_true(close_f32(what, row, want + (size_t)m * H_, H_, ATOL, RTOL));
+                big_record(b, k, b->obs + (size_t)r * I_, b->init[r], row);
+                m++;
+            } else {
+                assert_memory_equal(row, b->last_out + (size_t)k * H_, sizeof(float) * H_);
+            }
+            memcpy(b->last_out + (size_t)k * H_, row, sizeof(float) * H_);
+        }
+        memcpy(b->out, got, sizeof(float) * NBIG * H_);
+        rnnd_step_reply_free(&rep);
+    }
+    // The recorded steps: what each env was sent, and a replay that gives its answers.
+    uint64_t ids[NBIG];
+    for (int k = 0; k < NBIG; k++)
+        ids[k] = env_id(base, k);
+    struct rnnd_forward_req fr = {
+        .recorded = true, .n_env_ids = NBIG, .env_ids = ids, .steps = TREC};
+    struct rnnd_forward_reply fo;
+    EXPECT_OK(rnnd_client_forward(c, &fr, &fo));
+    assert_tensor_f32(&fo.obs, 3, NBIG, TREC, I_, 0);
+    assert_tensor_f32(&fo.output, 3, NBIG, TREC, H_, 0);
+    for (int k = 0; k < NBIG; k++) {
+        char what[64];
+        snprintf(what, sizeof what, "recorded env %d", k);
+        assert_memory_equal((const float *)fo.obs.data + (size_t)k * TREC * I_, b->rec_obs[k],
+                            sizeof b->rec_obs[k]);
+        for (int t = 0; t < TREC; t++)
+            assert_int_equal(((const uint8_t *)fo.is_init.data)[k * TREC + t], b->rec_init[k][t]);
+        assert_true(close_f32(what, (const float *)fo.output.data + (size_t)k * TREC * H_,
+                              &b->rec_out[k][0][0], TREC * H_, ATOL, RTOL));
+    }
+    rnnd_forward_reply_free(&fo);
+    free(want);
+    free(b);
+    ref_free(&ref);
+    rnnd_client_free(c);
+    daemon_teardown(&d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info),
@@ -578,5 +726,7 @@ int main(void) {
     fails += cmocka_run_group_tests_name("step (lstm)", tests, setup_lstm, teardown);
     const struct CMUnitTest policy[] = {cmocka_unit_test(test_policy_steps)};
     fails += cmocka_run_group_tests_name("step (policy)", policy, NULL, NULL);
+    const struct CMUnitTest big[] = {cmocka_unit_test(test_big_batches)};
+    fails += cmocka_run_group_tests_name("step (big batches)", big, NULL, NULL);
     return fails ? 1 : 0;
 }

@@ -703,11 +703,16 @@ static void *bench_main(void *arg) {
         } else {
             struct rnnd_step_reply r;
             err = s ? rnnd_client_stream_step(s, &req, &r) : rnnd_client_step(c, &req, &r);
-            if (err == 0 && r.output.dtype != b->dtype) {
+            // The core's output, or a policy's first float tensor (it sends no output).
+            const struct rnnd_tensor *f = r.output.present     ? &r.output
+                                          : r.log_prob.present ? &r.log_prob
+                                                               : &r.value;
+            if (err == 0 && (!f->present || f->dtype != b->dtype)) {
                 if (!t->first_error[0])
                     snprintf(t->first_error, sizeof t->first_error,
                              "Step: the output came as %s, not the %s asked for",
-                             rnnd_dtype_name(r.output.dtype), rnnd_dtype_name(b->dtype));
+                             f->present ? rnnd_dtype_name(f->dtype) : "nothing",
+                             rnnd_dtype_name(b->dtype));
                 t->errors++;
             }
             rnnd_step_reply_free(&r);

@@ -18,7 +18,7 @@ import unittest
 
 import numpy as np
 
-from _common import daemon, rel_err, rnnd_binary, skip
+from _common import BACKEND, daemon, rel_err, rnnd_binary, skip
 
 try:
     import torch
@@ -354,8 +354,10 @@ class Steps(unittest.TestCase):
             self.assertIn("records no rewards", str(e.exception))
 
     def test_two_devices_answer_as_one(self):
-        # --devices 0,1 on the CPU backend: Steps split by env over two engines, the policy rows
-        # merged, and a recorded Forward's policy fields scattered back from both.
+        # --devices 0,1: Steps split by env over two engines, the policy rows merged, and a
+        # recorded Forward's policy fields scattered back from both.
+        if BACKEND == "cuda" and torch.cuda.device_count() < 2:
+            self.skipTest("--devices 0,1 on the CUDA backend needs two GPUs")
         rng = np.random.default_rng(13)
         obs, is_init = self.inputs(rng)
         ids = np.arange(self.B)

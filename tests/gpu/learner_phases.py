@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+# Where a CUDA-region learner iteration's time goes (B=2048 T=64 I=64 H=128), phase by phase, then cProfile.
+import cProfile, pstats, statistics, sys, time
+import numpy as np, torch
+import rnnd, rnnd.torch
+B, T, I, H = 2048, 64, 64, 128
+dev = torch.device("cuda")
+d = rnnd.Daemon(backend="cuda", input_size=I, hidden_size=H, max_envs=4096, max_batch=2048,
+                trajectory_steps=T, max_message_mb=512, tape_memory_mb=8192).start()
+try:
+    c = rnnd.Client(d.target)
+    rng = np.random.default_rng(0)
+    ids = np.arange(B, dtype=np.uint64)
+    for t in range(T):
+        c.step(ids, rng.standard_normal((B, I)).astype(np.float32), is_init=(rng.random(B) < 0.01) | (t == 0))
+    core = rnnd.torch.RemoteRecurrent(c, grads="server").to(dev)
+    head = torch.nn.Linear(H, 1).to(dev); opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+    y = torch.randn(B, T, 1, device=dev)
+    ph = {k: [] for k in ("forward", "loss", "backward", "apply", "opt", "rpc_info", "total")}
+    def it(rec=True):
+        s = time.perf_counter()
+        out, _ = core.forward_recorded(ids, T, fields=("is_init",)); torch.cuda.synchronize(); a = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(head(out), y); opt.zero_grad(); torch.cuda.synchronize(); b = time.perf_counter()
+        loss.backward(); torch.cuda.synchronize(); cc = time.perf_counter()
+        core.apply_gradients(pull=False); e = time.perf_counter()
+        opt.step(); torch.cuda.synchronize(); f = time.perf_counter()
+        c.info(); g = time.perf_counter()
+        if rec:
+            for k, v in zip(ph, (a - s, b - a, cc - b, e - cc, f - e, g - f, f - s)):
+                ph[k].append(v * 1e3)
+    for _ in range(5): it(False)
+    for _ in range(30): it()
+    print("transport", c.transport)
+    for k, v in ph.items():
+        print("%-10s median %.3f ms" % (k, statistics.median(v)))
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(20): it(False)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+finally:
+    d.stop()

@@ -182,6 +182,20 @@ static void host_lazy_free(void *p, size_t bytes) {
         munmap(p, bytes);
 }
 
+// A Backward with apply (one engine alone, the service checked): the ApplyGradients step it
+// asks for, as that call would run it, right after the gradients were accumulated.
+static void backward_apply(struct rnnd_engine *e, struct rnnd_job *job) {
+    struct rnnd_job a = {.kind = RNND_JOB_APPLY, .apply = {.root = -1}};
+    rnnd__engine_run_apply(e, &a);
+    if (a.err)
+        rnnd_job_fail(job, a.err,
+                      "the gradients were accumulated (as Backward with accumulate alone), "
+                      "then the update failed: %s",
+                      a.msg);
+    else
+        job->model_version = a.model_version;
+}
+
 static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     const struct rnnd_config *c = &e->cfg;
     int rc;
@@ -390,10 +404,13 @@ static void run_control(struct rnnd_engine *e, struct rnnd_job *job) {
                 rnnd__engine_run_forward(e, job, NULL);
             break;
         case RNND_JOB_BACKWARD:
-            if (job->bwd.part)
+            if (job->bwd.part) {
                 rnnd__engine_run_backward_part(e, job);
-            else
+            } else {
                 rnnd__engine_run_backward(e, job, NULL, rnnd_now_ns());
+                if (job->err == 0 && job->bwd.apply)
+                    backward_apply(e, job);
+            }
             break;
         case RNND_JOB_COMM:
             rnnd__engine_run_comm(e, job);

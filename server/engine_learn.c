@@ -397,11 +397,18 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
                 f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T, have);
         if (idx == NULL)
             continue;
+        // The window's rows follow each other around the env's ring: its first one, then a
+        // step each (131k rows for B=2048 T=64: no per-row division here).
         int32_t *row = idx + (size_t)b * (size_t)T;
-        for (int t = 0; t < T; t++)
-            row[t] = f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot,
-                                                  f->cur_first[b] + (uint64_t)t)
-                               : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, t);
+        int32_t base = env->slot * e->tdims.cap;
+        int32_t pos =
+            (f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot, f->cur_first[b])
+                       : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, 0)) -
+            base;
+        for (int t = 0; t < T; t++) {
+            row[t] = base + pos;
+            pos = pos + 1 == e->tdims.cap ? 0 : pos + 1;
+        }
         idx[(size_t)B * (size_t)T + (size_t)b] = row[0];
     }
     return 0;

@@ -200,6 +200,7 @@ struct rnnd_backward_job {
     const void *grad_c_n;       // (B, L, H) or NULL
     int grad_h_n_B, grad_c_n_B; // their first dims as sent
     bool accumulate;
+    bool apply;           // then an ApplyGradients step on the accumulated buffer (one engine)
     bool input_grads_set; // false: every input gradient the Forward had, else these:
     unsigned input_grads; // RNND_GRAD_* bits (asking for an input the Forward had not is
                           // refused)

@@ -715,6 +715,11 @@ int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__B
     memset(g, 0, sizeof(*g));
     g->tape_id = req->tape_id;
     g->accumulate = req->accumulate;
+    g->apply = req->apply;
+    if (g->apply && !g->accumulate)
+        return errf(err, RNND_EINVAL,
+                    "apply steps on the accumulated gradients: send accumulate=true with it, or "
+                    "call ApplyGradients with the gradients");
     g->input_grads_set =
         req->_input_grads_case == RNND__V1__BACKWARD_REQUEST___INPUT_GRADS_INPUT_GRADS;
     g->input_grads = g->input_grads_set ? req->input_grads : RNND_GRAD_ALL;

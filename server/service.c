@@ -529,6 +529,7 @@ static void backward_done(struct rnnd_job *job) {
             r.grad_hidden = tset(&ghid, dt, g->grad_hidden, 4, B, T, L, H);
         if (g->grad_cell)
             r.grad_cell = tset(&gcell, dt, g->grad_cell, 4, B, T, L, H);
+        r.model_version = job->model_version;
         rnnd_call_reply(call, &r.base);
     }
     free(job);
@@ -543,6 +544,13 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
     bool dev_in = rnnd_call_device_in(call);
     int rc = counted(rnnd_request_backward(lim, req, &g, dev_in, err));
+    if (rc == 0 && g.apply && (rnnd_group_devices(s->group) > 1 || s->cfg->world_size > 1)) {
+        rc = RNND_EPRECOND;
+        snprintf(err, sizeof(err),
+                 "apply in Backward needs a daemon on one device alone (this one has %d "
+                 "device(s) and --world-size %d): send ApplyGradients after Backward",
+                 rnnd_group_devices(s->group), s->cfg->world_size);
+    }
     if (rc == 0)
         rc = rnnd_call_reserve(call, rnnd_request_backward_reply_bytes(lim, &g), err, sizeof(err));
     if (rc != 0)

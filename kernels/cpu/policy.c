@@ -222,39 +222,6 @@ int rnnd__cpu_heads_backward(struct cpu_ctx *c, float *grad_params, float *grad_
 // ---------------------------------------------------------------------------------------------
 // Actions
 
-static void categorical_stats(const float *l, int K, int64_t a, float *logp, float *entropy) {
-    float mx = l[0];
-    for (int k = 1; k < K; k++)
-        mx = fmaxf(mx, l[k]);
-    double S = 0.0, dot = 0.0;
-    for (int k = 0; k < K; k++) {
-        double e = exp((double)l[k] - mx);
-        S += e;
-        dot += e * ((double)l[k] - mx);
-    }
-    double lnS = log(S);
-    if (logp)
-        *logp = (float)((double)l[a] - mx - lnS);
-    if (entropy)
-        *entropy = (float)(lnS - dot / S);
-}
-
-#define HALF_LN_2PI 0.91893853320467274178
-
-static void gaussian_stats(const float *mean, const float *log_std, const float *x, int A,
-                           float *logp, float *entropy) {
-    double lp = 0.0, ent = 0.0;
-    for (int j = 0; j < A; j++) {
-        double z = ((double)x[j] - mean[j]) * exp(-(double)log_std[j]);
-        lp += -0.5 * z * z - log_std[j] - HALF_LN_2PI;
-        ent += 0.5 + HALF_LN_2PI + log_std[j];
-    }
-    if (logp)
-        *logp = (float)lp;
-    if (entropy)
-        *entropy = (float)ent;
-}
-
 // logp and entropy of each row's action (read from a).
 static void action_stats(const struct rnnd_actions *a, const float *params,
                          const struct rnnd_model *m) {
@@ -263,10 +230,10 @@ static void action_stats(const struct rnnd_actions *a, const float *params,
     for (size_t r = 0; r < (size_t)a->N; r++) {
         float *lp = a->logp ? a->logp + r : NULL, *ent = a->entropy ? a->entropy + r : NULL;
         if (p->K)
-            categorical_stats(a->logits + r * (size_t)p->K, p->K, a->index[r], lp, ent);
+            rnnd_categorical_stats(a->logits + r * (size_t)p->K, p->K, a->index[r], lp, ent);
         else
-            gaussian_stats(a->mean + r * (size_t)p->A, ls, a->action + r * (size_t)p->A, p->A, lp,
-                           ent);
+            rnnd_gaussian_stats(a->mean + r * (size_t)p->A, ls, a->action + r * (size_t)p->A, p->A,
+                                lp, ent);
     }
 }
 

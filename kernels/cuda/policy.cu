@@ -200,41 +200,6 @@ struct action_args {
     int *bad; // policy_logp: set where an index is out of range
 };
 
-#define HALF_LN_2PI 0.91893853320467274178
-
-// policy.c's categorical_stats and gaussian_stats, the same fp64 sums.
-static __device__ void categorical_stats(const float *l, int K, int64_t a, float *logp,
-                                         float *entropy) {
-    float mx = l[0];
-    for (int k = 1; k < K; k++)
-        mx = fmaxf(mx, l[k]);
-    double S = 0.0, dot = 0.0;
-    for (int k = 0; k < K; k++) {
-        double e = exp((double)l[k] - mx);
-        S += e;
-        dot += e * ((double)l[k] - mx);
-    }
-    double lnS = log(S);
-    if (logp)
-        *logp = (float)((double)l[a] - mx - lnS);
-    if (entropy)
-        *entropy = (float)(lnS - dot / S);
-}
-
-static __device__ void gaussian_stats(const float *mean, const float *log_std, const float *x,
-                                      int A, float *logp, float *entropy) {
-    double lp = 0.0, ent = 0.0;
-    for (int j = 0; j < A; j++) {
-        double z = ((double)x[j] - mean[j]) * exp(-(double)log_std[j]);
-        lp += -0.5 * z * z - log_std[j] - HALF_LN_2PI;
-        ent += 0.5 + HALF_LN_2PI + log_std[j];
-    }
-    if (logp)
-        *logp = (float)lp;
-    if (entropy)
-        *entropy = (float)ent;
-}
-
 // Row r's action (drawn, the mode, or read), then its logp and entropy: policy.c's
 // rnnd__cpu_policy_sample and action_stats for one row.
 static __global__ void __launch_bounds__(ROW_THREADS) action_kernel(action_args a) {
@@ -264,7 +229,7 @@ static __global__ void __launch_bounds__(ROW_THREADS) action_kernel(action_args 
         if (a.sample)
             a.index[r] = best;
         if (lp || ent)
-            categorical_stats(l, a.K, best, lp, ent);
+            rnnd_categorical_stats(l, a.K, best, lp, ent);
         return;
     }
     const float *mu = a.mean + r * a.A;
@@ -281,7 +246,7 @@ static __global__ void __launch_bounds__(ROW_THREADS) action_kernel(action_args 
             x[j] = __fadd_rn(mu[j], __fmul_rn(RNND_EXPF(a.log_std[j]), x[j]));
     }
     if (lp || ent)
-        gaussian_stats(mu, a.log_std, x, a.A, lp, ent);
+        rnnd_gaussian_stats(mu, a.log_std, x, a.A, lp, ent);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 /*
- * rnnd_philox.h: the counter-based generator that draws the policy's actions, and the draws
- * themselves (categorical by inverse CDF, Gaussian by Box-Muller). Header-only and plain C that
+ * rnnd_philox.h: the counter-based generator that draws the policy's actions, the draws
+ * themselves (categorical by inverse CDF, Gaussian by Box-Muller) and the log-probability and
+ * entropy of an action (fp64 sums). Header-only and plain C that
  * nvcc also compiles (RNND_HD marks every function __host__ __device__ there), so the CPU
  * backend and the CUDA kernels run the same code on the same key.
  *
@@ -136,6 +137,42 @@ static inline RNND_HD void rnnd_sample_normals(const uint32_t key[2], uint64_t s
                 z[j + 2 * p + 1] = r * RNND_SINF(t);
         }
     }
+}
+
+// The log-probability of action a under softmax(l[0 .. K-1]) and the distribution's entropy, in
+// fp64 sums (either output may be NULL).
+static inline RNND_HD void rnnd_categorical_stats(const float *l, int K, int64_t a, float *logp,
+                                                  float *entropy) {
+    float mx = l[0];
+    for (int k = 1; k < K; k++)
+        mx = fmaxf(mx, l[k]);
+    double S = 0.0, dot = 0.0;
+    for (int k = 0; k < K; k++) {
+        double e = exp((double)l[k] - mx);
+        S += e;
+        dot += e * ((double)l[k] - mx);
+    }
+    double lnS = log(S);
+    if (logp)
+        *logp = (float)((double)l[a] - mx - lnS);
+    if (entropy)
+        *entropy = (float)(lnS - dot / S);
+}
+
+// The same for action x (A values) under the diagonal Gaussian N(mean, exp(log_std)^2).
+static inline RNND_HD void rnnd_gaussian_stats(const float *mean, const float *log_std,
+                                               const float *x, int A, float *logp, float *entropy) {
+    const double half_ln_2pi = 0.91893853320467274178;
+    double lp = 0.0, ent = 0.0;
+    for (int j = 0; j < A; j++) {
+        double z = ((double)x[j] - mean[j]) * exp(-(double)log_std[j]);
+        lp += -0.5 * z * z - log_std[j] - half_ln_2pi;
+        ent += 0.5 + half_ln_2pi + log_std[j];
+    }
+    if (logp)
+        *logp = (float)lp;
+    if (entropy)
+        *entropy = (float)ent;
 }
 
 #endif // RNND_PHILOX_H

@@ -77,7 +77,7 @@ def row(name, sec, B, T, extra=""):
 
 def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
     """The rnnd learner loop through client: one row, with the daemon's own time per call."""
-    core = rnnd.torch.RemoteRecurrent(client, grads="server", wire=a.wire).to(dev)
+    core = rnnd.torch.RemoteRecurrent(client, grads=a.grads, wire=a.wire).to(dev)
     head = torch.nn.Linear(H, 1).to(dev)
     opt = torch.optim.Adam(head.parameters(), lr=1e-3)
 
@@ -107,7 +107,7 @@ def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
                 k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
                 parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
         extra = "daemon: " + ", ".join(parts)
-    row("rnnd %s (%s wire)" % (client.transport, a.wire), sec, B, T, extra)
+    row("rnnd %s (%s wire, %s)" % (client.transport, a.wire, a.grads), sec, B, T, extra)
     client.close()
 
 
@@ -130,6 +130,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    ap.add_argument("--grads", default="server", choices=("server", "apply"),
+                    help="RemoteRecurrent's grads: server (Backward, then ApplyGradients) or apply "
+                         "(Backward takes the optimizer step too: one call less)")
     ap.add_argument("--transports", default="auto",
                     help="comma-separated rnnd.Client transports, one rnnd row each "
                          "(auto, grpc, shm, cuda)")

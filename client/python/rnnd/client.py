@@ -79,7 +79,8 @@ ForwardResult = collections.namedtuple(
     defaults=(None,) * 13,
 )
 BackwardResult = collections.namedtuple(
-    "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell"
+    "BackwardResult", "grads grad_obs grad_h0 grad_c0 grad_hidden grad_cell model_version",
+    defaults=(None,),
 )
 Checkpoint = collections.namedtuple("Checkpoint", "path model_version")
 
@@ -571,10 +572,12 @@ class Client:
 
     def backward(self, tape_id, grad_output=None, grad_h_n=None, grad_c_n=None, accumulate=False,
                  input_grads=None, dtype=None, reply_dtype=None, decode=None, grad_logits=None,
-                 grad_mean=None, grad_log_std=None, grad_head_value=None):
+                 grad_mean=None, grad_log_std=None, grad_head_value=None, apply=False):
         """Backward through a kept tape: grad_output [B, T, H], optional grad_h_n/grad_c_n
         [B, L, H]. accumulate adds the weight gradients into the daemon's buffer (for
-        apply_gradients()) instead of returning them. input_grads names the input gradients
+        apply_gradients()) instead of returning them; apply (with accumulate) then takes that
+        optimizer step in the same call (a daemon on one device), and the result's
+        model_version is the new version. input_grads names the input gradients
         wanted among "obs", "h0", "hidden" (None: every one the Forward had; (): none, which
         also spares computing them). dtype / reply_dtype: wire dtypes as for forward(). Returns
         BackwardResult(grads: dict name -> array, grad_obs, grad_h0, grad_c0, grad_hidden,
@@ -587,7 +590,7 @@ class Client:
         grads = dict(grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
         first = next((v for v in grads.values() if v is not None), None)
         if getattr(first, "is_cuda", False):  # torch tensors: in place when the region allows
-            r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first)
+            r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first, apply)
             if r is not None:
                 return r
             from .torch import _wire as wire_of  # the bytes path, as rnnd.torch sends them
@@ -599,10 +602,10 @@ class Client:
             heads = grads
         if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
             return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate,
-                                      input_grads, decode, heads)
+                                      input_grads, decode, heads, apply)
         wire = _dtype(dtype) or None
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
-                                 reply_dtype=_dtype(reply_dtype))
+                                 reply_dtype=_dtype(reply_dtype), apply=bool(apply))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
         if grad_h_n is not None:
@@ -617,9 +620,10 @@ class Client:
         r = Lazy(pb.BackwardReply, self._call("Backward", data, fn=self._backward_raw))
         _, fld = _getters(None, decode)
         return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
-                              fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
+                              fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"),
+                              r.model_version)
 
-    def _backward_cuda(self, tape_id, grads, accumulate, input_grads, dtype, first):
+    def _backward_cuda(self, tape_id, grads, accumulate, input_grads, dtype, first, apply):
         """backward() on CUDA tensors through the CUDA region, or None when it has no room."""
         region = self._cuda_for(first.device)
         if region is None:
@@ -631,7 +635,8 @@ class Client:
         call = region.call(need + _shm.backward_reply_bytes(self._info, B, T, accumulate))
         if call is None:
             return None
-        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
+                                 apply=bool(apply))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
         for name, v in grads.items():
@@ -645,11 +650,11 @@ class Client:
             for nt in r.grads:
                 named[nt.name] = call.get(nt.tensor)
             return BackwardResult(named, *(call.field(r, n) for n in (
-                "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")))
+                "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")), r.model_version)
         return self._shm_call("Backward", req, call, result)
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
-                      decode, heads):
+                      decode, heads, apply):
         """backward() through the shared-memory region (fp32)."""
         bt = [np.asarray(v) for v in (grad_output, heads["grad_logits"], heads["grad_mean"],
                                       heads["grad_head_value"]) if v is not None]
@@ -657,7 +662,8 @@ class Client:
         call = self._span((grad_output, grad_h_n, grad_c_n, *heads.values()),
                           _shm.backward_reply_bytes(self._info, bt[0], bt[1], accumulate)
                           if self.transport == "shm" and bt else 0)
-        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate))
+        req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
+                                 apply=bool(apply))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
         _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
@@ -671,7 +677,8 @@ class Client:
             for nt in r.grads:
                 grads[nt.name] = get(nt.tensor)
             return BackwardResult(grads, fld(r, "grad_obs"), fld(r, "grad_h0"),
-                                  fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"))
+                                  fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"),
+                                  r.model_version)
         return self._shm_call("Backward", req, call, result)
 
     def apply_gradients(self, grads=None, lr=None):

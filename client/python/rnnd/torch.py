@@ -23,6 +23,8 @@ grads="local" (default): backward fills each Parameter's ``.grad`` with the daem
 use ``apply_gradients()`` (daemon optimizer), or a local torch optimizer followed by ``push()``.
 grads="server": backward accumulates the weight gradients in the daemon's buffer (no weight
 gradients travel; the Parameters' ``.grad`` get zeros) and ``apply_gradients()`` applies it.
+grads="apply": as "server", and each backward also takes the daemon's optimizer step in the
+same call (Backward with apply: one call less per iteration; a daemon on one device).
 
 Operators. The calls an actor and a learner make are the ops in ``rnnd.torch.ops``: step,
 forward (explicit trajectories), forward_recorded, forward_cursor (forward_recorded over cursor
@@ -69,6 +71,7 @@ class _Target:
         self.own = None
         self.model_version = 0
         self.wire = "float32"  # the dtype tensors travel in (RemoteRecurrent's wire)
+        self.apply = False  # backward applies the accumulated gradients (grads="apply")
 
     def add(self, client):
         self.refs = [r for r in self.refs if r() is not None and not r().closed]
@@ -409,14 +412,17 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     w = t.wire
     # Input gradients only when the caller takes them (a recorded window's inputs are constants).
     dev = grad_output.device
+    apply = accumulate and t.apply
     if t.client._cuda_for(dev) is not None:  # CUDA tensors in place (rnnd.cuda)
         g = t.client.backward(tape_id, grad_output, grad_h_n, grad_c_n, accumulate=accumulate,
-                              input_grads=None if input_grads else (), dtype=w)
+                              input_grads=None if input_grads else (), dtype=w, apply=apply)
     else:
         g = t.client.backward(tape_id, _wire(grad_output, w, stage=True), _wire(grad_h_n, w),
                               _wire(grad_c_n, w), accumulate=accumulate,
                               input_grads=None if input_grads else (), dtype=w,
-                              decode=_decoder(dev))
+                              decode=_decoder(dev), apply=apply)
+    if apply:
+        t.model_version = g.model_version
     out = []
     for name, shape in _backward_shapes(grad_output, params, input_size, input_grads, stored):
         a = getattr(g, name)
@@ -550,7 +556,7 @@ ops = types.SimpleNamespace(step=_step_op, forward=_forward_op,
 class RemoteRecurrent(nn.Module):
     """The daemon's GRU/LSTM as an nn.Module (see the module docstring).
 
-    client: an rnnd.Client or a "HOST:PORT" target. grads: "local" or "server".
+    client: an rnnd.Client or a "HOST:PORT" target. grads: "local", "server" or "apply".
     pull: copy the daemon's weights into the Parameters now. wire: the dtype tensors travel in,
     "float32", "bfloat16" or "float16" (the daemon computes in its own precision either way; it
     is set for every RemoteRecurrent of this target).
@@ -558,8 +564,8 @@ class RemoteRecurrent(nn.Module):
 
     def __init__(self, client, grads="local", pull=True, wire="float32"):
         super().__init__()
-        if grads not in ("local", "server"):
-            raise ValueError('grads must be "local" or "server"')
+        if grads not in ("local", "server", "apply"):
+            raise ValueError('grads must be "local", "server" or "apply"')
         if wire not in ("float32", "bfloat16", "float16"):
             raise ValueError('wire must be "float32", "bfloat16" or "float16"')
         self.client = client if isinstance(client, Client) else Client(client)
@@ -574,6 +580,7 @@ class RemoteRecurrent(nn.Module):
         self.num_layers = int(info.num_layers)
         self.extras_size = int(info.extras_size)
         self.grads = grads
+        _target(self.target).apply = grads == "apply"
         self.model_version = info.model_version
         gh = (4 if self.cell == "lstm" else 3) * self.hidden_size
         self._names = _param_names(self.num_layers)
@@ -604,7 +611,7 @@ class RemoteRecurrent(nn.Module):
     def _tape_wanted(self, *tensors):
         if not torch.is_grad_enabled():
             return False
-        if self.grads == "server":
+        if self.grads != "local":
             return True
         return any(t is not None and t.requires_grad for t in (*tensors, *self._params()))
 
@@ -634,8 +641,15 @@ class RemoteRecurrent(nn.Module):
 
     def apply_gradients(self, lr=None, pull=True):
         """One optimizer step on the daemon: with grads="local" it sends the Parameters' .grad,
-        with grads="server" it applies the daemon's accumulated buffer; either way it clears
-        .grad. Then pulls the new weights (pull=False skips that). Returns the new model_version."""
+        with grads="server" it applies the daemon's accumulated buffer, with grads="apply" there
+        is none left to take (backward took it); each clears .grad. Then pulls the new weights
+        (pull=False skips that). Returns the new model_version."""
+        if self.grads == "apply":
+            for n in self._names:
+                getattr(self, n).grad = None
+            if pull:
+                self.pull()
+            return self.model_version
         grads = {}
         for n in self._names:
             p = getattr(self, n)
@@ -666,7 +680,7 @@ class RemoteRecurrent(nn.Module):
         keep = self._tape_wanted(obs, h0, c0, hidden, cell)
         out, h_n, c_n, _ = _forward_op(self.target, obs, is_init.bool(), h0, c0, hidden, cell,
                                         self._params(), self.hidden_size, keep,
-                                        self.grads == "server")
+                                        self.grads != "local")
         return (out, (h_n, c_n)) if self.cell == "lstm" else (out, h_n)
 
     def forward_recorded(self, env_ids, steps, fields=None, cursor=False):
@@ -685,7 +699,7 @@ class RemoteRecurrent(nn.Module):
         op = _forward_cursor_op if cursor else _forward_recorded_op
         out, h_n, c_n, tape, obs, is_init, extras, smv, *cur = op(
             self.target, _env_tensor(env_ids), int(steps), self._params(), self.input_size,
-            self.hidden_size, self.extras_size, self._tape_wanted(), self.grads == "server", bits)
+            self.hidden_size, self.extras_size, self._tape_wanted(), self.grads != "local", bits)
         rec = ForwardResult(out, h_n, c_n if self.cell == "lstm" else None, tape[0], tape[1],
                             *(x if bits & bit else None for x, bit in (
                                 (obs, pb.RECORDED_OBS), (is_init, pb.RECORDED_IS_INIT),

@@ -223,6 +223,39 @@ class ClientTest(unittest.TestCase):
         self.assertLess(float((self.c.forward(x).output ** 2).sum()), float((r.output ** 2).sum()))
         self.assertGreaterEqual(self.c.info().model_version, v3)
 
+    def test_backward_with_apply(self):
+        # Backward(accumulate, apply) takes the optimizer step in the same call: the weights come
+        # out bit for bit as Backward(accumulate) then ApplyGradients leave them, on twin daemons.
+        x = self.obs(3, 4, 2)
+        out = []
+        for fused in (False, True):
+            with daemon(input_size=2, hidden_size=5, seed=9) as d, d.client() as c:
+                if fused:
+                    # apply needs accumulate: refused, and the tape is still there
+                    f = c.forward(x, keep_tape=True)
+                    self.assertStatus(grpc.StatusCode.INVALID_ARGUMENT, c.backward, f.tape_id,
+                                      f.output.copy(), apply=True)
+                    self.assertEqual(c.info().model_version, f.model_version)
+                    g = c.backward(f.tape_id, f.output.copy(), accumulate=True, apply=True)
+                    self.assertEqual(g.model_version, f.model_version + 1)
+                    self.assertEqual(c.info().model_version, g.model_version)
+                    # nothing is left to apply
+                    self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, c.apply_gradients)
+                else:
+                    f = c.forward(x, keep_tape=True)
+                    g = c.backward(f.tape_id, f.output.copy(), accumulate=True)
+                    self.assertEqual(g.model_version, f.model_version)
+                    c.apply_gradients()
+                out.append(c.get_weights())
+        for k in out[0]:
+            np.testing.assert_array_equal(out[0][k], out[1][k])
+        # A daemon of two devices refuses it before anything runs.
+        with daemon(input_size=2, hidden_size=5, devices="0,1") as d, d.client() as c:
+            f = c.forward(x, keep_tape=True)
+            e = self.assertStatus(grpc.StatusCode.FAILED_PRECONDITION, c.backward, f.tape_id,
+                                  f.output.copy(), accumulate=True, apply=True)
+            self.assertIn("send ApplyGradients", e.details)
+
     def test_checkpoint(self):
         w = self.c.get_weights()
         ck = self.c.save_checkpoint()

@@ -176,6 +176,24 @@ class RemoteRecurrentTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             core.forward_recorded(ids, 4, fields=("actions",))
 
+    def test_apply_in_backward(self):
+        # grads="apply": loss.backward() takes the daemon's optimizer step too; the weights match
+        # grads="server" followed by apply_gradients() bit for bit (twin daemons, one seed).
+        x = torch.from_numpy(np.random.default_rng(4).standard_normal((2, 5, I)).astype(np.float32))
+        weights = []
+        for grads in ("server", "apply"):
+            with daemon(cell="gru", input_size=I, hidden_size=H, seed=11).start() as d:
+                core = rnnd.torch.RemoteRecurrent(d.client(), grads=grads)
+                v = core.model_version
+                out, _ = core(x)
+                (out ** 2).sum().backward()
+                self.assertEqual(core.model_version, v + (grads == "apply"))
+                self.assertEqual(core.apply_gradients(), v + 1)
+                self.assertEqual(core.model_version, v + 1)
+                weights.append({k: t.clone() for k, t in core.state_dict().items()})
+        for k in weights[0]:
+            torch.testing.assert_close(weights[1][k], weights[0][k], rtol=0, atol=0)
+
     def test_cursor_windows(self):
         # Each env's next window, once: consecutive windows share the bootstrap step, and the
         # counts the learner needs come back as tensors; steps of too old weights are skipped.

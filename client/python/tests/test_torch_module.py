@@ -10,7 +10,7 @@ import unittest
 
 import numpy as np
 
-from _common import daemon, rel_err, skip
+from _common import BACKEND, daemon, rel_err, skip
 
 try:
     import torch
@@ -244,6 +244,8 @@ class RemoteRecurrentTest(unittest.TestCase):
     def test_two_engines(self):
         # On several devices a tape id has bit 63 set: it must travel through the op's int64
         # tensor bit for bit.
+        if BACKEND == "cuda" and torch.cuda.device_count() < 2:
+            self.skipTest("--devices 0,1 on the CUDA backend needs two GPUs")
         with daemon(cell="gru", input_size=I, hidden_size=H, devices="0,1").start() as d:
             core = rnnd.torch.RemoteRecurrent(d.client(), grads="server")
             ids = [11, 12, 13, 14]

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 # Where a CUDA-region learner iteration's time goes (B=2048 T=64 I=64 H=128), phase by phase, then cProfile.
+# GPU host: RNND_BIN=rnnd-bundle/bin/rnnd PYTHONPATH=<the client's wheel, installed> python3 tests/gpu/learner_phases.py
 import cProfile, pstats, statistics, sys, time
 import numpy as np, torch
 import rnnd, rnnd.torch

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # Issue 44: the learner iteration with the heads on the daemon beside the same learner with the
 # heads in PyTorch, B=2048 T=64 I=64 H=128 GRU, 6 discrete actions + value, CUDA regions, one run.
+# GPU host: RNND_BIN=rnnd-bundle/bin/rnnd PYTHONPATH=<the client's wheel, installed> python3 tests/gpu/policy_learner_bench.py
 import statistics, sys, time
 import numpy as np, torch
 import rnnd

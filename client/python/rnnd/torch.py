@@ -489,7 +489,11 @@ def _forward_recorded_setup(ctx, inputs, output):
 def _forward_recorded_backward(ctx, grad_output, grad_h_n, grad_c_n, *constants):
     # The window's initial state and inputs are the recorded ones: only the weights get grads.
     _, pgrads = _run_backward(ctx, grad_output, grad_h_n, grad_c_n, False, False)
-    return (None, None, None, pgrads) + (None,) * (ctx.n_inputs - 4)
+    # One gradient per input the op received: the dispatcher drops fields when it equals its
+    # default, and a custom op's ctx.needs_input_grad has a flag for each input it kept (its
+    # setup_context saw fields filled back in); _Eager counts the arguments passed.
+    n = len(ctx.needs_input_grad) if CUSTOM_OPS else ctx.n_inputs
+    return (None, None, None, pgrads) + (None,) * (n - 4)
 
 
 class _Eager(torch.autograd.Function):

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 const char *rnnd_strerror(int err) {
@@ -117,6 +118,10 @@ int rnnd_model_gates(const struct rnnd_model *m) {
 
 int rnnd_model_layer_input(const struct rnnd_model *m, int l) {
     return l == 0 ? core_input(m) : m->H;
+}
+
+int rnnd_model_encoder_input(const struct rnnd_model *m, int j) {
+    return j == 0 ? m->I : m->policy.enc_width[j - 1];
 }
 
 int rnnd_model_encoder_acts(const struct rnnd_model *m) {
@@ -231,6 +236,17 @@ int rnnd_model_param_find(const struct rnnd_model *m, const char *name) {
             return k;
     }
     return RNND_ENOTFOUND;
+}
+
+size_t rnnd_model_param_offset(const struct rnnd_model *m, const char *name) {
+    struct rnnd_param_tensor t;
+    int k = rnnd_model_param_find(m, name);
+    if (k < 0) { // a caller's bug: the model's parts were checked before
+        fprintf(stderr, "rnnd: the model has no parameter %s\n", name);
+        abort();
+    }
+    rnnd_model_param_tensor(m, k, &t);
+    return t.offset;
 }
 
 // splitmix64: a tiny, well-mixed generator; enough for weight initialisation.

@@ -169,7 +169,7 @@ static int io_in_device(struct rnnd_engine *e, struct rnnd_job *job, const struc
 }
 
 // Outputs into a CUDA reply_region, each at a multiple of RNND_SHM_ALIGN (64) bytes. Returns 1
-// when they do not all fit (the caller sends them as bytes), else 0 or the backend's error;
+// when they do not all fit (io_out then sends them as bytes), else 0 or the backend's error;
 // synchronises.
 static int io_out_device(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p,
                          int k, enum rnnd_ftype ft) {
@@ -218,9 +218,13 @@ static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnn
     return rc;
 }
 
-// Synchronises (copy_out): the outputs are on the host when it returns 0.
-static int io_out(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
-                  char *d_area, char *h_area) {
+// Synchronises: the outputs are where *p[i].out points when it returns 0: in the job's CUDA
+// reply_region when it has one they fit into, else on the host (copy_out).
+static int io_out(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k,
+                  enum rnnd_ftype ft, char *d_area, char *h_area) {
+    int drc = job->dev_out ? io_out_device(e, job, p, k, ft) : 1;
+    if (drc != 1)
+        return drc;
     if (e->host_mem && ft == RNND_FTYPE_F32) {
         for (int i = 0; i < k; i++)
             *p[i].out = p[i].dev;
@@ -586,22 +590,17 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
         // The heads on every step's core output; the log-std is the parameter itself.
         struct rnnd_heads hd = {.logits = l.logits, .mean = l.mean, .value = l.value};
         rc = e->be.ops->heads_forward(e->be.ctx, &hd, l.out, (int)BT, e->cur->params, &e->model);
-        if (rc == 0 && l.log_std) {
-            struct rnnd_param_tensor ls;
-            rnnd_model_param_tensor(&e->model, rnnd_model_param_find(&e->model, "action_log_std"),
-                                    &ls);
-            rc = e->be.ops->copy(e->be.ctx, l.log_std, e->cur->params + ls.offset,
-                                 ls.count * sizeof(float));
-        }
+        if (rc == 0 && l.log_std)
+            rc = e->be.ops->copy(e->be.ctx, l.log_std,
+                                 e->cur->params +
+                                     rnnd_model_param_offset(&e->model, "action_log_std"),
+                                 (size_t)e->model.policy.A * sizeof(float));
     }
     if (rc == 0 && rec && (f->rec_fields & (RNND_REC_ACTION | RNND_REC_REWARD)))
         rc = policy_record_read(e, job);
-    if (rc == 0 && job->dev_out) // straight into the client's GPU memory when it all fits
-        rc = io_out_device(e, job, outs, nout, f->out_dtype);
-    else if (rc == 0)
-        rc = 1;
-    if (rc == 1) // one copy back of everything returned
-        rc = io_out(e, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL, host + out_at);
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, job, outs, nout, f->out_dtype, l.area ? l.area + out_at : NULL,
+                    host + out_at);
     rnnd_metrics_kernel(RNND_OP_FORWARD, rnnd_now_ns() - t0);
     if (rc != 0) {
         if (rc == RNND_EDEVICE)
@@ -978,12 +977,8 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (rc == 0 && d_gcx) // the encoder last, from the core input's gradient
         rc = e->be.ops->encoder_backward(e->be.ctx, dparams, d_gx, d_gcx, t->acts, t->x, (int)BT,
                                          t->w->params, &e->model);
-    if (rc == 0 && job->dev_out && nout) // straight into the client's GPU memory if it all fits
-        rc = io_out_device(e, job, outs, nout, g->out_dtype);
-    else if (rc == 0)
-        rc = 1;
-    if (rc == 1) // one copy back of everything returned
-        rc = io_out(e, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
+    if (rc == 0) // one copy back of everything returned
+        rc = io_out(e, job, outs, nout, g->out_dtype, area ? area + in_bytes : NULL,
                     host ? host + in_bytes : NULL);
     rnnd_metrics_kernel(RNND_OP_BACKWARD, rnnd_now_ns() - t0);
     if (rc != 0) {

@@ -149,20 +149,6 @@ static int cpu_sync(void *ctx) {
     return 0;
 }
 
-static int cpu_nonfinite(void *ctx, const float *x, size_t n, int64_t *first) {
-    (void)ctx;
-    if (x == NULL && n > 0)
-        return RNND_EINVAL;
-    *first = -1;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(x[i])) {
-            *first = (int64_t)i;
-            break;
-        }
-    }
-    return 0;
-}
-
 static int cpu_supports(void *ctx, const struct rnnd_model *m) {
     (void)ctx;
     return rnnd_model_check(m);
@@ -275,7 +261,6 @@ static const struct rnnd_backend_ops cpu_ops = {
     .copy = cpu_copy,
     .zero = cpu_zero,
     .sync = cpu_sync,
-    .nonfinite = cpu_nonfinite,
     .supports = cpu_supports,
     .tape_bytes = cpu_tape_bytes,
     .rnn_forward = cpu_rnn_forward,

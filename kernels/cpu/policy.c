@@ -32,17 +32,11 @@
 
 // The tensor called name in m (it exists: the caller checked the part is there).
 static const float *param(const struct rnnd_model *m, const float *params, const char *name) {
-    struct rnnd_param_tensor t;
-    rnnd_model_param_tensor(m, rnnd_model_param_find(m, name), &t);
-    return params + t.offset;
+    return params + rnnd_model_param_offset(m, name);
 }
 
 static float *grad(const struct rnnd_model *m, float *grads, const char *name) {
-    return (float *)param(m, grads, name);
-}
-
-static int enc_input(const struct rnnd_model *m, int j) {
-    return j == 0 ? m->I : m->policy.enc_width[j - 1];
+    return grads + rnnd_model_param_offset(m, name);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -80,7 +74,7 @@ int rnnd__cpu_encoder_forward(struct cpu_ctx *c, float *acts, const float *obs, 
     float *y = acts;
     for (int j = 0; j < p->enc_layers; j++) {
         char name[32];
-        int w = p->enc_width[j], ni = enc_input(m, j);
+        int w = p->enc_width[j], ni = rnnd_model_encoder_input(m, j);
         snprintf(name, sizeof(name), "encoder.%d.weight", j);
         const float *W = param(m, params, name);
         snprintf(name, sizeof(name), "encoder.%d.bias", j);
@@ -118,7 +112,7 @@ int rnnd__cpu_encoder_backward(struct cpu_ctx *c, float *grad_params, float *gra
         size_t at = (size_t)N * (size_t)rnnd_model_encoder_acts(m);
         const float *dy = grad_out;
         for (int j = p->enc_layers - 1, cur = 0; j >= 0; j--, cur ^= 1) {
-            int w = p->enc_width[j], ni = enc_input(m, j);
+            int w = p->enc_width[j], ni = rnnd_model_encoder_input(m, j);
             at -= (size_t)N * w;
             const float *y = acts + at, *in = j > 0 ? acts + at - (size_t)N * ni : obs;
             float *dz = d[cur];

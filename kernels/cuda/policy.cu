@@ -35,17 +35,11 @@
 
 // The tensor called name in m (its part is there: the caller checked).
 static const float *param(const struct rnnd_model *m, const float *params, const char *name) {
-    struct rnnd_param_tensor t;
-    rnnd_model_param_tensor(m, rnnd_model_param_find(m, name), &t);
-    return params + t.offset;
+    return params + rnnd_model_param_offset(m, name);
 }
 
 static float *grad(const struct rnnd_model *m, float *grads, const char *name) {
-    return (float *)param(m, grads, name);
-}
-
-static int enc_input(const struct rnnd_model *m, int j) {
-    return j == 0 ? m->I : m->policy.enc_width[j - 1];
+    return grads + rnnd_model_param_offset(m, name);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -325,7 +319,7 @@ int rnnd__cuda_encoder_forward(struct cuda_ctx *c, float *acts, const float *obs
         snprintf(wname, sizeof(wname), "encoder.%d.weight", j);
         snprintf(bname, sizeof(bname), "encoder.%d.bias", j);
         lin_args a = {};
-        a.x = in, a.N = N, a.K = enc_input(m, j);
+        a.x = in, a.N = N, a.K = rnnd_model_encoder_input(m, j);
         a.seg[0] = {param(m, params, wname), param(m, params, bname), y, p->enc_width[j]};
         a.n = p->enc_width[j];
         a.act = true, a.act_kind = p->enc_act;
@@ -363,7 +357,7 @@ int rnnd__cuda_encoder_backward(struct cuda_ctx *c, float *grad_params, float *g
     size_t at = (size_t)N * (size_t)rnnd_model_encoder_acts(m);
     const float *dy = grad_out;
     for (int j = p->enc_layers - 1, cur = 0; j >= 0; j--, cur ^= 1) {
-        int w = p->enc_width[j], ni = enc_input(m, j);
+        int w = p->enc_width[j], ni = rnnd_model_encoder_input(m, j);
         at -= (size_t)N * w;
         const float *y = acts + at, *in = j > 0 ? acts + at - (size_t)N * ni : obs;
         float *dz = d[cur];

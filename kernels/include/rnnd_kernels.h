@@ -121,6 +121,8 @@ int rnnd_model_gates(const struct rnnd_model *m);
 int rnnd_model_layer_input(const struct rnnd_model *m, int l);
 // Floats per row of the encoder's saved activations: the sum of enc_width (0 without encoder).
 int rnnd_model_encoder_acts(const struct rnnd_model *m);
+// Input width of encoder layer j: the observation's (I) for j = 0, the previous width above.
+int rnnd_model_encoder_input(const struct rnnd_model *m, int j);
 
 // Parameters are one flat fp32 array of P floats. The core comes first, in PyTorch's order
 // (nn.GRU/nn.LSTM _flat_weights): for each layer l, weight_ih_l{l} (G*H, I_l), weight_hh_l{l}
@@ -155,6 +157,9 @@ int rnnd_model_param_tensors(const struct rnnd_model *m);
 void rnnd_model_param_tensor(const struct rnnd_model *m, int k, struct rnnd_param_tensor *out);
 // Index k of the tensor called name, or RNND_ENOTFOUND.
 int rnnd_model_param_find(const struct rnnd_model *m, const char *name);
+// Where the tensor called name starts in a flat array of m's parameters (or of anything laid out
+// as they are: gradients, optimizer moments), in floats. m must have it.
+size_t rnnd_model_param_offset(const struct rnnd_model *m, const char *name);
 
 // Fills params (host, P floats) as PyTorch initialises its modules, from a generator seeded with
 // seed (not PyTorch's generator: the same seed gives the same weights in rnnd, not in torch):
@@ -337,7 +342,8 @@ struct rnnd_backend_ops {
     int (*zero)(void *ctx, void *dst, size_t bytes);
     int (*sync)(void *ctx);
     // Synchronous: *first = the index of the first NaN or infinity among n floats at x (backend
-    // memory), or -1 when every one is finite. For inputs the server cannot read on the host.
+    // memory), or -1 when every one is finite. For inputs the server cannot read on the host
+    // (CUDA regions); NULL on a backend that takes none.
     int (*nonfinite)(void *ctx, const float *x, size_t n, int64_t *first);
     // Memory another process of this host shared (a CUDA IPC handle of handle_len bytes): maps
     // it, checks that at least offset + size bytes follow, and returns in *base the first byte

@@ -559,6 +559,13 @@ static void test_policy_steps(void **state) {
     assert_non_null(strstr(text, "action env 9: "));
     assert_non_null(strstr(text, " log_prob "));
     free(text);
+    // rnndctl bench takes a policy's replies (actions and log-probs, no core output) as answers.
+    const char *bench_argv[] = {rnndctl_bin(), "-t",  d.grpc,     "bench", "--envs",     "4",
+                                "--duration",  "0.3", "--warmup", "0",     "--no-floor", NULL};
+    assert_int_equal(run_capture(bench_argv, 20000, &text), 0);
+    if (!strstr(text, "errors 0"))
+        fail_msg("rnndctl bench on a policy daemon: %s", text);
+    free(text);
     rnnd_client_free(c);
     daemon_teardown(&d);
 }

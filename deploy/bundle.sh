@@ -11,6 +11,8 @@
 # sessions may carry to the host; xz makes it 51 MB.
 # --tests adds the test binaries a GPU host runs (tests/gpu, tests/integration: the unit tests
 # need no GPU, and each would add the linked kernels, ~24 MB, to the tarball).
+# lib/ also holds librnnd_client.so, the C client for foreign-function callers (the Python client
+# finds it with RNND_CLIENT_LIB=rnnd-bundle/lib/librnnd_client.so).
 # Left out on purpose: glibc, libstdc++ and libgcc (the target's own, which must be as new as this
 # machine's: Debian 12 = glibc 2.36), the NVIDIA driver (libcuda) and the CUDA toolkit's libraries
 # (cuBLAS, cuDNN: hundreds of MB, and they must match the target's driver).
@@ -46,14 +48,19 @@ mkdir -p "$dir/bin" "$dir/lib"
 
 # The base system every Linux target has, and the GPU stack that must come from the target.
 system='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-|libcublas|libcublasLt|libcudnn|libcudart)[.-]'
+libs_of() {
+  ldd "$1" | awk '/=> \//{print $1, $3}' | while read -r name path; do
+    [[ $name =~ $system ]] || cp -nL "$path" "$dir/lib/$name"
+  done
+}
 for b in "${bins[@]}"; do
   cp "$b" "$dir/bin/"
-  ldd "$b" | awk '/=> \//{print $1, $3}' | while read -r name path; do
-    if ! [[ $name =~ $system ]]; then
-      cp -nL "$path" "$dir/lib/$name"
-    fi
-  done
+  libs_of "$b"
 done
+if [ -f "$build/client/librnnd_client.so" ]; then
+  cp "$build/client/librnnd_client.so" "$dir/lib/"
+  libs_of "$build/client/librnnd_client.so"
+fi
 
 cat >"$dir/run" <<'EOF'
 #!/bin/sh

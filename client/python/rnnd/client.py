@@ -24,6 +24,7 @@ import threading
 import grpc
 import numpy as np
 
+from . import _native
 from . import shm as _shm
 from ._tensor import Lazy, decode, encode, encode_field, field
 from .v1 import health_pb2, health_pb2_grpc
@@ -55,6 +56,18 @@ class RnndError(Exception):
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
         return cls(code, details, method, target)
+
+
+_REPLY = {}
+
+
+def _reply_class(name):
+    """The reply message class of rnnd.v1.Rnn/name."""
+    cls = _REPLY.get(name)
+    if cls is None:
+        out = pb.DESCRIPTOR.services_by_name["Rnn"].methods_by_name[name].output_type
+        cls = _REPLY[name] = getattr(pb, out.name)
+    return cls
 
 
 ModelInfo = collections.namedtuple(
@@ -248,10 +261,13 @@ class Client:
     an error), "shm" (shared memory or an error) or "grpc" (tensors inside the messages).
     shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
     of the CUDA region, allocated on the GPU at the first call on CUDA tensors.
+    native: send the unary calls of rnnd.v1.Rnn through the C client (rnnd._native), None
+    (default) where its library is found and the channel is plaintext without extra options,
+    True (an error where it cannot), False (grpcio); ``client.native`` says which.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
-                 transport="auto", shm_mb=1024, cuda_mb=1024):
+                 transport="auto", shm_mb=1024, cuda_mb=1024, native=None):
         if transport not in ("auto", "cuda", "shm", "grpc"):
             raise ValueError('transport is "auto", "cuda", "shm" or "grpc", not %r'
                              % (transport,))
@@ -285,6 +301,16 @@ class Client:
         self._backward_raw = self._channel.unary_unary(
             "/rnnd.v1.Rnn/Backward", request_serializer=None, response_deserializer=None)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._native = None
+        if native is not False:
+            lib = _native.library() if creds is None and not options else None
+            if lib is None and native:
+                raise ValueError("native=True needs librnnd_client.so (RNND_CLIENT_LIB) and a "
+                                 "plaintext channel without options")
+            if lib is not None:
+                self._native = _native.Channel(
+                    lib, target, token, timeout, limit,
+                    lambda code, details, name: RnndError(code, details, name, target))
         # The daemon's id that cursor windows carry (docs/design.md "Cursor"): sent back with
         # the next ones, so that windows from another daemon, or from one that restarted, are
         # refused; 0 takes the daemon's cursors as they are (set it after such a refusal).
@@ -302,6 +328,9 @@ class Client:
             if region:
                 region.release(self._call)
         self._cuda = {}
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         self._channel.close()
 
     def __enter__(self):
@@ -311,12 +340,24 @@ class Client:
         self.close()
 
     def _call(self, name, request, timeout=None, stub=None, fn=None):
+        """One unary call: the reply message, or its bytes where fn (a raw grpcio callable)
+        is given."""
+        n = self._native
+        if n is not None and stub is None and timeout is None and n.timeout == self.timeout:
+            data = n.call(name, request if isinstance(request, bytes)
+                          else request.SerializeToString())
+            return data if fn is not None else _reply_class(name).FromString(data)
         fn = fn or getattr(stub or self._stub, name)
         try:
             return fn(request, timeout=timeout if timeout is not None else self.timeout,
                       metadata=self._metadata)
         except grpc.RpcError as e:
             raise RnndError.from_rpc_error(e, name, self.target) from None
+
+    @property
+    def native(self):
+        """True where the unary calls go through the C client (rnnd._native), else grpcio."""
+        return self._native is not None
 
     @property
     def transport(self):

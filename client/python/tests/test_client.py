@@ -296,6 +296,39 @@ class ClientTest(unittest.TestCase):
         self.assertNotIn("is rnnd running", str(e))
 
 
+class NativeTest(unittest.TestCase):
+    """The unary calls through the C client (rnnd._native) where its library is found: in a
+    build tree CMake puts it beside the package, and RNND_NATIVE=0 (the python_client_grpcio
+    test) runs this file on grpcio."""
+
+    def test_which_path(self):
+        want = os.environ.get("RNND_NATIVE") != "0" and rnnd._native.library() is not None
+        beside = os.path.exists(os.path.join(os.path.dirname(rnnd.__file__), "librnnd_client.so"))
+        if beside and os.environ.get("RNND_NATIVE") != "0":
+            self.assertTrue(want, "librnnd_client.so is beside the package but does not load")
+        with daemon(input_size=2, hidden_size=3) as d:
+            with d.client() as c:
+                self.assertEqual(c.native, want)
+                if want:  # nothing goes through grpcio's stub
+                    c._stub = None
+                c.step([1], np.ones((1, 2), np.float32), True)
+                r = c.forward_recorded([1], 1, keep_tape=True)
+                self.assertEqual(c.backward(r.tape_id, np.ones((1, 1, 3), np.float32)).grads[
+                    "weight_hh_l0"].shape, (9, 3))
+                self.assertEqual(c.info().hidden_size, 3)
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    c.step([1], np.ones((1, 5), np.float32))
+                self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn("obs", cm.exception.details)
+                self.assertEqual(cm.exception.method, "Step")
+            with d.client(native=False) as c:
+                self.assertFalse(c.native)
+                self.assertEqual(c.info().hidden_size, 3)
+            if want:
+                with self.assertRaises(ValueError):  # TLS channels stay on grpcio
+                    rnnd.Client(d.target, tls=True, native=True)
+
+
 class LimitsTest(unittest.TestCase):
     def test_env_table_full(self):
         with daemon(input_size=2, hidden_size=3, max_envs=4) as d, d.client() as c:

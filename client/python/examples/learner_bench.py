@@ -3,7 +3,8 @@
 one run, one device.
 
 rnnd (through rnnd.torch.RemoteRecurrent, Python client over TCP loopback; one row per
---transports entry: grpc, shm, cuda or auto, see rnnd.Client's transport):
+--transports entry: grpc, shm, cuda or auto, see rnnd.Client's transport, each with its unary
+calls through the C client where rnnd finds it, or with ":grpcio" after it through grpcio):
     Forward(recorded, keep_tape, only is_init back) -> linear head + MSE loss on the learner's
     device -> loss.backward() = Backward(accumulate, no input gradients) -> ApplyGradients (the
     daemon's Adam) and the head's Adam step.
@@ -71,7 +72,7 @@ def timed(fn, iters, warmup, device):
 
 
 def row(name, sec, B, T, extra=""):
-    print("%-26s %9.2f ms  %12.0f env-steps/s  %s" % (name, sec * 1e3, B * T / sec, extra),
+    print("%-40s %9.2f ms  %12.0f env-steps/s  %s" % (name, sec * 1e3, B * T / sec, extra),
           flush=True)
 
 
@@ -107,7 +108,8 @@ def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
                 k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
                 parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
         extra = "daemon: " + ", ".join(parts)
-    row("rnnd %s (%s wire, %s)" % (client.transport, a.wire, a.grads), sec, B, T, extra)
+    row("rnnd %s (%s wire, %s, %s)" % (client.transport, a.wire, a.grads,
+                                       "native" if client.native else "grpcio"), sec, B, T, extra)
     client.close()
 
 
@@ -135,7 +137,7 @@ def main():
                          "(Backward takes the optimizer step too: one call less)")
     ap.add_argument("--transports", default="auto",
                     help="comma-separated rnnd.Client transports, one rnnd row each "
-                         "(auto, grpc, shm, cuda)")
+                         "(auto, grpc, shm, cuda; cuda:grpcio makes the calls on grpcio)")
     a = ap.parse_args()
     B, T, I, H = a.B, a.T, a.I, a.H
     dev = torch.device(a.device)
@@ -167,9 +169,11 @@ def main():
                 client.step(ids[s], obs[t, s], is_init=init[t, s])
         target_y = torch.randn(B, T, 1, device=dev)
 
-        for transport in a.transports.split(","):
-            rnnd_row(rnnd.Client(target, max_message_mb=-1, transport=transport), ids, T, B, H,
-                     target_y, dev, a, http)
+        for entry in a.transports.split(","):
+            transport, _, calls = entry.partition(":")
+            rnnd_row(rnnd.Client(target, max_message_mb=-1, transport=transport,
+                                 native=False if calls == "grpcio" else None),
+                     ids, T, B, H, target_y, dev, a, http)
 
         if not a.no_torch:
             x = torch.from_numpy(obs.transpose(1, 0, 2).copy()).to(dev)     # [B, T, I]

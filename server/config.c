@@ -120,7 +120,9 @@ static const struct opt opts[] = {
     {"fresh-start", INT(fresh_start, 0, 1), "0|1",
      "1: start from --seed (or --weights) even when no automatic checkpoint in --state-dir "
      "loads, which otherwise stops the start (they are kept; 0 protects against a config slip)"},
-    {"max-batch", INT(max_batch, 1, 1 << 20), "N", "most Step rows in one backend call"},
+    {"max-batch", INT(max_batch, 0, 1 << 20), "N",
+     "most Step rows in one backend call (0: 4096, fewer where the model's rows would not fit "
+     "--max-message-mb)"},
     {"max-delay-us", INT(max_delay_us, 0, 10000000), "N",
      "longest a Step waits for others to join its batch"},
     {"max-envs", INT(max_envs, 1, 1 << 26), "N", "most environments holding state at once"},
@@ -187,7 +189,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->listen_unix_mode = 0600;
     snprintf(c->http, sizeof(c->http), "127.0.0.1:9090");
     c->checkpoint_interval_s = 0;
-    c->max_batch = 1024;
+    c->max_batch = 0; // rnnd_config_parse sets it (max_batch_auto)
     c->max_delay_us = 200;
     c->max_envs = 65536;
     c->env_idle_timeout_s = 3600;
@@ -534,6 +536,25 @@ int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, si
     return rc;
 }
 
+// Each env's reply and request rows must fit into one message with room to spare.
+// A policy adds its logits or mean, action, log-prob, value and the reward sent back.
+static size_t row_bytes(const struct rnnd_config *c) {
+    const struct rnnd_policy *p = &c->model.policy;
+    size_t pol = rnnd_model_has_policy(&c->model) ? (size_t)p->K + 2 * (size_t)p->A + 4 : 0;
+    return ((size_t)c->model.I + (size_t)c->extras_size +
+            2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H + pol) *
+           sizeof(float);
+}
+
+// --max-batch 0: 4096 rows, or as many as fit --max-message-mb. Batches of one 1024-row request
+// each left the engine's per-batch work (a kernel launch and its copies, the update) to every
+// request: 32 streams x 1024 envs ran at 4.1-4.5M env-steps/s with 1024 rows a batch and at
+// 5.5M with 4096 (H200 host, fp32, docs/benchmarks.md).
+static int max_batch_auto(const struct rnnd_config *c) {
+    size_t fit = ((size_t)c->max_message_mb << 20) / row_bytes(c);
+    return fit >= 4096 ? 4096 : fit > 0 ? (int)fit : 1;
+}
+
 int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
     char why[256];
     if (rnnd_model_validate(&c->model, why, sizeof(why)) != 0)
@@ -567,14 +588,7 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
             if (strcmp(addrs[i], addrs[k]) == 0 && strstr(addrs[i], ":0") == NULL)
                 return fail(err, errlen, "--listen names %s twice", addrs[i]);
     }
-    // Each env's reply and request rows must fit into one message with room to spare.
-    // A policy adds its logits or mean, action, log-prob, value and the reward sent back.
-    const struct rnnd_policy *p = &c->model.policy;
-    size_t pol = rnnd_model_has_policy(&c->model) ? (size_t)p->K + 2 * (size_t)p->A + 4 : 0;
-    size_t row = ((size_t)c->model.I + (size_t)c->extras_size +
-                  2 * (size_t)c->model.L * (size_t)c->model.H + (size_t)c->model.H + pol) *
-                 sizeof(float);
-    if ((size_t)c->max_batch * row > (size_t)c->max_message_mb << 20)
+    if ((size_t)c->max_batch * row_bytes(c) > (size_t)c->max_message_mb << 20)
         return fail(err, errlen,
                     "--max-batch %d rows of this model do not fit into --max-message-mb %d; "
                     "lower the first or raise the second",
@@ -827,6 +841,8 @@ enum rnnd_config_result rnnd_config_parse(struct rnnd_config *c, int argc, char 
         if (rnnd_config_set(c, key, value, err, errlen) != 0)
             return RNND_CONFIG_ERROR;
     }
+    if (c->max_batch == 0)
+        c->max_batch = max_batch_auto(c);
     if (rnnd_config_check(c, err, errlen) != 0)
         return RNND_CONFIG_ERROR;
     return RNND_CONFIG_RUN;

@@ -36,7 +36,7 @@ struct rnnd_config {
     char weights[RNND_CONFIG_PATH_MAX]; // safetensors file of starting weights (PyTorch names)
     int checkpoint_interval_s;          // 0: only on SIGTERM and SaveCheckpoint
     int fresh_start; // start from --seed/--weights when no automatic checkpoint loads
-    int max_batch;
+    int max_batch;   // Step rows a batch; 0 until rnnd_config_parse picks the default
     int max_delay_us;
     int max_envs;
     int env_idle_timeout_s; // 0: never evict

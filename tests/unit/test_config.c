@@ -51,7 +51,28 @@ static void test_defaults(void **state) {
     assert_int_equal(c.trajectory_steps, 256);
     assert_int_equal(c.max_message_mb, 128);
     assert_int_equal(c.extras_size, 0);
-    assert_int_equal(rnnd_config_queue_rows(&c), 64 * c.max_batch);
+    assert_int_equal(c.max_batch, 4096);
+    assert_int_equal(rnnd_config_queue_rows(&c), 64 * 4096);
+}
+
+// --max-batch left out: 4096 rows, or as many as one message holds; given: checked as it is.
+static void test_max_batch_auto(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512];
+    // A row of I=64, H=4096, L=1: (64 + 2*4096 + 4096) * 4 bytes; 64 MiB hold 1358 of them.
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--hidden-size", "4096", "--max-message-mb", "64", NULL}),
+        RNND_CONFIG_RUN);
+    assert_int_equal(c.max_batch, (64 << 20) / ((64 + 3 * 4096) * 4));
+    assert_int_equal(parse(&c, err,
+                           (const char *[]){"--hidden-size", "4096", "--max-message-mb", "64",
+                                            "--max-batch", "4096", NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--max-batch 4096"));
+    assert_int_equal(parse(&c, err, (const char *[]){"--max-batch", "1024", NULL}),
+                     RNND_CONFIG_RUN);
+    assert_int_equal(c.max_batch, 1024);
 }
 
 static void test_flags(void **state) {
@@ -411,6 +432,7 @@ static void test_listen_list(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
+        cmocka_unit_test(test_max_batch_auto),
         cmocka_unit_test(test_flags),
         cmocka_unit_test(test_bad_flags_name_themselves),
         cmocka_unit_test(test_policy_flags),

@@ -14,7 +14,7 @@ import numpy as np
 
 import rnnd
 from rnnd._tensor import _NP
-from _common import daemon
+from _common import BACKEND, daemon
 
 I, H, L, E = 6, 32, 2, 3
 
@@ -151,6 +151,8 @@ class ShmTest(unittest.TestCase):
         # A CUDA region needs a daemon on one CUDA device: refused with what to do instead,
         # malformed ones named; the client's CUDA path then stays closed and calls on CUDA
         # tensors go the other ways (transport "cuda" makes that an error).
+        if BACKEND != "cpu":
+            self.skipTest("a CUDA daemon opens CUDA regions (tests/gpu/cuda_region_check.py)")
         from rnnd.v1 import rnnd_pb2 as pb, rnnd_pb2_grpc
         stub = rnnd_pb2_grpc.RnnStub(grpc.insecure_channel(self.sock))
         good = pb.CudaRegion(ipc_handle=bytes(64), offset=0, size=1 << 20, key=bytes(32),

@@ -61,7 +61,7 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
-struct rnnd_threadpool *rnnd_threadpool_init(int workers) {
+struct rnnd_threadpool *rnnd_threadpool_init(int workers, const char *name) {
     if (workers < 0)
         workers = 0;
     struct rnnd_threadpool *p = calloc(1, sizeof(*p) + (size_t)workers * sizeof(pthread_t));
@@ -77,6 +77,8 @@ struct rnnd_threadpool *rnnd_threadpool_init(int workers) {
     for (int k = 0; k < workers; k++) {
         if (pthread_create(&p->threads[k], NULL, pool_worker, p) != 0)
             break;
+        if (name)
+            pthread_setname_np(p->threads[k], name);
         p->nworkers++;
     }
     return p;

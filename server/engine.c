@@ -489,8 +489,8 @@ static void *engine_main(void *arg) {
     char msg[512] = "";
     int rc = engine_open(e, msg, sizeof(msg));
     if (rc == 0) {
-        e->replies = rnnd_threadpool_init(e->cfg.reply_threads);
-        e->row_workers = rnnd_threadpool_init(e->cfg.reply_threads);
+        e->replies = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-reply");
+        e->row_workers = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-rows");
         atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
                               memory_order_release);
     }
@@ -611,6 +611,7 @@ int rnnd_engine_start(struct rnnd_engine *e, rnnd_engine_ready_cb ready, void *c
     e->ready_ctx = ctx;
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0)
         return RNND_ENOMEM;
+    pthread_setname_np(e->thread, "rnnd-engine");
     e->thread_started = true;
     return 0;
 }

@@ -1435,6 +1435,7 @@ int rnnd_rpc_start(const struct rnnd_rpc_options *o, struct rnnd_rpc **out, char
             rnnd_log(RNND_LOG_WARN, "started %d of %d gRPC threads", k, want);
             break;
         }
+        pthread_setname_np(rpc->threads[k], "rnnd-grpc");
         rpc->nthreads++;
     }
     *out = rpc;

@@ -289,7 +289,7 @@ int rnnd_backend_cpu_init(struct rnnd_backend *b) {
 
     openblas_set_num_threads(1);
     // The workers; if the system refuses some, the backend runs with those that started.
-    c->pool = rnnd_threadpool_init(cpu_thread_count() - 1);
+    c->pool = rnnd_threadpool_init(cpu_thread_count() - 1, "rnnd-cpu");
     if (c->pool == NULL) {
         free(c);
         return RNND_ENOMEM;

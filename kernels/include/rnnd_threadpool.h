@@ -27,8 +27,9 @@ struct rnnd_threadpool_task {
 };
 
 // A new pool that starts `workers` threads, or as many as the system lets it (0: a pool whose
-// runs are the caller's alone). Free with rnnd_threadpool_free. NULL when out of memory.
-struct rnnd_threadpool *rnnd_threadpool_init(int workers);
+// runs are the caller's alone), named `name` (at most 15 bytes; what top -H and gdb show; NULL:
+// the process's name). Free with rnnd_threadpool_free. NULL when out of memory.
+struct rnnd_threadpool *rnnd_threadpool_init(int workers, const char *name);
 // Ends the workers once every posted task has run, and frees the pool. NULL does nothing.
 void rnnd_threadpool_free(struct rnnd_threadpool *p);
 // The worker threads that started (0 for NULL).

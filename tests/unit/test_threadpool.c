@@ -6,12 +6,14 @@
  * freeing the pool runs every task still queued. Each check counts per item, so a lost part or
  * task (0) and a duplicated one (2) both fail.
  */
+#include <dirent.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -45,7 +47,7 @@ static void part_fn(void *arg, int k, int n) {
 
 // Runs `runs` runs of n parts on a pool of `workers` and checks every one.
 static void check_runs(int workers, int n, int runs) {
-    struct rnnd_threadpool *pool = rnnd_threadpool_init(workers);
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(workers, NULL);
     assert_non_null(pool);
     assert_int_equal(rnnd_threadpool_workers(pool), workers);
     int m = n < workers + 1 ? n : workers + 1;
@@ -101,7 +103,7 @@ static void test_run_chunks(void **state) {
     (void)state;
     enum { N = 4099 };
     static _Atomic uint8_t seen[N];
-    struct rnnd_threadpool *pool = rnnd_threadpool_init(3);
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(3, NULL);
     assert_non_null(pool);
     for (int r = 0; r < 300; r++) {
         for (int i = 0; i < N; i++)
@@ -150,7 +152,7 @@ static void test_post(void **state) {
     static _Atomic int runs[N];
     _Atomic int on_caller = 0;
     for (int round = 0; round < 20; round++) {
-        struct rnnd_threadpool *pool = rnnd_threadpool_init(1 + round % 3);
+        struct rnnd_threadpool *pool = rnnd_threadpool_init(1 + round % 3, NULL);
         assert_non_null(pool);
         for (int i = 0; i < N; i++) {
             atomic_store(&runs[i], 0);
@@ -176,12 +178,34 @@ static void test_post(void **state) {
     assert_int_equal(atomic_load(&on_caller), 0);
 }
 
+// The workers carry the pool's name (what top -H shows an operator).
+static void test_names(void **state) {
+    (void)state;
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(2, "rnnd-test");
+    assert_int_equal(rnnd_threadpool_workers(pool), 2);
+    int named = 0;
+    DIR *d = opendir("/proc/self/task");
+    assert_non_null(d);
+    for (struct dirent *t; (t = readdir(d)) != NULL;) {
+        char path[300], comm[32] = "";
+        snprintf(path, sizeof(path), "/proc/self/task/%s/comm", t->d_name);
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        if (fgets(comm, sizeof(comm), f) && strcmp(comm, "rnnd-test\n") == 0)
+            named++;
+        fclose(f);
+    }
+    closedir(d);
+    assert_int_equal(named, 2);
+    rnnd_threadpool_free(pool);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_run_parts),
-        cmocka_unit_test(test_run_chunks),
-        cmocka_unit_test(test_null_pool),
-        cmocka_unit_test(test_post),
+        cmocka_unit_test(test_run_parts), cmocka_unit_test(test_run_chunks),
+        cmocka_unit_test(test_null_pool), cmocka_unit_test(test_post),
+        cmocka_unit_test(test_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

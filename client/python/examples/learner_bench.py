@@ -14,9 +14,10 @@ PyTorch, the same GRU, head, loss and Adam over the same windows:
     per-step: a loop over the T steps with GRUCell, zeroing the state where is_init (the resets
               done right, as a PyTorch learner without rnnd does them).
 
-Every row prints the iteration time (median over --iters) and env-steps/s (B*T per iteration).
-The rnnd row adds the daemon's own time per call from its /metrics (rnnd_request_duration_seconds:
-request arrival to status, over the timed iterations) and the backend ops' time in it.
+Every row prints the iteration time (median over --iters, and the minimum) and env-steps/s (B*T
+per iteration). The rnnd row adds the daemon's own time per call from its /metrics
+(rnnd_request_duration_seconds: request arrival to status, over the timed iterations) and the
+backend ops' time in it.
 
     # CPU, small shape (the daemon started from a path):
     PYTHONPATH=build/client/python /usr/bin/python3 client/python/examples/learner_bench.py \\
@@ -68,12 +69,13 @@ def timed(fn, iters, warmup, device):
         fn()
         sync(device)
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(ts), min(ts)
 
 
 def row(name, sec, B, T, extra=""):
-    print("%-40s %9.2f ms  %12.0f env-steps/s  %s" % (name, sec * 1e3, B * T / sec, extra),
-          flush=True)
+    """sec: (median, minimum) seconds of an iteration."""
+    print("%-40s %9.2f ms (min %.2f)  %12.0f env-steps/s  %s"
+          % (name, sec[0] * 1e3, sec[1] * 1e3, B * T / sec[0], extra), flush=True)
 
 
 def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):

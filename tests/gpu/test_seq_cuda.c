@@ -867,6 +867,20 @@ static const struct seq_case seq_cases[] = {
     // written and read by the per-step loops.
     {LSTM, F32, 64, 256, 2, 330, 5, 0.1, H0, AUTO, SEQ_MISALIGN},
     {LSTM, F32, 72, 256, 2, 330, 5, 0.1, HID, AUTO, SEQ_MISALIGN},
+    // Issue 45's rows at small batches (resets, stored states and h0; fp32 and bf16): GRU H=64
+    // with I=64, GRU H=256, two layers of GRU and LSTM at H=128, GRU and LSTM H=512 with
+    // I=512, LSTM H=1024 with I=512.
+    {GRU, F32, 64, 64, 1, 96, 24, 0.01, H0, AUTO, 0},
+    {GRU, BF16, 64, 64, 1, 96, 24, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 256, 1, 96, 16, 0.01, HID, AUTO, 0},
+    {GRU, BF16, 64, 256, 1, 40, 12, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 128, 2, 96, 24, 0.01, HID, AUTO, 0},
+    {LSTM, F32, 64, 128, 2, 96, 24, 0.01, HID, AUTO, 0},
+    {LSTM, BF16, 64, 128, 2, 40, 12, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 512, 512, 1, 24, 10, 0.01, HID, AUTO, 0},
+    {GRU, F32, 512, 512, 1, 24, 10, 0.1, H0, AUTO, 0},
+    {LSTM, BF16, 512, 512, 1, 16, 6, 0.1, NONE, AUTO, 0},
+    {LSTM, F32, 512, 1024, 1, 8, 6, 0.01, HID, AUTO, 0},
     // The wgmma GRU forward (sm_90) below its full width: H < 128, I_l < 64 (padding in both
     // operands), a second layer it does not take (I_l = H > 64).
     {GRU, F32, 20, 100, 2, 45, 13, 0.1, HID, AUTO, 0},

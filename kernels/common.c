@@ -124,6 +124,13 @@ int rnnd_model_encoder_input(const struct rnnd_model *m, int j) {
     return j == 0 ? m->I : m->policy.enc_width[j - 1];
 }
 
+int rnnd_model_encoder_widest(const struct rnnd_model *m) {
+    int w = m->I;
+    for (int j = 0; j < m->policy.enc_layers; j++)
+        w = m->policy.enc_width[j] > w ? m->policy.enc_width[j] : w;
+    return w;
+}
+
 int rnnd_model_encoder_acts(const struct rnnd_model *m) {
     int n = 0;
     for (int j = 0; j < m->policy.enc_layers; j++)

@@ -176,17 +176,27 @@ static int full_msg(struct rnnd_shm *s, int n, char *err, size_t errlen) {
                 n, s->max);
 }
 
+// What both kinds of region check first: the key's length and the size (kind: "memfd" or
+// "cuda", the field's name in the message). 0, or RNND_EINVAL with err written.
+static int check_key_size(const char *kind, const ProtobufCBinaryData *key, uint64_t size,
+                          char *err, size_t errlen) {
+    if (key->len != RNND_SHM_KEY_BYTES)
+        return errf(err, errlen, RNND_EINVAL,
+                    "%s.key has %zu bytes; send the %d random bytes written at the region's "
+                    "start",
+                    kind, key->len, RNND_SHM_KEY_BYTES);
+    if (size < RNND_SHM_ALIGN || size > ((uint64_t)1 << 40))
+        return errf(err, errlen, RNND_EINVAL,
+                    "%s.size %" PRIu64 " is not between %d bytes and 1 TiB", kind, size,
+                    RNND_SHM_ALIGN);
+    return 0;
+}
+
 // Opens a memfd region of req into *r (base, size, fd, pid). 0, or an error with err written.
 static int memfd_open(const Rnnd__V1__MemfdRegion *m, struct region *r, char *err, size_t errlen) {
-    if (m->key.len != RNND_SHM_KEY_BYTES)
-        return errf(err, errlen, RNND_EINVAL,
-                    "memfd.key has %zu bytes; send the %d random bytes written at the region's "
-                    "start",
-                    m->key.len, RNND_SHM_KEY_BYTES);
-    if (m->size < RNND_SHM_ALIGN || m->size > ((uint64_t)1 << 40))
-        return errf(err, errlen, RNND_EINVAL,
-                    "memfd.size %" PRIu64 " is not between %d bytes and 1 TiB", m->size,
-                    RNND_SHM_ALIGN);
+    int rc = check_key_size("memfd", &m->key, m->size, err, errlen);
+    if (rc)
+        return rc;
     if (m->pid == 0 || m->fd < 0)
         return errf(err, errlen, RNND_EINVAL,
                     "memfd.pid and memfd.fd name no descriptor; send the client's pid and the "
@@ -211,7 +221,7 @@ static int memfd_open(const Rnnd__V1__MemfdRegion *m, struct region *r, char *er
     }
     struct stat st;
     int seals = fcntl(fd, F_GET_SEALS);
-    int rc = 0;
+    rc = 0;
     uint8_t *base = MAP_FAILED;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || seals < 0) {
         rc = errf(err, errlen, RNND_EPRECOND,
@@ -263,23 +273,17 @@ static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *b
         return errf(err, errlen, RNND_EPRECOND,
                     "CUDA regions need a daemon on one CUDA device (--backend cuda, one entry in "
                     "--devices); register a memfd region, or send tensors as bytes");
-    if (m->key.len != RNND_SHM_KEY_BYTES)
-        return errf(err, errlen, RNND_EINVAL,
-                    "cuda.key has %zu bytes; send the %d random bytes written at the region's "
-                    "start",
-                    m->key.len, RNND_SHM_KEY_BYTES);
+    int rc = check_key_size("cuda", &m->key, m->size, err, errlen);
+    if (rc)
+        return rc;
     if (m->ipc_handle.len != 64)
         return errf(err, errlen, RNND_EINVAL,
                     "cuda.ipc_handle has %zu bytes; send the 64 bytes of cudaIpcGetMemHandle's "
                     "cudaIpcMemHandle_t",
                     m->ipc_handle.len);
-    if (m->size < RNND_SHM_ALIGN || m->size > ((uint64_t)1 << 40) ||
-        m->offset % RNND_SHM_ALIGN != 0)
-        return errf(err, errlen, RNND_EINVAL,
-                    "cuda.size %" PRIu64
-                    " is not between %d bytes and 1 TiB, or cuda.offset %" PRIu64
-                    " is not a multiple of %d",
-                    m->size, RNND_SHM_ALIGN, m->offset, RNND_SHM_ALIGN);
+    if (m->offset % RNND_SHM_ALIGN != 0)
+        return errf(err, errlen, RNND_EINVAL, "cuda.offset %" PRIu64 " is not a multiple of %d",
+                    m->offset, RNND_SHM_ALIGN);
     if (m->pid == 0)
         return errf(err, errlen, RNND_EINVAL, "cuda.pid is 0; send the client's process id");
     int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)m->pid, 0);
@@ -290,8 +294,8 @@ static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *b
                     m->pid, strerror(errno));
     uint8_t head[RNND_SHM_KEY_BYTES];
     void *base = NULL;
-    int rc = be->ops->ipc_open(be->ctx, m->ipc_handle.data, m->ipc_handle.len, m->offset, m->size,
-                               head, sizeof(head), &base);
+    rc = be->ops->ipc_open(be->ctx, m->ipc_handle.data, m->ipc_handle.len, m->offset, m->size, head,
+                           sizeof(head), &base);
     if (rc == RNND_EINVAL)
         rc = errf(err, errlen, RNND_EINVAL,
                   "[cuda.offset, + cuda.size) = [%" PRIu64 ", %" PRIu64

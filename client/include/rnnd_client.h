@@ -337,7 +337,8 @@ int rnnd_client_save_checkpoint(struct rnnd_client *c, const char *path, char **
                                 uint64_t *model_version);
 
 // Sends raw request bytes to method ("/rnnd.v1.Rnn/Step") and returns the raw reply in *reply
-// (new, free with free()) and *reply_len: for tests that send what the typed calls cannot.
+// (new, free with free()) and *reply_len: for callers with their own serialisation (the Python
+// client's native calls, rnnd/_native.py) and tests that send what the typed calls cannot.
 int rnnd_client_call_raw(struct rnnd_client *c, const char *method, const void *req, size_t req_len,
                          void **reply, size_t *reply_len);
 

@@ -92,9 +92,7 @@ int rnnd__cpu_encoder_backward(struct cpu_ctx *c, float *grad_params, float *gra
     if (rnnd_encoder_check(m, N, acts, obs) != 0 || !grad_params || !grad_out || !params)
         return RNND_EINVAL;
     const struct rnnd_policy *p = &m->policy;
-    int maxw = m->I;
-    for (int j = 0; j < p->enc_layers; j++)
-        maxw = p->enc_width[j] > maxw ? p->enc_width[j] : maxw;
+    int maxw = rnnd_model_encoder_widest(m);
     // Two (N, maxw) buffers take turns holding dy_j (turned into dz_j in place) and dy_{j-1}.
     struct cpu_carve cv = {0};
     size_t rows = (size_t)N * (size_t)maxw;

@@ -337,9 +337,7 @@ int rnnd__cuda_encoder_backward(struct cuda_ctx *c, float *grad_params, float *g
         return RNND_EINVAL;
     c->step_tail = false;
     const struct rnnd_policy *p = &m->policy;
-    int maxw = m->I;
-    for (int j = 0; j < p->enc_layers; j++)
-        maxw = p->enc_width[j] > maxw ? p->enc_width[j] : maxw;
+    int maxw = rnnd_model_encoder_widest(m);
     // Two (N, maxw) buffers take turns holding dz_j and dy_{j-1} (policy.c's order).
     struct cuda_carve cv = {};
     float *d[2];

@@ -123,6 +123,8 @@ int rnnd_model_layer_input(const struct rnnd_model *m, int l);
 int rnnd_model_encoder_acts(const struct rnnd_model *m);
 // Input width of encoder layer j: the observation's (I) for j = 0, the previous width above.
 int rnnd_model_encoder_input(const struct rnnd_model *m, int j);
+// The widest of the encoder's input and layers: the row width of its backward's buffers.
+int rnnd_model_encoder_widest(const struct rnnd_model *m);
 
 // Parameters are one flat fp32 array of P floats. The core comes first, in PyTorch's order
 // (nn.GRU/nn.LSTM _flat_weights): for each layer l, weight_ih_l{l} (G*H, I_l), weight_hh_l{l}

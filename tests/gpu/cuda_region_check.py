@@ -37,6 +37,25 @@ def check(ok, what):
         sys.exit(1)
 
 
+def refused(fn, code, text, what):
+    """fn() raises an RnndError of code whose details hold text."""
+    try:
+        fn()
+    except rnnd.RnndError as e:
+        check(e.code == code and text in e.details, "%s: %s (%s)" % (what, code.name, e.details))
+        return
+    check(False, what + " is refused")
+
+
+def span(t, region, offset, shape):
+    """Tensor t as an fp32 span of region at offset."""
+    t.shape[:] = shape
+    t.dtype = pb.FLOAT32
+    t.region.region = region
+    t.region.offset = offset
+    t.region.nbytes = 4 * int(np.prod(shape))
+
+
 def regions(http):
     with urllib.request.urlopen("http://%s/metrics" % http, timeout=10) as r:
         for line in r.read().decode().splitlines():
@@ -87,13 +106,9 @@ def main():
         f = c.forward_recorded(ids, T, keep_tape=True, device=dev)
         bad = torch.randn(B, T, H, device=dev)
         bad[3, 4, 5] = float("nan")
-        try:
-            c.backward(f.tape_id, bad, accumulate=True, input_grads=())
-            check(False, "a NaN in the region is refused")
-        except rnnd.RnndError as e:
-            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.details
-                  and str(3 * T * H + 4 * H + 5) in e.details,
-                  "a NaN in the region: INVALID_ARGUMENT naming element (%s)" % e.details)
+        refused(lambda: c.backward(f.tape_id, bad, accumulate=True, input_grads=()),
+                grpc.StatusCode.INVALID_ARGUMENT, "element %d is NaN" % (3 * T * H + 4 * H + 5),
+                "a NaN in the region, named by element")
         w0 = g.get_weights()
         r = c.backward(f.tape_id, torch.randn(B, T, H, device=dev), input_grads=())
         check(len(r.grads) == 8, "the tape runs after the refusal")
@@ -102,29 +117,13 @@ def main():
         region = c._cuda[torch.cuda.current_device()]
         call = region.call(1 << 10)
         req = pb.BackwardRequest(tape_id=f.tape_id)
-        req.grad_output.shape[:] = [B, T, H]
-        req.grad_output.dtype = pb.FLOAT32
-        req.grad_output.region.region = region.id
-        req.grad_output.region.offset = region.size - 64
-        req.grad_output.region.nbytes = B * T * H * 4
-        try:
-            c._call("Backward", req)
-            check(False, "a span outside the region is refused")
-        except rnnd.RnndError as e:
-            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in e.details,
-                  "span outside the region: INVALID_ARGUMENT (%s)" % e.details)
+        span(req.grad_output, region.id, region.size - 64, [B, T, H])
+        refused(lambda: c._call("Backward", req), grpc.StatusCode.INVALID_ARGUMENT, "outside",
+                "a span outside the region")
         sreq = pb.StepRequest(env_ids=[1])
-        sreq.obs.shape[:] = [1, I]
-        sreq.obs.dtype = pb.FLOAT32
-        sreq.obs.region.region = region.id
-        sreq.obs.region.offset = 64
-        sreq.obs.region.nbytes = I * 4
-        try:
-            c._call("Step", sreq)
-            check(False, "Step from a CUDA region is refused")
-        except rnnd.RnndError as e:
-            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and "CUDA region" in e.details,
-                  "Step from a CUDA region: INVALID_ARGUMENT (%s)" % e.details)
+        span(sreq.obs, region.id, 64, [1, I])
+        refused(lambda: c._call("Step", sreq), grpc.StatusCode.INVALID_ARGUMENT, "CUDA region",
+                "Step from a CUDA region")
         call.close()
 
         # 3. A client that exits has its region closed.
@@ -144,15 +143,10 @@ def main():
               % (n0, regions(d.http)))
         rid = region.id
         c.close()
-        try:
-            with d.client(transport="grpc") as g2:
-                req.grad_output.region.region = rid
-                req.grad_output.region.offset = 64
-                g2._call("Backward", req)
-            check(False, "a released region is refused")
-        except rnnd.RnndError as e:
-            check(e.code == grpc.StatusCode.FAILED_PRECONDITION and "not registered" in e.details,
-                  "a released region: FAILED_PRECONDITION (%s)" % e.details)
+        span(req.grad_output, rid, 64, [B, T, H])
+        with d.client(transport="grpc") as g2:
+            refused(lambda: g2._call("Backward", req), grpc.StatusCode.FAILED_PRECONDITION,
+                    "not registered", "a released region")
         g.close()
     finally:
         d.stop()

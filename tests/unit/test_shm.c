@@ -515,6 +515,8 @@ static void test_cuda_regions(void **state) {
     cudareq(&c, gpu, SIZE, 4096, 8192, key, me);
     c.m.key.len = 31;
     reg_refused_be(s, &c.req, true, &fake_be, RNND_EINVAL, "cuda.key has 31 bytes");
+    reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, 32, key, me), true, &fake_be, RNND_EINVAL,
+                   "cuda.size 32 is not between");
     reg_refused_be(s, cudareq(&c, gpu, SIZE, 4100, 8192, key, me), true, &fake_be, RNND_EINVAL,
                    "multiple of 64");
     reg_refused_be(s, cudareq(&c, gpu, SIZE, 4096, SIZE, key, me), true, &fake_be, RNND_EINVAL,

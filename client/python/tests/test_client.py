@@ -328,6 +328,16 @@ class NativeTest(unittest.TestCase):
                 with self.assertRaises(ValueError):  # TLS channels stay on grpcio
                     rnnd.Client(d.target, tls=True, native=True)
 
+    def test_native_required_but_missing(self):
+        # RNND_NATIVE=1 with no library to load is an error naming where it looked.
+        import subprocess
+        env = dict(os.environ, RNND_NATIVE="1", RNND_CLIENT_LIB="/nonexistent/librnnd_client.so")
+        r = subprocess.run([sys.executable, "-c", "import rnnd; rnnd.Client('127.0.0.1:1')"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("RNND_NATIVE=1 but librnnd_client.so is not found", r.stderr)
+        self.assertIn("/nonexistent/librnnd_client.so", r.stderr)
+
 
 class LimitsTest(unittest.TestCase):
     def test_env_table_full(self):

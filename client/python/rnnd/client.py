@@ -163,11 +163,17 @@ def _named(tensors):
     return [pb.NamedTensor(name=k, tensor=encode(v)) for k, v in tensors.items()]
 
 
-def _unnamed(named):
+def _unnamed(named, get=decode):  # decode: _tensor's, not a caller's decode argument
     w = Weights()
     for nt in named:
-        w[nt.name] = decode(nt.tensor)
+        w[nt.name] = get(nt.tensor)
     return w
+
+
+def _backward_result(r, get, fld):
+    """BackwardResult of reply r: its weight gradients read with get, the rest with fld."""
+    return BackwardResult(_unnamed(r.grads, get), *(fld(r, n) for n in (
+        "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")), r.model_version)
 
 
 def _put(call, msg, **arrays):
@@ -659,10 +665,7 @@ class Client:
         data = b"".join([req.SerializeToString(),
                          *(encode_field(2, grad_output, wire) if grad_output is not None else ())])
         r = Lazy(pb.BackwardReply, self._call("Backward", data, fn=self._backward_raw))
-        _, fld = _getters(None, decode)
-        return BackwardResult(_unnamed(r.grads), fld(r, "grad_obs"), fld(r, "grad_h0"),
-                              fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"),
-                              r.model_version)
+        return _backward_result(r, _getters(None, None)[0], _getters(None, decode)[1])
 
     def _backward_cuda(self, tape_id, grads, accumulate, input_grads, dtype, first, apply):
         """backward() on CUDA tensors through the CUDA region, or None when it has no room."""
@@ -685,14 +688,8 @@ class Client:
                 call.put(v, getattr(req, name), wire)
         req.reply_region.CopyFrom(call.reply_region())
         call.ready()
-
-        def result(r):
-            named = Weights()
-            for nt in r.grads:
-                named[nt.name] = call.get(nt.tensor)
-            return BackwardResult(named, *(call.field(r, n) for n in (
-                "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")), r.model_version)
-        return self._shm_call("Backward", req, call, result)
+        return self._shm_call("Backward", req, call,
+                              lambda r: _backward_result(r, call.get, call.field))
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
                       decode, heads, apply):
@@ -711,16 +708,8 @@ class Client:
         if call is not None:
             req.reply_region.CopyFrom(call.reply_region())
 
-        def result(r):
-            get = _getters(call, None)[0]
-            _, fld = _getters(call, decode)
-            grads = Weights()
-            for nt in r.grads:
-                grads[nt.name] = get(nt.tensor)
-            return BackwardResult(grads, fld(r, "grad_obs"), fld(r, "grad_h0"),
-                                  fld(r, "grad_c0"), fld(r, "grad_hidden"), fld(r, "grad_cell"),
-                                  r.model_version)
-        return self._shm_call("Backward", req, call, result)
+        return self._shm_call("Backward", req, call, lambda r: _backward_result(
+            r, _getters(call, None)[0], _getters(call, decode)[1]))
 
     def apply_gradients(self, grads=None, lr=None):
         """One optimizer step on the daemon with grads (dict name -> array; None or empty: the

@@ -110,6 +110,10 @@ static const struct opt opts[] = {
      "file mode (octal) of the unix: sockets: who on this host may connect (tokens are still "
      "checked)"},
     {"http", ADDR(http), "HOST:PORT", "HTTP /healthz /readyz /metrics address, or \"off\""},
+    {"data-listen", ADDR(data_listen), "HOST:PORT",
+     "where socket regions' data connections listen (tensors as raw TCP bytes for clients on "
+     "other hosts; plaintext): \"auto\" (the first TCP --listen host, any free port; off "
+     "with TLS) or \"off\""},
     {"state-dir", PATH(state_dir), "DIR", "directory for checkpoints (none: no checkpoints)"},
     {"restore", PATH(restore), "DIR", "start from this checkpoint directory"},
     {"weights", PATH(weights), "FILE",
@@ -188,6 +192,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     snprintf(c->listen, sizeof(c->listen), "127.0.0.1:50051");
     c->listen_unix_mode = 0600;
     snprintf(c->http, sizeof(c->http), "127.0.0.1:9090");
+    snprintf(c->data_listen, sizeof(c->data_listen), "auto");
     c->checkpoint_interval_s = 0;
     c->max_batch = 0; // rnnd_config_parse sets it (max_batch_auto)
     c->max_delay_us = 200;
@@ -361,7 +366,10 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
             if (strlen(value) >= o->size)
                 return fail(err, errlen, "--%s: address longer than %zu bytes", o->name,
                             o->size - 1);
-            if (!(strcmp(o->name, "http") == 0 && strcmp(value, "off") == 0) && !addr_valid(value))
+            // --http takes "off", --data-listen "off" and "auto".
+            bool data = strcmp(o->name, "data-listen") == 0;
+            if (!(strcmp(value, "off") == 0 && (data || strcmp(o->name, "http") == 0)) &&
+                !(strcmp(value, "auto") == 0 && data) && !addr_valid(value))
                 return fail(err, errlen, "--%s: '%s' is not HOST:PORT (e.g. 127.0.0.1:50051)",
                             o->name, value);
             snprintf(field, o->size, "%s", value);
@@ -565,6 +573,17 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
         return fail(err, errlen, "--tls-cert needs --tls-key");
     if (c->tls_client_ca[0] && !c->tls_cert[0])
         return fail(err, errlen, "--tls-client-ca needs --tls-cert and --tls-key");
+    bool data_addr = strcmp(c->data_listen, "auto") != 0 && strcmp(c->data_listen, "off") != 0;
+    if (data_addr && c->max_shm_regions == 0)
+        return fail(err, errlen,
+                    "--data-listen %s needs --max-shm-regions above 0 (socket regions count "
+                    "among them)",
+                    c->data_listen);
+    if (c->tls_cert[0] && data_addr)
+        return fail(err, errlen,
+                    "--data-listen %s with --tls-cert: data connections are plaintext; pass "
+                    "--data-listen off (or auto) so that tensors cross inside TLS",
+                    c->data_listen);
     if (c->weights[0] && c->restore[0])
         return fail(err, errlen,
                     "--weights and --restore both name starting weights; pass one of them");
@@ -599,6 +618,27 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
                     "first or lower the second",
                     c->max_reply_mb, c->max_message_mb);
     return 0;
+}
+
+void rnnd_config_data_listen(const struct rnnd_config *c, char out[RNND_CONFIG_ADDR_MAX]) {
+    out[0] = '\0';
+    if (strcmp(c->data_listen, "off") == 0)
+        return;
+    if (strcmp(c->data_listen, "auto") != 0) {
+        snprintf(out, RNND_CONFIG_ADDR_MAX, "%s", c->data_listen);
+        return;
+    }
+    if (c->tls_cert[0] || c->max_shm_regions == 0)
+        return;
+    char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
+    int n = rnnd_config_listen(c->listen, addrs);
+    for (int i = 0; i < n; i++) {
+        const char *colon = strrchr(addrs[i], ':');
+        if (strncmp(addrs[i], "unix:", 5) != 0 && colon) {
+            snprintf(out, RNND_CONFIG_ADDR_MAX, "%.*s:0", (int)(colon - addrs[i]), addrs[i]);
+            return;
+        }
+    }
 }
 
 // True for a --listen address that only this host can reach.

@@ -29,8 +29,9 @@ struct rnnd_config {
     int device;
     // gRPC addresses, comma-separated: HOST:PORT or unix:PATH (rnnd_config_listen splits them)
     char listen[RNND_CONFIG_LISTEN_MAX * RNND_CONFIG_ADDR_MAX];
-    int listen_unix_mode;            // file mode of the unix: sockets
-    char http[RNND_CONFIG_ADDR_MAX]; // HTTP HOST:PORT, or "off"
+    int listen_unix_mode;                   // file mode of the unix: sockets
+    char http[RNND_CONFIG_ADDR_MAX];        // HTTP HOST:PORT, or "off"
+    char data_listen[RNND_CONFIG_ADDR_MAX]; // socket regions' HOST:PORT, "auto" or "off"
     char state_dir[RNND_CONFIG_PATH_MAX];
     char restore[RNND_CONFIG_PATH_MAX];
     char weights[RNND_CONFIG_PATH_MAX]; // safetensors file of starting weights (PyTorch names)
@@ -101,6 +102,12 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
 
 // Reads a config file into c. 0, or RNND_EINVAL / RNND_EIO with "FILE:LINE: ..." in err.
 int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, size_t errlen);
+
+// Where socket regions' data connections listen (--data-listen): the address given, or for
+// "auto" the host of the first TCP --listen address with port 0; "" (off) for "off", for "auto"
+// without a TCP --listen address, with TLS (data connections are plaintext) or with
+// --max-shm-regions 0.
+void rnnd_config_data_listen(const struct rnnd_config *c, char out[RNND_CONFIG_ADDR_MAX]);
 
 // Cross-field checks after everything is set (e.g. --tls-key needs --tls-cert).
 int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen);

@@ -426,6 +426,13 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         rc = 1;
         goto fail_loop;
     }
+    char data_addr[RNND_CONFIG_ADDR_MAX];
+    rnnd_config_data_listen(cfg, data_addr);
+    if (data_addr[0] && rnnd_shm_listen(s->shm, data_addr, err, sizeof(err)) != 0) {
+        rnnd_log(RNND_LOG_ERROR, "%s", err);
+        rc = 1;
+        goto fail_loop;
+    }
     fd_limit_raise(cfg->max_connections);
     int threads = cfg->grpc_threads;
     if (threads == 0) {
@@ -469,8 +476,10 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);
-    rnnd_log(RNND_LOG_INFO, "rnnd starting: grpc %s (%d threads), http port %d, pid %d",
-             rnnd_rpc_addresses(s->rpc), threads, s->http_port, (int)getpid());
+    rnnd_log(RNND_LOG_INFO,
+             "rnnd starting: grpc %s (%d threads), http port %d, data port %d, pid %d",
+             rnnd_rpc_addresses(s->rpc), threads, s->http_port, rnnd_shm_data_port(s->shm),
+             (int)getpid());
 
     uv_run(&s->loop, UV_RUN_DEFAULT);
 

@@ -752,10 +752,14 @@ void rnnd_service_register_region(void *p, struct rnnd_call *call, const Protobu
     int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
                                rnnd_call_peer_local(call), rnnd_group_ipc_backend(s->group),
                                &r.region, &r.size, err, sizeof(err));
-    if (rc)
+    if (rc) {
         rnnd_call_fail(call, rc, err);
-    else
-        rnnd_call_reply(call, &r.base);
+        return;
+    }
+    const Rnnd__V1__RegisterRegionRequest *req = (const Rnnd__V1__RegisterRegionRequest *)msg;
+    if (req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET)
+        r.data_port = (uint32_t)rnnd_shm_data_port(s->shm);
+    rnnd_call_reply(call, &r.base);
 }
 
 void rnnd_service_release_region(void *p, struct rnnd_call *call, const ProtobufCMessage *msg) {

@@ -12,6 +12,7 @@
  */
 #include "shm.h"
 
+#include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -21,11 +22,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -38,13 +44,25 @@ typedef Rnnd__V1__RegionSpan Span;
 
 struct region {
     uint64_t id;
-    uint8_t *base; // the mapping; device memory for a CUDA region
+    uint8_t *base; // the mapping; device memory for a CUDA region; our own for a socket region
     size_t size;
     int fd; // our own open of the memfd (its flock tells whether the client still holds one),
-            // or a CUDA region's pidfd of its client (readable once the client exited)
+            // a CUDA region's pidfd of its client (readable once the client exited), or a socket
+            // region's data connection once bound (-1 before; its thread closes it)
     const struct rnnd_backend *be; // a CUDA region's backend (ipc_close), else NULL
     int refs;                      // under the registry lock
     unsigned pid;
+    bool sock;                       // a socket region
+    uint64_t born_ns;                // a socket region's registration (unbound: it expires)
+    uint8_t key[RNND_SHM_KEY_BYTES]; // a socket region's: its data connection's hello
+};
+
+// A data connection (socket regions) and the thread serving it.
+struct conn {
+    int fd;
+    pthread_t thread;
+    bool done; // its thread has finished (under the registry lock): join it
+    struct rnnd_shm *shm;
 };
 
 struct rnnd_shm {
@@ -52,6 +70,12 @@ struct rnnd_shm {
     int max;
     int n;
     struct region **v; // (max)
+    // Socket regions: the data listener (-1: off), its thread and its connections.
+    int lfd, port;
+    bool stopping;
+    pthread_t acceptor;
+    struct conn **conns; // (max + RNND_SHM_PENDING)
+    int nconns;
 };
 
 // A request tensor pointed into a region, with what it held before.
@@ -101,16 +125,20 @@ int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
     }
     pthread_mutex_init(&s->lock, NULL);
     s->max = max_regions;
+    s->lfd = -1;
     *out = s;
     return 0;
 }
 
 static void region_unmap(struct region *r) {
-    if (r->be)
+    if (r->sock)
+        free(r->base);
+    else if (r->be)
         r->be->ops->ipc_close(r->be->ctx, r->base);
     else
         munmap(r->base, r->size);
-    close(r->fd);
+    if (!r->sock)
+        close(r->fd);
     free(r);
 }
 
@@ -120,9 +148,12 @@ static void region_unref_locked(struct region *r) {
         region_unmap(r);
 }
 
-// Takes region k out of the registry (its reference dropped). s->lock held.
+// Takes region k out of the registry (its reference dropped). s->lock held. A socket region's
+// data connection is shut down: its thread then drops the connection's reference.
 static void region_remove_locked(struct rnnd_shm *s, int k) {
     struct region *r = s->v[k];
+    if (r->sock && r->fd >= 0)
+        shutdown(r->fd, SHUT_RDWR);
     s->v[k] = s->v[--s->n];
     atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
     region_unref_locked(r);
@@ -135,12 +166,16 @@ static struct region *region_find_locked(struct rnnd_shm *s, uint64_t id) {
     return NULL;
 }
 
+static void data_stop(struct rnnd_shm *s);
+
 void rnnd_shm_free(struct rnnd_shm *s) {
     if (s == NULL)
         return;
+    data_stop(s);
     while (s->n > 0)
         region_remove_locked(s, 0);
     pthread_mutex_destroy(&s->lock);
+    free(s->conns);
     free(s->v);
     free(s);
 }
@@ -320,6 +355,32 @@ static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *b
     return 0;
 }
 
+// A socket region of req into *r: our own memory, bound later by its data connection. 0, or an
+// error with err written.
+static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m, struct region *r,
+                       char *err, size_t errlen) {
+    if (s->lfd < 0)
+        return errf(err, errlen, RNND_EPRECOND,
+                    "socket regions are off on this daemon (--data-listen off, a TLS or unix: "
+                    "--listen); send tensors as bytes");
+    int rc = check_key_size("socket", &m->key, m->size, err, errlen);
+    if (rc)
+        return rc;
+    if (m->size > RNND_SHM_SOCKET_MAX)
+        return errf(err, errlen, RNND_EINVAL,
+                    "socket.size %" PRIu64 " is over %llu bytes; register a smaller region",
+                    m->size, (unsigned long long)RNND_SHM_SOCKET_MAX);
+    // Pages are touched only as data arrives: an idle region costs address space.
+    uint8_t *base = aligned_alloc(RNND_SHM_ALIGN, (size_t)m->size);
+    if (base == NULL)
+        return errf(err, errlen, RNND_ENOMEM, "cannot allocate the region's %" PRIu64 " bytes",
+                    m->size);
+    *r = (struct region){
+        .base = base, .size = m->size, .fd = -1, .sock = true, .born_ns = rnnd_now_ns()};
+    memcpy(r->key, m->key.data, RNND_SHM_KEY_BYTES);
+    return 0;
+}
+
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
                       const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
                       size_t errlen) {
@@ -327,13 +388,14 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         return errf(err, errlen, RNND_EPRECOND,
                     "shared memory is off on this daemon (--max-shm-regions 0); send tensors as "
                     "bytes");
-    if (!local)
-        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
     bool memfd = req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_MEMFD && req->memfd;
     bool cuda = req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_CUDA && req->cuda;
-    if (!memfd && !cuda)
+    bool sock = req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET && req->socket;
+    if (!local && !sock)
+        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
+    if (!memfd && !cuda && !sock)
         return errf(err, errlen, RNND_EINVAL,
-                    "RegisterRegionRequest names no region; set memfd or cuda");
+                    "RegisterRegionRequest names no region; set memfd, cuda or socket");
     pthread_mutex_lock(&s->lock);
     int n = s->n;
     pthread_mutex_unlock(&s->lock);
@@ -342,8 +404,9 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     struct region *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
-    int rc =
-        memfd ? memfd_open(req->memfd, r, err, errlen) : cuda_open(req->cuda, be, r, err, errlen);
+    int rc = memfd  ? memfd_open(req->memfd, r, err, errlen)
+             : cuda ? cuda_open(req->cuda, be, r, err, errlen)
+                    : socket_open(s, req->socket, r, err, errlen);
     if (rc) {
         free(r);
         return rc;
@@ -366,23 +429,31 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     *size = r->size;
     pthread_mutex_unlock(&s->lock);
     rnnd_log(RNND_LOG_DEBUG, "shared memory: %s region of %zu bytes from pid %u registered",
-             r->be ? "CUDA" : "memfd", r->size, r->pid);
+             r->sock ? "socket"
+             : r->be ? "CUDA"
+                     : "memfd",
+             r->size, r->pid);
     return 0;
 }
 
+int rnnd_shm_data_port(const struct rnnd_shm *s) {
+    return s->lfd >= 0 ? s->port : 0;
+}
+
 int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen) {
-    if (!local)
-        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
     pthread_mutex_lock(&s->lock);
     int rc = RNND_EPRECOND;
     for (int k = 0; k < s->n; k++) {
-        if (s->v[k]->id == id) {
+        if (s->v[k]->id == id && (local || s->v[k]->sock)) {
             region_remove_locked(s, k);
             rc = 0;
             break;
         }
     }
     pthread_mutex_unlock(&s->lock);
+    if (rc && !local)
+        return errf(err, errlen, rc, "region %" PRIu64 " is not a socket region of this daemon; %s",
+                    id, remote_msg);
     if (rc)
         errf(err, errlen, rc,
              "region %" PRIu64 " is not registered (already released, or its client exited)", id);
@@ -394,9 +465,13 @@ int rnnd_shm_housekeeping(struct rnnd_shm *s) {
     for (int k = 0; k < s->n;) {
         struct region *r = s->v[k];
         // The lock is ours only once every process of the client has closed the memfd; a
-        // pidfd is readable once its process exited.
+        // pidfd is readable once its process exited. A socket region goes with its data
+        // connection (data_conn_main), or when none came within RNND_SHM_SOCKET_BIND_S.
         struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
-        bool gone = r->be ? poll(&pfd, 1, 0) > 0 : flock(r->fd, LOCK_EX | LOCK_NB) == 0;
+        bool gone = r->sock ? r->fd < 0 && rnnd_now_ns() - r->born_ns >
+                                               (uint64_t)RNND_SHM_SOCKET_BIND_S * 1000000000u
+                    : r->be ? poll(&pfd, 1, 0) > 0
+                            : flock(r->fd, LOCK_EX | LOCK_NB) == 0;
         if (gone) {
             rnnd_log(RNND_LOG_DEBUG, "shared memory: the client (pid %u) of a region exited",
                      r->pid);
@@ -475,6 +550,7 @@ bool rnnd_shm_wanted(const ProtobufCMessage *msg) {
 
 struct resolve {
     struct rnnd_shm_use *u;
+    bool local; // the peer is on this host: every kind of region, else socket regions only
     char *err;
     size_t errlen;
 };
@@ -489,6 +565,8 @@ static int span_take_locked(struct resolve *rs, const char *name, const Span *sp
                     "%s: region %" PRIu64 " is not registered (released, or its client exited); "
                     "register a region (RegisterRegion) and send spans into it",
                     name, span->region);
+    if (!rs->local && !r->sock)
+        return errf(rs->err, rs->errlen, RNND_EPRECOND, "%s: %s", name, remote_msg);
     if (span->offset > r->size || span->nbytes > r->size - span->offset)
         return errf(rs->err, rs->errlen, RNND_EINVAL,
                     "%s: span [%" PRIu64 ", %" PRIu64 ") is outside region %" PRIu64
@@ -567,14 +645,12 @@ static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
 int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsigned dev_ok,
                      struct rnnd_shm_use **out, char *err, size_t errlen) {
     *out = NULL;
-    if (!local)
-        return errf(err, errlen, RNND_EPRECOND, "%s", remote_msg);
     struct rnnd_shm_use *u = calloc(1, sizeof(*u));
     if (u == NULL)
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
     u->shm = s;
     u->dev_ok = dev_ok;
-    struct resolve rs = {u, err, errlen};
+    struct resolve rs = {u, local, err, errlen};
     pthread_mutex_lock(&s->lock);
     int rc = walk(msg, "", 0, resolve_visit, &rs);
     pthread_mutex_unlock(&s->lock);
@@ -682,4 +758,239 @@ void rnnd_shm_unplace(struct rnnd_shm_use *u) {
         u->placed[i].t->region = NULL;
     }
     u->nplaced = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Socket regions: the data connections
+//
+// The client connects, sends RNND_SHM_HELLO and its region's key within RNND_SHM_HELLO_S
+// seconds, and reads back the region's size (8 bytes). Then frames of three little-endian u64,
+// (op, offset, nbytes): RNND_SHM_OP_WRITE writes the nbytes that follow into the region at
+// offset, RNND_SHM_OP_READ sends nbytes of the region from offset, RNND_SHM_OP_SYNC sends offset
+// back (8 bytes), so the client knows that everything it wrote before is in the region. A frame
+// outside the region, an unknown op or a wrong hello closes the connection, and the region with
+// it. One thread a connection: a frame blocks only its own client.
+
+static bool io_full(int fd, void *buf, size_t n, bool rd) {
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = rd ? recv(fd, p, n, 0) : send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return false;
+        p += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+// The socket region whose key a hello carried, bound to connection fd and referenced; NULL
+// when no unbound region has it.
+static struct region *data_bind(struct rnnd_shm *s, const uint8_t *key, int fd) {
+    struct region *found = NULL;
+    pthread_mutex_lock(&s->lock);
+    for (int k = 0; k < s->n; k++) {
+        struct region *r = s->v[k];
+        // Every key is compared, in constant time: the time says nothing about any of them.
+        if (r->sock && r->fd < 0 && key_equal(r->key, key))
+            found = r;
+    }
+    if (found) {
+        found->fd = fd;
+        found->refs++;
+    }
+    pthread_mutex_unlock(&s->lock);
+    return found;
+}
+
+// The connection of r ended: r leaves the registry (if ReleaseRegion has not taken it out).
+static void data_unbind(struct rnnd_shm *s, struct region *r) {
+    pthread_mutex_lock(&s->lock);
+    r->fd = -1;
+    for (int k = 0; k < s->n; k++)
+        if (s->v[k] == r) {
+            region_remove_locked(s, k);
+            break;
+        }
+    region_unref_locked(r);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void data_serve(int fd, struct region *r) {
+    for (;;) {
+        uint64_t h[3];
+        if (!io_full(fd, h, sizeof(h), true))
+            return;
+        uint64_t op = le64toh(h[0]), off = le64toh(h[1]), n = le64toh(h[2]);
+        if (off > r->size || n > r->size - off)
+            return;
+        bool ok;
+        if (op == RNND_SHM_OP_WRITE) {
+            ok = io_full(fd, r->base + off, (size_t)n, true);
+        } else if (op == RNND_SHM_OP_READ) {
+            ok = io_full(fd, r->base + off, (size_t)n, false);
+        } else if (op == RNND_SHM_OP_SYNC) {
+            uint64_t echo = htole64(off);
+            ok = io_full(fd, &echo, sizeof(echo), false);
+        } else {
+            ok = false;
+        }
+        if (!ok)
+            return;
+    }
+}
+
+static void *data_conn_main(void *arg) {
+    struct conn *c = arg;
+    struct rnnd_shm *s = c->shm;
+    struct timeval tv = {.tv_sec = RNND_SHM_HELLO_S};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    uint8_t hello[8 + RNND_SHM_KEY_BYTES];
+    struct region *r = NULL;
+    if (io_full(c->fd, hello, sizeof(hello), true) && memcmp(hello, RNND_SHM_HELLO, 8) == 0)
+        r = data_bind(s, hello + 8, c->fd);
+    if (r) {
+        tv.tv_sec = 0; // bound: a client may stay idle between calls
+        setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        uint64_t size = htole64(r->size);
+        if (io_full(c->fd, &size, sizeof(size), false))
+            data_serve(c->fd, r);
+        rnnd_log(RNND_LOG_DEBUG, "shared memory: a socket region's data connection closed");
+        data_unbind(s, r);
+    }
+    pthread_mutex_lock(&s->lock);
+    int fd = c->fd;
+    c->fd = -1; // data_stop shuts down only open descriptors
+    c->done = true;
+    pthread_mutex_unlock(&s->lock);
+    close(fd);
+    return NULL;
+}
+
+// Joins the connections whose threads have finished, and takes them out. Not under the lock.
+static void data_reap(struct rnnd_shm *s, bool all) {
+    pthread_mutex_lock(&s->lock);
+    struct conn *done[64];
+    int nd = 0;
+    for (int k = 0; k < s->nconns && nd < 64;) {
+        struct conn *c = s->conns[k];
+        if (c->done || all) {
+            done[nd++] = c;
+            s->conns[k] = s->conns[--s->nconns];
+        } else {
+            k++;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    for (int k = 0; k < nd; k++) {
+        pthread_join(done[k]->thread, NULL);
+        free(done[k]);
+    }
+}
+
+static void *data_accept_main(void *arg) {
+    struct rnnd_shm *s = arg;
+    for (;;) {
+        int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+        pthread_mutex_lock(&s->lock);
+        bool stopping = s->stopping;
+        pthread_mutex_unlock(&s->lock);
+        if (stopping) {
+            if (fd >= 0)
+                close(fd);
+            return NULL;
+        }
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                usleep(10000); // out of descriptors or memory for now
+            continue;
+        }
+        data_reap(s, false);
+        struct conn *c = calloc(1, sizeof(*c));
+        pthread_mutex_lock(&s->lock);
+        bool room = c && !s->stopping && s->nconns < s->max + RNND_SHM_PENDING;
+        if (room) {
+            *c = (struct conn){.fd = fd, .shm = s};
+            s->conns[s->nconns++] = c;
+            if (pthread_create(&c->thread, NULL, data_conn_main, c) != 0) {
+                s->nconns--;
+                room = false;
+            }
+        }
+        pthread_mutex_unlock(&s->lock);
+        if (!room) {
+            free(c);
+            close(fd);
+            continue;
+        }
+        pthread_setname_np(c->thread, "rnnd-data");
+    }
+}
+
+int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, char *err, size_t errlen) {
+    char host[RNND_SHM_ADDR_MAX];
+    const char *colon = strrchr(addr, ':');
+    if (colon == NULL || (size_t)(colon - addr) >= sizeof(host) || s->max == 0)
+        return errf(err, errlen, RNND_EINVAL,
+                    "--data-listen %s: give HOST:PORT (and --max-shm-regions above 0)", addr);
+    memcpy(host, addr, (size_t)(colon - addr));
+    host[colon - addr] = '\0';
+    char *h = host;
+    if (h[0] == '[' && h[strlen(h) - 1] == ']') {
+        h[strlen(h) - 1] = '\0';
+        h++;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                    *ai = NULL;
+    int gai = getaddrinfo(*h ? h : NULL, colon + 1, &hints, &ai);
+    if (gai != 0)
+        return errf(err, errlen, RNND_EINVAL, "--data-listen %s: %s", addr, gai_strerror(gai));
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (fd >= 0)
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (fd < 0 || bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
+        int e = errno;
+        freeaddrinfo(ai);
+        if (fd >= 0)
+            close(fd);
+        return errf(err, errlen, RNND_EIO, "--data-listen %s: %s", addr, strerror(e));
+    }
+    freeaddrinfo(ai);
+    struct sockaddr_storage sa;
+    socklen_t len = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &len);
+    s->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
+                                             : ((struct sockaddr_in *)&sa)->sin_port);
+    s->conns = calloc((size_t)s->max + RNND_SHM_PENDING, sizeof(*s->conns));
+    s->lfd = fd;
+    if (s->conns == NULL || pthread_create(&s->acceptor, NULL, data_accept_main, s) != 0) {
+        close(fd);
+        s->lfd = -1;
+        return errf(err, errlen, RNND_ENOMEM, "cannot start the data connections' thread");
+    }
+    pthread_setname_np(s->acceptor, "rnnd-data");
+    return 0;
+}
+
+static void data_stop(struct rnnd_shm *s) {
+    if (s->lfd < 0)
+        return;
+    pthread_mutex_lock(&s->lock);
+    s->stopping = true;
+    for (int k = 0; k < s->nconns; k++)
+        if (s->conns[k]->fd >= 0)
+            shutdown(s->conns[k]->fd, SHUT_RDWR);
+    pthread_mutex_unlock(&s->lock);
+    shutdown(s->lfd, SHUT_RDWR); // wakes accept4
+    pthread_join(s->acceptor, NULL);
+    close(s->lfd);
+    s->lfd = -1;
+    while (s->nconns > 0)
+        data_reap(s, true);
 }

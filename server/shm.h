@@ -4,6 +4,11 @@
  * instead of tensor bytes, and a request's reply_region receives the reply's tensors. Only the
  * small descriptors travel over gRPC.
  *
+ * A socket region is the daemon's own memory, for a client on any host: the client writes and
+ * reads it through a plain TCP data connection (rnnd_shm_listen, the protocol above
+ * data_serve in shm.c) that begins with the region's key, and the region goes when that
+ * connection closes. Only descriptors travel over gRPC; the tensors cross as raw bytes.
+ *
  * Who may use a region: the peer must be on this host (a unix: socket or loopback), the memfd
  * must belong to rnnd's uid and start with the key the request carries (proof that the peer can
  * read it), be sealed against shrinking (so no access of the daemon can fault) and be
@@ -39,6 +44,19 @@
 #define RNND_SHM_KEY_BYTES 32
 #define RNND_SHM_ALIGN     64 // reply tensors start at multiples of this
 
+// Socket regions (docs/design.md "Socket regions"): the data connection's hello, its frames'
+// ops, the largest region, how long a new connection may take to send its hello and a new
+// region to be bound by one, and connections beyond --max-shm-regions that may be saying hello.
+#define RNND_SHM_HELLO         "RNNDSOCK"
+#define RNND_SHM_OP_WRITE      1
+#define RNND_SHM_OP_READ       2
+#define RNND_SHM_OP_SYNC       3
+#define RNND_SHM_SOCKET_MAX    ((uint64_t)16 << 30)
+#define RNND_SHM_HELLO_S       10
+#define RNND_SHM_SOCKET_BIND_S 30
+#define RNND_SHM_PENDING       16
+#define RNND_SHM_ADDR_MAX      256
+
 struct rnnd_shm;
 struct rnnd_shm_use; // what one request holds: pinned regions, tensors pointed into them
 struct rnnd_backend;
@@ -58,26 +76,35 @@ void rnnd_shm_free(struct rnnd_shm *s);
 // this host: a Unix socket or a loopback address. Pure.
 bool rnnd_shm_peer_local(const char *peer);
 
+// Socket regions: listens for data connections on addr ("HOST:PORT", port 0: any free one) on
+// a thread of its own; every connection gets a thread. 0, or RNND_EINVAL / RNND_EIO /
+// RNND_ENOMEM with err written. rnnd_shm_free closes them. Without it socket regions are off.
+int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, char *err, size_t errlen);
+// The data connections' port, or 0 when socket regions are off.
+int rnnd_shm_data_port(const struct rnnd_shm *s);
+
 // RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *id and *size of the
-// new region, or RNND_EPRECOND (off, remote, not the daemon's, wrong key, not sealed, not
-// locked; a CUDA region on a daemon without one CUDA device), RNND_EINVAL (malformed),
+// new region, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
+// key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
+// regions off), RNND_EINVAL (malformed),
 // RNND_EFULL (--max-shm-regions) with the reason in err. be: the backend that opens CUDA regions
 // (the daemon's only device), or NULL when the daemon has none or several.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
                       const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
                       size_t errlen);
-// ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer). The mapping
-// stays until the calls using it end.
+// ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer's other than a
+// socket region). The mapping stays until the calls using it end.
 int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen);
-// Releases the regions whose clients have all exited (no process holds the memfd's lock).
+// Releases the regions whose clients have all exited (no process holds the memfd's lock), and
+// socket regions no data connection bound within RNND_SHM_SOCKET_BIND_S.
 // Returns how many regions remain.
 int rnnd_shm_housekeeping(struct rnnd_shm *s);
 
 // True when msg (a request) has a Tensor with a region or a reply_region. Pure.
 bool rnnd_shm_wanted(const ProtobufCMessage *msg);
 // Points every Tensor of msg that has a region at the region's memory and takes the
-// reply_region. 0 and *out (free with rnnd_shm_use_free before msg), or RNND_EPRECOND (remote
-// peer, region not registered), RNND_EINVAL (data and region both set, span outside the region,
+// reply_region. 0 and *out (free with rnnd_shm_use_free before msg), or RNND_EPRECOND (a region
+// other than a socket region from a remote peer, region not registered), RNND_EINVAL (data and region both set, span outside the region,
 // misaligned, or not the shape's byte count; a CUDA region where dev_ok, RNND_SHM_DEV_* bits,
 // does not allow it; tensors in both kinds of region) with the field named in err; msg is then
 // as it was.

@@ -3,7 +3,9 @@
  * socket's file mode, tokens checked on it, a socket another daemon holds), and shared memory:
  * Step, StepStream, Forward (explicit and recorded) and Backward through a region give the bytes
  * path's results bit for bit, replies really land in the region, every descriptor that does not
- * resolve is refused with nothing changed, and a region goes with its client.
+ * resolve is refused with nothing changed, and a region goes with its client. Socket regions:
+ * Step through one from loopback and from a remote peer, its data connection's refusals (a
+ * wrong or reused key, a frame outside the region), ReleaseRegion closing the connection.
  *
  * One daemon (LSTM L=2 with extras, a token) listening on loopback and on a unix socket; others
  * started by single tests. Regions for the raw-message cases are made here (a sealed, locked
@@ -763,8 +765,203 @@ static void test_region_goes_with_client(void **state) {
     rnnd_client_free(c);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Socket regions: the daemon's memory, written and read through a data connection.
+
+struct sockreg {
+    struct region r; // r.base: this side's copy of what the frames carry
+    int fd;          // the data connection
+};
+
+// Registers a socket region of RSIZE bytes through c; 0 or the code. *port: its data port.
+static int sockreg_register(struct rnnd_client *c, struct sockreg *s, int *port) {
+    memset(s, 0, sizeof(*s));
+    s->fd = -1;
+    s->r.fd = -1;
+    s->r.base = calloc(1, RSIZE);
+    assert_int_equal(getrandom(s->r.key, 32, 0), 32);
+    Rnnd__V1__SocketRegion m = RNND__V1__SOCKET_REGION__INIT;
+    m.size = RSIZE;
+    m.key = (ProtobufCBinaryData){32, s->r.key};
+    Rnnd__V1__RegisterRegionRequest req = RNND__V1__REGISTER_REGION_REQUEST__INIT;
+    req.kind_case = RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET;
+    req.socket = &m;
+    ProtobufCMessage *out;
+    int err = raw(c, "/rnnd.v1.Rnn/RegisterRegion", &req.base,
+                  &rnnd__v1__register_region_reply__descriptor, &out);
+    if (out) {
+        s->r.id = ((Rnnd__V1__RegisterRegionReply *)out)->region;
+        *port = (int)((Rnnd__V1__RegisterRegionReply *)out)->data_port;
+        protobuf_c_message_free_unpacked(out, NULL);
+    }
+    return err;
+}
+
+// A TCP connection to 127.0.0.1:port that sent the hello with key.
+static int data_connect(int port, const uint8_t *key) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    uint8_t hello[40];
+    memcpy(hello, "RNNDSOCK", 8);
+    memcpy(hello + 8, key, 32);
+    assert_int_equal(send(fd, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+    return fd;
+}
+
+// The registered region and its data connection (the hello answered with the size).
+static void sockreg_open(struct rnnd_client *c, struct sockreg *s) {
+    int port = 0;
+    EXPECT_OK(sockreg_register(c, s, &port));
+    assert_true(port > 0);
+    s->fd = data_connect(port, s->r.key);
+    uint64_t size = 0;
+    assert_int_equal(recv(s->fd, &size, 8, MSG_WAITALL), 8);
+    assert_int_equal(size, RSIZE);
+}
+
+static void sockreg_close(struct sockreg *s) {
+    if (s->fd >= 0)
+        close(s->fd);
+    free(s->r.base);
+}
+
+static void frame(int fd, uint64_t op, uint64_t off, uint64_t n) {
+    uint64_t h[3] = {op, off, n};
+    assert_int_equal(send(fd, h, sizeof h, MSG_NOSIGNAL), (ssize_t)sizeof h);
+}
+
+// Sends [off, off + n) of this side's copy, then waits for the daemon to hold it.
+static void sockreg_write(struct sockreg *s, uint64_t off, uint64_t n) {
+    frame(s->fd, 1, off, n);
+    assert_int_equal(send(s->fd, s->r.base + off, n, MSG_NOSIGNAL), (ssize_t)n);
+    frame(s->fd, 3, 77, 0);
+    uint64_t echo = 0;
+    assert_int_equal(recv(s->fd, &echo, 8, MSG_WAITALL), 8);
+    assert_int_equal(echo, 77);
+}
+
+// Reads [off, off + n) of the daemon's region into this side's copy.
+static void sockreg_read(struct sockreg *s, uint64_t off, uint64_t n) {
+    frame(s->fd, 2, off, n);
+    assert_int_equal(recv(s->fd, s->r.base + off, n, MSG_WAITALL), (ssize_t)n);
+}
+
+// True once the daemon closed fd (a read returns end of file within 5 s).
+static bool closed_by_daemon(int fd) {
+    char b;
+    return recv(fd, &b, 1, 0) == 0;
+}
+
+// Step through a socket region gives the bytes path's output; the reply lands in the region.
+static void step_via_sockreg(struct rnnd_client *c, struct sockreg *s, uint64_t env) {
+    float x[I_], want[H_];
+    struct rng g = {env};
+    fill(&g, x, I_);
+    EXPECT_OK(step_bytes(c, env, true, x, want));
+    struct step_msg m;
+    step_msg(&m, env + 1, true, &s->r, 128, x);
+    sockreg_write(s, 128, I_ * 4);
+    Rnnd__V1__StepReply *rep;
+    EXPECT_OK(step_raw(c, &m, &rep));
+    assert_non_null(rep->output->region);
+    assert_int_equal(rep->output->region->offset, 4096);
+    assert_int_equal(rep->output->data.len, 0);
+    sockreg_read(s, 4096, H_ * 4);
+    assert_memory_equal(s->r.base + 4096, want, H_ * 4);
+    protobuf_c_message_free_unpacked(&rep->base, NULL);
+}
+
+static void test_socket_region(void **state) {
+    (void)state;
+    struct rnnd_client *c = client_to(d.grpc, TOKEN);
+    struct sockreg s;
+    sockreg_open(c, &s);
+    step_via_sockreg(c, &s, 7001);
+
+    // A hello with a key no region has: closed. A second connection for a bound region: too.
+    uint8_t key[32];
+    memcpy(key, s.r.key, 32);
+    key[5] ^= 1;
+    int port = 0;
+    struct sockreg t;
+    EXPECT_OK(sockreg_register(c, &t, &port));
+    int bad = data_connect(port, key);
+    assert_true(closed_by_daemon(bad));
+    close(bad);
+    bad = data_connect(port, s.r.key);
+    assert_true(closed_by_daemon(bad));
+    close(bad);
+
+    // ReleaseRegion closes the region's connection.
+    t.fd = data_connect(port, t.r.key);
+    uint64_t size = 0;
+    assert_int_equal(recv(t.fd, &size, 8, MSG_WAITALL), 8);
+    Rnnd__V1__ReleaseRegionRequest rel = RNND__V1__RELEASE_REGION_REQUEST__INIT;
+    rel.region = t.r.id;
+    ProtobufCMessage *out;
+    EXPECT_OK(raw(c, "/rnnd.v1.Rnn/ReleaseRegion", &rel.base,
+                  &rnnd__v1__release_region_reply__descriptor, &out));
+    protobuf_c_message_free_unpacked(out, NULL);
+    assert_true(closed_by_daemon(t.fd));
+    sockreg_close(&t);
+
+    // A frame outside the region closes the connection, and the region goes with it.
+    frame(s.fd, 2, RSIZE - 4, 8);
+    assert_true(closed_by_daemon(s.fd));
+    float x[I_] = {0};
+    struct step_msg m;
+    Rnnd__V1__StepReply *rep;
+    step_msg(&m, 7003, true, &s.r, 128, x);
+    int err = GRPC_STATUS_OK;
+    for (double t0 = now_seconds(); now_seconds() - t0 < 5 && err == GRPC_STATUS_OK;) {
+        err = step_raw(c, &m, &rep);
+        if (err == 0) {
+            protobuf_c_message_free_unpacked(&rep->base, NULL);
+            sleep_ms(20);
+        }
+    }
+    assert_int_equal(rnnd_client_last_error()->grpc_status, GRPC_STATUS_FAILED_PRECONDITION);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "not registered"));
+    sockreg_close(&s);
+
+    // Bad registrations: a short key, a size over the limit.
+    Rnnd__V1__SocketRegion sm = RNND__V1__SOCKET_REGION__INIT;
+    sm.size = RSIZE;
+    sm.key = (ProtobufCBinaryData){16, key};
+    Rnnd__V1__RegisterRegionRequest req = RNND__V1__REGISTER_REGION_REQUEST__INIT;
+    req.kind_case = RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET;
+    req.socket = &sm;
+    EXPECT_STATUS(raw(c, "/rnnd.v1.Rnn/RegisterRegion", &req.base,
+                      &rnnd__v1__register_region_reply__descriptor, &out),
+                  GRPC_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "socket.key"));
+    sm.key.len = 32;
+    sm.size = (uint64_t)1 << 36;
+    EXPECT_STATUS(raw(c, "/rnnd.v1.Rnn/RegisterRegion", &req.base,
+                      &rnnd__v1__register_region_reply__descriptor, &out),
+                  GRPC_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "socket.size"));
+    rnnd_client_free(c);
+
+    // --data-listen off: socket regions are refused, with the flag named.
+    const char *args[] = {"--data-listen", "off", "--input-size", "8", "--hidden-size", "16", NULL};
+    struct daemon d2;
+    assert_int_equal(daemon_start(&d2, args), 0);
+    c = client_to(d2.grpc, NULL);
+    EXPECT_STATUS(sockreg_register(c, &t, &port), GRPC_STATUS_FAILED_PRECONDITION);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "--data-listen"));
+    sockreg_close(&t);
+    rnnd_client_free(c);
+    daemon_free(&d2);
+}
+
 // A peer that is not on this host (here: this host's own non-loopback address, which the
-// daemon cannot tell from another host's) may neither register a region nor use one.
+// daemon cannot tell from another host's) may neither register a region nor use one, but for a
+// socket region.
 static void test_remote_peer(void **state) {
     (void)state;
     char ip[INET_ADDRSTRLEN] = "";
@@ -806,6 +1003,11 @@ static void test_remote_peer(void **state) {
     EXPECT_OK(step_raw(local, &m, &rep));
     protobuf_c_message_free_unpacked(&rep->base, NULL);
     region_close(&r);
+    // A socket region: the remote peer registers it and steps through it.
+    struct sockreg s;
+    sockreg_open(remote, &s);
+    step_via_sockreg(remote, &s, 6101);
+    sockreg_close(&s);
     rnnd_client_free(local);
     rnnd_client_free(remote);
     daemon_free(&d2);
@@ -821,6 +1023,7 @@ int main(void) {
         cmocka_unit_test(test_bad_descriptors),
         cmocka_unit_test(test_register_refusals),
         cmocka_unit_test(test_region_goes_with_client),
+        cmocka_unit_test(test_socket_region),
         cmocka_unit_test(test_remote_peer),
     };
     return cmocka_run_group_tests_name("shm", tests, setup, teardown);

@@ -2,7 +2,8 @@
  * test_config.c: rnnd's configuration (server/config.c): the defaults of docs/design.md, flags in
  * both spellings, config files (comments, quotes, line numbers in errors), flags winning over
  * the file, refusals that name the offending flag, the warning for a listen address that
- * other hosts reach without TLS or a token, and --listen lists (TCP and unix: sockets).
+ * other hosts reach without TLS or a token, --listen lists (TCP and unix: sockets) and
+ * --data-listen.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -429,6 +430,58 @@ static void test_listen_list(void **state) {
     }
 }
 
+// --data-listen: "auto" follows the first TCP --listen host (port 0) and is off without one or
+// with TLS; an address is taken as given, but not with TLS (data connections are plaintext).
+static void test_data_listen(void **state) {
+    (void)state;
+    struct rnnd_config c;
+    char err[512], addr[RNND_CONFIG_ADDR_MAX];
+    assert_int_equal(parse(&c, err, (const char *[]){NULL}), RNND_CONFIG_RUN);
+    assert_string_equal(c.data_listen, "auto");
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "127.0.0.1:0");
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "unix:/a.sock,[::1]:5", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "[::1]:0");
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "unix:/a.sock", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "");
+    assert_int_equal(parse(&c, err, (const char *[]){"--data-listen", "off", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "");
+    assert_int_equal(parse(&c, err, (const char *[]){"--data-listen", "0.0.0.0:7000", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "0.0.0.0:7000");
+    assert_int_equal(
+        parse(&c, err, (const char *[]){"--tls-cert", "c.pem", "--tls-key", "k.pem", NULL}),
+        RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "");
+    assert_int_equal(parse(&c, err,
+                           (const char *[]){"--tls-cert", "c.pem", "--tls-key", "k.pem",
+                                            "--data-listen", "127.0.0.1:7000", NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "plaintext"));
+    assert_int_equal(parse(&c, err, (const char *[]){"--max-shm-regions", "0", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "");
+    assert_int_equal(
+        parse(&c, err,
+              (const char *[]){"--max-shm-regions", "0", "--data-listen", "127.0.0.1:7000", NULL}),
+        RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--max-shm-regions"));
+    assert_int_equal(parse(&c, err, (const char *[]){"--data-listen", "nowhere", NULL}),
+                     RNND_CONFIG_ERROR);
+    assert_non_null(strstr(err, "--data-listen"));
+    assert_int_equal(parse(&c, err, (const char *[]){"--rendezvous", "off", NULL}),
+                     RNND_CONFIG_ERROR);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
@@ -441,6 +494,7 @@ int main(void) {
         cmocka_unit_test(test_set_spellings),
         cmocka_unit_test(test_weights_streams_and_exposure),
         cmocka_unit_test(test_listen_list),
+        cmocka_unit_test(test_data_listen),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);
 }

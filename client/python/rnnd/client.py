@@ -263,10 +263,13 @@ class Client:
     (None: none). max_message_mb: send/receive limit (-1: unlimited, the default).
     transport: "auto" (shared memory when the target is on this host and the daemon accepts the
     region, else gRPC; and for calls on CUDA tensors, a CUDA region when the daemon is on this
-    host's GPU), "cuda" (like auto, but a call on CUDA tensors that cannot use a CUDA region is
-    an error), "shm" (shared memory or an error) or "grpc" (tensors inside the messages).
+    host's GPU, a socket region when it is on another host and offers one), "cuda" (like auto,
+    but a call on CUDA tensors that cannot use either region is an error), "socket" (calls on
+    torch tensors, CUDA or CPU, through a socket region whatever the host, or an error), "shm"
+    (shared memory or an error) or "grpc" (tensors inside the messages).
     shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
-    of the CUDA region, allocated on the GPU at the first call on CUDA tensors.
+    of the CUDA region, allocated on the GPU at the first call on CUDA tensors (or of the
+    socket region, in the daemon's memory).
     native: send the unary calls of rnnd.v1.Rnn through the C client (rnnd._native), None
     (default) where its library is found and the channel is plaintext without extra options,
     True (an error where it cannot), False (grpcio); ``client.native`` says which.
@@ -274,8 +277,8 @@ class Client:
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
                  transport="auto", shm_mb=1024, cuda_mb=1024, native=None):
-        if transport not in ("auto", "cuda", "shm", "grpc"):
-            raise ValueError('transport is "auto", "cuda", "shm" or "grpc", not %r'
+        if transport not in ("auto", "cuda", "socket", "shm", "grpc"):
+            raise ValueError('transport is "auto", "cuda", "socket", "shm" or "grpc", not %r'
                              % (transport,))
         self.target = target
         self.closed = False
@@ -368,22 +371,28 @@ class Client:
     @property
     def transport(self):
         """How tensors travel: "cuda" (CUDA tensors in place, once a call on them registered a
-        CUDA region; the other calls as below), "shm" (shared memory with a daemon on this
-        host) or "grpc"."""
-        if any(self._cuda.values()):
-            return "cuda"
+        CUDA region; the other calls as below), "socket" (calls on CUDA tensors with a daemon
+        on another host, through a socket region's data connection), "shm" (shared memory
+        with a daemon on this host) or "grpc"."""
+        regions = [r for r in self._cuda.values() if r]
+        if regions:
+            return regions[0].kind
         if self._transport is None:
             self._choose_transport()
         return self._transport or "grpc"
 
     def _cuda_for(self, device):
-        """The CUDA region on device (a torch.device) for a call on CUDA tensors, registered at
-        the first such call; None where the path is not open (not CUDA, not local, refused)."""
-        if device is None or getattr(device, "type", None) != "cuda" or self._want in (
-                "shm", "grpc"):
+        """The region for a call on torch tensors of device (a torch.device), registered at the
+        first such call: a CUDA region (CUDA, a daemon on this host) or a socket region (CUDA
+        and a daemon on another host; CUDA or CPU with transport="socket"); None where the path
+        is not open (refused, or neither applies)."""
+        kind = getattr(device, "type", None)
+        if kind not in ("cuda", "cpu") or self._want in ("shm", "grpc") or (
+                kind == "cpu" and self._want != "socket"):
             return None
-        from . import cuda as _cuda  # torch only for callers with CUDA tensors
-        index = device.index if device.index is not None else _cuda.torch.cuda.current_device()
+        from . import cuda as _cuda  # torch only for callers with torch tensors
+        index = "cpu" if kind == "cpu" else (
+            device.index if device.index is not None else _cuda.torch.cuda.current_device())
         region = self._cuda.get(index)
         if region is None:
             with self._tlock:
@@ -395,20 +404,23 @@ class Client:
     def _cuda_register(self, _cuda, index):
         region = None
         try:
-            if not _local_target(self.target):
-                raise RnndError(grpc.StatusCode.FAILED_PRECONDITION,
-                                "CUDA regions need a daemon on this host (a unix: or loopback "
-                                "target)", "RegisterRegion", self.target)
             self._info = self._info or self.info()
-            region = _cuda.Region(self._cuda_mb << 20, "cuda:%d" % index)
-            self._cuda[index] = region.register(self._call)
-        except (RnndError, RuntimeError) as e:
+            device = "cpu" if index == "cpu" else "cuda:%d" % index
+            if _local_target(self.target) and self._want != "socket":
+                region = _cuda.Region(self._cuda_mb << 20, device)
+                self._cuda[index] = region.register(self._call)
+            else:  # the daemon's memory, through a data connection
+                from . import sock as _sock
+                region = _sock.Region(self._cuda_mb << 20, device)
+                self._cuda[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
+                                                    .strip("[]"))
+        except (RnndError, RuntimeError, OSError) as e:
             if isinstance(e, RnndError) and e.code in (grpc.StatusCode.UNAVAILABLE,
                                                        grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise  # a daemon not reachable yet: decide at a later call
             if region is not None:
                 region.release(None)
-            if self._want == "cuda":
+            if self._want in ("cuda", "socket"):
                 raise
             self._cuda[index] = False
         return self._cuda[index]
@@ -636,10 +648,13 @@ class Client:
                      grad_head_value=grad_head_value)
         grads = dict(grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
         first = next((v for v in grads.values() if v is not None), None)
-        if getattr(first, "is_cuda", False):  # torch tensors: in place when the region allows
+        if getattr(first, "is_cuda", False) or (self._want == "socket" and
+                                                 hasattr(first, "detach")):
+            # torch tensors: through the call's region when it has room
             r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first, apply)
             if r is not None:
                 return r
+        if getattr(first, "is_cuda", False):
             from .torch import _wire as wire_of  # the bytes path, as rnnd.torch sends them
             grads = {k: None if v is None else wire_of(v, dtype or "float32",
                                                        stage=k == "grad_output")

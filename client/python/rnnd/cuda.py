@@ -47,6 +47,8 @@ def _export(ptr):
 class Region(_shm.Spans):
     """``size`` bytes of GPU memory on ``device`` shared with the daemon."""
 
+    kind = "cuda"
+
     def __init__(self, size, device):
         super().__init__(size)
         self.device = torch.device(device)

@@ -165,7 +165,7 @@ class ShmTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as cm:
             stub.RegisterRegion(pb.RegisterRegionRequest())
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
-        self.assertIn("set memfd or cuda", cm.exception.details())
+        self.assertIn("set memfd, cuda or socket", cm.exception.details())
         with rnnd.Client(self.sock) as c:
             self.assertIsNone(c._cuda_for(None))
             self.assertEqual(c.transport, "shm")

@@ -1,0 +1,132 @@
+"""Socket regions against a real daemon (CPU backend): rnnd.Client(transport="socket") sends and
+receives torch tensors through the daemon's memory over a data connection. Forward over recorded
+trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
+wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
+the client closes, a daemon with --data-listen off refuses the transport, and "auto" keeps CUDA-less
+calls off it."""
+
+import time
+import unittest
+import urllib.request
+
+import numpy as np
+
+from _common import daemon, skip
+
+try:
+    import torch
+except ImportError:
+    skip("no torch")
+
+import rnnd
+import rnnd.torch
+
+I, H, L = 6, 32, 2
+# The learner's device: CUDA tensors where there is a GPU (the GPU host), else CPU ones.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def regions(d):
+    with urllib.request.urlopen("http://%s/metrics" % d.http, timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("rnnd_shm_regions "):
+            return float(line.split()[1])
+    raise AssertionError("no rnnd_shm_regions in /metrics")
+
+
+class SocketRegionTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = daemon(cell="lstm", layers=L, input_size=I, hidden_size=H, trajectory_steps=16,
+                       seed=3).start()
+        cls.b = cls.d.client(transport="grpc")
+        cls.rng = np.random.default_rng(1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.b.close()
+        cls.d.stop()
+
+    def x(self, *shape):
+        return self.rng.standard_normal(shape).astype(np.float32)
+
+    def steps(self, ids, T):
+        for t in range(T):
+            self.b.step(ids, self.x(len(ids), I), is_init=(self.rng.random(len(ids)) < 0.2) |
+                        (t == 0))
+
+    def test_equals_bytes(self):
+        ids = np.arange(100, 105, dtype=np.uint64)
+        T = 9
+        self.steps(ids, T)
+        with self.d.client(transport="socket", cuda_mb=4) as s:
+            for wire in ("float32", "bfloat16"):
+                fb = self.b.forward_recorded(ids, T, keep_tape=True, fields=("is_init",),
+                                             reply_dtype=wire)
+                fs = s.forward_recorded(ids, T, keep_tape=True, fields=("is_init",),
+                                        reply_dtype=wire, device=DEV)
+                self.assertEqual(s.transport, "socket")
+                self.assertIsInstance(fs.output, torch.Tensor)
+                self.assertEqual(fs.output.device.type, DEV.type)
+                self.assertTrue(torch.equal(fs.output.cpu(), torch.from_numpy(fb.output)), wire)
+                self.assertTrue(torch.equal(fs.is_init.cpu(), torch.from_numpy(fb.is_init)))
+                self.assertIsNone(fs.obs)
+                go = self.x(len(ids), T, H)
+                gb = self.b.backward(fb.tape_id, go, dtype=wire, input_grads=())
+                gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
+                                input_grads=())
+                self.assertEqual(sorted(gs.grads), sorted(gb.grads))
+                for name in gb.grads:
+                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
+                                                torch.from_numpy(np.array(gb.grads[name]))),
+                                    "%s %s" % (wire, name))
+            # A window larger than the region: the call goes as bytes, with the same result.
+            big = np.arange(200, 264, dtype=np.uint64)
+            self.steps(big, 16)
+            fb = self.b.forward_recorded(big, 16, fields=())
+            fs = s.forward_recorded(big, 16, fields=(), device=DEV)
+            self.assertTrue(torch.equal(torch.as_tensor(fs.output).cpu(),
+                                        torch.from_numpy(fb.output)))
+            self.assertEqual(regions(self.d), 1)
+        # Closed with the client (ReleaseRegion, then the connection).
+        for _ in range(50):
+            if regions(self.d) == 0:
+                break
+            time.sleep(0.1)
+        self.assertEqual(regions(self.d), 0)
+
+    def test_learner(self):
+        """A learner step through rnnd.torch on socket regions: the same loss, gradients and
+        new weights as on bytes."""
+        B, T = 4, 8
+        ids = np.arange(300, 300 + B, dtype=np.uint64)
+        self.steps(ids, T)
+        out = []
+        for transport in ("grpc", "socket"):
+            with self.d.client(transport=transport) as c:
+                core = rnnd.torch.RemoteRecurrent(c, grads="server").to(DEV)
+                y, _ = core.forward_recorded(torch.from_numpy(ids.view(np.int64)), T, fields=())
+                loss = (y ** 2).mean()
+                loss.backward()
+                self.assertEqual(c.transport, transport)
+                out.append((loss.item(), {n: p.grad.cpu() for n, p in core.named_parameters()}))
+        self.assertEqual(out[0][0], out[1][0])
+        for name in out[0][1]:
+            self.assertTrue(torch.equal(out[0][1][name], out[1][1][name]), name)
+
+    def test_off_and_auto(self):
+        with daemon(input_size=I, hidden_size=H, data_listen="off") as d:
+            with d.client(transport="socket") as s:
+                with self.assertRaises(rnnd.RnndError) as cm:
+                    s.forward_recorded([1], 1, device=torch.device("cpu"))
+                self.assertIn("--data-listen", cm.exception.details)
+        # "auto" on this host: CPU tensors go as bytes (or shared memory), never a socket region;
+        # CUDA tensors to a daemon on this host take a CUDA region (or bytes), not one either.
+        with self.d.client() as a:
+            self.assertIsNone(a._cuda_for(torch.device("cpu")))
+            self.assertNotEqual(a.transport, "socket")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

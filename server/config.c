@@ -620,6 +620,8 @@ int rnnd_config_check(const struct rnnd_config *c, char *err, size_t errlen) {
     return 0;
 }
 
+static bool listen_local(const char *listen);
+
 void rnnd_config_data_listen(const struct rnnd_config *c, char out[RNND_CONFIG_ADDR_MAX]) {
     out[0] = '\0';
     if (strcmp(c->data_listen, "off") == 0)
@@ -630,15 +632,18 @@ void rnnd_config_data_listen(const struct rnnd_config *c, char out[RNND_CONFIG_A
     }
     if (c->tls_cert[0] || c->max_shm_regions == 0)
         return;
+    // The first address other hosts reach (socket regions are for them), else the first TCP one.
     char addrs[RNND_CONFIG_LISTEN_MAX][RNND_CONFIG_ADDR_MAX];
-    int n = rnnd_config_listen(c->listen, addrs);
+    int n = rnnd_config_listen(c->listen, addrs), pick = -1;
     for (int i = 0; i < n; i++) {
-        const char *colon = strrchr(addrs[i], ':');
-        if (strncmp(addrs[i], "unix:", 5) != 0 && colon) {
-            snprintf(out, RNND_CONFIG_ADDR_MAX, "%.*s:0", (int)(colon - addrs[i]), addrs[i]);
-            return;
-        }
+        if (strncmp(addrs[i], "unix:", 5) == 0 || strrchr(addrs[i], ':') == NULL)
+            continue;
+        if (pick < 0 || (listen_local(addrs[pick]) && !listen_local(addrs[i])))
+            pick = i;
     }
+    if (pick >= 0)
+        snprintf(out, RNND_CONFIG_ADDR_MAX, "%.*s:0",
+                 (int)(strrchr(addrs[pick], ':') - addrs[pick]), addrs[pick]);
 }
 
 // True for a --listen address that only this host can reach.

@@ -104,7 +104,8 @@ int rnnd_config_set(struct rnnd_config *c, const char *key, const char *value, c
 int rnnd_config_load_file(struct rnnd_config *c, const char *path, char *err, size_t errlen);
 
 // Where socket regions' data connections listen (--data-listen): the address given, or for
-// "auto" the host of the first TCP --listen address with port 0; "" (off) for "off", for "auto"
+// "auto" the host of the first TCP --listen address other hosts reach (else of the first TCP
+// one) with port 0; "" (off) for "off", for "auto"
 // without a TCP --listen address, with TLS (data connections are plaintext) or with
 // --max-shm-regions 0.
 void rnnd_config_data_listen(const struct rnnd_config *c, char out[RNND_CONFIG_ADDR_MAX]);

@@ -1,6 +1,6 @@
 """The Python gRPC floor for a learner's messages: 33.5 MB (B=2048 T=64 H=128 in bf16) each
-way between two Python processes (grpcio both ends, an echo server), with HTTP/2 window, frame
-and read-chunk settings; then a Forward of that size from Python to a running rnnd (2048 envs
+way between two Python processes, first over a plain TCP connection, then grpcio both ends (an
+echo server) with HTTP/2 window, frame and read-chunk settings; then a Forward of that size from Python to a running rnnd (2048 envs
 with 64 recorded steps, e.g. after learner_bench.py's fill), as raw bytes and parsed.
 
 Usage (GPU host or any machine with grpcio): python3 tests/gpu/transport_floor.py RNND_TARGET"""
@@ -34,8 +34,30 @@ s = grpc.server(futures.ThreadPoolExecutor(4), options=json.loads(sys.argv[1]))
 s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("e.E", {"Echo": grpc.unary_unary_rpc_method_handler(h)}),))
 p = s.add_insecure_port("127.0.0.1:0"); s.start(); print(p, flush=True); s.wait_for_termination()
 '''
-import json
+import json, socket
 n = 33554432
+# The same bytes over a plain TCP connection between two Python processes: what loopback itself
+# costs (the floor of socket regions' data connections).
+raw_srv = r'''
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+mv = memoryview(bytearray(1 << 26))
+while True:
+    h = c.recv(8, socket.MSG_WAITALL)
+    if len(h) < 8: break
+    k, got = int.from_bytes(h, "little"), 0
+    while got < k: got += c.recv_into(mv[got:k], k - got, socket.MSG_WAITALL)
+    c.sendall(b"k")
+'''
+p = subprocess.Popen([sys.executable, "-c", raw_srv], stdout=subprocess.PIPE, text=True)
+c = socket.create_connection(("127.0.0.1", int(p.stdout.readline())))
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+payload = bytes(n)
+def raw_send():
+    c.sendall(n.to_bytes(8, "little")); c.sendall(payload); c.recv(1, socket.MSG_WAITALL)
+print("py->py raw TCP               33.5 MB up %.1f ms" % med(raw_send), flush=True)
+c.close(); p.kill()
 for name, o in OPTS.items():
     p = subprocess.Popen([sys.executable, "-c", srv, json.dumps([list(x) for x in BASE + o])], stdout=subprocess.PIPE, text=True)
     port = int(p.stdout.readline())

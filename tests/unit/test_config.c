@@ -430,8 +430,8 @@ static void test_listen_list(void **state) {
     }
 }
 
-// --data-listen: "auto" follows the first TCP --listen host (port 0) and is off without one or
-// with TLS; an address is taken as given, but not with TLS (data connections are plaintext).
+// --data-listen: "auto" follows the first TCP --listen host other hosts reach (port 0), else
+// the first TCP one, and is off without one, with TLS or without shared memory; an address is taken as given, but not with TLS (data connections are plaintext).
 static void test_data_listen(void **state) {
     (void)state;
     struct rnnd_config c;
@@ -444,6 +444,10 @@ static void test_data_listen(void **state) {
                      RNND_CONFIG_RUN);
     rnnd_config_data_listen(&c, addr);
     assert_string_equal(addr, "[::1]:0");
+    assert_int_equal(parse(&c, err, (const char *[]){"--listen", "127.0.0.1:1,0.0.0.0:2", NULL}),
+                     RNND_CONFIG_RUN);
+    rnnd_config_data_listen(&c, addr);
+    assert_string_equal(addr, "0.0.0.0:0");
     assert_int_equal(parse(&c, err, (const char *[]){"--listen", "unix:/a.sock", NULL}),
                      RNND_CONFIG_RUN);
     rnnd_config_data_listen(&c, addr);

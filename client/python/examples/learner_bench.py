@@ -3,8 +3,8 @@
 one run, one device.
 
 rnnd (through rnnd.torch.RemoteRecurrent, Python client over TCP loopback; one row per
---transports entry: grpc, shm, cuda or auto, see rnnd.Client's transport, each with its unary
-calls through the C client where rnnd finds it, or with ":grpcio" after it through grpcio):
+--transports entry: grpc, shm, cuda, socket or auto, see rnnd.Client's transport, each with its
+unary calls through the C client where rnnd finds it, or with ":grpcio" after it through grpcio):
     Forward(recorded, keep_tape, only is_init back) -> linear head + MSE loss on the learner's
     device -> loss.backward() = Backward(accumulate, no input gradients) -> ApplyGradients (the
     daemon's Adam) and the head's Adam step.
@@ -139,7 +139,7 @@ def main():
                          "(Backward takes the optimizer step too: one call less)")
     ap.add_argument("--transports", default="auto",
                     help="comma-separated rnnd.Client transports, one rnnd row each "
-                         "(auto, grpc, shm, cuda; cuda:grpcio makes the calls on grpcio)")
+                         "(auto, grpc, shm, cuda, socket; cuda:grpcio makes the calls on grpcio)")
     a = ap.parse_args()
     B, T, I, H = a.B, a.T, a.I, a.H
     dev = torch.device(a.device)

@@ -262,11 +262,12 @@ class Client:
     <token>"). tls: see _credentials (None: plaintext). timeout: per-call deadline in seconds
     (None: none). max_message_mb: send/receive limit (-1: unlimited, the default).
     transport: "auto" (shared memory when the target is on this host and the daemon accepts the
-    region, else gRPC; and for calls on CUDA tensors, a CUDA region when the daemon is on this
-    host's GPU, a socket region when it is on another host and offers one), "cuda" (like auto,
-    but a call on CUDA tensors that cannot use either region is an error), "socket" (calls on
-    torch tensors, CUDA or CPU, through a socket region whatever the host, or an error), "shm"
-    (shared memory or an error) or "grpc" (tensors inside the messages).
+    region, else gRPC; for calls on CUDA tensors, a CUDA region when the daemon is on this
+    host's GPU; for calls on torch tensors, a socket region when the daemon is on another host
+    and offers one), "cuda" (like auto, but a call on CUDA tensors that cannot use either
+    region is an error), "socket" (calls on torch tensors, CUDA or CPU, through a socket region
+    whatever the host, or an error), "shm" (shared memory or an error) or "grpc" (tensors
+    inside the messages).
     shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
     of the CUDA region, allocated on the GPU at the first call on CUDA tensors (or of the
     socket region, in the daemon's memory).
@@ -383,12 +384,13 @@ class Client:
 
     def _cuda_for(self, device):
         """The region for a call on torch tensors of device (a torch.device), registered at the
-        first such call: a CUDA region (CUDA, a daemon on this host) or a socket region (CUDA
-        and a daemon on another host; CUDA or CPU with transport="socket"); None where the path
-        is not open (refused, or neither applies)."""
+        first such call: a CUDA region (CUDA, a daemon on this host) or a socket region (a
+        daemon on another host, or transport="socket"; CPU tensors too); None where the path is
+        not open (refused, or neither applies)."""
         kind = getattr(device, "type", None)
         if kind not in ("cuda", "cpu") or self._want in ("shm", "grpc") or (
-                kind == "cpu" and self._want != "socket"):
+                kind == "cpu" and self._want != "socket" and (
+                    self._want == "cuda" or _local_target(self.target))):
             return None
         from . import cuda as _cuda  # torch only for callers with torch tensors
         index = "cpu" if kind == "cpu" else (
@@ -648,8 +650,8 @@ class Client:
                      grad_head_value=grad_head_value)
         grads = dict(grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
         first = next((v for v in grads.values() if v is not None), None)
-        if getattr(first, "is_cuda", False) or (self._want == "socket" and
-                                                 hasattr(first, "detach")):
+        if getattr(first, "is_cuda", False) or (hasattr(first, "detach") and
+                                                 self._cuda_for(first.device) is not None):
             # torch tensors: through the call's region when it has room
             r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first, apply)
             if r is not None:

@@ -2,9 +2,11 @@
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
 wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
-the client closes, a daemon with --data-listen off refuses the transport, and "auto" keeps CUDA-less
-calls off it."""
+the client closes, "auto" takes it for a daemon on another host (this host's own non-loopback
+address) and not for one on this host, and a daemon with --data-listen off refuses it."""
 
+import socket
+import struct
 import time
 import unittest
 import urllib.request
@@ -24,6 +26,24 @@ import rnnd.torch
 I, H, L = 6, 32, 2
 # The learner's device: CUDA tensors where there is a GPU (the GPU host), else CPU ones.
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def host_ip():
+    """An IPv4 address of this host other than loopback, or None."""
+    import fcntl
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name[:15].encode())
+                ip = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue
+            if not ip.startswith("127."):
+                return ip
+    finally:
+        s.close()
+    return None
 
 
 def regions(d):
@@ -114,6 +134,23 @@ class SocketRegionTest(unittest.TestCase):
         self.assertEqual(out[0][0], out[1][0])
         for name in out[0][1]:
             self.assertTrue(torch.equal(out[0][1][name], out[1][1][name]), name)
+
+    def test_auto_from_another_host(self):
+        """A target that is not loopback (this host's own address, which the daemon cannot tell
+        from another host's): "auto" takes a socket region for torch tensors by itself."""
+        ip = host_ip()
+        if ip is None:
+            self.skipTest("no address but loopback here")
+        with daemon(input_size=I, hidden_size=H, listen="0.0.0.0:0") as d:
+            port = next(a for a in d.addresses if a.startswith("0.0.0.0:")).split(":")[1]
+            ids = [1, 2]
+            with d.client() as loop:
+                loop.step(ids, self.x(2, I), is_init=True)
+            with rnnd.Client("%s:%s" % (ip, port)) as far:
+                f = far.forward_recorded(ids, 1, keep_tape=True, fields=(), device=DEV)
+                self.assertEqual(far.transport, "socket")
+                g = far.backward(f.tape_id, torch.ones(2, 1, H, device=DEV), input_grads=())
+                self.assertEqual(g.grads["weight_hh_l0"].shape, (3 * H, H))
 
     def test_off_and_auto(self):
         with daemon(input_size=I, hidden_size=H, data_listen="off") as d:

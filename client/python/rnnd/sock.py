@@ -91,8 +91,11 @@ class Region(_shm.Spans):
         """Sends tensor x (any device) into the region at off."""
         nbytes = x.numel() * x.element_size()
         with self._io:
-            buf = self._pinned(nbytes)
-            buf.view(x.dtype).view(x.shape).copy_(x)  # into page-locked memory: synchronous
+            if x.is_cuda:
+                buf = self._pinned(nbytes)
+                buf.view(x.dtype).view(x.shape).copy_(x)  # into page-locked memory: synchronous
+            else:  # the tensor's own bytes
+                buf = x.contiguous().view(-1).view(torch.uint8)
             self.sock.sendall(struct.pack("<QQQ", WRITE, off, nbytes))
             self.sock.sendall(memoryview(buf.numpy()))
 
@@ -108,7 +111,9 @@ class Region(_shm.Spans):
     def read(self, off, nbytes):
         """nbytes of the region from off, as a new uint8 tensor on the region's device."""
         with self._io:
-            buf = self._pinned(nbytes)
+            # CPU: straight into the new tensor; CUDA: through the page-locked buffer.
+            cuda = self.device.type == "cuda"
+            buf = self._pinned(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
             self.sock.sendall(struct.pack("<QQQ", READ, off, nbytes))
             mv, got = memoryview(buf.numpy()), 0
             while got < nbytes:
@@ -117,8 +122,8 @@ class Region(_shm.Spans):
                     raise ConnectionError("socket region %d: the data connection closed"
                                           % self.id)
                 got += k
-            if self.device.type != "cuda":
-                return buf.clone()
+            if not cuda:
+                return buf
             x = buf.to(self.device, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(self.device))

@@ -165,6 +165,9 @@ static const struct opt opts[] = {
     {"max-shm-regions", INT(max_shm_regions, 0, 65536), "N",
      "shared-memory regions (RegisterRegion) that same-host clients may hold at once; 0 turns "
      "shared memory off"},
+    {"max-socket-region-mb", INT(max_socket_region_mb, 1, 1 << 24), "N",
+     "memory of the daemon's own that socket regions may hold together (touched as data "
+     "arrives); a RegisterRegion beyond it gets RESOURCE_EXHAUSTED"},
     {"log-level", ENUM(log_level, level_names), "debug|info|warn|error", "log threshold"},
     {"log-format", ENUM(log_format, log_format_names), "text|json",
      "stderr lines as text, or one JSON object per line (ts, level, msg) for log collectors"},
@@ -213,6 +216,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->max_health_watches = 256;
     c->stream_idle_timeout_s = 300;
     c->max_shm_regions = 64;
+    c->max_socket_region_mb = 8192;
     c->log_level = RNND_LOG_INFO;
     c->log_format = RNND_LOG_FORMAT_TEXT;
     c->hz = 10;

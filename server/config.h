@@ -71,6 +71,7 @@ struct rnnd_config {
     int max_health_watches;    // grpc.health.v1 Watch streams open at once
     int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
     int max_shm_regions;       // shared-memory regions registered at once; 0: none (off)
+    int max_socket_region_mb;  // the daemon's memory all socket regions together may hold
     // Several devices and hosts (group.c, cluster.c):
     char devices[RNND_CONFIG_ADDR_MAX];    // "0,1,...": one engine per device; "": --device alone
     int rank;                              // this rnnd among --world-size, or RNND_RANK_AUTO

@@ -65,10 +65,12 @@ static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "he
                                                                   "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {
     "envs",        "step_queue_rows", "tape_bytes",     "message_bytes", "streams",
-    "reply_bytes", "connections",     "health_watches", "shm_regions"};
+    "reply_bytes", "connections",     "health_watches", "shm_regions",   "socket_region_bytes"};
 // Which bounds are in bytes (rnnd_limit_bytes); the others count items (rnnd_limit_items).
-static const bool limit_in_bytes[RNND_LIMIT_COUNT] = {
-    [RNND_LIMIT_TAPE_BYTES] = true, [RNND_LIMIT_MESSAGE] = true, [RNND_LIMIT_REPLY_BYTES] = true};
+static const bool limit_in_bytes[RNND_LIMIT_COUNT] = {[RNND_LIMIT_TAPE_BYTES] = true,
+                                                      [RNND_LIMIT_MESSAGE] = true,
+                                                      [RNND_LIMIT_REPLY_BYTES] = true,
+                                                      [RNND_LIMIT_SOCKET_BYTES] = true};
 
 const char *rnnd_method_name(enum rnnd_method m) {
     return (unsigned)m < RNND_METHOD_COUNT ? method_names[m] : "unknown";
@@ -466,6 +468,17 @@ int rnnd_metrics_render(char **out, size_t *len) {
         "# HELP rnnd_shm_regions Shared-memory regions registered by clients on this host.\n"
         "# TYPE rnnd_shm_regions gauge\nrnnd_shm_regions %lld\n",
         (long long)lds(&m->shm_regions));
+    put(&b,
+        "# HELP rnnd_socket_region_bytes The daemon's memory in the socket regions registered.\n"
+        "# TYPE rnnd_socket_region_bytes gauge\nrnnd_socket_region_bytes %lld\n",
+        (long long)lds(&m->socket_bytes));
+    put(&b,
+        "# HELP rnnd_data_bytes_total Bytes the socket regions' data connections received (in) "
+        "and sent (out).\n"
+        "# TYPE rnnd_data_bytes_total counter\n"
+        "rnnd_data_bytes_total{direction=\"in\"} %llu\n"
+        "rnnd_data_bytes_total{direction=\"out\"} %llu\n",
+        (unsigned long long)ld(&m->data_in), (unsigned long long)ld(&m->data_out));
     if (b.err) {
         free(b.p);
         return b.err;

@@ -76,6 +76,7 @@ enum rnnd_limit {
     RNND_LIMIT_CONNECTIONS,    // --max-connections: gRPC connections open
     RNND_LIMIT_HEALTH_WATCHES, // --max-health-watches: grpc.health.v1 Watch streams open
     RNND_LIMIT_SHM_REGIONS,    // --max-shm-regions: shared-memory regions registered
+    RNND_LIMIT_SOCKET_BYTES,   // --max-socket-region-mb: the daemon's memory in socket regions
     RNND_LIMIT_COUNT,
 };
 
@@ -123,13 +124,15 @@ struct rnnd_metrics {
     _Atomic int ready;                  // 1 while serving
     _Atomic int64_t http_connections;   // HTTP connections open
     _Atomic uint64_t http_dropped[RNND_HTTP_DROP_COUNT];
-    _Atomic int64_t reply_bytes;       // replies reserved, queued or being sent
-    _Atomic int64_t connections;       // gRPC connections open
-    _Atomic int64_t health_watches;    // grpc.health.v1 Watch streams open
-    _Atomic uint64_t stream_idle_ends; // calls ended by --stream-idle-timeout-s
-    _Atomic(const char *) backend;     // "cpu" or "cuda" (static) once the engine runs, or NULL
-    _Atomic int64_t traj_store_bytes;  // backend memory of the trajectory stores
-    _Atomic int64_t shm_regions;       // shared-memory regions registered
+    _Atomic int64_t reply_bytes;        // replies reserved, queued or being sent
+    _Atomic int64_t connections;        // gRPC connections open
+    _Atomic int64_t health_watches;     // grpc.health.v1 Watch streams open
+    _Atomic uint64_t stream_idle_ends;  // calls ended by --stream-idle-timeout-s
+    _Atomic(const char *) backend;      // "cpu" or "cuda" (static) once the engine runs, or NULL
+    _Atomic int64_t traj_store_bytes;   // backend memory of the trajectory stores
+    _Atomic int64_t shm_regions;        // shared-memory regions registered
+    _Atomic int64_t socket_bytes;       // bytes of the socket regions registered
+    _Atomic uint64_t data_in, data_out; // bytes the data connections received and sent
 };
 
 extern struct rnnd_metrics rnnd_metrics;

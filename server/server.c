@@ -417,6 +417,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
         [RNND_LIMIT_CONNECTIONS] = cfg->max_connections,
         [RNND_LIMIT_HEALTH_WATCHES] = cfg->max_health_watches,
         [RNND_LIMIT_SHM_REGIONS] = cfg->max_shm_regions,
+        [RNND_LIMIT_SOCKET_BYTES] = (int64_t)cfg->max_socket_region_mb << 20,
     };
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], bounds[i]);
@@ -428,7 +429,9 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     }
     char data_addr[RNND_CONFIG_ADDR_MAX];
     rnnd_config_data_listen(cfg, data_addr);
-    if (data_addr[0] && rnnd_shm_listen(s->shm, data_addr, err, sizeof(err)) != 0) {
+    if (data_addr[0] &&
+        rnnd_shm_listen(s->shm, data_addr, (uint64_t)cfg->max_socket_region_mb << 20, err,
+                        sizeof(err)) != 0) {
         rnnd_log(RNND_LOG_ERROR, "%s", err);
         rc = 1;
         goto fail_loop;

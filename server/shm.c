@@ -72,6 +72,7 @@ struct rnnd_shm {
     struct region **v; // (max)
     // Socket regions: the data listener (-1: off), its thread and its connections.
     int lfd, port;
+    uint64_t sock_bytes, sock_max; // socket regions' bytes registered, and their bound
     bool stopping;
     pthread_t acceptor;
     struct conn **conns; // (max + RNND_SHM_PENDING)
@@ -152,8 +153,13 @@ static void region_unref_locked(struct region *r) {
 // data connection is shut down: its thread then drops the connection's reference.
 static void region_remove_locked(struct rnnd_shm *s, int k) {
     struct region *r = s->v[k];
-    if (r->sock && r->fd >= 0)
-        shutdown(r->fd, SHUT_RDWR);
+    if (r->sock) {
+        if (r->fd >= 0)
+            shutdown(r->fd, SHUT_RDWR);
+        s->sock_bytes -= r->size;
+        atomic_store_explicit(&rnnd_metrics.socket_bytes, (int64_t)s->sock_bytes,
+                              memory_order_relaxed);
+    }
     s->v[k] = s->v[--s->n];
     atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
     region_unref_locked(r);
@@ -417,6 +423,23 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         pthread_mutex_unlock(&s->lock);
         region_unmap(r);
         return full_msg(s, s->max, err, errlen);
+    }
+    if (r->sock && r->size > s->sock_max - s->sock_bytes) {
+        uint64_t held = s->sock_bytes;
+        size_t need = r->size;
+        pthread_mutex_unlock(&s->lock);
+        region_unmap(r);
+        rnnd_metrics_limit_hit(RNND_LIMIT_SOCKET_BYTES);
+        return errf(err, errlen, RNND_EFULL,
+                    "socket regions hold %" PRIu64 " MiB of --max-socket-region-mb %" PRIu64
+                    " and this one needs %zu more; release unused ones (ReleaseRegion), "
+                    "register a smaller one, or raise the flag",
+                    held >> 20, s->sock_max >> 20, (need + (1u << 20) - 1) >> 20);
+    }
+    if (r->sock) {
+        s->sock_bytes += r->size;
+        atomic_store_explicit(&rnnd_metrics.socket_bytes, (int64_t)s->sock_bytes,
+                              memory_order_relaxed);
     }
     // Random ids: a region can be named only by the client that registered it.
     do {
@@ -828,8 +851,10 @@ static void data_serve(int fd, struct region *r) {
         bool ok;
         if (op == RNND_SHM_OP_WRITE) {
             ok = io_full(fd, r->base + off, (size_t)n, true);
+            atomic_fetch_add_explicit(&rnnd_metrics.data_in, n, memory_order_relaxed);
         } else if (op == RNND_SHM_OP_READ) {
             ok = io_full(fd, r->base + off, (size_t)n, false);
+            atomic_fetch_add_explicit(&rnnd_metrics.data_out, n, memory_order_relaxed);
         } else if (op == RNND_SHM_OP_SYNC) {
             uint64_t echo = htole64(off);
             ok = io_full(fd, &echo, sizeof(echo), false);
@@ -930,7 +955,8 @@ static void *data_accept_main(void *arg) {
     }
 }
 
-int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, char *err, size_t errlen) {
+int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, uint64_t max_bytes, char *err,
+                    size_t errlen) {
     char host[RNND_SHM_ADDR_MAX];
     const char *colon = strrchr(addr, ':');
     if (colon == NULL || (size_t)(colon - addr) >= sizeof(host) || s->max == 0)
@@ -968,6 +994,7 @@ int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, char *err, size_t errl
     s->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
                                              : ((struct sockaddr_in *)&sa)->sin_port);
     s->conns = calloc((size_t)s->max + RNND_SHM_PENDING, sizeof(*s->conns));
+    s->sock_max = max_bytes;
     s->lfd = fd;
     if (s->conns == NULL || pthread_create(&s->acceptor, NULL, data_accept_main, s) != 0) {
         close(fd);

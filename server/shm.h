@@ -79,7 +79,9 @@ bool rnnd_shm_peer_local(const char *peer);
 // Socket regions: listens for data connections on addr ("HOST:PORT", port 0: any free one) on
 // a thread of its own; every connection gets a thread. 0, or RNND_EINVAL / RNND_EIO /
 // RNND_ENOMEM with err written. rnnd_shm_free closes them. Without it socket regions are off.
-int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, char *err, size_t errlen);
+// max_bytes: what all socket regions together may hold.
+int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, uint64_t max_bytes, char *err,
+                    size_t errlen);
 // The data connections' port, or 0 when socket regions are off.
 int rnnd_shm_data_port(const struct rnnd_shm *s);
 
@@ -87,7 +89,7 @@ int rnnd_shm_data_port(const struct rnnd_shm *s);
 // new region, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
 // key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
 // regions off), RNND_EINVAL (malformed),
-// RNND_EFULL (--max-shm-regions) with the reason in err. be: the backend that opens CUDA regions
+// RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the backend that opens CUDA regions
 // (the daemon's only device), or NULL when the daemon has none or several.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
                       const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,

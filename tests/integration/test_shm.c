@@ -5,7 +5,8 @@
  * path's results bit for bit, replies really land in the region, every descriptor that does not
  * resolve is refused with nothing changed, and a region goes with its client. Socket regions:
  * Step through one from loopback and from a remote peer, its data connection's refusals (a
- * wrong or reused key, a frame outside the region), ReleaseRegion closing the connection.
+ * wrong or reused key, a frame outside the region), ReleaseRegion closing the connection,
+ * --max-socket-region-mb and --data-listen off.
  *
  * One daemon (LSTM L=2 with extras, a token) listening on loopback and on a unix socket; others
  * started by single tests. Regions for the raw-message cases are made here (a sealed, locked
@@ -946,6 +947,30 @@ static void test_socket_region(void **state) {
                   GRPC_STATUS_INVALID_ARGUMENT);
     assert_non_null(strstr(rnnd_client_last_error()->message, "socket.size"));
     rnnd_client_free(c);
+
+    // --max-socket-region-mb: a region beyond what is left is refused (RESOURCE_EXHAUSTED), and
+    // one that fits after the first is released goes through.
+    const char *capped[] = {
+        "--max-socket-region-mb", "1", "--input-size", "8", "--hidden-size", "16", NULL};
+    struct daemon d3;
+    assert_int_equal(daemon_start(&d3, capped), 0);
+    c = client_to(d3.grpc, NULL);
+    struct sockreg held[16];
+    for (int i = 0; i < 16; i++)
+        EXPECT_OK(sockreg_register(c, &held[i], &port));
+    EXPECT_STATUS(sockreg_register(c, &t, &port), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(rnnd_client_last_error()->message, "--max-socket-region-mb"));
+    sockreg_close(&t);
+    rel.region = held[0].r.id;
+    EXPECT_OK(raw(c, "/rnnd.v1.Rnn/ReleaseRegion", &rel.base,
+                  &rnnd__v1__release_region_reply__descriptor, &out));
+    protobuf_c_message_free_unpacked(out, NULL);
+    EXPECT_OK(sockreg_register(c, &t, &port));
+    sockreg_close(&t);
+    for (int i = 0; i < 16; i++)
+        sockreg_close(&held[i]);
+    rnnd_client_free(c);
+    daemon_free(&d3);
 
     // --data-listen off: socket regions are refused, with the flag named.
     const char *args[] = {"--data-listen", "off", "--input-size", "8", "--hidden-size", "16", NULL};

@@ -89,9 +89,9 @@ static void test_bounds_exact(void **state) {
 static void test_limit_units(void **state) {
     (void)state;
     rnnd_metrics_init();
-    const char *names[RNND_LIMIT_COUNT] = {"envs",          "step_queue_rows", "tape_bytes",
-                                           "message_bytes", "streams",         "reply_bytes",
-                                           "connections",   "health_watches",  "shm_regions"};
+    const char *names[RNND_LIMIT_COUNT] = {
+        "envs",        "step_queue_rows", "tape_bytes",     "message_bytes", "streams",
+        "reply_bytes", "connections",     "health_watches", "shm_regions",   "socket_region_bytes"};
     for (int i = 0; i < RNND_LIMIT_COUNT; i++)
         atomic_store(&rnnd_metrics.limit[i], 1000 + i);
     char *text = render();

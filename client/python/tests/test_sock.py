@@ -46,13 +46,17 @@ def host_ip():
     return None
 
 
-def regions(d):
+def metric(d, name):
     with urllib.request.urlopen("http://%s/metrics" % d.http, timeout=10) as r:
         text = r.read().decode()
     for line in text.splitlines():
-        if line.startswith("rnnd_shm_regions "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no rnnd_shm_regions in /metrics")
+    raise AssertionError("no %s in /metrics" % name)
+
+
+def regions(d):
+    return metric(d, "rnnd_shm_regions")
 
 
 class SocketRegionTest(unittest.TestCase):
@@ -80,6 +84,8 @@ class SocketRegionTest(unittest.TestCase):
         ids = np.arange(100, 105, dtype=np.uint64)
         T = 9
         self.steps(ids, T)
+        sent, got = (metric(self.d, 'rnnd_data_bytes_total{direction="%s"}' % k)
+                     for k in ("out", "in"))
         with self.d.client(transport="socket", cuda_mb=4) as s:
             for wire in ("float32", "bfloat16"):
                 fb = self.b.forward_recorded(ids, T, keep_tape=True, fields=("is_init",),
@@ -109,12 +115,20 @@ class SocketRegionTest(unittest.TestCase):
             self.assertTrue(torch.equal(torch.as_tensor(fs.output).cpu(),
                                         torch.from_numpy(fb.output)))
             self.assertEqual(regions(self.d), 1)
+            self.assertEqual(metric(self.d, "rnnd_socket_region_bytes"), 4 << 20)
+            # The replies' outputs went out over the data connection, the gradients came in.
+            out = 4 * len(ids) * T * H + 2 * len(ids) * T * H
+            self.assertGreaterEqual(
+                metric(self.d, 'rnnd_data_bytes_total{direction="out"}') - sent, out)
+            self.assertGreaterEqual(
+                metric(self.d, 'rnnd_data_bytes_total{direction="in"}') - got, out)
         # Closed with the client (ReleaseRegion, then the connection).
         for _ in range(50):
             if regions(self.d) == 0:
                 break
             time.sleep(0.1)
         self.assertEqual(regions(self.d), 0)
+        self.assertEqual(metric(self.d, "rnnd_socket_region_bytes"), 0)
 
     def test_learner(self):
         """A learner step through rnnd.torch on socket regions: the same loss, gradients and

@@ -396,9 +396,13 @@ class Client:
         index = "cpu" if kind == "cpu" else (
             device.index if device.index is not None else _cuda.torch.cuda.current_device())
         region = self._cuda.get(index)
-        if region is None:
+        if region is None or getattr(region, "closed", False):
             with self._tlock:
                 region = self._cuda.get(index)
+                if region is not None and getattr(region, "closed", False):
+                    region.release(None)  # a socket region whose connection failed: anew
+                    del self._cuda[index]
+                    region = None
                 if region is None:
                     region = self._cuda_register(_cuda, index)
         return region or None

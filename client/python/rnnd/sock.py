@@ -17,6 +17,7 @@ Client uses this by itself for calls on CUDA tensors to a daemon on another host
 (``Client(transport="auto")``).
 """
 
+import contextlib
 import os
 import socket
 import struct
@@ -48,6 +49,7 @@ class Region(_shm.Spans):
         self._buf = None  # page-locked bytes between the socket and the GPU
         self._done = None  # the event after which the copy out of _buf has finished
         self._token = 0
+        self.closed = False  # the data connection failed: the client registers a new region
 
     def register(self, call, host):
         """RegisterRegion through ``call(name, request)``, then the data connection to ``host``
@@ -77,6 +79,18 @@ class Region(_shm.Spans):
             self.sock.close()
             self.sock = None
 
+    @contextlib.contextmanager
+    def _guard(self):
+        """Any socket error marks the region closed."""
+        if self.closed or self.sock is None:
+            raise self._failed("its data connection is closed")
+        try:
+            yield
+        except OSError as e:
+            if isinstance(e, ConnectionError) and self.closed:
+                raise
+            raise self._failed(str(e)) from None
+
     def _pinned(self, nbytes):
         if self._done is not None:
             self._done.synchronize()
@@ -87,10 +101,15 @@ class Region(_shm.Spans):
                                     pin_memory=self.device.type == "cuda")
         return self._buf[:nbytes]
 
+    def _failed(self, why):
+        self.closed = True
+        return ConnectionError("socket region %d: %s (the daemon restarted or released it; the "
+                               "next call registers a new one)" % (self.id, why))
+
     def write(self, off, x):
         """Sends tensor x (any device) into the region at off."""
         nbytes = x.numel() * x.element_size()
-        with self._io:
+        with self._io, self._guard():
             if x.is_cuda:
                 buf = self._pinned(nbytes)
                 buf.view(x.dtype).view(x.shape).copy_(x)  # into page-locked memory: synchronous
@@ -101,16 +120,16 @@ class Region(_shm.Spans):
 
     def sync(self):
         """Returns once the daemon holds everything written before."""
-        with self._io:
+        with self._io, self._guard():
             self._token += 1
             self.sock.sendall(struct.pack("<QQQ", SYNC, self._token, 0))
             echo = self.sock.recv(8, socket.MSG_WAITALL)
             if len(echo) != 8 or struct.unpack("<Q", echo)[0] != self._token:
-                raise ConnectionError("socket region %d: the data connection closed" % self.id)
+                raise self._failed("the data connection closed")
 
     def read(self, off, nbytes):
         """nbytes of the region from off, as a new uint8 tensor on the region's device."""
-        with self._io:
+        with self._io, self._guard():
             # CPU: straight into the new tensor; CUDA: through the page-locked buffer.
             cuda = self.device.type == "cuda"
             buf = self._pinned(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
@@ -119,8 +138,7 @@ class Region(_shm.Spans):
             while got < nbytes:
                 k = self.sock.recv_into(mv[got:], nbytes - got, socket.MSG_WAITALL)
                 if k == 0:
-                    raise ConnectionError("socket region %d: the data connection closed"
-                                          % self.id)
+                    raise self._failed("the data connection closed")
                 got += k
             if not cuda:
                 return buf

@@ -2,7 +2,7 @@
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
 wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
-the client closes, "auto" takes it for a daemon on another host (this host's own non-loopback
+the client closes, a lost data connection costs one call, "auto" takes it for a daemon on another host (this host's own non-loopback
 address) and not for one on this host, and a daemon with --data-listen off refuses it."""
 
 import socket
@@ -22,6 +22,7 @@ except ImportError:
 
 import rnnd
 import rnnd.torch
+import rnnd.v1.rnnd_pb2
 
 I, H, L = 6, 32, 2
 # The learner's device: CUDA tensors where there is a GPU (the GPU host), else CPU ones.
@@ -148,6 +149,24 @@ class SocketRegionTest(unittest.TestCase):
         self.assertEqual(out[0][0], out[1][0])
         for name in out[0][1]:
             self.assertTrue(torch.equal(out[0][1][name], out[1][1][name]), name)
+
+    def test_connection_lost(self):
+        """The region gone under the client (here released behind its back): the call that
+        finds the connection closed raises ConnectionError, the next one registers a new region
+        and goes through."""
+        ids = np.arange(400, 403, dtype=np.uint64)
+        self.steps(ids, 4)
+        with self.d.client(transport="socket", cuda_mb=4) as s:
+            first = s.forward_recorded(ids, 4, fields=(), device=DEV).output
+            region = next(r for r in s._cuda.values() if r)
+            s._call("ReleaseRegion", rnnd.v1.rnnd_pb2.ReleaseRegionRequest(region=region.id))
+            with self.assertRaises(ConnectionError):
+                s.forward_recorded(ids, 4, fields=(), device=DEV)
+            self.assertTrue(region.closed)
+            again = s.forward_recorded(ids, 4, fields=(), device=DEV).output
+            self.assertTrue(torch.equal(first, again))
+            self.assertEqual(s.transport, "socket")
+            self.assertIsNot(next(r for r in s._cuda.values() if r), region)
 
     def test_auto_from_another_host(self):
         """A target that is not loopback (this host's own address, which the daemon cannot tell

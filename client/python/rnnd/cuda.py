@@ -80,16 +80,24 @@ class Call:
     span back."""
 
     on_device = True
+    fresh = False  # _read's tensor is the region's own memory (copied before it is returned)
 
     def __init__(self, region, off, n):
         self.region, self.off, self.n, self.at = region, off, n, off
+
+    def _store(self, x, dt, nbytes):
+        """Request tensor x into the span at self.at, as dt."""
+        self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape).copy_(x)
+
+    def _read(self, sp):
+        """The bytes of reply span sp, as a uint8 tensor on the region's device."""
+        return self.region.mem[sp.offset:sp.offset + sp.nbytes]
 
     def put(self, tensor, out, wire="float32"):
         dt, code = _WIRE[wire or "float32"]
         x = tensor.detach()
         nbytes = x.numel() * torch.empty((), dtype=dt).element_size()
-        dst = self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape)
-        dst.copy_(x)
+        self._store(x, dt, nbytes)
         out.shape[:] = list(x.shape)
         out.dtype = code
         out.region.region = self.region.id
@@ -116,8 +124,10 @@ class Call:
         if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size or dt is None:
             raise ValueError("a reply tensor names region %d [%d, +%d) with dtype %d, not this "
                              "client's" % (sp.region, sp.offset, sp.nbytes, t.dtype))
-        x = self.region.mem[sp.offset:sp.offset + sp.nbytes].view(dt).view(tuple(t.shape))
-        return x.float() if dt in (torch.float16, torch.bfloat16) else x.clone()
+        x = self._read(sp).view(dt).view(tuple(t.shape))
+        if dt in (torch.float16, torch.bfloat16):
+            return x.float()
+        return x if self.fresh else x.clone()
 
     def field(self, msg, name):
         return self.get(getattr(msg, name)) if msg.HasField(name) else None

@@ -23,12 +23,10 @@ import socket
 import struct
 import threading
 
-import numpy as np
 import torch
 
+from . import cuda as _cuda
 from . import shm as _shm
-from ._tensor import decode as _decode_bytes
-from .cuda import _TORCH, _WIRE
 from .v1 import rnnd_pb2 as pb
 
 HELLO = b"RNNDSOCK"
@@ -151,55 +149,23 @@ class Region(_shm.Spans):
         return Call(self, at, need)
 
 
-class Call:
-    """One RPC's span: ``put`` sends a request tensor, ``ready()`` waits for the daemon to hold
-    them, ``reply_region()`` is what is left, ``get`` reads a reply tensor as a new torch tensor
-    on the region's device (16-bit floats widened to float32). ``close()`` gives the span
-    back."""
+class Call(_cuda.Call):
+    """One RPC's span, as a CUDA region's (rnnd.cuda.Call) but through the data connection:
+    ``put`` sends a request tensor at once, ``ready()`` waits for the daemon to hold them, and
+    ``get`` reads a reply tensor when it is asked for."""
 
-    on_device = True
+    fresh = True  # _read's tensor is new
 
-    def __init__(self, region, off, n):
-        self.region, self.off, self.n, self.at = region, off, n, off
+    def _store(self, x, dt, nbytes):
+        self.region.write(self.at, x.to(dt))
 
-    def put(self, tensor, out, wire="float32"):
-        dt, code = _WIRE[wire or "float32"]
-        x = tensor.detach().to(dt)
-        nbytes = x.numel() * x.element_size()
-        self.region.write(self.at, x)
-        out.shape[:] = list(x.shape)
-        out.dtype = code
-        out.region.region = self.region.id
-        out.region.offset = self.at
-        out.region.nbytes = nbytes
-        self.at += _shm._up(nbytes)
-        return out
+    def _read(self, sp):
+        return self.region.read(sp.offset, sp.nbytes)
 
     def ready(self):
         self.region.sync()
 
-    def reply_region(self):
-        return pb.RegionSpan(region=self.region.id, offset=self.at,
-                             nbytes=self.off + self.n - self.at)
-
-    def get(self, t):
-        if t is None:
-            return None
-        if not t.HasField("region"):
-            a = np.array(_decode_bytes(t))
-            return torch.from_numpy(a).to(self.region.device)
-        sp = t.region
-        dt = _TORCH.get(t.dtype)
-        if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size or dt is None:
-            raise ValueError("a reply tensor names region %d [%d, +%d) with dtype %d, not this "
-                             "client's" % (sp.region, sp.offset, sp.nbytes, t.dtype))
-        x = self.region.read(sp.offset, sp.nbytes).view(dt).view(tuple(t.shape))
-        return x.float() if dt in (torch.float16, torch.bfloat16) else x
-
-    def field(self, msg, name):
-        return self.get(getattr(msg, name)) if msg.HasField(name) else None
-
-    def close(self):
+    def close(self):  # nothing of the daemon's to wait for
         if self.region is not None:
             self.region._give(self.off)
             self.region = None

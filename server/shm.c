@@ -871,8 +871,14 @@ static void *data_conn_main(void *arg) {
     struct rnnd_shm *s = c->shm;
     struct timeval tv = {.tv_sec = RNND_SHM_HELLO_S};
     setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    int one = 1;
+    int one = 1, idle = RNND_SHM_KEEPALIVE_S, intvl = RNND_SHM_KEEPALIVE_S / 4, cnt = 4;
     setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    // A client host that vanished without closing the connection (power, network) is noticed
+    // in about 2 * RNND_SHM_KEEPALIVE_S, and its region goes with the connection.
+    setsockopt(c->fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
+    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
     uint8_t hello[8 + RNND_SHM_KEY_BYTES];
     struct region *r = NULL;
     if (io_full(c->fd, hello, sizeof(hello), true) && memcmp(hello, RNND_SHM_HELLO, 8) == 0)

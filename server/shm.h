@@ -46,7 +46,8 @@
 
 // Socket regions (docs/design.md "Socket regions"): the data connection's hello, its frames'
 // ops, the largest region, how long a new connection may take to send its hello and a new
-// region to be bound by one, and connections beyond --max-shm-regions that may be saying hello.
+// region to be bound by one, connections beyond --max-shm-regions that may be saying hello, and
+// the TCP keepalive idle time after which a silent peer is probed.
 #define RNND_SHM_HELLO         "RNNDSOCK"
 #define RNND_SHM_OP_WRITE      1
 #define RNND_SHM_OP_READ       2
@@ -55,6 +56,7 @@
 #define RNND_SHM_HELLO_S       10
 #define RNND_SHM_SOCKET_BIND_S 30
 #define RNND_SHM_PENDING       16
+#define RNND_SHM_KEEPALIVE_S   60
 #define RNND_SHM_ADDR_MAX      256
 
 struct rnnd_shm;

@@ -2,7 +2,7 @@
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
 wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
-the client closes, a lost data connection costs one call, "auto" takes it for a daemon on another host (this host's own non-loopback
+the client closes, a daemon over two devices takes it too, a lost data connection costs one call, "auto" takes it for a daemon on another host (this host's own non-loopback
 address) and not for one on this host, and a daemon with --data-listen off refuses it."""
 
 import socket
@@ -13,7 +13,7 @@ import urllib.request
 
 import numpy as np
 
-from _common import daemon, skip
+from _common import BACKEND, daemon, skip
 
 try:
     import torch
@@ -149,6 +149,27 @@ class SocketRegionTest(unittest.TestCase):
         self.assertEqual(out[0][0], out[1][0])
         for name in out[0][1]:
             self.assertTrue(torch.equal(out[0][1][name], out[1][1][name]), name)
+
+    def test_devices(self):
+        """A daemon over two devices (the batch split by env): socket regions are host memory,
+        so they serve it as they serve one device, with the bytes path's results."""
+        if BACKEND == "cuda" and torch.cuda.device_count() < 2:
+            self.skipTest("one GPU")
+        with daemon(input_size=I, hidden_size=H, trajectory_steps=8, devices="0,1") as d:
+            ids = np.arange(16, dtype=np.uint64)
+            with d.client(transport="grpc") as b, d.client(transport="socket", cuda_mb=4) as s:
+                for t in range(6):
+                    b.step(ids, self.x(16, I), is_init=t == 0)
+                fb = b.forward_recorded(ids, 6, keep_tape=True, fields=())
+                fs = s.forward_recorded(ids, 6, keep_tape=True, fields=(), device=DEV)
+                self.assertTrue(torch.equal(fs.output.cpu(), torch.from_numpy(fb.output)))
+                go = self.x(16, 6, H)
+                gb = b.backward(fb.tape_id, go, input_grads=())
+                gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), input_grads=())
+                for name in gb.grads:
+                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
+                                                torch.from_numpy(np.array(gb.grads[name]))), name)
+                self.assertEqual(s.transport, "socket")
 
     def test_connection_lost(self):
         """The region gone under the client (here released behind its back): the call that

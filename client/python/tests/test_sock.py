@@ -2,8 +2,9 @@
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
 wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
-the client closes, a daemon over two devices takes it too, a lost data connection costs one call, "auto" takes it for a daemon on another host (this host's own non-loopback
-address) and not for one on this host, and a daemon with --data-listen off refuses it."""
+the client closes, a daemon over two devices takes it too, a lost data connection costs one
+call, "auto" takes it for a daemon on another host (this host's own non-loopback address) and
+not for one on this host, and a daemon with --data-listen off refuses it."""
 
 import socket
 import struct

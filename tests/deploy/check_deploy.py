@@ -159,8 +159,8 @@ def start_rnnd(name, rnnd, args, timeout=45.0):
     instance: the group flags are left out) until its ready line, then SIGTERM; checks the exit
     status is 0."""
     with tempfile.TemporaryDirectory(prefix="rnnd-deploy-") as state:
-        forced = {"listen": "127.0.0.1:0", "http": "127.0.0.1:0", "state-dir": state,
-                  "backend": "cpu"}
+        forced = {"listen": "127.0.0.1:0", "http": "127.0.0.1:0", "data-listen": "auto",
+                  "state-dir": state, "backend": "cpu"}
         dropped = {"world-size", "rank", "rendezvous"}
         argv, k = [rnnd], 0
         while k < len(args):
@@ -444,6 +444,11 @@ def check_k8s(kdir, flags, keys):
     check(grpc_port == ports.get("grpc") and http_port == ports.get("http"),
           "k8s StatefulSet: listen/http ports are the containerPorts",
           "listen %s http %s ports %s" % (eff.get("listen"), eff.get("http"), ports))
+    # Socket regions' data connections: a fixed port other pods reach (learners on other hosts).
+    data = str(eff.get("data-listen", "auto"))
+    check(data in ("auto", "off") or port_of(data) == ports.get("data"),
+          "k8s StatefulSet: data-listen's port is the containerPort named data",
+          "data-listen %s ports %s" % (data, ports))
     check(not str(eff.get("listen", "127.")).startswith("127.") and
           not str(eff.get("http", "127.")).startswith("127."),
           "k8s: rnnd listens beyond loopback", "listen %s http %s"

@@ -333,7 +333,9 @@ def check_containerfile(path, repo, flags):
             exposed |= {int(p.split("/")[0]) for p in a.split()}
     ports = {port_of(vals.get("listen", "127.0.0.1:50051")),
              port_of(vals.get("http", "127.0.0.1:9090"))}
-    check(ports <= exposed, "Containerfile: EXPOSE covers the gRPC and HTTP ports",
+    if vals.get("data-listen", "auto") not in ("auto", "off"):
+        ports.add(port_of(vals["data-listen"]))
+    check(ports <= exposed, "Containerfile: EXPOSE covers the gRPC, HTTP and data ports",
           "ports %s, exposed %s" % (sorted(ports), sorted(exposed)))
     check(not vals.get("listen", "").startswith("127.") and
           not vals.get("http", "").startswith("127."),

@@ -269,15 +269,16 @@ class Client:
     whatever the host, or an error), "shm" (shared memory or an error) or "grpc" (tensors
     inside the messages).
     shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
-    of the CUDA region, allocated on the GPU at the first call on CUDA tensors (or of the
-    socket region, in the daemon's memory).
+    of the CUDA region, allocated on the GPU at the first call on CUDA tensors; sock_mb: of the
+    socket region, the daemon's memory (counted against its --max-socket-region-mb, touched as
+    data arrives). A call that does not fit its region goes as bytes.
     native: send the unary calls of rnnd.v1.Rnn through the C client (rnnd._native), None
     (default) where its library is found and the channel is plaintext without extra options,
     True (an error where it cannot), False (grpcio); ``client.native`` says which.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
-                 transport="auto", shm_mb=1024, cuda_mb=1024, native=None):
+                 transport="auto", shm_mb=1024, cuda_mb=1024, sock_mb=256, native=None):
         if transport not in ("auto", "cuda", "socket", "shm", "grpc"):
             raise ValueError('transport is "auto", "cuda", "socket", "shm" or "grpc", not %r'
                              % (transport,))
@@ -286,6 +287,7 @@ class Client:
         self._want = transport
         self._shm_mb = int(shm_mb)
         self._cuda_mb = int(cuda_mb)
+        self._sock_mb = int(sock_mb)
         self._transport = None  # decided at first use
         self._region = None
         self._cuda = {}  # CUDA device index -> its cuda.Region, or False (refused)
@@ -417,7 +419,7 @@ class Client:
                 self._cuda[index] = region.register(self._call)
             else:  # the daemon's memory, through a data connection
                 from . import sock as _sock
-                region = _sock.Region(self._cuda_mb << 20, device)
+                region = _sock.Region(self._sock_mb << 20, device)
                 self._cuda[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
                                                     .strip("[]"))
         except (RnndError, RuntimeError, OSError) as e:

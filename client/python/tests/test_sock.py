@@ -88,7 +88,7 @@ class SocketRegionTest(unittest.TestCase):
         self.steps(ids, T)
         sent, got = (metric(self.d, 'rnnd_data_bytes_total{direction="%s"}' % k)
                      for k in ("out", "in"))
-        with self.d.client(transport="socket", cuda_mb=4) as s:
+        with self.d.client(transport="socket", sock_mb=4) as s:
             for wire in ("float32", "bfloat16"):
                 fb = self.b.forward_recorded(ids, T, keep_tape=True, fields=("is_init",),
                                              reply_dtype=wire)
@@ -158,7 +158,7 @@ class SocketRegionTest(unittest.TestCase):
             self.skipTest("one GPU")
         with daemon(input_size=I, hidden_size=H, trajectory_steps=8, devices="0,1") as d:
             ids = np.arange(16, dtype=np.uint64)
-            with d.client(transport="grpc") as b, d.client(transport="socket", cuda_mb=4) as s:
+            with d.client(transport="grpc") as b, d.client(transport="socket", sock_mb=4) as s:
                 for t in range(6):
                     b.step(ids, self.x(16, I), is_init=t == 0)
                 fb = b.forward_recorded(ids, 6, keep_tape=True, fields=())
@@ -178,7 +178,7 @@ class SocketRegionTest(unittest.TestCase):
         and goes through."""
         ids = np.arange(400, 403, dtype=np.uint64)
         self.steps(ids, 4)
-        with self.d.client(transport="socket", cuda_mb=4) as s:
+        with self.d.client(transport="socket", sock_mb=4) as s:
             first = s.forward_recorded(ids, 4, fields=(), device=DEV).output
             region = next(r for r in s._cuda.values() if r)
             s._call("ReleaseRegion", rnnd.v1.rnnd_pb2.ReleaseRegionRequest(region=region.id))

@@ -55,7 +55,11 @@ class Region(_shm.Spans):
         r = call("RegisterRegion", pb.RegisterRegionRequest(
             socket=pb.SocketRegion(size=self.size, key=self.key)))
         self.id = r.region
-        s = socket.create_connection((host, r.data_port), timeout=10)
+        try:
+            s = socket.create_connection((host, r.data_port), timeout=10)
+        except OSError:
+            _shm.release(self, call)  # the daemon's memory back now, not at its 30 s expiry
+            raise
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(HELLO + self.key)
@@ -66,6 +70,7 @@ class Region(_shm.Spans):
             s.settimeout(None)
         except BaseException:
             s.close()
+            _shm.release(self, call)
             raise
         self.sock = s
         return self

@@ -4,7 +4,8 @@ trajectories and Backward give the bytes path's results bit for bit (fp32 and bf
 wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
 the client closes, a daemon over two devices takes it too, a lost data connection costs one
 call, "auto" takes it for a daemon on another host (this host's own non-loopback address) and
-not for one on this host, and a daemon with --data-listen off refuses it."""
+not for one on this host, a daemon with --data-listen off refuses it, and a data port the client
+cannot reach gives the region back at once."""
 
 import socket
 import struct
@@ -213,6 +214,13 @@ class SocketRegionTest(unittest.TestCase):
                 with self.assertRaises(rnnd.RnndError) as cm:
                     s.forward_recorded([1], 1, device=torch.device("cpu"))
                 self.assertIn("--data-listen", cm.exception.details)
+        # A data port the client cannot reach (here: listening on another loopback address than
+        # the gRPC target's): the call fails, and the region it registered is released at once.
+        with daemon(input_size=I, hidden_size=H, data_listen="127.0.0.2:0") as d:
+            with d.client(transport="socket") as s:
+                with self.assertRaises(ConnectionRefusedError):
+                    s.forward_recorded([1], 1, device=torch.device("cpu"))
+                self.assertEqual(regions(d), 0)
         # "auto" on this host: CPU tensors go as bytes (or shared memory), never a socket region;
         # CUDA tensors to a daemon on this host take a CUDA region (or bytes), not one either.
         with self.d.client() as a:

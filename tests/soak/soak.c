@@ -13,12 +13,14 @@
  * returns is compared with the reference's.
  *
  * Meanwhile a chaos thread scrapes /metrics, checks health, writes checkpoints, opens raw TCP
- * connections that send garbage to the gRPC port, and holds one HTTP request open until the
+ * connections that send garbage to the gRPC port, takes socket regions through their whole
+ * life (and sends garbage to their data port), and holds one HTTP request open until the
  * daemon times it out (408).
  *
  * Afterwards: every env's state (h, and the cached output) equals the reference replay (read
  * back by resending each env's last step_index with return_state: a repeat, so nothing
- * advances); envs_active equals the envs the workers hold; no call went unanswered (no deadline
+ * advances); envs_active equals the envs the workers hold; no socket region stays registered;
+ * no call went unanswered (no deadline
  * passed on a patient connection, nothing unexpected); the daemon's open descriptors are back to
  * where they started and its RSS did not grow beyond a small allowance between the end of the
  * warm-up and the end of the run. Figures go to stderr.
@@ -39,7 +41,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
+
+#include "rnnd/v1/rnnd.pb-c.h"
 
 #define I_        8
 #define H_        16
@@ -517,7 +524,8 @@ static long rss_kib(pid_t pid) {
 struct chaos {
     pthread_t tid;
     int scrapes, scrape_fail, checkpoints, checkpoint_fail, garbage, health_fail;
-    int slow_status; // what the slow HTTP request got (408 expected)
+    int slow_status;          // what the slow HTTP request got (408 expected)
+    int regions, region_fail; // socket regions through their whole life, and those that failed
 };
 
 static void *slow_http_main(void *arg) {
@@ -528,6 +536,113 @@ static void *slow_http_main(void *arg) {
     http_raw(d.http, part, strlen(part), 15000, &ch->slow_status, NULL, &body);
     free(body);
     return NULL;
+}
+
+// Sends msg to method and unpacks the reply as rd (NULL on failure).
+static ProtobufCMessage *raw_call(struct rnnd_client *c, const char *method,
+                                  const ProtobufCMessage *msg,
+                                  const ProtobufCMessageDescriptor *rd) {
+    size_t n = protobuf_c_message_get_packed_size(msg);
+    uint8_t *buf = malloc(n + 1);
+    protobuf_c_message_pack(msg, buf);
+    void *rep = NULL;
+    size_t rlen = 0;
+    ProtobufCMessage *out = NULL;
+    if (rnnd_client_call_raw(c, method, buf, n, &rep, &rlen) == 0)
+        out = protobuf_c_message_unpack(rd, NULL, rlen, rep);
+    free(buf);
+    free(rep);
+    return out;
+}
+
+static bool io_all(int fd, void *p, size_t n, bool rd) {
+    for (uint8_t *b = p; n > 0;) {
+        ssize_t k = rd ? recv(fd, b, n, 0) : send(fd, b, n, MSG_NOSIGNAL);
+        if (k <= 0)
+            return false;
+        b += k;
+        n -= (size_t)k;
+    }
+    return true;
+}
+
+// True once the daemon closed fd within 5 s: end of file, or a reset where it closed with our
+// bytes unread.
+static bool daemon_closed(int fd) {
+    char b;
+    ssize_t k = recv(fd, &b, 1, 0);
+    return k == 0 || (k < 0 && errno == ECONNRESET);
+}
+
+// A socket region's whole life (docs/design.md "Socket regions"): registered, its data
+// connection opened with the key, a frame each way, then ended one of three ways by turn: the
+// client closes the connection, ReleaseRegion, or a frame outside the region. Then a connection
+// to the data port that sends garbage instead of a hello. Counts a failure where anything
+// differs from the protocol; the reckoning checks that no region, descriptor or thread stays.
+static void socket_region_life(struct rnnd_client *c, struct chaos *ch) {
+    enum { SIZE = 4096 };
+    uint8_t key[32], data[256], back[256];
+    if (getrandom(key, sizeof key, 0) != (ssize_t)sizeof key ||
+        getrandom(data, sizeof data, 0) != (ssize_t)sizeof data)
+        return;
+    Rnnd__V1__SocketRegion m = RNND__V1__SOCKET_REGION__INIT;
+    m.size = SIZE;
+    m.key = (ProtobufCBinaryData){sizeof key, key};
+    Rnnd__V1__RegisterRegionRequest req = RNND__V1__REGISTER_REGION_REQUEST__INIT;
+    req.kind_case = RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET;
+    req.socket = &m;
+    Rnnd__V1__RegisterRegionReply *r = (Rnnd__V1__RegisterRegionReply *)raw_call(
+        c, "/rnnd.v1.Rnn/RegisterRegion", &req.base, &rnnd__v1__register_region_reply__descriptor);
+    if (r == NULL) {
+        ch->region_fail++;
+        return;
+    }
+    uint64_t id = r->region;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", r->data_port);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    struct timeval tv = {.tv_sec = 5};
+    int fd = tcp_connect(addr);
+    bool ok = fd >= 0;
+    if (ok) {
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        uint8_t hello[40];
+        memcpy(hello, "RNNDSOCK", 8);
+        memcpy(hello + 8, key, 32);
+        uint64_t size = 0, echo = 0;
+        uint64_t wr[3] = {1, 512, sizeof data}, sy[3] = {3, 9, 0}, rd[3] = {2, 512, sizeof back};
+        ok = io_all(fd, hello, sizeof hello, false) && io_all(fd, &size, 8, true) && size == SIZE &&
+             io_all(fd, wr, sizeof wr, false) && io_all(fd, data, sizeof data, false) &&
+             io_all(fd, sy, sizeof sy, false) && io_all(fd, &echo, 8, true) && echo == 9 &&
+             io_all(fd, rd, sizeof rd, false) && io_all(fd, back, sizeof back, true) &&
+             memcmp(back, data, sizeof data) == 0;
+    }
+    if (ok && ch->regions % 3 == 1) {
+        Rnnd__V1__ReleaseRegionRequest rel = RNND__V1__RELEASE_REGION_REQUEST__INIT;
+        rel.region = id;
+        ProtobufCMessage *out = raw_call(c, "/rnnd.v1.Rnn/ReleaseRegion", &rel.base,
+                                         &rnnd__v1__release_region_reply__descriptor);
+        ok = out != NULL && daemon_closed(fd);
+        if (out)
+            protobuf_c_message_free_unpacked(out, NULL);
+    } else if (ok && ch->regions % 3 == 2) {
+        uint64_t bad[3] = {2, SIZE - 4, 8};
+        ok = io_all(fd, bad, sizeof bad, false) && daemon_closed(fd);
+    }
+    if (fd >= 0)
+        close(fd);
+    int g = tcp_connect(addr);
+    if (g >= 0) {
+        setsockopt(g, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        // Longer than a hello, so the daemon reads all of it and answers by closing.
+        static const char junk[] = "GET / HTTP/1.0\r\n\r\n\x00\x01\x02garbage where a hello goes";
+        ok = ok && io_all(g, (void *)junk, sizeof junk, false) && daemon_closed(g);
+        close(g);
+    }
+    if (ok)
+        ch->regions++;
+    else
+        ch->region_fail++;
 }
 
 static void *chaos_main(void *arg) {
@@ -554,6 +669,7 @@ static void *chaos_main(void *arg) {
                 ch->garbage++;
             close(fd);
         }
+        socket_region_life(c, ch);
         if (now_seconds() - last_ckpt > 3.0) {
             char *path = NULL;
             if (rnnd_client_save_checkpoint(c, NULL, &path, NULL) == 0)
@@ -738,9 +854,10 @@ static void test_soak(void **state) {
     fprintf(stderr, "\n");
     fprintf(stderr,
             "soak: chaos: %d scrapes (%d failed), %d health failures, %d checkpoints (%d "
-            "failed), %d garbage connections, slow HTTP request answered %d\n",
+            "failed), %d garbage connections, slow HTTP request answered %d, %d socket regions "
+            "through their life (%d failed)\n",
             ch.scrapes, ch.scrape_fail, ch.health_fail, ch.checkpoints, ch.checkpoint_fail,
-            ch.garbage, ch.slow_status);
+            ch.garbage, ch.slow_status, ch.regions, ch.region_fail);
     fprintf(stderr,
             "soak: reckoning: %llu envs hold state (daemon says %llu), %llu checked, %llu state "
             "mismatches, %llu output mismatches, %llu unexpected, %llu unanswered, %llu client "
@@ -764,6 +881,15 @@ static void test_soak(void **state) {
     assert_int_equal(ch.health_fail, 0);
     assert_int_equal(ch.checkpoint_fail, 0);
     assert_int_equal(ch.slow_status, 408);
+    assert_true(ch.regions > 0);
+    assert_int_equal(ch.region_fail, 0);
+    // Every socket region ended with its connection: none stays registered (their descriptors
+    // and threads are in the count below).
+    int status;
+    char *body = NULL;
+    assert_int_equal(http_get(d.http, "/metrics", &status, NULL, &body), 0);
+    assert_non_null(strstr(body, "\nrnnd_shm_regions 0\n"));
+    free(body);
     assert_true(fd_after <= fd_before);
     // Flat: after the warm-up the daemon may settle a little, not grow with the calls served.
     long allowance = opt.rss_allowance_mb * 1024 + rss_warm / 10;

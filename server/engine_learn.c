@@ -124,7 +124,9 @@ static bool agree(struct rnnd_engine *e, struct agreement *ag, bool ok) {
 // costs one copy, and float parts are converted on the backend (cast). With host_mem and fp32
 // there is nothing to convert: inputs are copied into place and outputs are used where they are.
 // A CUDA region (job->dev_in, job->dev_out) skips the host: inputs are converted from the
-// client's device memory, outputs into it.
+// client's device memory, outputs into it. A socket region in the backend's host memory
+// (job->host_in, job->host_out) skips the staging copy: inputs are copied from it one by one,
+// outputs into it.
 struct io_part {
     void *dev;        // the backend array
     size_t n;         // elements
@@ -199,8 +201,8 @@ static size_t io_area_bytes(const struct rnnd_engine *e, const struct io_part *p
     return used;
 }
 
-static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnnd_ftype ft,
-                 char *d_area, char *h_area) {
+static int io_in(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k,
+                 enum rnnd_ftype ft, char *d_area, char *h_area) {
     int rc = 0;
     if (e->host_mem && ft == RNND_FTYPE_F32) {
         for (int i = 0; i < k; i++)
@@ -210,9 +212,17 @@ static int io_in(struct rnnd_engine *e, const struct io_part *p, int k, enum rnn
     size_t used = 0, off[16];
     for (int i = 0; i < k; i++) {
         off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
-        memcpy(h_area + off[i], p[i].host, io_part_bytes(&p[i], ft));
+        if (job->host_in) // already in the backend's host memory: straight to the device
+            rc = rc ? rc : be_in(e, d_area + off[i], p[i].host, io_part_bytes(&p[i], ft));
+        else
+            memcpy(h_area + off[i], p[i].host, io_part_bytes(&p[i], ft));
     }
-    rc = be_in(e, d_area, h_area, used);
+    // From the region the copies run asynchronously: the client may write it again once the
+    // reply is out, which may come before any later synchronisation.
+    if (job->host_in)
+        rc = rc ? rc : e->be.ops->sync(e->be.ctx);
+    else
+        rc = be_in(e, d_area, h_area, used);
     for (int i = 0; rc == 0 && i < k; i++)
         rc = io_move(e, p[i].dev, d_area + off[i], &p[i], ft, true);
     return rc;
@@ -232,8 +242,13 @@ static int io_out(struct rnnd_engine *e, struct rnnd_job *job, const struct io_p
     }
     size_t used = 0, off[16];
     int rc = 0;
-    for (int i = 0; i < k; i++) {
+    for (int i = 0; i < k; i++)
         off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
+    // Into the reply_region itself where it is the backend's host memory and holds them all
+    // (rnnd_shm_place then leaves them where they are), else through the staging.
+    if (job->host_out && used <= job->host_out_bytes)
+        h_area = job->host_out;
+    for (int i = 0; i < k; i++) {
         if (rc == 0)
             rc = io_move(e, d_area + off[i], p[i].dev, &p[i], ft, false);
         *p[i].out = h_area + off[i];
@@ -567,7 +582,7 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
         if (rc == 0)
             rc = e->be.ops->traj_read(e->be.ctx, &first, &e->store, &e->model);
     } else {
-        rc = io_in(e, in, nin, f->in, l.area, host);
+        rc = io_in(e, job, in, nin, f->in, l.area, host);
     }
     struct rnnd_seq seq = {.B = B,
                            .T = T,
@@ -943,7 +958,7 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (!g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
     if (rc == 0 && !job->dev_in)
-        rc = io_in(e, in, nin, g->in, area, host);
+        rc = io_in(e, job, in, nin, g->in, area, host);
     if (rc == 0 && !g->grad_out)
         rc = e->be.ops->zero(e->be.ctx, d_go, BT * H * sizeof(float));
     uint64_t t0 = rnnd_now_ns();

@@ -1209,7 +1209,7 @@ int rnnd_group_devices(const struct rnnd_group *g) {
     return g->n;
 }
 
-const struct rnnd_backend *rnnd_group_ipc_backend(const struct rnnd_group *g) {
+const struct rnnd_backend *rnnd_group_sole_backend(const struct rnnd_group *g) {
     const struct rnnd_backend *be = rnnd_engine_backend(g->e[0]);
-    return g->n == 1 && be->ops && be->ops->ipc_open ? be : NULL;
+    return g->n == 1 && be->ops ? be : NULL;
 }

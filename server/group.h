@@ -83,8 +83,8 @@ const char *rnnd_group_plan_name(const struct rnnd_group *g);   // valid after r
 const struct rnnd_model *rnnd_group_model(const struct rnnd_group *g);
 int rnnd_group_queue_rows(struct rnnd_group *g);
 int rnnd_group_devices(const struct rnnd_group *g);
-// The backend that opens CUDA regions (shm.h): the only engine's, when its backend can; else NULL.
-// Valid after ready.
-const struct rnnd_backend *rnnd_group_ipc_backend(const struct rnnd_group *g);
+// The only engine's backend (shm.h: it opens CUDA regions, and allocates socket regions in the
+// memory it copies from and to fastest); NULL with several devices. Valid after ready.
+const struct rnnd_backend *rnnd_group_sole_backend(const struct rnnd_group *g);
 
 #endif // RNND_GROUP_H

@@ -714,6 +714,14 @@ char *rnnd_call_device_reply(const struct rnnd_call *c, size_t *len) {
     return rnnd_shm_use_device_reply(c->shm, len);
 }
 
+bool rnnd_call_host_in(const struct rnnd_call *c) {
+    return rnnd_shm_use_host_in(c->shm);
+}
+
+char *rnnd_call_host_reply(const struct rnnd_call *c, size_t *len) {
+    return rnnd_shm_use_host_reply(c->shm, len);
+}
+
 uint64_t rnnd_call_source(struct rnnd_call *c) {
     if (!c->source_set) {
         if (c->mi >= 0 && methods[c->mi].kind == KIND_STEP_STREAM) {

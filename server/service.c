@@ -483,6 +483,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     job->done = forward_done;
     job->fwd = f;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
+    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -566,6 +567,8 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->bwd = g;
     job->dev_in = dev_in;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
+    job->host_in = rnnd_call_host_in(call);
+    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -750,7 +753,7 @@ void rnnd_service_register_region(void *p, struct rnnd_call *call, const Protobu
     char err[ERRLEN];
     Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
     int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
-                               rnnd_call_peer_local(call), rnnd_group_ipc_backend(s->group),
+                               rnnd_call_peer_local(call), rnnd_group_sole_backend(s->group),
                                &r.region, &r.size, err, sizeof(err));
     if (rc) {
         rnnd_call_fail(call, rc, err);

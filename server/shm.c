@@ -53,6 +53,7 @@ struct region {
     int refs;                      // under the registry lock
     unsigned pid;
     bool sock;                       // a socket region
+    const struct rnnd_backend *hbe;  // a socket region's allocator when page-locked (host_alloc)
     uint64_t born_ns;                // a socket region's registration (unbound: it expires)
     uint8_t key[RNND_SHM_KEY_BYTES]; // a socket region's: its data connection's hello
 };
@@ -97,7 +98,8 @@ struct rnnd_shm_use {
     struct rnnd_shm *shm;
     struct fix *fixes;
     int nfixes, capfixes;
-    int dev_fixes; // of them in CUDA regions
+    int dev_fixes;     // of them in CUDA regions
+    int bytes_tensors; // request tensors with their bytes in the message
     unsigned dev_ok;
     struct region *reply; // the reply_region's region (pinned), or NULL
     uint64_t reply_off, reply_len;
@@ -132,7 +134,9 @@ int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
 }
 
 static void region_unmap(struct region *r) {
-    if (r->sock)
+    if (r->hbe)
+        r->hbe->ops->host_free(r->hbe->ctx, r->base);
+    else if (r->sock)
         free(r->base);
     else if (r->be)
         r->be->ops->ipc_close(r->be->ctx, r->base);
@@ -361,10 +365,11 @@ static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *b
     return 0;
 }
 
-// A socket region of req into *r: our own memory, bound later by its data connection. 0, or an
-// error with err written.
-static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m, struct region *r,
-                       char *err, size_t errlen) {
+// A socket region of req into *r: our own memory (be's host_alloc when be is given, so that the
+// engine copies straight between it and the device), bound later by its data connection. 0, or
+// an error with err written.
+static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m,
+                       const struct rnnd_backend *be, struct region *r, char *err, size_t errlen) {
     if (s->lfd < 0)
         return errf(err, errlen, RNND_EPRECOND,
                     "socket regions are off on this daemon (--data-listen off, a TLS or unix: "
@@ -376,13 +381,16 @@ static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m
         return errf(err, errlen, RNND_EINVAL,
                     "socket.size %" PRIu64 " is over %llu bytes; register a smaller region",
                     m->size, (unsigned long long)RNND_SHM_SOCKET_MAX);
-    // Pages are touched only as data arrives: an idle region costs address space.
-    uint8_t *base = aligned_alloc(RNND_SHM_ALIGN, (size_t)m->size);
+    void *base = NULL;
+    if (be && be->ops->host_alloc(be->ctx, (size_t)m->size, &base) != 0)
+        base = NULL, be = NULL;
+    if (base == NULL) // plain memory, whose pages are touched only as data arrives
+        base = aligned_alloc(RNND_SHM_ALIGN, (size_t)m->size);
     if (base == NULL)
         return errf(err, errlen, RNND_ENOMEM, "cannot allocate the region's %" PRIu64 " bytes",
                     m->size);
     *r = (struct region){
-        .base = base, .size = m->size, .fd = -1, .sock = true, .born_ns = rnnd_now_ns()};
+        .base = base, .size = m->size, .fd = -1, .sock = true, .hbe = be, .born_ns = rnnd_now_ns()};
     memcpy(r->key, m->key.data, RNND_SHM_KEY_BYTES);
     return 0;
 }
@@ -412,7 +420,7 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
     int rc = memfd  ? memfd_open(req->memfd, r, err, errlen)
              : cuda ? cuda_open(req->cuda, be, r, err, errlen)
-                    : socket_open(s, req->socket, r, err, errlen);
+                    : socket_open(s, req->socket, be, r, err, errlen);
     if (rc) {
         free(r);
         return rc;
@@ -620,8 +628,10 @@ static int resolve_visit(void *ctx, const char *name, Tensor *t, Span *span) {
             return errf(rs->err, rs->errlen, RNND_EINVAL, dev_msg, name);
         return rc;
     }
-    if (t->region == NULL)
+    if (t->region == NULL) {
+        u->bytes_tensors += t->data.len > 0;
         return 0;
+    }
     if (t->data.len != 0)
         return errf(rs->err, rs->errlen, RNND_EINVAL,
                     "%s: both data and region are set; send the bytes in one of them", name);
@@ -706,6 +716,22 @@ bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u) {
     return u && u->dev_fixes > 0;
 }
 
+bool rnnd_shm_use_host_in(const struct rnnd_shm_use *u) {
+    if (u == NULL || u->nfixes == 0 || u->bytes_tensors > 0)
+        return false;
+    for (int i = 0; i < u->nfixes; i++)
+        if (u->fixes[i].r->hbe == NULL)
+            return false;
+    return true;
+}
+
+char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len) {
+    if (u == NULL || u->reply == NULL || u->reply->hbe == NULL)
+        return NULL;
+    *len = (size_t)u->reply_len;
+    return (char *)u->reply->base + u->reply_off;
+}
+
 char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len) {
     if (u == NULL || u->reply == NULL || u->reply->be == NULL)
         return NULL;
@@ -723,21 +749,28 @@ struct place {
     bool count;
 };
 
+// Whether t's data already lies inside u's reply_region (the engine wrote it there).
+static bool place_inside(const struct rnnd_shm_use *u, const Tensor *t) {
+    const uint8_t *lo = u->reply->base + u->reply_off, *hi = lo + u->reply_len;
+    return t->data.data >= lo && t->data.data < hi && t->data.len <= (size_t)(hi - t->data.data);
+}
+
 static int place_visit(void *ctx, const char *name, Tensor *t, Span *span) {
     (void)name;
     struct place *p = ctx;
     struct rnnd_shm_use *u = p->u;
     if (t == NULL || span || t->data.len == 0 || t->region)
         return 0;
+    // Already in the reply_region (the engine wrote it there): placed where it is, and the
+    // others after the last of them.
+    uint64_t end = u->reply_off + u->reply_len;
+    bool inside = place_inside(u, t);
     if (p->count) {
         p->n++;
+        uint64_t tend = inside ? (uint64_t)(t->data.data - u->reply->base) + t->data.len : 0;
+        p->at = tend > p->at ? tend : p->at;
         return 0;
     }
-    // Already in the reply_region (the engine wrote it there): placed where it is.
-    uint64_t end = u->reply_off + u->reply_len;
-    const uint8_t *lo = u->reply->base + u->reply_off, *hi = u->reply->base + end;
-    bool inside =
-        t->data.data >= lo && t->data.data < hi && t->data.len <= (size_t)(hi - t->data.data);
     uint64_t at = inside ? (uint64_t)(t->data.data - u->reply->base)
                          : (p->at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
     if (!inside && (u->reply->be || at > end || t->data.len > end - at))
@@ -762,15 +795,14 @@ static int place_visit(void *ctx, const char *name, Tensor *t, Span *span) {
 bool rnnd_shm_place(struct rnnd_shm_use *u, ProtobufCMessage *reply) {
     if (u->reply == NULL)
         return false;
-    struct place p = {.u = u, .count = true};
+    struct place p = {.u = u, .at = u->reply_off, .count = true};
     walk(reply, "", 0, place_visit, &p);
     free(u->placed);
     u->nplaced = 0;
     u->placed = calloc((size_t)p.n + 1, sizeof(*u->placed));
     if (u->placed == NULL)
         return false; // every tensor travels as bytes
-    p.count = false;
-    p.at = u->reply_off;
+    p.count = false;  // p.at: past the tensors already inside
     walk(reply, "", 0, place_visit, &p);
     return true;
 }

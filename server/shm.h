@@ -91,8 +91,10 @@ int rnnd_shm_data_port(const struct rnnd_shm *s);
 // new region, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
 // key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
 // regions off), RNND_EINVAL (malformed),
-// RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the backend that opens CUDA regions
-// (the daemon's only device), or NULL when the daemon has none or several.
+// RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the
+// daemon's only backend (it opens CUDA regions when it can, and allocates socket regions with
+// host_alloc: page-locked on CUDA, so the engine copies straight between them and the device),
+// or NULL when the daemon has several.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
                       const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
                       size_t errlen);
@@ -118,6 +120,14 @@ int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsi
 void rnnd_shm_use_free(struct rnnd_shm_use *u);
 // True when u's request tensors are in a CUDA region (their data are device pointers). NULL: false.
 bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u);
+// True when u's request tensors all lie in memory of a socket region allocated by the backend
+// (host_alloc), so the engine may copy them to the device one by one, without staging. NULL:
+// false.
+bool rnnd_shm_use_host_in(const struct rnnd_shm_use *u);
+// The memory of u's reply_region when it is a socket region allocated by the backend
+// (host_alloc), where the engine may copy its outputs straight from the device (*len its bytes,
+// from a multiple of RNND_SHM_ALIGN); else NULL. NULL u: NULL.
+char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len);
 // The device memory of u's reply_region when it is in a CUDA region (*len its bytes, from a
 // multiple of RNND_SHM_ALIGN), or NULL. NULL u: NULL.
 char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len);

@@ -118,6 +118,8 @@ static void cuda_host_free(void *ctx, void *ptr) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (ptr == NULL)
         return;
+    // Any thread may free (a socket region goes with its data connection's thread).
+    cudaSetDevice(c->device);
     cudaStreamSynchronize(c->stream); // a copy on the stream may still read or write ptr
     cudaFreeHost(ptr);
 }

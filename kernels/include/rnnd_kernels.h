@@ -332,7 +332,7 @@ struct rnnd_backend_ops {
     int (*alloc_lazy)(void *ctx, size_t bytes, void **out);
     void (*free_lazy)(void *ctx, void *ptr, size_t bytes); // free_lazy(NULL, ...) does nothing
     // Host memory the backend copies from and to fastest (page-locked on CUDA, plain on CPU), for
-    // staging buffers reused on every call.
+    // staging buffers reused on every call and socket regions. host_free may run on any thread.
     int (*host_alloc)(void *ctx, size_t bytes, void **out);
     void (*host_free)(void *ctx, void *ptr); // host_free(NULL) does nothing
     // copy_in may return before the copy is done: ordinary host memory may be reused at once (it

@@ -15,6 +15,7 @@ Client uses this by itself for calls on CUDA tensors (``Client(transport="auto")
 
 import ctypes
 import os
+import threading
 
 import numpy as np
 import torch
@@ -27,6 +28,28 @@ _TORCH = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: tor
           pb.BOOL: torch.bool, pb.INT64: torch.int64}
 _WIRE = {"float32": (torch.float32, pb.FLOAT32), "bfloat16": (torch.bfloat16, pb.BFLOAT16),
          "float16": (torch.float16, pb.FLOAT16)}
+
+
+class _Staging(threading.local):
+    """This thread's page-locked buffer between host and GPU (a pageable copy of tens of MB
+    runs at a few GB/s, a pinned one at the link's speed), and the event after which the copy
+    out of it is done: rnnd.torch's large tensors and socket regions (rnnd.sock) go through
+    it."""
+
+    buf = None
+    done = None
+
+    def get(self, nbytes):
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.buf[:nbytes]
+
+
+staging = _Staging()
 
 
 def _export(ptr):

@@ -44,8 +44,6 @@ class Region(_shm.Spans):
         self.key = os.urandom(_shm.KEY_BYTES)
         self.sock = None
         self._io = threading.Lock()  # one frame (and its answer) at a time on the connection
-        self._buf = None  # page-locked bytes between the socket and the GPU
-        self._done = None  # the event after which the copy out of _buf has finished
         self._token = 0
         self.closed = False  # the data connection failed: the client registers a new region
 
@@ -94,16 +92,6 @@ class Region(_shm.Spans):
                 raise
             raise self._failed(str(e)) from None
 
-    def _pinned(self, nbytes):
-        if self._done is not None:
-            self._done.synchronize()
-            self._done = None
-        if self._buf is None or self._buf.numel() < nbytes:
-            self._buf = None
-            self._buf = torch.empty(nbytes, dtype=torch.uint8,
-                                    pin_memory=self.device.type == "cuda")
-        return self._buf[:nbytes]
-
     def _failed(self, why):
         self.closed = True
         return ConnectionError("socket region %d: %s (the daemon restarted or released it; the "
@@ -114,7 +102,7 @@ class Region(_shm.Spans):
         nbytes = x.numel() * x.element_size()
         with self._io, self._guard():
             if x.is_cuda:
-                buf = self._pinned(nbytes)
+                buf = _cuda.staging.get(nbytes)
                 buf.view(x.dtype).view(x.shape).copy_(x)  # into page-locked memory: synchronous
             else:  # the tensor's own bytes
                 buf = x.contiguous().view(-1).view(torch.uint8)
@@ -135,7 +123,7 @@ class Region(_shm.Spans):
         with self._io, self._guard():
             # CPU: straight into the new tensor; CUDA: through the page-locked buffer.
             cuda = self.device.type == "cuda"
-            buf = self._pinned(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
+            buf = _cuda.staging.get(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
             self.sock.sendall(struct.pack("<QQQ", READ, off, nbytes))
             mv, got = memoryview(buf.numpy()), 0
             while got < nbytes:
@@ -146,8 +134,8 @@ class Region(_shm.Spans):
             if not cuda:
                 return buf
             x = buf.to(self.device, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(self.device))
+            _cuda.staging.done = torch.cuda.Event()
+            _cuda.staging.done.record(torch.cuda.current_stream(self.device))
             return x
 
     def _call(self, at, need):

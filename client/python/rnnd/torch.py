@@ -40,7 +40,6 @@ one with a token or TLS for an exported program loaded elsewhere; with none, a p
 Client(target) is made.
 """
 
-import threading
 import types
 import warnings
 import weakref
@@ -51,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from .client import _RECORDED, Client, ForwardResult, _mask
+from .cuda import staging as _staging
 from .torch_policy import Policy, PolicyOutput  # noqa: F401 (the policy model's reference)
 from .v1 import rnnd_pb2 as pb
 
@@ -116,27 +116,8 @@ def _np(t):
 
 
 # Tensors of a MB or more cross between host and GPU through a page-locked buffer: a pageable
-# copy of tens of MB runs at a few GB/s, a pinned one at the link's speed.
+# copy of tens of MB runs at a few GB/s, a pinned one at the link's speed (rnnd.cuda's staging).
 _STAGE_MIN = 1 << 20
-
-
-class _Staging(threading.local):
-    """This thread's page-locked buffer, and the event after which the copy out of it is done."""
-
-    buf = None
-    done = None
-
-    def get(self, nbytes):
-        if self.done is not None:
-            self.done.synchronize()
-            self.done = None
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self.buf[:nbytes]
-
-
-_staging = _Staging()
 
 
 def _wire(t, wire, stage=False):

@@ -214,9 +214,14 @@ class SocketRegionTest(unittest.TestCase):
                 with self.assertRaises(rnnd.RnndError) as cm:
                     s.forward_recorded([1], 1, device=torch.device("cpu"))
                 self.assertIn("--data-listen", cm.exception.details)
-        # A data port the client cannot reach (here: listening on another loopback address than
-        # the gRPC target's): the call fails, and the region it registered is released at once.
-        with daemon(input_size=I, hidden_size=H, data_listen="127.0.0.2:0") as d:
+        # A data port the client cannot reach: the daemon listens on another loopback address
+        # than the gRPC target's, on a port that this test holds bound but not listening on the
+        # target's (so the client's connection is refused, whatever else runs here). The call
+        # fails, and the region it registered is released at once.
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with held, daemon(input_size=I, hidden_size=H, data_listen="127.0.0.2:%d" % port) as d:
             with d.client(transport="socket") as s:
                 with self.assertRaises(ConnectionRefusedError):
                     s.forward_recorded([1], 1, device=torch.device("cpu"))

@@ -38,7 +38,6 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -50,6 +49,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "net.h"
 
 #define MAGIC       0x43444e52u // "RNDC"
 #define VERSION     1
@@ -227,69 +227,21 @@ static int op_get(const uint8_t *p, size_t len, int world, struct rnnd_cluster_o
 // ---------------------------------------------------------------------------------------------
 // Sockets
 
-// Splits HOST:PORT ([v6]:PORT too). 0 or -1.
-static int split_addr(const char *addr, char *host, size_t hostlen, char *port, size_t portlen) {
-    const char *colon = strrchr(addr, ':');
-    if (colon == NULL || colon == addr || colon[1] == '\0')
-        return -1;
-    size_t n = (size_t)(colon - addr);
-    const char *h = addr;
-    if (h[0] == '[' && n >= 2 && h[n - 1] == ']') {
-        h++;
-        n -= 2;
-    }
-    if (n + 1 > hostlen || strlen(colon + 1) + 1 > portlen)
-        return -1;
-    memcpy(host, h, n);
-    host[n] = '\0';
-    snprintf(port, portlen, "%s", colon + 1);
-    return 0;
-}
-
-static void sock_tune(int fd) {
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-    int idle = 10, intvl = 5, cnt = 3;
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
-}
-
 // Rank 0's listening socket: on the rendezvous address when it is one of this host's (a pod's
 // own DNS name, 127.0.0.1 in tests), else on every interface with the same port.
 static int listen_on(const char *addr, char *err, size_t errlen) {
     char host[RNND_CLUSTER_HOST_MAX], port[16];
-    if (split_addr(addr, host, sizeof(host), port, sizeof(port)) != 0)
+    if (rnnd_net_split(addr, host, sizeof(host), port, sizeof(port)) != 0)
         return fail(err, errlen, RNND_EINVAL, "--rendezvous '%s' is not HOST:PORT", addr);
     for (int attempt = 0; attempt < 2; attempt++) {
-        struct addrinfo hints = {
-            .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-        struct addrinfo *res = NULL;
-        int gr = getaddrinfo(attempt == 0 ? host : NULL, port, &hints, &res);
-        if (gr != 0)
-            continue;
-        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-            int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-            if (fd < 0)
-                continue;
-            int one = 1;
-            setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-            if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 64) == 0) {
-                freeaddrinfo(res);
-                return fd;
-            }
-            if (errno == EADDRINUSE) {
-                freeaddrinfo(res);
-                close(fd);
-                return fail(err, errlen, RNND_EUNAVAIL,
-                            "--rendezvous %s: port %s is in use on this host (is another rank 0 "
-                            "running?)",
-                            addr, port);
-            }
-            close(fd);
-        }
-        freeaddrinfo(res);
+        int fd = rnnd_net_listen(attempt == 0 ? host : NULL, port, 64);
+        if (fd >= 0)
+            return fd;
+        if (errno == EADDRINUSE)
+            return fail(err, errlen, RNND_EUNAVAIL,
+                        "--rendezvous %s: port %s is in use on this host (is another rank 0 "
+                        "running?)",
+                        addr, port);
     }
     return fail(err, errlen, RNND_EUNAVAIL, "--rendezvous %s: cannot listen on port %s: %s", addr,
                 port, strerror(errno));
@@ -298,7 +250,7 @@ static int listen_on(const char *addr, char *err, size_t errlen) {
 // One connection attempt; the socket or -1 (errno-like reason in why).
 static int connect_once(const char *addr, char *why, size_t whylen) {
     char host[RNND_CLUSTER_HOST_MAX], port[16];
-    if (split_addr(addr, host, sizeof(host), port, sizeof(port)) != 0) {
+    if (rnnd_net_split(addr, host, sizeof(host), port, sizeof(port)) != 0) {
         snprintf(why, whylen, "not HOST:PORT");
         return -1;
     }
@@ -512,7 +464,7 @@ static int leader_start(struct rnnd_cluster *cl, const struct rnnd_cluster_confi
         int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0)
             continue;
-        sock_tune(fd);
+        rnnd_net_tune(fd, 10);
         int type;
         uint8_t p[MAX_PAYLOAD];
         size_t len;
@@ -579,7 +531,7 @@ static int follower_start(struct rnnd_cluster *cl, const struct rnnd_cluster_con
         }
         usleep(500000);
     }
-    sock_tune(fd);
+    rnnd_net_tune(fd, 10);
     uint8_t p[MAX_PAYLOAD];
     hello_put(p, cfg);
     if (send_msg(fd, MSG_HELLO, p, 16) != 0) {
@@ -703,7 +655,7 @@ int rnnd_cluster_propose(struct rnnd_cluster *cl, struct rnnd_cluster_op *op) {
 
 int rnnd_cluster_host(const char *addr, char *host, size_t len) {
     char port[16];
-    return split_addr(addr, host, len, port, sizeof(port)) == 0 ? 0 : RNND_EINVAL;
+    return rnnd_net_split(addr, host, len, port, sizeof(port)) == 0 ? 0 : RNND_EINVAL;
 }
 
 void rnnd_cluster_free(struct rnnd_cluster *cl) {

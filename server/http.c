@@ -16,6 +16,7 @@
 
 #include "log.h"
 #include "metrics.h"
+#include "net.h"
 #include "rnnd_kernels.h"
 
 struct conn {
@@ -319,25 +320,15 @@ static void free_on_close(uv_handle_t *handle) {
 
 int rnnd_http_start(uv_loop_t *loop, const char *addr, struct rnnd_http **out, int *port, char *err,
                     size_t errlen) {
-    char host[256];
-    const char *colon = strrchr(addr, ':');
-    if (colon == NULL) {
+    char host[256], service[16];
+    if (rnnd_net_split(addr, host, sizeof(host), service, sizeof(service)) != 0) {
         snprintf(err, errlen, "--http %s: not HOST:PORT", addr);
         return RNND_EINVAL;
-    }
-    size_t hl = (size_t)(colon - addr);
-    if (hl >= sizeof(host))
-        hl = sizeof(host) - 1;
-    memcpy(host, addr, hl);
-    host[hl] = '\0';
-    if (host[0] == '[' && hl >= 2 && host[hl - 1] == ']') {
-        memmove(host, host + 1, hl - 2);
-        host[hl - 2] = '\0';
     }
     struct addrinfo hints = {
         .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
     struct addrinfo *res = NULL;
-    int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
+    int gai = getaddrinfo(host[0] ? host : NULL, service, &hints, &res);
     if (gai != 0 || res == NULL) {
         snprintf(err, errlen, "--http %s: cannot resolve: %s", addr, gai_strerror(gai));
         return RNND_EINVAL;

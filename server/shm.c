@@ -22,9 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -36,6 +34,7 @@
 
 #include "log.h"
 #include "metrics.h"
+#include "net.h"
 #include "request.h"
 #include "rnnd_kernels.h"
 
@@ -903,14 +902,9 @@ static void *data_conn_main(void *arg) {
     struct rnnd_shm *s = c->shm;
     struct timeval tv = {.tv_sec = RNND_SHM_HELLO_S};
     setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    int one = 1, idle = RNND_SHM_KEEPALIVE_S, intvl = RNND_SHM_KEEPALIVE_S / 4, cnt = 4;
-    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    // A client host that vanished without closing the connection (power, network) is noticed
-    // in about 2 * RNND_SHM_KEEPALIVE_S, and its region goes with the connection.
-    setsockopt(c->fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
-    setsockopt(c->fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+    // A client host that vanished without closing the connection (power, network) is noticed,
+    // and its region goes with the connection.
+    rnnd_net_tune(c->fd, RNND_SHM_KEEPALIVE_S);
     uint8_t hello[8 + RNND_SHM_KEY_BYTES];
     struct region *r = NULL;
     if (io_full(c->fd, hello, sizeof(hello), true) && memcmp(hello, RNND_SHM_HELLO, 8) == 0)
@@ -995,37 +989,13 @@ static void *data_accept_main(void *arg) {
 
 int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, uint64_t max_bytes, char *err,
                     size_t errlen) {
-    char host[RNND_SHM_ADDR_MAX];
-    const char *colon = strrchr(addr, ':');
-    if (colon == NULL || (size_t)(colon - addr) >= sizeof(host) || s->max == 0)
+    char host[256], port[16];
+    if (s->max == 0 || rnnd_net_split(addr, host, sizeof(host), port, sizeof(port)) != 0)
         return errf(err, errlen, RNND_EINVAL,
                     "--data-listen %s: give HOST:PORT (and --max-shm-regions above 0)", addr);
-    memcpy(host, addr, (size_t)(colon - addr));
-    host[colon - addr] = '\0';
-    char *h = host;
-    if (h[0] == '[' && h[strlen(h) - 1] == ']') {
-        h[strlen(h) - 1] = '\0';
-        h++;
-    }
-    struct addrinfo hints = {.ai_family = AF_UNSPEC,
-                             .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
-                    *ai = NULL;
-    int gai = getaddrinfo(*h ? h : NULL, colon + 1, &hints, &ai);
-    if (gai != 0)
-        return errf(err, errlen, RNND_EINVAL, "--data-listen %s: %s", addr, gai_strerror(gai));
-    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    if (fd >= 0)
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (fd < 0 || bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
-        int e = errno;
-        freeaddrinfo(ai);
-        if (fd >= 0)
-            close(fd);
-        return errf(err, errlen, RNND_EIO, "--data-listen %s: %s", addr, strerror(e));
-    }
-    freeaddrinfo(ai);
+    int fd = rnnd_net_listen(host, port, 64);
+    if (fd < 0)
+        return errf(err, errlen, RNND_EIO, "--data-listen %s: %s", addr, strerror(errno));
     struct sockaddr_storage sa;
     socklen_t len = sizeof(sa);
     getsockname(fd, (struct sockaddr *)&sa, &len);

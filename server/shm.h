@@ -57,7 +57,6 @@
 #define RNND_SHM_SOCKET_BIND_S 30
 #define RNND_SHM_PENDING       16
 #define RNND_SHM_KEEPALIVE_S   60
-#define RNND_SHM_ADDR_MAX      256
 
 struct rnnd_shm;
 struct rnnd_shm_use; // what one request holds: pinned regions, tensors pointed into them

@@ -114,7 +114,7 @@ def main():
         check(len(r.grads) == 8, "the tape runs after the refusal")
         check(all(np.array_equal(w0[k], v) for k, v in g.get_weights().items()),
               "weights unchanged")
-        region = c._cuda[torch.cuda.current_device()]
+        region = c._regions[torch.cuda.current_device()]
         call = region.call(1 << 10)
         req = pb.BackwardRequest(tape_id=f.tape_id)
         span(req.grad_output, region.id, region.size - 64, [B, T, H])

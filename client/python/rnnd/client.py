@@ -290,7 +290,9 @@ class Client:
         self._sock_mb = int(sock_mb)
         self._transport = None  # decided at first use
         self._region = None
-        self._cuda = {}  # CUDA device index -> its cuda.Region, or False (refused)
+        # Regions for calls on torch tensors, by device index ("cpu" for CPU tensors): a
+        # cuda.Region or a sock.Region, or False (refused).
+        self._regions = {}
         self._info = None
         self._tlock = threading.Lock()
         self.timeout = timeout
@@ -336,10 +338,10 @@ class Client:
             self._region.release(self._call)
             self._region = None
             self._transport = "grpc"
-        for region in self._cuda.values():
+        for region in self._regions.values():
             if region:
                 region.release(self._call)
-        self._cuda = {}
+        self._regions = {}
         if self._native is not None:
             self._native.close()
             self._native = None
@@ -374,17 +376,17 @@ class Client:
     @property
     def transport(self):
         """How tensors travel: "cuda" (CUDA tensors in place, once a call on them registered a
-        CUDA region; the other calls as below), "socket" (calls on CUDA tensors with a daemon
-        on another host, through a socket region's data connection), "shm" (shared memory
+        CUDA region; the other calls as below), "socket" (calls on torch tensors through a
+        socket region's data connection, once a call registered one), "shm" (shared memory
         with a daemon on this host) or "grpc"."""
-        regions = [r for r in self._cuda.values() if r]
+        regions = [r for r in self._regions.values() if r]
         if regions:
             return regions[0].kind
         if self._transport is None:
             self._choose_transport()
         return self._transport or "grpc"
 
-    def _cuda_for(self, device):
+    def _region_for(self, device):
         """The region for a call on torch tensors of device (a torch.device), registered at the
         first such call: a CUDA region (CUDA, a daemon on this host) or a socket region (a
         daemon on another host, or transport="socket"; CPU tensors too); None where the path is
@@ -397,30 +399,30 @@ class Client:
         from . import cuda as _cuda  # torch only for callers with torch tensors
         index = "cpu" if kind == "cpu" else (
             device.index if device.index is not None else _cuda.torch.cuda.current_device())
-        region = self._cuda.get(index)
+        region = self._regions.get(index)
         if region is None or getattr(region, "closed", False):
             with self._tlock:
-                region = self._cuda.get(index)
+                region = self._regions.get(index)
                 if region is not None and getattr(region, "closed", False):
                     region.release(None)  # a socket region whose connection failed: anew
-                    del self._cuda[index]
+                    del self._regions[index]
                     region = None
                 if region is None:
-                    region = self._cuda_register(_cuda, index)
+                    region = self._region_register(_cuda, index)
         return region or None
 
-    def _cuda_register(self, _cuda, index):
+    def _region_register(self, _cuda, index):
         region = None
         try:
             self._info = self._info or self.info()
             device = "cpu" if index == "cpu" else "cuda:%d" % index
             if _local_target(self.target) and self._want != "socket":
                 region = _cuda.Region(self._cuda_mb << 20, device)
-                self._cuda[index] = region.register(self._call)
+                self._regions[index] = region.register(self._call)
             else:  # the daemon's memory, through a data connection
                 from . import sock as _sock
                 region = _sock.Region(self._sock_mb << 20, device)
-                self._cuda[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
+                self._regions[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
                                                     .strip("[]"))
         except (RnndError, RuntimeError, OSError) as e:
             if isinstance(e, RnndError) and e.code in (grpc.StatusCode.UNAVAILABLE,
@@ -430,8 +432,8 @@ class Client:
                 region.release(None)
             if self._want in ("cuda", "socket"):
                 raise
-            self._cuda[index] = False
-        return self._cuda[index]
+            self._regions[index] = False
+        return self._regions[index]
 
     def _choose_transport(self):
         with self._tlock:
@@ -577,12 +579,13 @@ class Client:
         forward(). cursor: each env's next window from its cursor instead of its last steps, so
         that every recorded step is handed out once (consecutive windows share one step, the
         bootstrap); the result's cursor_first says where each window starts. Sends
-        ``self.cursor_id`` and keeps the reply's (docs/design.md "Cursor"). device: a torch CUDA
-        device on this host's GPU makes the reply's tensors torch tensors there, written in
-        place by the daemon's GPU (a CUDA region; see transport)."""
+        ``self.cursor_id`` and keeps the reply's (docs/design.md "Cursor"). device: a torch
+        device makes the reply's tensors torch tensors there: on this host's GPU written in
+        place by the daemon's GPU (a CUDA region), from another host through a socket region
+        (see transport)."""
         rec = pb.Recorded(env_ids=_ids(env_ids), steps=int(steps), cursor=bool(cursor),
                           cursor_id=int(self.cursor_id) if cursor else 0)
-        region = self._cuda_for(device)
+        region = self._region_for(device)
         call = region and region.call(_shm.forward_reply_bytes(
             self._info, len(rec.env_ids), int(steps),
             fields is None or _mask(fields, _RECORDED) != 0))
@@ -657,9 +660,9 @@ class Client:
         grads = dict(grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
         first = next((v for v in grads.values() if v is not None), None)
         if getattr(first, "is_cuda", False) or (hasattr(first, "detach") and
-                                                 self._cuda_for(first.device) is not None):
+                                                 self._region_for(first.device) is not None):
             # torch tensors: through the call's region when it has room
-            r = self._backward_cuda(tape_id, grads, accumulate, input_grads, dtype, first, apply)
+            r = self._backward_region(tape_id, grads, accumulate, input_grads, dtype, first, apply)
             if r is not None:
                 return r
         if getattr(first, "is_cuda", False):
@@ -690,9 +693,10 @@ class Client:
         r = Lazy(pb.BackwardReply, self._call("Backward", data, fn=self._backward_raw))
         return _backward_result(r, _getters(None, None)[0], _getters(None, decode)[1])
 
-    def _backward_cuda(self, tape_id, grads, accumulate, input_grads, dtype, first, apply):
-        """backward() on CUDA tensors through the CUDA region, or None when it has no room."""
-        region = self._cuda_for(first.device)
+    def _backward_region(self, tape_id, grads, accumulate, input_grads, dtype, first, apply):
+        """backward() on torch tensors through their region (CUDA or socket), or None when it
+        has no room."""
+        region = self._region_for(first.device)
         if region is None:
             return None
         wire = dtype if _dtype(dtype) else "float32"

@@ -394,7 +394,7 @@ def _backward(target: str, tape: Tensor, grad_output: Tensor, grad_h_n: Optional
     # Input gradients only when the caller takes them (a recorded window's inputs are constants).
     dev = grad_output.device
     apply = accumulate and t.apply
-    if t.client._cuda_for(dev) is not None:  # CUDA tensors in place (rnnd.cuda)
+    if t.client._region_for(dev) is not None:  # through a CUDA or socket region
         g = t.client.backward(tape_id, grad_output, grad_h_n, grad_c_n, accumulate=accumulate,
                               input_grads=None if input_grads else (), dtype=w, apply=apply)
     else:

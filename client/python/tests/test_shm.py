@@ -167,7 +167,7 @@ class ShmTest(unittest.TestCase):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("set memfd, cuda or socket", cm.exception.details())
         with rnnd.Client(self.sock) as c:
-            self.assertIsNone(c._cuda_for(None))
+            self.assertIsNone(c._region_for(None))
             self.assertEqual(c.transport, "shm")
 
     def test_errors_still_name_the_field(self):

@@ -181,7 +181,7 @@ class SocketRegionTest(unittest.TestCase):
         self.steps(ids, 4)
         with self.d.client(transport="socket", sock_mb=4) as s:
             first = s.forward_recorded(ids, 4, fields=(), device=DEV).output
-            region = next(r for r in s._cuda.values() if r)
+            region = next(r for r in s._regions.values() if r)
             s._call("ReleaseRegion", rnnd.v1.rnnd_pb2.ReleaseRegionRequest(region=region.id))
             with self.assertRaises(ConnectionError):
                 s.forward_recorded(ids, 4, fields=(), device=DEV)
@@ -189,7 +189,7 @@ class SocketRegionTest(unittest.TestCase):
             again = s.forward_recorded(ids, 4, fields=(), device=DEV).output
             self.assertTrue(torch.equal(first, again))
             self.assertEqual(s.transport, "socket")
-            self.assertIsNot(next(r for r in s._cuda.values() if r), region)
+            self.assertIsNot(next(r for r in s._regions.values() if r), region)
 
     def test_auto_from_another_host(self):
         """A target that is not loopback (this host's own address, which the daemon cannot tell
@@ -229,7 +229,7 @@ class SocketRegionTest(unittest.TestCase):
         # "auto" on this host: CPU tensors go as bytes (or shared memory), never a socket region;
         # CUDA tensors to a daemon on this host take a CUDA region (or bytes), not one either.
         with self.d.client() as a:
-            self.assertIsNone(a._cuda_for(torch.device("cpu")))
+            self.assertIsNone(a._region_for(torch.device("cpu")))
             self.assertNotEqual(a.transport, "socket")
 
 

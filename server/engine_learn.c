@@ -150,24 +150,33 @@ static int io_move(struct rnnd_engine *e, void *dst, const void *src, const stru
               : e->be.ops->cast(e->be.ctx, dst, ft, src, RNND_FTYPE_F32, p->n);
 }
 
-// Inputs from a CUDA region: converted on the device, then their values checked there (the
-// request's checks could not read them). 0, or the job failed with the first bad value named.
+// The values of inputs the request's checks did not read (job->dev_in, job->host_in), once
+// they are in place: 0, or the job failed with the first bad value named.
+static int io_check(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k) {
+    for (int i = 0; i < k; i++) {
+        int64_t first = -1;
+        int rc = p[i].raw ? 0 : e->be.ops->nonfinite(e->be.ctx, p[i].dev, p[i].n, &first);
+        if (rc)
+            return rnnd_job_fail(job, rc, "cannot check the request's tensors: %s",
+                                 rnnd_strerror(rc));
+        if (first >= 0)
+            return rnnd_job_fail(job, RNND_EINVAL,
+                                 "%s: element %" PRId64 " is NaN or infinite; send finite values",
+                                 p[i].name, first);
+    }
+    return 0;
+}
+
+// Inputs from a CUDA region, converted on the device. 0, or the job failed.
 static int io_in_device(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k,
                         enum rnnd_ftype ft) {
     int rc = 0;
     for (int i = 0; rc == 0 && i < k; i++)
         rc = io_move(e, p[i].dev, p[i].host, &p[i], ft, true);
-    for (int i = 0; rc == 0 && i < k; i++) {
-        int64_t first = -1;
-        if (!p[i].raw && (rc = e->be.ops->nonfinite(e->be.ctx, p[i].dev, p[i].n, &first)) == 0 &&
-            first >= 0)
-            return rnnd_job_fail(job, RNND_EINVAL,
-                                 "%s: element %" PRId64 " is NaN or infinite; send finite values",
-                                 p[i].name, first);
-    }
     if (rc)
-        rnnd_job_fail(job, rc, "cannot read the request's CUDA region: %s", rnnd_strerror(rc));
-    return rc;
+        return rnnd_job_fail(job, rc, "cannot read the request's CUDA region: %s",
+                             rnnd_strerror(rc));
+    return 0;
 }
 
 // Outputs into a CUDA reply_region, each at a multiple of RNND_SHM_ALIGN (64) bytes. Returns 1
@@ -952,13 +961,15 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     // accumulated gradients), so only if every other part can run too.
     if (part && !agree(e, ag, true))
         return;
+    // The inputs in place, and checked where the request's checks did not read them, before
+    // anything changes.
     if (job->dev_in && io_in_device(e, job, in, nin, g->in) != 0)
-        return; // nothing changed yet
-    int rc = 0;
-    if (!g->accumulate)
+        return;
+    int rc = job->dev_in ? 0 : io_in(e, job, in, nin, g->in, area, host);
+    if (rc == 0 && (job->dev_in || job->host_in) && io_check(e, job, in, nin) != 0)
+        return;
+    if (rc == 0 && !g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
-    if (rc == 0 && !job->dev_in)
-        rc = io_in(e, job, in, nin, g->in, area, host);
     if (rc == 0 && !g->grad_out)
         rc = e->be.ops->zero(e->be.ctx, d_go, BT * H * sizeof(float));
     uint64_t t0 = rnnd_now_ns();

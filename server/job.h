@@ -264,8 +264,9 @@ struct rnnd_job {
     char *dev_out;
     size_t dev_out_bytes;
     // With a socket region in the backend's host memory (shm.h): host_in, the inputs lie there
-    // (copied to the device one by one, without staging); host_out, the reply_region's memory
-    // (host_out_bytes), where the engine copies its outputs from the device.
+    // (copied to the device one by one, without staging, and checked for NaN there); host_out,
+    // the reply_region's memory (host_out_bytes), where the engine copies its outputs from the
+    // device.
     bool host_in;
     char *host_out;
     size_t host_out_bytes;

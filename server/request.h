@@ -48,6 +48,11 @@ ProtobufCMessage *rnnd_request_decode(enum rnnd_method m, const uint8_t *data, s
 // Bytes per element of a rnnd.v1 DType value; 0 for an unknown one.
 size_t rnnd_request_dtype_size(int dtype);
 
+// The index of the first of n little-endian floats of esize bytes (2: bf16 or fp16, 4: fp32) at
+// p, any alignment, whose exponent bits exp (0x7f80, 0x7c00, 0x7f800000) are all set: NaN or
+// Inf. n when there is none.
+size_t rnnd_request_first_nonfinite(const uint8_t *p, size_t n, size_t esize, uint32_t exp);
+
 // grpc.health.v1: true for the services rnnd reports ("" and "rnnd.v1.Rnn").
 bool rnnd_request_health_known(const char *service);
 
@@ -70,10 +75,11 @@ int rnnd_request_end_episodes(const struct rnnd_request_limits *l,
 // f->is_init NULL (no resets).
 int rnnd_request_forward(const struct rnnd_request_limits *l, const Rnnd__V1__ForwardRequest *req,
                          struct rnnd_forward_job *f, char *err);
-// Backward: fills *g (zeroed first) with pointers into req. on_device: the tensors are device
-// pointers (a CUDA region): their values are not read here (the engine checks them).
+// Backward: fills *g (zeroed first) with pointers into req. values_later: the engine checks the
+// tensors' values once they are in place (a CUDA region's device pointers, a socket region in
+// the backend's memory); they are not read here.
 int rnnd_request_backward(const struct rnnd_request_limits *l, const Rnnd__V1__BackwardRequest *req,
-                          struct rnnd_backward_job *g, bool on_device, char *err);
+                          struct rnnd_backward_job *g, bool values_later, char *err);
 // ApplyGradients: *has_lr; when req carries grads they are copied into flat (P floats).
 int rnnd_request_apply_gradients(const struct rnnd_request_limits *l,
                                  const Rnnd__V1__ApplyGradientsRequest *req, float *flat,

@@ -543,8 +543,10 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     struct rnnd_backward_job g;
     struct rnnd_request_limits tmp;
     const struct rnnd_request_limits *lim = limits_for(s, req->reply_region, &tmp);
-    bool dev_in = rnnd_call_device_in(call);
-    int rc = counted(rnnd_request_backward(lim, req, &g, dev_in, err));
+    // Tensors in a region the engine reads from directly have their values checked there, once
+    // in place, not here on the host.
+    bool dev_in = rnnd_call_device_in(call), host_in = rnnd_call_host_in(call);
+    int rc = counted(rnnd_request_backward(lim, req, &g, dev_in || host_in, err));
     if (rc == 0 && g.apply && (rnnd_group_devices(s->group) > 1 || s->cfg->world_size > 1)) {
         rc = RNND_EPRECOND;
         snprintf(err, sizeof(err),
@@ -567,7 +569,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->bwd = g;
     job->dev_in = dev_in;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
-    job->host_in = rnnd_call_host_in(call);
+    job->host_in = host_in;
     job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
     rnnd_group_submit(s->group, job);
     return;

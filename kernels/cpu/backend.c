@@ -149,6 +149,33 @@ static int cpu_sync(void *ctx) {
     return 0;
 }
 
+// A block of floats before any branch, so that the scan runs at memory speed.
+static int cpu_nonfinite(void *ctx, const float *x, size_t n, int64_t *first) {
+    (void)ctx;
+    *first = -1;
+    if (x == NULL && n > 0)
+        return RNND_EINVAL;
+    const uint32_t exp = 0x7f800000u;
+    for (size_t b = 0; b < n; b += 1024) {
+        size_t e = b + 1024 < n ? b + 1024 : n;
+        uint32_t hit = 0;
+        for (size_t i = b; i < e; i++) {
+            uint32_t v;
+            memcpy(&v, &x[i], sizeof(v));
+            hit |= (uint32_t)((v & exp) == exp);
+        }
+        for (size_t i = b; hit && i < e; i++) {
+            uint32_t v;
+            memcpy(&v, &x[i], sizeof(v));
+            if ((v & exp) == exp) {
+                *first = (int64_t)i;
+                return 0;
+            }
+        }
+    }
+    return 0;
+}
+
 static int cpu_supports(void *ctx, const struct rnnd_model *m) {
     (void)ctx;
     return rnnd_model_check(m);
@@ -261,6 +288,7 @@ static const struct rnnd_backend_ops cpu_ops = {
     .copy = cpu_copy,
     .zero = cpu_zero,
     .sync = cpu_sync,
+    .nonfinite = cpu_nonfinite,
     .supports = cpu_supports,
     .tape_bytes = cpu_tape_bytes,
     .rnn_forward = cpu_rnn_forward,

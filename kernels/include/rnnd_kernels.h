@@ -344,8 +344,8 @@ struct rnnd_backend_ops {
     int (*zero)(void *ctx, void *dst, size_t bytes);
     int (*sync)(void *ctx);
     // Synchronous: *first = the index of the first NaN or infinity among n floats at x (backend
-    // memory), or -1 when every one is finite. For inputs the server cannot read on the host
-    // (CUDA regions); NULL on a backend that takes none.
+    // memory), or -1 when every one is finite. For inputs the server does not read on the host:
+    // CUDA regions, and socket regions in host_alloc memory, checked once they are in place.
     int (*nonfinite)(void *ctx, const float *x, size_t n, int64_t *first);
     // Memory another process of this host shared (a CUDA IPC handle of handle_len bytes): maps
     // it, checks that at least offset + size bytes follow, and returns in *base the first byte

@@ -1,7 +1,8 @@
 """Socket regions against a real daemon (CPU backend): rnnd.Client(transport="socket") sends and
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
-wire), a learner through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
+wire), NaN or Inf in a gradient is refused with the element named and the tape kept, a learner
+through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
 the client closes, a daemon over two devices takes it too, a lost data connection costs one
 call, "auto" takes it for a daemon on another host (this host's own non-loopback address) and
 not for one on this host, a daemon with --data-listen off refuses it, and a data port the client
@@ -132,6 +133,34 @@ class SocketRegionTest(unittest.TestCase):
             time.sleep(0.1)
         self.assertEqual(regions(self.d), 0)
         self.assertEqual(metric(self.d, "rnnd_socket_region_bytes"), 0)
+
+    def test_non_finite_refused(self):
+        # The daemon checks a socket region's gradients on its backend, once they are in place:
+        # NaN or Inf is refused with the element named, and the tape stays for a good Backward.
+        ids = np.arange(300, 304, dtype=np.uint64)
+        T = 5
+        self.steps(ids, T)
+        with self.d.client(transport="socket", sock_mb=4) as s:
+            for wire, bad in (("float32", float("nan")), ("bfloat16", float("inf"))):
+                fb = self.b.forward_recorded(ids, T, keep_tape=True, fields=())
+                fs = s.forward_recorded(ids, T, keep_tape=True, fields=(), device=DEV)
+                go = self.x(len(ids), T, H)
+                bad_go = go.copy()
+                bad_go[2, 3, 7] = bad
+                with self.assertRaises(rnnd.RnndError) as e:
+                    s.backward(fs.tape_id, torch.from_numpy(bad_go).to(DEV), dtype=wire,
+                               input_grads=())
+                self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
+                at = (2 * T + 3) * H + 7
+                self.assertIn("element %d is NaN or infinite" % at, str(e.exception))
+                gb = self.b.backward(fb.tape_id, go, dtype=wire, input_grads=())
+                gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
+                                input_grads=())
+                for name in gb.grads:
+                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
+                                                torch.from_numpy(np.array(gb.grads[name]))),
+                                    "%s %s" % (wire, name))
+            self.assertEqual(s.transport, "socket")
 
     def test_learner(self):
         """A learner step through rnnd.torch on socket regions: the same loss, gradients and

@@ -46,15 +46,16 @@ struct region {
     uint8_t *base; // the mapping; device memory for a CUDA region; our own for a socket region
     size_t size;
     int fd; // our own open of the memfd (its flock tells whether the client still holds one),
-            // a CUDA region's pidfd of its client (readable once the client exited), or a socket
-            // region's data connection once bound (-1 before; its thread closes it)
+            // or a CUDA region's pidfd of its client (readable once the client exited)
     const struct rnnd_backend *be; // a CUDA region's backend (ipc_close), else NULL
     int refs;                      // under the registry lock
     unsigned pid;
     bool sock;                       // a socket region
     const struct rnnd_backend *hbe;  // a socket region's allocator when page-locked (host_alloc)
     uint64_t born_ns;                // a socket region's registration (unbound: it expires)
-    uint8_t key[RNND_SHM_KEY_BYTES]; // a socket region's: its data connection's hello
+    uint8_t key[RNND_SHM_KEY_BYTES]; // a socket region's: its data connections' hello
+    int cfd[RNND_SHM_SOCKET_CONNS];  // a socket region's data connections (their threads close
+    int nconn;                       // them), and how many are bound
 };
 
 // A data connection (socket regions) and the thread serving it.
@@ -75,7 +76,7 @@ struct rnnd_shm {
     uint64_t sock_bytes, sock_max; // socket regions' bytes registered, and their bound
     bool stopping;
     pthread_t acceptor;
-    struct conn **conns; // (max + RNND_SHM_PENDING)
+    struct conn **conns; // (max * RNND_SHM_SOCKET_CONNS + RNND_SHM_PENDING)
     int nconns;
 };
 
@@ -153,12 +154,12 @@ static void region_unref_locked(struct region *r) {
 }
 
 // Takes region k out of the registry (its reference dropped). s->lock held. A socket region's
-// data connection is shut down: its thread then drops the connection's reference.
+// data connections are shut down: their threads then drop their references.
 static void region_remove_locked(struct rnnd_shm *s, int k) {
     struct region *r = s->v[k];
     if (r->sock) {
-        if (r->fd >= 0)
-            shutdown(r->fd, SHUT_RDWR);
+        for (int i = 0; i < r->nconn; i++)
+            shutdown(r->cfd[i], SHUT_RDWR);
         s->sock_bytes -= r->size;
         atomic_store_explicit(&rnnd_metrics.socket_bytes, (int64_t)s->sock_bytes,
                               memory_order_relaxed);
@@ -496,10 +497,10 @@ int rnnd_shm_housekeeping(struct rnnd_shm *s) {
         struct region *r = s->v[k];
         // The lock is ours only once every process of the client has closed the memfd; a
         // pidfd is readable once its process exited. A socket region goes with its data
-        // connection (data_conn_main), or when none came within RNND_SHM_SOCKET_BIND_S.
+        // connections (data_conn_main), or when none came within RNND_SHM_SOCKET_BIND_S.
         struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
-        bool gone = r->sock ? r->fd < 0 && rnnd_now_ns() - r->born_ns >
-                                               (uint64_t)RNND_SHM_SOCKET_BIND_S * 1000000000u
+        bool gone = r->sock ? r->nconn == 0 && rnnd_now_ns() - r->born_ns >
+                                                   (uint64_t)RNND_SHM_SOCKET_BIND_S * 1000000000u
                     : r->be ? poll(&pfd, 1, 0) > 0
                             : flock(r->fd, LOCK_EX | LOCK_NB) == 0;
         if (gone) {
@@ -821,9 +822,11 @@ void rnnd_shm_unplace(struct rnnd_shm_use *u) {
 // seconds, and reads back the region's size (8 bytes). Then frames of three little-endian u64,
 // (op, offset, nbytes): RNND_SHM_OP_WRITE writes the nbytes that follow into the region at
 // offset, RNND_SHM_OP_READ sends nbytes of the region from offset, RNND_SHM_OP_SYNC sends offset
-// back (8 bytes), so the client knows that everything it wrote before is in the region. A frame
-// outside the region, an unknown op or a wrong hello closes the connection, and the region with
-// it. One thread a connection: a frame blocks only its own client.
+// back (8 bytes), so the client knows that everything it wrote before on that connection is in
+// the region. A region takes up to RNND_SHM_SOCKET_CONNS connections with its key, whose frames
+// run side by side. A frame outside the region, an unknown op or a wrong hello closes the
+// connection, and the region with it. One thread a connection: a frame blocks only its own
+// client.
 
 static bool io_full(int fd, void *buf, size_t n, bool rd) {
     uint8_t *p = buf;
@@ -840,28 +843,33 @@ static bool io_full(int fd, void *buf, size_t n, bool rd) {
 }
 
 // The socket region whose key a hello carried, bound to connection fd and referenced; NULL
-// when no unbound region has it.
+// when no region with room for another connection has it.
 static struct region *data_bind(struct rnnd_shm *s, const uint8_t *key, int fd) {
     struct region *found = NULL;
     pthread_mutex_lock(&s->lock);
     for (int k = 0; k < s->n; k++) {
         struct region *r = s->v[k];
         // Every key is compared, in constant time: the time says nothing about any of them.
-        if (r->sock && r->fd < 0 && key_equal(r->key, key))
+        if (r->sock && r->nconn < RNND_SHM_SOCKET_CONNS && key_equal(r->key, key))
             found = r;
     }
     if (found) {
-        found->fd = fd;
+        found->cfd[found->nconn++] = fd;
         found->refs++;
     }
     pthread_mutex_unlock(&s->lock);
     return found;
 }
 
-// The connection of r ended: r leaves the registry (if ReleaseRegion has not taken it out).
-static void data_unbind(struct rnnd_shm *s, struct region *r) {
+// Connection fd of r ended: r leaves the registry (if ReleaseRegion or another of its
+// connections has not taken it out), which shuts its other connections down.
+static void data_unbind(struct rnnd_shm *s, struct region *r, int fd) {
     pthread_mutex_lock(&s->lock);
-    r->fd = -1;
+    for (int i = 0; i < r->nconn; i++)
+        if (r->cfd[i] == fd) {
+            r->cfd[i] = r->cfd[--r->nconn];
+            break;
+        }
     for (int k = 0; k < s->n; k++)
         if (s->v[k] == r) {
             region_remove_locked(s, k);
@@ -916,7 +924,7 @@ static void *data_conn_main(void *arg) {
         if (io_full(c->fd, &size, sizeof(size), false))
             data_serve(c->fd, r);
         rnnd_log(RNND_LOG_DEBUG, "shared memory: a socket region's data connection closed");
-        data_unbind(s, r);
+        data_unbind(s, r, c->fd);
     }
     pthread_mutex_lock(&s->lock);
     int fd = c->fd;
@@ -968,7 +976,8 @@ static void *data_accept_main(void *arg) {
         data_reap(s, false);
         struct conn *c = calloc(1, sizeof(*c));
         pthread_mutex_lock(&s->lock);
-        bool room = c && !s->stopping && s->nconns < s->max + RNND_SHM_PENDING;
+        bool room =
+            c && !s->stopping && s->nconns < s->max * RNND_SHM_SOCKET_CONNS + RNND_SHM_PENDING;
         if (room) {
             *c = (struct conn){.fd = fd, .shm = s};
             s->conns[s->nconns++] = c;
@@ -1001,7 +1010,7 @@ int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, uint64_t max_bytes, ch
     getsockname(fd, (struct sockaddr *)&sa, &len);
     s->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
                                              : ((struct sockaddr_in *)&sa)->sin_port);
-    s->conns = calloc((size_t)s->max + RNND_SHM_PENDING, sizeof(*s->conns));
+    s->conns = calloc((size_t)s->max * RNND_SHM_SOCKET_CONNS + RNND_SHM_PENDING, sizeof(*s->conns));
     s->sock_max = max_bytes;
     s->lfd = fd;
     if (s->conns == NULL || pthread_create(&s->acceptor, NULL, data_accept_main, s) != 0) {

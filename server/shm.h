@@ -5,9 +5,10 @@
  * small descriptors travel over gRPC.
  *
  * A socket region is the daemon's own memory, for a client on any host: the client writes and
- * reads it through a plain TCP data connection (rnnd_shm_listen, the protocol above
- * data_serve in shm.c) that begins with the region's key, and the region goes when that
- * connection closes. Only descriptors travel over gRPC; the tensors cross as raw bytes.
+ * reads it through plain TCP data connections (rnnd_shm_listen, the protocol above data_serve in
+ * shm.c), up to RNND_SHM_SOCKET_CONNS of them side by side, each beginning with the region's
+ * key, and the region goes when any of them closes. Only descriptors travel over gRPC; the
+ * tensors cross as raw bytes.
  *
  * Who may use a region: the peer must be on this host (a unix: socket or loopback), the memfd
  * must belong to rnnd's uid and start with the key the request carries (proof that the peer can
@@ -46,8 +47,10 @@
 
 // Socket regions (docs/design.md "Socket regions"): the data connection's hello, its frames'
 // ops, the largest region, how long a new connection may take to send its hello and a new
-// region to be bound by one, connections beyond --max-shm-regions that may be saying hello, and
-// the TCP keepalive idle time after which a silent peer is probed.
+// region to be bound by one, connections beyond those of --max-shm-regions regions that may be
+// saying hello, the TCP keepalive idle time after which a silent peer is probed, and the data
+// connections one region takes (a client splits large transfers over them: one TCP stream
+// moves ~4 GB/s on a loopback, a few move several times that).
 #define RNND_SHM_HELLO         "RNNDSOCK"
 #define RNND_SHM_OP_WRITE      1
 #define RNND_SHM_OP_READ       2
@@ -57,6 +60,7 @@
 #define RNND_SHM_SOCKET_BIND_S 30
 #define RNND_SHM_PENDING       16
 #define RNND_SHM_KEEPALIVE_S   60
+#define RNND_SHM_SOCKET_CONNS  4
 
 struct rnnd_shm;
 struct rnnd_shm_use; // what one request holds: pinned regions, tensors pointed into them

@@ -7,8 +7,9 @@
 #      test_integration_shm on the CUDA backend;
 #   2. the loopback floor: 33.5 MB over a plain socket and inside grpcio messages;
 #   3. learner_bench.py, bf16 then fp32 on the wire, rows socket (the learner as if on another
-#      host: tensors beside gRPC), grpc (inside the messages) and cuda (in place), twice each
-#      for socket, then PyTorch cuDNN and the per-step loop.
+#      host: tensors beside gRPC, over 4 data connections and over 1), grpc (inside the
+#      messages) and cuda (in place), twice each for socket, then PyTorch cuDNN and the
+#      per-step loop.
 # Usage (repository root on the GPU host): tests/gpu/learner_transports.sh [BUNDLE.tar.xz] [WHEEL]
 # Logs go to $OUT (default /tmp/rnnd-out).
 set -u
@@ -49,6 +50,6 @@ for wire in bfloat16 float32; do
     echo "== learner, $wire on the wire"
     timeout 300 python3 client/python/examples/learner_bench.py --rnnd "$RNND_BIN" \
         --backend cuda --device cuda -B 2048 -T 64 --iters 15 --warmup 3 --wire $wire \
-        --grads apply --transports socket,grpc,cuda,socket 2>&1 | tee "$OUT/learner_$wire.txt" |
+        --grads apply --transports socket,socket:1,grpc,cuda,socket,socket:1 2>&1 | tee "$OUT/learner_$wire.txt" |
         grep -E '^rnnd|^PyTorch'
 done

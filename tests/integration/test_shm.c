@@ -4,9 +4,9 @@
  * Step, StepStream, Forward (explicit and recorded) and Backward through a region give the bytes
  * path's results bit for bit, replies really land in the region, every descriptor that does not
  * resolve is refused with nothing changed, and a region goes with its client. Socket regions:
- * Step through one from loopback and from a remote peer, its data connection's refusals (a
- * wrong or reused key, a frame outside the region), ReleaseRegion closing the connection,
- * --max-socket-region-mb and --data-listen off.
+ * Step through one from loopback and from a remote peer, its four data connections (a fifth
+ * refused, one closing ending the region), the refusals (a wrong key, a frame outside the
+ * region), ReleaseRegion closing the connection, --max-socket-region-mb and --data-listen off.
  *
  * One daemon (LSTM L=2 with extras, a token) listening on loopback and on a unix socket; others
  * started by single tests. Regions for the raw-message cases are made here (a sealed, locked
@@ -886,7 +886,8 @@ static void test_socket_region(void **state) {
     sockreg_open(c, &s);
     step_via_sockreg(c, &s, 7001);
 
-    // A hello with a key no region has: closed. A second connection for a bound region: too.
+    // A hello with a key no region has: closed. A region takes 4 connections (each told the
+    // size), a fifth is closed; writes on one are read back on another.
     uint8_t key[32];
     memcpy(key, s.r.key, 32);
     key[5] ^= 1;
@@ -896,9 +897,35 @@ static void test_socket_region(void **state) {
     int bad = data_connect(port, key);
     assert_true(closed_by_daemon(bad));
     close(bad);
+    int more[3];
+    for (int i = 0; i < 3; i++) {
+        more[i] = data_connect(port, s.r.key);
+        uint64_t size = 0;
+        assert_int_equal(recv(more[i], &size, 8, MSG_WAITALL), 8);
+        assert_int_equal(size, RSIZE);
+    }
     bad = data_connect(port, s.r.key);
     assert_true(closed_by_daemon(bad));
     close(bad);
+    for (int i = 0; i < 64; i++)
+        s.r.base[20000 + i] = (uint8_t)(3 * i + 1);
+    sockreg_write(&s, 20000, 64);
+    int keep = s.fd;
+    s.fd = more[2];
+    memset(s.r.base + 20000, 0, 64);
+    sockreg_read(&s, 20000, 64);
+    for (int i = 0; i < 64; i++)
+        assert_int_equal(s.r.base[20000 + i], (uint8_t)(3 * i + 1));
+    s.fd = keep;
+    // One of them closing ends the region: the daemon closes the others.
+    close(more[1]);
+    assert_true(closed_by_daemon(s.fd));
+    assert_true(closed_by_daemon(more[0]));
+    assert_true(closed_by_daemon(more[2]));
+    close(more[0]);
+    close(more[2]);
+    sockreg_close(&s);
+    sockreg_open(c, &s);
 
     // ReleaseRegion closes the region's connection.
     t.fd = data_connect(port, t.r.key);

@@ -110,7 +110,10 @@ def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
                 k = (m1.get(("kernel", op), 0) - m0.get(("kernel", op), 0)) / n
                 parts.append("%s %.2f ms (backend %.2f)" % (meth, s * 1e3, k * 1e3))
         extra = "daemon: " + ", ".join(parts)
-    row("rnnd %s (%s wire, %s, %s)" % (client.transport, a.wire, a.grads,
+    path = client.transport
+    if path == "socket":
+        path += " x%d" % client._sock_conns
+    row("rnnd %s (%s wire, %s, %s)" % (path, a.wire, a.grads,
                                        "native" if client.native else "grpcio"), sec, B, T, extra)
     client.close()
 
@@ -139,7 +142,8 @@ def main():
                          "(Backward takes the optimizer step too: one call less)")
     ap.add_argument("--transports", default="auto",
                     help="comma-separated rnnd.Client transports, one rnnd row each "
-                         "(auto, grpc, shm, cuda, socket; cuda:grpcio makes the calls on grpcio)")
+                         "(auto, grpc, shm, cuda, socket; cuda:grpcio makes the calls on grpcio, "
+                         "socket:1 uses one data connection instead of 4)")
     a = ap.parse_args()
     B, T, I, H = a.B, a.T, a.I, a.H
     dev = torch.device(a.device)
@@ -172,9 +176,10 @@ def main():
         target_y = torch.randn(B, T, 1, device=dev)
 
         for entry in a.transports.split(","):
-            transport, _, calls = entry.partition(":")
+            transport, _, opt = entry.partition(":")
             rnnd_row(rnnd.Client(target, max_message_mb=-1, transport=transport,
-                                 native=False if calls == "grpcio" else None),
+                                 native=False if opt == "grpcio" else None,
+                                 sock_conns=int(opt) if opt.isdigit() else 4),
                      ids, T, B, H, target_y, dev, a, http)
 
         if not a.no_torch:

@@ -271,14 +271,16 @@ class Client:
     shm_mb: size of the shared region (virtual: pages are used as calls touch them); cuda_mb:
     of the CUDA region, allocated on the GPU at the first call on CUDA tensors; sock_mb: of the
     socket region, the daemon's memory (counted against its --max-socket-region-mb, touched as
-    data arrives). A call that does not fit its region goes as bytes.
+    data arrives). A call that does not fit its region goes as bytes. sock_conns: the socket
+    region's data connections (1 to 4), over which large transfers are split.
     native: send the unary calls of rnnd.v1.Rnn through the C client (rnnd._native), None
     (default) where its library is found and the channel is plaintext without extra options,
     True (an error where it cannot), False (grpcio); ``client.native`` says which.
     """
 
     def __init__(self, target, token=None, tls=None, timeout=60.0, max_message_mb=-1, options=(),
-                 transport="auto", shm_mb=1024, cuda_mb=1024, sock_mb=256, native=None):
+                 transport="auto", shm_mb=1024, cuda_mb=1024, sock_mb=256, sock_conns=4,
+                 native=None):
         if transport not in ("auto", "cuda", "socket", "shm", "grpc"):
             raise ValueError('transport is "auto", "cuda", "socket", "shm" or "grpc", not %r'
                              % (transport,))
@@ -288,6 +290,10 @@ class Client:
         self._shm_mb = int(shm_mb)
         self._cuda_mb = int(cuda_mb)
         self._sock_mb = int(sock_mb)
+        self._sock_conns = int(sock_conns)
+        if not 1 <= self._sock_conns <= 4:
+            raise ValueError("sock_conns is 1 to 4 (a daemon takes 4 connections a socket "
+                             "region), not %r" % (sock_conns,))
         self._transport = None  # decided at first use
         self._region = None
         # Regions for calls on torch tensors, by device index ("cpu" for CPU tensors): a
@@ -421,7 +427,7 @@ class Client:
                 self._regions[index] = region.register(self._call)
             else:  # the daemon's memory, through a data connection
                 from . import sock as _sock
-                region = _sock.Region(self._sock_mb << 20, device)
+                region = _sock.Region(self._sock_mb << 20, device, self._sock_conns)
                 self._regions[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
                                                     .strip("[]"))
         except (RnndError, RuntimeError, OSError) as e:

@@ -2,7 +2,9 @@
 receives torch tensors through the daemon's memory over a data connection. Forward over recorded
 trajectories and Backward give the bytes path's results bit for bit (fp32 and bfloat16 on the
 wire), NaN or Inf in a gradient is refused with the element named and the tape kept, a learner
-through rnnd.torch.RemoteRecurrent matches one on bytes, the region goes when
+through rnnd.torch.RemoteRecurrent matches one on bytes, large transfers split over the
+region's four data connections (a fifth refused, any one closing ends the region), the region
+goes when
 the client closes, a daemon over two devices takes it too, a lost data connection costs one
 call, "auto" takes it for a daemon on another host (this host's own non-loopback address) and
 not for one on this host, a daemon with --data-listen off refuses it, and a data port the client
@@ -219,6 +221,51 @@ class SocketRegionTest(unittest.TestCase):
             self.assertTrue(torch.equal(first, again))
             self.assertEqual(s.transport, "socket")
             self.assertIsNot(next(r for r in s._regions.values() if r), region)
+
+    def test_split_over_connections(self):
+        """A region's 4 data connections: a transfer of rnnd.sock.SPLIT bytes or more is split
+        over them and comes back bit for bit (one connection too), the daemon refuses a fifth
+        connection with the key and keeps the region, and any one connection closing ends the
+        region: the next call raises ConnectionError and the one after registers anew."""
+        from rnnd import sock
+        with self.assertRaises(ValueError):
+            rnnd.Client(self.d.target, sock_conns=5)
+        ids = np.arange(500, 502, dtype=np.uint64)
+        self.steps(ids, 2)
+        n = 2 * sock.SPLIT + 4 * 997  # parts of unequal length
+        data = torch.from_numpy(self.rng.integers(0, 256, n, dtype=np.uint8))
+        for conns in (4, 1):
+            with self.d.client(transport="socket", sock_mb=16, sock_conns=conns) as s:
+                first = s.forward_recorded(ids, 2, fields=(), device=DEV).output
+                region = next(r for r in s._regions.values() if r)
+                self.assertEqual(len(region.socks), conns)
+                region.write(64, data.to(DEV))
+                region.sync()
+                back = region.read(64, n)
+                self.assertEqual(back.device.type, DEV.type)
+                self.assertTrue(torch.equal(back.cpu(), data), conns)
+                self.assertTrue(torch.equal(region.read(64 + 5 * 997, 3).cpu(),
+                                            data[5 * 997:5 * 997 + 3]))
+                if conns == 1:
+                    continue
+                extra = socket.create_connection(region.socks[0].getpeername()[:2], timeout=10)
+                extra.sendall(sock.HELLO + region.key)
+                self.assertEqual(extra.recv(8), b"")  # closed: the region has its four
+                extra.close()
+                self.assertTrue(torch.equal(region.read(64, n).cpu(), data))
+                region.socks[2].close()
+                with self.assertRaises(ConnectionError):
+                    for _ in range(50):  # until the daemon has seen it close
+                        s.forward_recorded(ids, 2, fields=(), device=DEV)
+                        time.sleep(0.1)
+                again = s.forward_recorded(ids, 2, fields=(), device=DEV).output
+                self.assertTrue(torch.equal(first, again))
+                self.assertIsNot(next(r for r in s._regions.values() if r), region)
+        for _ in range(50):
+            if regions(self.d) == 0:
+                break
+            time.sleep(0.1)
+        self.assertEqual(regions(self.d), 0)
 
     def test_auto_from_another_host(self):
         """A target that is not loopback (this host's own address, which the daemon cannot tell

@@ -223,6 +223,7 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     snprintf(e->backend_name, sizeof(e->backend_name), "%s", e->be.ops->name);
     snprintf(e->device, sizeof(e->device), "%s", e->be.device);
     e->host_mem = (e->be.ops->caps & RNND_BACKEND_CAP_HOST_MEMORY) != 0;
+    e->step_replay_off = e->be.ops->record_begin == NULL;
     rc = e->be.ops->supports(e->be.ctx, &e->model);
     if (rc != 0) {
         snprintf(msg, msglen, "the %s backend does not run %s I=%d H=%d L=%d compute=%s%s (%s)",
@@ -337,6 +338,9 @@ static void engine_close(struct rnnd_engine *e) {
         be_free(e, w->params);
         free(w);
     }
+    for (int n = 0; n <= STEP_REPLAY_ROWS; n++)
+        if (e->step_replay[n].unit)
+            e->be.ops->free_unit(e->be.ctx, e->step_replay[n].unit);
     void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
                     e->state_c,    e->d_in,         e->d_outb, e->work,   e->spare_tape};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)

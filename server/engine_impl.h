@@ -36,6 +36,8 @@ struct row_ref {
     int row;
 };
 
+#define STEP_REPLAY_ROWS 16 // batches of at most this many rows replay a recording (below)
+
 struct rnnd_engine {
     struct rnnd_config cfg;
     int index, count; // this engine's device among the daemon's (rnnd_place)
@@ -107,6 +109,14 @@ struct rnnd_engine {
     size_t in_bytes, out_bytes;
     // Host staging (aliases of the above when host_mem).
     char *h_in, *h_outb;
+    // Batches of up to STEP_REPLAY_ROWS rows of the core alone replay a recording of their
+    // backend work (record_begin: one launch instead of four), one per row count, recorded
+    // again when the weights move. step_replay_off: the backend has none, or one failed.
+    struct step_replay {
+        void *unit;
+        const float *params; // the weights it was recorded with
+    } step_replay[STEP_REPLAY_ROWS + 1];
+    bool step_replay_off;
     struct row_ref *rows; // (max_batch)
     // Every env slot's recorded steps (trajectory.h), when --trajectory-steps > 0.
     struct rnnd_traj_store store;

@@ -349,10 +349,110 @@ static void reply_send(struct rnnd_threadpool_task *t) {
     job->done(job);
 }
 
+// The backend work of a batch of n rows laid out as lay: one copy in, the kernels, one copy back
+// (which synchronises, except inside a recording).
+static int step_work(struct rnnd_engine *e, const struct step_layout *lay, int n, bool record,
+                     bool act) {
+    int rc = be_in(e, e->d_in, e->h_in, lay->in_used); // one copy: x, slots, slots_new, is_init
+    const float *obs = (const float *)(e->d_in + lay->x), *x = obs;
+    const float *params = e->cur->params;
+    if (rc == 0 && e->enc_acts) {
+        // The encoder's last block of activations is the core's input.
+        float *acts = (float *)(e->d_outb + lay->acts);
+        rc = e->be.ops->encoder_forward(e->be.ctx, acts, obs, n, params, &e->model);
+        x = acts + (size_t)n * (size_t)(e->enc_acts - e->core.I);
+    }
+    struct rnnd_step st = {
+        .B = n,
+        .x = x,
+        .is_init = (const uint8_t *)(e->d_in + lay->init),
+        .slots = (const int32_t *)(e->d_in + lay->slots),
+        .slots_new = (const int32_t *)(e->d_in + lay->slots_new),
+        .state_h = e->state_h,
+        .state_c = e->state_c,
+        .out = (float *)(e->d_outb + lay->out),
+        .h_before = record ? (float *)(e->d_outb + lay->hb) : NULL,
+        .c_before = record && e->lstm ? (float *)(e->d_outb + lay->cb) : NULL,
+    };
+    if (rc == 0)
+        rc = e->be.ops->rnn_step(e->be.ctx, &st, params, &e->core);
+    if (rc == 0 && e->prow.W) {
+        const struct rnnd_policy *p = &e->model.policy;
+        float *dist = (float *)(e->d_outb + lay->dist);
+        struct rnnd_heads hd = {
+            .logits = p->K ? dist : NULL,
+            .mean = p->A ? dist : NULL,
+            .value = p->value ? (float *)(e->d_outb + lay->value) : NULL,
+        };
+        rc = e->be.ops->heads_forward(e->be.ctx, &hd, st.out, n, params, &e->model);
+        if (rc == 0 && act) {
+            struct rnnd_actions a = {
+                .N = n,
+                .logits = hd.logits,
+                .mean = hd.mean,
+                .index = p->K ? (int64_t *)(e->d_outb + lay->index) : NULL,
+                .action = p->A ? (float *)(e->d_outb + lay->action) : NULL,
+                .logp = (float *)(e->d_outb + lay->logp),
+                .seed = e->cfg.seed,
+                .env_ids = (const uint64_t *)(e->d_in + lay->keys),
+                .steps = (const uint64_t *)(e->d_in + lay->ksteps),
+                .greedy = (const uint8_t *)(e->d_in + lay->greedy),
+            };
+            rc = e->be.ops->policy_sample(e->be.ctx, &a, params, &e->model);
+        }
+    }
+    if (rc == 0 && record) {
+        // The step's rows go into the store where they are, on the backend.
+        struct rnnd_traj_rows tr = {
+            .n = n,
+            .rows = (const int32_t *)(e->d_in + lay->trows),
+            .obs = (float *)obs,
+            .extras = e->tdims.E ? (float *)(e->d_in + lay->extras) : NULL,
+            .h = st.h_before,
+            .c = st.c_before,
+            .is_init = (uint8_t *)st.is_init,
+            .version = (uint64_t *)(e->d_in + lay->version),
+        };
+        rc = e->be.ops->traj_write(e->be.ctx, &e->store, &tr, &e->model);
+    }
+    if (rc == 0) // one copy back: out
+        rc = be_out(e, e->h_outb, e->d_outb, lay->out_used);
+    return rc;
+}
+
+// step_work, replayed from a recording for its row count (rnnd_engine.step_replay), recorded
+// first where there is none for the current weights; then the sync. 1: no recording could be
+// made (recordings are then off: run step_work).
+static int step_replayed(struct rnnd_engine *e, const struct step_layout *lay, int n, bool record,
+                         bool act) {
+    struct step_replay *r = &e->step_replay[n];
+    const float *params = e->cur->params;
+    if (r->unit == NULL || r->params != params) {
+        e->be.ops->free_unit(e->be.ctx, r->unit);
+        *r = (struct step_replay){0};
+        void *unit = NULL;
+        int rc = e->be.ops->record_begin(e->be.ctx);
+        if (rc == 0) {
+            rc = step_work(e, lay, n, record, act);
+            int end = e->be.ops->record_end(e->be.ctx, &unit);
+            rc = rc ? rc : end;
+        }
+        if (rc != 0 || unit == NULL) {
+            rnnd_log(RNND_LOG_WARN,
+                     "the backend could not record a step of %d rows (%s); steps run op by op", n,
+                     rnnd_strerror(rc));
+            e->step_replay_off = true;
+            return 1;
+        }
+        *r = (struct step_replay){unit, params};
+    }
+    int rc = e->be.ops->replay(e->be.ctx, r->unit);
+    return rc ? rc : e->be.ops->sync(e->be.ctx);
+}
+
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     uint64_t now = rnnd_now_ns();
     size_t H = (size_t)e->model.H, LH = e->LH;
-    size_t E = (size_t)e->tdims.E;
     bool record = e->tdims.cap > 0;
     uint64_t version = e->cur->version;
     bool act = e->prow.action >= 0;
@@ -376,70 +476,11 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
                               memory_order_relaxed);
     if (n > 0) {
         uint64_t t0 = t_kernel;
-        rc = be_in(e, e->d_in, e->h_in, lay.in_used); // one copy: x, slots, slots_new, is_init
-        const float *obs = (const float *)(e->d_in + lay.x), *x = obs;
-        const float *params = e->cur->params;
-        if (rc == 0 && e->enc_acts) {
-            // The encoder's last block of activations is the core's input.
-            float *acts = (float *)(e->d_outb + lay.acts);
-            rc = e->be.ops->encoder_forward(e->be.ctx, acts, obs, n, params, &e->model);
-            x = acts + (size_t)n * (size_t)(e->enc_acts - e->core.I);
-        }
-        struct rnnd_step st = {
-            .B = n,
-            .x = x,
-            .is_init = (const uint8_t *)(e->d_in + lay.init),
-            .slots = (const int32_t *)(e->d_in + lay.slots),
-            .slots_new = (const int32_t *)(e->d_in + lay.slots_new),
-            .state_h = e->state_h,
-            .state_c = e->state_c,
-            .out = (float *)(e->d_outb + lay.out),
-            .h_before = record ? (float *)(e->d_outb + lay.hb) : NULL,
-            .c_before = record && e->lstm ? (float *)(e->d_outb + lay.cb) : NULL,
-        };
-        if (rc == 0)
-            rc = e->be.ops->rnn_step(e->be.ctx, &st, params, &e->core);
-        if (rc == 0 && e->prow.W) {
-            const struct rnnd_policy *p = &e->model.policy;
-            float *dist = (float *)(e->d_outb + lay.dist);
-            struct rnnd_heads hd = {
-                .logits = p->K ? dist : NULL,
-                .mean = p->A ? dist : NULL,
-                .value = p->value ? (float *)(e->d_outb + lay.value) : NULL,
-            };
-            rc = e->be.ops->heads_forward(e->be.ctx, &hd, st.out, n, params, &e->model);
-            if (rc == 0 && act) {
-                struct rnnd_actions a = {
-                    .N = n,
-                    .logits = hd.logits,
-                    .mean = hd.mean,
-                    .index = p->K ? (int64_t *)(e->d_outb + lay.index) : NULL,
-                    .action = p->A ? (float *)(e->d_outb + lay.action) : NULL,
-                    .logp = (float *)(e->d_outb + lay.logp),
-                    .seed = e->cfg.seed,
-                    .env_ids = (const uint64_t *)(e->d_in + lay.keys),
-                    .steps = (const uint64_t *)(e->d_in + lay.ksteps),
-                    .greedy = (const uint8_t *)(e->d_in + lay.greedy),
-                };
-                rc = e->be.ops->policy_sample(e->be.ctx, &a, params, &e->model);
-            }
-        }
-        if (rc == 0 && record) {
-            // The step's rows go into the store where they are, on the backend.
-            struct rnnd_traj_rows tr = {
-                .n = n,
-                .rows = (const int32_t *)(e->d_in + lay.trows),
-                .obs = (float *)obs,
-                .extras = E ? (float *)(e->d_in + lay.extras) : NULL,
-                .h = st.h_before,
-                .c = st.c_before,
-                .is_init = (uint8_t *)st.is_init,
-                .version = (uint64_t *)(e->d_in + lay.version),
-            };
-            rc = e->be.ops->traj_write(e->be.ctx, &e->store, &tr, &e->model);
-        }
-        if (rc == 0) // one copy back: out; copy_out synchronises
-            rc = be_out(e, e->h_outb, e->d_outb, lay.out_used);
+        rc = 1;
+        if (n <= STEP_REPLAY_ROWS && !e->step_replay_off && !e->enc_acts && !e->prow.W)
+            rc = step_replayed(e, &lay, n, record, act);
+        if (rc == 1)
+            rc = step_work(e, &lay, n, record, act);
         rnnd_metrics_kernel(RNND_OP_STEP, rnnd_now_ns() - t0);
         atomic_fetch_add_explicit(&rnnd_metrics.batches, 1, memory_order_relaxed);
         rnnd_histogram_observe(&rnnd_metrics.batch_rows, (uint64_t)n);

@@ -67,6 +67,7 @@ static void cuda_destroy(void *ctx) {
         cudaFreeHost(c->h_first);
     if (c->stream)
         cudaStreamDestroy(c->stream);
+    pthread_mutex_destroy(&c->record_lock);
     free(c);
 }
 
@@ -118,10 +119,13 @@ static void cuda_host_free(void *ctx, void *ptr) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (ptr == NULL)
         return;
-    // Any thread may free (a socket region goes with its data connection's thread).
+    // Any thread may free (a socket region goes with its data connection's thread), but not
+    // while the engine records.
+    pthread_mutex_lock(&c->record_lock);
     cudaSetDevice(c->device);
     cudaStreamSynchronize(c->stream); // a copy on the stream may still read or write ptr
     cudaFreeHost(ptr);
+    pthread_mutex_unlock(&c->record_lock);
 }
 
 // No synchronisation: from pageable memory cudaMemcpyAsync returns only once the source has
@@ -146,7 +150,8 @@ static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t byte
     if (host_dst == NULL || src == NULL)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    if (!c->recording)
+        RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return 0;
 }
 
@@ -176,6 +181,54 @@ static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return 0;
+}
+
+// Recordings are CUDA graphs captured from the stream (thread-local mode: other threads' CUDA
+// calls go on as usual meanwhile).
+static int cuda_record_begin(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    pthread_mutex_lock(&c->record_lock);
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        cudaGetLastError();
+        pthread_mutex_unlock(&c->record_lock);
+        return RNND_EDEVICE;
+    }
+    c->recording = true;
+    c->step_tail = false; // the recording's first step may not assume what ran before it
+    return 0;
+}
+
+static int cuda_record_end(void *ctx, void **unit) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    *unit = NULL;
+    c->recording = false;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
+    pthread_mutex_unlock(&c->record_lock);
+    if (e == cudaSuccess)
+        e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph)
+        cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return RNND_EDEVICE;
+    }
+    *unit = exec;
+    return 0;
+}
+
+static int cuda_replay(void *ctx, void *unit) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false; // what the unit ends with is not known here
+    RNND_CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)unit, c->stream));
+    return 0;
+}
+
+static void cuda_free_unit(void *ctx, void *unit) {
+    (void)ctx;
+    if (unit)
+        cudaGraphExecDestroy((cudaGraphExec_t)unit);
 }
 
 // The smallest index of a NaN or infinity, by atomicMin into *first (ULLONG_MAX: none).
@@ -393,6 +446,10 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .heads_backward = */ cuda_heads_backward,
     /* .policy_sample = */ cuda_policy_sample,
     /* .policy_logp = */ cuda_policy_logp,
+    /* .record_begin = */ cuda_record_begin,
+    /* .record_end = */ cuda_record_end,
+    /* .replay = */ cuda_replay,
+    /* .free_unit = */ cuda_free_unit,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -439,6 +496,7 @@ extern "C" int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
     struct cuda_ctx *c = (struct cuda_ctx *)calloc(1, sizeof(*c));
     if (c == NULL)
         return RNND_ENOMEM;
+    pthread_mutex_init(&c->record_lock, NULL);
     int err = ctx_init(c, device, b->device, sizeof(b->device));
     if (err) {
         cuda_destroy(c);

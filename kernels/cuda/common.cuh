@@ -15,6 +15,7 @@
 #include "seq_plan.h"
 #include "tuning.h"
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -77,6 +78,10 @@ struct cuda_ctx {
         const void *p;
         size_t n;
     } step_wrote[3];
+    bool recording; // between record_begin and record_end: copy_out does not synchronise
+    // Held from record_begin to record_end: host_free (any thread) synchronises the stream, which
+    // would break a recording on it.
+    pthread_mutex_t record_lock;
 };
 
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in

@@ -437,6 +437,18 @@ struct rnnd_backend_ops {
     // logp and entropy of the given actions (a->index or a->action read).
     int (*policy_logp)(void *ctx, const struct rnnd_actions *a, const float *params,
                        const struct rnnd_model *m);
+
+    // Optional (NULL where the backend has none): the work that the ops called between
+    // record_begin and record_end enqueue is recorded, not run, as one unit (a CUDA graph) that
+    // replay enqueues again for a fraction of the separate launches' cost, with the same
+    // addresses, sizes and values of host-side arguments; the memory it reads is read at each
+    // replay. Inside a recording copy_out does not wait (call sync after replay), and sync,
+    // nonfinite and host_alloc must not be called. record_end always ends the recording: *unit
+    // is NULL when it failed. free_unit(NULL) does nothing.
+    int (*record_begin)(void *ctx);
+    int (*record_end)(void *ctx, void **unit);
+    int (*replay)(void *ctx, void *unit);
+    void (*free_unit)(void *ctx, void *unit);
 };
 
 struct rnnd_backend {

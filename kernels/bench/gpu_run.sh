@@ -22,6 +22,9 @@
 #       h256      LSTM H=256 at B=384, 1920 (one wave of clusters on an H100) and 2048, with
 #                 each of VARIANTS_H256 (default "0 256": the cluster backward on / off) (not
 #                 in all);
+#       rows      rnnd-kernel-bench at issue 45's rows (GRU H=64, H=256, two layers, LSTM two
+#                 layers, H=512, H=1024), fp32 at resets 0 / 0.01 / 0.1 and bf16, with cuDNN
+#                 (not in all);
 #       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
@@ -200,6 +203,30 @@ if [[ " $STEPS " == *" h256 "* ]]; then
     grep '^{' "$OUT/h256.log" >>"$OUT/bench.jsonl"
 fi
 
+if [[ " $STEPS " == *" rows "* ]]; then
+    # Issue 45's rows (docs/kernels.md "Which kernel runs"): fwd+bwd at resets 0 / 0.01 / 0.1
+    # in fp32 (TF32) and bf16, each with cuDNN over whole rows and split at the resets.
+    : >"$OUT/rows.log"
+    ROWS=(
+        "--cell gru --batch 2048 --steps 256 --input 64 --hidden 64"
+        "--cell gru --batch 2048 --steps 256 --input 64 --hidden 256"
+        "--cell gru --batch 2048 --steps 256 --input 64 --hidden 128 --layers 2"
+        "--cell lstm --batch 2048 --steps 256 --input 64 --hidden 128 --layers 2"
+        "--cell lstm --batch 256 --steps 80 --input 512 --hidden 512"
+        "--cell gru --batch 256 --steps 80 --input 512 --hidden 512"
+        "--cell lstm --batch 64 --steps 80 --input 512 --hidden 1024")
+    for args in "${ROWS[@]}"; do
+        for comp in fp32 bf16; do
+            resets=0,0.01,0.1
+            [ $comp = bf16 ] && resets=0.01
+            timeout 200 "$BIN/rnnd-kernel-bench" --backend cuda --compute $comp --warmup 3 \
+                --repeat ${REPEAT:-10} --reset-prob $resets $args >>"$OUT/rows.log" 2>&1
+            echo "rows $comp $args rc=$?" | tee -a "$OUT/rows.log"
+        done
+    done
+    grep '^{' "$OUT/rows.log" >>"$OUT/bench.jsonl"
+fi
+
 if [[ " $STEPS " == *" step "* ]]; then
     # Issue 8's rows (GRU H=256 I=256, B=1024 and B=1, resets 0 / 0.01 / 0.1), LSTM, bf16 and
     # ieee, two layers, and the daemon's default model (I=64 H=128) at B=1. SM clocks are
@@ -266,9 +293,10 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 def f(r, k):
     v = r.get(k)
     return f"{v:8.2f}" if isinstance(v, (int, float)) and v >= 0 else "       -"
-print("cell    H comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   plan")
+print("cell    H L    B   T    I comp  reset |  fwd(notape) fwd+tape  fwd+bwd fwdbwd+dx |  cudnn:fwd  fwd+bwd  split:fwd  fwd+bwd | err out/grad   plan")
 for r in rows:
-    print(f"{r.get('cell','?'):4} {r.get('H',0):4} {r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
+    print(f"{r.get('cell','?'):4} {r.get('H',0):4} {r.get('L',1)} {r.get('B',0):4} {r.get('T',0):3} {r.get('I',0):4} "
+          f"{r.get('compute','?'):4} {r.get('reset_prob',0):5.2f} | "
           f"{f(r,'fwd_notape_ms')} {f(r,'fwd_ms')} {f(r,'fwdbwd_ms')} {f(r,'fwdbwd_gradx_ms')} | "
           f"{f(r,'cudnn_fwd_ms')} {f(r,'cudnn_fwdbwd_ms')} {f(r,'cudnn_split_fwd_ms')} {f(r,'cudnn_split_fwdbwd_ms')} | "
           f"{r.get('out_err',-1):.1e}/{r.get('grad_err',-1):.1e} {r.get('plan','')} v{r.get('variant','')}")

@@ -15,7 +15,8 @@
 #      CPU reference still holds; a request refused on one GPU changes nothing on the other);
 #   3. the time of a learner step (Forward + Backward + ApplyGradients, B=2048 T=64 GRU H=128,
 #      fp32/TF32) on 1 and 2 GPUs: the C harness's, and the Python learner benchmark's with bf16
-#      on the wire (client/python/examples/learner_bench.py, the client's wheel from .device/);
+#      on the wire through socket regions (the learner as on another host) and shared memory
+#      (client/python/examples/learner_bench.py, the client's wheel from .device/);
 #   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256
 #      and of 1024 envs);
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
@@ -149,7 +150,8 @@ if [ "$BACKEND" = cuda ] && ls .device/rnnd-*.whl >/dev/null 2>&1 && [ "$(left)"
         echo "-- learner_bench devices=$devs" | tee -a "$LOGS/learner_bench.txt"
         PYTHONPATH=$work/site timeout 90 python3 client/python/examples/learner_bench.py \
             --rnnd "$RNND_BIN" --backend cuda --devices $devs --device cuda -B 2048 -T 64 \
-            --wire bfloat16 --iters 7 --warmup 2 --no-torch 2>&1 | grep -E '^rnnd' |
+            --wire bfloat16 --iters 7 --warmup 2 --transports socket,shm --no-torch 2>&1 |
+            grep -E '^rnnd' |
             tee -a "$LOGS/learner_bench.txt"
         res[learner_py_$devs]=$(grep -A2 "devices=$devs\$" "$LOGS/learner_bench.txt" |
             grep -m1 -o '[0-9.]* ms  *[0-9]* env-steps/s')

@@ -511,8 +511,11 @@ static void *engine_main(void *arg) {
             struct rnnd_batch b;
             uint64_t wait;
             pthread_mutex_lock(&e->emu);
-            bool got =
-                rnnd_batcher_poll(e->batcher, rnnd_now_ns(), rnnd__engine_admit_step, e, &b, &wait);
+            uint64_t t0 = rnnd_now_ns();
+            bool got = rnnd_batcher_poll(e->batcher, t0, rnnd__engine_admit_step, e, &b, &wait);
+            if (b.items)
+                atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_ADMIT],
+                                          rnnd_now_ns() - t0, memory_order_relaxed);
             if (got)
                 rnnd__engine_process(e, &b);
             bool finished = e->stopping && rnnd_batcher_empty(e->batcher);

@@ -618,8 +618,12 @@ static void step_run_inline(struct rnnd_engine *e) {
     if (pthread_mutex_trylock(&e->emu) == 0) {
         struct rnnd_batch b;
         uint64_t wait;
-        if (rnnd_batcher_poll_steps(e->batcher, rnnd_now_ns(), rnnd__engine_admit_step, e, &b,
-                                    &wait))
+        uint64_t t0 = rnnd_now_ns();
+        bool got = rnnd_batcher_poll_steps(e->batcher, t0, rnnd__engine_admit_step, e, &b, &wait);
+        if (b.items)
+            atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_ADMIT], rnnd_now_ns() - t0,
+                                      memory_order_relaxed);
+        if (got)
             rnnd__engine_process(e, &b); // the job may be finished and freed here
         bool empty = rnnd_batcher_empty(e->batcher);
         pthread_mutex_unlock(&e->emu);

@@ -60,7 +60,7 @@ static const char *const code_names[RNND_GRPC_CODES] = {
 static const char *const op_names[RNND_OP_COUNT] = {"step", "forward", "backward", "optim"};
 static const char *const evict_names[RNND_EVICT_COUNT] = {"idle", "released"};
 static const char *const drop_names[RNND_DROP_COUNT] = {"policy_lag", "overwritten"};
-static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply"};
+static const char *const phase_names[RNND_PHASE_COUNT] = {"gather", "update", "reply", "admit"};
 static const char *const http_drop_names[RNND_HTTP_DROP_COUNT] = {"evicted", "header_timeout",
                                                                   "accept_failed"};
 static const char *const limit_names[RNND_LIMIT_COUNT] = {

@@ -47,6 +47,7 @@ enum rnnd_engine_phase {
     RNND_PHASE_GATHER, // forming the batch and staging its inputs
     RNND_PHASE_UPDATE, // env bookkeeping and trajectory recording
     RNND_PHASE_REPLY,  // finishing jobs (replies sent by the engine, or handed to reply threads)
+    RNND_PHASE_ADMIT,  // taking the batch from the queue: each item's admission and env dedup
     RNND_PHASE_COUNT,
 };
 

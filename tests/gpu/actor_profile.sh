@@ -2,7 +2,7 @@
 # actor_profile.sh: issue 42's actor loads through `rnndctl bench` against rnnd --backend cuda
 # ($RNND_BACKEND to change it), each with the engine's profile per batch, from the daemon's
 # /metrics read before and after:
-# rows and requests a batch, the engine thread's time a batch in each phase (gather, the
+# rows and requests a batch, the engine thread's time a batch in each phase (admit, gather, the
 # backend's step with its copies and sync, update, reply), the queue delay and the unary Step's
 # time in the daemon, and the share of the run the engine spent in those phases.
 # Loads: 1 env x 1 connection (latency, with the GetModelInfo floor), 16 connections x 64 envs
@@ -57,14 +57,16 @@ phase = lambda p: g('rnnd_engine_seconds_total{phase="%s"}' % p)
 step = g('rnnd_backend_kernel_seconds_total{op="step"}')
 reqs = g("rnnd_step_queue_delay_seconds_count")
 unary = g('rnnd_request_duration_seconds_count{method="Step"}')
-print("  %d batches, %.1f rows and %.2f requests a batch; a batch's us: gather %.1f, step "
-      "(backend) %.1f, update %.1f, reply %.1f; queue delay %.1f us; unary Step in the daemon "
-      "%.1f us; engine busy %.0f%% of %.1f s" % (
-          nb, rows / nb, reqs / nb, phase("gather") / nb * 1e6, step / nb * 1e6,
+print("  %d batches, %.1f rows and %.2f requests a batch; a batch's us: admit %.1f, gather "
+      "%.1f, step (backend) %.1f, update %.1f, reply %.1f; queue delay %.1f us; unary Step in "
+      "the daemon %.1f us; engine busy %.0f%% of %.1f s" % (
+          nb, rows / nb, reqs / nb, phase("admit") / nb * 1e6, phase("gather") / nb * 1e6,
+          step / nb * 1e6,
           phase("update") / nb * 1e6, phase("reply") / nb * 1e6,
           g("rnnd_step_queue_delay_seconds_sum") / max(reqs, 1) * 1e6,
           g('rnnd_request_duration_seconds_sum{method="Step"}') / max(unary, 1) * 1e6,
-          100 * (phase("gather") + step + phase("update") + phase("reply")) / secs, secs))
+          100 * (phase("admit") + phase("gather") + step + phase("update") + phase("reply")) /
+          secs, secs))
 PY
 }
 

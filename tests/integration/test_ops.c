@@ -280,6 +280,14 @@ static void test_metrics_content(void **state) {
     assert_true(store >= rows * ((I_ + H_) * 4 + 9) &&
                 store <= rows * ((I_ + H_) * 4 + 9) + 6 * 256);
     assert_true(prom_value(after, "rnnd_backend_kernel_seconds_total", "op=\"step\"") > 0);
+    // The engine's phases of a Step batch, taking it from the queue first.
+    const char *phases[] = {"admit", "gather", "update", "reply"};
+    for (int i = 0; i < 4; i++) {
+        char label[32];
+        snprintf(label, sizeof label, "phase=\"%s\"", phases[i]);
+        assert_true(prom_value(after, "rnnd_engine_seconds_total", label) >
+                    prom_value(before, "rnnd_engine_seconds_total", label));
+    }
     assert_false(isnan(prom_value(after, "rnnd_env_evictions_total", "reason=\"idle\"")));
     free(before);
     free(after);

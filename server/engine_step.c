@@ -114,6 +114,7 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
         return step_refuse(s);
     }
     int fresh = 0;
+    rnnd_envtable_prefetch(e->envs, s->env_ids, s->B);
     for (int r = 0; r < s->B; r++) {
         struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
         s->envs[r] = env;

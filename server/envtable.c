@@ -75,6 +75,16 @@ struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id) 
     return NULL;
 }
 
+void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, int n) {
+    for (int i = 0; i < n; i++)
+        __builtin_prefetch(&t->buckets[hash64(ids[i]) & t->mask]);
+    for (int i = 0; i < n; i++) {
+        int32_t k = t->buckets[hash64(ids[i]) & t->mask];
+        if (k >= 0)
+            __builtin_prefetch(&t->e[k]);
+    }
+}
+
 static void lru_unlink(struct rnnd_envtable *t, struct rnnd_env *e) {
     if (e->lru_prev >= 0)
         t->e[e->lru_prev].lru_next = e->lru_next;

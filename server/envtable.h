@@ -43,6 +43,9 @@ void rnnd_envtable_free(struct rnnd_envtable *t);
 
 // The entry for id, or NULL.
 struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id);
+// Starts loading what finding each of the n ids will read (its bucket, then its chain's first
+// entry), so that a run of finds does not wait on two cache misses each.
+void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, int n);
 // Adds id (which must not be present) with a free slot, as the most recently used entry.
 // 0 and *out, or RNND_EFULL when every slot is taken.
 int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns, struct rnnd_env **out);

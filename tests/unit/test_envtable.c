@@ -91,6 +91,13 @@ static void test_many_with_collisions(void **state) {
         assert_int_equal(rnnd_envtable_add(t, i << 32, 0, &e), 0);
     for (uint64_t i = 0; i < N; i += 2)
         rnnd_envtable_remove(t, rnnd_envtable_find(t, i << 32));
+    // Prefetching ids present, removed and never added (and none) changes nothing.
+    uint64_t ids[N + 2];
+    for (uint64_t i = 0; i < N; i++)
+        ids[i] = i << 32;
+    ids[N] = 12345, ids[N + 1] = ~0ull;
+    rnnd_envtable_prefetch(t, ids, N + 2);
+    rnnd_envtable_prefetch(t, ids, 0);
     for (uint64_t i = 0; i < N; i++) {
         e = rnnd_envtable_find(t, i << 32);
         if (i % 2)

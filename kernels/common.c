@@ -521,3 +521,38 @@ void rnnd_cast_host(void *dst, enum rnnd_ftype dst_dtype, const void *src,
         for (size_t i = 0; i < n; i++)
             fd[i] = from_f16(hs[i]);
 }
+
+// Eight bytes at a time, a block of them before any branch: within each lane (one element),
+// (v & exp) plus exp's lowest bit carries into the lane's top bit only when every exponent bit
+// is set. Only a block with a hit is scanned again element by element.
+size_t rnnd_first_nonfinite(const void *p, enum rnnd_ftype ft, size_t n) {
+    const uint8_t *b = p;
+    const size_t esize = rnnd_ftype_bytes(ft);
+    const uint32_t exp = ft == RNND_FTYPE_F32    ? 0x7f800000u
+                         : ft == RNND_FTYPE_BF16 ? 0x7f80u
+                                                 : 0x7c00u;
+    const uint64_t lanes = esize == 2 ? 0x0001000100010001ull : 0x0000000100000001ull;
+    const uint64_t m = exp * lanes, add = (exp & (~exp + 1)) * lanes,
+                   top = (esize == 2 ? 0x8000ull : 0x80000000ull) * lanes;
+    const size_t words = n * esize / 8, block = 512;
+    size_t from = 0;
+    for (size_t w0 = 0; w0 < words; w0 += block) {
+        size_t w1 = w0 + block < words ? w0 + block : words;
+        uint64_t hit = 0;
+        for (size_t w = w0; w < w1; w++) {
+            uint64_t v;
+            memcpy(&v, b + 8 * w, 8);
+            hit |= ((v & m) + add) & top;
+        }
+        if (hit)
+            break;
+        from = w1 * 8 / esize;
+    }
+    for (size_t i = from; i < n; i++) {
+        uint32_t v = 0;
+        memcpy(&v, b + esize * i, esize);
+        if ((v & exp) == exp)
+            return i;
+    }
+    return n;
+}

@@ -677,20 +677,18 @@ static int finite_check(const struct rnnd_st_file *f, const char *name, char *er
         const struct rnnd_st_tensor *x = &f->tensors[t];
         if (x->dtype != RNND_ST_F32)
             continue;
-        const uint8_t *p = x->data;
-        for (size_t i = 0; i < x->bytes / 4; i++) {
-            uint32_t bits;
-            memcpy(&bits, p + 4 * i, 4);
-            if ((bits & 0x7f800000u) != 0x7f800000u)
-                continue;
-            return fail(err, errlen, RNND_ECORRUPT,
-                        "%s: %s holds %s at flat index %zu; only finite values can be loaded", name,
-                        x->name,
-                        (bits & 0x007fffffu) ? "NaN"
-                        : (bits >> 31)       ? "-Inf"
-                                             : "Inf",
-                        i);
-        }
+        size_t n = x->bytes / 4, i = rnnd_first_nonfinite(x->data, RNND_FTYPE_F32, n);
+        if (i == n)
+            continue;
+        uint32_t bits;
+        memcpy(&bits, (const uint8_t *)x->data + 4 * i, 4);
+        return fail(err, errlen, RNND_ECORRUPT,
+                    "%s: %s holds %s at flat index %zu; only finite values can be loaded", name,
+                    x->name,
+                    (bits & 0x007fffffu) ? "NaN"
+                    : (bits >> 31)       ? "-Inf"
+                                         : "Inf",
+                    i);
     }
     return 0;
 }

@@ -511,11 +511,7 @@ static void *engine_main(void *arg) {
             struct rnnd_batch b;
             uint64_t wait;
             pthread_mutex_lock(&e->emu);
-            uint64_t t0 = rnnd_now_ns();
-            bool got = rnnd_batcher_poll(e->batcher, t0, rnnd__engine_admit_step, e, &b, &wait);
-            if (b.items)
-                atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_ADMIT],
-                                          rnnd_now_ns() - t0, memory_order_relaxed);
+            bool got = rnnd__engine_poll(e, true, &b, &wait);
             if (got)
                 rnnd__engine_process(e, &b);
             bool finished = e->stopping && rnnd_batcher_empty(e->batcher);

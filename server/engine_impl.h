@@ -111,7 +111,9 @@ struct rnnd_engine {
     char *h_in, *h_outb;
     // Batches of up to STEP_REPLAY_ROWS rows of the core alone replay a recording of their
     // backend work (record_begin: one launch instead of four), one per row count, recorded
-    // again when the weights move. step_replay_off: the backend has none, or one failed.
+    // again when the weights move. A policy's ops (cuBLAS among them) have not been tried inside
+    // a recording, so its batches run op by op. step_replay_off: the backend has none, or one
+    // failed.
     struct step_replay {
         void *unit;
         const float *params; // the weights it was recorded with
@@ -250,6 +252,9 @@ void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b);
 // engine_step.c: the Step path, and EndEpisodes (which wait for held Step parts).
 struct step_layout rnnd__engine_step_layout(const struct rnnd_engine *e, int n);
 enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item *item);
+// The engine's poll of its batcher (with the control jobs, or Step batches only): a poll that
+// forms a Step batch counts its time as the batch's admit phase.
+bool rnnd__engine_poll(struct rnnd_engine *e, bool controls, struct rnnd_batch *b, uint64_t *wait);
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs);
 bool rnnd__engine_run_end(struct rnnd_engine *e, struct rnnd_job *job);
 void rnnd__engine_run_ends_held(struct rnnd_engine *e);

@@ -613,18 +613,24 @@ static struct rnnd_batch_item *step_item(struct rnnd_job *job) {
     return &job->item;
 }
 
+bool rnnd__engine_poll(struct rnnd_engine *e, bool controls, struct rnnd_batch *b, uint64_t *wait) {
+    uint64_t t0 = rnnd_now_ns();
+    bool got = controls
+                   ? rnnd_batcher_poll(e->batcher, t0, rnnd__engine_admit_step, e, b, wait)
+                   : rnnd_batcher_poll_steps(e->batcher, t0, rnnd__engine_admit_step, e, b, wait);
+    if (b->items)
+        atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_ADMIT], rnnd_now_ns() - t0,
+                                  memory_order_relaxed);
+    return got;
+}
+
 // CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs the
 // batch itself, saving the hand-off to the engine thread and back.
 static void step_run_inline(struct rnnd_engine *e) {
     if (pthread_mutex_trylock(&e->emu) == 0) {
         struct rnnd_batch b;
         uint64_t wait;
-        uint64_t t0 = rnnd_now_ns();
-        bool got = rnnd_batcher_poll_steps(e->batcher, t0, rnnd__engine_admit_step, e, &b, &wait);
-        if (b.items)
-            atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_ADMIT], rnnd_now_ns() - t0,
-                                      memory_order_relaxed);
-        if (got)
+        if (rnnd__engine_poll(e, false, &b, &wait))
             rnnd__engine_process(e, &b); // the job may be finished and freed here
         bool empty = rnnd_batcher_empty(e->batcher);
         pthread_mutex_unlock(&e->emu);

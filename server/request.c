@@ -175,39 +175,10 @@ static int tensor_check(const Tensor *t, const char *name, int dtype, int ndim, 
     return 0;
 }
 
-// Eight bytes at a time, a block of them before any branch: within each lane, (v & exp) plus
-// exp's lowest bit carries into the lane's top bit only when every exponent bit is set.
-size_t rnnd_request_first_nonfinite(const uint8_t *p, size_t n, size_t esize, uint32_t exp) {
-    const uint64_t lanes = esize == 2 ? 0x0001000100010001ull : 0x0000000100000001ull;
-    const uint64_t m = exp * lanes, add = (exp & (~exp + 1)) * lanes,
-                   top = (esize == 2 ? 0x8000ull : 0x80000000ull) * lanes;
-    const size_t words = n * esize / 8, block = 512;
-    size_t from = 0;
-    for (size_t w0 = 0; w0 < words; w0 += block) {
-        size_t w1 = w0 + block < words ? w0 + block : words;
-        uint64_t hit = 0;
-        for (size_t w = w0; w < w1; w++) {
-            uint64_t v;
-            memcpy(&v, p + 8 * w, 8);
-            hit |= ((v & m) + add) & top;
-        }
-        if (hit)
-            break;
-        from = w1 * 8 / esize;
-    }
-    for (size_t i = from; i < n; i++) {
-        uint32_t v = 0;
-        memcpy(&v, p + esize * i, esize);
-        if ((v & exp) == exp)
-            return i;
-    }
-    return n;
-}
-
 // Refuses NaN and Inf in the FLOAT32 data of t, naming the first one's index over t's shape.
 static int finite_check(const Tensor *t, const char *name, char *err) {
     size_t n = t->data.len / 4;
-    size_t i = rnnd_request_first_nonfinite(t->data.data, n, 4, 0x7f800000u);
+    size_t i = rnnd_first_nonfinite(t->data.data, RNND_FTYPE_F32, n);
     if (i == n)
         return 0;
     uint32_t bits;
@@ -242,16 +213,17 @@ static int f32_check(const Tensor *t, const char *name, int ndim, const int64_t 
     return rc ? rc : finite_check(t, name, err);
 }
 
-// Refuses NaN and Inf in the 16-bit floats of t: exponent bits all set (bf16 0x7f80, fp16
-// 0x7c00).
-static int finite16_check(const Tensor *t, const char *name, uint16_t exp_mask, char *err) {
+// Refuses NaN and Inf in the 16-bit floats (BFLOAT16 or FLOAT16: dt) of t.
+static int finite16_check(const Tensor *t, const char *name, int dt, char *err) {
     size_t n = t->data.len / 2;
-    size_t i = rnnd_request_first_nonfinite(t->data.data, n, 2, exp_mask);
+    enum rnnd_ftype ft = rnnd_request_ftype(dt);
+    size_t i = rnnd_first_nonfinite(t->data.data, ft, n);
     if (i == n)
         return 0;
     uint16_t v = (uint16_t)(t->data.data[2 * i] | (t->data.data[2 * i + 1] << 8));
+    uint16_t mantissa = ft == RNND_FTYPE_BF16 ? 0x007fu : 0x03ffu;
     return errf(err, RNND_EINVAL, "%s: element %zu is %s; send finite values", name, i,
-                (v & (uint16_t) ~(exp_mask | 0x8000u)) ? "NaN" : "Inf");
+                (v & mantissa) ? "NaN" : "Inf");
 }
 
 static bool float_dtype(int dt) {
@@ -301,7 +273,7 @@ static int float_check(const Tensor *t, const char *name, int ndim, const int64_
     int want_dt = *dt;
     if (want_dt == RNND__V1__DTYPE__FLOAT32)
         return finite_check(t, name, err);
-    return finite16_check(t, name, want_dt == RNND__V1__DTYPE__BFLOAT16 ? 0x7f80u : 0x7c00u, err);
+    return finite16_check(t, name, want_dt, err);
 }
 
 // The dtype of a reply's float tensors: reply_dtype when set, else the request's (in).

@@ -48,11 +48,6 @@ ProtobufCMessage *rnnd_request_decode(enum rnnd_method m, const uint8_t *data, s
 // Bytes per element of a rnnd.v1 DType value; 0 for an unknown one.
 size_t rnnd_request_dtype_size(int dtype);
 
-// The index of the first of n little-endian floats of esize bytes (2: bf16 or fp16, 4: fp32) at
-// p, any alignment, whose exponent bits exp (0x7f80, 0x7c00, 0x7f800000) are all set: NaN or
-// Inf. n when there is none.
-size_t rnnd_request_first_nonfinite(const uint8_t *p, size_t n, size_t esize, uint32_t exp);
-
 // grpc.health.v1: true for the services rnnd reports ("" and "rnnd.v1.Rnn").
 bool rnnd_request_health_known(const char *service);
 

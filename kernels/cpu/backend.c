@@ -149,30 +149,12 @@ static int cpu_sync(void *ctx) {
     return 0;
 }
 
-// A block of floats before any branch, so that the scan runs at memory speed.
 static int cpu_nonfinite(void *ctx, const float *x, size_t n, int64_t *first) {
     (void)ctx;
-    *first = -1;
     if (x == NULL && n > 0)
         return RNND_EINVAL;
-    const uint32_t exp = 0x7f800000u;
-    for (size_t b = 0; b < n; b += 1024) {
-        size_t e = b + 1024 < n ? b + 1024 : n;
-        uint32_t hit = 0;
-        for (size_t i = b; i < e; i++) {
-            uint32_t v;
-            memcpy(&v, &x[i], sizeof(v));
-            hit |= (uint32_t)((v & exp) == exp);
-        }
-        for (size_t i = b; hit && i < e; i++) {
-            uint32_t v;
-            memcpy(&v, &x[i], sizeof(v));
-            if ((v & exp) == exp) {
-                *first = (int64_t)i;
-                return 0;
-            }
-        }
-    }
+    size_t i = rnnd_first_nonfinite(x, RNND_FTYPE_F32, n);
+    *first = i < n ? (int64_t)i : -1;
     return 0;
 }
 

@@ -505,6 +505,10 @@ float rnnd_f16_to_f32(uint16_t h);
 void rnnd_cast_host(void *dst, enum rnnd_ftype dst_dtype, const void *src,
                     enum rnnd_ftype src_dtype, size_t n);
 
+// The index of the first NaN or infinity among n elements of type ft at p (host memory, any
+// alignment, little-endian), or n when every one is finite.
+size_t rnnd_first_nonfinite(const void *p, enum rnnd_ftype ft, size_t n);
+
 // Round-to-nearest-even fp32 -> bf16 -> fp32, as the bf16 compute mode rounds matmul operands.
 static inline float rnnd_round_bf16(float f) {
     union {

@@ -1,5 +1,6 @@
 /*
- * test_request.c: server/request.c's scan for NaN and Inf in request tensors, against a plain
+ * test_nonfinite.c: rnnd_first_nonfinite (kernels/common.c), the scan for NaN and Inf that the
+ * request checks, the checkpoint loader and the CPU backend share, against a plain
  * element-by-element reference: fp32, bf16 and fp16, each kind of non-finite value at the start,
  * in the middle of a later block, in the last element of a tail shorter than eight bytes, at an
  * odd address, and none at all; finite values with every exponent bit but one set pass.
@@ -14,18 +15,19 @@
 
 #include <cmocka.h>
 
-#include "request.h"
+#include "rnnd_kernels.h"
 
 struct kind {
+    enum rnnd_ftype ft;
     size_t esize;
     uint32_t exp;
     uint32_t bad[3]; // NaN, +Inf, -Inf
 };
 
 static const struct kind kinds[] = {
-    {4, 0x7f800000u, {0x7fc00000u, 0x7f800000u, 0xff800000u}},
-    {2, 0x7f80u, {0x7fc1u, 0x7f80u, 0xff80u}},
-    {2, 0x7c00u, {0x7e00u, 0x7c00u, 0xfc00u}},
+    {RNND_FTYPE_F32, 4, 0x7f800000u, {0x7fc00000u, 0x7f800000u, 0xff800000u}},
+    {RNND_FTYPE_BF16, 2, 0x7f80u, {0x7fc1u, 0x7f80u, 0xff80u}},
+    {RNND_FTYPE_F16, 2, 0x7c00u, {0x7e00u, 0x7c00u, 0xfc00u}},
 };
 
 static void put(uint8_t *p, size_t esize, size_t i, uint32_t v) {
@@ -66,7 +68,7 @@ static void test_scan(void **state) {
             for (size_t shift = 0; shift < 2; shift++) { // aligned, then an odd address
                 uint8_t *p = buf + shift;
                 fill(p, k, n);
-                assert_int_equal(rnnd_request_first_nonfinite(p, n, k->esize, k->exp), n);
+                assert_int_equal(rnnd_first_nonfinite(p, k->ft, n), n);
                 const size_t at[] = {0, n / 2, n - 1, n > 1500 ? 1500 : n - 1};
                 for (size_t ai = 0; ai < 4; ai++) {
                     for (int b = 0; b < 3; b++) {
@@ -74,7 +76,7 @@ static void test_scan(void **state) {
                         put(p, k->esize, at[ai], k->bad[b]);
                         if (at[ai] + 7 < n) // a later one does not hide the first
                             put(p, k->esize, at[ai] + 7, k->bad[(b + 1) % 3]);
-                        size_t got = rnnd_request_first_nonfinite(p, n, k->esize, k->exp);
+                        size_t got = rnnd_first_nonfinite(p, k->ft, n);
                         assert_int_equal(got, at[ai]);
                         assert_int_equal(got, reference(p, n, k));
                     }

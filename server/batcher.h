@@ -12,9 +12,9 @@
  * A batch never holds two items that share an env id: the later one waits for a later batch,
  * and so does every item after it that shares an env with it, so each env's steps run in
  * arrival order. Items are taken whole and in arrival order; each one is offered to an admit
- * callback that may reject it (its rows then leave the queue without running) or hold it (it
- * stays queued in its place, its envs blocked, and is offered again at the next batch: a part of
- * a Step over several devices that waits for the other parts, engine.h).
+ * callback that may reject it (its rows then leave the queue without running) or hold it (it stays queued in its place, its envs blocked, and
+ * is offered again at the next batch: a part of a Step over several devices that waits for the
+ * other parts, or a Step of an env whose previous step still runs, engine.h).
  *
  * A poll that hands out control jobs forms no batch: the engine runs them first, and the next
  * poll admits Step items against the state they left (an EndEpisodes never runs between the
@@ -106,5 +106,7 @@ bool rnnd_batcher_wait(struct rnnd_batcher *b, rnnd_batch_admit_fn admit, void *
 int rnnd_batcher_rows(struct rnnd_batcher *b);
 // True when nothing at all is queued.
 bool rnnd_batcher_empty(struct rnnd_batcher *b);
+// True when a control item is queued.
+bool rnnd_batcher_controls(struct rnnd_batcher *b);
 
 #endif // RNND_BATCHER_H

@@ -179,9 +179,13 @@ static const struct opt opts[] = {
     {"grpc-threads", INT(grpc_threads, 0, 16), "N",
      "threads serving gRPC completions (0: one per 4 CPUs, 1 to 4)"},
     {"reply-threads", INT(reply_threads, -1, 8), "N",
-     "threads that send a batch's Step replies (-1: none under 8 CPUs, else 2; 0: the engine)"},
+     "threads that send a batch's Step replies (-1: none under 8 CPUs, else CPUs/4; 0: the "
+     "engine)"},
     {"inline-steps", INT(inline_steps, 0, 1), "0|1",
      "cpu backend: run a Step that finds the engine idle on the gRPC thread that received it"},
+    {"step-lookahead", INT(step_lookahead, -1, 1), "-1|0|1",
+     "gather the next Step batch while one runs on the backend (-1: with backend memory of its "
+     "own, as CUDA's)"},
     {"engine-spin-us", INT(engine_spin_us, 0, 1000000), "N",
      "after each batch the engine polls N us for the next step before sleeping (0: sleep)"},
 };
@@ -225,6 +229,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->engine_spin_us = 0;
     c->reply_threads = -1;
     c->inline_steps = 1;
+    c->step_lookahead = -1;
     c->rank = 0;
     c->world_size = 1;
     c->rendezvous_timeout_s = 600;

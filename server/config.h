@@ -63,11 +63,12 @@ struct rnnd_config {
     int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
     int engine_spin_us;  // the engine polls this long for new work before sleeping
     int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
-    int reply_threads;   // threads sending Step replies; -1: automatic (0 under 8 CPUs, else 2)
-    int inline_steps;    // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
-    int max_streams;     // rnnd.v1 calls (unary and StepStream) in progress at once
-    int max_reply_mb;    // memory for replies not yet read by their clients
-    int max_connections; // gRPC connections open at once
+    int reply_threads;  // threads sending Step replies; -1: automatic (0 under 8 CPUs, else CPUs/4)
+    int inline_steps;   // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
+    int step_lookahead; // gather the next Step batch while one runs; -1: where memory is separate
+    int max_streams;    // rnnd.v1 calls (unary and StepStream) in progress at once
+    int max_reply_mb;   // memory for replies not yet read by their clients
+    int max_connections;       // gRPC connections open at once
     int max_health_watches;    // grpc.health.v1 Watch streams open at once
     int stream_idle_timeout_s; // end idle StepStreams and unread replies after this; 0: never
     int max_shm_regions;       // shared-memory regions registered at once; 0: none (off)

@@ -289,24 +289,28 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     struct step_layout most = rnnd__engine_step_layout(e, (int)MB);
     e->in_bytes = most.in_used;
     e->out_bytes = most.out_all;
-    if (be_alloc(e, e->in_bytes, (void **)&e->d_in) != 0 ||
-        be_alloc(e, e->out_bytes, (void **)&e->d_outb) != 0)
-        goto oom;
-    if (e->host_mem) {
-        e->h_in = e->d_in;
-        e->h_outb = e->d_outb;
-    } else if (e->be.ops->host_alloc(e->be.ctx, e->in_bytes, (void **)&e->h_in) != 0 ||
-               e->be.ops->host_alloc(e->be.ctx, e->out_bytes, (void **)&e->h_outb) != 0) {
-        goto oom;
+    e->lookahead = c->step_lookahead < 0 ? !e->host_mem : c->step_lookahead == 1;
+    for (int k = 0; k < (e->lookahead ? 2 : 1); k++) {
+        struct step_bufs *sb = &e->bufs[k];
+        if (be_alloc(e, e->in_bytes, (void **)&sb->d_in) != 0 ||
+            be_alloc(e, e->out_bytes, (void **)&sb->d_outb) != 0 ||
+            (sb->rows = malloc(MB * sizeof(*sb->rows))) == NULL)
+            goto oom;
+        if (e->host_mem) {
+            sb->h_in = sb->d_in;
+            sb->h_outb = sb->d_outb;
+        } else if (e->be.ops->host_alloc(e->be.ctx, e->in_bytes, (void **)&sb->h_in) != 0 ||
+                   e->be.ops->host_alloc(e->be.ctx, e->out_bytes, (void **)&sb->h_outb) != 0) {
+            goto oom;
+        }
     }
-    e->rows = malloc(MB * sizeof(*e->rows));
     what = "env table (lower --max-envs)";
     // Each env's retry cache holds its last reply row: the core output, then the policy's.
     e->envs = rnnd_envtable_init(c->max_envs, e->model.H + e->prow.W);
     e->tapes =
         rnnd_tapes_init((size_t)c->tape_memory_mb << 20, (uint64_t)c->tape_ttl_s * 1000000000ull,
                         rnnd__engine_tape_release, e);
-    if (e->rows == NULL || e->envs == NULL || e->tapes == NULL)
+    if (e->envs == NULL || e->tapes == NULL)
         goto oom;
     e->last_checkpoint_ns = rnnd_now_ns();
     atomic_store_explicit(&rnnd_metrics.model_version, 0, memory_order_relaxed);
@@ -341,13 +345,19 @@ static void engine_close(struct rnnd_engine *e) {
     for (int n = 0; n <= STEP_REPLAY_ROWS; n++)
         if (e->step_replay[n].unit)
             e->be.ops->free_unit(e->be.ctx, e->step_replay[n].unit);
-    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v, e->state_h,
-                    e->state_c,    e->d_in,         e->d_outb, e->work,   e->spare_tape};
+    void *bufs[] = {e->grad_accum, e->grad_scratch, e->adam_m, e->adam_v,
+                    e->state_h,    e->state_c,      e->work,   e->spare_tape};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         be_free(e, bufs[i]);
-    if (!e->host_mem) {
-        e->be.ops->host_free(e->be.ctx, e->h_in);
-        e->be.ops->host_free(e->be.ctx, e->h_outb);
+    for (int k = 0; k < 2; k++) {
+        struct step_bufs *sb = &e->bufs[k];
+        be_free(e, sb->d_in);
+        be_free(e, sb->d_outb);
+        if (!e->host_mem) {
+            e->be.ops->host_free(e->be.ctx, sb->h_in);
+            e->be.ops->host_free(e->be.ctx, sb->h_outb);
+        }
+        free(sb->rows);
     }
     e->be.ops->host_free(e->be.ctx, e->xfer);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
@@ -356,7 +366,6 @@ static void engine_close(struct rnnd_engine *e) {
     free(e->rec_host);
     free(e->tver);
     publish(&rnnd_metrics.traj_store_bytes, &e->pub_store, 0);
-    free(e->rows);
     rnnd_backend_free(&e->be);
 }
 

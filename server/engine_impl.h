@@ -74,7 +74,8 @@ struct rnnd_engine {
     char *rec_host;
     size_t rec_host_bytes;
     struct rnnd_backend be;
-    bool host_mem; // the backend's memory is host memory: no staging copies
+    bool host_mem;  // the backend's memory is host memory: no staging copies
+    bool lookahead; // the next Step batch is gathered while one runs (--step-lookahead)
     struct rnnd_batcher *batcher;
 
     pthread_t thread;
@@ -104,14 +105,18 @@ struct rnnd_engine {
     // A batch's inputs (x, slots, slots_new, is_init; extras, store rows and versions when it is
     // recorded) and outputs (out; h_before, c_before, which stay on the backend) each sit packed
     // in one block, laid out for the batch's row count (rnnd__engine_step_layout), so that a
-    // batch costs one copy in and one copy out. Sized for --max-batch rows.
-    char *d_in, *d_outb;
+    // batch costs one copy in and one copy out. Sized for --max-batch rows. Two sets: while one
+    // batch runs on the backend the engine gathers the next into the other (engine_step.c's
+    // look-ahead); host_mem backends run each batch at once and have only the first.
+    struct step_bufs {
+        char *d_in, *d_outb;
+        char *h_in, *h_outb;  // host staging (aliases of the above when host_mem)
+        struct row_ref *rows; // (max_batch)
+    } bufs[2];
     size_t in_bytes, out_bytes;
-    // Host staging (aliases of the above when host_mem).
-    char *h_in, *h_outb;
     // Batches of up to STEP_REPLAY_ROWS rows of the core alone replay a recording of their
-    // backend work (record_begin: one launch instead of four), one per row count, recorded
-    // again when the weights move. A policy's ops (cuBLAS among them) have not been tried inside
+    // backend work (record_begin: one launch instead of four) on bufs[0], one per row count,
+    // recorded again when the weights move. A policy's ops (cuBLAS among them) have not been tried inside
     // a recording, so its batches run op by op. step_replay_off: the backend has none, or one
     // failed.
     struct step_replay {
@@ -119,7 +124,6 @@ struct rnnd_engine {
         const float *params; // the weights it was recorded with
     } step_replay[STEP_REPLAY_ROWS + 1];
     bool step_replay_off;
-    struct row_ref *rows; // (max_batch)
     // Every env slot's recorded steps (trajectory.h), when --trajectory-steps > 0.
     struct rnnd_traj_store store;
     void *d_store;

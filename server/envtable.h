@@ -28,6 +28,7 @@ struct rnnd_env {
     uint64_t steps;             // steps it took since it got its slot (a policy's sampling key)
     struct rnnd_traj_ring traj; // its recorded steps in the trajectory store
     bool held;                  // engine: a Step part admitted for it waits for its other devices
+    bool busy;                  // engine: in a Step batch still running on the backend
     bool half;                  // engine: its state is in table row slot + S (else slot)
     // Private to envtable.c:
     int32_t next, lru_prev, lru_next;

@@ -267,6 +267,7 @@ static const struct rnnd_backend_ops cpu_ops = {
     .host_free = cpu_free,
     .copy_in = cpu_copy,
     .copy_out = cpu_copy,
+    .copy_out_async = cpu_copy,
     .copy = cpu_copy,
     .zero = cpu_zero,
     .sync = cpu_sync,

@@ -150,8 +150,18 @@ static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t byte
     if (host_dst == NULL || src == NULL)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    if (!c->recording)
-        RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+static int cuda_copy_out_async(void *ctx, void *host_dst, const void *src, size_t bytes) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    c->step_tail = false;
+    if (bytes == 0)
+        return 0;
+    if (host_dst == NULL || src == NULL)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     return 0;
 }
 
@@ -193,7 +203,6 @@ static int cuda_record_begin(void *ctx) {
         pthread_mutex_unlock(&c->record_lock);
         return RNND_EDEVICE;
     }
-    c->recording = true;
     c->step_tail = false; // the recording's first step may not assume what ran before it
     return 0;
 }
@@ -201,7 +210,6 @@ static int cuda_record_begin(void *ctx) {
 static int cuda_record_end(void *ctx, void **unit) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     *unit = NULL;
-    c->recording = false;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
@@ -424,6 +432,7 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .host_free = */ cuda_host_free,
     /* .copy_in = */ cuda_copy_in,
     /* .copy_out = */ cuda_copy_out,
+    /* .copy_out_async = */ cuda_copy_out_async,
     /* .copy = */ cuda_copy,
     /* .zero = */ cuda_zero,
     /* .sync = */ cuda_sync,

@@ -78,7 +78,6 @@ struct cuda_ctx {
         const void *p;
         size_t n;
     } step_wrote[3];
-    bool recording; // between record_begin and record_end: copy_out does not synchronise
     // Held from record_begin to record_end: host_free (any thread) synchronises the stream, which
     // would break a recording on it.
     pthread_mutex_t record_lock;

@@ -337,9 +337,11 @@ struct rnnd_backend_ops {
     void (*host_free)(void *ctx, void *ptr); // host_free(NULL) does nothing
     // copy_in may return before the copy is done: ordinary host memory may be reused at once (it
     // is staged before the call returns), memory from host_alloc only after the next sync or
-    // copy_out. copy_out returns when host_dst holds the data.
+    // copy_out. copy_out returns when host_dst holds the data; copy_out_async may return before,
+    // and host_dst (host_alloc memory) holds it after the next sync or copy_out.
     int (*copy_in)(void *ctx, void *dst, const void *host_src, size_t bytes);
     int (*copy_out)(void *ctx, void *host_dst, const void *src, size_t bytes);
+    int (*copy_out_async)(void *ctx, void *host_dst, const void *src, size_t bytes);
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     int (*zero)(void *ctx, void *dst, size_t bytes);
     int (*sync)(void *ctx);

@@ -7,7 +7,9 @@
  * env count and the merged-batch metrics are checked. Last, clients that give up (a 1 ms deadline,
  * or a connection abandoned at once) and are freed must leave no connection open in the daemon.
  * The many clients run again against a daemon with reply threads and row workers (thread pools
- * that split a batch's row copies and send its replies), with batches of up to 1024 rows.
+ * that split a batch's row copies and send its replies), with batches of up to 1024 rows, and
+ * then with the engine's look-ahead (the next batch gathered while one runs). Retries racing
+ * their first try must each be answered with that one step's output.
  *
  * Threads never call cmocka (it is not thread-safe): they record failures, the main thread asserts.
  */
@@ -299,6 +301,89 @@ static void test_batches_merge(void **state) {
     free(after);
 }
 
+// Several clients send the same retry-safe step of the same envs at once, round after round
+// (an actor's retry racing its first try): each step runs once, every reply is that step's
+// output, and the next round's index is accepted. A copy admitted while the first one's batch
+// still runs would run the step again and answer with the step after it.
+#define DUP_CLIENTS 4
+#define DUP_ROUNDS  40
+
+struct dup_sender {
+    struct rnnd_client *c;
+    const struct req_buf *q;
+    float out[NENV * H_];
+    int err;
+    char msg[1100];
+    pthread_barrier_t *go;
+    pthread_t tid;
+};
+
+static void *dup_send(void *arg) {
+    struct dup_sender *t = arg;
+    struct req_buf q = *t->q;
+    struct rnnd_step_req req = as_req(&q);
+    struct rnnd_step_reply r;
+    pthread_barrier_wait(t->go);
+    t->err = rnnd_client_step(t->c, &req, &r);
+    if (t->err)
+        snprintf(t->msg, sizeof t->msg, "%s", rnnd_client_last_error()->message);
+    else if (r.output.nbytes == sizeof t->out)
+        memcpy(t->out, r.output.data, sizeof t->out);
+    else
+        t->err = -1;
+    rnnd_step_reply_free(&r);
+    return NULL;
+}
+
+static void test_duplicates_race(void **state) {
+    (void)state;
+    struct dup_sender t[DUP_CLIENTS];
+    for (int k = 0; k < DUP_CLIENTS; k++) {
+        t[k] = (struct dup_sender){.c = daemon_client(&d, NULL)};
+        rnnd_client_wait_connected(t[k].c, 5000);
+    }
+    struct worker w = {.idx = 77};
+    ref_init(&w.r, t[0].c, NENV);
+    struct rng g = {4242};
+    struct req_buf q;
+    float want[NENV * H_];
+    for (int round = 0; round < DUP_ROUNDS; round++) {
+        q.B = NENV;
+        for (int b = 0; b < NENV; b++) {
+            q.slots[b] = b;
+            q.ids[b] = env_id(w.idx, b);
+            q.init[b] = round == 0;
+            q.idx[b] = (uint64_t)round;
+        }
+        rng_fill(&g, q.obs, (size_t)NENV * I_);
+        ref_step(&w.r, NENV, q.slots, q.obs, q.init, want);
+        pthread_barrier_t go;
+        pthread_barrier_init(&go, NULL, DUP_CLIENTS);
+        for (int k = 0; k < DUP_CLIENTS; k++) {
+            t[k].q = &q;
+            t[k].go = &go;
+            pthread_create(&t[k].tid, NULL, dup_send, &t[k]);
+        }
+        for (int k = 0; k < DUP_CLIENTS; k++)
+            pthread_join(t[k].tid, NULL);
+        pthread_barrier_destroy(&go);
+        for (int k = 0; k < DUP_CLIENTS; k++) {
+            if (t[k].err)
+                fprintf(stderr, "round %d client %d: %s\n", round, k, t[k].msg);
+            assert_int_equal(t[k].err, 0);
+            for (int i = 0; i < NENV * H_; i++) {
+                if (!(fabsf(t[k].out[i] - want[i]) <= ATOL + RTOL * fabsf(want[i])))
+                    fprintf(stderr, "round %d client %d value %d: %.7g, reference %.7g\n", round, k,
+                            i, t[k].out[i], want[i]);
+                assert_true(fabsf(t[k].out[i] - want[i]) <= ATOL + RTOL * fabsf(want[i]));
+            }
+        }
+    }
+    ref_free(&w.r);
+    for (int k = 0; k < DUP_CLIENTS; k++)
+        rnnd_client_free(t[k].c);
+}
+
 // Clients that give up while their connection is still being made, and are then freed, leave
 // nothing open in the daemon. gRPC 1.51 leaks a connection that completes after its channel is
 // gone (grpc/grpc#32071): before rnnd_client_free let the attempt finish, this loop left 58-61
@@ -354,6 +439,32 @@ static int setup_pools(void **state) {
     return daemon_start(&d, args);
 }
 
+// The look-ahead on (by default only where the backend's memory is its own), with batches small
+// enough and the engine thread alone taking them, so that chains of them form.
+static int setup_lookahead(void **state) {
+    (void)state;
+    const char *args[] = {"--cell",
+                          "gru",
+                          "--input-size",
+                          "16",
+                          "--hidden-size",
+                          "32",
+                          "--max-batch",
+                          "64",
+                          "--max-delay-us",
+                          "0",
+                          "--seed",
+                          "5",
+                          "--reply-threads",
+                          "2",
+                          "--inline-steps",
+                          "0",
+                          "--step-lookahead",
+                          "1",
+                          NULL};
+    return daemon_start(&d, args);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_many_clients),
@@ -362,9 +473,12 @@ int main(void) {
     };
     const struct CMUnitTest pools[] = {
         cmocka_unit_test(test_many_clients),
+        cmocka_unit_test(test_duplicates_race),
     };
     int failed = cmocka_run_group_tests_name("concurrency", tests, setup, teardown);
     failed +=
         cmocka_run_group_tests_name("concurrency with thread pools", pools, setup_pools, teardown);
+    failed += cmocka_run_group_tests_name("concurrency with the look-ahead", pools, setup_lookahead,
+                                          teardown);
     return failed ? 1 : 0;
 }

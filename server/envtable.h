@@ -32,6 +32,7 @@ struct rnnd_env {
     bool half;                  // engine: its state is in table row slot + S (else slot)
     // Private to envtable.c:
     int32_t next, lru_prev, lru_next;
+    uint64_t moved_ns; // when it last moved to the newest end of the use order
 };
 
 struct rnnd_envtable;
@@ -50,7 +51,9 @@ void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, 
 // Adds id (which must not be present) with a free slot, as the most recently used entry.
 // 0 and *out, or RNND_EFULL when every slot is taken.
 int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns, struct rnnd_env **out);
-// Marks e used at now_ns (it becomes the newest for eviction).
+// Marks e used at now_ns: it becomes the newest for eviction, unless it became so less than
+// RNND_ENV_TOUCH_SLACK_NS before (the use order is then that much out of date).
+#define RNND_ENV_TOUCH_SLACK_NS 100000000ull // 100 ms
 void rnnd_envtable_touch(struct rnnd_envtable *t, struct rnnd_env *e, uint64_t now_ns);
 // Removes e and frees its slot (its recorded steps are gone with it).
 void rnnd_envtable_remove(struct rnnd_envtable *t, struct rnnd_env *e);

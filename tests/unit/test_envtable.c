@@ -60,21 +60,30 @@ static void test_use_order(void **state) {
     (void)state;
     struct rnnd_envtable *t = rnnd_envtable_init(8, 2);
     struct rnnd_env *e[4];
+    const uint64_t S = RNND_ENV_TOUCH_SLACK_NS;
     for (int i = 0; i < 4; i++)
         rnnd_envtable_add(t, (uint64_t)i, (uint64_t)i, &e[i]);
     assert_ptr_equal(rnnd_envtable_oldest(t), e[0]);
-    rnnd_envtable_touch(t, e[0], 10);
-    rnnd_envtable_touch(t, e[2], 11);
+    rnnd_envtable_touch(t, e[0], 10 + S);
+    rnnd_envtable_touch(t, e[2], 11 + S);
     // Oldest first: 1, 3, 0, 2.
     uint64_t want[4] = {1, 3, 0, 2};
     int n = 0;
     for (struct rnnd_env *x = rnnd_envtable_oldest(t); x; x = rnnd_envtable_newer(t, x))
         assert_int_equal(x->id, want[n++]);
     assert_int_equal(n, 4);
-    assert_int_equal(e[2]->last_used_ns, 11);
+    assert_int_equal(e[2]->last_used_ns, 11 + S);
+    // Within the slack of its last move an entry keeps its place but takes the time.
+    rnnd_envtable_touch(t, e[0], 12 + S);
+    assert_int_equal(e[0]->last_used_ns, 12 + S);
+    n = 0;
+    for (struct rnnd_env *x = rnnd_envtable_oldest(t); x; x = rnnd_envtable_newer(t, x))
+        assert_int_equal(x->id, want[n++]);
+    rnnd_envtable_touch(t, e[0], 10 + 2 * S);
+    assert_int_equal(rnnd_envtable_newer(t, e[2]), e[0]);
     rnnd_envtable_remove(t, e[3]);
     rnnd_envtable_remove(t, e[1]);
-    assert_ptr_equal(rnnd_envtable_oldest(t), e[0]);
+    assert_ptr_equal(rnnd_envtable_oldest(t), e[2]);
     rnnd_envtable_remove(t, e[0]);
     rnnd_envtable_remove(t, e[2]);
     assert_null(rnnd_envtable_oldest(t));

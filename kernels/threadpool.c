@@ -11,8 +11,11 @@
 #include "rnnd_threadpool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 struct rnnd_threadpool {
     pthread_mutex_t mu;
@@ -25,9 +28,41 @@ struct rnnd_threadpool {
     int running;                              // parts that workers took and have not finished
     struct rnnd_threadpool_task *head, *tail; // posted, not yet taken
     bool stop;
+    int spin_us;
+    // Bumped under mu whenever there is work (a run, posted tasks) or a stop: what a spinning
+    // worker watches without the mutex.
+    _Atomic uint32_t seq;
     int nworkers;
     pthread_t threads[]; // (nworkers)
 };
+
+static uint64_t mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+// Called with mu held and nothing to do: watches seq for p->spin_us before sleeping on wake. A
+// run's wake-up costs a futex call and the scheduler's delay, tens of microseconds on a busy
+// host, while the caller runs the parts nobody has taken.
+static void pool_wait(struct rnnd_threadpool *p) {
+    if (p->spin_us > 0) {
+        uint32_t seen = atomic_load_explicit(&p->seq, memory_order_relaxed);
+        pthread_mutex_unlock(&p->mu);
+        uint64_t until = mono_us() + (uint64_t)p->spin_us;
+        bool changed = false;
+        for (int i = 0; !changed; i++) {
+            changed = atomic_load_explicit(&p->seq, memory_order_relaxed) != seen;
+            if (!changed && (i & 63) == 63 && mono_us() >= until)
+                break;
+        }
+        pthread_mutex_lock(&p->mu);
+        // Work handed over between the last look and the lock bumped seq under mu: no sleep.
+        if (changed || atomic_load_explicit(&p->seq, memory_order_relaxed) != seen)
+            return;
+    }
+    pthread_cond_wait(&p->wake, &p->mu);
+}
 
 static void *pool_worker(void *arg) {
     struct rnnd_threadpool *p = arg;
@@ -54,7 +89,7 @@ static void *pool_worker(void *arg) {
         } else if (p->stop) {
             break;
         } else {
-            pthread_cond_wait(&p->wake, &p->mu);
+            pool_wait(p);
         }
     }
     pthread_mutex_unlock(&p->mu);
@@ -97,6 +132,7 @@ void rnnd_threadpool_free(struct rnnd_threadpool *p) {
         return;
     pthread_mutex_lock(&p->mu);
     p->stop = true;
+    atomic_fetch_add_explicit(&p->seq, 1, memory_order_relaxed);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     for (int k = 0; k < p->nworkers; k++)
@@ -111,6 +147,14 @@ int rnnd_threadpool_workers(const struct rnnd_threadpool *p) {
     return p ? p->nworkers : 0;
 }
 
+void rnnd_threadpool_spin(struct rnnd_threadpool *p, int spin_us) {
+    if (p == NULL)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->spin_us = spin_us;
+    pthread_mutex_unlock(&p->mu);
+}
+
 void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg) {
     if (n > rnnd_threadpool_workers(p) + 1)
         n = rnnd_threadpool_workers(p) + 1;
@@ -123,6 +167,7 @@ void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn
     p->arg = arg;
     p->n = n;
     p->next = 1;
+    atomic_fetch_add_explicit(&p->seq, 1, memory_order_relaxed);
     pthread_cond_broadcast(&p->wake);
     // Part 0 here, then whatever no worker has taken yet.
     int k = 0;
@@ -149,6 +194,7 @@ void rnnd_threadpool_post(struct rnnd_threadpool *p, struct rnnd_threadpool_task
     else
         p->head = first;
     p->tail = last;
+    atomic_fetch_add_explicit(&p->seq, 1, memory_order_relaxed);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
 }

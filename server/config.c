@@ -187,7 +187,8 @@ static const struct opt opts[] = {
      "gather the next Step batch while one runs on the backend (-1: with backend memory of its "
      "own, as CUDA's)"},
     {"engine-spin-us", INT(engine_spin_us, 0, 1000000), "N",
-     "after each batch the engine polls N us for the next step before sleeping (0: sleep)"},
+     "after each batch the engine polls N us for the next step before sleeping, and its row "
+     "workers watch as long for their next rows (0: sleep)"},
 };
 #define NOPTS (sizeof(opts) / sizeof(opts[0]))
 

@@ -61,7 +61,7 @@ struct rnnd_config {
     int hz;              // cron frequency: idle eviction, tape expiry, periodic checkpoints
     int max_queue_rows;  // Step rows waiting for the engine before RESOURCE_EXHAUSTED; 0: auto
     int drain_timeout_s; // after SIGTERM, calls still running after this are cancelled
-    int engine_spin_us;  // the engine polls this long for new work before sleeping
+    int engine_spin_us;  // the engine (and its row workers) poll this long for work before sleeping
     int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
     int reply_threads;  // threads sending Step replies; -1: automatic (0 under 8 CPUs, else CPUs/4)
     int inline_steps;   // CPU backend: a Step arriving at an idle engine runs on its gRPC thread

@@ -504,6 +504,7 @@ static void *engine_main(void *arg) {
     if (rc == 0) {
         e->replies = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-reply");
         e->row_workers = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-rows");
+        rnnd_threadpool_spin(e->row_workers, e->cfg.engine_spin_us);
         atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
                               memory_order_release);
     }

@@ -34,6 +34,9 @@ struct rnnd_threadpool *rnnd_threadpool_init(int workers, const char *name);
 void rnnd_threadpool_free(struct rnnd_threadpool *p);
 // The worker threads that started (0 for NULL).
 int rnnd_threadpool_workers(const struct rnnd_threadpool *p);
+// After its last piece of work a worker watches for the next one for spin_us microseconds before
+// it sleeps (0, the default: it sleeps at once). Call before handing the pool any work.
+void rnnd_threadpool_spin(struct rnnd_threadpool *p, int spin_us);
 // Runs fn(arg, k, m) for k = 0 .. m-1, m = min(n, workers + 1), on the calling thread and the
 // workers, and returns when all have returned: consecutive runs are ordered phases. m <= 1 (and
 // a NULL pool) is fn(arg, 0, 1) on the caller.

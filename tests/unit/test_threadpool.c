@@ -3,7 +3,8 @@
  * and only once, part 0 on the calling thread, and returns only when every part has returned;
  * parts claimed by number or chunks claimed inside a part (the engine's row copies) are all done
  * exactly once, over many runs back to back; posted tasks each run once, on a worker, and
- * freeing the pool runs every task still queued. Each check counts per item, so a lost part or
+ * freeing the pool runs every task still queued. Workers that spin before sleeping do the same,
+ * with pauses shorter and longer than the spin between pieces of work. Each check counts per item, so a lost part or
  * task (0) and a duplicated one (2) both fail.
  */
 #include <dirent.h>
@@ -15,6 +16,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -45,10 +47,12 @@ static void part_fn(void *arg, int k, int n) {
     atomic_fetch_add(&p->finished, 1);
 }
 
-// Runs `runs` runs of n parts on a pool of `workers` and checks every one.
-static void check_runs(int workers, int n, int runs) {
+// Runs `runs` runs of n parts on a pool of `workers` (spinning spin_us, with pause_us between
+// runs) and checks every one.
+static void check_runs_spin(int workers, int n, int runs, int spin_us, int pause_us) {
     struct rnnd_threadpool *pool = rnnd_threadpool_init(workers, NULL);
     assert_non_null(pool);
+    rnnd_threadpool_spin(pool, spin_us);
     assert_int_equal(rnnd_threadpool_workers(pool), workers);
     int m = n < workers + 1 ? n : workers + 1;
     if (m < 1)
@@ -65,8 +69,14 @@ static void check_runs(int workers, int n, int runs) {
             assert_int_equal(atomic_load(&p.calls[k]), k < m ? 1 : 0);
         assert_int_equal(atomic_load(&p.bad_n), 0);
         assert_int_equal(atomic_load(&p.part0_elsewhere), 0);
+        if (pause_us)
+            usleep((useconds_t)(pause_us * (r % 3)));
     }
     rnnd_threadpool_free(pool);
+}
+
+static void check_runs(int workers, int n, int runs) {
+    check_runs_spin(workers, n, runs, 0, 0);
 }
 
 static void test_run_parts(void **state) {
@@ -178,6 +188,39 @@ static void test_post(void **state) {
     assert_int_equal(atomic_load(&on_caller), 0);
 }
 
+// Spinning workers: runs back to back, after pauses within the spin and past it; posted tasks
+// run while the pool lives (a worker that missed the hand-over and slept would leave them
+// queued until the pool is freed); freeing a pool whose workers spin ends them.
+static void test_spin(void **state) {
+    (void)state;
+    check_runs_spin(3, 4, 300, 500, 0);
+    check_runs_spin(3, 4, 60, 500, 400); // pauses 0, 400 and 800 us
+    check_runs_spin(2, 3, 60, 50, 100);
+    enum { N = 200 };
+    static struct item items[N];
+    static _Atomic int runs[N];
+    _Atomic int on_caller = 0;
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(2, NULL);
+    assert_non_null(pool);
+    rnnd_threadpool_spin(pool, 200);
+    for (int i = 0; i < N; i++) {
+        atomic_store(&runs[i], 0);
+        items[i] = (struct item){.task = {.fn = item_fn},
+                                 .runs = &runs[i],
+                                 .caller = pthread_self(),
+                                 .on_caller = &on_caller};
+        rnnd_threadpool_post(pool, &items[i].task, &items[i].task);
+        int waited = 0;
+        while (atomic_load(&runs[i]) == 0 && waited++ < 2000)
+            usleep(500);
+        if (atomic_load(&runs[i]) != 1)
+            fail_msg("task %d ran %d times while the pool lived", i, atomic_load(&runs[i]));
+        usleep((useconds_t)(i % 4) * 100); // 0 to 300 us: within the spin and past it
+    }
+    rnnd_threadpool_free(pool);
+    assert_int_equal(atomic_load(&on_caller), 0);
+}
+
 // The workers carry the pool's name (what top -H shows an operator).
 static void test_names(void **state) {
     (void)state;
@@ -205,7 +248,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_run_parts), cmocka_unit_test(test_run_chunks),
         cmocka_unit_test(test_null_pool), cmocka_unit_test(test_post),
-        cmocka_unit_test(test_names),
+        cmocka_unit_test(test_names),     cmocka_unit_test(test_spin),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -142,18 +142,6 @@ static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes
     return 0;
 }
 
-static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t bytes) {
-    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    c->step_tail = false;
-    if (bytes == 0)
-        return 0;
-    if (host_dst == NULL || src == NULL)
-        return RNND_EINVAL;
-    RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
-    RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
-    return 0;
-}
-
 static int cuda_copy_out_async(void *ctx, void *host_dst, const void *src, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     c->step_tail = false;
@@ -163,6 +151,13 @@ static int cuda_copy_out_async(void *ctx, void *host_dst, const void *src, size_
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     return 0;
+}
+
+static int cuda_copy_out(void *ctx, void *host_dst, const void *src, size_t bytes) {
+    int rc = cuda_copy_out_async(ctx, host_dst, src, bytes);
+    if (rc == 0 && bytes > 0)
+        RNND_CUDA_TRY(cudaStreamSynchronize(((struct cuda_ctx *)ctx)->stream));
+    return rc;
 }
 
 static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {

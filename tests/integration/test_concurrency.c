@@ -418,9 +418,10 @@ static void test_impatient_clients(void **state) {
     rnnd_client_free(keep);
 }
 
-// The same daemon with two reply threads and two row workers, and room for big batches.
-static int setup_pools(void **state) {
-    (void)state;
+// The same model with two reply threads and two row workers, batches of up to max_batch rows,
+// and, with lookahead, the engine's look-ahead on (by default only where the backend's memory
+// is its own) with the engine thread alone taking the batches, so that chains of them form.
+static int start_pools(const char *max_batch, const char *max_delay_us, bool lookahead) {
     const char *args[] = {"--cell",
                           "gru",
                           "--input-size",
@@ -428,41 +429,29 @@ static int setup_pools(void **state) {
                           "--hidden-size",
                           "32",
                           "--max-batch",
-                          "1024",
+                          max_batch,
                           "--max-delay-us",
-                          "500",
+                          max_delay_us,
                           "--seed",
                           "5",
                           "--reply-threads",
                           "2",
+                          lookahead ? "--step-lookahead" : NULL,
+                          "1",
+                          "--inline-steps",
+                          "0",
                           NULL};
     return daemon_start(&d, args);
 }
 
-// The look-ahead on (by default only where the backend's memory is its own), with batches small
-// enough and the engine thread alone taking them, so that chains of them form.
+static int setup_pools(void **state) {
+    (void)state;
+    return start_pools("1024", "500", false);
+}
+
 static int setup_lookahead(void **state) {
     (void)state;
-    const char *args[] = {"--cell",
-                          "gru",
-                          "--input-size",
-                          "16",
-                          "--hidden-size",
-                          "32",
-                          "--max-batch",
-                          "64",
-                          "--max-delay-us",
-                          "0",
-                          "--seed",
-                          "5",
-                          "--reply-threads",
-                          "2",
-                          "--inline-steps",
-                          "0",
-                          "--step-lookahead",
-                          "1",
-                          NULL};
-    return daemon_start(&d, args);
+    return start_pools("64", "0", true);
 }
 
 int main(void) {

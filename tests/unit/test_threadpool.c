@@ -154,6 +154,12 @@ static void item_fn(struct rnnd_threadpool_task *t) {
     atomic_fetch_add(it->runs, 1);
 }
 
+static struct item item_make(_Atomic int *runs, _Atomic int *on_caller) {
+    atomic_store(runs, 0);
+    return (struct item){
+        .task = {.fn = item_fn}, .runs = runs, .caller = pthread_self(), .on_caller = on_caller};
+}
+
 // Posted in chains of different lengths; freeing the pool right after runs what is queued.
 static void test_post(void **state) {
     (void)state;
@@ -164,13 +170,8 @@ static void test_post(void **state) {
     for (int round = 0; round < 20; round++) {
         struct rnnd_threadpool *pool = rnnd_threadpool_init(1 + round % 3, NULL);
         assert_non_null(pool);
-        for (int i = 0; i < N; i++) {
-            atomic_store(&runs[i], 0);
-            items[i] = (struct item){.task = {.fn = item_fn},
-                                     .runs = &runs[i],
-                                     .caller = pthread_self(),
-                                     .on_caller = &on_caller};
-        }
+        for (int i = 0; i < N; i++)
+            items[i] = item_make(&runs[i], &on_caller);
         for (int i = 0; i < N;) {
             int len = 1 + (i + round) % 9;
             if (i + len > N)
@@ -204,11 +205,7 @@ static void test_spin(void **state) {
     assert_non_null(pool);
     rnnd_threadpool_spin(pool, 200);
     for (int i = 0; i < N; i++) {
-        atomic_store(&runs[i], 0);
-        items[i] = (struct item){.task = {.fn = item_fn},
-                                 .runs = &runs[i],
-                                 .caller = pthread_self(),
-                                 .on_caller = &on_caller};
+        items[i] = item_make(&runs[i], &on_caller);
         rnnd_threadpool_post(pool, &items[i].task, &items[i].task);
         int waited = 0;
         while (atomic_load(&runs[i]) == 0 && waited++ < 2000)

@@ -232,6 +232,14 @@ int daemon_spawn_in(struct daemon *d, const char *state_dir, bool owned, const c
         argv[n++] = "--devices";
         argv[n++] = harness_devices();
     }
+    const char *lookahead = getenv("RNND_STEP_LOOKAHEAD");
+    if (lookahead && *lookahead) {
+        // The engine thread alone takes the batches, so that chains of them form.
+        argv[n++] = "--step-lookahead";
+        argv[n++] = lookahead;
+        argv[n++] = "--inline-steps";
+        argv[n++] = "0";
+    }
     for (int k = 0; args && args[k] && n < 95; k++)
         argv[n++] = args[k];
     argv[n] = NULL;

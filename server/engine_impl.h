@@ -116,9 +116,9 @@ struct rnnd_engine {
     size_t in_bytes, out_bytes;
     // Batches of up to STEP_REPLAY_ROWS rows of the core alone replay a recording of their
     // backend work (record_begin: one launch instead of four) on bufs[0], one per row count,
-    // recorded again when the weights move. A policy's ops (cuBLAS among them) have not been tried inside
-    // a recording, so its batches run op by op. step_replay_off: the backend has none, or one
-    // failed.
+    // recorded again when the weights move. A policy's ops (cuBLAS among them) have not been
+    // tried inside a recording, so its batches run op by op. step_replay_off: the backend has
+    // none, or one failed.
     struct step_replay {
         void *unit;
         const float *params; // the weights it was recorded with

@@ -5,7 +5,7 @@
  * tasks or stop, and the thread in rnnd_threadpool_run waits on `done` for the parts that workers
  * took. A run's parts are handed out by number under the mutex (next), so each runs exactly
  * once whoever takes it: a worker that wakes after the caller took the last part finds nothing
- * and sleeps again, never touching the caller's task. Posted tasks come first, and a stopping
+ * and sleeps again, never touching the caller's task. rnnd_threadpool_run is a start and a join. Posted tasks come first, and a stopping
  * pool runs every one of them before its workers end.
  */
 #include "rnnd_threadpool.h"
@@ -20,7 +20,7 @@
 struct rnnd_threadpool {
     pthread_mutex_t mu;
     pthread_cond_t wake; // for the workers: parts to take, posted tasks, or stop
-    pthread_cond_t done; // for the caller of rnnd_threadpool_run: a worker finished its part
+    pthread_cond_t done; // for the thread in rnnd_threadpool_join: a worker finished its part
     // The run in progress: parts next .. n-1 are not taken yet (none when next == n).
     rnnd_threadpool_fn fn;
     void *arg;
@@ -155,27 +155,33 @@ void rnnd_threadpool_spin(struct rnnd_threadpool *p, int spin_us) {
     pthread_mutex_unlock(&p->mu);
 }
 
-void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg) {
-    if (n > rnnd_threadpool_workers(p) + 1)
-        n = rnnd_threadpool_workers(p) + 1;
-    if (n <= 1) {
-        fn(arg, 0, 1);
-        return;
-    }
+// Hands parts first .. n-1 of a run to the workers.
+static void pool_start(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg,
+                       int first) {
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
     p->n = n;
-    p->next = 1;
+    p->next = first;
     atomic_fetch_add_explicit(&p->seq, 1, memory_order_relaxed);
     pthread_cond_broadcast(&p->wake);
-    // Part 0 here, then whatever no worker has taken yet.
-    int k = 0;
-    while (k < n) {
+    pthread_mutex_unlock(&p->mu);
+}
+
+void rnnd_threadpool_start(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg) {
+    pool_start(p, n < p->nworkers + 1 ? n : p->nworkers + 1, fn, arg, 0);
+}
+
+void rnnd_threadpool_join(struct rnnd_threadpool *p) {
+    pthread_mutex_lock(&p->mu);
+    // The parts no worker has taken yet, here; then the wait for those they did.
+    while (p->next < p->n) {
+        int k = p->next++, n = p->n;
+        rnnd_threadpool_fn fn = p->fn;
+        void *arg = p->arg;
         pthread_mutex_unlock(&p->mu);
         fn(arg, k, n);
         pthread_mutex_lock(&p->mu);
-        k = p->next < n ? p->next++ : n;
     }
     while (p->running > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -183,6 +189,18 @@ void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn
     p->arg = NULL;
     p->n = p->next = 0;
     pthread_mutex_unlock(&p->mu);
+}
+
+void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg) {
+    if (n > rnnd_threadpool_workers(p) + 1)
+        n = rnnd_threadpool_workers(p) + 1;
+    if (n <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pool_start(p, n, fn, arg, 1);
+    fn(arg, 0, n); // part 0 here
+    rnnd_threadpool_join(p);
 }
 
 void rnnd_threadpool_post(struct rnnd_threadpool *p, struct rnnd_threadpool_task *first,

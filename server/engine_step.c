@@ -186,18 +186,6 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
     return RNND_BATCH_ADMIT;
 }
 
-// A Step batch from its gather to its finish: its jobs, its rows and the buffer set its blocks
-// lie in (struct step_bufs), and how its backend work went.
-struct step_batch {
-    struct rnnd_job *jobs;
-    struct step_bufs *buf;
-    struct step_layout lay;
-    uint64_t now, version;
-    uint64_t backend_ns; // the engine's time in the backend for it: launching, then waiting
-    int n, rc;
-    bool done; // its backend work is over (it ran at once, or was waited for)
-};
-
 // A batch's per-row work that needs no engine-wide state (rows of a batch belong to distinct
 // envs, so they touch disjoint memory): before the step, gathering each row's inputs into the
 // input block; after it, each env's bookkeeping and copying each row's output to its job (and to
@@ -206,7 +194,21 @@ struct row_task {
     struct rnnd_engine *e;
     const struct step_batch *b;
     void (*rows)(struct row_task *t, int first, int last);
+    int parts;        // threads that take chunks: the row workers and the engine, or the engine
     _Atomic int next; // next chunk's first row
+};
+
+// A Step batch from its gather to its finish: its jobs, its rows and the buffer set its blocks
+// lie in (struct step_bufs), how its backend work went, and its rows' finishing.
+struct step_batch {
+    struct rnnd_job *jobs;
+    struct step_bufs *buf;
+    struct step_layout lay;
+    uint64_t now, version;
+    uint64_t backend_ns; // the engine's time in the backend for it: launching, then waiting
+    int n, rc;
+    bool done; // its backend work is over (it ran at once, or was waited for)
+    struct row_task fin;
 };
 
 // Row i's policy reply row (W floats, struct rnnd_policy_row) from the output block's columns.
@@ -238,7 +240,7 @@ static void out_row(struct rnnd_step_job *s, int r, const float *src, size_t H) 
 }
 
 // Rows first..last-1 of the input block: obs, is_init, state rows, sampling keys, and where
-// each is recorded. Each env is busy until its row is finished.
+// each is recorded. Each env is busy until its batch is finished (step_finish).
 static void gather_rows(struct row_task *t, int first, int last) {
     struct rnnd_engine *e = t->e;
     const struct step_batch *b = t->b;
@@ -279,7 +281,8 @@ static void gather_rows(struct row_task *t, int first, int last) {
 
 // Rows first..last-1 once the step has run: each env's bookkeeping (its state row, its ring of
 // recorded steps, its retry index), then its output row and cached output. Use order (the env
-// table's list) is left to the caller: that list is shared.
+// table's list) and the end of busy are left to the engine thread: that list is shared, and the
+// engine admits the next batch while the row workers run this (admission reads busy first).
 static void finish_rows(struct row_task *t, int first, int last) {
     struct rnnd_engine *e = t->e;
     const struct step_batch *b = t->b;
@@ -290,7 +293,6 @@ static void finish_rows(struct row_task *t, int first, int last) {
         struct rnnd_step_job *s = &b->buf->rows[i].job->step;
         int r = b->buf->rows[i].row;
         struct rnnd_env *env = s->envs[r];
-        env->busy = false;
         env->half ^= 1; // its new state is in the other row now
         env->steps++;
         if (e->prec && env->traj.count > 0 && (s->reward || s->done || s->truncated)) {
@@ -352,13 +354,31 @@ static void rows_run(void *arg, int k, int parts) {
     }
 }
 
-// Runs fn over b's rows, with the row workers when there are many, and returns when every row
-// is done (the task lives on this stack).
+// Starts fn over b's rows: the row workers take chunks from now on when there are many rows;
+// rows_join takes the rest and returns when every row is done. t must live until then.
+static void rows_start(struct rnnd_engine *e, struct row_task *t, const struct step_batch *b,
+                       void (*fn)(struct row_task *, int, int)) {
+    t->e = e;
+    t->b = b;
+    t->rows = fn;
+    atomic_store_explicit(&t->next, 0, memory_order_relaxed);
+    t->parts = b->n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
+    if (t->parts > 1)
+        rnnd_threadpool_start(e->row_workers, t->parts, rows_run, t);
+}
+
+static void rows_join(struct rnnd_engine *e, struct row_task *t) {
+    if (t->parts > 1)
+        rnnd_threadpool_join(e->row_workers);
+    else
+        rows_run(t, 0, 1);
+}
+
 static void rows_parallel(struct rnnd_engine *e, const struct step_batch *b,
                           void (*fn)(struct row_task *, int, int)) {
-    struct row_task t = {.e = e, .b = b, .rows = fn};
-    int parts = b->n < ROW_PARALLEL_MIN ? 1 : rnnd_threadpool_workers(e->row_workers) + 1;
-    rnnd_threadpool_run(e->row_workers, parts, rows_run, &t);
+    struct row_task t;
+    rows_start(e, &t, b, fn);
+    rows_join(e, &t);
 }
 
 // Sends a finished Step's reply, on a reply thread.
@@ -528,30 +548,34 @@ static void step_wait(struct rnnd_engine *e, struct step_batch *b) {
     }
 }
 
-// The look-ahead: while b runs on the backend, the next Step batch is admitted (its envs must
-// not be b's: admission holds those) and gathered into the other buffer set. False when b is
-// already done, when nothing is ready, or when control jobs wait (they run between batches).
-static bool step_next(struct rnnd_engine *e, const struct step_batch *b, struct step_batch *next) {
+// The look-ahead's next batch, admitted while b runs on the backend (its envs must not be b's or
+// the batch being finished: admission holds those): its jobs, or NULL when b is already done,
+// when nothing is ready, or when control jobs wait (they run between batches).
+static struct rnnd_job *step_admit_next(struct rnnd_engine *e, const struct step_batch *b) {
     if (b->done || b->rc != 0 || rnnd_batcher_controls(e->batcher))
-        return false;
+        return NULL;
     struct rnnd_batch nb;
     uint64_t wait;
     if (!rnnd__engine_poll(e, false, &nb, &wait))
-        return false;
+        return NULL;
     struct rnnd_job *job, *after;
     for (job = (struct rnnd_job *)nb.rejected; job; job = after) {
         after = (struct rnnd_job *)job->item.next;
         job->done(job);
     }
-    if (nb.items == NULL)
-        return false;
-    step_gather(e, next, (struct rnnd_job *)nb.items,
-                b->buf == &e->bufs[0] ? &e->bufs[1] : &e->bufs[0]);
-    return true;
+    return (struct rnnd_job *)nb.items;
 }
 
-// Once b's backend work is done: each env's bookkeeping, the jobs' outputs, and the replies.
-static void step_finish(struct rnnd_engine *e, const struct step_batch *b) {
+// Once b's backend work is done: its rows go to the row workers (finish_rows), which step_finish
+// joins.
+static void step_finish_start(struct rnnd_engine *e, struct step_batch *b) {
+    if (b->rc == 0)
+        rows_start(e, &b->fin, b, finish_rows);
+}
+
+// After step_finish_start: each env's bookkeeping and the jobs' outputs (the rows the workers
+// have not taken), the envs' end of busy and use order, then the replies.
+static void step_finish(struct rnnd_engine *e, struct step_batch *b) {
     size_t H = (size_t)e->model.H, LH = e->LH;
     int rc = b->rc;
     if (rc != 0) {
@@ -567,10 +591,12 @@ static void step_finish(struct rnnd_engine *e, const struct step_batch *b) {
     // place in the env table's use order (shared by every row: this thread).
     uint64_t t_update = rnnd_now_ns(), now = b->now;
     if (rc == 0) {
-        rows_parallel(e, b, finish_rows);
+        rows_join(e, &b->fin);
         for (int i = 0; i < b->n; i++) {
             const struct row_ref *rr = &b->buf->rows[i];
-            rnnd_envtable_touch(e->envs, rr->job->step.envs[rr->row], now);
+            struct rnnd_env *env = rr->job->step.envs[rr->row];
+            env->busy = false;
+            rnnd_envtable_touch(e->envs, env, now);
         }
     }
     // Gauges first: a client that reads them after its reply sees its envs.
@@ -634,23 +660,34 @@ static void step_finish(struct rnnd_engine *e, const struct step_batch *b) {
 }
 
 void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
-    // Batches in a chain: the next is admitted and gathered while one runs on the backend, and
-    // launched before that one's replies are made, so the backend's time (copies, kernels,
-    // the sync: ~115 us of ~560 a 4096-row batch on an H200 host) overlaps the engine's own.
-    // Off by default where the backend's memory is host memory: its step runs at once.
-    struct step_batch b[2];
-    int k = 0;
-    step_gather(e, &b[0], jobs, &e->bufs[0]);
-    step_launch(e, &b[0]);
+    // Batches in a chain. While batch N runs on the backend and the row workers finish N-1's
+    // rows, the engine admits N+1; then it sends N-1's replies, gathers N+1 into N-1's buffer
+    // set, waits for N, launches N+1 and hands N's rows to the workers. The backend's time
+    // (copies, kernels, the sync: ~115 us of ~560 a 4096-row batch on an H200 host) and the
+    // rows' finishing overlap the engine's own work. Off by default where the backend's memory
+    // is host memory: its step runs at once.
+    struct step_batch b[2], *cur = &b[0], *prev = &b[1];
+    bool finishing = false; // prev's rows are being finished
+    step_gather(e, cur, jobs, &e->bufs[0]);
+    step_launch(e, cur);
     for (;;) {
-        bool more = e->lookahead && step_next(e, &b[k], &b[k ^ 1]);
-        step_wait(e, &b[k]);
-        if (more)
-            step_launch(e, &b[k ^ 1]);
-        step_finish(e, &b[k]);
-        if (!more)
+        struct rnnd_job *next = e->lookahead ? step_admit_next(e, cur) : NULL;
+        if (finishing)
+            step_finish(e, prev);
+        if (next)
+            step_gather(e, prev, next, cur->buf == &e->bufs[0] ? &e->bufs[1] : &e->bufs[0]);
+        step_wait(e, cur);
+        if (next)
+            step_launch(e, prev);
+        step_finish_start(e, cur);
+        if (next == NULL) {
+            step_finish(e, cur);
             return;
-        k ^= 1;
+        }
+        struct step_batch *ran = cur;
+        cur = prev;
+        prev = ran;
+        finishing = true;
     }
 }
 

@@ -8,9 +8,12 @@
  *                         calling thread runs part 0, then any part no worker has taken yet, so
  *                         a run never waits for a worker that is slow to wake (only for parts
  *                         already started). Parts must not wait for one another.
+ *   rnnd_threadpool_start and rnnd_threadpool_join: the same run in two halves, so that the
+ *                         calling thread does other work while the workers take the parts.
  *   rnnd_threadpool_post  queues tasks that the workers run, each once, and returns at once.
  * The workers sleep on a condition variable between tasks, so an idle pool costs nothing. One
- * thread at a time calls rnnd_threadpool_run on a pool; rnnd_threadpool_post, any thread.
+ * thread at a time runs on a pool (from rnnd_threadpool_run, or a start to its join);
+ * rnnd_threadpool_post, any thread.
  */
 #ifndef RNND_THREADPOOL_H
 #define RNND_THREADPOOL_H
@@ -41,6 +44,12 @@ void rnnd_threadpool_spin(struct rnnd_threadpool *p, int spin_us);
 // workers, and returns when all have returned: consecutive runs are ordered phases. m <= 1 (and
 // a NULL pool) is fn(arg, 0, 1) on the caller.
 void rnnd_threadpool_run(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg);
+// Hands fn(arg, k, m) for k = 0 .. m-1, m = min(n, workers + 1), to the workers and returns at
+// once; rnnd_threadpool_join ends the run. The pool must have workers and n >= 2.
+void rnnd_threadpool_start(struct rnnd_threadpool *p, int n, rnnd_threadpool_fn fn, void *arg);
+// Runs the started run's parts that no worker has taken yet on the calling thread and returns
+// when every part has returned.
+void rnnd_threadpool_join(struct rnnd_threadpool *p);
 // Queues the tasks first .. last (linked through next; last->next is set to NULL) after those
 // already queued; each runs once on whichever worker takes it. The pool must have workers.
 void rnnd_threadpool_post(struct rnnd_threadpool *p, struct rnnd_threadpool_task *first,

@@ -234,11 +234,14 @@ int daemon_spawn_in(struct daemon *d, const char *state_dir, bool owned, const c
     }
     const char *lookahead = getenv("RNND_STEP_LOOKAHEAD");
     if (lookahead && *lookahead) {
-        // The engine thread alone takes the batches, so that chains of them form.
+        // The engine thread alone takes the batches, so that chains of them form, with row
+        // workers (none by default under 8 CPUs) that finish one batch while it admits the next.
         argv[n++] = "--step-lookahead";
         argv[n++] = lookahead;
         argv[n++] = "--inline-steps";
         argv[n++] = "0";
+        argv[n++] = "--reply-threads";
+        argv[n++] = "2";
     }
     for (int k = 0; args && args[k] && n < 95; k++)
         argv[n++] = args[k];

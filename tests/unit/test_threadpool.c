@@ -2,7 +2,7 @@
  * test_threadpool.c: the worker-thread pool (kernels/threadpool.c): a run calls every part once
  * and only once, part 0 on the calling thread, and returns only when every part has returned;
  * parts claimed by number or chunks claimed inside a part (the engine's row copies) are all done
- * exactly once, over many runs back to back; posted tasks each run once, on a worker, and
+ * exactly once, over many runs back to back, also when a run is started and joined later; posted tasks each run once, on a worker, and
  * freeing the pool runs every task still queued. Workers that spin before sleeping do the same,
  * with pauses shorter and longer than the spin between pieces of work. Each check counts per item, so a lost part or
  * task (0) and a duplicated one (2) both fail.
@@ -77,6 +77,45 @@ static void check_runs_spin(int workers, int n, int runs, int spin_us, int pause
 
 static void check_runs(int workers, int n, int runs) {
     check_runs_spin(workers, n, runs, 0, 0);
+}
+
+// A run in two halves: the parts run while this thread does other work, and the join returns
+// only once each has run once (here or on a worker).
+static void check_start_join(int workers, int n, int runs) {
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(workers, NULL);
+    assert_non_null(pool);
+    int m = n < workers + 1 ? n : workers + 1;
+    for (int r = 0; r < runs; r++) {
+        struct parts p;
+        memset(&p, 0, sizeof(p));
+        p.n = m;
+        p.caller = pthread_self();
+        rnnd_threadpool_start(pool, n, part_fn, &p);
+        volatile uint64_t x = 0;
+        for (int i = 0; i < 500 * (r % 7); i++)
+            x += (uint64_t)i;
+        rnnd_threadpool_join(pool);
+        assert_int_equal(atomic_load(&p.finished), m);
+        for (int k = 0; k < MAX_PARTS; k++)
+            assert_int_equal(atomic_load(&p.calls[k]), k < m ? 1 : 0);
+        assert_int_equal(atomic_load(&p.bad_n), 0);
+    }
+    // A whole run on the same pool after the halves: part 0 on the caller again.
+    struct parts p;
+    memset(&p, 0, sizeof(p));
+    p.n = m;
+    p.caller = pthread_self();
+    rnnd_threadpool_run(pool, n, part_fn, &p);
+    assert_int_equal(atomic_load(&p.finished), m);
+    assert_int_equal(atomic_load(&p.part0_elsewhere), 0);
+    rnnd_threadpool_free(pool);
+}
+
+static void test_start_join(void **state) {
+    (void)state;
+    check_start_join(1, 2, 500);
+    check_start_join(3, 4, 500);
+    check_start_join(3, 9, 300); // clamped to workers + 1
 }
 
 static void test_run_parts(void **state) {
@@ -243,9 +282,10 @@ static void test_names(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_run_parts), cmocka_unit_test(test_run_chunks),
-        cmocka_unit_test(test_null_pool), cmocka_unit_test(test_post),
-        cmocka_unit_test(test_names),     cmocka_unit_test(test_spin),
+        cmocka_unit_test(test_run_parts),  cmocka_unit_test(test_run_chunks),
+        cmocka_unit_test(test_null_pool),  cmocka_unit_test(test_post),
+        cmocka_unit_test(test_names),      cmocka_unit_test(test_spin),
+        cmocka_unit_test(test_start_join),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

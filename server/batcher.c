@@ -205,14 +205,7 @@ struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
     if (b == NULL)
         return NULL;
     b->cfg = *cfg;
-    // Active means "sent within 20 max-delays" (1 ms to 1 s): long enough to span the round
-    // trips of actors stepping back to back, short enough that a client that left stops
-    // holding batches back soon.
-    b->window_ns = 20 * cfg->max_delay_ns;
-    if (b->window_ns < 1000000ull)
-        b->window_ns = 1000000ull;
-    if (b->window_ns > 1000000000ull)
-        b->window_ns = 1000000000ull;
+    rnnd_batcher_set_delay(b, cfg->max_delay_ns);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -225,6 +218,18 @@ struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg) {
         return NULL;
     }
     return b;
+}
+
+void rnnd_batcher_set_delay(struct rnnd_batcher *b, uint64_t max_delay_ns) {
+    b->cfg.max_delay_ns = max_delay_ns;
+    // Active means "sent within 20 max-delays" (1 ms to 1 s): long enough to span the round
+    // trips of actors stepping back to back, short enough that a client that left stops
+    // holding batches back soon.
+    b->window_ns = 20 * max_delay_ns;
+    if (b->window_ns < 1000000ull)
+        b->window_ns = 1000000ull;
+    if (b->window_ns > 1000000000ull)
+        b->window_ns = 1000000000ull;
 }
 
 void rnnd_batcher_free(struct rnnd_batcher *b) {

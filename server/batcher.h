@@ -67,6 +67,9 @@ struct rnnd_batcher;
 
 // A new batcher, or NULL when out of memory (or cfg is invalid). Free with rnnd_batcher_free.
 struct rnnd_batcher *rnnd_batcher_init(const struct rnnd_batcher_config *cfg);
+// Sets --max-delay-us (and the active-source window that follows from it), before the first
+// push: for an engine that knows its delay only once its backend is open.
+void rnnd_batcher_set_delay(struct rnnd_batcher *b, uint64_t max_delay_ns);
 // Frees the batcher; items still queued are not touched (take them first with close + poll).
 void rnnd_batcher_free(struct rnnd_batcher *b);
 

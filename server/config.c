@@ -127,8 +127,9 @@ static const struct opt opts[] = {
     {"max-batch", INT(max_batch, 0, 1 << 20), "N",
      "most Step rows in one backend call (0: 4096, fewer where the model's rows would not fit "
      "--max-message-mb)"},
-    {"max-delay-us", INT(max_delay_us, 0, 10000000), "N",
-     "longest a Step waits for others to join its batch"},
+    {"max-delay-us", INT(max_delay_us, -1, 10000000), "N",
+     "longest a Step waits for others to join its batch (-1: 0 where the step look-ahead is "
+     "on, else 200)"},
     {"max-envs", INT(max_envs, 1, 1 << 26), "N", "most environments holding state at once"},
     {"env-idle-timeout-s", INT(env_idle_timeout_s, 0, INT_MAX), "N",
      "drop an env's state after this many idle seconds (0: never)"},
@@ -203,7 +204,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     snprintf(c->data_listen, sizeof(c->data_listen), "auto");
     c->checkpoint_interval_s = 0;
     c->max_batch = 0; // rnnd_config_parse sets it (max_batch_auto)
-    c->max_delay_us = 200;
+    c->max_delay_us = -1;
     c->max_envs = 65536;
     c->env_idle_timeout_s = 3600;
     c->trajectory_steps = 256;

@@ -634,11 +634,12 @@ static void step_finish(struct rnnd_engine *e, struct step_batch *b) {
     uint64_t t_reply = rnnd_now_ns();
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_UPDATE], t_reply - t_update,
                               memory_order_relaxed);
-    // Then the replies: several, or one of many rows, go to the reply threads; one small reply
-    // is quicker sent from here. Packing a 1024-row reply took 209 us on this thread (H200 host,
-    // fp32), longer than the gather, the kernel and the update together, and held the next batch.
+    // Then the replies: several, one of many rows, or any while more Steps wait go to the reply
+    // threads; a lone small reply is quicker sent from here. Packing a 1024-row reply took 209 us
+    // on this thread (H200 host, fp32), longer than the gather, the kernel and the update
+    // together, and held the next batch; sending one of 64 rows, ~20 us.
     struct rnnd_job *jobs = b->jobs;
-    if ((njobs > 1 || jobs->step.B >= REPLY_POST_MIN_ROWS) &&
+    if ((njobs > 1 || jobs->step.B >= REPLY_POST_MIN_ROWS || rnnd_batcher_rows(e->batcher) > 0) &&
         rnnd_threadpool_workers(e->replies) > 0) {
         struct rnnd_job *last = jobs;
         for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {

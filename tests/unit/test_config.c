@@ -47,7 +47,7 @@ static void test_defaults(void **state) {
     assert_int_equal(c.backend, RNND_BACKEND_AUTO);
     assert_int_equal(c.optimizer, RNND_OPTIM_ADAM);
     assert_true(c.lr == 1e-3f);
-    assert_int_equal(c.max_delay_us, 200);
+    assert_int_equal(c.max_delay_us, -1);
     assert_int_equal(c.env_idle_timeout_s, 3600);
     assert_int_equal(c.trajectory_steps, 256);
     assert_int_equal(c.max_message_mb, 128);

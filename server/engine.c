@@ -367,6 +367,10 @@ static void engine_close(struct rnnd_engine *e) {
         }
         free(sb->rows);
     }
+    for (int i = 0; i < STEP_HINT_SOURCES; i++) {
+        free(e->step_hints[i].slots);
+        e->step_hints[i] = (struct step_hint){0};
+    }
     e->be.ops->host_free(e->be.ctx, e->xfer);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
     host_lazy_free(e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));

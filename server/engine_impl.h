@@ -36,7 +36,8 @@ struct row_ref {
     int row;
 };
 
-#define STEP_REPLAY_ROWS 16 // batches of at most this many rows replay a recording (below)
+#define STEP_REPLAY_ROWS  16  // batches of at most this many rows replay a recording (below)
+#define STEP_HINT_SOURCES 256 // sources whose last Step's env slots admission remembers
 
 struct rnnd_engine {
     struct rnnd_config cfg;
@@ -124,6 +125,14 @@ struct rnnd_engine {
         const float *params; // the weights it was recorded with
     } step_replay[STEP_REPLAY_ROWS + 1];
     bool step_replay_off;
+    // Each source's (connection's or stream's) last admitted Step: its envs' slots, row by row.
+    // A source mostly steps the same envs in the same order, so admission tries those entries
+    // before the hash chains (rnnd_envtable_find_hint). Direct-mapped on the source.
+    struct step_hint {
+        uint64_t source;
+        int n, cap;
+        int32_t *slots;
+    } step_hints[STEP_HINT_SOURCES];
     // Every env slot's recorded steps (trajectory.h), when --trajectory-steps > 0.
     struct rnnd_traj_store store;
     void *d_store;

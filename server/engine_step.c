@@ -9,6 +9,7 @@
  */
 #include <inttypes.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine_impl.h"
@@ -60,6 +61,28 @@ struct step_layout rnnd__engine_step_layout(const struct rnnd_engine *e, int n) 
     return l;
 }
 
+// The hints of a Step's source (struct step_hint).
+static struct step_hint *step_hint_of(struct rnnd_engine *e, uint64_t source) {
+    return &e->step_hints[(source * 0x9e3779b97f4a7c15ull) >> 56]; // 256 entries
+}
+
+// An admitted Step's env slots become its source's hints (kept as they were if out of memory).
+static void step_hint_keep(struct rnnd_engine *e, const struct rnnd_job *job) {
+    const struct rnnd_step_job *s = &job->step;
+    struct step_hint *h = step_hint_of(e, job->item.source);
+    if (h->cap < s->B) {
+        int32_t *p = realloc(h->slots, (size_t)s->B * sizeof(int32_t));
+        if (p == NULL)
+            return;
+        h->slots = p;
+        h->cap = s->B;
+    }
+    for (int r = 0; r < s->B; r++)
+        h->slots[r] = s->envs[r]->slot;
+    h->source = job->item.source;
+    h->n = s->B;
+}
+
 // A refused Step: its vote, when it is a part.
 static enum rnnd_batch_admit step_refuse(struct rnnd_step_job *s) {
     if (s->vote)
@@ -100,6 +123,7 @@ static enum rnnd_batch_admit step_part_decide(struct rnnd_engine *e, struct rnnd
     }
     if (fresh)
         step_add_envs(e, s);
+    step_hint_keep(e, job);
     return RNND_BATCH_ADMIT;
 }
 
@@ -114,9 +138,14 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
         return step_refuse(s);
     }
     int fresh = 0;
-    rnnd_envtable_prefetch(e->envs, s->env_ids, s->B);
+    // Rows with a hint try the slot their source's last Step had there first.
+    const struct step_hint *h = step_hint_of(e, job->item.source);
+    int hn = h->source == job->item.source ? (h->n < s->B ? h->n : s->B) : 0;
+    rnnd_envtable_prefetch_hints(e->envs, s->env_ids, h->slots, hn);
+    rnnd_envtable_prefetch(e->envs, s->env_ids + hn, s->B - hn);
     for (int r = 0; r < s->B; r++) {
-        struct rnnd_env *env = rnnd_envtable_find(e->envs, s->env_ids[r]);
+        struct rnnd_env *env = r < hn ? rnnd_envtable_find_hint(e->envs, s->env_ids[r], h->slots[r])
+                                      : rnnd_envtable_find(e->envs, s->env_ids[r]);
         if (env && env->busy)
             return RNND_BATCH_HOLD; // its previous step still runs (the look-ahead, below)
         s->envs[r] = env;
@@ -183,6 +212,7 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
     }
     if (fresh)
         step_add_envs(e, s);
+    step_hint_keep(e, job);
     return RNND_BATCH_ADMIT;
 }
 

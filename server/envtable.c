@@ -75,6 +75,23 @@ struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id) 
     return NULL;
 }
 
+struct rnnd_env *rnnd_envtable_find_hint(const struct rnnd_envtable *t, uint64_t id, int32_t hint) {
+    // Ids are unique among used entries (rnnd_envtable_add), so a used entry holding id is it.
+    if (hint >= 0 && hint < t->cap && t->e[hint].used && t->e[hint].id == id)
+        return &t->e[hint];
+    return rnnd_envtable_find(t, id);
+}
+
+void rnnd_envtable_prefetch_hints(const struct rnnd_envtable *t, const uint64_t *ids,
+                                  const int32_t *hints, int n) {
+    for (int i = 0; i < n; i++) {
+        if (hints[i] >= 0 && hints[i] < t->cap)
+            __builtin_prefetch(&t->e[hints[i]]);
+        else
+            __builtin_prefetch(&t->buckets[hash64(ids[i]) & t->mask]);
+    }
+}
+
 void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, int n) {
     for (int i = 0; i < n; i++)
         __builtin_prefetch(&t->buckets[hash64(ids[i]) & t->mask]);

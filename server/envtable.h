@@ -45,9 +45,15 @@ void rnnd_envtable_free(struct rnnd_envtable *t);
 
 // The entry for id, or NULL.
 struct rnnd_env *rnnd_envtable_find(const struct rnnd_envtable *t, uint64_t id);
+// rnnd_envtable_find, trying entry `hint` first (an env's slot from an earlier find, or -1): one
+// entry read instead of a bucket and a chain when the entry still holds id.
+struct rnnd_env *rnnd_envtable_find_hint(const struct rnnd_envtable *t, uint64_t id, int32_t hint);
 // Starts loading what finding each of the n ids will read (its bucket, then its chain's first
 // entry), so that a run of finds does not wait on two cache misses each.
 void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, int n);
+// The same for n finds with hints (the hinted entries only; -1: the id's bucket and chain).
+void rnnd_envtable_prefetch_hints(const struct rnnd_envtable *t, const uint64_t *ids,
+                                  const int32_t *hints, int n);
 // Adds id (which must not be present) with a free slot, as the most recently used entry.
 // 0 and *out, or RNND_EFULL when every slot is taken.
 int rnnd_envtable_add(struct rnnd_envtable *t, uint64_t id, uint64_t now_ns, struct rnnd_env **out);

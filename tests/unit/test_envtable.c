@@ -1,6 +1,6 @@
 /*
- * test_envtable.c: env id -> state slot (server/envtable.c): lookups, slot reuse, the capacity
- * bound, use order for idle eviction, and each env's cached output row.
+ * test_envtable.c: env id -> state slot (server/envtable.c): lookups (also from a slot hint),
+ * slot reuse, the capacity bound, use order for idle eviction, and each env's cached output row.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -39,6 +39,32 @@ static void test_add_find_remove(void **state) {
     assert_int_equal(rnnd_envtable_add(t, 7, 200, &c), 0);
     assert_int_equal(c->slot, slot);
     assert_false(c->has_index); // nothing left over from env 42
+    rnnd_envtable_free(t);
+}
+
+// A hint is only a place to look first: a stale, foreign or out-of-range one finds the same env.
+static void test_find_hint(void **state) {
+    (void)state;
+    struct rnnd_envtable *t = rnnd_envtable_init(8, 2);
+    assert_non_null(t);
+    struct rnnd_env *a, *b, *c;
+    assert_int_equal(rnnd_envtable_add(t, 100, 0, &a), 0);
+    assert_int_equal(rnnd_envtable_add(t, 200, 0, &b), 0);
+    int32_t hints[] = {a->slot, b->slot, a->slot, -1, 8, 1 << 30};
+    uint64_t ids[] = {100, 200, 200, 100, 200, 100};
+    rnnd_envtable_prefetch_hints(t, ids, hints, 6);
+    assert_ptr_equal(rnnd_envtable_find_hint(t, 100, a->slot), a); // right
+    assert_ptr_equal(rnnd_envtable_find_hint(t, 200, a->slot), b); // another id's slot
+    assert_ptr_equal(rnnd_envtable_find_hint(t, 100, -1), a);      // none
+    assert_ptr_equal(rnnd_envtable_find_hint(t, 200, 8), b);       // out of range
+    assert_null(rnnd_envtable_find_hint(t, 300, a->slot));         // unknown id
+    int32_t old = a->slot;
+    rnnd_envtable_remove(t, a);
+    assert_null(rnnd_envtable_find_hint(t, 100, old)); // removed: its slot is free
+    assert_int_equal(rnnd_envtable_add(t, 300, 0, &c), 0);
+    assert_int_equal(c->slot, old); // the freed slot, now another id's
+    assert_null(rnnd_envtable_find_hint(t, 100, old));
+    assert_ptr_equal(rnnd_envtable_find_hint(t, 300, old), c);
     rnnd_envtable_free(t);
 }
 
@@ -139,7 +165,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_add_find_remove), cmocka_unit_test(test_full),
         cmocka_unit_test(test_use_order),       cmocka_unit_test(test_many_with_collisions),
-        cmocka_unit_test(test_output_rows),
+        cmocka_unit_test(test_output_rows),     cmocka_unit_test(test_find_hint),
     };
     return cmocka_run_group_tests_name("envtable", tests, NULL, NULL);
 }

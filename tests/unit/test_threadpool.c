@@ -47,6 +47,20 @@ static void part_fn(void *arg, int k, int n) {
     atomic_fetch_add(&p->finished, 1);
 }
 
+static void parts_reset(struct parts *p, int m) {
+    memset(p, 0, sizeof(*p));
+    p->n = m;
+    p->caller = pthread_self();
+}
+
+// Every one of the run's m parts has returned, each called once with the run's m.
+static void parts_check(struct parts *p, int m) {
+    assert_int_equal(atomic_load(&p->finished), m);
+    for (int k = 0; k < MAX_PARTS; k++)
+        assert_int_equal(atomic_load(&p->calls[k]), k < m ? 1 : 0);
+    assert_int_equal(atomic_load(&p->bad_n), 0);
+}
+
 // Runs `runs` runs of n parts on a pool of `workers` (spinning spin_us, with pause_us between
 // runs) and checks every one.
 static void check_runs_spin(int workers, int n, int runs, int spin_us, int pause_us) {
@@ -59,15 +73,10 @@ static void check_runs_spin(int workers, int n, int runs, int spin_us, int pause
         m = 1;
     for (int r = 0; r < runs; r++) {
         struct parts p;
-        memset(&p, 0, sizeof(p));
-        p.n = m;
-        p.caller = pthread_self();
+        parts_reset(&p, m);
         rnnd_threadpool_run(pool, n, part_fn, &p);
         // Every part returned before the run did: nothing may still be running.
-        assert_int_equal(atomic_load(&p.finished), m);
-        for (int k = 0; k < MAX_PARTS; k++)
-            assert_int_equal(atomic_load(&p.calls[k]), k < m ? 1 : 0);
-        assert_int_equal(atomic_load(&p.bad_n), 0);
+        parts_check(&p, m);
         assert_int_equal(atomic_load(&p.part0_elsewhere), 0);
         if (pause_us)
             usleep((useconds_t)(pause_us * (r % 3)));
@@ -85,28 +94,20 @@ static void check_start_join(int workers, int n, int runs) {
     struct rnnd_threadpool *pool = rnnd_threadpool_init(workers, NULL);
     assert_non_null(pool);
     int m = n < workers + 1 ? n : workers + 1;
+    struct parts p;
     for (int r = 0; r < runs; r++) {
-        struct parts p;
-        memset(&p, 0, sizeof(p));
-        p.n = m;
-        p.caller = pthread_self();
+        parts_reset(&p, m);
         rnnd_threadpool_start(pool, n, part_fn, &p);
         volatile uint64_t x = 0;
         for (int i = 0; i < 500 * (r % 7); i++)
             x += (uint64_t)i;
         rnnd_threadpool_join(pool);
-        assert_int_equal(atomic_load(&p.finished), m);
-        for (int k = 0; k < MAX_PARTS; k++)
-            assert_int_equal(atomic_load(&p.calls[k]), k < m ? 1 : 0);
-        assert_int_equal(atomic_load(&p.bad_n), 0);
+        parts_check(&p, m);
     }
     // A whole run on the same pool after the halves: part 0 on the caller again.
-    struct parts p;
-    memset(&p, 0, sizeof(p));
-    p.n = m;
-    p.caller = pthread_self();
+    parts_reset(&p, m);
     rnnd_threadpool_run(pool, n, part_fn, &p);
-    assert_int_equal(atomic_load(&p.finished), m);
+    parts_check(&p, m);
     assert_int_equal(atomic_load(&p.part0_elsewhere), 0);
     rnnd_threadpool_free(pool);
 }

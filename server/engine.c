@@ -296,8 +296,8 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     e->in_bytes = most.in_used;
     e->out_bytes = most.out_all;
     e->lookahead = c->step_lookahead < 0 ? !e->host_mem : c->step_lookahead == 1;
-    if (c->max_delay_us < 0 && e->lookahead)
-        rnnd_batcher_set_delay(e->batcher, 0);
+    e->max_delay_us = c->max_delay_us >= 0 ? c->max_delay_us : e->lookahead ? 0 : MAX_DELAY_US_HOST;
+    rnnd_batcher_set_delay(e->batcher, (uint64_t)e->max_delay_us * 1000ull);
     for (int k = 0; k < (e->lookahead ? 2 : 1); k++) {
         struct step_bufs *sb = &e->bufs[k];
         if (be_alloc(e, e->in_bytes, (void **)&sb->d_in) != 0 ||
@@ -528,6 +528,11 @@ static void *engine_main(void *arg) {
                  e->backend_name, e->device, rnnd_config_cell_name(e->model.cell), e->model.I,
                  e->model.H, e->model.L, rnnd_config_compute_name(e->model.compute), e->P,
                  e->cfg.max_envs, e->cfg.max_batch, e->plan);
+        rnnd_log(RNND_LOG_INFO,
+                 "Step batches: up to %d rows, waiting up to %d us for more; look-ahead %s; "
+                 "%d reply threads and as many row workers",
+                 e->cfg.max_batch, e->max_delay_us, e->lookahead ? "on" : "off",
+                 rnnd_threadpool_workers(e->replies));
         bool spin = false;
         for (;;) {
             struct rnnd_batch b;

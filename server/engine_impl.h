@@ -75,8 +75,9 @@ struct rnnd_engine {
     char *rec_host;
     size_t rec_host_bytes;
     struct rnnd_backend be;
-    bool host_mem;  // the backend's memory is host memory: no staging copies
-    bool lookahead; // the next Step batch is gathered while one runs (--step-lookahead)
+    bool host_mem;    // the backend's memory is host memory: no staging copies
+    bool lookahead;   // the next Step batch is gathered while one runs (--step-lookahead)
+    int max_delay_us; // --max-delay-us as resolved once the backend is open
     struct rnnd_batcher *batcher;
 
     pthread_t thread;

@@ -495,6 +495,37 @@ static double rejections(const struct daemon *dd, const char *resource) {
     return daemon_metric(dd, "rnnd_limit_rejections_total", labels);
 }
 
+// --max-delay-us -1 (the default) resolves with the look-ahead: 0 where it runs, 200 elsewhere;
+// a value given is kept. The engine says what it resolved to when it starts.
+static void test_batching_defaults(void **state) {
+    (void)state;
+    struct {
+        const char *lookahead, *delay, *says;
+    } cases[] = {
+        {"0", NULL, "waiting up to 200 us for more; look-ahead off"},
+        {"1", NULL, "waiting up to 0 us for more; look-ahead on"},
+        {"1", "300", "waiting up to 300 us for more; look-ahead on"},
+    };
+    for (int i = 0; i < 3; i++) {
+        struct daemon db;
+        const char *args[] = {"--input-size",
+                              "8",
+                              "--hidden-size",
+                              "16",
+                              "--step-lookahead",
+                              cases[i].lookahead,
+                              "--max-delay-us",
+                              cases[i].delay,
+                              NULL};
+        if (cases[i].delay == NULL)
+            args[6] = NULL;
+        assert_int_equal(daemon_start(&db, args), 0);
+        bool said = daemon_log_contains(&db, cases[i].says);
+        daemon_free(&db);
+        assert_true(said);
+    }
+}
+
 static void test_limits(void **state) {
     (void)state;
     struct daemon dl;
@@ -859,14 +890,14 @@ static void test_config_file(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ready_line),       cmocka_unit_test(test_grpc_health),
-        cmocka_unit_test(test_http_endpoints),   cmocka_unit_test(test_metrics_content),
-        cmocka_unit_test(test_idle_eviction),    cmocka_unit_test(test_auth_token),
-        cmocka_unit_test(test_queue_full),       cmocka_unit_test(test_sigterm_under_load),
-        cmocka_unit_test(test_watch_sees_drain), cmocka_unit_test(test_sigint),
-        cmocka_unit_test(test_bad_flags),        cmocka_unit_test(test_config_file),
-        cmocka_unit_test(test_http_bounds),      cmocka_unit_test(test_limits),
-        cmocka_unit_test(test_exposure_warning),
+        cmocka_unit_test(test_ready_line),        cmocka_unit_test(test_grpc_health),
+        cmocka_unit_test(test_http_endpoints),    cmocka_unit_test(test_metrics_content),
+        cmocka_unit_test(test_idle_eviction),     cmocka_unit_test(test_auth_token),
+        cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_sigterm_under_load),
+        cmocka_unit_test(test_watch_sees_drain),  cmocka_unit_test(test_sigint),
+        cmocka_unit_test(test_bad_flags),         cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_http_bounds),       cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_batching_defaults), cmocka_unit_test(test_exposure_warning),
     };
     return cmocka_run_group_tests_name("ops", tests, setup, teardown) ? 1 : 0;
 }

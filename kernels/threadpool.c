@@ -2,11 +2,12 @@
  * threadpool.c: the worker-thread pool of rnnd_threadpool.h.
  *
  * One mutex guards everything; the workers wait on `wake` for a run's parts to take, posted
- * tasks or stop, and the thread in rnnd_threadpool_run waits on `done` for the parts that workers
- * took. A run's parts are handed out by number under the mutex (next), so each runs exactly
- * once whoever takes it: a worker that wakes after the caller took the last part finds nothing
- * and sleeps again, never touching the caller's task. rnnd_threadpool_run is a start and a join. Posted tasks come first, and a stopping
- * pool runs every one of them before its workers end.
+ * tasks or stop, and the thread in rnnd_threadpool_join waits on `done` for the parts that
+ * workers took (rnnd_threadpool_run is a start and a join). A run's parts are handed out by
+ * number under the mutex (next), so each runs exactly once whoever takes it: a worker that wakes
+ * after the caller took the last part finds nothing and sleeps again, never touching the
+ * caller's task. Posted tasks come first, and a stopping pool runs every one of them before its
+ * workers end.
  */
 #include "rnnd_threadpool.h"
 

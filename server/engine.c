@@ -619,8 +619,7 @@ struct rnnd_engine *rnnd_engine_init(const struct rnnd_config *cfg, int index, i
                                        .cap = cfg->trajectory_steps};
     struct rnnd_batcher_config bc = {
         .max_batch = cfg->max_batch,
-        .max_delay_ns = (uint64_t)(cfg->max_delay_us < 0 ? MAX_DELAY_US_HOST : cfg->max_delay_us) *
-                        1000ull, // -1: set once the backend is open (engine_open)
+        .max_delay_ns = 0, // engine_open sets it: -1 resolves with the backend
         .max_queue_rows = rnnd_config_queue_rows(cfg),
         .spin_ns = (uint64_t)cfg->engine_spin_us * 1000ull,
     };

@@ -51,7 +51,7 @@ struct rnnd_env *rnnd_envtable_find_hint(const struct rnnd_envtable *t, uint64_t
 // Starts loading what finding each of the n ids will read (its bucket, then its chain's first
 // entry), so that a run of finds does not wait on two cache misses each.
 void rnnd_envtable_prefetch(const struct rnnd_envtable *t, const uint64_t *ids, int n);
-// The same for n finds with hints (the hinted entries only; -1: the id's bucket and chain).
+// The same for n finds with hints: each hinted entry, or where there is none the id's bucket.
 void rnnd_envtable_prefetch_hints(const struct rnnd_envtable *t, const uint64_t *ids,
                                   const int32_t *hints, int n);
 // Adds id (which must not be present) with a free slot, as the most recently used entry.

@@ -152,6 +152,8 @@ static void test_bad_flags_name_themselves(void **state) {
     expect_error((const char *[]){"--max-health-watches", "0", NULL}, "--max-health-watches");
     expect_error((const char *[]){"--stream-idle-timeout-s", "-1", NULL},
                  "--stream-idle-timeout-s");
+    // -1 is the automatic delay (test_ops' test_batching_defaults); below it, no delay at all.
+    expect_error((const char *[]){"--max-delay-us", "-2", NULL}, "--max-delay-us");
 }
 
 // The policy flags fill model.policy; the model's own check refuses what no backend runs.

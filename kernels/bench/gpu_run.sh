@@ -24,7 +24,8 @@
 #                 in all);
 #       rows      rnnd-kernel-bench at issue 45's rows (GRU H=64, H=256, two layers, LSTM two
 #                 layers, H=512, H=1024), fp32 at resets 0 / 0.01 / 0.1 and bf16, with cuDNN
-#                 (not in all);
+#                 (not in all); ROW_ARGS replaces the rows (';'-separated), each run with every
+#                 variant of VARIANTS_ROWS in turn (default 0);
 #       step      rnnd-kernel-bench --op step at issue 8's single-step shapes, then
 #                 torch_step_bench.py (PyTorch GRUCell/LSTMCell + index ops, CUDA graph) at the
 #                 same shapes (not in all); OLD_BENCH names a bench binary of an older step
@@ -215,13 +216,18 @@ if [[ " $STEPS " == *" rows "* ]]; then
         "--cell lstm --batch 256 --steps 80 --input 512 --hidden 512"
         "--cell gru --batch 256 --steps 80 --input 512 --hidden 512"
         "--cell lstm --batch 64 --steps 80 --input 512 --hidden 1024")
+    # ROW_ARGS: other rows, ';'-separated; VARIANTS_ROWS: variant bits to alternate at each.
+    [ -n "${ROW_ARGS:-}" ] && IFS=';' read -ra ROWS <<<"$ROW_ARGS"
     for args in "${ROWS[@]}"; do
         for comp in fp32 bf16; do
             resets=0,0.01,0.1
             [ $comp = bf16 ] && resets=0.01
-            timeout 200 "$BIN/rnnd-kernel-bench" --backend cuda --compute $comp --warmup 3 \
-                --repeat ${REPEAT:-10} --reset-prob $resets $args >>"$OUT/rows.log" 2>&1
-            echo "rows $comp $args rc=$?" | tee -a "$OUT/rows.log"
+            for v in ${VARIANTS_ROWS:-0}; do
+                RNND_CUDA_VARIANT=$v timeout 200 "$BIN/rnnd-kernel-bench" --backend cuda \
+                    --compute $comp --warmup 3 --repeat ${REPEAT:-10} --reset-prob $resets \
+                    $args >>"$OUT/rows.log" 2>&1
+                echo "rows $comp variant $v $args rc=$?" | tee -a "$OUT/rows.log"
+            done
         done
     done
     grep '^{' "$OUT/rows.log" >>"$OUT/bench.jsonl"

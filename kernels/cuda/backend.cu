@@ -53,6 +53,9 @@ static void cuda_destroy(void *ctx) {
     cudaSetDevice(c->device);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    for (auto &g : c->seq_graphs)
+        if (g.exec)
+            cudaGraphExecDestroy(g.exec);
     if (c->blas)
         cublasDestroy(c->blas);
     cudaFree(c->d_blas_ws);

@@ -54,6 +54,15 @@
 // ---------------------------------------------------------------------------------------------
 // The backend context (one per rnnd_backend; one thread at a time).
 
+#define SEQ_GRAPHS          8   // a forward and a backward for each of up to four layers
+#define SEQ_GRAPH_KEY_BYTES 256 // seq.cu's struct stepwise_key fits (static_assert there)
+
+struct seq_graph {
+    cudaGraphExec_t exec;
+    unsigned long long used; // cuda_ctx.seq_graph_calls when it last ran
+    unsigned char key[SEQ_GRAPH_KEY_BYTES];
+};
+
 struct cuda_ctx {
     int device;
     struct seq_device dev; // what the plans read of the device (compute capability, SMs, ...)
@@ -79,8 +88,13 @@ struct cuda_ctx {
         size_t n;
     } step_wrote[3];
     // Held from record_begin to record_end: host_free (any thread) synchronises the stream, which
-    // would break a recording on it.
+    // would break a recording on it (and while seq.cu records a loop).
     pthread_mutex_t record_lock;
+    // The per-step path's loops recorded as CUDA graphs (seq.cu, stepwise_graph), each under the
+    // bytes of its call's arguments, replayed while a call's are the same; the least recently
+    // used one gives way.
+    struct seq_graph seq_graphs[SEQ_GRAPHS];
+    unsigned long long seq_graph_calls;
 };
 
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in

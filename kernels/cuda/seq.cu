@@ -370,6 +370,91 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
 }
 
 // ---------------------------------------------------------------------------------------------
+// The per-step loops as CUDA graphs. Issued one launch at a time, a loop runs at the host's pace:
+// 17-28 us a step at issue 45's per-step rows, where the same GEMM and cell replayed from a graph
+// take 9.5-19 (journal seq-08). So each loop is recorded once and replayed while its arguments
+// stay the same (the bench's and a learner's buffers do): a key holds every value the loop's
+// launches take, pointers included; the kernels read the data behind them when they run.
+
+// Every argument of a per-step loop, padding zeroed (the key is compared byte for byte).
+struct stepwise_key {
+    bool fwd, half, lstm;
+    int mode, ld;
+    const void *p[6];
+    union {
+        stepwise_args a;     // fwd
+        stepwise_bwd_args b; // !fwd
+    };
+};
+static_assert(sizeof(stepwise_key) <= SEQ_GRAPH_KEY_BYTES, "the key fits a seq_graph");
+
+// Records launch()'s work on c->stream into slot g (updating its executable graph in place where
+// the topology allows, else instantiating it anew). A failed recording leaves g empty.
+template <class F>
+static int stepwise_record(struct cuda_ctx *c, struct seq_graph *g, F &launch) {
+    pthread_mutex_lock(&c->record_lock);
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        pthread_mutex_unlock(&c->record_lock);
+        cudaGetLastError();
+        return RNND_EDEVICE;
+    }
+    int rc = launch();
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
+    pthread_mutex_unlock(&c->record_lock);
+    if (rc == 0 && e == cudaSuccess && g->exec) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(g->exec, graph, &info) != cudaSuccess) {
+            cudaGetLastError();
+            cudaGraphExecDestroy(g->exec);
+            g->exec = nullptr;
+        }
+    } else if (g->exec) {
+        cudaGraphExecDestroy(g->exec);
+        g->exec = nullptr;
+    }
+    if (rc == 0 && e == cudaSuccess && !g->exec)
+        e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (graph)
+        cudaGraphDestroy(graph);
+    if (rc == 0 && e != cudaSuccess) {
+        cudaGetLastError();
+        g->exec = nullptr;
+        rc = RNND_EDEVICE;
+    }
+    return rc;
+}
+
+// Enqueues launch()'s loop: the graph recorded under key k, recorded first where no slot holds
+// it. On a stream already being recorded (the daemon's recordings), with the no_graph variant,
+// or where the recording fails, launched as is.
+template <class F>
+static int stepwise_graph(struct cuda_ctx *c, const stepwise_key &k, F launch) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (c->tune.no_graph || cudaStreamIsCapturing(c->stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone)
+        return launch();
+    struct seq_graph *g = nullptr, *lru = &c->seq_graphs[0];
+    for (auto &s : c->seq_graphs) {
+        if (s.exec && memcmp(s.key, &k, sizeof(k)) == 0) {
+            g = &s;
+            break;
+        }
+        if (s.used < lru->used)
+            lru = &s;
+    }
+    if (g == nullptr) {
+        g = lru;
+        if (stepwise_record(c, g, launch) != 0)
+            return launch(); // as is: its own error, if it has one
+        memcpy(g->key, &k, sizeof(k));
+    }
+    g->used = ++c->seq_graph_calls;
+    RNND_CUDA_TRY(cudaGraphLaunch(g->exec, c->stream));
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Forward
 
 static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, const stepwise_args &a,
@@ -383,16 +468,24 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
     auto cell = !lstm  ? &stepwise_cell_kernel<cell_gru, false>
                 : half ? &stepwise_cell_kernel<cell_lstm, true>
                        : &stepwise_cell_kernel<cell_lstm, false>;
-    init<<<grid, SEQ_BLOCK, 0, c->stream>>>(a);
-    CUDA_LAUNCH_CHECK();
-    for (int t = 0; t < a.T; t++) {
-        // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
-        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
-                      a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
-        cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
+    stepwise_key k;
+    memset(&k, 0, sizeof(k));
+    k.fwd = true, k.half = half, k.lstm = lstm, k.mode = m->compute, k.ld = ldy;
+    memcpy(&k.a, &a, sizeof(a));
+    const void *p[] = {lp.w_hh, xg, hg, y, h_n, c_n};
+    memcpy(k.p, p, sizeof(p));
+    return stepwise_graph(c, k, [&]() -> int {
+        init<<<grid, SEQ_BLOCK, 0, c->stream>>>(a);
         CUDA_LAUNCH_CHECK();
-    }
-    return 0;
+        for (int t = 0; t < a.T; t++) {
+            // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
+                          a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
+            cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
+            CUDA_LAUNCH_CHECK();
+        }
+        return 0;
+    });
 }
 
 // Layer l's persistent forward as y names it.
@@ -527,7 +620,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             }
             RNND_TRY(persist_forward(c, m, p, y, a));
         } else {
-            stepwise_args a = {};
+            stepwise_args a;
+            memset(&a, 0, sizeof(a)); // padding too: the graphs' keys (stepwise_key) hold it
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l;
             a.is_init = seq->is_init, a.h0 = seq->h0, a.c0 = seq->c0;
             a.hidden = seq->hidden, a.cell = seq->cell;
@@ -558,17 +652,24 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
     auto cell = !lstm  ? &stepwise_cell_backward_kernel<cell_gru, false>
                 : half ? &stepwise_cell_backward_kernel<cell_lstm, true>
                        : &stepwise_cell_backward_kernel<cell_lstm, false>;
-    for (int t = a.T - 1; t >= 0; t--) {
-        cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
-        CUDA_LAUNCH_CHECK();
-        // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
-        const float *dt = a.d + (size_t)t * 4 * H;
-        RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H, w_hh, H,
-                      dt, ldd, 1.0f, a.dhp, H));
-        stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
-        CUDA_LAUNCH_CHECK();
-    }
-    return 0;
+    stepwise_key k;
+    memset(&k, 0, sizeof(k));
+    k.fwd = false, k.half = half, k.lstm = lstm, k.mode = m->compute;
+    memcpy(&k.b, &a, sizeof(a));
+    k.p[0] = w_hh;
+    return stepwise_graph(c, k, [&]() -> int {
+        for (int t = a.T - 1; t >= 0; t--) {
+            cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+            CUDA_LAUNCH_CHECK();
+            // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
+            const float *dt = a.d + (size_t)t * 4 * H;
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H,
+                          w_hh, H, dt, ldd, 1.0f, a.dhp, H));
+            stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
+            CUDA_LAUNCH_CHECK();
+        }
+        return 0;
+    });
 }
 
 // Layer l's persistent backward as y names it.
@@ -762,7 +863,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.dbg = c->d_dbg ? c->d_dbg + 1024 * 8 : nullptr;
             RNND_TRY(persist_backward(c, m, p, y, a));
         } else {
-            stepwise_bwd_args sw = {};
+            stepwise_bwd_args sw;
+            memset(&sw, 0, sizeof(sw)); // as stepwise_args a (forward)
             sw.B = B, sw.T = T, sw.H = H, sw.L = L, sw.l = l;
             sw.stored = a.stored, sw.is_init = a.is_init;
             sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = p.tape_blocked;

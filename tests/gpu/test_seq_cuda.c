@@ -421,6 +421,57 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
     seq_host_free(&h);
 }
 
+// The per-step path replays its loops from CUDA graphs recorded under their arguments (seq.cu,
+// stepwise_graph): the same case three times, each on its own inputs, in buffers that the
+// allocator mostly hands back at the same addresses (so the later runs replay the first run's
+// graphs with other data behind the same pointers), each against the CPU reference; the last
+// also bitwise equal to the loops launched one by one (RNND_TUNE_NO_GRAPH). States from h0.
+static void test_graph_reuse(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                             const struct seq_case *sc, int arg) {
+    (void)arg;
+    const struct seq_sizes z = seq_sizes_of(sc);
+    const bool lstm = sc->cell == RNND_CELL_LSTM;
+    const double tol = tolerance(sc->compute);
+    rnnd_cuda_set_path(gpu, sc->path);
+    for (int k = 0; k < 3; k++) {
+        char tag[48];
+        snprintf(tag, sizeof(tag), "%s H%d L%d graph replay %d", lstm ? "lstm" : "gru", sc->H,
+                 sc->L, k);
+        gpu_seed(tag);
+        struct seq_host h;
+        seq_host_init(&h, sc, 0.0f, 0.8f);
+        struct seq_out og, oc;
+        if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
+            compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
+            compare("h_n", tag, og.hn, oc.hn, NULL, z.blh, tol);
+            compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
+            compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+            compare("grad h0", tag, og.gh0, oc.gh0, NULL, z.blh, tol);
+            if (lstm)
+                compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
+        }
+        if (k == 2) {
+            struct seq_out oe;
+            seq_out_alloc(&oe, &z);
+            int err = rnnd_cuda_set_variant(gpu, gpu_base_variant | RNND_TUNE_NO_GRAPH);
+            if (!err)
+                err = run_seq(gpu, sc, &h, &oe, true);
+            rnnd_cuda_set_variant(gpu, gpu_base_variant);
+            check(!err, "%s: launched run %s", tag, rnnd_err_name(err));
+            if (!err) {
+                compare("out (launched)", tag, oe.out, og.out, NULL, z.nout, 1e-7);
+                compare("grad params (launched)", tag, oe.gp, og.gp, h.gbase, z.P, 1e-7);
+                compare("grad x (launched)", tag, oe.gx, og.gx, NULL, z.nx, 1e-7);
+            }
+            seq_out_free(&oe);
+        }
+        seq_out_free(&og);
+        seq_out_free(&oc);
+        seq_host_free(&h);
+    }
+    rnnd_cuda_set_path(gpu, RNND_CUDA_PATH_AUTO);
+}
+
 // A tape one float past 16-byte alignment: the forward and the backward refuse it (the loops
 // copy it in bulk) and write nothing.
 static void test_tape_align(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
@@ -992,6 +1043,9 @@ static const struct edge_test edge_tests[] = {
     {test_zfwd, {GRU, BF16, 40, 128, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
     {test_zfwd, {GRU, BF16, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0}, 0, false},
     {test_tape_align, {GRU, F32, 64, 128, 1, 5, 3, 0.0, NONE, AUTO, 0}, 0, true},
+    // The per-step path's graphs: two layers (four loops), and H = 160 (the plan's own choice).
+    {test_graph_reuse, {GRU, F32, 40, 48, 2, 37, 19, 0.1, H0, STEP, 0}, 0, true},
+    {test_graph_reuse, {LSTM, F32, 64, 160, 1, 29, 23, 0.1, H0, AUTO, 0}, 0, false},
 };
 
 int main(int argc, char **argv) {

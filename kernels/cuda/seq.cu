@@ -663,8 +663,8 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
             CUDA_LAUNCH_CHECK();
             // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
             const float *dt = a.d + (size_t)t * 4 * H;
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H,
-                          w_hh, H, dt, ldd, 1.0f, a.dhp, H));
+            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H, w_hh,
+                          H, dt, ldd, 1.0f, a.dhp, H));
             stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
             CUDA_LAUNCH_CHECK();
         }

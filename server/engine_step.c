@@ -604,8 +604,9 @@ static void step_finish_start(struct rnnd_engine *e, struct step_batch *b) {
 }
 
 // After step_finish_start: each env's bookkeeping and the jobs' outputs (the rows the workers
-// have not taken), the envs' end of busy and use order, then the replies.
-static void step_finish(struct rnnd_engine *e, struct step_batch *b) {
+// have not taken), the envs' end of busy and use order, then the replies. more: a batch is
+// admitted behind this one and waits for this thread.
+static void step_finish(struct rnnd_engine *e, struct step_batch *b, bool more) {
     size_t H = (size_t)e->model.H, LH = e->LH;
     int rc = b->rc;
     if (rc != 0) {
@@ -664,12 +665,14 @@ static void step_finish(struct rnnd_engine *e, struct step_batch *b) {
     uint64_t t_reply = rnnd_now_ns();
     atomic_fetch_add_explicit(&rnnd_metrics.engine_ns[RNND_PHASE_UPDATE], t_reply - t_update,
                               memory_order_relaxed);
-    // Then the replies: several, one of many rows, or any while more Steps wait go to the reply
-    // threads; a lone small reply is quicker sent from here. Packing a 1024-row reply took 209 us
-    // on this thread (H200 host, fp32), longer than the gather, the kernel and the update
-    // together, and held the next batch; sending one of 64 rows, ~20 us.
+    // Then the replies: several, one of many rows, or any while more Steps wait (admitted behind
+    // this batch or queued) go to the reply threads; a lone small reply is quicker sent from
+    // here. Packing a 1024-row reply took 209 us on this thread (H200 host, fp32), longer than
+    // the gather, the kernel and the update together, and held the next batch; sending one of
+    // 64 rows, ~20 us.
     struct rnnd_job *jobs = b->jobs;
-    if ((njobs > 1 || jobs->step.B >= REPLY_POST_MIN_ROWS || rnnd_batcher_rows(e->batcher) > 0) &&
+    if ((more || njobs > 1 || jobs->step.B >= REPLY_POST_MIN_ROWS ||
+         rnnd_batcher_rows(e->batcher) > 0) &&
         rnnd_threadpool_workers(e->replies) > 0) {
         struct rnnd_job *last = jobs;
         for (struct rnnd_job *job = jobs; job; job = (struct rnnd_job *)job->item.next) {
@@ -704,7 +707,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     for (;;) {
         struct rnnd_job *next = e->lookahead ? step_admit_next(e, cur) : NULL;
         if (finishing)
-            step_finish(e, prev);
+            step_finish(e, prev, next != NULL);
         if (next)
             step_gather(e, prev, next, cur->buf == &e->bufs[0] ? &e->bufs[1] : &e->bufs[0]);
         step_wait(e, cur);
@@ -712,7 +715,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
             step_launch(e, prev);
         step_finish_start(e, cur);
         if (next == NULL) {
-            step_finish(e, cur);
+            step_finish(e, cur, false);
             return;
         }
         struct step_batch *ran = cur;

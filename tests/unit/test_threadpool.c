@@ -229,6 +229,38 @@ static void test_post(void **state) {
     assert_int_equal(atomic_load(&on_caller), 0);
 }
 
+// Posts of fewer tasks than workers wake as many workers as tasks: each post of one or two tasks
+// to four sleeping workers runs, with nothing else to wake them (a lost wake-up fails here
+// after 2 s instead of hanging until the pool is freed).
+static void test_post_wakes(void **state) {
+    (void)state;
+    struct rnnd_threadpool *pool = rnnd_threadpool_init(4, NULL);
+    assert_non_null(pool);
+    static struct item items[2];
+    static _Atomic int runs[2];
+    _Atomic int on_caller = 0;
+    for (int round = 0; round < 200; round++) {
+        const int len = 1 + round % 2;
+        for (int j = 0; j < len; j++)
+            items[j] = item_make(&runs[j], &on_caller);
+        if (len == 2)
+            items[0].task.next = &items[1].task;
+        if (round % 10 == 0)
+            usleep(2000); // the workers asleep, not between tasks
+        rnnd_threadpool_post(pool, &items[0].task, &items[len - 1].task);
+        int waited_us = 0;
+        while ((atomic_load(&runs[0]) != 1 || atomic_load(&runs[len - 1]) != 1) &&
+               waited_us < 2000000) {
+            usleep(50);
+            waited_us += 50;
+        }
+        if (atomic_load(&runs[0]) != 1 || atomic_load(&runs[len - 1]) != 1)
+            fail_msg("round %d: %d posted tasks did not all run within 2 s", round, len);
+    }
+    rnnd_threadpool_free(pool);
+    assert_int_equal(atomic_load(&on_caller), 0);
+}
+
 // Spinning workers: runs back to back, after pauses within the spin and past it; posted tasks
 // run while the pool lives (a worker that missed the hand-over and slept would leave them
 // queued until the pool is freed); freeing a pool whose workers spin ends them.
@@ -285,8 +317,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_run_parts),  cmocka_unit_test(test_run_chunks),
         cmocka_unit_test(test_null_pool),  cmocka_unit_test(test_post),
-        cmocka_unit_test(test_names),      cmocka_unit_test(test_spin),
-        cmocka_unit_test(test_start_join),
+        cmocka_unit_test(test_post_wakes), cmocka_unit_test(test_names),
+        cmocka_unit_test(test_spin),       cmocka_unit_test(test_start_join),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -324,6 +324,19 @@ static void test_nan(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const s
 
 // Runs case sc with inputs h on the GPU (og) and on the CPU reference (oc), allocating both;
 // the run counts as a check. False, with a FAIL line, when either returned an error.
+// The output and the weight and initial-state gradients of a case run from h0 (og on the GPU, oc
+// on the CPU), at the case's tolerance.
+static void compare_from_h0(const char *tag, const struct seq_case *sc, const struct seq_host *h,
+                            const struct seq_out *og, const struct seq_out *oc) {
+    const struct seq_sizes z = seq_sizes_of(sc);
+    const double tol = tolerance(sc->compute);
+    compare("out", tag, og->out, oc->out, NULL, z.nout, tol);
+    compare("grad params", tag, og->gp, oc->gp, h->gbase, z.P, tol);
+    compare("grad h0", tag, og->gh0, oc->gh0, NULL, z.blh, tol);
+    if (sc->cell == RNND_CELL_LSTM)
+        compare("grad c0", tag, og->gc0, oc->gc0, NULL, z.blh, tol);
+}
+
 static bool run_pair(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *sc,
                      const struct seq_host *h, struct seq_out *og, struct seq_out *oc,
                      const char *tag) {
@@ -393,7 +406,6 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
     const enum rnnd_compute compute = sc.compute;
     const struct rnnd_model m = {
         .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
-    const struct seq_sizes z = seq_sizes_of(&sc);
     char tag[48];
     snprintf(tag, sizeof(tag), "%s %s %s gates ~1", lstm ? "lstm" : "gru", compute_name(compute),
              lstm ? "forget" : "update");
@@ -408,68 +420,11 @@ static void test_forget_chain(struct rnnd_backend *gpu, struct rnnd_backend *cpu
         h.params[b.offset + (size_t)sc.H + u] += 9.0f;
     }
     struct seq_out og, oc;
-    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
-        const double tol = tolerance(sc.compute);
-        compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
-        compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
-        compare("grad h0", tag, og.gh0, oc.gh0, NULL, z.blh, tol);
-        if (lstm)
-            compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
-    }
+    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag))
+        compare_from_h0(tag, &sc, &h, &og, &oc);
     seq_out_free(&og);
     seq_out_free(&oc);
     seq_host_free(&h);
-}
-
-// The per-step path replays its loops from CUDA graphs recorded under their arguments (seq.cu,
-// stepwise_graph): the same case three times, each on its own inputs, in buffers that the
-// allocator mostly hands back at the same addresses (so the later runs replay the first run's
-// graphs with other data behind the same pointers), each against the CPU reference; the last
-// also bitwise equal to the loops launched one by one (RNND_TUNE_NO_GRAPH). States from h0.
-static void test_graph_reuse(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
-                             const struct seq_case *sc, int arg) {
-    (void)arg;
-    const struct seq_sizes z = seq_sizes_of(sc);
-    const bool lstm = sc->cell == RNND_CELL_LSTM;
-    const double tol = tolerance(sc->compute);
-    rnnd_cuda_set_path(gpu, sc->path);
-    for (int k = 0; k < 3; k++) {
-        char tag[48];
-        snprintf(tag, sizeof(tag), "%s H%d L%d graph replay %d", lstm ? "lstm" : "gru", sc->H,
-                 sc->L, k);
-        gpu_seed(tag);
-        struct seq_host h;
-        seq_host_init(&h, sc, 0.0f, 0.8f);
-        struct seq_out og, oc;
-        if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
-            compare("out", tag, og.out, oc.out, NULL, z.nout, tol);
-            compare("h_n", tag, og.hn, oc.hn, NULL, z.blh, tol);
-            compare("grad params", tag, og.gp, oc.gp, h.gbase, z.P, tol);
-            compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
-            compare("grad h0", tag, og.gh0, oc.gh0, NULL, z.blh, tol);
-            if (lstm)
-                compare("grad c0", tag, og.gc0, oc.gc0, NULL, z.blh, tol);
-        }
-        if (k == 2) {
-            struct seq_out oe;
-            seq_out_alloc(&oe, &z);
-            int err = rnnd_cuda_set_variant(gpu, gpu_base_variant | RNND_TUNE_NO_GRAPH);
-            if (!err)
-                err = run_seq(gpu, sc, &h, &oe, true);
-            rnnd_cuda_set_variant(gpu, gpu_base_variant);
-            check(!err, "%s: launched run %s", tag, rnnd_err_name(err));
-            if (!err) {
-                compare("out (launched)", tag, oe.out, og.out, NULL, z.nout, 1e-7);
-                compare("grad params (launched)", tag, oe.gp, og.gp, h.gbase, z.P, 1e-7);
-                compare("grad x (launched)", tag, oe.gx, og.gx, NULL, z.nx, 1e-7);
-            }
-            seq_out_free(&oe);
-        }
-        seq_out_free(&og);
-        seq_out_free(&oc);
-        seq_host_free(&h);
-    }
-    rnnd_cuda_set_path(gpu, RNND_CUDA_PATH_AUTO);
 }
 
 // A tape one float past 16-byte alignment: the forward and the backward refuse it (the loops
@@ -549,6 +504,40 @@ static void test_bitwise_variant(struct rnnd_backend *gpu, const struct seq_case
     seq_out_free(&oa);
     seq_out_free(&ob);
     seq_host_free(&h);
+}
+
+// The per-step path replays its loops from CUDA graphs recorded under their arguments (seq.cu,
+// stepwise_graph): the same case three times, each on its own inputs, in buffers that the
+// allocator mostly hands back at the same addresses (so the later runs replay the first run's
+// graphs with other data behind the same pointers), each against the CPU reference; then once
+// more, bitwise equal to the loops launched one by one (RNND_TUNE_NO_GRAPH). States from h0.
+static void test_graph_reuse(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                             const struct seq_case *sc, int arg) {
+    (void)arg;
+    const struct seq_sizes z = seq_sizes_of(sc);
+    const bool lstm = sc->cell == RNND_CELL_LSTM;
+    const double tol = tolerance(sc->compute);
+    char tag[48];
+    rnnd_cuda_set_path(gpu, sc->path);
+    for (int k = 0; k < 3; k++) {
+        snprintf(tag, sizeof(tag), "%s H%d L%d graph replay %d", lstm ? "lstm" : "gru", sc->H,
+                 sc->L, k);
+        gpu_seed(tag);
+        struct seq_host h;
+        seq_host_init(&h, sc, 0.0f, 0.8f);
+        struct seq_out og, oc;
+        if (run_pair(gpu, cpu, sc, &h, &og, &oc, tag)) {
+            compare_from_h0(tag, sc, &h, &og, &oc);
+            compare("h_n", tag, og.hn, oc.hn, NULL, z.blh, tol);
+            compare("grad x", tag, og.gx, oc.gx, NULL, z.nx, tol);
+        }
+        seq_out_free(&og);
+        seq_out_free(&oc);
+        seq_host_free(&h);
+    }
+    snprintf(tag, sizeof(tag), "%s H%d L%d graph vs launched", lstm ? "lstm" : "gru", sc->H, sc->L);
+    test_bitwise_variant(gpu, sc, 0, RNND_TUNE_NO_GRAPH, tag);
+    rnnd_cuda_set_path(gpu, RNND_CUDA_PATH_AUTO);
 }
 
 // The GRU TF32 loops at H <= 128: the wgmma loop (seq_wg.cu, on sm_90) and the mma.sync KP loop

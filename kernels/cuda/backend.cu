@@ -192,8 +192,8 @@ static int cuda_sync(void *ctx) {
 }
 
 // Recordings are CUDA graphs captured from the stream (thread-local mode: other threads' CUDA
-// calls go on as usual meanwhile).
-static int cuda_record_begin(void *ctx) {
+// calls go on as usual meanwhile): the daemon's step recordings and seq.cu's per-step loops.
+int rnnd__cuda_record_begin(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     pthread_mutex_lock(&c->record_lock);
     if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
@@ -205,7 +205,7 @@ static int cuda_record_begin(void *ctx) {
     return 0;
 }
 
-static int cuda_record_end(void *ctx, void **unit) {
+int rnnd__cuda_record_end(void *ctx, void **unit) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     *unit = NULL;
     cudaGraph_t graph = NULL;
@@ -453,8 +453,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .heads_backward = */ cuda_heads_backward,
     /* .policy_sample = */ cuda_policy_sample,
     /* .policy_logp = */ cuda_policy_logp,
-    /* .record_begin = */ cuda_record_begin,
-    /* .record_end = */ cuda_record_end,
+    /* .record_begin = */ rnnd__cuda_record_begin,
+    /* .record_end = */ rnnd__cuda_record_end,
     /* .replay = */ cuda_replay,
     /* .free_unit = */ cuda_free_unit,
 };

@@ -88,11 +88,11 @@ struct cuda_ctx {
         size_t n;
     } step_wrote[3];
     // Held from record_begin to record_end: host_free (any thread) synchronises the stream, which
-    // would break a recording on it (and while seq.cu records a loop).
+    // would break a recording on it.
     pthread_mutex_t record_lock;
-    // The per-step path's loops recorded as CUDA graphs (seq.cu, stepwise_graph), each under the
-    // bytes of its call's arguments, replayed while a call's are the same; the least recently
-    // used one gives way.
+    // The per-step path's loops recorded (seq.cu, stepwise_graph), each under the bytes of its
+    // call's arguments, replayed while a call's are the same; the least recently used one gives
+    // way.
     struct seq_graph seq_graphs[SEQ_GRAPHS];
     unsigned long long seq_graph_calls;
 };
@@ -118,6 +118,11 @@ static __device__ __forceinline__ float pow2_inv(float p) {
 
 // Makes ctx->d_scratch at least bytes long.
 int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes);
+
+// A recording of the work enqueued on ctx's stream between the two (a CUDA graph: *unit, an
+// instantiated cudaGraphExec_t), holding record_lock meanwhile; RNND_EDEVICE where it fails.
+int rnnd__cuda_record_begin(void *ctx);
+int rnnd__cuda_record_end(void *ctx, void **unit);
 
 // A bump allocator over the scratch (or a tape): measure with base NULL, then carve for real.
 struct cuda_carve {

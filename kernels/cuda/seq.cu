@@ -388,46 +388,10 @@ struct stepwise_key {
 };
 static_assert(sizeof(stepwise_key) <= SEQ_GRAPH_KEY_BYTES, "the key fits a seq_graph");
 
-// Records launch()'s work on c->stream into slot g (updating its executable graph in place where
-// the topology allows, else instantiating it anew). A failed recording leaves g empty.
-template <class F>
-static int stepwise_record(struct cuda_ctx *c, struct seq_graph *g, F &launch) {
-    pthread_mutex_lock(&c->record_lock);
-    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-        pthread_mutex_unlock(&c->record_lock);
-        cudaGetLastError();
-        return RNND_EDEVICE;
-    }
-    int rc = launch();
-    cudaGraph_t graph = nullptr;
-    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
-    pthread_mutex_unlock(&c->record_lock);
-    if (rc == 0 && e == cudaSuccess && g->exec) {
-        cudaGraphExecUpdateResultInfo info;
-        if (cudaGraphExecUpdate(g->exec, graph, &info) != cudaSuccess) {
-            cudaGetLastError();
-            cudaGraphExecDestroy(g->exec);
-            g->exec = nullptr;
-        }
-    } else if (g->exec) {
-        cudaGraphExecDestroy(g->exec);
-        g->exec = nullptr;
-    }
-    if (rc == 0 && e == cudaSuccess && !g->exec)
-        e = cudaGraphInstantiate(&g->exec, graph, 0);
-    if (graph)
-        cudaGraphDestroy(graph);
-    if (rc == 0 && e != cudaSuccess) {
-        cudaGetLastError();
-        g->exec = nullptr;
-        rc = RNND_EDEVICE;
-    }
-    return rc;
-}
-
-// Enqueues launch()'s loop: the graph recorded under key k, recorded first where no slot holds
-// it. On a stream already being recorded (the daemon's recordings), with the no_graph variant,
-// or where the recording fails, launched as is.
+// Enqueues launch()'s loop: the graph recorded under key k, recorded first (rnnd__cuda_record_*)
+// into the least recently used slot where no slot holds it. On a stream already being recorded
+// (the daemon's recordings), with the no_graph variant, or where the recording fails, launched
+// as is.
 template <class F>
 static int stepwise_graph(struct cuda_ctx *c, const stepwise_key &k, F launch) {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -445,8 +409,22 @@ static int stepwise_graph(struct cuda_ctx *c, const stepwise_key &k, F launch) {
     }
     if (g == nullptr) {
         g = lru;
-        if (stepwise_record(c, g, launch) != 0)
+        if (g->exec)
+            cudaGraphExecDestroy(g->exec);
+        g->exec = nullptr;
+        void *unit = nullptr;
+        int rc = rnnd__cuda_record_begin(c);
+        if (rc == 0) {
+            rc = launch();
+            const int end = rnnd__cuda_record_end(c, &unit);
+            rc = rc ? rc : end;
+        }
+        if (rc != 0 || unit == nullptr) {
+            if (unit) // a recording cut short by a failed launch
+                cudaGraphExecDestroy((cudaGraphExec_t)unit);
             return launch(); // as is: its own error, if it has one
+        }
+        g->exec = (cudaGraphExec_t)unit;
         memcpy(g->key, &k, sizeof(k));
     }
     g->used = ++c->seq_graph_calls;

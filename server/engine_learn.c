@@ -427,18 +427,19 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
                 f->env_ids[b], have, env ? "" : " (no state: unknown, ended or evicted)", T, have);
         if (idx == NULL)
             continue;
-        // The window's rows follow each other around the env's ring: its first one, then a
-        // step each (131k rows for B=2048 T=64: no per-row division here).
+        // The window's rows follow each other around the env's ring: from its first one to the
+        // ring's end, then from the ring's start: two runs with no branch a row, which the
+        // compiler vectorises (B=2048 T=64 is 131k rows).
         int32_t *row = idx + (size_t)b * (size_t)T;
         int32_t base = env->slot * e->tdims.cap;
-        int32_t pos =
-            (f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot, f->cur_first[b])
-                       : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, 0)) -
-            base;
-        for (int t = 0; t < T; t++) {
-            row[t] = base + pos;
-            pos = pos + 1 == e->tdims.cap ? 0 : pos + 1;
-        }
+        int32_t first =
+            f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot, f->cur_first[b])
+                      : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, 0);
+        int run = base + e->tdims.cap - first < T ? base + e->tdims.cap - first : T;
+        for (int t = 0; t < run; t++)
+            row[t] = first + t;
+        for (int t = run; t < T; t++)
+            row[t] = base + (t - run);
         idx[(size_t)B * (size_t)T + (size_t)b] = row[0];
     }
     return 0;

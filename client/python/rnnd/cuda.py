@@ -6,9 +6,11 @@ Forward or Backward takes a span of it (``Region.call``): Backward's gradients a
 the GPU, the rest of the span is the call's reply_region, where the daemon's GPU writes the
 reply's tensors. Only small descriptors cross gRPC; no tensor touches the host.
 
-Ordering: before each call the client waits for its current stream (``Call.ready``), so the
-daemon never reads a gradient still being computed nor writes over a reply the client is still
-copying out; the daemon has finished writing when its reply arrives.
+Ordering: before a call that puts tensors in its span the client waits for its current stream
+(``Call.ready``), so the daemon never reads a gradient still being computed; before every call it
+waits for the copies out of spans given back since (``Region.settle``), so the daemon never
+writes over a reply the client is still copying out. The daemon has finished writing when its
+reply arrives.
 
 Client uses this by itself for calls on CUDA tensors (``Client(transport="auto")``).
 """
@@ -74,6 +76,7 @@ class Region(_shm.Spans):
 
     def __init__(self, size, device):
         super().__init__(size)
+        self._reads = []  # events after the copies out of given-back spans
         self.device = torch.device(device)
         self.mem = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         self.key = os.urandom(_shm.KEY_BYTES)
@@ -89,8 +92,25 @@ class Region(_shm.Spans):
         return self
 
     def release(self, call):
+        self.settle()
         _shm.release(self, call)
         self.mem = None
+
+    def read_after(self, stream):
+        """Marks the copies out of a span queued on ``stream`` so far: its memory is reused only
+        once they are done (settle)."""
+        done = torch.cuda.Event()
+        done.record(stream)
+        with self._lock:
+            self._reads.append(done)
+
+    def settle(self):
+        """Waits for the copies out of spans given back (read_after): by the next call they have
+        usually run, where waiting at each span's close would stall on every one."""
+        with self._lock:
+            reads, self._reads = self._reads, []
+        for done in reads:
+            done.synchronize()
 
     def _call(self, at, need):
         return Call(self, at, need)
@@ -110,6 +130,7 @@ class Call:
 
     def _store(self, x, dt, nbytes):
         """Request tensor x into the span at self.at, as dt."""
+        self.region.settle()  # a copy out of this memory on another stream is done
         self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape).copy_(x)
 
     def _read(self, sp):
@@ -129,8 +150,12 @@ class Call:
         self.at += _shm._up(nbytes)
         return out
 
-    def ready(self):
-        torch.cuda.current_stream(self.region.device).synchronize()
+    def ready(self, puts=True):
+        """Before the call: the copies into the span (puts: there are some) and out of spans
+        given back are done."""
+        if puts:
+            torch.cuda.current_stream(self.region.device).synchronize()
+        self.region.settle()
 
     def reply_region(self):
         return pb.RegionSpan(region=self.region.id, offset=self.at,
@@ -157,6 +182,6 @@ class Call:
 
     def close(self):
         if self.region is not None:
-            self.ready()  # the copies out of the span are done before it is reused
+            self.region.read_after(torch.cuda.current_stream(self.region.device))
             self.region._give(self.off)
             self.region = None

@@ -202,7 +202,8 @@ class Call(_cuda.Call):
     def _read(self, sp):
         return self.region.read(sp.offset, sp.nbytes)
 
-    def ready(self):
+    def ready(self, puts=True):
+        """Also without puts: a lost data connection shows here, before the call."""
         self.region.sync()
 
     def close(self):  # nothing of the daemon's to wait for

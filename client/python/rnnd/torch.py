@@ -33,8 +33,8 @@ windows, plus their cursor counts) and backward. With torch >= 2.4
 implementation (output shapes from the model's sizes, which are arguments) and, for step and the
 forwards, a registered autograd formula (the forwards' is rnnd::backward): torch.compile keeps
 the remote core inside its graph (fullgraph=True works) and torch.export exports a module that
-calls them. Older PyTorch (Debian 12's 1.13) runs the same functions and formulas eagerly through
-an autograd.Function. An op names its daemon by target string and reaches it through the newest
+calls them. Outside those, and on older PyTorch (Debian 12's 1.13), the same functions and
+formulas run eagerly through an autograd.Function, which costs less a call than the custom op. An op names its daemon by target string and reaches it through the newest
 open Client registered for that target: RemoteRecurrent registers its own, ``register_client()``
 one with a token or TLS for an exported program loaded elsewhere; with none, a plain
 Client(target) is made.
@@ -473,14 +473,15 @@ def _forward_recorded_backward(ctx, grad_output, grad_h_n, grad_c_n, *constants)
     # One gradient per input the op received: the dispatcher drops fields when it equals its
     # default, and a custom op's ctx.needs_input_grad has a flag for each input it kept (its
     # setup_context saw fields filled back in); _Eager counts the arguments passed.
-    n = len(ctx.needs_input_grad) if CUSTOM_OPS else ctx.n_inputs
+    n = ctx.n_inputs if hasattr(ctx, "rnnd_at") else len(ctx.needs_input_grad)
     return (None, None, None, pgrads) + (None,) * (n - 4)
 
 
 class _Eager(torch.autograd.Function):
-    """torch < 2.4: one op through autograd with the same setup_context and backward as its
-    custom op. The List[Tensor] argument at position `at` (n Parameters) is spread into
-    separate arguments, so that autograd sees each."""
+    """One op through autograd with the same setup_context and backward as its custom op: the
+    op itself on torch < 2.4, and outside torch.compile on newer torch. The List[Tensor]
+    argument at position `at` (n Parameters) is spread into separate arguments, so that
+    autograd sees each."""
 
     @staticmethod
     def forward(ctx, fns, at, n, *flat):
@@ -500,12 +501,27 @@ class _Eager(torch.autograd.Function):
 
 
 def _define(name, impl, fake, setup_context=None, backward=None):
-    if CUSTOM_OPS:
-        op = torch.library.custom_op("rnnd::" + name, impl, mutates_args=())
-        op.register_fake(fake)
-        if backward is not None:
-            op.register_autograd(backward, setup_context=setup_context)
-        return op
+    """-> (the op as called: the custom op under torch.compile and torch.export, else the
+    eager path; the op as rnnd.torch.ops names it)."""
+    eager = _eager(name, impl, setup_context, backward)
+    if not CUSTOM_OPS:
+        return eager, eager
+    op = torch.library.custom_op("rnnd::" + name, impl, mutates_args=())
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+
+    def call(*args):
+        # Eagerly the same functions through an autograd.Function: a custom op's dispatch
+        # and autograd wrapping cost ~0.1 ms a call, a learner iteration makes two.
+        return op(*args) if torch.compiler.is_compiling() else eager(*args)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = impl.__doc__
+    return call, op
+
+
+def _eager(name, impl, setup_context, backward):
     if backward is None:
         return impl
 
@@ -523,16 +539,19 @@ def _define(name, impl, fake, setup_context=None, backward=None):
     return eager
 
 
-_step_op = _define("step", _step, _step_fake, _step_setup, _step_backward)
-_forward_op = _define("forward", _forward, _forward_fake, _forward_setup, _forward_backward)
-_forward_recorded_op = _define("forward_recorded", _forward_recorded, _forward_recorded_fake,
-                               _forward_recorded_setup, _forward_recorded_backward)
-_forward_cursor_op = _define("forward_cursor", _forward_cursor, _forward_cursor_fake,
-                             _forward_recorded_setup, _forward_recorded_backward)
-_backward_op = _define("backward", _backward, _backward_fake)
-ops = types.SimpleNamespace(step=_step_op, forward=_forward_op,
-                            forward_recorded=_forward_recorded_op,
-                            forward_cursor=_forward_cursor_op, backward=_backward_op)
+_step_op, _step_named = _define("step", _step, _step_fake, _step_setup, _step_backward)
+_forward_op, _forward_named = _define("forward", _forward, _forward_fake, _forward_setup,
+                                      _forward_backward)
+_forward_recorded_op, _forward_recorded_named = _define(
+    "forward_recorded", _forward_recorded, _forward_recorded_fake, _forward_recorded_setup,
+    _forward_recorded_backward)
+_forward_cursor_op, _forward_cursor_named = _define(
+    "forward_cursor", _forward_cursor, _forward_cursor_fake, _forward_recorded_setup,
+    _forward_recorded_backward)
+_backward_op, _backward_named = _define("backward", _backward, _backward_fake)
+ops = types.SimpleNamespace(step=_step_named, forward=_forward_named,
+                            forward_recorded=_forward_recorded_named,
+                            forward_cursor=_forward_cursor_named, backward=_backward_named)
 
 
 # ---------------------------------------------------------------------------------------------

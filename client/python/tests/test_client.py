@@ -160,6 +160,10 @@ class ClientTest(unittest.TestCase):
         np.testing.assert_array_equal(r.obs, np.stack(obs[-T:], 1))
         np.testing.assert_array_equal(r.is_init, np.stack(inits[-T:], 1))
         np.testing.assert_array_equal(r.extras, np.stack(extras[-T:], 1))
+        # The client keeps the last env_ids it encoded: other ids, then the first ones again.
+        sub = self.c.forward_recorded(ids[::-1][:2], T)
+        np.testing.assert_array_equal(sub.obs, np.stack(obs[-T:], 1)[::-1][:2])
+        np.testing.assert_array_equal(self.c.forward_recorded(list(ids), T).output, r.output)
         self.assertEqual(r.step_model_version.shape, (3, T))
         self.assertEqual(r.step_model_version.dtype, np.int64)
         self.assertEqual(r.h_n.shape, (3, L, H))

@@ -191,7 +191,8 @@ static void host_lazy_free(void *p, size_t bytes) {
 // A Backward with apply (one engine alone, the service checked): the ApplyGradients step it
 // asks for, as that call would run it, right after the gradients were accumulated.
 static void backward_apply(struct rnnd_engine *e, struct rnnd_job *job) {
-    struct rnnd_job a = {.kind = RNND_JOB_APPLY, .apply = {.root = -1}};
+    struct rnnd_job a = {
+        .kind = RNND_JOB_APPLY, .dev_async = job->dev_async, .apply = {.root = -1}};
     rnnd__engine_run_apply(e, &a);
     if (a.err)
         rnnd_job_fail(job, a.err,
@@ -484,17 +485,30 @@ static void finish_unavailable(struct rnnd_job *list) {
     }
 }
 
+// Waits for the work of a job answered early (e->unsettled). A failure there is a kernel's that
+// ran after its reply went, so the device is in an unknown state.
+static void settle(struct rnnd_engine *e) {
+    if (!e->unsettled)
+        return;
+    e->unsettled = false;
+    int rc = e->be.ops->sync(e->be.ctx);
+    if (rc != 0)
+        rnnd_panic(__FILE__, __LINE__, "backend work answered early failed: %s", rnnd_strerror(rc));
+}
+
 // Runs what a poll handed out (under emu): control jobs, refusals, then the Step batch.
 void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
     struct rnnd_job *next;
     for (struct rnnd_job *job = (struct rnnd_job *)b->controls; job; job = next) {
         next = (struct rnnd_job *)job->item.next;
+        settle(e);
         run_control(e, job);
     }
     for (struct rnnd_job *job = (struct rnnd_job *)b->rejected; job; job = next) {
         next = (struct rnnd_job *)job->item.next;
         job->done(job);
     }
+    settle(e);
     if (b->items)
         rnnd__engine_run_step_batch(e, (struct rnnd_job *)b->items);
     if (e->ends_held)

@@ -99,6 +99,9 @@ struct rnnd_engine {
     float *grad_accum;   // (P + 1): the last float is 1 while gradients are pending (replicas)
     float *grad_scratch; // (P + 1): the last float is the flag replicas agree with (agree)
     bool grad_pending;
+    // A job answered before its GPU work was done (rnnd_job.dev_async): the engine synchronises
+    // before its next job touches host memory that work may still read (rnnd__engine_process).
+    bool unsettled;
     float *adam_m, *adam_v; // (P), Adam only
     int64_t optim_t;
     // Two rows per env slot s, s and s + S: a step reads the env's current row (env->half) and

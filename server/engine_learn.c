@@ -14,6 +14,7 @@
  * identical; GetWeights on several devices compares them.
  */
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -179,9 +180,18 @@ static int io_in_device(struct rnnd_engine *e, struct rnnd_job *job, const struc
     return 0;
 }
 
+// The job's GPU work is all queued: waits for it, or where the reply may go before it is done
+// (job->dev_async) records the region's event after it and leaves the wait to the next job.
+static int io_done(struct rnnd_engine *e, const struct rnnd_job *job) {
+    if (!job->dev_async)
+        return e->be.ops->sync(e->be.ctx);
+    e->unsettled = true;
+    return e->be.ops->ipc_record(e->be.ctx);
+}
+
 // Outputs into a CUDA reply_region, each at a multiple of RNND_SHM_ALIGN (64) bytes. Returns 1
 // when they do not all fit (io_out then sends them as bytes), else 0 or the backend's error;
-// synchronises.
+// then the work is done, or answered early (io_done).
 static int io_out_device(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p,
                          int k, enum rnnd_ftype ft) {
     size_t at = 0, off[16];
@@ -196,7 +206,7 @@ static int io_out_device(struct rnnd_engine *e, struct rnnd_job *job, const stru
         rc = io_move(e, job->dev_out + off[i], p[i].dev, &p[i], ft, false);
         *p[i].out = job->dev_out + off[i];
     }
-    return rc ? rc : e->be.ops->sync(e->be.ctx);
+    return rc ? rc : io_done(e, job);
 }
 
 // Bytes of the area that packs k parts (0 when none is needed).
@@ -432,9 +442,9 @@ static int recorded_rows(struct rnnd_engine *e, struct rnnd_job *job, int32_t *i
         // compiler vectorises (B=2048 T=64 is 131k rows).
         int32_t *row = idx + (size_t)b * (size_t)T;
         int32_t base = env->slot * e->tdims.cap;
-        int32_t first =
-            f->cursor ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot, f->cur_first[b])
-                      : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, 0);
+        int32_t first = f->cursor
+                            ? rnnd_traj_row_at(&env->traj, &e->tdims, env->slot, f->cur_first[b])
+                            : rnnd_traj_row(&env->traj, &e->tdims, env->slot, T, 0);
         int run = base + e->tdims.cap - first < T ? base + e->tdims.cap - first : T;
         for (int t = 0; t < run; t++)
             row[t] = first + t;
@@ -1254,13 +1264,15 @@ void rnnd__engine_run_apply(struct rnnd_engine *e, struct rnnd_job *job) {
                       "accumulate=true first, or send grads");
         return;
     }
-    float norm = 0.0f;
+    // Answered early (a Backward's apply into an async region), nothing here waits, not even
+    // for the norm (logged as nan).
+    float norm = NAN;
     uint64_t t0 = rnnd_now_ns();
     rc = e->be.ops->copy(e->be.ctx, w->params, e->cur->params, bytes);
     if (rc == 0)
         rc = e->be.ops->optim_step(e->be.ctx, w->params, g, e->adam_m, e->adam_v, e->P, &o,
-                                   e->optim_t + 1, &norm);
-    if (rc == 0)
+                                   e->optim_t + 1, job->dev_async ? NULL : &norm);
+    if (rc == 0 && !job->dev_async)
         rc = e->be.ops->sync(e->be.ctx);
     rnnd_metrics_kernel(RNND_OP_OPTIM, rnnd_now_ns() - t0);
     if (rc != 0) {

@@ -263,6 +263,9 @@ struct rnnd_job {
     bool dev_in;
     char *dev_out;
     size_t dev_out_bytes;
+    // The reply may go once the job's GPU work is queued (the region's async replies): the
+    // engine records the backend's ipc_record after it instead of synchronising.
+    bool dev_async;
     // With a socket region in the backend's host memory (shm.h): host_in, the inputs lie there
     // (copied to the device one by one, without staging, and checked for NaN there); host_out,
     // the reply_region's memory (host_out_bytes), where the engine copies its outputs from the

@@ -714,6 +714,10 @@ char *rnnd_call_device_reply(const struct rnnd_call *c, size_t *len) {
     return rnnd_shm_use_device_reply(c->shm, len);
 }
 
+bool rnnd_call_device_async(const struct rnnd_call *c) {
+    return rnnd_shm_use_async(c->shm);
+}
+
 bool rnnd_call_host_in(const struct rnnd_call *c) {
     return rnnd_shm_use_host_in(c->shm);
 }

@@ -483,6 +483,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     job->done = forward_done;
     job->fwd = f;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
+    job->dev_async = rnnd_call_device_async(call);
     job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
     rnnd_group_submit(s->group, job);
     return;
@@ -569,6 +570,7 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->bwd = g;
     job->dev_in = dev_in;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
+    job->dev_async = rnnd_call_device_async(call);
     job->host_in = host_in;
     job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
     rnnd_group_submit(s->group, job);
@@ -754,13 +756,18 @@ void rnnd_service_register_region(void *p, struct rnnd_call *call, const Protobu
     struct rnnd_service *s = svc_of(p);
     char err[ERRLEN];
     Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
+    struct rnnd_shm_registered out;
     int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
-                               rnnd_call_peer_local(call), rnnd_group_sole_backend(s->group),
-                               &r.region, &r.size, err, sizeof(err));
+                               rnnd_call_peer_local(call), rnnd_group_sole_backend(s->group), &out,
+                               err, sizeof(err));
     if (rc) {
         rnnd_call_fail(call, rc, err);
         return;
     }
+    r.region = out.id;
+    r.size = out.size;
+    if (out.async)
+        r.cuda_event = (ProtobufCBinaryData){sizeof(out.event), out.event};
     const Rnnd__V1__RegisterRegionRequest *req = (const Rnnd__V1__RegisterRegionRequest *)msg;
     if (req->kind_case == RNND__V1__REGISTER_REGION_REQUEST__KIND_SOCKET)
         r.data_port = (uint32_t)rnnd_shm_data_port(s->shm);

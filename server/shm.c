@@ -48,6 +48,7 @@ struct region {
     int fd; // our own open of the memfd (its flock tells whether the client still holds one),
             // or a CUDA region's pidfd of its client (readable once the client exited)
     const struct rnnd_backend *be; // a CUDA region's backend (ipc_close), else NULL
+    bool async;                    // a CUDA region's replies may go before their work is done
     int refs;                      // under the registry lock
     unsigned pid;
     bool sock;                       // a socket region
@@ -365,6 +366,17 @@ static int cuda_open(const Rnnd__V1__CudaRegion *m, const struct rnnd_backend *b
     return 0;
 }
 
+// Async replies for CUDA region r when its client asked for them and the backend can share an
+// event (its handle into out); otherwise replies wait for the work, as for a client that did not
+// ask.
+static void cuda_async(const Rnnd__V1__CudaRegion *m, struct region *r,
+                       struct rnnd_shm_registered *out) {
+    const struct rnnd_backend_ops *ops = r->be->ops;
+    r->async = m->async_replies && ops->ipc_event && ops->ipc_record &&
+               ops->ipc_event(r->be->ctx, out->event, sizeof(out->event)) == 0;
+    out->async = r->async;
+}
+
 // A socket region of req into *r: our own memory (be's host_alloc when be is given, so that the
 // engine copies straight between it and the device), bound later by its data connection. 0, or
 // an error with err written.
@@ -396,8 +408,9 @@ static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m
 }
 
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
+                      const struct rnnd_backend *be, struct rnnd_shm_registered *out, char *err,
                       size_t errlen) {
+    memset(out, 0, sizeof(*out));
     if (s->max == 0)
         return errf(err, errlen, RNND_EPRECOND,
                     "shared memory is off on this daemon (--max-shm-regions 0); send tensors as "
@@ -425,6 +438,8 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         free(r);
         return rc;
     }
+    if (cuda)
+        cuda_async(req->cuda, r, out);
     r->refs = 1;
     pthread_mutex_lock(&s->lock);
     if (s->n >= s->max) {
@@ -456,8 +471,8 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     } while (r->id == 0 || region_find_locked(s, r->id));
     s->v[s->n++] = r;
     atomic_store_explicit(&rnnd_metrics.shm_regions, s->n, memory_order_relaxed);
-    *id = r->id;
-    *size = r->size;
+    out->id = r->id;
+    out->size = r->size;
     pthread_mutex_unlock(&s->lock);
     rnnd_log(RNND_LOG_DEBUG, "shared memory: %s region of %zu bytes from pid %u registered",
              r->sock ? "socket"
@@ -737,6 +752,10 @@ char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len) {
         return NULL;
     *len = (size_t)u->reply_len;
     return (char *)u->reply->base + u->reply_off;
+}
+
+bool rnnd_shm_use_async(const struct rnnd_shm_use *u) {
+    return u && u->reply && u->reply->async;
 }
 
 // ---------------------------------------------------------------------------------------------

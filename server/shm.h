@@ -90,8 +90,17 @@ int rnnd_shm_listen(struct rnnd_shm *s, const char *addr, uint64_t max_bytes, ch
 // The data connections' port, or 0 when socket regions are off.
 int rnnd_shm_data_port(const struct rnnd_shm *s);
 
-// RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *id and *size of the
-// new region, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
+// What RegisterRegion answers: the new region's id and size; for a CUDA region that asked for
+// async replies (CudaRegion.async_replies) on a backend that can share an event, async and the
+// event's handle (RegisterRegionReply.cuda_event).
+#define RNND_SHM_EVENT_BYTES 64
+struct rnnd_shm_registered {
+    uint64_t id, size;
+    bool async;
+    uint8_t event[RNND_SHM_EVENT_BYTES];
+};
+
+// RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *out, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
 // key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
 // regions off), RNND_EINVAL (malformed),
 // RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the
@@ -99,7 +108,7 @@ int rnnd_shm_data_port(const struct rnnd_shm *s);
 // host_alloc: page-locked on CUDA, so the engine copies straight between them and the device),
 // or NULL when the daemon has several.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      const struct rnnd_backend *be, uint64_t *id, uint64_t *size, char *err,
+                      const struct rnnd_backend *be, struct rnnd_shm_registered *out, char *err,
                       size_t errlen);
 // ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer's other than a
 // socket region). The mapping stays until the calls using it end.
@@ -134,6 +143,9 @@ char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len);
 // The device memory of u's reply_region when it is in a CUDA region (*len its bytes, from a
 // multiple of RNND_SHM_ALIGN), or NULL. NULL u: NULL.
 char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len);
+// True when u's reply_region is in a CUDA region registered with async replies: the engine may
+// answer once the call's work is queued, after it records the backend's ipc_record. NULL: false.
+bool rnnd_shm_use_async(const struct rnnd_shm_use *u);
 
 // Writes reply's tensors into u's reply_region (those that fit, in order), and makes them carry
 // region spans instead of data. A tensor already inside the reply_region is placed where it is;

@@ -64,6 +64,8 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
     cudaFree(c->d_first);
+    if (c->ipc_ev)
+        cudaEventDestroy(c->ipc_ev);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
     if (c->h_first)
@@ -319,7 +321,27 @@ static void cuda_ipc_close(void *ctx, void *base) {
     size_t as = 0;
     if (base == NULL || cudaSetDevice(c->device) != cudaSuccess || alloc_range(base, &ab, &as))
         return;
+    if (c->ipc_ev) // work answered early may still write the memory
+        cudaEventSynchronize(c->ipc_ev);
     cudaIpcCloseMemHandle((void *)(uintptr_t)ab);
+}
+
+static int cuda_ipc_event(void *ctx, void *handle, size_t handle_len) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (handle == NULL || handle_len != sizeof(c->ipc_handle))
+        return RNND_EINVAL;
+    if (c->ipc_ev == NULL)
+        return RNND_ENOTSUP;
+    memcpy(handle, &c->ipc_handle, sizeof(c->ipc_handle));
+    return 0;
+}
+
+static int cuda_ipc_record(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    if (c->ipc_ev == NULL)
+        return RNND_ENOTSUP;
+    RNND_CUDA_TRY(cudaEventRecord(c->ipc_ev, c->stream));
+    return 0;
 }
 
 // Every valid model runs: the plan (seq_plan.h) has the per-step path for every core no other
@@ -437,6 +459,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .nonfinite = */ cuda_nonfinite,
     /* .ipc_open = */ cuda_ipc_open,
     /* .ipc_close = */ cuda_ipc_close,
+    /* .ipc_event = */ cuda_ipc_event,
+    /* .ipc_record = */ cuda_ipc_record,
     /* .supports = */ cuda_supports,
     /* .tape_bytes = */ cuda_tape_bytes,
     /* .rnn_forward = */ cuda_rnn_forward,
@@ -492,6 +516,15 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     RNND_CUDA_TRY(cudaMallocHost(&c->h_norm, 2 * sizeof(float)));
     RNND_CUDA_TRY(cudaMalloc(&c->d_first, sizeof(*c->d_first)));
     RNND_CUDA_TRY(cudaMallocHost(&c->h_first, sizeof(*c->h_first)));
+    // Where the driver cannot share an event, CUDA regions get no early replies.
+    if (cudaEventCreateWithFlags(&c->ipc_ev, cudaEventInterprocess | cudaEventDisableTiming) !=
+            cudaSuccess ||
+        cudaIpcGetEventHandle(&c->ipc_handle, c->ipc_ev) != cudaSuccess) {
+        cudaGetLastError(); // not sticky: clear it
+        if (c->ipc_ev)
+            cudaEventDestroy(c->ipc_ev);
+        c->ipc_ev = NULL;
+    }
     RNND_TRY(rnnd__cuda_step_prepare(c));
     return 0;
 }

@@ -75,6 +75,10 @@ struct cuda_ctx {
     float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
     float *h_norm;      // pinned host copy of the norm
     unsigned long long *d_first, *h_first; // nonfinite: the first index found, pinned copy
+    // The event a CUDA region's client waits for after an early reply (ipc_event), or NULL
+    // where the driver cannot share one.
+    cudaEvent_t ipc_ev;
+    cudaIpcEventHandle_t ipc_handle;
     struct cuda_tuning tune; // the bench's and the tests' overrides (tuning.h); zero otherwise
     long long *d_dbg;        // phase clocks (RNND_CUDA_PHASE_CLOCKS): [2][1024][8] fwd, bwd
     // The last work enqueued on the stream is rnn_step's (which writes no weights), so the next

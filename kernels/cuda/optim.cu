@@ -118,10 +118,11 @@ int rnnd__cuda_optim_step(struct cuda_ctx *c, float *params, float *grads, float
             (float)(1.0 - beta1), (float)(1.0 - beta2), o->eps, neg_step, bc2_sqrt);
     }
     CUDA_LAUNCH_CHECK();
+    if (grad_norm == NULL)
+        return 0;
     RNND_CUDA_TRY(
         cudaMemcpyAsync(c->h_norm, c->d_norm, sizeof(float), cudaMemcpyDeviceToHost, c->stream));
     RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
-    if (grad_norm)
-        *grad_norm = c->h_norm[0];
+    *grad_norm = c->h_norm[0];
     return 0;
 }

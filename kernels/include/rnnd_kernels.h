@@ -358,6 +358,13 @@ struct rnnd_backend_ops {
     int (*ipc_open)(void *ctx, const void *handle, size_t handle_len, uint64_t offset,
                     uint64_t size, void *head, size_t head_len, void **base);
     void (*ipc_close)(void *ctx, void *base);
+    // An event other processes of this host can wait for, so that an op's reply may go before
+    // its work is done: ipc_event writes its handle (handle_len bytes, the 64 of a
+    // cudaIpcEventHandle_t; RNND_ENOTSUP where the driver cannot share one), ipc_record records
+    // it after the work enqueued so far. ipc_close first waits for its last record. NULL on
+    // backends without (their ops are done when they return). Callable from any thread.
+    int (*ipc_event)(void *ctx, void *handle, size_t handle_len);
+    int (*ipc_record)(void *ctx);
 
     // 0 when this backend runs model m, RNND_ENOTSUP (or RNND_EINVAL) otherwise; the server asks
     // once at load time so no request fails on it later.
@@ -394,7 +401,8 @@ struct rnnd_backend_ops {
 
     // One optimizer update of params (n floats) from grads, t the 1-based step count. grads are
     // clipped in place like clip_grad_norm_; m and v (n floats, Adam only, zero at t = 1) are
-    // updated. *grad_norm (host) receives the total norm before clipping.
+    // updated. *grad_norm (host) receives the total norm before clipping; with grad_norm NULL
+    // the update may still be running when it returns.
     int (*optim_step)(void *ctx, float *params, float *grads, float *m, float *v, size_t n,
                       const struct rnnd_optim *o, int64_t t, float *grad_norm);
 

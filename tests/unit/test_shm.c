@@ -76,23 +76,24 @@ static Rnnd__V1__RegisterRegionRequest *regreq(struct regreq *q, unsigned pid, i
 // Registers r; asserts success and returns the id.
 static uint64_t reg_ok(struct rnnd_shm *s, struct creg *r) {
     struct regreq q;
-    uint64_t id = 0, size = 0;
+    struct rnnd_shm_registered out;
     char err[512] = "";
     int rc = rnnd_shm_register(s, regreq(&q, (unsigned)getpid(), r->fd, SIZE, r->key), true, NULL,
-                               &id, &size, err, sizeof err);
+                               &out, err, sizeof err);
     if (rc)
         fail_msg("register: %s", err);
-    assert_int_equal(size, SIZE);
-    assert_true(id != 0);
-    return id;
+    assert_int_equal(out.size, SIZE);
+    assert_true(out.id != 0);
+    assert_false(out.async);
+    return out.id;
 }
 
 // Asserts that registering gives code and a message containing says.
 static void reg_refused_be(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *req, bool local,
                            const struct rnnd_backend *be, int code, const char *says) {
-    uint64_t id = 0, size = 0;
+    struct rnnd_shm_registered out;
     char err[512] = "";
-    int rc = rnnd_shm_register(s, req, local, be, &id, &size, err, sizeof err);
+    int rc = rnnd_shm_register(s, req, local, be, &out, err, sizeof err);
     if (rc != code || strstr(err, says) == NULL)
         fail_msg("want %d \"%s\", got %d \"%s\"", code, says, rc, err);
 }
@@ -434,8 +435,9 @@ static void test_client_gone(void **state) {
 // registry's side (checks, what a request may keep there, placing, closing), not CUDA IPC.
 
 struct fake_ipc {
-    int rc;     // what ipc_open answers when not 0
-    int closed; // ipc_close calls
+    int rc;       // what ipc_open answers when not 0
+    int closed;   // ipc_close calls
+    int event_rc; // what ipc_event answers
 };
 
 static struct fake_ipc fake;
@@ -463,9 +465,27 @@ static void fake_close(void *ctx, void *base) {
     fake.closed++;
 }
 
-static const struct rnnd_backend_ops fake_ops = {
-    .name = "fake", .ipc_open = fake_open, .ipc_close = fake_close};
+static int fake_event(void *ctx, void *handle, size_t handle_len) {
+    (void)ctx;
+    memset(handle, 0xe7, handle_len);
+    return fake.event_rc;
+}
+
+static int fake_record(void *ctx) {
+    (void)ctx;
+    return 0;
+}
+
+static const struct rnnd_backend_ops fake_ops = {.name = "fake",
+                                                 .ipc_open = fake_open,
+                                                 .ipc_close = fake_close,
+                                                 .ipc_event = fake_event,
+                                                 .ipc_record = fake_record};
 static const struct rnnd_backend fake_be = {.ops = &fake_ops, .device = "fake GPU"};
+// A backend whose regions cannot answer early (the CPU backend has no CUDA regions at all).
+static const struct rnnd_backend_ops fake_ops_sync = {
+    .name = "fake", .ipc_open = fake_open, .ipc_close = fake_close};
+static const struct rnnd_backend fake_be_sync = {.ops = &fake_ops_sync, .device = "fake GPU"};
 
 struct cudareq {
     Rnnd__V1__RegisterRegionRequest req;
@@ -540,13 +560,15 @@ static void test_cuda_regions(void **state) {
         pause();
         _exit(0);
     }
-    uint64_t cid = 0, size = 0;
+    struct rnnd_shm_registered out;
     char err[512] = "";
     int rc = rnnd_shm_register(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, (unsigned)child), true,
-                               &fake_be, &cid, &size, err, sizeof err);
+                               &fake_be, &out, err, sizeof err);
     if (rc)
         fail_msg("register: %s", err);
-    assert_int_equal(size, 8192);
+    assert_int_equal(out.size, 8192);
+    assert_false(out.async); // not asked for
+    uint64_t cid = out.id;
 
     // Only where dev_ok allows, never mixed with a memfd region.
     struct stepreq q;
@@ -588,6 +610,7 @@ static void test_cuda_regions(void **state) {
     char *dev = rnnd_shm_use_device_reply(u, &len);
     assert_ptr_equal(dev, gpu + 4096 + 1024);
     assert_int_equal(len, 1024);
+    assert_false(rnnd_shm_use_async(u));
     uint8_t host[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     Rnnd__V1__StepReply rep = RNND__V1__STEP_REPLY__INIT;
     Rnnd__V1__Tensor ta = RNND__V1__TENSOR__INIT, tb = RNND__V1__TENSOR__INIT;
@@ -620,6 +643,58 @@ static void test_cuda_regions(void **state) {
     creg_free(&r);
 }
 
+// Async replies (CudaRegion.async_replies): granted with the backend's event handle where the
+// backend can share one, else the region answers once the work is done, as without them; only a
+// reply_region in a granted region says so.
+static void test_cuda_async_replies(void **state) {
+    (void)state;
+    struct rnnd_shm *s;
+    assert_int_equal(rnnd_shm_init(4, &s), 0);
+    static uint8_t gpu[SIZE];
+    uint8_t key[RNND_SHM_KEY_BYTES];
+    memset(key, 0x5a, sizeof key);
+    memcpy(gpu, key, sizeof key);
+    unsigned me = (unsigned)getpid();
+    fake = (struct fake_ipc){0};
+    struct cudareq c;
+    struct rnnd_shm_registered out;
+    char err[512] = "";
+    const struct rnnd_backend *bes[3] = {&fake_be, &fake_be, &fake_be_sync};
+    const int event_rc[3] = {0, RNND_ENOTSUP, 0};
+    uint64_t ids[3];
+    for (int k = 0; k < 3; k++) {
+        fake.event_rc = event_rc[k];
+        cudareq(&c, gpu, SIZE, 0, 4096, key, me);
+        c.m.async_replies = true;
+        if (rnnd_shm_register(s, &c.req, true, bes[k], &out, err, sizeof err) != 0)
+            fail_msg("register: %s", err);
+        ids[k] = out.id;
+        assert_int_equal(out.async, k == 0);
+        if (k == 0)
+            for (int i = 0; i < RNND_SHM_EVENT_BYTES; i++)
+                assert_int_equal(out.event[i], 0xe7);
+    }
+    struct creg r;
+    creg_make(&r, true, true);
+    uint64_t mid = reg_ok(s, &r);
+    for (int k = 0; k < 3; k++) {
+        struct stepreq q;
+        struct rnnd_shm_use *u;
+        stepreq(&q, mid, 128);
+        q.req.reply_region = &q.reply;
+        q.reply.region = ids[k];
+        q.reply.offset = 1024;
+        q.reply.nbytes = 1024;
+        assert_int_equal(
+            rnnd_shm_resolve(s, &q.req.base, true, RNND_SHM_DEV_REPLY, &u, err, sizeof err), 0);
+        assert_int_equal(rnnd_shm_use_async(u), k == 0);
+        rnnd_shm_use_free(u);
+    }
+    assert_false(rnnd_shm_use_async(NULL));
+    rnnd_shm_free(s);
+    creg_free(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_peer_local),
@@ -629,6 +704,7 @@ int main(void) {
         cmocka_unit_test(test_place),
         cmocka_unit_test(test_client_gone),
         cmocka_unit_test(test_cuda_regions),
+        cmocka_unit_test(test_cuda_async_replies),
     };
     return cmocka_run_group_tests_name("shm", tests, NULL, NULL);
 }

@@ -9,8 +9,11 @@ reply's tensors. Only small descriptors cross gRPC; no tensor touches the host.
 Ordering: before a call that puts tensors in its span the client waits for its current stream
 (``Call.ready``), so the daemon never reads a gradient still being computed; before every call it
 waits for the copies out of spans given back since (``Region.settle``), so the daemon never
-writes over a reply the client is still copying out. The daemon has finished writing when its
-reply arrives.
+writes over a reply the client is still copying out. The region asks for async replies: the
+daemon answers once its GPU work is queued and records an event after it (RegisterRegionReply's
+cuda_event), which the client's stream waits for (``Region.order``) before it reads a reply
+tensor or writes a span, so the client's next work queues up behind the daemon's instead of
+waiting on the host. A daemon that gives no event answers once its work is done.
 
 Client uses this by itself for calls on CUDA tensors (``Client(transport="auto")``).
 """
@@ -77,6 +80,7 @@ class Region(_shm.Spans):
     def __init__(self, size, device):
         super().__init__(size)
         self._reads = []  # events after the copies out of given-back spans
+        self.event = None  # the daemon's event after its work for an async reply
         self.device = torch.device(device)
         self.mem = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         self.key = os.urandom(_shm.KEY_BYTES)
@@ -87,14 +91,26 @@ class Region(_shm.Spans):
         with torch.cuda.device(self.device):
             handle, offset = _export(self.mem.data_ptr())
         req = pb.RegisterRegionRequest(cuda=pb.CudaRegion(
-            ipc_handle=handle, offset=offset, size=self.size, key=self.key, pid=os.getpid()))
-        self.id = call("RegisterRegion", req).region
+            ipc_handle=handle, offset=offset, size=self.size, key=self.key, pid=os.getpid(),
+            async_replies=True))
+        r = call("RegisterRegion", req)
+        self.id = r.region
+        if r.cuda_event:
+            self.event = torch.cuda.Event.from_ipc_handle(self.device, r.cuda_event)
         return self
 
     def release(self, call):
         self.settle()
+        if self.event is not None:  # the daemon's last writes, before the memory goes
+            self.event.synchronize()
         _shm.release(self, call)
         self.mem = None
+
+    def order(self):
+        """Makes the current stream's next work wait for the daemon's work of the replies so far
+        (a no-op without async replies)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
 
     def read_after(self, stream):
         """Marks the copies out of a span queued on ``stream`` so far: its memory is reused only
@@ -131,10 +147,13 @@ class Call:
     def _store(self, x, dt, nbytes):
         """Request tensor x into the span at self.at, as dt."""
         self.region.settle()  # a copy out of this memory on another stream is done
+        self.region.order()  # and the daemon's reads of it
         self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape).copy_(x)
 
     def _read(self, sp):
-        """The bytes of reply span sp, as a uint8 tensor on the region's device."""
+        """The bytes of reply span sp, as a uint8 tensor on the region's device, for work on the
+        current stream (ordered after the daemon's writes)."""
+        self.region.order()
         return self.region.mem[sp.offset:sp.offset + sp.nbytes]
 
     def put(self, tensor, out, wire="float32"):

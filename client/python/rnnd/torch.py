@@ -436,9 +436,11 @@ def _run_backward(ctx, grad_output, grad_h_n, grad_c_n, input_grads, stored):
     tape, *params = ctx.saved_tensors
     if grad_output is None:  # only h_n / c_n were used
         grad_output = torch.zeros(ctx.out_shape, device=ctx.out_device)
-    grads = _backward_op(ctx.target, tape, grad_output, grad_h_n,
-                         grad_c_n if ctx.lstm else None, params, ctx.input_size, input_grads,
-                         stored, ctx.accumulate)
+    # The custom op where a compiled graph's backward may be traced, the function itself from
+    # the eager path's autograd.Function (_Eager: its ctx has rnnd_at).
+    backward = _backward if hasattr(ctx, "rnnd_at") else _backward_op
+    grads = backward(ctx.target, tape, grad_output, grad_h_n, grad_c_n if ctx.lstm else None,
+                     params, ctx.input_size, input_grads, stored, ctx.accumulate)
     n = len(_backward_shapes(grad_output, params, ctx.input_size, input_grads, stored))
     return grads[:n], list(grads[n:])
 
@@ -501,15 +503,18 @@ class _Eager(torch.autograd.Function):
 
 
 def _define(name, impl, fake, setup_context=None, backward=None):
-    """-> (the op as called: the custom op under torch.compile and torch.export, else the
-    eager path; the op as rnnd.torch.ops names it)."""
+    """-> (the op as called, the op as rnnd.torch.ops names it). An op with an autograd formula
+    is called as the custom op under torch.compile and torch.export and eagerly through
+    _Eager; the backward op (called inside formulas, where a compiled graph's backward is
+    traced without torch.compile's flag) is the custom op, or its function on older torch."""
     eager = _eager(name, impl, setup_context, backward)
     if not CUSTOM_OPS:
         return eager, eager
     op = torch.library.custom_op("rnnd::" + name, impl, mutates_args=())
     op.register_fake(fake)
-    if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
+    if backward is None:
+        return op, op
+    op.register_autograd(backward, setup_context=setup_context)
 
     def call(*args):
         # Eagerly the same functions through an autograd.Function: a custom op's dispatch

@@ -54,6 +54,11 @@ def metrics(http):
     return out
 
 
+def adam(params, a):
+    """The learner's Adam (--adam): fused, one kernel for all tensors (GPU only), or foreach."""
+    return torch.optim.Adam(params, lr=1e-3, fused=a.adam == "fused")
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,7 +87,7 @@ def rnnd_row(client, ids, T, B, H, target_y, dev, a, http):
     """The rnnd learner loop through client: one row, with the daemon's own time per call."""
     core = rnnd.torch.RemoteRecurrent(client, grads=a.grads, wire=a.wire).to(dev)
     head = torch.nn.Linear(H, 1).to(dev)
-    opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+    opt = adam(head.parameters(), a)
 
     def rnnd_iter():
         # The learner takes the window's resets (as a loss mask would); the recorded obs,
@@ -137,6 +142,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
+    ap.add_argument("--adam", choices=("fused", "foreach"),
+                    help="the learner's Adam in every row (default: fused on a GPU, else foreach)")
     ap.add_argument("--grads", default="server", choices=("server", "apply"),
                     help="RemoteRecurrent's grads: server (Backward, then ApplyGradients) or apply "
                          "(Backward takes the optimizer step too: one call less)")
@@ -147,6 +154,7 @@ def main():
     a = ap.parse_args()
     B, T, I, H = a.B, a.T, a.I, a.H
     dev = torch.device(a.device)
+    a.adam = a.adam or ("fused" if dev.type == "cuda" else "foreach")
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
 
@@ -162,8 +170,9 @@ def main():
     try:
         client = rnnd.Client(target, max_message_mb=-1)
         info = client.info()
-        print("rnnd %s on %s, GRU I=%d H=%d, B=%d T=%d, reset p=%g, wire %s; learner on %s"
-              % (info.backend, info.device, I, H, B, T, a.reset_prob, a.wire, dev), flush=True)
+        print("rnnd %s on %s, GRU I=%d H=%d, B=%d T=%d, reset p=%g, wire %s; learner on %s, "
+              "%s Adam" % (info.backend, info.device, I, H, B, T, a.reset_prob, a.wire, dev,
+                           a.adam), flush=True)
         # The windows: T recorded steps of B envs, resets at random.
         ids = np.arange(B, dtype=np.uint64)
         obs = rng.standard_normal((T, B, I)).astype(np.float32)
@@ -189,8 +198,7 @@ def main():
             cell = torch.nn.GRUCell(I, H).to(dev)
             for name, net in (("cudnn", gru), ("per-step", cell)):
                 head2 = torch.nn.Linear(H, 1).to(dev)
-                opt2 = torch.optim.Adam(list(net.parameters()) + list(head2.parameters()),
-                                        lr=1e-3)
+                opt2 = adam(list(net.parameters()) + list(head2.parameters()), a)
 
                 def torch_iter(net=net, head2=head2, opt2=opt2, name=name):
                     if name == "cudnn":

@@ -975,8 +975,15 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (part && !agree(e, ag, true))
         return;
     // The inputs in place, and checked where the request's checks did not read them, before
-    // anything changes.
-    if (job->dev_in && io_in_device(e, job, in, nin, g->in) != 0)
+    // anything changes. fp32 gradients in a CUDA region are read where the client put them
+    // (with heads, dL/dh is added into grad_output: a copy of it).
+    bool in_place = job->dev_in && g->in == RNND_FTYPE_F32 && !heads;
+    for (int i = 0; in_place && i < nin; i++)
+        in[i].dev = (void *)in[i].host;
+    const float *go = in_place && g->grad_out ? (const float *)g->grad_out : d_go;
+    const float *ghn = in_place && g->grad_h_n ? (const float *)g->grad_h_n : d_ghn;
+    const float *gcn = in_place && g->grad_c_n ? (const float *)g->grad_c_n : d_gcn;
+    if (job->dev_in && !in_place && io_in_device(e, job, in, nin, g->in) != 0)
         return;
     int rc = job->dev_in ? 0 : io_in(e, job, in, nin, g->in, area, host);
     if (rc == 0 && (job->dev_in || job->host_in) && io_check(e, job, in, nin) != 0)
@@ -1011,8 +1018,8 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
                                    .hidden = d_ghid,
                                    .cell = d_gcell};
     if (rc == 0)
-        rc = e->be.ops->rnn_backward(e->be.ctx, &grads, d_go, d_ghn, d_gcn, t->tape, &seq,
-                                     t->w->params, &e->core);
+        rc = e->be.ops->rnn_backward(e->be.ctx, &grads, go, ghn, gcn, t->tape, &seq, t->w->params,
+                                     &e->core);
     if (rc == 0 && d_gcx) // the encoder last, from the core input's gradient
         rc = e->be.ops->encoder_backward(e->be.ctx, dparams, d_gx, d_gcx, t->acts, t->x, (int)BT,
                                          t->w->params, &e->model);

@@ -106,11 +106,11 @@ class Region(_shm.Spans):
         _shm.release(self, call)
         self.mem = None
 
-    def order(self):
-        """Makes the current stream's next work wait for the daemon's work of the replies so far
-        (a no-op without async replies)."""
+    def order(self, stream):
+        """Makes stream's next work wait for the daemon's work of the replies so far (a no-op
+        without async replies)."""
         if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+            stream.wait_event(self.event)
 
     def read_after(self, stream):
         """Marks the copies out of a span queued on ``stream`` so far: its memory is reused only
@@ -143,17 +143,28 @@ class Call:
 
     def __init__(self, region, off, n):
         self.region, self.off, self.n, self.at = region, off, n, off
+        self._stream = None  # the caller's current stream, looked up once a call
+        self._put_ordered = self._read_ordered = False
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.region.device)
+        return self._stream
 
     def _store(self, x, dt, nbytes):
         """Request tensor x into the span at self.at, as dt."""
-        self.region.settle()  # a copy out of this memory on another stream is done
-        self.region.order()  # and the daemon's reads of it
+        if not self._put_ordered:
+            self.region.settle()  # a copy out of this memory on another stream is done
+            self.region.order(self.stream())  # and the daemon's reads of it
+            self._put_ordered = True
         self.region.mem[self.at:self.at + nbytes].view(dt).view(x.shape).copy_(x)
 
     def _read(self, sp):
         """The bytes of reply span sp, as a uint8 tensor on the region's device, for work on the
-        current stream (ordered after the daemon's writes)."""
-        self.region.order()
+        call's stream (ordered after the daemon's writes)."""
+        if not self._read_ordered:
+            self.region.order(self.stream())
+            self._read_ordered = True
         return self.region.mem[sp.offset:sp.offset + sp.nbytes]
 
     def put(self, tensor, out, wire="float32"):
@@ -173,7 +184,7 @@ class Call:
         """Before the call: the copies into the span (puts: there are some) and out of spans
         given back are done."""
         if puts:
-            torch.cuda.current_stream(self.region.device).synchronize()
+            self.stream().synchronize()
         self.region.settle()
 
     def reply_region(self):
@@ -201,6 +212,6 @@ class Call:
 
     def close(self):
         if self.region is not None:
-            self.region.read_after(torch.cuda.current_stream(self.region.device))
+            self.region.read_after(self.stream())
             self.region._give(self.off)
             self.region = None

@@ -6,7 +6,9 @@ against rnnd --backend cuda, checked against the same calls through gRPC.
 
 1. Forward(recorded) written by the daemon's GPU into the client's region equals the bytes
    path bit for bit (fp32 and bf16 replies; outputs, h_n, the recorded is_init and versions);
-   Backward's weight gradients from gradients read in place equal those sent as bytes.
+   Backward's weight gradients from gradients read in place equal those sent as bytes; a
+   Backward with apply through the region (answered before its update is done: async replies)
+   leaves the weights a twin daemon has after the same call as bytes, as the next call sees.
 2. Bad input changes nothing: a NaN in a gradient in the region is INVALID_ARGUMENT naming the
    element, and the same tape then runs; a span outside the region, a released region and a
    CUDA region where the daemon may not take one (Step) are refused.
@@ -67,15 +69,18 @@ def regions(http):
 def main():
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
-    d = rnnd.Daemon(backend="cuda", input_size=I, hidden_size=H, layers=2, cell="gru",
-                    trajectory_steps=T, seed=5).start()
+    d, twin = (rnnd.Daemon(backend="cuda", input_size=I, hidden_size=H, layers=2, cell="gru",
+                           trajectory_steps=T, seed=5).start() for _ in range(2))
     try:
         g = d.client(transport="grpc")
         c = d.client()
+        ct = twin.client()
         ids = np.arange(B, dtype=np.uint64)
         for t in range(T + 3):
-            g.step(ids, rng.standard_normal((B, I)).astype(np.float32),
-                   is_init=(rng.random(B) < 0.1) | (t == 0))
+            x = rng.standard_normal((B, I)).astype(np.float32)
+            init = (rng.random(B) < 0.1) | (t == 0)
+            g.step(ids, x, is_init=init)
+            ct.step(ids, x, is_init=init)
         check(g.transport == "grpc", "bytes client on gRPC")
 
         # 1. Equal bit for bit.
@@ -101,6 +106,22 @@ def main():
             same = all(torch.equal(torch.as_tensor(np.asarray(wb.grads[k], dtype=np.float32)),
                                    wc.grads[k].float().cpu()) for k in wb.grads)
             check(same and len(wb.grads) == 8, "Backward weight gradients equal (%s)" % wire)
+
+        check(ct.forward_recorded(ids, 1, device=dev) is not None and
+              ct._regions[torch.cuda.current_device()].event is not None,
+              "the region has the daemon's event (async replies)")
+        v0 = g.get_weights().model_version
+        go = torch.randn(B, T, H, device=dev)
+        fb = g.forward_recorded(ids, T, keep_tape=True, fields=())
+        rb = g.backward(fb.tape_id, go.cpu().numpy(), accumulate=True, apply=True,
+                        input_grads=())
+        ft = ct.forward_recorded(ids, T, keep_tape=True, fields=(), device=dev)
+        rt = ct.backward(ft.tape_id, go, accumulate=True, apply=True, input_grads=())
+        wb, wt = g.get_weights(), ct.get_weights()
+        check(rb.model_version == rt.model_version == wt.model_version == v0 + 1,
+              "Backward with apply: one update each (version %d)" % rt.model_version)
+        check(all(np.array_equal(wb[k], wt[k]) for k in wb),
+              "Backward with apply through the region: the weights equal the bytes path's")
 
         # 2. Bad input changes nothing.
         f = c.forward_recorded(ids, T, keep_tape=True, device=dev)
@@ -148,8 +169,10 @@ def main():
             refused(lambda: g2._call("Backward", req), grpc.StatusCode.FAILED_PRECONDITION,
                     "not registered", "a released region")
         g.close()
+        ct.close()
     finally:
         d.stop()
+        twin.stop()
     print("cuda_region_check: all passed")
 
 

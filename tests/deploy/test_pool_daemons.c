@@ -240,7 +240,10 @@ static void test_grow(void **state) {
             assert_int_equal(after, 2);
         n_moved += moved[k];
     }
-    assert_true(n_moved > 0 && n_moved < NENV / 2);
+    // About a third move; the targets' ports are the daemons' (random), so the count is a draw
+    // of Binomial(NENV, 1/3): NENV / 2 is 2.8 sd above its mean (a failure in ~250 runs), 3/4 is
+    // 7 sd above.
+    assert_true(n_moved > 0 && n_moved < NENV * 3 / 4);
     struct rng g = {.s = 14};
     struct round rd;
     make_round(&g, true, true, &rd);

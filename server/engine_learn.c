@@ -976,7 +976,8 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         return;
     // The inputs in place, and checked where the request's checks did not read them, before
     // anything changes. fp32 gradients in a CUDA region are read where the client put them
-    // (with heads, dL/dh is added into grad_output: a copy of it).
+    // (rnn_backward stages arrays its vector loads cannot take, as a span's offset need only be
+    // a multiple of 4); with heads, dL/dh is added into grad_output, so a copy of it.
     bool in_place = job->dev_in && g->in == RNND_FTYPE_F32 && !heads;
     for (int i = 0; in_place && i < nin; i++)
         in[i].dev = (void *)in[i].host;

@@ -126,19 +126,26 @@ int rnnd__engine_work_reserve(struct rnnd_engine *e, size_t bytes, void **out) {
 // Host memory that mirrors `bytes` of a block's input/output region at d_io: the region itself
 // with host_mem (copies between them are then skipped), else the page-locked staging buffer,
 // grown on demand. NULL when out of memory.
-char *rnnd__engine_xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes) {
-    if (e->host_mem)
-        return d_io;
-    if (bytes > e->xfer_bytes) {
-        e->be.ops->host_free(e->be.ctx, e->xfer);
-        e->xfer = NULL;
-        size_t want = bytes > e->xfer_bytes / 2 * 3 ? bytes : e->xfer_bytes / 2 * 3;
-        e->xfer_bytes = 0;
-        if (e->be.ops->host_alloc(e->be.ctx, want, (void **)&e->xfer) != 0)
+// *buf (host_alloc memory of *have bytes) with at least bytes, grown by half at least.
+static char *host_grow(struct rnnd_engine *e, char **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        e->be.ops->host_free(e->be.ctx, *buf);
+        *buf = NULL;
+        size_t want = bytes > *have / 2 * 3 ? bytes : *have / 2 * 3;
+        *have = 0;
+        if (e->be.ops->host_alloc(e->be.ctx, want, (void **)buf) != 0)
             return NULL;
-        e->xfer_bytes = want;
+        *have = want;
     }
-    return e->xfer;
+    return *buf;
+}
+
+char *rnnd__engine_xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes) {
+    return e->host_mem ? d_io : host_grow(e, &e->xfer, &e->xfer_bytes, bytes);
+}
+
+char *rnnd__engine_part_host(struct rnnd_engine *e, size_t bytes) {
+    return host_grow(e, &e->part_in, &e->part_in_bytes, bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -373,6 +380,7 @@ static void engine_close(struct rnnd_engine *e) {
         e->step_hints[i] = (struct step_hint){0};
     }
     e->be.ops->host_free(e->be.ctx, e->xfer);
+    e->be.ops->host_free(e->be.ctx, e->part_in);
     e->be.ops->free_lazy(e->be.ctx, e->d_store, e->store_bytes);
     host_lazy_free(e->prec, (size_t)e->store.R * e->prec_w * sizeof(float));
     host_lazy_free(e->pflags, (size_t)e->store.R);

@@ -145,6 +145,10 @@ struct rnnd_engine {
     // use their backend block in place), grown on demand.
     char *xfer;
     size_t xfer_bytes;
+    // Page-locked rows of a Backward part's gradients, gathered from the request
+    // (rnnd__engine_part_host), grown on demand.
+    char *part_in;
+    size_t part_in_bytes;
     // Backend memory of the calls that keep nothing past their reply (rnnd__engine_work_reserve).
     void *work;
     size_t work_bytes;
@@ -264,6 +268,9 @@ void rnnd__engine_env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnn
 void rnnd__engine_env_gauges(struct rnnd_engine *e);
 int rnnd__engine_work_reserve(struct rnnd_engine *e, size_t bytes, void **out);
 char *rnnd__engine_xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes);
+// The engine's host_alloc buffer for a part's gathered inputs, of at least bytes. NULL when out
+// of memory.
+char *rnnd__engine_part_host(struct rnnd_engine *e, size_t bytes);
 void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b);
 
 // engine_step.c: the Step path, and EndEpisodes (which wait for held Step parts).

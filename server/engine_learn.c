@@ -151,8 +151,8 @@ static int io_move(struct rnnd_engine *e, void *dst, const void *src, const stru
               : e->be.ops->cast(e->be.ctx, dst, ft, src, RNND_FTYPE_F32, p->n);
 }
 
-// The values of inputs the request's checks did not read (job->dev_in, job->host_in), once
-// they are in place: 0, or the job failed with the first bad value named.
+// The values of inputs the request's checks did not read (job->values_later), once they are
+// in place: 0, or the job failed with the first bad value named.
 static int io_check(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k) {
     for (int i = 0; i < k; i++) {
         int64_t first = -1;
@@ -265,7 +265,7 @@ static int io_out(struct rnnd_engine *e, struct rnnd_job *job, const struct io_p
         off[i] = carve_off(&used, io_part_bytes(&p[i], ft));
     // Into the reply_region itself where it is the backend's host memory and holds them all
     // (rnnd_shm_place then leaves them where they are), else through the staging.
-    if (job->host_out && used <= job->host_out_bytes)
+    if (job->host_out_pinned && used <= job->host_out_bytes)
         h_area = job->host_out;
     for (int i = 0; i < k; i++) {
         if (rc == 0)
@@ -711,6 +711,21 @@ static void rows_scatter(void *dst, const void *src, const int32_t *rows, int n,
         memcpy((char *)dst + (size_t)rows[i] * row, (const char *)src + (size_t)i * row, row);
 }
 
+// Gathers a part's rows of a float input in the wire dtype ft (n rows of `row` bytes: dst[i] =
+// src[rows[i]]) and, with check, their values: true when all are finite, else false with the job
+// failed, naming the first bad element's index in the request's tensor.
+static bool part_gather(struct rnnd_job *job, const char *name, char *dst, const void *src,
+                        const int32_t *rows, int n, size_t row, enum rnnd_ftype ft, bool check) {
+    rows_gather(dst, src, rows, n, row);
+    size_t per = row / rnnd_ftype_bytes(ft), total = (size_t)n * per;
+    size_t i = check ? rnnd_first_nonfinite(dst, ft, total) : total;
+    if (i == total)
+        return true;
+    rnnd_job_fail(job, RNND_EINVAL, "%s: element %zu is NaN or infinite; send finite values", name,
+                  (size_t)rows[i / per] * per + i % per);
+    return false;
+}
+
 // This engine's rows of a Forward shared by several engines (struct rnnd_forward_job): gathers
 // them into a Forward of its own, runs it, and scatters the outputs into the submitter's arrays.
 void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
@@ -987,7 +1002,7 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (job->dev_in && !in_place && io_in_device(e, job, in, nin, g->in) != 0)
         return;
     int rc = job->dev_in ? 0 : io_in(e, job, in, nin, g->in, area, host);
-    if (rc == 0 && (job->dev_in || job->host_in) && io_check(e, job, in, nin) != 0)
+    if (rc == 0 && job->values_later && io_check(e, job, in, nin) != 0)
         return;
     if (rc == 0 && !g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
@@ -1087,21 +1102,27 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
     } else {
         int n = t->B;
         const int32_t *rows = t->rows;
-        char *go = malloc((size_t)n * Tz * H * fi);
-        char *ghn = g->grad_h_n ? malloc((size_t)n * LH * fi) : NULL;
-        char *gcn = g->grad_c_n ? malloc((size_t)n * LH * fi) : NULL;
-        if (!go || (g->grad_h_n && !ghn) || (g->grad_c_n && !gcn)) {
+        // This engine's rows, gathered into its page-locked buffer, which the inner Backward
+        // copies to the device without staging. Values the request's checks did not read are
+        // checked here, before the agreement: a bad one changes nothing on any device.
+        size_t go_row = Tz * H * fi, hn_row = LH * fi, at_hn = (size_t)n * go_row;
+        size_t at_cn = at_hn + (g->grad_h_n ? (size_t)n * hn_row : 0);
+        char *buf = rnnd__engine_part_host(e, at_cn + (g->grad_c_n ? (size_t)n * hn_row : 0));
+        char *go = buf, *ghn = g->grad_h_n && buf ? buf + at_hn : NULL;
+        char *gcn = g->grad_c_n && buf ? buf + at_cn : NULL;
+        bool ok = buf != NULL, check = job->values_later;
+        if (!ok)
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
-        } else {
-            rows_gather(go, g->grad_out, rows, n, Tz * H * fi);
-            if (ghn)
-                rows_gather(ghn, g->grad_h_n, rows, n, LH * fi);
-            if (gcn)
-                rows_gather(gcn, g->grad_c_n, rows, n, LH * fi);
+        ok = ok && part_gather(job, "grad_output", go, g->grad_out, rows, n, go_row, g->in, check);
+        ok = ok && (!ghn ||
+                    part_gather(job, "grad_h_n", ghn, g->grad_h_n, rows, n, hn_row, g->in, check));
+        ok = ok && (!gcn ||
+                    part_gather(job, "grad_c_n", gcn, g->grad_c_n, rows, n, hn_row, g->in, check));
+        if (ok) {
             // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
-            struct rnnd_job sub = {.kind = RNND_JOB_BACKWARD};
+            struct rnnd_job sub = {.kind = RNND_JOB_BACKWARD, .host_in = true};
             sub.bwd = (struct rnnd_backward_job){.tape_id = g->tape_id,
                                                  .B = n,
                                                  .T = g->T,
@@ -1140,9 +1161,6 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
             else
                 free(mine);
         }
-        free(go);
-        free(ghn);
-        free(gcn);
     }
     // An engine without rows, or refused before the agreement, still has its say: the others
     // wait for it.

@@ -26,6 +26,7 @@
 #include "cluster.h"
 #include "log.h"
 #include "metrics.h"
+#include "shm.h"
 
 // Tape ids of a Forward split over several devices (group.h).
 #define TAPE_GROUP_BIT  (1ull << 63)
@@ -475,46 +476,72 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
         return;
     }
     bool core = pr.W == 0 || fw->return_core;
-    fw->out = core ? malloc(B * Tz * g->H * fb) : NULL;
-    fw->logits = pp->K ? malloc(B * Tz * (size_t)pp->K * fb) : NULL;
-    fw->mean = pp->A ? malloc(B * Tz * (size_t)pp->A * fb) : NULL;
-    fw->log_std = pp->A ? malloc((size_t)pp->A * fb) : NULL;
-    fw->value = pp->value ? malloc(B * Tz * fb) : NULL;
-    fw->h_n = malloc(B * g->LH * fb);
-    fw->c_n = g->lstm ? malloc(B * g->LH * fb) : NULL;
     bool rec = fw->recorded;
-    fw->rec_obs = m & RNND_REC_OBS ? malloc(B * Tz * g->I * fb) : NULL;
-    fw->rec_is_init = m & RNND_REC_IS_INIT ? malloc(B * Tz) : NULL;
-    fw->rec_extras = m & RNND_REC_EXTRAS && g->E ? malloc(B * Tz * g->E * fb) : NULL;
-    fw->rec_version = m & RNND_REC_VERSION ? malloc(B * Tz * sizeof(int64_t)) : NULL;
     // A policy's record (fp32 and int64, whatever the reply dtype: forward_done narrows).
     bool act = (m & RNND_REC_ACTION) && pr.action >= 0, rew = m & RNND_REC_REWARD;
-    fw->rec_action = act ? malloc(B * Tz * (pm->policy.A ? (size_t)pm->policy.A * 4 : 8)) : NULL;
-    fw->rec_logp = act ? malloc(B * Tz * sizeof(float)) : NULL;
-    fw->rec_value = (m & RNND_REC_ACTION) && pr.value >= 0 ? malloc(B * Tz * sizeof(float)) : NULL;
-    fw->rec_reward = rew ? malloc(B * Tz * sizeof(float)) : NULL;
-    fw->rec_done = rew ? malloc(B * Tz) : NULL;
-    fw->rec_truncated = rew ? malloc(B * Tz) : NULL;
+    size_t BT = B * Tz, K = (size_t)pp->K, A = (size_t)pp->A;
+    // The outputs' bytes, in the order of struct fan's outputs; 0 for one the reply lacks.
+    size_t bytes[FAN_OUTPUTS] = {
+        core ? BT * g->H * fb : 0,
+        B * g->LH * fb,
+        g->lstm ? B * g->LH * fb : 0,
+        m & RNND_REC_OBS ? BT * g->I * fb : 0,
+        m & RNND_REC_IS_INIT ? BT : 0,
+        m & RNND_REC_EXTRAS ? BT * g->E * fb : 0,
+        m & RNND_REC_VERSION ? BT * sizeof(int64_t) : 0,
+        act ? BT * (A ? A * 4 : 8) : 0,
+        act ? BT * sizeof(float) : 0,
+        (m & RNND_REC_ACTION) && pr.value >= 0 ? BT * sizeof(float) : 0,
+        rew ? BT * sizeof(float) : 0,
+        rew ? BT : 0,
+        rew ? BT : 0,
+        BT * K * fb,
+        BT * A * fb,
+        A * fb,
+        pp->value ? BT * fb : 0,
+    };
+    // Into the reply_region when it is host memory and holds them all: the parts scatter their
+    // rows straight into it, and rnnd_shm_place leaves them where they are. Else on the heap.
+    size_t need = 0;
+    for (int i = 0; i < FAN_OUTPUTS; i++)
+        need = bytes[i] ? (need + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN + bytes[i]
+                        : need;
+    char *area = job->host_out && need <= job->host_out_bytes ? job->host_out : NULL;
+    void *outs[FAN_OUTPUTS] = {0};
+    bool ok = true;
+    for (size_t i = 0, at = 0; i < FAN_OUTPUTS; i++) {
+        if (bytes[i] == 0)
+            continue;
+        at = (at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
+        outs[i] = area ? area + at : malloc(bytes[i]);
+        at += bytes[i];
+        ok = ok && outs[i];
+    }
+    fw->out = outs[0];
+    fw->h_n = outs[1];
+    fw->c_n = outs[2];
+    fw->rec_obs = outs[3];
+    fw->rec_is_init = outs[4];
+    fw->rec_extras = outs[5];
+    fw->rec_version = outs[6];
+    fw->rec_action = outs[7];
+    fw->rec_logp = outs[8];
+    fw->rec_value = outs[9];
+    fw->rec_reward = outs[10];
+    fw->rec_done = outs[11];
+    fw->rec_truncated = outs[12];
+    fw->logits = outs[13];
+    fw->mean = outs[14];
+    fw->log_std = outs[15];
+    fw->value = outs[16];
     struct bump b = {0};
-    struct fan *f = NULL;
-    if ((!core || fw->out) && (!pp->K || fw->logits) && (!pp->A || (fw->mean && fw->log_std)) &&
-        (!pp->value || fw->value) && fw->h_n && (!g->lstm || fw->c_n) &&
-        (!(m & RNND_REC_OBS) || fw->rec_obs) && (!(m & RNND_REC_IS_INIT) || fw->rec_is_init) &&
-        (!(m & RNND_REC_EXTRAS) || !g->E || fw->rec_extras) &&
-        (!(m & RNND_REC_VERSION) || fw->rec_version) &&
-        (!act || (fw->rec_action && fw->rec_logp)) &&
-        ((m & RNND_REC_ACTION) == 0 || pr.value < 0 || fw->rec_value) &&
-        (!rew || (fw->rec_reward && fw->rec_done && fw->rec_truncated)))
-        f = fan_new(g, job, B * sizeof(int32_t), &b);
-    void *outs[] = {fw->out,           fw->h_n,        fw->c_n,         fw->rec_obs,
-                    fw->rec_is_init,   fw->rec_extras, fw->rec_version, fw->rec_action,
-                    fw->rec_logp,      fw->rec_value,  fw->rec_reward,  fw->rec_done,
-                    fw->rec_truncated, fw->logits,     fw->mean,        fw->log_std,
-                    fw->value};
+    struct fan *f = ok ? fan_new(g, job, B * sizeof(int32_t), &b) : NULL;
+    if (area) // the region's, not the fan's to free
+        memset(outs, 0, sizeof(outs));
     if (f == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM, "out of memory for a Forward of %zu x %zu steps", B, Tz);
         job->done(job);
-        outputs_free(outs, 17);
+        outputs_free(outs, FAN_OUTPUTS);
         return;
     }
     memcpy(f->outputs, outs, sizeof(outs));
@@ -1210,6 +1237,10 @@ int rnnd_group_devices(const struct rnnd_group *g) {
 }
 
 const struct rnnd_backend *rnnd_group_sole_backend(const struct rnnd_group *g) {
+    return g->n == 1 ? rnnd_group_host_backend(g) : NULL;
+}
+
+const struct rnnd_backend *rnnd_group_host_backend(const struct rnnd_group *g) {
     const struct rnnd_backend *be = rnnd_engine_backend(g->e[0]);
-    return g->n == 1 && be->ops ? be : NULL;
+    return be->ops ? be : NULL;
 }

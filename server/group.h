@@ -83,8 +83,11 @@ const char *rnnd_group_plan_name(const struct rnnd_group *g);   // valid after r
 const struct rnnd_model *rnnd_group_model(const struct rnnd_group *g);
 int rnnd_group_queue_rows(struct rnnd_group *g);
 int rnnd_group_devices(const struct rnnd_group *g);
-// The only engine's backend (shm.h: it opens CUDA regions, and allocates socket regions in the
-// memory it copies from and to fastest); NULL with several devices. Valid after ready.
+// The only engine's backend (shm.h: it opens CUDA regions); NULL with several devices. Valid
+// after ready.
 const struct rnnd_backend *rnnd_group_sole_backend(const struct rnnd_group *g);
+// Device 0's backend, whose host_alloc memory every device's copies take without staging (on
+// CUDA: page-locked and portable), for socket regions (shm.h). Valid after ready.
+const struct rnnd_backend *rnnd_group_host_backend(const struct rnnd_group *g);
 
 #endif // RNND_GROUP_H

@@ -722,8 +722,8 @@ bool rnnd_call_host_in(const struct rnnd_call *c) {
     return rnnd_shm_use_host_in(c->shm);
 }
 
-char *rnnd_call_host_reply(const struct rnnd_call *c, size_t *len) {
-    return rnnd_shm_use_host_reply(c->shm, len);
+char *rnnd_call_host_reply(const struct rnnd_call *c, size_t *len, bool *pinned) {
+    return rnnd_shm_use_host_reply(c->shm, len, pinned);
 }
 
 uint64_t rnnd_call_source(struct rnnd_call *c) {

@@ -484,7 +484,7 @@ void rnnd_service_forward(void *p, struct rnnd_call *call, const ProtobufCMessag
     job->fwd = f;
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
     job->dev_async = rnnd_call_device_async(call);
-    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
+    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes, &job->host_out_pinned);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -572,7 +572,8 @@ void rnnd_service_backward(void *p, struct rnnd_call *call, const ProtobufCMessa
     job->dev_out = rnnd_call_device_reply(call, &job->dev_out_bytes);
     job->dev_async = rnnd_call_device_async(call);
     job->host_in = host_in;
-    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes);
+    job->values_later = dev_in || host_in;
+    job->host_out = rnnd_call_host_reply(call, &job->host_out_bytes, &job->host_out_pinned);
     rnnd_group_submit(s->group, job);
     return;
 bad:
@@ -758,8 +759,8 @@ void rnnd_service_register_region(void *p, struct rnnd_call *call, const Protobu
     Rnnd__V1__RegisterRegionReply r = RNND__V1__REGISTER_REGION_REPLY__INIT;
     struct rnnd_shm_registered out;
     int rc = rnnd_shm_register(s->shm, (const Rnnd__V1__RegisterRegionRequest *)msg,
-                               rnnd_call_peer_local(call), rnnd_group_sole_backend(s->group), &out,
-                               err, sizeof(err));
+                               rnnd_call_peer_local(call), rnnd_group_sole_backend(s->group),
+                               rnnd_group_host_backend(s->group), &out, err, sizeof(err));
     if (rc) {
         rnnd_call_fail(call, rc, err);
         return;

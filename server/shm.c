@@ -408,8 +408,8 @@ static int socket_open(const struct rnnd_shm *s, const Rnnd__V1__SocketRegion *m
 }
 
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      const struct rnnd_backend *be, struct rnnd_shm_registered *out, char *err,
-                      size_t errlen) {
+                      const struct rnnd_backend *be, const struct rnnd_backend *host_be,
+                      struct rnnd_shm_registered *out, char *err, size_t errlen) {
     memset(out, 0, sizeof(*out));
     if (s->max == 0)
         return errf(err, errlen, RNND_EPRECOND,
@@ -433,7 +433,7 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
     int rc = memfd  ? memfd_open(req->memfd, r, err, errlen)
              : cuda ? cuda_open(req->cuda, be, r, err, errlen)
-                    : socket_open(s, req->socket, be, r, err, errlen);
+                    : socket_open(s, req->socket, host_be, r, err, errlen);
     if (rc) {
         free(r);
         return rc;
@@ -740,10 +740,11 @@ bool rnnd_shm_use_host_in(const struct rnnd_shm_use *u) {
     return true;
 }
 
-char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len) {
-    if (u == NULL || u->reply == NULL || u->reply->hbe == NULL)
+char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len, bool *pinned) {
+    if (u == NULL || u->reply == NULL || u->reply->be)
         return NULL;
     *len = (size_t)u->reply_len;
+    *pinned = u->reply->hbe != NULL;
     return (char *)u->reply->base + u->reply_off;
 }
 

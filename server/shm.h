@@ -104,12 +104,12 @@ struct rnnd_shm_registered {
 // key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
 // regions off), RNND_EINVAL (malformed),
 // RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the
-// daemon's only backend (it opens CUDA regions when it can, and allocates socket regions with
-// host_alloc: page-locked on CUDA, so the engine copies straight between them and the device),
-// or NULL when the daemon has several.
+// daemon's only backend, which opens CUDA regions when it can (NULL when the daemon has
+// several); host_be: the backend that allocates socket regions with host_alloc (page-locked on
+// CUDA, so the engine copies straight between them and the device), or NULL for plain memory.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
-                      const struct rnnd_backend *be, struct rnnd_shm_registered *out, char *err,
-                      size_t errlen);
+                      const struct rnnd_backend *be, const struct rnnd_backend *host_be,
+                      struct rnnd_shm_registered *out, char *err, size_t errlen);
 // ReleaseRegion: 0, or RNND_EPRECOND for an id not registered (or a remote peer's other than a
 // socket region). The mapping stays until the calls using it end.
 int rnnd_shm_release(struct rnnd_shm *s, uint64_t id, bool local, char *err, size_t errlen);
@@ -136,10 +136,11 @@ bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u);
 // (host_alloc), so the engine may copy them to the device one by one, without staging. NULL:
 // false.
 bool rnnd_shm_use_host_in(const struct rnnd_shm_use *u);
-// The memory of u's reply_region when it is a socket region allocated by the backend
-// (host_alloc), where the engine may copy its outputs straight from the device (*len its bytes,
-// from a multiple of RNND_SHM_ALIGN); else NULL. NULL u: NULL.
-char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len);
+// The memory of u's reply_region when it is host memory (a memfd or socket region: *len its
+// bytes, from a multiple of RNND_SHM_ALIGN), where a Forward split over devices scatters its
+// outputs; *pinned true when it is a socket region allocated by the backend (host_alloc), where
+// the engine may copy its outputs straight from the device. Else NULL (NULL u too).
+char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len, bool *pinned);
 // The device memory of u's reply_region when it is in a CUDA region (*len its bytes, from a
 // multiple of RNND_SHM_ALIGN), or NULL. NULL u: NULL.
 char *rnnd_shm_use_device_reply(const struct rnnd_shm_use *u, size_t *len);

@@ -111,8 +111,10 @@ static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
         return RNND_EINVAL;
     *out = NULL;
     RNND_CUDA_TRY(cudaSetDevice(c->device));
-    // Page-locked: copies need no bounce through a driver buffer and run asynchronously.
-    if (cudaHostAlloc(out, bytes ? bytes : 256, cudaHostAllocDefault) != cudaSuccess) {
+    // Page-locked: copies need no bounce through a driver buffer and run asynchronously; portable:
+    // so for every device's context (a socket region of a daemon on several devices is device
+    // 0's).
+    if (cudaHostAlloc(out, bytes ? bytes : 256, cudaHostAllocPortable) != cudaSuccess) {
         cudaGetLastError();
         *out = NULL;
         return RNND_ENOMEM;

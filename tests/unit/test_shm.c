@@ -79,7 +79,7 @@ static uint64_t reg_ok(struct rnnd_shm *s, struct creg *r) {
     struct rnnd_shm_registered out;
     char err[512] = "";
     int rc = rnnd_shm_register(s, regreq(&q, (unsigned)getpid(), r->fd, SIZE, r->key), true, NULL,
-                               &out, err, sizeof err);
+                               NULL, &out, err, sizeof err);
     if (rc)
         fail_msg("register: %s", err);
     assert_int_equal(out.size, SIZE);
@@ -93,7 +93,7 @@ static void reg_refused_be(struct rnnd_shm *s, Rnnd__V1__RegisterRegionRequest *
                            const struct rnnd_backend *be, int code, const char *says) {
     struct rnnd_shm_registered out;
     char err[512] = "";
-    int rc = rnnd_shm_register(s, req, local, be, &out, err, sizeof err);
+    int rc = rnnd_shm_register(s, req, local, be, be, &out, err, sizeof err);
     if (rc != code || strstr(err, says) == NULL)
         fail_msg("want %d \"%s\", got %d \"%s\"", code, says, rc, err);
 }
@@ -563,7 +563,7 @@ static void test_cuda_regions(void **state) {
     struct rnnd_shm_registered out;
     char err[512] = "";
     int rc = rnnd_shm_register(s, cudareq(&c, gpu, SIZE, 4096, 8192, key, (unsigned)child), true,
-                               &fake_be, &out, err, sizeof err);
+                               &fake_be, &fake_be, &out, err, sizeof err);
     if (rc)
         fail_msg("register: %s", err);
     assert_int_equal(out.size, 8192);
@@ -666,7 +666,7 @@ static void test_cuda_async_replies(void **state) {
         fake.event_rc = event_rc[k];
         cudareq(&c, gpu, SIZE, 0, 4096, key, me);
         c.m.async_replies = true;
-        if (rnnd_shm_register(s, &c.req, true, bes[k], &out, err, sizeof err) != 0)
+        if (rnnd_shm_register(s, &c.req, true, bes[k], bes[k], &out, err, sizeof err) != 0)
             fail_msg("register: %s", err);
         ids[k] = out.id;
         assert_int_equal(out.async, k == 0);

@@ -185,7 +185,9 @@ class SocketRegionTest(unittest.TestCase):
 
     def test_devices(self):
         """A daemon over two devices (the batch split by env): socket regions are host memory,
-        so they serve it as they serve one device, with the bytes path's results."""
+        so they serve it as they serve one device, with the bytes path's results. Each device
+        checks its rows of the gradients before either changes anything: a NaN is refused with
+        its element in the request named, and the tape stays for a good Backward."""
         if BACKEND == "cuda" and torch.cuda.device_count() < 2:
             self.skipTest("one GPU")
         with daemon(input_size=I, hidden_size=H, trajectory_steps=8, devices="0,1") as d:
@@ -197,6 +199,14 @@ class SocketRegionTest(unittest.TestCase):
                 fs = s.forward_recorded(ids, 6, keep_tape=True, fields=(), device=DEV)
                 self.assertTrue(torch.equal(fs.output.cpu(), torch.from_numpy(fb.output)))
                 go = self.x(16, 6, H)
+                for row in (0, 9, 15):  # rows on either device
+                    bad = go.copy()
+                    bad[row, 4, 3] = float("nan")
+                    with self.assertRaises(rnnd.RnndError) as e:
+                        s.backward(fs.tape_id, torch.from_numpy(bad).to(DEV), input_grads=())
+                    self.assertEqual(e.exception.code_name, "INVALID_ARGUMENT")
+                    self.assertIn("grad_output: element %d is NaN" % ((row * 6 + 4) * H + 3),
+                                  str(e.exception))
                 gb = b.backward(fb.tape_id, go, input_grads=())
                 gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), input_grads=())
                 for name in gb.grads:

@@ -13,6 +13,7 @@ against rnnd --backend cuda, checked against the same calls through gRPC.
    element, and the same tape then runs; a span outside the region, a released region and a
    CUDA region where the daemon may not take one (Step) are refused.
 3. A client process that exits has its region closed (rnnd_shm_regions falls back).
+4. Against a daemon that opens no CUDA region, CUDA tensors go through its socket region.
 Exits 1 on the first failure.
 """
 
@@ -192,6 +193,19 @@ def main():
     finally:
         d.stop()
         twin.stop()
+
+    # 4. A daemon that opens no CUDA region (here on the CPU; likewise one on several devices):
+    # CUDA tensors go through its socket region, with the bytes path's results, on the GPU.
+    with rnnd.Daemon(backend="cpu", input_size=I, hidden_size=H, trajectory_steps=T,
+                     seed=5) as cd, cd.client() as c, cd.client(transport="grpc") as g:
+        ids = np.arange(8, dtype=np.uint64)
+        for t in range(T):
+            g.step(ids, rng.standard_normal((8, I)).astype(np.float32), is_init=t == 0)
+        fb = g.forward_recorded(ids, T, fields=())
+        fc = c.forward_recorded(ids, T, fields=(), device=dev)
+        check(c.transport == "socket", "CUDA tensors through the socket region (%s)" % c.transport)
+        check(fc.output.is_cuda and torch.equal(fc.output.cpu(), torch.from_numpy(fb.output)),
+              "its output on the GPU, equal to the bytes path's")
     print("cuda_region_check: all passed")
 
 

@@ -267,8 +267,9 @@ class Client:
     (None: none). max_message_mb: send/receive limit (-1: unlimited, the default).
     transport: "auto" (shared memory when the target is on this host and the daemon accepts the
     region, else gRPC; for calls on CUDA tensors, a CUDA region when the daemon is on this
-    host's GPU; for calls on torch tensors, a socket region when the daemon is on another host
-    and offers one), "cuda" (like auto, but a call on CUDA tensors that cannot use either
+    host's GPU and opens one (a daemon of one CUDA device), else its socket region; for calls on
+    torch tensors, a socket region when the daemon is on another host and offers one), "cuda"
+    (like auto, but a call on CUDA tensors that cannot use either
     region is an error), "socket" (calls on torch tensors, CUDA or CPU, through a socket region
     whatever the host, or an error), "shm" (shared memory or an error) or "grpc" (tensors
     inside the messages).
@@ -434,13 +435,22 @@ class Client:
             self._info = self._info or self.info()
             device = "cpu" if index == "cpu" else "cuda:%d" % index
             if _local_target(self.target) and self._want != "socket":
-                region = _cuda.Region(self._cuda_mb << 20, device)
-                self._regions[index] = region.register(self._call)
-            else:  # the daemon's memory, through a data connection
-                from . import sock as _sock
-                region = _sock.Region(self._sock_mb << 20, device, self._sock_conns)
-                self._regions[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
-                                                    .strip("[]"))
+                try:
+                    region = _cuda.Region(self._cuda_mb << 20, device)
+                    self._regions[index] = region.register(self._call)
+                    return self._regions[index]
+                except RnndError as e:
+                    # A daemon that opens no CUDA region (one on several devices, or on the
+                    # CPU): its socket region is the next fastest path for CUDA tensors.
+                    if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    region.release(None)
+                    region = None
+            # The daemon's memory, through a data connection.
+            from . import sock as _sock
+            region = _sock.Region(self._sock_mb << 20, device, self._sock_conns)
+            self._regions[index] = region.register(self._call, self.target.rsplit(":", 1)[0]
+                                                .strip("[]"))
         except (RnndError, RuntimeError, OSError) as e:
             if isinstance(e, RnndError) and e.code in (grpc.StatusCode.UNAVAILABLE,
                                                        grpc.StatusCode.DEADLINE_EXCEEDED):

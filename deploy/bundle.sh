@@ -11,8 +11,8 @@
 # sessions may carry to the host; xz makes it 51 MB.
 # --tests adds the test binaries a GPU host runs (tests/gpu, tests/integration: the unit tests
 # need no GPU, and each would add the linked kernels, ~24 MB, to the tarball).
-# lib/ also holds librnnd_client.so, the C client for foreign-function callers (the Python client
-# finds it with RNND_CLIENT_LIB=rnnd-bundle/lib/librnnd_client.so).
+# lib/ also holds librnnd_client.so, the C client for foreign-function callers, and py/ the Python
+# package when the build made it (PYTHONPATH=rnnd-bundle/py RNND_CLIENT_LIB=rnnd-bundle/lib/librnnd_client.so).
 # Left out on purpose: glibc, libstdc++ and libgcc (the target's own, which must be as new as this
 # machine's: Debian 12 = glibc 2.36), the NVIDIA driver (libcuda) and the CUDA toolkit's libraries
 # (cuBLAS, cuDNN: hundreds of MB, and they must match the target's driver).
@@ -60,6 +60,11 @@ done
 if [ -f "$build/client/librnnd_client.so" ]; then
   cp "$build/client/librnnd_client.so" "$dir/lib/"
   libs_of "$build/client/librnnd_client.so"
+fi
+if [ -d "$build/client/python/rnnd" ]; then
+  mkdir -p "$dir/py"
+  cp -r "$build/client/python/rnnd" "$dir/py/"
+  rm -rf "$dir/py/rnnd/librnnd_client.so" "$dir"/py/rnnd/__pycache__ "$dir"/py/rnnd/v1/__pycache__
 fi
 
 cat >"$dir/run" <<'EOF'

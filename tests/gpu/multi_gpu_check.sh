@@ -11,14 +11,15 @@
 #      sync and rank 0 leaving when rank 1 stops: when it hangs, the watchdog prints the test's
 #      last step, the daemons' threads (stacks with gdb or eu-stack) and their log tails, and
 #      the daemons' state dirs (their logs) go into the archive either way;
-#   2. the Step, learner, concurrency and errors suites with every daemon on --devices 0,1 (the
-#      CPU reference still holds; a request refused on one GPU changes nothing on the other);
+#   2. every integration suite with every daemon on --devices 0,1 but weights, ops and
+#      checkpoints (which check one device's specifics): the CPU reference still holds, and a
+#      request refused on one GPU changes nothing on the other;
 #   3. the time of a learner step (Forward + Backward + ApplyGradients, B=2048 T=64 GRU H=128,
-#      fp32/TF32) on 1 and 2 GPUs: the C harness's, and the Python learner benchmark's with bf16
-#      on the wire through socket regions (the learner as on another host) and shared memory
-#      (client/python/examples/learner_bench.py, the client's wheel from .device/);
-#   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs, and streams of 256
-#      and of 1024 envs);
+#      fp32/TF32) on 1 and 2 GPUs: the C harness's, and the Python learner benchmark's
+#      (client/python/examples/learner_bench.py, the bundle's py/) with bf16 on the wire through
+#      socket regions (the learner as on another host) and shared memory, two rounds each;
+#   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs; 32 streams of 1024
+#      envs, two rounds in fp32 and one in bf16);
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
 # Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.xz]
@@ -143,18 +144,22 @@ two_daemons "${TWO_DAEMONS_S:-120}"
 run_test learner_timing 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=fp32 RNND_TEST_DEVICES=0,1 \
     RNND_TEST_TIMING=1 'RNND_TEST_FILTER=*timing' -- "$B/test_integration_devices"
 grep '^learner_step' "$LOGS/learner_timing.log"
-# The Python learner, bf16 wire, on 1 and 2 GPUs.
-if [ "$BACKEND" = cuda ] && ls .device/rnnd-*.whl >/dev/null 2>&1 && [ "$(left)" -gt 120 ]; then
-    python3 -m pip install -q --no-deps --target "$work/site" .device/rnnd-*.whl >/dev/null 2>&1
+# The Python learner, bf16 wire, on 1 and 2 GPUs: the bundle's package (py/, with the C client
+# from lib/), socket regions and shared memory, two rounds each; on 1 GPU also CUDA regions (one
+# device alone) and PyTorch's cuDNN and per-step loop in the same process.
+if [ "$BACKEND" = cuda ] && [ -d "$R/py" ] && [ "$(left)" -gt 120 ]; then
     for devs in 0 0,1; do
+        if [ "$devs" = 0 ]; then more=(--transports socket,shm,cuda,socket,shm,cuda); else
+            more=(--transports socket,shm,socket,shm --no-torch); fi
         echo "-- learner_bench devices=$devs" | tee -a "$LOGS/learner_bench.txt"
-        PYTHONPATH=$work/site timeout 90 python3 client/python/examples/learner_bench.py \
-            --rnnd "$RNND_BIN" --backend cuda --devices $devs --device cuda -B 2048 -T 64 \
-            --wire bfloat16 --iters 7 --warmup 2 --transports socket,shm --no-torch 2>&1 |
-            grep -E '^rnnd' |
-            tee -a "$LOGS/learner_bench.txt"
-        res[learner_py_$devs]=$(grep -A2 "devices=$devs\$" "$LOGS/learner_bench.txt" |
-            grep -m1 -o '[0-9.]* ms  *[0-9]* env-steps/s')
+        PYTHONPATH=$R/py RNND_CLIENT_LIB=$R/lib/librnnd_client.so timeout 150 python3 \
+            client/python/examples/learner_bench.py --rnnd "$RNND_BIN" --backend cuda \
+            --devices $devs --device cuda -B 2048 -T 64 --wire bfloat16 --iters 15 --warmup 3 \
+            "${more[@]}" 2>&1 | grep -vE '^\s*$' | tee -a "$LOGS/learner_bench.txt"
+        for tr in socket shm; do
+            res[learner_py_${tr}_$devs]=$(sed -n "/devices=$devs\$/,/^-- /p" "$LOGS/learner_bench.txt" |
+                grep "^rnnd $tr" | grep -o '[0-9.]* ms (min' | cut -d' ' -f1 | paste -sd/)
+        done
     done
 fi
 
@@ -180,14 +185,19 @@ bench_on() { # devices label args...
 }
 bench_on 0 1gpu_c32e64 --connections 32 --envs 64 --duration 5
 bench_on 0,1 2gpu_c32e64 --connections 32 --envs 64 --duration 5
-bench_on 0 1gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
-bench_on 0,1 2gpu_c32e256s --connections 32 --envs 256 --duration 5 --stream
-bench_on 0 1gpu_c32e1024s --connections 32 --envs 1024 --duration 5 --stream
-bench_on 0,1 2gpu_c32e1024s --connections 32 --envs 1024 --duration 5 --stream
+for round in a b; do
+    bench_on 0 1gpu_c32e1024s_$round --connections 32 --envs 1024 --duration 5 --stream
+    bench_on 0,1 2gpu_c32e1024s_$round --connections 32 --envs 1024 --duration 5 --stream
+done
+bench_on 0 1gpu_c32e1024s_bf16 --connections 32 --envs 1024 --duration 5 --stream --dtype bfloat16
+bench_on 0,1 2gpu_c32e1024s_bf16 --connections 32 --envs 1024 --duration 5 --stream --dtype bfloat16
 
 # 2. the suites on two devices
-for t in step learner concurrency errors; do
-    run_test ${t}_2gpu 60 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
+# (weights, ops and checkpoints check one device's specifics: the queue bound per device, the
+# checkpoints' paths; test_integration_devices covers checkpoints on two devices.)
+suites2="step learner concurrency errors shm http bounds tls"
+for t in $suites2; do
+    run_test ${t}_2gpu 90 RNND_BACKEND=$BACKEND RNND_COMPUTE=ieee RNND_DEVICES=0,1 -- \
         "$B/test_integration_$t"
 done
 # 5. the one-GPU suite, as before
@@ -197,13 +207,15 @@ done
 
 echo "== summary ($(($(date +%s) - t_start)) s)"
 printf '%-22s %s\n' check result
-for k in devices two_daemons learner_timing step_2gpu learner_2gpu concurrency_2gpu errors_2gpu \
-    step_1gpu learner_1gpu errors_1gpu weights_1gpu ops_1gpu concurrency_1gpu tls_1gpu; do
-    printf '%-22s %s\n' "$k" "${res[$k]:-?}"
+for k in devices two_daemons learner_timing; do printf '%-22s %s\n' "$k" "${res[$k]:-?}"; done
+for t in $suites2; do printf '%-22s %s\n' "${t}_2gpu" "${res[${t}_2gpu]:-?}"; done
+for t in step learner errors weights ops concurrency tls; do
+    printf '%-22s %s\n' "${t}_1gpu" "${res[${t}_1gpu]:-?}"
 done
-for k in 1gpu_c32e64 2gpu_c32e64 1gpu_c32e256s 2gpu_c32e256s 1gpu_c32e1024s 2gpu_c32e1024s; do
-    printf '%-22s %s\n' "bench $k" "${res[bench_$k]:-?}"
+for k in c32e64 c32e1024s_a c32e1024s_b c32e1024s_bf16; do
+    printf '%-22s %-52s | %s\n' "bench $k" "1 GPU ${res[bench_1gpu_$k]:-?}" "2 GPUs ${res[bench_2gpu_$k]:-?}"
 done
-printf '%-22s %s\n' "learner py bf16 1 GPU" "${res[learner_py_0]:-?}" \
-    "learner py bf16 2 GPUs" "${res[learner_py_0,1]:-?}"
+for tr in socket shm; do
+    printf '%-22s %s\n' "learner py bf16 $tr" "1 GPU ${res[learner_py_${tr}_0]:-?} ms | 2 GPUs ${res[learner_py_${tr}_0,1]:-?} ms"
+done
 grep '^learner_step' "$LOGS/learner_timing.log" 2>/dev/null | sed 's/ (median.*; / (/'

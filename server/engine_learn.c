@@ -152,18 +152,24 @@ static int io_move(struct rnnd_engine *e, void *dst, const void *src, const stru
 }
 
 // The values of inputs the request's checks did not read (job->values_later), once they are
-// in place: 0, or the job failed with the first bad value named.
-static int io_check(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k) {
+// in place: 0, or the job failed with the first bad value named by its index in the request
+// (through rows, a part's rows in the request, of B; NULL: the request's own).
+static int io_check(struct rnnd_engine *e, struct rnnd_job *job, const struct io_part *p, int k,
+                    const int32_t *rows, int B) {
     for (int i = 0; i < k; i++) {
         int64_t first = -1;
         int rc = p[i].raw ? 0 : e->be.ops->nonfinite(e->be.ctx, p[i].dev, p[i].n, &first);
         if (rc)
             return rnnd_job_fail(job, rc, "cannot check the request's tensors: %s",
                                  rnnd_strerror(rc));
-        if (first >= 0)
-            return rnnd_job_fail(job, RNND_EINVAL,
-                                 "%s: element %" PRId64 " is NaN or infinite; send finite values",
-                                 p[i].name, first);
+        if (first < 0)
+            continue;
+        int64_t per = (int64_t)p[i].n / B; // a part's inputs are all per row
+        if (rows)
+            first = rows[first / per] * per + first % per;
+        return rnnd_job_fail(job, RNND_EINVAL,
+                             "%s: element %" PRId64 " is NaN or infinite; send finite values",
+                             p[i].name, first);
     }
     return 0;
 }
@@ -711,21 +717,6 @@ static void rows_scatter(void *dst, const void *src, const int32_t *rows, int n,
         memcpy((char *)dst + (size_t)rows[i] * row, (const char *)src + (size_t)i * row, row);
 }
 
-// Gathers a part's rows of a float input in the wire dtype ft (n rows of `row` bytes: dst[i] =
-// src[rows[i]]) and, with check, their values: true when all are finite, else false with the job
-// failed, naming the first bad element's index in the request's tensor.
-static bool part_gather(struct rnnd_job *job, const char *name, char *dst, const void *src,
-                        const int32_t *rows, int n, size_t row, enum rnnd_ftype ft, bool check) {
-    rows_gather(dst, src, rows, n, row);
-    size_t per = row / rnnd_ftype_bytes(ft), total = (size_t)n * per;
-    size_t i = check ? rnnd_first_nonfinite(dst, ft, total) : total;
-    if (i == total)
-        return true;
-    rnnd_job_fail(job, RNND_EINVAL, "%s: element %zu is NaN or infinite; send finite values", name,
-                  (size_t)rows[i / per] * per + i % per);
-    return false;
-}
-
 // This engine's rows of a Forward shared by several engines (struct rnnd_forward_job): gathers
 // them into a Forward of its own, runs it, and scatters the outputs into the submitter's arrays.
 void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) {
@@ -985,10 +976,6 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         area = area_bytes ? (char *)block + area_at : NULL;
         cv = (struct carve){block, 0};
     }
-    // Everything this part needs is here; from now on it changes state (the tape, and the
-    // accumulated gradients), so only if every other part can run too.
-    if (part && !agree(e, ag, true))
-        return;
     // The inputs in place, and checked where the request's checks did not read them, before
     // anything changes. fp32 gradients in a CUDA region are read where the client put them
     // (rnn_backward stages arrays its vector loads cannot take, as a span's offset need only be
@@ -1002,7 +989,12 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     if (job->dev_in && !in_place && io_in_device(e, job, in, nin, g->in) != 0)
         return;
     int rc = job->dev_in ? 0 : io_in(e, job, in, nin, g->in, area, host);
-    if (rc == 0 && job->values_later && io_check(e, job, in, nin) != 0)
+    if (rc == 0 && job->values_later && io_check(e, job, in, nin, g->rows, B) != 0)
+        return;
+    // Everything this part needs is here and checked; from now on it changes state (the tape,
+    // and the accumulated gradients), so only if every other part can run too. (A part that
+    // fails before this point says no after it returns: rnnd__engine_run_backward_part.)
+    if (part && rc == 0 && !agree(e, ag, true))
         return;
     if (rc == 0 && !g->accumulate)
         rc = e->be.ops->zero(e->be.ctx, dparams, e->P * sizeof(float));
@@ -1103,26 +1095,26 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
         int n = t->B;
         const int32_t *rows = t->rows;
         // This engine's rows, gathered into its page-locked buffer, which the inner Backward
-        // copies to the device without staging. Values the request's checks did not read are
-        // checked here, before the agreement: a bad one changes nothing on any device.
+        // copies to the device without staging (and checks there before the agreement, where
+        // the request's checks did not read them).
         size_t go_row = Tz * H * fi, hn_row = LH * fi, at_hn = (size_t)n * go_row;
         size_t at_cn = at_hn + (g->grad_h_n ? (size_t)n * hn_row : 0);
         char *buf = rnnd__engine_part_host(e, at_cn + (g->grad_c_n ? (size_t)n * hn_row : 0));
         char *go = buf, *ghn = g->grad_h_n && buf ? buf + at_hn : NULL;
         char *gcn = g->grad_c_n && buf ? buf + at_cn : NULL;
-        bool ok = buf != NULL, check = job->values_later;
-        if (!ok)
+        if (buf == NULL) {
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
-        ok = ok && part_gather(job, "grad_output", go, g->grad_out, rows, n, go_row, g->in, check);
-        ok = ok && (!ghn ||
-                    part_gather(job, "grad_h_n", ghn, g->grad_h_n, rows, n, hn_row, g->in, check));
-        ok = ok && (!gcn ||
-                    part_gather(job, "grad_c_n", gcn, g->grad_c_n, rows, n, hn_row, g->in, check));
-        if (ok) {
+        } else {
+            rows_gather(go, g->grad_out, rows, n, go_row);
+            if (ghn)
+                rows_gather(ghn, g->grad_h_n, rows, n, hn_row);
+            if (gcn)
+                rows_gather(gcn, g->grad_c_n, rows, n, hn_row);
             // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
-            struct rnnd_job sub = {.kind = RNND_JOB_BACKWARD, .host_in = true};
+            struct rnnd_job sub = {
+                .kind = RNND_JOB_BACKWARD, .host_in = true, .values_later = job->values_later};
             sub.bwd = (struct rnnd_backward_job){.tape_id = g->tape_id,
                                                  .B = n,
                                                  .T = g->T,
@@ -1135,7 +1127,8 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
                                                  .out_dtype = g->out_dtype,
                                                  .input_grads_set = g->input_grads_set,
                                                  .input_grads = g->input_grads,
-                                                 .accumulate = g->accumulate};
+                                                 .accumulate = g->accumulate,
+                                                 .rows = rows};
             rnnd__engine_run_backward(e, &sub, &ag, now);
             struct rnnd_backward_job *sb = &sub.bwd;
             // Still there unless the rows ran (refused, a part elsewhere refused, or failed).

@@ -205,7 +205,8 @@ struct rnnd_backward_job {
     unsigned input_grads; // RNND_GRAD_* bits (asking for an input the Forward had not is
                           // refused)
     bool part;
-    bool has_part; // part only: this engine holds rows of the tape
+    bool has_part;       // part only: this engine holds rows of the tape
+    const int32_t *rows; // a part's inner Backward: its rows in the request (errors name those)
     // Outputs, set by the engine and valid until done returns (its memory: nobody frees them),
     // or for a part the submitter's arrays for all B rows:
     void *grads;       // (P) unless accumulate

@@ -706,15 +706,43 @@ out:
         tape_block_free(e, block, block_bytes);
 }
 
-// Copies n rows of `row` bytes each: dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i].
-static void rows_gather(void *dst, const void *src, const int32_t *rows, int n, size_t row) {
-    for (int i = 0; i < n; i++)
-        memcpy((char *)dst + (size_t)i * row, (const char *)src + (size_t)rows[i] * row, row);
+// n rows of `row` bytes copied dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i].
+struct rows_copy {
+    char *dst;
+    const char *src;
+    const int32_t *rows;
+    int n;
+    size_t row;
+    bool scatter;
+};
+
+static void rows_copy_part(void *arg, int k, int parts) {
+    const struct rows_copy *c = arg;
+    int lo = (int)((int64_t)c->n * k / parts), hi = (int)((int64_t)c->n * (k + 1) / parts);
+    for (int i = lo; i < hi; i++) {
+        size_t mine = (size_t)i * c->row, theirs = (size_t)c->rows[i] * c->row;
+        memcpy(c->dst + (c->scatter ? theirs : mine), c->src + (c->scatter ? mine : theirs),
+               c->row);
+    }
 }
 
-static void rows_scatter(void *dst, const void *src, const int32_t *rows, int n, size_t row) {
-    for (int i = 0; i < n; i++)
-        memcpy((char *)dst + (size_t)rows[i] * row, (const char *)src + (size_t)i * row, row);
+// A part's rows of a learner's batch move tens of MB between the request or reply and the
+// engine's memory: on the row workers too, a MiB or more each (less: one thread is quicker
+// than waking others).
+static void rows_copy(struct rnnd_engine *e, void *dst, const void *src, const int32_t *rows, int n,
+                      size_t row, bool scatter) {
+    struct rows_copy c = {dst, src, rows, n, row, scatter};
+    rnnd_threadpool_run(e->row_workers, (int)((size_t)n * row >> 20), rows_copy_part, &c);
+}
+
+static void rows_gather(struct rnnd_engine *e, void *dst, const void *src, const int32_t *rows,
+                        int n, size_t row) {
+    rows_copy(e, dst, src, rows, n, row, false);
+}
+
+static void rows_scatter(struct rnnd_engine *e, void *dst, const void *src, const int32_t *rows,
+                         int n, size_t row) {
+    rows_copy(e, dst, src, rows, n, row, true);
 }
 
 // This engine's rows of a Forward shared by several engines (struct rnnd_forward_job): gathers
@@ -744,7 +772,7 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Forward part of %d rows", n);
             return;
         }
-        rows_gather(ids, f->env_ids, rows, n, sizeof(*ids));
+        rows_gather(e, ids, f->env_ids, rows, n, sizeof(*ids));
         s->env_ids = ids;
     } else {
         struct carve cv = {0};
@@ -765,16 +793,16 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
                 cv = (struct carve){block, 0};
             }
         }
-        rows_gather((void *)s->x, f->x, rows, n, Tz * I * fi);
-        rows_gather((void *)s->is_init, f->is_init, rows, n, Tz);
+        rows_gather(e, (void *)s->x, f->x, rows, n, Tz * I * fi);
+        rows_gather(e, (void *)s->is_init, f->is_init, rows, n, Tz);
         if (f->h0)
-            rows_gather((void *)s->h0, f->h0, rows, n, LH * fi);
+            rows_gather(e, (void *)s->h0, f->h0, rows, n, LH * fi);
         if (f->c0)
-            rows_gather((void *)s->c0, f->c0, rows, n, LH * fi);
+            rows_gather(e, (void *)s->c0, f->c0, rows, n, LH * fi);
         if (f->hidden)
-            rows_gather((void *)s->hidden, f->hidden, rows, n, Tz * LH * fi);
+            rows_gather(e, (void *)s->hidden, f->hidden, rows, n, Tz * LH * fi);
         if (f->cell)
-            rows_gather((void *)s->cell, f->cell, rows, n, Tz * LH * fi);
+            rows_gather(e, (void *)s->cell, f->cell, rows, n, Tz * LH * fi);
     }
     struct fwd_part pt = {.tape_id = f->tape_id, .rows = rows, .B_all = f->B};
     rnnd__engine_run_forward(e, &sub, &pt);
@@ -784,37 +812,37 @@ void rnnd__engine_run_forward_part(struct rnnd_engine *e, struct rnnd_job *job) 
     if (sub.err == 0) {
         const struct rnnd_policy *p = &e->model.policy;
         if (s->out)
-            rows_scatter(f->out, s->out, rows, n, Tz * H * fo);
+            rows_scatter(e, f->out, s->out, rows, n, Tz * H * fo);
         if (s->logits)
-            rows_scatter(f->logits, s->logits, rows, n, Tz * (size_t)p->K * fo);
+            rows_scatter(e, f->logits, s->logits, rows, n, Tz * (size_t)p->K * fo);
         if (s->mean) {
-            rows_scatter(f->mean, s->mean, rows, n, Tz * (size_t)p->A * fo);
+            rows_scatter(e, f->mean, s->mean, rows, n, Tz * (size_t)p->A * fo);
             memcpy(f->log_std, s->log_std, (size_t)p->A * fo);
         }
         if (s->value)
-            rows_scatter(f->value, s->value, rows, n, Tz * fo);
-        rows_scatter(f->h_n, s->h_n, rows, n, LH * fo);
+            rows_scatter(e, f->value, s->value, rows, n, Tz * fo);
+        rows_scatter(e, f->h_n, s->h_n, rows, n, LH * fo);
         if (e->lstm)
-            rows_scatter(f->c_n, s->c_n, rows, n, LH * fo);
+            rows_scatter(e, f->c_n, s->c_n, rows, n, LH * fo);
         if (s->rec_obs)
-            rows_scatter(f->rec_obs, s->rec_obs, rows, n, Tz * I * fo);
+            rows_scatter(e, f->rec_obs, s->rec_obs, rows, n, Tz * I * fo);
         if (s->rec_is_init)
-            rows_scatter(f->rec_is_init, s->rec_is_init, rows, n, Tz);
+            rows_scatter(e, f->rec_is_init, s->rec_is_init, rows, n, Tz);
         if (s->rec_extras)
-            rows_scatter(f->rec_extras, s->rec_extras, rows, n, Tz * E * fo);
+            rows_scatter(e, f->rec_extras, s->rec_extras, rows, n, Tz * E * fo);
         if (s->rec_version)
-            rows_scatter(f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
+            rows_scatter(e, f->rec_version, s->rec_version, rows, n, Tz * sizeof(int64_t));
         size_t A = (size_t)e->model.policy.A;
         if (s->rec_action)
-            rows_scatter(f->rec_action, s->rec_action, rows, n, Tz * (A ? A * 4 : 8));
+            rows_scatter(e, f->rec_action, s->rec_action, rows, n, Tz * (A ? A * 4 : 8));
         if (s->rec_logp)
-            rows_scatter(f->rec_logp, s->rec_logp, rows, n, Tz * sizeof(float));
+            rows_scatter(e, f->rec_logp, s->rec_logp, rows, n, Tz * sizeof(float));
         if (s->rec_value)
-            rows_scatter(f->rec_value, s->rec_value, rows, n, Tz * sizeof(float));
+            rows_scatter(e, f->rec_value, s->rec_value, rows, n, Tz * sizeof(float));
         if (s->rec_reward) {
-            rows_scatter(f->rec_reward, s->rec_reward, rows, n, Tz * sizeof(float));
-            rows_scatter(f->rec_done, s->rec_done, rows, n, Tz);
-            rows_scatter(f->rec_truncated, s->rec_truncated, rows, n, Tz);
+            rows_scatter(e, f->rec_reward, s->rec_reward, rows, n, Tz * sizeof(float));
+            rows_scatter(e, f->rec_done, s->rec_done, rows, n, Tz);
+            rows_scatter(e, f->rec_truncated, s->rec_truncated, rows, n, Tz);
         }
     }
     free(block);
@@ -1105,11 +1133,11 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
         if (buf == NULL) {
             rnnd_job_fail(job, RNND_ENOMEM, "out of host memory for a Backward part of %d rows", n);
         } else {
-            rows_gather(go, g->grad_out, rows, n, go_row);
+            rows_gather(e, go, g->grad_out, rows, n, go_row);
             if (ghn)
-                rows_gather(ghn, g->grad_h_n, rows, n, hn_row);
+                rows_gather(e, ghn, g->grad_h_n, rows, n, hn_row);
             if (gcn)
-                rows_gather(gcn, g->grad_c_n, rows, n, hn_row);
+                rows_gather(e, gcn, g->grad_c_n, rows, n, hn_row);
             // The tape is dropped by the inner Backward when it runs: keep its rows.
             int32_t *mine = t->rows;
             t->rows = NULL;
@@ -1139,15 +1167,15 @@ void rnnd__engine_run_backward_part(struct rnnd_engine *e, struct rnnd_job *job)
             } else if (!kept) {
                 job->model_version = sub.model_version;
                 if (g->grad_x && sb->grad_x)
-                    rows_scatter(g->grad_x, sb->grad_x, mine, n, Tz * I * fo);
+                    rows_scatter(e, g->grad_x, sb->grad_x, mine, n, Tz * I * fo);
                 if (g->grad_h0 && sb->grad_h0)
-                    rows_scatter(g->grad_h0, sb->grad_h0, mine, n, LH * fo);
+                    rows_scatter(e, g->grad_h0, sb->grad_h0, mine, n, LH * fo);
                 if (g->grad_c0 && sb->grad_c0)
-                    rows_scatter(g->grad_c0, sb->grad_c0, mine, n, LH * fo);
+                    rows_scatter(e, g->grad_c0, sb->grad_c0, mine, n, LH * fo);
                 if (g->grad_hidden && sb->grad_hidden)
-                    rows_scatter(g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * fo);
+                    rows_scatter(e, g->grad_hidden, sb->grad_hidden, mine, n, Tz * LH * fo);
                 if (g->grad_cell && sb->grad_cell)
-                    rows_scatter(g->grad_cell, sb->grad_cell, mine, n, Tz * LH * fo);
+                    rows_scatter(e, g->grad_cell, sb->grad_cell, mine, n, Tz * LH * fo);
             }
             if (kept)
                 ((struct tape_obj *)p)->rows = mine;

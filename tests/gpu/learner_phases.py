@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
-# Where a CUDA-region learner iteration's time goes (B=2048 T=64 I=64 H=128), phase by phase, then cProfile.
-# GPU host: RNND_BIN=rnnd-bundle/bin/rnnd PYTHONPATH=<the client's wheel, installed> python3 tests/gpu/learner_phases.py
-import cProfile, pstats, statistics, sys, time
+# Where a learner iteration's time goes (B=2048 T=64 I=64 H=128), phase by phase, then cProfile:
+# through CUDA regions by default; DEVICES=0,1 (the daemon's --devices), TRANSPORT=socket (any
+# rnnd.Client transport), WIRE=bfloat16 (the wire dtype) for others.
+# GPU host: RNND_BIN=rnnd-bundle/bin/rnnd PYTHONPATH=rnnd-bundle/py python3 tests/gpu/learner_phases.py
+import cProfile, os, pstats, statistics, sys, time
 import numpy as np, torch
 import rnnd, rnnd.torch
 B, T, I, H = 2048, 64, 64, 128
 dev = torch.device("cuda")
+extra = {"devices": os.environ["DEVICES"]} if os.environ.get("DEVICES") else {}
 d = rnnd.Daemon(backend="cuda", input_size=I, hidden_size=H, max_envs=4096, max_batch=2048,
-                trajectory_steps=T, max_message_mb=512, tape_memory_mb=8192).start()
+                trajectory_steps=T, max_message_mb=512, tape_memory_mb=8192, **extra).start()
 try:
-    c = rnnd.Client(d.target)
+    c = rnnd.Client(d.target, transport=os.environ.get("TRANSPORT", "auto"))
     rng = np.random.default_rng(0)
     ids = np.arange(B, dtype=np.uint64)
     for t in range(T):
         c.step(ids, rng.standard_normal((B, I)).astype(np.float32), is_init=(rng.random(B) < 0.01) | (t == 0))
-    core = rnnd.torch.RemoteRecurrent(c, grads="server").to(dev)
+    core = rnnd.torch.RemoteRecurrent(c, grads="server", wire=os.environ.get("WIRE", "float32")).to(dev)
     head = torch.nn.Linear(H, 1).to(dev); opt = torch.optim.Adam(head.parameters(), lr=1e-3)
     y = torch.randn(B, T, 1, device=dev)
     ph = {k: [] for k in ("forward", "loss", "backward", "apply", "opt", "rpc_info", "total")}
@@ -37,6 +40,6 @@ try:
     pr = cProfile.Profile(); pr.enable()
     for _ in range(20): it(False)
     pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(int(os.environ.get("TOP", 25)))
 finally:
     d.stop()

@@ -214,6 +214,34 @@ class SocketRegionTest(unittest.TestCase):
                                                 torch.from_numpy(np.array(gb.grads[name]))), name)
                 self.assertEqual(s.transport, "socket")
 
+    def test_devices_row_workers(self):
+        """A batch big enough that each device copies its rows between the region and its own
+        memory on its row workers too (--reply-threads 2, a MiB or more each): the bytes path's
+        results, in fp32 and bfloat16."""
+        if BACKEND == "cuda" and torch.cuda.device_count() < 2:
+            self.skipTest("one GPU")
+        B, T = 6144, 6
+        with daemon(input_size=I, hidden_size=H, trajectory_steps=8, devices="0,1",
+                    max_envs=B, max_batch=B, reply_threads=2) as d:
+            ids = np.arange(B, dtype=np.uint64)
+            with d.client(transport="grpc") as b, d.client(transport="socket", sock_mb=16) as s:
+                for t in range(T):
+                    b.step(ids, self.x(B, I), is_init=t == 0)
+                for wire in ("float32", "bfloat16"):
+                    fb = b.forward_recorded(ids, T, keep_tape=True, fields=(), reply_dtype=wire)
+                    fs = s.forward_recorded(ids, T, keep_tape=True, fields=(), reply_dtype=wire,
+                                            device=DEV)
+                    self.assertTrue(torch.equal(fs.output.cpu(), torch.from_numpy(fb.output)),
+                                    wire)
+                    go = self.x(B, T, H)
+                    gb = b.backward(fb.tape_id, go, dtype=wire, input_grads=())
+                    gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
+                                    input_grads=())
+                    for name in gb.grads:
+                        self.assertTrue(torch.equal(gs.grads[name].cpu(),
+                                                    torch.from_numpy(np.array(gb.grads[name]))),
+                                        "%s %s" % (wire, name))
+
     def test_connection_lost(self):
         """The region gone under the client (here released behind its back): the call that
         finds the connection closed raises ConnectionError, the next one registers a new region

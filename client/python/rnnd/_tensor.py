@@ -40,11 +40,7 @@ def encode(array, dtype=None, out=None):
     if dtype == pb.BFLOAT16 and a.dtype == np.uint16:
         data = np.ascontiguousarray(a, dtype="<u2").tobytes()  # bfloat16 bit patterns as they are
     elif dtype == pb.BFLOAT16:
-        f = np.ascontiguousarray(a, dtype="<f4")
-        u = f.view("<u4")
-        # round to nearest even, as torch does
-        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
-        data = bits.tobytes()
+        data = bf16_bits(a).tobytes()
     else:
         data = np.ascontiguousarray(a, dtype=_NP[dtype]).tobytes()
     t = out if out is not None else pb.Tensor()
@@ -52,6 +48,20 @@ def encode(array, dtype=None, out=None):
     t.dtype = dtype
     t.data = data
     return t
+
+
+def bf16_bits(a):
+    """The bfloat16 bit patterns (uint16) of float array a, rounded to nearest even as torch
+    rounds."""
+    u = np.ascontiguousarray(a, dtype="<f4").view("<u4")
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def bf16_widen(bits):
+    """float32 values of bfloat16 bit patterns (a uint16 array), as a new array."""
+    w = bits.astype("<u4")
+    w <<= 16
+    return w.view("<f4")
 
 
 def _varint(n):
@@ -96,9 +106,7 @@ def decode(t):
     if a.size != n:
         raise ValueError("tensor of shape %s holds %d elements, expected %d" % (shape, a.size, n))
     if t.dtype == pb.BFLOAT16:
-        w = a.astype("<u4")
-        w <<= 16
-        a = w.view("<f4")
+        a = bf16_widen(a)
     return a.reshape(shape)
 
 

@@ -122,7 +122,6 @@ def _bools(flags, n):
 
 
 # Wire dtypes by name (reply_dtype=, dtype=): float tensors travel as fp32, bf16 or fp16.
-_FP32 = (0, pb.FLOAT32)  # dtype codes shared memory carries: unset or FLOAT32
 _DTYPES = {None: 0, "float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16, "float16": pb.FLOAT16}
 # Bits of ForwardRequest.recorded_fields and BackwardRequest.input_grads by name.
 _RECORDED = {"obs": pb.RECORDED_OBS, "is_init": pb.RECORDED_IS_INIT, "extras": pb.RECORDED_EXTRAS,
@@ -180,15 +179,19 @@ def _backward_result(r, get, fld):
         "grad_obs", "grad_h0", "grad_c0", "grad_hidden", "grad_cell")), r.model_version)
 
 
-def _put(call, msg, **arrays):
+def _put(call, msg, wire=None, **arrays):
     """Sets msg's tensor fields from arrays (None skipped): as bytes, or through call's span of
-    shared memory (then the rest of the span is the reply's)."""
+    shared memory (then the rest of the span is the reply's); float arrays in the wire dtype
+    ("float32", "bfloat16" (a uint16 array: its bit patterns) or "float16"; None: float32)."""
     for name, v in arrays.items():
-        if v is not None:
-            if call is None:
-                encode(v, out=getattr(msg, name))
-            else:
-                call.put(v, getattr(msg, name))
+        if v is None:
+            continue
+        if call is not None:
+            call.put(v, getattr(msg, name), wire)
+            continue
+        a = np.asarray(v)
+        floats = a.dtype.kind == "f" or (wire == "bfloat16" and a.dtype == np.uint16)
+        encode(a, dtype=(_dtype(wire) or None) if floats else None, out=getattr(msg, name))
 
 
 def _step_request(env_ids, obs, is_init=None, step_index=None, extras=None, return_state=False,
@@ -485,12 +488,12 @@ class Client:
                         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
                     self._transport = "grpc"
 
-    def _span(self, arrays, reply_bytes):
-        """A span of the shared region for a call with these request arrays and reply, or None
-        (the call goes as bytes)."""
+    def _span(self, arrays, reply_bytes, wire=None):
+        """A span of the shared region for a call with these request arrays (float ones in the
+        wire dtype) and reply, or None (the call goes as bytes)."""
         if self.transport != "shm":
             return None
-        return self._region.call(_shm.need(arrays, reply_bytes))
+        return self._region.call(_shm.need(arrays, reply_bytes, wire))
 
     def _shm_call(self, name, req, call, result):
         """Sends req (built over call's span, or as bytes when call is None) and returns
@@ -566,18 +569,17 @@ class Client:
         heads returns logits / mean and log_std / head_value, and output only with
         return_core."""
         obs = np.asarray(obs)
-        # Shared memory carries fp32 tensors; 16-bit wire dtypes go through gRPC.
-        if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
+        if self.transport == "shm":
             if is_init is None:
                 is_init = np.zeros(obs.shape[:2], dtype=bool)
             arrays = dict(obs=obs, is_init=np.asarray(is_init, dtype=bool), h0=h0, c0=c0,
                           hidden=hidden, cell=cell)
             call = self._span(arrays.values(), _shm.forward_reply_bytes(
-                self._info, obs.shape[0], obs.shape[1], False) if self.transport == "shm" else 0)
+                self._info, obs.shape[0], obs.shape[1], False), dtype)
             tr = pb.Trajectories()
-            _put(call, tr, **arrays)
+            _put(call, tr, dtype, **arrays)
             req = pb.ForwardRequest(trajectories=tr, keep_tape=bool(keep_tape),
-                                    return_core=bool(return_core))
+                                    reply_dtype=_dtype(reply_dtype), return_core=bool(return_core))
             if call is not None:
                 req.reply_region.CopyFrom(call.reply_region())
             return self._shm_call("Forward", req, call,
@@ -623,11 +625,11 @@ class Client:
             call.ready(puts=False)
             return self._shm_call("Forward", req.SerializeToString() + rec, call,
                                   lambda r: self._cursor_kept(self._forward_result(r, call), r))
-        if self.transport == "shm" and _dtype(reply_dtype) in _FP32:
+        if self.transport == "shm":
             call = self._span((), _shm.forward_reply_bytes(
-                self._info, B, int(steps), fields is None or _mask(fields, _RECORDED) != 0)
-                if self.transport == "shm" else 0)
-            req = pb.ForwardRequest(keep_tape=bool(keep_tape), return_core=bool(return_core))
+                self._info, B, int(steps), fields is None or _mask(fields, _RECORDED) != 0))
+            req = pb.ForwardRequest(keep_tape=bool(keep_tape), reply_dtype=_dtype(reply_dtype),
+                                    return_core=bool(return_core))
             if fields is not None:
                 req.recorded_fields = _mask(fields, _RECORDED)
             if call is not None:
@@ -712,9 +714,9 @@ class Client:
             grad_output, grad_h_n, grad_c_n = (grads.pop(k) for k in
                                                ("grad_output", "grad_h_n", "grad_c_n"))
             heads = grads
-        if self.transport == "shm" and _dtype(dtype) in _FP32 and _dtype(reply_dtype) in _FP32:
+        if self.transport == "shm":
             return self._backward_shm(tape_id, grad_output, grad_h_n, grad_c_n, accumulate,
-                                      input_grads, decode, heads, apply)
+                                      input_grads, decode, heads, apply, dtype, reply_dtype)
         wire = _dtype(dtype) or None
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
                                  reply_dtype=_dtype(reply_dtype), apply=bool(apply))
@@ -758,19 +760,20 @@ class Client:
                               lambda r: _backward_result(r, call.get, call.field))
 
     def _backward_shm(self, tape_id, grad_output, grad_h_n, grad_c_n, accumulate, input_grads,
-                      decode, heads, apply):
-        """backward() through the shared-memory region (fp32)."""
+                      decode, heads, apply, dtype, reply_dtype):
+        """backward() through the shared-memory region, floats in the wire dtype."""
         bt = [np.asarray(v) for v in (grad_output, heads["grad_logits"], heads["grad_mean"],
                                       heads["grad_head_value"]) if v is not None]
         bt = bt[0].shape[:2] if bt and bt[0].ndim >= 2 else None
         call = self._span((grad_output, grad_h_n, grad_c_n, *heads.values()),
                           _shm.backward_reply_bytes(self._info, bt[0], bt[1], accumulate)
-                          if self.transport == "shm" and bt else 0)
+                          if bt else 0, dtype)
         req = pb.BackwardRequest(tape_id=int(tape_id), accumulate=bool(accumulate),
-                                 apply=bool(apply))
+                                 reply_dtype=_dtype(reply_dtype), apply=bool(apply))
         if input_grads is not None:
             req.input_grads = _mask(input_grads, _INPUT_GRADS)
-        _put(call, req, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n, **heads)
+        _put(call, req, dtype, grad_output=grad_output, grad_h_n=grad_h_n, grad_c_n=grad_c_n,
+             **heads)
         if call is not None:
             req.reply_region.CopyFrom(call.reply_region())
 

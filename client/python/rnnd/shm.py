@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from ._tensor import _NP, View, decode as _decode_bytes
+from ._tensor import _NP, View, bf16_bits, bf16_widen, decode as _decode_bytes
 from .v1 import rnnd_pb2 as pb
 
 ALIGN = 64
@@ -29,26 +29,33 @@ def _up(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _wire(array):
-    """(array, wire dtype) as encode() would send it: bool as BOOL, integers as INT64, the rest
-    as FLOAT32."""
+_FLOATS = {None: pb.FLOAT32, "float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16,
+           "float16": pb.FLOAT16}
+
+
+def _wire(array, wire=None):
+    """(array, wire dtype) as encode() would send it: bool as BOOL, integers as INT64 (but a
+    uint16 array with wire "bfloat16": bfloat16 bit patterns), the rest as wire ("float32",
+    "bfloat16" or "float16"; None: "float32")."""
     a = np.asarray(array)
     if a.dtype == np.bool_:
         return a, pb.BOOL
+    if wire == "bfloat16" and a.dtype == np.uint16:
+        return a, pb.BFLOAT16
     if np.issubdtype(a.dtype, np.integer):
         return a, pb.INT64
-    return a, pb.FLOAT32
+    return a, _FLOATS[wire]
 
 
-def nbytes(array):
+def nbytes(array, wire=None):
     """Bytes of ``array`` on the wire (as ``Call.put`` writes it)."""
-    a, dtype = _wire(array)
+    a, dtype = _wire(array, wire)
     return a.size * _NP[dtype].itemsize
 
 
-def need(arrays, reply_bytes):
+def need(arrays, reply_bytes, wire=None):
     """Bytes of a span for these request arrays (None skipped) and a reply of reply_bytes."""
-    return sum(_up(nbytes(a)) for a in arrays if a is not None) + reply_bytes
+    return sum(_up(nbytes(a, wire)) for a in arrays if a is not None) + reply_bytes
 
 
 def _close(fd, mm, buf):
@@ -152,11 +159,14 @@ class Call:
     def __init__(self, region, off, n):
         self.region, self.off, self.n, self.at = region, off, n, off
 
-    def put(self, array, out):
-        a, dtype = _wire(array)
+    def put(self, array, out, wire=None):
+        a, dtype = _wire(array, wire)
         nbytes = a.size * _NP[dtype].itemsize
         dst = self.region.bytes[self.at:self.at + nbytes].view(_NP[dtype]).reshape(a.shape)
-        np.copyto(dst, a, casting="unsafe")
+        if dtype == pb.BFLOAT16 and a.dtype != np.uint16:
+            dst[...] = bf16_bits(a).reshape(a.shape)
+        else:
+            np.copyto(dst, a, casting="unsafe")
         out.shape[:] = a.shape
         out.dtype = dtype
         out.region.region = self.region.id
@@ -174,14 +184,16 @@ class Call:
         if sp.region != self.region.id or sp.offset + sp.nbytes > self.region.size:
             raise ValueError("a reply tensor names region %d [%d, +%d), not this client's"
                              % (sp.region, sp.offset, sp.nbytes))
-        if _NP.get(t.dtype) is None or t.dtype == pb.BFLOAT16:
+        if _NP.get(t.dtype) is None:
             raise ValueError("reply tensor in shared memory with dtype %d" % t.dtype)
         return self.region.bytes[sp.offset:sp.offset + sp.nbytes]
 
     def get(self, t):
+        """Reply tensor t as a new array (bfloat16 widened to float32, as decode does)."""
         if t is None or not t.HasField("region"):
             return _decode_bytes(t)
-        return self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape)).copy()
+        a = self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape))
+        return bf16_widen(a) if t.dtype == pb.BFLOAT16 else a.copy()
 
     def view(self, t):
         """Reply tensor t with its data in place (a View of the region's bytes, valid until

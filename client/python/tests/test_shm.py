@@ -135,6 +135,41 @@ class ShmTest(unittest.TestCase):
         for name in gs.grads:
             self.assertBits(gs.grads[name], gb.grads[name], "recorded grad " + name)
 
+    def test_16bit_wire(self):
+        # bfloat16 and float16 go through shared memory too, with the bytes path's bits: floats
+        # sent in the wire dtype, replies in it (bfloat16 widened to float32 as decode does).
+        # Outputs and gradients of 1 MiB and more: with 1 MiB messages they fit only outside.
+        B, T, R, S = 256, 64, 1024, 16  # explicit, then recorded windows
+        obs, h0, c0 = self.x(B, T, I), self.x(B, L, H), self.x(B, L, H)
+        init = self.rng.random((B, T)) < 0.2
+        go, gr_out = self.x(B, T, H), self.x(R, S, H)
+        ids = np.arange(10000, 10000 + R, dtype=np.uint64)
+        for t in range(S):
+            x = self.x(R, I)
+            for c, base in ((self.s, 0), (self.b, R)):
+                c.step(ids + base, x, t == 0)
+        with rnnd.Client(self.sock, max_message_mb=1) as small:
+            for wire in ("bfloat16", "float16"):
+                res = []
+                for c in (small, self.b):
+                    f = c.forward(obs, init, h0=h0, c0=c0, keep_tape=True, dtype=wire)
+                    g = c.backward(f.tape_id, go, dtype=wire)
+                    r = c.forward_recorded(ids + (0 if c is small else R), S, keep_tape=True,
+                                           fields=("obs",), reply_dtype=wire)
+                    gr = c.backward(r.tape_id, gr_out, dtype=wire, input_grads=())
+                    res.append((f, g, r, gr))
+                self.assertEqual(small.transport, "shm")
+                (fs, gs, rs, grs), (fb, gb, rb, grb) = res
+                for name in ("output", "h_n", "c_n"):
+                    self.assertBits(getattr(fs, name), getattr(fb, name), wire + " " + name)
+                    self.assertBits(getattr(rs, name), getattr(rb, name), wire + " rec " + name)
+                self.assertBits(rs.obs, rb.obs, wire + " recorded obs")
+                for name in gs.grads:
+                    self.assertBits(gs.grads[name], gb.grads[name], wire + " grad " + name)
+                    self.assertBits(grs.grads[name], grb.grads[name], wire + " rec grad " + name)
+                for name in ("grad_obs", "grad_h0", "grad_c0"):
+                    self.assertBits(getattr(gs, name), getattr(gb, name), wire + " " + name)
+
     def test_larger_than_messages(self):
         # 1 MiB messages: a 2 MiB output fits only through shared memory.
         B, T = 256, 64

@@ -78,6 +78,13 @@ class SocketRegionTest(unittest.TestCase):
         cls.b.close()
         cls.d.stop()
 
+    def assertGrads(self, gs, gb, what):
+        """The weight gradients gs (torch, through the region) equal gb's (numpy, as bytes)."""
+        for name in gb.grads:
+            self.assertTrue(torch.equal(gs.grads[name].cpu(),
+                                        torch.from_numpy(np.array(gb.grads[name]))),
+                            "%s %s" % (what, name))
+
     def x(self, *shape):
         return self.rng.standard_normal(shape).astype(np.float32)
 
@@ -109,10 +116,7 @@ class SocketRegionTest(unittest.TestCase):
                 gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
                                 input_grads=())
                 self.assertEqual(sorted(gs.grads), sorted(gb.grads))
-                for name in gb.grads:
-                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
-                                                torch.from_numpy(np.array(gb.grads[name]))),
-                                    "%s %s" % (wire, name))
+                self.assertGrads(gs, gb, wire)
             # A window larger than the region: the call goes as bytes, with the same result.
             big = np.arange(200, 264, dtype=np.uint64)
             self.steps(big, 16)
@@ -158,10 +162,7 @@ class SocketRegionTest(unittest.TestCase):
                 gb = self.b.backward(fb.tape_id, go, dtype=wire, input_grads=())
                 gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
                                 input_grads=())
-                for name in gb.grads:
-                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
-                                                torch.from_numpy(np.array(gb.grads[name]))),
-                                    "%s %s" % (wire, name))
+                self.assertGrads(gs, gb, wire)
             self.assertEqual(s.transport, "socket")
 
     def test_learner(self):
@@ -209,9 +210,7 @@ class SocketRegionTest(unittest.TestCase):
                                   str(e.exception))
                 gb = b.backward(fb.tape_id, go, input_grads=())
                 gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), input_grads=())
-                for name in gb.grads:
-                    self.assertTrue(torch.equal(gs.grads[name].cpu(),
-                                                torch.from_numpy(np.array(gb.grads[name]))), name)
+                self.assertGrads(gs, gb, "devices")
                 self.assertEqual(s.transport, "socket")
 
     def test_devices_row_workers(self):
@@ -237,10 +236,7 @@ class SocketRegionTest(unittest.TestCase):
                     gb = b.backward(fb.tape_id, go, dtype=wire, input_grads=())
                     gs = s.backward(fs.tape_id, torch.from_numpy(go).to(DEV), dtype=wire,
                                     input_grads=())
-                    for name in gb.grads:
-                        self.assertTrue(torch.equal(gs.grads[name].cpu(),
-                                                    torch.from_numpy(np.array(gb.grads[name]))),
-                                        "%s %s" % (wire, name))
+                    self.assertGrads(gs, gb, wire)
 
     def test_connection_lost(self):
         """The region gone under the client (here released behind its back): the call that

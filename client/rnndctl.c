@@ -63,7 +63,7 @@ static const char usage[] =
     "        over the same connections (the transport floor) unless --no-floor. --stream uses\n"
     "        StepStream (one stream per connection) instead of unary Step. --shm sends the\n"
     "        tensors through shared memory (one region per connection; a unix: or loopback\n"
-    "        target on the daemon's host, as its user; float32 only). --dtype: of the obs sent\n"
+    "        target on the daemon's host, as its user). --dtype: of the obs sent\n"
     "        and the outputs asked for (default float32). Env ids are ID + c*E + j (default ID\n"
     "        1000000000); they are released with EndEpisodes after.\n";
 
@@ -845,8 +845,6 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
         dtype = RNND_DTYPE_BFLOAT16;
     else if (a->dtype && strcmp(a->dtype, "float32") != 0)
         return usage_err("bad --dtype \"%s\" (float32 or bfloat16)", a->dtype);
-    if (a->shm && dtype != RNND_DTYPE_FLOAT32)
-        return usage_err("--shm carries float32 tensors: leave out --dtype %s", a->dtype);
     struct bench b = {.conns = (int)conns,
                       .envs = (int)envs,
                       .I = (int)info.input_size,

@@ -246,8 +246,6 @@ static void test_rnndctl(void **state) {
     free(out);
     EXPECT_CTL(ctl(f, &out, "bench", "--dtype", "int8", NULL, NULL, NULL), 2, "bad --dtype");
     free(out);
-    EXPECT_CTL(ctl(f, &out, "bench", "--dtype", "bfloat16", "--shm", NULL, NULL), 2, "float32");
-    free(out);
     EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1, "FAILED_PRECONDITION");
     free(out);
     EXPECT_CTL(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, "released 2");

@@ -502,20 +502,18 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     };
     // Into the reply_region when it is host memory and holds them all: the parts scatter their
     // rows straight into it, and rnnd_shm_place leaves them where they are. Else on the heap.
-    size_t need = 0;
-    for (int i = 0; i < FAN_OUTPUTS; i++)
-        need = bytes[i] ? (need + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN + bytes[i]
-                        : need;
+    size_t off[FAN_OUTPUTS], need = 0;
+    for (int i = 0; i < FAN_OUTPUTS; i++) {
+        off[i] = (need + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
+        need = bytes[i] ? off[i] + bytes[i] : need;
+    }
     char *area = job->host_out && need <= job->host_out_bytes ? job->host_out : NULL;
     void *outs[FAN_OUTPUTS] = {0};
     bool ok = true;
-    for (size_t i = 0, at = 0; i < FAN_OUTPUTS; i++) {
-        if (bytes[i] == 0)
-            continue;
-        at = (at + RNND_SHM_ALIGN - 1) / RNND_SHM_ALIGN * RNND_SHM_ALIGN;
-        outs[i] = area ? area + at : malloc(bytes[i]);
-        at += bytes[i];
-        ok = ok && outs[i];
+    for (int i = 0; i < FAN_OUTPUTS; i++) {
+        if (bytes[i])
+            outs[i] = area ? area + off[i] : malloc(bytes[i]);
+        ok = ok && (bytes[i] == 0 || outs[i]);
     }
     fw->out = outs[0];
     fw->h_n = outs[1];

@@ -100,10 +100,11 @@ struct rnnd_shm_registered {
     uint8_t event[RNND_SHM_EVENT_BYTES];
 };
 
-// RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *out, or RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong
-// key, not sealed, not locked; a CUDA region on a daemon without one CUDA device; socket
-// regions off), RNND_EINVAL (malformed),
-// RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the reason in err. be: the
+// RegisterRegion for a peer (local: rnnd_shm_peer_local of its address): *out, or
+// RNND_EPRECOND (off, remote and not a socket region, not the daemon's, wrong key, not sealed,
+// not locked; a CUDA region on a daemon without one CUDA device; socket regions off),
+// RNND_EINVAL (malformed), RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the
+// reason in err. be: the
 // daemon's only backend, which opens CUDA regions when it can (NULL when the daemon has
 // several); host_be: the backend that allocates socket regions with host_alloc (page-locked on
 // CUDA, so the engine copies straight between them and the device), or NULL for plain memory.
@@ -122,8 +123,8 @@ int rnnd_shm_housekeeping(struct rnnd_shm *s);
 bool rnnd_shm_wanted(const ProtobufCMessage *msg);
 // Points every Tensor of msg that has a region at the region's memory and takes the
 // reply_region. 0 and *out (free with rnnd_shm_use_free before msg), or RNND_EPRECOND (a region
-// other than a socket region from a remote peer, region not registered), RNND_EINVAL (data and region both set, span outside the region,
-// misaligned, or not the shape's byte count; a CUDA region where dev_ok, RNND_SHM_DEV_* bits,
+// other than a socket region from a remote peer, region not registered), RNND_EINVAL (data and
+// region both set, span outside the region, misaligned, or not the shape's byte count; a CUDA region where dev_ok, RNND_SHM_DEV_* bits,
 // does not allow it; tensors in both kinds of region) with the field named in err; msg is then
 // as it was.
 int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsigned dev_ok,
@@ -150,8 +151,8 @@ bool rnnd_shm_use_async(const struct rnnd_shm_use *u);
 
 // Writes reply's tensors into u's reply_region (those that fit, in order), and makes them carry
 // region spans instead of data. A tensor already inside the reply_region is placed where it is;
-// with a CUDA reply_region, every other one stays bytes. Returns true when rnnd_shm_unplace must put them back (after the
-// reply was packed); false when there is no reply_region.
+// with a CUDA reply_region, every other one stays bytes. Returns true when rnnd_shm_unplace
+// must put them back (after the reply was packed); false when there is no reply_region.
 bool rnnd_shm_place(struct rnnd_shm_use *u, ProtobufCMessage *reply);
 void rnnd_shm_unplace(struct rnnd_shm_use *u);
 

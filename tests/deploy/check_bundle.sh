@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# check_bundle.sh RNNDCTL: deploy/bundle.sh on a build tree holding only rnndctl (a small program
-# with the same gRPC, protobuf-c and TLS libraries as rnnd, so the check takes seconds), then the
-# tarball unpacked elsewhere as a GPU host would: its libraries must be the ones the loader picks
-# through the launcher's path, the base system's must stay out, and the launcher must run the
-# program. Bad arguments and an empty build tree must fail with a message.
+# check_bundle.sh RNNDCTL [PYPKG]: deploy/bundle.sh on a build tree holding only rnndctl (a small
+# program with the same gRPC, protobuf-c and TLS libraries as rnnd, so the check takes seconds)
+# and, given PYPKG (a build's client/python/rnnd), the Python package ($RNND_PYTHON imports it);
+# then the tarball unpacked elsewhere as a GPU host would: its libraries must be the ones the
+# loader picks through the launcher's path, the base system's must stay out, the launcher must
+# run the program, and py/rnnd must import without the build's copies of the C client or
+# bytecode. Bad arguments and an empty build tree must fail with a message.
 set -euo pipefail
 rnndctl=$1
+pypkg=${2:-}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 t=$(mktemp -d)
 trap 'rm -rf "$t"' EXIT
@@ -13,6 +16,10 @@ fail() { echo "check_bundle: $*" >&2; exit 1; }
 
 mkdir -p "$t/build/client" "$t/empty" "$t/host"
 cp "$rnndctl" "$t/build/client/rnndctl"
+if [ -n "$pypkg" ]; then
+  mkdir -p "$t/build/client/python"
+  cp -r "$pypkg" "$t/build/client/python/rnnd"
+fi
 "$repo/deploy/bundle.sh" -b "$t/build" -o "$t/out"
 tar -C "$t/host" -xf "$t/out/rnnd-bundle.tar.xz"
 b=$t/host/rnnd-bundle
@@ -26,6 +33,14 @@ done
 grep -q "not found" <<<"$libs" && fail "a library is missing"
 grep -qE '^(libc|libm|libstdc\+\+|libgcc_s)\.' <<<"$(ls "$b/lib")" && fail "base system libraries bundled"
 "$b/run" rnndctl --help >/dev/null || fail "the launcher cannot run rnndctl"
+if [ -n "$pypkg" ]; then
+  [ -f "$b/py/rnnd/v1/rnnd_pb2.py" ] || fail "py/rnnd lacks its gRPC stubs"
+  [ -e "$b/py/rnnd/librnnd_client.so" ] && fail "py/rnnd holds the build's C client (lib/ has it)"
+  find "$b/py" -name __pycache__ | grep -q . && fail "py/ holds bytecode"
+  (cd "$t" && PYTHONPATH=$b/py PYTHONDONTWRITEBYTECODE=1 "${RNND_PYTHON:-python3}" -c \
+    "import rnnd, sys; sys.exit(not rnnd.__file__.startswith('$b/py/'))") ||
+    fail "rnnd does not import from the bundle's py/"
+fi
 
 set +e
 msg=$("$repo/deploy/bundle.sh" --bogus 2>&1); rc=$?

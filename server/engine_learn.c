@@ -21,6 +21,7 @@
 #include "engine_impl.h"
 #include "log.h"
 #include "metrics.h"
+#include "shm.h"
 
 // ---------------------------------------------------------------------------------------------
 // Tapes
@@ -581,6 +582,13 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
         fwd_carve(e, &cv, &l, f, has_h0, has_hidden, tape_bytes);
         l.area = !l.area_bytes ? NULL : f->keep_tape ? work : (char *)block + area_at;
         host = l.area ? rnnd__engine_xfer_host(e, l.area, l.area_bytes) : (char *)block;
+        // With the CPU backend an fp32 output is written straight into a host reply_region that
+        // holds it (rnnd_shm_place leaves it there) instead of being copied there after: only
+        // the heads' backward reads it again, and a model with heads keeps it in the tape.
+        if (e->host_mem && f->out_dtype == RNND_FTYPE_F32 && !e->prow.W && job->host_out &&
+            (uintptr_t)job->host_out % RNND_SHM_ALIGN == 0 &&
+            (size_t)B * T * e->model.H * sizeof(float) <= job->host_out_bytes)
+            l.out = (float *)job->host_out;
     }
     if (host == NULL) {
         rnnd_job_fail(job, RNND_ENOMEM,
@@ -674,7 +682,7 @@ void rnnd__engine_run_forward(struct rnnd_engine *e, struct rnnd_job *job,
                                   .cell = l.cell,
                                   .tape = l.tape,
                                   .acts = l.acts,
-                                  .out = l.out};
+                                  .out = e->prow.W ? l.out : NULL};
         if (pt) {
             tobj->rows = malloc((size_t)B * sizeof(int32_t));
             if (tobj->rows == NULL) {
@@ -1005,10 +1013,14 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
         cv = (struct carve){block, 0};
     }
     // The inputs in place, and checked where the request's checks did not read them, before
-    // anything changes. fp32 gradients in a CUDA region are read where the client put them
+    // anything changes. fp32 gradients are read where they arrived: in a CUDA region
     // (rnn_backward stages arrays its vector loads cannot take, as a span's offset need only be
-    // a multiple of 4); with heads, dL/dh is added into grad_output, so a copy of it.
-    bool in_place = job->dev_in && g->in == RNND_FTYPE_F32 && !heads;
+    // a multiple of 4), or in host memory with the CPU backend (the request's bytes or its
+    // shared-memory region, which the client leaves alone until the reply); with heads, dL/dh
+    // is added into grad_output, so a copy of it.
+    bool in_place = (job->dev_in || e->host_mem) && g->in == RNND_FTYPE_F32 && !heads;
+    for (int i = 0; i < nin; i++)
+        in_place = in_place && (uintptr_t)in[i].host % sizeof(float) == 0;
     for (int i = 0; in_place && i < nin; i++)
         in[i].dev = (void *)in[i].host;
     const float *go = in_place && g->grad_out ? (const float *)g->grad_out : d_go;
@@ -1016,7 +1028,7 @@ void rnnd__engine_run_backward(struct rnnd_engine *e, struct rnnd_job *job, stru
     const float *gcn = in_place && g->grad_c_n ? (const float *)g->grad_c_n : d_gcn;
     if (job->dev_in && !in_place && io_in_device(e, job, in, nin, g->in) != 0)
         return;
-    int rc = job->dev_in ? 0 : io_in(e, job, in, nin, g->in, area, host);
+    int rc = job->dev_in || in_place ? 0 : io_in(e, job, in, nin, g->in, area, host);
     if (rc == 0 && job->values_later && io_check(e, job, in, nin, g->rows, B) != 0)
         return;
     // Everything this part needs is here and checked; from now on it changes state (the tape,

@@ -157,12 +157,13 @@ def _fields(b):
 
 class View:
     """A Tensor as pb.Tensor has it (shape, dtype, data, region), read from a serialised message
-    without copying: data is a view of the message's bytes."""
+    without copying: data is a view of the message's bytes. array: the same bytes as a numpy
+    array that a shared-memory span leased (shm.Call.view), or None."""
 
-    __slots__ = ("shape", "dtype", "data", "region")
+    __slots__ = ("shape", "dtype", "data", "region", "array")
 
     def __init__(self, b):
-        self.shape, self.dtype, self.data, self.region = [], 0, b"", None
+        self.shape, self.dtype, self.data, self.region, self.array = [], 0, b"", None, None
         for number, wt, v, _, _ in _fields(b):
             if number == 1 and wt == 2:  # packed
                 j = 0

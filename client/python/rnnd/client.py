@@ -144,7 +144,10 @@ def _getters(call, decode_fn):
     if decode_fn is None:
         return decode, field
     if call is not None:
-        get = lambda t: decode_fn(call.view(t))  # noqa: E731 (copies out before the span closes)
+        # The decode function copies out before the span closes, or (a decoder with `leases`)
+        # keeps a leased array of the span's bytes (shm.Call.view).
+        lease = getattr(decode_fn, "leases", False)
+        get = lambda t: decode_fn(call.view(t, lease))  # noqa: E731
     else:
         get = decode_fn
     return get, lambda msg, name: get(getattr(msg, name)) if msg.HasField(name) else None

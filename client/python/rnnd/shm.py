@@ -60,7 +60,10 @@ def need(arrays, reply_bytes, wire=None):
 
 def _close(fd, mm, buf):
     buf.clear()  # drop the numpy view first: an mmap with exported buffers cannot close
-    mm.close()
+    try:
+        mm.close()
+    except BufferError:
+        pass  # leased reply tensors still map it: it goes with the last of them
     os.close(fd)  # releases the lock: the daemon lets the region go
 
 
@@ -73,6 +76,7 @@ class Spans:
         self.id = 0
         self._lock = threading.Lock()
         self._used = []  # [offset, length] of the calls in flight, by offset
+        self._leased = 0  # bytes of the spans that leased reply tensors keep (Call.view)
 
     def idle(self):
         with self._lock:
@@ -97,7 +101,10 @@ class Spans:
 
     def _give(self, off):
         with self._lock:
-            self._used = [u for u in self._used if u[0] != off]
+            self._give_locked(off)
+
+    def _give_locked(self, off):
+        self._used = [u for u in self._used if u[0] != off]
 
 
 class Region(Spans):
@@ -154,10 +161,14 @@ def release(region, call):
 class Call:
     """One RPC's span: ``put`` copies request tensors in, ``reply_region()`` is what is left,
     ``get`` reads a reply tensor (from the region or, when it did not fit, from its bytes) as a
-    new array. ``close()`` gives the span back."""
+    new array. ``close()`` gives the span back, or leaves it to the last reply array that
+    ``view(t, lease=True)`` handed out."""
 
     def __init__(self, region, off, n):
         self.region, self.off, self.n, self.at = region, off, n, off
+        self._r = region  # region stays None after close()
+        self._leases = 0  # live arrays of view(lease=True); the span waits for them
+        self._closed = False
 
     def put(self, array, out, wire=None):
         a, dtype = _wire(array, wire)
@@ -195,23 +206,57 @@ class Call:
         a = self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape))
         return bf16_widen(a) if t.dtype == pb.BFLOAT16 else a.copy()
 
-    def view(self, t):
+    def view(self, t, lease=False):
         """Reply tensor t with its data in place (a View of the region's bytes, valid until
-        close()), for a decode function; t itself when it came as bytes."""
+        close()), for a decode function; t itself when it came as bytes. lease: the View's
+        ``array`` is also the region's bytes as an array of t's dtype (float32, int64 or bool),
+        which keeps this span from other calls for as long as it lives, so that a decode
+        function can hand it out without a copy; None where the region's leased spans would
+        then pass half of it (a copy keeps the rest for calls)."""
         if t is None or not t.HasField("region"):
             return t
         v = View(memoryview(b""))
         v.shape, v.dtype, v.data = list(t.shape), t.dtype, memoryview(self._raw(t))
+        v.array = self._lease(t) if lease and t.dtype in _LEASED else None
         return v
+
+    def _lease(self, t):
+        r = self._r
+        with r._lock:
+            if self._closed or (self._leases == 0 and r._leased + self.n > r.size // 2):
+                return None
+            if self._leases == 0:
+                r._leased += self.n
+            self._leases += 1
+        a = self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape))
+        weakref.finalize(a, self._unlease)
+        return a
+
+    def _unlease(self):
+        r = self._r
+        with r._lock:
+            self._leases -= 1
+            if self._leases == 0:
+                r._leased -= self.n
+                if self._closed:
+                    r._give_locked(self.off)
 
     def field(self, msg, name):
         return self.get(getattr(msg, name)) if msg.HasField(name) else None
 
     def close(self):
-        if self.region is not None:
-            self.region._give(self.off)
-            self.region = None
+        r = self.region
+        if r is None:
+            return
+        with r._lock:
+            self._closed = True
+            if self._leases == 0:  # else the last lease's _unlease gives it back
+                r._give_locked(self.off)
+        self.region = None
 
+
+# The reply dtypes a leased view hands out as they are (16-bit floats are widened: a copy).
+_LEASED = (pb.FLOAT32, pb.INT64, pb.BOOL)
 
 # Reply sizes, as laid out in a reply_region (each tensor at a multiple of ALIGN). What does not
 # fit comes back as bytes, so these only need to be right for the common case.

@@ -182,6 +182,41 @@ class ShmTest(unittest.TestCase):
                 small.forward(obs)
             self.assertEqual(cm.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
+    def test_leased_replies(self):
+        # rnnd.torch's CPU decoder hands reply tensors out in place: each keeps its span from
+        # other calls while it lives (a later call must not write over it), gives it back when
+        # it goes, leases at most half the region (copies after that, the calls still fit),
+        # and outlives the client.
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("no torch")
+        import gc
+        from rnnd.torch import _decoder
+        dec = _decoder(torch.device("cpu"))
+        B, T = 5, 7
+        obs, obs2, init = self.x(B, T, I), self.x(B, T, I), self.rng.random((B, T)) < 0.2
+        want = self.b.forward(obs, init).output
+        c = rnnd.Client(self.sock, shm_mb=1)
+        f = c.forward(obs, init, decode=dec)
+        region = c._region
+        self.assertTrue(np.shares_memory(f.output.numpy(), region.bytes))  # in place
+        self.assertGreater(region._leased, 0)
+        c.forward(obs2, init, decode=dec)  # its own span, not f's
+        self.assertBits(f.output.numpy(), want, "leased output after another call")
+        del f
+        gc.collect()
+        self.assertEqual((region._leased, region._used), (0, []))
+        kept = [c.forward(obs, init, decode=dec).output for _ in range(200)]
+        self.assertLessEqual(region._leased, region.size // 2)
+        copied = [k for k in kept if not np.shares_memory(k.numpy(), region.bytes)]
+        self.assertTrue(copied and len(copied) < len(kept))
+        for k in kept:
+            self.assertBits(k.numpy(), want, "kept output")
+        c.close()
+        for k in kept:
+            self.assertBits(k.numpy(), want, "kept output after close")
+
     def test_cuda_region_refused_on_the_cpu_backend(self):
         # A CUDA region needs a daemon on one CUDA device: refused with what to do instead,
         # malformed ones named; the client's CUDA path then stays closed and calls on CUDA

@@ -10,6 +10,7 @@ descriptors cross gRPC. A call that finds no room goes as bytes.
 Client uses this by itself (``Client(transport="auto")``); nothing here is needed directly.
 """
 
+import collections
 import fcntl
 import mmap
 import os
@@ -77,15 +78,29 @@ class Spans:
         self._lock = threading.Lock()
         self._used = []  # [offset, length] of the calls in flight, by offset
         self._leased = 0  # bytes of the spans that leased reply tensors keep (Call.view)
+        # Calls one of whose leased arrays was freed: a finalizer only appends here (it may run
+        # in a garbage collection inside this lock), the holder of the lock settles them.
+        self._unleased = collections.deque()
+
+    def _settle_locked(self):
+        while self._unleased:
+            c = self._unleased.popleft()
+            c._leases -= 1
+            if c._leases == 0:
+                self._leased -= c.n
+                if c._closed:
+                    self._give_locked(c.off)
 
     def idle(self):
         with self._lock:
+            self._settle_locked()
             return not self._used
 
     def call(self, need):
         """A Call holding ``need`` bytes of the region, or None when they do not fit now."""
         need = _up(need)
         with self._lock:
+            self._settle_locked()
             at = ALIGN  # the key's bytes stay as they are
             i = 0
             for i, (off, n) in enumerate(self._used):
@@ -223,23 +238,15 @@ class Call:
     def _lease(self, t):
         r = self._r
         with r._lock:
+            r._settle_locked()
             if self._closed or (self._leases == 0 and r._leased + self.n > r.size // 2):
                 return None
             if self._leases == 0:
                 r._leased += self.n
             self._leases += 1
         a = self._raw(t).view(_NP[t.dtype]).reshape(tuple(t.shape))
-        weakref.finalize(a, self._unlease)
+        weakref.finalize(a, r._unleased.append, self)
         return a
-
-    def _unlease(self):
-        r = self._r
-        with r._lock:
-            self._leases -= 1
-            if self._leases == 0:
-                r._leased -= self.n
-                if self._closed:
-                    r._give_locked(self.off)
 
     def field(self, msg, name):
         return self.get(getattr(msg, name)) if msg.HasField(name) else None
@@ -249,8 +256,9 @@ class Call:
         if r is None:
             return
         with r._lock:
+            r._settle_locked()
             self._closed = True
-            if self._leases == 0:  # else the last lease's _unlease gives it back
+            if self._leases == 0:  # else the last lease, once settled, gives it back
                 r._give_locked(self.off)
         self.region = None
 

@@ -181,7 +181,6 @@ class Call:
 
     def __init__(self, region, off, n):
         self.region, self.off, self.n, self.at = region, off, n, off
-        self._r = region  # region stays None after close()
         self._leases = 0  # live arrays of view(lease=True); the span waits for them
         self._closed = False
 
@@ -236,7 +235,7 @@ class Call:
         return v
 
     def _lease(self, t):
-        r = self._r
+        r = self.region
         with r._lock:
             r._settle_locked()
             if self._closed or (self._leases == 0 and r._leased + self.n > r.size // 2):
@@ -253,14 +252,11 @@ class Call:
 
     def close(self):
         r = self.region
-        if r is None:
-            return
         with r._lock:
             r._settle_locked()
-            self._closed = True
-            if self._leases == 0:  # else the last lease, once settled, gives it back
+            if not self._closed and self._leases == 0:  # else the last lease, once settled
                 r._give_locked(self.off)
-        self.region = None
+            self._closed = True
 
 
 # The reply dtypes a leased view hands out as they are (16-bit floats are widened: a copy).

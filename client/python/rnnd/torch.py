@@ -151,7 +151,7 @@ def _decoder(device):
     CPU a tensor that a shared-memory span leased (View.array) is handed out in place: its span
     stays the tensor's until the tensor is freed, and no copy or fresh pages are paid for."""
     def decode(t):
-        if device.type == "cpu" and getattr(t, "array", None) is not None:
+        if getattr(t, "array", None) is not None:  # leased: CPU only (decode.leases)
             return torch.from_numpy(t.array)
         dt = _TORCH.get(t.dtype)
         if dt is None:

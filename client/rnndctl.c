@@ -65,7 +65,8 @@ static const char usage[] =
     "        tensors through shared memory (one region per connection; a unix: or loopback\n"
     "        target on the daemon's host, as its user). --dtype: of the obs sent\n"
     "        and the outputs asked for (default float32). Env ids are ID + c*E + j (default ID\n"
-    "        1000000000); they are released with EndEpisodes after.\n";
+    "        2^30 = 1073741824, a multiple of any --place-block up to it); they are released\n"
+    "        with EndEpisodes after.\n";
 
 static int usage_err(const char *fmt, const char *arg) {
     fprintf(stderr, "rnndctl: ");
@@ -817,7 +818,7 @@ static void print_lat(const struct bench_result *r) {
 }
 
 static int cmd_bench(struct rnnd_client *c, const struct args *a) {
-    double conns = 1, envs = 1, duration = 5, warmup = 1, base = 1e9, seed = 1;
+    double conns = 1, envs = 1, duration = 5, warmup = 1, base = 1073741824, seed = 1;
     if (a->connections && !parse_num(a->connections, 1, 4096, &conns))
         return usage_err("bad --connections \"%s\" (1..4096)", a->connections);
     if (a->envs && !parse_num(a->envs, 1, 1 << 20, &envs))

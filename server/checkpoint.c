@@ -454,10 +454,11 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
                      "  \"model_version\": %s,\n  \"optimizer\": \"%s\",\n  \"lr\": %s,\n"
                      "  \"max_grad_norm\": %s,\n  \"optimizer_step\": %s,\n"
                      "  \"envs\": %d,\n  \"extras_size\": %d,\n  \"seed\": %s,\n"
+                     "  \"devices\": %d,\n  \"place_block\": %d,\n"
                      "  \"created\": \"%s\",\n  \"created_unix_ms\": %lld\n}\n",
                      rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H, ck->model.L,
                      rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip, step,
-                     ck->n_envs, ck->extras_size, seed, created,
+                     ck->n_envs, ck->extras_size, seed, ck->devices, ck->place_block, created,
                      (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
     rc = write_file(dirfd, "metadata.json", json, (size_t)n, &sums, err, errlen);
     if (rc != 0)
@@ -695,6 +696,19 @@ static int finite_check(const struct rnnd_st_file *f, const char *name, char *er
 
 // Reads dir/name, checked against mf (may be NULL). 0, RNND_ENOTFOUND (missing) or an error
 // naming the file. dir NULL: name is the file's path.
+// The value after "key": in a JSON text, or NULL (metadata.json is written by us, flat).
+static const char *json_value(const char *text, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *v = strstr(text, pat);
+    if (v == NULL)
+        return NULL;
+    v += strlen(pat);
+    while (*v == ' ')
+        v++;
+    return v;
+}
+
 static int read_checked(const char *dir, const char *name, const struct manifest *mf, void **buf,
                         size_t *len, char *err, size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];
@@ -920,12 +934,34 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     free(buf);
     buf = NULL;
 
-    // metadata.json: only checked here (its creation time is read by rnnd_checkpoint_created_ms)
+    // metadata.json: where the envs were placed (its creation time is read by
+    // rnnd_checkpoint_created_ms)
+    ck->devices = 0;
+    ck->place_block = 1;
     rc = read_checked(dir, "metadata.json", &mf, &buf, &len, err, errlen);
-    if (rc == RNND_ENOTFOUND)
+    if (rc == RNND_ENOTFOUND) {
         lost_note(out, &mf, "metadata.json", false);
-    else if (rc != 0)
+    } else if (rc != 0) {
         goto done;
+    } else {
+        char *text = realloc(buf, len + 1);
+        if (text == NULL) {
+            rc = fail(err, errlen, RNND_ENOMEM, "out of memory reading metadata.json");
+            goto done;
+        }
+        buf = text;
+        text[len] = '\0';
+        const char *v = json_value(text, "devices");
+        ck->devices = v ? atoi(v) : 0;
+        v = json_value(text, "place_block");
+        ck->place_block = v ? atoi(v) : 1;
+        if (ck->devices < 0 || ck->place_block < 1) {
+            rc = fail(err, errlen, RNND_ECORRUPT,
+                      "metadata.json: devices %d / place_block %d out of range", ck->devices,
+                      ck->place_block);
+            goto done;
+        }
+    }
     free(buf);
     buf = NULL;
 
@@ -1086,19 +1122,6 @@ int rnnd_checkpoint_read_weights(const char *file, const struct rnnd_model *m, f
 
 // ---------------------------------------------------------------------------------------------
 // Listing, rotation, clean-up
-
-// The value after "key": in a JSON text, or NULL (metadata.json is written by us, flat).
-static const char *json_value(const char *text, const char *key) {
-    char pat[64];
-    snprintf(pat, sizeof(pat), "\"%s\":", key);
-    const char *v = strstr(text, pat);
-    if (v == NULL)
-        return NULL;
-    v += strlen(pat);
-    while (*v == ' ')
-        v++;
-    return v;
-}
 
 // dir/metadata.json as a new NUL-terminated string, or NULL.
 static char *metadata(const char *dir) {

@@ -89,7 +89,11 @@ static const struct opt opts[] = {
     {"device", INT(device, 0, 1023), "N", "CUDA device index"},
     {"devices", DEVICES(devices), "N,N,...",
      "one engine per device (CUDA indices; with --backend cpu, that many CPU engines): envs are "
-     "placed by a hash of their id, batches split, gradients summed over NCCL (none: --device)"},
+     "placed by a hash of their id or --place-block, batches split, gradients summed over NCCL "
+     "(none: --device)"},
+    {"place-block", INT(place_block, 1, 1 << 30), "N",
+     "with --devices: the envs of each aligned block of N ids live on one device, the blocks "
+     "taken in turn (1: each env placed by a hash of its id)"},
     {"rank", RANK(rank), "N|auto",
      "this rnnd's rank among --world-size (auto: $RNND_RANK, else the number ending the host "
      "name, as in a StatefulSet's rnnd-0, rnnd-1)"},
@@ -233,6 +237,7 @@ void rnnd_config_defaults(struct rnnd_config *c) {
     c->inline_steps = 1;
     c->step_lookahead = -1;
     c->rank = 0;
+    c->place_block = 1;
     c->world_size = 1;
     c->rendezvous_timeout_s = 600;
     c->comm_timeout_s = 60;

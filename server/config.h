@@ -75,6 +75,7 @@ struct rnnd_config {
     int max_socket_region_mb;  // the daemon's memory all socket regions together may hold
     // Several devices and hosts (group.c, cluster.c):
     char devices[RNND_CONFIG_ADDR_MAX];    // "0,1,...": one engine per device; "": --device alone
+    int place_block;                       // envs placed on the devices by blocks of ids (place.h)
     int rank;                              // this rnnd among --world-size, or RNND_RANK_AUTO
     int world_size;                        // rnnd instances sharing the weights (NCCL, or cpu: TCP)
     char rendezvous[RNND_CONFIG_ADDR_MAX]; // HOST:PORT where rank 0 meets the others

@@ -206,6 +206,8 @@ static int checkpoint_save(struct rnnd_engine *e, const char *dir, char *msg, si
         .n_envs = N,
         .extras_size = e->cfg.extras_size,
         .seed = e->cfg.seed,
+        .devices = e->count,
+        .place_block = e->cfg.place_block,
     };
     float *params = malloc(bytes);
     float *m = e->adam_m ? malloc(bytes) : NULL;
@@ -432,7 +434,7 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
         rc = traj_chunk_open(e, &k, ck->traj_rows);
     for (int i = 0; i < ck->n_envs && rc == 0; i++) {
         struct rnnd_env *env;
-        if (e->count > 1 && rnnd_place(ck->env_ids[i], e->count) != e->index) {
+        if (e->count > 1 && rnnd_place(ck->env_ids[i], e->count, e->cfg.place_block) != e->index) {
             // Another device holds this env now (a checkpoint of another --devices list).
             elsewhere++;
             if (ck->traj_count)
@@ -554,6 +556,32 @@ static void restore_log(const struct rnnd_engine *e, const char *path,
 }
 
 // Reads and applies the checkpoint in dir; 0, or an error with the reason in why.
+// A checkpoint of one device among several holds only the envs placed on it. Each device
+// restores from its own part, so a part is taken up only under the placement that wrote it:
+// the same --place-block and, for blocks, the same number of devices (a hash moves only a
+// share of the envs when devices are added; blocks taken in turn move most). A part whose
+// metadata.json does not say is known by its directory (TOP/device-N/...), written by hash.
+static int placement_check(const struct rnnd_engine *e, const char *dir,
+                           const struct rnnd_checkpoint *ck, char *why, size_t whylen) {
+    size_t top = strlen(e->top_dir);
+    bool part =
+        ck->devices > 1 || (ck->devices == 0 && top > 0 && strncmp(dir, e->top_dir, top) == 0 &&
+                            strncmp(dir + top, "/device-", 8) == 0);
+    int block = e->cfg.place_block;
+    if (e->count == 1 || !part ||
+        (ck->place_block == block && (block == 1 || ck->devices == e->count)))
+        return 0;
+    char devs[32] = "several devices";
+    if (ck->devices > 1)
+        snprintf(devs, sizeof(devs), "%d devices", ck->devices);
+    snprintf(why, whylen,
+             "its envs were placed on %s by --place-block %d, and each device restores only its "
+             "own part: start with that placement (this daemon: %d devices, --place-block %d), "
+             "or restore a checkpoint taken on one device",
+             devs, ck->place_block, e->count, block);
+    return RNND_EINVAL;
+}
+
 static int restore_one(struct rnnd_engine *e, const char *dir, bool unclean, long long *created,
                        char *why, size_t whylen) {
     struct rnnd_checkpoint_data d;
@@ -562,7 +590,9 @@ static int restore_one(struct rnnd_engine *e, const char *dir, bool unclean, lon
     if (rc != 0)
         return rc;
     why[0] = '\0';
-    rc = restore_apply(e, &d, why, whylen);
+    rc = placement_check(e, dir, &d.ck, why, whylen);
+    if (rc == 0)
+        rc = restore_apply(e, &d, why, whylen);
     if (rc == 0) {
         restore_log(e, dir, &d, unclean);
         *created = d.ck.created_unix_ms;

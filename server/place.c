@@ -3,7 +3,9 @@
  */
 #include "place.h"
 
-int rnnd_place(uint64_t env_id, int n) {
+int rnnd_place(uint64_t env_id, int n, int block) {
+    if (block > 1)
+        return (int)(env_id / (uint64_t)block % (uint64_t)n);
     // splitmix64's finaliser first: env ids are often small consecutive integers.
     uint64_t key = env_id + 0x9e3779b97f4a7c15ull;
     key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;

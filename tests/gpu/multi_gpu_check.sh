@@ -19,7 +19,9 @@
 #      (client/python/examples/learner_bench.py, the bundle's py/) with bf16 on the wire through
 #      socket regions (the learner as on another host) and shared memory, two rounds each;
 #   4. rnndctl bench throughput on 1 and 2 GPUs (32 connections x 64 envs; 32 streams of 1024
-#      envs, two rounds in fp32 and one in bf16);
+#      envs, two rounds in fp32 and one in bf16), the two GPUs with --place-block set to the envs
+#      of a request (each request on one device), and once with envs placed by hash (each
+#      request split over both);
 #   5. the one-GPU integration suite (everything as before on --devices unset), time permitting.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0): it can take a shared host's GPUs out of service.
 # Usage (repository root on the GPU host): tests/gpu/multi_gpu_check.sh [BUNDLE.tar.xz]
@@ -164,7 +166,7 @@ if [ "$BACKEND" = cuda ] && [ -d "$R/py" ] && [ "$(left)" -gt 120 ]; then
 fi
 
 # 4. bench: rnnd on 1 and 2 GPUs
-bench_on() { # devices label args...
+bench_on() { # devices label args... (the daemon's extra flags in $DARGS)
     local devs=$1 label=$2
     shift 2
     if [ "$(left)" -lt 25 ]; then res[bench_$label]="not run (time)"; return; fi
@@ -172,25 +174,29 @@ bench_on() { # devices label args...
     state=$(mktemp -d)
     dlog=$LOGS/rnnd_bench_$label.log
     "$RNND_BIN" --backend "$BACKEND" --devices "$devs" --listen 127.0.0.1:0 --http off \
-        --state-dir "$state" >"$dlog" 2>&1 &
+        --state-dir "$state" ${DARGS:-} >"$dlog" 2>&1 &
     pid=$!
     for _ in $(seq 150); do grep -q 'rnnd ready' "$dlog" && break; sleep 0.1; done
     target=$(grep -m1 -o 'grpc=[^ ]*' "$dlog" | cut -d= -f2)
-    echo "-- bench devices=$devs $*" | tee -a "$LOGS/bench.txt"
+    echo "-- bench devices=$devs ${DARGS:-} | $*" | tee -a "$LOGS/bench.txt"
     timeout 40 "$RNNDCTL_BIN" -t "$target" bench "$@" --no-floor 2>&1 | tee -a "$LOGS/bench.txt" \
         >"$LOGS/bench_$label.txt"
     res[bench_$label]=$(grep -m1 '^Step ' "$LOGS/bench_$label.txt" | tr -s ' ' | cut -d' ' -f2-9)
     kill -TERM $pid
     wait $pid
 }
+# rnndctl numbers its envs from 2^30, a multiple of every block here.
 bench_on 0 1gpu_c32e64 --connections 32 --envs 64 --duration 5
-bench_on 0,1 2gpu_c32e64 --connections 32 --envs 64 --duration 5
+DARGS="--place-block 64" bench_on 0,1 2gpu_c32e64 --connections 32 --envs 64 --duration 5
 for round in a b; do
     bench_on 0 1gpu_c32e1024s_$round --connections 32 --envs 1024 --duration 5 --stream
-    bench_on 0,1 2gpu_c32e1024s_$round --connections 32 --envs 1024 --duration 5 --stream
+    DARGS="--place-block 1024" bench_on 0,1 2gpu_c32e1024s_$round --connections 32 --envs 1024 \
+        --duration 5 --stream
 done
+bench_on 0,1 2gpu_c32e1024s_hash --connections 32 --envs 1024 --duration 5 --stream
 bench_on 0 1gpu_c32e1024s_bf16 --connections 32 --envs 1024 --duration 5 --stream --dtype bfloat16
-bench_on 0,1 2gpu_c32e1024s_bf16 --connections 32 --envs 1024 --duration 5 --stream --dtype bfloat16
+DARGS="--place-block 1024" bench_on 0,1 2gpu_c32e1024s_bf16 --connections 32 --envs 1024 \
+    --duration 5 --stream --dtype bfloat16
 
 # 2. the suites on two devices
 # (weights, ops and checkpoints check one device's specifics: the queue bound per device, the
@@ -215,6 +221,7 @@ done
 for k in c32e64 c32e1024s_a c32e1024s_b c32e1024s_bf16; do
     printf '%-22s %-52s | %s\n' "bench $k" "1 GPU ${res[bench_1gpu_$k]:-?}" "2 GPUs ${res[bench_2gpu_$k]:-?}"
 done
+printf '%-22s %s\n' "bench c32e1024s_hash" "2 GPUs, envs placed by hash: ${res[bench_2gpu_c32e1024s_hash]:-?}"
 for tr in socket shm; do
     printf '%-22s %s\n' "learner py bf16 $tr" "1 GPU ${res[learner_py_${tr}_0]:-?} ms | 2 GPUs ${res[learner_py_${tr}_0,1]:-?} ms"
 done

@@ -31,6 +31,7 @@
 #include "harness.h"
 #include "loopback_port.h"
 
+#include <dirent.h>
 #include <grpc/status.h>
 #include <math.h>
 #include <signal.h>
@@ -355,6 +356,88 @@ static void test_one_device_checkpoint_to_several(void **state) {
     daemon_free(&d);
 }
 
+// The envs in device k's one automatic checkpoint under dir (its metadata.json), or -1.
+static int part_envs(const char *dir, int k) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/device-%d/auto", dir, k);
+    DIR *dp = opendir(path);
+    if (dp == NULL)
+        return -1;
+    int envs = -1, found = 0;
+    for (struct dirent *de; (de = readdir(dp)) != NULL;) {
+        if (strncmp(de->d_name, "ckpt-", 5) != 0)
+            continue;
+        char meta[1024];
+        snprintf(meta, sizeof(meta), "%s/%s/metadata.json", path, de->d_name);
+        char *text = read_file(meta, NULL);
+        const char *v = text ? strstr(text, "\"envs\":") : NULL;
+        envs = v ? atoi(v + 7) : -1;
+        free(text);
+        found++;
+    }
+    closedir(dp);
+    return found == 1 ? envs : -1;
+}
+
+// --place-block 64: the 48 envs (ids 1000 + 7b) live on the device that their block of 64 ids
+// gives in turn, each device's checkpoint holds exactly those, a restart with the same placement
+// continues every env, and one with another placement is refused (each device would restore
+// only its own part, and the envs that moved would be lost) until it is given back.
+static void test_place_block(void **state) {
+    (void)state;
+    if (harness_devices()) {
+        skip();
+        return;
+    }
+    const char *blocks[] = {"--place-block", "64", NULL}, *hashed[] = {"--place-block", "1", NULL};
+    const char *args[32], *other[32];
+    build_args(args, devices(), blocks);
+    build_args(other, devices(), hashed);
+    struct daemon d;
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    struct ref r;
+    ref_init(&r, c, 48);
+    struct rng g = {5};
+    step_envs(c, &r, &g, 3, true);
+    rnnd_client_free(c);
+    assert_int_equal(daemon_signal_wait(&d, SIGTERM, 20000), 0);
+    int n = device_count(), want[8] = {0};
+    for (int b = 0; b < 48; b++)
+        want[(1000 + 7 * b) / 64 % n]++;
+    for (int k = 0; k < n && k < 8; k++) {
+        int got = part_envs(d.state_dir, k);
+        if (got != want[k])
+            fprintf(stderr, "device %d checkpointed %d envs, want %d\n", k, got, want[k]);
+        assert_int_equal(got, want[k]);
+    }
+
+    struct daemon d2;
+    assert_int_equal(daemon_spawn_in(&d2, d.state_dir, false, other), 0);
+    for (double t0 = now_seconds(); daemon_alive(&d2) && now_seconds() - t0 < 30;)
+        sleep_ms(20);
+    char why[64];
+    snprintf(why, sizeof(why), "placed on %d devices by --place-block 64", n);
+    if (daemon_alive(&d2) || !daemon_log_contains(&d2, why) ||
+        !daemon_log_contains(&d2, "--fresh-start 1")) {
+        daemon_dump_log(&d2, 3000);
+        fail_msg("a restart with another --place-block must refuse the parts, saying why");
+    }
+
+    struct daemon d3;
+    assert_int_equal(daemon_start_in(&d3, d.state_dir, false, args), 0);
+    c = daemon_client(&d3, NULL);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+    assert_int_equal(info.envs_active, 48);
+    step_envs(c, &r, &g, 2, false);
+    rnnd_client_free(c);
+    ref_free(&r);
+    daemon_free(&d3);
+    daemon_free(&d2);
+    daemon_free(&d);
+}
+
 // rnnd with these flags exits with status `status` and says `needle`.
 static void expect_refused(const char *const *flags, int status, const char *needle) {
     const char *argv[40];
@@ -663,6 +746,7 @@ int main(void) {
         cmocka_unit_test(test_replicas_identical),
         cmocka_unit_test(test_placement_and_restart),
         cmocka_unit_test(test_one_device_checkpoint_to_several),
+        cmocka_unit_test(test_place_block),
         cmocka_unit_test(test_cluster_two_daemons),
         cmocka_unit_test(test_learner_step_timing),
     };

@@ -41,7 +41,7 @@ static const int32_t probe_slots[NPROBE] = {0, 1, 2, 3};
 
 // The device (engine) that holds env id.
 static int device_of(const struct fixture *f, uint64_t id) {
-    return rnnd_place(id, f->devices);
+    return rnnd_place(id, f->devices, 1);
 }
 
 // The first env id from `from` on that holds its state on device k.

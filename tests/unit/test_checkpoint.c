@@ -147,7 +147,9 @@ static void fake_init(struct fake *f, float base) {
                                      .traj_version = f->tver,
                                      .traj_h = f->th,
                                      .traj_c = f->tc,
-                                     .extras_size = 2};
+                                     .extras_size = 2,
+                                     .devices = 2,
+                                     .place_block = 64};
 }
 
 static void fake_free(struct fake *f) {
@@ -188,6 +190,9 @@ static void test_round_trip_and_replace(void **state) {
     assert_memory_equal(d.ck.traj_c, f.tc, sizeof(f.tc));
     assert_memory_equal(d.ck.traj_is_init, f.tinit, sizeof(f.tinit));
     assert_memory_equal(d.ck.traj_version, f.tver, sizeof(f.tver));
+    // Where the writer placed its envs comes back (restore checks it against its own placement).
+    assert_int_equal(d.ck.devices, 2);
+    assert_int_equal(d.ck.place_block, 64);
     // The creation time comes back (restore logs the checkpoint's age from it).
     long long now_ms = (long long)time(NULL) * 1000;
     assert_true(d.ck.created_unix_ms > now_ms - 60000 && d.ck.created_unix_ms < now_ms + 60000);

@@ -33,14 +33,14 @@ static void test_place_stable(void **state) {
         int n, want;
     } cases[] = {{0, 2, 1}, {1, 2, 0}, {2, 2, 0}, {3, 2, 1}, {1000, 4, 0}, {123456789, 8, 4}};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        int got = rnnd_place(cases[i].id, cases[i].n);
+        int got = rnnd_place(cases[i].id, cases[i].n, 1);
         if (got != cases[i].want)
             fprintf(stderr, "rnnd_place(%llu, %d) = %d, pinned %d\n",
                     (unsigned long long)cases[i].id, cases[i].n, got, cases[i].want);
         assert_int_equal(got, cases[i].want);
     }
     for (uint64_t id = 0; id < 1000; id++)
-        assert_int_equal(rnnd_place(id, 1), 0);
+        assert_int_equal(rnnd_place(id, 1, 1), 0);
 }
 
 static void test_place_balance(void **state) {
@@ -49,7 +49,7 @@ static void test_place_balance(void **state) {
     for (int n = 2; n <= 16; n *= 2) {
         int count[16] = {0};
         for (uint64_t id = 0; id < N; id++) { // consecutive ids, as actors number their envs
-            int k = rnnd_place(id, n);
+            int k = rnnd_place(id, n, 1);
             assert_true(k >= 0 && k < n);
             count[k]++;
         }
@@ -68,7 +68,7 @@ static void test_place_moves_little(void **state) {
     for (int n = 1; n < 8; n++) {
         int moved = 0;
         for (uint64_t id = 0; id < 50000; id++) {
-            int a = rnnd_place(id * 2654435761u, n), b = rnnd_place(id * 2654435761u, n + 1);
+            int a = rnnd_place(id * 2654435761u, n, 1), b = rnnd_place(id * 2654435761u, n + 1, 1);
             if (a != b) {
                 assert_int_equal(b, n);
                 moved++;
@@ -76,6 +76,33 @@ static void test_place_moves_little(void **state) {
         }
         double share = moved / 50000.0;
         assert_true(share > 0.9 / (n + 1) && share < 1.1 / (n + 1));
+    }
+}
+
+// --place-block N: an aligned block of N ids on one device, consecutive blocks in turn, so
+// actors numbering their envs from multiples of N have every Step on one device and share the
+// devices evenly (a hash of 32 blocks puts 14 and 18 on two devices).
+static void test_place_blocks(void **state) {
+    (void)state;
+    static const struct {
+        uint64_t id;
+        int n, block, want;
+    } cases[] = {{0, 2, 1024, 0},      {1023, 2, 1024, 0}, {1024, 2, 1024, 1},
+                 {2047, 2, 1024, 1},   {2048, 2, 1024, 0}, {5 * 64 + 3, 4, 64, 1},
+                 {UINT64_MAX, 2, 2, 1}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        assert_int_equal(rnnd_place(cases[i].id, cases[i].n, cases[i].block), cases[i].want);
+    for (int n = 2; n <= 8; n++) {
+        int count[8] = {0};
+        for (uint64_t a = 0; a < 32; a++) { // 32 actors of 1024 envs from 2^30
+            uint64_t base = (1ull << 30) + a * 1024;
+            int k = rnnd_place(base, n, 1024);
+            for (uint64_t j = 1; j < 1024; j++)
+                assert_int_equal(rnnd_place(base + j, n, 1024), k);
+            count[k]++;
+        }
+        for (int k = 0; k < n; k++)
+            assert_true(count[k] == 32 / n || count[k] == 32 / n + 1);
     }
 }
 
@@ -304,9 +331,13 @@ static void test_rank_auto(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_place_stable),       cmocka_unit_test(test_place_balance),
-        cmocka_unit_test(test_place_moves_little), cmocka_unit_test(test_cluster_forms_and_orders),
-        cmocka_unit_test(test_cluster_timeouts),   cmocka_unit_test(test_rank_auto),
+        cmocka_unit_test(test_place_stable),
+        cmocka_unit_test(test_place_balance),
+        cmocka_unit_test(test_place_moves_little),
+        cmocka_unit_test(test_place_blocks),
+        cmocka_unit_test(test_cluster_forms_and_orders),
+        cmocka_unit_test(test_cluster_timeouts),
+        cmocka_unit_test(test_rank_auto),
     };
     return cmocka_run_group_tests_name("cluster", tests, NULL, NULL);
 }

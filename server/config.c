@@ -184,8 +184,8 @@ static const struct opt opts[] = {
     {"grpc-threads", INT(grpc_threads, 0, 16), "N",
      "threads serving gRPC completions (0: one per 4 CPUs, 1 to 4)"},
     {"reply-threads", INT(reply_threads, -1, 8), "N",
-     "threads that send a batch's Step replies (-1: none under 8 CPUs, else CPUs/4; 0: the "
-     "engine)"},
+     "threads per device that send a batch's Step replies (-1: a quarter of the device's share "
+     "of the CPUs, none under 8; 0: the engine)"},
     {"inline-steps", INT(inline_steps, 0, 1), "0|1",
      "cpu backend: run a Step that finds the engine idle on the gRPC thread that received it"},
     {"step-lookahead", INT(step_lookahead, -1, 1), "-1|0|1",

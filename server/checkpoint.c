@@ -447,19 +447,20 @@ static int encode_parts(const struct rnnd_checkpoint *ck, int dirfd, char *err, 
     gmtime_r(&ts.tv_sec, &tm);
     strftime(created, sizeof(created), "%Y-%m-%dT%H:%M:%SZ", &tm);
     char json[2048];
-    int n = snprintf(json, sizeof(json),
-                     "{\n  \"format\": \"rnnd-checkpoint\",\n  \"format_version\": 1,\n"
-                     "  \"cell\": \"%s\",\n  \"input_size\": %d,\n  \"hidden_size\": %d,\n"
-                     "  \"num_layers\": %d,\n  \"compute\": \"%s\",\n"
-                     "  \"model_version\": %s,\n  \"optimizer\": \"%s\",\n  \"lr\": %s,\n"
-                     "  \"max_grad_norm\": %s,\n  \"optimizer_step\": %s,\n"
-                     "  \"envs\": %d,\n  \"extras_size\": %d,\n  \"seed\": %s,\n"
-                     "  \"devices\": %d,\n  \"place_block\": %d,\n"
-                     "  \"created\": \"%s\",\n  \"created_unix_ms\": %lld\n}\n",
-                     rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H, ck->model.L,
-                     rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip, step,
-                     ck->n_envs, ck->extras_size, seed, ck->devices, ck->place_block, created,
-                     (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+    int n =
+        snprintf(json, sizeof(json),
+                 "{\n  \"format\": \"rnnd-checkpoint\",\n  \"format_version\": 1,\n"
+                 "  \"cell\": \"%s\",\n  \"input_size\": %d,\n  \"hidden_size\": %d,\n"
+                 "  \"num_layers\": %d,\n  \"compute\": \"%s\",\n"
+                 "  \"model_version\": %s,\n  \"optimizer\": \"%s\",\n  \"lr\": %s,\n"
+                 "  \"max_grad_norm\": %s,\n  \"optimizer_step\": %s,\n"
+                 "  \"envs\": %d,\n  \"extras_size\": %d,\n  \"seed\": %s,\n"
+                 "  \"devices\": %d,\n  \"place_block\": %d,\n"
+                 "  \"created\": \"%s\",\n  \"created_unix_ms\": %lld\n}\n",
+                 rnnd_config_cell_name(ck->model.cell), ck->model.I, ck->model.H, ck->model.L,
+                 rnnd_config_compute_name(ck->model.compute), ver, opt, lr, clip, step, ck->n_envs,
+                 ck->extras_size, seed, ck->devices, ck->place_block > 1 ? ck->place_block : 1,
+                 created, (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
     rc = write_file(dirfd, "metadata.json", json, (size_t)n, &sums, err, errlen);
     if (rc != 0)
         return rc;

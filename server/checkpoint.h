@@ -66,9 +66,9 @@ struct rnnd_checkpoint {
     const uint64_t *traj_cursor; // (N, 2)
     int extras_size;
     uint64_t seed;
-    // Where the writer placed its envs (place.h): its devices and --place-block. A checkpoint of
-    // several devices holds only the envs of one. Read back as 0 and 1 when metadata.json does
-    // not say (written before these fields).
+    // Where the writer placed its envs (place.h): its devices and --place-block (0 and 0 say
+    // not known: written as 0 and 1). A checkpoint of several devices holds only the envs of
+    // one. Read back as 0 and 1 when metadata.json does not say (written before these fields).
     int devices, place_block;
     int64_t created_unix_ms; // read back: when it was written (0 when unknown)
 };

@@ -204,9 +204,12 @@ static void test_round_trip_and_replace(void **state) {
     g.ck.n_envs = 0;
     g.ck.traj_count = NULL;
     g.ck.model_version = 43;
+    g.ck.devices = g.ck.place_block = 0; // a writer that does not know where its envs live
     assert_int_equal(rnnd_checkpoint_write(dir, &g.ck, err, sizeof(err)), 0);
     assert_int_equal(rnnd_checkpoint_read(dir, &g.m, &d, err, sizeof(err)), 0);
     assert_int_equal(d.ck.model_version, 43);
+    assert_int_equal(d.ck.devices, 0);
+    assert_int_equal(d.ck.place_block, 1);
     assert_int_equal(d.ck.n_envs, 0);
     assert_null(d.ck.traj_count); // no trajectories file: nothing recorded
     assert_memory_equal(d.ck.params, g.params, g.P * 4);

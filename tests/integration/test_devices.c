@@ -292,6 +292,19 @@ static void step_envs(struct rnnd_client *c, struct ref *r, struct rng *g, int s
     }
 }
 
+// Starts *d in dir (a restart: owned as the first start of dir said) and checks that it holds
+// the 48 envs and continues each against the reference for `steps` more steps.
+static void restart_continues(struct daemon *d, const char *dir, bool owned,
+                              const char *const *args, struct ref *r, struct rng *g, int steps) {
+    assert_int_equal(daemon_start_in(d, dir, owned, args), 0);
+    struct rnnd_client *c = daemon_client(d, NULL);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+    assert_int_equal(info.envs_active, 48);
+    step_envs(c, r, g, steps, false);
+    rnnd_client_free(c);
+}
+
 static void test_placement_and_restart(void **state) {
     (void)state;
     struct daemon d;
@@ -313,12 +326,7 @@ static void test_placement_and_restart(void **state) {
     char dir[256];
     snprintf(dir, sizeof(dir), "%s", d.state_dir);
     struct daemon d2;
-    assert_int_equal(daemon_start_in(&d2, dir, true, args), 0);
-    c = daemon_client(&d2, NULL);
-    EXPECT_OK(rnnd_client_info(c, &info));
-    assert_int_equal(info.envs_active, 48);
-    step_envs(c, &r, &g, 3, false);
-    rnnd_client_free(c);
+    restart_continues(&d2, dir, true, args, &r, &g, 3);
     ref_free(&r);
     daemon_free(&d2);
     daemon_free(&d);
@@ -344,13 +352,7 @@ static void test_one_device_checkpoint_to_several(void **state) {
     rnnd_client_free(c);
     assert_int_equal(daemon_signal_wait(&d, SIGTERM, 20000), 0);
     struct daemon d2;
-    assert_int_equal(daemon_start_in(&d2, d.state_dir, true, several), 0);
-    c = daemon_client(&d2, NULL);
-    struct rnnd_model_info info;
-    EXPECT_OK(rnnd_client_info(c, &info));
-    assert_int_equal(info.envs_active, 48);
-    step_envs(c, &r, &g, 2, false);
-    rnnd_client_free(c);
+    restart_continues(&d2, d.state_dir, true, several, &r, &g, 2);
     ref_free(&r);
     daemon_free(&d2);
     daemon_free(&d);
@@ -425,13 +427,7 @@ static void test_place_block(void **state) {
     }
 
     struct daemon d3;
-    assert_int_equal(daemon_start_in(&d3, d.state_dir, false, args), 0);
-    c = daemon_client(&d3, NULL);
-    struct rnnd_model_info info;
-    EXPECT_OK(rnnd_client_info(c, &info));
-    assert_int_equal(info.envs_active, 48);
-    step_envs(c, &r, &g, 2, false);
-    rnnd_client_free(c);
+    restart_continues(&d3, d.state_dir, false, args, &r, &g, 2);
     ref_free(&r);
     daemon_free(&d3);
     daemon_free(&d2);

@@ -555,7 +555,6 @@ static void restore_log(const struct rnnd_engine *e, const char *path,
         rnnd_log(RNND_LOG_WARN, "checkpoint %s lacks %s: restored without it", path, d->lost);
 }
 
-// Reads and applies the checkpoint in dir; 0, or an error with the reason in why.
 // A checkpoint of one device among several holds only the envs placed on it. Each device
 // restores from its own part, so a part is taken up only under the placement that wrote it:
 // the same --place-block and, for blocks, the same number of devices (a hash moves only a
@@ -582,6 +581,7 @@ static int placement_check(const struct rnnd_engine *e, const char *dir,
     return RNND_EINVAL;
 }
 
+// Reads and applies the checkpoint in dir; 0, or an error with the reason in why.
 static int restore_one(struct rnnd_engine *e, const char *dir, bool unclean, long long *created,
                        char *why, size_t whylen) {
     struct rnnd_checkpoint_data d;

@@ -935,8 +935,7 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     free(buf);
     buf = NULL;
 
-    // metadata.json: where the envs were placed (its creation time is read by
-    // rnnd_checkpoint_created_ms)
+    // metadata.json: when it was written and where the envs were placed
     ck->devices = 0;
     ck->place_block = 1;
     rc = read_checked(dir, "metadata.json", &mf, &buf, &len, err, errlen);
@@ -952,7 +951,9 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
         }
         buf = text;
         text[len] = '\0';
-        const char *v = json_value(text, "devices");
+        const char *v = json_value(text, "created_unix_ms");
+        ck->created_unix_ms = v ? strtoll(v, NULL, 10) : 0;
+        v = json_value(text, "devices");
         ck->devices = v ? atoi(v) : 0;
         v = json_value(text, "place_block");
         ck->place_block = v ? atoi(v) : 1;
@@ -1092,7 +1093,8 @@ int rnnd_checkpoint_read(const char *dir, const struct rnnd_model *m,
     } else {
         goto done;
     }
-    ck->created_unix_ms = rnnd_checkpoint_created_ms(dir);
+    if (ck->created_unix_ms <= 0) // no metadata.json, or one without the time: the mtime
+        ck->created_unix_ms = rnnd_checkpoint_created_ms(dir);
     rc = 0;
 done:
     rnnd_st_file_free(&f);

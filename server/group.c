@@ -109,6 +109,11 @@ struct fan {
     struct rnnd_job parts[RNND_MAX_DEVICES];
 };
 
+// The device that holds env id (place.h).
+static int device_of(const struct rnnd_group *g, uint64_t id) {
+    return rnnd_place(id, g->n, g->cfg.place_block);
+}
+
 static void outputs_free(void *const *p, int n) {
     for (int i = 0; i < n; i++)
         free(p[i]);
@@ -275,7 +280,7 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
     struct rnnd_step_job *s = &job->step;
     int count[RNND_MAX_DEVICES] = {0}, used = 0, only = 0;
     for (int r = 0; r < s->B; r++)
-        count[rnnd_place(s->env_ids[r], g->n, g->cfg.place_block)]++;
+        count[device_of(g, s->env_ids[r])]++;
     for (int k = 0; k < g->n; k++)
         if (count[k]) {
             used++;
@@ -333,7 +338,7 @@ int rnnd_group_submit_step(struct rnnd_group *g, struct rnnd_job *job) {
     for (int i = 0; i < f->n; i++)
         part_of[engine[i]] = i;
     for (int r = 0; r < s->B; r++) {
-        int i = part_of[rnnd_place(s->env_ids[r], g->n, g->cfg.place_block)], at = fill[i]++;
+        int i = part_of[device_of(g, s->env_ids[r])], at = fill[i]++;
         struct rnnd_step_job *q = &parts[i];
         f->rows[i][at] = r;
         ((uint64_t *)q->env_ids)[at] = s->env_ids[r];
@@ -393,7 +398,7 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
     struct rnnd_end_job *s = &job->end;
     int count[RNND_MAX_DEVICES] = {0}, part_of[RNND_MAX_DEVICES];
     for (int r = 0; r < s->B; r++)
-        count[rnnd_place(s->env_ids[r], g->n, g->cfg.place_block)]++;
+        count[device_of(g, s->env_ids[r])]++;
     struct bump b = {0};
     size_t bytes = (size_t)s->B * sizeof(uint64_t);
     struct fan *f = fan_new(g, job, bytes, &b);
@@ -417,7 +422,7 @@ static void submit_end(struct rnnd_group *g, struct rnnd_job *job) {
     }
     int fill[RNND_MAX_DEVICES] = {0};
     for (int r = 0; r < s->B; r++) {
-        int i = part_of[rnnd_place(s->env_ids[r], g->n, g->cfg.place_block)];
+        int i = part_of[device_of(g, s->env_ids[r])];
         ((uint64_t *)f->parts[i].end.env_ids)[fill[i]++] = s->env_ids[r];
     }
     fan_submit(f);
@@ -549,8 +554,7 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     // Rows: contiguous ranges, or recorded envs where they live.
     int count[RNND_MAX_DEVICES] = {0}, first[RNND_MAX_DEVICES];
     for (size_t r = 0; r < B; r++)
-        count[rec ? rnnd_place(fw->env_ids[r], g->n, g->cfg.place_block)
-                  : (int)(r * (size_t)g->n / B)]++;
+        count[rec ? device_of(g, fw->env_ids[r]) : (int)(r * (size_t)g->n / B)]++;
     int at = 0;
     unsigned mask = 0;
     for (int k = 0; k < g->n; k++) {
@@ -561,8 +565,7 @@ static void submit_forward(struct rnnd_group *g, struct rnnd_job *job) {
     }
     int fill[RNND_MAX_DEVICES] = {0};
     for (size_t r = 0; r < B; r++) {
-        int k = rec ? rnnd_place(fw->env_ids[r], g->n, g->cfg.place_block)
-                    : (int)(r * (size_t)g->n / B);
+        int k = rec ? device_of(g, fw->env_ids[r]) : (int)(r * (size_t)g->n / B);
         rows[first[k] + fill[k]++] = (int32_t)r;
     }
     uint64_t tape_id = 0;

@@ -135,6 +135,42 @@ static void cuda_host_free(void *ctx, void *ptr) {
     pthread_mutex_unlock(&c->record_lock);
 }
 
+// A copy of at most this many bytes between page-locked host memory and the device runs as a
+// kernel that reads or writes the host memory over the bus: a copy engine's DMA adds its start to
+// the chain each way, and a 1-row Step's backend work is mostly that chain (docs/benchmarks.md).
+#define SMALL_COPY_BYTES 16384
+
+static __global__ void small_copy_kernel(char *dst, const char *src, size_t bytes) {
+    size_t i = threadIdx.x;
+    if ((((uintptr_t)dst | (uintptr_t)src) & 15) == 0) {
+        size_t n16 = bytes / 16;
+        for (; i < n16; i += blockDim.x)
+            ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
+        i = n16 * 16 + threadIdx.x;
+    }
+    for (; i < bytes; i += blockDim.x)
+        dst[i] = src[i];
+}
+
+// The device's address of page-locked host memory p, or NULL where p is not page-locked (a
+// kernel may not read pageable memory) or the copy is not small.
+static void *small_copy_host(const void *p, size_t bytes) {
+    if (bytes > SMALL_COPY_BYTES)
+        return NULL;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return a.type == cudaMemoryTypeHost ? a.devicePointer : NULL;
+}
+
+static int small_copy(struct cuda_ctx *c, void *dst, const void *src, size_t bytes) {
+    small_copy_kernel<<<1, 256, 0, c->stream>>>((char *)dst, (const char *)src, bytes);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
 // No synchronisation: from pageable memory cudaMemcpyAsync returns only once the source has
 // been staged, and page-locked sources (host_alloc) stay untouched until the next sync by the
 // contract in rnnd_kernels.h. A step then costs one synchronisation, in copy_out.
@@ -145,6 +181,9 @@ static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes
         return 0;
     if (dst == NULL || host_src == NULL)
         return RNND_EINVAL;
+    const void *dev_src = small_copy_host(host_src, bytes);
+    if (dev_src)
+        return small_copy(c, dst, dev_src, bytes);
     RNND_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
     return 0;
 }
@@ -156,6 +195,9 @@ static int cuda_copy_out_async(void *ctx, void *host_dst, const void *src, size_
         return 0;
     if (host_dst == NULL || src == NULL)
         return RNND_EINVAL;
+    void *dev_dst = small_copy_host(host_dst, bytes);
+    if (dev_dst)
+        return small_copy(c, dev_dst, src, bytes);
     RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     return 0;
 }

@@ -3,7 +3,9 @@
  * traj_write / traj_read (the trajectory store: rows scattered by the step path and gathered by
  * Forward over recorded steps and checkpoints) for GRU and LSTM, with and without extras, and
  * cast (the wire dtypes) over random values, every 16-bit pattern and the edge cases of rounding
- * (ties, subnormals, overflow to Inf; NaN only has to stay NaN). Exits 77 (CTest: skipped) when
+ * (ties, subnormals, overflow to Inf; NaN only has to stay NaN); and copy_in / copy_out between
+ * page-locked (host_alloc) or pageable memory and the device at every alignment, at the sizes
+ * around the small copies' threshold (copied by a kernel) and above it (DMA). Exits 77 (CTest: skipped) when
  * no CUDA device is usable.
  */
 #include "rnnd_kernels.h"
@@ -239,6 +241,57 @@ static void test_cast(struct rnnd_backend *gpu) {
     free(pat);
 }
 
+// copy_in then copy_out of n bytes at host offset a and device offset b, from page-locked or
+// pageable memory, against the bytes themselves; neither may touch the bytes next to its own.
+static void test_copies(struct rnnd_backend *gpu) {
+    enum { MAX = 20000 };
+    unsigned char *pin = NULL, *pout = NULL, *dev = NULL;
+    unsigned char *heap_in = malloc(MAX + 64), *heap_out = malloc(MAX + 64);
+    unsigned char *fill = malloc(MAX + 64), *whole = malloc(MAX + 64);
+    if (gpu->ops->host_alloc(gpu->ctx, MAX + 64, (void **)&pin) != 0 ||
+        gpu->ops->host_alloc(gpu->ctx, MAX + 64, (void **)&pout) != 0 ||
+        gpu->ops->alloc(gpu->ctx, MAX + 64, (void **)&dev) != 0)
+        abort();
+    const size_t sizes[] = {1, 3, 15, 16, 17, 255, 4096, 4097, 16383, 16384, 16385, MAX};
+    int bad = 0;
+    for (int pinned = 0; pinned < 2; pinned++) {
+        unsigned char *in = pinned ? pin : heap_in, *out = pinned ? pout : heap_out;
+        for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++)
+            for (size_t a = 0; a < 20; a += 3)
+                for (size_t b = 0; b < 20; b += 5) {
+                    size_t n = sizes[k];
+                    for (size_t i = 0; i < MAX + 64; i++)
+                        in[i] = (unsigned char)rng_next();
+                    memset(out, 0xa5, MAX + 64);
+                    memset(fill, 0x5a, MAX + 64);
+                    if (gpu->ops->copy_in(gpu->ctx, dev, fill, MAX + 64) != 0 ||
+                        gpu->ops->copy_in(gpu->ctx, dev + b, in + a, n) != 0 ||
+                        gpu->ops->copy_out(gpu->ctx, out + a, dev + b, n) != 0)
+                        abort();
+                    // copy_out's n bytes, and nothing around them; then the device's whole
+                    // buffer (one large copy): copy_in's n bytes, and nothing around them.
+                    bool ok = memcmp(out + a, in + a, n) == 0;
+                    for (size_t i = 0; ok && i < MAX + 64; i++)
+                        ok = (i >= a && i < a + n) || out[i] == 0xa5;
+                    get(gpu, whole, dev, MAX + 64);
+                    ok = ok && memcmp(whole + b, in + a, n) == 0;
+                    for (size_t i = 0; ok && i < MAX + 64; i++)
+                        ok = (i >= b && i < b + n) || whole[i] == 0x5a;
+                    if (!ok && bad++ < 5)
+                        fprintf(stderr, "copy of %zu bytes, host +%zu, device +%zu, %s\n", n, a, b,
+                                pinned ? "page-locked" : "pageable");
+                }
+    }
+    check(bad == 0, "copy_in / copy_out give the bytes back at every size and alignment");
+    gpu->ops->host_free(gpu->ctx, pin);
+    gpu->ops->host_free(gpu->ctx, pout);
+    gpu->ops->free(gpu->ctx, dev);
+    free(heap_in);
+    free(heap_out);
+    free(fill);
+    free(whole);
+}
+
 int main(void) {
     struct rnnd_backend gpu, cpu;
     if (rnnd_backend_cuda_init(&gpu, 0) != 0) {
@@ -250,6 +303,7 @@ int main(void) {
     test_traj(&gpu, &cpu, RNND_CELL_GRU, 0);
     test_traj(&gpu, &cpu, RNND_CELL_LSTM, 3);
     test_cast(&gpu);
+    test_copies(&gpu);
     rnnd_backend_free(&gpu);
     rnnd_backend_free(&cpu);
     printf("%d failures\n", failures);

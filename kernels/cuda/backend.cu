@@ -73,6 +73,8 @@ static void cuda_destroy(void *ctx) {
     if (c->stream)
         cudaStreamDestroy(c->stream);
     pthread_mutex_destroy(&c->record_lock);
+    pthread_mutex_destroy(&c->pinned_lock);
+    free(c->pinned);
     free(c);
 }
 
@@ -119,6 +121,24 @@ static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
         *out = NULL;
         return RNND_ENOMEM;
     }
+    // Its device address, for small copies (without it, or without room to note it, they DMA).
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, *out) != cudaSuccess || a.devicePointer == NULL) {
+        cudaGetLastError();
+        return 0;
+    }
+    pthread_mutex_lock(&c->pinned_lock);
+    if (c->npinned == c->pinned_cap) {
+        int cap = c->pinned_cap ? 2 * c->pinned_cap : 16;
+        void *p = realloc(c->pinned, (size_t)cap * sizeof(*c->pinned));
+        if (p) {
+            c->pinned = (struct cuda_ctx::pinned_range *)p;
+            c->pinned_cap = cap;
+        }
+    }
+    if (c->npinned < c->pinned_cap)
+        c->pinned[c->npinned++] = {(char *)*out, (char *)a.devicePointer, bytes};
+    pthread_mutex_unlock(&c->pinned_lock);
     return 0;
 }
 
@@ -126,6 +146,13 @@ static void cuda_host_free(void *ctx, void *ptr) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (ptr == NULL)
         return;
+    pthread_mutex_lock(&c->pinned_lock);
+    for (int i = 0; i < c->npinned; i++)
+        if (c->pinned[i].host == ptr) {
+            c->pinned[i] = c->pinned[--c->npinned];
+            break;
+        }
+    pthread_mutex_unlock(&c->pinned_lock);
     // Any thread may free (a socket region goes with its data connection's thread), but not
     // while the engine records.
     pthread_mutex_lock(&c->record_lock);
@@ -152,17 +179,22 @@ static __global__ void small_copy_kernel(char *dst, const char *src, size_t byte
         dst[i] = src[i];
 }
 
-// The device's address of page-locked host memory p, or NULL where p is not page-locked (a
-// kernel may not read pageable memory) or the copy is not small.
-static void *small_copy_host(const void *p, size_t bytes) {
+// The device's address of [p, p + bytes) in host_alloc's memory, or NULL where it is not there
+// (a kernel may not read pageable memory) or the copy is not small. host_alloc notes each
+// allocation, so that a copy makes no driver call to ask.
+static void *small_copy_host(struct cuda_ctx *c, const void *p, size_t bytes) {
     if (bytes > SMALL_COPY_BYTES)
         return NULL;
-    cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
+    const char *q = (const char *)p;
+    void *dev = NULL;
+    pthread_mutex_lock(&c->pinned_lock);
+    for (int i = 0; i < c->npinned && dev == NULL; i++) {
+        const struct cuda_ctx::pinned_range *r = &c->pinned[i];
+        if (q >= r->host && bytes <= r->bytes && (size_t)(q - r->host) <= r->bytes - bytes)
+            dev = r->dev + (q - r->host);
     }
-    return a.type == cudaMemoryTypeHost ? a.devicePointer : NULL;
+    pthread_mutex_unlock(&c->pinned_lock);
+    return dev;
 }
 
 static int small_copy(struct cuda_ctx *c, void *dst, const void *src, size_t bytes) {
@@ -181,7 +213,7 @@ static int cuda_copy_in(void *ctx, void *dst, const void *host_src, size_t bytes
         return 0;
     if (dst == NULL || host_src == NULL)
         return RNND_EINVAL;
-    const void *dev_src = small_copy_host(host_src, bytes);
+    const void *dev_src = small_copy_host(c, host_src, bytes);
     if (dev_src)
         return small_copy(c, dst, dev_src, bytes);
     RNND_CUDA_TRY(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c->stream));
@@ -195,7 +227,7 @@ static int cuda_copy_out_async(void *ctx, void *host_dst, const void *src, size_
         return 0;
     if (host_dst == NULL || src == NULL)
         return RNND_EINVAL;
-    void *dev_dst = small_copy_host(host_dst, bytes);
+    void *dev_dst = small_copy_host(c, host_dst, bytes);
     if (dev_dst)
         return small_copy(c, dev_dst, src, bytes);
     RNND_CUDA_TRY(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
@@ -581,6 +613,7 @@ extern "C" int rnnd_backend_cuda_init(struct rnnd_backend *b, int device) {
     if (c == NULL)
         return RNND_ENOMEM;
     pthread_mutex_init(&c->record_lock, NULL);
+    pthread_mutex_init(&c->pinned_lock, NULL);
     int err = ctx_init(c, device, b->device, sizeof(b->device));
     if (err) {
         cuda_destroy(c);

@@ -94,6 +94,14 @@ struct cuda_ctx {
     // Held from record_begin to record_end: host_free (any thread) synchronises the stream, which
     // would break a recording on it.
     pthread_mutex_t record_lock;
+    // host_alloc's allocations with their device addresses, which small copies read or write
+    // by a kernel (backend.cu), under pinned_lock: host_alloc and host_free run on any thread.
+    struct pinned_range {
+        char *host, *dev;
+        size_t bytes;
+    } * pinned;
+    int npinned, pinned_cap;
+    pthread_mutex_t pinned_lock;
     // The per-step path's loops recorded (seq.cu, stepwise_graph), each under the bytes of its
     // call's arguments, replayed while a call's are the same; the least recently used one gives
     // way.

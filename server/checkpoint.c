@@ -695,8 +695,6 @@ static int finite_check(const struct rnnd_st_file *f, const char *name, char *er
     return 0;
 }
 
-// Reads dir/name, checked against mf (may be NULL). 0, RNND_ENOTFOUND (missing) or an error
-// naming the file. dir NULL: name is the file's path.
 // The value after "key": in a JSON text, or NULL (metadata.json is written by us, flat).
 static const char *json_value(const char *text, const char *key) {
     char pat[64];
@@ -710,6 +708,8 @@ static const char *json_value(const char *text, const char *key) {
     return v;
 }
 
+// Reads dir/name, checked against mf (may be NULL). 0, RNND_ENOTFOUND (missing) or an error
+// naming the file. dir NULL: name is the file's path.
 static int read_checked(const char *dir, const char *name, const struct manifest *mf, void **buf,
                         size_t *len, char *err, size_t errlen) {
     char path[2 * RNND_CONFIG_PATH_MAX];

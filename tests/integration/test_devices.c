@@ -292,6 +292,22 @@ static void step_envs(struct rnnd_client *c, struct ref *r, struct rng *g, int s
     }
 }
 
+// Starts *d with args, steps 48 new envs `steps` times against the reference r, and stops it
+// with SIGTERM, which writes one checkpoint per device (restart_continues takes them up).
+static void first_run(struct daemon *d, const char *const *args, struct ref *r, struct rng *g,
+                      int steps) {
+    assert_int_equal(daemon_start(d, args), 0);
+    struct rnnd_client *c = daemon_client(d, NULL);
+    ref_init(r, c, 48);
+    step_envs(c, r, g, steps, true);
+    struct rnnd_model_info info;
+    EXPECT_OK(rnnd_client_info(c, &info));
+    assert_int_equal(info.envs_active, 48);
+    rnnd_client_free(c);
+    assert_int_equal(daemon_signal_wait(d, SIGTERM, 20000), 0);
+    assert_true(WIFEXITED(d->exit_status) && WEXITSTATUS(d->exit_status) == 0);
+}
+
 // Starts *d in dir (a restart: owned as the first start of dir said) and checks that it holds
 // the 48 envs and continues each against the reference for `steps` more steps.
 static void restart_continues(struct daemon *d, const char *dir, bool owned,
@@ -310,19 +326,10 @@ static void test_placement_and_restart(void **state) {
     struct daemon d;
     const char *args[32];
     build_args(args, devices(), NULL);
-    assert_int_equal(daemon_start(&d, args), 0);
-    struct rnnd_client *c = daemon_client(&d, NULL);
     struct ref r;
-    ref_init(&r, c, 48);
     struct rng g = {99};
-    step_envs(c, &r, &g, 4, true);
-    struct rnnd_model_info info;
-    EXPECT_OK(rnnd_client_info(c, &info));
-    assert_int_equal(info.envs_active, 48);
-    rnnd_client_free(c);
-    // SIGTERM writes one checkpoint per device; a restart restores every env where it lives.
-    assert_int_equal(daemon_signal_wait(&d, SIGTERM, 20000), 0);
-    assert_true(WIFEXITED(d.exit_status) && WEXITSTATUS(d.exit_status) == 0);
+    // One checkpoint per device; a restart restores every env where it lives.
+    first_run(&d, args, &r, &g, 4);
     char dir[256];
     snprintf(dir, sizeof(dir), "%s", d.state_dir);
     struct daemon d2;
@@ -343,14 +350,9 @@ static void test_one_device_checkpoint_to_several(void **state) {
         skip();
         return;
     }
-    assert_int_equal(daemon_start(&d, one), 0);
-    struct rnnd_client *c = daemon_client(&d, NULL);
     struct ref r;
-    ref_init(&r, c, 48);
     struct rng g = {7};
-    step_envs(c, &r, &g, 3, true);
-    rnnd_client_free(c);
-    assert_int_equal(daemon_signal_wait(&d, SIGTERM, 20000), 0);
+    first_run(&d, one, &r, &g, 3);
     struct daemon d2;
     restart_continues(&d2, d.state_dir, true, several, &r, &g, 2);
     ref_free(&r);
@@ -396,14 +398,9 @@ static void test_place_block(void **state) {
     build_args(args, devices(), blocks);
     build_args(other, devices(), hashed);
     struct daemon d;
-    assert_int_equal(daemon_start(&d, args), 0);
-    struct rnnd_client *c = daemon_client(&d, NULL);
     struct ref r;
-    ref_init(&r, c, 48);
     struct rng g = {5};
-    step_envs(c, &r, &g, 3, true);
-    rnnd_client_free(c);
-    assert_int_equal(daemon_signal_wait(&d, SIGTERM, 20000), 0);
+    first_run(&d, args, &r, &g, 3);
     int n = device_count(), want[8] = {0};
     for (int b = 0; b < 48; b++)
         want[(1000 + 7 * b) / 64 % n]++;

@@ -244,6 +244,48 @@ static void test_corrupt_refused(void **state) {
     fake_free(&f);
 }
 
+// Where the writer placed its envs, from metadata.json (a checkpoint without checksums, as
+// older ones are): absent fields read as not known (0 devices, block 1, as written before
+// them); values out of range are refused, naming them.
+static void test_placement_metadata(void **state) {
+    (void)state;
+    struct fake f;
+    fake_init(&f, 3.0f);
+    char dir[256], file[300], err[512];
+    snprintf(dir, sizeof(dir), "%s/placed", root);
+    assert_int_equal(rnnd_checkpoint_write(dir, &f.ck, err, sizeof(err)), 0);
+    snprintf(file, sizeof(file), "%s/checksums", dir);
+    assert_int_equal(unlink(file), 0);
+    snprintf(file, sizeof(file), "%s/metadata.json", dir);
+    static const struct {
+        const char *json;
+        int rc, devices, block;
+        const char *named;
+    } cases[] = {
+        {"{\"format\": \"rnnd-checkpoint\", \"envs\": 3}", 0, 0, 1, NULL},
+        {"{\"devices\": 4, \"place_block\": 1024}", 0, 4, 1024, NULL},
+        {"{\"devices\": 2, \"place_block\": 0}", RNND_ECORRUPT, 0, 0, "place_block 0"},
+        {"{\"devices\": -1, \"place_block\": 64}", RNND_ECORRUPT, 0, 0, "devices -1"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        FILE *fp = fopen(file, "wb");
+        fputs(cases[i].json, fp);
+        fclose(fp);
+        struct rnnd_checkpoint_data d;
+        err[0] = '\0';
+        assert_int_equal(rnnd_checkpoint_read(dir, &f.m, &d, err, sizeof(err)), cases[i].rc);
+        if (cases[i].rc == 0) {
+            assert_int_equal(d.ck.devices, cases[i].devices);
+            assert_int_equal(d.ck.place_block, cases[i].block);
+            rnnd_checkpoint_data_free(&d);
+        } else {
+            assert_non_null(strstr(err, "metadata.json"));
+            assert_non_null(strstr(err, cases[i].named));
+        }
+    }
+    fake_free(&f);
+}
+
 // Cuts dir/name to half its length, as a crash in the middle of a copy would.
 static void truncate_half(const char *dir, const char *name) {
     char file[512];
@@ -632,12 +674,12 @@ static void test_clean(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_resolve),         cmocka_unit_test(test_round_trip_and_replace),
-        cmocka_unit_test(test_corrupt_refused), cmocka_unit_test(test_truncated_refused),
-        cmocka_unit_test(test_read_weights),    cmocka_unit_test(test_checksums),
-        cmocka_unit_test(test_missing_parts),   cmocka_unit_test(test_nonfinite_refused),
-        cmocka_unit_test(test_modes),           cmocka_unit_test(test_list_and_prune),
-        cmocka_unit_test(test_clean),
+        cmocka_unit_test(test_resolve),           cmocka_unit_test(test_round_trip_and_replace),
+        cmocka_unit_test(test_corrupt_refused),   cmocka_unit_test(test_placement_metadata),
+        cmocka_unit_test(test_truncated_refused), cmocka_unit_test(test_read_weights),
+        cmocka_unit_test(test_checksums),         cmocka_unit_test(test_missing_parts),
+        cmocka_unit_test(test_nonfinite_refused), cmocka_unit_test(test_modes),
+        cmocka_unit_test(test_list_and_prune),    cmocka_unit_test(test_clean),
     };
     return cmocka_run_group_tests_name("checkpoint", tests, setup, teardown);
 }

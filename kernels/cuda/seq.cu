@@ -6,7 +6,7 @@
  *   1. xg (B*T, G*H) = x_l W_ih^T: one cuBLAS GEMM (TF32 in fp32 mode, bf16 operands in bf16
  *      mode, strict fp32 in ieee mode), unless the time loop fuses it (the plan's xks: it then
  *      reads x_l itself);
- *   2. the time loop (seq_loops.h): a persistent loop (mma.sync, or warpgroup MMAs), the LSTM
+ *   2. the time loop (seq_loops.h): a persistent loop (mma.sync, or warpgroup MMAs), the
  *      H = 256 loop in thread-block clusters, or per step one GEMM gh = h W_hh^T over the B rows
  *      plus one fused cell kernel (the per-step path, below); each writes y (to `out`, or into
  *      the next layer's tape), the tape (z: hprev | 1 | x_l; s: the gates' pre-activations, GRU
@@ -572,7 +572,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
                                               (pitch - nch) * RNND_DW256_A, c->stream));
                 a.z = nullptr, a.zc = zch, a.zc_aux = aux;
             }
-            RNND_TRY(rnnd__cluster_lstm_forward(&a, p.rows, c->stream));
+            RNND_TRY(rnnd__cluster_forward(&a, lstm, p.rows, c->stream));
         } else if (y.fwd != SEQ_FWD_STEPWISE) {
             struct persist_fwd_args a = {};
             a.B = B, a.T = T, a.H = H, a.L = L, a.l = l, a.vec = vec;

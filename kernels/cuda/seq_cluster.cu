@@ -334,10 +334,11 @@ struct flag_bits {
     }
 };
 
-// max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < 4) of a weight of K
+// max(m, |W|) over this CTA's gate rows q H + 64 rank + [0, 64) (q < G) of a weight of K
 // columns.
-__device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int H, int K, int rank) {
-    for (int q = 0; q < 4; q++)
+__device__ __forceinline__ float gate_rows_absmax(float m, const float *W, int G, int H, int K,
+                                                  int rank) {
+    for (int q = 0; q < G; q++)
         m = fmaxf(m, persist_absmax(W + (size_t)(q * H + rank * UPC) * K, UPC * K));
     return m;
 }
@@ -355,8 +356,9 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT][4][4]) {
 // acc += A . B over KS k-steps (MMA Mode: m16n8k16 fp16 or m16n8k8 TF32, 16 or 8 k a step): A
 // the warp's MT m-tiles of a swizzled tile of PITCH-byte rows (ab: the lane's ldmatrix addresses
 // per ks % 4, ks / 4 adds K4 bytes; off: the tile's offset), B(ks, nt) the fragment of k-step
-// ks and n-tile nt, after fetch(ks) (once a k-step, before the ldmatrix).
-template <class Mode, int KS, int PITCH, int K4, int MT, class Fetch, class Bfrag>
+// ks and n-tile nt, after fetch(ks) (once a k-step, before the ldmatrix). n-tile SKIP (0..3)
+// takes no MMA: the GRU's n gate keeps its x and h parts apart (the forward below).
+template <class Mode, int KS, int PITCH, int K4, int SKIP = -1, int MT, class Fetch, class Bfrag>
 __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t (&ab)[4],
                                          uint32_t off, Fetch fetch, Bfrag B) {
 #pragma unroll
@@ -370,19 +372,20 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
-                Mode::mma(acc[mt][nt], af[mt], B(ks, nt));
+                if (nt != SKIP)
+                    Mode::mma(acc[mt][nt], af[mt], B(ks, nt));
     }
 }
 
 // acc += A . W over KS k-steps (fp16): A a tile as in mma_tile (the slabs of h or dh, or the x
 // tile), B W's fragments in shared memory (wsm, 8 words a lane and k-step: W_hh, or WIDE's W_ih).
-template <int KS, int PITCH, int K4, int MT>
+template <int KS, int PITCH, int K4, int SKIP = -1, int MT>
 __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned char *wsm,
                                       const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
     // The fragments a k-step ahead (k-step ks in wv[ks & 1]): the MMAs do not wait for their load.
     uint32_t wv[2][8];
     persist_wlayout<8>::load(wv[0], wsm, 0, NWC, w, lane);
-    mma_tile<mode_f16, KS, PITCH, K4>(
+    mma_tile<mode_f16, KS, PITCH, K4, SKIP>(
         acc, ab, off,
         [&](int ks) {
             if (ks + 1 < KS)
@@ -405,13 +408,24 @@ __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned cha
 // 128 + 40 + 20 + 32 = 220 KB; a cluster barrier B_t (arrive right after the MMAs of t, wait
 // before the h stores of t + 1: every CTA has read h_t) lets the cell run while it completes.
 // After A_{T-1} no CTA writes to another's shared memory.
-template <int ROWS, bool HALF>
+//
+// The GRU (Cell = cell_gru) runs the same loop with its n gate's two parts apart: n-tile q holds
+// r (x and h parts), z (both), n's x part and n's h part for q = 0..3 (the cell needs r (W_hn h
+// + b_hn)), so the x part takes no MMA for n-tile 3 and the h part none for n-tile 2 (G_H and
+// G_X below), and its tape is the per-step path's record in rows.
+template <class Cell, int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
-    seq_cluster_lstm_forward_kernel(const struct persist_fwd_args a) {
+    seq_cluster_forward_kernel(const struct persist_fwd_args a) {
     using S = cshape<ROWS>;
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
-    using TR = tape_rec<cell_lstm, HALF>;
+    constexpr bool GRU = Cell::G == 3;
+    static_assert(!(GRU && HALF), "the GRU's tape here is rows of fp32 planes");
+    // The gate of W_hh (G_H) and of W_ih and b_ih (G_X) in n-tile q, -1 for none.
+    auto G_H = [](int q) { return GRU && q == 2 ? -1 : GRU && q == 3 ? 2 : q; };
+    auto G_X = [](int q) { return GRU && q == 3 ? -1 : q; };
+    constexpr int SKIP_H = GRU ? 2 : -1, SKIP_X = GRU ? 3 : -1;
+    using TR = tape_rec<Cell, HALF>;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
@@ -446,8 +460,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 
     // Weight scale over this CTA's gate rows of W_hh and W_ih (each CTA unscales its own; red:
     // persist_pow2_scale reads blockDim.x / 32 = NWC floats of it).
-    const float wscale = persist_pow2_scale(
-        gate_rows_absmax(gate_rows_absmax(0.0f, a.w_hh, H, H, rank), a.w_ih, H, Il, rank), 15, red);
+    const float wscale =
+        persist_pow2_scale(gate_rows_absmax(gate_rows_absmax(0.0f, a.w_hh, Cell::G, H, H, rank),
+                                            a.w_ih, Cell::G, H, Il, rank),
+                           15, red);
 
     // h scale, the same in every CTA of the cluster: max(1, |h0|, |stored states|) of the
     // cluster's rows (each CTA its units, then the four maxima through distributed memory).
@@ -480,16 +496,18 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // dw256 chunks (a.zc): the cluster's blocks of 16 rows below B, the batch's.
     const int nblk = min(MT, (a.B - row0 + 15) / 16), nbB = (a.B + 15) / 16;
 
-    // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[q H + unit(n)][k], n-tile q,
-    // unit(n) = rank*64 + 8w + n; W_ih's likewise (k < I_l, zeros past it) in registers (64 rows)
-    // or in shared memory (WIDE).
+    // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[G_H(q) H + unit(n)][k], n-tile
+    // q, unit(n) = rank*64 + 8w + n; W_ih's likewise (G_X(q); k < I_l, zeros past it) in registers
+    // (64 rows) or in shared memory (WIDE). A gate of -1 holds zeros (never multiplied).
 #pragma unroll 2
     for (int ks = 0; ks < CKSH; ks++) {
         uint32_t o[8];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
+            const int gq = G_H(q);
             auto Bf = [&](int k, int n) -> float {
-                return __ldg(a.w_hh + (size_t)(q * H + rank * UPC + 8 * w + n) * H + k);
+                return gq < 0 ? 0.0f
+                              : __ldg(a.w_hh + (size_t)(gq * H + rank * UPC + 8 * w + n) * H + k);
             };
             mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
         }
@@ -501,9 +519,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         uint32_t o[8];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
+            const int gq = G_X(q);
             auto Bf = [&](int k, int n) -> float {
-                return k < Il ? __ldg(a.w_ih + (size_t)(q * H + rank * UPC + 8 * w + n) * Il + k)
-                              : 0.0f;
+                return k < Il && gq >= 0
+                           ? __ldg(a.w_ih + (size_t)(gq * H + rank * UPC + 8 * w + n) * Il + k)
+                           : 0.0f;
             };
             mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
         }
@@ -515,13 +535,14 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 wih[ks][j] = o[j];
     }
 
-    // Biases (b_ih + b_hh) of this lane's units.
+    // Biases of this lane's units: b_ih + b_hh of the n-tile's gates.
     float bias[4][2];
 #pragma unroll
     for (int q = 0; q < 4; q++)
 #pragma unroll
         for (int j = 0; j < 2; j++)
-            bias[q][j] = __ldg(a.b_ih + q * H + ub + j) + __ldg(a.b_hh + q * H + ub + j);
+            bias[q][j] = (G_X(q) < 0 ? 0.0f : __ldg(a.b_ih + G_X(q) * H + ub + j)) +
+                         (G_H(q) < 0 ? 0.0f : __ldg(a.b_hh + G_H(q) * H + ub + j));
 
     // Rows: lane row (mt, i) = 16 mt + g + 8 i; rs its batch row, 0 where past B (int: registers
     // are short), rowT b T and rowb b.
@@ -761,9 +782,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         zero_acc(acc);
         const int nb = t & 1;
         if constexpr (WIDE)
-            mma_w<CXKS, 128, 0>(acc, wism, xb, (uint32_t)(nb * S::XTILE), w, lane);
+            mma_w<CXKS, 128, 0, SKIP_X>(acc, wism, xb, (uint32_t)(nb * S::XTILE), w, lane);
         else
-            mma_tile<mode_f16, CXKS, 128, 0>(
+            mma_tile<mode_f16, CXKS, 128, 0, SKIP_X>(
                 acc, xb, (uint32_t)(nb * S::XTILE), [](int) {},
                 [&](int ks, int nt) { return make_uint2(wih[ks][2 * nt], wih[ks][2 * nt + 1]); });
         if (scaled)
@@ -808,7 +829,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
 
         put_zx(t);
-        mma_w<CKSH, 128, ROWS * 128>(acc, wsm, hb, ho, w, lane);
+        mma_w<CKSH, 128, ROWS * 128, SKIP_H>(acc, wsm, hb, ho, w, lane);
         zc_wait(); // the chunk copies of h_t, issued at the end of step t - 1
         if constexpr (WIDE) {
             if (more)
@@ -823,17 +844,23 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                float sv[5][2];
+                float sv[Cell::SW][2];
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[5];
+                    float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[Cell::SW];
 #pragma unroll
                     for (int q = 0; q < 4; q++)
                         pre[q] = acc[mt][q][2 * i + j] * hinv + bias[q][j];
-                    cell_lstm::forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j], cn[mt][i][j],
-                                             s);
+                    if constexpr (GRU) {
+                        const float hq[3] = {0.0f, 0.0f, pre[3]}; // r, z: in pre[0..1] alone
+                        Cell::template forward<true>(pre, hq, h[mt][i][j], 0.0f, hn[mt][i][j],
+                                                     cn[mt][i][j], s);
+                    } else {
+                        Cell::template forward<true>(pre, zq, 0.0f, c[mt][i][j], hn[mt][i][j],
+                                                     cn[mt][i][j], s);
+                    }
 #pragma unroll
-                    for (int p = 0; p < 5; p++)
+                    for (int p = 0; p < Cell::SW; p++)
                         sv[p][j] = s[p];
                 }
                 if constexpr (HALF) {
@@ -866,7 +893,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                         make_float2(hn[mt][i][0], hn[mt][i][1]);
                     if (a.s)
 #pragma unroll
-                        for (int p = 0; p < 5; p++)
+                        for (int p = 0; p < Cell::SW; p++)
                             TR::put2(a.s + r * TR::floats(H), p, H, ub,
                                      make_float2(sv[p][0], sv[p][1]));
                 }
@@ -993,7 +1020,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     cluster_arrive();
     cluster_wait();
 
-    const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, H, H, rank), 15, red),
+    const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, 4, H, H, rank), 15, red),
                 winv = 1.0f / wscale;
 
     // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 (n / 2) + 2 nt + n % 2] for tile column
@@ -1438,8 +1465,8 @@ template <int ROWS>
 int cluster_active_rows(bool backward) {
     return backward
                ? cluster_active(seq_cluster_lstm_backward_kernel<ROWS>, cshape<ROWS>::BSMEM, ROWS)
-               : cluster_active(seq_cluster_lstm_forward_kernel<ROWS, true>, cshape<ROWS>::FSMEM,
-                                ROWS);
+               : cluster_active(seq_cluster_forward_kernel<cell_lstm, ROWS, true>,
+                                cshape<ROWS>::FSMEM, ROWS);
 }
 
 // Launches kernel in the clusters of `rows` rows over a's B rows with smem bytes of dynamic
@@ -1453,14 +1480,16 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
     return 0;
 }
 
-// Conditions the caller checks: LSTM, TF32 mode, H == 256, I_l <= 64 with I_l % 4 == 0 and x,
-// z, y, the states 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
+// Conditions the caller checks: H == 256, I_l <= 64 with I_l % 4 == 0 and x, z, y, the states
+// 8-byte aligned with even strides (a.xvec and a.vec), sm_90; the GRU's tape in fp32 rows.
 template <int ROWS>
-int cluster_forward(const struct persist_fwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
+int cluster_forward(const struct persist_fwd_args *a, bool lstm, cudaStream_t stream) {
+    if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x ||
+        (!lstm && a->shalf))
         return RNND_EINVAL;
-    return cluster_run(a->shalf ? seq_cluster_lstm_forward_kernel<ROWS, true>
-                                : seq_cluster_lstm_forward_kernel<ROWS, false>,
+    return cluster_run(!lstm      ? seq_cluster_forward_kernel<cell_gru, ROWS, false>
+                       : a->shalf ? seq_cluster_forward_kernel<cell_lstm, ROWS, true>
+                                  : seq_cluster_forward_kernel<cell_lstm, ROWS, false>,
                        a, cshape<ROWS>::FSMEM, ROWS, stream);
 }
 
@@ -1474,8 +1503,9 @@ int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
 
 } // namespace
 
-int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, int rows, cudaStream_t stream) {
-    return rows == 80 ? cluster_forward<80>(a, stream) : cluster_forward<64>(a, stream);
+int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
+                          cudaStream_t stream) {
+    return rows == 80 ? cluster_forward<80>(a, lstm, stream) : cluster_forward<64>(a, lstm, stream);
 }
 
 int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, int rows, cudaStream_t stream) {

@@ -133,11 +133,13 @@ int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, bool clock
                          cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream);
 
-// The LSTM forward at H = 256 in 4-CTA clusters of `rows` (64 or 80) batch rows (seq_cluster.cu,
-// sm_90, TF32 mode, I_l <= 64 with I_l % 4 == 0, a.x set, a.vec and a.xvec), and its backward
-// (any layer input: it reads the tape, not x; a.vec), same cluster shape; the clusters of the
-// forward (backward) loop the device runs at once (0 where it cannot launch them).
-int rnnd__cluster_lstm_forward(const struct persist_fwd_args *a, int rows, cudaStream_t stream);
+// The LSTM or GRU forward at H = 256 in 4-CTA clusters of `rows` (64 or 80) batch rows
+// (seq_cluster.cu, sm_90, I_l <= 64 with I_l % 4 == 0, a.x set, a.vec and a.xvec; the GRU's tape
+// in fp32 rows, the per-step path's), the LSTM's backward (any layer input: it reads the tape, not
+// x; a.vec), same cluster shape; the clusters of the LSTM's forward (backward) loop the device runs
+// at once (0 where it cannot launch them; the GRU's forward has the same shared memory and block).
+int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
+                          cudaStream_t stream);
 int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, int rows, cudaStream_t stream);
 int rnnd__cluster_lstm_active(int rows, bool backward);
 

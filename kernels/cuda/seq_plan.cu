@@ -57,6 +57,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     memset(p, 0, sizeof(*p));
     const bool gru = m->cell == RNND_CELL_GRU, lstm = !gru;
     const bool fp32 = m->compute == RNND_COMPUTE_FP32, bf16 = m->compute == RNND_COMPUTE_BF16;
+    const bool ieee = m->compute == RNND_COMPUTE_IEEE;
     const int H = m->H, I = m->I, L = m->L, B = call->B;
 
     // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
@@ -65,11 +66,14 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     p->persistent = p->HP > 0;
     const int HP = p->HP;
 
-    // The LSTM H = 256 loops in thread-block clusters (sm_90, TF32). The forward's clusters read
-    // the layer input themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
-    const bool cl_model =
-        !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && lstm && fp32 && H == 256;
-    const bool cl0 = cl_model && I <= 64 && I % 4 == 0;
+    // The H = 256 loops in thread-block clusters (sm_90): the LSTM's forward and backward in TF32
+    // mode, the GRU's forward (its backward stays on the per-step path) in TF32 and bf16 modes
+    // (the loop's scaled fp16 operands are as exact as TF32: bf16 mode gets more than it asks
+    // for). The forward's clusters read the layer
+    // input themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
+    const bool cl_base = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && H == 256;
+    const bool cl_model = cl_base && lstm && fp32;
+    const bool cl0 = (cl_model || (cl_base && gru && !ieee)) && I <= 64 && I % 4 == 0;
     // Rows a cluster: 64, or 80 where that takes fewer waves (an H100 runs 30 clusters of either:
     // B = 2048 is two waves of 64-row clusters, one of 80-row ones; a wave costs a whole loop).
     // At equal waves 64, whose steps are faster (the 80-row loops single-buffer their tiles).

@@ -189,7 +189,8 @@ static __device__ void tape_put(const stepwise_args &a, size_t b, int t, int p, 
         TR::put(a.s + (b * a.T + t) * TR::floats(a.H), p, a.H, u, v);
 }
 
-// z row (b, t): hprev = h, the constant 1 and zero pads; the LSTM's cprev.
+// z row (b, t): hprev = h, the constant 1 and zero pads; the LSTM's cprev; in tape_b8's blocks
+// the GRU's hprev too (plane 4, which the cluster backward reads).
 template <class Cell, bool HALF>
 static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int t, int u, float h,
                                           float c) {
@@ -197,6 +198,8 @@ static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int 
     zr[u] = h;
     if (Cell::G == 4)
         tape_put<Cell, HALF>(a, b, t, 4, u, c);
+    else if (HALF && a.sblk)
+        tape_put<Cell, HALF>(a, b, t, 4, u, h);
     if (u == 0) {
         zr[a.H] = 1.0f;
         for (int k = a.H + 1; k < a.xoff; k++)
@@ -440,12 +443,14 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
                             float *y, int ldy, float *h_n, float *c_n) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
-    auto init = !lstm  ? &stepwise_init_kernel<cell_gru, false>
-                : half ? &stepwise_init_kernel<cell_lstm, true>
-                       : &stepwise_init_kernel<cell_lstm, false>;
-    auto cell = !lstm  ? &stepwise_cell_kernel<cell_gru, false>
-                : half ? &stepwise_cell_kernel<cell_lstm, true>
-                       : &stepwise_cell_kernel<cell_lstm, false>;
+    auto init = lstm ? (half ? &stepwise_init_kernel<cell_lstm, true>
+                             : &stepwise_init_kernel<cell_lstm, false>)
+                     : (half ? &stepwise_init_kernel<cell_gru, true>
+                             : &stepwise_init_kernel<cell_gru, false>);
+    auto cell = lstm ? (half ? &stepwise_cell_kernel<cell_lstm, true>
+                             : &stepwise_cell_kernel<cell_lstm, false>)
+                     : (half ? &stepwise_cell_kernel<cell_gru, true>
+                             : &stepwise_cell_kernel<cell_gru, false>);
     stepwise_key k;
     memset(&k, 0, sizeof(k));
     k.fwd = true, k.half = half, k.lstm = lstm, k.mode = m->compute, k.ld = ldy;
@@ -627,9 +632,10 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
                              const stepwise_bwd_args &a, bool half, const float *w_hh) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
-    auto cell = !lstm  ? &stepwise_cell_backward_kernel<cell_gru, false>
-                : half ? &stepwise_cell_backward_kernel<cell_lstm, true>
-                       : &stepwise_cell_backward_kernel<cell_lstm, false>;
+    auto cell = lstm ? (half ? &stepwise_cell_backward_kernel<cell_lstm, true>
+                             : &stepwise_cell_backward_kernel<cell_lstm, false>)
+                     : (half ? &stepwise_cell_backward_kernel<cell_gru, true>
+                             : &stepwise_cell_backward_kernel<cell_gru, false>);
     stepwise_key k;
     memset(&k, 0, sizeof(k));
     k.fwd = false, k.half = half, k.lstm = lstm, k.mode = m->compute;
@@ -811,7 +817,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             a.d = dx ? d : nullptr;
         }
         if (y.bwd == SEQ_BWD_CLUSTER) {
-            RNND_TRY(rnnd__cluster_lstm_backward(&a, p.rows, c->stream));
+            RNND_TRY(rnnd__cluster_backward(&a, m->cell == RNND_CELL_LSTM, p.rows, c->stream));
         } else if (y.bwd != SEQ_BWD_STEPWISE) {
             if (y.d_chunks) {
                 // The chunks past the loop's (whole stages for the product) hold zeros.

@@ -420,7 +420,6 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
     constexpr bool GRU = Cell::G == 3;
-    static_assert(!(GRU && HALF), "the GRU's tape here is rows of fp32 planes");
     // The gate of W_hh (G_H) and of W_ih and b_ih (G_X) in n-tile q, -1 for none.
     auto G_H = [](int q) { return GRU && q == 2 ? -1 : GRU && q == 3 ? 2 : q; };
     auto G_X = [](int q) { return GRU && q == 3 ? -1 : q; };
@@ -844,7 +843,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                float sv[Cell::SW][2];
+                float sv[5][2]; // the record; HALF, GRU: hprev in plane 4
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     float pre[4], zq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[Cell::SW];
@@ -862,6 +861,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                     for (int p = 0; p < Cell::SW; p++)
                         sv[p][j] = s[p];
+                    if constexpr (GRU)
+                        sv[4][j] = h[mt][i][j];
                 }
                 if constexpr (HALF) {
                     // tape_b8: this lane's 16 + 8 bytes of the block. The addresses and values
@@ -979,12 +980,18 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // maxima orders them). P_0 comes after every write to this CTA's shared memory. Registers: dL/dh
 // stays in the receive slots between steps (see below). (An L2 prefetch of the step before's
 // record, 20 instructions a warp, cost 0.1 ms in the memory pipe that the sends share.)
-template <int ROWS>
+//
+// The GRU (Cell = cell_gru): its record's fp32 plane holds hprev (the forward's), the tile three
+// gates (da_r, da_z, da_n r: K = 192, KS k-steps), and the direct term dL/dh' z rides where the
+// LSTM carries dL/dc: added to the next step's dL/dh', and to the gradient routed out.
+template <class Cell, int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
-    seq_cluster_lstm_backward_kernel(const struct persist_bwd_args a) {
+    seq_cluster_backward_kernel(const struct persist_bwd_args a) {
     using S = cshape<ROWS>;
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
+    constexpr bool GRU = Cell::G == 3;
+    constexpr int KS = Cell::G * UPC / 16; // the tile's k-steps
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     static_assert(NWC == 8, "rowmax: a row's maxima in two float4");
@@ -1020,14 +1027,15 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     cluster_arrive();
     cluster_wait();
 
-    const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, 4, H, H, rank), 15, red),
+    const float wscale = persist_pow2_scale(gate_rows_absmax(0.0f, a.w_hh, Cell::G, H, H, rank), 15,
+                                            red),
                 winv = 1.0f / wscale;
 
     // B[k][n] = W_hh[q H + 64 rank + uu][32 w + 8 (n / 2) + 2 nt + n % 2] for tile column
     // k = 64 q + uu: lane tg's accumulators of a row (n-tiles nt, columns 2 tg + j) are units
     // 32 w + 8 tg + [0, 8), which leave in two 16-byte stores with no exchange in the quad.
 #pragma unroll 2
-    for (int ks = 0; ks < CKSH; ks++) {
+    for (int ks = 0; ks < KS; ks++) {
         uint32_t o[8];
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
@@ -1112,7 +1120,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // t + 1 once its partials are packed (the accumulators are free then).
     // The record's four fp16 planes stay packed (svh) until their step uses them (docs/kernels.md).
     uint32_t svh[4][MT][2];
-    float2 sv[MT][2], gy[MT][2]; // sv: cprev
+    float2 sv[MT][2], gy[MT][2]; // sv: cprev (GRU: hprev)
     row_flags<ROWS> reset;
     const int nrows = min(ROWS, a.B - row0);
     // Lane row (mt, i) is batch row row0 + g + 8 k, k = 2 mt + i, and row group row0 / 8 + k: its
@@ -1180,12 +1188,18 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     }
                     s[4] = j ? sv[mt][i].y : sv[mt][i].x;
                     float dhj = (j ? gy[mt][i].y : gy[mt][i].x) + (j ? dhv[mt][i].y : dhv[mt][i].x);
-                    cell_lstm::backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
-                                              dcp[mt][i][j]);
+                    if constexpr (GRU) {
+                        Cell::template backward<true>(s, s[4], dhj + dc[mt][i][j], 0.0f, d, tl,
+                                                      dcp[mt][i][j], ddir);
+                    } else {
+                        Cell::template backward<true>(s, 0.0f, dhj, dc[mt][i][j], d, tl, ddir,
+                                                      dcp[mt][i][j]);
+                    }
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         dv[q][mt][i][j] = d[q];
-                        mx[mt][i] = fmaxf(mx[mt][i], fabsf(d[q]));
+                        if (q < Cell::G) // the tile's
+                            mx[mt][i] = fmaxf(mx[mt][i], fabsf(d[q]));
                     }
                 }
             }
@@ -1231,7 +1245,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                   fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
                 sc[mt][i] = persist_pow2_for(mx[mt][i], 14);
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
+                for (int q = 0; q < Cell::G; q++) {
                     __half2 p =
                         __floats2half2_rn(dv[q][mt][i][0] * sc[mt][i], dv[q][mt][i][1] * sc[mt][i]);
                     *reinterpret_cast<__half2 *>(smem + C_WBYTES +
@@ -1269,7 +1283,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // This CTA's partial of dh: ROWS rows x the warp's 32 units.
         float acc[MT][4][4];
         zero_acc(acc);
-        mma_w<CKSH, 128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
+        mma_w<KS, 128, ROWS * 128>(acc, wsm, ab, 0u, w, lane);
         if (a.dw16 && w == 0) {
             bulk_wait_read(); // the chunk copies have read the tile
             if (t < T - 1)    // step t + 1's copies are complete
@@ -1349,7 +1363,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         if (threadIdx.x == 0 && t > 0)
             cluster_mbar_arm(&pfull, (uint32_t)S::RECV);
 
-        // dL/dh of the state entering step t (the slots' sum; LSTM: no direct term), routed
+        // dL/dh of the state entering step t (the slots' sum, and the GRU's direct term), routed
         // (docs/design.md, "Math"): out where it ends here, else carried into step t - 1. 64 rows: the sums
         // into registers first, then "sums read"; WIDE: the sums are read again where needed.
         if constexpr (!WIDE) {
@@ -1373,7 +1387,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int i = 0; i < 2; i++) {
                     if (t > 0 && !rst(2 * mt + i))
                         continue;
-                    auto out = [&](const float2 dho, bool initial) {
+                    auto out = [&](float2 dho, bool initial) {
+                        if constexpr (GRU)
+                            dho.x += dcp[mt][i][0], dho.y += dcp[mt][i][1];
                         if (a.stored) {
                             size_t at = ((rowb(mt, i) * T + t) * L + l) * H + ub;
                             if (a.g_hidden)
@@ -1463,10 +1479,10 @@ int cluster_active(void (*kernel)(Args), long smem, int rows) {
 
 template <int ROWS>
 int cluster_active_rows(bool backward) {
-    return backward
-               ? cluster_active(seq_cluster_lstm_backward_kernel<ROWS>, cshape<ROWS>::BSMEM, ROWS)
-               : cluster_active(seq_cluster_forward_kernel<cell_lstm, ROWS, true>,
-                                cshape<ROWS>::FSMEM, ROWS);
+    return backward ? cluster_active(seq_cluster_backward_kernel<cell_lstm, ROWS>,
+                                     cshape<ROWS>::BSMEM, ROWS)
+                    : cluster_active(seq_cluster_forward_kernel<cell_lstm, ROWS, true>,
+                                     cshape<ROWS>::FSMEM, ROWS);
 }
 
 // Launches kernel in the clusters of `rows` rows over a's B rows with smem bytes of dynamic
@@ -1484,21 +1500,22 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
 // 8-byte aligned with even strides (a.xvec and a.vec), sm_90; the GRU's tape in fp32 rows.
 template <int ROWS>
 int cluster_forward(const struct persist_fwd_args *a, bool lstm, cudaStream_t stream) {
-    if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x ||
-        (!lstm && a->shalf))
+    if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
         return RNND_EINVAL;
-    return cluster_run(!lstm      ? seq_cluster_forward_kernel<cell_gru, ROWS, false>
-                       : a->shalf ? seq_cluster_forward_kernel<cell_lstm, ROWS, true>
-                                  : seq_cluster_forward_kernel<cell_lstm, ROWS, false>,
-                       a, cshape<ROWS>::FSMEM, ROWS, stream);
+    auto k = lstm ? (a->shalf ? seq_cluster_forward_kernel<cell_lstm, ROWS, true>
+                              : seq_cluster_forward_kernel<cell_lstm, ROWS, false>)
+                  : (a->shalf ? seq_cluster_forward_kernel<cell_gru, ROWS, true>
+                              : seq_cluster_forward_kernel<cell_gru, ROWS, false>);
+    return cluster_run(k, a, cshape<ROWS>::FSMEM, ROWS, stream);
 }
 
 template <int ROWS>
-int cluster_backward(const struct persist_bwd_args *a, cudaStream_t stream) {
-    if (a->H != HC || !a->vec || !a->shalf)
+int cluster_backward(const struct persist_bwd_args *a, bool lstm, cudaStream_t stream) {
+    if (a->H != HC || !a->vec || !a->shalf || (!lstm && (a->dw16 || !a->d)))
         return RNND_EINVAL;
-    return cluster_run(seq_cluster_lstm_backward_kernel<ROWS>, a, cshape<ROWS>::BSMEM, ROWS,
-                       stream);
+    auto k = lstm ? seq_cluster_backward_kernel<cell_lstm, ROWS>
+                  : seq_cluster_backward_kernel<cell_gru, ROWS>;
+    return cluster_run(k, a, cshape<ROWS>::BSMEM, ROWS, stream);
 }
 
 } // namespace
@@ -1508,8 +1525,10 @@ int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
     return rows == 80 ? cluster_forward<80>(a, lstm, stream) : cluster_forward<64>(a, lstm, stream);
 }
 
-int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, int rows, cudaStream_t stream) {
-    return rows == 80 ? cluster_backward<80>(a, stream) : cluster_backward<64>(a, stream);
+int rnnd__cluster_backward(const struct persist_bwd_args *a, bool lstm, int rows,
+                           cudaStream_t stream) {
+    return rows == 80 ? cluster_backward<80>(a, lstm, stream)
+                      : cluster_backward<64>(a, lstm, stream);
 }
 
 int rnnd__cluster_lstm_active(int rows, bool backward) {

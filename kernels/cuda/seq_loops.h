@@ -133,14 +133,16 @@ int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, bool clock
                          cudaStream_t stream);
 int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream);
 
-// The LSTM or GRU forward at H = 256 in 4-CTA clusters of `rows` (64 or 80) batch rows
-// (seq_cluster.cu, sm_90, I_l <= 64 with I_l % 4 == 0, a.x set, a.vec and a.xvec; the GRU's tape
-// in fp32 rows, the per-step path's), the LSTM's backward (any layer input: it reads the tape, not
-// x; a.vec), same cluster shape; the clusters of the LSTM's forward (backward) loop the device runs
-// at once (0 where it cannot launch them; the GRU's forward has the same shared memory and block).
+// The LSTM and GRU loops at H = 256 in 4-CTA clusters of `rows` (64 or 80) batch rows
+// (seq_cluster.cu, sm_90): the forward (I_l <= 64 with I_l % 4 == 0, a.x set, a.vec and a.xvec;
+// the tape in rows, or (a.shalf) in tape_b8's blocks), the backward (any layer input: it reads
+// the tape in blocks, not x; a.vec; the GRU's writes D in rows), same cluster shape; the
+// clusters of the LSTM's forward (backward) loop the device runs at once (0 where it cannot
+// launch them; the GRU's loops have the same shared memory and blocks).
 int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
                           cudaStream_t stream);
-int rnnd__cluster_lstm_backward(const struct persist_bwd_args *a, int rows, cudaStream_t stream);
+int rnnd__cluster_backward(const struct persist_bwd_args *a, bool lstm, int rows,
+                           cudaStream_t stream);
 int rnnd__cluster_lstm_active(int rows, bool backward);
 
 #endif // RNND_CUDA_SEQ_LOOPS_H

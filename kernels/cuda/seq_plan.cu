@@ -11,13 +11,13 @@
 #include <stdio.h>
 #include <string.h>
 
-// The LSTM H = 256 backward in clusters needs this many rows (below, the per-step path's step is
-// faster: one cluster step ~15.5 us against the per-step path's ~13.6 us at B = 64, whose cost
-// grows ~2.4 times faster with B).
+// The H = 256 backward in clusters needs this many rows (below, the per-step path's step is
+// faster: one LSTM cluster step ~15.5 us against the per-step path's ~13.6 us at B = 64, whose
+// cost grows ~2.4 times faster with B).
 #define SEQ_CLUSTER_BWD_MIN_ROWS 320
 // The blocked tape (tape_b8) of B rows, rounded up to 8 rows of 3H floats, fits the layout's B
-// rows of 5H (seq.cu, rnnd__cuda_seq_layout) from 11 rows on.
-static_assert(SEQ_CLUSTER_BWD_MIN_ROWS >= 11, "B + 7 rows of 3H floats within B rows of 5H");
+// rows of 4H (the GRU's; the LSTM's 5H) (seq.cu, rnnd__cuda_seq_layout) from 21 rows on.
+static_assert(SEQ_CLUSTER_BWD_MIN_ROWS >= 21, "B + 7 rows of 3H floats within B rows of 4H");
 
 static int hp_of(int H) {
     return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;
@@ -57,7 +57,6 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     memset(p, 0, sizeof(*p));
     const bool gru = m->cell == RNND_CELL_GRU, lstm = !gru;
     const bool fp32 = m->compute == RNND_COMPUTE_FP32, bf16 = m->compute == RNND_COMPUTE_BF16;
-    const bool ieee = m->compute == RNND_COMPUTE_IEEE;
     const int H = m->H, I = m->I, L = m->L, B = call->B;
 
     // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
@@ -66,14 +65,13 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     p->persistent = p->HP > 0;
     const int HP = p->HP;
 
-    // The H = 256 loops in thread-block clusters (sm_90): the LSTM's forward and backward in TF32
-    // mode, the GRU's forward (its backward stays on the per-step path) in TF32 and bf16 modes
-    // (the loop's scaled fp16 operands are as exact as TF32: bf16 mode gets more than it asks
-    // for). The forward's clusters read the layer
-    // input themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
-    const bool cl_base = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && H == 256;
-    const bool cl_model = cl_base && lstm && fp32;
-    const bool cl0 = (cl_model || (cl_base && gru && !ieee)) && I <= 64 && I % 4 == 0;
+    // The H = 256 loops in thread-block clusters (sm_90): the LSTM's in TF32 mode, the GRU's in
+    // TF32 and bf16 modes (the loops' scaled fp16 operands are as exact as TF32: bf16 mode gets
+    // more than it asks for). The forward's clusters read the layer input themselves: layer 0
+    // with I <= 64, I % 4 == 0 (a deeper layer's is 256).
+    const bool cl_model = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && H == 256 &&
+                          (lstm ? fp32 : m->compute != RNND_COMPUTE_IEEE);
+    const bool cl0 = cl_model && I <= 64 && I % 4 == 0;
     // Rows a cluster: 64, or 80 where that takes fewer waves (an H100 runs 30 clusters of either:
     // B = 2048 is two waves of 64-row clusters, one of 80-row ones; a wave costs a whole loop).
     // At equal waves 64, whose steps are faster (the 80-row loops single-buffer their tiles).
@@ -98,9 +96,10 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // loops, which take nothing else: the LSTM's 12 bytes an element instead of 20 each way, the
     // GRU's 8 instead of 16. The per-step path keeps fp32: its TF32 GEMMs leave no room under the
     // 1e-3 bound for one more rounding (an LSTM H = 256, B = 33 case measured 9.6e-4 with fp32
-    // planes and 1.0e-3 with fp16 ones). The cluster backward reads the LSTM's record in tape_b8's
-    // blocks of 8 rows (one 16-byte and one 8-byte access a row for the cluster loops).
-    p->tape_blocked = lstm && brows > 0;
+    // planes and 1.0e-3 with fp16 ones). The cluster backward reads its record in tape_b8's
+    // blocks of 8 rows (one 16-byte and one 8-byte access a row for the cluster loops; the GRU's
+    // fp32 plane holds hprev).
+    p->tape_blocked = brows > 0;
     p->tape_half = p->persistent || p->tape_blocked;
 
     // The GRU at H = 128 has its own backward loop (one 16-bit W_hh for both directions) that
@@ -132,7 +131,8 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 persist_xks(m, 0, HP, dev->smem_optin) > 0;
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
     // for seq_dw.cu's product instead of cuBLAS's (compute 9.0).
-    p->z_dw256 = dev->wg && !tune->no_dw16 && cl0 && p->tape_blocked && cluster_rows(false) > 0;
+    p->z_dw256 =
+        dev->wg && !tune->no_dw16 && lstm && cl0 && p->tape_blocked && cluster_rows(false) > 0;
     const bool inputs = call->x_aligned && call->states_aligned;
     p->zfwd = p->z_dw16 && inputs;
     p->cz = p->z_dw256 && inputs;

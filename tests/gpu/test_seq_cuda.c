@@ -837,7 +837,7 @@ static const struct seq_case quick_cases[] = {
     {LSTM, IEEE, 8, 20, 2, 5, 4, 0.3, H0, AUTO, 0},
     {GRU, F32, 16, 160, 1, 4, 3, 0.3, HID, AUTO, 0},
     {LSTM, F32, 64, 256, 1, 330, 3, 0.2, HID, AUTO, 0}, // both cluster loops
-    {GRU, F32, 64, 256, 1, 70, 3, 0.2, H0, AUTO, 0}, // the GRU's cluster forward
+    {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},   // the GRU's
 };
 
 // cell, compute, I, H, L, B, T, reset probability, initial state, path, how (SEQ_*).
@@ -889,17 +889,26 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 32, 256, 2, 400, 5, 0.1, H0, AUTO, 0},
     // B=2000: 32 clusters of 64 rows are two waves on an H100, 25 of 80 one: the 80-row loops.
     {LSTM, F32, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
-    // GRU H=256: the forward in the same clusters (n's x and h parts apart), the backward per
-    // step: a partial last cluster, stored states, h0, a second layer per step (I=32), B=1 T=1,
-    // 80-row clusters (B=2000), bf16 mode, misaligned outputs (per step), saturated gates.
+    // GRU H=256 in the same clusters (n's x and h parts apart; the backward's direct term
+    // carried beside the partials): below 320 rows the forward alone (a partial last cluster,
+    // stored states, a second layer per step with I=32, B=1 T=1); both loops from 320 rows
+    // (64-row clusters with a partial last one, 80-row ones at B=2000, bf16 mode, two layers
+    // whose layer 1 runs its forward per step into the blocked tape, I=72 likewise at layer 0,
+    // saturated gates); misaligned outputs and gradients: both loops per step on the blocked
+    // tape.
     {GRU, F32, 64, 256, 1, 70, 9, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 256, 1, 33, 12, 0.2, HID, AUTO, 0},
     {GRU, F32, 32, 256, 2, 20, 7, 0.1, NONE, AUTO, 0},
     {GRU, F32, 64, 256, 1, 1, 1, 0.0, H0, AUTO, 0},
+    {GRU, F32, 64, 256, 1, 330, 9, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 256, 1, 385, 6, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 256, 1, 2000, 4, 0.1, NONE, AUTO, SEQ_NO_GX},
     {GRU, BF16, 64, 256, 1, 385, 5, 0.1, HID, AUTO, 0},
-    {GRU, F32, 64, 256, 2, 130, 5, 0.1, H0, AUTO, SEQ_MISALIGN},
-    {GRU, F32, 64, 256, 1, 33, 12, 0.1, H0, AUTO, SEQ_SATURATED},
+    {GRU, F32, 32, 256, 2, 400, 5, 0.1, H0, AUTO, 0},
+    {GRU, F32, 72, 256, 1, 330, 5, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 256, 1, 330, 12, 0.1, H0, AUTO, SEQ_SATURATED},
+    {GRU, F32, 64, 256, 2, 330, 5, 0.1, H0, AUTO, SEQ_MISALIGN},
     // States beyond [-1, 1]: the forward's fp16 h tile is scaled by the largest of them
     // (unscaled, 12 * 2^13 would overflow fp16); the per-step path gives the TF32 baseline.
     {GRU, F32, 64, 128, 1, 33, 20, 0.1, H0, AUTO, SEQ_WIDE},
@@ -910,7 +919,7 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 256, 1, 33, 20, 0.1, H0, AUTO, SEQ_WIDE},
     {LSTM, F32, 64, 256, 1, 330, 8, 0.1, HID, AUTO, SEQ_WIDE}, // the cluster backward
     {GRU, F32, 64, 256, 1, 33, 20, 0.05, HID, AUTO, SEQ_WIDE},
-    {GRU, F32, 64, 256, 1, 70, 20, 0.1, H0, AUTO, SEQ_WIDE},
+    {GRU, F32, 64, 256, 1, 330, 20, 0.1, H0, AUTO, SEQ_WIDE},
     // LSTM H=256 with no dL/dx asked for: the cluster backward writes D only as the weight
     // product's chunks (64 rows a cluster with a partial last one; 80 rows).
     {LSTM, F32, 64, 256, 1, 385, 6, 0.1, HID, AUTO, SEQ_NO_GX},
@@ -994,12 +1003,12 @@ static const struct edge_test edge_tests[] = {
     {test_weight_outliers, {LSTM, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 5, 7, 2, 9, 6, 0.2, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {LSTM, F32, 64, 256, 1, 33, 8, 0.1, H0, AUTO, 0}, 0, false},
-    {test_weight_outliers, {GRU, F32, 64, 256, 1, 33, 8, 0.1, H0, AUTO, 0}, 0, false},
+    {test_weight_outliers, {GRU, F32, 64, 256, 1, 330, 8, 0.1, H0, AUTO, 0}, 0, false},
     // x rows scaled: both cluster loops with layer 0's dw256 product (B >= 320), I_l below 64
     // (idle columns of the x tile) with stored states, H = 128's loops.
     {test_x_scales, {LSTM, F32, 64, 256, 1, 330, 6, 0.1, H0, AUTO, 0}, 0, false},
     {test_x_scales, {LSTM, F32, 40, 256, 1, 70, 5, 0.1, HID, AUTO, 0}, 0, false},
-    {test_x_scales, {GRU, F32, 64, 256, 1, 70, 6, 0.1, H0, AUTO, 0}, 0, false},
+    {test_x_scales, {GRU, F32, 64, 256, 1, 330, 6, 0.1, H0, AUTO, 0}, 0, false},
     {test_x_scales, {GRU, F32, 40, 256, 1, 2000, 3, 0.1, HID, AUTO, 0}, 0, false},
     {test_x_scales, {LSTM, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_x_scales, {GRU, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},

@@ -57,14 +57,16 @@ static void test_h100(void **state) {
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 2, 2048),
                         "lstm_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
                         " [1] stepwise_fwd cluster80_bwd cublas_dw");
-    // The GRU at H = 256: the forward in clusters (TF32 and bf16 modes, layer 0 with I <= 64),
-    // the backward per step.
+    // The GRU at H = 256 in the same clusters, TF32 and bf16 modes (the forward at layer 0 with
+    // I <= 64, the backward from 320 rows), cuBLAS's weight gradients.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 2048),
-                        "gru_h256_fp32: cluster80_fwd stepwise_bwd cublas_dw");
+                        "gru_h256_fp32: cluster80_fwd cluster80_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 256, 1, 384),
-                        "gru_h256_bf16: cluster64_fwd stepwise_bwd cublas_dw");
+                        "gru_h256_bf16: cluster64_fwd cluster64_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 64),
+                        "gru_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 72, 256, 1, 2048),
-                        "gru_h256_fp32: stepwise_fwd stepwise_bwd cublas_dw");
+                        "gru_h256_fp32: stepwise_fwd cluster80_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, IEEE, 64, 256, 1, 2048),
                         "gru_h256_ieee: stepwise_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, IEEE, 64, 128, 1, 2048),
@@ -99,6 +101,8 @@ static void test_overrides(void **state) {
                         "lstm_h256_fp32: stepwise_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_NO_CLUSTER, GRU, F32, 64, 256, 1, 2048),
                         "gru_h256_fp32: stepwise_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_CLUSTER_BWD, GRU, F32, 64, 256, 1, 2048),
+                        "gru_h256_fp32: cluster80_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_STEP_NO_PDL, GRU, F32, 64, 128, 1, 2048),
                         "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
 }

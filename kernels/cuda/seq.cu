@@ -871,7 +871,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 #ifdef RNND_HAVE_WG
             if (c256) {
                 const char *zch = (const char *)z;
-                struct dw16_args dw = {cz_d,    zch,    cz_pitch, cz_ks, H,     ly->Il, false,
+                struct dw16_args dw = {cz_d,    zch,    cz_pitch, cz_ks, H,     ly->Il, !lstm,
                                        cz_part, cz_rec, gw_ih,    gw_hh, gb_ih, gb_hh};
                 // Right after the loop, beside it (seq_chunks.h, dw256_sync).
                 const struct dw256_sync sy = {cz_ready, CEIL_DIV(B, 16), T,

@@ -66,7 +66,8 @@ struct dx16_args {
 };
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 
-// The same product for the LSTM at H = 256 (TF32 mode, layer 0, I_l <= 64; docs/kernels.md), from
+// The same product at H = 256 (the LSTM in TF32 mode, the GRU in TF32 and bf16 modes, layer 0,
+// I_l <= 64; docs/kernels.md; the GRU's gates 2 and 3 as dw16_args says), from
 // chunks the cluster loops write: 16-bit pieces of 16 rows x 64 columns in 128-byte rows, unit
 // (16 bytes) j of row r at j ^ (r % 8) (wgmma's 128-byte swizzle, N-major for z; D's read by
 // ldmatrix.trans). Chunk c = (T - 1 - t) x blocks + block: the backward loop's order.
@@ -77,7 +78,8 @@ int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 //     (h = h' 2^eh) and ex[16] (RNND_DW16_EZERO for a row of zeros) as int16.
 //   D (the backward's): plane p = 2 r + hp of chunk c at chunks + (p pitch + c) RNND_DW16_D:
 //     the pieces of gates 2 hp and 2 hp + 1 of units 64 r + [0, 64) (cluster CTA r's), each
-//     row scaled as CTA r's tile (its 256 columns' largest in [2^13, 2^14));
+//     row scaled as CTA r's tile (the largest of its 256 columns, the GRU's da_n with them, in
+//     [2^13, 2^14));
 //     exp + 16 (r pitch + c): that row exponent eD per row (RNND_DW16_EZERO for a zero row).
 // Chunks from the loops' last to pitch (a multiple of RNND_DW256_CH times the CTAs a plane) must
 // be zeros, their records RNND_DW16_EZERO.

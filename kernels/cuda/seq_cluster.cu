@@ -981,9 +981,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // stays in the receive slots between steps (see below). (An L2 prefetch of the step before's
 // record, 20 instructions a warp, cost 0.1 ms in the memory pipe that the sends share.)
 //
-// The GRU (Cell = cell_gru): its record's fp32 plane holds hprev (the forward's), the tile three
-// gates (da_r, da_z, da_n r: K = 192, KS k-steps), and the direct term dL/dh' z rides where the
-// LSTM carries dL/dc: added to the next step's dL/dh', and to the gradient routed out.
+// The GRU (Cell = cell_gru): its record's fp32 plane holds hprev (the forward's); the MMA takes
+// the tile's first three gates (da_r, da_z, da_n r: K = 192, KS k-steps), the fourth slab holds
+// da_n for the chunks alone; the direct term dL/dh' z rides where the LSTM carries dL/dc: added
+// to the next step's dL/dh', and to the gradient routed out.
 template <class Cell, int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_backward_kernel(const struct persist_bwd_args a) {
@@ -1198,8 +1199,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         dv[q][mt][i][j] = d[q];
-                        if (q < Cell::G) // the tile's
-                            mx[mt][i] = fmaxf(mx[mt][i], fabsf(d[q]));
+                        mx[mt][i] = fmaxf(mx[mt][i], fabsf(d[q]));
                     }
                 }
             }
@@ -1245,7 +1245,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                   fmaxf(fmaxf(m1.x, m1.y), fmaxf(m1.z, m1.w)));
                 sc[mt][i] = persist_pow2_for(mx[mt][i], 14);
 #pragma unroll
-                for (int q = 0; q < Cell::G; q++) {
+                for (int q = 0; q < 4; q++) {
                     __half2 p =
                         __floats2half2_rn(dv[q][mt][i][0] * sc[mt][i], dv[q][mt][i][1] * sc[mt][i]);
                     *reinterpret_cast<__half2 *>(smem + C_WBYTES +
@@ -1511,7 +1511,7 @@ int cluster_forward(const struct persist_fwd_args *a, bool lstm, cudaStream_t st
 
 template <int ROWS>
 int cluster_backward(const struct persist_bwd_args *a, bool lstm, cudaStream_t stream) {
-    if (a->H != HC || !a->vec || !a->shalf || (!lstm && (a->dw16 || !a->d)))
+    if (a->H != HC || !a->vec || !a->shalf)
         return RNND_EINVAL;
     auto k = lstm ? seq_cluster_backward_kernel<cell_lstm, ROWS>
                   : seq_cluster_backward_kernel<cell_gru, ROWS>;

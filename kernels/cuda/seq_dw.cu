@@ -297,7 +297,7 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The LSTM's product at H = 256 from the cluster loops' dw256 chunks (seq_chunks.h; docs/kernels.md).
+// The product at H = 256 from the cluster loops' dw256 chunks (seq_chunks.h; docs/kernels.md).
 // CTA (plane p, K range s): D's plane p (128 columns: gates 2 (p % 2) and 2 (p % 2) + 1 of
 // units 64 (p / 2)..) against all of z's RNND_DW256_NZ columns. Consumer warpgroup q takes the
 // plane's gate q (m64): A from registers by ldmatrix.trans of its piece, each K row scaled by
@@ -478,28 +478,35 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
 }
 
 // The ks partials of (m, n) summed in a fixed order and added into their gradient: D's column m
-// is gate 2 (p % 2) + (m % 128) / 64 of unit 64 (p / 2) + m % 64 (p = m / 128); z's column n is
-// unit n of W_hh, input n - 256 of W_ih, or (n = 320) the constant of both biases.
-__global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il, float *gw_ih,
-                                 float *gw_hh, float *gb_ih, float *gb_hh) {
+// is gate q = 2 (p % 2) + (m % 128) / 64 of unit 64 (p / 2) + m % 64 (p = m / 128); z's column n
+// is unit n of W_hh, input n - 256 of W_ih, or (n = 320) the constant of both biases. The GRU's
+// gates 2 and 3 are n's hidden and input sides, as in dw16_sum_kernel.
+__global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il, bool gru,
+                                 float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh) {
     constexpr int H = 256;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= 4 * H * RNND_DW256_NZ)
         return;
     const int m = i / RNND_DW256_NZ, n = i % RNND_DW256_NZ, p = m / 128;
-    const int row = (2 * (p % 2) + (m % 128) / 64) * H + 64 * (p / 2) + m % 64;
-    float *to = n < H         ? gw_hh + (size_t)row * H + n
-                : n < H + Il  ? gw_ih + (size_t)row * Il + n - H
-                : n == H + 64 ? gb_ih + row
-                              : nullptr;
-    if (!to)
+    const int q = 2 * (p % 2) + (m % 128) / 64;
+    const bool hs = !gru || q != 3, xs = !gru || q != 2; // the gate feeds h's, x's side
+    const int row = (gru && q == 3 ? 2 : q) * H + 64 * (p / 2) + m % 64;
+    float *to = nullptr, *to2 = nullptr;
+    if (n < H)
+        to = hs ? gw_hh + (size_t)row * H + n : nullptr;
+    else if (n < H + 64)
+        to = xs && n - H < Il ? gw_ih + (size_t)row * Il + n - H : nullptr;
+    else if (n == H + 64)
+        to = xs ? gb_ih + row : nullptr, to2 = hs ? gb_hh + row : nullptr;
+    if (!to && !to2)
         return;
     float acc = 0.0f;
     for (int s = 0; s < ks; s++)
         acc += part[(size_t)s * 4 * H * RNND_DW256_NZ + i];
-    *to += acc;
-    if (n == H + 64)
-        gb_hh[row] += acc;
+    if (to)
+        *to += acc;
+    if (to2)
+        *to2 += acc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -702,8 +709,8 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
 
 int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct dw256_sync *sy,
                         cudaStream_t stream) {
-    if (a->H != 256 || a->gru || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp || !aux ||
-        !sy || !sy->ready || sy->nblk < 1 || sy->T < 1 || a->pitch % (a->ks * RNND_DW256_CH) != 0)
+    if (a->H != 256 || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z || !a->exp || !aux || !sy ||
+        !sy->ready || sy->nblk < 1 || sy->T < 1 || a->pitch % (a->ks * RNND_DW256_CH) != 0)
         return RNND_EINVAL;
     RNND_CUDA_TRY(cudaFuncSetAttribute(dw256_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)D2_SMEM));
@@ -724,7 +731,7 @@ int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct
                                      static_cast<const uint8_t *>(aux), a->exp, a->pitch, a->ks,
                                      a->part, *sy));
     const int n = 4 * 256 * RNND_DW256_NZ;
-    dw256_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gw_ih,
+    dw256_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru, a->gw_ih,
                                                            a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;

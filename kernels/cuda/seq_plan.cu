@@ -131,8 +131,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 persist_xks(m, 0, HP, dev->smem_optin) > 0;
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
     // for seq_dw.cu's product instead of cuBLAS's (compute 9.0).
-    p->z_dw256 =
-        dev->wg && !tune->no_dw16 && lstm && cl0 && p->tape_blocked && cluster_rows(false) > 0;
+    p->z_dw256 = dev->wg && !tune->no_dw16 && cl0 && p->tape_blocked && cluster_rows(false) > 0;
     const bool inputs = call->x_aligned && call->states_aligned;
     p->zfwd = p->z_dw16 && inputs;
     p->cz = p->z_dw256 && inputs;

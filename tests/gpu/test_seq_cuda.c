@@ -891,11 +891,11 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
     // GRU H=256 in the same clusters (n's x and h parts apart; the backward's direct term
     // carried beside the partials): below 320 rows the forward alone (a partial last cluster,
-    // stored states, a second layer per step with I=32, B=1 T=1); both loops from 320 rows
-    // (64-row clusters with a partial last one, 80-row ones at B=2000, bf16 mode, two layers
-    // whose layer 1 runs its forward per step into the blocked tape, I=72 likewise at layer 0,
-    // saturated gates); misaligned outputs and gradients: both loops per step on the blocked
-    // tape.
+    // stored states, a second layer per step with I=32, B=1 T=1); both loops from 320 rows, with
+    // the dw256 product at layer 0 where I <= 64 (64-row clusters with a partial last one, 80-row
+    // ones at B=2000, D as chunks alone without dL/dx, bf16 mode, two layers whose layer 1 runs
+    // its forward per step into the blocked tape, I=72 likewise at layer 0 (cuBLAS's weight
+    // gradients), saturated gates, misaligned outputs and gradients through aligned scratch).
     {GRU, F32, 64, 256, 1, 70, 9, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 256, 1, 33, 12, 0.2, HID, AUTO, 0},
     {GRU, F32, 32, 256, 2, 20, 7, 0.1, NONE, AUTO, 0},

@@ -58,11 +58,14 @@ static void test_h100(void **state) {
                         "lstm_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
                         " [1] stepwise_fwd cluster80_bwd cublas_dw");
     // The GRU at H = 256 in the same clusters, TF32 and bf16 modes (the forward at layer 0 with
-    // I <= 64, the backward from 320 rows), cuBLAS's weight gradients.
+    // I <= 64, the backward from 320 rows, the dw256 product where both run).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 2048),
-                        "gru_h256_fp32: cluster80_fwd cluster80_bwd cublas_dw");
+                        "gru_h256_fp32: cluster80_fwd cluster80_bwd dw256_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 256, 1, 384),
-                        "gru_h256_bf16: cluster64_fwd cluster64_bwd cublas_dw");
+                        "gru_h256_bf16: cluster64_fwd cluster64_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 2, 2048),
+                        "gru_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
+                        " [1] stepwise_fwd cluster80_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 64),
                         "gru_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 72, 256, 1, 2048),
@@ -114,6 +117,8 @@ static void test_other_devices(void **state) {
                         "gru_h128_fp32: mma_kp_fwd gru_recompute_bwd cublas_dw");
     assert_string_equal(name_of(&h100_no_wg, 0, LSTM, F32, 64, 256, 1, 2048),
                         "lstm_h256_fp32: cluster80_fwd cluster80_bwd cublas_dw");
+    assert_string_equal(name_of(&h100_no_wg, 0, GRU, F32, 64, 256, 1, 2048),
+                        "gru_h256_fp32: cluster80_fwd cluster80_bwd cublas_dw");
     // 163 KB: the LSTM's loops fit, not with the fused input projection beside them.
     assert_string_equal(name_of(&a100, 0, LSTM, F32, 64, 128, 1, 2048),
                         "lstm_h128_fp32: mma_fwd mma_bwd cublas_dw");

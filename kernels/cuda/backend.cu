@@ -579,7 +579,7 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     // The cluster loops' capacity, for the plans (seq_plan.h): run on sm_90 and later only.
     for (int r = 0; prop.major >= 9 && r < 2; r++)
         for (int bwd = 0; bwd < 2; bwd++)
-            c->dev.cluster_active[r][bwd] = rnnd__cluster_lstm_active(r ? 80 : 64, bwd);
+            c->dev.cluster_active[r][bwd] = rnnd__cluster_active(r ? 80 : 64, bwd);
     snprintf(name, name_len, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);
     RNND_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));

@@ -1,6 +1,7 @@
 /*
- * seq_cluster.cu: the LSTM forward and backward time loops at H = 256 in thread-block clusters
- * (sm_90; docs/kernels.md). W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
+ * seq_cluster.cu: the LSTM's and the GRU's forward and backward time loops at H = 256 in
+ * thread-block clusters (sm_90; docs/kernels.md), described here for the LSTM; the GRU's
+ * differences are at each kernel. W_hh at H = 256 (4H x H = 512 KB in fp16) does not fit
  * one SM, so a cluster of CL = 4 CTAs owns ROWS batch rows for all T steps and CTA r of the cluster
  * holds the gate rows of units [64r, 64r+64) (all four gates: 256 gate rows x K = 256, 128 KB of
  * fp16-scaled W_hh in shared memory). Each step every CTA computes the gates of its ROWS rows x 64
@@ -29,8 +30,8 @@
  * accumulator and one unscaling. Shared tiles use a 16-byte-chunk XOR swizzle instead of padding
  * (the padding would not fit): 64 rows 128 + 64 + 16 KB = 208 KB.
  *
- * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev),
- * so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
+ * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev;
+ * the GRU's a_r, a_z, a_n, hn, and in blocks hprev), so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
  * planes in tape_b8's blocks (seq_tape.cuh) for the backward loop in the same clusters
  * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
  * batch's clusters at once, and not too few of them; docs/kernels.md). Where both
@@ -412,7 +413,7 @@ __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned cha
 // The GRU (Cell = cell_gru) runs the same loop with its n gate's two parts apart: n-tile q holds
 // r (x and h parts), z (both), n's x part and n's h part for q = 0..3 (the cell needs r (W_hn h
 // + b_hn)), so the x part takes no MMA for n-tile 3 and the h part none for n-tile 2 (G_H and
-// G_X below), and its tape is the per-step path's record in rows.
+// G_X below); its blocked record (HALF) holds hprev where the LSTM's holds cprev.
 template <class Cell, int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_forward_kernel(const struct persist_fwd_args a) {
@@ -1531,6 +1532,6 @@ int rnnd__cluster_backward(const struct persist_bwd_args *a, bool lstm, int rows
                       : cluster_backward<64>(a, lstm, stream);
 }
 
-int rnnd__cluster_lstm_active(int rows, bool backward) {
+int rnnd__cluster_active(int rows, bool backward) {
     return rows == 80 ? cluster_active_rows<80>(backward) : cluster_active_rows<64>(backward);
 }

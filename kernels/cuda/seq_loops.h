@@ -8,7 +8,7 @@
  *                                (seq_gru_backward.cuh)
  *   seq_gru_gate_tape.cu         that backward on the forward's gate tape (sm_90a)
  *   seq_wg.cu                    the forwards on warpgroup MMAs (sm_90a)
- *   seq_cluster.cu               the LSTM H = 256 loops in thread-block clusters (sm_90)
+ *   seq_cluster.cu               the H = 256 loops in thread-block clusters (sm_90)
  * The sm_90a files are built when the architectures include 90 (RNND_HAVE_WG). clocks asks for
  * a loop's phase-clock instance where it has one (builds with RNND_CUDA_PHASE_CLOCKS; elsewhere
  * the plan never asks). Internal to kernels/cuda/.
@@ -143,6 +143,6 @@ int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
                           cudaStream_t stream);
 int rnnd__cluster_backward(const struct persist_bwd_args *a, bool lstm, int rows,
                            cudaStream_t stream);
-int rnnd__cluster_lstm_active(int rows, bool backward);
+int rnnd__cluster_active(int rows, bool backward);
 
 #endif // RNND_CUDA_SEQ_LOOPS_H

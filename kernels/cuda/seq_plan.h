@@ -29,8 +29,8 @@ struct seq_device {
     int num_sms;
     size_t smem_optin; // largest dynamic shared memory a block may ask for
     bool wg;           // the sm_90a kernels are built (RNND_HAVE_WG) and the device is compute 9.0
-    // LSTM H = 256 cluster loops the device runs at once: [64 rows, 80 rows][forward, backward]
-    // (0 where it cannot launch them; seq_loops.h rnnd__cluster_lstm_active).
+    // H = 256 cluster loops the device runs at once: [64 rows, 80 rows][forward, backward]
+    // (0 where it cannot launch them; seq_loops.h rnnd__cluster_active).
     int cluster_active[2][2];
 };
 
@@ -52,7 +52,7 @@ enum seq_fwd_kernel {
     SEQ_FWD_MMA,      // seq_forward_kernel: the persistent loop on mma.sync (seq_forward.cuh)
     SEQ_FWD_MMA_KP,   // seq_forward_kernel with K split over warp pairs (GRU, TF32, HP = 128)
     SEQ_FWD_WGMMA,    // seq_wg_forward: the persistent loop on warpgroup MMAs (seq_wg.cu)
-    SEQ_FWD_CLUSTER,  // seq_cluster_lstm_forward_kernel: LSTM H = 256 in 4-CTA clusters
+    SEQ_FWD_CLUSTER,  // seq_cluster_forward_kernel: H = 256 in 4-CTA clusters
 };
 
 // The reverse time loop of a layer's backward.
@@ -62,7 +62,7 @@ enum seq_bwd_kernel {
     SEQ_BWD_GRU_RECOMPUTE, // seq_gru_h128_backward_kernel: the gates recomputed from z
     SEQ_BWD_GRU_GATE_TAPE, // seq_gru_h128_backward_kernel on the forward's gate planes and z
                            // chunks, dh on warpgroup MMAs (seq_gru_gate_tape.cu)
-    SEQ_BWD_CLUSTER,       // seq_cluster_lstm_backward_kernel: LSTM H = 256 in clusters
+    SEQ_BWD_CLUSTER,       // seq_cluster_backward_kernel: H = 256 in clusters
 };
 
 // The weight gradients [dW_ih | dW_hh | db] of a layer.
@@ -90,7 +90,7 @@ struct seq_plan {
     bool persistent; // the persistent loops (HP > 0) for every layer the clusters do not run
     // The tape's format (model, device and B; both passes agree):
     bool tape_half;    // the gate planes in fp16 (tape_rec), else fp32
-    bool tape_blocked; // LSTM: the record in tape_b8's blocks of 8 rows
+    bool tape_blocked; // the record in tape_b8's blocks of 8 rows
     bool z_dw16;       // layer 0's z space is sized for dw16 chunk parts and x exponents
     bool z_dw256;      // layer 0's z space is sized for dw256 chunk parts and aux records
     // The call:

@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-// Compute 9.0, 132 SMs, 227 KB of shared memory a block, 30 clusters of the LSTM H = 256 loops
+// Compute 9.0, 132 SMs, 227 KB of shared memory a block, 30 clusters of the H = 256 loops
 // of either shape at once (an H100's figures).
 static const struct seq_device h100 = {9, 132, 232448, true, {{30, 30}, {30, 30}}};
 // The same device in a build without the sm_90a kernels.

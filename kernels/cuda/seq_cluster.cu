@@ -31,8 +31,9 @@
  * (the padding would not fit): 64 rows 128 + 64 + 16 KB = 208 KB.
  *
  * The tape written is the one of the per-step path (z = [hprev | 1 | x], s = i, f, g, o, cprev;
- * the GRU's a_r, a_z, a_n, hn, and in blocks hprev), so either backward reads it: s in fp32 rows for the per-step backward, or (a.shalf) the fp16
- * planes in tape_b8's blocks (seq_tape.cuh) for the backward loop in the same clusters
+ * the GRU's a_r, a_z, a_n, hn, and in blocks hprev), so either backward reads it: s in fp32
+ * rows for the per-step backward, or (a.shalf) the fp16 planes in tape_b8's blocks
+ * (seq_tape.cuh) for the backward loop in the same clusters
  * (below), which runs where it beats the per-step backward (seq_cluster_bwd in seq.cu: all the
  * batch's clusters at once, and not too few of them; docs/kernels.md). Where both
  * loops run here (the plan's cz, layer 0), z is instead written as the dw256 chunks of
@@ -1498,7 +1499,7 @@ int cluster_run(void (*kernel)(Args), const Args *a, long smem, int rows, cudaSt
 }
 
 // Conditions the caller checks: H == 256, I_l <= 64 with I_l % 4 == 0 and x, z, y, the states
-// 8-byte aligned with even strides (a.xvec and a.vec), sm_90; the GRU's tape in fp32 rows.
+// 8-byte aligned with even strides (a.xvec and a.vec), sm_90.
 template <int ROWS>
 int cluster_forward(const struct persist_fwd_args *a, bool lstm, cudaStream_t stream) {
     if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)

@@ -49,44 +49,65 @@ constexpr int HC = 256;      // hidden width
 constexpr int UPC = HC / CL; // units a CTA
 constexpr int NWC = 8;       // warps a CTA
 constexpr int CTHREADS = NWC * 32;
-constexpr int CKSH = HC / 16;                            // h k-steps (fp16 m16n8k16)
-constexpr int CXK = 64;                                  // x columns in the tile: I_l <= 64
-constexpr int CXKS = CXK / 16;                           // x k-steps (fp16 m16n8k16)
-constexpr long C_WBYTES = (long)CKSH * NWC * 8 * 32 * 4; // 8 weight words a lane and k-step
+constexpr int CKSH = HC / 16;  // h k-steps (fp16 m16n8k16)
+constexpr int CXK = 64;        // x columns in the tile: I_l <= 64
+constexpr int CXKS = CXK / 16; // x k-steps (fp16 m16n8k16)
 
-// A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows)
-// does not fit the 64-row layouts (docs/kernels.md): the forward's h tile is
-// single-buffered and W_ih's fp16 fragments live in shared memory (after the x tiles) instead of
-// registers; the backward's receive slots share their memory with the A tile.
+// A cluster shape: ROWS batch rows a cluster, MT = ROWS / 16 m-tiles a warp. WIDE (80 rows): W_ih's
+// fp16 fragments live in shared memory (after the x tiles) instead of registers, and dL/dh in the
+// backward's receive slots; the LSTM's 80 rows do not fit the 64-row layouts besides (its
+// forward's h tile single-buffered, its backward's receive slots in the A tile's memory; fshape,
+// bshape; docs/kernels.md).
 template <int ROWS>
 struct cshape {
     static_assert(ROWS == 64 || ROWS == 80, "64 or 80 rows a cluster");
     static constexpr int MT = ROWS / 16;
     static constexpr bool WIDE = ROWS == 80;
-    static constexpr int NB = WIDE ? 1 : 2; // forward: buffers of the h tile (x: two)
     static constexpr long HTILE = (long)ROWS * HC * 2;
     // ROWS rows of a CTA's 64 units in fp16: the forward's h slab, a backward receive slot; the
     // forward's x tile (64 fp16 columns a row) has the same layout.
     static constexpr long PART = (long)ROWS * UPC * 2;
     static constexpr long XTILE = (long)ROWS * CXK * 2;
-    static constexpr long XBASE = C_WBYTES + NB * HTILE; // forward: the x tiles in smem
-    static constexpr long WIHBASE = XBASE + 2 * XTILE;   // forward, WIDE: W_ih's fragments
-    // 8 fp16 fragment words a lane and k-step
-    static constexpr long WIH = WIDE ? (long)CXKS * NWC * 32 * 32 : 0;
-    static constexpr long FSMEM = WIHBASE + WIH;
     // Backward: the A tile (ROWS x 256 gate columns, fp16) and 4 receive slots of ROWS x 64 fp16
     // partials, then their factors (a float a slot, row and 32 units).
     static constexpr long ATILE = (long)ROWS * HC * 2;
     static constexpr long RECV = CL * PART + (long)CL * ROWS * 2 * 4;
-    static constexpr long RECVBASE = WIDE ? C_WBYTES : C_WBYTES + ATILE;
-    static constexpr long BSMEM =
-        WIDE ? C_WBYTES + (RECV > ATILE ? RECV : ATILE) : C_WBYTES + ATILE + RECV;
-    static_assert(FSMEM + 2 * ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
-                  "cluster forward does not fit");
-    static_assert(BSMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
-                  "cluster backward does not fit");
     static_assert(ROWS * (CXK / 4) == MT * CTHREADS, "x: MT float4 a thread, a row a half-warp");
     static_assert(ROWS % CL == 0, "x tape copy: ROWS / CL rows a CTA");
+};
+
+// The forward's shared memory for Cell: W_hh's fragments (WPL words a lane and k-step: the
+// LSTM's four n-tiles, the GRU's three, mma_w), NB h tiles, two x tiles, and (WIDE) W_ih's
+// fragments. The LSTM's 80 rows single-buffer the h tile to fit (128 KB of W_hh); the GRU's
+// 96 KB leave room for two.
+template <class Cell, int ROWS>
+struct fshape {
+    using S = cshape<ROWS>;
+    static constexpr int WPL = Cell::G == 3 ? 6 : 8;
+    static constexpr long WB = (long)CKSH * NWC * WPL * 32 * 4;
+    static constexpr int NB = S::WIDE && Cell::G == 4 ? 1 : 2;
+    static constexpr long XBASE = WB + NB * S::HTILE;
+    static constexpr long WIHBASE = XBASE + 2 * S::XTILE;
+    static constexpr long WIH = S::WIDE ? (long)CXKS * NWC * WPL * 32 * 4 : 0;
+    static constexpr long SMEM = WIHBASE + WIH;
+    static_assert(SMEM + 2 * ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+                  "cluster forward does not fit");
+};
+
+// The backward's shared memory for Cell: W_hh's fragments (KS k-steps: the tile's gate columns /
+// 16), the A tile, the receive slots. SHARE: the slots in the A tile's memory, where both would
+// not fit (the LSTM's 80 rows: 128 KB of W_hh); the GRU's 96 KB leave room for both.
+template <class Cell, int ROWS>
+struct bshape {
+    using S = cshape<ROWS>;
+    static constexpr int KS = Cell::G * UPC / 16;
+    static constexpr long WB = (long)KS * NWC * 8 * 32 * 4; // 8 words a lane and k-step
+    static constexpr bool SHARE = S::WIDE && Cell::G == 4;
+    static constexpr long RECVBASE = SHARE ? WB : WB + S::ATILE;
+    static constexpr long SMEM =
+        SHARE ? WB + (S::RECV > S::ATILE ? S::RECV : S::ATILE) : RECVBASE + S::RECV;
+    static_assert(SMEM + NWC * ROWS * 4 + ROWS * 4 + 256 <= RNND_PERSIST_SMEM_BUDGET,
+                  "cluster backward does not fit");
 };
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -379,21 +400,36 @@ __device__ __forceinline__ void mma_tile(float (&acc)[MT][4][4], const uint32_t 
     }
 }
 
+// The fragment words o of n-tiles other than SKIP, in order: mma_w's 6-word layout.
+template <int SKIP>
+__device__ __forceinline__ void drop_ntile(uint32_t (&o)[8]) {
+    if constexpr (SKIP >= 0)
+#pragma unroll
+        for (int f = SKIP; f < 3; f++)
+            o[2 * f] = o[2 * f + 2], o[2 * f + 1] = o[2 * f + 3];
+}
+
 // acc += A . W over KS k-steps (fp16): A a tile as in mma_tile (the slabs of h or dh, or the x
-// tile), B W's fragments in shared memory (wsm, 8 words a lane and k-step: W_hh, or WIDE's W_ih).
+// tile), B W's fragments in shared memory (wsm, 8 words a lane and k-step: W_hh, or WIDE's W_ih;
+// 6 where n-tile SKIP is skipped, the others' in order).
 template <int KS, int PITCH, int K4, int SKIP = -1, int MT>
 __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned char *wsm,
                                       const uint32_t (&ab)[4], uint32_t off, int w, int lane) {
+    constexpr int WPL = SKIP < 0 ? 8 : 6;
+    using WL = persist_wlayout<WPL>;
     // The fragments a k-step ahead (k-step ks in wv[ks & 1]): the MMAs do not wait for their load.
-    uint32_t wv[2][8];
-    persist_wlayout<8>::load(wv[0], wsm, 0, NWC, w, lane);
+    uint32_t wv[2][WPL];
+    WL::load(wv[0], wsm, 0, NWC, w, lane);
     mma_tile<mode_f16, KS, PITCH, K4, SKIP>(
         acc, ab, off,
         [&](int ks) {
             if (ks + 1 < KS)
-                persist_wlayout<8>::load(wv[(ks + 1) & 1], wsm, ks + 1, NWC, w, lane);
+                WL::load(wv[(ks + 1) & 1], wsm, ks + 1, NWC, w, lane);
         },
-        [&](int ks, int nt) { return make_uint2(wv[ks & 1][2 * nt], wv[ks & 1][2 * nt + 1]); });
+        [&](int ks, int nt) {
+            const int f = SKIP >= 0 && nt > SKIP ? nt - 1 : nt; // the n-tile's fragment
+            return make_uint2(wv[ks & 1][2 * f], wv[ks & 1][2 * f + 1]);
+        });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -414,7 +450,10 @@ __device__ __forceinline__ void mma_w(float (&acc)[MT][4][4], const unsigned cha
 // The GRU (Cell = cell_gru) runs the same loop with its n gate's two parts apart: n-tile q holds
 // r (x and h parts), z (both), n's x part and n's h part for q = 0..3 (the cell needs r (W_hn h
 // + b_hn)), so the x part takes no MMA for n-tile 3 and the h part none for n-tile 2 (G_H and
-// G_X below); its blocked record (HALF) holds hprev where the LSTM's holds cprev.
+// G_X below), and its W_hh and (WIDE) W_ih fragments leave those n-tiles out (6 words a lane and
+// k-step: 96 and 24 KB). At 80 rows that leaves room for two h tiles (96 + 80 + 20 + 24 = 220
+// KB): no B_t, the 64-row protocol. Its blocked record (HALF) holds hprev where the LSTM's holds
+// cprev.
 template <class Cell, int ROWS, bool HALF>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_forward_kernel(const struct persist_fwd_args a) {
@@ -422,36 +461,38 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
     constexpr bool GRU = Cell::G == 3;
+    using FS = fshape<Cell, ROWS>;
+    constexpr int NB = FS::NB;
     // The gate of W_hh (G_H) and of W_ih and b_ih (G_X) in n-tile q, -1 for none.
     auto G_H = [](int q) { return GRU && q == 2 ? -1 : GRU && q == 3 ? 2 : q; };
     auto G_X = [](int q) { return GRU && q == 3 ? -1 : q; };
     constexpr int SKIP_H = GRU ? 2 : -1, SKIP_X = GRU ? 3 : -1;
+    static_assert(FS::WPL == (GRU ? 6 : 8), "mma_w's layout of the fragments");
     using TR = tape_rec<Cell, HALF>;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     __shared__ float hmax[CL];
-    __shared__ uint64_t hfull[S::NB]; // step t's h tile landed: hfull[t % NB]
+    __shared__ uint64_t hfull[NB]; // step t's h tile landed: hfull[t % NB]
     // 1 / (x scale) of x tile t & 1's rows (0: a row of zeros), row 16 m + 8 i + r at 16 m + 2 r
     // + i so that a lane reads its rows g and g + 8 of an m-tile as one float2.
     __shared__ __align__(8) float xinv[2][ROWS];
     unsigned char *wsm = smem;
-    unsigned char *wism = smem + S::WIHBASE; // WIDE: W_ih's fragments
+    unsigned char *wism = smem + FS::WIHBASE; // WIDE: W_ih's fragments
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    const uint32_t hbase = sbase + (uint32_t)C_WBYTES;
-    const uint32_t xbase = hbase + S::NB * (uint32_t)S::HTILE;
+    const uint32_t hbase = sbase + (uint32_t)FS::WB;
+    const uint32_t xbase = hbase + NB * (uint32_t)S::HTILE;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     const int H = a.H, T = a.T, L = a.L, l = a.l, Il = a.Il;
     const int rank = (int)cluster_rank();
     const int row0 = (int)(blockIdx.x / CL) * ROWS;
     const int ub = rank * UPC + 8 * w + 2 * tg; // this lane's first unit (global)
-    using WL = persist_wlayout<8>;
 
     // A phase of hfull: the other CL - 1 CTAs' slabs of the h tile.
     auto arm = [&](uint64_t *b) { cluster_mbar_arm(b, (uint32_t)((CL - 1) * S::PART)); };
     if (threadIdx.x == 0) {
-        cluster_mbar_init(hfull, S::NB);
-        for (int k = 0; k < S::NB && k < T; k++)
+        cluster_mbar_init(hfull, NB);
+        for (int k = 0; k < NB && k < T; k++)
             arm(&hfull[k]);
     }
     // Every CTA of the cluster has started (and its mbarriers are initialized) before any
@@ -498,8 +539,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     const int nblk = min(MT, (a.B - row0 + 15) / 16), nbB = (a.B + 15) / 16;
 
     // W_hh as fp16 B fragments in shared memory: B[k][n] = W_hh[G_H(q) H + unit(n)][k], n-tile
-    // q, unit(n) = rank*64 + 8w + n; W_ih's likewise (G_X(q); k < I_l, zeros past it) in registers
-    // (64 rows) or in shared memory (WIDE). A gate of -1 holds zeros (never multiplied).
+    // q, unit(n) = rank*64 + 8w + n; W_ih's likewise (G_X(q); k < I_l, zeros past it) in
+    // registers (64 rows) or in shared memory (WIDE). A gate of -1 is zeros in registers (never
+    // multiplied) and left out of the shared-memory layouts (drop_ntile).
 #pragma unroll 2
     for (int ks = 0; ks < CKSH; ks++) {
         uint32_t o[8];
@@ -512,7 +554,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             };
             mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
         }
-        WL::store(wsm, ks, NWC, w, lane, o);
+        drop_ntile<SKIP_H>(o);
+        persist_wlayout<FS::WPL>::store(wsm, ks, NWC, w, lane, o);
     }
     uint32_t wih[WIDE ? 1 : CXKS][8];
 #pragma unroll
@@ -528,9 +571,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             };
             mode_f16::wpack(o + 2 * q, Bf, ks, g, tg, wscale);
         }
-        if constexpr (WIDE)
-            WL::store(wism, ks, NWC, w, lane, o);
-        else
+        if constexpr (WIDE) {
+            drop_ntile<SKIP_X>(o);
+            persist_wlayout<FS::WPL>::store(wism, ks, NWC, w, lane, o);
+        } else
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 wih[ks][j] = o[j];
@@ -597,7 +641,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     bool xneed = false;
     const float xhi = 16384.0f / hscale, xlo = 8.0f / hscale; // powers of two: exact
     auto put_x = [&](int t) {
-        unsigned char *tile = smem + S::XBASE + (t & 1) * S::XTILE;
+        unsigned char *tile = smem + FS::XBASE + (t & 1) * S::XTILE;
         const int sh = lane & 16; // the row's half of the warp
         float m[MT];
         bool fit[MT], nz[MT];
@@ -637,7 +681,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // h entering step t (this lane's elements) into this CTA's slab of tile t & 1 (64 rows) or
     // of the tile (WIDE), and the tape; then (send_h) the slab goes to the other CTAs' tiles.
     auto put_h = [&](const float hv[MT][2][2], int t) {
-        unsigned char *tile = smem + C_WBYTES + (WIDE ? 0 : (t & 1) * S::HTILE);
+        unsigned char *tile = smem + FS::WB + (NB == 1 ? 0 : (t & 1) * S::HTILE);
         auto send = [&](int row, int unit, auto v) {
             *reinterpret_cast<decltype(v) *>(tile + hsoff<ROWS>(row, unit)) = v;
         };
@@ -684,7 +728,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     // is written again.
     auto send_h = [&](int t) {
         if (w == 0) {
-            const int nb = WIDE ? 0 : t & 1;
+            const int nb = NB == 1 ? 0 : t & 1;
             const uint32_t src = hbase + (uint32_t)(nb * S::HTILE + rank * S::PART),
                            bar = smem_u32(hfull + nb);
             if (lane == 0)
@@ -717,7 +761,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             return;
         const int rr = zr & 15;
         const uint32_t o = (uint32_t)(rr * 128 + ((zj ^ (rr & 7)) << 4));
-        const unsigned char *xt = smem + S::XBASE + (t & 1) * S::XTILE;
+        const unsigned char *xt = smem + FS::XBASE + (t & 1) * S::XTILE;
         const size_t c = dw256_chunk((row0 + zr) >> 4, t, T, nbB);
         unsigned char *zc = static_cast<unsigned char *>(a.zc) + c * RNND_DW256_Z;
         *reinterpret_cast<uint4 *>(zc + 4 * 2048 + o) =
@@ -818,11 +862,11 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 
     for (int t = 0; t < T; t++) {
         // A_t: h of step t complete in every CTA's tile; then the phase of step t + NB is armed.
-        cluster_mbar_wait(&hfull[t % S::NB], (t / S::NB) & 1);
-        if (threadIdx.x == 0 && t + S::NB < T)
-            arm(&hfull[t % S::NB]);
+        cluster_mbar_wait(&hfull[t % NB], (t / NB) & 1);
+        if (threadIdx.x == 0 && t + NB < T)
+            arm(&hfull[t % NB]);
         const bool more = t + 1 < T;
-        const uint32_t ho = WIDE ? 0u : (uint32_t)((t & 1) * S::HTILE);
+        const uint32_t ho = NB == 1 ? 0u : (uint32_t)((t & 1) * S::HTILE);
         if constexpr (!WIDE) {
             if (t + 2 < T)
                 load_x(t + 2); // in flight during the MMAs
@@ -832,12 +876,12 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         put_zx(t);
         mma_w<CKSH, 128, ROWS * 128, SKIP_H>(acc, wsm, hb, ho, w, lane);
         zc_wait(); // the chunk copies of h_t, issued at the end of step t - 1
-        if constexpr (WIDE) {
+        if constexpr (NB == 1)
             if (more)
                 cluster_arrive_relaxed(); // B_t: this CTA has read the h tile of step t
+        if constexpr (WIDE)
             if (t + 2 < T)
                 load_x(t + 2); // in flight during the cell
-        }
 
         // The cell; outputs and tape.
         float hn[MT][2][2], cn[MT][2][2];
@@ -924,7 +968,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                     c[mt][i][0] = nr ? nc.x : cn[mt][i][0];
                     c[mt][i][1] = nr ? nc.y : cn[mt][i][1];
                 }
-            if constexpr (WIDE)
+            if constexpr (NB == 1)
                 cluster_wait();           // B_t: every CTA has read h_t
             put_h(h, t + 1);              // A_{t+1}
             xs = __syncthreads_or(xneed); // x_{t+1}'s (put_x at the end of step t - 1)
@@ -986,7 +1030,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // The GRU (Cell = cell_gru): its record's fp32 plane holds hprev (the forward's); the MMA takes
 // the tile's first three gates (da_r, da_z, da_n r: K = 192, KS k-steps), the fourth slab holds
 // da_n for the chunks alone; the direct term dL/dh' z rides where the LSTM carries dL/dc: added
-// to the next step's dL/dh', and to the gradient routed out.
+// to the next step's dL/dh', and to the gradient routed out. Its W_hh fragments take 96 KB, so
+// at 80 rows its receive slots lie beside the A tile (bshape): no M_t, but a cluster barrier
+// "slots read" (arrive once the step's cells have read the slots, wait before the sends) keeps a
+// slot from being overwritten before every CTA has read it.
 template <class Cell, int ROWS>
 __global__ void __launch_bounds__(CTHREADS, 1)
     seq_cluster_backward_kernel(const struct persist_bwd_args a) {
@@ -994,7 +1041,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     constexpr int MT = S::MT;
     constexpr bool WIDE = S::WIDE;
     constexpr bool GRU = Cell::G == 3;
-    constexpr int KS = Cell::G * UPC / 16; // the tile's k-steps
+    using BS = bshape<Cell, ROWS>;
+    constexpr int KS = BS::KS;
+    constexpr bool SHARE = BS::SHARE;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[NWC];
     static_assert(NWC == 8, "rowmax: a row's maxima in two float4");
@@ -1003,10 +1052,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     __shared__ uint64_t pfull; // step t's partials (every CTA's) landed: P_t
     unsigned char *wsm = smem;
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    const uint32_t abase = sbase + (uint32_t)C_WBYTES;
-    // The receive slots (WIDE: the same memory as the A tile).
-    const uint32_t rbase_s = WIDE ? abase : abase + (uint32_t)S::ATILE;
-    const unsigned char *recv = smem + S::RECVBASE;
+    const uint32_t abase = sbase + (uint32_t)BS::WB;
+    // The receive slots (SHARE: the same memory as the A tile).
+    const uint32_t rbase_s = sbase + (uint32_t)BS::RECVBASE;
+    const unsigned char *recv = smem + BS::RECVBASE;
     const float *rfac =
         reinterpret_cast<const float *>(recv + CL * S::PART); // [slot][row][32 units]
 
@@ -1176,6 +1225,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 #pragma unroll
             for (int i = 0; i < 2; i++)
                 dhv[mt][i] = dh_in(mt, i, t);
+        if constexpr (WIDE && !SHARE)
+            cluster_arrive_relaxed(); // "slots read": the last reads of step t + 1's partials
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1250,8 +1301,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                 for (int q = 0; q < 4; q++) {
                     __half2 p =
                         __floats2half2_rn(dv[q][mt][i][0] * sc[mt][i], dv[q][mt][i][1] * sc[mt][i]);
-                    *reinterpret_cast<__half2 *>(smem + C_WBYTES +
-                                                 hsoff<ROWS>(row, q * UPC + lu0)) = p;
+                    *reinterpret_cast<__half2 *>(smem + BS::WB + hsoff<ROWS>(row, q * UPC + lu0)) =
+                        p;
                 }
             }
 #pragma unroll
@@ -1291,7 +1342,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
             if (t < T - 1)    // step t + 1's copies are complete
                 dw256_signal<1>(a.dw16_ready, T - 2 - t, lane);
         }
-        if constexpr (WIDE) // after the chunk copies' reads too: the slots are the tile's memory
+        if constexpr (SHARE) // after the chunk copies' reads too: the slots are the tile's memory
             cluster_arrive_relaxed(); // M_t: this CTA's A tile is read
         float ri[MT][2];
 #pragma unroll
@@ -1333,8 +1384,9 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         // stores to read them); at 64 rows, where they did not, the sends go first.
         if (WIDE && t > 0)
             load_step(t - 1);
-        // 64 rows: every CTA has read its sums of the step before. WIDE: M_t, every A tile is
-        // read, the receive slots may be written.
+        // 64 rows: every CTA has read its sums of the step before. SHARE: M_t, every A tile is
+        // read, the receive slots may be written. 80 rows apart (the GRU's): "slots read", every
+        // CTA has read the step before's partials (its routing's reads came before too).
         cluster_wait();
         {
             // Lane row k = 2 mt + i is row 8 k + g: its partials are 1024 k bytes (8 rows of
@@ -1482,9 +1534,9 @@ int cluster_active(void (*kernel)(Args), long smem, int rows) {
 template <int ROWS>
 int cluster_active_rows(bool backward) {
     return backward ? cluster_active(seq_cluster_backward_kernel<cell_lstm, ROWS>,
-                                     cshape<ROWS>::BSMEM, ROWS)
+                                     bshape<cell_lstm, ROWS>::SMEM, ROWS)
                     : cluster_active(seq_cluster_forward_kernel<cell_lstm, ROWS, true>,
-                                     cshape<ROWS>::FSMEM, ROWS);
+                                     fshape<cell_lstm, ROWS>::SMEM, ROWS);
 }
 
 // Launches kernel in the clusters of `rows` rows over a's B rows with smem bytes of dynamic
@@ -1504,20 +1556,23 @@ template <int ROWS>
 int cluster_forward(const struct persist_fwd_args *a, bool lstm, cudaStream_t stream) {
     if (a->H != HC || a->Il > CXK || a->Il % 4 != 0 || !a->xvec || !a->vec || !a->x)
         return RNND_EINVAL;
-    auto k = lstm ? (a->shalf ? seq_cluster_forward_kernel<cell_lstm, ROWS, true>
-                              : seq_cluster_forward_kernel<cell_lstm, ROWS, false>)
-                  : (a->shalf ? seq_cluster_forward_kernel<cell_gru, ROWS, true>
-                              : seq_cluster_forward_kernel<cell_gru, ROWS, false>);
-    return cluster_run(k, a, cshape<ROWS>::FSMEM, ROWS, stream);
+    if (lstm)
+        return cluster_run(a->shalf ? seq_cluster_forward_kernel<cell_lstm, ROWS, true>
+                                    : seq_cluster_forward_kernel<cell_lstm, ROWS, false>,
+                           a, fshape<cell_lstm, ROWS>::SMEM, ROWS, stream);
+    return cluster_run(a->shalf ? seq_cluster_forward_kernel<cell_gru, ROWS, true>
+                                : seq_cluster_forward_kernel<cell_gru, ROWS, false>,
+                       a, fshape<cell_gru, ROWS>::SMEM, ROWS, stream);
 }
 
 template <int ROWS>
 int cluster_backward(const struct persist_bwd_args *a, bool lstm, cudaStream_t stream) {
     if (a->H != HC || !a->vec || !a->shalf)
         return RNND_EINVAL;
-    auto k = lstm ? seq_cluster_backward_kernel<cell_lstm, ROWS>
-                  : seq_cluster_backward_kernel<cell_gru, ROWS>;
-    return cluster_run(k, a, cshape<ROWS>::BSMEM, ROWS, stream);
+    return lstm ? cluster_run(seq_cluster_backward_kernel<cell_lstm, ROWS>, a,
+                              bshape<cell_lstm, ROWS>::SMEM, ROWS, stream)
+                : cluster_run(seq_cluster_backward_kernel<cell_gru, ROWS>, a,
+                              bshape<cell_gru, ROWS>::SMEM, ROWS, stream);
 }
 
 } // namespace

@@ -138,7 +138,7 @@ int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStr
 // the tape in rows, or (a.shalf) in tape_b8's blocks), the backward (any layer input: it reads
 // the tape in blocks, not x; a.vec; the GRU's writes D in rows), same cluster shape; the
 // clusters of the LSTM's forward (backward) loop the device runs at once (0 where it cannot
-// launch them; the GRU's loops have the same shared memory and blocks).
+// launch them; the GRU's loops, like the LSTM's, run one CTA an SM, so as many fit).
 int rnnd__cluster_forward(const struct persist_fwd_args *a, bool lstm, int rows,
                           cudaStream_t stream);
 int rnnd__cluster_backward(const struct persist_bwd_args *a, bool lstm, int rows,

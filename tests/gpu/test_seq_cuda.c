@@ -877,9 +877,9 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 64, 1024, 1, 5, 4, 0.2, NONE, AUTO, 0},
     {GRU, IEEE, 64, 1024, 1, 4, 3, 0.2, NONE, AUTO, 0},
     // LSTM H=256 in thread-block clusters (TF32, I <= 64; reported as "stepwise"): the
-    // forward with the per-step backward below 320 rows, a partial last cluster (B=70 is
-    // 64 + 6 rows), stored states, h0, I=32 with a second layer on the per-step path, B=1;
-    // both loops in clusters at B=385 (7 clusters, the last partial).
+    // forward with the per-step backward below 21 rows (I=32 with a second layer on the per-step
+    // path at B=20, B=1); both loops from 21 rows: a partial last cluster (B=70 is 64 + 6 rows,
+    // B=385 7 clusters, the last partial), stored states, h0.
     {LSTM, F32, 64, 256, 1, 70, 9, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 256, 1, 33, 12, 0.2, HID, AUTO, 0},
     {LSTM, F32, 32, 256, 2, 20, 7, 0.1, NONE, AUTO, 0},
@@ -890,9 +890,9 @@ static const struct seq_case seq_cases[] = {
     // B=2000: 32 clusters of 64 rows are two waves on an H100, 25 of 80 one: the 80-row loops.
     {LSTM, F32, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
     // GRU H=256 in the same clusters (n's x and h parts apart; the backward's direct term
-    // carried beside the partials): below 320 rows the forward alone (a partial last cluster,
-    // stored states, a second layer per step with I=32, B=1 T=1); both loops from 320 rows, with
-    // the dw256 product at layer 0 where I <= 64 (64-row clusters with a partial last one, 80-row
+    // carried beside the partials): below 21 rows the forward alone (a second layer per step
+    // with I=32, B=1 T=1); both loops from 21 rows, with the dw256 product at layer 0 where
+    // I <= 64 (stored states, h0, 64-row clusters with a partial last one, 80-row
     // ones at B=2000, D as chunks alone without dL/dx, bf16 mode, two layers whose layer 1 runs
     // its forward per step into the blocked tape, I=72 likewise at layer 0 (cuBLAS's weight
     // gradients), saturated gates, misaligned outputs and gradients through aligned scratch).
@@ -924,7 +924,7 @@ static const struct seq_case seq_cases[] = {
     // product's chunks (64 rows a cluster with a partial last one; 80 rows).
     {LSTM, F32, 64, 256, 1, 385, 6, 0.1, HID, AUTO, SEQ_NO_GX},
     {LSTM, F32, 48, 256, 1, 2000, 3, 0.1, H0, AUTO, SEQ_NO_GX},
-    // Outputs and gradients one float past 16-byte alignment at B >= 320 (LSTM H=256, two
+    // Outputs and gradients one float past 16-byte alignment (LSTM H=256, two
     // layers). I=64: layer 0's dw256 chunks (the plan's cz) keep both loops in clusters, through
     // aligned scratch. I=72 (too wide for the cluster forward): the tape in tape_b8's blocks is
     // written and read by the per-step loops.
@@ -1004,7 +1004,7 @@ static const struct edge_test edge_tests[] = {
     {test_weight_outliers, {GRU, F32, 5, 7, 2, 9, 6, 0.2, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {LSTM, F32, 64, 256, 1, 33, 8, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 64, 256, 1, 330, 8, 0.1, H0, AUTO, 0}, 0, false},
-    // x rows scaled: both cluster loops with layer 0's dw256 product (B >= 320), I_l below 64
+    // x rows scaled: both cluster loops with layer 0's dw256 product, I_l below 64
     // (idle columns of the x tile) with stored states, H = 128's loops.
     {test_x_scales, {LSTM, F32, 64, 256, 1, 330, 6, 0.1, H0, AUTO, 0}, 0, false},
     {test_x_scales, {LSTM, F32, 40, 256, 1, 70, 5, 0.1, HID, AUTO, 0}, 0, false},

@@ -51,14 +51,19 @@ static void test_h100(void **state) {
                         "lstm_h256_fp32: cluster80_fwd cluster80_bwd dw256_product");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 384),
                         "lstm_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
-    // Below 320 rows the backward runs per step, and the tape keeps z rows.
+    // Both loops from 21 rows, where the blocked tape fits; below, the backward runs per step
+    // and the tape keeps z rows.
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 64),
+                        "lstm_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 21),
+                        "lstm_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 20),
                         "lstm_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 2, 2048),
                         "lstm_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
                         " [1] stepwise_fwd cluster80_bwd cublas_dw");
     // The GRU at H = 256 in the same clusters, TF32 and bf16 modes (the forward at layer 0 with
-    // I <= 64, the backward from 320 rows, the dw256 product where both run).
+    // I <= 64, the backward from 21 rows, the dw256 product where both run).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 2048),
                         "gru_h256_fp32: cluster80_fwd cluster80_bwd dw256_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 256, 1, 384),
@@ -67,6 +72,8 @@ static void test_h100(void **state) {
                         "gru_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
                         " [1] stepwise_fwd cluster80_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 64),
+                        "gru_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 256, 1, 20),
                         "gru_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 72, 256, 1, 2048),
                         "gru_h256_fp32: stepwise_fwd cluster80_bwd cublas_dw");

@@ -66,11 +66,10 @@ struct dx16_args {
 };
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream);
 
-// The same product at H = 256 (the LSTM in TF32 mode, the GRU in TF32 and bf16 modes, layer 0,
-// I_l <= 64; docs/kernels.md; the GRU's gates 2 and 3 as dw16_args says), from
-// chunks the cluster loops write: 16-bit pieces of 16 rows x 64 columns in 128-byte rows, unit
-// (16 bytes) j of row r at j ^ (r % 8) (wgmma's 128-byte swizzle, N-major for z; D's read by
-// ldmatrix.trans). Chunk c = (T - 1 - t) x blocks + block: the backward loop's order.
+// The same product at H = 256 (TF32 and bf16 modes, layer 0, I_l <= 64; docs/kernels.md; the
+// GRU's gates 2 and 3 as dw16_args says), from chunks the cluster loops write: 16-bit pieces of
+// 16 rows x 64 columns in 128-byte rows, unit (16 bytes) j of row r at j ^ (r % 8) (wgmma's
+// 128-byte swizzle, N-major for z; D's read by ldmatrix.trans). Chunk c = (T - 1 - t) x blocks + block: the backward loop's order.
 //   z (the forward's): chunk c at z + c RNND_DW256_Z: 4 pieces of h (units 64 s + [0, 64), h
 //     times the loop's h scale, a power of two), then x's piece (x' = x 2^-ex, zeros past I_l).
 //   aux (the forward's): chunk c at aux + c RNND_DW256_A: the constant column (256 bytes,

@@ -64,12 +64,12 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     p->persistent = p->HP > 0;
     const int HP = p->HP;
 
-    // The H = 256 loops in thread-block clusters (sm_90): the LSTM's in TF32 mode, the GRU's in
-    // TF32 and bf16 modes (the loops' scaled fp16 operands are as exact as TF32: bf16 mode gets
-    // more than it asks for). The forward's clusters read the layer input themselves: layer 0
-    // with I <= 64, I % 4 == 0 (a deeper layer's is 256).
+    // The H = 256 loops in thread-block clusters (sm_90) in TF32 and bf16 modes (the loops' scaled
+    // fp16 operands are as exact as TF32: bf16 mode gets more than it asks for, and the per-step
+    // path's bf16 GEMMs were 1.6x slower at B = 256). The forward's clusters read the layer input
+    // themselves: layer 0 with I <= 64, I % 4 == 0 (a deeper layer's is 256).
     const bool cl_model = !tune->stepwise && !tune->no_cluster && dev->cc_major >= 9 && H == 256 &&
-                          (lstm ? fp32 : m->compute != RNND_COMPUTE_IEEE);
+                          m->compute != RNND_COMPUTE_IEEE;
     const bool cl0 = cl_model && I <= 64 && I % 4 == 0;
     // Rows a cluster: 64, or 80 where that takes fewer waves (an H100 runs 30 clusters of either:
     // B = 2048 is two waves of 64-row clusters, one of 80-row ones; a wave costs a whole loop).

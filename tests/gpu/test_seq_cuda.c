@@ -889,6 +889,9 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 32, 256, 2, 400, 5, 0.1, H0, AUTO, 0},
     // B=2000: 32 clusters of 64 rows are two waves on an H100, 25 of 80 one: the 80-row loops.
     {LSTM, F32, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
+    // bf16 mode runs the same loops (both, with the dw256 product; 80 rows at B=2000).
+    {LSTM, BF16, 64, 256, 1, 70, 6, 0.1, H0, AUTO, 0},
+    {LSTM, BF16, 64, 256, 1, 2000, 3, 0.1, HID, AUTO, 0},
     // GRU H=256 in the same clusters (n's x and h parts apart; the backward's direct term
     // carried beside the partials): below 21 rows the forward alone (a second layer per step
     // with I=32, B=1 T=1); both loops from 21 rows, with the dw256 product at layer 0 where

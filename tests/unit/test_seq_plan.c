@@ -59,6 +59,10 @@ static void test_h100(void **state) {
                         "lstm_h256_fp32: cluster64_fwd cluster64_bwd dw256_product");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 1, 20),
                         "lstm_h256_fp32: cluster64_fwd stepwise_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 256, 1, 2048),
+                        "lstm_h256_bf16: cluster80_fwd cluster80_bwd dw256_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, IEEE, 64, 256, 1, 2048),
+                        "lstm_h256_ieee: stepwise_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 256, 2, 2048),
                         "lstm_h256_fp32_l2: [0] cluster80_fwd cluster80_bwd dw256_product"
                         " [1] stepwise_fwd cluster80_bwd cublas_dw");

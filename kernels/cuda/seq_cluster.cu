@@ -678,8 +678,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         }
     };
 
-    // h entering step t (this lane's elements) into this CTA's slab of tile t & 1 (64 rows) or
-    // of the tile (WIDE), and the tape; then (send_h) the slab goes to the other CTAs' tiles.
+    // h entering step t (this lane's elements) into this CTA's slab of tile t & 1 (NB = 2) or of
+    // the tile (NB = 1), and the tape; then (send_h) the slab goes to the other CTAs' tiles.
     auto put_h = [&](const float hv[MT][2][2], int t) {
         unsigned char *tile = smem + FS::WB + (NB == 1 ? 0 : (t & 1) * S::HTILE);
         auto send = [&](int row, int unit, auto v) {
@@ -1015,10 +1015,10 @@ __global__ void __launch_bounds__(CTHREADS, 1)
 // the sums, wait just before the next step's partials go out); dL/dh is carried in registers and
 // the next step's tape record prefetched into registers.
 //
-// 80 rows (WIDE): the receive slots share their memory with the A tile (laid out when the slots
-// held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16 slots would fit
-// beside the tile, but the loop ran 15% slower so (likely as its shared
-// memory, 214 KB against 174, leaves the L1 cache 28 KB instead of 60). A CTA's partials may land
+// 80 rows (WIDE), the LSTM's (SHARE): the receive slots share their memory with the A tile (laid
+// out when the slots held fp32: 128 KB W_hh + 40 KB A tile + 80 KB would not fit). The fp16
+// slots would fit beside the tile, but the loop ran 15% slower so (likely as its shared memory,
+// 214 KB against 174, leaves the L1 cache 28 KB instead of 60). A CTA's partials may land
 // only after every CTA of the cluster has finished its MMAs (which read its A tile): a cluster
 // barrier M_t (arrive and wait right after the MMAs: every A tile read; also every CTA's sums of
 // step t + 1 read, which came before its MMAs of t) before the sends, then P_t. The A tile of
@@ -1282,7 +1282,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
                                 make_float2(dv[q][mt][i][0], dv[q][mt][i][1]);
         }
         const flag_bits<ROWS> rst(reset, g);
-        __syncthreads(); // the row maxima; WIDE: this CTA's reads of the receive slots are done
+        __syncthreads(); // the row maxima; SHARE: this CTA's reads of the receive slots are done
         // The tile, each row scaled; lanes tg = 0 of warp mt keep the factors and records of
         // m-tile mt's rows (warp 0 kept them all, and the other warps waited for it at the
         // __syncthreads below: 5% of the backward, docs/kernels.md).
@@ -1324,7 +1324,7 @@ __global__ void __launch_bounds__(CTHREADS, 1)
         __syncthreads();
         // a.dw16: lane 4 m + q of warp 0 copies the tile's block m of gate q (2 KB, already the
         // chunk's layout) into D's plane 2 rank + q / 2; its read is waited for after the MMAs,
-        // before the tile (WIDE: the receive slots) is written again.
+        // before the tile (SHARE: the receive slots) is written again.
         if (a.dw16 && w == 0 && lane < 4 * nblk)
             bulk_s2g(static_cast<unsigned char *>(a.dw16) +
                          ((2 * rank + (lane & 3) / 2) * (size_t)a.dw16_pitch +
@@ -1488,7 +1488,8 @@ __global__ void __launch_bounds__(CTHREADS, 1)
     if (a.dw16 && w == 0)
         dw256_signal<0>(a.dw16_ready, T - 1, lane);
     // 64 rows: the last "sums read": no CTA leaves while another may still write to it. WIDE: P_0
-    // was the last wait: every write to this CTA's shared memory is done.
+    // was the last wait: every write to this CTA's shared memory is done (the GRU's "slots read"
+    // arrivals and waits pair up within each step).
     if constexpr (!WIDE)
         cluster_wait();
 }

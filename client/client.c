@@ -361,9 +361,10 @@ static Rnnd__V1__Tensor *pb_tensor(const struct rnnd_tensor *t, Rnnd__V1__Tensor
     return pb_tensor_in(NULL, t, pb);
 }
 
-// Copies pb into a new owned tensor (not present when pb is NULL); its bytes are in pb or, for
-// a reply written into shared memory, in s.
-static int copy_tensor(const struct shm *s, const Rnnd__V1__Tensor *pb, struct rnnd_tensor *t) {
+// pb as an owned tensor (not present when pb is NULL). Bytes in the message move over without a
+// copy: protobuf-c allocated them on their own with malloc, as rnnd_tensor_free frees them, and
+// the message loses them (it is freed unread). A reply written into shared memory (s) is copied.
+static int take_tensor(const struct shm *s, Rnnd__V1__Tensor *pb, struct rnnd_tensor *t) {
     memset(t, 0, sizeof *t);
     if (!pb)
         return 0;
@@ -389,6 +390,11 @@ static int copy_tensor(const struct shm *s, const Rnnd__V1__Tensor *pb, struct r
     for (size_t d = 0; d < pb->n_shape; d++)
         t->shape[d] = pb->shape[d];
     t->nbytes = n;
+    if (!pb->region && n) {
+        t->data = pb->data.data;
+        pb->data = (ProtobufCBinaryData){0};
+        return 0;
+    }
     t->data = malloc(n ? n : 1);
     if (!t->data) {
         memset(t, 0, sizeof *t);
@@ -408,7 +414,7 @@ static int copy_named(const struct shm *s, Rnnd__V1__NamedTensor *const *v, size
     for (size_t i = 0; i < n; i++) {
         out->v[i].name = strdup(v[i]->name ? v[i]->name : "");
         out->n = i + 1;
-        int err = out->v[i].name ? copy_tensor(s, v[i]->tensor, &out->v[i].tensor)
+        int err = out->v[i].name ? take_tensor(s, v[i]->tensor, &out->v[i].tensor)
                                  : local_err(RNND_ENOMEM, "out of memory");
         if (err) {
             rnnd_named_tensors_free(out);
@@ -1208,21 +1214,21 @@ static int step_unpack(const struct shm *shm, grpc_slice s, struct rnnd_step_rep
     if (!r)
         return local_err(RNND_ECORRUPT, "cannot decode the StepReply");
     out->model_version = r->model_version;
-    int err = copy_tensor(shm, r->output, &out->output);
+    int err = take_tensor(shm, r->output, &out->output);
     if (!err)
-        err = copy_tensor(shm, r->h, &out->h);
+        err = take_tensor(shm, r->h, &out->h);
     if (!err)
-        err = copy_tensor(shm, r->c, &out->c);
+        err = take_tensor(shm, r->c, &out->c);
     if (!err)
-        err = copy_tensor(shm, r->action, &out->action);
+        err = take_tensor(shm, r->action, &out->action);
     if (!err)
-        err = copy_tensor(shm, r->log_prob, &out->log_prob);
+        err = take_tensor(shm, r->log_prob, &out->log_prob);
     if (!err)
-        err = copy_tensor(shm, r->value, &out->value);
+        err = take_tensor(shm, r->value, &out->value);
     if (!err)
-        err = copy_tensor(shm, r->logits, &out->logits);
+        err = take_tensor(shm, r->logits, &out->logits);
     if (!err)
-        err = copy_tensor(shm, r->mean, &out->mean);
+        err = take_tensor(shm, r->mean, &out->mean);
     rnnd__v1__step_reply__free_unpacked(r, NULL);
     if (err)
         rnnd_step_reply_free(out);
@@ -1559,39 +1565,39 @@ int rnnd_client_forward(struct rnnd_client *c, const struct rnnd_forward_req *re
     out->tape_id = r->tape_id;
     out->model_version = r->model_version;
     const struct shm *sh = c->shm;
-    err = copy_tensor(sh, r->output, &out->output);
+    err = take_tensor(sh, r->output, &out->output);
     if (!err)
-        err = copy_tensor(sh, r->h_n, &out->h_n);
+        err = take_tensor(sh, r->h_n, &out->h_n);
     if (!err)
-        err = copy_tensor(sh, r->c_n, &out->c_n);
+        err = take_tensor(sh, r->c_n, &out->c_n);
     if (!err)
-        err = copy_tensor(sh, r->obs, &out->obs);
+        err = take_tensor(sh, r->obs, &out->obs);
     if (!err)
-        err = copy_tensor(sh, r->is_init, &out->is_init);
+        err = take_tensor(sh, r->is_init, &out->is_init);
     if (!err)
-        err = copy_tensor(sh, r->extras, &out->extras);
+        err = take_tensor(sh, r->extras, &out->extras);
     if (!err)
-        err = copy_tensor(sh, r->step_model_version, &out->step_model_version);
+        err = take_tensor(sh, r->step_model_version, &out->step_model_version);
     if (!err)
-        err = copy_tensor(sh, r->action, &out->action);
+        err = take_tensor(sh, r->action, &out->action);
     if (!err)
-        err = copy_tensor(sh, r->log_prob, &out->log_prob);
+        err = take_tensor(sh, r->log_prob, &out->log_prob);
     if (!err)
-        err = copy_tensor(sh, r->value, &out->value);
+        err = take_tensor(sh, r->value, &out->value);
     if (!err)
-        err = copy_tensor(sh, r->reward, &out->reward);
+        err = take_tensor(sh, r->reward, &out->reward);
     if (!err)
-        err = copy_tensor(sh, r->done, &out->done);
+        err = take_tensor(sh, r->done, &out->done);
     if (!err)
-        err = copy_tensor(sh, r->truncated, &out->truncated);
+        err = take_tensor(sh, r->truncated, &out->truncated);
     if (!err)
-        err = copy_tensor(sh, r->logits, &out->logits);
+        err = take_tensor(sh, r->logits, &out->logits);
     if (!err)
-        err = copy_tensor(sh, r->mean, &out->mean);
+        err = take_tensor(sh, r->mean, &out->mean);
     if (!err)
-        err = copy_tensor(sh, r->log_std, &out->log_std);
+        err = take_tensor(sh, r->log_std, &out->log_std);
     if (!err)
-        err = copy_tensor(sh, r->head_value, &out->head_value);
+        err = take_tensor(sh, r->head_value, &out->head_value);
     protobuf_c_message_free_unpacked(msg, NULL);
     shm_give(&sc);
     if (err)
@@ -1665,15 +1671,15 @@ int rnnd_client_backward(struct rnnd_client *c, const struct rnnd_backward_req *
     const struct shm *sh = c->shm;
     err = copy_named(sh, r->grads, r->n_grads, &out->grads);
     if (!err)
-        err = copy_tensor(sh, r->grad_obs, &out->grad_obs);
+        err = take_tensor(sh, r->grad_obs, &out->grad_obs);
     if (!err)
-        err = copy_tensor(sh, r->grad_h0, &out->grad_h0);
+        err = take_tensor(sh, r->grad_h0, &out->grad_h0);
     if (!err)
-        err = copy_tensor(sh, r->grad_c0, &out->grad_c0);
+        err = take_tensor(sh, r->grad_c0, &out->grad_c0);
     if (!err)
-        err = copy_tensor(sh, r->grad_hidden, &out->grad_hidden);
+        err = take_tensor(sh, r->grad_hidden, &out->grad_hidden);
     if (!err)
-        err = copy_tensor(sh, r->grad_cell, &out->grad_cell);
+        err = take_tensor(sh, r->grad_cell, &out->grad_cell);
     protobuf_c_message_free_unpacked(msg, NULL);
     shm_give(&sc);
     if (err)

@@ -262,6 +262,91 @@ static grpc_byte_buffer *encode(const ProtobufCMessage *m) {
     return bb;
 }
 
+// A block whose large bytes fields a reply sends from where they are (rnnd_call_reply_lent):
+// released once the last slice that refers to it is gone.
+struct lend {
+    const uint8_t *lo, *hi;
+    void *block;
+    void (*release)(void *);
+    _Atomic int refs;
+};
+
+static void lend_unref(void *p) {
+    struct lend *l = p;
+    if (atomic_fetch_sub(&l->refs, 1) == 1) {
+        l->release(l->block);
+        free(l);
+    }
+}
+
+// Fields of at least this many bytes in a lent block are referred to, not copied: a 1024-row
+// Step's fp32 output is 512 KB, which the copy took ~30-50 us of a reply thread to pack.
+#define LEND_MIN_BYTES  (64 << 10)
+#define LEND_MAX_FIELDS 16
+
+// protobuf-c's packing into slices: runs of small fields copied into one allocation (sized by a
+// first pass), each lent field a slice of its own.
+struct lend_pack {
+    ProtobufCBuffer base;
+    struct lend *lend;
+    bool count;     // first pass: count the bytes to copy
+    size_t copied;  // bytes copied (or to copy)
+    uint8_t *run;   // the copied bytes, NULL when counting
+    grpc_slice all; // ... as a slice
+    size_t cut;     // where the run not yet in slices[] starts
+    grpc_slice slices[2 * LEND_MAX_FIELDS + 1];
+    size_t n, lent;
+};
+
+static bool lendable(const struct lend_pack *p, size_t len, const uint8_t *data) {
+    const struct lend *l = p->lend;
+    return len >= LEND_MIN_BYTES && data >= l->lo && data + len <= l->hi &&
+           p->lent < LEND_MAX_FIELDS;
+}
+
+static void lend_append(ProtobufCBuffer *b, size_t len, const uint8_t *data) {
+    struct lend_pack *p = (struct lend_pack *)b;
+    if (lendable(p, len, data)) {
+        p->lent++;
+        if (p->count)
+            return;
+        if (p->copied > p->cut)
+            p->slices[p->n++] = grpc_slice_sub(p->all, p->cut, p->copied);
+        p->cut = p->copied;
+        atomic_fetch_add(&p->lend->refs, 1);
+        p->slices[p->n++] = grpc_slice_new_with_user_data((void *)data, len, lend_unref, p->lend);
+        return;
+    }
+    if (!p->count)
+        memcpy(p->run + p->copied, data, len);
+    p->copied += len;
+}
+
+// encode(m), with m's bytes fields of LEND_MIN_BYTES or more inside l's block referred to by the
+// byte buffer instead of copied into it; l is released once gRPC is done with them.
+static grpc_byte_buffer *encode_lent(const ProtobufCMessage *m, struct lend *l) {
+    struct lend_pack p = {.base.append = lend_append, .lend = l, .count = true};
+    protobuf_c_message_pack_to_buffer(m, &p.base);
+    grpc_byte_buffer *bb;
+    if (p.lent == 0) {
+        bb = encode(m);
+    } else {
+        p.all = grpc_slice_malloc(p.copied);
+        p.run = GRPC_SLICE_START_PTR(p.all);
+        p.count = false;
+        p.copied = p.lent = 0;
+        protobuf_c_message_pack_to_buffer(m, &p.base);
+        if (p.copied > p.cut)
+            p.slices[p.n++] = grpc_slice_sub(p.all, p.cut, p.copied);
+        bb = grpc_raw_byte_buffer_create(p.slices, p.n);
+        for (size_t i = 0; i < p.n; i++)
+            grpc_slice_unref(p.slices[i]);
+        grpc_slice_unref(p.all);
+    }
+    lend_unref(l); // encode's own reference
+    return bb;
+}
+
 // The received message of method m, decoded by request.c; NULL when absent or malformed.
 static ProtobufCMessage *decode(enum rnnd_method m, grpc_byte_buffer *bb) {
     grpc_byte_buffer_reader r;
@@ -595,6 +680,15 @@ int rnnd_call_reserve(struct rnnd_call *c, size_t bytes, char *err, size_t errle
 }
 
 void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
+    rnnd_call_reply_lent(c, reply, NULL, 0, NULL);
+}
+
+void rnnd_call_reply_lent(struct rnnd_call *c, const ProtobufCMessage *reply, void *block,
+                          size_t size, void (*release)(void *)) {
+    // Without memory for the lend, the reply is copied as any other and the block released after.
+    struct lend *l = block ? malloc(sizeof(*l)) : NULL;
+    if (l)
+        *l = (struct lend){block, (uint8_t *)block + size, block, release, 1};
     // Tensors bound for the request's reply_region are written there and leave the message while
     // it is packed; the handler's reply is as it was when this returns.
     ProtobufCMessage *m = (ProtobufCMessage *)reply;
@@ -602,10 +696,16 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
     size_t dev_len;
     if (!placed && rnnd_shm_use_device_reply(c->shm, &dev_len)) {
         // Its tensors are in GPU memory, which the packing below cannot read.
+        if (l)
+            lend_unref(l);
+        else if (block)
+            release(block);
         rnnd_call_fail(c, RNND_ENOMEM, "out of host memory placing the reply");
         return;
     }
-    grpc_byte_buffer *bb = encode(reply);
+    grpc_byte_buffer *bb = l ? encode_lent(reply, l) : encode(reply);
+    if (block && !l)
+        release(block);
     if (placed)
         rnnd_shm_unplace(c->shm);
     size_t n = grpc_byte_buffer_length(bb);

@@ -125,6 +125,11 @@ int rnnd_call_reserve(struct rnnd_call *call, size_t bytes, char *err, size_t er
 // Sends reply (packed here; the caller keeps it) with status OK, or as the next message of a
 // StepStream. Any thread.
 void rnnd_call_reply(struct rnnd_call *call, const ProtobufCMessage *reply);
+// rnnd_call_reply for a reply whose tensors lie in block (size bytes, the handler's): its large
+// bytes fields are sent from there rather than copied, and the reply owns block from now on,
+// releasing it (release(block)) once gRPC is done with it, which may be before this returns.
+void rnnd_call_reply_lent(struct rnnd_call *call, const ProtobufCMessage *reply, void *block,
+                          size_t size, void (*release)(void *));
 // Ends the call with the status for err (rnnd_rpc_status) and msg. Any thread.
 void rnnd_call_fail(struct rnnd_call *call, int err, const char *msg);
 

@@ -105,6 +105,7 @@ void rnnd_service_get_model_info(void *p, struct rnnd_call *call, const Protobuf
 // A Step's reply dtype and what it asked for, kept after its job (struct alloc), with the
 // arrays its policy reply is unpacked into (NULL without heads).
 struct step_extra {
+    size_t bytes; // of the job's block (struct alloc), which the reply is sent from
     enum rnnd_ftype out;
     bool return_logits, return_core;
     int64_t *index; // (B) discrete action
@@ -184,7 +185,8 @@ static void step_done(struct rnnd_job *job) {
             if (dims[2])
                 r.c = tset(&c, narrow(st->c, B * LH, ft), st->c, 3, st->B, dims[1], dims[0], 0);
         }
-        rnnd_call_reply(call, &r.base);
+        rnnd_call_reply_lent(call, &r.base, job, ex->bytes, free);
+        return;
     }
     free(job);
 }
@@ -261,6 +263,7 @@ void rnnd_service_step(void *p, struct rnnd_call *call, const ProtobufCMessage *
     }
     memset(job, 0, sizeof(*job));
     *ex = unpacked;
+    ex->bytes = a.used;
     ex->out = dts.out;
     ex->return_logits = req->return_logits;
     ex->return_core = req->return_core;

@@ -9,7 +9,8 @@
 # (unary), 32 StepStreams x 1024 envs in fp32 and in bf16.
 # Usage (repository root on the GPU host, from a bundle of deploy/bundle.sh):
 #   tests/gpu/actor_profile.sh [BUNDLE.tar.xz] [RNND FLAGS...]
-# Logs go to $OUT (default /tmp/rnnd-out).
+# With each load, the CPUs each thread name of the daemon and the bench used over two of its
+# seconds. LOADS=streams runs only the 32-stream loads. Logs go to $OUT (default /tmp/rnnd-out).
 set -u
 bundle=${1:-.device/rnnd-bundle.tar.xz}
 shift $(($# > 0 ? 1 : 0))
@@ -70,18 +71,64 @@ print("  %d batches, %.1f rows and %.2f requests a batch; a batch's us: admit %.
 PY
 }
 
+# CPU seconds a second of each thread name (/proc/PID/task/*/stat) in the processes PIDS between
+# two snapshots: where the host's CPUs go.
+threads() { # OUTFILE PID...
+    local f=$1
+    shift
+    for p in "$@"; do
+        for t in /proc/$p/task/*; do
+            # comm may hold spaces: take it from between the parentheses.
+            sed -E 's/^[0-9]+ \((.*)\) [A-Za-z] (.*)$/\1|\2/' "$t/stat" 2>/dev/null |
+                awk -F'|' -v p="$p" '{split($2, a, " "); print p "|" $1 "|" a[11] + a[12]}'
+        done
+    done >"$f"
+}
+thread_table() { # BEFORE AFTER SECONDS
+    python3 - "$1" "$2" "$3" "$(getconf CLK_TCK)" <<'PY'
+import collections, sys
+def load(path):
+    d = collections.Counter()
+    for line in open(path):
+        pid, name, ticks = line.rstrip("\n").rsplit("|", 2)
+        d[(pid, name)] += int(ticks)
+    return d
+a, b, secs, hz = load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+rows = collections.Counter()
+for k in b:
+    rows[k] += b[k] - a.get(k, 0)
+total = sum(rows.values()) / hz / secs
+print("  CPUs busy by thread name (pid: name cpus), %.1f in all:" % total)
+for (pid, name), t in sorted(rows.items(), key=lambda kv: -kv[1]):
+    if t / hz / secs >= 0.05:
+        print("    %s: %-16s %.2f" % (pid, name, t / hz / secs))
+PY
+}
+
 bench() {
     echo "-- $*" | tee -a "$OUT/actor_profile.txt"
     curl -s "http://$http/metrics" >"$OUT/m0"
     t0=$(date +%s.%N)
-    timeout 60 "$R/bin/rnndctl" -t "$grpc" bench "$@" --duration 4 2>&1 |
-        grep -E '^Step|^GetModelInfo' | sed 's/^/  /' | tee -a "$OUT/actor_profile.txt"
+    "$R/bin/rnndctl" -t "$grpc" bench "$@" --duration 4 >"$OUT/bench.out" 2>&1 &
+    local bp=$!
+    # A window inside the measured seconds (the bench warms up for 1 s by default).
+    sleep 2
+    threads "$OUT/c0" $pid $bp
+    local w0=$(date +%s.%N)
+    sleep 2
+    threads "$OUT/c1" $pid $bp
+    local w1=$(date +%s.%N)
+    wait $bp
+    grep -E '^Step|^GetModelInfo' "$OUT/bench.out" | sed 's/^/  /' | tee -a "$OUT/actor_profile.txt"
     t1=$(date +%s.%N)
     curl -s "http://$http/metrics" >"$OUT/m1"
     profile "$OUT/m0" "$OUT/m1" "$(python3 -c "print($t1 - $t0)")" | tee -a "$OUT/actor_profile.txt"
+    thread_table "$OUT/c0" "$OUT/c1" "$(python3 -c "print($w1 - $w0)")" | tee -a "$OUT/actor_profile.txt"
 }
-bench --connections 1 --envs 1
-bench --connections 16 --envs 64 --no-floor
+if [ -z "${LOADS:-}" ]; then
+    bench --connections 1 --envs 1
+    bench --connections 16 --envs 64 --no-floor
+fi
 bench --connections 32 --envs 1024 --no-floor --stream
 bench --connections 32 --envs 1024 --no-floor --stream --dtype bfloat16
 kill -TERM $pid

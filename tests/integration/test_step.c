@@ -718,6 +718,74 @@ static void test_big_batches(void **state) {
     daemon_teardown(&d);
 }
 
+// Replies of 64 KB or more are sent from the memory of their job (rnnd_call_reply_lent): DEPTH
+// such replies queued on one StepStream (all sent before any is read), with their states, each
+// checked against the reference; the client takes their bytes without a copy (take_tensor).
+static void test_big_stream(void **state) {
+    (void)state;
+    const char *args[] = {"--cell",   "gru", "--input-size", "16",   "--hidden-size",   "32",
+                          "--layers", "2",   "--max-batch",  "1024", "--reply-threads", "2",
+                          NULL};
+    enum { DEPTH = 3 };
+    const size_t LH = (size_t)L_ * H_;
+    struct daemon d;
+    assert_int_equal(daemon_start(&d, args), 0);
+    struct rnnd_client *c = daemon_client(&d, NULL);
+    struct ref ref;
+    ref_init(&ref, c, NBIG);
+    struct rng g = {29};
+    uint64_t *ids = malloc(sizeof(uint64_t) * NBIG);
+    int32_t *slots = malloc(sizeof(int32_t) * NBIG);
+    bool *init = malloc(NBIG);
+    float *obs = malloc(sizeof(float) * NBIG * I_);
+    float *want = malloc(sizeof(float) * DEPTH * NBIG * H_);
+    float *want_h = malloc(sizeof(float) * DEPTH * NBIG * LH);
+    for (int k = 0; k < NBIG; k++) {
+        slots[k] = k;
+        ids[k] = env_id(4000000000000ull, k);
+    }
+    struct rnnd_client_stream *s;
+    EXPECT_OK(rnnd_client_stream_init(c, &s));
+    for (int k = 0; k < DEPTH; k++) {
+        for (int r = 0; r < NBIG; r++)
+            init[r] = k == 0 || rng_u(&g, 7) == 0;
+        rng_fill(&g, obs, NBIG * I_);
+        struct rnnd_step_req req = {.n_env_ids = NBIG,
+                                    .env_ids = ids,
+                                    .obs = rnnd_tensor_f32(obs, 2, NBIG, I_, 0, 0),
+                                    .n_is_init = NBIG,
+                                    .is_init = init,
+                                    .return_state = true};
+        EXPECT_OK(rnnd_client_stream_send(s, &req));
+        ref_step(&ref, NBIG, slots, obs, init, want + (size_t)k * NBIG * H_);
+        memcpy(want_h + (size_t)k * NBIG * LH, ref.state_h, sizeof(float) * NBIG * LH);
+    }
+    for (int k = 0; k < DEPTH; k++) {
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_stream_recv(s, &r));
+        assert_tensor_f32(&r.output, 2, NBIG, H_, 0, 0);
+        assert_tensor_f32(&r.h, 3, NBIG, L_, H_, 0);
+        char what[64];
+        snprintf(what, sizeof what, "stream reply %d", k);
+        assert_true(close_f32(what, r.output.data, want + (size_t)k * NBIG * H_, (size_t)NBIG * H_,
+                              ATOL, RTOL));
+        assert_true(
+            close_f32(what, r.h.data, want_h + (size_t)k * NBIG * LH, NBIG * LH, ATOL, RTOL));
+        rnnd_step_reply_free(&r);
+    }
+    EXPECT_OK(rnnd_client_stream_close(s));
+    rnnd_client_stream_free(s);
+    ref_free(&ref);
+    free(ids);
+    free(slots);
+    free(init);
+    free(obs);
+    free(want);
+    free(want_h);
+    rnnd_client_free(c);
+    daemon_teardown(&d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info),
@@ -733,7 +801,8 @@ int main(void) {
     fails += cmocka_run_group_tests_name("step (lstm)", tests, setup_lstm, teardown);
     const struct CMUnitTest policy[] = {cmocka_unit_test(test_policy_steps)};
     fails += cmocka_run_group_tests_name("step (policy)", policy, NULL, NULL);
-    const struct CMUnitTest big[] = {cmocka_unit_test(test_big_batches)};
+    const struct CMUnitTest big[] = {cmocka_unit_test(test_big_batches),
+                                     cmocka_unit_test(test_big_stream)};
     fails += cmocka_run_group_tests_name("step (big batches)", big, NULL, NULL);
     return fails ? 1 : 0;
 }

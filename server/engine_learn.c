@@ -126,9 +126,9 @@ static bool agree(struct rnnd_engine *e, struct agreement *ag, bool ok) {
 // costs one copy, and float parts are converted on the backend (cast). With host_mem and fp32
 // there is nothing to convert: inputs are copied into place and outputs are used where they are.
 // A CUDA region (job->dev_in, job->dev_out) skips the host: inputs are converted from the
-// client's device memory, outputs into it. A socket region in the backend's host memory
-// (job->host_in, job->host_out) skips the staging copy: inputs are copied from it one by one,
-// outputs into it.
+// client's device memory, outputs into it. A region the backend page-locked (a socket region, a
+// memfd's on CUDA: job->host_in, job->host_out) skips the staging copy: inputs are copied from
+// it one by one, outputs into it.
 struct io_part {
     void *dev;        // the backend array
     size_t n;         // elements

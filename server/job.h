@@ -267,11 +267,11 @@ struct rnnd_job {
     // The reply may go once the job's GPU work is queued (the region's async replies): the
     // engine records the backend's ipc_record after it instead of synchronising.
     bool dev_async;
-    // With a socket region in the backend's host memory (shm.h): host_in, the inputs lie there
-    // (copied to the device one by one, without staging, and checked for NaN there). host_out:
-    // the reply_region's memory (host_out_bytes) when it is host memory, where a Forward split
-    // over devices scatters its outputs and, when host_out_pinned (such a socket region), the
-    // engine copies its outputs from the device.
+    // With a region the backend page-locked (shm.h: a socket region, a memfd's on CUDA): host_in,
+    // the inputs lie there (copied to the device one by one, without staging, and checked for
+    // NaN there). host_out: the reply_region's memory (host_out_bytes) when it is host memory,
+    // where a Forward split over devices scatters its outputs and, when host_out_pinned (such a
+    // region), the engine copies its outputs from the device.
     bool host_in;
     // Backward: the request's checks did not read the gradients' values (dev_in or host_in); the
     // engine checks them once they are in place, before anything changes.

@@ -110,7 +110,7 @@ bool rnnd_call_device_in(const struct rnnd_call *call);
 char *rnnd_call_device_reply(const struct rnnd_call *call, size_t *len);
 // That CUDA region takes replies before the work is done (rnnd_shm_use_async).
 bool rnnd_call_device_async(const struct rnnd_call *call);
-// The same for a socket region in the backend's host memory (shm.h: rnnd_shm_use_host_in,
+// The same for a region the backend page-locked (shm.h: rnnd_shm_use_host_in,
 // rnnd_shm_use_host_reply): the engine copies between it and the device without staging. The
 // reply_region's memory is also returned when it is any host memory (*pinned false).
 bool rnnd_call_host_in(const struct rnnd_call *call);

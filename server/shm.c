@@ -52,7 +52,8 @@ struct region {
     int refs;                      // under the registry lock
     unsigned pid;
     bool sock;                       // a socket region
-    const struct rnnd_backend *hbe;  // a socket region's allocator when page-locked (host_alloc)
+    const struct rnnd_backend *hbe;  // the backend that page-locked it: a socket region's
+                                     // host_alloc, a memfd's host_register; NULL: pageable
     uint64_t born_ns;                // a socket region's registration (unbound: it expires)
     uint8_t key[RNND_SHM_KEY_BYTES]; // a socket region's: its data connections' hello
     int cfd[RNND_SHM_SOCKET_CONNS];  // a socket region's data connections (their threads close
@@ -135,14 +136,17 @@ int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
 }
 
 static void region_unmap(struct region *r) {
-    if (r->hbe)
+    if (r->sock && r->hbe)
         r->hbe->ops->host_free(r->hbe->ctx, r->base);
     else if (r->sock)
         free(r->base);
     else if (r->be)
         r->be->ops->ipc_close(r->be->ctx, r->base);
-    else
+    if (!r->sock && !r->be) {
+        if (r->hbe)
+            r->hbe->ops->host_unregister(r->hbe->ctx, r->base);
         munmap(r->base, r->size);
+    }
     if (!r->sock)
         close(r->fd);
     free(r);
@@ -239,7 +243,11 @@ static int check_key_size(const char *kind, const ProtobufCBinaryData *key, uint
 }
 
 // Opens a memfd region of req into *r (base, size, fd, pid). 0, or an error with err written.
-static int memfd_open(const Rnnd__V1__MemfdRegion *m, struct region *r, char *err, size_t errlen) {
+// A memfd region of req into *r, page-locked through hbe when it can (so that the engine copies
+// straight between it and the device, as for a socket region's memory), else pageable. 0, or an
+// error with err written.
+static int memfd_open(const Rnnd__V1__MemfdRegion *m, const struct rnnd_backend *hbe,
+                      struct region *r, char *err, size_t errlen) {
     int rc = check_key_size("memfd", &m->key, m->size, err, errlen);
     if (rc)
         return rc;
@@ -308,7 +316,12 @@ static int memfd_open(const Rnnd__V1__MemfdRegion *m, struct region *r, char *er
         close(fd);
         return rc;
     }
-    *r = (struct region){.base = base, .size = m->size, .fd = fd, .pid = m->pid};
+    // Page-locking makes every page of the region resident; without it (no memory the kernel
+    // lets be locked) its copies go through the driver's bounce buffer, as before.
+    if (hbe && (hbe->ops->host_register == NULL ||
+                hbe->ops->host_register(hbe->ctx, base, (size_t)m->size) != 0))
+        hbe = NULL;
+    *r = (struct region){.base = base, .size = m->size, .fd = fd, .pid = m->pid, .hbe = hbe};
     return 0;
 }
 
@@ -431,7 +444,7 @@ int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest 
     struct region *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return errf(err, errlen, RNND_ENOMEM, "out of memory");
-    int rc = memfd  ? memfd_open(req->memfd, r, err, errlen)
+    int rc = memfd  ? memfd_open(req->memfd, host_be, r, err, errlen)
              : cuda ? cuda_open(req->cuda, be, r, err, errlen)
                     : socket_open(s, req->socket, host_be, r, err, errlen);
     if (rc) {

@@ -106,8 +106,9 @@ struct rnnd_shm_registered {
 // RNND_EINVAL (malformed), RNND_EFULL (--max-shm-regions, --max-socket-region-mb) with the
 // reason in err. be: the
 // daemon's only backend, which opens CUDA regions when it can (NULL when the daemon has
-// several); host_be: the backend that allocates socket regions with host_alloc (page-locked on
-// CUDA, so the engine copies straight between them and the device), or NULL for plain memory.
+// several); host_be: the backend that allocates socket regions with host_alloc and page-locks
+// memfd regions with host_register (on CUDA, so the engine copies straight between them and the
+// device), or NULL for plain memory.
 int rnnd_shm_register(struct rnnd_shm *s, const Rnnd__V1__RegisterRegionRequest *req, bool local,
                       const struct rnnd_backend *be, const struct rnnd_backend *host_be,
                       struct rnnd_shm_registered *out, char *err, size_t errlen);
@@ -133,13 +134,13 @@ int rnnd_shm_resolve(struct rnnd_shm *s, ProtobufCMessage *msg, bool local, unsi
 void rnnd_shm_use_free(struct rnnd_shm_use *u);
 // True when u's request tensors are in a CUDA region (their data are device pointers). NULL: false.
 bool rnnd_shm_use_device_in(const struct rnnd_shm_use *u);
-// True when u's request tensors all lie in memory of a socket region allocated by the backend
-// (host_alloc), so the engine may copy them to the device one by one, without staging. NULL:
-// false.
+// True when u's request tensors all lie in region memory the backend page-locked (a socket
+// region's host_alloc, a memfd's host_register), so the engine may copy them to the device one
+// by one, without staging. NULL: false.
 bool rnnd_shm_use_host_in(const struct rnnd_shm_use *u);
 // The memory of u's reply_region when it is host memory (a memfd or socket region: *len its
 // bytes, from a multiple of RNND_SHM_ALIGN), where a Forward split over devices scatters its
-// outputs; *pinned true when it is a socket region allocated by the backend (host_alloc), where
+// outputs; *pinned true when the backend page-locked it (as for rnnd_shm_use_host_in), where
 // the engine may copy its outputs straight from the device. Else NULL (NULL u too).
 char *rnnd_shm_use_host_reply(const struct rnnd_shm_use *u, size_t *len, bool *pinned);
 // The device memory of u's reply_region when it is in a CUDA region (*len its bytes, from a

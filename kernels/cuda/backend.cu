@@ -107,6 +107,45 @@ static void cuda_free_lazy(void *ctx, void *ptr, size_t bytes) {
     cuda_free(ctx, ptr);
 }
 
+// Notes page-locked [host, host + bytes) with its device address, for small copies (without it,
+// or without room to note it, they DMA).
+static void pinned_note(struct cuda_ctx *c, void *host, size_t bytes) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, host) != cudaSuccess || a.devicePointer == NULL) {
+        cudaGetLastError();
+        return;
+    }
+    pthread_mutex_lock(&c->pinned_lock);
+    if (c->npinned == c->pinned_cap) {
+        int cap = c->pinned_cap ? 2 * c->pinned_cap : 16;
+        void *p = realloc(c->pinned, (size_t)cap * sizeof(*c->pinned));
+        if (p) {
+            c->pinned = (struct cuda_ctx::pinned_range *)p;
+            c->pinned_cap = cap;
+        }
+    }
+    if (c->npinned < c->pinned_cap)
+        c->pinned[c->npinned++] = {(char *)host, (char *)a.devicePointer, bytes};
+    pthread_mutex_unlock(&c->pinned_lock);
+}
+
+// Forgets host's range, then waits for the stream (a copy on it may still read or write there)
+// before unpin(host). Any thread, but not while the engine records.
+static void pinned_release(struct cuda_ctx *c, void *host, cudaError_t (*unpin)(void *)) {
+    pthread_mutex_lock(&c->pinned_lock);
+    for (int i = 0; i < c->npinned; i++)
+        if (c->pinned[i].host == host) {
+            c->pinned[i] = c->pinned[--c->npinned];
+            break;
+        }
+    pthread_mutex_unlock(&c->pinned_lock);
+    pthread_mutex_lock(&c->record_lock);
+    cudaSetDevice(c->device);
+    cudaStreamSynchronize(c->stream);
+    unpin(host);
+    pthread_mutex_unlock(&c->record_lock);
+}
+
 static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     if (out == NULL)
@@ -121,45 +160,34 @@ static int cuda_host_alloc(void *ctx, size_t bytes, void **out) {
         *out = NULL;
         return RNND_ENOMEM;
     }
-    // Its device address, for small copies (without it, or without room to note it, they DMA).
-    cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, *out) != cudaSuccess || a.devicePointer == NULL) {
-        cudaGetLastError();
-        return 0;
-    }
-    pthread_mutex_lock(&c->pinned_lock);
-    if (c->npinned == c->pinned_cap) {
-        int cap = c->pinned_cap ? 2 * c->pinned_cap : 16;
-        void *p = realloc(c->pinned, (size_t)cap * sizeof(*c->pinned));
-        if (p) {
-            c->pinned = (struct cuda_ctx::pinned_range *)p;
-            c->pinned_cap = cap;
-        }
-    }
-    if (c->npinned < c->pinned_cap)
-        c->pinned[c->npinned++] = {(char *)*out, (char *)a.devicePointer, bytes};
-    pthread_mutex_unlock(&c->pinned_lock);
+    pinned_note(c, *out, bytes);
     return 0;
 }
 
 static void cuda_host_free(void *ctx, void *ptr) {
+    if (ptr != NULL)
+        pinned_release((struct cuda_ctx *)ctx, ptr, cudaFreeHost);
+}
+
+// A memfd region's pages, page-locked for every device's context (as host_alloc's), so that a
+// 33.5 MB reply is one DMA instead of the driver's copies through a pageable bounce buffer.
+static int cuda_host_register(void *ctx, void *ptr, size_t bytes) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
-    if (ptr == NULL)
-        return;
-    pthread_mutex_lock(&c->pinned_lock);
-    for (int i = 0; i < c->npinned; i++)
-        if (c->pinned[i].host == ptr) {
-            c->pinned[i] = c->pinned[--c->npinned];
-            break;
-        }
-    pthread_mutex_unlock(&c->pinned_lock);
-    // Any thread may free (a socket region goes with its data connection's thread), but not
-    // while the engine records.
-    pthread_mutex_lock(&c->record_lock);
-    cudaSetDevice(c->device);
-    cudaStreamSynchronize(c->stream); // a copy on the stream may still read or write ptr
-    cudaFreeHost(ptr);
-    pthread_mutex_unlock(&c->record_lock);
+    if (ptr == NULL || bytes == 0)
+        return RNND_EINVAL;
+    RNND_CUDA_TRY(cudaSetDevice(c->device));
+    if (cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped) !=
+        cudaSuccess) {
+        cudaGetLastError();
+        return RNND_ENOMEM;
+    }
+    pinned_note(c, ptr, bytes);
+    return 0;
+}
+
+static void cuda_host_unregister(void *ctx, void *ptr) {
+    if (ptr != NULL)
+        pinned_release((struct cuda_ctx *)ctx, ptr, cudaHostUnregister);
 }
 
 // A copy of at most this many bytes between page-locked host memory and the device runs as a
@@ -526,6 +554,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .free_lazy = */ cuda_free_lazy,
     /* .host_alloc = */ cuda_host_alloc,
     /* .host_free = */ cuda_host_free,
+    /* .host_register = */ cuda_host_register,
+    /* .host_unregister = */ cuda_host_unregister,
     /* .copy_in = */ cuda_copy_in,
     /* .copy_out = */ cuda_copy_out,
     /* .copy_out_async = */ cuda_copy_out_async,

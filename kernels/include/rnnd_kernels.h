@@ -335,6 +335,12 @@ struct rnnd_backend_ops {
     // staging buffers reused on every call and socket regions. host_free may run on any thread.
     int (*host_alloc)(void *ctx, size_t bytes, void **out);
     void (*host_free)(void *ctx, void *ptr); // host_free(NULL) does nothing
+    // Existing host memory (a client's shared memory) made what host_alloc gives: page-locked
+    // and copied from and to as host_alloc's memory is. 0, or RNND_ENOMEM when it cannot (the
+    // memory is then as it was); NULL where host memory needs nothing (CPU). host_unregister
+    // undoes it before the memory is unmapped; any thread.
+    int (*host_register)(void *ctx, void *ptr, size_t bytes);
+    void (*host_unregister)(void *ctx, void *ptr);
     // copy_in may return before the copy is done: ordinary host memory may be reused at once (it
     // is staged before the call returns), memory from host_alloc only after the next sync or
     // copy_out. copy_out returns when host_dst holds the data; copy_out_async may return before,

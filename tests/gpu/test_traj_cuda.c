@@ -4,9 +4,10 @@
  * Forward over recorded steps and checkpoints) for GRU and LSTM, with and without extras, and
  * cast (the wire dtypes) over random values, every 16-bit pattern and the edge cases of rounding
  * (ties, subnormals, overflow to Inf; NaN only has to stay NaN); and copy_in / copy_out between
- * page-locked (host_alloc) or pageable memory and the device at every alignment, at the sizes
- * around the small copies' threshold (copied by a kernel) and above it (DMA). Exits 77 (CTest: skipped) when
- * no CUDA device is usable.
+ * page-locked (host_alloc), pageable or registered (host_register: a shared memfd mapping, as a
+ * shared-memory region's) memory and the device at every alignment, at the sizes around the
+ * small copies' threshold (copied by a kernel) and above it (DMA). Exits 77 (CTest: skipped)
+ * when no CUDA device is usable.
  */
 #include "rnnd_kernels.h"
 
@@ -14,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static int failures;
 
@@ -241,21 +244,32 @@ static void test_cast(struct rnnd_backend *gpu) {
     free(pat);
 }
 
-// copy_in then copy_out of n bytes at host offset a and device offset b, from page-locked or
-// pageable memory, against the bytes themselves; neither may touch the bytes next to its own.
+// copy_in then copy_out of n bytes at host offset a and device offset b, from pageable memory,
+// host_alloc's, or a shared mapping of a memfd (a shared-memory region's) made page-locked by
+// host_register, against the bytes themselves; neither may touch the bytes next to its own.
 static void test_copies(struct rnnd_backend *gpu) {
-    enum { MAX = 20000 };
+    enum { MAX = 20000, SHARED = 2 * (MAX + 64) };
     unsigned char *pin = NULL, *pout = NULL, *dev = NULL;
     unsigned char *heap_in = malloc(MAX + 64), *heap_out = malloc(MAX + 64);
     unsigned char *fill = malloc(MAX + 64), *whole = malloc(MAX + 64);
-    if (gpu->ops->host_alloc(gpu->ctx, MAX + 64, (void **)&pin) != 0 ||
+    int fd = memfd_create("test_copies", MFD_CLOEXEC);
+    unsigned char *shared = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, SHARED) == 0)
+        shared = mmap(NULL, SHARED, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (shared == MAP_FAILED || gpu->ops->host_alloc(gpu->ctx, MAX + 64, (void **)&pin) != 0 ||
         gpu->ops->host_alloc(gpu->ctx, MAX + 64, (void **)&pout) != 0 ||
         gpu->ops->alloc(gpu->ctx, MAX + 64, (void **)&dev) != 0)
         abort();
+    check(gpu->ops->host_register(gpu->ctx, NULL, 64) == RNND_EINVAL,
+          "host_register refuses no memory");
+    check(gpu->ops->host_register(gpu->ctx, shared, SHARED) == 0,
+          "host_register page-locks a shared mapping");
     const size_t sizes[] = {1, 3, 15, 16, 17, 255, 4096, 4097, 16383, 16384, 16385, MAX};
+    static const char *const kinds[] = {"pageable", "page-locked", "registered"};
     int bad = 0;
-    for (int pinned = 0; pinned < 2; pinned++) {
-        unsigned char *in = pinned ? pin : heap_in, *out = pinned ? pout : heap_out;
+    for (int kind = 0; kind < 3; kind++) {
+        unsigned char *in = kind == 0 ? heap_in : kind == 1 ? pin : shared;
+        unsigned char *out = kind == 0 ? heap_out : kind == 1 ? pout : shared + MAX + 64;
         for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++)
             for (size_t a = 0; a < 20; a += 3)
                 for (size_t b = 0; b < 20; b += 5) {
@@ -279,10 +293,13 @@ static void test_copies(struct rnnd_backend *gpu) {
                         ok = (i >= b && i < b + n) || whole[i] == 0x5a;
                     if (!ok && bad++ < 5)
                         fprintf(stderr, "copy of %zu bytes, host +%zu, device +%zu, %s\n", n, a, b,
-                                pinned ? "page-locked" : "pageable");
+                                kinds[kind]);
                 }
     }
     check(bad == 0, "copy_in / copy_out give the bytes back at every size and alignment");
+    gpu->ops->host_unregister(gpu->ctx, shared);
+    munmap(shared, SHARED);
+    close(fd);
     gpu->ops->host_free(gpu->ctx, pin);
     gpu->ops->host_free(gpu->ctx, pout);
     gpu->ops->free(gpu->ctx, dev);

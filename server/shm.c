@@ -136,13 +136,14 @@ int rnnd_shm_init(int max_regions, struct rnnd_shm **out) {
 }
 
 static void region_unmap(struct region *r) {
-    if (r->sock && r->hbe)
-        r->hbe->ops->host_free(r->hbe->ctx, r->base);
-    else if (r->sock)
-        free(r->base);
-    else if (r->be)
+    if (r->sock) {
+        if (r->hbe)
+            r->hbe->ops->host_free(r->hbe->ctx, r->base);
+        else
+            free(r->base);
+    } else if (r->be) {
         r->be->ops->ipc_close(r->be->ctx, r->base);
-    if (!r->sock && !r->be) {
+    } else {
         if (r->hbe)
             r->hbe->ops->host_unregister(r->hbe->ctx, r->base);
         munmap(r->base, r->size);
@@ -242,10 +243,9 @@ static int check_key_size(const char *kind, const ProtobufCBinaryData *key, uint
     return 0;
 }
 
-// Opens a memfd region of req into *r (base, size, fd, pid). 0, or an error with err written.
-// A memfd region of req into *r, page-locked through hbe when it can (so that the engine copies
-// straight between it and the device, as for a socket region's memory), else pageable. 0, or an
-// error with err written.
+// Opens a memfd region of req into *r (base, size, fd, pid), page-locked through hbe when it can
+// (so that the engine copies straight between it and the device, as for a socket region's
+// memory), else pageable. 0, or an error with err written.
 static int memfd_open(const Rnnd__V1__MemfdRegion *m, const struct rnnd_backend *hbe,
                       struct region *r, char *err, size_t errlen) {
     int rc = check_key_size("memfd", &m->key, m->size, err, errlen);

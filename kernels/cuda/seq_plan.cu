@@ -17,6 +17,8 @@
 // there (H200, T = 256: at B = 32 fwd+bwd 2.92 ms against 4.03 for the GRU, 3.16 against 4.49
 // for the LSTM; docs/benchmarks.md).
 #define SEQ_CLUSTER_BWD_MIN_ROWS 21
+static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4,
+              "B + 7 rows of 3H floats within B rows of 4H");
 
 static int hp_of(int H) {
     return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;

@@ -505,7 +505,7 @@ static void settle(struct rnnd_engine *e) {
 }
 
 // Runs what a poll handed out (under emu): control jobs, refusals, then the Step batch.
-void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
+void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b, bool lookahead) {
     struct rnnd_job *next;
     for (struct rnnd_job *job = (struct rnnd_job *)b->controls; job; job = next) {
         next = (struct rnnd_job *)job->item.next;
@@ -518,7 +518,7 @@ void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b) {
     }
     settle(e);
     if (b->items)
-        rnnd__engine_run_step_batch(e, (struct rnnd_job *)b->items);
+        rnnd__engine_run_step_batch(e, (struct rnnd_job *)b->items, lookahead);
     if (e->ends_held)
         rnnd__engine_run_ends_held(e);
     publish(&rnnd_metrics.queue_rows, &e->pub_queue, rnnd_batcher_rows(e->batcher));
@@ -539,7 +539,8 @@ static void *engine_main(void *arg) {
         e->replies = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-reply");
         e->row_workers = rnnd_threadpool_init(e->cfg.reply_threads, "rnnd-rows");
         rnnd_threadpool_spin(e->row_workers, e->cfg.engine_spin_us);
-        atomic_store_explicit(&e->inline_steps, e->host_mem && e->cfg.inline_steps,
+        atomic_store_explicit(&e->inline_steps,
+                              e->cfg.inline_steps && (e->host_mem || e->be.ops->bind),
                               memory_order_release);
     }
     e->ready_cb(e->ready_ctx, rc, msg);
@@ -562,7 +563,7 @@ static void *engine_main(void *arg) {
             pthread_mutex_lock(&e->emu);
             bool got = rnnd__engine_poll(e, true, &b, &wait);
             if (got)
-                rnnd__engine_process(e, &b);
+                rnnd__engine_process(e, &b, e->lookahead);
             bool finished = e->stopping && rnnd_batcher_empty(e->batcher);
             pthread_mutex_unlock(&e->emu);
             if (finished)

@@ -53,7 +53,7 @@ int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job);
 // rnnd_engine_submit_step in two halves, for group.c, which queues the parts of a Step on its
 // engines in one order (under its lock) before any may run: queue_step queues the job (returns
 // as submit_step) and kick lets the engine take it (with the CPU backend this thread may run the
-// batch itself, as submit_step does).
+// batch itself, as submit_step does; a device's parts go to its engine thread).
 int rnnd_engine_queue_step(struct rnnd_engine *e, struct rnnd_job *job);
 void rnnd_engine_kick(struct rnnd_engine *e);
 // Wakes the engine thread so that it looks at its queue again: a held Step part may now run or

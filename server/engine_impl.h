@@ -85,9 +85,10 @@ struct rnnd_engine {
     rnnd_engine_ready_cb ready_cb;
     void *ready_ctx;
     // The engine lock: whoever holds it acts as the engine (owns everything below). The engine
-    // thread holds it while it works; with the CPU backend another thread may take it to run a
-    // Step batch while the engine thread sleeps (inline_steps). CUDA work always stays on the
-    // engine thread, which owns the device.
+    // thread holds it while it works; another thread may take it to run a Step batch while the
+    // engine thread sleeps (inline_steps): any Step with the CPU backend, a small one with a
+    // backend that binds the thread to its device first (CUDA). Every other job's device work
+    // stays on the engine thread.
     pthread_mutex_t emu;
     _Atomic bool inline_steps;
     pthread_mutex_t lock; // guards closed
@@ -271,7 +272,8 @@ char *rnnd__engine_xfer_host(struct rnnd_engine *e, char *d_io, size_t bytes);
 // The engine's host_alloc buffer for a part's gathered inputs, of at least bytes. NULL when out
 // of memory.
 char *rnnd__engine_part_host(struct rnnd_engine *e, size_t bytes);
-void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b);
+// lookahead: a Step batch may admit the next while it runs (e->lookahead; never inline).
+void rnnd__engine_process(struct rnnd_engine *e, struct rnnd_batch *b, bool lookahead);
 
 // engine_step.c: the Step path, and EndEpisodes (which wait for held Step parts).
 struct step_layout rnnd__engine_step_layout(const struct rnnd_engine *e, int n);
@@ -279,7 +281,7 @@ enum rnnd_batch_admit rnnd__engine_admit_step(void *ctx, struct rnnd_batch_item 
 // The engine's poll of its batcher (with the control jobs, or Step batches only): a poll that
 // forms a Step batch counts its time as the batch's admit phase.
 bool rnnd__engine_poll(struct rnnd_engine *e, bool controls, struct rnnd_batch *b, uint64_t *wait);
-void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs);
+void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs, bool lookahead);
 bool rnnd__engine_run_end(struct rnnd_engine *e, struct rnnd_job *job);
 void rnnd__engine_run_ends_held(struct rnnd_engine *e);
 

@@ -693,7 +693,7 @@ static void step_finish(struct rnnd_engine *e, struct step_batch *b, bool more) 
                               memory_order_relaxed);
 }
 
-void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
+void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs, bool lookahead) {
     // Batches in a chain. While batch N runs on the backend and the row workers finish N-1's
     // rows, the engine admits N+1; then it sends N-1's replies, gathers N+1 into N-1's buffer
     // set, waits for N, launches N+1 and hands N's rows to the workers. The backend's time
@@ -705,7 +705,7 @@ void rnnd__engine_run_step_batch(struct rnnd_engine *e, struct rnnd_job *jobs) {
     step_gather(e, cur, jobs, &e->bufs[0]);
     step_launch(e, cur);
     for (;;) {
-        struct rnnd_job *next = e->lookahead ? step_admit_next(e, cur) : NULL;
+        struct rnnd_job *next = lookahead ? step_admit_next(e, cur) : NULL;
         if (finishing)
             step_finish(e, prev, next != NULL);
         if (next)
@@ -788,14 +788,16 @@ bool rnnd__engine_poll(struct rnnd_engine *e, bool controls, struct rnnd_batch *
     return got;
 }
 
-// CPU backend: if the engine is idle, this thread becomes the engine for one poll and runs the
-// batch itself, saving the hand-off to the engine thread and back.
+// If the engine is idle, this thread becomes the engine for one poll and runs the batch itself,
+// saving the hand-off to the engine thread and back; with no look-ahead, so that it goes back to
+// its own calls after one batch.
 static void step_run_inline(struct rnnd_engine *e) {
     if (pthread_mutex_trylock(&e->emu) == 0) {
         struct rnnd_batch b;
         uint64_t wait;
-        if (rnnd__engine_poll(e, false, &b, &wait))
-            rnnd__engine_process(e, &b); // the job may be finished and freed here
+        bool bound = e->be.ops->bind == NULL || e->be.ops->bind(e->be.ctx) == 0;
+        if (bound && rnnd__engine_poll(e, false, &b, &wait))
+            rnnd__engine_process(e, &b, false); // the job may be finished and freed here
         bool empty = rnnd_batcher_empty(e->batcher);
         pthread_mutex_unlock(&e->emu);
         if (empty)
@@ -804,8 +806,15 @@ static void step_run_inline(struct rnnd_engine *e) {
     rnnd_batcher_wake(e->batcher); // busy, or something left to do (controls, a timer)
 }
 
+// A Step of at most this many rows may run inline on a device backend: on an H200 host the
+// hand-off to the engine thread and back cost a 1-env Step ~13 us of its ~100 us p50
+// (docs/benchmarks.md). Larger Steps go to the engine thread, whose look-ahead overlaps their
+// host work with the device's.
+#define INLINE_DEVICE_ROWS 64
+
 int rnnd_engine_submit_step(struct rnnd_engine *e, struct rnnd_job *job) {
-    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire) ||
+        (!e->host_mem && job->step.B > INLINE_DEVICE_ROWS))
         return rnnd_batcher_push(e->batcher, step_item(job), rnnd_now_ns());
     int rc = rnnd_batcher_push_quiet(e->batcher, step_item(job), rnnd_now_ns());
     if (rc == 0)
@@ -818,7 +827,7 @@ int rnnd_engine_queue_step(struct rnnd_engine *e, struct rnnd_job *job) {
 }
 
 void rnnd_engine_kick(struct rnnd_engine *e) {
-    if (atomic_load_explicit(&e->inline_steps, memory_order_acquire))
+    if (e->host_mem && atomic_load_explicit(&e->inline_steps, memory_order_acquire))
         step_run_inline(e);
     else
         rnnd_batcher_wake(e->batcher);

@@ -544,6 +544,11 @@ static int cuda_policy_logp(void *ctx, const struct rnnd_actions *a, const float
     return rnnd__cuda_policy_logp((struct cuda_ctx *)ctx, a, params, m);
 }
 
+static int cuda_bind(void *ctx) {
+    RNND_CUDA_TRY(cudaSetDevice(((struct cuda_ctx *)ctx)->device));
+    return 0;
+}
+
 static const struct rnnd_backend_ops cuda_ops = {
     /* .name = */ "cuda",
     /* .caps = */ 0,
@@ -587,6 +592,7 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .record_end = */ rnnd__cuda_record_end,
     /* .replay = */ cuda_replay,
     /* .free_unit = */ cuda_free_unit,
+    /* .bind = */ cuda_bind,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -465,6 +465,11 @@ struct rnnd_backend_ops {
     int (*record_end)(void *ctx, void **unit);
     int (*replay)(void *ctx, void *unit);
     void (*free_unit)(void *ctx, void *unit);
+
+    // Optional (NULL where any thread may call every op as it is): binds the calling thread to
+    // the context's device, so that a thread other than the one that opened it may run ops (one
+    // thread at a time, as ever). CUDA: cudaSetDevice.
+    int (*bind)(void *ctx);
 };
 
 struct rnnd_backend {

@@ -323,26 +323,22 @@ static void lend_append(ProtobufCBuffer *b, size_t len, const uint8_t *data) {
 }
 
 // encode(m), with m's bytes fields of LEND_MIN_BYTES or more inside l's block referred to by the
-// byte buffer instead of copied into it; l is released once gRPC is done with them.
+// byte buffer instead of copied into it; l is released once gRPC is done with them. Two passes,
+// as encode's: the first sizes the copied runs, the second fills them.
 static grpc_byte_buffer *encode_lent(const ProtobufCMessage *m, struct lend *l) {
     struct lend_pack p = {.base.append = lend_append, .lend = l, .count = true};
     protobuf_c_message_pack_to_buffer(m, &p.base);
-    grpc_byte_buffer *bb;
-    if (p.lent == 0) {
-        bb = encode(m);
-    } else {
-        p.all = grpc_slice_malloc(p.copied);
-        p.run = GRPC_SLICE_START_PTR(p.all);
-        p.count = false;
-        p.copied = p.lent = 0;
-        protobuf_c_message_pack_to_buffer(m, &p.base);
-        if (p.copied > p.cut)
-            p.slices[p.n++] = grpc_slice_sub(p.all, p.cut, p.copied);
-        bb = grpc_raw_byte_buffer_create(p.slices, p.n);
-        for (size_t i = 0; i < p.n; i++)
-            grpc_slice_unref(p.slices[i]);
-        grpc_slice_unref(p.all);
-    }
+    p.all = grpc_slice_malloc(p.copied);
+    p.run = GRPC_SLICE_START_PTR(p.all);
+    p.count = false;
+    p.copied = p.lent = 0;
+    protobuf_c_message_pack_to_buffer(m, &p.base);
+    if (p.copied > p.cut || p.n == 0)
+        p.slices[p.n++] = grpc_slice_sub(p.all, p.cut, p.copied);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(p.slices, p.n);
+    for (size_t i = 0; i < p.n; i++)
+        grpc_slice_unref(p.slices[i]);
+    grpc_slice_unref(p.all);
     lend_unref(l); // encode's own reference
     return bb;
 }
@@ -685,8 +681,9 @@ void rnnd_call_reply(struct rnnd_call *c, const ProtobufCMessage *reply) {
 
 void rnnd_call_reply_lent(struct rnnd_call *c, const ProtobufCMessage *reply, void *block,
                           size_t size, void (*release)(void *)) {
-    // Without memory for the lend, the reply is copied as any other and the block released after.
-    struct lend *l = block ? malloc(sizeof(*l)) : NULL;
+    // A block too small to hold a lent field, or no memory for the lend: the reply is copied as
+    // any other and the block released after.
+    struct lend *l = block && size >= LEND_MIN_BYTES ? malloc(sizeof(*l)) : NULL;
     if (l)
         *l = (struct lend){block, (uint8_t *)block + size, block, release, 1};
     // Tensors bound for the request's reply_region are written there and leave the message while

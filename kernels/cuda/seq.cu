@@ -740,7 +740,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         gs.cell = staged(grads->cell, blh * T);
         d = (float *)cuda_carve(&cv, d_bytes);
         dw_part = (float *)cuda_carve(
-            &cv, dw16 ? (size_t)dw_ks * 4 * H * RNND_DW16_NZ * sizeof(float) : 0);
+            &cv, dw16 ? (size_t)dw_ks * 4 * RNND_DW16_MP * RNND_DW16_NZ * sizeof(float) : 0);
         dw_rec = (int16_t *)cuda_carve(&cv, dw_exp ? (size_t)dw_pitch * RNND_DW16_E : 0);
         cz_d = (char *)cuda_carve(&cv, (size_t)cz_pitch * 8 * RNND_DW16_D);
         cz_rec = (int16_t *)cuda_carve(&cv, (size_t)cz_pitch * 4 * 16 * sizeof(int16_t));

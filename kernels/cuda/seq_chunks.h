@@ -22,6 +22,7 @@
 // Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
 // 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
 // (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.
+#define RNND_DW16_MP 128 // D's columns a plane, whatever the layer's H (<= 128)
 #define RNND_DW16_D  4096L
 #define RNND_DW16_NZ 200
 #define RNND_DW16_Z  (RNND_DW16_NZ * 32L)
@@ -44,9 +45,9 @@ struct dw16_args {
     const void *z;      // z's parts: chunks + 4 pitch RNND_DW16_D, or the forward's (zc)
     int pitch;          // chunks a plane
     int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
-    int H, Il;          // the layer: H = 128, I_l <= 64
+    int H, Il;          // the layer: H % 4 == 0, H <= 128 (zeros past H), I_l <= 64
     bool gru;           // D's planes are the GRU's (r, z, n's hidden side, n's input side)
-    float *part;        // ks x 4H x RNND_DW16_NZ floats of scratch
+    float *part;        // ks x 4 RNND_DW16_MP x RNND_DW16_NZ floats of scratch
     const int16_t *exp; // TF32 mode: the chunks' exponent records, or NULL (bf16)
     float *gw_ih, *gw_hh, *gb_ih, *gb_hh; // out, +=: the layer's parameter gradients
 };

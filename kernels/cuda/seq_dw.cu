@@ -24,8 +24,8 @@
 
 namespace {
 
-constexpr int DW_NST = 4;  // stages
-constexpr int DW_MP = 128; // D's columns a plane
+constexpr int DW_NST = 4;           // stages
+constexpr int DW_MP = RNND_DW16_MP; // D's columns a plane
 constexpr long DW_STAGE = RNND_DW16_CH * (RNND_DW16_D + RNND_DW16_Z);
 constexpr long DW_SMEM = DW_NST * DW_STAGE + 2 * DW_NST * 8;
 constexpr int DW_THREADS = 288; // 8 consumer warps, 1 producer warp
@@ -269,21 +269,23 @@ __device__ __forceinline__ int dw16_unit(int n) {
 // into the gradient they belong to: D's column m is unit dw16_unit(m % 128) of plane m / 128;
 // z's h columns go to W_hh, its x columns to W_ih, the constant to both biases. The GRU's planes
 // 2 and 3 are n's hidden and input sides: W_hh and b_hh take plane 2, W_ih and b_ih plane 3.
-__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int Il, bool gru,
+// Units from H on (a layer of H < 128 in the loops of 128) belong to no gradient.
+__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, int Il, bool gru,
                                 float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh) {
-    constexpr int H = DW_MP;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= 4 * DW_MP * RNND_DW16_NZ)
         return;
-    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ, p = m / DW_MP;
+    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ, p = m / DW_MP, um = dw16_unit(m % DW_MP);
     const bool hs = !gru || p != 3, xs = !gru || p != 2; // the plane feeds h's, x's side
-    const int row = (gru && p == 3 ? 2 : p) * H + dw16_unit(m % DW_MP);
+    const int row = (gru && p == 3 ? 2 : p) * H + um;
     float *to = nullptr, *to2 = nullptr;
-    if (n < H)
-        to = hs ? gw_hh + (size_t)row * H + dw16_unit(n) : nullptr;
-    else if (n < H + 64)
-        to = xs && n - H < Il ? gw_ih + (size_t)row * Il + n - H : nullptr;
-    else if (n == H + 64)
+    if (um >= H)
+        return;
+    if (n < DW_MP)
+        to = hs && dw16_unit(n) < H ? gw_hh + (size_t)row * H + dw16_unit(n) : nullptr;
+    else if (n < DW_MP + 64)
+        to = xs && n - DW_MP < Il ? gw_ih + (size_t)row * Il + n - DW_MP : nullptr;
+    else if (n == DW_MP + 64)
         to = xs ? gb_ih + row : nullptr, to2 = hs ? gb_hh + row : nullptr;
     if (!to && !to2)
         return;
@@ -584,10 +586,10 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
         wsc = persist_pow2_for(m, 14);
     }
     // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
-    // order), zero past I_l; K-major core matrices (km_off).
+    // order), zero past I_l and for units from H on; K-major core matrices (km_off).
     for (int e = threadIdx.x; e < 64 * K; e += 128) {
         const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
-        const float v = i < Il ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
+        const float v = i < Il && unit < H ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
         if constexpr (F16)
             *reinterpret_cast<__half *>(wt + km_off(i, k, kg)) = __float2half_rn(v * wsc);
         else
@@ -689,7 +691,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
 } // namespace
 
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
-    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z ||
+    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z ||
         a->pitch % (a->ks * RNND_DW16_CH) != 0)
         return RNND_EINVAL;
     auto kernel = a->exp ? dw16_kernel<true> : dw16_kernel<false>;
@@ -701,8 +703,8 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
                                                     a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
     const int n = 4 * DW_MP * RNND_DW16_NZ;
-    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru, a->gw_ih,
-                                                          a->gw_hh, a->gb_ih, a->gb_hh);
+    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->gru,
+                                                          a->gw_ih, a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;
 }
@@ -738,7 +740,7 @@ int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct
 }
 
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream) {
-    if (a->H != DW_MP || a->Il < 1 || a->Il > 64 || (a->npl != 3 && a->npl != 4) ||
+    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 64 || (a->npl != 3 && a->npl != 4) ||
         a->pitch < a->nch || a->sms < 1)
         return RNND_EINVAL;
     auto kernel = a->exp ? dx16_kernel<true> : dx16_kernel<false>;

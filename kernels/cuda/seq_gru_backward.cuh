@@ -113,7 +113,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     float4 *xch = reinterpret_cast<float4 *>(at += Gm::XS_BYTES);
     float *rmax = reinterpret_cast<float *>(at += Gm::XCH_BYTES);
     // ZF: step s's chunk h part (core-matrix groups 0..15) and its 16 rows' planes (a row
-    // ZPL bytes apart: conflict-free 8-byte reads of 8 rows) in slot s & 1, over W_ih's space.
+    // ZPL bytes apart: conflict-free 8-byte reads of 8 rows; ZPR for H = HP, a row's planes H
+    // wide as the tape holds them) in slot s & 1, over W_ih's space.
     static_assert(!ZF || DW, "z from the forward: the chunks' loop");
     using TR = tape_rec<Cell, true>;
     constexpr int ZCB = 16 * 256, ZPR = Cell::SW * HP * 2, ZPL = ZPR + 32, ZSL = ZCB + 16 * ZPL;
@@ -265,8 +266,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     auto zc_fetch = [&](int s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         unsigned char *sl = zslot + (s & 1) * ZSL;
+        const int zpr = Cell::SW * H * 2; // the bytes of a row's planes
         if (threadIdx.x == 0) {
-            mbar_expect_tx(zbar + (s & 1), ZCB + nrows * ZPR);
+            mbar_expect_tx(zbar + (s & 1), ZCB + nrows * zpr);
             mbar_arrive(zbar + (s & 1));
             bulk_g2s(sl,
                      static_cast<const unsigned char *>(a.zc) +
@@ -278,7 +280,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         const int row = 2 * w + lane;
         if (lane < 2 && row < nrows)
             bulk_g2s(sl + ZCB + row * ZPL,
-                     a.s + ((size_t)(blockIdx.x * 16 + row) * T + s) * TR::floats(HP), ZPR,
+                     a.s + ((size_t)(blockIdx.x * 16 + row) * T + s) * TR::floats(H), zpr,
                      zbar + (s & 1));
 #else
         (void)s;
@@ -308,7 +310,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             hp[i][2] = up.x * hsinv, hp[i][3] = up.y * hsinv;
         }
     };
-    // ZF: step s's gates from its planes in the slot (rows g, g + 8, units u0..u0+3).
+    // ZF: step s's gates from its planes in the slot (rows g, g + 8, units u0..u0+3; zeros
+    // from H on).
     auto zc_cell = [&](int s) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -316,7 +319,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             float v[SW][4];
 #pragma unroll
             for (int p = 0; p < SW; p++)
-                TR::unpack4(v[p], *reinterpret_cast<const uint2 *>(row + (p * HP + u0) * 2));
+                TR::unpack4(v[p], u0 < H ? *reinterpret_cast<const uint2 *>(row + (p * H + u0) * 2)
+                                         : make_uint2(0u, 0u));
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -744,7 +748,7 @@ static int gru_h128_recompute_launch(const struct persist_bwd_args &a, bool cloc
     auto kernel = a.vec ? seq_gru_h128_backward_kernel<Mode, HP, true, XH>
                         : seq_gru_h128_backward_kernel<Mode, HP, false, XH>;
     if (a.dw16) {
-        if (!a.vec || a.H != HP || (a.dw16_exp != nullptr) != XH)
+        if (!a.vec || a.H % 4 != 0 || (a.dw16_exp != nullptr) != XH)
             return RNND_EINVAL;
         kernel = seq_gru_h128_backward_kernel<Mode, HP, true, XH, 0, true>;
     }

@@ -13,7 +13,7 @@ int gate_tape_launch(const struct persist_bwd_args *a, bool clocks, cudaStream_t
     constexpr int HP = 128;
     constexpr bool XH = Mode::hmode::SCALED;
     if (a->Il > HP / 2 || a->Il % 4 != 0 || a->w_ih == nullptr || !a->dw16 || !a->zc || !a->s ||
-        a->H != HP || (a->dw16_exp != nullptr) != XH || (a->zc_ex != nullptr) != XH)
+        a->H > HP || a->H % 4 != 0 || (a->dw16_exp != nullptr) != XH || (a->zc_ex != nullptr) != XH)
         return RNND_EINVAL;
     auto kernel = a->vec ? seq_gru_h128_backward_kernel<Mode, HP, true, XH, 0, true, true>
                          : seq_gru_h128_backward_kernel<Mode, HP, false, XH, 0, true, true>;

@@ -20,6 +20,12 @@
 static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4,
               "B + 7 rows of 3H floats within B rows of 4H");
 
+// A GRU of 64 <= H < 128 runs the loops of H = 128 from this many rows. H200, T = 256, H = 64,
+// fp32 fwd+bwd: 1.30 ms against its own width's 1.67 at B = 2048; at B = 256 (T = 64) 0.34
+// against 0.28: the wider loops' step is longer, and only a full batch gains more from the fused
+// input projection and the dw16 products than it loses there. Not measured between the two.
+#define SEQ_PAD128_MIN_ROWS 2048
+
 static int hp_of(int H) {
     return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;
 }
@@ -30,16 +36,21 @@ static long persist_smem_of(const struct rnnd_model *m, bool backward, int HP, i
                                      : rnnd__persist_gru_smem(backward, bf16, HP, xks);
 }
 
+// Whether both directions' loops at width HP fit smem_optin bytes.
+static bool persist_fits(const struct rnnd_model *m, int HP, size_t smem_optin) {
+    for (int bwd = 0; bwd < 2; bwd++) {
+        long need = persist_smem_of(m, bwd, HP, 0);
+        if (need < 0 || (size_t)need > smem_optin)
+            return false;
+    }
+    return true;
+}
+
 int rnnd__seq_persist_hp(const struct rnnd_model *m, size_t smem_optin) {
     if (m->compute == RNND_COMPUTE_IEEE || m->H > 128)
         return 0;
     int HP = hp_of(m->H);
-    for (int bwd = 0; bwd < 2; bwd++) {
-        long need = persist_smem_of(m, bwd, HP, 0);
-        if (need < 0 || (size_t)need > smem_optin)
-            return 0;
-    }
-    return HP;
+    return persist_fits(m, HP, smem_optin) ? HP : 0;
 }
 
 // x k-steps the persistent forward of layer l fuses: its input projection runs in the loop where
@@ -63,6 +74,15 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
     // device's shared memory. Elsewhere the per-step path (and the clusters, below).
     p->HP = tune->stepwise ? 0 : rnnd__seq_persist_hp(m, dev->smem_optin);
+    // A GRU of 64 <= H < 128 (H % 4 == 0, layer 0's I <= 64) runs the loops of H = 128 on the
+    // warpgroup MMAs and the dw16 products from SEQ_PAD128_MIN_ROWS rows, its units from H on
+    // zero: their weights, biases and states are read as zeros, so are their outputs, and every
+    // write is bounded by H. Its own width's mma.sync loops take x W_ih^T and the weight
+    // gradients from cuBLAS, and at B = 2048 ran slower than H = 128 itself.
+    if (gru && p->HP > 0 && p->HP < 128 && H >= 64 && H % 4 == 0 && I <= 64 && I % 4 == 0 &&
+        B >= SEQ_PAD128_MIN_ROWS && dev->wg && !tune->no_wg && !tune->no_pad128 &&
+        persist_fits(m, 128, dev->smem_optin))
+        p->HP = 128;
     p->persistent = p->HP > 0;
     const int HP = p->HP;
 
@@ -103,12 +123,12 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     p->tape_blocked = brows > 0;
     p->tape_half = p->persistent || p->tape_blocked;
 
-    // The GRU at H = 128 has its own backward loop (one 16-bit W_hh for both directions) that
+    // The GRU at HP = 128 has its own backward loop (one 16-bit W_hh for both directions) that
     // recomputes each step's gates from hprev and x_l (the z rows, x_l at most 64 wide, I_l % 4
     // == 0) instead of reading them from the tape; the forward then writes no gate planes.
     auto recompute = [&](int l) {
         const int Il = rnnd_model_layer_input(m, l);
-        if (!p->persistent || tune->no_recompute || !gru || H != 128 || HP != 128)
+        if (!p->persistent || tune->no_recompute || !gru || HP != 128 || H % 4 != 0)
             return false;
         long need = rnnd__gru_h128_backward_smem(bf16, 128);
         return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= dev->smem_optin;
@@ -127,7 +147,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // bf16) instead of z rows: the backward then reads them (the GRU: also the gate planes, and
     // recomputes nothing). Sized by the model and the device; the format also needs aligned
     // inputs, which both passes see.
-    p->z_dw16 = (fp32 || (bf16 && gru)) && H == 128 && dev->wg && !tune->no_wg &&
+    p->z_dw16 = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
                 !tune->no_fused_x && !tune->no_zfwd && I % 4 == 0 && dw16(true) &&
                 persist_xks(m, 0, HP, dev->smem_optin) > 0;
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
@@ -167,13 +187,13 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             // Where the backward recomputes the gates the forward writes none, unless they go
             // with z's chunk parts.
             y->gates = call->tape && (!recompute(l) || y->z_chunks);
-            // The wgmma forward (H > 96, H % 4 == 0, fused x at most 64 wide, vector access)
+            // The wgmma forward (HP = 128, H % 4 == 0, fused x at most 64 wide, vector access)
             // in TF32 mode; in bf16 the GRU's layer 0 only where it writes the chunks and planes
             // its backward reads (zfwd does not depend on the tape: the same loop), the LSTM's
             // bf16 mma.sync loop being the faster. The GRU's writes its gate planes only with
             // the chunk parts.
             const bool wg = dev->wg && !tune->no_wg && (!bf16 || (l == 0 && p->zfwd));
-            if (wg && H > 96 && H % 4 == 0 && y->xks > 0 && p->vec && xvec &&
+            if (wg && HP == 128 && H % 4 == 0 && y->xks > 0 && p->vec && xvec &&
                 (lstm || !y->gates || y->z_chunks)) {
                 y->fwd = SEQ_FWD_WGMMA;
                 continue;

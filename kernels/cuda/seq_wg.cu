@@ -601,7 +601,7 @@ int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream
     const bool tape = a->z || a->zc;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (a->zc && (a->z || !a->zc_ex != !HM::SCALED || a->H != WG_HP)) || (a->s && !a->shalf) ||
+        (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
         return RNND_EINVAL;
     const bool hid = a->hidden != nullptr;

@@ -26,12 +26,13 @@
 #define RNND_TUNE_NO_DW16         16384 // weight gradients from cuBLAS, not the chunk products
 #define RNND_TUNE_NO_ZFWD         32768 // layer 0's z rows in the tape, not the forward's chunks
 #define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
+#define RNND_TUNE_NO_PAD128       131072 // GRU 64 <= H < 128, B >= 2048: the loops at their own width
 
 #define RNND_TUNE_ALL                                                                              \
     (RNND_TUNE_PHASE_CLOCKS | RNND_TUNE_STEP_NO_EARLY_X | RNND_TUNE_NO_FUSED_X |                   \
      RNND_TUNE_NO_RECOMPUTE | RNND_TUNE_NO_CLUSTER | RNND_TUNE_NO_CLUSTER_BWD |                    \
      RNND_TUNE_STEP_NO_PDL | RNND_TUNE_CLUSTER80 | RNND_TUNE_NO_WG | RNND_TUNE_NO_DW16 |           \
-     RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH)
+     RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH | RNND_TUNE_NO_PAD128)
 
 // The overrides, each false in production.
 struct cuda_tuning {
@@ -48,6 +49,7 @@ struct cuda_tuning {
     bool no_dw16;         // RNND_TUNE_NO_DW16
     bool no_zfwd;         // RNND_TUNE_NO_ZFWD
     bool no_graph;        // RNND_TUNE_NO_GRAPH
+    bool no_pad128;       // RNND_TUNE_NO_PAD128
 };
 
 // The overrides of variant bits v (the path override is left false).
@@ -65,6 +67,7 @@ static inline struct cuda_tuning rnnd__cuda_tuning_of(int v) {
     t.no_dw16 = (v & RNND_TUNE_NO_DW16) != 0;
     t.no_zfwd = (v & RNND_TUNE_NO_ZFWD) != 0;
     t.no_graph = (v & RNND_TUNE_NO_GRAPH) != 0;
+    t.no_pad128 = (v & RNND_TUNE_NO_PAD128) != 0;
     return t;
 }
 

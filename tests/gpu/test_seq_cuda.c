@@ -21,7 +21,8 @@
 #include <string.h>
 
 static const int NO_FUSED_X = RNND_TUNE_NO_FUSED_X, NO_WG = RNND_TUNE_NO_WG,
-                 NO_DW16 = RNND_TUNE_NO_DW16, NO_ZFWD = RNND_TUNE_NO_ZFWD;
+                 NO_DW16 = RNND_TUNE_NO_DW16, NO_ZFWD = RNND_TUNE_NO_ZFWD,
+                 NO_PAD128 = RNND_TUNE_NO_PAD128;
 
 enum state_mode { STATE_NONE, STATE_H0, STATE_HIDDEN };
 
@@ -573,7 +574,12 @@ static const double dw16_tol = 1e-3, dw16_zf_tol = 2e-3;
 static bool zfwd_runs(const struct seq_case *sc, int v) {
     const bool mode = sc->compute == RNND_COMPUTE_FP32 ||
                       (sc->compute == RNND_COMPUTE_BF16 && sc->cell == RNND_CELL_GRU);
-    return gpu_sm90 && mode && sc->H == 128 && sc->I % 4 == 0 && sc->I <= 64 &&
+    // H = 128, or a GRU in H = 128's loops (seq_plan.cu): 96 < H < 128, or 64 <= H <= 96 from
+    // 2048 rows.
+    const bool gru = sc->cell == RNND_CELL_GRU && sc->H % 4 == 0;
+    const bool h128 = sc->H == 128 || (gru && sc->H > 96 && sc->H < 128) ||
+                      (gru && sc->H >= 64 && sc->H <= 96 && sc->B >= 2048 && !(v & NO_PAD128));
+    return gpu_sm90 && mode && h128 && sc->I % 4 == 0 && sc->I <= 64 &&
            !(v & (NO_WG | NO_FUSED_X | NO_DW16 | NO_ZFWD));
 }
 static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const struct seq_case *c,
@@ -591,9 +597,9 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
         .cell = sc->cell, .compute = sc->compute, .I = sc->I, .H = sc->H, .L = sc->L};
     const struct seq_sizes z = seq_sizes_of(sc);
     char tag[80];
-    snprintf(tag, sizeof(tag), "%s %s I%d L%d B%d T%d dw16%s v%d",
-             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->L,
-             sc->B, sc->T, sc->how & SEQ_MISALIGN ? " misal" : "", va);
+    snprintf(tag, sizeof(tag), "%s %s I%d H%d L%d B%d T%d dw16%s v%d",
+             sc->cell == RNND_CELL_LSTM ? "lstm" : "gru", compute_name(sc->compute), sc->I, sc->H,
+             sc->L, sc->B, sc->T, sc->how & SEQ_MISALIGN ? " misal" : "", va);
     gpu_seed(tag);
     struct seq_host h;
     seq_host_init(&h, sc, 0.0f, 0.8f);
@@ -838,6 +844,7 @@ static const struct seq_case quick_cases[] = {
     {GRU, F32, 16, 160, 1, 4, 3, 0.3, HID, AUTO, 0},
     {LSTM, F32, 64, 256, 1, 330, 3, 0.2, HID, AUTO, 0}, // both cluster loops
     {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},   // the GRU's
+    {GRU, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},   // H = 64 in H = 128's loops
 };
 
 // cell, compute, I, H, L, B, T, reset probability, initial state, path, how (SEQ_*).
@@ -860,6 +867,17 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 40, 64, 2, 21, 10, 0.15, HID, AUTO, 0},
     {GRU, IEEE, 9, 7, 2, 6, 7, 0.2, HID, AUTO, 0},
     {LSTM, IEEE, 9, 33, 1, 6, 7, 0.2, H0, AUTO, 0},
+    // A GRU of H < 128 in the loops of H = 128 (units from H on zero): 96 < H at any batch,
+    // 64 <= H <= 96 from 2048 rows; both modes that take them, stored states, h0, a second
+    // layer, a partial last block; H = 64 below 2048 rows on its own width's loops.
+    {GRU, F32, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, SEQ_REPEAT},
+    {GRU, BF16, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 2100, 5, 0.1, HID, AUTO, 0},
+    {GRU, F32, 36, 124, 1, 70, 9, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
+    {GRU, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 2049, 3, 0.1, NONE, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 64, 33, 0.1, NONE, AUTO, 0},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},
@@ -1005,6 +1023,7 @@ static const struct edge_test edge_tests[] = {
     {test_weight_outliers, {GRU, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {LSTM, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 5, 7, 2, 9, 6, 0.2, H0, AUTO, 0}, 0, false},
+    {test_weight_outliers, {GRU, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {LSTM, F32, 64, 256, 1, 33, 8, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 64, 256, 1, 330, 8, 0.1, H0, AUTO, 0}, 0, false},
     // x rows scaled: both cluster loops with layer 0's dw256 product, I_l below 64
@@ -1037,6 +1056,10 @@ static const struct edge_test edge_tests[] = {
     {test_dw16, {LSTM, F32, 40, 128, 1, 300, 20, 0.1, HID, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, F32, 64, 128, 2, 37, 9, 0.2, H0, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, F32, 6, 128, 1, 2049, 3, 0.1, H0, AUTO, 0}, 0, false},
+    // The same products for a GRU of H < 128 in H = 128's loops.
+    {test_dw16, {GRU, F32, 64, 64, 1, 2100, 4, 0.1, HID, AUTO, 0}, 0, false},
+    {test_dw16, {GRU, F32, 40, 100, 1, 64, 33, 0.1, NONE, AUTO, 0}, 0, false},
+    {test_dw16, {GRU, BF16, 64, 64, 1, 2048, 3, 0.1, H0, AUTO, 0}, 0, false},
     // TF32 mode's products on values far from 1 (test_dw16_scales' kinds 0-5).
     {test_dw16_scales, SCALES(GRU), 0, false},
     {test_dw16_scales, SCALES(GRU), 1, false},
@@ -1060,6 +1083,8 @@ static const struct edge_test edge_tests[] = {
     {test_zfwd, {GRU, BF16, 64, 128, 1, 300, 20, 0.1, H0, AUTO, 0}, 0, false},
     {test_zfwd, {GRU, BF16, 40, 128, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
     {test_zfwd, {GRU, BF16, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0}, 0, false},
+    {test_zfwd, {GRU, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
+    {test_zfwd, {GRU, BF16, 40, 112, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
     {test_tape_align, {GRU, F32, 64, 128, 1, 5, 3, 0.0, NONE, AUTO, 0}, 0, true},
     // The per-step path's graphs: two layers (four loops), and H = 160 (the plan's own choice).
     {test_graph_reuse, {GRU, F32, 40, 48, 2, 37, 19, 0.1, H0, STEP, 0}, 0, true},

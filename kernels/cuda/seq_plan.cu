@@ -20,7 +20,7 @@
 static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4,
               "B + 7 rows of 3H floats within B rows of 4H");
 
-// A GRU of 64 <= H < 128 runs the loops of H = 128 from this many rows. H200, T = 256, H = 64,
+// A GRU of 64 <= H <= 96 runs the loops of H = 128 from this many rows. H200, T = 256, H = 64,
 // fp32 fwd+bwd: 1.30 ms against its own width's 1.67 at B = 2048; at B = 256 (T = 64) 0.34
 // against 0.28: the wider loops' step is longer, and only a full batch gains more from the fused
 // input projection and the dw16 products than it loses there. Not measured between the two.
@@ -74,7 +74,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
     // device's shared memory. Elsewhere the per-step path (and the clusters, below).
     p->HP = tune->stepwise ? 0 : rnnd__seq_persist_hp(m, dev->smem_optin);
-    // A GRU of 64 <= H < 128 (H % 4 == 0, layer 0's I <= 64) runs the loops of H = 128 on the
+    // A GRU of 64 <= H <= 96 (H % 4 == 0, layer 0's I <= 64) runs the loops of H = 128 on the
     // warpgroup MMAs and the dw16 products from SEQ_PAD128_MIN_ROWS rows, its units from H on
     // zero: their weights, biases and states are read as zeros, so are their outputs, and every
     // write is bounded by H. Its own width's mma.sync loops take x W_ih^T and the weight

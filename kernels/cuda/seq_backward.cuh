@@ -398,7 +398,7 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
         // Phase clocks (V) in the loop on the forward's z alone.
         if constexpr (Gm::G != 4 || HP != 128)
             return RNND_EINVAL;
-        else if ((!a.vec && !a.zc) || a.H != HP || (a.dw16_exp != nullptr) != Mode::SCALED ||
+        else if ((!a.vec && !a.zc) || a.H % 4 != 0 || (a.dw16_exp != nullptr) != Mode::SCALED ||
                  (a.zc && (!Mode::SCALED || !a.zc_ex)) || (V != 0 && !(a.vec && a.zc)))
             return RNND_EINVAL;
         else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment

@@ -20,11 +20,14 @@
 static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4,
               "B + 7 rows of 3H floats within B rows of 4H");
 
-// A GRU of 64 <= H <= 96 runs the loops of H = 128 from this many rows. H200, T = 256, H = 64,
-// fp32 fwd+bwd: 1.30 ms against its own width's 1.67 at B = 2048; at B = 256 (T = 64) 0.34
-// against 0.28: the wider loops' step is longer, and only a full batch gains more from the fused
-// input projection and the dw16 products than it loses there. Not measured between the two.
-#define SEQ_PAD128_MIN_ROWS 2048
+// A layer of 64 <= H <= 96 runs the loops of H = 128 from this many rows (GRU, LSTM). H200,
+// T = 256, H = 64, fp32 fwd+bwd ms in H = 128's loops against its own width's: GRU 1.20 / 1.12 at
+// B = 512, 1.19 / 1.19-1.21 at 768, 1.22 / 1.28 at 1024, 1.30 / 1.67 at 2048; LSTM 1.46 / 1.20
+// at 512, 1.49 / 1.37 at 1024, 1.51 / 1.57 at 1536, 1.56 / 1.81 at 2048. The wider loops' step
+// is longer, and only a large batch gains more from the fused input projection and the dw16
+// products than it loses there.
+#define SEQ_PAD128_GRU_ROWS  1024
+#define SEQ_PAD128_LSTM_ROWS 1536
 
 static int hp_of(int H) {
     return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;
@@ -74,13 +77,13 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // The persistent loops: the tensor-core modes at H <= 128, where both directions fit the
     // device's shared memory. Elsewhere the per-step path (and the clusters, below).
     p->HP = tune->stepwise ? 0 : rnnd__seq_persist_hp(m, dev->smem_optin);
-    // A GRU of 64 <= H <= 96 (H % 4 == 0, layer 0's I <= 64) runs the loops of H = 128 on the
-    // warpgroup MMAs and the dw16 products from SEQ_PAD128_MIN_ROWS rows, its units from H on
+    // A layer of 64 <= H <= 96 (H % 4 == 0, layer 0's I <= 64) runs the loops of H = 128 on the
+    // warpgroup MMAs and the dw16 products from SEQ_PAD128_*_ROWS rows, its units from H on
     // zero: their weights, biases and states are read as zeros, so are their outputs, and every
     // write is bounded by H. Its own width's mma.sync loops take x W_ih^T and the weight
     // gradients from cuBLAS, and at B = 2048 ran slower than H = 128 itself.
-    if (gru && p->HP > 0 && p->HP < 128 && H >= 64 && H % 4 == 0 && I <= 64 && I % 4 == 0 &&
-        B >= SEQ_PAD128_MIN_ROWS && dev->wg && !tune->no_wg && !tune->no_pad128 &&
+    if (p->HP > 0 && p->HP < 128 && H >= 64 && H % 4 == 0 && I <= 64 && I % 4 == 0 &&
+        B >= (gru ? SEQ_PAD128_GRU_ROWS : SEQ_PAD128_LSTM_ROWS) && dev->wg && !tune->no_wg && !tune->no_pad128 &&
         persist_fits(m, 128, dev->smem_optin))
         p->HP = 128;
     p->persistent = p->HP > 0;
@@ -135,13 +138,13 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     };
     // Layer 0's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks the
     // backward loop writes instead of D in fp32 (compute 9.0, bf16 or TF32 mode, vector access):
-    // the persistent loops at H = 128 with I <= 64 (the GRU's own backward, the LSTM's).
+    // the persistent loops at HP = 128 with I <= 64 (the GRU's own backward, the LSTM's).
     auto dw16 = [&](bool vec) {
         if (!dev->wg || tune->no_dw16 || m->compute == RNND_COMPUTE_IEEE || !vec)
             return false;
         if (gru)
             return recompute(0);
-        return p->persistent && H == 128 && HP == 128 && I <= 64;
+        return p->persistent && HP == 128 && H % 4 == 0 && I <= 64;
     };
     // Layer 0's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
     // bf16) instead of z rows: the backward then reads them (the GRU: also the gate planes, and

@@ -26,7 +26,7 @@
 #define RNND_TUNE_NO_DW16         16384 // weight gradients from cuBLAS, not the chunk products
 #define RNND_TUNE_NO_ZFWD         32768 // layer 0's z rows in the tape, not the forward's chunks
 #define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
-#define RNND_TUNE_NO_PAD128       131072 // GRU 64 <= H < 128, B >= 2048: the loops at their own width
+#define RNND_TUNE_NO_PAD128       131072 // 64 <= H <= 96 at a large B: the loops at their own width
 
 #define RNND_TUNE_ALL                                                                              \
     (RNND_TUNE_PHASE_CLOCKS | RNND_TUNE_STEP_NO_EARLY_X | RNND_TUNE_NO_FUSED_X |                   \

@@ -574,11 +574,12 @@ static const double dw16_tol = 1e-3, dw16_zf_tol = 2e-3;
 static bool zfwd_runs(const struct seq_case *sc, int v) {
     const bool mode = sc->compute == RNND_COMPUTE_FP32 ||
                       (sc->compute == RNND_COMPUTE_BF16 && sc->cell == RNND_CELL_GRU);
-    // H = 128, or a GRU in H = 128's loops (seq_plan.cu): 96 < H < 128, or 64 <= H <= 96 from
-    // 2048 rows.
-    const bool gru = sc->cell == RNND_CELL_GRU && sc->H % 4 == 0;
-    const bool h128 = sc->H == 128 || (gru && sc->H > 96 && sc->H < 128) ||
-                      (gru && sc->H >= 64 && sc->H <= 96 && sc->B >= 2048 && !(v & NO_PAD128));
+    // H = 128, or a layer in H = 128's loops (seq_plan.cu): 96 < H < 128, or 64 <= H <= 96 from
+    // 1024 rows (GRU) or 1536 (LSTM).
+    const bool h4 = sc->H % 4 == 0;
+    const int pad_rows = sc->cell == RNND_CELL_GRU ? 1024 : 1536;
+    const bool h128 = sc->H == 128 || (h4 && sc->H > 96 && sc->H < 128) ||
+                      (h4 && sc->H >= 64 && sc->H <= 96 && sc->B >= pad_rows && !(v & NO_PAD128));
     return gpu_sm90 && mode && h128 && sc->I % 4 == 0 && sc->I <= 64 &&
            !(v & (NO_WG | NO_FUSED_X | NO_DW16 | NO_ZFWD));
 }
@@ -845,6 +846,7 @@ static const struct seq_case quick_cases[] = {
     {LSTM, F32, 64, 256, 1, 330, 3, 0.2, HID, AUTO, 0}, // both cluster loops
     {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},   // the GRU's
     {GRU, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},   // H = 64 in H = 128's loops
+    {LSTM, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},  // the LSTM's
 };
 
 // cell, compute, I, H, L, B, T, reset probability, initial state, path, how (SEQ_*).
@@ -867,9 +869,10 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 40, 64, 2, 21, 10, 0.15, HID, AUTO, 0},
     {GRU, IEEE, 9, 7, 2, 6, 7, 0.2, HID, AUTO, 0},
     {LSTM, IEEE, 9, 33, 1, 6, 7, 0.2, H0, AUTO, 0},
-    // A GRU of H < 128 in the loops of H = 128 (units from H on zero): 96 < H at any batch,
-    // 64 <= H <= 96 from 2048 rows; both modes that take them, stored states, h0, a second
-    // layer, a partial last block; H = 64 below 2048 rows on its own width's loops.
+    // A layer of H < 128 in the loops of H = 128 (units from H on zero): 96 < H at any batch,
+    // 64 <= H <= 96 from 1024 rows (GRU) or 1536 (LSTM); both modes that take them, stored
+    // states, h0, a second layer, a partial last block; H = 64 below those on its own width's
+    // loops.
     {GRU, F32, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, SEQ_REPEAT},
     {GRU, BF16, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, 0},
     {GRU, F32, 64, 64, 1, 2100, 5, 0.1, HID, AUTO, 0},
@@ -877,7 +880,16 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {GRU, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {GRU, F32, 64, 64, 1, 2049, 3, 0.1, NONE, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 1024, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 1023, 3, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 64, 1, 64, 33, 0.1, NONE, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, SEQ_REPEAT},
+    {LSTM, BF16, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 2100, 5, 0.1, HID, AUTO, 0},
+    {LSTM, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
+    {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},
@@ -1024,6 +1036,7 @@ static const struct edge_test edge_tests[] = {
     {test_weight_outliers, {LSTM, F32, 64, 128, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 5, 7, 2, 9, 6, 0.2, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
+    {test_weight_outliers, {LSTM, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {LSTM, F32, 64, 256, 1, 33, 8, 0.1, H0, AUTO, 0}, 0, false},
     {test_weight_outliers, {GRU, F32, 64, 256, 1, 330, 8, 0.1, H0, AUTO, 0}, 0, false},
     // x rows scaled: both cluster loops with layer 0's dw256 product, I_l below 64
@@ -1056,10 +1069,13 @@ static const struct edge_test edge_tests[] = {
     {test_dw16, {LSTM, F32, 40, 128, 1, 300, 20, 0.1, HID, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, F32, 64, 128, 2, 37, 9, 0.2, H0, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, F32, 6, 128, 1, 2049, 3, 0.1, H0, AUTO, 0}, 0, false},
-    // The same products for a GRU of H < 128 in H = 128's loops.
+    // The same products for a layer of H < 128 in H = 128's loops.
     {test_dw16, {GRU, F32, 64, 64, 1, 2100, 4, 0.1, HID, AUTO, 0}, 0, false},
     {test_dw16, {GRU, F32, 40, 100, 1, 64, 33, 0.1, NONE, AUTO, 0}, 0, false},
     {test_dw16, {GRU, BF16, 64, 64, 1, 2048, 3, 0.1, H0, AUTO, 0}, 0, false},
+    {test_dw16, {LSTM, F32, 64, 64, 1, 2100, 4, 0.1, HID, AUTO, 0}, 0, false},
+    {test_dw16, {LSTM, F32, 40, 100, 1, 64, 33, 0.1, NONE, AUTO, 0}, 0, false},
+    {test_dw16, {LSTM, BF16, 64, 64, 1, 2048, 3, 0.1, H0, AUTO, 0}, 0, false},
     // TF32 mode's products on values far from 1 (test_dw16_scales' kinds 0-5).
     {test_dw16_scales, SCALES(GRU), 0, false},
     {test_dw16_scales, SCALES(GRU), 1, false},
@@ -1085,6 +1101,8 @@ static const struct edge_test edge_tests[] = {
     {test_zfwd, {GRU, BF16, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0}, 0, false},
     {test_zfwd, {GRU, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
     {test_zfwd, {GRU, BF16, 40, 112, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
+    {test_zfwd, {LSTM, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
+    {test_zfwd, {LSTM, F32, 40, 112, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
     {test_tape_align, {GRU, F32, 64, 128, 1, 5, 3, 0.0, NONE, AUTO, 0}, 0, true},
     // The per-step path's graphs: two layers (four loops), and H = 160 (the plan's own choice).
     {test_graph_reuse, {GRU, F32, 40, 48, 2, 37, 19, 0.1, H0, STEP, 0}, 0, true},

@@ -94,9 +94,9 @@ static void test_h100(void **state) {
                         "gru_h7_fp32: mma_fused_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 36, 124, 1, 17),
                         "gru_h124_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
-    // A GRU of 64 <= H < 128 runs the loops of H = 128 from 2048 rows, its units from H on zero;
-    // a second layer (I_l = H <= 64) too, recomputing its gates, with cuBLAS's weight gradients.
-    // Below 2048 rows the loops of its own width.
+    // A layer of 64 <= H < 128 runs the loops of H = 128 from 1024 rows (GRU) or 1536 (LSTM), its
+    // units from H on zero; a second layer (I_l = H <= 64) too, with cuBLAS's weight gradients
+    // (the GRU's recomputing its gates). Below those the loops of its own width.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 2048),
                         "gru_h64_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 96, 1, 2048),
@@ -104,15 +104,30 @@ static void test_h100(void **state) {
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 2, 2048),
                         "gru_h64_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
                         "wgmma_fwd gru_recompute_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 2047),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 1024),
+                        "gru_h64_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 1023),
                         "gru_h64_fp32: mma_fwd mma_bwd cublas_dw");
-    // Not below 64 units, nor with an input the loops do not fuse (I % 4 != 0), nor the LSTM.
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 2048),
+                        "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 96, 1, 2048),
+                        "lstm_h96_bf16: mma_fused_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 2, 2048),
+                        "lstm_h64_fp32_l2: [0] wgmma_fwd mma_dw16_bwd dw16_product [1] "
+                        "wgmma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 36, 124, 1, 17),
+                        "lstm_h124_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1536),
+                        "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1535),
+                        "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
+    // Not below 64 units, nor with an input the loops do not fuse (I % 4 != 0).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 60, 1, 2048),
                         "gru_h60_fp32: mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 17, 96, 1, 2048),
                         "gru_h96_fp32: mma_fused_fwd mma_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 2048),
-                        "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 17, 96, 1, 2048),
+                        "lstm_h96_fp32: mma_fused_fwd mma_bwd cublas_dw");
 }
 
 // The bench's overrides (tuning.h) reach the kernels they name, and nothing else.
@@ -138,6 +153,8 @@ static void test_overrides(void **state) {
                         "gru_h256_fp32: cluster80_fwd stepwise_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_NO_PAD128, GRU, F32, 64, 64, 1, 2048),
                         "gru_h64_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_PAD128, LSTM, F32, 64, 64, 1, 2048),
+                        "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_STEP_NO_PDL, GRU, F32, 64, 128, 1, 2048),
                         "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
 }

@@ -83,8 +83,8 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // write is bounded by H. Its own width's mma.sync loops take x W_ih^T and the weight
     // gradients from cuBLAS, and at B = 2048 ran slower than H = 128 itself.
     if (p->HP > 0 && p->HP < 128 && H >= 64 && H % 4 == 0 && I <= 64 && I % 4 == 0 &&
-        B >= (gru ? SEQ_PAD128_GRU_ROWS : SEQ_PAD128_LSTM_ROWS) && dev->wg && !tune->no_wg && !tune->no_pad128 &&
-        persist_fits(m, 128, dev->smem_optin))
+        B >= (gru ? SEQ_PAD128_GRU_ROWS : SEQ_PAD128_LSTM_ROWS) && dev->wg && !tune->no_wg &&
+        !tune->no_pad128 && persist_fits(m, 128, dev->smem_optin))
         p->HP = 128;
     p->persistent = p->HP > 0;
     const int HP = p->HP;

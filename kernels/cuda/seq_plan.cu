@@ -201,13 +201,6 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 y->fwd = SEQ_FWD_WGMMA;
                 continue;
             }
-            // A layer input wider than the fused x part (I_l > 64: a deeper layer of H > 64) in TF32
-            // mode: the same loop on x W_ih^T from one GEMM, writing the gate planes the mma.sync
-            // backward reads (the GRU's own backward takes x_l at most 64 wide).
-            if (wg && fp32 && HP == 128 && H % 4 == 0 && !y->xloop && p->vec) {
-                y->fwd = SEQ_FWD_WGMMA;
-                continue;
-            }
             // The GRU's fused TF32 loop at HP = 128 with vector access: K split over warp pairs.
             y->fwd =
                 gru && fp32 && HP == 128 && p->vec && y->xks > 0 ? SEQ_FWD_MMA_KP : SEQ_FWD_MMA;
@@ -254,7 +247,7 @@ static const char *fwd_name(const struct seq_plan *p, const struct seq_layer_pla
         case SEQ_FWD_MMA_KP:
             return "mma_kp_fwd";
         case SEQ_FWD_WGMMA:
-            return y->xks > 0 ? "wgmma_fwd" : "wgmma_xg_fwd";
+            return "wgmma_fwd";
         case SEQ_FWD_CLUSTER:
             return p->rows == 80 ? "cluster80_fwd" : "cluster64_fwd";
         default:

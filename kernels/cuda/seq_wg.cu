@@ -3,12 +3,10 @@
  * z's chunk parts, the GRU's in bf16 mode: docs/kernels.md) with warpgroup MMAs (wgmma, sm_90a only: this
  * file is built for that target alone and the host asks for it only on a compute-capability 9.0
  * device). Same arguments and outputs as the persistent forwards they replace there
- * (seq_forward.cuh's loops), with the fused input projection, or in TF32 mode with x W_ih^T from
- * one GEMM where the layer input is wider (a deeper layer's); with a tape the GRU with fused x
- * writes the z rows alone (its backward recomputes its gates), otherwise also its fp16 gate tape,
- * as the LSTM always does; at H = 128 both write z's dw16 chunk parts in place of the z rows where
- * seq.cu asks (a.zc, docs/kernels.md), and the GRU then its fp16 gate tape too (its backward
- * reads it).
+ * (seq_forward.cuh's loops), fused input projection only; with a tape the GRU writes the z rows
+ * alone (its backward recomputes its gates), the LSTM also its fp16 gate tape; at H = 128 both
+ * write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, docs/kernels.md), and
+ * the GRU then its fp16 gate tape too (its backward reads it).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -159,9 +157,7 @@ constexpr int wg_gr() {
 // gates from the z rows).
 // HID: a.hidden may be set (stored states); else a reset's state is zero.
 // HM: the MMAs' mode, mode_f16 (TF32 mode: weights, h and x rows scaled) or mode_bf16.
-// GX: x W_ih^T comes from one GEMM over all steps (a.xg; a layer input wider than the fused x
-// part's 64 columns, TF32 mode): the producer adds b_ih to it and hands it over as its own.
-template <class Cell, class HM, int V, bool Z, bool HID, bool GX>
+template <class Cell, class HM, int V, bool Z, bool HID>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool BF = !HM::SCALED;
@@ -182,7 +178,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     float *red = reinterpret_cast<float *>(smem + Gm::OFF_RED);
     float4 *xpart = reinterpret_cast<float4 *>(smem + Gm::OFF_XP);
 
-    const float wscale = BF ? 1.0f : persist_wscale(a.w_hh, GH * H, a.w_ih, GX ? 0 : GH * Il, red);
+    const float wscale = BF ? 1.0f : persist_wscale(a.w_hh, GH * H, a.w_ih, GH * Il, red);
     const float hscale = BF ? 1.0f : persist_hscale(a, red);
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
 
@@ -210,8 +206,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                     wval(wt, kw, qq, u, k));
         }
     };
-    if constexpr (!GX)
-        fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, WG_XK>());
+    fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, WG_XK>());
     if constexpr (GS > 0)
         fill_tiles(whs, a.w_hh, H, GR, GS, std::integral_constant<int, WG_HP>());
     // W_hh of the first GR gates as the consumers' A fragments: a0 = {W[u0][k], W[u0][k+1]},
@@ -266,49 +261,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         // t % 2, row-scaled in fp16 (persist_row16); x(t) W_ih^T for all 2G tiles, scaled and with
         // b_ih, into slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
-        if constexpr (GX) {
-            // Step t's x part of the consumers' elements (this thread's units and rows, as the
-            // MMA path's), loaded while the slot is still in use, plus b_ih; and the tape's z
-            // rows' 1 (their x is the layer below's output, written there).
-            for (int t = 0; t < T; t++) {
-                float2 v[2][G][4];
-#pragma unroll
-                for (int half = 0; half < 2; half++)
-#pragma unroll
-                    for (int qq = 0; qq < G; qq++)
-#pragma unroll
-                        for (int r = 0; r < 4; r++) {
-                            const int u0 = 64 * half + 16 * w + 2 * g;
-                            v[half][qq][r] = ld2(a.xg + (rb(r) + t) * GH + qq * H + u0,
-                                                 rvalid(r) && u0 < H);
-                        }
-                if (Z && a.z && x < 16 && blockIdx.x * 16 + x < a.B)
-                    *reinterpret_cast<float4 *>(a.z + ((size_t)(blockIdx.x * 16 + x) * T + t) *
-                                                          a.ldz +
-                                                H) = make_float4(1.0f, 0.0f, 0.0f, 0.0f);
-                if (t >= 2)
-                    mbar_wait(empty + (t & 1), ((t >> 1) & 1) ^ 1);
-                else if (t == 0)
-                    bar_sync(WG_BAR_WFRAG, WG_THREADS);
-#pragma unroll
-                for (int half = 0; half < 2; half++)
-#pragma unroll
-                    for (int qq = 0; qq < G; qq++) {
-                        const int u0 = 64 * half + 16 * w + 2 * g;
-                        const float b0 = bias[qq * WG_HP + u0], b1 = bias[qq * WG_HP + u0 + 1];
-                        float e[8];
-#pragma unroll
-                        for (int r = 0; r < 4; r++) {
-                            e[dix(r, 0)] = v[half][qq][r].x + b0;
-                            e[dix(r, 1)] = v[half][qq][r].y + b1;
-                        }
-                        *xp_at(t, 128 * half + x, qq, 0) = make_float4(e[0], e[1], e[2], e[3]);
-                        *xp_at(t, 128 * half + x, qq, 1) = make_float4(e[4], e[5], e[6], e[7]);
-                    }
-                mbar_arrive(full + (t & 1));
-            }
-            return;
-        }
         // A thread moves columns [cx, cx + 4) of rows 8j + x / 16 (j = 0, 1) of x: it fetches
         // and converts the same values, so no barrier comes between (docs/kernels.md).
         const int cx = 4 * (x & 15);
@@ -631,43 +583,33 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
 // The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
 // take either.
-template <class Cell, class HM, int V, bool Z, bool GX>
+template <class Cell, class HM, int V, bool Z>
 auto wg_kernel(bool hid) {
     if constexpr (Cell::G == 4 && Z)
         if (!hid)
-            return seq_wg_forward<Cell, HM, V, Z, false, GX>;
-    return seq_wg_forward<Cell, HM, V, Z, true, GX>;
-}
-
-template <class Cell, class HM, int V, bool GX>
-auto wg_kernel(bool tape, bool hid) {
-    return tape ? wg_kernel<Cell, HM, V, true, GX>(hid) : wg_kernel<Cell, HM, V, false, GX>(hid);
+            return seq_wg_forward<Cell, HM, V, Z, false>;
+    return seq_wg_forward<Cell, HM, V, Z, true>;
 }
 
 template <class Cell, class HM>
 int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
-    // Its case: vector access, z rows laid out as seq.cu does for H % 4 == 0; fused x
-    // (I_l <= 64, I_l % 4 == 0) or, in TF32 mode, x W_ih^T from a GEMM (xks == 0, no x read or
-    // copied, no chunks). The fp16 gate tape exactly when z rows or (H = 128) z chunk parts are
-    // written, but the GRU's with fused x only with the chunk parts (else its backward
+    // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
+    // I_l % 4 == 0; the LSTM with its fp16 gate tape exactly when z rows or (H = 128) z chunk
+    // parts are written, the GRU with it only with the chunk parts (else its backward
     // recomputes the gates).
-    const bool tape = a->z || a->zc, gx = a->xks == 0;
-    if (a->H > WG_HP || a->H % 4 || a->xks < 0 || a->Il < 1 || !a->vec ||
-        (gx ? !HM::SCALED || !a->xg || a->x || a->xcopy || a->zc
-            : a->Il > WG_XK || !a->x || !a->xvec) ||
-        (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
+    const bool tape = a->z || a->zc;
+    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
+        !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
         (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
-        (LSTM || gx ? !tape != !a->s : a->s && !a->zc) || (!LSTM && (a->c0 || a->cell)))
+        (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
         return RNND_EINVAL;
     const bool hid = a->hidden != nullptr;
-    auto kernel = wg_kernel<Cell, HM, 0, false>(tape, hid);
-    if constexpr (HM::SCALED)
-        if (gx)
-            kernel = wg_kernel<Cell, HM, 0, true>(tape, hid);
+    auto kernel = tape ? wg_kernel<Cell, HM, 0, true>(hid) : wg_kernel<Cell, HM, 0, false>(hid);
 #ifdef RNND_CUDA_PHASE_CLOCKS
-    if (clocks && !gx)
-        kernel = wg_kernel<Cell, HM, SEQ_CLOCKS, false>(tape, hid);
+    if (clocks)
+        kernel = tape ? wg_kernel<Cell, HM, SEQ_CLOCKS, true>(hid)
+                      : wg_kernel<Cell, HM, SEQ_CLOCKS, false>(hid);
 #else
     (void)clocks;
 #endif

@@ -890,15 +890,6 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
-    // A layer input wider than 64 in TF32 mode: the wgmma forward on x W_ih^T from cuBLAS
-    // (wgmma_xg_fwd), the mma.sync backward on its gate planes: layer 1 at H = 128, a wide x at
-    // layer 0 (I % 4 != 0 too), H < 128 in both layers, three layers with a partial last block.
-    {GRU, F32, 64, 128, 2, 70, 19, 0.1, H0, AUTO, SEQ_REPEAT},
-    {GRU, F32, 128, 128, 1, 40, 9, 0.2, NONE, AUTO, 0},
-    {GRU, F32, 130, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
-    {LSTM, F32, 200, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
-    {GRU, F32, 96, 112, 2, 33, 8, 0.1, HID, AUTO, 0},
-    {LSTM, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},

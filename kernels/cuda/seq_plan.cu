@@ -201,6 +201,16 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 y->fwd = SEQ_FWD_WGMMA;
                 continue;
             }
+            // The GRU's x part is fused up to 128 columns wide in TF32 mode (seq_wg.cu's W_ih
+            // tiles fit beside its three gates' W_hh in registers, not the LSTM's): a deeper
+            // layer at H = 128, whose backward reads the gate planes this loop then writes.
+            if (wg && gru && fp32 && HP == 128 && H % 4 == 0 && Il > HP / 2 && Il <= HP &&
+                !tune->no_fused_x && p->vec && xvec) {
+                y->xks = CEIL_DIV(Il, 8);
+                y->xloop = true;
+                y->fwd = SEQ_FWD_WGMMA;
+                continue;
+            }
             // The GRU's fused TF32 loop at HP = 128 with vector access: K split over warp pairs.
             y->fwd =
                 gru && fp32 && HP == 128 && p->vec && y->xks > 0 ? SEQ_FWD_MMA_KP : SEQ_FWD_MMA;

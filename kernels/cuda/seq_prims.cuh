@@ -370,25 +370,34 @@ static __device__ __forceinline__ float tile_row_scale(const float *rmax, int ro
     return persist_pow2_for(m, 14);
 }
 
-// A row of 64 fp32 values held by a half-warp (4 consecutive values a lane) into 16-bit HM
-// values at dst (this lane's 4), the row scaled by the power of two that puts its largest |value|
-// in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest. Returns 1/scale,
-// or 0 for a row of zeros (whose products are 0 either way; the dw16 records tell it by that).
-// In bf16 (HM unscaled, fp32's range) the row goes as it is and 1 comes back.
+// A row of 64 N fp32 values held by a half-warp (N runs of 4 consecutive values a lane) into
+// 16-bit HM values at dst[k] (this lane's run k), the row scaled by the power of two that puts its
+// largest |value| in [2^13, 2^14): as exact as TF32 for every value within 2^27 of the largest.
+// Returns 1/scale, or 0 for a row of zeros (whose products are 0 either way; the dw16 records
+// tell it by that). In bf16 (HM unscaled, fp32's range) the row goes as it is and 1 comes back.
+template <class HM, int N>
+static __device__ __forceinline__ float persist_row16(const float4 (&v)[N], void *const (&dst)[N]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; k++)
+        m = fmaxf(m,
+                  fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
+    if constexpr (HM::SCALED)
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float sc = HM::SCALED ? persist_pow2_for(m, 14) : 1.0f;
+#pragma unroll
+    for (int k = 0; k < N; k++)
+        *reinterpret_cast<uint2 *>(dst[k]) =
+            make_uint2(HM::pack2(v[k].x * sc, v[k].y * sc), HM::pack2(v[k].z * sc, v[k].w * sc));
+    return !HM::SCALED ? 1.0f : m != 0.0f ? 1.0f / sc : 0.0f;
+}
 template <class HM>
 static __device__ __forceinline__ float persist_row16(float4 v, void *dst) {
-    if constexpr (!HM::SCALED) {
-        *reinterpret_cast<uint2 *>(dst) = make_uint2(HM::pack2(v.x, v.y), HM::pack2(v.z, v.w));
-        return 1.0f;
-    }
-    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float sc = persist_pow2_for(m, 14);
-    *reinterpret_cast<uint2 *>(dst) =
-        make_uint2(HM::pack2(v.x * sc, v.y * sc), HM::pack2(v.z * sc, v.w * sc));
-    return m != 0.0f ? 1.0f / sc : 0.0f;
+    const float4 vs[1] = {v};
+    void *const ds[1] = {dst};
+    return persist_row16<HM, 1>(vs, ds);
 }
 
 // max |p[i]| over this thread's share of p[0..n) (the block's threads stride it; 0 for n = 0):

@@ -3,10 +3,11 @@
  * z's chunk parts, the GRU's in bf16 mode: docs/kernels.md) with warpgroup MMAs (wgmma, sm_90a only: this
  * file is built for that target alone and the host asks for it only on a compute-capability 9.0
  * device). Same arguments and outputs as the persistent forwards they replace there
- * (seq_forward.cuh's loops), fused input projection only; with a tape the GRU writes the z rows
- * alone (its backward recomputes its gates), the LSTM also its fp16 gate tape; at H = 128 both
- * write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc, docs/kernels.md), and
- * the GRU then its fp16 gate tape too (its backward reads it).
+ * (seq_forward.cuh's loops), fused input projection only (x at most 64 wide; the GRU's in TF32
+ * mode 128, a deeper layer's at H = 128); with a tape the GRU writes the z rows alone where its
+ * backward recomputes its gates, else also its fp16 gate tape, as the LSTM always does; at
+ * H = 128 both write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc,
+ * docs/kernels.md), and the GRU then its fp16 gate tape too (its backward reads it).
  *
  * Why: the mma.sync loops read every fp16 weight from shared memory each step (144 KB a step
  * and SM at H = 128, I = 64), the phase that sets their step. A warpgroup MMA takes its A operand
@@ -51,35 +52,40 @@ constexpr int WG_CONS = 256;                  // warpgroups 0, 1: h part, cell
 constexpr int WG_THREADS = WG_CONS + 128;     // warpgroup 2: x part (producer)
 constexpr int WG_CREGS = 200, WG_PREGS = 104; // setmaxnreg: 256 x 200 + 128 x 104 = 384 x 168
 constexpr int WG_HP = 128;                    // units (padded)
-constexpr int WG_XK = 64;                     // x columns (padded): I_l <= 64
-constexpr long WG_WIH_TILE = 64L * WG_XK * 2; // one m64 tile of W_ih: 8 KB
+constexpr int WG_XK = 64;                     // x columns (padded): I_l <= 64 (the GRU's 128)
 constexpr long WG_WHS_TILE = 64L * WG_HP * 2; // one m64 tile of W_hh: 16 KB
 constexpr long WG_HTILE = 16L * WG_HP * 2;    // 16 rows of h, fp16: 4 KB
-constexpr long WG_XTILE = 16L * WG_XK * 2;    // 16 rows of x, fp16: 2 KB
-constexpr long WG_STAGE = 16L * WG_XK * 4;    // 16 rows of x, fp32: 4 KB
 constexpr int WG_NSTAGE = 3;                  // x stages (x arrives 3 steps ahead)
 
-// Shared memory of the G-gate loop with the W_hh of GR gates in the consumers' registers: W_ih
-// (2 unit halves x G gates), W_hh of the other gates, h and x tiles, x stages, the rows' 1/x
-// scales, biases (b_ih, b_hh: 2G x WG_HP), reduction scratch, 4 mbarriers (full[2], empty[2]),
-// the x part's two slots (fp32), which first hold the consumers' W_hh fragments on their way
-// into registers and, being larger than the slots, set the size: GRU 171 KB, LSTM 220 KB (GR 2
-// or 3).
-template <int G, int GR>
+// Shared memory of the G-gate loop with the W_hh of GR gates in the consumers' registers and x
+// XK columns wide: W_ih (2 unit halves x G gates), W_hh of the other gates, h and x tiles, x
+// stages, the rows' 1/x scales, biases (b_ih, b_hh: 2G x WG_HP), reduction scratch, 4 mbarriers
+// (full[2], empty[2]), the x part's two slots (fp32), which first hold the consumers' W_hh
+// fragments on their way into registers and, being larger than the slots, set the size: GRU 171
+// KB, LSTM 220 KB (GR 2 or 3). At XK = 128 (the GRU's: 203 KB) the x tiles and stages go after
+// the slots, in the fragments' space too (UNION: the producer waits for the fragments to be read
+// before its first x).
+template <int G, int GR, int XK = WG_XK>
 struct wg_geom {
     static constexpr int GS = G - GR;
+    static constexpr bool UNION = XK > WG_XK;
+    static constexpr long WIH_TILE = 64L * XK * 2; // one m64 tile of W_ih
+    static constexpr long XTILE = 16L * XK * 2;    // 16 rows of x, fp16
+    static constexpr long STAGE = 16L * XK * 4;    // 16 rows of x, fp32
+    static constexpr long XS = 2 * XTILE + WG_NSTAGE * STAGE;
     static constexpr long XP = 2L * G * 8 * 128 * 4; // a step's x part
-    static constexpr long OFF_WHS = 2L * G * WG_WIH_TILE;
+    static constexpr long OFF_WHS = 2L * G * WIH_TILE;
     static constexpr long OFF_H = OFF_WHS + 2L * GS * WG_WHS_TILE;
-    static constexpr long OFF_X = OFF_H + 2 * WG_HTILE;
-    static constexpr long OFF_STAGE = OFF_X + 2 * WG_XTILE;
-    static constexpr long OFF_XINV = OFF_STAGE + WG_NSTAGE * WG_STAGE;
+    static constexpr long OFF_XINV = OFF_H + 2 * WG_HTILE + (UNION ? 0 : XS);
     static constexpr long OFF_BIAS = OFF_XINV + 2 * 16 * 4;
     static constexpr long OFF_RED = OFF_BIAS + 2L * G * WG_HP * 4;
     static constexpr long OFF_MBAR = OFF_RED + 32 * 4;
     static constexpr long OFF_XP = OFF_MBAR + 4 * 8;
+    static constexpr long OFF_X = UNION ? OFF_XP + 2 * XP : OFF_H + 2 * WG_HTILE;
+    static constexpr long OFF_STAGE = OFF_X + 2 * XTILE;
     static constexpr long WFRAG = GR * 8L * WG_CONS * 16;
-    static constexpr long SMEM = OFF_XP + (2 * XP > WFRAG ? 2 * XP : WFRAG);
+    static constexpr long AFTER = 2 * XP + (UNION ? XS : 0); // what follows OFF_XP
+    static constexpr long SMEM = OFF_XP + (AFTER > WFRAG ? AFTER : WFRAG);
     static_assert(SMEM <= RNND_PERSIST_SMEM_BUDGET, "wgmma loop does not fit");
 };
 
@@ -157,11 +163,11 @@ constexpr int wg_gr() {
 // gates from the z rows).
 // HID: a.hidden may be set (stored states); else a reset's state is zero.
 // HM: the MMAs' mode, mode_f16 (TF32 mode: weights, h and x rows scaled) or mode_bf16.
-template <class Cell, class HM, int V, bool Z, bool HID>
+template <class Cell, class HM, int V, bool Z, bool HID, int XK>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool BF = !HM::SCALED;
-    using Gm = wg_geom<Cell::G, wg_gr<Cell, Z, HID>()>;
+    using Gm = wg_geom<Cell::G, wg_gr<Cell, Z, HID>(), XK>;
     using TR = tape_rec<Cell, true>;
     constexpr int G = Cell::G, GR = wg_gr<Cell, Z, HID>(), GS = Gm::GS, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
@@ -206,7 +212,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                     wval(wt, kw, qq, u, k));
         }
     };
-    fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, WG_XK>());
+    fill_tiles(wih, a.w_ih, Il, 0, G, std::integral_constant<int, XK>());
     if constexpr (GS > 0)
         fill_tiles(whs, a.w_hh, H, GR, GS, std::integral_constant<int, WG_HP>());
     // W_hh of the first GR gates as the consumers' A fragments: a0 = {W[u0][k], W[u0][k+1]},
@@ -223,7 +229,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                               HM::pack2(whh(u, k + 8), whh(u, k + 9)),
                               HM::pack2(whh(u + 1, k + 8), whh(u + 1, k + 9)));
     }
-    // The x tile's padding, the x stages and the h tiles start at zero.
+    // The x tile's padding, the x stages (UNION: the producer's, below) and the h tiles start at
+    // zero.
     for (long e = threadIdx.x; e < (Gm::OFF_XINV - Gm::OFF_H) / 4; e += WG_THREADS)
         reinterpret_cast<float *>(smem + Gm::OFF_H)[e] = 0.0f;
     // Biases (zero past H), read each step: registers go to W_hh.
@@ -261,17 +268,29 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         // t % 2, row-scaled in fp16 (persist_row16); x(t) W_ih^T for all 2G tiles, scaled and with
         // b_ih, into slot t % 2 for the consumers. x(t+1)'s tile is made while step t's MMAs run.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WG_PREGS));
-        // A thread moves columns [cx, cx + 4) of rows 8j + x / 16 (j = 0, 1) of x: it fetches
-        // and converts the same values, so no barrier comes between (docs/kernels.md).
+        if constexpr (Gm::UNION) {
+            // The x tiles and stages lie in the fragments' space: once the consumers hold their
+            // fragments, the stages start at zero (past I_l and B they stay so).
+            bar_sync(WG_BAR_WFRAG, WG_THREADS);
+            for (int e = x; e < Gm::XS / 4; e += 128)
+                reinterpret_cast<float *>(smem + Gm::OFF_X)[e] = 0.0f;
+            bar_sync(WG_BAR_PROD, 128);
+        }
+        // A thread moves columns [cx + 64 k, cx + 64 k + 4) (k < XK / 64) of rows 8j + x / 16
+        // (j = 0, 1) of x: it fetches and converts the same values, so no barrier comes between
+        // (docs/kernels.md).
+        constexpr int NX = XK / 64;
         const int cx = 4 * (x & 15);
         auto fetch_x = [&](int t) {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int row = 8 * j + (x >> 4), b = blockIdx.x * 16 + row;
                 const bool ok = b < a.B; // else zeros
-                if (t < T && cx < Il)
-                    cp_async16(stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx,
-                               ok ? a.x + ((size_t)b * T + t) * a.ldx + cx : a.x, ok);
+#pragma unroll
+                for (int k = 0; k < NX; k++)
+                    if (t < T && cx + 64 * k < Il)
+                        cp_async16(stage + (t % WG_NSTAGE) * 16 * XK + row * XK + cx + 64 * k,
+                                   ok ? a.x + ((size_t)b * T + t) * a.ldx + cx + 64 * k : a.x, ok);
             }
             asm volatile("cp.async.commit_group;" ::: "memory"); // one group a step, maybe empty
         };
@@ -281,10 +300,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 #pragma unroll
             for (int j = 0; j < 2; j++) { // a half-warp a row
                 const int row = 8 * j + (x >> 4);
-                const float4 v = *reinterpret_cast<const float4 *>(
-                    stage + (t % WG_NSTAGE) * 16 * WG_XK + row * WG_XK + cx);
-                const float inv =
-                    persist_row16<HM>(v, xtile + (t & 1) * WG_XTILE + km_off(row, cx, WG_XK / 8));
+                float4 v[NX];
+                void *dst[NX];
+#pragma unroll
+                for (int k = 0; k < NX; k++) {
+                    v[k] = *reinterpret_cast<const float4 *>(stage + (t % WG_NSTAGE) * 16 * XK +
+                                                             row * XK + cx + 64 * k);
+                    dst[k] = xtile + (t & 1) * Gm::XTILE + km_off(row, cx + 64 * k, XK / 8);
+                }
+                const float inv = persist_row16<HM, NX>(v, dst);
                 if ((x & 15) == 0)
                     xinv[(t & 1) * 16 + row] = inv;
                 // The tape's z row of (row, t): x at xoff (a copy of the layer input), and the
@@ -292,8 +316,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 const int b = blockIdx.x * 16 + row;
                 if (Z && a.z && b < a.B) {
                     float *zr = a.z + ((size_t)b * T + t) * a.ldz;
-                    if (a.xcopy && cx < Il)
-                        *reinterpret_cast<float4 *>(zr + a.xoff + cx) = v;
+#pragma unroll
+                    for (int k = 0; k < NX; k++)
+                        if (a.xcopy && cx + 64 * k < Il)
+                            *reinterpret_cast<float4 *>(zr + a.xoff + cx + 64 * k) = v[k];
                     if ((x & 15) == 0)
                         *reinterpret_cast<float4 *>(zr + H) = make_float4(1.0f, 0.0f, 0.0f, 0.0f);
                 }
@@ -306,26 +332,27 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         convert_x(0);
         bar_sync(WG_BAR_PROD, 128); // x tile 0 complete, stage 0 free
         fetch_x(3);
-        const uint64_t wd = wg_desc(wih, 1024);
+        const uint64_t wd = wg_desc(wih, XK / 8 * 128);
         for (int t = 0; t < T; t++) {
-            const uint64_t xd = wg_desc(xtile + (t & 1) * WG_XTILE, 1024);
+            const uint64_t xd = wg_desc(xtile + (t & 1) * Gm::XTILE, XK / 8 * 128);
             float dx[2][G][8];
             wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < WG_XK / 16; ks++) // past I_l both operands are zero
+            for (int ks = 0; ks < XK / 16; ks++) // past I_l both operands are zero
 #pragma unroll
                 for (int tile = 0; tile < 2 * G; tile++) {
-                    const uint64_t ad = wd + (tile * WG_WIH_TILE >> 4) + 16 * ks;
+                    const uint64_t ad = wd + (tile * Gm::WIH_TILE >> 4) + 16 * ks;
                     if (ks == 0)
                         wg_mma_ss<false, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                     else
                         wg_mma_ss<true, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                 }
             wg_commit();
-            if (Z && a.zc) { // x tile t (complete since the last barrier) into chunk (block, t)
+            if (Z && XK == WG_XK && a.zc) { // x tile t (complete since the last barrier) into
+                                            // chunk (block, t)
                 unsigned char *zc =
                     static_cast<unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
-                zc_put_x<HM>(zc, xtile + (t & 1) * WG_XTILE, xinv + (t & 1) * 16,
+                zc_put_x<HM>(zc, xtile + (t & 1) * Gm::XTILE, xinv + (t & 1) * 16,
                              BF ? nullptr : a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane,
                              hscale);
             }
@@ -338,7 +365,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             wg_wait<0>();
             if (t >= 2)
                 mbar_wait(empty + (t & 1), ((t >> 1) & 1) ^ 1); // the consumers read step t-2's
-            else if (t == 0)
+            else if (t == 0 && !Gm::UNION)
                 bar_sync(WG_BAR_WFRAG, WG_THREADS); // and their W_hh fragments
 #pragma unroll
             for (int half = 0; half < 2; half++)
@@ -583,39 +610,52 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
 // The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
 // take either.
-template <class Cell, class HM, int V, bool Z>
+template <class Cell, class HM, int V, bool Z, int XK>
 auto wg_kernel(bool hid) {
     if constexpr (Cell::G == 4 && Z)
         if (!hid)
-            return seq_wg_forward<Cell, HM, V, Z, false>;
-    return seq_wg_forward<Cell, HM, V, Z, true>;
+            return seq_wg_forward<Cell, HM, V, Z, false, XK>;
+    return seq_wg_forward<Cell, HM, V, Z, true, XK>;
+}
+
+template <class Cell, class HM, int V, int XK>
+auto wg_kernel(bool tape, bool hid) {
+    return tape ? wg_kernel<Cell, HM, V, true, XK>(hid) : wg_kernel<Cell, HM, V, false, XK>(hid);
+}
+
+template <class Cell, int XK>
+int wg_smem(bool tape, bool hid) {
+    return (int)(tape ? (hid ? wg_geom<Cell::G, wg_gr<Cell, true, true>(), XK>::SMEM
+                             : wg_geom<Cell::G, wg_gr<Cell, true, false>(), XK>::SMEM)
+                      : wg_geom<Cell::G, wg_gr<Cell, false, true>(), XK>::SMEM);
 }
 
 template <class Cell, class HM>
 int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
-    // I_l % 4 == 0; the LSTM with its fp16 gate tape exactly when z rows or (H = 128) z chunk
-    // parts are written, the GRU with it only with the chunk parts (else its backward
-    // recomputes the gates).
-    const bool tape = a->z || a->zc;
-    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > WG_XK || a->Il < 1 || !a->x || !a->vec ||
+    // I_l % 4 == 0, I_l <= 64 (the GRU's in TF32 mode 128, without z chunk parts); the fp16 gate
+    // tape exactly when z rows or (H = 128) z chunk parts are written, but the GRU's only with
+    // a tape (with x at most 64 wide its backward may recompute the gates instead).
+    constexpr int XMAX = !LSTM && HM::SCALED ? 2 * WG_XK : WG_XK;
+    const bool tape = a->z || a->zc, wide = a->Il > WG_XK;
+    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > XMAX || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
-        (LSTM ? !tape != !a->s : (a->s && !a->zc) || a->c0 || a->cell))
+        (a->zc && (wide || a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
+        (LSTM ? !tape != !a->s : (a->s && !tape) || a->c0 || a->cell))
         return RNND_EINVAL;
     const bool hid = a->hidden != nullptr;
-    auto kernel = tape ? wg_kernel<Cell, HM, 0, true>(hid) : wg_kernel<Cell, HM, 0, false>(hid);
+    auto kernel = wg_kernel<Cell, HM, 0, WG_XK>(tape, hid);
+    int smem = wg_smem<Cell, WG_XK>(tape, hid);
+    if constexpr (XMAX > WG_XK)
+        if (wide)
+            kernel = wg_kernel<Cell, HM, 0, XMAX>(tape, hid), smem = wg_smem<Cell, XMAX>(tape, hid);
 #ifdef RNND_CUDA_PHASE_CLOCKS
-    if (clocks)
-        kernel = tape ? wg_kernel<Cell, HM, SEQ_CLOCKS, true>(hid)
-                      : wg_kernel<Cell, HM, SEQ_CLOCKS, false>(hid);
+    if (clocks && !wide)
+        kernel = wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK>(tape, hid);
 #else
     (void)clocks;
 #endif
-    const int smem = (int)(tape ? (hid ? wg_geom<Cell::G, wg_gr<Cell, true, true>()>::SMEM
-                                       : wg_geom<Cell::G, wg_gr<Cell, true, false>()>::SMEM)
-                                : wg_geom<Cell::G, wg_gr<Cell, false, true>()>::SMEM);
     RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<CEIL_DIV(a->B, 16), WG_THREADS, smem, stream>>>(*a);
     CUDA_LAUNCH_CHECK();

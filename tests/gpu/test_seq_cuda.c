@@ -890,6 +890,15 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
+    // The GRU's wgmma forward with x 64 < I_l <= 128 wide (TF32), the mma.sync backward on its
+    // gate planes: layer 1 at H = 128, a wide x at layer 0, H < 128 in both layers, three
+    // layers with a partial last block; x past 128 (and the LSTM) on the mma.sync forward.
+    {GRU, F32, 64, 128, 2, 70, 19, 0.1, H0, AUTO, SEQ_REPEAT},
+    {GRU, F32, 128, 128, 1, 40, 9, 0.2, NONE, AUTO, 0},
+    {GRU, F32, 100, 112, 2, 33, 8, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
+    {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},

@@ -29,6 +29,13 @@ static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4
 #define SEQ_PAD128_GRU_ROWS  1024
 #define SEQ_PAD128_LSTM_ROWS 1536
 
+// The GRU's wgmma forward fuses x 64 < I_l <= 128 wide from this many rows. H200, H = 128, two
+// layers (layer 1's I_l = 128), fp32 fwd+bwd ms against the mma.sync forward on cuBLAS's x W_ih^T:
+// 0.875-0.879 / 0.855-0.857 at B = 256 (T = 64), 3.23-3.24 / 3.24-3.25 at 512, 3.41-3.45 /
+// 3.54-3.57 at 1024, 4.10-4.13 / 4.52-4.55 at 2048 (T = 256): the fused x part's producer, twice
+// as long, costs the small batch more than the product through memory does.
+#define SEQ_WIDE_X_MIN_ROWS 512
+
 static int hp_of(int H) {
     return H <= 32 ? 32 : H <= 64 ? 64 : H <= 96 ? 96 : 128;
 }
@@ -201,11 +208,12 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                 y->fwd = SEQ_FWD_WGMMA;
                 continue;
             }
-            // The GRU's x part is fused up to 128 columns wide in TF32 mode (seq_wg.cu's W_ih
-            // tiles fit beside its three gates' W_hh in registers, not the LSTM's): a deeper
-            // layer at H = 128, whose backward reads the gate planes this loop then writes.
-            if (wg && gru && fp32 && HP == 128 && H % 4 == 0 && Il > HP / 2 && Il <= HP &&
-                !tune->no_fused_x && p->vec && xvec) {
+            // The GRU's x part is fused up to 128 columns wide (seq_wg.cu's W_ih tiles fit beside
+            // its three gates' W_hh in registers, not the LSTM's) from SEQ_WIDE_X_MIN_ROWS rows,
+            // in either mode: a deeper layer at H = 128, whose backward reads the gate planes
+            // this loop then writes.
+            if (dev->wg && !tune->no_wg && gru && HP == 128 && H % 4 == 0 && Il > HP / 2 &&
+                Il <= HP && B >= SEQ_WIDE_X_MIN_ROWS && !tune->no_fused_x && p->vec && xvec) {
                 y->xks = CEIL_DIV(Il, 8);
                 y->xloop = true;
                 y->fwd = SEQ_FWD_WGMMA;

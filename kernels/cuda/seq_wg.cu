@@ -3,8 +3,8 @@
  * z's chunk parts, the GRU's in bf16 mode: docs/kernels.md) with warpgroup MMAs (wgmma, sm_90a only: this
  * file is built for that target alone and the host asks for it only on a compute-capability 9.0
  * device). Same arguments and outputs as the persistent forwards they replace there
- * (seq_forward.cuh's loops), fused input projection only (x at most 64 wide; the GRU's in TF32
- * mode 128, a deeper layer's at H = 128); with a tape the GRU writes the z rows alone where its
+ * (seq_forward.cuh's loops), fused input projection only (x at most 64 wide; the GRU's 128, a
+ * deeper layer's at H = 128); with a tape the GRU writes the z rows alone where its
  * backward recomputes its gates, else also its fp16 gate tape, as the LSTM always does; at
  * H = 128 both write z's dw16 chunk parts in place of the z rows where seq.cu asks (a.zc,
  * docs/kernels.md), and the GRU then its fp16 gate tape too (its backward reads it).
@@ -634,10 +634,10 @@ template <class Cell, class HM>
 int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
-    // I_l % 4 == 0, I_l <= 64 (the GRU's in TF32 mode 128, without z chunk parts); the fp16 gate
+    // I_l % 4 == 0, I_l <= 64 (the GRU's 128, without z chunk parts); the fp16 gate
     // tape exactly when z rows or (H = 128) z chunk parts are written, but the GRU's only with
     // a tape (with x at most 64 wide its backward may recompute the gates instead).
-    constexpr int XMAX = !LSTM && HM::SCALED ? 2 * WG_XK : WG_XK;
+    constexpr int XMAX = LSTM ? WG_XK : 2 * WG_XK;
     const bool tape = a->z || a->zc, wide = a->Il > WG_XK;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > XMAX || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||

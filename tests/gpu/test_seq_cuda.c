@@ -847,6 +847,7 @@ static const struct seq_case quick_cases[] = {
     {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},   // the GRU's
     {GRU, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},   // H = 64 in H = 128's loops
     {LSTM, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},  // the LSTM's
+    {GRU, F32, 64, 128, 2, 520, 2, 0.2, H0, AUTO, 0},   // layer 1's x fused 128 wide
 };
 
 // cell, compute, I, H, L, B, T, reset probability, initial state, path, how (SEQ_*).
@@ -890,12 +891,16 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
-    // The GRU's wgmma forward with x 64 < I_l <= 128 wide (TF32), the mma.sync backward on its
-    // gate planes: layer 1 at H = 128, a wide x at layer 0, H < 128 in both layers, three
-    // layers with a partial last block; x past 128 (and the LSTM) on the mma.sync forward.
-    {GRU, F32, 64, 128, 2, 70, 19, 0.1, H0, AUTO, SEQ_REPEAT},
-    {GRU, F32, 128, 128, 1, 40, 9, 0.2, NONE, AUTO, 0},
-    {GRU, F32, 100, 112, 2, 33, 8, 0.1, HID, AUTO, 0},
+    // The GRU's wgmma forward with x 64 < I_l <= 128 wide (both modes, from 512 rows), the mma.sync
+    // backward on its gate planes: layer 1 at H = 128, a wide x at layer 0, H < 128 in both
+    // layers, three layers with a partial last block; x past 128, fewer rows (and the LSTM) on
+    // the mma.sync forward.
+    {GRU, F32, 64, 128, 2, 530, 19, 0.1, H0, AUTO, SEQ_REPEAT},
+    {GRU, F32, 128, 128, 1, 520, 9, 0.2, NONE, AUTO, 0},
+    {GRU, F32, 100, 112, 2, 600, 8, 0.1, HID, AUTO, 0},
+    {GRU, F32, 64, 128, 2, 70, 19, 0.1, H0, AUTO, 0},
+    {GRU, BF16, 64, 128, 2, 530, 9, 0.1, HID, AUTO, 0},
+    {GRU, BF16, 96, 128, 1, 520, 7, 0.2, H0, AUTO, 0},
     {GRU, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
     {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
     {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},

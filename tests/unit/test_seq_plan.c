@@ -121,14 +121,16 @@ static void test_h100(void **state) {
                         "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1535),
                         "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
-    // The GRU's wgmma forward fuses x up to 128 wide in TF32 mode (layer 1 at H = 128, or a wide
-    // x), its backward then the mma.sync loop on the gate planes; not the LSTM's, nor in bf16.
+    // The GRU's wgmma forward fuses x up to 128 wide from 512 rows (layer 1 at H = 128, or a
+    // wide x), its backward then the mma.sync loop on the gate planes; not the LSTM's.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
                         "wgmma_fwd mma_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 64),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 512),
                         "gru_h100_fp32: wgmma_fwd mma_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 132, 128, 1, 64),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 511),
+                        "gru_h100_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 132, 128, 1, 2048),
                         "gru_h128_fp32: mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_NO_FUSED_X, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: [0] mma_fwd gru_recompute_dw16_bwd dw16_product [1] "
@@ -138,7 +140,7 @@ static void test_h100(void **state) {
                         "mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 128, 2, 2048),
                         "gru_h128_bf16_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
-                        "mma_fwd mma_bwd cublas_dw");
+                        "wgmma_fwd mma_bwd cublas_dw");
     // Not below 64 units, nor with an input the loops do not fuse (I % 4 != 0).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 60, 1, 2048),
                         "gru_h60_fp32: mma_fwd mma_bwd cublas_dw");

@@ -348,8 +348,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                         wg_mma_ss<true, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                 }
             wg_commit();
-            if (Z && XK == WG_XK && a.zc) { // x tile t (complete since the last barrier) into
-                                            // chunk (block, t)
+            // x tile t (complete since the last barrier) into chunk (block, t): at XK = 64 only.
+            if (Z && XK == WG_XK && a.zc) {
                 unsigned char *zc =
                     static_cast<unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
                 zc_put_x<HM>(zc, xtile + (t & 1) * Gm::XTILE, xinv + (t & 1) * 16,

@@ -76,7 +76,7 @@ void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct seq_plan *p,
                                   ? (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
                                   : 0;
             size_t zc = p->z_dw16
-                            ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z + ex
+                            ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z(64) + ex
                             : (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
             zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
         }
@@ -595,11 +595,11 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.dbg = c->d_dbg;
             if (zc) { // the chunks past the loop's (whole stages for the product) hold zeros
                 const size_t nch = (size_t)CEIL_DIV(B, 16) * T;
-                RNND_CUDA_TRY(cudaMemsetAsync((char *)z + nch * RNND_DW16_Z, 0,
-                                              (dw_pitch - nch) * RNND_DW16_Z, c->stream));
+                RNND_CUDA_TRY(cudaMemsetAsync((char *)z + nch * RNND_DW16_Z(64), 0,
+                                              (dw_pitch - nch) * RNND_DW16_Z(64), c->stream));
                 a.z = nullptr, a.zc = z;
                 if (m->compute == RNND_COMPUTE_FP32) // x's exponents
-                    a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+                    a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z(64));
             }
             RNND_TRY(persist_forward(c, m, p, y, a));
         } else {
@@ -704,13 +704,23 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     int max_ldz = 0;
     for (int l = 0; l < L; l++)
         max_ldz = lay.layer[l].ldz > max_ldz ? lay.layer[l].ldz : max_ldz;
-    // Layer 0 alone takes the chunk products: the layers above have I_l = H, more than the
-    // chunks hold. Its z in the tape as chunk parts (plan.zfwd) whatever the gradients' alignment.
+    // The layers on the dw16 chunks share one space, in turn: D's four planes and z's parts (x
+    // as wide as the layer's I_l needs), but layer 0's z in the tape as chunk parts (plan.zfwd)
+    // whatever the gradients' alignment.
     const bool zc = p.zfwd;
-    const bool dw16 = p.layer[0].dw == SEQ_DW_DW16;
+    bool dw16 = false;
+    long dw_z = 0, dw_nz = 0; // the largest z part in the space, z's columns
+    for (int l = 0; l < L; l++)
+        if (p.layer[l].dw == SEQ_DW_DW16) {
+            const int xk = RNND_DW16_XK(lay.layer[l].Il);
+            dw16 = true;
+            dw_nz = RNND_DW16_NZ(xk) > dw_nz ? RNND_DW16_NZ(xk) : dw_nz;
+            if (!(l == 0 && zc))
+                dw_z = RNND_DW16_Z(xk) > dw_z ? RNND_DW16_Z(xk) : dw_z;
+        }
     const bool dw_exp = dw16 && m->compute == RNND_COMPUTE_FP32; // fp16 chunks, their records
     const int dw_ks = c->dev.num_sms / 4, dw_pitch = seq_dw16_pitch(c, B, T);
-    const size_t dw_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + (zc ? 0 : RNND_DW16_Z));
+    const size_t dw_bytes = (size_t)dw_pitch * (4 * RNND_DW16_D + dw_z);
     size_t d_bytes = BT * 4 * H * sizeof(float);
     if (dw16 && dw_bytes > d_bytes)
         d_bytes = dw_bytes;
@@ -739,8 +749,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         gs.hidden = staged(grads->hidden, blh * T);
         gs.cell = staged(grads->cell, blh * T);
         d = (float *)cuda_carve(&cv, d_bytes);
-        dw_part = (float *)cuda_carve(
-            &cv, dw16 ? (size_t)dw_ks * 4 * RNND_DW16_MP * RNND_DW16_NZ * sizeof(float) : 0);
+        dw_part =
+            (float *)cuda_carve(&cv, (size_t)dw_ks * 4 * RNND_DW16_MP * dw_nz * sizeof(float));
         dw_rec = (int16_t *)cuda_carve(&cv, dw_exp ? (size_t)dw_pitch * RNND_DW16_E : 0);
         cz_d = (char *)cuda_carve(&cv, (size_t)cz_pitch * 8 * RNND_DW16_D);
         cz_rec = (int16_t *)cuda_carve(&cv, (size_t)cz_pitch * 4 * 16 * sizeof(int16_t));
@@ -822,20 +832,19 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             if (y.d_chunks) {
                 // The chunks past the loop's (whole stages for the product) hold zeros.
                 size_t nch = (size_t)CEIL_DIV(B, 16) * T, pad = dw_pitch - nch;
+                const long zb = RNND_DW16_Z(RNND_DW16_XK(ly->Il));
                 char *base = (char *)d;
                 if (pad > 0) // D's four planes at once
                     RNND_CUDA_TRY(cudaMemset2DAsync(base + nch * RNND_DW16_D,
                                                     dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D, 4,
                                                     c->stream));
-                if (zc) { // the forward's, and its padding
+                if (zc && l == 0) { // the forward's, and its padding
                     a.zc = z;
                     if (dw_exp) // x's exponents
-                        a.zc_ex =
-                            (const int16_t *)((const char *)z + (size_t)dw_pitch * RNND_DW16_Z);
+                        a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * zb);
                 } else
-                    RNND_CUDA_TRY(
-                        cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D + nch * RNND_DW16_Z, 0,
-                                        pad * RNND_DW16_Z, c->stream));
+                    RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D + nch * zb, 0,
+                                                  pad * zb, c->stream));
                 if (dw_exp) // RNND_DW16_EZERO and less in every field
                     RNND_CUDA_TRY(cudaMemsetAsync((char *)dw_rec + nch * RNND_DW16_E, 0x80,
                                                   pad * RNND_DW16_E, c->stream));
@@ -880,7 +889,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                                              c->stream));
             } else {
                 const char *dloop = (const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D;
-                const void *dz = zc ? (const void *)z : (const void *)dloop; // z's parts
+                const void *dz = zc && l == 0 ? (const void *)z : (const void *)dloop; // z's parts
                 struct dw16_args dw = {d,       dz,         dw_pitch, dw_ks, H,     ly->Il, !lstm,
                                        dw_part, a.dw16_exp, gw_ih,    gw_hh, gb_ih, gb_hh};
                 RNND_TRY(rnnd__dw16_product(&dw, c->stream));

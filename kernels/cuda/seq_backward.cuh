@@ -21,14 +21,17 @@
 // [2^13, 2^14) (the row scales: as exact as TF32 for values within 2^27 of it); the warps' row
 // maxima meet in shared memory across the step's first barrier, the tile is written after it,
 // and a second barrier precedes the MMAs (docs/kernels.md).
-// DW (LSTM): D and z leave as dw16 chunks (seq_chunks.h) instead of D in fp32; the loop then
-// loads each row's hprev and (warps 0-3) x, which z holds. bf16 mode: bf16. TF32 mode: fp16 with
-// exponent records, D scaled by (row, warp) group, h by the block's bound (persist_hscale) and
-// x by its row's largest |x| (warps 0-3's group maxima exchanged in shared memory, xm, across
-// the step's first barrier).
-// ZF (TF32 mode, with DW): the forward wrote z's chunk parts and x's exponents (a.zc_ex); the
-// loop writes D's parts and the records alone, and reads no z rows (docs/kernels.md).
-template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool DW = false, bool ZF = false>
+// DW (HP = 128): D and z leave as dw16 chunks (seq_chunks.h) instead of D in fp32, z's x part XK
+// columns wide (RNND_DW16_XK(I_l)); the loop then loads each row's hprev and (warps 0 to XK/16 - 1,
+// 16 columns each) x, which z holds. bf16 mode: bf16. TF32 mode: fp16 with exponent records, D
+// scaled by (row, warp) group, h by the block's bound (persist_hscale) and x by its row's largest
+// |x| (the x warps' group maxima exchanged in shared memory, xm, across the step's first barrier),
+// or (XB, a layer above 0, whose x is the layer below's h) by the layer below's bound, as h is.
+// ZF (TF32 mode, with DW; the LSTM's layer 0): the forward wrote z's chunk parts and x's exponents
+// (a.zc_ex); the loop writes D's parts and the records alone, and reads no z rows
+// (docs/kernels.md).
+template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool DW = false, bool ZF = false,
+          int XK = 64, bool XB = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_backward_kernel(const struct persist_bwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -59,12 +62,19 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
     constexpr bool DWF = DW && Mode::SCALED;
-    static_assert(!ZF || DWF, "z from the forward: TF32 mode's chunks");
-    constexpr bool XF = DWF && !ZF; // x's scales from the loop's own x, across the barrier
-    float hscale = 1.0f;
+    static_assert(!ZF || (DWF && XK == 64), "z from the forward: TF32 mode's chunks, layer 0's");
+    static_assert(!XB || (DWF && !ZF), "x by a bound: TF32 mode's x from the z rows");
+    static_assert(!DW || (HP == 128 && (XK == 64 || XK == 128)), "the dw16 chunks' widths");
+    // The warps that hold x's columns (16 each), and the one that writes the constant.
+    constexpr int XW = XK / 16, CW = XW < NW ? XW : 0;
+    constexpr bool XF = DWF && !ZF && !XB; // x's scales from the loop's own x, across the barrier
+    float hscale = 1.0f, xscale = 1.0f;
     if constexpr (DWF)
-        hscale = persist_hscale(a, reinterpret_cast<float *>(tile));
-    float *xm = rmax + NW * 16; // DWF: [4][16]
+        hscale = persist_hscale(a, a.l, reinterpret_cast<float *>(tile));
+    if constexpr (XB)
+        xscale = persist_hscale(a, a.l - 1, reinterpret_cast<float *>(tile));
+    const int xexp = -pow2_log(xscale); // XB: every row's x exponent
+    float *xm = rmax + NW * 16;         // DWF: [XW][16]
 #pragma unroll 4
     for (int ks = 0; ks < KSW; ks++) {
         uint32_t o[Gm::B_WPL];
@@ -107,7 +117,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     uint2 svh[SHP > 0 ? SHP : 1][2];
     int reset[2];
     int zex[2], zexr; // ZF: x's exponents of rows g, g + 8 and (warp 4's record) of row lane % 16
-    // DW: x columns 16w + 2tg, +1, +8, +9 (warps 0-3), so that dw16_put leaves them in order.
+    // DW: x columns 16w + 2tg, +1, +8, +9 (warps below XW), so that dw16_put leaves them in order.
     const int xc = 16 * w + 2 * tg;
     auto load_step = [&](int t) {
 #pragma unroll
@@ -136,7 +146,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int col = xc + (j & 1) + 8 * (j >> 1);
-                    xv[i][j] = rv[i] && w < 4 && col < a.Il ? __ldg(x + col) : 0.0f;
+                    xv[i][j] = rv[i] && w < XW && col < a.Il ? __ldg(x + col) : 0.0f;
                 }
             }
             reset[i] = ld_flag(a.is_init + r, rv[i]);
@@ -144,7 +154,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     };
     // DWF: the scale of row r's x (its largest |x| into [2^13, 2^14)) and its exponent ex.
     auto x_scale = [&](int r, int &ex) {
-        return dw16_scale(fmaxf(fmaxf(xm[r], xm[16 + r]), fmaxf(xm[32 + r], xm[48 + r])), ex);
+        float m = xm[r];
+#pragma unroll
+        for (int k = 1; k < XW; k++)
+            m = fmaxf(m, xm[16 * k + r]);
+        return dw16_scale(m, ex);
     };
     load_step(T - 1);
     // The warp's first k-steps of weights, 48 words a lane, stay in registers (12 of 24 GRU
@@ -212,22 +226,23 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     HM::put4(tile + (g + 8 * i) * LDA + q * HP + u0, tv[q][i]);
             }
             if constexpr (DW) {
-                // D's 4 planes and z's h part of this row half (rows past B: zeros); bf16
-                // mode: x's by warps 0-3, the constant 1 (z's column 192) by warp 4. TF32 mode
-                // (DWF): D scaled by group, h by the block's bound; x's group maxima into xm,
-                // x and the constant after the barrier (below).
+                // D's 4 planes and z's h part of this row half (rows past B: zeros); x's by the
+                // warps below XW, the constant (z's column 128 + XK: 1, or TF32 mode's h scale)
+                // by warp CW. TF32 mode (DWF): D scaled by group, h by the block's bound, x by
+                // the layer below's (XB); else (XF) x's group maxima into xm, x and the constant
+                // after the barrier (below).
                 float ds = 1.0f;
                 if constexpr (DWF) {
                     const float *const pl[4] = {dv[0][i], dv[1][i], dv[2][i], dv[3][i]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
-                unsigned char *zc = dw16_put_dh<DWF, !ZF>(
+                unsigned char *zc = dw16_put_dh<XK, DWF, !ZF>(
                     a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
                     [&](int p) -> const float * { return dv[p][i]; }, hp[i], ds, hscale);
                 if constexpr (ZF) {
                     (void)zc;
-                } else if constexpr (DWF) {
-                    if (w < 4) {
+                } else if constexpr (XF) {
+                    if (w < XW) {
                         float m = fmaxf(fmaxf(fabsf(xv[i][0]), fabsf(xv[i][1])),
                                         fmaxf(fabsf(xv[i][2]), fabsf(xv[i][3])));
                         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
@@ -235,10 +250,15 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                         if (tg == 0)
                             xm[w * 16 + g + 8 * i] = m;
                     }
-                } else if (w < 4) {
-                    dw16_put(zc + (16 + 2 * w) * 256, xv[i], lane);
-                } else if (w == 4) {
-                    dw16_put_one(zc + 24 * 256, lane);
+                } else {
+                    const float v[4] = {xv[i][0] * xscale, xv[i][1] * xscale, xv[i][2] * xscale,
+                                        xv[i][3] * xscale};
+                    __half2 hs = __float2half2_rn(hscale);
+                    if (w < XW)
+                        dw16_put<DWF>(zc + (16 + 2 * w) * 256, v, lane);
+                    if (w == CW)
+                        dw16_put_one(zc + (16 + XK / 8) * 256, lane,
+                                     DWF ? *reinterpret_cast<uint32_t *>(&hs) : 0x3F803F80u);
                 }
             } else {
                 size_t r = rbase[i] + t;
@@ -250,6 +270,11 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         if constexpr (ZF)
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
                         zex, -pow2_log(hscale), zexr);
+        if constexpr (XB) {
+            const int xe[2] = {xexp, xexp};
+            dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
+                        xe, -pow2_log(hscale), xexp);
+        }
         if (t > 0 && !XF && !HM::SCALED)
             load_step(t - 1); // in flight during the MMA
         clk.mark(1);
@@ -259,18 +284,19 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             // constant (the h scale) and the record; then the next step's loads.
             unsigned char *zc = static_cast<unsigned char *>(a.dw16) +
                                 4 * (size_t)a.dw16_pitch * RNND_DW16_D +
-                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(XK);
             int exr;
             x_scale(lane & 15, exr);
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const float xs = x_scale(g + 8 * i, ex[i]);
-                if (w < 4) {
+                if (w < XW) {
                     const float v[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs, xv[i][3] * xs};
                     dw16_put<true>(zc + i * 128 + (16 + 2 * w) * 256, v, lane);
-                } else if (w == 4) {
+                }
+                if (w == CW) {
                     __half2 one = __float2half2_rn(hscale);
-                    dw16_put_one(zc + i * 128 + 24 * 256, lane,
+                    dw16_put_one(zc + i * 128 + (16 + XK / 8) * 256, lane,
                                  *reinterpret_cast<uint32_t *>(&one));
                 }
             }
@@ -394,20 +420,36 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
         if (!a.vec)
             kernel = seq_backward_kernel<Cell, Mode, HP, false, 0>;
     long smem = Gm::B_SMEM;
-    if (a.dw16) { // the LSTM; vector access or (ZF) any; TF32 with records
-        // Phase clocks (V) in the loop on the forward's z alone.
-        if constexpr (Gm::G != 4 || HP != 128)
+    if (a.dw16) { // HP = 128, vector access or (ZF) any; TF32 with records
+        if constexpr (HP != 128) {
             return RNND_EINVAL;
-        else if ((!a.vec && !a.zc) || a.H % 4 != 0 || (a.dw16_exp != nullptr) != Mode::SCALED ||
-                 (a.zc && (!Mode::SCALED || !a.zc_ex)) || (V != 0 && !(a.vec && a.zc)))
-            return RNND_EINVAL;
-        else if constexpr (Mode::SCALED) // z from the forward: any gradients' alignment
-            kernel = !a.zc   ? seq_backward_kernel<Cell, Mode, HP, true, 0, true>
-                     : a.vec ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
-                             : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
-        else
-            kernel = seq_backward_kernel<Cell, Mode, HP, true, 0, true>;
-        smem += Mode::SCALED && !a.zc ? 4 * 16 * sizeof(float) : 0; // xm
+        } else {
+            const int xk = RNND_DW16_XK(a.Il);
+            if (a.H % 4 != 0 || a.Il < 1 || a.Il > 128 || (a.dw16_exp != nullptr) != Mode::SCALED)
+                return RNND_EINVAL;
+            if (a.zc) { // the LSTM's layer 0 on the forward's z: any gradients' alignment
+                if constexpr (!Mode::SCALED || Gm::G != 4)
+                    return RNND_EINVAL;
+                else if (!a.zc_ex || xk != 64 || (V != 0 && !a.vec))
+                    return RNND_EINVAL;
+                else
+                    kernel = a.vec ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
+                                   : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
+            } else if (!a.vec) {
+                return RNND_EINVAL;
+            } else { // phase clocks (V) in the loop on the forward's z alone
+                // TF32 mode above layer 0: x is the layer below's h, scaled by its bound (XB).
+                const bool xb = Mode::SCALED && a.l > 0;
+                kernel = xk == 64
+                             ? (xb ? seq_backward_kernel<Cell, Mode, HP, true, 0, true, false, 64,
+                                                         Mode::SCALED>
+                                   : seq_backward_kernel<Cell, Mode, HP, true, 0, true, false, 64>)
+                         : xb ? seq_backward_kernel<Cell, Mode, HP, true, 0, true, false, 128,
+                                                    Mode::SCALED>
+                              : seq_backward_kernel<Cell, Mode, HP, true, 0, true, false, 128>;
+                smem += Mode::SCALED && !xb ? xk * sizeof(float) : 0; // xm
+            }
+        }
     }
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));

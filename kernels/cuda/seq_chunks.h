@@ -17,16 +17,18 @@
 // (n / 8) 256 + (r / 8) 128 + (n % 8) 16 + (r % 8) 2 bytes; TF32 mode's D row-major within
 // its core matrices: (r % 8) 16 + (n % 8) 2, which the loops store without a transpose). D: 4
 // planes of H = 128 columns, plane p of chunk c at (p pitch + c) RNND_DW16_D bytes; z:
-// RNND_DW16_NZ columns (h's 128, x's 64 padded with zeros, the constant 1, zeros), chunk c at
-// 4 pitch RNND_DW16_D + c RNND_DW16_Z (or, written by the forward, in its tape: dw16_args.z).
+// RNND_DW16_NZ(xk) columns (h's 128, x's xk = RNND_DW16_XK(I_l) padded with zeros, the constant
+// 1, zeros), chunk c at 4 pitch RNND_DW16_D + c RNND_DW16_Z(xk) (or, written by the forward, in
+// its tape: dw16_args.z; layer 0, xk = 64).
 // Within each 16 columns of D and of z's h, the order is the loop's (movmatrix):
 // 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15. Chunks from the loop's last to pitch
 // (a multiple of the product's stage, RNND_DW16_CH, times its CTAs a plane) must be zeros.
-#define RNND_DW16_MP 128 // D's columns a plane, whatever the layer's H (<= 128)
-#define RNND_DW16_D  4096L
-#define RNND_DW16_NZ 200
-#define RNND_DW16_Z  (RNND_DW16_NZ * 32L)
-#define RNND_DW16_CH 4
+#define RNND_DW16_MP     128 // D's columns a plane, whatever the layer's H (<= 128)
+#define RNND_DW16_D      4096L
+#define RNND_DW16_XK(il) ((il) <= 64 ? 64 : 128) // z's x columns for a layer input I_l <= 128
+#define RNND_DW16_NZ(xk) (136 + (xk))            // 200 or 264
+#define RNND_DW16_Z(xk)  (RNND_DW16_NZ(xk) * 32L)
+#define RNND_DW16_CH     4
 // In TF32 mode the loops write the chunks in fp16, every value scaled by a power of two, and
 // chunk c's exponents as a record of int16 at exp + c RNND_DW16_E bytes:
 //   [0, 128)   eD[w][r]: D = D' 2^eD in row r's group w (warp w's 16 units of all 4 planes),
@@ -45,9 +47,9 @@ struct dw16_args {
     const void *z;      // z's parts: chunks + 4 pitch RNND_DW16_D, or the forward's (zc)
     int pitch;          // chunks a plane
     int ks;             // CTAs a plane (pitch is a multiple of ks x RNND_DW16_CH)
-    int H, Il;          // the layer: H % 4 == 0, H <= 128 (zeros past H), I_l <= 64
+    int H, Il;          // the layer: H % 4 == 0, H <= 128 (zeros past H), I_l <= 128
     bool gru;           // D's planes are the GRU's (r, z, n's hidden side, n's input side)
-    float *part;        // ks x 4 RNND_DW16_MP x RNND_DW16_NZ floats of scratch
+    float *part;        // ks x 4 RNND_DW16_MP x RNND_DW16_NZ(xk) floats of scratch
     const int16_t *exp; // TF32 mode: the chunks' exponent records, or NULL (bf16)
     float *gw_ih, *gw_hh, *gb_ih, *gb_hh; // out, +=: the layer's parameter gradients
 };

@@ -9,12 +9,12 @@
  * fetched by bulk copies take 0.27 ms (0.747 GB at 2.76 TB/s; docs/kernels.md, probes/dw16.cu).
  *
  * Shape: CTA (plane p, K range s): D's plane p (M = 128 columns) against all of z's N = 200
- * columns over its chunks (K = 16 rows each, one k-step). Two consumer warpgroups, m64 each,
- * hold 100 fp32 accumulators a thread (m64n200k16); one producer lane brings RNND_DW16_CH chunks
- * a stage by two bulk copies (three with the records) into DW_NST stages (mbarriers full /
- * empty). Each CTA writes its partial product; a second kernel sums the ks partials in a fixed
- * order (runs repeat bitwise) and adds each sum into the parameter gradient it belongs to,
- * undoing the chunks' column order.
+ * columns (264 where x is 128 wide) over its chunks (K = 16 rows each, one k-step). Two consumer
+ * warpgroups, m64 each, hold 100 (132) fp32 accumulators a thread; one producer lane brings
+ * RNND_DW16_CH chunks a stage by two bulk copies (three with the records) into DW_NST stages
+ * (mbarriers full / empty). Each CTA writes its partial product; a second kernel sums the ks
+ * partials in a fixed order (runs repeat bitwise) and adds each sum into the parameter gradient it
+ * belongs to, undoing the chunks' column order.
  */
 #include "common.cuh"
 #include "seq_chunks.h"
@@ -26,9 +26,15 @@ namespace {
 
 constexpr int DW_NST = 4;           // stages
 constexpr int DW_MP = RNND_DW16_MP; // D's columns a plane
-constexpr long DW_STAGE = RNND_DW16_CH * (RNND_DW16_D + RNND_DW16_Z);
-constexpr long DW_SMEM = DW_NST * DW_STAGE + 2 * DW_NST * 8;
-constexpr int DW_THREADS = 288; // 8 consumer warps, 1 producer warp
+constexpr int DW_THREADS = 288;     // 8 consumer warps, 1 producer warp
+// The product's sizes for z's x part XK columns wide (64: 206 KB of shared memory in TF32 mode).
+template <int XK>
+struct dw_geom {
+    static constexpr int NZ = RNND_DW16_NZ(XK), NACC = NZ / 2;
+    static constexpr long Z = RNND_DW16_Z(XK);
+    static constexpr long STAGE = RNND_DW16_CH * (RNND_DW16_D + Z); // without the records
+    static constexpr long SMEM = DW_NST * STAGE + 2 * DW_NST * 8;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The accumulators d[o..o+4) and d[o..o+32) as asm operands.
@@ -52,14 +58,33 @@ __device__ __forceinline__ void mma_n200(float (&d)[100], uint64_t a, uint64_t b
                  : RNND_D32(0), RNND_D32(32), RNND_D32(64), RNND_D4(96)
                  : "l"(a), "l"(b));
 }
-// d += A B, m64 nN k16, fp16, A from registers (this warp's 16 rows), B in shared memory:
-// K-major, or N-major where TB (dw256's z pieces).
-template <bool TB = false>
-__device__ __forceinline__ void mma_f16_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RNND_P64
-                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;\n"
+// The same at n128 and n8 (z's 264 columns: past one MMA's 256).
+__device__ __forceinline__ void mma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RNND_P64
+                 "}, %64, %65, 1, 1, 1, 0, 0;\n"
                  : RNND_D32(0), RNND_D32(32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB ? 1 : 0));
+                 : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void mma_n8(float (&d)[4], uint64_t a, uint64_t b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, "
+                 "1, 1, 1, 0, 0;\n"
+                 : RNND_D4(0)
+                 : "l"(a), "l"(b));
+}
+// d += A B, m64 n128 k16, A from registers (this warp's 16 rows), fp16 (F16) or bf16, B in
+// shared memory: K-major, or N-major where TB (fp16: dw256's z pieces).
+template <bool F16, bool TB = false>
+__device__ __forceinline__ void mma_n128_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (F16)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RNND_P64
+                     "}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;\n"
+                     : RNND_D32(0), RNND_D32(32)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB ? 1 : 0));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" RNND_P64
+                     "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+                     : RNND_D32(0), RNND_D32(32)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 __device__ __forceinline__ void mma_f16_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
@@ -131,18 +156,21 @@ __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int1
 // being the largest of those over the CTA's K range (the records' chunk maxima); both factors
 // are at most 1, so the fp16 products cannot overflow, and each partial is multiplied back by
 // 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (docs/kernels.md).
-template <bool F16>
+template <bool F16, int XK>
 __global__ void __launch_bounds__(DW_THREADS, 1)
     dw16_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
                 const int16_t *__restrict__ exp, int pitch, int ks, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Dg = dw_geom<XK>;
+    constexpr int NZ = Dg::NZ, NACC = Dg::NACC, NX = XK / 2; // x's accumulators
+    constexpr long ZB = Dg::Z, DW_STAGE = Dg::STAGE;
     constexpr long STAGE = DW_STAGE + (F16 ? RNND_DW16_CH * RNND_DW16_E : 0);
     extern __shared__ __align__(1024) uint8_t sm[];
     uint64_t *full = reinterpret_cast<uint64_t *>(sm + DW_NST * STAGE), *empty = full + DW_NST;
     const int p = blockIdx.x % 4, s = blockIdx.x / 4, warp = threadIdx.x / 32;
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
     const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
-    const uint8_t *B = zch + (size_t)c0 * RNND_DW16_Z;
+    const uint8_t *B = zch + (size_t)c0 * ZB;
     if (threadIdx.x == 0)
         mbar_ring_init(full, empty, DW_NST, 1, 8); // empty: lane 0 of each consumer warp
     __syncthreads();
@@ -153,9 +181,8 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                 uint8_t *dst = sm + st * STAGE;
                 bulk_g2s(dst, A + (size_t)i * RNND_DW16_CH * RNND_DW16_D,
                          RNND_DW16_CH * RNND_DW16_D, full + st);
-                bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D,
-                         B + (size_t)i * RNND_DW16_CH * RNND_DW16_Z, RNND_DW16_CH * RNND_DW16_Z,
-                         full + st);
+                bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D, B + (size_t)i * RNND_DW16_CH * ZB,
+                         RNND_DW16_CH * ZB, full + st);
                 if constexpr (F16)
                     bulk_g2s(dst + DW_STAGE,
                              reinterpret_cast<const uint8_t *>(exp) +
@@ -165,10 +192,15 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
         return;
     }
     const int wg = warp / 4, lane = threadIdx.x % 32;
-    float d[100];
+    float d[NACC];
 #pragma unroll
-    for (int i = 0; i < 100; i++)
+    for (int i = 0; i < NACC; i++)
         d[i] = 0.0f;
+    // The accumulators in z's column order (n8 group j at d[4j..]): h, x, the constant.
+    float(&dh)[64] = *reinterpret_cast<float(*)[64]>(d);
+    float(&dx)[NX] = *reinterpret_cast<float(*)[NX]>(d + 64);
+    float(&dc)[4] = *reinterpret_cast<float(*)[4]>(d + 64 + NX);
+    constexpr long ZX = 16 * 256, ZC = (16 + XK / 8) * 256; // x's and the constant's columns
     if constexpr (F16) {
         const int w = wg * 4 + warp % 4; // this warp's exponent group (D columns 16w..)
         int ch = RNND_DW16_EZERO - 256, cx = ch;
@@ -182,47 +214,52 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             ch = max(ch, __shfl_xor_sync(0xffffffffu, ch, o));
             cx = max(cx, __shfl_xor_sync(0xffffffffu, cx, o));
         }
-        // The n200 order of the accumulators (n8 group j at d[4j..]): h, x, the constant.
-        float(&dh)[64] = *reinterpret_cast<float(*)[64]>(d);
-        float(&dx)[32] = *reinterpret_cast<float(*)[32]>(d + 64);
-        float(&dc)[4] = *reinterpret_cast<float(*)[4]>(d + 96);
         const int q = lane >> 3;
         for (int i = 0; i < nst; i++) {
             const int st = i % DW_NST;
             mbar_wait(full + st, (i / DW_NST) & 1);
             const uint8_t *a = sm + st * STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
             const int16_t *recs = reinterpret_cast<const int16_t *>(a + DW_STAGE);
-            uint32_t ah[RNND_DW16_CH][4], ax[RNND_DW16_CH][4];
+            // The stage's chunks CG at a time (XK = 128: one, so that its A fragments fit beside
+            // the 132 accumulators without spills), each group drained before the next one's A
+            // registers are written: the stage's bytes take far longer to arrive than its MMAs.
+            constexpr int CG = XK == 64 ? RNND_DW16_CH : 1;
 #pragma unroll
-            for (int c = 0; c < RNND_DW16_CH; c++) {
-                // Matrix q: D columns 16w + 8 (q & 1).., K rows 8 (q >> 1)..; lane (g, tg)
-                // gets column g (+8) and rows 2tg, 2tg+1 (+8): m16k16's A fragment (the
-                // core matrices are row-major in TF32 mode: transposed).
-                uint32_t r[4];
-                ldmatrix_x4_at<true>(r, a + c * RNND_DW16_D + w * 512 + (q & 1) * 256 +
-                                            (q >> 1) * 128 + (lane & 7) * 16);
-                const int16_t *rec = recs + c * (RNND_DW16_E / 2);
-                dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, lane, ch, cx, ah[c], ax[c]);
-            }
-            wg_fence();
+            for (int c0 = 0; c0 < RNND_DW16_CH; c0 += CG) {
+                uint32_t ah[CG][4], ax[CG][4];
 #pragma unroll
-            for (int c = 0; c < RNND_DW16_CH; c++) {
-                const uint8_t *z = b + c * RNND_DW16_Z;
-                mma_f16_n128(dh, ah[c], wg_desc(z, 256));
-                mma_f16_n8(dc, ah[c], wg_desc(z + 24 * 256, 256));
-                mma_n64_rs<true>(dx, ax[c], wg_desc(z + 16 * 256, 256));
+                for (int c = 0; c < CG; c++) {
+                    // Matrix q: D columns 16w + 8 (q & 1).., K rows 8 (q >> 1)..; lane (g, tg)
+                    // gets column g (+8) and rows 2tg, 2tg+1 (+8): m16k16's A fragment (the
+                    // core matrices are row-major in TF32 mode: transposed).
+                    uint32_t r[4];
+                    ldmatrix_x4_at<true>(r, a + (c0 + c) * RNND_DW16_D + w * 512 + (q & 1) * 256 +
+                                                (q >> 1) * 128 + (lane & 7) * 16);
+                    const int16_t *rec = recs + (c0 + c) * (RNND_DW16_E / 2);
+                    dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, lane, ch, cx, ah[c],
+                                  ax[c]);
+                }
+                wg_fence();
+#pragma unroll
+                for (int c = 0; c < CG; c++) {
+                    const uint8_t *z = b + (c0 + c) * ZB;
+                    mma_n128_rs<true>(dh, ah[c], wg_desc(z, 256));
+                    mma_f16_n8(dc, ah[c], wg_desc(z + ZC, 256));
+                    if constexpr (XK == 64)
+                        mma_n64_rs<true>(dx, ax[c], wg_desc(z + ZX, 256));
+                    else
+                        mma_n128_rs<true>(dx, ax[c], wg_desc(z + ZX, 256));
+                }
+                wg_commit();
+                wg_wait<0>();
             }
-            wg_commit();
-            // Drained at once: the next stage's A registers are written next, and the stage's
-            // bytes take far longer to arrive than its MMAs take.
-            wg_wait<0>();
             if (lane == 0)
                 mbar_arrive(empty + st);
         }
         // Back to true values: h's columns and the constant's by 2^ch, x's by 2^cx.
 #pragma unroll
-        for (int k = 0; k < 100; k++)
-            d[k] = ldexpf(d[k], k < 64 || k >= 96 ? ch : cx);
+        for (int k = 0; k < NACC; k++)
+            d[k] = ldexpf(d[k], k < 64 || k >= 64 + NX ? ch : cx);
     } else {
         // Whole stages only: ptxas serialises an MMA under a run-time condition (the caller pads
         // the chunks with zeros to a multiple of ks stages).
@@ -232,9 +269,17 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             const uint8_t *a = sm + st * DW_STAGE, *b = a + RNND_DW16_CH * RNND_DW16_D;
             wg_fence();
 #pragma unroll
-            for (int c = 0; c < RNND_DW16_CH; c++)
-                mma_n200(d, wg_desc(a + c * RNND_DW16_D + wg * 2048, 256),
-                         wg_desc(b + c * RNND_DW16_Z, 256));
+            for (int c = 0; c < RNND_DW16_CH; c++) {
+                const uint64_t ad = wg_desc(a + c * RNND_DW16_D + wg * 2048, 256);
+                const uint8_t *z = b + c * ZB;
+                if constexpr (XK == 64) {
+                    mma_n200(d, ad, wg_desc(z, 256));
+                } else {
+                    mma_n128(dh, ad, wg_desc(z, 256));
+                    mma_n128(dx, ad, wg_desc(z + ZX, 256));
+                    mma_n8(dc, ad, wg_desc(z + ZC, 256));
+                }
+            }
             wg_commit();
             wg_wait<1>(); // the previous stage's MMAs are done with its buffers
             if (i > 0 && threadIdx.x % 32 == 0)
@@ -245,13 +290,13 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
     // m64nN accumulators: warp (of 4) 16 rows, lane / 4 the row within 8, lane % 4 the column
     // pair within each n8 group.
     const int row = p * DW_MP + wg * 64 + (warp % 4) * 16 + lane / 4;
-    float *o = part + (size_t)s * 4 * DW_MP * RNND_DW16_NZ;
+    float *o = part + (size_t)s * 4 * DW_MP * NZ;
 #pragma unroll
-    for (int c = 0; c < RNND_DW16_NZ / 8; c++) {
+    for (int c = 0; c < NZ / 8; c++) {
         const int col = c * 8 + 2 * (lane % 4);
-        *reinterpret_cast<float2 *>(o + (size_t)row * RNND_DW16_NZ + col) =
+        *reinterpret_cast<float2 *>(o + (size_t)row * NZ + col) =
             make_float2(d[4 * c], d[4 * c + 1]);
-        *reinterpret_cast<float2 *>(o + (size_t)(row + 8) * RNND_DW16_NZ + col) =
+        *reinterpret_cast<float2 *>(o + (size_t)(row + 8) * NZ + col) =
             make_float2(d[4 * c + 2], d[4 * c + 3]);
     }
 #else
@@ -267,15 +312,15 @@ __device__ __forceinline__ int dw16_unit(int n) {
 
 // The ks partials of chunk column (m, n) summed in a fixed order (runs repeat bitwise) and added
 // into the gradient they belong to: D's column m is unit dw16_unit(m % 128) of plane m / 128;
-// z's h columns go to W_hh, its x columns to W_ih, the constant to both biases. The GRU's planes
-// 2 and 3 are n's hidden and input sides: W_hh and b_hh take plane 2, W_ih and b_ih plane 3.
-// Units from H on (a layer of H < 128 in the loops of 128) belong to no gradient.
-__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, int Il, bool gru,
-                                float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= 4 * DW_MP * RNND_DW16_NZ)
+// z's h columns go to W_hh, its x columns (xk of them) to W_ih, the constant to both biases. The
+// GRU's planes 2 and 3 are n's hidden and input sides: W_hh and b_hh take plane 2, W_ih and b_ih
+// plane 3. Units from H on (a layer of H < 128 in the loops of 128) belong to no gradient.
+__global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int xk, int H, int Il,
+                                bool gru, float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, nz = RNND_DW16_NZ(xk);
+    if (i >= 4 * DW_MP * nz)
         return;
-    const int m = i / RNND_DW16_NZ, n = i % RNND_DW16_NZ, p = m / DW_MP, um = dw16_unit(m % DW_MP);
+    const int m = i / nz, n = i % nz, p = m / DW_MP, um = dw16_unit(m % DW_MP);
     const bool hs = !gru || p != 3, xs = !gru || p != 2; // the plane feeds h's, x's side
     const int row = (gru && p == 3 ? 2 : p) * H + um;
     float *to = nullptr, *to2 = nullptr;
@@ -283,15 +328,15 @@ __global__ void dw16_sum_kernel(const float *__restrict__ part, int ks, int H, i
         return;
     if (n < DW_MP)
         to = hs && dw16_unit(n) < H ? gw_hh + (size_t)row * H + dw16_unit(n) : nullptr;
-    else if (n < DW_MP + 64)
+    else if (n < DW_MP + xk)
         to = xs && n - DW_MP < Il ? gw_ih + (size_t)row * Il + n - DW_MP : nullptr;
-    else if (n == DW_MP + 64)
+    else if (n == DW_MP + xk)
         to = xs ? gb_ih + row : nullptr, to2 = hs ? gb_hh + row : nullptr;
     if (!to && !to2)
         return;
     float acc = 0.0f;
     for (int s = 0; s < ks; s++)
-        acc += part[(size_t)s * 4 * DW_MP * RNND_DW16_NZ + i];
+        acc += part[(size_t)s * 4 * DW_MP * nz + i];
     if (to)
         *to += acc;
     if (to2)
@@ -437,8 +482,8 @@ __global__ void __launch_bounds__(D2_THREADS, 1)
 #pragma unroll
         for (int c = 0; c < CH; c++) {
             const uint8_t *z = a + D2_OFFZ + c * RNND_DW256_Z;
-            mma_f16_n128<true>(dh0, ah[c], wg_desc_mn_sw128(z, 2048));
-            mma_f16_n128<true>(dh1, ah[c], wg_desc_mn_sw128(z + 2 * 2048, 2048));
+            mma_n128_rs<true, true>(dh0, ah[c], wg_desc_mn_sw128(z, 2048));
+            mma_n128_rs<true, true>(dh1, ah[c], wg_desc_mn_sw128(z + 2 * 2048, 2048));
             mma_n64_rs<true, true, true>(dx, ax[c], wg_desc_mn_sw128(z + 4 * 2048, 2048));
             mma_f16_n8(dc, ah[c], wg_desc(a + D2_OFFA + c * RNND_DW256_A, 256));
         }
@@ -516,33 +561,41 @@ __global__ void dw256_sum_kernel(const float *__restrict__ part, int ks, int Il,
 // returns): dx[row][i] = sum over the input-side gate columns j of D[row][j] W_ih[j][i]. A warp
 // group takes 4 chunks at a time, one a warp: its 16 rows are the MMA's M rows of that warp, A
 // comes from registers (ldmatrix.trans of the chunk's core matrices gives the m16k16 fragment
-// directly) and B is W_ih^T, K-major bf16, resident in shared memory. m64n64k16, 32 accumulators a
-// thread. One producer lane brings the 4 chunks' planes a stage (one bulk copy a plane).
+// directly) and B is W_ih^T, K-major bf16, resident in shared memory: m64nXKk16 (XK =
+// RNND_DW16_XK(I_l)), XK / 2 accumulators a thread. One producer lane brings the 4 chunks' planes,
+// SPL of them a stage (one bulk copy a plane): all 4 at XK = 64, 2 at XK = 128, whose W_ih^T
+// takes twice the shared memory. A slot's fragments are loaded while the previous slot's MMAs run.
 
 constexpr int DX_NST = 2;
-constexpr int DX_KMAX = 4 * DW_MP;              // the LSTM's 4 planes
-constexpr long DX_WT = 64L * DX_KMAX * 2;       // W_ih^T: 64 inputs x K, bf16
-constexpr long DX_STAGE = 4L * 4 * RNND_DW16_D; // 4 chunks x up to 4 planes
-constexpr long DX_SMEM = DX_WT + DX_NST * DX_STAGE + 2 * DX_NST * 8;
-constexpr int DX_THREADS = 160; // 4 consumer warps, 1 producer warp
+constexpr int DX_KMAX = 4 * DW_MP; // the LSTM's 4 planes
+constexpr int DX_THREADS = 160;    // 4 consumer warps, 1 producer warp
+template <int XK>
+struct dx_geom {
+    static constexpr int SPL = XK == 64 ? 4 : 2;                       // planes a stage
+    static constexpr long WT = (long)XK * DX_KMAX * 2;                 // W_ih^T: XK inputs x K
+    static constexpr long STAGE = 4L * SPL * RNND_DW16_D;              // 4 chunks' planes
+    static constexpr long SMEM = WT + DX_NST * STAGE + 2 * DX_NST * 8; // without the records
+};
 
-
-// CTA: groups of 4 chunks [g0, g1). planes: the chunk planes of K's 128-column slots (GRU r, z
-// and the input side of n: 0, 1, 3; LSTM 0-3), npl of them.
+// CTA: groups of 4 chunks [g0, g1). The chunk planes of K's NPL 128-column slots: the GRU's r, z
+// and the input side of n (0, 1, 3), the LSTM's 0-3.
 // F16 (TF32 mode): W_ih^T in fp16, scaled by the power of two that puts its largest |value| in
 // [2^13, 2^14); each row's A (this warp's chunk row) scaled by 2^(eD - E) in k-step group w, E
 // being the row's largest eD, so the factors are at most 1; the row's sums times 2^E / scale.
-template <bool F16>
+template <bool F16, int XK, int NPL>
 __global__ void __launch_bounds__(DX_THREADS, 1)
     dx16_kernel(const uint8_t *__restrict__ chunks, const int16_t *__restrict__ exp, int pitch,
-                int nch, int npl, int plane2, const float *__restrict__ w_ih, int H, int Il, int B,
-                int T, float *__restrict__ dx) {
+                int nch, const float *__restrict__ w_ih, int H, int Il, int B, int T,
+                float *__restrict__ dx) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr long STAGE = DX_STAGE + (F16 ? 4 * RNND_DW16_E : 0);
+    using Xg = dx_geom<XK>;
+    constexpr int SPL = Xg::SPL, NSG = (NPL + SPL - 1) / SPL; // stages a group
+    constexpr int K = NPL * DW_MP, KG = K / 8;
+    constexpr long STAGE = Xg::STAGE + (F16 ? 4 * RNND_DW16_E : 0);
     extern __shared__ __align__(1024) uint8_t sm[];
-    uint8_t *wt = sm, *stages = sm + DX_WT;
+    uint8_t *wt = sm, *stages = sm + Xg::WT;
     uint64_t *full = reinterpret_cast<uint64_t *>(stages + DX_NST * STAGE), *empty = full + DX_NST;
-    const int K = npl * DW_MP, kg = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ngroups = CEIL_DIV(nch, 4), per = CEIL_DIV(ngroups, (int)gridDim.x);
     const int g0 = blockIdx.x * per, g1 = min(g0 + per, ngroups);
     if (threadIdx.x == 0)
@@ -550,21 +603,25 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     __syncthreads();
     if (warp == 4) {
         if (lane == 0)
-            for (int g = g0; g < g1; g++) {
-                const int st =
-                    mbar_ring_fill(full, empty, g - g0, DX_NST,
-                                   (uint32_t)(npl * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
-                for (int s = 0; s < npl; s++) {
-                    const int p = s < 2 ? s : s == 2 ? plane2 : 3;
-                    bulk_g2s(stages + st * STAGE + s * 4 * RNND_DW16_D,
-                             chunks + ((size_t)p * pitch + 4 * (size_t)g) * RNND_DW16_D,
-                             4 * RNND_DW16_D, full + st);
+            for (int g = g0; g < g1; g++)
+#pragma unroll
+                for (int j = 0; j < NSG; j++) {
+                    const int n = min(SPL, NPL - j * SPL); // the stage's planes
+                    const int st = mbar_ring_fill(
+                        full, empty, (g - g0) * NSG + j, DX_NST,
+                        (uint32_t)(n * 4 * RNND_DW16_D + (F16 ? 4 * RNND_DW16_E : 0)));
+                    for (int q = 0; q < n; q++) {
+                        const int s = j * SPL + q, p = NPL == 3 && s == 2 ? 3 : s;
+                        bulk_g2s(stages + st * STAGE + q * 4 * RNND_DW16_D,
+                                 chunks + ((size_t)p * pitch + 4 * (size_t)g) * RNND_DW16_D,
+                                 4 * RNND_DW16_D, full + st);
+                    }
+                    if constexpr (F16)
+                        bulk_g2s(stages + st * STAGE + Xg::STAGE,
+                                 reinterpret_cast<const uint8_t *>(exp) +
+                                     4 * (size_t)g * RNND_DW16_E,
+                                 4 * RNND_DW16_E, full + st);
                 }
-                if constexpr (F16)
-                    bulk_g2s(stages + st * STAGE + DX_STAGE,
-                             reinterpret_cast<const uint8_t *>(exp) + 4 * (size_t)g * RNND_DW16_E,
-                             4 * RNND_DW16_E, full + st);
-            }
         return;
     }
     // The consumers (warps 0-3) build W_ih^T while the producer's first copies are in flight.
@@ -573,7 +630,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     if constexpr (F16) {
         __shared__ float red[4];
         float m = 0.0f;
-        for (int e = threadIdx.x; e < npl * H * Il; e += 128)
+        for (int e = threadIdx.x; e < NPL * H * Il; e += 128)
             m = fmaxf(m, fabsf(__ldg(w_ih + e)));
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1)
@@ -587,79 +644,82 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     }
     // W_ih^T: B[k][i] = W_ih[slot H + unit(n)][i] for k = 128 slot + n (the chunks' column
     // order), zero past I_l and for units from H on; K-major core matrices (km_off).
-    for (int e = threadIdx.x; e < 64 * K; e += 128) {
+    for (int e = threadIdx.x; e < XK * K; e += 128) {
         const int i = e / K, k = e % K, unit = dw16_unit(k % DW_MP);
         const float v = i < Il && unit < H ? w_ih[(size_t)((k / DW_MP) * H + unit) * Il + i] : 0.0f;
         if constexpr (F16)
-            *reinterpret_cast<__half *>(wt + km_off(i, k, kg)) = __float2half_rn(v * wsc);
+            *reinterpret_cast<__half *>(wt + km_off(i, k, KG)) = __float2half_rn(v * wsc);
         else
-            *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, kg)) = __float2bfloat16_rn(v);
+            *reinterpret_cast<__nv_bfloat16 *>(wt + km_off(i, k, KG)) = __float2bfloat16_rn(v);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
     consumers_sync();
     const int q = lane >> 3; // the matrix whose row address this lane gives (ldmatrix.x4)
+    // This warp's chunk in a stage: matrix q of a k-step, rows 8 (q & 1).., columns 8 (q >> 1)..
+    const int aoff = warp * RNND_DW16_D + (q & 1) * 128 + (q >> 1) * 256 + (lane & 7) * 16;
     for (int g = g0; g < g1; g++) {
-        const int i = g - g0, st = i % DX_NST;
-        mbar_wait(full + st, (i / DX_NST) & 1);
-        // This warp's chunk; matrix q of a k-step: rows 8 (q & 1).., columns 8 (q >> 1)..
-        const uint8_t *ch = stages + st * STAGE + warp * RNND_DW16_D + (q & 1) * 128 +
-                            (q >> 1) * 256 + (lane & 7) * 16;
-        // k-step ks: slot ks / 8 (4 chunks a slot), columns 16 (ks % 8).. of the chunk. Core
-        // matrices K-major (bf16): transposed; row-major (TF32 mode's fp16): as they are.
-        auto frag = [&](uint32_t(&a)[4], int ks) {
-            ldmatrix_x4_at<!F16>(a, ch + (ks / 8) * 4 * RNND_DW16_D + (ks % 8) * 512);
-        };
-        float d[32];
+        float d[XK / 2];
+#pragma unroll
+        for (int k = 0; k < XK / 2; k++)
+            d[k] = 0.0f;
         int erow[2] = {0, 0}; // F16: rows lane / 4 and + 8's largest eD
-        if constexpr (F16) {
-            const int16_t *rec = reinterpret_cast<const int16_t *>(stages + st * STAGE + DX_STAGE +
-                                                                   warp * RNND_DW16_E);
-            uint32_t f[2][8];
+        uint32_t f[2][8];     // F16: their k-step groups' factors 2^(eD - E)
+        // Slot s's 8 k-steps (columns 16 w.. of plane s % SPL of the group's stage s / SPL) into
+        // as, F16 scaled. Core matrices K-major (bf16): transposed; row-major (TF32 mode's fp16):
+        // as they are. A stage is released once its last slot is in registers.
+        auto load = [&](uint32_t(&as)[8][4], int s) {
+            const int i = (g - g0) * NSG + s / SPL, st = i % DX_NST;
+            const uint8_t *stage = stages + st * STAGE;
+            if (s % SPL == 0)
+                mbar_wait(full + st, (i / DX_NST) & 1);
+            if (F16 && s == 0) {
+                const int16_t *rec =
+                    reinterpret_cast<const int16_t *>(stage + Xg::STAGE + warp * RNND_DW16_E);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int16_t *e = rec + (lane >> 2) + 8 * h; // eD[w][row] at e[16 w]
-                erow[h] = RNND_DW16_EZERO;
+                for (int h = 0; h < 2; h++) {
+                    const int16_t *e = rec + (lane >> 2) + 8 * h; // eD[w][row] at e[16 w]
+                    erow[h] = RNND_DW16_EZERO;
 #pragma unroll
-                for (int w = 0; w < 8; w++)
-                    erow[h] = max(erow[h], (int)e[16 * w]);
+                    for (int w = 0; w < 8; w++)
+                        erow[h] = max(erow[h], (int)e[16 * w]);
 #pragma unroll
-                for (int w = 0; w < 8; w++)
-                    f[h][w] = pow2_h2(e[16 * w] - erow[h]);
-            }
-            // A slot's 8 fragments loaded and scaled before its MMAs: the loads in flight
-            // together, one fence for the registers the MMAs read.
-#pragma unroll
-            for (int k = 0; k < 32; k++)
-                d[k] = 0.0f;
-            for (int slot = 0; slot < npl; slot++) {
-                uint32_t as[8][4];
-#pragma unroll
-                for (int w = 0; w < 8; w++) {
-                    frag(as[w], slot * 8 + w);
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-                        as[w][j] = hmul2(as[w][j], f[j & 1][w]);
+                    for (int w = 0; w < 8; w++)
+                        f[h][w] = pow2_h2(e[16 * w] - erow[h]);
                 }
-                wg_fence();
+            }
 #pragma unroll
-                for (int w = 0; w < 8; w++)
-                    mma_n64_rs<true>(d, as[w], wg_desc(wt + (slot * 8 + w) * 256, kg * 128));
+            for (int w = 0; w < 8; w++) {
+                ldmatrix_x4_at<!F16>(as[w], stage + aoff + (s % SPL) * 4 * RNND_DW16_D + w * 512);
+                if constexpr (F16)
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        as[w][k] = hmul2(as[w][k], f[k & 1][w]);
             }
-        } else {
-            uint32_t a[4];
-            frag(a, 0);
-            wg_fence(); // the MMA reads registers just written
-            mma_n64_rs<false, false>(d, a, wg_desc(wt, kg * 128));
-            for (int ks = 1; ks < K / 16; ks++) {
-                frag(a, ks);
-                wg_fence();
-                mma_n64_rs<false>(d, a, wg_desc(wt + ks * 256, kg * 128));
+            if (s % SPL == SPL - 1 || s == NPL - 1) {
+                __syncwarp(); // the warp's loads before its lane 0's arrival
+                if (lane == 0)
+                    mbar_arrive(empty + st);
             }
+        };
+        // Slot s's MMAs on as; once slot s - 1's are done (one group left in flight), its
+        // registers take slot s + 1.
+        uint32_t as[2][8][4];
+#pragma unroll
+        for (int s = 0; s < NPL; s++) {
+            load(as[s & 1], s);
+            wg_fence();
+#pragma unroll
+            for (int w = 0; w < 8; w++) {
+                const uint64_t b = wg_desc(wt + (s * 8 + w) * 256, KG * 128);
+                if constexpr (XK == 64)
+                    mma_n64_rs<F16>(d, as[s & 1][w], b);
+                else
+                    mma_n128_rs<F16>(d, as[s & 1][w], b);
+            }
+            wg_commit();
+            wg_wait<1>();
         }
-        wg_commit();
         wg_wait<0>();
-        if (lane == 0)
-            mbar_arrive(empty + st);
         // Rows g, g + 8 of this warp's chunk c = 4 g + warp (block c / T, step c % T).
         const int c = 4 * g + warp, blk = c / T, t = c % T;
 #pragma unroll
@@ -672,7 +732,7 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             // bf16 mode.
             const float e2 = ldexpf(1.0f, erow[h]), winv = 1.0f / wsc;
 #pragma unroll
-            for (int n = 0; n < 8; n++) {
+            for (int n = 0; n < XK / 8; n++) {
                 const int col = 8 * n + 2 * (lane & 3);
                 if (col < Il)
                     row[col] = d[4 * n + 2 * h] * e2 * winv;
@@ -682,28 +742,30 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
         }
     }
 #else
-    (void)chunks, (void)exp, (void)pitch, (void)nch, (void)npl, (void)plane2, (void)w_ih;
-    (void)H, (void)Il;
-    (void)B, (void)T, (void)dx;
+    (void)chunks, (void)exp, (void)pitch, (void)nch, (void)w_ih, (void)H, (void)Il, (void)B;
+    (void)T, (void)dx;
 #endif
 }
 
 } // namespace
 
 int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
-    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 64 || a->ks < 1 || !a->z ||
+    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 128 || a->ks < 1 || !a->z ||
         a->pitch % (a->ks * RNND_DW16_CH) != 0)
         return RNND_EINVAL;
-    auto kernel = a->exp ? dw16_kernel<true> : dw16_kernel<false>;
-    const long smem = DW_SMEM + (a->exp ? DW_NST * RNND_DW16_CH * RNND_DW16_E : 0);
+    const int xk = RNND_DW16_XK(a->Il);
+    auto kernel = xk == 64 ? (a->exp ? dw16_kernel<true, 64> : dw16_kernel<false, 64>)
+                           : (a->exp ? dw16_kernel<true, 128> : dw16_kernel<false, 128>);
+    const long smem = (xk == 64 ? dw_geom<64>::SMEM : dw_geom<128>::SMEM) +
+                      (a->exp ? DW_NST * RNND_DW16_CH * RNND_DW16_E : 0);
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<4 * a->ks, DW_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks),
                                                     static_cast<const uint8_t *>(a->z), a->exp,
                                                     a->pitch, a->ks, a->part);
     CUDA_LAUNCH_CHECK();
-    const int n = 4 * DW_MP * RNND_DW16_NZ;
-    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->H, a->Il, a->gru,
+    const int n = 4 * DW_MP * RNND_DW16_NZ(xk);
+    dw16_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, xk, a->H, a->Il, a->gru,
                                                           a->gw_ih, a->gw_hh, a->gb_ih, a->gb_hh);
     CUDA_LAUNCH_CHECK();
     return 0;
@@ -740,16 +802,23 @@ int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct
 }
 
 int rnnd__dx16_product(const struct dx16_args *a, cudaStream_t stream) {
-    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 64 || (a->npl != 3 && a->npl != 4) ||
+    if (a->H > DW_MP || a->H % 4 != 0 || a->Il < 1 || a->Il > 128 || (a->npl != 3 && a->npl != 4) ||
         a->pitch < a->nch || a->sms < 1)
         return RNND_EINVAL;
-    auto kernel = a->exp ? dx16_kernel<true> : dx16_kernel<false>;
-    const long smem = DX_SMEM + (a->exp ? DX_NST * 4 * RNND_DW16_E : 0);
+    const int xk = RNND_DW16_XK(a->Il);
+    const bool f16 = a->exp != nullptr;
+    auto pick = [&](auto k64, auto k128) { return xk == 64 ? k64 : k128; };
+    auto kernel = a->npl == 3 ? (f16 ? pick(dx16_kernel<true, 64, 3>, dx16_kernel<true, 128, 3>)
+                                     : pick(dx16_kernel<false, 64, 3>, dx16_kernel<false, 128, 3>))
+                              : (f16 ? pick(dx16_kernel<true, 64, 4>, dx16_kernel<true, 128, 4>)
+                                     : pick(dx16_kernel<false, 64, 4>, dx16_kernel<false, 128, 4>));
+    const long smem =
+        (xk == 64 ? dx_geom<64>::SMEM : dx_geom<128>::SMEM) + (f16 ? DX_NST * 4 * RNND_DW16_E : 0);
     RNND_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<a->sms, DX_THREADS, smem, stream>>>(static_cast<const uint8_t *>(a->chunks), a->exp,
-                                                 a->pitch, a->nch, a->npl, a->npl == 3 ? 3 : 2,
-                                                 a->w_ih, a->H, a->Il, a->B, a->T, a->dx);
+                                                 a->pitch, a->nch, a->w_ih, a->H, a->Il, a->B, a->T,
+                                                 a->dx);
     CUDA_LAUNCH_CHECK();
     return 0;
 }

@@ -102,7 +102,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         wscale = persist_wscale(a.w_hh, GH * H, XF ? a.w_ih : nullptr, XF ? GH * Il : 0,
                                 reinterpret_cast<float *>(htiles));
     if constexpr (HM::SCALED)
-        hscale = persist_hscale(a, reinterpret_cast<float *>(htiles));
+        hscale = persist_hscale(a, a.l, reinterpret_cast<float *>(htiles));
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
     auto wpack_all = [&](auto mode, unsigned char *to, int ks, bool xpart) {
         using M = decltype(mode);

@@ -137,7 +137,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         wscale =
             persist_wscale(a.w_hh, G * H * H, a.w_ih, G * H * Il, reinterpret_cast<float *>(htile));
     if constexpr (HM::SCALED)
-        hscale = persist_hscale(a, reinterpret_cast<float *>(htile));
+        hscale = persist_hscale(a, a.l, reinterpret_cast<float *>(htile));
     const float winv = 1.0f / wscale, hsinv = 1.0f / hscale, hinv = winv * hsinv;
 
     // W_hh in storage order (pairs of units are adjacent in it), W_ih as the forward's x
@@ -272,7 +272,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             mbar_arrive(zbar + (s & 1));
             bulk_g2s(sl,
                      static_cast<const unsigned char *>(a.zc) +
-                         ((size_t)blockIdx.x * T + s) * RNND_DW16_Z,
+                         ((size_t)blockIdx.x * T + s) * RNND_DW16_Z(64),
                      ZCB, zbar + (s & 1));
         }
         // Row 2w + lane's planes: two copies a warp (the 16 from warp 0 held it ~900 cycles,
@@ -472,7 +472,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     const float *const pl[4] = {dv[0], dv[1], dv[2], dv[3]};
                     ds = dw16_dscale(pl, rv[i], ed[i]);
                 }
-                dw16_put_dh<XH, !ZF>(
+                dw16_put_dh<64, XH, !ZF>(
                     a.dw16, a.dw16_pitch, (size_t)blockIdx.x * T + t, w, i, lane, rv[i],
                     [&](int p) -> const float * { return dv[p]; }, hp[i], ds, XH ? hscale : 1.0f);
             } else {
@@ -492,7 +492,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             // constant 1 (column 192) and zeros.
             unsigned char *zc = static_cast<unsigned char *>(a.dw16) +
                                 4 * (size_t)a.dw16_pitch * RNND_DW16_D +
-                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(64);
             if (w < 4) {
                 const int mi = lane >> 3, cg = 2 * w + (mi & 1), kh = mi >> 1;
                 uint32_t m4[4];

@@ -46,7 +46,7 @@ struct persist_fwd_args {
     bool xvec;        // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;       // copy x into z at xoff
     // Or, instead of z (the wgmma forwards, layer 0, H = 128; docs/kernels.md): z's parts
-    // of the dw16 chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z) and, in TF32
+    // of the dw16 chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z(64)) and, in TF32
     // mode, each chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would
     // have written them.
     void *zc;
@@ -92,9 +92,10 @@ struct persist_bwd_args {
     // biases, or (zc) reads them from s.
     const float *w_ih;        // (G*H, Il)
     const float *b_ih, *b_hh; // (G*H)
-    const float *h0, *hidden; // the forward's, for the bound of h (or NULL)
-    int xoff, Il;
-    long long *dbg; // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
+    const float *h0, *hidden; // the forward's, for the bounds of h (this layer's; the layer
+                              // below's for x above layer 0) (or NULL)
+    int xoff, Il;             // x_l in the z rows (also where the loop writes z's chunks)
+    long long *dbg;           // phase clocks (RNND_CUDA_PHASE_CLOCKS): 8 per block
 };
 
 // The mma.sync loops of one cell (seq_gru.cu, seq_lstm.cu) at padded width HP (32, 64, 96 or

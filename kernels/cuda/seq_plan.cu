@@ -29,6 +29,17 @@ static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4
 #define SEQ_PAD128_GRU_ROWS  1024
 #define SEQ_PAD128_LSTM_ROWS 1536
 
+// A layer whose backward loop writes the dw16 chunks' z parts itself, x 128 wide (above layer
+// 0, or layer 0 with 64 < I <= 128; H = 128), takes them from this many rows (GRU, LSTM). H200,
+// two layers, fp32 fwd+bwd ms at T = 64 / 256 against cuBLAS's products on D in fp32: GRU 1.02-1.04
+// / 3.36 against 1.02 / 3.43 at B = 1024, 1.08 / 3.52 against 1.12-1.13 / 3.76 at 1536, 1.13 /
+// 3.71-3.73 against 1.27 / 4.13-4.17 at 2048; LSTM 1.23-1.24 / 4.10 against 1.18 / 4.07 at 1024,
+// 1.30-1.32 / 4.40 against 1.28-1.29 / 4.47 at 1536, 1.41 / 4.80 against 1.44 / 5.00-5.04 at 2048.
+// The loop moves more bytes a step (z's rows in, its chunks out), which costs a small batch's
+// latency-bound steps more than the products save (docs/kernels.md).
+#define SEQ_DW16_LOOP_Z_GRU_ROWS  1536
+#define SEQ_DW16_LOOP_Z_LSTM_ROWS 2048
+
 // The GRU's wgmma forward fuses x 64 < I_l <= 128 wide from this many rows. H200, H = 128, two
 // layers (layer 1's I_l = 128), fp32 fwd+bwd ms against the mma.sync forward on cuBLAS's x W_ih^T:
 // 0.875-0.879 / 0.855-0.857 at B = 256 (T = 64), 3.23-3.24 / 3.24-3.25 at 512, 3.41-3.45 /
@@ -143,22 +154,27 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
         long need = rnnd__gru_h128_backward_smem(bf16, 128);
         return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= dev->smem_optin;
     };
-    // Layer 0's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks the
+    // A layer's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks the
     // backward loop writes instead of D in fp32 (compute 9.0, bf16 or TF32 mode, vector access):
-    // the persistent loops at HP = 128 with I <= 64 (the GRU's own backward, the LSTM's).
-    auto dw16 = [&](bool vec) {
-        if (!dev->wg || tune->no_dw16 || m->compute == RNND_COMPUTE_IEEE || !vec)
+    // the persistent loops at HP = 128, layer 0 with I <= 64 (the GRU's own backward, the
+    // LSTM's), and (the mma.sync backward, x 128 wide) H = 128 with I_l <= 128 from
+    // SEQ_DW16_LOOP_Z_*_ROWS rows.
+    auto dw16 = [&](int l, bool vec) {
+        const int Il = rnnd_model_layer_input(m, l);
+        if (!dev->wg || tune->no_dw16 || m->compute == RNND_COMPUTE_IEEE || !vec ||
+            !p->persistent || HP != 128 || H % 4 != 0)
             return false;
-        if (gru)
-            return recompute(0);
-        return p->persistent && HP == 128 && H % 4 == 0 && I <= 64;
+        if (l == 0 && Il <= 64)
+            return lstm || recompute(0);
+        return H == 128 && Il <= 128 &&
+               B >= (gru ? SEQ_DW16_LOOP_Z_GRU_ROWS : SEQ_DW16_LOOP_Z_LSTM_ROWS);
     };
     // Layer 0's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
     // bf16) instead of z rows: the backward then reads them (the GRU: also the gate planes, and
     // recomputes nothing). Sized by the model and the device; the format also needs aligned
     // inputs, which both passes see.
     p->z_dw16 = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
-                !tune->no_fused_x && !tune->no_zfwd && I % 4 == 0 && dw16(true) &&
+                !tune->no_fused_x && !tune->no_zfwd && I <= 64 && I % 4 == 0 && dw16(0, true) &&
                 persist_xks(m, 0, HP, dev->smem_optin) > 0;
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
     // for seq_dw.cu's product instead of cuBLAS's (compute 9.0).
@@ -229,7 +245,6 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // Backward. Misaligned gradients of layer 0's dw256 chunks go through aligned scratch, so
     // that the loop runs in clusters.
     const bool vec = H % 4 == 0 && call->outs_aligned;
-    const bool chunks0 = p->zfwd || dw16(vec);
     p->stage = p->cz && !vec;
     p->vec = p->stage ? H % 4 == 0 : vec;
     p->rows = p->vec ? brows : 0;
@@ -240,10 +255,10 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             y->bwd = SEQ_BWD_CLUSTER;
             y->d_chunks = c256;
         } else if (p->persistent) {
-            y->d_chunks = chunks0 && l == 0;
+            y->d_chunks = (l == 0 && p->zfwd) || dw16(l, vec);
             if (!recompute(l))
                 y->bwd = SEQ_BWD_MMA;
-            else if (y->d_chunks && p->zfwd)
+            else if (y->d_chunks && l == 0 && p->zfwd)
                 y->bwd = SEQ_BWD_GRU_GATE_TAPE;
             else
                 y->bwd = SEQ_BWD_GRU_RECOMPUTE;

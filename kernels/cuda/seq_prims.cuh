@@ -441,10 +441,11 @@ static __device__ float persist_wscale(const float *a, int na, const float *b, i
 // The scale of h in the forward's fp16 A tile: every h the block's rows can hold is at most
 // max(1, |h0|, |stored states|) (a GRU's h' is a convex combination of h and n in [-1, 1], an
 // LSTM's h' = o tanh(c')), which this puts in [2^13, 2^14), far from fp16's overflow at 65504.
-// Only the stored states and h0 of the block's own rows are read (none when absent).
-// The GRU backward that recomputes its gates uses the same bound for the hprev it recomputes from.
+// Only the stored states and h0 of layer l of the block's own rows are read (none when absent).
+// The GRU backward that recomputes its gates uses the same bound for the hprev it recomputes
+// from; the backward loops of a layer above 0 for its x (layer l - 1's h).
 template <class A>
-static __device__ float persist_hscale(const A &a, float *red) {
+static __device__ float persist_hscale(const A &a, int l, float *red) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int steps = a.hidden ? a.T : a.h0 ? 1 : 0;
     float m = 1.0f;
@@ -454,10 +455,9 @@ static __device__ float persist_hscale(const A &a, float *red) {
             break;
         for (int u = lane; u < a.H; u += 32) {
             if (a.hidden)
-                m = fmaxf(m,
-                          fabsf(__ldg(a.hidden + (((size_t)b * a.T + t) * a.L + a.l) * a.H + u)));
+                m = fmaxf(m, fabsf(__ldg(a.hidden + (((size_t)b * a.T + t) * a.L + l) * a.H + u)));
             if (t == 0 && a.h0)
-                m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * a.L + a.l) * a.H + u)));
+                m = fmaxf(m, fabsf(__ldg(a.h0 + ((size_t)b * a.L + l) * a.H + u)));
         }
     }
     return persist_pow2_scale(m, 14, red);

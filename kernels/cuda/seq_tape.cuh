@@ -169,8 +169,8 @@ static __device__ __forceinline__ void dw16_put(unsigned char *cm, const float v
 // A backward loop's row half i of chunk c into the dw16 chunks: D's 4 planes (plane(p): this
 // thread's 4 units of plane p) times ds and (ZH) z's h part (h) times hs, warp w's 16 units being
 // core-matrix groups 2w and 2w + 1; zeros where live is false (rows past B). Returns chunk c's z
-// part at row half i.
-template <bool F16 = false, bool ZH = true, class P>
+// part (x XK wide) at row half i.
+template <int XK, bool F16 = false, bool ZH = true, class P>
 static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t pitch, size_t c,
                                                              int w, int i, int lane, bool live,
                                                              P plane, const float h[4],
@@ -183,14 +183,14 @@ static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t 
                             live ? d[2] * ds : 0.0f, live ? d[3] * ds : 0.0f};
         dw16_put<F16, !F16>(base + (p * pitch + c) * RNND_DW16_D + 2 * w * 256, v, lane);
     }
-    unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z;
+    unsigned char *zc = base + 4 * pitch * RNND_DW16_D + c * RNND_DW16_Z(XK);
     if constexpr (ZH) {
         const float hv[4] = {h[0] * hs, h[1] * hs, h[2] * hs, h[3] * hs};
         dw16_put<F16>(zc + 2 * w * 256, hv, lane);
     }
     return zc;
 }
-// The core matrix of z's columns 192..199 at cm: the constant (one, a pair of 16-bit ones: bf16
+// The core matrix of z's constant column (128 + x's width) at cm: the constant (one, a pair of 16-bit ones: bf16
 // 1.0, or TF32 mode's fp16 h scale) in both rows a lane holds, column 0 (lanes 0-3), and zeros.
 static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane,
                                                     uint32_t one = 0x3F803F80u) {

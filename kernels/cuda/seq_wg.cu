@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     float4 *xpart = reinterpret_cast<float4 *>(smem + Gm::OFF_XP);
 
     const float wscale = BF ? 1.0f : persist_wscale(a.w_hh, GH * H, a.w_ih, GH * Il, red);
-    const float hscale = BF ? 1.0f : persist_hscale(a, red);
+    const float hscale = BF ? 1.0f : persist_hscale(a, a.l, red);
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
 
     // Row m of an m64 A tile of unit half hf (W_ih's, W_hh's in shared memory and in registers)
@@ -350,8 +350,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             wg_commit();
             // x tile t (complete since the last barrier) into chunk (block, t): at XK = 64 only.
             if (Z && XK == WG_XK && a.zc) {
-                unsigned char *zc =
-                    static_cast<unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + t) * RNND_DW16_Z;
+                unsigned char *zc = static_cast<unsigned char *>(a.zc) +
+                                    ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(64);
                 zc_put_x<HM>(zc, xtile + (t & 1) * Gm::XTILE, xinv + (t & 1) * 16,
                              BF ? nullptr : a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane,
                              hscale);
@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 if (a.zc) { // rows 2tg + 8j, +1 (r = 2j, 2j + 1) of units u0 + i, 4 bytes a pair
                     if ((r & 1) == 0)
                         zc_put_h<HM>(static_cast<unsigned char *>(a.zc) +
-                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z,
+                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(64),
                                      u0, g, tg, r >> 1, h[r], h[r + 1], rvalid(r), rvalid(r + 1),
                                      hscale);
                 } else {

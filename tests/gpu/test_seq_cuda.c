@@ -843,11 +843,12 @@ static const struct seq_case quick_cases[] = {
     {GRU, BF16, 5, 7, 2, 3, 5, 0.3, NONE, AUTO, 0},
     {LSTM, IEEE, 8, 20, 2, 5, 4, 0.3, H0, AUTO, 0},
     {GRU, F32, 16, 160, 1, 4, 3, 0.3, HID, AUTO, 0},
-    {LSTM, F32, 64, 256, 1, 330, 3, 0.2, HID, AUTO, 0}, // both cluster loops
-    {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},   // the GRU's
-    {GRU, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},   // H = 64 in H = 128's loops
-    {LSTM, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},  // the LSTM's
-    {GRU, F32, 64, 128, 2, 520, 2, 0.2, H0, AUTO, 0},   // layer 1's x fused 128 wide
+    {LSTM, F32, 64, 256, 1, 330, 3, 0.2, HID, AUTO, 0},  // both cluster loops
+    {GRU, F32, 64, 256, 1, 330, 3, 0.2, H0, AUTO, 0},    // the GRU's
+    {GRU, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},    // H = 64 in H = 128's loops
+    {LSTM, F32, 64, 64, 1, 2048, 2, 0.2, H0, AUTO, 0},   // the LSTM's
+    {GRU, F32, 64, 128, 2, 520, 2, 0.2, H0, AUTO, 0},    // layer 1's x fused 128 wide
+    {LSTM, F32, 64, 128, 2, 2048, 2, 0.2, HID, AUTO, 0}, // layer 1's dw16 chunks, x 128 wide
 };
 
 // cell, compute, I, H, L, B, T, reset probability, initial state, path, how (SEQ_*).
@@ -904,6 +905,23 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
     {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
     {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
+    // The dw16 chunks at H = 128 where the mma.sync backward writes z's parts, x 128 wide (from
+    // 1536 rows for the GRU, 2048 for the LSTM): above layer 0 in two and three layers of either
+    // cell in both modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128;
+    // misaligned gradients (cuBLAS's products above the forward's chunks); one row fewer
+    // (cuBLAS's).
+    {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_REPEAT},
+    {LSTM, BF16, 64, 128, 2, 2050, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 128, 3, 2049, 2, 0.2, H0, AUTO, 0},
+    {GRU, F32, 64, 128, 2, 1536, 4, 0.1, HID, AUTO, 0},
+    {GRU, BF16, 64, 128, 3, 1600, 3, 0.1, HID, AUTO, 0},
+    {GRU, F32, 100, 128, 1, 1540, 3, 0.1, H0, AUTO, 0},
+    {GRU, BF16, 96, 128, 1, 1536, 3, 0.2, NONE, AUTO, 0},
+    {LSTM, F32, 128, 128, 1, 2048, 3, 0.1, HID, AUTO, 0},
+    {LSTM, BF16, 100, 128, 1, 2048, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, H0, AUTO, SEQ_MISALIGN},
+    {GRU, F32, 64, 128, 2, 1536, 3, 0.1, HID, AUTO, SEQ_MISALIGN},
+    {GRU, F32, 64, 128, 2, 1535, 3, 0.1, H0, AUTO, 0},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},

@@ -122,11 +122,21 @@ static void test_h100(void **state) {
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1535),
                         "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
     // The GRU's wgmma forward fuses x up to 128 wide from 512 rows (layer 1 at H = 128, or a
-    // wide x), its backward then the mma.sync loop on the gate planes; not the LSTM's.
+    // wide x), its backward then the mma.sync loop on the gate planes; not the LSTM's. At H = 128
+    // that loop writes the dw16 chunks with x 128 wide (I_l <= 128) from 1536 rows (GRU) or 2048
+    // (LSTM), cuBLAS's products below.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
+                        "wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 1535),
+                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
                         "wgmma_fwd mma_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 512),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 128, 1, 1536),
+                        "gru_h128_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 128, 2, 2047),
+                        "lstm_h128_bf16_l2: [0] mma_fused_fwd mma_dw16_bwd dw16_product [1] "
+                        "mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 2048),
                         "gru_h100_fp32: wgmma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 100, 1, 511),
                         "gru_h100_fp32: mma_fwd mma_bwd cublas_dw");
@@ -134,13 +144,13 @@ static void test_h100(void **state) {
                         "gru_h128_fp32: mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_NO_FUSED_X, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: [0] mma_fwd gru_recompute_dw16_bwd dw16_product [1] "
-                        "mma_fwd mma_bwd cublas_dw");
+                        "mma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 128, 2, 2048),
                         "lstm_h128_fp32_l2: [0] wgmma_fwd mma_dw16_bwd dw16_product [1] "
-                        "mma_fwd mma_bwd cublas_dw");
+                        "mma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 128, 2, 2048),
                         "gru_h128_bf16_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
-                        "wgmma_fwd mma_bwd cublas_dw");
+                        "wgmma_fwd mma_dw16_bwd dw16_product");
     // Not below 64 units, nor with an input the loops do not fuse (I % 4 != 0).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 60, 1, 2048),
                         "gru_h60_fp32: mma_fwd mma_bwd cublas_dw");
@@ -225,6 +235,16 @@ static void test_calls(void **state) {
     rnnd__seq_plan(&h100, &stepwise, &m, &call, &q);
     assert_true(!q.persistent && !q.tape_half && !q.z_dw16);
     assert_int_equal(q.layer[0].bwd, SEQ_BWD_STEPWISE);
+    // Misaligned gradients: the dw16 chunks only where the forward wrote z's parts (layer 0),
+    // cuBLAS's products above.
+    const struct rnnd_model m2 = {.cell = LSTM, .compute = F32, .I = 64, .H = 128, .L = 2};
+    call = (struct seq_call){2048, true, true, true, true, false};
+    rnnd__seq_plan(&h100, &t, &m2, &call, &q);
+    assert_true(q.zfwd && q.layer[0].d_chunks && q.layer[0].dw == SEQ_DW_DW16);
+    assert_true(!q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_CUBLAS);
+    call.outs_aligned = true;
+    rnnd__seq_plan(&h100, &t, &m2, &call, &q);
+    assert_true(q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_DW16 && q.layer[1].dx16);
     // Truncated names stay NUL-terminated.
     char small[8];
     rnnd__seq_plan_name(&h100, &t, &m, 2048, small, sizeof(small));

@@ -909,7 +909,7 @@ static const struct seq_case seq_cases[] = {
     // 1536 rows for the GRU, 2048 for the LSTM): above layer 0 in two and three layers of either
     // cell in both modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128;
     // misaligned gradients (cuBLAS's products above the forward's chunks); one row fewer
-    // (cuBLAS's).
+    // (cuBLAS's); states past [-1, 1] (layer 1's x, layer 0's h, scaled by that layer's bound).
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_REPEAT},
     {LSTM, BF16, 64, 128, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 128, 3, 2049, 2, 0.2, H0, AUTO, 0},
@@ -922,6 +922,7 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, H0, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1536, 3, 0.1, HID, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1535, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 128, 2, 1536, 5, 0.1, HID, AUTO, SEQ_WIDE}, // layer 1's x past 1, by its bound
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
             // registers are written: the stage's bytes take far longer to arrive than its MMAs.
             constexpr int CG = XK == 64 ? RNND_DW16_CH : 1;
 #pragma unroll
-            for (int c0 = 0; c0 < RNND_DW16_CH; c0 += CG) {
+            for (int cb = 0; cb < RNND_DW16_CH; cb += CG) {
                 uint32_t ah[CG][4], ax[CG][4];
 #pragma unroll
                 for (int c = 0; c < CG; c++) {
@@ -233,16 +233,16 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
                     // gets column g (+8) and rows 2tg, 2tg+1 (+8): m16k16's A fragment (the
                     // core matrices are row-major in TF32 mode: transposed).
                     uint32_t r[4];
-                    ldmatrix_x4_at<true>(r, a + (c0 + c) * RNND_DW16_D + w * 512 + (q & 1) * 256 +
+                    ldmatrix_x4_at<true>(r, a + (cb + c) * RNND_DW16_D + w * 512 + (q & 1) * 256 +
                                                 (q >> 1) * 128 + (lane & 7) * 16);
-                    const int16_t *rec = recs + (c0 + c) * (RNND_DW16_E / 2);
+                    const int16_t *rec = recs + (cb + c) * (RNND_DW16_E / 2);
                     dw_scale_rows(r, rec + w * 16, rec + 128, rec + 144, lane, ch, cx, ah[c],
                                   ax[c]);
                 }
                 wg_fence();
 #pragma unroll
                 for (int c = 0; c < CG; c++) {
-                    const uint8_t *z = b + (c0 + c) * ZB;
+                    const uint8_t *z = b + (cb + c) * ZB;
                     mma_n128_rs<true>(dh, ah[c], wg_desc(z, 256));
                     mma_f16_n8(dc, ah[c], wg_desc(z + ZC, 256));
                     if constexpr (XK == 64)

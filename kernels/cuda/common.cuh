@@ -154,9 +154,10 @@ static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
 //   z (ldz floats a row): [ hprev (H) | 1 | pad | x_l (I_l) | pad ]
 //        hprev is the state entering the step (after the reset rule), x_l the layer's input.
 //        The constant 1 makes one GEMM D^T z produce the weight and the bias gradients at once.
-//        Where the plan says so (seq_plan.h, zfwd and cz) layer 0 holds z's dw16 chunk parts and
-//        x exponents, or its dw256 chunk parts and aux records, in that space instead
-//        (seq_chunks.h).
+//        Where the plan says so (seq_plan.h, zfwd and cz) a layer holds z's dw16 chunk parts
+//        and x exponents (at zc_off; above layer 0 after its x rows, I_l floats a row at x_off,
+//        where the layer below writes its output), or layer 0 its dw256 chunk parts and aux
+//        records, in that space instead (seq_chunks.h).
 //   s (tape_rec::floats a row): GRU [a_r, a_z, a_n, hn], the gates' pre-activations and
 //        hn = W_hn h + b_hn; LSTM [a_i, a_f, a_g, a_o | cprev], the gates' pre-activations and
 //        the cell state entering the step (H fp32). The 4H pre-activation planes (and hn) are
@@ -171,8 +172,11 @@ struct seq_layer_layout {
     int xoff;     // offset of x_l in a z row
     int ldz;      // floats per z row
     int sw;       // floats per s row
+    int ldx;      // floats per row of x_l (l > 0) at x_off: ldz, or I_l beside chunk parts
     size_t z_off; // float offsets into the tape
     size_t s_off;
+    size_t x_off;  // x_l's rows (l > 0): z_off + xoff, or z_off beside chunk parts
+    size_t zc_off; // the dw16 chunk parts (zfwd)
 };
 
 struct seq_layout {
@@ -180,7 +184,8 @@ struct seq_layout {
     size_t tape_floats;
 };
 
-// p: the plan of a call over B rows of model m, whose tape fields size layer 0's z space.
+// p: the plan of a call over B rows of model m, whose tape fields size the layers' z spaces and
+// whose zfwd places x_l and the chunk parts in them.
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct seq_plan *p,
                            const struct rnnd_model *m, int B, int T, struct seq_layout *lay);
 

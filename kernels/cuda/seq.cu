@@ -56,8 +56,10 @@ static int seq_dw256_pitch(const struct cuda_ctx *c, int B, int T) {
 }
 
 // The layout holds s rows of fp32 planes; a tape whose gate planes are fp16 (tape_half) packs
-// its shorter rows into the same space. Layer 0's z space also holds the z chunk parts and (TF32
-// mode) x exponents (z_dw16) or the dw256 chunk parts (z_dw256) where the plan may write them.
+// its shorter rows into the same space. A layer's z space also holds the z chunk parts and (TF32
+// mode) x exponents (z_dw16; above layer 0 beside x's rows, which the layer below writes and
+// the forward reads), or layer 0's the dw256 chunk parts (z_dw256), where the plan may write
+// them.
 void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct seq_plan *p,
                            const struct rnnd_model *m, int B, int T, struct seq_layout *lay) {
     size_t BT = (size_t)B * T, at = 0;
@@ -69,15 +71,24 @@ void rnnd__cuda_seq_layout(const struct cuda_ctx *c, const struct seq_plan *p,
         y->xoff = ROUND_UP(H + 1, 4);
         y->ldz = ROUND_UP(y->xoff + y->Il, 4);
         y->sw = sw;
-        y->z_off = at;
+        y->z_off = y->zc_off = at;
+        y->x_off = at + y->xoff, y->ldx = y->ldz;
         size_t zf = BT * y->ldz;
-        if (l == 0 && (p->z_dw16 || p->z_dw256)) {
+        if (p->z_dw16[l]) {
             const size_t ex = m->compute == RNND_COMPUTE_FP32
                                   ? (size_t)CEIL_DIV(B, 16) * T * 16 * sizeof(int16_t)
                                   : 0;
-            size_t zc = p->z_dw16
-                            ? (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z(64) + ex
-                            : (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
+            const size_t xr = l > 0 ? ROUND_UP(BT * y->Il, (size_t)64) : 0;
+            const size_t zc =
+                (size_t)seq_dw16_pitch(c, B, T) * RNND_DW16_Z(RNND_DW16_XK(y->Il)) + ex;
+            zf = zf > xr + zc / sizeof(float) ? zf : xr + zc / sizeof(float);
+            if (p->zfwd[l]) {
+                y->zc_off = at + xr;
+                if (l > 0)
+                    y->x_off = at, y->ldx = y->Il;
+            }
+        } else if (l == 0 && p->z_dw256) {
+            const size_t zc = (size_t)seq_dw256_pitch(c, B, T) * (RNND_DW256_Z + RNND_DW256_A);
             zf = zf > zc / sizeof(float) ? zf : zc / sizeof(float);
         }
         at += ROUND_UP(zf, (size_t)64);
@@ -531,15 +542,15 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     if (p.stage)
         out = ys, h_n = h_n ? hs : nullptr, c_n = c_n ? cs : nullptr;
     const bool vec = p.vec;
-    const int dw_pitch = p.layer[0].z_chunks ? seq_dw16_pitch(c, B, T) : 0;
+    const int dw_pitch = seq_dw16_pitch(c, B, T);
 
     for (int l = 0; l < L; l++) {
         const struct seq_layer_plan &y = p.layer[l];
         const struct seq_layer_layout *ly = &lay.layer[l];
         struct layer_params lp = rnnd__cuda_layer_params(m, l, params);
         float *z = tp + ly->z_off, *s = tp + ly->s_off;
-        const float *x = l == 0 ? seq->x : z + ly->xoff;
-        int ldx = l == 0 ? m->I : ly->ldz;
+        const float *x = l == 0 ? seq->x : tp + ly->x_off;
+        int ldx = l == 0 ? m->I : ly->ldx;
         // A loop that reads the layer input (y.xloop) also copies x into the tape (layer 0,
         // where z is rows); otherwise a 2D copy does, and a GEMM gives x W_ih^T where the loop
         // does not fuse it.
@@ -553,8 +564,8 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         if (y.xks == 0 && !clus)
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, (int)BT, ly->Il, lp.w_ih,
                           ly->Il, x, ldx, 0.0f, xg, GH));
-        float *yo = l < L - 1 ? tp + lay.layer[l + 1].z_off + lay.layer[l + 1].xoff : out;
-        int ldy = l < L - 1 ? lay.layer[l + 1].ldz : H;
+        float *yo = l < L - 1 ? tp + lay.layer[l + 1].x_off : out;
+        int ldy = l < L - 1 ? lay.layer[l + 1].ldx : H;
 
         if (clus) {
             struct persist_fwd_args a = {};
@@ -595,11 +606,12 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.dbg = c->d_dbg;
             if (zc) { // the chunks past the loop's (whole stages for the product) hold zeros
                 const size_t nch = (size_t)CEIL_DIV(B, 16) * T;
-                RNND_CUDA_TRY(cudaMemsetAsync((char *)z + nch * RNND_DW16_Z(64), 0,
-                                              (dw_pitch - nch) * RNND_DW16_Z(64), c->stream));
-                a.z = nullptr, a.zc = z;
+                const long zb = RNND_DW16_Z(RNND_DW16_XK(ly->Il));
+                char *zch = (char *)(tp + ly->zc_off);
+                RNND_CUDA_TRY(cudaMemsetAsync(zch + nch * zb, 0, (dw_pitch - nch) * zb, c->stream));
+                a.z = nullptr, a.zc = zch;
                 if (m->compute == RNND_COMPUTE_FP32) // x's exponents
-                    a.zc_ex = (int16_t *)((char *)z + (size_t)dw_pitch * RNND_DW16_Z(64));
+                    a.zc_ex = (int16_t *)(zch + (size_t)dw_pitch * zb);
             }
             RNND_TRY(persist_forward(c, m, p, y, a));
         } else {
@@ -705,9 +717,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     for (int l = 0; l < L; l++)
         max_ldz = lay.layer[l].ldz > max_ldz ? lay.layer[l].ldz : max_ldz;
     // The layers on the dw16 chunks share one space, in turn: D's four planes and z's parts (x
-    // as wide as the layer's I_l needs), but layer 0's z in the tape as chunk parts (plan.zfwd)
-    // whatever the gradients' alignment.
-    const bool zc = p.zfwd;
+    // as wide as the layer's I_l needs), but z in the tape as chunk parts where the forward wrote
+    // them (plan.zfwd), whatever the gradients' alignment.
     bool dw16 = false;
     long dw_z = 0, dw_nz = 0; // the largest z part in the space, z's columns
     for (int l = 0; l < L; l++)
@@ -715,7 +726,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             const int xk = RNND_DW16_XK(lay.layer[l].Il);
             dw16 = true;
             dw_nz = RNND_DW16_NZ(xk) > dw_nz ? RNND_DW16_NZ(xk) : dw_nz;
-            if (!(l == 0 && zc))
+            if (!p.zfwd[l])
                 dw_z = RNND_DW16_Z(xk) > dw_z ? RNND_DW16_Z(xk) : dw_z;
         }
     const bool dw_exp = dw16 && m->compute == RNND_COMPUTE_FP32; // fp16 chunks, their records
@@ -838,10 +849,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                     RNND_CUDA_TRY(cudaMemset2DAsync(base + nch * RNND_DW16_D,
                                                     dw_pitch * RNND_DW16_D, 0, pad * RNND_DW16_D, 4,
                                                     c->stream));
-                if (zc && l == 0) { // the forward's, and its padding
-                    a.zc = z;
+                if (p.zfwd[l]) { // the forward's, and its padding
+                    a.zc = tp + ly->zc_off;
                     if (dw_exp) // x's exponents
-                        a.zc_ex = (const int16_t *)((const char *)z + (size_t)dw_pitch * zb);
+                        a.zc_ex = (const int16_t *)((const char *)a.zc + (size_t)dw_pitch * zb);
                 } else
                     RNND_CUDA_TRY(cudaMemsetAsync(base + 4 * dw_pitch * RNND_DW16_D + nch * zb, 0,
                                                   pad * zb, c->stream));
@@ -889,7 +900,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
                                              c->stream));
             } else {
                 const char *dloop = (const char *)d + 4 * (size_t)dw_pitch * RNND_DW16_D;
-                const void *dz = zc && l == 0 ? (const void *)z : (const void *)dloop; // z's parts
+                const void *dz = p.zfwd[l] ? a.zc : (const void *)dloop; // z's parts
                 struct dw16_args dw = {d,       dz,         dw_pitch, dw_ks, H,     ly->Il, !lstm,
                                        dw_part, a.dw16_exp, gw_ih,    gw_hh, gb_ih, gb_hh};
                 RNND_TRY(rnnd__dw16_product(&dw, c->stream));

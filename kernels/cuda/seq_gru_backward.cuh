@@ -266,13 +266,13 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     auto zc_fetch = [&](int s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         unsigned char *sl = zslot + (s & 1) * ZSL;
-        const int zpr = Cell::SW * H * 2; // the bytes of a row's planes
+        const long zcs = RNND_DW16_Z(RNND_DW16_XK(Il)); // a chunk's z parts, x as wide as I_l's
+        const int zpr = Cell::SW * H * 2;               // the bytes of a row's planes
         if (threadIdx.x == 0) {
             mbar_expect_tx(zbar + (s & 1), ZCB + nrows * zpr);
             mbar_arrive(zbar + (s & 1));
             bulk_g2s(sl,
-                     static_cast<const unsigned char *>(a.zc) +
-                         ((size_t)blockIdx.x * T + s) * RNND_DW16_Z(64),
+                     static_cast<const unsigned char *>(a.zc) + ((size_t)blockIdx.x * T + s) * zcs,
                      ZCB, zbar + (s & 1));
         }
         // Row 2w + lane's planes: two copies a warp (the 16 from warp 0 held it ~900 cycles,

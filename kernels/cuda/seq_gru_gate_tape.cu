@@ -1,8 +1,9 @@
 /*
  * seq_gru_gate_tape.cu: the GRU's H = 128 backward loop on the gate planes and z chunk parts the
  * wgmma forward wrote (seq_gru_h128_backward_kernel's ZF instances, seq_gru_backward.cuh), TF32
- * or bf16 mode: it reads the gates and recomputes nothing, and its dh runs on warpgroup MMAs, so
- * it is sm_90a code, built like the wgmma forwards (RNND_HAVE_WG).
+ * or bf16 mode, x up to 128 wide (the chunks' XK; the loop reads no x): it reads the gates and
+ * recomputes nothing, and its dh runs on warpgroup MMAs, so it is sm_90a code, built like the
+ * wgmma forwards (RNND_HAVE_WG).
  */
 #include "seq_gru_backward.cuh"
 
@@ -12,7 +13,7 @@ template <class Mode>
 int gate_tape_launch(const struct persist_bwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr int HP = 128;
     constexpr bool XH = Mode::hmode::SCALED;
-    if (a->Il > HP / 2 || a->Il % 4 != 0 || a->w_ih == nullptr || !a->dw16 || !a->zc || !a->s ||
+    if (a->Il > HP || a->Il % 4 != 0 || a->w_ih == nullptr || !a->dw16 || !a->zc || !a->s ||
         a->H > HP || a->H % 4 != 0 || (a->dw16_exp != nullptr) != XH || (a->zc_ex != nullptr) != XH)
         return RNND_EINVAL;
     auto kernel = a->vec ? seq_gru_h128_backward_kernel<Mode, HP, true, XH, 0, true, true>

@@ -45,8 +45,8 @@ struct persist_fwd_args {
     int ldx;          // or xcopy (then Il <= HP/2), else NULL
     bool xvec;        // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;       // copy x into z at xoff
-    // Or, instead of z (the wgmma forwards, layer 0, H = 128; docs/kernels.md): z's parts
-    // of the dw16 chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z(64)) and, in TF32
+    // Or, instead of z (the wgmma forwards, HP = 128; docs/kernels.md): z's parts of the dw16
+    // chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z(RNND_DW16_XK(Il))) and, in TF32
     // mode, each chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would
     // have written them.
     void *zc;
@@ -121,12 +121,13 @@ int rnnd__gru_h128_backward(const struct persist_bwd_args *a, bool bf16, bool cl
                             cudaStream_t stream);
 long rnnd__gru_h128_backward_smem(bool bf16, int HP);
 // The same loop on the wgmma forward's gate planes (a.s) and z chunk parts (a.zc; TF32 mode:
-// a.zc_ex), writing D's chunks (a.dw16): gates read, not recomputed (seq_gru_gate_tape.cu).
+// a.zc_ex; I_l <= 128), writing D's chunks (a.dw16): gates read, not recomputed
+// (seq_gru_gate_tape.cu).
 int rnnd__gru_h128_gate_tape_backward(const struct persist_bwd_args *a, bool bf16, bool clocks,
                                       cudaStream_t stream);
 
 // The GRU and LSTM forwards on warpgroup MMAs (seq_wg.cu): TF32 mode (the GRU's also bf16),
-// 96 < H <= 128 with H % 4 == 0, fused x with 1 <= I_l <= 64, a.vec and a.xvec, z rows in seq.cu's
+// 96 < H <= 128 with H % 4 == 0, fused x with 1 <= I_l <= 64 (the GRU's 128), a.vec and a.xvec, z rows in seq.cu's
 // layout; the LSTM with its fp16 gate tape (a.shalf) exactly when z rows or (H = 128) z chunk
 // parts (a.zc) are written, the GRU with it only with the chunk parts; x's exponents (a.zc_ex)
 // with the chunk parts in TF32 mode alone.

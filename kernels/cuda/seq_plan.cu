@@ -169,18 +169,25 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
         return H == 128 && Il <= 128 &&
                B >= (gru ? SEQ_DW16_LOOP_Z_GRU_ROWS : SEQ_DW16_LOOP_Z_LSTM_ROWS);
     };
-    // Layer 0's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
-    // bf16) instead of z rows: the backward then reads them (the GRU: also the gate planes, and
-    // recomputes nothing). Sized by the model and the device; the format also needs aligned
+    // A layer's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
+    // bf16) instead of z rows, where its backward takes the dw16 chunks: x at most 64 wide
+    // (layer 0), or the GRU's x fused up to 128 wide (H = 128, I_l <= 128: layers above 0). The
+    // backward then reads them (the GRU: also the gate planes, and recomputes nothing; the loop
+    // writing z's parts itself read z's rows and ran 1.03 ms a layer at B = 2048 T = 256 against
+    // the gate planes' 0.62). Sized by the model and the device; the format also needs aligned
     // inputs, which both passes see.
-    p->z_dw16 = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
-                !tune->no_fused_x && !tune->no_zfwd && I <= 64 && I % 4 == 0 && dw16(0, true) &&
-                persist_xks(m, 0, HP, dev->smem_optin) > 0;
+    const bool inputs = call->x_aligned && call->states_aligned;
+    for (int l = 0; l < L; l++) {
+        const int Il = rnnd_model_layer_input(m, l);
+        p->z_dw16[l] = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
+                       !tune->no_fused_x && !tune->no_zfwd && Il % 4 == 0 && dw16(l, true) &&
+                       (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0
+                                 : gru && B >= SEQ_WIDE_X_MIN_ROWS);
+        p->zfwd[l] = p->z_dw16[l] && inputs;
+    }
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
     // for seq_dw.cu's product instead of cuBLAS's (compute 9.0).
     p->z_dw256 = dev->wg && !tune->no_dw16 && cl0 && p->tape_blocked && cluster_rows(false) > 0;
-    const bool inputs = call->x_aligned && call->states_aligned;
-    p->zfwd = p->z_dw16 && inputs;
     p->cz = p->z_dw256 && inputs;
     p->phase_clocks = tune->phase_clocks;
 
@@ -188,7 +195,10 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
         // Misaligned outputs of a chunk-writing forward go through aligned scratch (the backward
         // cannot see them), with a tape or without: the same loop, the same outputs.
         p->vec = H % 4 == 0 && call->outs_aligned && call->states_aligned;
-        p->stage = (p->zfwd || p->cz) && !p->vec;
+        bool zfwd = p->cz;
+        for (int l = 0; l < L; l++)
+            zfwd = zfwd || p->zfwd[l];
+        p->stage = zfwd && !p->vec;
         if (p->stage)
             p->vec = H % 4 == 0 && call->states_aligned;
         p->rows = cl0 && p->vec && call->x_aligned ? cluster_rows(false) : 0;
@@ -209,7 +219,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             }
             y->xks = tune->no_fused_x ? 0 : persist_xks(m, l, HP, dev->smem_optin);
             y->xloop = Il <= HP / 2;
-            y->z_chunks = l == 0 && p->zfwd && call->tape;
+            y->z_chunks = p->zfwd[l] && call->tape;
             // Where the backward recomputes the gates the forward writes none, unless they go
             // with z's chunk parts.
             y->gates = call->tape && (!recompute(l) || y->z_chunks);
@@ -218,7 +228,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             // its backward reads (zfwd does not depend on the tape: the same loop), the LSTM's
             // bf16 mma.sync loop being the faster. The GRU's writes its gate planes only with
             // the chunk parts.
-            const bool wg = dev->wg && !tune->no_wg && (!bf16 || (l == 0 && p->zfwd));
+            const bool wg = dev->wg && !tune->no_wg && (!bf16 || p->zfwd[l]);
             if (wg && HP == 128 && H % 4 == 0 && y->xks > 0 && p->vec && xvec &&
                 (lstm || !y->gates || y->z_chunks)) {
                 y->fwd = SEQ_FWD_WGMMA;
@@ -255,13 +265,11 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             y->bwd = SEQ_BWD_CLUSTER;
             y->d_chunks = c256;
         } else if (p->persistent) {
-            y->d_chunks = (l == 0 && p->zfwd) || dw16(l, vec);
-            if (!recompute(l))
-                y->bwd = SEQ_BWD_MMA;
-            else if (y->d_chunks && l == 0 && p->zfwd)
+            y->d_chunks = p->zfwd[l] || dw16(l, vec);
+            if (gru && p->zfwd[l])
                 y->bwd = SEQ_BWD_GRU_GATE_TAPE;
             else
-                y->bwd = SEQ_BWD_GRU_RECOMPUTE;
+                y->bwd = recompute(l) ? SEQ_BWD_GRU_RECOMPUTE : SEQ_BWD_MMA;
         } else {
             y->bwd = SEQ_BWD_STEPWISE;
         }

@@ -68,7 +68,7 @@ enum seq_bwd_kernel {
 // The weight gradients [dW_ih | dW_hh | db] of a layer.
 enum seq_dw_kernel {
     SEQ_DW_CUBLAS, // one cuBLAS GEMM D^T z, then dw_scatter_kernel (seq.cu)
-    SEQ_DW_DW16,   // seq_dw.cu's product on the loop's dw16 chunks (H = 128, layer 0)
+    SEQ_DW_DW16,   // seq_dw.cu's product on the dw16 chunks (HP = 128)
     SEQ_DW_DW256,  // seq_dw.cu's product on the cluster loops' dw256 chunks (H = 256, layer 0)
 };
 
@@ -78,7 +78,7 @@ struct seq_layer_plan {
                    // from one cuBLAS GEMM over all steps)
     bool xloop;    // the forward loop reads the layer input itself (it may copy it to the tape)
     bool gates;    // a taped persistent forward writes the gate planes (s rows)
-    bool z_chunks; // the forward writes z as chunk parts instead of z rows (layer 0)
+    bool z_chunks; // the forward writes z as chunk parts instead of z rows (zfwd, a tape)
     enum seq_bwd_kernel bwd;
     bool d_chunks; // the backward loop writes D as the product's chunks (dw16 or dw256)
     enum seq_dw_kernel dw;
@@ -89,16 +89,17 @@ struct seq_plan {
     int HP;          // padded width of the persistent loops; 0 where they do not run
     bool persistent; // the persistent loops (HP > 0) for every layer the clusters do not run
     // The tape's format (model, device and B; both passes agree):
-    bool tape_half;    // the gate planes in fp16 (tape_rec), else fp32
-    bool tape_blocked; // the record in tape_b8's blocks of 8 rows
-    bool z_dw16;       // layer 0's z space is sized for dw16 chunk parts and x exponents
-    bool z_dw256;      // layer 0's z space is sized for dw256 chunk parts and aux records
+    bool tape_half;               // the gate planes in fp16 (tape_rec), else fp32
+    bool tape_blocked;            // the record in tape_b8's blocks of 8 rows
+    bool z_dw16[RNND_MAX_LAYERS]; // layer l's z space is sized for dw16 chunk parts and x
+                                  // exponents (above layer 0: beside the x rows)
+    bool z_dw256; // layer 0's z space is sized for dw256 chunk parts and aux records
     // The call:
-    bool zfwd;         // layer 0's z is dw16 chunk parts (z_dw16 and aligned inputs)
-    bool cz;           // layer 0's z is dw256 chunk parts (z_dw256 and aligned inputs)
-    bool stage;        // outputs (forward) or gradients (backward) through aligned scratch
-    bool vec;          // 16-byte access to outputs or gradients (after staging)
-    int rows;          // rows a cluster of the cluster loops (64 or 80), 0 where none runs
+    bool zfwd[RNND_MAX_LAYERS]; // layer l's z is dw16 chunk parts (z_dw16 and aligned inputs)
+    bool cz;                    // layer 0's z is dw256 chunk parts (z_dw256 and aligned inputs)
+    bool stage;                 // outputs (forward) or gradients (backward) through aligned scratch
+    bool vec;                   // 16-byte access to outputs or gradients (after staging)
+    int rows;                   // rows a cluster of the cluster loops (64 or 80), 0 where none runs
     bool phase_clocks; // the loops' clock-counting instances (RNND_CUDA_PHASE_CLOCKS builds)
     struct seq_layer_plan layer[RNND_MAX_LAYERS];
 };

@@ -123,24 +123,28 @@ __device__ __forceinline__ void zc_put_h(unsigned char *zc, int u0, int g, int t
             HM::pack2(ok0 ? h0[i] * hs : 0.0f, ok1 ? h1[i] * hs : 0.0f);
     }
 }
-// x: the producer's 16-bit x tile (K-major, fp16 row-scaled; zeros past I_l and B) transposed by
-// ldmatrix, warp w (0-3) its column groups 2w, 2w + 1; warp 0 the constant (the h scale, as z's
-// h part) and its zeros; in fp16, warp 1 the rows' exponents from their inverse scales xinv (0: a
-// row of zeros).
-template <class HM>
+// x: the producer's 16-bit x tile (K-major, XK columns, fp16 row-scaled; zeros past I_l and B)
+// transposed by ldmatrix, warp w (0-3) its column groups 8k + 2w, 8k + 2w + 1 (k < XK / 64);
+// warp 0 the constant (the h scale, as z's h part) and its zeros; in fp16, warp 1 the rows'
+// exponents from their inverse scales xinv (0: a row of zeros).
+template <class HM, int XK>
 __device__ __forceinline__ void zc_put_x(unsigned char *zc, const unsigned char *xt,
                                          const float *xinv, int16_t *ex, int w, int lane,
                                          float hs) {
-    const int mi = lane >> 3, cg = 2 * w + (mi & 1), rh = mi >> 1;
-    uint32_t m4[4];
-    ldmatrix_x4_at<true>(m4, xt + km_off(8 * rh + (lane & 7), 8 * cg, WG_XK / 8));
+    const int mi = lane >> 3, rh = mi >> 1;
 #pragma unroll
-    for (int q = 0; q < 4; q++)
-        *reinterpret_cast<uint32_t *>(zc + (16 + 2 * w + (q & 1)) * 256 + (q >> 1) * 128 +
-                                      4 * lane) = m4[q];
+    for (int k = 0; k < XK / 64; k++) {
+        const int cg = 8 * k + 2 * w + (mi & 1);
+        uint32_t m4[4];
+        ldmatrix_x4_at<true>(m4, xt + km_off(8 * rh + (lane & 7), 8 * cg, XK / 8));
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            *reinterpret_cast<uint32_t *>(zc + (16 + 8 * k + 2 * w + (q & 1)) * 256 +
+                                          (q >> 1) * 128 + 4 * lane) = m4[q];
+    }
     if (w == 0) {
-        dw16_put_one(zc + 24 * 256, lane, HM::pack2(hs, hs));
-        dw16_put_one(zc + 24 * 256 + 128, lane, HM::pack2(hs, hs));
+        dw16_put_one(zc + (16 + XK / 8) * 256, lane, HM::pack2(hs, hs));
+        dw16_put_one(zc + (16 + XK / 8) * 256 + 128, lane, HM::pack2(hs, hs));
     } else if (HM::SCALED && w == 1 && lane < 16) {
         const float v = xinv[lane];
         ex[lane] = (int16_t)(v > 0.0f ? pow2_log(v) : RNND_DW16_EZERO);
@@ -348,13 +352,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                         wg_mma_ss<true, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
                 }
             wg_commit();
-            // x tile t (complete since the last barrier) into chunk (block, t): at XK = 64 only.
-            if (Z && XK == WG_XK && a.zc) {
+            // x tile t (complete since the last barrier) into chunk (block, t).
+            if (Z && a.zc) {
                 unsigned char *zc = static_cast<unsigned char *>(a.zc) +
-                                    ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(64);
-                zc_put_x<HM>(zc, xtile + (t & 1) * Gm::XTILE, xinv + (t & 1) * 16,
-                             BF ? nullptr : a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w, lane,
-                             hscale);
+                                    ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(XK);
+                zc_put_x<HM, XK>(zc, xtile + (t & 1) * Gm::XTILE, xinv + (t & 1) * 16,
+                                 BF ? nullptr : a.zc_ex + ((size_t)blockIdx.x * T + t) * 16, w,
+                                 lane, hscale);
             }
             if (t + 1 < T)
                 convert_x(t + 1);
@@ -513,7 +517,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
                 if (a.zc) { // rows 2tg + 8j, +1 (r = 2j, 2j + 1) of units u0 + i, 4 bytes a pair
                     if ((r & 1) == 0)
                         zc_put_h<HM>(static_cast<unsigned char *>(a.zc) +
-                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(64),
+                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(XK),
                                      u0, g, tg, r >> 1, h[r], h[r + 1], rvalid(r), rvalid(r + 1),
                                      hscale);
                 } else {
@@ -634,14 +638,14 @@ template <class Cell, class HM>
 int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
     constexpr bool LSTM = Cell::G == 4;
     // Its case: fused x, vector access, z rows laid out as seq.cu does for H % 4 == 0,
-    // I_l % 4 == 0, I_l <= 64 (the GRU's 128, without z chunk parts); the fp16 gate
+    // I_l % 4 == 0, I_l <= 64 (the GRU's 128); the fp16 gate
     // tape exactly when z rows or (H = 128) z chunk parts are written, but the GRU's only with
     // a tape (with x at most 64 wide its backward may recompute the gates instead).
     constexpr int XMAX = LSTM ? WG_XK : 2 * WG_XK;
     const bool tape = a->z || a->zc, wide = a->Il > WG_XK;
     if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > XMAX || a->Il < 1 || !a->x || !a->vec ||
         !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
-        (a->zc && (wide || a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
+        (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !tape) || a->c0 || a->cell))
         return RNND_EINVAL;
     const bool hid = a->hidden != nullptr;

@@ -24,7 +24,7 @@
 #define RNND_TUNE_CLUSTER80       1024  // LSTM H = 256: 80 rows a cluster wherever they run
 #define RNND_TUNE_NO_WG           4096  // no warpgroup-MMA forwards and step tiles (mma.sync)
 #define RNND_TUNE_NO_DW16         16384 // weight gradients from cuBLAS, not the chunk products
-#define RNND_TUNE_NO_ZFWD         32768 // layer 0's z rows in the tape, not the forward's chunks
+#define RNND_TUNE_NO_ZFWD         32768 // z rows in the tape, not the forward's chunks
 #define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
 #define RNND_TUNE_NO_PAD128       131072 // 64 <= H <= 96 at a large B: the loops at their own width
 

@@ -905,11 +905,14 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
     {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
     {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
-    // The dw16 chunks at H = 128 where the mma.sync backward writes z's parts, x 128 wide (from
-    // 1536 rows for the GRU, 2048 for the LSTM): above layer 0 in two and three layers of either
-    // cell in both modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128;
-    // misaligned gradients (cuBLAS's products above the forward's chunks); one row fewer
-    // (cuBLAS's); states past [-1, 1] (layer 1's x, layer 0's h, scaled by that layer's bound).
+    // The dw16 chunks at H = 128 with z's x part 128 wide (from 1536 rows for the GRU, 2048 for
+    // the LSTM): the GRU's z parts from its wgmma forward, read by the gate-tape loop, the LSTM's
+    // written by the mma.sync backward. Above layer 0 in two and three layers of either cell in
+    // both modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128; misaligned
+    // outputs and gradients (the GRU's forward stages them and its chunks stay; the LSTM's
+    // layer 1 takes cuBLAS's products); one row fewer (cuBLAS's); states past [-1, 1] (layer 1's
+    // x, layer 0's h, scaled by that layer's bound in the mma.sync loop, by each row's own in
+    // the forward's chunks).
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_REPEAT},
     {LSTM, BF16, 64, 128, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 128, 3, 2049, 2, 0.2, H0, AUTO, 0},
@@ -922,7 +925,9 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, H0, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1536, 3, 0.1, HID, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1535, 3, 0.1, H0, AUTO, 0},
-    {GRU, F32, 64, 128, 2, 1536, 5, 0.1, HID, AUTO, SEQ_WIDE}, // layer 1's x past 1, by its bound
+    // Layer 1's x past 1: in the GRU's forward chunks (each row's scale), the LSTM's loop's.
+    {GRU, F32, 64, 128, 2, 1536, 5, 0.1, HID, AUTO, SEQ_WIDE},
+    {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_WIDE},
     // Batch and time edges: B=1, T=1, B=2049 (a partial last block).
     {GRU, F32, 64, 128, 1, 1, 1, 0.0, NONE, AUTO, 0},
     {LSTM, F32, 64, 128, 1, 1, 1, 0.0, H0, AUTO, 0},

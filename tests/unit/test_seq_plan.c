@@ -123,16 +123,19 @@ static void test_h100(void **state) {
                         "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
     // The GRU's wgmma forward fuses x up to 128 wide from 512 rows (layer 1 at H = 128, or a
     // wide x), its backward then the mma.sync loop on the gate planes; not the LSTM's. At H = 128
-    // that loop writes the dw16 chunks with x 128 wide (I_l <= 128) from 1536 rows (GRU) or 2048
-    // (LSTM), cuBLAS's products below.
+    // the dw16 chunks with x 128 wide (I_l <= 128) run from 1536 rows (GRU) or 2048 (LSTM),
+    // cuBLAS's products below: the GRU's z parts from its forward, read by the gate-tape loop;
+    // the LSTM's written by the mma.sync loop (or the GRU's, without the forward's parts).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 2048),
-                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
+                        "gru_h128_fp32_l2: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_ZFWD, GRU, F32, 64, 128, 2, 2048),
+                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_recompute_dw16_bwd dw16_product [1] "
                         "wgmma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 1535),
                         "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
                         "wgmma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 128, 1, 1536),
-                        "gru_h128_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+                        "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 128, 2, 2047),
                         "lstm_h128_bf16_l2: [0] mma_fused_fwd mma_dw16_bwd dw16_product [1] "
                         "mma_fwd mma_bwd cublas_dw");
@@ -149,8 +152,7 @@ static void test_h100(void **state) {
                         "lstm_h128_fp32_l2: [0] wgmma_fwd mma_dw16_bwd dw16_product [1] "
                         "mma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 128, 2, 2048),
-                        "gru_h128_bf16_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
-                        "wgmma_fwd mma_dw16_bwd dw16_product");
+                        "gru_h128_bf16_l2: wgmma_fwd gru_gate_tape_bwd dw16_product");
     // Not below 64 units, nor with an input the loops do not fuse (I % 4 != 0).
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 60, 1, 2048),
                         "gru_h60_fp32: mma_fwd mma_bwd cublas_dw");
@@ -218,33 +220,51 @@ static void test_calls(void **state) {
     struct seq_call call = {2048, false, true, true, true, false};
     struct seq_plan p, q;
     rnnd__seq_plan(&h100, &t, &m, &call, &p);
-    assert_true(p.stage && p.vec && p.zfwd && p.z_dw16);
+    assert_true(p.stage && p.vec && p.zfwd[0] && p.z_dw16[0]);
     assert_int_equal(p.layer[0].fwd, SEQ_FWD_WGMMA);
     assert_true(p.layer[0].z_chunks && p.layer[0].gates);
     call.x_aligned = false; // no chunk parts, z rows: the forward's gates are not written
     rnnd__seq_plan(&h100, &t, &m, &call, &q);
-    assert_true(!q.zfwd && q.z_dw16 && !q.stage && !q.vec);
+    assert_true(!q.zfwd[0] && q.z_dw16[0] && !q.stage && !q.vec);
     assert_int_equal(q.layer[0].fwd, SEQ_FWD_MMA);
     assert_false(q.layer[0].gates);
     call.backward = true, call.outs_aligned = true;
     rnnd__seq_plan(&h100, &t, &m, &call, &q);
     assert_int_equal(q.layer[0].bwd, SEQ_BWD_GRU_RECOMPUTE);
     assert_int_equal(q.layer[0].dw, SEQ_DW_DW16);
-    assert_true(q.tape_half == p.tape_half && q.z_dw16 == p.z_dw16);
+    assert_true(q.tape_half == p.tape_half && q.z_dw16[0] == p.z_dw16[0]);
     const struct cuda_tuning stepwise = {.stepwise = true};
     rnnd__seq_plan(&h100, &stepwise, &m, &call, &q);
-    assert_true(!q.persistent && !q.tape_half && !q.z_dw16);
+    assert_true(!q.persistent && !q.tape_half && !q.z_dw16[0]);
     assert_int_equal(q.layer[0].bwd, SEQ_BWD_STEPWISE);
     // Misaligned gradients: the dw16 chunks only where the forward wrote z's parts (layer 0),
     // cuBLAS's products above.
     const struct rnnd_model m2 = {.cell = LSTM, .compute = F32, .I = 64, .H = 128, .L = 2};
     call = (struct seq_call){2048, true, true, true, true, false};
     rnnd__seq_plan(&h100, &t, &m2, &call, &q);
-    assert_true(q.zfwd && q.layer[0].d_chunks && q.layer[0].dw == SEQ_DW_DW16);
+    assert_true(q.zfwd[0] && q.layer[0].d_chunks && q.layer[0].dw == SEQ_DW_DW16);
     assert_true(!q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_CUBLAS);
     call.outs_aligned = true;
     rnnd__seq_plan(&h100, &t, &m2, &call, &q);
     assert_true(q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_DW16 && q.layer[1].dx16);
+    // The GRU's layer 1 with its forward's chunk parts: both passes see the inputs' alignment
+    // alone; misaligned outputs are staged, misaligned gradients keep the chunks.
+    const struct rnnd_model g2 = {.cell = GRU, .compute = F32, .I = 64, .H = 128, .L = 2};
+    call = (struct seq_call){2048, false, true, true, true, false};
+    rnnd__seq_plan(&h100, &t, &g2, &call, &q);
+    assert_true(q.zfwd[1] && q.z_dw16[1] && q.stage && q.layer[1].z_chunks && q.layer[1].gates);
+    assert_int_equal(q.layer[1].fwd, SEQ_FWD_WGMMA);
+    call.backward = true;
+    rnnd__seq_plan(&h100, &t, &g2, &call, &q);
+    assert_true(q.layer[1].d_chunks && q.layer[1].dx16);
+    assert_int_equal(q.layer[1].bwd, SEQ_BWD_GRU_GATE_TAPE);
+    call.states_aligned = false; // z rows in both passes: the mma.sync loop writes the chunks
+    rnnd__seq_plan(&h100, &t, &g2, &call, &q);
+    assert_true(!q.zfwd[1] && q.z_dw16[1] && !q.layer[1].d_chunks);
+    call.outs_aligned = true;
+    rnnd__seq_plan(&h100, &t, &g2, &call, &q);
+    assert_true(q.layer[1].d_chunks);
+    assert_int_equal(q.layer[1].bwd, SEQ_BWD_MMA);
     // Truncated names stay NUL-terminated.
     char small[8];
     rnnd__seq_plan_name(&h100, &t, &m, 2048, small, sizeof(small));

@@ -657,6 +657,9 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
     const int q = lane >> 3; // the matrix whose row address this lane gives (ldmatrix.x4)
     // This warp's chunk in a stage: matrix q of a k-step, rows 8 (q & 1).., columns 8 (q >> 1)..
     const int aoff = warp * RNND_DW16_D + (q & 1) * 128 + (q >> 1) * 256 + (lane & 7) * 16;
+    // dL/dx rows as 16-byte stores where they keep that alignment (with a store a value the
+    // two-layer GRU row took 3.28-3.33 ms, against 3.18-3.20: docs/benchmarks.md).
+    const bool quads = Il % 4 == 0 && (reinterpret_cast<uintptr_t>(dx) & 15) == 0;
     for (int g = g0; g < g1; g++) {
         float d[XK / 2];
 #pragma unroll
@@ -720,24 +723,44 @@ __global__ void __launch_bounds__(DX_THREADS, 1)
             wg_wait<1>();
         }
         wg_wait<0>();
-        // Rows g, g + 8 of this warp's chunk c = 4 g + warp (block c / T, step c % T).
+        // Rows g, g + 8 of this warp's chunk c = 4 g + warp (block c / T, step c % T). 2^E is
+        // a normal float (E >= -126), or 0 for a zero row; both factors are 1 in bf16 mode.
         const int c = 4 * g + warp, blk = c / T, t = c % T;
+        if (c >= nch)
+            continue;
+        const float winv = 1.0f / wsc, e2[2] = {ldexpf(1.0f, erow[0]), ldexpf(1.0f, erow[1])};
+        if (quads) {
+            // Lanes 2k and 2k + 1 hold columns c0.. c0 + 1 and c0 + 2.. c0 + 3 of both rows;
+            // they swap halves so that the even lane stores row g's four and the odd lane row
+            // g + 8's, one 16-byte store each.
+            const int h = lane & 1, b = blk * 16 + (lane >> 2) + 8 * h;
+            float *row = dx + ((size_t)b * T + t) * Il;
+#pragma unroll
+            for (int n = 0; n < XK / 8; n++) {
+                const float a0 = d[4 * n] * e2[0] * winv, a1 = d[4 * n + 1] * e2[0] * winv;
+                const float b0 = d[4 * n + 2] * e2[1] * winv, b1 = d[4 * n + 3] * e2[1] * winv;
+                const float r0 = __shfl_xor_sync(0xffffffffu, h ? a0 : b0, 1);
+                const float r1 = __shfl_xor_sync(0xffffffffu, h ? a1 : b1, 1);
+                const int col = 8 * n + 2 * (lane & 3) - 2 * h;
+                if (b < B && col < Il)
+                    *reinterpret_cast<float4 *>(row + col) =
+                        h ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
+            }
+            continue;
+        }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int b = blk * 16 + (lane >> 2) + 8 * h;
-            if (c >= nch || b >= B)
+            if (b >= B)
                 continue;
             float *row = dx + ((size_t)b * T + t) * Il;
-            // 2^E is a normal float (E >= -126), or 0 for a zero row; both factors are 1 in
-            // bf16 mode.
-            const float e2 = ldexpf(1.0f, erow[h]), winv = 1.0f / wsc;
 #pragma unroll
             for (int n = 0; n < XK / 8; n++) {
                 const int col = 8 * n + 2 * (lane & 3);
                 if (col < Il)
-                    row[col] = d[4 * n + 2 * h] * e2 * winv;
+                    row[col] = d[4 * n + 2 * h] * e2[h] * winv;
                 if (col + 1 < Il)
-                    row[col + 1] = d[4 * n + 2 * h + 1] * e2 * winv;
+                    row[col + 1] = d[4 * n + 2 * h + 1] * e2[h] * winv;
             }
         }
     }

@@ -36,7 +36,8 @@ static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4
 // 3.71-3.73 against 1.27 / 4.13-4.17 at 2048; LSTM 1.23-1.24 / 4.10 against 1.18 / 4.07 at 1024,
 // 1.30-1.32 / 4.40 against 1.28-1.29 / 4.47 at 1536, 1.41 / 4.80 against 1.44 / 5.00-5.04 at 2048.
 // The loop moves more bytes a step (z's rows in, its chunks out), which costs a small batch's
-// latency-bound steps more than the products save (docs/kernels.md).
+// latency-bound steps more than the products save (docs/kernels.md). The GRU's loop writes them
+// only where its forward could not (inputs off 16-byte alignment).
 #define SEQ_DW16_LOOP_Z_GRU_ROWS  1536
 #define SEQ_DW16_LOOP_Z_LSTM_ROWS 2048
 
@@ -154,35 +155,38 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
         long need = rnnd__gru_h128_backward_smem(bf16, 128);
         return Il <= 64 && Il % 4 == 0 && need > 0 && (size_t)need <= dev->smem_optin;
     };
-    // A layer's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks the
-    // backward loop writes instead of D in fp32 (compute 9.0, bf16 or TF32 mode, vector access):
-    // the persistent loops at HP = 128, layer 0 with I <= 64 (the GRU's own backward, the
-    // LSTM's), and (the mma.sync backward, x 128 wide) H = 128 with I_l <= 128 from
-    // SEQ_DW16_LOOP_Z_*_ROWS rows.
-    auto dw16 = [&](int l, bool vec) {
+    // A layer's weight gradients and dL/dx from seq_dw.cu's products on 16-bit chunks instead
+    // of D in fp32 (compute 9.0, bf16 or TF32 mode, vector access, the persistent loops at
+    // HP = 128): layer 0 with I <= 64 (the GRU's own backward, the LSTM's), and H = 128 with
+    // I_l <= 128 (x 128 wide) from `rows` rows.
+    auto dw16 = [&](int l, bool vec, int rows) {
         const int Il = rnnd_model_layer_input(m, l);
         if (!dev->wg || tune->no_dw16 || m->compute == RNND_COMPUTE_IEEE || !vec ||
             !p->persistent || HP != 128 || H % 4 != 0)
             return false;
         if (l == 0 && Il <= 64)
             return lstm || recompute(0);
-        return H == 128 && Il <= 128 &&
-               B >= (gru ? SEQ_DW16_LOOP_Z_GRU_ROWS : SEQ_DW16_LOOP_Z_LSTM_ROWS);
+        return H == 128 && Il <= 128 && B >= rows;
     };
+    // Where the mma.sync backward writes z's chunk parts itself (x 128 wide): from
+    // SEQ_DW16_LOOP_Z_*_ROWS rows.
+    const int loop_z_rows = gru ? SEQ_DW16_LOOP_Z_GRU_ROWS : SEQ_DW16_LOOP_Z_LSTM_ROWS;
     // A layer's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
-    // bf16) instead of z rows, where its backward takes the dw16 chunks: x at most 64 wide
-    // (layer 0), or the GRU's x fused up to 128 wide (H = 128, I_l <= 128: layers above 0). The
-    // backward then reads them (the GRU: also the gate planes, and recomputes nothing; the loop
-    // writing z's parts itself read z's rows and ran 1.03 ms a layer at B = 2048 T = 256 against
-    // the gate planes' 0.62). Sized by the model and the device; the format also needs aligned
-    // inputs, which both passes see.
+    // bf16) instead of z rows: x at most 64 wide (layer 0), or the GRU's x fused up to 128 wide
+    // (H = 128, I_l <= 128: layers above 0) wherever that forward runs (SEQ_WIDE_X_MIN_ROWS).
+    // The backward then reads them (the GRU: also the gate planes, and recomputes nothing). The
+    // loop writing z's parts itself read z's rows and ran 1.03 ms a layer at B = 2048 T = 256
+    // against the gate planes' 0.62; on the forward's parts the chunks gain at every batch the
+    // wide forward runs (H200, two layers, T = 256, fp32 fwd+bwd ms against cuBLAS's products on
+    // D in fp32: 2.84-2.86 / 3.23-3.25 at B = 512, 2.91-2.92 / 3.43 at 1024). Sized by the model
+    // and the device; the format also needs aligned inputs, which both passes see.
     const bool inputs = call->x_aligned && call->states_aligned;
     for (int l = 0; l < L; l++) {
         const int Il = rnnd_model_layer_input(m, l);
         p->z_dw16[l] = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
-                       !tune->no_fused_x && !tune->no_zfwd && Il % 4 == 0 && dw16(l, true) &&
-                       (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0
-                                 : gru && B >= SEQ_WIDE_X_MIN_ROWS);
+                       !tune->no_fused_x && !tune->no_zfwd && Il % 4 == 0 &&
+                       dw16(l, true, SEQ_WIDE_X_MIN_ROWS) &&
+                       (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0 : gru);
         p->zfwd[l] = p->z_dw16[l] && inputs;
     }
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,
@@ -265,7 +269,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             y->bwd = SEQ_BWD_CLUSTER;
             y->d_chunks = c256;
         } else if (p->persistent) {
-            y->d_chunks = p->zfwd[l] || dw16(l, vec);
+            y->d_chunks = p->zfwd[l] || dw16(l, vec, loop_z_rows);
             if (gru && p->zfwd[l])
                 y->bwd = SEQ_BWD_GRU_GATE_TAPE;
             else

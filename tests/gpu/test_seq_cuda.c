@@ -905,14 +905,14 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 128, 3, 2049, 3, 0.1, HID, AUTO, 0},
     {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
     {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
-    // The dw16 chunks at H = 128 with z's x part 128 wide (from 1536 rows for the GRU, 2048 for
-    // the LSTM): the GRU's z parts from its wgmma forward, read by the gate-tape loop, the LSTM's
-    // written by the mma.sync backward. Above layer 0 in two and three layers of either cell in
-    // both modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128; misaligned
+    // The dw16 chunks at H = 128 with z's x part 128 wide: the GRU's z parts from its wgmma
+    // forward (from 512 rows), read by the gate-tape loop, the LSTM's written by the mma.sync
+    // backward (from 2048 rows). Above layer 0 in two and three layers of either cell in both
+    // modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128; misaligned
     // outputs and gradients (the GRU's forward stages them and its chunks stay; the LSTM's
-    // layer 1 takes cuBLAS's products); one row fewer (cuBLAS's); states past [-1, 1] (layer 1's
-    // x, layer 0's h, scaled by that layer's bound in the mma.sync loop, by each row's own in
-    // the forward's chunks).
+    // layer 1 takes cuBLAS's products); one row below the wide forward (511: cuBLAS's); states
+    // past [-1, 1] (layer 1's x, layer 0's h, scaled by that layer's bound in the mma.sync loop,
+    // by each row's own in the forward's chunks).
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_REPEAT},
     {LSTM, BF16, 64, 128, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 128, 3, 2049, 2, 0.2, H0, AUTO, 0},
@@ -925,6 +925,7 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, H0, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1536, 3, 0.1, HID, AUTO, SEQ_MISALIGN},
     {GRU, F32, 64, 128, 2, 1535, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 128, 2, 511, 3, 0.1, H0, AUTO, 0},
     // Layer 1's x past 1: in the GRU's forward chunks (each row's scale), the LSTM's loop's.
     {GRU, F32, 64, 128, 2, 1536, 5, 0.1, HID, AUTO, SEQ_WIDE},
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_WIDE},
@@ -1114,6 +1115,11 @@ static const struct edge_test edge_tests[] = {
     {test_dw16, {LSTM, F32, 64, 64, 1, 2100, 4, 0.1, HID, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, F32, 40, 100, 1, 64, 33, 0.1, NONE, AUTO, 0}, 0, false},
     {test_dw16, {LSTM, BF16, 64, 64, 1, 2048, 3, 0.1, H0, AUTO, 0}, 0, false},
+    // The GRU's layer 1 where its forward writes no chunks (NO_ZFWD: as with inputs off 16-byte
+    // alignment): the mma.sync loop writes them from z's rows, x scaled by layer 0's bound.
+    {test_dw16, {GRU, F32, 64, 128, 2, 1536, 3, 0.1, HID, AUTO, 0}, NO_ZFWD, false},
+    {test_dw16, {GRU, F32, 64, 128, 2, 1536, 5, 0.1, HID, AUTO, SEQ_WIDE}, NO_ZFWD, false},
+    {test_dw16, {GRU, BF16, 64, 128, 2, 1600, 3, 0.1, H0, AUTO, 0}, NO_ZFWD, false},
     // TF32 mode's products on values far from 1 (test_dw16_scales' kinds 0-5).
     {test_dw16_scales, SCALES(GRU), 0, false},
     {test_dw16_scales, SCALES(GRU), 1, false},

@@ -122,19 +122,24 @@ static void test_h100(void **state) {
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1535),
                         "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
     // The GRU's wgmma forward fuses x up to 128 wide from 512 rows (layer 1 at H = 128, or a
-    // wide x), its backward then the mma.sync loop on the gate planes; not the LSTM's. At H = 128
-    // the dw16 chunks with x 128 wide (I_l <= 128) run from 1536 rows (GRU) or 2048 (LSTM),
-    // cuBLAS's products below: the GRU's z parts from its forward, read by the gate-tape loop;
-    // the LSTM's written by the mma.sync loop (or the GRU's, without the forward's parts).
+    // wide x) and writes z's dw16 chunk parts there, which the gate-tape loop reads; not the
+    // LSTM's. At H = 128 the mma.sync loop writes the chunks with x 128 wide (I_l <= 128) itself
+    // from 1536 rows (GRU, where the forward writes none) or 2048 (LSTM), cuBLAS's products
+    // below.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 512),
+                        "gru_h128_fp32_l2: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 511),
+                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
+                        "mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, RNND_TUNE_NO_ZFWD, GRU, F32, 64, 128, 2, 2048),
                         "gru_h128_fp32_l2: [0] wgmma_fwd gru_recompute_dw16_bwd dw16_product [1] "
                         "wgmma_fwd mma_dw16_bwd dw16_product");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 128, 2, 1535),
-                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
+    assert_string_equal(name_of(&h100, RNND_TUNE_NO_ZFWD, GRU, F32, 64, 128, 2, 1535),
+                        "gru_h128_fp32_l2: [0] wgmma_fwd gru_recompute_dw16_bwd dw16_product [1] "
                         "wgmma_fwd mma_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 128, 1, 1536),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 128, 128, 1, 512),
                         "gru_h128_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 128, 2, 2047),
                         "lstm_h128_bf16_l2: [0] mma_fused_fwd mma_dw16_bwd dw16_product [1] "

@@ -54,6 +54,10 @@ class Daemon:
         return argv
 
     def start(self):
+        """Starts the daemon and waits until it is ready; a running one is left as it is, so
+        that ``with Daemon(...).start() as d:`` starts one process, not two."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.proc = subprocess.Popen(self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1)
         self._drainer = threading.Thread(target=self._drain, daemon=True)

@@ -16,6 +16,23 @@ from _common import BACKEND, daemon, rel_err
 I, H, L, E = 6, 8, 2, 3
 
 
+def _own_daemons():
+    """PIDs of this process's running children that run the rnnd binary (Linux /proc)."""
+    pids = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % p) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open("/proc/%s/cmdline" % p, "rb") as f:
+                argv0 = f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == os.getpid() and argv0.endswith(b"rnnd"):
+            pids.append(int(p))
+    return pids
+
 class ClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -274,6 +291,15 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(set(st), set(w))
         for k in w:
             np.testing.assert_array_equal(st[k], w[k])
+
+    def test_daemon_started_once(self):
+        # `with daemon(...).start() as d:` (as several tests write it) runs one process, and
+        # leaves none behind: entering the block used to start a second one and stop only that.
+        before = set(_own_daemons())
+        with daemon(input_size=2, hidden_size=3).start() as d:
+            self.assertEqual(set(_own_daemons()) - before, {d.proc.pid})
+        self.assertIsNotNone(d.proc.poll())
+        self.assertEqual(set(_own_daemons()) - before, set())
 
     def test_unreachable_names_the_address(self):
         import socket

@@ -725,10 +725,13 @@ static void test_sigterm_under_load(void **state) {
         l[k].stream = k % 3 == 2;
         pthread_create(&l[k].tid, NULL, load_main, &l[k]);
     }
+    // Under load: the loaders' calls are being answered (400 ms, or longer on a busy machine,
+    // where the first calls wait for their connections).
     sleep_ms(400);
     int ok_before = 0;
-    for (int k = 0; k < N; k++)
-        ok_before += l[k].ok;
+    for (double tw = now_seconds(); ok_before == 0 && now_seconds() - tw < 10; sleep_ms(50))
+        for (int k = 0; k < N; k++)
+            ok_before += l[k].ok;
     double t0 = now_seconds();
     kill(ds.pid, SIGTERM);
     int rc = -1;

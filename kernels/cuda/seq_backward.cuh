@@ -253,12 +253,10 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                 } else {
                     const float v[4] = {xv[i][0] * xscale, xv[i][1] * xscale, xv[i][2] * xscale,
                                         xv[i][3] * xscale};
-                    __half2 hs = __float2half2_rn(hscale);
                     if (w < XW)
                         dw16_put<DWF>(zc + (16 + 2 * w) * 256, v, lane);
-                    if (w == CW)
-                        dw16_put_one(zc + (16 + XK / 8) * 256, lane,
-                                     DWF ? *reinterpret_cast<uint32_t *>(&hs) : 0x3F803F80u);
+                    if (w == CW) // the h scale: 1 in bf16 mode
+                        dw16_put_one(zc + (16 + XK / 8) * 256, lane, HM::pack2(hscale, hscale));
                 }
             } else {
                 size_t r = rbase[i] + t;
@@ -294,11 +292,9 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     const float v[4] = {xv[i][0] * xs, xv[i][1] * xs, xv[i][2] * xs, xv[i][3] * xs};
                     dw16_put<true>(zc + i * 128 + (16 + 2 * w) * 256, v, lane);
                 }
-                if (w == CW) {
-                    __half2 one = __float2half2_rn(hscale);
+                if (w == CW)
                     dw16_put_one(zc + i * 128 + (16 + XK / 8) * 256, lane,
-                                 *reinterpret_cast<uint32_t *>(&one));
-                }
+                                 HM::pack2(hscale, hscale));
             }
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
                         ex, -pow2_log(hscale), exr);

@@ -190,8 +190,9 @@ static __device__ __forceinline__ unsigned char *dw16_put_dh(void *dw16, size_t 
     }
     return zc;
 }
-// The core matrix of z's constant column (128 + x's width) at cm: the constant (one, a pair of 16-bit ones: bf16
-// 1.0, or TF32 mode's fp16 h scale) in both rows a lane holds, column 0 (lanes 0-3), and zeros.
+// The core matrix of z's constant column (128 + x's width) at cm: the constant (one, a pair of
+// 16-bit ones: bf16 1.0, or TF32 mode's fp16 h scale) in both rows a lane holds, column 0 (lanes
+// 0-3), and zeros.
 static __device__ __forceinline__ void dw16_put_one(unsigned char *cm, int lane,
                                                     uint32_t one = 0x3F803F80u) {
     *reinterpret_cast<uint32_t *>(cm + 4 * lane) = lane < 4 ? one : 0u;

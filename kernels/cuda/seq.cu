@@ -600,7 +600,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.z = tape ? z : nullptr, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il;
             a.s = y.gates ? s : nullptr, a.shalf = p.tape_half;
             a.h_n = h_n, a.c_n = c_n;
-            a.x = y.xks || xcopy ? x : nullptr, a.ldx = ldx;
+            a.x = y.xks || xcopy || zc ? x : nullptr, a.ldx = ldx;
             a.xvec = ly->Il % 4 == 0 && ldx % 4 == 0 && aligned16(x);
             a.xcopy = xcopy;
             a.dbg = c->d_dbg;

@@ -27,9 +27,9 @@
 // scaled by (row, warp) group, h by the block's bound (persist_hscale) and x by its row's largest
 // |x| (the x warps' group maxima exchanged in shared memory, xm, across the step's first barrier),
 // or (XB, a layer above 0, whose x is the layer below's h) by the layer below's bound, as h is.
-// ZF (TF32 mode, with DW; the LSTM's layer 0): the forward wrote z's chunk parts and x's exponents
-// (a.zc_ex); the loop writes D's parts and the records alone, and reads no z rows
-// (docs/kernels.md).
+// ZF (TF32 mode, with DW; the LSTM's): the forward wrote z's chunk parts and (layer 0) x's
+// exponents (a.zc_ex; above it, XB, every row's is the layer below's bound); the loop writes D's
+// parts and the records alone, and reads no z rows (docs/kernels.md).
 template <class Cell, class Mode, int HP, bool VEC, int V = 0, bool DW = false, bool ZF = false,
           int XK = 64, bool XB = false>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
@@ -62,8 +62,8 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
         wscale = persist_wscale(a.w_hh, G * H * H, nullptr, 0, reinterpret_cast<float *>(tile));
     const float winv = 1.0f / wscale;
     constexpr bool DWF = DW && Mode::SCALED;
-    static_assert(!ZF || (DWF && XK == 64), "z from the forward: TF32 mode's chunks, layer 0's");
-    static_assert(!XB || (DWF && !ZF), "x by a bound: TF32 mode's x from the z rows");
+    static_assert(!ZF || (DWF && XK == (XB ? 128 : 64)), "z from the forward: TF32 mode's chunks");
+    static_assert(!XB || DWF, "x by a bound: TF32 mode's");
     static_assert(!DW || (HP == 128 && (XK == 64 || XK == 128)), "the dw16 chunks' widths");
     // The warps that hold x's columns (16 each), and the one that writes the constant.
     constexpr int XW = XK / 16, CW = XW < NW ? XW : 0;
@@ -132,10 +132,12 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
             }
             ld4<VEC>(gy[i], a.gy + r * a.ldgy + u0, u0, H, rv[i]);
             if constexpr (ZF) {
-                zex[i] = rv[i] ? a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + g + 8 * i]
-                               : RNND_DW16_EZERO;
-                if (i == 0)
-                    zexr = a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + (lane & 15)];
+                if constexpr (!XB) {
+                    zex[i] = rv[i] ? a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + g + 8 * i]
+                                   : RNND_DW16_EZERO;
+                    if (i == 0)
+                        zexr = a.zc_ex[((size_t)blockIdx.x * T + t) * 16 + (lane & 15)];
+                }
             } else if (LSTM && !DW) {
                 zero4(hp[i]);
             } else {
@@ -265,7 +267,7 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
                     st4<VEC>(a.d + r * (4 * H) + p * H + u0, dv[p][i], u0, H, rv[i]);
             }
         }
-        if constexpr (ZF)
+        if constexpr (ZF && !XB)
             dw16_record(a.dw16_exp + ((size_t)blockIdx.x * T + t) * (RNND_DW16_E / 2), w, lane, ed,
                         zex, -pow2_log(hscale), zexr);
         if constexpr (XB) {
@@ -423,14 +425,21 @@ static int persist_launch_backward(const struct persist_bwd_args &a, cudaStream_
             const int xk = RNND_DW16_XK(a.Il);
             if (a.H % 4 != 0 || a.Il < 1 || a.Il > 128 || (a.dw16_exp != nullptr) != Mode::SCALED)
                 return RNND_EINVAL;
-            if (a.zc) { // the LSTM's layer 0 on the forward's z: any gradients' alignment
+            if (a.zc) { // the LSTM on the forward's z: any gradients' alignment
                 if constexpr (!Mode::SCALED || Gm::G != 4)
                     return RNND_EINVAL;
-                else if (!a.zc_ex || xk != 64 || (V != 0 && !a.vec))
+                else if (V != 0 && !a.vec)
                     return RNND_EINVAL;
-                else
+                else if (a.l == 0 && a.zc_ex && xk == 64)
                     kernel = a.vec ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true>
                                    : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true>;
+                else if (a.l > 0 && xk == 128) // x by the layer below's bound (XB)
+                    kernel =
+                        a.vec
+                            ? seq_backward_kernel<Cell, Mode, HP, true, V, true, true, 128, true>
+                            : seq_backward_kernel<Cell, Mode, HP, false, 0, true, true, 128, true>;
+                else
+                    return RNND_EINVAL;
             } else if (!a.vec) {
                 return RNND_EINVAL;
             } else { // phase clocks (V) in the loop on the forward's z alone

@@ -53,7 +53,13 @@
 // At t = T-1 there is no step T: no conversion, no x part. Resets touch only h (the x part does
 // not depend on the state); the tape's x copy is written with the stage (rows t+2, 0 and 1 in
 // the prologue).
-template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false>
+//
+// ZC (TF32 mode, HP = 128, a layer above 0 on x W_ih^T: the LSTM's): z leaves as the dw16 chunks'
+// z parts (a.zc, x 128 wide) instead of z rows, as the mma.sync backward (XB) would write them
+// from the rows: h times hscale, x (the layer below's h, from a.x) times that layer's bound, the
+// constant. Each warp loads x's columns 16 w + 2 tg, +1, +8, +9 of its rows a step ahead.
+template <class Cell, class Mode, int HP, bool VEC, bool XF, int V = 0, bool KP = false,
+          bool ZC = false>
 static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     seq_forward_kernel(const struct persist_fwd_args a) {
     using Gm = persist_geom<Cell, Mode, HP>;
@@ -68,6 +74,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     constexpr int THREADS = (KP ? 2 : 1) * Gm::THREADS;
     constexpr int NR = KP ? 1 : 2; // rows a thread runs the cell for
     static_assert(!KP || (XF && VEC && NW % 4 == 0 && (2 * NT) % 4 == 0), "KP instance");
+    static_assert(!ZC || (!XF && !KP && HP == 128 && Mode::SCALED), "ZC instance");
 
     const int lane = threadIdx.x & 31, w16 = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     // The 16-unit group and, KP, the part (h 0, x 1) of this warp; its rows are g + 8 rowof(r).
@@ -104,6 +111,9 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
     if constexpr (HM::SCALED)
         hscale = persist_hscale(a, a.l, reinterpret_cast<float *>(htiles));
     const float winv = 1.0f / wscale, hinv = winv * (1.0f / hscale);
+    float xscale = 1.0f; // ZC: x's bound, the layer below's h scale
+    if constexpr (ZC)
+        xscale = persist_hscale(a, a.l - 1, reinterpret_cast<float *>(htiles));
     auto wpack_all = [&](auto mode, unsigned char *to, int ks, bool xpart) {
         using M = decltype(mode);
         uint32_t o[NT * M::WPF];
@@ -161,7 +171,7 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
 
     // The layer input this thread moves each step: one float4 (xv4: I_l % 4 == 0, aligned) or
     // up to 4 single values, element e of the block's 16 x I_l values of the step.
-    const bool xin = a.x != nullptr, xv4 = a.xvec;
+    const bool xin = a.x != nullptr && !ZC, xv4 = a.xvec;
     const float *xsrc[4];
     int xtile[4];
     float *xdst[4];
@@ -316,6 +326,23 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
             for (int q = 0; q < G; q++)
                 ld4<VEC>(xg[i][q], xgp[i] + q * H, u0, H, rv[i]);
     }
+    // ZC: x of rows g + 8 i, columns zcol, +1, +8, +9 (zeros past I_l and B), a step ahead.
+    const int zcol = 16 * w + 2 * tg;
+    float zx[ZC ? NR : 1][4];
+    auto load_zx = [&](int t) {
+#pragma unroll
+        for (int i = 0; i < NR; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                const int col = zcol + 4 * j;
+                float2 v = make_float2(0.0f, 0.0f);
+                if (rv[i] && col < Il)
+                    v = __ldg(reinterpret_cast<const float2 *>(a.x + (rbase[i] + t) * a.ldx + col));
+                zx[i][j] = v.x, zx[i][j + 1] = v.y;
+            }
+    };
+    if constexpr (ZC)
+        load_zx(0);
     int nreset[NR];
     float nh[NR][4], nc[NR][4];
 #pragma unroll
@@ -481,6 +508,25 @@ static __global__ void __launch_bounds__((KP ? 2 : 1) * HP / 16 * 32, 1)
         }
 
         // Outputs and tape.
+        if constexpr (ZC) {
+            unsigned char *zc = static_cast<unsigned char *>(a.zc) +
+                                ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(128);
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+                const float hv[4] = {
+                    rv[i] ? h[i][0] * hscale : 0.0f, rv[i] ? h[i][1] * hscale : 0.0f,
+                    rv[i] ? h[i][2] * hscale : 0.0f, rv[i] ? h[i][3] * hscale : 0.0f};
+                const float xv[4] = {zx[i][0] * xscale, zx[i][1] * xscale, zx[i][2] * xscale,
+                                     zx[i][3] * xscale};
+                dw16_put<true>(zc + i * 128 + 2 * w * 256, hv, lane);
+                dw16_put<true>(zc + i * 128 + (16 + 2 * w) * 256, xv, lane);
+                if (w == 0) // the constant: the h scale
+                    dw16_put_one(zc + i * 128 + (16 + 128 / 8) * 256, lane,
+                                 HM::pack2(hscale, hscale));
+            }
+            if (t + 1 < T)
+                load_zx(t + 1); // in flight during the next step's MMAs
+        }
 #pragma unroll
         for (int i = 0; i < NR; i++) {
             size_t r = rbase[i] + t;
@@ -568,6 +614,22 @@ static int persist_launch_forward(const struct persist_fwd_args &a, cudaStream_t
         kernel<<<CEIL_DIV(a.B, 16), 2 * Gm::THREADS, smem, stream>>>(a);
         CUDA_LAUNCH_CHECK();
         return 0;
+    }
+    if (a.zc) { // ZC: the LSTM's layers above 0 in TF32 mode, vector access
+        if constexpr (HP != 128 || !Mode::SCALED || Gm::G != 4) {
+            return RNND_EINVAL;
+        } else {
+            if (xks || !a.vec || a.l < 1 || a.Il <= 64 || a.Il > 128 || a.Il % 4 != 0 ||
+                a.x == nullptr || a.ldx % 2 != 0)
+                return RNND_EINVAL;
+            auto kernel = seq_forward_kernel<Cell, Mode, HP, true, false, V, false, true>;
+            long smem = Gm::f_smem(0);
+            RNND_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+            kernel<<<CEIL_DIV(a.B, 16), Gm::THREADS, smem, stream>>>(a);
+            CUDA_LAUNCH_CHECK();
+            return 0;
+        }
     }
     // Variants exist with vector access only (the dispatcher asks for them only then).
     auto kernel = xks ? seq_forward_kernel<Cell, Mode, HP, true, true, V>

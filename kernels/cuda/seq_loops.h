@@ -41,14 +41,14 @@ struct persist_fwd_args {
                       // tape_b8's blocks); only the cluster loop writes either, the
                       // persistent ones take fp16 only
     float *h_n, *c_n; // (B, L, H) or NULL
-    const float *x;   // (B*T rows, ldx) the layer input, read by the loop when xks > 0
-    int ldx;          // or xcopy (then Il <= HP/2), else NULL
+    const float *x;   // (B*T rows, ldx) the layer input, read by the loop when xks > 0,
+    int ldx;          // xcopy (then Il <= HP/2) or zc, else NULL
     bool xvec;        // x rows may be read as float4 (Il % 4 == 0, aligned)
     bool xcopy;       // copy x into z at xoff
-    // Or, instead of z (the wgmma forwards, HP = 128; docs/kernels.md): z's parts of the dw16
-    // chunks (seq_chunks.h's layout, chunk c at zc + c RNND_DW16_Z(RNND_DW16_XK(Il))) and, in TF32
-    // mode, each chunk's 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would
-    // have written them.
+    // Or, instead of z (HP = 128: the wgmma forwards, and the LSTM's mma.sync forward above layer
+    // 0 in TF32 mode; docs/kernels.md): z's parts of the dw16 chunks (seq_chunks.h's layout,
+    // chunk c at zc + c RNND_DW16_Z(RNND_DW16_XK(Il))) and, in TF32 mode at layer 0, each chunk's
+    // 16 x exponents (its record's ex, at zc_ex + 16 c), as the backward would have written them.
     void *zc;
     int16_t *zc_ex;
     // Or, the H = 256 cluster forward (layer 0; docs/kernels.md), besides z: z's parts of the dw256

@@ -173,7 +173,9 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     const int loop_z_rows = gru ? SEQ_DW16_LOOP_Z_GRU_ROWS : SEQ_DW16_LOOP_Z_LSTM_ROWS;
     // A layer's z leaves the wgmma forward as the dw16 chunks' z parts (TF32 mode, or the GRU's
     // bf16) instead of z rows: x at most 64 wide (layer 0), or the GRU's x fused up to 128 wide
-    // (H = 128, I_l <= 128: layers above 0) wherever that forward runs (SEQ_WIDE_X_MIN_ROWS).
+    // (H = 128, I_l <= 128: layers above 0) wherever that forward runs (SEQ_WIDE_X_MIN_ROWS);
+    // the LSTM's above layer 0 leaves its mma.sync forward so in TF32 mode (x, the layer below's
+    // h, scaled by its bound), where the chunks run (SEQ_DW16_LOOP_Z_LSTM_ROWS).
     // The backward then reads them (the GRU: also the gate planes, and recomputes nothing). The
     // loop writing z's parts itself read z's rows and ran 1.03 ms a layer at B = 2048 T = 256
     // against the gate planes' 0.62; on the forward's parts the chunks gain at every batch the
@@ -186,7 +188,8 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
         p->z_dw16[l] = (fp32 || (bf16 && gru)) && HP == 128 && dev->wg && !tune->no_wg &&
                        !tune->no_fused_x && !tune->no_zfwd && Il % 4 == 0 &&
                        dw16(l, true, SEQ_WIDE_X_MIN_ROWS) &&
-                       (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0 : gru);
+                       (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0
+                                 : gru || (fp32 && l > 0 && B >= SEQ_DW16_LOOP_Z_LSTM_ROWS));
         p->zfwd[l] = p->z_dw16[l] && inputs;
     }
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,

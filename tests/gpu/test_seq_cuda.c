@@ -624,7 +624,8 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 
 // Layer 0 at H = 128 in TF32 mode (the GRU also in bf16) on sm_90: the wgmma forward writes z's
 // dw16 chunk parts into the tape in place of the z rows, and the backward loop reads no z rows
-// (journal v27, v28, v40). The LSTM's chunks hold the same bits either way, so its forwards and
+// (journal v27, v28, v40); so does the LSTM's mma.sync forward above layer 0 in TF32 mode from
+// 2048 rows (journal v56). The LSTM's chunks hold the same bits either way, so its forwards and
 // gradients are bitwise equal to the loop that writes them itself (variant bit 32768). The GRU's
 // backward takes hprev (16-bit) from the chunks and its gates from the fp16 planes the forward
 // writes beside them instead of recomputing them (journal v29): test_dw16's checks against the CPU
@@ -906,11 +907,11 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 132, 128, 1, 20, 5, 0.1, H0, AUTO, 0},
     {LSTM, F32, 120, 100, 1, 37, 11, 0.1, H0, AUTO, 0},
     // The dw16 chunks at H = 128 with z's x part 128 wide: the GRU's z parts from its wgmma
-    // forward (from 512 rows), read by the gate-tape loop, the LSTM's written by the mma.sync
-    // backward (from 2048 rows). Above layer 0 in two and three layers of either cell in both
-    // modes, stored states, h0, partial last blocks; layer 0 with I = 96 to 128; misaligned
-    // outputs and gradients (the GRU's forward stages them and its chunks stay; the LSTM's
-    // layer 1 takes cuBLAS's products); one row below the wide forward (511: cuBLAS's); states
+    // forward (from 512 rows), read by the gate-tape loop; the LSTM's from its mma.sync forward
+    // in TF32 mode, written by its mma.sync backward in bf16 (from 2048 rows). Above layer 0 in
+    // two and three layers of either cell in both modes, stored states, h0, partial last
+    // blocks; layer 0 with I = 96 to 128; misaligned outputs and gradients (the forwards stage
+    // them and the chunks stay); one row below the wide forward (511: cuBLAS's); states
     // past [-1, 1] (layer 1's x, layer 0's h, scaled by that layer's bound in the mma.sync loop,
     // by each row's own in the forward's chunks).
     {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, SEQ_REPEAT},
@@ -1147,6 +1148,8 @@ static const struct edge_test edge_tests[] = {
     {test_zfwd, {GRU, BF16, 40, 112, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
     {test_zfwd, {LSTM, F32, 64, 64, 1, 2048, 4, 0.1, H0, AUTO, 0}, 0, false},
     {test_zfwd, {LSTM, F32, 40, 112, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},
+    {test_zfwd, {LSTM, F32, 64, 128, 2, 2048, 3, 0.1, HID, AUTO, 0}, 0, false},
+    {test_zfwd, {LSTM, F32, 64, 128, 3, 2049, 2, 0.2, H0, AUTO, 0}, 0, false},
     {test_tape_align, {GRU, F32, 64, 128, 1, 5, 3, 0.0, NONE, AUTO, 0}, 0, true},
     // The per-step path's graphs: two layers (four loops), and H = 160 (the plan's own choice).
     {test_graph_reuse, {GRU, F32, 40, 48, 2, 37, 19, 0.1, H0, STEP, 0}, 0, true},

@@ -242,16 +242,33 @@ static void test_calls(void **state) {
     rnnd__seq_plan(&h100, &stepwise, &m, &call, &q);
     assert_true(!q.persistent && !q.tape_half && !q.z_dw16[0]);
     assert_int_equal(q.layer[0].bwd, SEQ_BWD_STEPWISE);
-    // Misaligned gradients: the dw16 chunks only where the forward wrote z's parts (layer 0),
-    // cuBLAS's products above.
+    // Misaligned gradients: the dw16 chunks only where the forward wrote z's parts (layer 0;
+    // the LSTM's layer 1 from 2048 rows in TF32 mode), cuBLAS's products elsewhere.
     const struct rnnd_model m2 = {.cell = LSTM, .compute = F32, .I = 64, .H = 128, .L = 2};
-    call = (struct seq_call){2048, true, true, true, true, false};
+    call = (struct seq_call){2047, true, true, true, true, false};
     rnnd__seq_plan(&h100, &t, &m2, &call, &q);
     assert_true(q.zfwd[0] && q.layer[0].d_chunks && q.layer[0].dw == SEQ_DW_DW16);
-    assert_true(!q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_CUBLAS);
+    assert_true(!q.zfwd[1] && !q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_CUBLAS);
+    call.B = 2048;
+    rnnd__seq_plan(&h100, &t, &m2, &call, &q);
+    assert_true(q.zfwd[1] && q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_DW16);
+    assert_int_equal(q.layer[1].bwd, SEQ_BWD_MMA);
     call.outs_aligned = true;
     rnnd__seq_plan(&h100, &t, &m2, &call, &q);
     assert_true(q.layer[1].d_chunks && q.layer[1].dw == SEQ_DW_DW16 && q.layer[1].dx16);
+    call.backward = false; // its mma.sync forward writes them, x 128 wide
+    rnnd__seq_plan(&h100, &t, &m2, &call, &q);
+    assert_true(q.layer[1].z_chunks && q.layer[1].gates && q.layer[1].xks == 0);
+    assert_int_equal(q.layer[1].fwd, SEQ_FWD_MMA);
+    const struct cuda_tuning nozf = {.no_zfwd = true}; // z rows: the backward loop writes them
+    rnnd__seq_plan(&h100, &nozf, &m2, &call, &q);
+    assert_true(!q.zfwd[1] && !q.layer[1].z_chunks);
+    call.backward = true;
+    rnnd__seq_plan(&h100, &nozf, &m2, &call, &q);
+    assert_true(!q.zfwd[1] && q.layer[1].d_chunks);
+    const struct rnnd_model b2 = {.cell = LSTM, .compute = BF16, .I = 64, .H = 128, .L = 2};
+    rnnd__seq_plan(&h100, &t, &b2, &call, &q); // bf16: the loop writes them
+    assert_true(!q.zfwd[1] && q.layer[1].d_chunks);
     // The GRU's layer 1 with its forward's chunk parts: both passes see the inputs' alignment
     // alone; misaligned outputs are staged, misaligned gradients keep the chunks.
     const struct rnnd_model g2 = {.cell = GRU, .compute = F32, .I = 64, .H = 128, .L = 2};

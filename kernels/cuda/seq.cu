@@ -220,6 +220,29 @@ static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int 
     }
 }
 
+// The per-step loops' cell and routing kernels follow a cuBLAS GEMM on the stream. Launched as
+// its programmatic dependents (Hopper), their blocks become resident while the GEMM finishes and
+// wait for it here before they read anything (a no-op in a grid launched without it).
+static __device__ __forceinline__ void stepwise_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+template <class Kernel, class... Args>
+static int stepwise_launch(struct cuda_ctx *c, Kernel kernel, int grid, const Args &...args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)grid, 1, 1);
+    cfg.blockDim = dim3(SEQ_BLOCK, 1, 1);
+    cfg.stream = c->stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = c->dev.cc_major >= 9 ? 1 : 0;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
+    return 0;
+}
+
 template <class Cell, bool HALF>
 static __global__ void stepwise_init_kernel(const stepwise_args a) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -247,6 +270,7 @@ static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const 
                                             float *c_n) {
     constexpr int G = Cell::G, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
+    stepwise_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
@@ -293,14 +317,42 @@ struct stepwise_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;
     float *d;
-    float *dh, *dc;   // (B, H) carried into step t (routed)
     float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing)
     float *g_h0, *g_c0, *g_hidden, *g_cell;
 };
 
+// The gradient of the state entering step t (dhp, dcp: the cell's direct part plus D W_hh) of
+// element (b, u): carried into step t - 1 (dh, dc), or at t = 0 or a reset to the state it came
+// from (the stored state, h0, or none) with nothing carried.
+static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a, size_t b, int u,
+                                                      int t, float &dh, float &dc) {
+    const size_t idx = b * a.H + u, r = b * a.T + t;
+    const bool reset = a.is_init[r] != 0;
+    const float dhp = a.dhp[idx], dcp = a.dcp[idx];
+    dh = 0.0f, dc = 0.0f;
+    if (t > 0 && !reset) {
+        dh = dhp, dc = dcp;
+    } else if (a.stored) {
+        size_t at = (r * a.L + a.l) * a.H + u;
+        if (a.g_hidden)
+            a.g_hidden[at] = dhp;
+        if (a.g_cell)
+            a.g_cell[at] = dcp;
+    } else if (!reset) {
+        size_t at = (b * a.L + a.l) * a.H + u;
+        if (a.g_h0)
+            a.g_h0[at] = dhp;
+        if (a.g_c0)
+            a.g_c0[at] = dcp;
+    }
+}
+
+// Step t's cell backward, after routing step t + 1's state gradient (t < T - 1: one kernel a
+// step instead of two; step T - 1 starts from h_n's and c_n's gradients).
 template <class Cell, bool HALF>
 static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
     constexpr int G = Cell::G, SW = Cell::SW;
+    stepwise_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
@@ -313,8 +365,7 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
         dh_in = a.gh_n ? a.gh_n[(b * a.L + a.l) * H + u] : 0.0f;
         dc_in = a.gc_n ? a.gc_n[(b * a.L + a.l) * H + u] : 0.0f;
     } else {
-        dh_in = a.dh[idx];
-        dc_in = a.dc[idx];
+        stepwise_route(a, b, u, t + 1, dh_in, dc_in);
     }
     float s[SW], d[4], tile[G], ddir, dcp;
     for (int p = 0; p < SW; p++)
@@ -328,36 +379,14 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
     a.dcp[idx] = dcp;
 }
 
-static __global__ void stepwise_route_kernel(const stepwise_bwd_args a, int t) {
+// Step 0's routing, after the last GEMM.
+static __global__ void stepwise_route0_kernel(const stepwise_bwd_args a) {
+    stepwise_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
-    int H = a.H, T = a.T;
-    size_t b = idx / H;
-    int u = idx % H;
-    size_t r = b * T + t;
-    bool reset = a.is_init[r] != 0;
-    float dhp = a.dhp[idx], dcp = a.dcp[idx];
-    if (t > 0 && !reset) {
-        a.dh[idx] = dhp;
-        a.dc[idx] = dcp;
-        return;
-    }
-    if (a.stored) {
-        size_t at = (r * a.L + a.l) * H + u;
-        if (a.g_hidden)
-            a.g_hidden[at] = dhp;
-        if (a.g_cell)
-            a.g_cell[at] = dcp;
-    } else if (!reset) {
-        size_t at = (b * a.L + a.l) * H + u;
-        if (a.g_h0)
-            a.g_h0[at] = dhp;
-        if (a.g_c0)
-            a.g_c0[at] = dcp;
-    }
-    a.dh[idx] = 0.0f;
-    a.dc[idx] = 0.0f;
+    float dh, dc;
+    stepwise_route(a, idx / a.H, idx % a.H, 0, dh, dc);
 }
 
 // grads of layer l += the GEMM result tmp (ldz rows of 4H): the x_l part to W_ih, the hprev part
@@ -475,8 +504,7 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
             // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
                           a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
-            cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t, xg, hg, y, ldy, h_n, c_n);
-            CUDA_LAUNCH_CHECK();
+            RNND_TRY(stepwise_launch(c, cell, grid, a, t, xg, (const float *)hg, y, ldy, h_n, c_n));
         }
         return 0;
     });
@@ -655,16 +683,13 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
     k.p[0] = w_hh;
     return stepwise_graph(c, k, [&]() -> int {
         for (int t = a.T - 1; t >= 0; t--) {
-            cell<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
-            CUDA_LAUNCH_CHECK();
+            RNND_TRY(stepwise_launch(c, cell, grid, a, t));
             // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
             const float *dt = a.d + (size_t)t * 4 * H;
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H, w_hh,
                           H, dt, ldd, 1.0f, a.dhp, H));
-            stepwise_route_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(a, t);
-            CUDA_LAUNCH_CHECK();
         }
-        return 0;
+        return stepwise_launch(c, stepwise_route0_kernel, grid, a);
     });
 }
 
@@ -741,7 +766,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     const int cz_ks = seq_dw256_ks(c), cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
-    float *d, *gyb, *tmp, *dh, *dc, *dhp, *dcp, *dw_part, *cz_part, *sgo, *shn, *scn;
+    float *d, *gyb, *tmp, *dhp, *dcp, *dw_part, *cz_part, *sgo, *shn, *scn;
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
     unsigned *cz_ready;
@@ -770,8 +795,6 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         cz_ready = (unsigned *)cuda_carve(&cv, cz ? (size_t)T * sizeof(unsigned) : 0);
         gyb = (float *)cuda_carve(&cv, L > 1 ? BT * H * sizeof(float) : 0);
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
-        dh = (float *)cuda_carve(&cv, bh);
-        dc = (float *)cuda_carve(&cv, bh);
         dhp = (float *)cuda_carve(&cv, bh);
         dcp = (float *)cuda_carve(&cv, bh);
         if (pass == 0) {
@@ -874,7 +897,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = p.tape_blocked;
             sw.gy = gy, sw.ldgy = H;
             sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
-            sw.dh = dh, sw.dc = dc, sw.dhp = dhp, sw.dcp = dcp;
+            sw.dhp = dhp, sw.dcp = dcp;
             sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
             sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));

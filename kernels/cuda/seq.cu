@@ -168,6 +168,18 @@ static int gemm(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta
     return 0;
 }
 
+// count products C_i = A_i B_i (gemm()'s, beta 0) whose operands lie sa, sb, sc floats apart.
+static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta,
+                        cublasOperation_t tb, int M, int N, int K, const float *A, int lda,
+                        long long sa, const float *B, int ldb, long long sb, float *C, int ldc,
+                        long long sc, int count) {
+    const float one = 1.0f, zero = 0.0f;
+    RNND_CUBLAS_TRY(cublasGemmStridedBatchedEx(
+        c->blas, ta, tb, M, N, K, &one, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, &zero, C,
+        CUDA_R_32F, ldc, sc, count, compute_type(mode), CUBLAS_GEMM_DEFAULT));
+    return 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-step path kernels: one thread per (row, unit).
 
@@ -317,18 +329,24 @@ struct stepwise_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;
     float *d;
-    float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing)
+    float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing): its
+                      // direct part; dhp's D_h W_hh part comes in the K slices' shares:
+    float *part;      // (parts, B, H)
+    int parts;
     float *g_h0, *g_c0, *g_hidden, *g_cell;
 };
 
-// The gradient of the state entering step t (dhp, dcp: the cell's direct part plus D W_hh) of
-// element (b, u): carried into step t - 1 (dh, dc), or at t = 0 or a reset to the state it came
-// from (the stored state, h0, or none) with nothing carried.
+// The gradient of the state entering step t (dhp, dcp: the cell's direct part plus the shares of
+// D W_hh) of element (b, u): carried into step t - 1 (dh, dc), or at t = 0 or a reset to the
+// state it came from (the stored state, h0, or none) with nothing carried.
 static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a, size_t b, int u,
                                                       int t, float &dh, float &dc) {
-    const size_t idx = b * a.H + u, r = b * a.T + t;
+    const size_t idx = b * a.H + u, r = b * a.T + t, BH = (size_t)a.B * a.H;
     const bool reset = a.is_init[r] != 0;
-    const float dhp = a.dhp[idx], dcp = a.dcp[idx];
+    float dhp = a.dhp[idx];
+    const float dcp = a.dcp[idx];
+    for (int k = 0; k < a.parts; k++)
+        dhp += a.part[k * BH + idx];
     dh = 0.0f, dc = 0.0f;
     if (t > 0 && !reset) {
         dh = dhp, dc = dcp;
@@ -668,10 +686,23 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 // ---------------------------------------------------------------------------------------------
 // Backward
 
+// The K slices of the per-step backward's D_h W_hh (M = H, N = B, K = G H): doubled while the
+// product's 64 x 128 tiles times them stay within the SMs and G H splits evenly, at most
+// SEQ_STEP_PARTS (the scratch holds that many (B, H) shares).
+#define SEQ_STEP_PARTS 8
+static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
+    const int tiles = CEIL_DIV(H, 64) * CEIL_DIV(B, 128);
+    int n = 1;
+    while (2 * n <= SEQ_STEP_PARTS && 2 * n * tiles <= c->dev.num_sms && (G * H) % (2 * n) == 0)
+        n *= 2;
+    return n;
+}
+
 static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
                              const stepwise_bwd_args &a, bool half, const float *w_hh) {
     bool lstm = m->cell == RNND_CELL_LSTM;
     int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
+    const int K = (lstm ? 4 : 3) * H, Ks = K / a.parts;
     auto cell = lstm ? (half ? &stepwise_cell_backward_kernel<cell_lstm, true>
                              : &stepwise_cell_backward_kernel<cell_lstm, false>)
                      : (half ? &stepwise_cell_backward_kernel<cell_gru, true>
@@ -684,10 +715,14 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
     return stepwise_graph(c, k, [&]() -> int {
         for (int t = a.T - 1; t >= 0; t--) {
             RNND_TRY(stepwise_launch(c, cell, grid, a, t));
-            // dhp (B, H) += D_h(t) W_hh: D's first G planes are the hidden side's gradient.
+            // D_h(t) W_hh (B, H), D's first G planes being the hidden side's gradient, in
+            // a.parts K slices, each into its share, which the next kernel adds to dhp: at
+            // H = 512 with B = 256 cuBLAS split K itself and reduced the slices in a kernel of
+            // its own (journal seq-08 v59).
             const float *dt = a.d + (size_t)t * 4 * H;
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, (lstm ? 4 : 3) * H, w_hh,
-                          H, dt, ldd, 1.0f, a.dhp, H));
+            RNND_TRY(gemm_strided(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, Ks, w_hh, H,
+                                  (long long)Ks * H, dt, ldd, Ks, a.part, H, (long long)a.B * H,
+                                  a.parts));
         }
         return stepwise_launch(c, stepwise_route0_kernel, grid, a);
     });
@@ -766,7 +801,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     const int cz_ks = seq_dw256_ks(c), cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
-    float *d, *gyb, *tmp, *dhp, *dcp, *dw_part, *cz_part, *sgo, *shn, *scn;
+    float *d, *gyb, *tmp, *dhp, *dcp, *step_part, *dw_part, *cz_part, *sgo, *shn, *scn;
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
     unsigned *cz_ready;
@@ -797,6 +832,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dhp = (float *)cuda_carve(&cv, bh);
         dcp = (float *)cuda_carve(&cv, bh);
+        step_part = (float *)cuda_carve(&cv, SEQ_STEP_PARTS * bh);
         if (pass == 0) {
             RNND_TRY(rnnd__cuda_reserve(c, cv.used));
             cv = (struct cuda_carve){(char *)c->d_scratch, 0};
@@ -897,7 +933,8 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = p.tape_blocked;
             sw.gy = gy, sw.ldgy = H;
             sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
-            sw.dhp = dhp, sw.dcp = dcp;
+            sw.dhp = dhp, sw.dcp = dcp, sw.part = step_part;
+            sw.parts = stepwise_parts(c, B, H, rnnd_model_gates(m));
             sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
             sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));

@@ -168,7 +168,7 @@ static int gemm(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta
     return 0;
 }
 
-// count products C_i = A_i B_i (gemm()'s, beta 0) whose operands lie sa, sb, sc floats apart.
+// gemm()'s product, beta 0, for count operand sets sa, sb and sc floats apart: C_i = A_i B_i.
 static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta,
                         cublasOperation_t tb, int M, int N, int K, const float *A, int lda,
                         long long sa, const float *B, int ldb, long long sb, float *C, int ldc,
@@ -329,9 +329,9 @@ struct stepwise_bwd_args {
     int ldgy;
     const float *gh_n, *gc_n;
     float *d;
-    float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing): its
-                      // direct part; dhp's D_h W_hh part comes in the K slices' shares:
-    float *part;      // (parts, B, H)
+    float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing): the
+                      // cell's direct part, to which dhp's D_h W_hh adds as parts shares
+    float *part;      // (parts, B, H) of the product's K slices
     int parts;
     float *g_h0, *g_c0, *g_hidden, *g_cell;
 };

@@ -688,7 +688,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 
 // The K slices of the per-step backward's D_h W_hh (M = H, N = B, K = G H): doubled while the
 // product's 64 x 128 tiles times them stay within the SMs and G H splits evenly, at most
-// SEQ_STEP_PARTS (the scratch holds that many (B, H) shares).
+// SEQ_STEP_PARTS.
 #define SEQ_STEP_PARTS 8
 static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
     const int tiles = CEIL_DIV(H, 64) * CEIL_DIV(B, 128);
@@ -802,6 +802,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
     float *d, *gyb, *tmp, *dhp, *dcp, *step_part, *dw_part, *cz_part, *sgo, *shn, *scn;
+    const int step_parts = stepwise_parts(c, B, H, rnnd_model_gates(m));
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
     unsigned *cz_ready;
@@ -832,7 +833,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         tmp = (float *)cuda_carve(&cv, (size_t)4 * H * max_ldz * sizeof(float));
         dhp = (float *)cuda_carve(&cv, bh);
         dcp = (float *)cuda_carve(&cv, bh);
-        step_part = (float *)cuda_carve(&cv, SEQ_STEP_PARTS * bh);
+        step_part = (float *)cuda_carve(&cv, step_parts * bh);
         if (pass == 0) {
             RNND_TRY(rnnd__cuda_reserve(c, cv.used));
             cv = (struct cuda_carve){(char *)c->d_scratch, 0};
@@ -933,8 +934,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = p.tape_blocked;
             sw.gy = gy, sw.ldgy = H;
             sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
-            sw.dhp = dhp, sw.dcp = dcp, sw.part = step_part;
-            sw.parts = stepwise_parts(c, B, H, rnnd_model_gates(m));
+            sw.dhp = dhp, sw.dcp = dcp, sw.part = step_part, sw.parts = step_parts;
             sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
             sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));

@@ -51,6 +51,34 @@
             return rnnd__r;                                                                        \
     } while (0)
 
+// Launches kernel on stream; pdl (compute 9.0): as a programmatic dependent of the kernel before
+// it on the stream, whose blocks may become resident while that kernel runs (a captured launch
+// becomes a programmatic graph edge). Such a kernel must wait for the one before (pdl_wait)
+// before it reads anything that kernel may write.
+template <class Kernel, class... Args>
+static int cuda_launch(cudaStream_t stream, bool pdl, Kernel kernel, dim3 grid, dim3 block,
+                       size_t smem, const Args &...args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
+    return 0;
+}
+// The wait of a cuda_launch(pdl) kernel for the kernel before it: that kernel has completed and
+// its writes are visible. A no-op before compute 9.0 and in a grid launched without pdl.
+static __device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // The backend context (one per rnnd_backend; one thread at a time).
 

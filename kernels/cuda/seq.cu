@@ -232,27 +232,13 @@ static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int 
     }
 }
 
-// The per-step loops' cell and routing kernels follow a cuBLAS GEMM on the stream. Launched as
-// its programmatic dependents (Hopper), their blocks become resident while the GEMM finishes and
-// wait for it here before they read anything (a no-op in a grid launched without it).
-static __device__ __forceinline__ void stepwise_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// The per-step loops' cell and routing kernels follow a cuBLAS GEMM on the stream, whose
+// programmatic dependents they are (Hopper): their blocks become resident while it finishes and
+// wait for it (pdl_wait) before they read anything.
 template <class Kernel, class... Args>
 static int stepwise_launch(struct cuda_ctx *c, Kernel kernel, int grid, const Args &...args) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)grid, 1, 1);
-    cfg.blockDim = dim3(SEQ_BLOCK, 1, 1);
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = c->dev.cc_major >= 9 ? 1 : 0;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
-    return 0;
+    return cuda_launch(c->stream, c->dev.cc_major >= 9, kernel, dim3((unsigned)grid),
+                       dim3(SEQ_BLOCK), 0, args...);
 }
 
 template <class Cell, bool HALF>
@@ -282,7 +268,7 @@ static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const 
                                             float *c_n) {
     constexpr int G = Cell::G, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
-    stepwise_wait();
+    pdl_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
@@ -370,7 +356,7 @@ static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a
 template <class Cell, bool HALF>
 static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
     constexpr int G = Cell::G, SW = Cell::SW;
-    stepwise_wait();
+    pdl_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
@@ -399,7 +385,7 @@ static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, 
 
 // Step 0's routing, after the last GEMM.
 static __global__ void stepwise_route0_kernel(const stepwise_bwd_args a) {
-    stepwise_wait();
+    pdl_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;

@@ -803,20 +803,10 @@ int rnnd__dw256_product(const struct dw16_args *a, const void *aux, const struct
                                        (int)D2_SMEM));
     // A programmatic dependent of the backward loop before it on the stream (which lets it
     // start at once): the CTAs wait for their chunks themselves.
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(8 * a->ks), 1, 1);
-    cfg.blockDim = dim3(D2_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = (size_t)D2_SMEM;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, dw256_kernel, static_cast<const uint8_t *>(a->chunks),
-                                     static_cast<const uint8_t *>(a->z),
-                                     static_cast<const uint8_t *>(aux), a->exp, a->pitch, a->ks,
-                                     a->part, *sy));
+    RNND_TRY(cuda_launch(stream, true, dw256_kernel, dim3((unsigned)(8 * a->ks)), dim3(D2_THREADS),
+                         (size_t)D2_SMEM, static_cast<const uint8_t *>(a->chunks),
+                         static_cast<const uint8_t *>(a->z), static_cast<const uint8_t *>(aux),
+                         a->exp, a->pitch, a->ks, a->part, *sy));
     const int n = 4 * 256 * RNND_DW256_NZ;
     dw256_sum_kernel<<<CEIL_DIV(n, 256), 256, 0, stream>>>(a->part, a->ks, a->Il, a->gru, a->gw_ih,
                                                            a->gw_hh, a->gb_ih, a->gb_hh);

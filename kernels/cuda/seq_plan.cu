@@ -189,7 +189,7 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
                        !tune->no_fused_x && !tune->no_zfwd && Il % 4 == 0 &&
                        dw16(l, true, SEQ_WIDE_X_MIN_ROWS) &&
                        (Il <= 64 ? persist_xks(m, l, HP, dev->smem_optin) > 0
-                                 : gru || (fp32 && l > 0 && B >= SEQ_DW16_LOOP_Z_LSTM_ROWS));
+                                 : gru || (l > 0 && B >= SEQ_DW16_LOOP_Z_LSTM_ROWS));
         p->zfwd[l] = p->z_dw16[l] && inputs;
     }
     // Layer 0 of an LSTM H = 256 whose loops both run in clusters keeps z as dw256 chunk parts,

@@ -22,8 +22,8 @@ static __device__ __forceinline__ void cp_wait() {
 // earlier kernel can be writing may be read before the wait, while the previous kernel finishes:
 // the weights and biases (step_kargs.pre), and at layer 0 the step's inputs (step_kargs.early_x).
 static __device__ __forceinline__ void grid_wait_then_release() {
+    pdl_wait();
 #if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
@@ -101,18 +101,8 @@ static __device__ __forceinline__ step_row step_row_at(const step_kargs &a, int 
 template <class Kernel, class... Args>
 static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3 block, size_t smem,
                               bool l1_free, const Args &...args) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = c->dev.cc_major >= 9 && l1_free && !c->tune.step_no_pdl ? 1 : 0;
-    RNND_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
-    return 0;
+    return cuda_launch(c->stream, c->dev.cc_major >= 9 && l1_free && !c->tune.step_no_pdl, kernel,
+                       grid, block, smem, args...);
 }
 
 // The tile kernel on warpgroup MMAs (step_wg.cu; built when the architectures include 90, as

@@ -1017,6 +1017,9 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 512, 512, 1, 24, 10, 0.1, H0, AUTO, 0},
     {LSTM, BF16, 512, 512, 1, 16, 6, 0.1, NONE, AUTO, 0},
     {LSTM, F32, 512, 1024, 1, 8, 6, 0.01, HID, AUTO, 0},
+    // The per-step backward's dh product in one K slice (its tiles alone fill the SMs) and in two.
+    {GRU, F32, 64, 512, 1, 1200, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 512, 1, 600, 3, 0.1, HID, AUTO, 0},
     // The wgmma GRU forward (sm_90) below its full width: H < 128, I_l < 64 (padding in both
     // operands), a second layer it does not take (I_l = H > 64).
     {GRU, F32, 20, 100, 2, 45, 13, 0.1, HID, AUTO, 0},

@@ -83,7 +83,8 @@ static __device__ __forceinline__ void pdl_wait() {
 // The backend context (one per rnnd_backend; one thread at a time).
 
 #define SEQ_GRAPHS          8   // a forward and a backward for each of up to four layers
-#define SEQ_GRAPH_KEY_BYTES 256 // seq.cu's struct stepwise_key fits (static_assert there)
+#define SEQ_DW_ORDERS       8   // weight-gradient GEMM shapes a context remembers
+#define SEQ_GRAPH_KEY_BYTES 320 // seq.cu's struct stepwise_key fits (static_assert there)
 
 struct seq_graph {
     cudaGraphExec_t exec;
@@ -135,6 +136,13 @@ struct cuda_ctx {
     // way.
     struct seq_graph seq_graphs[SEQ_GRAPHS];
     unsigned long long seq_graph_calls;
+    // The weight-gradient GEMM's order for each shape met (seq.cu, dw_gemm): timed once, kept
+    // while the context lives; the oldest gives way.
+    struct dw_order {
+        int M4, ldz, K;
+        bool ldz_m; // z's columns as cuBLAS's M
+    } dw_orders[SEQ_DW_ORDERS];
+    int ndw_orders;
 };
 
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in

@@ -29,6 +29,7 @@
 #include "seq_plan.h"
 #include "seq_tape.cuh"
 
+#include <cuda_fp16.h>
 #include <limits.h>
 #include <string.h>
 
@@ -168,6 +169,18 @@ static int gemm(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta
     return 0;
 }
 
+// C_i = op(A_i) B_i (beta 0) for count sets sa, sb and sc elements apart: A and B fp16, C fp32,
+// accumulated in fp32.
+static int gemm16(struct cuda_ctx *c, cublasOperation_t ta, int M, int N, int K, const __half *A,
+                  int lda, long long sa, const __half *B, int ldb, long long sb, float *C, int ldc,
+                  long long sc, int count) {
+    const float one = 1.0f, zero = 0.0f;
+    RNND_CUBLAS_TRY(cublasGemmStridedBatchedEx(
+        c->blas, ta, CUBLAS_OP_N, M, N, K, &one, A, CUDA_R_16F, lda, sa, B, CUDA_R_16F, ldb, sb,
+        &zero, C, CUDA_R_32F, ldc, sc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return 0;
+}
+
 // gemm()'s product, beta 0, for count operand sets sa, sb and sc floats apart: C_i = A_i B_i.
 static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta,
                         cublasOperation_t tb, int M, int N, int K, const float *A, int lda,
@@ -181,7 +194,36 @@ static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperat
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-step path kernels: one thread per (row, unit).
+// Per-step path kernels: a block a row (its cell kernels), or a thread an element.
+
+// The per-step GEMMs' fp16 operands (TF32 and bf16 modes; ieee mode multiplies fp32): W_hh times
+// a power of two of its own, and each step's rows (forward h, backward D_h) each times one of
+// theirs, so that each one's largest |value| lies in [2^14, 2^15). fp16 keeps TF32's 10 mantissa
+// bits, and cuBLAS multiplies it twice as fast as TF32 at issue 45's per-step rows (journal
+// seq-08 v60). The cell kernel that writes a step's rows also scales them (a block holds a row).
+#define STEP16_TOP 15
+struct step16 {
+    __half *w;      // W_hh (G H, H) times *wpow
+    __half *v;      // the step's rows: h (B, H) forward, D_h (B, G H) backward, row b times pow[b]
+    float *pow;     // (B)
+    float *wpow;    // W_hh's power
+    unsigned *wmax; // |W_hh|'s largest, as bits
+};
+
+// The per-step loops' fp16 operands where some layer runs them in TF32 or bf16 mode: W_hh's copy
+// (G H, H), B rows of n halves and their powers; all null otherwise.
+static step16 step16_carve(struct cuda_carve *cv, const struct seq_plan &p,
+                           const struct rnnd_model *m, int B, int n) {
+    step16 q = {};
+    if (p.persistent || m->compute == RNND_COMPUTE_IEEE)
+        return q;
+    q.w = (__half *)cuda_carve(cv, (size_t)rnnd_model_gates(m) * m->H * m->H * sizeof(__half));
+    q.v = (__half *)cuda_carve(cv, (size_t)B * n * sizeof(__half));
+    q.pow = (float *)cuda_carve(cv, (size_t)B * sizeof(float));
+    q.wpow = (float *)cuda_carve(cv, sizeof(float));
+    q.wmax = (unsigned *)cuda_carve(cv, sizeof(unsigned));
+    return q;
+}
 
 struct stepwise_args {
     int B, T, H, L, l;
@@ -192,6 +234,7 @@ struct stepwise_args {
     float *s;  // tape s
     bool sblk; // s in tape_b8's blocks (tape_blocked; HALF)
     const float *b_ih, *b_hh;
+    step16 q; // q.w null: fp32 GEMMs
 };
 
 // Plane p of unit u at row b, step t of a layer's s: in rows of tape_rec or (sblk) in tape_b8's
@@ -236,71 +279,144 @@ static __device__ void stepwise_put_state(const stepwise_args &a, size_t b, int 
 // programmatic dependents they are (Hopper): their blocks become resident while it finishes and
 // wait for it (pdl_wait) before they read anything.
 template <class Kernel, class... Args>
-static int stepwise_launch(struct cuda_ctx *c, Kernel kernel, int grid, const Args &...args) {
+static int stepwise_launch(struct cuda_ctx *c, Kernel kernel, int grid, int block,
+                           const Args &...args) {
     return cuda_launch(c->stream, c->dev.cc_major >= 9, kernel, dim3((unsigned)grid),
-                       dim3(SEQ_BLOCK), 0, args...);
+                       dim3((unsigned)block), 0, args...);
+}
+
+// The cell kernels' blocks: a row each, a thread for every unit up to 1024 (more loop).
+#define STEP_ROW_THREADS 1024
+static int stepwise_row_threads(int H) {
+    return H < STEP_ROW_THREADS ? ROUND_UP(H, 32) : STEP_ROW_THREADS;
+}
+
+// q.wmax = the bits of |w|'s largest (n floats; zeroed before). Non-negative floats order as
+// their bits, and a NaN's exceed infinity's, so that a NaN weight gives the power 1 and NaN
+// products.
+static __global__ void step16_absmax_kernel(const float *w, size_t n, unsigned *wmax) {
+    unsigned m = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        m = max(m, __float_as_uint(w[i]) & 0x7fffffffu);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0)
+        atomicMax(wmax, m);
+}
+
+static __global__ void step16_weights_kernel(const float *w, size_t n, step16 q) {
+    const float p = persist_pow2_for(__uint_as_float(*q.wmax), STEP16_TOP);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *q.wpow = p;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        q.w[i] = __float2half_rn(w[i] * p);
+}
+
+// q.w = W_hh (n floats) in fp16 times its power.
+static int step16_weights(struct cuda_ctx *c, const float *w, size_t n, const step16 &q) {
+    const int grid = 2 * c->dev.num_sms;
+    RNND_CUDA_TRY(cudaMemsetAsync(q.wmax, 0, sizeof(unsigned), c->stream));
+    step16_absmax_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(w, n, q.wmax);
+    CUDA_LAUNCH_CHECK();
+    step16_weights_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(w, n, q);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+// The block's threads ask L2 for the bytes at p, a 128-byte line each: the next step's rows, so
+// that the kernel of that step finds them there rather than in DRAM (its first loads wait on them).
+static __device__ __forceinline__ void stepwise_prefetch(const void *p, size_t bytes) {
+    for (size_t o = threadIdx.x * (size_t)128; o < bytes; o += blockDim.x * (size_t)128)
+        prefetch_l2((const char *)p + o);
+}
+
+// Row b's n values v, which the block's threads wrote (m: the largest |v| each of them wrote; the
+// barriers of the block maximum make every thread's writes visible to all), into q.v (n halves a
+// row) times the row's power, q.pow[b]. Every thread must have read q.pow[b] before.
+static __device__ void step16_put_row(const step16 &q, size_t b, const float *v, int n, float m,
+                                      float *red) {
+    const float p = persist_pow2_for(persist_block_max(m, red), STEP16_TOP);
+    __half *o = q.v + b * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        o[i] = __float2half_rn(v[i] * p);
+    if (threadIdx.x == 0)
+        q.pow[b] = p;
 }
 
 template <class Cell, bool HALF>
-static __global__ void stepwise_init_kernel(const stepwise_args a) {
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= a.B * a.H)
-        return;
-    size_t b = idx / a.H;
-    int u = idx % a.H, H = a.H;
-    size_t r = b * a.T;
-    float h = 0.0f, c = 0.0f;
-    if (a.hidden) {
-        h = a.hidden[(r * a.L + a.l) * H + u];
-        if (a.cell)
-            c = a.cell[(r * a.L + a.l) * H + u];
-    } else if (!a.is_init[r] && a.h0) {
-        h = a.h0[(b * a.L + a.l) * H + u];
-        if (a.c0)
-            c = a.c0[(b * a.L + a.l) * H + u];
+static __global__ void __launch_bounds__(STEP_ROW_THREADS)
+    stepwise_init_kernel(const stepwise_args a) {
+    __shared__ float red[32];
+    const size_t b = blockIdx.x, r = b * a.T;
+    const int H = a.H;
+    float m = 0.0f;
+    for (int u = threadIdx.x; u < H; u += blockDim.x) {
+        float h = 0.0f, c = 0.0f;
+        if (a.hidden) {
+            h = a.hidden[(r * a.L + a.l) * H + u];
+            if (a.cell)
+                c = a.cell[(r * a.L + a.l) * H + u];
+        } else if (!a.is_init[r] && a.h0) {
+            h = a.h0[(b * a.L + a.l) * H + u];
+            if (a.c0)
+                c = a.c0[(b * a.L + a.l) * H + u];
+        }
+        stepwise_put_state<Cell, HALF>(a, b, 0, u, h, c);
+        m = fmaxf(m, fabsf(h));
     }
-    stepwise_put_state<Cell, HALF>(a, b, 0, u, h, c);
+    if (a.q.w)
+        step16_put_row(a.q, b, a.z + r * a.ldz, H, m, red);
 }
 
+// Step t of row b (the block's): hg's row is h(t) W_hh^T, times the row's and W_hh's powers where
+// the GEMM took the fp16 operands.
 template <class Cell, bool HALF>
-static __global__ void stepwise_cell_kernel(const stepwise_args a, int t, const float *xg,
-                                            const float *hg, float *y, int ldy, float *h_n,
-                                            float *c_n) {
+static __global__ void __launch_bounds__(STEP_ROW_THREADS)
+    stepwise_cell_kernel(const stepwise_args a, int t, const float *xg, const float *hg, float *y,
+                         int ldy, float *h_n, float *c_n) {
     constexpr int G = Cell::G, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
+    __shared__ float red[32];
     pdl_wait();
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= a.B * a.H)
-        return;
-    int H = a.H, T = a.T;
-    size_t b = idx / H;
-    int u = idx % H;
-    size_t r = b * T + t;
-    float xq[G], hq[G], s[SW];
-    for (int q = 0; q < G; q++) {
-        xq[q] = xg[r * (G * H) + q * H + u] + a.b_ih[q * H + u];
-        hq[q] = hg[b * (G * H) + q * H + u] + a.b_hh[q * H + u];
-    }
-    float h = a.z[r * a.ldz + u];
-    float c = LSTM ? tape_get<Cell, HALF>(a, b, t, 4, u) : 0.0f;
-    float hn, cn;
-    Cell::template forward<false>(xq, hq, h, c, hn, cn, s);
-    y[r * ldy + u] = hn;
-    for (int p = 0; p < 4; p++)
-        tape_put<Cell, HALF>(a, b, t, p, u, s[p]);
-    if (t + 1 < T) {
-        size_t r1 = r + 1;
-        if (a.is_init[r1]) {
-            hn = a.hidden ? a.hidden[(r1 * a.L + a.l) * H + u] : 0.0f;
-            cn = a.cell ? a.cell[(r1 * a.L + a.l) * H + u] : 0.0f;
+    const int H = a.H, T = a.T;
+    const size_t b = blockIdx.x, r = b * T + t;
+    const float ir = a.q.w ? pow2_inv(a.q.pow[b]) : 1.0f, iw = a.q.w ? pow2_inv(*a.q.wpow) : 1.0f;
+    if (t + 1 < T) // x W_ih^T of step t + 1
+        stepwise_prefetch(xg + (r + 1) * (G * H), (size_t)G * H * sizeof(float));
+    float m = 0.0f;
+    for (int u = threadIdx.x; u < H; u += blockDim.x) {
+        float xq[G], hq[G], s[SW];
+        for (int q = 0; q < G; q++) {
+            xq[q] = xg[r * (G * H) + q * H + u] + a.b_ih[q * H + u];
+            hq[q] = hg[b * (G * H) + q * H + u] * ir * iw + a.b_hh[q * H + u];
         }
-        stepwise_put_state<Cell, HALF>(a, b, t + 1, u, hn, cn);
-    } else {
-        if (h_n)
-            h_n[(b * a.L + a.l) * H + u] = hn;
-        if (c_n)
-            c_n[(b * a.L + a.l) * H + u] = cn;
+        float h = a.z[r * a.ldz + u];
+        float c = LSTM ? tape_get<Cell, HALF>(a, b, t, 4, u) : 0.0f;
+        float hn, cn;
+        Cell::template forward<false>(xq, hq, h, c, hn, cn, s);
+        y[r * ldy + u] = hn;
+        for (int p = 0; p < 4; p++)
+            tape_put<Cell, HALF>(a, b, t, p, u, s[p]);
+        if (t + 1 < T) {
+            size_t r1 = r + 1;
+            if (a.is_init[r1]) {
+                hn = a.hidden ? a.hidden[(r1 * a.L + a.l) * H + u] : 0.0f;
+                cn = a.cell ? a.cell[(r1 * a.L + a.l) * H + u] : 0.0f;
+            }
+            stepwise_put_state<Cell, HALF>(a, b, t + 1, u, hn, cn);
+            m = fmaxf(m, fabsf(hn));
+        } else {
+            if (h_n)
+                h_n[(b * a.L + a.l) * H + u] = hn;
+            if (c_n)
+                c_n[(b * a.L + a.l) * H + u] = cn;
+        }
     }
+    if (a.q.w && t + 1 < T)
+        step16_put_row(a.q, b, a.z + (r + 1) * a.ldz, H, m, red);
 }
 
 struct stepwise_bwd_args {
@@ -320,19 +436,28 @@ struct stepwise_bwd_args {
     float *part;      // (parts, B, H) of the product's K slices
     int parts;
     float *g_h0, *g_c0, *g_hidden, *g_cell;
+    step16 q; // as stepwise_args
 };
 
+// 1 / the powers of the shares of row b (D_h's row and W_hh's) where the GEMM took fp16.
+static __device__ __forceinline__ void stepwise_share_inv(const stepwise_bwd_args &a, size_t b,
+                                                          float &ir, float &iw) {
+    ir = a.q.w ? pow2_inv(a.q.pow[b]) : 1.0f;
+    iw = a.q.w ? pow2_inv(*a.q.wpow) : 1.0f;
+}
+
 // The gradient of the state entering step t (dhp, dcp: the cell's direct part plus the shares of
-// D W_hh) of element (b, u): carried into step t - 1 (dh, dc), or at t = 0 or a reset to the
-// state it came from (the stored state, h0, or none) with nothing carried.
+// D W_hh, times ir and iw) of element (b, u): carried into step t - 1 (dh, dc), or at t = 0 or a
+// reset to the state it came from (the stored state, h0, or none) with nothing carried.
 static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a, size_t b, int u,
-                                                      int t, float &dh, float &dc) {
+                                                      int t, float ir, float iw, float &dh,
+                                                      float &dc) {
     const size_t idx = b * a.H + u, r = b * a.T + t, BH = (size_t)a.B * a.H;
     const bool reset = a.is_init[r] != 0;
-    float dhp = a.dhp[idx];
-    const float dcp = a.dcp[idx];
+    float sh = 0.0f;
     for (int k = 0; k < a.parts; k++)
-        dhp += a.part[k * BH + idx];
+        sh += a.part[k * BH + idx];
+    const float dhp = a.dhp[idx] + sh * ir * iw, dcp = a.dcp[idx];
     dh = 0.0f, dc = 0.0f;
     if (t > 0 && !reset) {
         dh = dhp, dc = dcp;
@@ -351,69 +476,142 @@ static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a
     }
 }
 
-// Step t's cell backward, after routing step t + 1's state gradient (t < T - 1: one kernel a
-// step instead of two; step T - 1 starts from h_n's and c_n's gradients).
+// Step t's cell backward of row b (the block's), after routing step t + 1's state gradient
+// (t < T - 1: one kernel a step instead of two; step T - 1 starts from h_n's and c_n's
+// gradients). With fp16 GEMMs it writes D_h's row for the next one too.
 template <class Cell, bool HALF>
-static __global__ void stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
+static __global__ void __launch_bounds__(STEP_ROW_THREADS)
+    stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
     constexpr int G = Cell::G, SW = Cell::SW;
+    __shared__ float red[32];
     pdl_wait();
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= a.B * a.H)
-        return;
-    int H = a.H, T = a.T;
-    size_t b = idx / H;
-    int u = idx % H;
-    size_t r = b * T + t;
-    float dh_in, dc_in;
-    if (t == T - 1) {
-        dh_in = a.gh_n ? a.gh_n[(b * a.L + a.l) * H + u] : 0.0f;
-        dc_in = a.gc_n ? a.gc_n[(b * a.L + a.l) * H + u] : 0.0f;
-    } else {
-        stepwise_route(a, b, u, t + 1, dh_in, dc_in);
+    const int H = a.H, T = a.T;
+    const size_t b = blockIdx.x, r = b * T + t;
+    float ir, iw, m = 0.0f;
+    stepwise_share_inv(a, b, ir, iw);
+    if (t > 0) { // step t - 1's tape, hprev and output gradient
+        using TR = tape_rec<Cell, HALF>;
+        if (!(HALF && a.sblk))
+            stepwise_prefetch(a.s + (r - 1) * TR::floats(H), TR::floats(H) * sizeof(float));
+        stepwise_prefetch(a.z + (r - 1) * a.ldz, H * sizeof(float));
+        stepwise_prefetch(a.gy + (r - 1) * a.ldgy, H * sizeof(float));
     }
-    float s[SW], d[4], tile[G], ddir, dcp;
-    for (int p = 0; p < SW; p++)
-        s[p] = tape_get<Cell, HALF>(a, b, t, p, u);
-    float hprev = a.z[r * a.ldz + u];
-    Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
-                                   dcp);
-    for (int p = 0; p < 4; p++)
-        a.d[r * (4 * H) + p * H + u] = d[p];
-    a.dhp[idx] = ddir;
-    a.dcp[idx] = dcp;
+    for (int u = threadIdx.x; u < H; u += blockDim.x) {
+        float dh_in, dc_in;
+        if (t == T - 1) {
+            dh_in = a.gh_n ? a.gh_n[(b * a.L + a.l) * H + u] : 0.0f;
+            dc_in = a.gc_n ? a.gc_n[(b * a.L + a.l) * H + u] : 0.0f;
+        } else {
+            stepwise_route(a, b, u, t + 1, ir, iw, dh_in, dc_in);
+        }
+        float s[SW], d[4], tile[G], ddir, dcp;
+        for (int p = 0; p < SW; p++)
+            s[p] = tape_get<Cell, HALF>(a, b, t, p, u);
+        float hprev = a.z[r * a.ldz + u];
+        Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
+                                       dcp);
+        for (int p = 0; p < 4; p++)
+            a.d[r * (4 * H) + p * H + u] = d[p];
+        for (int p = 0; p < G; p++)
+            m = fmaxf(m, fabsf(d[p]));
+        a.dhp[b * H + u] = ddir;
+        a.dcp[b * H + u] = dcp;
+    }
+    if (a.q.w) // D_h: the first G planes of the row, G H floats
+        step16_put_row(a.q, b, a.d + r * (4 * H), G * H, m, red);
 }
 
-// Step 0's routing, after the last GEMM.
+// Step 0's routing, after the last GEMM: a thread an element.
 static __global__ void stepwise_route0_kernel(const stepwise_bwd_args a) {
     pdl_wait();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= a.B * a.H)
         return;
-    float dh, dc;
-    stepwise_route(a, idx / a.H, idx % a.H, 0, dh, dc);
+    const size_t b = idx / a.H;
+    float ir, iw, dh, dc;
+    stepwise_share_inv(a, b, ir, iw);
+    stepwise_route(a, b, idx % a.H, 0, ir, iw, dh, dc);
 }
 
-// grads of layer l += the GEMM result tmp (ldz rows of 4H): the x_l part to W_ih, the hprev part
-// to W_hh, the constant column to the biases. D row of gate q: the same for the hidden side; for
-// the GRU's input side n is the fourth plane (da_n; the third is da_n r).
+// grads of layer l += the GEMM result tmp (D row q, z column k at q * sq + k * sk: dw_gemm's
+// order): the x_l part to W_ih, the hprev part to W_hh, the constant column to the biases. D row
+// of gate q: the same for the hidden side; for the GRU's input side n is the fourth plane (da_n;
+// the third is da_n r).
 static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh,
-                                         const float *tmp, int G, int H, int Il, int xoff,
-                                         bool gru) {
+                                         const float *tmp, size_t sq, size_t sk, int G, int H,
+                                         int Il, int xoff, bool gru) {
     int cols = Il + H + 1;
-    size_t n = (size_t)G * H * cols, ldt = 4 * (size_t)H;
+    size_t n = (size_t)G * H * cols;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int row = (int)(idx / cols), col = (int)(idx % cols);
         int hh = row, ih = gru && row >= 2 * H ? row + H : row;
         if (col < Il)
-            gw_ih[(size_t)row * Il + col] += tmp[(size_t)(xoff + col) * ldt + ih];
+            gw_ih[(size_t)row * Il + col] += tmp[(xoff + col) * sk + ih * sq];
         else if (col < Il + H)
-            gw_hh[(size_t)row * H + col - Il] += tmp[(size_t)(col - Il) * ldt + hh];
+            gw_hh[(size_t)row * H + col - Il] += tmp[(col - Il) * sk + hh * sq];
         else {
-            gb_ih[row] += tmp[(size_t)H * ldt + ih];
-            gb_hh[row] += tmp[(size_t)H * ldt + hh];
+            gb_ih[row] += tmp[H * sk + ih * sq];
+            gb_hh[row] += tmp[H * sk + hh * sq];
         }
     }
+}
+
+// tmp = z^T D over K rows (D: 4H columns, z: ldz), in one of two orders: D's 4H columns as
+// cuBLAS's M (D column q with z column k at k * 4H + q) or z's ldz columns (at q * ldz + k).
+// cuBLAS runs the two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256
+// I = 64, journal seq-04 v20; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024
+// I = 512, seq-08 v60). So a context times both once a shape, outside any recording, and keeps
+// the faster (*ldz_m): within a context a shape's order, and so its results, stay the same.
+static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, int K,
+                   const float *d, const float *z, float *tmp, bool *ldz_m) {
+    auto run = [&](bool lm) {
+        return lm ? gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, ldz, M4, K, z, ldz, d, M4, 0.0f, tmp,
+                         ldz)
+                  : gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, M4, ldz, K, d, M4, z, ldz, 0.0f, tmp,
+                         M4);
+    };
+    if (c->tune.dw_m4 || c->tune.dw_mldz) { // the tests' and the bench's choice
+        *ldz_m = c->tune.dw_mldz;
+        return run(*ldz_m);
+    }
+    for (int i = 0; i < c->ndw_orders && i < SEQ_DW_ORDERS; i++) {
+        const struct cuda_ctx::dw_order &o = c->dw_orders[i];
+        if (o.M4 == M4 && o.ldz == ldz && o.K == K) {
+            *ldz_m = o.ldz_m;
+            return run(o.ldz_m);
+        }
+    }
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    RNND_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs));
+    *ldz_m = false;
+    if (cs != cudaStreamCaptureStatusNone) // no timing in a recording: the first order
+        return run(false);
+    cudaEvent_t ev[4] = {};
+    float ms[2] = {0.0f, 0.0f};
+    int rc = 0;
+    for (int k = 0; k < 4 && rc == 0; k++)
+        rc = cudaEventCreate(&ev[k]) == cudaSuccess ? 0 : RNND_EDEVICE;
+    for (int lm = 0; lm < 2 && rc == 0; lm++) { // each order twice, the second time timed
+        rc = run(lm);
+        if (rc == 0 && cudaEventRecord(ev[2 * lm], c->stream) != cudaSuccess)
+            rc = RNND_EDEVICE;
+        rc = rc ? rc : run(lm);
+        if (rc == 0 && cudaEventRecord(ev[2 * lm + 1], c->stream) != cudaSuccess)
+            rc = RNND_EDEVICE;
+    }
+    if (rc == 0 && (cudaEventSynchronize(ev[3]) != cudaSuccess ||
+                    cudaEventElapsedTime(&ms[0], ev[0], ev[1]) != cudaSuccess ||
+                    cudaEventElapsedTime(&ms[1], ev[2], ev[3]) != cudaSuccess))
+        rc = RNND_EDEVICE;
+    for (int k = 0; k < 4; k++)
+        if (ev[k])
+            cudaEventDestroy(ev[k]);
+    RNND_TRY(rc);
+    struct cuda_ctx::dw_order &o = c->dw_orders[c->ndw_orders++ % SEQ_DW_ORDERS];
+    o.M4 = M4, o.ldz = ldz, o.K = K, o.ldz_m = ms[1] < ms[0];
+    *ldz_m = o.ldz_m;
+    return run(o.ldz_m);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -486,7 +684,7 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
                             bool half, const struct layer_params &lp, const float *xg, float *hg,
                             float *y, int ldy, float *h_n, float *c_n) {
     bool lstm = m->cell == RNND_CELL_LSTM;
-    int GH = rnnd_model_gates(m) * a.H, grid = CEIL_DIV(a.B * a.H, SEQ_BLOCK);
+    const int GH = rnnd_model_gates(m) * a.H, rows = stepwise_row_threads(a.H);
     auto init = lstm ? (half ? &stepwise_init_kernel<cell_lstm, true>
                              : &stepwise_init_kernel<cell_lstm, false>)
                      : (half ? &stepwise_init_kernel<cell_gru, true>
@@ -502,13 +700,21 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
     const void *p[] = {lp.w_hh, xg, hg, y, h_n, c_n};
     memcpy(k.p, p, sizeof(p));
     return stepwise_graph(c, k, [&]() -> int {
-        init<<<grid, SEQ_BLOCK, 0, c->stream>>>(a);
+        if (a.q.w)
+            RNND_TRY(step16_weights(c, lp.w_hh, (size_t)GH * a.H, a.q));
+        init<<<a.B, rows, 0, c->stream>>>(a);
         CUDA_LAUNCH_CHECK();
         for (int t = 0; t < a.T; t++) {
-            // hg (B, G*H) = hprev(t) W_hh^T, hprev rows T*ldz floats apart in z.
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
-                          a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
-            RNND_TRY(stepwise_launch(c, cell, grid, a, t, xg, (const float *)hg, y, ldy, h_n, c_n));
+            // hg (B, G*H) = hprev(t) W_hh^T: from the fp16 copies, or hprev rows T*ldz floats
+            // apart in z.
+            if (a.q.w)
+                RNND_TRY(gemm16(c, CUBLAS_OP_T, GH, a.B, a.H, a.q.w, a.H, 0, a.q.v, a.H, 0, hg, GH,
+                                0, 1));
+            else
+                RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
+                              a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
+            RNND_TRY(
+                stepwise_launch(c, cell, a.B, rows, a, t, xg, (const float *)hg, y, ldy, h_n, c_n));
         }
         return 0;
     });
@@ -555,11 +761,13 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
     // Misaligned outputs of a forward that writes layer 0's z as chunk parts go through aligned
     // scratch, copied out at the end (plan.stage).
     float *xg, *hg, *own, *ys, *hs, *cs;
+    step16 q16;
     struct cuda_carve cv = {0};
     const size_t blh = (size_t)B * L * H * sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
         xg = (float *)cuda_carve(&cv, need_xg ? BT * GH * sizeof(float) : 0);
         hg = (float *)cuda_carve(&cv, p.persistent ? 0 : (size_t)B * GH * sizeof(float));
+        q16 = step16_carve(&cv, p, m, B, H);
         own = (float *)cuda_carve(&cv, tape ? 0 : lay.tape_floats * sizeof(float));
         ys = (float *)cuda_carve(&cv, p.stage ? BT * H * sizeof(float) : 0);
         hs = (float *)cuda_carve(&cv, p.stage && h_n ? blh : 0);
@@ -655,6 +863,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
             a.z = z, a.ldz = ly->ldz, a.xoff = ly->xoff, a.Il = ly->Il, a.s = s;
             a.sblk = p.tape_blocked;
             a.b_ih = lp.b_ih, a.b_hh = lp.b_hh;
+            a.q = q16;
             RNND_TRY(stepwise_forward(c, m, a, p.tape_half, lp, xg, hg, yo, ldy, h_n, c_n));
         }
     }
@@ -674,8 +883,9 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 
 // The K slices of the per-step backward's D_h W_hh (M = H, N = B, K = G H): doubled while the
 // product's 64 x 128 tiles times them stay within the SMs and G H splits evenly, at most
-// SEQ_STEP_PARTS.
-#define SEQ_STEP_PARTS 8
+// SEQ_STEP_PARTS: with fp16 operands 4 slices multiply as fast as 8 at issue 45's per-step rows,
+// and the next kernel reads half the shares (journal seq-08 v60).
+#define SEQ_STEP_PARTS 4
 static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
     const int tiles = CEIL_DIV(H, 64) * CEIL_DIV(B, 128);
     int n = 1;
@@ -687,8 +897,8 @@ static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
 static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
                              const stepwise_bwd_args &a, bool half, const float *w_hh) {
     bool lstm = m->cell == RNND_CELL_LSTM;
-    int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
-    const int K = (lstm ? 4 : 3) * H, Ks = K / a.parts;
+    const int H = a.H, grid = CEIL_DIV(a.B * H, SEQ_BLOCK), ldd = a.T * 4 * H;
+    const int K = (lstm ? 4 : 3) * H, Ks = K / a.parts, rows = stepwise_row_threads(H);
     auto cell = lstm ? (half ? &stepwise_cell_backward_kernel<cell_lstm, true>
                              : &stepwise_cell_backward_kernel<cell_lstm, false>)
                      : (half ? &stepwise_cell_backward_kernel<cell_gru, true>
@@ -699,18 +909,23 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
     memcpy(&k.b, &a, sizeof(a));
     k.p[0] = w_hh;
     return stepwise_graph(c, k, [&]() -> int {
+        if (a.q.w)
+            RNND_TRY(step16_weights(c, w_hh, (size_t)K * H, a.q));
         for (int t = a.T - 1; t >= 0; t--) {
-            RNND_TRY(stepwise_launch(c, cell, grid, a, t));
-            // D_h(t) W_hh (B, H), D's first G planes being the hidden side's gradient, in
-            // a.parts K slices, each into its share, which the next kernel adds to dhp: at
-            // H = 512 with B = 256 cuBLAS split K itself and reduced the slices in a kernel of
-            // its own (journal seq-08 v59).
-            const float *dt = a.d + (size_t)t * 4 * H;
-            RNND_TRY(gemm_strided(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, Ks, w_hh, H,
-                                  (long long)Ks * H, dt, ldd, Ks, a.part, H, (long long)a.B * H,
-                                  a.parts));
+            RNND_TRY(stepwise_launch(c, cell, a.B, rows, a, t));
+            // D_h(t) W_hh (B, H), D's first G planes being the hidden side's gradient (or their
+            // fp16 copy), in a.parts K slices, each into its share, which the next kernel adds
+            // to dhp: at H = 512 with B = 256 cuBLAS split K itself and reduced the slices in a
+            // kernel of its own (journal seq-08 v59).
+            if (a.q.w)
+                RNND_TRY(gemm16(c, CUBLAS_OP_N, H, a.B, Ks, a.q.w, H, (long long)Ks * H, a.q.v, K,
+                                Ks, a.part, H, (long long)a.B * H, a.parts));
+            else
+                RNND_TRY(gemm_strided(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, Ks, w_hh, H,
+                                      (long long)Ks * H, a.d + (size_t)t * 4 * H, ldd, Ks, a.part,
+                                      H, (long long)a.B * H, a.parts));
         }
-        return stepwise_launch(c, stepwise_route0_kernel, grid, a);
+        return stepwise_launch(c, stepwise_route0_kernel, grid, SEQ_BLOCK, a);
     });
 }
 
@@ -788,6 +1003,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
     float *d, *gyb, *tmp, *dhp, *dcp, *step_part, *dw_part, *cz_part, *sgo, *shn, *scn;
+    step16 q16;
     const int step_parts = stepwise_parts(c, B, H, rnnd_model_gates(m));
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
@@ -820,6 +1036,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         dhp = (float *)cuda_carve(&cv, bh);
         dcp = (float *)cuda_carve(&cv, bh);
         step_part = (float *)cuda_carve(&cv, step_parts * bh);
+        q16 = step16_carve(&cv, p, m, B, rnnd_model_gates(m) * H);
         if (pass == 0) {
             RNND_TRY(rnnd__cuda_reserve(c, cv.used));
             cv = (struct cuda_carve){(char *)c->d_scratch, 0};
@@ -923,6 +1140,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.dhp = dhp, sw.dcp = dcp, sw.part = step_part, sw.parts = step_parts;
             sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
             sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
+            sw.q = q16;
             RNND_TRY(stepwise_backward(c, m, sw, shalf, lp.w_hh));
         }
 
@@ -955,13 +1173,14 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             return RNND_EINVAL; // never planned: the build has no sm_90a kernels
 #endif
         } else {
-            RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_T, 4 * H, ly->ldz, (int)BT, d,
-                          4 * H, z, ly->ldz, 0.0f, tmp, 4 * H));
+            bool ldz_m;
+            RNND_TRY(dw_gemm(c, m->compute, 4 * H, ly->ldz, (int)BT, d, z, tmp, &ldz_m));
             size_t n = (size_t)GH * (ly->Il + H + 1);
             int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
                                                                    : 4096);
-            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(gw_ih, gw_hh, gb_ih, gb_hh, tmp, G,
-                                                                 H, ly->Il, ly->xoff, !lstm);
+            const size_t sq = ldz_m ? ly->ldz : 1, sk = ldz_m ? 1 : 4 * (size_t)H;
+            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(
+                gw_ih, gw_hh, gb_ih, gb_hh, tmp, sq, sk, G, H, ly->Il, ly->xoff, !lstm);
             CUDA_LAUNCH_CHECK();
         }
 

@@ -27,12 +27,15 @@
 #define RNND_TUNE_NO_ZFWD         32768 // z rows in the tape, not the forward's chunks
 #define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
 #define RNND_TUNE_NO_PAD128       131072 // 64 <= H <= 96 at a large B: the loops at their own width
+#define RNND_TUNE_DW_M4           262144 // cuBLAS's weight gradients with D's 4H columns as M, untimed
+#define RNND_TUNE_DW_MLDZ         524288 // the same with z's ldz columns as M
 
 #define RNND_TUNE_ALL                                                                              \
     (RNND_TUNE_PHASE_CLOCKS | RNND_TUNE_STEP_NO_EARLY_X | RNND_TUNE_NO_FUSED_X |                   \
      RNND_TUNE_NO_RECOMPUTE | RNND_TUNE_NO_CLUSTER | RNND_TUNE_NO_CLUSTER_BWD |                    \
      RNND_TUNE_STEP_NO_PDL | RNND_TUNE_CLUSTER80 | RNND_TUNE_NO_WG | RNND_TUNE_NO_DW16 |           \
-     RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH | RNND_TUNE_NO_PAD128)
+     RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH | RNND_TUNE_NO_PAD128 | RNND_TUNE_DW_M4 |              \
+     RNND_TUNE_DW_MLDZ)
 
 // The overrides, each false in production.
 struct cuda_tuning {
@@ -50,6 +53,7 @@ struct cuda_tuning {
     bool no_zfwd;         // RNND_TUNE_NO_ZFWD
     bool no_graph;        // RNND_TUNE_NO_GRAPH
     bool no_pad128;       // RNND_TUNE_NO_PAD128
+    bool dw_m4, dw_mldz;  // RNND_TUNE_DW_M4, RNND_TUNE_DW_MLDZ
 };
 
 // The overrides of variant bits v (the path override is left false).
@@ -68,6 +72,8 @@ static inline struct cuda_tuning rnnd__cuda_tuning_of(int v) {
     t.no_zfwd = (v & RNND_TUNE_NO_ZFWD) != 0;
     t.no_graph = (v & RNND_TUNE_NO_GRAPH) != 0;
     t.no_pad128 = (v & RNND_TUNE_NO_PAD128) != 0;
+    t.dw_m4 = (v & RNND_TUNE_DW_M4) != 0;
+    t.dw_mldz = (v & RNND_TUNE_DW_MLDZ) != 0;
     return t;
 }
 

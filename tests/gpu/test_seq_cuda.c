@@ -22,7 +22,8 @@
 
 static const int NO_FUSED_X = RNND_TUNE_NO_FUSED_X, NO_WG = RNND_TUNE_NO_WG,
                  NO_DW16 = RNND_TUNE_NO_DW16, NO_ZFWD = RNND_TUNE_NO_ZFWD,
-                 NO_PAD128 = RNND_TUNE_NO_PAD128;
+                 NO_PAD128 = RNND_TUNE_NO_PAD128, DW_M4 = RNND_TUNE_DW_M4,
+                 DW_MLDZ = RNND_TUNE_DW_MLDZ;
 
 enum state_mode { STATE_NONE, STATE_H0, STATE_HIDDEN };
 
@@ -672,7 +673,8 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 }
 
 // TF32 mode's products (seq_dw.cu on fp16 chunks, journal v26) on values far from 1, where one
-// fp16 scale for all rows would overflow or lose every bit. Each value is kept to 10 bits by its
+// fp16 scale for all rows would overflow or lose every bit; the same kinds (1, 2, 3, 5) for the
+// per-step path's fp16 D_h rows, each scaled by its own power. Each value is kept to 10 bits by its
 // (row, group) exponent; a K range is summed relative to its largest, so a row's share of dW goes
 // only where it is 2^24 or more below the largest row's, and dL/dx is each row's own.
 //   0: x's column 0 times 16, column 1 times 1e-5;
@@ -697,7 +699,7 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                                        "two rows x2^20",       "two rows x2^-30",
                                        "zero x rows x2^14",    "a drop, a spike"};
     char tag[64];
-    snprintf(tag, sizeof(tag), "%s fp32 dw16 %s", cell == RNND_CELL_LSTM ? "lstm" : "gru",
+    snprintf(tag, sizeof(tag), "%s fp32 H%d %s", cell == RNND_CELL_LSTM ? "lstm" : "gru", sc.H,
              what[kind]);
     gpu_seed(tag);
     struct seq_host h;
@@ -825,6 +827,64 @@ static void test_x_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
             h.x[r * sc->I + i] *= f;
     }
     check_inputs(gpu, cpu, sc, &h, tag);
+}
+
+// The per-step path's fp16 GEMM operands (TF32 and bf16 modes) far from 1. W_hh is scaled by its
+// largest |w|, each step's h and D_h rows each by their own (tests of D_h's: test_tiny,
+// test_dw16_scales). Kinds:
+//   0: batch row 3's h0 (and c0) times 2^17 and every W_hh times 2^-17, so that W_hh h stays
+//      near 1 (larger pre-activations would put TF32's own rounding past the tolerance): the
+//      GRU's h stays near 2^17 z^t, over fp16 unless the row has a power of its own, which must
+//      not put row 0's h below its 10 bits; W_hh below fp16's normal range without its power;
+//   1: every W_hh times 2^-20 (dL/dh0 = D W_hh on its own scale).
+static void test_step16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                               const struct seq_case *c, int kind) {
+    const struct seq_case sc = *c;
+    const struct rnnd_model m = {
+        .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
+    static const char *const what[] = {"h0 row x2^17, W_hh x2^-17", "W_hh x2^-20"};
+    char tag[64];
+    snprintf(tag, sizeof(tag), "%s %s H%d %s", sc.cell == RNND_CELL_LSTM ? "lstm" : "gru",
+             compute_name(sc.compute), sc.H, what[kind]);
+    gpu_seed(tag);
+    struct seq_host h;
+    seq_host_init(&h, &sc, 0.0f, 0.8f);
+    const size_t LH = (size_t)sc.L * sc.H, TH = (size_t)sc.T * sc.H;
+    for (size_t i = 0; kind == 0 && i < LH; i++)
+        h.h0[3 * LH + i] *= 0x1p17f, h.c0[3 * LH + i] *= 0x1p17f;
+    for (int k = 0; k < rnnd_model_param_tensors(&m); k++) {
+        struct rnnd_param_tensor pt;
+        rnnd_model_param_tensor(&m, k, &pt);
+        for (size_t i = 0; k % 4 == RNND_PARAM_WEIGHT_HH && i < pt.count; i++)
+            h.params[pt.offset + i] *= kind == 0 ? 0x1p-17f : 0x1p-20f;
+    }
+    struct seq_out og, oc;
+    if (run_pair(gpu, cpu, &sc, &h, &og, &oc, tag)) {
+        compare_from_h0(tag, &sc, &h, &og, &oc);
+        if (kind == 0) // row 0 on its own scale
+            compare("out, row 0", tag, og.out, oc.out, NULL, TH, tolerance(sc.compute));
+    }
+    seq_out_free(&og);
+    seq_out_free(&oc);
+    seq_host_free(&h);
+}
+
+// cuBLAS's weight gradients in each of their two orders (seq.cu, dw_gemm: a context times both
+// once a shape and keeps the faster, so that a run alone tests one of them): case sc against
+// the CPU reference with each forced by variant bits.
+static void test_dw_orders(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
+                           const struct seq_case *sc, int arg) {
+    (void)arg;
+    const int order[2] = {DW_M4, DW_MLDZ};
+    for (int k = 0; k < 2; k++) {
+        if (rnnd_cuda_set_variant(gpu, gpu_base_variant | order[k]) != 0) {
+            fail("variant %d not accepted", gpu_base_variant | order[k]);
+            return;
+        }
+        printf("  (weight gradients with %s as M)\n", k ? "z's ldz columns" : "D's 4H columns");
+        test_seq(gpu, cpu, sc);
+    }
+    rnnd_cuda_set_variant(gpu, gpu_base_variant);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1060,6 +1120,8 @@ struct edge_test {
     { cell, compute, 64, 128, 1, 24, 256, 0.0, H0, AUTO, 0 }
 #define SCALES(cell)                                                                               \
     { cell, F32, 64, 128, 1, 300, 20, 0.1, HID, AUTO, 0 }
+#define STEP_SCALES(cell)                                                                          \
+    { cell, F32, 64, 160, 1, 40, 20, 0.1, HID, AUTO, 0 }
 
 static const struct edge_test edge_tests[] = {
     {test_nan, EDGE(GRU, 128), 0, false},
@@ -1137,6 +1199,21 @@ static const struct edge_test edge_tests[] = {
     {test_dw16_scales, SCALES(LSTM), 3, false},
     {test_dw16_scales, SCALES(LSTM), 4, false},
     {test_dw16_scales, SCALES(LSTM), 5, false},
+    // The per-step path's fp16 operands (H = 160, the plan's choice; two layers of H = 48 forced
+    // onto it; bf16 mode): rows and weights far from 1.
+    {test_tiny, {GRU, F32, 64, 160, 1, 20, 12, 0.1, H0, AUTO, 0}, 0, false},
+    {test_tiny, {LSTM, F32, 64, 160, 1, 20, 12, 0.1, H0, AUTO, 0}, 0, false},
+    {test_dw16_scales, STEP_SCALES(GRU), 1, false},
+    {test_dw16_scales, STEP_SCALES(GRU), 2, false},
+    {test_dw16_scales, STEP_SCALES(LSTM), 3, false},
+    {test_dw16_scales, STEP_SCALES(LSTM), 5, false},
+    {test_weight_outliers, {LSTM, F32, 64, 160, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
+    {test_dw_orders, {LSTM, F32, 72, 160, 2, 21, 9, 0.1, HID, AUTO, 0}, 0, true},
+    {test_dw_orders, {GRU, BF16, 40, 160, 1, 17, 6, 0.1, H0, AUTO, SEQ_MISALIGN}, 0, false},
+    {test_step16_scales, {GRU, F32, 64, 160, 1, 24, 12, 0.0, H0, AUTO, 0}, 0, true},
+    {test_step16_scales, {LSTM, F32, 64, 160, 1, 24, 12, 0.0, H0, AUTO, 0}, 0, false},
+    {test_step16_scales, {GRU, F32, 40, 48, 2, 24, 12, 0.1, H0, STEP, 0}, 1, false},
+    {test_step16_scales, {LSTM, BF16, 64, 160, 1, 24, 12, 0.1, H0, AUTO, 0}, 1, false},
     // Layer 0's z chunks from the forward; B = T = 1: the tape's z space is the chunks'.
     {test_zfwd, {LSTM, F32, 64, 128, 1, 300, 20, 0.1, H0, AUTO, 0}, 0, false},
     {test_zfwd, {LSTM, F32, 40, 128, 2, 37, 9, 0.2, HID, AUTO, 0}, 0, false},

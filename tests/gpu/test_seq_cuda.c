@@ -1077,6 +1077,9 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 512, 512, 1, 24, 10, 0.1, H0, AUTO, 0},
     {LSTM, BF16, 512, 512, 1, 16, 6, 0.1, NONE, AUTO, 0},
     {LSTM, F32, 512, 1024, 1, 8, 6, 0.01, HID, AUTO, 0},
+    // The per-step cell kernels over more units than a block's 1024 threads (fp16 rows read back).
+    {GRU, F32, 24, 1040, 1, 6, 4, 0.2, HID, AUTO, 0},
+    {LSTM, BF16, 24, 1100, 1, 5, 3, 0.2, H0, AUTO, 0},
     // The per-step backward's dh product in one K slice (its tiles alone fill the SMs) and in two.
     {GRU, F32, 64, 512, 1, 1200, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 512, 1, 600, 3, 0.1, HID, AUTO, 0},

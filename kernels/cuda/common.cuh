@@ -136,11 +136,11 @@ struct cuda_ctx {
     // way.
     struct seq_graph seq_graphs[SEQ_GRAPHS];
     unsigned long long seq_graph_calls;
-    // The weight-gradient GEMM's order for each shape met (seq.cu, dw_gemm): timed once, kept
+    // The weight-gradient GEMM's way for each shape met (seq.cu, dw_gemm): timed once, kept
     // while the context lives; the oldest gives way.
     struct dw_order {
         int M4, ldz, K;
-        bool ldz_m; // z's columns as cuBLAS's M
+        int how; // seq.cu's dw_how
     } dw_orders[SEQ_DW_ORDERS];
     int ndw_orders;
 };

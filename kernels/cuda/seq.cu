@@ -578,61 +578,82 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
     }
 }
 
-// tmp = z^T D over K rows (D: 4H columns, z: ldz), in one of two orders: D's 4H columns as
-// cuBLAS's M (D column q with z column k at k * 4H + q) or z's ldz columns (at q * ldz + k).
-// cuBLAS runs the two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256
-// I = 64, journal seq-04 v20; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024
-// I = 512, seq-08 v60). So a context times both once a shape, outside any recording, and keeps
-// the faster (*ldz_m): within a context a shape's order, and so its results, stay the same.
+// tmp = z^T D over K rows (D: 4H columns, z: ldz), in one of three ways (dw_how): D's 4H columns
+// as cuBLAS's M (D column q with z column k at k * 4H + q); z's ldz columns as M (at q * ldz + k);
+// or the same in two products, z's first ldz rounded down to 128 columns and the rest. cuBLAS runs
+// the first two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256 I = 64,
+// journal seq-04 v20; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024 I = 512,
+// seq-09 v60), and a few columns past a multiple of its tiles can cost a second wave of them (ldz
+// = 1028 at H = 512 I = 512, seq-09 v61). So a context times each once a shape, outside any
+// recording, and keeps the fastest (*ldz_m: whether its layout is the second's): within a
+// context a shape's way, and so its results, stay the same.
+enum dw_how { DW_M4, DW_MLDZ, DW_MSPLIT, DW_HOWS };
+#define DW_TIMED 3 // runs timed of each way (one alone missed a 2.5% difference, seq-09 v61)
 static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, int K,
                    const float *d, const float *z, float *tmp, bool *ldz_m) {
-    auto run = [&](bool lm) {
-        return lm ? gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, ldz, M4, K, z, ldz, d, M4, 0.0f, tmp,
-                         ldz)
-                  : gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, M4, ldz, K, d, M4, z, ldz, 0.0f, tmp,
-                         M4);
+    const int m0 = ldz / 128 * 128; // DW_MSPLIT's first part
+    auto run = [&](int how) -> int {
+        if (how == DW_M4)
+            return gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, M4, ldz, K, d, M4, z, ldz, 0.0f, tmp,
+                        M4);
+        const int m = how == DW_MSPLIT ? m0 : ldz;
+        RNND_TRY(gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, m, M4, K, z, ldz, d, M4, 0.0f, tmp, ldz));
+        if (m < ldz)
+            RNND_TRY(gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, ldz - m, M4, K, z + m, ldz, d, M4,
+                          0.0f, tmp + m, ldz));
+        return 0;
     };
-    if (c->tune.dw_m4 || c->tune.dw_mldz) { // the tests' and the bench's choice
-        *ldz_m = c->tune.dw_mldz;
-        return run(*ldz_m);
+    const int forced = c->tune.dw_m4       ? DW_M4
+                       : c->tune.dw_mldz   ? DW_MLDZ
+                       : c->tune.dw_msplit ? DW_MSPLIT
+                                           : -1;
+    if (forced >= 0) { // the tests' and the bench's choice
+        *ldz_m = forced != DW_M4;
+        return run(forced);
     }
     for (int i = 0; i < c->ndw_orders && i < SEQ_DW_ORDERS; i++) {
         const struct cuda_ctx::dw_order &o = c->dw_orders[i];
         if (o.M4 == M4 && o.ldz == ldz && o.K == K) {
-            *ldz_m = o.ldz_m;
-            return run(o.ldz_m);
+            *ldz_m = o.how != DW_M4;
+            return run(o.how);
         }
     }
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     RNND_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs));
     *ldz_m = false;
-    if (cs != cudaStreamCaptureStatusNone) // no timing in a recording: the first order
-        return run(false);
-    cudaEvent_t ev[4] = {};
-    float ms[2] = {0.0f, 0.0f};
+    if (cs != cudaStreamCaptureStatusNone) // no timing in a recording: the first way
+        return run(DW_M4);
+    const int hows = m0 > 0 && m0 < ldz ? DW_HOWS : DW_MSPLIT;
+    cudaEvent_t ev[2 * DW_HOWS] = {};
+    float ms[DW_HOWS] = {};
     int rc = 0;
-    for (int k = 0; k < 4 && rc == 0; k++)
+    for (int k = 0; k < 2 * hows && rc == 0; k++)
         rc = cudaEventCreate(&ev[k]) == cudaSuccess ? 0 : RNND_EDEVICE;
-    for (int lm = 0; lm < 2 && rc == 0; lm++) { // each order twice, the second time timed
-        rc = run(lm);
-        if (rc == 0 && cudaEventRecord(ev[2 * lm], c->stream) != cudaSuccess)
+    for (int how = 0; how < hows && rc == 0; how++) { // each once, then DW_TIMED times timed
+        rc = run(how);
+        if (rc == 0 && cudaEventRecord(ev[2 * how], c->stream) != cudaSuccess)
             rc = RNND_EDEVICE;
-        rc = rc ? rc : run(lm);
-        if (rc == 0 && cudaEventRecord(ev[2 * lm + 1], c->stream) != cudaSuccess)
+        for (int k = 0; k < DW_TIMED && rc == 0; k++)
+            rc = run(how);
+        if (rc == 0 && cudaEventRecord(ev[2 * how + 1], c->stream) != cudaSuccess)
             rc = RNND_EDEVICE;
     }
-    if (rc == 0 && (cudaEventSynchronize(ev[3]) != cudaSuccess ||
-                    cudaEventElapsedTime(&ms[0], ev[0], ev[1]) != cudaSuccess ||
-                    cudaEventElapsedTime(&ms[1], ev[2], ev[3]) != cudaSuccess))
+    if (rc == 0 && cudaEventSynchronize(ev[2 * hows - 1]) != cudaSuccess)
         rc = RNND_EDEVICE;
-    for (int k = 0; k < 4; k++)
+    int best = DW_M4;
+    for (int how = 0; how < hows && rc == 0; how++) {
+        if (cudaEventElapsedTime(&ms[how], ev[2 * how], ev[2 * how + 1]) != cudaSuccess)
+            rc = RNND_EDEVICE;
+        best = ms[how] < ms[best] ? how : best;
+    }
+    for (int k = 0; k < 2 * DW_HOWS; k++)
         if (ev[k])
             cudaEventDestroy(ev[k]);
     RNND_TRY(rc);
     struct cuda_ctx::dw_order &o = c->dw_orders[c->ndw_orders++ % SEQ_DW_ORDERS];
-    o.M4 = M4, o.ldz = ldz, o.K = K, o.ldz_m = ms[1] < ms[0];
-    *ldz_m = o.ldz_m;
-    return run(o.ldz_m);
+    o.M4 = M4, o.ldz = ldz, o.K = K, o.how = best;
+    *ldz_m = best != DW_M4;
+    return run(best);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -28,14 +28,15 @@
 #define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
 #define RNND_TUNE_NO_PAD128       131072 // 64 <= H <= 96 at a large B: the loops at their own width
 #define RNND_TUNE_DW_M4           262144 // cuBLAS's weight gradients with D's 4H columns as M, untimed
-#define RNND_TUNE_DW_MLDZ         524288 // the same with z's ldz columns as M
+#define RNND_TUNE_DW_MLDZ         524288  // the same with z's ldz columns as M
+#define RNND_TUNE_DW_MSPLIT       1048576 // the same in two products, ldz split at a multiple of 128
 
 #define RNND_TUNE_ALL                                                                              \
     (RNND_TUNE_PHASE_CLOCKS | RNND_TUNE_STEP_NO_EARLY_X | RNND_TUNE_NO_FUSED_X |                   \
      RNND_TUNE_NO_RECOMPUTE | RNND_TUNE_NO_CLUSTER | RNND_TUNE_NO_CLUSTER_BWD |                    \
      RNND_TUNE_STEP_NO_PDL | RNND_TUNE_CLUSTER80 | RNND_TUNE_NO_WG | RNND_TUNE_NO_DW16 |           \
      RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH | RNND_TUNE_NO_PAD128 | RNND_TUNE_DW_M4 |              \
-     RNND_TUNE_DW_MLDZ)
+     RNND_TUNE_DW_MLDZ | RNND_TUNE_DW_MSPLIT)
 
 // The overrides, each false in production.
 struct cuda_tuning {
@@ -53,7 +54,7 @@ struct cuda_tuning {
     bool no_zfwd;         // RNND_TUNE_NO_ZFWD
     bool no_graph;        // RNND_TUNE_NO_GRAPH
     bool no_pad128;       // RNND_TUNE_NO_PAD128
-    bool dw_m4, dw_mldz;  // RNND_TUNE_DW_M4, RNND_TUNE_DW_MLDZ
+    bool dw_m4, dw_mldz, dw_msplit; // RNND_TUNE_DW_M4, _MLDZ, _MSPLIT
 };
 
 // The overrides of variant bits v (the path override is left false).
@@ -74,6 +75,7 @@ static inline struct cuda_tuning rnnd__cuda_tuning_of(int v) {
     t.no_pad128 = (v & RNND_TUNE_NO_PAD128) != 0;
     t.dw_m4 = (v & RNND_TUNE_DW_M4) != 0;
     t.dw_mldz = (v & RNND_TUNE_DW_MLDZ) != 0;
+    t.dw_msplit = (v & RNND_TUNE_DW_MSPLIT) != 0;
     return t;
 }
 

@@ -23,7 +23,7 @@
 static const int NO_FUSED_X = RNND_TUNE_NO_FUSED_X, NO_WG = RNND_TUNE_NO_WG,
                  NO_DW16 = RNND_TUNE_NO_DW16, NO_ZFWD = RNND_TUNE_NO_ZFWD,
                  NO_PAD128 = RNND_TUNE_NO_PAD128, DW_M4 = RNND_TUNE_DW_M4,
-                 DW_MLDZ = RNND_TUNE_DW_MLDZ;
+                 DW_MLDZ = RNND_TUNE_DW_MLDZ, DW_MSPLIT = RNND_TUNE_DW_MSPLIT;
 
 enum state_mode { STATE_NONE, STATE_H0, STATE_HIDDEN };
 
@@ -869,19 +869,22 @@ static void test_step16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cp
     seq_host_free(&h);
 }
 
-// cuBLAS's weight gradients in each of their two orders (seq.cu, dw_gemm: a context times both
-// once a shape and keeps the faster, so that a run alone tests one of them): case sc against
-// the CPU reference with each forced by variant bits.
+// cuBLAS's weight gradients in each of their three ways (seq.cu, dw_gemm: a context times them
+// once a shape and keeps the fastest, so that a run alone tests one of them): case sc against
+// the CPU reference with each forced by variant bits. The cases' ldz (236, 204) is no multiple
+// of 128, so the third splits it.
 static void test_dw_orders(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                            const struct seq_case *sc, int arg) {
     (void)arg;
-    const int order[2] = {DW_M4, DW_MLDZ};
-    for (int k = 0; k < 2; k++) {
-        if (rnnd_cuda_set_variant(gpu, gpu_base_variant | order[k]) != 0) {
-            fail("variant %d not accepted", gpu_base_variant | order[k]);
+    const int how[3] = {DW_M4, DW_MLDZ, DW_MSPLIT};
+    static const char *const what[3] = {"D's 4H columns as M", "z's ldz columns as M",
+                                        "z's ldz columns as M, split at 128"};
+    for (int k = 0; k < 3; k++) {
+        if (rnnd_cuda_set_variant(gpu, gpu_base_variant | how[k]) != 0) {
+            fail("variant %d not accepted", gpu_base_variant | how[k]);
             return;
         }
-        printf("  (weight gradients with %s as M)\n", k ? "z's ldz columns" : "D's 4H columns");
+        printf("  (weight gradients with %s)\n", what[k]);
         test_seq(gpu, cpu, sc);
     }
     rnnd_cuda_set_variant(gpu, gpu_base_variant);

@@ -6,29 +6,15 @@
 # 80 of it in one CUDA graph, replayed; microseconds a GEMM, median of 7.
 # Run on the GPU host from the repository root: python3 kernels/bench/probes/stepwise_dtype.py
 import torch
+from graph_time import graph_time
 torch.backends.cuda.matmul.allow_tf32 = True
 dev = 'cuda'
 rows = [('lstm', 256, 512), ('gru', 256, 512), ('lstm', 64, 1024), ('gru', 2048, 256)]
 N_IN_GRAPH = 80
 
 
-def timeit(fn, reps=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(N_IN_GRAPH):
-            fn()
-    ts = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / N_IN_GRAPH)
-    ts = sorted(ts[2:])
-    return ts[len(ts) // 2]
+def timeit(fn):
+    return graph_time(fn, N_IN_GRAPH)
 
 
 def mm_out32(a, b, out):

@@ -6,29 +6,15 @@
 # median of 7, each variant 5 times in one CUDA graph.
 # Run on the GPU host from the repository root: python3 kernels/bench/probes/stepwise_dw.py
 import torch
+from graph_time import graph_time
 torch.backends.cuda.matmul.allow_tf32 = True
 dev = 'cuda'
 rows = [('lstm', 256, 80, 512, 512), ('gru', 256, 80, 512, 512), ('lstm', 64, 80, 512, 1024)]
 N_IN_GRAPH = 5
 
 
-def timeit(fn, reps=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(N_IN_GRAPH):
-            fn()
-    ts = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / N_IN_GRAPH)
-    ts = sorted(ts[2:])
-    return ts[len(ts) // 2]
+def timeit(fn):
+    return graph_time(fn, N_IN_GRAPH)
 
 
 for cell, B, T, I, H in rows:

@@ -31,13 +31,6 @@
 #define RNND_TUNE_DW_MLDZ         524288  // the same with z's ldz columns as M
 #define RNND_TUNE_DW_MSPLIT       1048576 // the same in two products, ldz split at a multiple of 128
 
-#define RNND_TUNE_ALL                                                                              \
-    (RNND_TUNE_PHASE_CLOCKS | RNND_TUNE_STEP_NO_EARLY_X | RNND_TUNE_NO_FUSED_X |                   \
-     RNND_TUNE_NO_RECOMPUTE | RNND_TUNE_NO_CLUSTER | RNND_TUNE_NO_CLUSTER_BWD |                    \
-     RNND_TUNE_STEP_NO_PDL | RNND_TUNE_CLUSTER80 | RNND_TUNE_NO_WG | RNND_TUNE_NO_DW16 |           \
-     RNND_TUNE_NO_ZFWD | RNND_TUNE_NO_GRAPH | RNND_TUNE_NO_PAD128 | RNND_TUNE_DW_M4 |              \
-     RNND_TUNE_DW_MLDZ | RNND_TUNE_DW_MSPLIT)
-
 // The overrides, each false in production.
 struct cuda_tuning {
     bool stepwise;        // rnnd_cuda_set_path(STEPWISE): the per-step path for every model

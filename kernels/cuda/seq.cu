@@ -200,7 +200,7 @@ static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperat
 // a power of two of its own, and each step's rows (forward h, backward D_h) each times one of
 // theirs, so that each one's largest |value| lies in [2^14, 2^15). fp16 keeps TF32's 10 mantissa
 // bits, and cuBLAS multiplies it twice as fast as TF32 at issue 45's per-step rows (journal
-// seq-08 v60). The cell kernel that writes a step's rows also scales them (a block holds a row).
+// seq-09 v60). The cell kernel that writes a step's rows also scales them (a block holds a row).
 #define STEP16_TOP 15
 struct step16 {
     __half *w;      // W_hh (G H, H) times *wpow
@@ -926,7 +926,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 // The K slices of the per-step backward's D_h W_hh (M = H, N = B, K = G H): doubled while the
 // product's 64 x 128 tiles times them stay within the SMs and G H splits evenly, at most
 // SEQ_STEP_PARTS: with fp16 operands 4 slices multiply as fast as 8 at issue 45's per-step rows,
-// and the next kernel reads half the shares (journal seq-08 v60).
+// and the next kernel reads half the shares (journal seq-09 v60).
 #define SEQ_STEP_PARTS 4
 static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
     const int tiles = CEIL_DIV(H, 64) * CEIL_DIV(B, 128);

@@ -200,7 +200,7 @@ static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperat
 // a power of two of its own, and each step's rows (forward h, backward D_h) each times one of
 // theirs, so that each one's largest |value| lies in [2^14, 2^15). fp16 keeps TF32's 10 mantissa
 // bits, and cuBLAS multiplies it twice as fast as TF32 at issue 45's per-step rows (journal
-// seq-09 v60). The cell kernel that writes a step's rows also scales them (a block holds a row).
+// seq-09). The cell kernel that writes a step's rows also scales them (a block holds a row).
 #define STEP16_TOP 15
 struct step16 {
     __half *w;      // W_hh (G H, H) times *wpow
@@ -291,30 +291,23 @@ static int stepwise_row_threads(int H) {
     return H < STEP_ROW_THREADS ? ROUND_UP(H, 32) : STEP_ROW_THREADS;
 }
 
-// q.wmax = the bits of |w|'s largest (n floats; zeroed before). Non-negative floats order as
-// their bits, and a NaN's exceed infinity's, so that a NaN weight gives the power 1 and NaN
-// products. Each thread takes STEP16_SPAN elements, loaded at once: a grid-stride loop over
-// 2 x 132 blocks waited on one load after another (29 us for LSTM H = 1024's 16 MB).
+// q.wmax = the bits of |w|'s largest (n floats; zeroed before): non-negative floats order as
+// their bits, so one atomicMax a block on them. A NaN weight does not set the power; the
+// products it enters are NaN all the same. Each thread takes STEP16_SPAN elements, loaded at
+// once: a grid-stride loop over 2 x 132 blocks waited on one load after another (29 us for LSTM
+// H = 1024's 16 MB).
 #define STEP16_SPAN 8
 static __global__ void step16_absmax_kernel(const float *w, size_t n, unsigned *wmax) {
-    __shared__ unsigned red[32];
+    __shared__ float red[32];
     const size_t at = blockIdx.x * (size_t)blockDim.x * STEP16_SPAN + threadIdx.x;
-    unsigned m = 0;
+    float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < STEP16_SPAN; k++)
         if (at + (size_t)k * blockDim.x < n)
-            m = max(m, __float_as_uint(w[at + (size_t)k * blockDim.x]) & 0x7fffffffu);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if ((threadIdx.x & 31) == 0)
-        red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) { // one atomic a block
-        for (int k = 1; k < (int)blockDim.x / 32; k++)
-            m = max(m, red[k]);
-        atomicMax(wmax, m);
-    }
+            m = fmaxf(m, fabsf(w[at + (size_t)k * blockDim.x]));
+    m = persist_block_max(m, red);
+    if (threadIdx.x == 0)
+        atomicMax(wmax, __float_as_uint(m));
 }
 
 static __global__ void step16_weights_kernel(const float *w, size_t n, step16 q) {
@@ -582,13 +575,13 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
 // as cuBLAS's M (D column q with z column k at k * 4H + q); z's ldz columns as M (at q * ldz + k);
 // or the same in two products, z's first ldz rounded down to 128 columns and the rest. cuBLAS runs
 // the first two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256 I = 64,
-// journal seq-04 v20; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024 I = 512,
-// seq-09 v60), and a few columns past a multiple of its tiles can cost a second wave of them (ldz
-// = 1028 at H = 512 I = 512, seq-09 v61). So a context times each once a shape, outside any
+// journal seq-04; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024 I = 512,
+// seq-09), and a few columns past a multiple of its tiles can cost a second wave of them (ldz
+// = 1028 at H = 512 I = 512: 144 tiles of 128 x 128 for 132 SMs). So a context times each once a shape, outside any
 // recording, and keeps the fastest (*ldz_m: whether its layout is the second's): within a
 // context a shape's way, and so its results, stay the same.
 enum dw_how { DW_M4, DW_MLDZ, DW_MSPLIT, DW_HOWS };
-#define DW_TIMED 3 // runs timed of each way (one alone missed a 2.5% difference, seq-09 v61)
+#define DW_TIMED 3 // runs timed of each way: one alone kept a way 2.5% slower (journal seq-09)
 static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, int K,
                    const float *d, const float *z, float *tmp, bool *ldz_m) {
     const int m0 = ldz / 128 * 128; // DW_MSPLIT's first part
@@ -926,7 +919,7 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
 // The K slices of the per-step backward's D_h W_hh (M = H, N = B, K = G H): doubled while the
 // product's 64 x 128 tiles times them stay within the SMs and G H splits evenly, at most
 // SEQ_STEP_PARTS: with fp16 operands 4 slices multiply as fast as 8 at issue 45's per-step rows,
-// and the next kernel reads half the shares (journal seq-09 v60).
+// and the next kernel reads half the shares (journal seq-09).
 #define SEQ_STEP_PARTS 4
 static int stepwise_parts(const struct cuda_ctx *c, int B, int H, int G) {
     const int tiles = CEIL_DIV(H, 64) * CEIL_DIV(B, 128);
@@ -958,7 +951,7 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
             // D_h(t) W_hh (B, H), D's first G planes being the hidden side's gradient (or their
             // fp16 copy), in a.parts K slices, each into its share, which the next kernel adds
             // to dhp: at H = 512 with B = 256 cuBLAS split K itself and reduced the slices in a
-            // kernel of its own (journal seq-08 v59).
+            // kernel of its own, one launch more a step (journal seq-08).
             if (a.q.w)
                 RNND_TRY(gemm16(c, CUBLAS_OP_N, H, a.B, Ks, a.q.w, H, (long long)Ks * H, a.q.v, K,
                                 Ks, a.part, H, (long long)a.B * H, a.parts));

@@ -625,11 +625,11 @@ static void test_dw16(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 
 // Layer 0 at H = 128 in TF32 mode (the GRU also in bf16) on sm_90: the wgmma forward writes z's
 // dw16 chunk parts into the tape in place of the z rows, and the backward loop reads no z rows
-// (journal v27, v28, v40); so does the LSTM's mma.sync forward above layer 0 in TF32 mode from
-// 2048 rows (journal v56). The LSTM's chunks hold the same bits either way, so its forwards and
+// (journal seq-05 and seq-08); so does the LSTM's mma.sync forward above layer 0 in TF32 mode
+// from 2048 rows (journal seq-08). The LSTM's chunks hold the same bits either way, so its forwards and
 // gradients are bitwise equal to the loop that writes them itself (variant bit 32768). The GRU's
 // backward takes hprev (16-bit) from the chunks and its gates from the fp16 planes the forward
-// writes beside them instead of recomputing them (journal v29): test_dw16's checks against the CPU
+// writes beside them instead of recomputing them (journal seq-06): test_dw16's checks against the CPU
 // reference, and the same for the recomputing loop that writes its own chunks (bit 32768; the
 // path of inputs off 16-byte alignment). Then with outputs and gradients off 16-byte alignment,
 // which the backward cannot see from the forward's side: the forward stages its outputs, the

@@ -140,7 +140,9 @@ struct cuda_ctx {
     // while the context lives; the oldest gives way.
     struct dw_order {
         int M4, ldz, K;
-        int how; // seq.cu's dw_how
+        enum rnnd_compute mode; // cuBLAS's speeds differ by operand type
+        bool f16;               // on seq.cu's dw_f16 operands
+        int how;                // seq.cu's dw_how
     } dw_orders[SEQ_DW_ORDERS];
     int ndw_orders;
 };
@@ -173,14 +175,29 @@ int rnnd__cuda_record_begin(void *ctx);
 int rnnd__cuda_record_end(void *ctx, void **unit);
 
 // A bump allocator over the scratch (or a tape): measure with base NULL, then carve for real.
+// The sizes asked must not depend on the pointers returned (null while measuring): over the
+// scratch, cuda_carve_scratch and cuda_carve_fits check it.
 struct cuda_carve {
     char *base;
     size_t used;
+    size_t cap; // what the measure found (over the scratch)
 };
 static inline void *cuda_carve(struct cuda_carve *cv, size_t bytes) {
     size_t at = ROUND_UP(cv->used, (size_t)256);
     cv->used = at + bytes;
     return cv->base ? cv->base + at : nullptr;
+}
+
+// After the measure: the scratch made that large, and cv carving it from its start.
+static inline int cuda_carve_scratch(struct cuda_ctx *c, struct cuda_carve *cv) {
+    RNND_TRY(rnnd__cuda_reserve(c, cv->used));
+    *cv = (struct cuda_carve){(char *)c->d_scratch, 0, cv->used};
+    return 0;
+}
+// After carving for real: RNND_EINVAL where it took more than the measure (a size that depended
+// on a pointer), before anything is written past the scratch.
+static inline int cuda_carve_fits(const struct cuda_carve *cv) {
+    return cv->used <= cv->cap ? 0 : RNND_EINVAL;
 }
 
 // ---------------------------------------------------------------------------------------------

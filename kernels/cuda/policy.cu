@@ -347,11 +347,10 @@ int rnnd__cuda_encoder_backward(struct cuda_ctx *c, float *grad_params, float *g
         d[0] = (float *)cuda_carve(&cv, rows * sizeof(float));
         d[1] = (float *)cuda_carve(&cv, rows * sizeof(float));
         partial = (double *)cuda_carve(&cv, colsum_bytes(N, maxw));
-        if (pass == 0) {
-            RNND_TRY(rnnd__cuda_reserve(c, cv.used));
-            cv = (struct cuda_carve){(char *)c->d_scratch, 0};
-        }
+        if (pass == 0)
+            RNND_TRY(cuda_carve_scratch(c, &cv));
     }
+    RNND_TRY(cuda_carve_fits(&cv));
     size_t at = (size_t)N * (size_t)rnnd_model_encoder_acts(m);
     const float *dy = grad_out;
     for (int j = p->enc_layers - 1, cur = 0; j >= 0; j--, cur ^= 1) {

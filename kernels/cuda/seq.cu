@@ -16,8 +16,9 @@
  *      r, z, n on the input side, n on the hidden side; LSTM: i, f, g, o), and routes the state
  *      gradient at resets and at t = 0;
  *   2. [dW_ih | dW_hh | db] from one GEMM D^T z over all B*T rows (z carries x_l, hprev and a
- *      constant 1 column), scattered into the gradient array with += (deterministic: cuBLAS
- *      without atomics, then one thread per element); or, for layer 0 where the loops write D
+ *      constant 1 column; after the per-step backward, D and z in scaled fp16), scattered into
+ *      the gradient array with += (deterministic: cuBLAS without atomics, then one thread per
+ *      element); or, for layer 0 where the loops write D
  *      and z as 16-bit chunks (seq_chunks.h), seq_dw.cu's products on them;
  *   3. dx_l = D W_ih: the layer below's output gradient, or grads->x.
  */
@@ -169,15 +170,15 @@ static int gemm(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperation_t ta
     return 0;
 }
 
-// C_i = op(A_i) B_i (beta 0) for count sets sa, sb and sc elements apart: A and B fp16, C fp32,
-// accumulated in fp32.
-static int gemm16(struct cuda_ctx *c, cublasOperation_t ta, int M, int N, int K, const __half *A,
-                  int lda, long long sa, const __half *B, int ldb, long long sb, float *C, int ldc,
-                  long long sc, int count) {
-    const float one = 1.0f, zero = 0.0f;
+// C_i = op(A_i) op(B_i) + beta C_i for count sets sa, sb and sc elements apart: A and B fp16, C
+// fp32, accumulated in fp32.
+static int gemm16(struct cuda_ctx *c, cublasOperation_t ta, cublasOperation_t tb, int M, int N,
+                  int K, const __half *A, int lda, long long sa, const __half *B, int ldb,
+                  long long sb, float *C, int ldc, long long sc, int count, float beta = 0.0f) {
+    const float one = 1.0f;
     RNND_CUBLAS_TRY(cublasGemmStridedBatchedEx(
-        c->blas, ta, CUBLAS_OP_N, M, N, K, &one, A, CUDA_R_16F, lda, sa, B, CUDA_R_16F, ldb, sb,
-        &zero, C, CUDA_R_32F, ldc, sc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        c->blas, ta, tb, M, N, K, &one, A, CUDA_R_16F, lda, sa, B, CUDA_R_16F, ldb, sb, &beta, C,
+        CUDA_R_32F, ldc, sc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return 0;
 }
 
@@ -200,26 +201,32 @@ static int gemm_strided(struct cuda_ctx *c, enum rnnd_compute mode, cublasOperat
 // a power of two of its own, and each step's rows (forward h, backward D_h) each times one of
 // theirs, so that each one's largest |value| lies in [2^14, 2^15). fp16 keeps TF32's 10 mantissa
 // bits, and cuBLAS multiplies it twice as fast as TF32 at issue 45's per-step rows (journal
-// seq-09). The cell kernel that writes a step's rows also scales them (a block holds a row).
+// seq-09). The cell kernel that writes a step's rows also scales them (a block holds a row). The
+// backward keeps every step's D rows (all four planes) for the weight gradients and dL/dx too.
 #define STEP16_TOP 15
 struct step16 {
     __half *w;      // W_hh (G H, H) times *wpow
-    __half *v;      // the step's rows: h (B, H) forward, D_h (B, G H) backward, row b times pow[b]
-    float *pow;     // (B)
+    __half *v;      // rows, row r times pow[r]: the step's h (B, H) forward, D (B T, 4H) backward
+    float *pow;     // (rows)
     float *wpow;    // W_hh's power
     unsigned *wmax; // |W_hh|'s largest, as bits
 };
 
-// The per-step loops' fp16 operands where some layer runs them in TF32 or bf16 mode: W_hh's copy
-// (G H, H), B rows of n halves and their powers; all null otherwise.
+// Whether some layer runs the per-step loops in TF32 or bf16 mode, on the fp16 operands.
+static bool step16_used(const struct seq_plan &p, const struct rnnd_model *m) {
+    return !p.persistent && m->compute != RNND_COMPUTE_IEEE;
+}
+
+// The per-step loops' fp16 operands where step16_used: W_hh's copy (G H, H), rows of n halves and
+// their powers; all null otherwise.
 static step16 step16_carve(struct cuda_carve *cv, const struct seq_plan &p,
-                           const struct rnnd_model *m, int B, int n) {
+                           const struct rnnd_model *m, size_t rows, int n) {
     step16 q = {};
-    if (p.persistent || m->compute == RNND_COMPUTE_IEEE)
+    if (!step16_used(p, m))
         return q;
     q.w = (__half *)cuda_carve(cv, (size_t)rnnd_model_gates(m) * m->H * m->H * sizeof(__half));
-    q.v = (__half *)cuda_carve(cv, (size_t)B * n * sizeof(__half));
-    q.pow = (float *)cuda_carve(cv, (size_t)B * sizeof(float));
+    q.v = (__half *)cuda_carve(cv, rows * n * sizeof(__half));
+    q.pow = (float *)cuda_carve(cv, rows * sizeof(float));
     q.wpow = (float *)cuda_carve(cv, sizeof(float));
     q.wmax = (unsigned *)cuda_carve(cv, sizeof(unsigned));
     return q;
@@ -339,11 +346,11 @@ static __device__ __forceinline__ void stepwise_prefetch(const void *p, size_t b
         prefetch_l2((const char *)p + o);
 }
 
-// Row b's N H values into q.v times the row's power, q.pow[b] (every thread must have read
-// q.pow[b] before): m, the largest |value| each thread wrote. Where H <= blockDim.x each thread
-// holds its values (own[k], element k H + threadIdx.x) and writes them from registers; else the
-// row is read back from v, where the block's threads wrote it (the block maximum's barriers make
-// every thread's writes visible to all).
+// Row b's N H values into q.v times the row's power, q.pow[b] (a kernel that reads q.pow[b]
+// too must have read it in every thread before): m, the largest |value| each thread wrote. Where
+// H <= blockDim.x each thread holds its values (own[k], element k H + threadIdx.x) and writes
+// them from registers; else the row is read back from v, where the block's threads wrote it (the
+// block maximum's barriers make every thread's writes visible to all).
 template <int N>
 static __device__ void step16_put_row(const step16 &q, size_t b, const float *v, int H,
                                       const float (&own)[N], float m, float *red) {
@@ -444,7 +451,7 @@ struct stepwise_bwd_args {
     const float *gy;
     int ldgy;
     const float *gh_n, *gc_n;
-    float *d;
+    float *d;         // D in fp32 (B T, 4H): null where only its fp16 copy (q) is read
     float *dhp, *dcp; // (B, H) gradient of the state entering step t (before routing): the
                       // cell's direct part, to which dhp's D_h W_hh adds as parts shares
     float *part;      // (parts, B, H) of the product's K slices
@@ -453,10 +460,10 @@ struct stepwise_bwd_args {
     step16 q; // as stepwise_args
 };
 
-// 1 / the powers of the shares of row b (D_h's row and W_hh's) where the GEMM took fp16.
-static __device__ __forceinline__ void stepwise_share_inv(const stepwise_bwd_args &a, size_t b,
+// 1 / the powers of the shares of row r = b T + t (D_h's row and W_hh's) where the GEMM took fp16.
+static __device__ __forceinline__ void stepwise_share_inv(const stepwise_bwd_args &a, size_t r,
                                                           float &ir, float &iw) {
-    ir = a.q.w ? pow2_inv(a.q.pow[b]) : 1.0f;
+    ir = a.q.w ? pow2_inv(a.q.pow[r]) : 1.0f;
     iw = a.q.w ? pow2_inv(*a.q.wpow) : 1.0f;
 }
 
@@ -492,7 +499,8 @@ static __device__ __forceinline__ void stepwise_route(const stepwise_bwd_args &a
 
 // Step t's cell backward of row b (the block's), after routing step t + 1's state gradient
 // (t < T - 1: one kernel a step instead of two; step T - 1 starts from h_n's and c_n's
-// gradients). With fp16 GEMMs it writes D_h's row for the next one too.
+// gradients). With fp16 GEMMs it writes D's row in fp16 for the next one and the weight
+// gradients (the max over all four planes, the GRU's input-side n too).
 template <class Cell, bool HALF>
 static __global__ void __launch_bounds__(STEP_ROW_THREADS)
     stepwise_cell_backward_kernel(const stepwise_bwd_args a, int t) {
@@ -501,8 +509,9 @@ static __global__ void __launch_bounds__(STEP_ROW_THREADS)
     pdl_wait();
     const int H = a.H, T = a.T;
     const size_t b = blockIdx.x, r = b * T + t;
-    float ir, iw, m = 0.0f, own[G] = {};
-    stepwise_share_inv(a, b, ir, iw);
+    float ir = 1.0f, iw = 1.0f, m = 0.0f, own[4] = {};
+    if (t + 1 < T)
+        stepwise_share_inv(a, r + 1, ir, iw);
     if (t > 0) { // step t - 1's tape, hprev and output gradient
         using TR = tape_rec<Cell, HALF>;
         if (!(HALF && a.sblk))
@@ -524,15 +533,15 @@ static __global__ void __launch_bounds__(STEP_ROW_THREADS)
         float hprev = a.z[r * a.ldz + u];
         Cell::template backward<false>(s, hprev, a.gy[r * a.ldgy + u] + dh_in, dc_in, d, tile, ddir,
                                        dcp);
-        for (int p = 0; p < 4; p++)
+        for (int p = 0; a.d && p < 4; p++)
             a.d[r * (4 * H) + p * H + u] = d[p];
-        for (int p = 0; p < G; p++)
+        for (int p = 0; p < 4; p++)
             m = fmaxf(m, fabsf(d[p])), own[p] = d[p];
         a.dhp[b * H + u] = ddir;
         a.dcp[b * H + u] = dcp;
     }
-    if (a.q.w) // D_h: the first G planes of the row
-        step16_put_row(a.q, b, a.d + r * (4 * H), H, own, m, red);
+    if (a.q.w) // read back from a.d where H > blockDim.x (stepwise_backward keeps it there)
+        step16_put_row(a.q, r, a.d + r * (4 * H), H, own, m, red);
 }
 
 // Step 0's routing, after the last GEMM: a thread an element.
@@ -543,32 +552,93 @@ static __global__ void stepwise_route0_kernel(const stepwise_bwd_args a) {
         return;
     const size_t b = idx / a.H;
     float ir, iw, dh, dc;
-    stepwise_share_inv(a, b, ir, iw);
+    stepwise_share_inv(a, b * a.T, ir, iw);
     stepwise_route(a, b, idx % a.H, 0, ir, iw, dh, dc);
 }
 
 // grads of layer l += the GEMM result tmp (D row q, z column k at q * sq + k * sk: dw_gemm's
-// order): the x_l part to W_ih, the hprev part to W_hh, the constant column to the biases. D row
-// of gate q: the same for the hidden side; for the GRU's input side n is the fourth plane (da_n;
-// the third is da_n r).
+// order), times zinv[k] where the product took z16 (dw16_operands): the x_l part to W_ih, the
+// hprev part to W_hh, the constant column to the biases. D row of gate q: the same for the hidden
+// side; for the GRU's input side n is the fourth plane (da_n; the third is da_n r).
 static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_ih, float *gb_hh,
-                                         const float *tmp, size_t sq, size_t sk, int G, int H,
-                                         int Il, int xoff, bool gru) {
+                                         const float *tmp, const float *zinv, size_t sq, size_t sk,
+                                         int G, int H, int Il, int xoff, bool gru) {
     int cols = Il + H + 1;
     size_t n = (size_t)G * H * cols;
+    auto at = [&](int q, int k) { return tmp[k * sk + q * sq] * (zinv ? zinv[k] : 1.0f); };
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int row = (int)(idx / cols), col = (int)(idx % cols);
         int hh = row, ih = gru && row >= 2 * H ? row + H : row;
         if (col < Il)
-            gw_ih[(size_t)row * Il + col] += tmp[(xoff + col) * sk + ih * sq];
+            gw_ih[(size_t)row * Il + col] += at(ih, xoff + col);
         else if (col < Il + H)
-            gw_hh[(size_t)row * H + col - Il] += tmp[(col - Il) * sk + hh * sq];
+            gw_hh[(size_t)row * H + col - Il] += at(hh, col - Il);
         else {
-            gb_ih[row] += tmp[H * sk + ih * sq];
-            gb_hh[row] += tmp[H * sk + hh * sq];
+            gb_ih[row] += at(ih, H);
+            gb_hh[row] += at(hh, H);
         }
     }
+}
+
+// The weight gradients' product on fp16 operands after the per-step backward (TF32 and bf16
+// modes), at the per-step GEMMs' speed-up: D's rows as that backward wrote them (q.v, row r times
+// its power P_r), and z16 = z's rows over P_r, each column k times a power F_k of its own that
+// puts its largest |value| in [2^14, 2^15). The rows' powers cancel in the product, and column k
+// of z16^T D16 is that of z^T D times F_k (zinv[k] = 1 / F_k). So a vanishing D row and an x
+// column of its own magnitude each keep their 10 bits, as in TF32; what fp16 loses is a value
+// 2^-24 or more below its row's largest (D) or its column's (z), whose terms are that much
+// below the sum's largest.
+#define DW16_ROWS 32 // z rows a block of the two kernels below
+static __global__ void dw16_zmax_kernel(const float *z, int ldz, size_t K, const float *pow,
+                                        unsigned *zmax) {
+    const size_t r0 = blockIdx.x * (size_t)DW16_ROWS, r1 = r0 + DW16_ROWS < K ? r0 + DW16_ROWS : K;
+    for (int k = threadIdx.x; k < ldz; k += blockDim.x) {
+        float m = 0.0f;
+        for (size_t r = r0; r < r1; r++)
+            m = fmaxf(m, fabsf(z[r * ldz + k] * pow2_inv(pow[r])));
+        if (m > 0.0f) // non-negative floats order as their bits
+            atomicMax(zmax + k, __float_as_uint(m));
+    }
+}
+static __global__ void dw16_z_kernel(const float *z, int ldz, size_t K, const float *pow,
+                                     const unsigned *zmax, __half *z16, int ldz16, float *zinv) {
+    const size_t r0 = blockIdx.x * (size_t)DW16_ROWS, r1 = r0 + DW16_ROWS < K ? r0 + DW16_ROWS : K;
+    for (int k = threadIdx.x; k < ldz; k += blockDim.x) {
+        const float f = persist_pow2_for(__uint_as_float(zmax[k]), STEP16_TOP);
+        if (blockIdx.x == 0)
+            zinv[k] = pow2_inv(f);
+        for (size_t r = r0; r < r1; r++) // as dw16_zmax_kernel's, then F_k: at most 2^15
+            z16[r * ldz16 + k] = __float2half_rn(z[r * ldz + k] * pow2_inv(pow[r]) * f);
+    }
+}
+
+// The fp16 operands of dw_gemm: D's rows (4H halves each) and z16 (ldz16 halves a row).
+struct dw_f16 {
+    const __half *d, *z;
+    int ldz16;
+};
+
+// z16 and zinv for z (K rows of ldz floats) and D's row powers (dw16_z_kernel), zmax scratch.
+static int dw16_operands(struct cuda_ctx *c, const float *z, int ldz, size_t K, const float *pow,
+                         unsigned *zmax, __half *z16, int ldz16, float *zinv) {
+    const unsigned grid = (unsigned)CEIL_DIV(K, (size_t)DW16_ROWS);
+    RNND_CUDA_TRY(cudaMemsetAsync(zmax, 0, (size_t)ldz * sizeof(unsigned), c->stream));
+    dw16_zmax_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(z, ldz, K, pow, zmax);
+    CUDA_LAUNCH_CHECK();
+    dw16_z_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(z, ldz, K, pow, zmax, z16, ldz16, zinv);
+    CUDA_LAUNCH_CHECK();
+    return 0;
+}
+
+// dL/dx from D's fp16 rows: dx (K rows of n floats) came from D16 W16_ih, row r times its power
+// P_r and the weights' copy times *wpow; divided by both here.
+static __global__ void dx16_scale_kernel(float *dx, int n, size_t K, const float *pow,
+                                         const float *wpow) {
+    const float iw = pow2_inv(*wpow);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < K * n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dx[i] *= pow2_inv(pow[i / n]) * iw;
 }
 
 // tmp = z^T D over K rows (D: 4H columns, z: ldz), in one of three ways (dw_how): D's 4H columns
@@ -577,24 +647,30 @@ static __global__ void dw_scatter_kernel(float *gw_ih, float *gw_hh, float *gb_i
 // the first two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256 I = 64,
 // journal seq-04; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024 I = 512,
 // seq-09), and a few columns past a multiple of its tiles can cost a second wave of them (ldz
-// = 1028 at H = 512 I = 512: 144 tiles of 128 x 128 for 132 SMs). So a context times each once a shape, outside any
-// recording, and keeps the fastest (*ldz_m: whether its layout is the second's): within a
-// context a shape's way, and so its results, stay the same.
+// = 1028 at H = 512 I = 512: 144 tiles of 128 x 128 for 132 SMs). So a context times each once a
+// shape, compute mode and operand type (h: the fp16 operands), outside any recording, and keeps
+// the fastest (*ldz_m: whether its layout is the second's): within a context a shape's way, and
+// so its results, stay the same.
 enum dw_how { DW_M4, DW_MLDZ, DW_MSPLIT, DW_HOWS };
 #define DW_TIMED 3 // runs timed of each way: one alone kept a way 2.5% slower (journal seq-09)
 static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, int K,
-                   const float *d, const float *z, float *tmp, bool *ldz_m) {
+                   const float *d, const float *z, const dw_f16 *h, float *tmp, bool *ldz_m) {
     const int m0 = ldz / 128 * 128; // DW_MSPLIT's first part
+    const cublasOperation_t N = CUBLAS_OP_N, T = CUBLAS_OP_T;
+    auto part = [&](int m, int n, int k0, bool zm) -> int { // z's columns [k0, k0 + m or n)
+        if (h)
+            return zm ? gemm16(c, N, T, m, n, K, h->z + k0, h->ldz16, 0, h->d, M4, 0, tmp + k0, ldz,
+                               0, 1)
+                      : gemm16(c, N, T, m, n, K, h->d, M4, 0, h->z, h->ldz16, 0, tmp, M4, 0, 1);
+        return zm ? gemm(c, mode, N, T, m, n, K, z + k0, ldz, d, M4, 0.0f, tmp + k0, ldz)
+                  : gemm(c, mode, N, T, m, n, K, d, M4, z, ldz, 0.0f, tmp, M4);
+    };
     auto run = [&](int how) -> int {
         if (how == DW_M4)
-            return gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, M4, ldz, K, d, M4, z, ldz, 0.0f, tmp,
-                        M4);
+            return part(M4, ldz, 0, false);
         const int m = how == DW_MSPLIT ? m0 : ldz;
-        RNND_TRY(gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, m, M4, K, z, ldz, d, M4, 0.0f, tmp, ldz));
-        if (m < ldz)
-            RNND_TRY(gemm(c, mode, CUBLAS_OP_N, CUBLAS_OP_T, ldz - m, M4, K, z + m, ldz, d, M4,
-                          0.0f, tmp + m, ldz));
-        return 0;
+        RNND_TRY(part(m, M4, 0, true));
+        return m < ldz ? part(ldz - m, M4, m, true) : 0;
     };
     const int forced = c->tune.dw_m4       ? DW_M4
                        : c->tune.dw_mldz   ? DW_MLDZ
@@ -606,7 +682,7 @@ static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, 
     }
     for (int i = 0; i < c->ndw_orders && i < SEQ_DW_ORDERS; i++) {
         const struct cuda_ctx::dw_order &o = c->dw_orders[i];
-        if (o.M4 == M4 && o.ldz == ldz && o.K == K) {
+        if (o.M4 == M4 && o.ldz == ldz && o.K == K && o.mode == mode && o.f16 == (h != nullptr)) {
             *ldz_m = o.how != DW_M4;
             return run(o.how);
         }
@@ -644,7 +720,7 @@ static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, 
             cudaEventDestroy(ev[k]);
     RNND_TRY(rc);
     struct cuda_ctx::dw_order &o = c->dw_orders[c->ndw_orders++ % SEQ_DW_ORDERS];
-    o.M4 = M4, o.ldz = ldz, o.K = K, o.how = best;
+    o.M4 = M4, o.ldz = ldz, o.K = K, o.mode = mode, o.f16 = h != nullptr, o.how = best;
     *ldz_m = best != DW_M4;
     return run(best);
 }
@@ -743,8 +819,8 @@ static int stepwise_forward(struct cuda_ctx *c, const struct rnnd_model *m, cons
             // hg (B, G*H) = hprev(t) W_hh^T: from the fp16 copies, or hprev rows T*ldz floats
             // apart in z.
             if (a.q.w)
-                RNND_TRY(gemm16(c, CUBLAS_OP_T, GH, a.B, a.H, a.q.w, a.H, 0, a.q.v, a.H, 0, hg, GH,
-                                0, 1));
+                RNND_TRY(gemm16(c, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, a.q.w, a.H, 0, a.q.v,
+                                a.H, 0, hg, GH, 0, 1));
             else
                 RNND_TRY(gemm(c, m->compute, CUBLAS_OP_T, CUBLAS_OP_N, GH, a.B, a.H, lp.w_hh, a.H,
                               a.z + (size_t)t * a.ldz, a.T * a.ldz, 0.0f, hg, GH));
@@ -807,11 +883,10 @@ int rnnd__cuda_rnn_forward(struct cuda_ctx *c, float *out, float *h_n, float *c_
         ys = (float *)cuda_carve(&cv, p.stage ? BT * H * sizeof(float) : 0);
         hs = (float *)cuda_carve(&cv, p.stage && h_n ? blh : 0);
         cs = (float *)cuda_carve(&cv, p.stage && c_n ? blh : 0);
-        if (pass == 0) {
-            RNND_TRY(rnnd__cuda_reserve(c, cv.used));
-            cv = (struct cuda_carve){(char *)c->d_scratch, 0};
-        }
+        if (pass == 0)
+            RNND_TRY(cuda_carve_scratch(c, &cv));
     }
+    RNND_TRY(cuda_carve_fits(&cv));
     float *tp = tape ? (float *)tape : own;
     float *const out_to = out, *const h_n_to = h_n, *const c_n_to = c_n;
     if (p.stage)
@@ -953,8 +1028,9 @@ static int stepwise_backward(struct cuda_ctx *c, const struct rnnd_model *m,
             // to dhp: at H = 512 with B = 256 cuBLAS split K itself and reduced the slices in a
             // kernel of its own, one launch more a step (journal seq-08).
             if (a.q.w)
-                RNND_TRY(gemm16(c, CUBLAS_OP_N, H, a.B, Ks, a.q.w, H, (long long)Ks * H, a.q.v, K,
-                                Ks, a.part, H, (long long)a.B * H, a.parts));
+                RNND_TRY(gemm16(c, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, Ks, a.q.w, H,
+                                (long long)Ks * H, a.q.v + (size_t)t * 4 * H, ldd, Ks, a.part, H,
+                                (long long)a.B * H, a.parts));
             else
                 RNND_TRY(gemm_strided(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, H, a.B, Ks, w_hh, H,
                                       (long long)Ks * H, a.d + (size_t)t * 4 * H, ldd, Ks, a.part,
@@ -1037,8 +1113,11 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
     const int cz_ks = seq_dw256_ks(c), cz_pitch = cz ? seq_dw256_pitch(c, B, T) : 0;
     const size_t blh = (size_t)B * L * H * sizeof(float);
     struct rnnd_seq_grads gs = *grads;
-    float *d, *gyb, *tmp, *dhp, *dcp, *step_part, *dw_part, *cz_part, *sgo, *shn, *scn;
-    step16 q16;
+    float *d, *gyb, *tmp, *dhp, *dcp, *step_part, *dw_part, *cz_part, *sgo, *shn, *scn, *zinv;
+    step16 q16, qx; // qx: dL/dx's operands (W_ih's copy; D's rows as q16's)
+    __half *z16;
+    unsigned *zmax;
+    const int ldz16 = ROUND_UP(max_ldz, 8); // 16-byte rows for cuBLAS
     const int step_parts = stepwise_parts(c, B, H, rnnd_model_gates(m));
     int16_t *dw_rec, *cz_rec;
     char *cz_d;
@@ -1071,12 +1150,20 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         dhp = (float *)cuda_carve(&cv, bh);
         dcp = (float *)cuda_carve(&cv, bh);
         step_part = (float *)cuda_carve(&cv, step_parts * bh);
-        q16 = step16_carve(&cv, p, m, B, rnnd_model_gates(m) * H);
-        if (pass == 0) {
-            RNND_TRY(rnnd__cuda_reserve(c, cv.used));
-            cv = (struct cuda_carve){(char *)c->d_scratch, 0};
-        }
+        q16 = step16_carve(&cv, p, m, BT, 4 * H);
+        qx = q16;
+        const size_t wi = step16_used(p, m) ? (size_t)GH * (m->I > H ? m->I : H) : 0;
+        qx.w = (__half *)cuda_carve(&cv, wi * sizeof(__half));
+        qx.wpow = (float *)cuda_carve(&cv, wi ? sizeof(float) : 0);
+        qx.wmax = (unsigned *)cuda_carve(&cv, wi ? sizeof(unsigned) : 0);
+        const size_t zn = step16_used(p, m) ? (size_t)max_ldz : 0; // dw16_operands'
+        z16 = (__half *)cuda_carve(&cv, zn ? BT * ldz16 * sizeof(__half) : 0);
+        zmax = (unsigned *)cuda_carve(&cv, zn * sizeof(unsigned));
+        zinv = (float *)cuda_carve(&cv, zn * sizeof(float));
+        if (pass == 0)
+            RNND_TRY(cuda_carve_scratch(c, &cv));
     }
+    RNND_TRY(cuda_carve_fits(&cv));
     if (gstage) {
         const float **in[3] = {&grad_out, &grad_h_n, &grad_c_n};
         float *to[3] = {sgo, shn, scn};
@@ -1171,7 +1258,10 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
             sw.stored = a.stored, sw.is_init = a.is_init;
             sw.z = z, sw.ldz = ly->ldz, sw.s = s, sw.sblk = p.tape_blocked;
             sw.gy = gy, sw.ldgy = H;
-            sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = d;
+            // D in fp32 for the fp32 products (ieee mode), or where the fp16 rows are written
+            // from it (step16_put_row).
+            const bool dfp32 = !q16.w || stepwise_row_threads(H) < H;
+            sw.gh_n = grad_h_n, sw.gc_n = grad_c_n, sw.d = dfp32 ? d : nullptr;
             sw.dhp = dhp, sw.dcp = dcp, sw.part = step_part, sw.parts = step_parts;
             sw.g_h0 = gs.h0, sw.g_c0 = gs.c0;
             sw.g_hidden = gs.hidden, sw.g_cell = gs.cell;
@@ -1180,9 +1270,9 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         }
 
         // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step, added into
-        // the gradients. With D's 4H columns as cuBLAS's M, fwd+bwd is 0.6 ms faster at H = 256
-        // (0.02-0.03 ms at H = 128) than with z's ldz columns as M (docs/kernels.md). Where the loop
-        // wrote dw16 chunks, our product on them, which adds its sums in place (docs/kernels.md).
+        // the gradients, by cuBLAS in whichever order dw_gemm timed faster, after the per-step
+        // backward on fp16 operands (dw16_operands). Where the loop wrote dw16 chunks, our
+        // product on them, which adds its sums in place (docs/kernels.md).
         struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);
         float *gw_ih = (float *)gp.w_ih, *gw_hh = (float *)gp.w_hh;
         float *gb_ih = (float *)gp.b_ih, *gb_hh = (float *)gp.b_hh;
@@ -1209,13 +1299,19 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 #endif
         } else {
             bool ldz_m;
-            RNND_TRY(dw_gemm(c, m->compute, 4 * H, ly->ldz, (int)BT, d, z, tmp, &ldz_m));
+            const bool f16 = y.bwd == SEQ_BWD_STEPWISE && q16.w;
+            const dw_f16 h16 = {q16.v, z16, ldz16};
+            if (f16)
+                RNND_TRY(dw16_operands(c, z, ly->ldz, BT, q16.pow, zmax, z16, ldz16, zinv));
+            RNND_TRY(dw_gemm(c, m->compute, 4 * H, ly->ldz, (int)BT, d, z, f16 ? &h16 : nullptr,
+                             tmp, &ldz_m));
             size_t n = (size_t)GH * (ly->Il + H + 1);
             int grid = (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
                                                                    : 4096);
             const size_t sq = ldz_m ? ly->ldz : 1, sk = ldz_m ? 1 : 4 * (size_t)H;
-            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(
-                gw_ih, gw_hh, gb_ih, gb_hh, tmp, sq, sk, G, H, ly->Il, ly->xoff, !lstm);
+            dw_scatter_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(gw_ih, gw_hh, gb_ih, gb_hh, tmp,
+                                                                 f16 ? zinv : nullptr, sq, sk, G, H,
+                                                                 ly->Il, ly->xoff, !lstm);
             CUDA_LAUNCH_CHECK();
         }
 
@@ -1239,6 +1335,20 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
 #else
             return RNND_EINVAL; // never planned: the build has no sm_90a kernels
 #endif
+        } else if (dx && y.bwd == SEQ_BWD_STEPWISE && q16.w) { // from D's fp16 rows
+            const int Il = ly->Il, gi = lstm ? GH : 2 * H;     // the planes the GRU's n leaves out
+            const cublasOperation_t N = CUBLAS_OP_N;
+            RNND_TRY(step16_weights(c, lp.w_ih, (size_t)GH * Il, qx));
+            RNND_TRY(gemm16(c, N, N, Il, (int)BT, gi, qx.w, Il, 0, q16.v, 4 * H, 0, dx, Il, 0, 1));
+            if (!lstm)
+                RNND_TRY(gemm16(c, N, N, Il, (int)BT, H, qx.w + (size_t)2 * H * Il, Il, 0,
+                                q16.v + 3 * H, 4 * H, 0, dx, Il, 0, 1, 1.0f));
+            const size_t n = BT * Il;
+            const int grid =
+                (int)(CEIL_DIV(n, (size_t)SEQ_BLOCK) < 4096 ? CEIL_DIV(n, (size_t)SEQ_BLOCK)
+                                                            : 4096);
+            dx16_scale_kernel<<<grid, SEQ_BLOCK, 0, c->stream>>>(dx, Il, BT, q16.pow, qx.wpow);
+            CUDA_LAUNCH_CHECK();
         } else if (dx && lstm) {
             RNND_TRY(gemm(c, m->compute, CUBLAS_OP_N, CUBLAS_OP_N, ly->Il, (int)BT, GH, lp.w_ih,
                           ly->Il, d, 4 * H, 0.0f, dx, ly->Il));

@@ -690,6 +690,9 @@ static void test_zfwd(struct rnnd_backend *gpu, struct rnnd_backend *cpu, const 
 //      A loop that scales its dh tile by the step after's row maxima (v30a, journal v30, not kept)
 //      fails it without a fall-back: row 3's early dL/dx, compared on its own, 4.8e-3 off (below
 //      fp16), and non-finite gradients from row 17 (over it).
+//   6: x's column 2 times 2^-40 in every row, dW_ih's column 2 compared on its own: 2^-40 of
+//      the other columns' sums, below fp16 where the product's z has no column powers
+//      (dw16_operands; the per-step path's only).
 static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                              const struct seq_case *c, int kind) {
     const struct seq_case sc = *c;
@@ -697,7 +700,8 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     const struct seq_sizes z = seq_sizes_of(&sc);
     static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
                                        "two rows x2^20",       "two rows x2^-30",
-                                       "zero x rows x2^14",    "a drop, a spike"};
+                                       "zero x rows x2^14",    "a drop, a spike",
+                                       "x column x2^-40"};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 H%d %s", cell == RNND_CELL_LSTM ? "lstm" : "gru", sc.H,
              what[kind]);
@@ -726,6 +730,8 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     if (kind == 4)
         for (int k = 0; k < 2; k++)
             memset(h.x + rows[k] * sc.T * sc.I, 0, (size_t)sc.T * sc.I * sizeof(float));
+    for (size_t r = 0; kind == 6 && r < (size_t)sc.B * sc.T; r++)
+        h.x[r * sc.I + 2] *= 0x1p-40f;
     if (kind == 5) {
         h.is_init[rows[0] * sc.T + 10] = 1;
         for (size_t i = 0; i < 10 * (size_t)sc.H; i++)
@@ -752,6 +758,19 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
             struct rnnd_param_tensor pt;
             rnnd_model_param_tensor(&m, RNND_PARAM_WEIGHT_IH, &pt);
             compare("grad W_ih", tag, og.gp + pt.offset, oc.gp + pt.offset, NULL, pt.count, tol);
+        }
+        if (kind == 6) { // dW_ih's column 2
+            const struct rnnd_model m = {
+                .cell = sc.cell, .compute = sc.compute, .I = sc.I, .H = sc.H, .L = sc.L};
+            struct rnnd_param_tensor pt;
+            rnnd_model_param_tensor(&m, RNND_PARAM_WEIGHT_IH, &pt);
+            const size_t n = pt.count / sc.I;
+            float *a = malloc(2 * n * sizeof(float));
+            for (size_t i = 0; a && i < n; i++)
+                a[i] = og.gp[pt.offset + i * sc.I + 2], a[n + i] = oc.gp[pt.offset + i * sc.I + 2];
+            if (a)
+                compare("grad W_ih, column 2", tag, a, a + n, NULL, n, tol);
+            free(a);
         }
     }
     seq_out_free(&og);
@@ -1086,6 +1105,12 @@ static const struct seq_case seq_cases[] = {
     // The per-step backward's dh product in one K slice (its tiles alone fill the SMs) and in two.
     {GRU, F32, 64, 512, 1, 1200, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 512, 1, 600, 3, 0.1, HID, AUTO, 0},
+    // The per-step backward without dL/dx: D in fp16 alone (the weight gradients' product reads
+    // it) in one layer, and in layer 0 of two (layer 1 keeps fp32 D for layer 0's gradient);
+    // inputs off 16 bytes.
+    {LSTM, F32, 64, 160, 1, 40, 12, 0.1, HID, AUTO, SEQ_NO_GX},
+    {GRU, BF16, 48, 160, 2, 33, 9, 0.1, H0, AUTO, SEQ_NO_GX},
+    {GRU, F32, 37, 160, 1, 21, 8, 0.1, NONE, AUTO, SEQ_NO_GX | SEQ_MISALIGN},
     // The wgmma GRU forward (sm_90) below its full width: H < 128, I_l < 64 (padding in both
     // operands), a second layer it does not take (I_l = H > 64).
     {GRU, F32, 20, 100, 2, 45, 13, 0.1, HID, AUTO, 0},
@@ -1213,6 +1238,8 @@ static const struct edge_test edge_tests[] = {
     {test_dw16_scales, STEP_SCALES(GRU), 2, false},
     {test_dw16_scales, STEP_SCALES(LSTM), 3, false},
     {test_dw16_scales, STEP_SCALES(LSTM), 5, false},
+    {test_dw16_scales, STEP_SCALES(GRU), 6, false},
+    {test_dw16_scales, STEP_SCALES(LSTM), 6, false},
     {test_weight_outliers, {LSTM, F32, 64, 160, 1, 33, 12, 0.1, H0, AUTO, 0}, 0, false},
     {test_dw_orders, {LSTM, F32, 72, 160, 2, 21, 9, 0.1, HID, AUTO, 0}, 0, true},
     {test_dw_orders, {GRU, BF16, 40, 160, 1, 17, 6, 0.1, H0, AUTO, SEQ_MISALIGN}, 0, false},

@@ -698,10 +698,9 @@ static void test_dw16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     const struct seq_case sc = *c;
     const enum rnnd_cell cell = sc.cell;
     const struct seq_sizes z = seq_sizes_of(&sc);
-    static const char *const what[] = {"x columns x16, x1e-5", "gradients x1e-30",
-                                       "two rows x2^20",       "two rows x2^-30",
-                                       "zero x rows x2^14",    "a drop, a spike",
-                                       "x column x2^-40"};
+    static const char *const what[] = {
+        "x columns x16, x1e-5", "gradients x1e-30", "two rows x2^20", "two rows x2^-30",
+        "zero x rows x2^14",    "a drop, a spike",  "x column x2^-40"};
     char tag[64];
     snprintf(tag, sizeof(tag), "%s fp32 H%d %s", cell == RNND_CELL_LSTM ? "lstm" : "gru", sc.H,
              what[kind]);

@@ -64,6 +64,7 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_norm);
     cudaFree(c->d_dbg);
     cudaFree(c->d_first);
+    cudaFree(c->d_step_bar);
     if (c->ipc_ev)
         cudaEventDestroy(c->ipc_ev);
     if (c->h_norm)
@@ -628,6 +629,8 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     RNND_CUDA_TRY(cudaMallocHost(&c->h_norm, 2 * sizeof(float)));
     RNND_CUDA_TRY(cudaMalloc(&c->d_first, sizeof(*c->d_first)));
     RNND_CUDA_TRY(cudaMallocHost(&c->h_first, sizeof(*c->h_first)));
+    RNND_CUDA_TRY(cudaMalloc(&c->d_step_bar, 2 * sizeof(unsigned)));
+    RNND_CUDA_TRY(cudaMemset(c->d_step_bar, 0, 2 * sizeof(unsigned)));
     // Where the driver cannot share an event, CUDA regions get no early replies.
     if (cudaEventCreateWithFlags(&c->ipc_ev, cudaEventInterprocess | cudaEventDisableTiming) !=
             cudaSuccess ||

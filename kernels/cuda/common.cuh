@@ -104,6 +104,7 @@ struct cuda_ctx {
     float *d_norm;      // optimizer: the gradient norm, then the clip coefficient
     float *h_norm;      // pinned host copy of the norm
     unsigned long long *d_first, *h_first; // nonfinite: the first index found, pinned copy
+    unsigned *d_step_bar; // step.cu's grid barrier: arrivals, generation (zeroed once)
     // The event a CUDA region's client waits for after an early reply (ipc_event), or NULL
     // where the driver cannot share one.
     cudaEvent_t ipc_ev;

@@ -660,9 +660,10 @@ static __device__ __forceinline__ float4 row_load4(const float *xp, const float 
     return v;
 }
 
-template <class Cell, bool BF16, bool FAST>
-static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
-    step_row_kernel(const step_kargs a) {
+// One layer of the row; wait(load) runs load (the first pass's weights, the biases) and the
+// programmatic wait in the order the launch allows.
+template <class Cell, bool BF16, bool FAST, class Wait>
+static __device__ __forceinline__ void step_row(const step_kargs &a, Wait wait) {
     constexpr int G = Cell::G, U = RNND_STEP_ROW_UNITS, NCH = RNND_STEP_ROW_CHUNKS;
     constexpr int NP = 4; // accumulator planes: r, z, n_x, n_h (GRU) or i, f, g, o (LSTM)
     constexpr bool GRU = G == 3;
@@ -687,7 +688,7 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
                 wv[j][q] = row_load4(wx[q], wh[q], Il, K, k0 + 128 * j, vec);
     };
     float bx[G], bh[G];
-    step_wait(a, [&] {
+    wait([&] {
         load_pass(4 * lane);
         unit_biases(a, uc, bx, bh);
     });
@@ -755,6 +756,70 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
         a.state_h[at] = hn;
         if (!GRU)
             a.state_c[at] = cn;
+    }
+}
+
+template <class Cell, bool BF16, bool FAST>
+static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
+    step_row_kernel(const step_kargs a) {
+    step_row<Cell, BF16, FAST>(a, [&](auto load) { step_wait(a, load); });
+}
+
+// Every layer of the row in one launch (L > 1) where the step is launched, not recorded: a launch
+// costs the host more than a layer takes the device (two layers of I = 64, H = 128 back to back:
+// 5.1-5.7 us against 6.9-10.5 a launch a layer). In a recording (the daemon replays its small
+// batches) the launches cost nothing and a layer apart loads its weights while the layer below
+// runs (PDL), which the barrier's layers cannot: 3.1 and 2.7 us on the device against 4.9 and 5.5
+// (journal, "single step").
+// Layer l + 1 reads all of layer l's new state, so the blocks meet between layers at a grid
+// barrier (bar: the arrivals, then the generation, which the last block to arrive bumps after
+// zeroing the count). The barrier needs every block resident at once: the grid is at most
+// RNND_STEP_ROW_RESIDENT blocks an SM (the launch bounds promise them room), and the kernel lets
+// the next one on the stream start its blocks only in the last layer, after the last barrier, so
+// none of them can take a place a block of this grid still waits for.
+#define RNND_STEP_ROW_RESIDENT 8
+#define RNND_STEP_ROW_LAYERS   4
+struct step_row_layers {
+    step_kargs a[RNND_STEP_ROW_LAYERS];
+    unsigned *bar;
+};
+
+static __device__ void grid_barrier(unsigned *bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned *gen = bar + 1;
+        const unsigned g = *gen; // before this block's arrival, so the generation it waits out
+        __threadfence();         // this block's state stores before its arrival
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            bar[0] = 0;
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (*gen == g) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+template <class Cell, bool BF16, bool FAST>
+static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS, RNND_STEP_ROW_RESIDENT)
+    step_row_layers_kernel(const step_row_layers s) {
+    const int L = s.a[0].L;
+    for (int l = 0; l < L; l++) {
+        step_row<Cell, BF16, FAST>(s.a[l], [&](auto load) {
+            if (l == 0) {
+                step_wait_only(s.a[0], load);
+            } else { // the weights are the step's constants: in flight across the barrier
+                load();
+                grid_barrier(s.bar);
+            }
+#if __CUDA_ARCH__ >= 900
+            if (l == L - 1)
+                asm volatile("griddepcontrol.launch_dependents;");
+#endif
+        });
     }
 }
 
@@ -855,12 +920,24 @@ static int step_mv_launch(struct cuda_ctx *c, const struct rnnd_step *st, const 
     return 0;
 }
 
-// The one-row kernel reads everything through __ldcg: launched with PDL at any width.
+// The one-row kernel reads everything through __ldcg: launched with PDL at any width. Its layers
+// in one launch where they fit one (step_row_layers_kernel).
 template <class Cell, class Mode>
 static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const float *params,
                            const struct rnnd_model *m) {
     constexpr bool BF16 = std::is_same<Mode, step_bf16>::value;
     const dim3 grid(CEIL_DIV(m->H, RNND_STEP_ROW_UNITS)), block(32 * RNND_STEP_ROW_UNITS);
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    RNND_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs));
+    if (m->L > 1 && m->L <= RNND_STEP_ROW_LAYERS && cs == cudaStreamCaptureStatusNone &&
+        (int)grid.x <= RNND_STEP_ROW_RESIDENT * c->dev.num_sms && !c->tune.step_layers_apart) {
+        step_row_layers s = {};
+        for (int l = 0; l < m->L; l++)
+            s.a[l] = step_args(c, st, params, m, l);
+        s.bar = c->d_step_bar;
+        return step_kernel_launch(c, step_row_layers_kernel<Cell, BF16, Mode::FAST>, grid, block, 0,
+                                  true, s);
+    }
     for (int l = 0; l < m->L; l++) {
         step_kargs a = step_args(c, st, params, m, l);
         RNND_TRY(step_kernel_launch(c, step_row_kernel<Cell, BF16, Mode::FAST>, grid, block, 0,

@@ -61,6 +61,15 @@ static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load)
     if (!a.pre)
         load();
 }
+// The same without letting the next kernel start (a kernel that does so later).
+template <class Load>
+static __device__ __forceinline__ void step_wait_only(const step_kargs &a, Load load) {
+    if (a.pre)
+        load();
+    pdl_wait();
+    if (!a.pre)
+        load();
+}
 
 // Unit u's biases of every gate plane, for its cell.
 template <int G>

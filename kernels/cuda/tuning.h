@@ -14,22 +14,23 @@
 // Variant bits (the numbers the bench's RNND_CUDA_VARIANT and gpu_run.sh take).
 // per-phase clock counts of the TF32 H = 128 loops and the wgmma forwards (builds with
 // RNND_CUDA_PHASE_CLOCKS)
-#define RNND_TUNE_PHASE_CLOCKS    8
-#define RNND_TUNE_STEP_NO_EARLY_X 16    // step: layer 0 reads its inputs after the wait only
-#define RNND_TUNE_NO_FUSED_X      32    // the persistent loops take x W_ih^T from a cuBLAS GEMM
-#define RNND_TUNE_NO_RECOMPUTE    64    // the GRU H = 128 backward reads its gates from the tape
-#define RNND_TUNE_NO_CLUSTER      128   // LSTM H = 256: no cluster loops (the per-step path)
-#define RNND_TUNE_NO_CLUSTER_BWD  256   // LSTM H = 256: the forward in clusters only
-#define RNND_TUNE_STEP_NO_PDL     512   // step: every launch without programmatic serialization
-#define RNND_TUNE_CLUSTER80       1024  // LSTM H = 256: 80 rows a cluster wherever they run
-#define RNND_TUNE_NO_WG           4096  // no warpgroup-MMA forwards and step tiles (mma.sync)
-#define RNND_TUNE_NO_DW16         16384 // weight gradients from cuBLAS, not the chunk products
-#define RNND_TUNE_NO_ZFWD         32768 // z rows in the tape, not the forward's chunks
-#define RNND_TUNE_NO_GRAPH        65536 // the per-step path's loops launched, not replayed as graphs
-#define RNND_TUNE_NO_PAD128       131072 // 64 <= H <= 96 at a large B: the loops at their own width
-#define RNND_TUNE_DW_M4           262144 // cuBLAS's weight gradients with D's 4H columns as M, untimed
-#define RNND_TUNE_DW_MLDZ         524288  // the same with z's ldz columns as M
-#define RNND_TUNE_DW_MSPLIT       1048576 // the same in two products, ldz split at a multiple of 128
+#define RNND_TUNE_PHASE_CLOCKS      8
+#define RNND_TUNE_STEP_NO_EARLY_X   16    // step: layer 0 reads its inputs after the wait only
+#define RNND_TUNE_NO_FUSED_X        32    // the persistent loops take x W_ih^T from a cuBLAS GEMM
+#define RNND_TUNE_NO_RECOMPUTE      64    // the GRU H = 128 backward reads its gates from the tape
+#define RNND_TUNE_NO_CLUSTER        128   // LSTM H = 256: no cluster loops (the per-step path)
+#define RNND_TUNE_NO_CLUSTER_BWD    256   // LSTM H = 256: the forward in clusters only
+#define RNND_TUNE_STEP_NO_PDL       512   // step: every launch without programmatic serialization
+#define RNND_TUNE_CLUSTER80         1024  // LSTM H = 256: 80 rows a cluster wherever they run
+#define RNND_TUNE_NO_WG             4096  // no warpgroup-MMA forwards and step tiles (mma.sync)
+#define RNND_TUNE_NO_DW16           16384 // weight gradients from cuBLAS, not the chunk products
+#define RNND_TUNE_NO_ZFWD           32768 // z rows in the tape, not the forward's chunks
+#define RNND_TUNE_NO_GRAPH          65536 // the per-step path's loops launched, not replayed as graphs
+#define RNND_TUNE_NO_PAD128         131072 // 64 <= H <= 96 at a large B: the loops at their own width
+#define RNND_TUNE_DW_M4             262144 // cuBLAS's weight gradients with D's 4H columns as M, untimed
+#define RNND_TUNE_DW_MLDZ           524288 // the same with z's ldz columns as M
+#define RNND_TUNE_DW_MSPLIT         1048576 // the same in two products, ldz split at a multiple of 128
+#define RNND_TUNE_STEP_LAYERS_APART 2097152 // step, B = 1: a launch a layer, not all in one
 
 // The overrides, each false in production.
 struct cuda_tuning {
@@ -48,6 +49,7 @@ struct cuda_tuning {
     bool no_graph;        // RNND_TUNE_NO_GRAPH
     bool no_pad128;       // RNND_TUNE_NO_PAD128
     bool dw_m4, dw_mldz, dw_msplit; // RNND_TUNE_DW_M4, _MLDZ, _MSPLIT
+    bool step_layers_apart;         // RNND_TUNE_STEP_LAYERS_APART
 };
 
 // The overrides of variant bits v (the path override is left false).
@@ -69,6 +71,7 @@ static inline struct cuda_tuning rnnd__cuda_tuning_of(int v) {
     t.dw_m4 = (v & RNND_TUNE_DW_M4) != 0;
     t.dw_mldz = (v & RNND_TUNE_DW_MLDZ) != 0;
     t.dw_msplit = (v & RNND_TUNE_DW_MSPLIT) != 0;
+    t.step_layers_apart = (v & RNND_TUNE_STEP_LAYERS_APART) != 0;
     return t;
 }
 

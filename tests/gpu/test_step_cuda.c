@@ -166,7 +166,7 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 static const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
 static const enum rnnd_compute F32 = RNND_COMPUTE_FP32, IEEE = RNND_COMPUTE_IEEE,
                                BF16 = RNND_COMPUTE_BF16;
-static const int NO_WG = RNND_TUNE_NO_WG;
+static const int NO_WG = RNND_TUNE_NO_WG, STEP_LAYERS_APART = RNND_TUNE_STEP_LAYERS_APART;
 
 // cell, compute, I, H, L, B, S, init_null, graph, feed, variant, quick.
 static const struct step_case step_cases[] = {
@@ -211,6 +211,16 @@ static const struct step_case step_cases[] = {
     // would miss the tolerance by orders of magnitude).
     {GRU, F32, 256, 256, 1, 1024, 2048, false, false, true, 0, false},
     {LSTM, F32, 128, 128, 2, 600, 700, false, false, true, 0, false},
+    // One row's layers in one launch where the steps are not recorded (a launch a layer where
+    // they are: the graph cases), meeting at a grid barrier between layers: two layers, four fed
+    // from the step before, 515 blocks (several an SM), five (a launch a layer: more than the
+    // kernel takes), and the launch a layer forced.
+    {GRU, F32, 64, 128, 2, 1, 9, false, false, false, 0, true},
+    {LSTM, F32, 128, 128, 4, 1, 6, false, false, true, 0, false},
+    {GRU, IEEE, 37, 1030, 3, 1, 5, true, false, false, 0, false},
+    {LSTM, BF16, 64, 128, 5, 1, 4, false, false, false, 0, false},
+    {GRU, F32, 64, 128, 3, 1, 5, false, true, false, 0, false},
+    {LSTM, F32, 64, 128, 2, 1, 5, false, false, false, STEP_LAYERS_APART, false},
 };
 
 int main(int argc, char **argv) {

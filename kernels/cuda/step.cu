@@ -815,10 +815,8 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS, RNND_STEP_ROW
                 load();
                 grid_barrier(s.bar);
             }
-#if __CUDA_ARCH__ >= 900
             if (l == L - 1)
-                asm volatile("griddepcontrol.launch_dependents;");
-#endif
+                grid_release();
         });
     }
 }

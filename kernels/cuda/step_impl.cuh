@@ -21,11 +21,14 @@ static __device__ __forceinline__ void cp_wait() {
 // they still wait for this grid's completion before they read anything it may write. What no
 // earlier kernel can be writing may be read before the wait, while the previous kernel finishes:
 // the weights and biases (step_kargs.pre), and at layer 0 the step's inputs (step_kargs.early_x).
-static __device__ __forceinline__ void grid_wait_then_release() {
-    pdl_wait();
+static __device__ __forceinline__ void grid_release() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+static __device__ __forceinline__ void grid_wait_then_release() {
+    pdl_wait();
+    grid_release();
 }
 
 // One layer of a step. Row b reads its old state from table row slots[b] and writes its new one
@@ -50,18 +53,10 @@ struct step_kargs {
     bool early_x;
 };
 
-// The start of every step kernel: load (reads of weights and biases only) before the programmatic
-// wait where a.pre allows, else after it; then the next kernel may start its blocks (after the
-// wait: at most this grid and the next resident).
-template <class Load>
-static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
-    if (a.pre)
-        load();
-    grid_wait_then_release();
-    if (!a.pre)
-        load();
-}
-// The same without letting the next kernel start (a kernel that does so later).
+// The start of every step kernel (step_wait): load (reads of weights and biases only) before the
+// programmatic wait where a.pre allows, else after it; then the next kernel may start its blocks
+// (after the wait: at most this grid and the next resident). step_wait_only leaves that start to
+// its caller.
 template <class Load>
 static __device__ __forceinline__ void step_wait_only(const step_kargs &a, Load load) {
     if (a.pre)
@@ -69,6 +64,11 @@ static __device__ __forceinline__ void step_wait_only(const step_kargs &a, Load 
     pdl_wait();
     if (!a.pre)
         load();
+}
+template <class Load>
+static __device__ __forceinline__ void step_wait(const step_kargs &a, Load load) {
+    step_wait_only(a, load);
+    grid_release();
 }
 
 // Unit u's biases of every gate plane, for its cell.

@@ -767,11 +767,10 @@ static __global__ void __launch_bounds__(32 * RNND_STEP_ROW_UNITS)
 
 // Every layer of the row in one launch (L > 1) where the step is launched, not recorded: a launch
 // costs the host more than a layer takes the device (two layers of I = 64, H = 128 back to back:
-// 5.1-5.7 us against 6.9-10.5 a launch a layer). In a recording (the daemon replays its small
+// 5.5-6.9 us against 10.3-10.9 a launch a layer). In a recording (the daemon replays its small
 // batches) the launches cost nothing and a layer apart loads its weights while the layer below
 // runs (PDL), which the barrier's layers cannot: 3.1 and 2.7 us on the device against 4.9 and 5.5
-// (journal, "single step").
-// Layer l + 1 reads all of layer l's new state, so the blocks meet between layers at a grid
+// (journal, "single step"). Layer l + 1 reads all of layer l's new state, so the blocks meet between layers at a grid
 // barrier (bar: the arrivals, then the generation, which the last block to arrive bumps after
 // zeroing the count). The barrier needs every block resident at once: the grid is at most
 // RNND_STEP_ROW_RESIDENT blocks an SM (the launch bounds promise them room), and the kernel lets

@@ -18,9 +18,10 @@
  *   2. [dW_ih | dW_hh | db] from one GEMM D^T z over all B*T rows (z carries x_l, hprev and a
  *      constant 1 column; after the per-step backward, D and z in scaled fp16), scattered into
  *      the gradient array with += (deterministic: cuBLAS without atomics, then one thread per
- *      element); or, for layer 0 where the loops write D
- *      and z as 16-bit chunks (seq_chunks.h), seq_dw.cu's products on them;
- *   3. dx_l = D W_ih: the layer below's output gradient, or grads->x.
+ *      element); or, where the loops write D and z as 16-bit chunks (seq_chunks.h), seq_dw.cu's
+ *      products on them;
+ *   3. dx_l = D W_ih (after the per-step backward, on D's fp16 rows): the layer below's output
+ *      gradient, or grads->x.
  */
 #include "seq.cuh"
 

@@ -7,14 +7,8 @@
 # Run on the GPU host from the repository root: python3 kernels/bench/probes/stepwise_dtype.py
 import torch
 from graph_time import graph_time
-torch.backends.cuda.matmul.allow_tf32 = True
 dev = 'cuda'
 rows = [('lstm', 256, 512), ('gru', 256, 512), ('lstm', 64, 1024), ('gru', 2048, 256)]
-N_IN_GRAPH = 80
-
-
-def timeit(fn):
-    return graph_time(fn, N_IN_GRAPH)
 
 
 def mm_out32(a, b, out):
@@ -37,14 +31,14 @@ for cell, B, H in rows:
         ref = torch.mm(a.double(), b.double())
         res = []
         out = torch.empty(M, N, device=dev)
-        res.append(('tf32', timeit(lambda: torch.mm(a, b, out=out)), out))
+        res.append(('tf32', graph_time(lambda: torch.mm(a, b, out=out)), out))
         for dt, tag in ((torch.float16, 'fp16'), (torch.bfloat16, 'bf16')):
             a16, b16 = a.to(dt), b.contiguous().to(dt)
             o32 = torch.empty(M, N, device=dev)
             if mm_out32(a16, b16, o32):
-                res.append((tag + '>fp32', timeit(lambda: mm_out32(a16, b16, o32)), o32))
+                res.append((tag + '>fp32', graph_time(lambda: mm_out32(a16, b16, o32)), o32))
             o16 = torch.empty(M, N, device=dev, dtype=dt)
-            res.append((tag + '>' + tag, timeit(lambda: torch.mm(a16, b16, out=o16)), o16))
+            res.append((tag + '>' + tag, graph_time(lambda: torch.mm(a16, b16, out=o16)), o16))
         flop = 2 * M * N * K
         print(f"{cell} B={B} H={H} {name} M={M} N={N} K={K}: " + ", ".join(
             f"{t} {us:.2f} us ({flop / us / 1e6:.0f} TFLOP/s, err {((o.double() - ref).abs().max() / ref.abs().max()).item():.1e})"
@@ -63,5 +57,5 @@ for cell, B, H in rows:
         a3 = d16.view(B, s, GH // s).transpose(0, 1)
         b3 = w16.view(s, GH // s, H)
         out = torch.empty(s, B, H, device=dev, dtype=torch.half)
-        res.append((s, timeit(lambda: torch.bmm(a3, b3, out=out))))
+        res.append((s, graph_time(lambda: torch.bmm(a3, b3, out=out))))
     print(f"  {cell} B={B} H={H}: " + ", ".join(f"{s} slices {us:.2f} us" for s, us in res), flush=True)

@@ -7,14 +7,8 @@
 # Run on the GPU host from the repository root: python3 kernels/bench/probes/stepwise_dw.py
 import torch
 from graph_time import graph_time
-torch.backends.cuda.matmul.allow_tf32 = True
 dev = 'cuda'
 rows = [('lstm', 256, 80, 512, 512), ('gru', 256, 80, 512, 512), ('lstm', 64, 80, 512, 1024)]
-N_IN_GRAPH = 5
-
-
-def timeit(fn):
-    return graph_time(fn, N_IN_GRAPH)
 
 
 for cell, B, T, I, H in rows:
@@ -27,16 +21,16 @@ for cell, B, T, I, H in rows:
     flop = 2 * BT * 4 * H * ldz
     res = []
     out = torch.empty(ldz, 4 * H, device=dev)
-    res.append(('mm', timeit(lambda: torch.mm(z.t(), d, out=out)), 0.0))
+    res.append(('mm', graph_time(lambda: torch.mm(z.t(), d, out=out), 5), 0.0))
     out2 = torch.empty(4 * H, ldz, device=dev)
-    res.append(('mm D^T z', timeit(lambda: torch.mm(d.t(), z, out=out2)), 0.0))
+    res.append(('mm D^T z', graph_time(lambda: torch.mm(d.t(), z, out=out2), 5), 0.0))
     for s in (2, 3, 4, 5, 6, 8):
         if BT % s:
             continue
         z3 = z.view(s, BT // s, ldz).transpose(1, 2)
         d3 = d.view(s, BT // s, 4 * H)
         part = torch.empty(s, ldz, 4 * H, device=dev)
-        us = timeit(lambda: torch.bmm(z3, d3, out=part))
+        us = graph_time(lambda: torch.bmm(z3, d3, out=part), 5)
         err = ((part.sum(0) - ref).abs().max() / ref.abs().max()).item()
         res.append((f'{s} slices', us, err))
     print(f"{cell} B={B} T={T} I={I} H={H} (M=4H={4 * H}, N=ldz={ldz}, K={BT}): " + ", ".join(

@@ -16,7 +16,7 @@
  * plane p's units at rows 16p.. of the warpgroup's half of the weight tile), both K-major fp32 in
  * 128-byte swizzled rows in shared memory, fed through the tensor cores' tf32 (their operands'
  * low mantissa bits are ignored, as in step.cu's mma.sync). K runs in chunks of 32 columns (x
- * chunks, then h chunks) through a 4-stage pipeline 2 chunks ahead of the MMAs: the h rows (and
+ * chunks, then h chunks) through a 4-stage pipeline 3 chunks ahead of the MMAs: the h rows (and
  * the x part of layers above 0) by every thread's cp.async, gathered by slot; the weight tile and
  * layer 0's x rows by tensor-map copies (TMA) of thread 0 (docs/kernels.md: 0.5
  * and 1.2 us less than by cp.async for GRU and LSTM), handed over by mbarriers (a chunk's copies
@@ -57,13 +57,13 @@ namespace {
 constexpr int SW_MT = RNND_STEP_WG_MT, SW_UT = RNND_STEP_WG_UT; // rows, units a block
 constexpr int SW_NT = 256; // two warpgroups: units [0, 16) and [16, 32) of every gate
 constexpr int SW_KC = 32;  // columns a chunk: one 128-byte row, 4 k-steps
-constexpr int NS = 4;      // stages; copies run NS - 2 chunks ahead
+constexpr int NS = 4;      // stages, all filled before the first MMA
 constexpr int SW_ATILE = SW_MT * SW_KC * 4; // bytes of a stage's row tile
 
 constexpr int SW_CLD = SW_UT + 8; // row pitch (floats) of the old-c tile
 
-// Shared memory (bytes) for G gate planes and NS stages (copies run NS - 2 chunks ahead): stages
-// (row tile, then weight tile), old c (LSTM), biases [b_ih | b_hh] of the block's N gate rows.
+// Shared memory (bytes) for G gate planes: stages (row tile, then weight tile), old c (LSTM),
+// biases [b_ih | b_hh] of the block's N gate rows.
 template <int G>
 struct sw_layout {
     static constexpr int N = G * SW_UT;
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(SW_NT, 2)
             // full: every thread's copies and the boxes' bytes; empty: every thread done with
             // the stage (MMAs, read_h).
             mbar_ring_init(s_full, s_empty, NS, SW_NT, SW_NT);
-            for (int c = 0; c < NS - 2 && c < nc; c++)
+            for (int c = 0; c < NS && c < nc; c++)
                 load_w(c);
         }
         for (int e = tid; e < 2 * N; e += SW_NT) {
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(SW_NT, 2)
 
     // Layer 0's x chunks come by tensor map alone: the threads' arrivals on those in the prologue
     // go out before the slots are read, so their MMAs need not wait for the slots.
-    const int pro = min(NS - 2, nc), own = xt ? min(cx, pro) : 0;
+    const int pro = min(NS, nc), own = xt ? min(cx, pro) : 0;
     if (tid == 0)
         for (int c = 0; c < pro; c++)
             load_x(c);
@@ -267,24 +267,15 @@ __global__ void __launch_bounds__(SW_NT, 2)
                 hp[j][h] = *reinterpret_cast<const float2 *>(st + at + (uu & 3) * 4);
             }
     };
-    // Chunk c's MMAs into d (acc false: the first chunk of d, which it writes). First the copies
-    // of chunk f = c + NS - 2 go out, into the stage of chunk c - 2 once every thread has
-    // released it (s_empty); chunk c's own wait is on s_full. No barrier of the block: each
-    // thread releases chunk c - 1's stage when its warpgroup's MMAs on it are done (and its own
-    // reads of it, read_h: a release of every thread rather than one a warp).
+    // Chunk c's MMAs into d (acc false: the first chunk of d, which it writes), after its wait on
+    // s_full. While they run, the copies of chunk c - 1 + NS go out into the stage of chunk c - 1
+    // once every thread has released it (s_empty). Then the thread waits for its warpgroup's MMAs
+    // on chunk c and releases its stage (and its own reads of it, read_h: a release of every
+    // thread rather than one a warp). No barrier of the block. So NS - 1 chunks are in flight
+    // beside the one in the MMAs, where letting the MMAs of two chunks overlap (waiting for the
+    // one before only) would leave NS - 2: the deeper copies took 3-5% off the B = 1024 steps.
     float dx[ND], dh[GRU ? ND : 1];
     auto chunk = [&](int c, float(&d)[ND], bool acc) {
-        const int f = c + NS - 2;
-        if (f < nc) {
-            if (c >= 2)
-                mbar_wait(s_empty + f % NS, ((c - 2) / NS) & 1);
-            if (tid == 0) {
-                load_w(f);
-                load_x(f);
-            }
-            load_a(f);
-            cp_async_mbar_arrive(s_full + f % NS);
-        }
         mbar_wait(s_full + c % NS, (c / NS) & 1);
         const unsigned char *st = sm + (c % NS) * LY::STAGE;
         if (c == hc)
@@ -299,9 +290,18 @@ __global__ void __launch_bounds__(SW_NT, 2)
         for (int ks = 1; ks < SW_KC / 8; ks++)
             sw_mma<true>(d, ad + 2 * ks, bd + 2 * ks); // 32 bytes a k-step
         wg_commit();
-        wg_wait<1>();
-        if (c >= 1)
-            mbar_arrive(s_empty + (c - 1) % NS);
+        const int f = c - 1 + NS;
+        if (c >= 1 && f < nc) {
+            mbar_wait(s_empty + f % NS, ((c - 1) / NS) & 1);
+            if (tid == 0) {
+                load_w(f);
+                load_x(f);
+            }
+            load_a(f);
+            cp_async_mbar_arrive(s_full + f % NS);
+        }
+        wg_wait<0>();
+        mbar_arrive(s_empty + c % NS);
     };
     chunk(0, dx, false);
     for (int c = 1; c < cx; c++)

@@ -140,6 +140,10 @@ __global__ void __launch_bounds__(SW_NT, 2)
     const int cx = CEIL_DIV(Il, SW_KC), nc = cx + CEIL_DIV(H, SW_KC);
     unsigned char *sm = smem + (-smem_u32(smem) & 1023); // the stages' atoms: 1024-byte aligned
     const uint32_t sbase = smem_u32(sm);
+    // Chunk c's stage and the parity of its use of it: in unsigned arithmetic (NS is a power of
+    // two), where signed division and remainder cost the K loop instructions every chunk.
+    auto stg = [](int c) { return (unsigned)c % NS; };
+    auto par = [](int c) { return (int)((unsigned)c / NS & 1); };
 
     // Chunk c (x columns for c < cx, h columns after) into stage c % NS, in 128-byte swizzled
     // rows (wg.cuh). By thread 0, tensor-map boxes whose bytes s_full expects: load_w the weight
@@ -147,18 +151,18 @@ __global__ void __launch_bounds__(SW_NT, 2)
     // H), load_x at layer 0 (xt) the x rows of x chunks (dense rows: zeros past K and B).
     auto load_w = [&](int c) {
         const bool hp = c >= cx;
-        const uint32_t dst = sbase + (c % NS) * LY::STAGE + SW_ATILE;
-        mbar_expect_tx(s_full + c % NS, N * SW_KC * 4);
+        const uint32_t dst = sbase + stg(c) * LY::STAGE + SW_ATILE;
+        mbar_expect_tx(s_full + stg(c), N * SW_KC * 4);
 #pragma unroll
         for (int q = 0; q < 2; q++)
             tma_load_3d(dst + q * N / 2 * 128, hp ? &tw_hh : &tw_ih, (hp ? c - cx : c) * SW_KC,
-                        u0 + 16 * q, 0, smem_u32(s_full + c % NS));
+                        u0 + 16 * q, 0, smem_u32(s_full + stg(c)));
     };
     auto load_x = [&](int c) {
         if (!xt || c >= cx)
             return;
-        mbar_expect_tx(s_full + c % NS, SW_ATILE);
-        tma_load_2d(sbase + (c % NS) * LY::STAGE, &tx, c * SW_KC, row0, smem_u32(s_full + c % NS));
+        mbar_expect_tx(s_full + stg(c), SW_ATILE);
+        tma_load_2d(sbase + stg(c) * LY::STAGE, &tx, c * SW_KC, row0, smem_u32(s_full + stg(c)));
     };
     float *bias = reinterpret_cast<float *>(sm + LY::OFF_B);
     // Weights that need no slot: the first chunks' boxes (thread 0, after the mbarriers' set-up)
@@ -214,7 +218,10 @@ __global__ void __launch_bounds__(SW_NT, 2)
     // read one row's 128 contiguous bytes and write one 128-byte line. Past K and in absent or
     // resetting rows the copies write zeros.
     const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
-    const uint32_t lane_off = jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
+    const uint32_t a_base = sbase + jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
+    // The thread's rows' sources, read from the row table once, not every chunk (with the
+    // unsigned stage arithmetic above: 3-6% off the B = 1024 steps).
+    const float *my_x[SW_MT / 32], *my_h[SW_MT / 32];
     auto load_a = [&](int c) {
         const bool hp = c >= cx;
         if (a.early_x && c == cx)
@@ -222,11 +229,10 @@ __global__ void __launch_bounds__(SW_NT, 2)
         if (xt && !hp)
             return;
         const int K = hp ? H : Il, k = (hp ? c - cx : c) * SW_KC + 4 * kq;
-        const float *const *rows = hp ? s_hrow : s_xrow;
-        const uint32_t dst = sbase + (c % NS) * LY::STAGE + lane_off;
+        const uint32_t dst = a_base + stg(c) * LY::STAGE;
 #pragma unroll
         for (int i = 0; i < SW_MT / 32; i++) {
-            const float *src = rows[32 * i + 8 * jp + r8];
+            const float *src = hp ? my_h[i] : my_x[i];
             const bool ok = k < K && src;
             cp_async16(dst + 4096 * i, ok ? src + k : a.w_ih, ok);
         }
@@ -245,6 +251,9 @@ __global__ void __launch_bounds__(SW_NT, 2)
         s_slot[tid] = r.slot, s_slot_new[tid] = r.slot_new, s_xrow[tid] = r.x, s_hrow[tid] = r.h;
     }
     __syncthreads();
+#pragma unroll
+    for (int i = 0; i < SW_MT / 32; i++)
+        my_x[i] = s_xrow[32 * i + 8 * jp + r8], my_h[i] = s_hrow[32 * i + 8 * jp + r8];
     if (!a.early_x)
         start_h();
     for (int c = own; c < pro; c++) {
@@ -276,8 +285,8 @@ __global__ void __launch_bounds__(SW_NT, 2)
     // one before only) would leave NS - 2: the deeper copies took 3-5% off the B = 1024 steps.
     float dx[ND], dh[GRU ? ND : 1];
     auto chunk = [&](int c, float(&d)[ND], bool acc) {
-        mbar_wait(s_full + c % NS, (c / NS) & 1);
-        const unsigned char *st = sm + (c % NS) * LY::STAGE;
+        mbar_wait(s_full + stg(c), par(c));
+        const unsigned char *st = sm + stg(c) * LY::STAGE;
         if (c == hc)
             read_h(st);
         const uint64_t ad = wg_desc_sw128(st), bd = wg_desc_sw128(st + SW_ATILE + wq * N / 2 * 128);
@@ -292,16 +301,16 @@ __global__ void __launch_bounds__(SW_NT, 2)
         wg_commit();
         const int f = c - 1 + NS;
         if (c >= 1 && f < nc) {
-            mbar_wait(s_empty + f % NS, ((c - 1) / NS) & 1);
+            mbar_wait(s_empty + stg(f), par(c - 1));
             if (tid == 0) {
                 load_w(f);
                 load_x(f);
             }
             load_a(f);
-            cp_async_mbar_arrive(s_full + f % NS);
+            cp_async_mbar_arrive(s_full + stg(f));
         }
         wg_wait<0>();
-        mbar_arrive(s_empty + c % NS);
+        mbar_arrive(s_empty + stg(c));
     };
     chunk(0, dx, false);
     for (int c = 1; c < cx; c++)

@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(SW_NT, 2)
     // read one row's 128 contiguous bytes and write one 128-byte line. Past K and in absent or
     // resetting rows the copies write zeros.
     const int kq = tid & 7, r8 = (tid >> 3) & 7, jp = tid >> 6;
-    const uint32_t a_base = sbase + jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
+    uint32_t a_base = sbase + jp * 1024 + r8 * 128 + ((kq ^ r8) << 4);
+    asm("" : "+r"(a_base)); // kept, not rebuilt from the thread index every chunk
     // The thread's rows' sources, read from the row table once, not every chunk (with the
     // unsigned stage arithmetic above: 3-6% off the B = 1024 steps).
     const float *my_x[SW_MT / 32], *my_h[SW_MT / 32];

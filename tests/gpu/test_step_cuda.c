@@ -221,6 +221,11 @@ static const struct step_case step_cases[] = {
     {LSTM, BF16, 64, 128, 5, 1, 4, false, false, false, 0, false},
     {GRU, F32, 64, 128, 3, 1, 5, false, true, false, 0, false},
     {LSTM, F32, 64, 128, 2, 1, 5, false, false, false, STEP_LAYERS_APART, false},
+    // The warpgroup tiles fill all 4 stages before their first MMA and refill a stage 3 chunks
+    // ahead: fewer chunks than stages (3), as many (4, both layers), one more (5, in a graph).
+    {GRU, F32, 32, 64, 1, 1024, 1100, false, false, false, 0, false},
+    {LSTM, F32, 64, 64, 2, 1024, 1100, false, false, false, 0, false},
+    {GRU, F32, 32, 128, 1, 600, 700, false, true, false, 0, false},
 };
 
 int main(int argc, char **argv) {

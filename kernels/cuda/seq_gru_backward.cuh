@@ -86,7 +86,10 @@ struct gru_h128_geom {
 // the registers hold the warp's W_hh fragments for dh. It writes D's parts and the records alone.
 // Its dh runs on warpgroup MMAs with the gates beside them (docs/kernels.md), so it is sm_90a code:
 // seq_gru_gate_tape.cu builds it.
-template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false>
+// HU (ZF): HP, or 64 for a layer of H <= 64 (padded to HP): dh's MMAs leave out the k-steps over
+// the gate columns of units past HU, which the tile holds as zeros.
+template <class Mode, int HP, bool VEC, bool XH, int V = 0, bool DW = false, bool ZF = false,
+          int HU = HP>
 static __global__ void __launch_bounds__(HP / 16 * 32, 1)
     seq_gru_h128_backward_kernel(const struct persist_bwd_args a) {
     using HM = typename Mode::hmode;
@@ -584,11 +587,14 @@ static __global__ void __launch_bounds__(HP / 16 * 32, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
             // Four accumulator chains (one chain waits ~65 cycles a k-step: docs/kernels.md); step
             // t-1's hprev and gates (hp of step t is used) while the MMAs run.
+            static_assert(HU == HP || HU == 64, "a half or all of the units");
             float dacc[4][8];
             const uint64_t bd = wg_desc(atile, G * HP / 8 * 128);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < 2 * KSW; ks++) {
+                if (ks % FKS >= HU / 16) // a gate's columns of units past HU: zeros
+                    continue;
                 if (ks < 4)
                     wg_mma_rs<false, !HM::SCALED>(dacc[ks & 3], wa[ks], bd + 16 * ks);
                 else

@@ -18,9 +18,14 @@ int gate_tape_launch(const struct persist_bwd_args *a, bool clocks, cudaStream_t
         return RNND_EINVAL;
     auto kernel = a->vec ? seq_gru_h128_backward_kernel<Mode, HP, true, XH, 0, true, true>
                          : seq_gru_h128_backward_kernel<Mode, HP, false, XH, 0, true, true>;
+    if (a->H <= 64) // the units past 64 are the padding's zeros
+        kernel = a->vec ? seq_gru_h128_backward_kernel<Mode, HP, true, XH, 0, true, true, 64>
+                        : seq_gru_h128_backward_kernel<Mode, HP, false, XH, 0, true, true, 64>;
 #ifdef RNND_CUDA_PHASE_CLOCKS
     if (a->vec && clocks)
-        kernel = seq_gru_h128_backward_kernel<Mode, HP, true, XH, SEQ_CLOCKS, true, true>;
+        kernel = a->H <= 64
+                     ? seq_gru_h128_backward_kernel<Mode, HP, true, XH, SEQ_CLOCKS, true, true, 64>
+                     : seq_gru_h128_backward_kernel<Mode, HP, true, XH, SEQ_CLOCKS, true, true>;
 #else
     (void)clocks;
 #endif

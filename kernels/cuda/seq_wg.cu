@@ -167,7 +167,10 @@ constexpr int wg_gr() {
 // gates from the z rows).
 // HID: a.hidden may be set (stored states); else a reset's state is zero.
 // HM: the MMAs' mode, mode_f16 (TF32 mode: weights, h and x rows scaled) or mode_bf16.
-template <class Cell, class HM, int V, bool Z, bool HID, int XK>
+// HU: the units the loop computes, WG_HP, or 64 for a layer of H <= 64 (padded to WG_HP: the
+// plan's rule), whose units past 64 hold only zeros: consumer warpgroup 1 writes their z chunk
+// parts and leaves, the producer computes one unit half, and the h part stops at K = 64.
+template <class Cell, class HM, int V, bool Z, bool HID, int XK, int HU = WG_HP>
 __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fwd_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool BF = !HM::SCALED;
@@ -175,6 +178,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     using TR = tape_rec<Cell, true>;
     constexpr int G = Cell::G, GR = wg_gr<Cell, Z, HID>(), GS = Gm::GS, SW = Cell::SW;
     constexpr bool LSTM = G == 4;
+    constexpr int NH = HU / 64, KH = HU / 16; // unit halves computed, the h part's k-steps
+    static_assert(HU == WG_HP || HU == 64, "a half or all of the units");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp >> 2, w = warp & 3;
     const int g = lane >> 2, tg = lane & 3, x = threadIdx.x & 127;
     const int H = a.H, T = a.T, L = a.L, l = a.l, GH = G * H, Il = a.Il;
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     uint64_t *full = reinterpret_cast<uint64_t *>(smem + Gm::OFF_MBAR), *empty = full + 2;
     if (threadIdx.x == 0) {
         mbar_init(full, 128), mbar_init(full + 1, 128);
-        mbar_init(empty, WG_CONS), mbar_init(empty + 1, WG_CONS);
+        mbar_init(empty, NH * 128), mbar_init(empty + 1, NH * 128);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     fence_proxy_async(); // the weight and zeroed tiles, for the MMAs
@@ -344,7 +349,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 #pragma unroll
             for (int ks = 0; ks < XK / 16; ks++) // past I_l both operands are zero
 #pragma unroll
-                for (int tile = 0; tile < 2 * G; tile++) {
+                for (int tile = 0; tile < NH * G; tile++) {
                     const uint64_t ad = wd + (tile * Gm::WIH_TILE >> 4) + 16 * ks;
                     if (ks == 0)
                         wg_mma_ss<false, BF>(dx[tile / G][tile % G], ad, xd + 16 * ks);
@@ -372,7 +377,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
             else if (t == 0 && !Gm::UNION)
                 bar_sync(WG_BAR_WFRAG, WG_THREADS); // and their W_hh fragments
 #pragma unroll
-            for (int half = 0; half < 2; half++)
+            for (int half = 0; half < NH; half++)
 #pragma unroll
                 for (int qq = 0; qq < G; qq++) {
                     wg_pin(dx[half][qq]);
@@ -407,6 +412,18 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         wa[f / 8][f % 8][2] = v.z, wa[f / 8][f % 8][3] = v.w;
     }
     asm volatile("bar.arrive %0, %1;" ::"n"(WG_BAR_WFRAG), "n"(WG_THREADS) : "memory");
+    if (NH < 2 && q >= NH) { // units past HU: zeros, of which z's chunk parts alone are written
+        const float zero[2] = {0.0f, 0.0f};
+        if constexpr (Z)
+            if (a.zc)
+                for (int t = 0; t < T; t++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        zc_put_h<HM>(static_cast<unsigned char *>(a.zc) +
+                                         ((size_t)blockIdx.x * T + t) * RNND_DW16_Z(XK),
+                                     u0, g, tg, j, zero, zero, false, false, hscale);
+        return;
+    }
     const size_t hid_step = (size_t)L * H;
 
     // The state entering step 0 (reset rule as the other loops): hidden[b, 0] (cell[b, 0]) when
@@ -457,7 +474,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
     put_h(0);
     load_next(1);
     fence_proxy_async();
-    bar_sync(WG_BAR_CONS, WG_CONS);
+    bar_sync(WG_BAR_CONS, NH * 128);
 
     // Step t's outputs, stored while the MMAs of step t+1 run (right after the cell, every
     // block's stores meet at once and wait for memory; docs/kernels.md).
@@ -491,7 +508,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         const uint64_t hd = wg_desc(htile + p * WG_HTILE, 2048);
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < 8; ks++) {
+        for (int ks = 0; ks < KH; ks++) {
 #pragma unroll
             for (int qq = 0; qq < GR; qq++) {
                 if (ks == 0)
@@ -600,7 +617,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
         clk.mark(5);
         fence_proxy_async(); // this thread's h tile writes, visible to the next step's MMAs
         clk.mark(6);
-        bar_sync(WG_BAR_CONS, WG_CONS);
+        bar_sync(WG_BAR_CONS, NH * 128);
         clk.mark(7);
     }
     if (T > 0)
@@ -614,17 +631,18 @@ __global__ void __launch_bounds__(WG_THREADS, 1) seq_wg_forward(const persist_fw
 
 // The loop for stored states (HID) or none; the GRU's instance, and the LSTM's without a tape,
 // take either.
-template <class Cell, class HM, int V, bool Z, int XK>
+template <class Cell, class HM, int V, bool Z, int XK, int HU>
 auto wg_kernel(bool hid) {
     if constexpr (Cell::G == 4 && Z)
         if (!hid)
-            return seq_wg_forward<Cell, HM, V, Z, false, XK>;
-    return seq_wg_forward<Cell, HM, V, Z, true, XK>;
+            return seq_wg_forward<Cell, HM, V, Z, false, XK, HU>;
+    return seq_wg_forward<Cell, HM, V, Z, true, XK, HU>;
 }
 
-template <class Cell, class HM, int V, int XK>
+template <class Cell, class HM, int V, int XK, int HU = WG_HP>
 auto wg_kernel(bool tape, bool hid) {
-    return tape ? wg_kernel<Cell, HM, V, true, XK>(hid) : wg_kernel<Cell, HM, V, false, XK>(hid);
+    return tape ? wg_kernel<Cell, HM, V, true, XK, HU>(hid)
+                : wg_kernel<Cell, HM, V, false, XK, HU>(hid);
 }
 
 template <class Cell, int XK>
@@ -648,15 +666,17 @@ int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream
         (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !tape) || a->c0 || a->cell))
         return RNND_EINVAL;
-    const bool hid = a->hidden != nullptr;
-    auto kernel = wg_kernel<Cell, HM, 0, WG_XK>(tape, hid);
+    const bool hid = a->hidden != nullptr, half = a->H <= 64;
+    auto kernel = half ? wg_kernel<Cell, HM, 0, WG_XK, 64>(tape, hid)
+                       : wg_kernel<Cell, HM, 0, WG_XK>(tape, hid);
     int smem = wg_smem<Cell, WG_XK>(tape, hid);
     if constexpr (XMAX > WG_XK)
         if (wide)
             kernel = wg_kernel<Cell, HM, 0, XMAX>(tape, hid), smem = wg_smem<Cell, XMAX>(tape, hid);
 #ifdef RNND_CUDA_PHASE_CLOCKS
     if (clocks && !wide)
-        kernel = wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK>(tape, hid);
+        kernel = half ? wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK, 64>(tape, hid)
+                      : wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK>(tape, hid);
 #else
     (void)clocks;
 #endif

@@ -964,6 +964,8 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {GRU, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {GRU, F32, 64, 64, 1, 2049, 3, 0.1, NONE, AUTO, 0},
+    {GRU, F32, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0}, // two layers of the half-unit loops
+    {GRU, BF16, 64, 64, 2, 2048, 3, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 64, 1, 1024, 3, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 64, 1, 1023, 3, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 64, 1, 64, 33, 0.1, NONE, AUTO, 0},
@@ -973,6 +975,7 @@ static const struct seq_case seq_cases[] = {
     {LSTM, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
     // The GRU's wgmma forward with x 64 < I_l <= 128 wide (both modes, from 512 rows), the mma.sync
     // backward on its gate planes: layer 1 at H = 128, a wide x at layer 0, H < 128 in both

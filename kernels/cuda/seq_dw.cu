@@ -156,7 +156,10 @@ __device__ __forceinline__ void dw_scale_rows(const uint32_t (&r)[4], const int1
 // being the largest of those over the CTA's K range (the records' chunk maxima); both factors
 // are at most 1, so the fp16 products cannot overflow, and each partial is multiplied back by
 // 2^C in fp32. A row 2^24 or more below its range's largest contributes nothing (docs/kernels.md).
-template <bool F16, int XK>
+// HU: DW_MP, or 64 for a layer of H <= 64 in the loops of 128, whose D columns and z's h columns
+// past 64 are zeros: only D's first half and z's live columns are fetched (z's others are zeros in
+// shared memory), and consumer warpgroup 1, whose rows the sum never reads, leaves at once.
+template <bool F16, int XK, int HU = DW_MP>
 __global__ void __launch_bounds__(DW_THREADS, 1)
     dw16_kernel(const uint8_t *__restrict__ chunks, const uint8_t *__restrict__ zch,
                 const int16_t *__restrict__ exp, int pitch, int ks, float *__restrict__ part) {
@@ -171,18 +174,45 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
     const int per = pitch / ks, c0 = s * per, nst = per / RNND_DW16_CH;
     const uint8_t *A = chunks + ((size_t)p * pitch + c0) * RNND_DW16_D;
     const uint8_t *B = zch + (size_t)c0 * ZB;
+    static_assert(HU == DW_MP || HU == 64, "a half or all of the columns");
+    constexpr bool HALF = HU < DW_MP;
+    constexpr long DH = HU * 32; // a chunk's live bytes of D's plane and of z's h columns
+    // empty: lane 0 of each consumer warp that stays.
     if (threadIdx.x == 0)
-        mbar_ring_init(full, empty, DW_NST, 1, 8); // empty: lane 0 of each consumer warp
+        mbar_ring_init(full, empty, DW_NST, 1, 4 * (HU / 64));
+    if constexpr (HALF) { // z's h columns past HU, never fetched, read as zeros
+        constexpr int NV = (RNND_DW16_D - DH) / 16; // 16-byte vectors a chunk
+        for (int e = threadIdx.x; e < DW_NST * RNND_DW16_CH * NV; e += DW_THREADS) {
+            const int c = e / NV;
+            uint8_t *z = sm + c / RNND_DW16_CH * STAGE + RNND_DW16_CH * RNND_DW16_D +
+                         c % RNND_DW16_CH * ZB + DH;
+            reinterpret_cast<uint4 *>(z)[e % NV] = make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // for the MMAs' reads
+    }
     __syncthreads();
     if (warp == 8) {
         if (threadIdx.x % 32 == 0)
             for (int i = 0; i < nst; i++) {
-                const int st = mbar_ring_fill(full, empty, i, DW_NST, (uint32_t)STAGE);
+                const uint32_t bytes =
+                    (uint32_t)(STAGE - (HALF ? RNND_DW16_CH * 2 * (RNND_DW16_D - DH) : 0));
+                const int st = mbar_ring_fill(full, empty, i, DW_NST, bytes);
                 uint8_t *dst = sm + st * STAGE;
-                bulk_g2s(dst, A + (size_t)i * RNND_DW16_CH * RNND_DW16_D,
-                         RNND_DW16_CH * RNND_DW16_D, full + st);
-                bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D, B + (size_t)i * RNND_DW16_CH * ZB,
-                         RNND_DW16_CH * ZB, full + st);
+                const uint8_t *a = A + (size_t)i * RNND_DW16_CH * RNND_DW16_D;
+                const uint8_t *b = B + (size_t)i * RNND_DW16_CH * ZB;
+                if constexpr (HALF) {
+#pragma unroll
+                    for (int c = 0; c < RNND_DW16_CH; c++) {
+                        uint8_t *z = dst + RNND_DW16_CH * RNND_DW16_D + c * ZB;
+                        bulk_g2s(dst + c * RNND_DW16_D, a + c * RNND_DW16_D, DH, full + st);
+                        bulk_g2s(z, b + c * ZB, DH, full + st);
+                        bulk_g2s(z + RNND_DW16_D, b + c * ZB + RNND_DW16_D, ZB - RNND_DW16_D,
+                                 full + st);
+                    }
+                } else {
+                    bulk_g2s(dst, a, RNND_DW16_CH * RNND_DW16_D, full + st);
+                    bulk_g2s(dst + RNND_DW16_CH * RNND_DW16_D, b, RNND_DW16_CH * ZB, full + st);
+                }
                 if constexpr (F16)
                     bulk_g2s(dst + DW_STAGE,
                              reinterpret_cast<const uint8_t *>(exp) +
@@ -192,6 +222,8 @@ __global__ void __launch_bounds__(DW_THREADS, 1)
         return;
     }
     const int wg = warp / 4, lane = threadIdx.x % 32;
+    if (HALF && wg > 0)
+        return;
     float d[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; i++)
@@ -779,6 +811,8 @@ int rnnd__dw16_product(const struct dw16_args *a, cudaStream_t stream) {
     const int xk = RNND_DW16_XK(a->Il);
     auto kernel = xk == 64 ? (a->exp ? dw16_kernel<true, 64> : dw16_kernel<false, 64>)
                            : (a->exp ? dw16_kernel<true, 128> : dw16_kernel<false, 128>);
+    if (xk == 64 && a->H <= 64) // the loops of 128 with zeros past 64
+        kernel = a->exp ? dw16_kernel<true, 64, 64> : dw16_kernel<false, 64, 64>;
     const long smem = (xk == 64 ? dw_geom<64>::SMEM : dw_geom<128>::SMEM) +
                       (a->exp ? DW_NST * RNND_DW16_CH * RNND_DW16_E : 0);
     RNND_CUDA_TRY(

@@ -25,9 +25,14 @@ static_assert((SEQ_CLUSTER_BWD_MIN_ROWS + 7) * 3 <= SEQ_CLUSTER_BWD_MIN_ROWS * 4
 // B = 512, 1.19 / 1.19-1.21 at 768, 1.22 / 1.28 at 1024, 1.30 / 1.67 at 2048; LSTM 1.46 / 1.20
 // at 512, 1.49 / 1.37 at 1024, 1.51 / 1.57 at 1536, 1.56 / 1.81 at 2048. The wider loops' step
 // is longer, and only a large batch gains more from the fused input projection and the dw16
-// products than it loses there.
-#define SEQ_PAD128_GRU_ROWS  1024
-#define SEQ_PAD128_LSTM_ROWS 1536
+// products than it loses there. H <= 64 leaves the padding's half out of the loops (HU = 64) and
+// pays from fewer rows (H200, 60c2265, T = 256, against its own width in one call: GRU 0.99 / 1.02
+// at B = 256, 1.00 / 1.12 at 512, 1.02 / 1.28 at 1024; LSTM 1.26 / 1.20 at 512, 1.27 / 1.28 at
+// 768, 1.28 / 1.37 at 1024; at T = 64 B = 256 both lose, 0.30 / 0.28 and 0.36 / 0.30).
+#define SEQ_PAD128_GRU_ROWS     1024
+#define SEQ_PAD128_LSTM_ROWS    1536
+#define SEQ_PAD128_GRU_ROWS_64  512
+#define SEQ_PAD128_LSTM_ROWS_64 1024
 
 // A layer whose backward loop writes the dw16 chunks' z parts itself, x 128 wide (above layer
 // 0, or layer 0 with 64 < I <= 128; H = 128), takes them from this many rows (GRU, LSTM). H200,
@@ -101,9 +106,11 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
     // zero: their weights, biases and states are read as zeros, so are their outputs, and every
     // write is bounded by H. Its own width's mma.sync loops take x W_ih^T and the weight
     // gradients from cuBLAS, and at B = 2048 ran slower than H = 128 itself.
+    const int pad_rows = H <= 64 ? (gru ? SEQ_PAD128_GRU_ROWS_64 : SEQ_PAD128_LSTM_ROWS_64)
+                                 : (gru ? SEQ_PAD128_GRU_ROWS : SEQ_PAD128_LSTM_ROWS);
     if (p->HP > 0 && p->HP < 128 && H >= 64 && H % 4 == 0 && I <= 64 && I % 4 == 0 &&
-        B >= (gru ? SEQ_PAD128_GRU_ROWS : SEQ_PAD128_LSTM_ROWS) && dev->wg && !tune->no_wg &&
-        !tune->no_pad128 && persist_fits(m, 128, dev->smem_optin))
+        B >= pad_rows && dev->wg && !tune->no_wg && !tune->no_pad128 &&
+        persist_fits(m, 128, dev->smem_optin))
         p->HP = 128;
     p->persistent = p->HP > 0;
     const int HP = p->HP;

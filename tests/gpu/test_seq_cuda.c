@@ -576,9 +576,9 @@ static bool zfwd_runs(const struct seq_case *sc, int v) {
     const bool mode = sc->compute == RNND_COMPUTE_FP32 ||
                       (sc->compute == RNND_COMPUTE_BF16 && sc->cell == RNND_CELL_GRU);
     // H = 128, or a layer in H = 128's loops (seq_plan.cu): 96 < H < 128, or 64 <= H <= 96 from
-    // 1024 rows (GRU) or 1536 (LSTM).
-    const bool h4 = sc->H % 4 == 0;
-    const int pad_rows = sc->cell == RNND_CELL_GRU ? 1024 : 1536;
+    // 1024 rows (GRU) or 1536 (LSTM), H = 64 from 512 (GRU) or 1024 (LSTM).
+    const bool h4 = sc->H % 4 == 0, gru = sc->cell == RNND_CELL_GRU;
+    const int pad_rows = sc->H <= 64 ? (gru ? 512 : 1024) : (gru ? 1024 : 1536);
     const bool h128 = sc->H == 128 || (h4 && sc->H > 96 && sc->H < 128) ||
                       (h4 && sc->H >= 64 && sc->H <= 96 && sc->B >= pad_rows && !(v & NO_PAD128));
     return gpu_sm90 && mode && h128 && sc->I % 4 == 0 && sc->I <= 64 &&
@@ -966,17 +966,20 @@ static const struct seq_case seq_cases[] = {
     {GRU, F32, 64, 64, 1, 2049, 3, 0.1, NONE, AUTO, 0},
     {GRU, F32, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0}, // two layers of the half-unit loops
     {GRU, BF16, 64, 64, 2, 2048, 3, 0.1, H0, AUTO, 0},
-    {GRU, F32, 64, 64, 1, 1024, 3, 0.1, H0, AUTO, 0},
-    {GRU, F32, 64, 64, 1, 1023, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 64, 1, 512, 3, 0.1, H0, AUTO, 0}, // where H = 64 and H = 96 start padding
+    {GRU, F32, 64, 64, 1, 511, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 96, 1, 1024, 3, 0.1, H0, AUTO, 0},
+    {GRU, F32, 64, 96, 1, 1023, 3, 0.1, H0, AUTO, 0},
     {GRU, F32, 64, 64, 1, 64, 33, 0.1, NONE, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, SEQ_REPEAT},
     {LSTM, BF16, 64, 64, 1, 2048, 4, 0.1, NONE, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 2100, 5, 0.1, HID, AUTO, 0},
     {LSTM, F32, 64, 96, 2, 2050, 3, 0.1, H0, AUTO, 0},
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
-    {LSTM, F32, 64, 64, 1, 1536, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 1024, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0},
-    {LSTM, F32, 64, 64, 1, 1535, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 64, 1, 1023, 3, 0.1, H0, AUTO, 0},
+    {LSTM, F32, 64, 96, 1, 1535, 3, 0.1, H0, AUTO, 0},
     // The GRU's wgmma forward with x 64 < I_l <= 128 wide (both modes, from 512 rows), the mma.sync
     // backward on its gate planes: layer 1 at H = 128, a wide x at layer 0, H < 128 in both
     // layers, three layers with a partial last block; x past 128, fewer rows (and the LSTM) on

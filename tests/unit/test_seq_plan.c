@@ -94,9 +94,10 @@ static void test_h100(void **state) {
                         "gru_h7_fp32: mma_fused_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, GRU, F32, 36, 124, 1, 17),
                         "gru_h124_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
-    // A layer of 64 <= H < 128 runs the loops of H = 128 from 1024 rows (GRU) or 1536 (LSTM), its
-    // units from H on zero; a second layer (I_l = H <= 64) too, with cuBLAS's weight gradients
-    // (the GRU's recomputing its gates). Below those the loops of its own width.
+    // A layer of 64 <= H < 128 runs the loops of H = 128 from 1024 rows (GRU) or 1536 (LSTM), H =
+    // 64 from 512 or 1024, its units from H on zero; a second layer (I_l = H <= 64) too, with
+    // cuBLAS's weight gradients (the GRU's recomputing its gates). Below those the loops of its
+    // own width.
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 2048),
                         "gru_h64_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, GRU, BF16, 64, 96, 1, 2048),
@@ -104,10 +105,14 @@ static void test_h100(void **state) {
     assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 2, 2048),
                         "gru_h64_fp32_l2: [0] wgmma_fwd gru_gate_tape_bwd dw16_product [1] "
                         "wgmma_fwd gru_recompute_bwd cublas_dw");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 1024),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 512),
                         "gru_h64_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
-    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 1023),
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 64, 1, 511),
                         "gru_h64_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 96, 1, 1024),
+                        "gru_h96_fp32: wgmma_fwd gru_gate_tape_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, GRU, F32, 64, 96, 1, 1023),
+                        "gru_h96_fp32: mma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 2048),
                         "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 96, 1, 2048),
@@ -117,10 +122,14 @@ static void test_h100(void **state) {
                         "wgmma_fwd mma_bwd cublas_dw");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 36, 124, 1, 17),
                         "lstm_h124_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
-    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1536),
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1024),
                         "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
-    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1535),
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 1, 1023),
                         "lstm_h64_fp32: mma_fwd mma_bwd cublas_dw");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 96, 1, 1536),
+                        "lstm_h96_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 96, 1, 1535),
+                        "lstm_h96_fp32: mma_fwd mma_bwd cublas_dw");
     // The GRU's wgmma forward fuses x up to 128 wide from 512 rows (layer 1 at H = 128, or a
     // wide x) and writes z's dw16 chunk parts there, which the gate-tape loop reads; not the
     // LSTM's. At H = 128 the mma.sync loop writes the chunks with x 128 wide (I_l <= 128) itself

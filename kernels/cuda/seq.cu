@@ -838,7 +838,7 @@ static int persist_forward(struct cuda_ctx *c, const struct rnnd_model *m, const
     const bool bf16 = m->compute == RNND_COMPUTE_BF16, lstm = m->cell == RNND_CELL_LSTM;
     if (y.fwd == SEQ_FWD_WGMMA) {
 #ifdef RNND_HAVE_WG
-        return lstm ? rnnd__wg_lstm_forward(&a, p.phase_clocks, c->stream)
+        return lstm ? rnnd__wg_lstm_forward(&a, bf16, p.phase_clocks, c->stream)
                     : rnnd__wg_gru_forward(&a, bf16, p.phase_clocks, c->stream);
 #else
         return RNND_EINVAL;     // never planned: the device has no sm_90a kernels here

@@ -126,14 +126,15 @@ long rnnd__gru_h128_backward_smem(bool bf16, int HP);
 int rnnd__gru_h128_gate_tape_backward(const struct persist_bwd_args *a, bool bf16, bool clocks,
                                       cudaStream_t stream);
 
-// The GRU and LSTM forwards on warpgroup MMAs (seq_wg.cu): TF32 mode (the GRU's also bf16),
-// 96 < H <= 128 with H % 4 == 0, fused x with 1 <= I_l <= 64 (the GRU's 128), a.vec and a.xvec,
+// The GRU and LSTM forwards on warpgroup MMAs (seq_wg.cu): TF32 mode (the GRU's also bf16, the
+// LSTM's at H <= 64), 96 < H <= 128 (or 64 <= H <= 96 padded to 128) with H % 4 == 0, fused x with 1 <= I_l <= 64 (the GRU's 128), a.vec and a.xvec,
 // z rows in seq.cu's layout; the LSTM with its fp16 gate tape (a.shalf) exactly when z rows or
 // (H = 128) z chunk parts (a.zc) are written, the GRU with it only with the chunk parts; x's
 // exponents (a.zc_ex) with the chunk parts in TF32 mode alone.
 int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, bool clocks,
                          cudaStream_t stream);
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, bool clocks,
+                          cudaStream_t stream);
 
 // The LSTM and GRU loops at H = 256 in 4-CTA clusters of `rows` (64 or 80) batch rows
 // (seq_cluster.cu, sm_90): the forward (I_l <= 64 with I_l % 4 == 0, a.x set, a.vec and a.xvec;

@@ -239,10 +239,11 @@ void rnnd__seq_plan(const struct seq_device *dev, const struct cuda_tuning *tune
             y->gates = call->tape && (!recompute(l) || y->z_chunks);
             // The wgmma forward (HP = 128, H % 4 == 0, fused x at most 64 wide, vector access)
             // in TF32 mode; in bf16 the GRU's layer 0 only where it writes the chunks and planes
-            // its backward reads (zfwd does not depend on the tape: the same loop), the LSTM's
-            // bf16 mma.sync loop being the faster. The GRU's writes its gate planes only with
-            // the chunk parts.
-            const bool wg = dev->wg && !tune->no_wg && (!bf16 || p->zfwd[l]);
+            // its backward reads (zfwd does not depend on the tape: the same loop), and the
+            // LSTM's at H <= 64, where it leaves the padding's half out (at H = 128 the LSTM's
+            // bf16 mma.sync loop is the faster). The GRU's writes its gate planes only with the
+            // chunk parts.
+            const bool wg = dev->wg && !tune->no_wg && (!bf16 || p->zfwd[l] || (lstm && H <= 64));
             if (wg && HP == 128 && H % 4 == 0 && y->xks > 0 && p->vec && xvec &&
                 (lstm || !y->gates || y->z_chunks)) {
                 y->fwd = SEQ_FWD_WGMMA;

@@ -659,24 +659,33 @@ int wg_launch(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream
     // I_l % 4 == 0, I_l <= 64 (the GRU's 128); the fp16 gate
     // tape exactly when z rows or (H = 128) z chunk parts are written, but the GRU's only with
     // a tape (with x at most 64 wide its backward may recompute the gates instead).
+    // The LSTM's bf16 loop runs at H <= 64 alone: at H = 128 its mma.sync loop is the faster
+    // (seq_plan.cu), so there is no full-width instance.
+    constexpr bool HALF_ONLY = LSTM && !HM::SCALED;
     constexpr int XMAX = LSTM ? WG_XK : 2 * WG_XK;
     const bool tape = a->z || a->zc, wide = a->Il > WG_XK;
-    if (a->H > WG_HP || a->H % 4 || a->xks <= 0 || a->Il > XMAX || a->Il < 1 || !a->x || !a->vec ||
-        !a->xvec || (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
+    if (a->H > (HALF_ONLY ? 64 : WG_HP) || a->H % 4 || a->xks <= 0 || a->Il > XMAX || a->Il < 1 ||
+        !a->x || !a->vec || !a->xvec ||
+        (a->z && (a->xoff != a->H + 4 || a->ldz != a->xoff + a->Il)) ||
         (a->zc && (a->z || !a->zc_ex != !HM::SCALED)) || (a->s && !a->shalf) ||
         (LSTM ? !tape != !a->s : (a->s && !tape) || a->c0 || a->cell))
         return RNND_EINVAL;
     const bool hid = a->hidden != nullptr, half = a->H <= 64;
-    auto kernel = half ? wg_kernel<Cell, HM, 0, WG_XK, 64>(tape, hid)
-                       : wg_kernel<Cell, HM, 0, WG_XK>(tape, hid);
+    auto kernel = wg_kernel<Cell, HM, 0, WG_XK, 64>(tape, hid);
+    if constexpr (!HALF_ONLY)
+        if (!half)
+            kernel = wg_kernel<Cell, HM, 0, WG_XK>(tape, hid);
     int smem = wg_smem<Cell, WG_XK>(tape, hid);
     if constexpr (XMAX > WG_XK)
         if (wide)
             kernel = wg_kernel<Cell, HM, 0, XMAX>(tape, hid), smem = wg_smem<Cell, XMAX>(tape, hid);
 #ifdef RNND_CUDA_PHASE_CLOCKS
-    if (clocks && !wide)
-        kernel = half ? wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK, 64>(tape, hid)
-                      : wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK>(tape, hid);
+    if (clocks && !wide) {
+        kernel = wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK, 64>(tape, hid);
+        if constexpr (!HALF_ONLY)
+            if (!half)
+                kernel = wg_kernel<Cell, HM, SEQ_CLOCKS, WG_XK>(tape, hid);
+    }
 #else
     (void)clocks;
 #endif
@@ -694,6 +703,8 @@ int rnnd__wg_gru_forward(const struct persist_fwd_args *a, bool bf16, bool clock
                 : wg_launch<cell_gru, mode_f16>(a, clocks, stream);
 }
 
-int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool clocks, cudaStream_t stream) {
-    return wg_launch<cell_lstm, mode_f16>(a, clocks, stream);
+int rnnd__wg_lstm_forward(const struct persist_fwd_args *a, bool bf16, bool clocks,
+                          cudaStream_t stream) {
+    return bf16 ? wg_launch<cell_lstm, mode_bf16>(a, clocks, stream)
+                : wg_launch<cell_lstm, mode_f16>(a, clocks, stream);
 }

@@ -978,6 +978,7 @@ static const struct seq_case seq_cases[] = {
     {LSTM, BF16, 32, 80, 1, 2048, 3, 0.2, HID, AUTO, 0},
     {LSTM, F32, 64, 64, 1, 1024, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0},
+    {LSTM, BF16, 64, 64, 2, 2048, 3, 0.1, HID, AUTO, 0}, // the bf16 wgmma forward, stored states
     {LSTM, F32, 64, 64, 1, 1023, 3, 0.1, H0, AUTO, 0},
     {LSTM, F32, 64, 96, 1, 1535, 3, 0.1, H0, AUTO, 0},
     // The GRU's wgmma forward with x 64 < I_l <= 128 wide (both modes, from 512 rows), the mma.sync

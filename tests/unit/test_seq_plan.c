@@ -117,6 +117,10 @@ static void test_h100(void **state) {
                         "lstm_h64_fp32: wgmma_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 96, 1, 2048),
                         "lstm_h96_bf16: mma_fused_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 64, 1, 2048),
+                        "lstm_h64_bf16: wgmma_fwd mma_dw16_bwd dw16_product");
+    assert_string_equal(name_of(&h100, 0, LSTM, BF16, 64, 128, 1, 2048),
+                        "lstm_h128_bf16: mma_fused_fwd mma_dw16_bwd dw16_product");
     assert_string_equal(name_of(&h100, 0, LSTM, F32, 64, 64, 2, 2048),
                         "lstm_h64_fp32_l2: [0] wgmma_fwd mma_dw16_bwd dw16_product [1] "
                         "wgmma_fwd mma_bwd cublas_dw");

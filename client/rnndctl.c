@@ -56,11 +56,14 @@ static const char usage[] =
     "  checkpoint [--path DIR]\n"
     "        SaveCheckpoint; prints the directory written and the model version.\n"
     "  bench [--connections N] [--envs E] [--duration S] [--warmup S] [--stream] [--shm]\n"
-    "        [--dtype float32|bfloat16] [--env-base ID] [--seed N] [--no-floor]\n"
+    "        [--dtype float32|bfloat16] [--env-base ID] [--seed N] [--no-floor | --paired]\n"
     "        N connections (default 1), each one thread stepping E envs per request (default 1)\n"
     "        back to back for S seconds (default 5) after a warm-up (default 1 s); prints\n"
     "        env-steps/s, requests/s and latency p50/p90/p99, then the same for GetModelInfo\n"
-    "        over the same connections (the transport floor) unless --no-floor. --stream uses\n"
+    "        over the same connections (the transport floor) unless --no-floor. --paired times\n"
+    "        the floor in the same window instead: each connection follows every Step with a\n"
+    "        GetModelInfo, so that the p50s' ratio compares calls made side by side. --stream "
+    "uses\n"
     "        StepStream (one stream per connection) instead of unary Step. --shm sends the\n"
     "        tensors through shared memory (one region per connection; a unix: or loopback\n"
     "        target on the daemon's host, as its user). --dtype: of the obs sent\n"
@@ -183,7 +186,7 @@ struct args {
     const char *target, *tls_ca, *tls_cert, *tls_key, *tls_name, *token_file, *timeout;
     const char *service, *env, *obs, *seed, *steps, *step_index, *path;
     const char *connections, *envs, *duration, *warmup, *env_base, *dtype;
-    bool watch, init, state, full, stream, shm, no_floor, help, version;
+    bool watch, init, state, full, stream, shm, no_floor, paired, help, version;
 };
 
 static int parse_args(int argc, char **argv, struct args *a) {
@@ -223,6 +226,7 @@ static int parse_args(int argc, char **argv, struct args *a) {
         {"--stream", NULL, &a->stream},
         {"--shm", NULL, &a->shm},
         {"--no-floor", NULL, &a->no_floor},
+        {"--paired", NULL, &a->paired},
         {"--help", NULL, &a->help},
         {"-h", NULL, &a->help},
         {"--version", NULL, &a->version},
@@ -626,6 +630,7 @@ struct bench {
     enum rnnd_dtype dtype; // of the obs sent and the outputs asked for: FLOAT32 or BFLOAT16
     uint64_t env_base, seed;
     bool stream, floor; // floor: GetModelInfo instead of Step
+    bool paired;        // a GetModelInfo after every Step, timed apart (lat_floor)
     size_t shm;         // each connection's tensors through a region of this size; 0: bytes
     double t_measure, t_end;
     pthread_barrier_t start;
@@ -635,8 +640,8 @@ struct bench_thread {
     struct bench *b;
     int idx;
     pthread_t tid;
-    struct lat_buf lat;
-    uint64_t env_steps, errors, calls;
+    struct lat_buf lat, lat_floor;
+    uint64_t env_steps, errors, calls, calls_floor;
     char first_error[1200];
 };
 
@@ -736,6 +741,18 @@ static void *bench_main(void *arg) {
             t->env_steps += b->floor ? 0 : (uint64_t)E;
             lat_push(&t->lat, (float)((t1 - t0) * 1e6));
         }
+        if (b->paired) {
+            struct rnnd_model_info info;
+            double t2 = now_s();
+            err = rnnd_client_info(c, &info);
+            double t3 = now_s();
+            if (err)
+                note_error(t, "GetModelInfo");
+            else if (t2 >= b->t_measure && t3 <= b->t_end) {
+                t->calls_floor++;
+                lat_push(&t->lat_floor, (float)((t3 - t2) * 1e6));
+            }
+        }
     }
 out:
     if (s) {
@@ -763,7 +780,39 @@ static float pct(const float *v, size_t n, double p) {
     return v[k >= n ? n - 1 : k];
 }
 
-static int bench_run(struct bench *b, double warmup, double duration, struct bench_result *res) {
+// The calls' rates and latencies of the threads' Steps (floor: their GetModelInfo calls, paired).
+static void bench_collect(struct bench_thread *t, int n, bool floor, double duration,
+                          struct bench_result *res) {
+    size_t total = 0;
+    for (int k = 0; k < n; k++) {
+        const struct lat_buf *l = floor ? &t[k].lat_floor : &t[k].lat;
+        total += l->n;
+        res->calls += floor ? t[k].calls_floor : t[k].calls;
+        res->env_steps_per_s += floor ? 0.0 : (double)t[k].env_steps;
+    }
+    float *all = malloc((total ? total : 1) * sizeof *all);
+    size_t m = 0;
+    double sum = 0;
+    for (int k = 0; k < n; k++) {
+        const struct lat_buf *l = floor ? &t[k].lat_floor : &t[k].lat;
+        memcpy(all + m, l->v, l->n * sizeof *all);
+        m += l->n;
+        for (size_t i = 0; i < l->n; i++)
+            sum += l->v[i];
+    }
+    qsort(all, m, sizeof *all, cmp_float);
+    res->calls_per_s = (double)res->calls / duration;
+    res->env_steps_per_s /= duration;
+    res->p50 = pct(all, m, 0.50);
+    res->p90 = pct(all, m, 0.90);
+    res->p99 = pct(all, m, 0.99);
+    res->mean = m ? sum / (double)m : NAN;
+    free(all);
+}
+
+// One run of b's load; floor (paired runs) gets the GetModelInfo calls' figures.
+static int bench_run(struct bench *b, double warmup, double duration, struct bench_result *res,
+                     struct bench_result *floor) {
     struct bench_thread *t = calloc((size_t)b->conns, sizeof *t);
     pthread_barrier_init(&b->start, NULL, (unsigned)b->conns + 1);
     for (int k = 0; k < b->conns; k++) {
@@ -777,36 +826,24 @@ static int bench_run(struct bench *b, double warmup, double duration, struct ben
     b->t_measure = now_s() + warmup;
     b->t_end = b->t_measure + duration;
     pthread_barrier_wait(&b->start);
-    size_t total = 0;
     memset(res, 0, sizeof *res);
     for (int k = 0; k < b->conns; k++) {
         pthread_join(t[k].tid, NULL);
-        total += t[k].lat.n;
-        res->calls += t[k].calls;
         res->errors += t[k].errors;
-        res->env_steps_per_s += (double)t[k].env_steps;
-    }
-    float *all = malloc((total ? total : 1) * sizeof *all);
-    size_t n = 0;
-    double sum = 0;
-    for (int k = 0; k < b->conns; k++) {
-        memcpy(all + n, t[k].lat.v, t[k].lat.n * sizeof *all);
-        n += t[k].lat.n;
-        for (size_t i = 0; i < t[k].lat.n; i++)
-            sum += t[k].lat.v[i];
-        if (t[k].first_error[0] && res->errors)
+        if (t[k].first_error[0] && t[k].errors)
             fprintf(stderr, "rnndctl bench: connection %d: %" PRIu64 " errors, first: %s\n", k,
                     t[k].errors, t[k].first_error);
-        free(t[k].lat.v);
     }
-    qsort(all, n, sizeof *all, cmp_float);
-    res->calls_per_s = (double)res->calls / duration;
-    res->env_steps_per_s /= duration;
-    res->p50 = pct(all, n, 0.50);
-    res->p90 = pct(all, n, 0.90);
-    res->p99 = pct(all, n, 0.99);
-    res->mean = n ? sum / (double)n : NAN;
-    free(all);
+    bench_collect(t, b->conns, false, duration, res);
+    if (floor) {
+        memset(floor, 0, sizeof *floor);
+        bench_collect(t, b->conns, true, duration, floor);
+        floor->errors = res->errors;
+    }
+    for (int k = 0; k < b->conns; k++) {
+        free(t[k].lat.v);
+        free(t[k].lat_floor.v);
+    }
     free(t);
     pthread_barrier_destroy(&b->start);
     return 0;
@@ -831,6 +868,8 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
         return usage_err("bad --env-base \"%s\"", a->env_base);
     if (a->seed && !parse_num(a->seed, 0, 1.8e19, &seed))
         return usage_err("bad --seed \"%s\"", a->seed);
+    if (a->paired && a->no_floor)
+        return usage_err("%s: the floor is timed beside the Steps or not at all", "--paired");
     // Every call allocates and frees request and reply buffers of hundreds of KB on each
     // connection's thread; with glibc's default thresholds they go back to the kernel and are
     // faulted in again. At 32 streams x 1024 envs on a 16-CPU H200 host that cost the bench
@@ -852,7 +891,8 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
                       .dtype = dtype,
                       .env_base = (uint64_t)base,
                       .seed = (uint64_t)seed,
-                      .stream = a->stream};
+                      .stream = a->stream,
+                      .paired = a->paired};
     // Room for one request and its reply (with state), twice over.
     size_t row = (size_t)(info.input_size + 3 * info.num_layers * info.hidden_size) * sizeof(float);
     if (a->shm)
@@ -869,16 +909,19 @@ static int cmd_bench(struct rnnd_client *c, const struct args *a) {
            b.conns, b.envs, b.stream ? "StepStream" : "unary Step",
            b.shm ? " through shared memory" : "", rnnd_dtype_name(b.dtype), duration, warmup);
     struct bench_result step, floor;
-    bench_run(&b, warmup, duration, &step);
+    bench_run(&b, warmup, duration, &step, b.paired ? &floor : NULL);
     printf("Step          %12.0f env-steps/s  %10.0f req/s   ", step.env_steps_per_s,
            step.calls_per_s);
     print_lat(&step);
     if (!a->no_floor) {
-        b.floor = true;
-        bench_run(&b, warmup, duration, &floor);
+        if (!b.paired) {
+            b.floor = true;
+            bench_run(&b, warmup, duration, &floor, NULL);
+        }
         printf("GetModelInfo  %12s              %10.0f req/s   ", "", floor.calls_per_s);
         print_lat(&floor);
-        printf("Step p50 / GetModelInfo p50: %.2fx\n", step.p50 / floor.p50);
+        printf("Step p50 / GetModelInfo p50: %.2fx%s\n", step.p50 / floor.p50,
+               b.paired ? " (paired: each Step followed by a GetModelInfo)" : "");
     }
     return step.errors || (!a->no_floor && floor.errors) ? 1 : 0;
 }

@@ -246,6 +246,16 @@ static void test_rnndctl(void **state) {
     free(out);
     EXPECT_CTL(ctl(f, &out, "bench", "--dtype", "int8", NULL, NULL, NULL), 2, "bad --dtype");
     free(out);
+    // --paired: the floor from the same window, a GetModelInfo after every Step on each
+    // connection, both lines with calls in them.
+    EXPECT_CTL(ctl7(f, &out, "bench", "-c", "2", "-d", "0.3", "--warmup=0.1", "--paired", NULL), 0,
+               "(paired");
+    assert_non_null(strstr(out, "GetModelInfo"));
+    assert_null(strstr(out, " 0 req/s"));
+    assert_null(strstr(out, "nan"));
+    free(out);
+    EXPECT_CTL(ctl(f, &out, "bench", "--paired", "--no-floor", NULL, NULL, NULL), 2, "--paired");
+    free(out);
     EXPECT_CTL(ctl(f, &out, "step", "--env", "70000", NULL, NULL, NULL), 1, "FAILED_PRECONDITION");
     free(out);
     EXPECT_CTL(ctl(f, &out, "end", "--env", "700,701", NULL, NULL, NULL), 0, "released 2");

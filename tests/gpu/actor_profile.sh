@@ -5,8 +5,9 @@
 # rows and requests a batch, the engine thread's time a batch in each phase (admit, gather, the
 # backend's step with its copies and sync, update, reply), the queue delay and the unary Step's
 # time in the daemon, and the share of the run the engine spent in those phases.
-# Loads: 1 env x 1 connection (latency, with the GetModelInfo floor), 16 connections x 64 envs
-# (unary), 32 StepStreams x 1024 envs in fp32 and in bf16.
+# Loads: 1 env x 1 connection (latency, with the GetModelInfo floor timed after the Steps, then
+# beside them: --paired), 16 connections x 64 envs (unary), 32 StepStreams x 1024 envs in fp32
+# and in bf16.
 # Usage (repository root on the GPU host, from a bundle of deploy/bundle.sh):
 #   tests/gpu/actor_profile.sh [BUNDLE.tar.xz] [RNND FLAGS...]
 # With each load, the CPUs each thread name of the daemon and the bench used over two of its
@@ -127,6 +128,7 @@ bench() {
 }
 if [ -z "${LOADS:-}" ]; then
     bench --connections 1 --envs 1
+    bench --connections 1 --envs 1 --paired
     bench --connections 16 --envs 64 --no-floor
 fi
 bench --connections 32 --envs 1024 --no-floor --stream

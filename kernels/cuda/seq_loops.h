@@ -127,7 +127,8 @@ int rnnd__gru_h128_gate_tape_backward(const struct persist_bwd_args *a, bool bf1
                                       cudaStream_t stream);
 
 // The GRU and LSTM forwards on warpgroup MMAs (seq_wg.cu): TF32 mode (the GRU's also bf16, the
-// LSTM's at H <= 64), 96 < H <= 128 (or 64 <= H <= 96 padded to 128) with H % 4 == 0, fused x with 1 <= I_l <= 64 (the GRU's 128), a.vec and a.xvec,
+// LSTM's at H <= 64), 96 < H <= 128 (or 64 <= H <= 96 padded to 128) with H % 4 == 0, fused x
+// with 1 <= I_l <= 64 (the GRU's 128), a.vec and a.xvec,
 // z rows in seq.cu's layout; the LSTM with its fp16 gate tape (a.shalf) exactly when z rows or
 // (H = 128) z chunk parts (a.zc) are written, the GRU with it only with the chunk parts; x's
 // exponents (a.zc_ex) with the chunk parts in TF32 mode alone.

@@ -67,6 +67,8 @@ static void cuda_destroy(void *ctx) {
     cudaFree(c->d_step_bar);
     if (c->ipc_ev)
         cudaEventDestroy(c->ipc_ev);
+    if (c->mark_ev)
+        cudaEventDestroy(c->mark_ev);
     if (c->h_norm)
         cudaFreeHost(c->h_norm);
     if (c->h_first)
@@ -295,6 +297,23 @@ static int cuda_zero(void *ctx, void *dst, size_t bytes) {
 static int cuda_sync(void *ctx) {
     struct cuda_ctx *c = (struct cuda_ctx *)ctx;
     RNND_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+static int cuda_mark(void *ctx) {
+    struct cuda_ctx *c = (struct cuda_ctx *)ctx;
+    cudaStreamCaptureStatus cs;
+    RNND_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs));
+    // In a recording, a node of its own (External: the flag is refused outside one), which
+    // each replay records.
+    RNND_CUDA_TRY(cs == cudaStreamCaptureStatusActive
+                      ? cudaEventRecordWithFlags(c->mark_ev, c->stream, cudaEventRecordExternal)
+                      : cudaEventRecord(c->mark_ev, c->stream));
+    return 0;
+}
+
+static int cuda_sync_mark(void *ctx) {
+    RNND_CUDA_TRY(cudaEventSynchronize(((struct cuda_ctx *)ctx)->mark_ev));
     return 0;
 }
 
@@ -568,6 +587,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .copy = */ cuda_copy,
     /* .zero = */ cuda_zero,
     /* .sync = */ cuda_sync,
+    /* .mark = */ cuda_mark,
+    /* .sync_mark = */ cuda_sync_mark,
     /* .nonfinite = */ cuda_nonfinite,
     /* .ipc_open = */ cuda_ipc_open,
     /* .ipc_close = */ cuda_ipc_close,
@@ -631,6 +652,7 @@ static int ctx_init(struct cuda_ctx *c, int device, char *name, size_t name_len)
     RNND_CUDA_TRY(cudaMallocHost(&c->h_first, sizeof(*c->h_first)));
     RNND_CUDA_TRY(cudaMalloc(&c->d_step_bar, 2 * sizeof(unsigned)));
     RNND_CUDA_TRY(cudaMemset(c->d_step_bar, 0, 2 * sizeof(unsigned)));
+    RNND_CUDA_TRY(cudaEventCreateWithFlags(&c->mark_ev, cudaEventDisableTiming));
     // Where the driver cannot share an event, CUDA regions get no early replies.
     if (cudaEventCreateWithFlags(&c->ipc_ev, cudaEventInterprocess | cudaEventDisableTiming) !=
             cudaSuccess ||

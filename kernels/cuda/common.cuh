@@ -109,6 +109,7 @@ struct cuda_ctx {
     // where the driver cannot share one.
     cudaEvent_t ipc_ev;
     cudaIpcEventHandle_t ipc_handle;
+    cudaEvent_t mark_ev;     // mark, sync_mark
     struct cuda_tuning tune; // the bench's and the tests' overrides (tuning.h); zero otherwise
     long long *d_dbg;        // phase clocks (RNND_CUDA_PHASE_CLOCKS): [2][1024][8] fwd, bwd
     // The last work enqueued on the stream is rnn_step's (which writes no weights), so the next

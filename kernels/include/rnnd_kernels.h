@@ -351,6 +351,12 @@ struct rnnd_backend_ops {
     int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     int (*zero)(void *ctx, void *dst, size_t bytes);
     int (*sync)(void *ctx);
+    // mark: a point in the work enqueued so far; sync_mark returns once the work before the last
+    // mark is done, while what was enqueued after it may still run (a step's reply need not wait
+    // for its trajectory write). A recording holds its mark, and each replay moves it. NULL ops
+    // where ops are done when they return (CPU).
+    int (*mark)(void *ctx);
+    int (*sync_mark)(void *ctx);
     // Synchronous: *first = the index of the first NaN or infinity among n floats at x (backend
     // memory), or -1 when every one is finite. For inputs the server does not read on the host:
     // CUDA regions, and socket regions in host_alloc memory, checked once they are in place.

@@ -6,8 +6,8 @@
  * (ties, subnormals, overflow to Inf; NaN only has to stay NaN); and copy_in / copy_out between
  * page-locked (host_alloc), pageable or registered (host_register: a shared memfd mapping, as a
  * shared-memory region's) memory and the device at every alignment, at the sizes around the
- * small copies' threshold (copied by a kernel) and above it (DMA). Exits 77 (CTest: skipped)
- * when no CUDA device is usable.
+ * small copies' threshold (copied by a kernel) and above it (DMA); and mark / sync_mark, op by
+ * op and in a replayed recording. Exits 77 (CTest: skipped) when no CUDA device is usable.
  */
 #include "rnnd_kernels.h"
 
@@ -309,6 +309,64 @@ static void test_copies(struct rnnd_backend *gpu) {
     free(whole);
 }
 
+// ---------------------------------------------------------------------------------------------
+// mark, sync_mark
+
+// The work before the last mark is done when sync_mark returns (a Step's reply: its outputs'
+// copy back, not the store write after it), enqueued op by op and replayed from a recording,
+// where the mark must be a node that each replay records again. Ahead of the copy the mark
+// covers, a zero of 256 MB (~0.1 ms), so that a sync_mark that did not wait would find the host
+// buffer as it was; after the mark, another.
+static void test_mark(struct rnnd_backend *gpu) {
+    enum { BIG = 256 << 20, N = 4096 };
+    const struct rnnd_backend_ops *ops = gpu->ops;
+    unsigned char *big = NULL, *after = NULL, *dev = NULL, *host = NULL, *ones = malloc(N);
+    if (ones == NULL || ops->alloc(gpu->ctx, BIG, (void **)&big) != 0 ||
+        ops->alloc(gpu->ctx, BIG, (void **)&after) != 0 ||
+        ops->alloc(gpu->ctx, N, (void **)&dev) != 0 ||
+        ops->host_alloc(gpu->ctx, N, (void **)&host) != 0)
+        abort();
+    memset(ones, 1, N);
+    void *unit = NULL;
+    for (int pass = 0; pass < 2; pass++) { // 0: op by op; 1: recorded once, replayed thrice
+        bool ok = true;
+        for (int r = 0; r < (pass ? 3 : 1); r++) {
+            // dev holds ones and host 0xa5 until the work, behind the big zero, zeroes both.
+            memset(host, 0xa5, N);
+            if (ops->copy_in(gpu->ctx, dev, ones, N) != 0 || ops->sync(gpu->ctx) != 0)
+                abort();
+            if (r == 0) {
+                int rc = pass ? ops->record_begin(gpu->ctx) : 0;
+                rc = rc ? rc : ops->zero(gpu->ctx, big, BIG);
+                rc = rc ? rc : ops->zero(gpu->ctx, dev, N);
+                rc = rc ? rc : ops->copy_out_async(gpu->ctx, host, dev, N);
+                rc = rc ? rc : ops->mark(gpu->ctx);
+                rc = rc ? rc : ops->zero(gpu->ctx, after, BIG);
+                if (pass) {
+                    int end = ops->record_end(gpu->ctx, &unit);
+                    rc = rc ? rc : end;
+                }
+                check(rc == 0 && (!pass || unit), pass ? "mark in a recording" : "mark");
+            }
+            if (pass && unit && ops->replay(gpu->ctx, unit) != 0)
+                abort();
+            check(ops->sync_mark(gpu->ctx) == 0, "sync_mark");
+            for (int i = 0; i < N; i++)
+                ok = ok && host[i] == 0;
+            if (ops->sync(gpu->ctx) != 0)
+                abort();
+        }
+        check(ok, pass ? "sync_mark waits for the work before a replayed recording's mark"
+                       : "sync_mark waits for the work before the mark");
+    }
+    ops->free_unit(gpu->ctx, unit);
+    ops->free(gpu->ctx, big);
+    ops->free(gpu->ctx, after);
+    ops->free(gpu->ctx, dev);
+    ops->host_free(gpu->ctx, host);
+    free(ones);
+}
+
 int main(void) {
     struct rnnd_backend gpu, cpu;
     if (rnnd_backend_cuda_init(&gpu, 0) != 0) {
@@ -321,6 +379,9 @@ int main(void) {
     test_traj(&gpu, &cpu, RNND_CELL_LSTM, 3);
     test_cast(&gpu);
     test_copies(&gpu);
+    test_mark(&gpu);
+    check(cpu.ops->mark == NULL && cpu.ops->sync_mark == NULL,
+          "the CPU backend's ops are done when they return: no marks");
     rnnd_backend_free(&gpu);
     rnnd_backend_free(&cpu);
     printf("%d failures\n", failures);

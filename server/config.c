@@ -187,8 +187,8 @@ static const struct opt opts[] = {
      "threads per device that send a batch's Step replies (-1: a quarter of the device's share "
      "of the CPUs, none under 8; 0: the engine)"},
     {"inline-steps", INT(inline_steps, 0, 1), "0|1",
-     "run a Step (a device backend's only up to 64 rows) or a learner's Forward, Backward or "
-     "ApplyGradients that finds the engine idle on the gRPC thread that received it"},
+     "run a Step that finds the engine idle on the gRPC thread that received it (a device "
+     "backend's only up to 64 rows)"},
     {"step-lookahead", INT(step_lookahead, -1, 1), "-1|0|1",
      "gather the next Step batch while one runs on the backend (-1: with backend memory of its "
      "own, as CUDA's)"},

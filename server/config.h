@@ -64,7 +64,7 @@ struct rnnd_config {
     int engine_spin_us;  // the engine (and its row workers) poll this long for work before sleeping
     int grpc_threads;    // completion-queue threads; 0: automatic (1 per 4 CPUs, 1 to 4)
     int reply_threads;  // threads sending Step replies; -1: automatic (0 under 8 CPUs, else CPUs/4)
-    int inline_steps;   // a Step or learner call arriving at an idle engine runs on its gRPC thread
+    int inline_steps;   // CPU backend: a Step arriving at an idle engine runs on its gRPC thread
     int step_lookahead; // gather the next Step batch while one runs; -1: where memory is separate
     int max_streams;    // rnnd.v1 calls (unary and StepStream) in progress at once
     int max_reply_mb;   // memory for replies not yet read by their clients

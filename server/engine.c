@@ -673,44 +673,7 @@ void rnnd_engine_wake(struct rnnd_engine *e) {
     rnnd_batcher_wake(e->batcher);
 }
 
-// A learner's call that may run on the thread that received it (inline_steps): Forward and
-// Backward on this engine alone, ApplyGradients without replicas (whose collectives wait for
-// peers). What else the control queue holds (checkpoints, weights, EndEpisodes) stays on the
-// engine thread.
-static bool learner_job(const struct rnnd_engine *e, const struct rnnd_job *job) {
-    switch (job->kind) {
-        case RNND_JOB_FORWARD:
-            return !job->fwd.part;
-        case RNND_JOB_BACKWARD:
-            return !job->bwd.part;
-        case RNND_JOB_APPLY:
-            return e->replicas == NULL;
-        default:
-            return false;
-    }
-}
-
-// Runs a learner's job on this thread when the engine is idle and no other control job waits
-// (they run first, in order): as the engine thread would, without the hand-off to it and back.
-// On the H200 host: 50-100 us less of a CUDA learner's Forward and Backward each in the daemon
-// (journal service-02 s31).
-static bool submit_inline(struct rnnd_engine *e, struct rnnd_job *job) {
-    if (!atomic_load_explicit(&e->inline_steps, memory_order_acquire) ||
-        pthread_mutex_trylock(&e->emu) != 0)
-        return false;
-    bool run = !e->stopping && learner_job(e, job) && !rnnd_batcher_controls(e->batcher) &&
-               (e->be.ops->bind == NULL || e->be.ops->bind(e->be.ctx) == 0);
-    if (run) {
-        settle(e);
-        run_control(e, job); // the job may be finished and freed here
-    }
-    pthread_mutex_unlock(&e->emu);
-    return run;
-}
-
 void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job) {
-    if (submit_inline(e, job))
-        return;
     pthread_mutex_lock(&e->lock);
     bool closed = e->closed;
     if (!closed)

@@ -6,8 +6,7 @@
  * Work arrives as jobs through the batcher (batcher.h): Step jobs are merged into batches, every
  * other kind runs alone, between batches (so a weight swap never lands inside a batch). Whoever
  * submits a job keeps ownership of its inputs; the engine fills its outputs and then calls
- * job->done(job) on the thread acting as the engine (the engine thread, or the submitting
- * thread for inline Steps and learner calls), after which it never touches the job again. A job the
+ * job->done(job) on the engine thread, after which it never touches the job again. A job the
  * engine refuses is finished the same way, with job->err < 0 and job->msg saying what was wrong
  * and what to send instead; a refused job changed no state.
  *
@@ -60,8 +59,7 @@ void rnnd_engine_kick(struct rnnd_engine *e);
 // Wakes the engine thread so that it looks at its queue again: a held Step part may now run or
 // give up (struct rnnd_step_vote). Any thread.
 void rnnd_engine_wake(struct rnnd_engine *e);
-// Queues any other job (any thread), or runs a learner's call at once on this thread when the
-// engine is idle (--inline-steps); done is always called.
+// Queues any other job (any thread); done is always called.
 void rnnd_engine_submit(struct rnnd_engine *e, struct rnnd_job *job);
 // Queues one housekeeping pass (idle eviction, tape expiry, periodic checkpoint) unless one is
 // already queued (any thread; the cron calls it).

@@ -87,9 +87,8 @@ struct rnnd_engine {
     // The engine lock: whoever holds it acts as the engine (owns everything below). The engine
     // thread holds it while it works; another thread may take it to run a Step batch while the
     // engine thread sleeps (inline_steps): any Step with the CPU backend, a small one with a
-    // backend that binds the thread to its device first (CUDA), and a learner's Forward,
-    // Backward or ApplyGradients (engine.c, submit_inline). Every other job stays on the engine
-    // thread.
+    // backend that binds the thread to its device first (CUDA). Every other job's device work
+    // stays on the engine thread.
     pthread_mutex_t emu;
     _Atomic bool inline_steps;
     pthread_mutex_t lock; // guards closed

@@ -254,7 +254,7 @@ struct rnnd_job {
     char msg[512];                // out: what was wrong, when err < 0
     uint64_t model_version;       // out: the version the job saw (or made)
     const _Atomic int *cancelled; // optional: nonzero when the client gave up (skip if queued)
-    void (*done)(struct rnnd_job *job); // called once, by the thread acting as the engine
+    void (*done)(struct rnnd_job *job); // called once on the engine thread
     void *owner;                        // the submitter's
     void *aux;                          // the submitter's
     struct rnnd_threadpool_task reply;  // the engine's: sends a Step's reply on a reply thread

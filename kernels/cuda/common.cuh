@@ -83,7 +83,6 @@ static __device__ __forceinline__ void pdl_wait() {
 // The backend context (one per rnnd_backend; one thread at a time).
 
 #define SEQ_GRAPHS          8   // a forward and a backward for each of up to four layers
-#define SEQ_DW_ORDERS       8   // weight-gradient GEMM shapes a context remembers
 #define SEQ_GRAPH_KEY_BYTES 320 // seq.cu's struct stepwise_key fits (static_assert there)
 
 struct seq_graph {
@@ -138,15 +137,6 @@ struct cuda_ctx {
     // way.
     struct seq_graph seq_graphs[SEQ_GRAPHS];
     unsigned long long seq_graph_calls;
-    // The weight-gradient GEMM's way for each shape met (seq.cu, dw_gemm): timed once, kept
-    // while the context lives; the oldest gives way.
-    struct dw_order {
-        int M4, ldz, K;
-        enum rnnd_compute mode; // cuBLAS's speeds differ by operand type
-        bool f16;               // on seq.cu's dw_f16 operands
-        int how;                // seq.cu's dw_how
-    } dw_orders[SEQ_DW_ORDERS];
-    int ndw_orders;
 };
 
 // The power of two 2^(top - e) for a maximum m = f 2^e (f in [0.5, 1)): it puts m in

@@ -644,16 +644,14 @@ static __global__ void dx16_scale_kernel(float *dx, int n, size_t K, const float
 
 // tmp = z^T D over K rows (D: 4H columns, z: ldz), in one of three ways (dw_how): D's 4H columns
 // as cuBLAS's M (D column q with z column k at k * 4H + q); z's ldz columns as M (at q * ldz + k);
-// or the same in two products, z's first ldz rounded down to 128 columns and the rest. cuBLAS runs
-// the first two at speeds up to 1.4x apart, either way round (M = 4H faster at H = 256 I = 64,
-// journal seq-04; M = ldz 1.4x faster at H = 512 I = 512 and 5% slower at H = 1024 I = 512,
-// seq-09), and a few columns past a multiple of its tiles can cost a second wave of them (ldz
-// = 1028 at H = 512 I = 512: 144 tiles of 128 x 128 for 132 SMs). So a context times each once a
-// shape, compute mode and operand type (h: the fp16 operands), outside any recording, and keeps
-// the fastest (*ldz_m: whether its layout is the second's): within a context a shape's way, and
-// so its results, stay the same.
-enum dw_how { DW_M4, DW_MLDZ, DW_MSPLIT, DW_HOWS };
-#define DW_TIMED 3 // runs timed of each way: one alone kept a way 2.5% slower (journal seq-09)
+// or the same in two products, z's first ldz rounded down to 128 columns and the rest (a few
+// columns past a multiple of cuBLAS's tiles cost a second wave of them: ldz = 1028 at H = 512
+// I = 512 is 144 tiles of 128 x 128 for 132 SMs). The way follows from the shape alone, so that
+// every process computes the same bits: one timed per context made two daemons' weights differ
+// in their last bits after the same update (journal service-02 s37). On the H200 the split is
+// the fastest or level with the fastest from ldz = 512 (the per-step rows, LSTM H = 384 to 2048),
+// and below that the three are within 1-3% of one another, where D's columns as M stays.
+enum dw_how { DW_M4, DW_MLDZ, DW_MSPLIT };
 static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, int K,
                    const float *d, const float *z, const dw_f16 *h, float *tmp, bool *ldz_m) {
     const int m0 = ldz / 128 * 128; // DW_MSPLIT's first part
@@ -666,64 +664,17 @@ static int dw_gemm(struct cuda_ctx *c, enum rnnd_compute mode, int M4, int ldz, 
         return zm ? gemm(c, mode, N, T, m, n, K, z + k0, ldz, d, M4, 0.0f, tmp + k0, ldz)
                   : gemm(c, mode, N, T, m, n, K, d, M4, z, ldz, 0.0f, tmp, M4);
     };
-    auto run = [&](int how) -> int {
-        if (how == DW_M4)
-            return part(M4, ldz, 0, false);
-        const int m = how == DW_MSPLIT ? m0 : ldz;
-        RNND_TRY(part(m, M4, 0, true));
-        return m < ldz ? part(ldz - m, M4, m, true) : 0;
-    };
-    const int forced = c->tune.dw_m4       ? DW_M4
-                       : c->tune.dw_mldz   ? DW_MLDZ
-                       : c->tune.dw_msplit ? DW_MSPLIT
-                                           : -1;
-    if (forced >= 0) { // the tests' and the bench's choice
-        *ldz_m = forced != DW_M4;
-        return run(forced);
-    }
-    for (int i = 0; i < c->ndw_orders && i < SEQ_DW_ORDERS; i++) {
-        const struct cuda_ctx::dw_order &o = c->dw_orders[i];
-        if (o.M4 == M4 && o.ldz == ldz && o.K == K && o.mode == mode && o.f16 == (h != nullptr)) {
-            *ldz_m = o.how != DW_M4;
-            return run(o.how);
-        }
-    }
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    RNND_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs));
-    *ldz_m = false;
-    if (cs != cudaStreamCaptureStatusNone) // no timing in a recording: the first way
-        return run(DW_M4);
-    const int hows = m0 > 0 && m0 < ldz ? DW_HOWS : DW_MSPLIT;
-    cudaEvent_t ev[2 * DW_HOWS] = {};
-    float ms[DW_HOWS] = {};
-    int rc = 0;
-    for (int k = 0; k < 2 * hows && rc == 0; k++)
-        rc = cudaEventCreate(&ev[k]) == cudaSuccess ? 0 : RNND_EDEVICE;
-    for (int how = 0; how < hows && rc == 0; how++) { // each once, then DW_TIMED times timed
-        rc = run(how);
-        if (rc == 0 && cudaEventRecord(ev[2 * how], c->stream) != cudaSuccess)
-            rc = RNND_EDEVICE;
-        for (int k = 0; k < DW_TIMED && rc == 0; k++)
-            rc = run(how);
-        if (rc == 0 && cudaEventRecord(ev[2 * how + 1], c->stream) != cudaSuccess)
-            rc = RNND_EDEVICE;
-    }
-    if (rc == 0 && cudaEventSynchronize(ev[2 * hows - 1]) != cudaSuccess)
-        rc = RNND_EDEVICE;
-    int best = DW_M4;
-    for (int how = 0; how < hows && rc == 0; how++) {
-        if (cudaEventElapsedTime(&ms[how], ev[2 * how], ev[2 * how + 1]) != cudaSuccess)
-            rc = RNND_EDEVICE;
-        best = ms[how] < ms[best] ? how : best;
-    }
-    for (int k = 0; k < 2 * DW_HOWS; k++)
-        if (ev[k])
-            cudaEventDestroy(ev[k]);
-    RNND_TRY(rc);
-    struct cuda_ctx::dw_order &o = c->dw_orders[c->ndw_orders++ % SEQ_DW_ORDERS];
-    o.M4 = M4, o.ldz = ldz, o.K = K, o.mode = mode, o.f16 = h != nullptr, o.how = best;
-    *ldz_m = best != DW_M4;
-    return run(best);
+    const enum dw_how how = c->tune.dw_m4       ? DW_M4 // the tests' and the bench's choice
+                            : c->tune.dw_mldz   ? DW_MLDZ
+                            : c->tune.dw_msplit ? DW_MSPLIT
+                            : ldz >= 512        ? DW_MSPLIT
+                                                : DW_M4;
+    *ldz_m = how != DW_M4;
+    if (how == DW_M4)
+        return part(M4, ldz, 0, false);
+    const int m = how == DW_MSPLIT && m0 > 0 ? m0 : ldz;
+    RNND_TRY(part(m, M4, 0, true));
+    return m < ldz ? part(ldz - m, M4, m, true) : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1271,7 +1222,7 @@ int rnnd__cuda_rnn_backward(struct cuda_ctx *c, const struct rnnd_seq_grads *gra
         }
 
         // [dW_ih | dW_hh | db] (ldz rows of 4H) = z^T D over every row and step, added into
-        // the gradients, by cuBLAS in whichever order dw_gemm timed faster, after the per-step
+        // the gradients, by cuBLAS in the way dw_gemm takes for the shape, after the per-step
         // backward on fp16 operands (dw16_operands). Where the loop wrote dw16 chunks, our
         // product on them, which adds its sums in place (docs/kernels.md).
         struct layer_params gp = rnnd__cuda_layer_params(m, l, grads->params);

@@ -887,8 +887,8 @@ static void test_step16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cp
     seq_host_free(&h);
 }
 
-// cuBLAS's weight gradients in each of their three ways (seq.cu, dw_gemm: a context times them
-// once a shape and keeps the fastest, so that a run alone tests one of them): case sc against
+// cuBLAS's weight gradients in each of their three ways (seq.cu, dw_gemm: the shape picks one,
+// so that a run alone tests one of them): case sc against
 // the CPU reference with each forced by variant bits. The cases' ldz (236, 204) is no multiple
 // of 128, so the third splits it.
 static void test_dw_orders(struct rnnd_backend *gpu, struct rnnd_backend *cpu,

@@ -32,6 +32,7 @@
 
 #include "client_internal.h"
 #include "grpc/health/v1/health.pb-c.h"
+#include "grpc_start.h"
 #include "rnnd/v1/rnnd.pb-c.h"
 
 // How long rnnd_client_free waits for a connection attempt in flight (see there): a live daemon
@@ -514,7 +515,7 @@ int rnnd_client_init(const struct rnnd_client_opts *opts, struct rnnd_client **o
         free(c);
         return local_err(RNND_ENOMEM, "out of memory");
     }
-    grpc_init();
+    rnnd_grpc_init();
     c->timeout_ms = opts->timeout_ms > 0 ? opts->timeout_ms : 30000;
 
     int max = opts->max_message_bytes > 0 && opts->max_message_bytes < INT32_MAX

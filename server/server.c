@@ -36,6 +36,7 @@
 #include <uv.h>
 
 #include "group.h"
+#include "grpc_start.h"
 #include "http.h"
 #include "log.h"
 #include "metrics.h"
@@ -374,7 +375,7 @@ int rnnd_server_run(const struct rnnd_config *cfg) {
     sigaddset(&set, SIGINT);
     pthread_sigmask(SIG_BLOCK, &set, &old);
     signal(SIGPIPE, SIG_IGN);
-    grpc_init();
+    rnnd_grpc_init();
 
     uv_loop_init(&s->loop);
     uv_async_init(&s->loop, &s->async, on_async);

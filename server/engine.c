@@ -542,9 +542,7 @@ static void *engine_main(void *arg) {
         atomic_store_explicit(&e->inline_steps,
                               e->cfg.inline_steps && (e->host_mem || e->be.ops->bind),
                               memory_order_release);
-    }
-    e->ready_cb(e->ready_ctx, rc, msg);
-    if (rc == 0) {
+        // Logged before the engine reports ready, so that they precede "rnnd ready".
         rnnd_log(RNND_LOG_INFO,
                  "engine ready: %s backend on %s, %s I=%d H=%d L=%d %s, %zu parameters, "
                  "%d env slots; kernels for %d rows: %s",
@@ -556,6 +554,9 @@ static void *engine_main(void *arg) {
                  "%d reply threads and as many row workers",
                  e->cfg.max_batch, e->max_delay_us, e->lookahead ? "on" : "off",
                  rnnd_threadpool_workers(e->replies));
+    }
+    e->ready_cb(e->ready_ctx, rc, msg);
+    if (rc == 0) {
         bool spin = false;
         for (;;) {
             struct rnnd_batch b;

@@ -4,8 +4,8 @@
  * weights [N, K]^T, on fp16 operands with fp32 accumulation and output, against the same on TF32.
  * N and K per row of the issue: LSTM I = H = 512 (N = 4H = 2048, K = I + H = 1024), GRU I = H =
  * 512 (r and z over [x | h], n's x and h parts as column blocks with zeros: the same 2048 x 1024),
- * LSTM I = 512 H = 1024 (N = 4096, K = 1536). The tile kernel's whole step takes 19.9-20.5, 17.3-17.8
- * and 67.5-67.9 us at B = 1024 (PyTorch in a graph: 61.5, 47.5, 101.7).
+ * LSTM I = 512 H = 1024 (N = 4096, K = 1536). The tile kernel's whole step takes 19.9-20.5,
+ * 17.3-17.8 and 67.5-67.9 us at B = 1024 (PyTorch in a graph: 61.5, 47.5, 101.7).
  *
  *   kernels/bench/probes/run.sh step_gemm16
  */

@@ -21,7 +21,8 @@ int main() {
     struct {
         const char *row;
         int N, K;
-    } rows[] = {{"lstm_i512_h512", 2048, 1024}, {"gru_i512_h512", 2048, 1024},
+    } rows[] = {{"lstm_i512_h512", 2048, 1024},
+                {"gru_i512_h512", 2048, 1024},
                 {"lstm_i512_h1024", 4096, 1536}};
     const int Bs[] = {256, 512, 1024};
     cublasHandle_t h;

@@ -27,7 +27,7 @@
 #define RNND_TUNE_NO_ZFWD           32768 // z rows in the tape, not the forward's chunks
 #define RNND_TUNE_NO_GRAPH          65536 // the per-step path's loops launched, not replayed as graphs
 #define RNND_TUNE_NO_PAD128         131072 // 64 <= H <= 96 at a large B: the loops at their own width
-#define RNND_TUNE_DW_M4             262144 // cuBLAS's weight gradients with D's 4H columns as M, any shape
+#define RNND_TUNE_DW_M4             262144 // cuBLAS's weight gradients, D's 4H columns as M
 #define RNND_TUNE_DW_MLDZ           524288 // the same with z's ldz columns as M
 #define RNND_TUNE_DW_MSPLIT         1048576 // the same in two products, ldz split at a multiple of 128
 #define RNND_TUNE_STEP_LAYERS_APART 2097152 // step, B = 1: a launch a layer, not all in one

@@ -888,9 +888,8 @@ static void test_step16_scales(struct rnnd_backend *gpu, struct rnnd_backend *cp
 }
 
 // cuBLAS's weight gradients in each of their three ways (seq.cu, dw_gemm: the shape picks one,
-// so that a run alone tests one of them): case sc against
-// the CPU reference with each forced by variant bits. The cases' ldz (236, 204) is no multiple
-// of 128, so the third splits it.
+// so that a run alone tests one of them): case sc against the CPU reference with each forced by
+// variant bits. The cases' ldz (236, 204) is no multiple of 128, so the third splits it.
 static void test_dw_orders(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
                            const struct seq_case *sc, int arg) {
     (void)arg;

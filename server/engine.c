@@ -57,12 +57,22 @@ struct weights *rnnd__engine_weights_new(struct rnnd_engine *e) {
     w = calloc(1, sizeof(*w));
     if (w == NULL)
         return NULL;
-    if (be_alloc(e, e->P * sizeof(float), (void **)&w->params) != 0) {
+    const struct rnnd_backend_ops *o = e->be.ops;
+    size_t dbytes = o->derived_bytes ? o->derived_bytes(e->be.ctx, &e->core) : 0;
+    if (be_alloc(e, e->P * sizeof(float), (void **)&w->params) != 0 ||
+        (dbytes && be_alloc(e, dbytes, &w->derived) != 0)) {
+        be_free(e, w->params);
         free(w);
         return NULL;
     }
     w->refs = 1;
     return w;
+}
+
+static void weights_free(struct rnnd_engine *e, struct weights *w) {
+    be_free(e, w->params);
+    be_free(e, w->derived);
+    free(w);
 }
 
 void rnnd__engine_weights_unref(struct rnnd_engine *e, struct weights *w) {
@@ -73,12 +83,19 @@ void rnnd__engine_weights_unref(struct rnnd_engine *e, struct weights *w) {
         e->spare = w;
         return;
     }
-    be_free(e, w->params);
-    free(w);
+    weights_free(e, w);
+}
+
+int rnnd__engine_weights_changed(struct rnnd_engine *e, struct weights *w) {
+    return w->derived ? e->be.ops->derive(e->be.ctx, w->derived, w->params, &e->core) : 0;
 }
 
 // Makes w the served version (taking over the caller's reference).
 void rnnd__engine_weights_swap(struct rnnd_engine *e, struct weights *w) {
+    int rc = rnnd__engine_weights_changed(e, w);
+    if (rc != 0) // a launch refused on the stream the weights were just written on
+        rnnd_panic(__FILE__, __LINE__, "deriving the new weights' step copy failed: %s",
+                   rnnd_strerror(rc));
     uint64_t v = atomic_load(&e->version) + 1;
     w->version = v;
     struct weights *old = e->cur;
@@ -260,6 +277,8 @@ static int engine_open(struct rnnd_engine *e, char *msg, size_t msglen) {
     rnnd_model_init_params(&e->model, c->seed, init);
     rc = be_in(e, e->cur->params, init, P * sizeof(float));
     free(init);
+    if (rc == 0)
+        rc = rnnd__engine_weights_changed(e, e->cur);
     if (rc != 0)
         goto fail_rc;
     e->cur->version = 0;
@@ -355,8 +374,7 @@ static void engine_close(struct rnnd_engine *e) {
     while (e->spare) {
         struct weights *w = e->spare;
         e->spare = w->next;
-        be_free(e, w->params);
-        free(w);
+        weights_free(e, w);
     }
     for (int n = 0; n <= STEP_REPLAY_ROWS; n++)
         if (e->step_replay[n].unit)

@@ -484,6 +484,8 @@ static int restore_apply(struct rnnd_engine *e, const struct rnnd_checkpoint_dat
     }
     if (rc == 0)
         rc = be_in(e, e->cur->params, ck->params, bytes);
+    if (rc == 0)
+        rc = rnnd__engine_weights_changed(e, e->cur);
     if (rc != 0) {
         if (msg[0] == '\0')
             snprintf(msg, msglen, "cannot load it: %s", rnnd_strerror(rc));
@@ -758,6 +760,8 @@ int rnnd__engine_restore(struct rnnd_engine *e, char *msg, size_t msglen) {
                  e->cfg.weights, restored);
     } else if (weights) {
         rc = be_in(e, e->cur->params, weights, e->P * sizeof(float));
+        if (rc == 0)
+            rc = rnnd__engine_weights_changed(e, e->cur);
         if (rc != 0) {
             snprintf(msg, msglen, "--weights %.300s: cannot load them: %s", e->cfg.weights,
                      rnnd_strerror(rc));

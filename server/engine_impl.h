@@ -28,6 +28,7 @@ struct weights {
     int refs;
     uint64_t version;
     float *params;        // (P) backend memory
+    void *derived;        // what the backend derives from params for steps, or NULL (none)
     struct weights *next; // free list
 };
 
@@ -264,6 +265,8 @@ static inline size_t env_row_next(const struct rnnd_engine *e, const struct rnnd
 // engine.c: weights versions, envs, and the backend memory of Forward, Backward and checkpoints.
 struct weights *rnnd__engine_weights_new(struct rnnd_engine *e);
 void rnnd__engine_weights_unref(struct rnnd_engine *e, struct weights *w);
+// After every write to w->params: the backend's derived copy made again from them.
+int rnnd__engine_weights_changed(struct rnnd_engine *e, struct weights *w);
 void rnnd__engine_weights_swap(struct rnnd_engine *e, struct weights *w);
 void rnnd__engine_env_drop(struct rnnd_engine *e, struct rnnd_env *env, enum rnnd_evict_reason why);
 void rnnd__engine_env_gauges(struct rnnd_engine *e);

@@ -1434,6 +1434,8 @@ void rnnd__engine_run_sync(struct rnnd_engine *e, struct rnnd_job *job) {
         rc = be_out(e, meta, d_meta, sizeof(meta));
     if (rc == 0)
         rc = rnnd_comm_broadcast(e->replicas, e->cur->params, P, 0);
+    if (rc == 0)
+        rc = rnnd__engine_weights_changed(e, e->cur);
     if (rc == 0 && e->adam_m)
         rc = rnnd_comm_broadcast(e->replicas, e->adam_m, P, 0);
     if (rc == 0 && e->adam_v)

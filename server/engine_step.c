@@ -445,6 +445,7 @@ static int step_work(struct rnnd_engine *e, const struct step_batch *b) {
         .out = (float *)(d_outb + lay->out),
         .h_before = record ? (float *)(d_outb + lay->hb) : NULL,
         .c_before = record && e->lstm ? (float *)(d_outb + lay->cb) : NULL,
+        .derived = e->cur->derived,
     };
     if (rc == 0)
         rc = e->be.ops->rnn_step(e->be.ctx, &st, params, &e->core);

@@ -85,6 +85,7 @@ struct step_bufs {
     float *params, *x, *state_h, *state_c, *out;
     int32_t *slots; // (2B): the rows of one step, then the rows it writes
     uint8_t *init;
+    void *derived; // what derive makes from params (NULL where the backend derives nothing)
 };
 
 struct step_host {
@@ -94,7 +95,7 @@ struct step_host {
 };
 
 static void step_bufs_free(struct step_bufs *b) {
-    void *p[] = {b->params, b->x, b->state_h, b->state_c, b->out, b->slots, b->init};
+    void *p[] = {b->params, b->x, b->state_h, b->state_c, b->out, b->slots, b->init, b->derived};
     for (void *q : p)
         b->be->ops->free(b->be->ctx, q);
 }
@@ -120,6 +121,12 @@ static int step_bufs_init(struct step_bufs *b, struct rnnd_backend *be, const st
     put((void **)&b->out, NULL, (size_t)bc->B * bc->model.H * 4);
     put((void **)&b->slots, h->slots.data(), h->slots.size() * 4);
     put((void **)&b->init, h->init.data(), h->init.size());
+    // The derived copy as the daemon keeps it with its weights (struct rnnd_step.derived).
+    const size_t dbytes = o->derived_bytes ? o->derived_bytes(be->ctx, &bc->model) : 0;
+    if (dbytes)
+        put(&b->derived, NULL, dbytes);
+    if (!err && dbytes)
+        err = o->derive(be->ctx, b->derived, b->params, &bc->model);
     if (!err)
         err = o->sync(be->ctx);
     return err;
@@ -131,6 +138,7 @@ static struct rnnd_step step_of(const struct step_bufs *b, int B, bool flip) {
     st.B = B, st.x = b->x, st.is_init = b->init;
     st.slots = b->slots + (flip ? B : 0), st.slots_new = b->slots + (flip ? 0 : B);
     st.state_h = b->state_h, st.state_c = b->state_c, st.out = b->out;
+    st.derived = b->derived;
     return st;
 }
 

@@ -2,7 +2,7 @@
  * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
  * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu
- * (single step with slot gather/scatter), traj.cu (the trajectory store's row moves), cast.cu
+ * (single step with slot gather/scatter; step16.cu its fp16 GEMM path), traj.cu (the trajectory store's row moves), cast.cu
  * (wire dtypes), optim.cu (Adam/SGD with clipping) and policy.cu (the encoder, heads and actions
  * around the core).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
@@ -509,6 +509,16 @@ static int cuda_rnn_step(void *ctx, const struct rnnd_step *step, const float *p
     return rnnd__cuda_rnn_step((struct cuda_ctx *)ctx, step, params, m);
 }
 
+static size_t cuda_derived_bytes(void *ctx, const struct rnnd_model *m) {
+    (void)ctx;
+    return rnnd_model_check(m) == 0 ? rnnd__cuda_step16_bytes(m) : 0;
+}
+
+static int cuda_derive(void *ctx, void *derived, const float *params, const struct rnnd_model *m) {
+    ((struct cuda_ctx *)ctx)->step_tail = false;
+    return rnnd__cuda_step16_derive((struct cuda_ctx *)ctx, derived, params, m);
+}
+
 static int cuda_traj_write(void *ctx, const struct rnnd_traj_store *st,
                            const struct rnnd_traj_rows *r, const struct rnnd_model *m) {
     return rnnd__cuda_traj_write((struct cuda_ctx *)ctx, st, r, m);
@@ -599,6 +609,8 @@ static const struct rnnd_backend_ops cuda_ops = {
     /* .rnn_forward = */ cuda_rnn_forward,
     /* .rnn_backward = */ cuda_rnn_backward,
     /* .rnn_step = */ cuda_rnn_step,
+    /* .derived_bytes = */ cuda_derived_bytes,
+    /* .derive = */ cuda_derive,
     /* .traj_write = */ cuda_traj_write,
     /* .traj_read = */ cuda_traj_read,
     /* .cast = */ cuda_cast,

@@ -5,7 +5,8 @@
  *   the sequence kernels (cell_gru / cell_lstm: GRU n = tanh(gx_n + b_in + r (gh_n + b_hn)),
  *   LSTM c' = f c + i g).
  *
- * One launch per layer (docs/kernels.md), in one of two kernels:
+ * Many rows at a large H with the weights' derived copy go to step16.cu (a cuBLAS GEMM on fp16
+ * operands a layer); the rest take one launch per layer (docs/kernels.md), in one of these kernels:
  * - step_kernel, for more than a few rows: block (s, t) owns a tile of MT rows (t) and UT hidden
  *   units (s) with all their gates, a GEMM tile of MT x G*UT over K = I_l + H, fed by a cp.async
  *   pipeline of NS stages of KC columns (x chunks, then h chunks; rows gathered through the slot
@@ -944,7 +945,7 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 }
 
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
-// and weights fit). More: in TF32 mode on a device with the warpgroup-MMA kernels (unless the
+// and weights fit). Many at a large H, given the derived copy: step16.cu's GEMM. More: in TF32 mode on a device with the warpgroup-MMA kernels (unless the
 // bench's RNND_TUNE_NO_WG), the 64 x 32 tiles on warpgroup MMAs for every layer whose copies are
 // all 16 bytes, wherever they make 16 blocks or each block streams at most 128 KB of weights
 // (below that the smaller tiles, which spread the weights over more SMs, win: docs/kernels.md);
@@ -958,6 +959,12 @@ static int step_dispatch(struct cuda_ctx *c, const struct rnnd_step *st, const f
     if (st->B <= RNND_STEP_MV_MAX_ROWS &&
         step_mv_smem(Cell::G, RNND_STEP_MV_ROWS, in, m->H) <= RNND_STEP_MV_SMEM)
         return step_mv_launch<Cell, Mode, RNND_STEP_MV_ROWS>(c, st, params, m);
+    if (rnnd__cuda_step16_takes(c, st, m)) {
+        step_kargs args[RNND_MAX_LAYERS];
+        for (int l = 0; l < m->L; l++)
+            args[l] = step_args(c, st, params, m, l);
+        return rnnd__cuda_step16(c, st, args, m);
+    }
     auto blocks = [&](int MT, int UT) { return (long)CEIL_DIV(st->B, MT) * CEIL_DIV(m->H, UT); };
     const bool wg = std::is_same<Mode, step_tf32>::value && c->dev.wg && !c->tune.no_wg;
     const long wg_wbytes = (long)Cell::G * cfg_big::UT * (in + m->H) * sizeof(float);

@@ -15,4 +15,10 @@ int rnnd__cuda_step_prepare(struct cuda_ctx *c);
 int rnnd__cuda_rnn_step(struct cuda_ctx *c, const struct rnnd_step *step, const float *params,
                         const struct rnnd_model *m);
 
+// The derived copy of the weights (struct rnnd_step.derived) for step16.cu's path: its bytes for
+// m (0 where m's steps never take it), and made from params on the context's stream.
+size_t rnnd__cuda_step16_bytes(const struct rnnd_model *m);
+int rnnd__cuda_step16_derive(struct cuda_ctx *c, void *derived, const float *params,
+                             const struct rnnd_model *m);
+
 #endif // RNND_CUDA_STEP_CUH

@@ -123,4 +123,15 @@ static int step_kernel_launch(struct cuda_ctx *c, Kernel kernel, dim3 grid, dim3
 int rnnd__wg_step_prepare(void);
 int rnnd__wg_step_launch(struct cuda_ctx *c, const step_kargs &a, bool lstm);
 
+// step16.cu's path for many rows at a large H: fp16 rows and weights (the derived copy), one
+// cuBLAS GEMM and a cell kernel a layer. takes: whether a step goes there (a derived copy, made
+// for H >= RNND_STEP16_MIN_H in the tensor-core modes, and a step large enough that the GEMM wins,
+// step16.cu; the variant bits force it either way; inside a recording only while the scratch
+// is large enough). args: each layer's arguments (step.cu's step_args).
+#define RNND_STEP16_MIN_H 512
+bool rnnd__cuda_step16_takes(const struct cuda_ctx *c, const struct rnnd_step *st,
+                             const struct rnnd_model *m);
+int rnnd__cuda_step16(struct cuda_ctx *c, const struct rnnd_step *st, const step_kargs *args,
+                      const struct rnnd_model *m);
+
 #endif // RNND_CUDA_STEP_IMPL_CUH

@@ -31,6 +31,8 @@
 #define RNND_TUNE_DW_MLDZ           524288 // the same with z's ldz columns as M
 #define RNND_TUNE_DW_MSPLIT         1048576 // the same in two products, ldz split at a multiple of 128
 #define RNND_TUNE_STEP_LAYERS_APART 2097152 // step, B = 1: a launch a layer, not all in one
+#define RNND_TUNE_STEP_NO_GEMM16    4194304 // step: the tile kernels, never step16.cu's GEMM
+#define RNND_TUNE_STEP_GEMM16       8388608 // step: step16.cu's GEMM from 9 rows, at any B
 
 // The overrides, each false in production.
 struct cuda_tuning {
@@ -48,8 +50,9 @@ struct cuda_tuning {
     bool no_zfwd;         // RNND_TUNE_NO_ZFWD
     bool no_graph;        // RNND_TUNE_NO_GRAPH
     bool no_pad128;       // RNND_TUNE_NO_PAD128
-    bool dw_m4, dw_mldz, dw_msplit; // RNND_TUNE_DW_M4, _MLDZ, _MSPLIT
-    bool step_layers_apart;         // RNND_TUNE_STEP_LAYERS_APART
+    bool dw_m4, dw_mldz, dw_msplit;   // RNND_TUNE_DW_M4, _MLDZ, _MSPLIT
+    bool step_layers_apart;           // RNND_TUNE_STEP_LAYERS_APART
+    bool step_no_gemm16, step_gemm16; // RNND_TUNE_STEP_NO_GEMM16, _GEMM16
 };
 
 // The overrides of variant bits v (the path override is left false).
@@ -72,6 +75,8 @@ static inline struct cuda_tuning rnnd__cuda_tuning_of(int v) {
     t.dw_mldz = (v & RNND_TUNE_DW_MLDZ) != 0;
     t.dw_msplit = (v & RNND_TUNE_DW_MSPLIT) != 0;
     t.step_layers_apart = (v & RNND_TUNE_STEP_LAYERS_APART) != 0;
+    t.step_no_gemm16 = (v & RNND_TUNE_STEP_NO_GEMM16) != 0;
+    t.step_gemm16 = (v & RNND_TUNE_STEP_GEMM16) != 0;
     return t;
 }
 

@@ -221,6 +221,9 @@ struct rnnd_step {
     float *out;               // (B, H) last layer's new h
     float *h_before;          // (B, L, H) or NULL: the state each row started from (after reset)
     float *c_before;          // (B, L, H) or NULL; LSTM
+    // What derive made from params' current values, or NULL: a step of many rows at a large H
+    // may then multiply on it (CUDA: fp16 copies of the weights); without it, on params alone.
+    const void *derived;
 };
 
 // Element types of the tensors a client sends and receives. Compute and storage stay fp32; cast
@@ -398,6 +401,12 @@ struct rnnd_backend_ops {
     // Single step with gathered state (struct rnnd_step).
     int (*rnn_step)(void *ctx, const struct rnnd_step *step, const float *params,
                     const struct rnnd_model *m);
+    // Optional (NULL, or 0 bytes, where the backend derives nothing for m): derived_bytes is the
+    // size of what derive makes from params for rnn_step (struct rnnd_step.derived), in backend
+    // memory of that size. derive enqueues it like any op; call it again after every change to
+    // params, before the next step that passes it (a stale copy would step on old weights).
+    size_t (*derived_bytes)(void *ctx, const struct rnnd_model *m);
+    int (*derive)(void *ctx, void *derived, const float *params, const struct rnnd_model *m);
 
     // Trajectory store rows (struct rnnd_traj_rows): traj_write scatters r's rows into st,
     // traj_read gathers st's rows into r. The arrays of r and the indices are backend memory.

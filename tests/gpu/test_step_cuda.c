@@ -27,6 +27,8 @@ struct step_case {
     bool feed;      // I == H: every other step's x is the out of the step before (early_x)
     int variant;    // variant bits added to the base variant for the case (tuning.h)
     bool quick;     // also in --quick
+    bool derived;   // the weights' derived copy given (step16.cu's GEMM for many rows, H >= 512)
+    float x_scale;  // x uniform in [-x_scale, x_scale] (0: 1)
 };
 
 static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
@@ -45,6 +47,10 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
     snprintf(tag, sizeof(tag), "step %s %s I%d H%d L%d B%d S%d%s%s%s", lstm ? "lstm" : "gru",
              compute_name(sc->compute), sc->I, sc->H, sc->L, sc->B, sc->S,
              sc->init_null ? " noinit" : "", sc->graph ? " graph" : "", feed ? " feed" : "");
+    if (sc->derived)
+        snprintf(tag + strlen(tag), sizeof(tag) - strlen(tag), " derived");
+    if (sc->x_scale)
+        snprintf(tag + strlen(tag), sizeof(tag) - strlen(tag), " x*%g", sc->x_scale);
     if (sc->variant)
         snprintf(tag + strlen(tag), sizeof(tag) - strlen(tag), " v%d", sc->variant);
     printf("%s\n", tag);
@@ -56,7 +62,7 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 
     float *params = xmalloc(P * 4);
     rnnd_model_init_params(&m, rng_next(), params);
-    float *x = host_uniform(nx, 1.0f);
+    float *x = host_uniform(nx, sc->x_scale ? sc->x_scale : 1.0f);
     float *sh = host_uniform(tab, 0.9f), *sc_ = host_uniform(tab, 0.9f);
     uint8_t *init = xmalloc(sc->B);
     int32_t *rows = xmalloc(2 * sc->B * sizeof(int32_t));
@@ -94,6 +100,14 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
         st.h_before = dev_poison(&b, blh, k == 0);
         st.c_before = lstm ? dev_poison(&b, blh, k == 0) : NULL;
         float *dparams = dev(&b, params, P * 4);
+        if (k == 0 && sc->derived) {
+            size_t dbytes = be->ops->derived_bytes(be->ctx, &m);
+            if (dbytes == 0)
+                fail("%s: no derived copy for this model", tag);
+            st.derived = dbytes ? dev_poison(&b, dbytes / 4, false) : NULL;
+            if (st.derived && be->ops->derive(be->ctx, (void *)st.derived, dparams, &m) != 0)
+                fail("%s: derive failed", tag);
+        }
         back = st, back.slots = st.slots_new, back.slots_new = st.slots;
         if (feed)
             back.x = st.out, back.out = dev_poison(&b, nout, k == 0);
@@ -166,9 +180,10 @@ static void test_step(struct rnnd_backend *gpu, struct rnnd_backend *cpu,
 static const enum rnnd_cell GRU = RNND_CELL_GRU, LSTM = RNND_CELL_LSTM;
 static const enum rnnd_compute F32 = RNND_COMPUTE_FP32, IEEE = RNND_COMPUTE_IEEE,
                                BF16 = RNND_COMPUTE_BF16;
-static const int NO_WG = RNND_TUNE_NO_WG, STEP_LAYERS_APART = RNND_TUNE_STEP_LAYERS_APART;
+static const int NO_WG = RNND_TUNE_NO_WG, STEP_LAYERS_APART = RNND_TUNE_STEP_LAYERS_APART,
+                 GEMM16 = RNND_TUNE_STEP_GEMM16;
 
-// cell, compute, I, H, L, B, S, init_null, graph, feed, variant, quick.
+// cell, compute, I, H, L, B, S, init_null, graph, feed, variant, quick, derived, x_scale.
 static const struct step_case step_cases[] = {
     // Both kernels (dot products up to 8 rows) and every tile shape (16 x 8, 32 x 16, 64 x 32
     // from ~1000 rows at H=256; TF32 on Hopper: the 64 x 32 tiles on warpgroup MMAs from 9 rows
@@ -176,56 +191,69 @@ static const struct step_case step_cases[] = {
     // several waves (H=1024 LSTM: 320 blocks of 64 x 32 at 600 rows). --quick: the first five,
     // one per step kernel (tiles at one and two layers, few rows, one row, the 64 x 32 tiles at
     // B = 1024; on Hopper the first two on warpgroup MMAs too).
-    {GRU, F32, 64, 128, 1, 17, 50, false, false, false, 0, true},
-    {LSTM, F32, 64, 128, 2, 33, 40, false, true, false, 0, true},
-    {LSTM, IEEE, 3, 7, 3, 5, 9, false, false, false, 0, true},
-    {GRU, F32, 256, 256, 1, 1, 7, false, true, false, 0, true},
-    {GRU, F32, 256, 256, 1, 1024, 4096, false, true, false, 0, true},
-    {GRU, BF16, 64, 96, 2, 9, 12, true, false, false, 0, false},
-    {GRU, IEEE, 64, 256, 1, 1, 3, false, true, false, 0, false},
-    {LSTM, F32, 64, 1024, 1, 6, 7, false, false, false, 0, false},
-    {GRU, F32, 256, 256, 1, 8, 40, false, true, false, 0, false},
-    {LSTM, F32, 256, 256, 1, 1024, 3000, false, false, false, 0, false},
-    {GRU, BF16, 256, 256, 2, 1024, 2048, false, false, false, 0, false},
-    {LSTM, BF16, 64, 128, 2, 1, 5, false, false, false, 0, false},
-    {GRU, IEEE, 256, 256, 2, 300, 1000, false, false, false, 0, false},
-    {LSTM, IEEE, 64, 256, 1, 700, 701, true, false, false, 0, false},
-    {GRU, F32, 5, 7, 3, 1030, 1100, false, true, false, 0, false},
-    {LSTM, F32, 33, 130, 4, 257, 600, false, false, false, 0, false},
-    {GRU, F32, 64, 512, 2, 200, 256, false, false, false, 0, false},
-    {LSTM, F32, 64, 1024, 1, 600, 1200, false, true, false, 0, false},
+    {GRU, F32, 64, 128, 1, 17, 50, false, false, false, 0, true, false, 0},
+    {LSTM, F32, 64, 128, 2, 33, 40, false, true, false, 0, true, false, 0},
+    {LSTM, IEEE, 3, 7, 3, 5, 9, false, false, false, 0, true, false, 0},
+    {GRU, F32, 256, 256, 1, 1, 7, false, true, false, 0, true, false, 0},
+    {GRU, F32, 256, 256, 1, 1024, 4096, false, true, false, 0, true, false, 0},
+    {GRU, BF16, 64, 96, 2, 9, 12, true, false, false, 0, false, false, 0},
+    {GRU, IEEE, 64, 256, 1, 1, 3, false, true, false, 0, false, false, 0},
+    {LSTM, F32, 64, 1024, 1, 6, 7, false, false, false, 0, false, false, 0},
+    {GRU, F32, 256, 256, 1, 8, 40, false, true, false, 0, false, false, 0},
+    {LSTM, F32, 256, 256, 1, 1024, 3000, false, false, false, 0, false, false, 0},
+    {GRU, BF16, 256, 256, 2, 1024, 2048, false, false, false, 0, false, false, 0},
+    {LSTM, BF16, 64, 128, 2, 1, 5, false, false, false, 0, false, false, 0},
+    {GRU, IEEE, 256, 256, 2, 300, 1000, false, false, false, 0, false, false, 0},
+    {LSTM, IEEE, 64, 256, 1, 700, 701, true, false, false, 0, false, false, 0},
+    {GRU, F32, 5, 7, 3, 1030, 1100, false, true, false, 0, false, false, 0},
+    {LSTM, F32, 33, 130, 4, 257, 600, false, false, false, 0, false, false, 0},
+    {GRU, F32, 64, 512, 2, 200, 256, false, false, false, 0, false, false, 0},
+    {LSTM, F32, 64, 1024, 1, 600, 1200, false, true, false, 0, false, false, 0},
     // The tile kernel on warpgroup MMAs (TF32 on Hopper) at widths that are not multiples of
     // its 32-column chunks or 32-unit slices, partial last row tiles, two layers.
-    {GRU, F32, 36, 100, 2, 2000, 2100, false, false, false, 0, false},
-    {LSTM, F32, 20, 132, 1, 1100, 1200, true, false, false, 0, false},
+    {GRU, F32, 36, 100, 2, 2000, 2100, false, false, false, 0, false, false, 0},
+    {LSTM, F32, 20, 132, 1, 1100, 1200, true, false, false, 0, false, false, 0},
     // Two waves of its blocks (256 on an H100), in a graph: a block of the second wave finds
     // the first one's mbarriers in its shared memory (they must be set up before use).
-    {GRU, F32, 256, 256, 1, 2048, 2100, false, true, false, 0, false},
+    {GRU, F32, 256, 256, 1, 2048, 2100, false, true, false, 0, false, false, 0},
     // On Hopper TF32's 64 x 32 tiles run on warpgroup MMAs: their mma.sync kernel (NO_WG) at
     // B = 1024 and in the odd-width case, where it still runs elsewhere.
-    {GRU, F32, 256, 256, 1, 1024, 4096, false, true, false, NO_WG, false},
-    {GRU, F32, 36, 100, 2, 2000, 2100, false, false, false, NO_WG, false},
+    {GRU, F32, 256, 256, 1, 1024, 4096, false, true, false, NO_WG, false, false, 0},
+    {GRU, F32, 36, 100, 2, 2000, 2100, false, false, false, NO_WG, false, false, 0},
     // The step kernels read layer 0's x before their programmatic wait where the step before
     // wrote none of it (every case's later steps above, in graphs too); here every other step's
     // x is the out of the step before, which they must not read early (a stale or poisoned x
     // would miss the tolerance by orders of magnitude).
-    {GRU, F32, 256, 256, 1, 1024, 2048, false, false, true, 0, false},
-    {LSTM, F32, 128, 128, 2, 600, 700, false, false, true, 0, false},
+    {GRU, F32, 256, 256, 1, 1024, 2048, false, false, true, 0, false, false, 0},
+    {LSTM, F32, 128, 128, 2, 600, 700, false, false, true, 0, false, false, 0},
     // One row's layers in one launch where the steps are not recorded (a launch a layer where
     // they are: the graph cases), meeting at a grid barrier between layers: two layers, four fed
     // from the step before, 515 blocks (several an SM), five (a launch a layer: more than the
     // kernel takes), and the launch a layer forced.
-    {GRU, F32, 64, 128, 2, 1, 9, false, false, false, 0, true},
-    {LSTM, F32, 128, 128, 4, 1, 6, false, false, true, 0, false},
-    {GRU, IEEE, 37, 1030, 3, 1, 5, true, false, false, 0, false},
-    {LSTM, BF16, 64, 128, 5, 1, 4, false, false, false, 0, false},
-    {GRU, F32, 64, 128, 3, 1, 5, false, true, false, 0, false},
-    {LSTM, F32, 64, 128, 2, 1, 5, false, false, false, STEP_LAYERS_APART, false},
+    {GRU, F32, 64, 128, 2, 1, 9, false, false, false, 0, true, false, 0},
+    {LSTM, F32, 128, 128, 4, 1, 6, false, false, true, 0, false, false, 0},
+    {GRU, IEEE, 37, 1030, 3, 1, 5, true, false, false, 0, false, false, 0},
+    {LSTM, BF16, 64, 128, 5, 1, 4, false, false, false, 0, false, false, 0},
+    {GRU, F32, 64, 128, 3, 1, 5, false, true, false, 0, false, false, 0},
+    {LSTM, F32, 64, 128, 2, 1, 5, false, false, false, STEP_LAYERS_APART, false, false, 0},
     // The warpgroup tiles fill all 4 stages before their first MMA and refill a stage 3 chunks
     // ahead: fewer chunks than stages (3), as many (4, both layers), one more (5, in a graph).
-    {GRU, F32, 32, 64, 1, 1024, 1100, false, false, false, 0, false},
-    {LSTM, F32, 64, 64, 2, 1024, 1100, false, false, false, 0, false},
-    {GRU, F32, 32, 128, 1, 600, 700, false, true, false, 0, false},
+    {GRU, F32, 32, 64, 1, 1024, 1100, false, false, false, 0, false, false, 0},
+    {LSTM, F32, 64, 64, 2, 1024, 1100, false, false, false, 0, false, false, 0},
+    {GRU, F32, 32, 128, 1, 600, 700, false, true, false, 0, false, false, 0},
+    // step16.cu's GEMM on the derived fp16 copy: where the rule takes it (LSTM H = 1024 at 1024
+    // rows, GRU H = 1024 at 512; the first grows the scratch, so that the graph cases after it
+    // may take the path inside their recording), and forced (GEMM16) for both cells at two
+    // layers, bf16 mode, x fed from the step before, a width past the tensor cores' 8 (I = 37:
+    // zero columns), x far below fp16's normal range (each row's power), and 9 rows.
+    {LSTM, F32, 512, 1024, 1, 1024, 1100, false, false, false, 0, false, true, 0},
+    {GRU, BF16, 128, 1024, 1, 512, 600, false, false, false, 0, false, true, 0},
+    {GRU, F32, 512, 512, 2, 600, 700, false, true, false, GEMM16, false, true, 0},
+    {LSTM, BF16, 64, 512, 1, 300, 301, true, false, false, GEMM16, false, true, 0},
+    {GRU, F32, 512, 512, 1, 256, 600, false, false, true, GEMM16, false, true, 0},
+    {LSTM, F32, 37, 512, 2, 257, 300, false, true, false, GEMM16, false, true, 0},
+    {LSTM, F32, 64, 512, 1, 400, 500, false, false, false, GEMM16, false, true, 1e-6f},
+    {GRU, F32, 64, 512, 2, 9, 20, false, false, false, GEMM16, false, true, 0},
 };
 
 int main(int argc, char **argv) {

@@ -786,13 +786,73 @@ static void test_weights_flag(void **state) {
     rmdir(tmp);
 }
 
+// A device backend may step many rows at a large H on a copy it derives from the weights
+// (CUDA: fp16, struct rnnd_step.derived), which every change of the weights must make again.
+// 512 envs of an LSTM at H = 512 in fp32 mode (tensor cores on CUDA, whatever RNND_COMPUTE
+// says), one Step for all of them after each way the weights change: seeded at start, SetWeights,
+// ApplyGradients, and a clean restart from the checkpoint after one more update. A stale copy
+// would step on the old weights, far outside the tolerance (the CPU backend computes exactly).
+static void test_large_steps_follow_weights(void **state) {
+    (void)state;
+    enum { N = 512, LI = 64, LH = 512 };
+    const char *args[] = {"--cell",      "lstm", "--input-size", "64",   "--hidden-size", "512",
+                          "--max-batch", "512",  "--compute",    "fp32", "--seed",        "5",
+                          NULL};
+    struct fixture f = {.g = {77}};
+    assert_int_equal(daemon_start(&f.d, args), 0);
+    f.c = daemon_client(&f.d, NULL);
+    ref_init(&f.r, f.c, N);
+    uint64_t *ids = malloc(N * sizeof *ids);
+    int32_t *slots = malloc(N * sizeof *slots);
+    bool *init = malloc(N);
+    float *x = malloc(sizeof(float) * N * LI), *ref = malloc(sizeof(float) * N * LH);
+    for (int k = 0; k < N; k++)
+        ids[k] = 70000 + (uint64_t)k, slots[k] = k, init[k] = true;
+    for (int round = 0; round < 4; round++) {
+        if (round == 1) { // SetWeights
+            float *p = random_params(&f, 0.05f);
+            set_params(&f, p, NULL);
+            free(p);
+        } else if (round >= 2) { // ApplyGradients; before round 3, one more and a restart
+            float *g = random_params(&f, 0.5f);
+            struct rnnd_named_tensors gl;
+            assert_int_equal(rnnd_named_tensors_from_params(&gl, &f.r.m, g), 0);
+            const float lr = 0.02f; // Adam: every weight moves by about lr
+            EXPECT_OK(rnnd_client_apply_gradients(f.c, &gl, &lr, NULL));
+            rnnd_named_tensors_free(&gl);
+            free(g);
+            if (round == 3) {
+                assert_int_equal(daemon_signal_wait(&f.d, SIGTERM, 15000), 0);
+                rnnd_client_free(f.c);
+                char dir[256];
+                snprintf(dir, sizeof dir, "%s", f.d.state_dir);
+                assert_int_equal(daemon_start_in(&f.d, dir, true, args), 0);
+                f.c = daemon_client(&f.d, NULL);
+            }
+        }
+        ref_reload(&f.r, f.c);
+        rng_fill(&f.g, x, N * LI);
+        struct rnnd_step_req req = step_request(N, ids, x, LI, init);
+        struct rnnd_step_reply r;
+        EXPECT_OK(rnnd_client_step(f.c, &req, &r));
+        ref_step(&f.r, N, slots, x, init, ref);
+        char what[64];
+        snprintf(what, sizeof what, "512 rows at H = 512, round %d", round);
+        assert_true(close_f32(what, r.output.data, ref, (size_t)N * LH, 2e-3f, 2e-2f));
+        rnnd_step_reply_free(&r);
+        memset(init, 0, N);
+    }
+    free(ids), free(slots), free(init), free(x), free(ref);
+    teardown((void *[]){&f});
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names_and_init),    cmocka_unit_test(test_set_get_roundtrip),
         cmocka_unit_test(test_rnndctl),           cmocka_unit_test(test_checkpoint_contents),
         cmocka_unit_test(test_clean_restart),     cmocka_unit_test(test_restart_wrapped_rings),
         cmocka_unit_test(test_kill9_and_corrupt), cmocka_unit_test(test_rotation),
-        cmocka_unit_test(test_weights_flag),
+        cmocka_unit_test(test_weights_flag),      cmocka_unit_test(test_large_steps_follow_weights),
     };
     return cmocka_run_group_tests_name("weights", tests, setup, teardown) ? 1 : 0;
 }

@@ -33,8 +33,8 @@ namespace {
 
 // Layer l's part of the derived copy: the weight rows (4H, Kp) fp16, then 1 / q_n (4H floats).
 struct step16_layer {
-    int K, Kp;        // I_l + H, and rounded up to 8
-    size_t w, qinv;   // byte offsets into derived
+    int K, Kp;      // I_l + H, and rounded up to 8
+    size_t w, qinv; // byte offsets into derived
 };
 
 step16_layer step16_layer_of(const struct rnnd_model *m, int l, size_t *end) {
@@ -332,8 +332,9 @@ int rnnd__cuda_step16(struct cuda_ctx *c, const struct rnnd_step *st, const step
         const step_kargs &a = args[l];
         const bool rows4 = a.vec_x && a.vec_h && aligned16(a.h_before) && y.Kp <= 128 * ROWS_R;
         if (rows4)
-            step16_rows_kernel<4><<<CEIL_DIV(st->B, STEP16_THREADS / 32), STEP16_THREADS, 0,
-                                    c->stream>>>(a, y.Kp, rows16, pinv);
+            step16_rows_kernel<4>
+                <<<CEIL_DIV(st->B, STEP16_THREADS / 32), STEP16_THREADS, 0, c->stream>>>(
+                    a, y.Kp, rows16, pinv);
         else
             step16_rows_kernel<1><<<st->B, STEP16_THREADS, 0, c->stream>>>(a, y.Kp, rows16, pinv);
         CUDA_LAUNCH_CHECK();
@@ -341,17 +342,21 @@ int rnnd__cuda_step16(struct cuda_ctx *c, const struct rnnd_step *st, const step
         RNND_CUBLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, st->B, y.Kp, &down, w16,
                                      CUDA_R_16F, y.Kp, rows16, CUDA_R_16F, y.Kp, &zero, gates,
                                      CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        const bool cell4 = m->H % 4 == 0 && a.vec_h && aligned16(a.out) &&
-                           aligned16(a.c_before) && aligned16(a.b_ih) && aligned16(a.b_hh);
+        const bool cell4 = m->H % 4 == 0 && a.vec_h && aligned16(a.out) && aligned16(a.c_before) &&
+                           aligned16(a.b_ih) && aligned16(a.b_hh);
         const dim3 grid(st->B), block(STEP16_THREADS);
         if (m->cell == RNND_CELL_LSTM && cell4)
-            step16_cell_kernel<cell_lstm, 4><<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
+            step16_cell_kernel<cell_lstm, 4>
+                <<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
         else if (m->cell == RNND_CELL_LSTM)
-            step16_cell_kernel<cell_lstm, 1><<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
+            step16_cell_kernel<cell_lstm, 1>
+                <<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
         else if (cell4)
-            step16_cell_kernel<cell_gru, 4><<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
+            step16_cell_kernel<cell_gru, 4>
+                <<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
         else
-            step16_cell_kernel<cell_gru, 1><<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
+            step16_cell_kernel<cell_gru, 1>
+                <<<grid, block, 0, c->stream>>>(a, gates, up, pinv, qinv);
         CUDA_LAUNCH_CHECK();
     }
     return 0;

@@ -2,9 +2,9 @@
  * backend.cu: the CUDA backend's vtable (struct rnnd_backend_ops), its context (a stream, a cuBLAS
  * handle with its own workspace, a scratch arena grown on demand) and rnnd_backend_cuda_init.
  * The ops live in seq.cu (sequence forward/backward, on the kernels seq_plan.cu chooses), step.cu
- * (single step with slot gather/scatter; step16.cu its fp16 GEMM path), traj.cu (the trajectory store's row moves), cast.cu
- * (wire dtypes), optim.cu (Adam/SGD with clipping) and policy.cu (the encoder, heads and actions
- * around the core).
+ * (single step with slot gather/scatter; step16.cu its fp16 GEMM path and the weights' derived
+ * copy), traj.cu (the trajectory store's row moves), cast.cu (wire dtypes), optim.cu (Adam/SGD
+ * with clipping) and policy.cu (the encoder, heads and actions around the core).
  * Every op is asynchronous on the context's stream; copy_in, copy_out and sync synchronise.
  */
 #include "common.cuh"

@@ -158,6 +158,11 @@ static __device__ __forceinline__ float pow2_inv(float p) {
     return __uint_as_float(0x7f000000u - __float_as_uint(p));
 }
 
+// Whether p allows 16-byte accesses.
+static inline bool aligned16(const void *p) {
+    return ((uintptr_t)p & 15) == 0;
+}
+
 // Makes ctx->d_scratch at least bytes long.
 int rnnd__cuda_reserve(struct cuda_ctx *c, size_t bytes);
 

@@ -109,10 +109,6 @@ struct layer_params rnnd__cuda_layer_params(const struct rnnd_model *m, int l, c
                                  p + t[3].offset};
 }
 
-static bool aligned16(const void *p) {
-    return ((uintptr_t)p & 15u) == 0;
-}
-
 // The call facts of seq (the plan's input) with outs_aligned.
 static struct seq_call seq_call_of(const struct rnnd_seq *seq, bool backward, bool tape,
                                    bool outs_aligned) {

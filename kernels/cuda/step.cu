@@ -836,10 +836,6 @@ static size_t step_mv_smem(int G, int R, int Il, int H) {
     return (size_t)(G * RNND_STEP_MV_UNITS + R) * (Il + H) * sizeof(float);
 }
 
-static bool aligned16(const void *p) {
-    return ((uintptr_t)p & 15) == 0;
-}
-
 static bool spans_meet(cuda_ctx::dev_span a, cuda_ctx::dev_span b) {
     const char *p = (const char *)a.p, *q = (const char *)b.p;
     return a.n && b.n && p < q + b.n && q < p + a.n;
@@ -945,8 +941,9 @@ static int step_row_launch(struct cuda_ctx *c, const struct rnnd_step *st, const
 }
 
 // One row: dot products from registers. A few: dot products from shared memory (when the rows
-// and weights fit). Many at a large H, given the derived copy: step16.cu's GEMM. More: in TF32 mode on a device with the warpgroup-MMA kernels (unless the
-// bench's RNND_TUNE_NO_WG), the 64 x 32 tiles on warpgroup MMAs for every layer whose copies are
+// and weights fit). Many at a large H, given the derived copy: step16.cu's GEMM where it wins.
+// More: in TF32 mode on a device with the warpgroup-MMA kernels (unless the bench's
+// RNND_TUNE_NO_WG), the 64 x 32 tiles on warpgroup MMAs for every layer whose copies are
 // all 16 bytes, wherever they make 16 blocks or each block streams at most 128 KB of weights
 // (below that the smaller tiles, which spread the weights over more SMs, win: docs/kernels.md);
 // else the tile shape that still gives half the SMs a block, largest first.

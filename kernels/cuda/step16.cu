@@ -27,7 +27,7 @@
 #include <cuda_fp16.h>
 
 #define STEP16_TOP     15  // the powers put each row's largest |value| in [2^14, 2^15)
-#define STEP16_THREADS 256 // a block a row (rows, cell) or a weight row (derive)
+#define STEP16_THREADS 256 // a block: a weight row (derive), a row (cell), 8 rows (rows, V = 4)
 
 namespace {
 
@@ -241,10 +241,6 @@ __global__ void __launch_bounds__(STEP16_THREADS)
 
 // Models whose steps may take this path: H >= 512 in the tensor-core modes (the tile kernels
 // win below, journal step-02); 0 derived bytes for the others.
-static bool aligned16(const void *p) {
-    return ((uintptr_t)p & 15) == 0;
-}
-
 static bool step16_model(const struct rnnd_model *m) {
     return m->compute != RNND_COMPUTE_IEEE && m->H >= RNND_STEP16_MIN_H;
 }

@@ -256,6 +256,30 @@ static const struct step_case step_cases[] = {
     {GRU, F32, 64, 512, 2, 9, 20, false, false, false, GEMM16, false, true, 0},
 };
 
+// derive refuses what it cannot use with RNND_EINVAL and enqueues nothing; models whose steps
+// never take step16.cu's path (ieee mode, H < 512) have no derived copy.
+static void test_derive_refusals(struct rnnd_backend *gpu) {
+    const struct rnnd_model m = {
+        .cell = RNND_CELL_LSTM, .compute = RNND_COMPUTE_FP32, .I = 64, .H = 512, .L = 1};
+    struct rnnd_model ieee = m, small = m, bad = m;
+    ieee.compute = RNND_COMPUTE_IEEE, small.H = 256, bad.L = 0;
+    const struct rnnd_backend_ops *o = gpu->ops;
+    struct bufs b = {.be = gpu};
+    float *d = dev_poison(&b, o->derived_bytes(gpu->ctx, &m) / 4, false);
+    float *p = dev_poison(&b, rnnd_model_param_count(&m), false);
+    printf("derive refusals\n");
+    if (o->derived_bytes(gpu->ctx, &m) == 0 || o->derived_bytes(gpu->ctx, &ieee) != 0 ||
+        o->derived_bytes(gpu->ctx, &small) != 0 || o->derived_bytes(gpu->ctx, &bad) != 0)
+        fail("derived_bytes: %zu, ieee %zu, H 256 %zu, invalid %zu", o->derived_bytes(gpu->ctx, &m),
+             o->derived_bytes(gpu->ctx, &ieee), o->derived_bytes(gpu->ctx, &small),
+             o->derived_bytes(gpu->ctx, &bad));
+    if (o->derive(gpu->ctx, NULL, p, &m) != RNND_EINVAL ||
+        o->derive(gpu->ctx, d, NULL, &m) != RNND_EINVAL ||
+        o->derive(gpu->ctx, d, p, &bad) != RNND_EINVAL || o->derive(gpu->ctx, d, p, &m) != 0)
+        fail("derive: bad arguments not refused with RNND_EINVAL, or good ones refused");
+    bufs_free(&b);
+}
+
 int main(int argc, char **argv) {
     const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     struct rnnd_backend gpu = {0}, cpu = {0};
@@ -263,5 +287,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof(step_cases) / sizeof(step_cases[0]); i++)
         if (!quick || step_cases[i].quick)
             test_step(&gpu, &cpu, &step_cases[i]);
+    if (!quick)
+        test_derive_refusals(&gpu);
     return gpu_check_close(&gpu, &cpu);
 }
